@@ -1,0 +1,47 @@
+"""The `hf-memffn` command line: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args)`;
+it is imported only when chosen, so `hf-memffn --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("hf_memffn.demo", "train every architecture on the built-in fact world and compare them"),
+    "export-tols": ("hf_memffn.conversion.export", "export a MemoryLLM's memory FFN as a token lookup table"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-memffn", description="FFN-as-memory architectures for transformers.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        # Arguments are added lazily (see main) so that --help of one command imports only that command.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)  # prints usage / errors for unknown commands
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"hf-memffn {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    result = module.run(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

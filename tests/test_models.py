@@ -1,0 +1,383 @@
+"""The four architectures as transformers models: registration, configs, maths of each FFN wiring, caching and
+generation, attention backends, gradient checkpointing, saving and loading."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import hf_memffn
+from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+ARCHS = list(hf_memffn.ARCHITECTURES)
+ALL_VARIANTS = [
+    ("flash_mhf", {}),
+    ("flash_mhf", {"ffn_variant": "swiglu"}),
+    ("flash_mhf", {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}),
+    ("flash_mhf", {"ffn_variant": "dense_moe", "ffn_num_heads": 1, "ffn_num_kv_heads": 1}),
+    ("flash_mhf", {"ffn_variant": "pkv"}),
+    ("memoryllm", {}),
+    ("flex_memoryllm", {}),
+    ("kvffn", {}),
+    ("kvffn", {"ffn_variant": "relu"}),
+    ("kvffn", {"ffn_variant": "glu"}),
+    ("kvffn", {"ffn_variant": "densenet"}),
+    ("kvffn", {"kvffn_composition": "sum", "kvffn_activation": "gelu", "kvffn_inner_residual": False}),
+]
+
+
+def build(arch, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    return model.eval()
+
+
+def variant_id(item):
+    arch, overrides = item
+    return arch + "".join(f"-{v}" for v in overrides.values() if isinstance(v, str))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# registration and configs
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_classes_build_each_architecture(arch):
+    config_class = hf_memffn.ARCHITECTURES[arch]
+    fields = {k: v for k, v in tiny_config(arch).to_diff_dict().items() if k != "model_type"}
+    config = AutoConfig.for_model(config_class.model_type, **fields)
+    assert type(config) is config_class
+    prefix = config_class.class_prefix
+    assert type(AutoModel.from_config(config)).__name__ == f"{prefix}Model"
+    assert type(AutoModelForCausalLM.from_config(config)).__name__ == f"{prefix}ForCausalLM"
+    assert config.auto_map["AutoModelForCausalLM"] == f"modeling_memffn.{prefix}ForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "config_class, fields, field",
+    [
+        (hf_memffn.FlashMHFLlamaConfig, dict(hidden_size=64, ffn_num_heads=5), "ffn_num_heads"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(hidden_size=64, ffn_num_heads=4, intermediate_size=100,
+                                             ffn_num_subnetworks=3), "ffn_num_subnetworks"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(hidden_size=64, ffn_num_heads=4, ffn_num_kv_heads=3), "ffn_num_kv_heads"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(ffn_variant="moe"), "ffn_variant"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(ffn_kernel="cuda"), "ffn_kernel"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(ffn_variant="mh_ffn", ffn_num_subnetworks=4), "ffn_num_subnetworks"),
+        (hf_memffn.FlashMHFLlamaConfig, dict(ffn_variant="dense_moe", ffn_num_heads=2), "ffn_num_heads"),
+        (hf_memffn.MemoryLLMConfig, dict(num_attention_heads=16, num_key_value_heads=3), "num_key_value_heads"),
+        (hf_memffn.FlexMemoryLLMConfig, dict(memory_intermediate_size=-4), "memory_intermediate_size"),
+        (hf_memffn.KVFFNConfig, dict(ffn_variant="gated"), "ffn_variant"),
+        (hf_memffn.KVFFNConfig, dict(kvffn_activation="tanh"), "kvffn_activation"),
+        (hf_memffn.KVFFNConfig, dict(kvffn_composition="max"), "kvffn_composition"),
+        (hf_memffn.KVFFNConfig, dict(kvffn_init="xavier"), "kvffn_init"),
+    ],
+)
+def test_invalid_config_names_the_field(config_class, fields, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        config_class(**fields)
+
+
+def test_variant_defaults_follow_the_paper():
+    assert hf_memffn.FlashMHFLlamaConfig().ffn_num_heads == 16
+    assert hf_memffn.FlashMHFLlamaConfig().ffn_num_subnetworks == 8
+    assert hf_memffn.FlashMHFLlamaConfig(ffn_variant="mh_ffn").ffn_num_subnetworks == 1
+    assert hf_memffn.FlashMHFLlamaConfig(ffn_variant="dense_moe").ffn_num_heads == 1
+    config = hf_memffn.FlashMHFLlamaConfig(hidden_size=2048, intermediate_size=5760, ffn_num_subnetworks=15)
+    assert (config.ffn_head_dim, config.subnetwork_size) == (128, 384)
+    flex = hf_memffn.FlexMemoryLLMConfig(intermediate_size=96)
+    assert flex.memory_intermediate_size == 96
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# initialization and parameter counts
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kvffn_init, expected_std", [("inv_sqrt_d", 64**-0.5), ("inv_d", 1 / 64),
+                                                      ("inv_sqrt_h", 512**-0.5)])
+def test_kvffn_initialization_scale(kvffn_init, expected_std):
+    model = build("kvffn", hidden_size=64, intermediate_size=512, kvffn_init=kvffn_init)
+    mlp = model.model.layers[0].mlp
+    for linear in (mlp.key_proj, mlp.value_proj, mlp.out_proj):
+        assert linear.weight.std().item() == pytest.approx(expected_std, rel=0.1)
+        assert torch.count_nonzero(linear.bias) == 0
+    assert model.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_flash_mhf_initialization():
+    model = build("flash_mhf", intermediate_size=512)
+    mlp = model.model.layers[0].mlp
+    for param in (mlp.key, mlp.up, mlp.value, mlp.router):
+        assert param.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(mlp.query_norm.weight, torch.ones_like(mlp.query_norm.weight))
+
+
+def test_parameter_counts_active_excludes_memory_on_x0():
+    for arch in ("memoryllm", "flex_memoryllm"):
+        model = build(arch)
+        counts = model.parameter_counts()
+        memory = sum(p.numel() for p in model.model.memory.parameters())
+        assert counts["total"] == sum(p.numel() for p in model.parameters())
+        assert counts["active"] == counts["total"] - memory
+    counts = build("flash_mhf").parameter_counts()
+    assert counts["active"] == counts["total"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the maths of each FFN and wiring, against direct formulas
+# ---------------------------------------------------------------------------------------------------------------------
+def rms(x, weight, eps=1e-5):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_flash_mhf_module_matches_the_equations():
+    config = tiny_config("flash_mhf", ffn_num_heads=4, ffn_num_kv_heads=2, ffn_num_subnetworks=3, intermediate_size=48)
+    model = AutoModelForCausalLM.from_config(config).double()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    q = rms((x @ mlp.in_proj.weight.T).view(2, 5, 4, 16), mlp.query_norm.weight)  # [B, L, H, d_h]
+    scores = torch.sigmoid(torch.einsum("blhd,hde->blhe", q, mlp.router))
+    gates = scores / (scores.sum(-1, keepdim=True) + config.ffn_gate_eps)
+    heads = []
+    for h in range(4):
+        g = h // 2  # two heads share one key/up/value group
+        out = 0
+        for e in range(3):
+            act = F.silu(q[:, :, h] @ mlp.key[g, e].T) * (q[:, :, h] @ mlp.up[g, e].T)
+            out = out + gates[:, :, h, e, None] * (act @ mlp.value[g, e])
+        heads.append(out)
+    expected = torch.cat(heads, dim=-1) @ mlp.out_proj.weight.T
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_pkv_is_softmax_attention_over_parameters():
+    model = build("flash_mhf", ffn_variant="pkv", ffn_query_norm=False, ffn_io_projections=False).double()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 3, 64, dtype=torch.float64)
+    q = x.view(1, 3, 4, 16)
+    weights = torch.softmax(torch.einsum("blhd,hnd->blhn", q, mlp.key) / 4.0, dim=-1)
+    expected = torch.einsum("blhn,hnd->blhd", weights, mlp.value).reshape(1, 3, 64)
+    torch.testing.assert_close(mlp(x), expected)
+
+
+@pytest.mark.parametrize("variant", ["kvffn", "relu", "glu", "densenet"])
+def test_kvffn_block_matches_its_formula(variant):
+    model = build("kvffn", ffn_variant=variant).double()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 3, 64, dtype=torch.float64)
+    key = x @ mlp.key_proj.weight.T + mlp.key_proj.bias
+    if variant == "kvffn":
+        hidden = F.silu(key) * (x @ mlp.value_proj.weight.T + mlp.value_proj.bias)
+        expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias + x
+    elif variant == "relu":
+        expected = F.relu(key) @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    elif variant == "glu":
+        hidden = torch.sigmoid(key) * (x @ mlp.value_proj.weight.T + mlp.value_proj.bias)
+        expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    else:
+        expected = torch.cat([F.relu(key), x], dim=-1) @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_token_memory_is_each_layers_swiglu_on_x0():
+    model = build("memoryllm").double()
+    memory = model.model.memory
+    with torch.no_grad():
+        memory.norm_weight.uniform_(0.5, 1.5)
+    x0 = torch.randn(2, 4, 64, dtype=torch.float64)
+    outputs = memory(x0)
+    assert outputs.shape == (2, 4, 2, 64)
+    for layer in range(2):
+        h = rms(x0, memory.norm_weight[layer])
+        expected = (F.silu(h @ memory.gate_proj[layer].T) * (h @ memory.up_proj[layer].T)) @ memory.down_proj[layer].T
+        torch.testing.assert_close(outputs[:, :, layer], expected)
+    torch.testing.assert_close(memory.forward_layers(x0, [1]), outputs[:, :, [1]])
+
+
+def _layer_contributions(model, input_ids):
+    """Inputs and outputs of every decoder layer, and what its attention and FFN produced."""
+    records = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(
+            lambda mod, args, kwargs, out, i=i: records.__setitem__(("layer", i), (args[0], out[0])),
+            with_kwargs=True))
+        hooks.append(layer.self_attn.register_forward_hook(
+            lambda mod, args, out, i=i: records.__setitem__(("attn", i), out[0])))
+        if layer.mlp is not None:
+            hooks.append(layer.mlp.register_forward_hook(
+                lambda mod, args, out, i=i: records.__setitem__(("mlp", i), (args[0], out))))
+    with torch.no_grad():
+        model(input_ids)
+    for hook in hooks:
+        hook.remove()
+    return records
+
+
+@pytest.mark.parametrize("arch", ["memoryllm", "flex_memoryllm", "flash_mhf"])
+def test_decoder_wiring(arch):
+    """MemoryLLM: X+Attn+FFN(X0); Flex: X+Attn(X)+FFN-C(X)+FFN-M(X0); others: Llama's sequential block."""
+    model = build(arch).double()
+    input_ids = torch.randint(0, 320, (1, 6))
+    records = _layer_contributions(model, input_ids)
+    x0 = model.model.embed_tokens(input_ids)
+    memory = model.model.memory(x0) if model.model.memory is not None else None
+    for i, layer in enumerate(model.model.layers):
+        layer_in, layer_out = records[("layer", i)]
+        expected = layer_in + records[("attn", i)]
+        if layer.mlp is not None:
+            ffn_in, ffn_out = records[("mlp", i)]
+            reads = layer_in if arch == "flex_memoryllm" else layer_in + records[("attn", i)]
+            torch.testing.assert_close(ffn_in, layer.post_attention_layernorm(reads))
+            expected = expected + ffn_out
+        if memory is not None:
+            expected = expected + memory[:, :, i]
+        torch.testing.assert_close(layer_out, expected)
+
+
+def test_memory_on_x0_is_context_free():
+    model = build("memoryllm")
+    a = torch.tensor([[5, 6, 7, 8]])
+    b = torch.tensor([[9, 9, 7, 1]])
+    with torch.no_grad():
+        out_a = model.model.memory(model.model.embed_tokens(a))
+        out_b = model.model.memory(model.model.embed_tokens(b))
+    torch.testing.assert_close(out_a[:, 2], out_b[:, 2])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# caching, generation, attention backends, checkpointing, dtypes
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch, overrides", ALL_VARIANTS, ids=[variant_id(v) for v in ALL_VARIANTS])
+def test_greedy_with_cache_equals_without(arch, overrides):
+    model = build(arch, **overrides)
+    prompt = torch.randint(3, 320, (2, 7))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without_cache = model.generate(prompt, use_cache=False, **kwargs)
+    assert torch.equal(with_cache, without_cache)
+    # the cached logits also equal a full forward over the generated sequence
+    with torch.no_grad():
+        full = model(with_cache).logits
+        step = model(with_cache[:, :-1], use_cache=True)
+        last = model(with_cache[:, -1:], past_key_values=step.past_key_values).logits
+    torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padded_batch_generation_equals_per_row(arch):
+    model = build(arch)
+    rows = [torch.randint(3, 320, (n,)) for n in (9, 5, 2)]
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row):] = row
+        attention_mask[i, width - len(row):] = 1
+    batched = model.generate(input_ids, attention_mask=attention_mask, **kwargs)[:, width:]
+    for i, row in enumerate(rows):
+        alone = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), **kwargs)
+        assert torch.equal(batched[i], alone[0, len(row):]), f"row {i}"
+
+
+def test_logits_to_keep():
+    model = build("flash_mhf")
+    ids = torch.randint(0, 320, (2, 8))
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, logits_to_keep=1).logits
+        chosen = model(ids, logits_to_keep=torch.tensor([1, 4])).logits
+    assert last.shape == (2, 1, 320)
+    torch.testing.assert_close(last, full[:, -1:])
+    torch.testing.assert_close(chosen, full[:, [1, 4]])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sdpa_and_eager_attention_agree(arch):
+    model = build(arch)
+    ids = torch.randint(0, 320, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask).logits
+        b = eager(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[:, 3:], b[:, 3:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_checkpointing_gives_the_same_gradients(arch):
+    model = build(arch).train()
+    ids = torch.randint(0, 320, (2, 8))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = grads()
+    assert plain.keys() == checkpointed.keys() and len(plain) == len(list(model.parameters()))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_step_runs_in_fp32_and_bf16(arch, dtype):
+    model = build(arch).to(dtype).train()
+    ids = torch.randint(0, 320, (2, 8))
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert model.lm_head.weight.grad.dtype == dtype
+
+
+def test_hidden_states_and_attentions_outputs():
+    model = build("memoryllm")
+    model.set_attn_implementation("eager")
+    out = model(torch.randint(0, 320, (1, 5)), output_hidden_states=True, output_attentions=True)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    assert out.attentions[0].shape == (1, 4, 5, 5)
+
+
+def test_inputs_embeds_and_tied_embeddings():
+    model = build("kvffn", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 320, (1, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, model(inputs_embeds=model.model.embed_tokens(ids)).logits)
+    with pytest.raises(ValueError, match="exactly one"):
+        model()
+
+
+def test_no_split_modules_and_device_map(tmp_path):
+    model = build("memoryllm")
+    assert "MemFFNDecoderLayer" in model._no_split_modules
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto")
+    ids = torch.randint(0, 320, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
+    model = build("flash_mhf")
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    for expected in ("model.safetensors", "config.json", "configuration_memffn.py", "modeling_memffn.py",
+                     "ffn.py", "flash_mhf_op.py", "tokenizer.json", "README.md"):
+        assert expected in names, expected
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)

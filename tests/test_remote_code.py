@@ -1,0 +1,97 @@
+"""A checkpoint saved by this package loads with `trust_remote_code=True` in a Python where `hf_memffn` cannot be
+imported, and gives the same logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn
+from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+LOADER = textwrap.dedent(
+    """
+    import json, sys
+    import importlib.abc
+
+    class BlockPackage(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_memffn" or name.startswith("hf_memffn."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)")
+            return None
+
+    sys.meta_path.insert(0, BlockPackage())
+    try:
+        import hf_memffn  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit("hf_memffn is importable: the test would prove nothing")
+
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    results = {}
+    for directory in sys.argv[2:]:
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+        base = AutoModel.from_pretrained(directory, trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        expected = torch.load(f"{directory}/expected.pt")
+        with torch.no_grad():
+            logits = model(expected["input_ids"]).logits
+        prompt = tokenizer("the memory reads", return_tensors="pt")
+        generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+        results[directory] = {
+            "module": type(model).__module__,
+            "base_class": type(base).__name__,
+            "max_abs_diff": (logits - expected["logits"]).abs().max().item(),
+            "generated": generated[0].tolist(),
+        }
+    with open(sys.argv[1], "w") as handle:
+        json.dump(results, handle)
+    """
+)
+
+
+def test_trust_remote_code_without_the_package(tmp_path):
+    tokenizer = tiny_tokenizer()
+    directories, generated = [], {}
+    for arch in hf_memffn.ARCHITECTURES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+        model.attach_tokenizer(tokenizer)
+        directory = tmp_path / arch
+        model.save_pretrained(directory)
+        input_ids = torch.randint(0, 320, (2, 11))
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        torch.save({"input_ids": input_ids, "logits": logits}, directory / "expected.pt")
+        prompt = tokenizer("the memory reads", return_tensors="pt")
+        generated[str(directory)] = model.generate(**prompt, max_new_tokens=4, do_sample=False)[0].tolist()
+        directories.append(str(directory))
+
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    env["HF_HUB_OFFLINE"] = "1"
+    completed = subprocess.run(
+        [sys.executable, "-c", LOADER, str(tmp_path / "results.json"), *directories],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for directory in directories:
+        result = results[directory]
+        assert result["module"].startswith("transformers_modules."), result["module"]
+        assert result["base_class"].endswith("Model")
+        assert result["max_abs_diff"] < 1e-5, (directory, result["max_abs_diff"])
+        assert result["generated"] == generated[directory]
