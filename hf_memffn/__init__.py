@@ -40,6 +40,18 @@ ARCHITECTURES = {
 }
 
 
+# LoRA `target_modules` per architecture (the nn.Linear layers; FlashMHF's sub-network weights and the stacked FFNs
+# on X0 are plain parameters, trained in full or left frozen).
+_ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_TARGET_MODULES = {
+    "llama": _ATTENTION + ["gate_proj", "up_proj", "down_proj"],
+    "flash_mhf": _ATTENTION + ["in_proj", "out_proj"],
+    "memoryllm": _ATTENTION,
+    "flex_memoryllm": _ATTENTION + ["gate_proj", "up_proj", "down_proj"],
+    "kvffn": _ATTENTION + ["key_proj", "value_proj", "out_proj"],
+}
+
+
 def register_auto_classes() -> None:
     """Register the four architectures with the transformers Auto classes (idempotent)."""
     for config_class, (model_class, causal_lm_class) in MODEL_CLASSES.items():
@@ -52,6 +64,7 @@ register_auto_classes()
 
 __all__ = [
     "ARCHITECTURES",
+    "LORA_TARGET_MODULES",
     "FlashMHFLlamaConfig",
     "FlashMHFLlamaForCausalLM",
     "FlashMHFLlamaModel",

@@ -105,7 +105,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         queries = self.queries(hidden_states)
         gates = self.gates(queries).to(queries.dtype)
-        if not self._path_logged:
+        if not self._path_logged and not torch.compiler.is_compiling():
             logger.info("FlashMHF FFN runs the %s path", flash_mhf_path(queries, self.key, impl=self.kernel))
             self._path_logged = True
         heads = flash_mhf(queries, self.key, self.up, self.value, gates, impl=self.kernel)

@@ -69,3 +69,4 @@ def tiny_tokenizer(vocab_size: int = 320):
     words = ["memory", "key", "value", "token", "layer", "head", "the", "a", "of", "is", "reads", "stores"]
     texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(200)]
     return train_tokenizer(texts, vocab_size=vocab_size)
+

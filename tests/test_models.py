@@ -265,6 +265,16 @@ def test_greedy_with_cache_equals_without(arch, overrides):
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_static_cache_generation_equals_dynamic(arch):
+    model = build(arch)
+    prompt = torch.randint(3, 320, (2, 6))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    dynamic = model.generate(prompt, **kwargs)
+    static = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert torch.equal(dynamic, static)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padded_batch_generation_equals_per_row(arch):
     model = build(arch)
