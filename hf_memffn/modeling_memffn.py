@@ -277,6 +277,37 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 os.replace(tmp_path, card_path)
         return result
 
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str = "Upload model",
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str = "5GB",
+        **kwargs,
+    ):
+        """Upload exactly what `save_pretrained` writes (weights, config, remote code, tokenizer, our model card).
+
+        transformers' own `push_to_hub` would replace the model card with a generic template."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # The decoder stack
