@@ -13,7 +13,9 @@ import sys
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hf_memffn.demo", "train every architecture on the built-in fact world and compare them"),
+    "push": ("hf_memffn.hub", "upload a saved checkpoint folder (weights, tokenizer, remote code, model card) to the Hub"),
     "export-tols": ("hf_memffn.conversion.export", "export a MemoryLLM's memory FFN as a token lookup table"),
+    "analyze": ("hf_memffn.analysis.cli", "what do the FFN memories store? a JSON + HTML report of a model's memories"),
 }
 
 

@@ -1,0 +1,514 @@
+"""Export a MemoryLLM / FlexMemoryLLM's memory FFN as a token lookup table (`hf-memffn export-tols MODEL_DIR OUT_DIR`).
+
+For every token id the table row holds the memory FFN output of every kept layer on X0 (the token's embedding),
+computed in batches of `batch_size` tokens; each batch becomes one row block (`rows.<start>`, plus `scales.<start>`
+for int8/int4) and blocks are grouped into safetensors shards (`token_lookup-0000i-of-0000n.safetensors`, planned
+with huggingface_hub's sharding helper) with an index `token_lookup.safetensors.index.json` holding the format, the
+shapes, the weights' fingerprint, every shard's size and sha256, and the table's error.
+
+Memory: one batch plus the shard being filled (low-rank adds the per-layer Gram matrices, layers x hidden^2).
+
+Crash safety: a shard is written under `<name>.tmp` and renamed when complete, the index last. A shard records the
+export plan it belongs to (format, fingerprint, block size, shard layout), so a re-run keeps the shards of the same
+plan (resume) and rewrites everything else; an old index is removed before any shard is rewritten, so a directory
+never holds an index over shards of another export. Only files named `token_lookup*` are ever touched. Files are
+not fsync'ed: the index records every shard's size and sha256, so a shard damaged by a power cut is caught at load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
+                                    TABLE_FORMAT_VERSION, TokenLookupFormat, _memory_base, basis_key, block_keys,
+                                    dequantize_rows, quantize_rows, row_relative_errors, shard_sha256,
+                                    weights_fingerprint)
+
+OWN_FILE_PREFIX = "token_lookup"
+
+
+@dataclass
+class _ErrorStats:
+    """Running max / sum / count of per-(token, layer) relative errors."""
+
+    total: float = 0.0
+    count: int = 0
+    max: float = 0.0
+
+    def add(self, errors: torch.Tensor) -> None:
+        if errors.numel():
+            self.total += float(errors.double().sum())
+            self.count += errors.numel()
+            self.max = max(self.max, float(errors.max()))
+
+    def merge(self, other: "_ErrorStats") -> None:
+        self.total += other.total
+        self.count += other.count
+        self.max = max(self.max, other.max)
+
+    def to_json(self) -> str:
+        return json.dumps([self.total, self.count, self.max])
+
+    @classmethod
+    def from_json(cls, text: str) -> "_ErrorStats":
+        total, count, maximum = json.loads(text)
+        return cls(total, count, maximum)
+
+
+def _memory_outputs(base, token_ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """fp32 [T, K, d]: the memory FFN output of `layers` for each token (exactly what compute mode adds)."""
+    x0 = base.embed_tokens(token_ids.unsqueeze(0))
+    memory = base.memory
+    if len(layers) == base.config.num_hidden_layers:
+        out = memory(x0)
+    else:
+        out = memory.forward_layers(x0, layers)
+    return out[0].float()
+
+
+def _rank_from_energy(eigenvalues_desc: torch.Tensor, energy: float) -> int:
+    total = float(eigenvalues_desc.clamp_min(0).sum())
+    if total == 0.0:
+        return 1
+    cumulative = torch.cumsum(eigenvalues_desc.clamp_min(0), 0) / total
+    return int(torch.searchsorted(cumulative, torch.tensor(energy, dtype=cumulative.dtype) - 1e-12).item()) + 1
+
+
+class _Exporter:
+    def __init__(self, model, out_dir: str, fmt: TokenLookupFormat, batch_size: int, max_shard_size, device,
+                 progress: bool):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.base = _memory_base(model)
+        if getattr(self.base, "memory", None) is None:
+            raise ValueError("the model has no memory FFN weights (model.model.memory is None): export needs them")
+        config = self.base.config
+        self.vocab = config.vocab_size
+        self.num_layers = config.num_hidden_layers
+        self.hidden = config.hidden_size
+        fmt.check_model(self.num_layers, self.hidden)
+        self.fmt = fmt
+        self.layers = fmt.kept_layers(self.num_layers)
+        self.out_dir = out_dir
+        self.batch_size = batch_size
+        self.max_shard_size = max_shard_size
+        self.device = torch.device(device) if device is not None else self.base.embed_tokens.weight.device
+        self.progress = progress
+        self.fingerprint = weights_fingerprint(self.base)
+        self.ranks: list[int] | None = None
+        self.bases: dict[int, torch.Tensor] = {}
+
+    # -- plan ----------------------------------------------------------------------------------------------------------
+
+    def _block_nbytes(self, rows: int) -> int:
+        width = len(self.layers) * self.hidden
+        if self.fmt.name == "lowrank":
+            return rows * sum(self.ranks) * self.fmt.storage_dtype.itemsize
+        if self.fmt.name == "int4":
+            return rows * width // 2 + rows * (width // self.fmt.group_size) * SCALE_DTYPE.itemsize
+        if self.fmt.name == "int8":
+            return rows * width + rows * (width // self.fmt.group_size) * SCALE_DTYPE.itemsize
+        return rows * width * self.fmt.storage_dtype.itemsize
+
+    def plan(self) -> tuple[dict[str, list[str]], str]:
+        """shard file -> tensor names (row blocks never split across shards), and the plan id."""
+        units: dict[str, int] = {}
+        if self.fmt.name == "lowrank":
+            for layer, rank in zip(self.layers, self.ranks):
+                units[basis_key(layer)] = rank * self.hidden * self.fmt.storage_dtype.itemsize
+        starts = list(range(0, self.vocab, self.batch_size))
+        for start in starts:
+            units[block_keys(start)[0]] = self._block_nbytes(min(self.batch_size, self.vocab - start))
+        split = split_state_dict_into_shards_factory(units, get_storage_size=lambda nbytes: nbytes,
+                                                     filename_pattern=SHARD_PATTERN, max_shard_size=self.max_shard_size)
+        quantized = self.fmt.group_size is not None
+        files: dict[str, list[str]] = {}
+        for filename, keys in split.filename_to_tensors.items():
+            files[filename] = [k for key in keys for k in ((key, key.replace("rows.", "scales.")) if quantized and key.startswith("rows.") else (key,))]
+        plan_id = hashlib.sha256(json.dumps({
+            "version": TABLE_FORMAT_VERSION, "format": self.fmt.to_dict(), "fingerprint": self.fingerprint,
+            "batch_size": self.batch_size, "files": files, "ranks": self.ranks,
+        }, sort_keys=True).encode()).hexdigest()
+        return files, plan_id
+
+    # -- low-rank bases ------------------------------------------------------------------------------------------------
+
+    def _fit_lowrank(self, bar) -> None:
+        """Per kept layer: eigenvectors of the streamed Gram matrix T_l^T T_l = right singular vectors of T_l."""
+        grams = torch.zeros(len(self.layers), self.hidden, self.hidden, dtype=torch.float64, device=self.device)
+        for start in range(0, self.vocab, self.batch_size):
+            ids = torch.arange(start, min(start + self.batch_size, self.vocab), device=self.device)
+            values = _memory_outputs(self.base, ids, self.layers).double()  # [T, K, d]
+            grams += torch.einsum("tki,tkj->kij", values, values)
+            bar(ids.numel(), "fitting low-rank bases")
+        self.ranks, self.bases = [], {}
+        for k, layer in enumerate(self.layers):
+            eigenvalues, eigenvectors = torch.linalg.eigh(grams[k])
+            eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)
+            rank = self.fmt.rank if self.fmt.rank is not None else _rank_from_energy(eigenvalues.cpu(), self.fmt.energy)
+            self.ranks.append(int(rank))
+            self.bases[layer] = eigenvectors[:, :rank].T.contiguous().to(self.fmt.storage_dtype)  # [r, d]
+
+    def _load_lowrank(self, first_shard: str) -> bool:
+        """Resume: reuse the bases stored in an existing first shard (coefficients already written depend on them)."""
+        path = os.path.join(self.out_dir, first_shard)
+        if not os.path.isfile(path):
+            return False
+        try:
+            with safe_open(path, "pt") as handle:
+                meta = handle.metadata() or {}
+                plan = json.loads(meta.get("token_lookup_plan_inputs", "null"))
+                if plan != self._plan_inputs():
+                    return False
+                self.bases = {layer: handle.get_tensor(basis_key(layer)).to(self.device) for layer in self.layers}
+        except Exception:  # unreadable: restart
+            return False
+        self.ranks = [self.bases[layer].shape[0] for layer in self.layers]
+        return True
+
+    def _plan_inputs(self) -> dict:
+        return {"format": self.fmt.to_dict(), "fingerprint": self.fingerprint, "batch_size": self.batch_size}
+
+    # -- blocks --------------------------------------------------------------------------------------------------------
+
+    def _block(self, start: int) -> tuple[dict[str, torch.Tensor], _ErrorStats]:
+        ids = torch.arange(start, min(start + self.batch_size, self.vocab), device=self.device)
+        exact = _memory_outputs(self.base, ids, self.layers)  # [T, K, d] fp32
+        flat = exact.reshape(ids.numel(), -1)
+        rows_key, scales_key = block_keys(start)
+        if self.fmt.name == "lowrank":
+            coefficients = [exact[:, k] @ self.bases[layer].float().T for k, layer in enumerate(self.layers)]
+            stored = torch.cat(coefficients, dim=1).to(self.fmt.storage_dtype)
+            offsets = [0]
+            for rank in self.ranks:
+                offsets.append(offsets[-1] + rank)
+            approx = torch.stack([stored[:, offsets[k]:offsets[k + 1]].float() @ self.bases[layer].float()
+                                  for k, layer in enumerate(self.layers)], dim=1)
+            tensors = {rows_key: stored}
+        else:
+            encoded = quantize_rows(flat, self.fmt)
+            approx = dequantize_rows(encoded["rows"], encoded.get("scales"), self.fmt)
+            tensors = {rows_key: encoded["rows"]}
+            if "scales" in encoded:
+                tensors[scales_key] = encoded["scales"]
+        stats = _ErrorStats()
+        stats.add(row_relative_errors(flat, approx, self.hidden))
+        return {k: v.cpu().contiguous() for k, v in tensors.items()}, stats
+
+    # -- run -----------------------------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        started = time.perf_counter()
+        os.makedirs(self.out_dir, exist_ok=True)
+        total_work = self.vocab * (2 if self.fmt.name == "lowrank" else 1)
+        bar = _progress(total_work, self.progress)
+        resumed = False
+        with torch.no_grad():
+            if self.fmt.name == "lowrank":
+                # the first shard (which holds the bases) decides: resume with its bases, or fit them again
+                first = SHARD_PATTERN.format(suffix="")
+                candidates = [first] + sorted(n for n in os.listdir(self.out_dir)
+                                              if n.startswith(OWN_FILE_PREFIX + "-00001-of-") and n.endswith(".safetensors"))
+                if not any(self._load_lowrank(name) for name in candidates):
+                    self._fit_lowrank(bar)
+                else:
+                    bar(self.vocab, "low-rank bases reused")
+            files, plan_id = self.plan()
+            index_path = os.path.join(self.out_dir, INDEX_NAME)
+            if os.path.isfile(index_path):
+                with open(index_path) as handle:
+                    try:
+                        old = json.load(handle)["metadata"]["token_lookup"]
+                    except (ValueError, KeyError, TypeError):
+                        old = {}
+                if old.get("plan_id") == plan_id and all(os.path.isfile(os.path.join(self.out_dir, f)) for f in files):
+                    bar.close()
+                    return self._report(old, time.perf_counter() - started, reused=True)
+                os.remove(index_path)  # never leave an index over shards being replaced
+            self._remove_stale(set(files))
+            shards: dict[str, dict] = {}
+            table_stats = _ErrorStats()
+            pending: dict[str, torch.Tensor] = {}
+            for filename, keys in files.items():
+                path = os.path.join(self.out_dir, filename)
+                kept = self._existing_shard(path, plan_id)
+                if kept is not None:
+                    resumed = True
+                    table_stats.merge(kept)
+                    bar(sum(self._block_rows(k) for k in keys), f"kept {filename}")
+                else:
+                    shard: dict[str, torch.Tensor] = {}
+                    stats = _ErrorStats()
+                    for key in keys:
+                        if key.startswith("basis."):
+                            shard[key] = self.bases[int(key.split(".")[1])].cpu().contiguous()
+                            continue
+                        if key not in pending:
+                            start = int(key.split(".")[1])
+                            pending, block_stats = self._block(start)
+                            stats.merge(block_stats)
+                            bar(self._block_rows(key), filename)
+                        shard[key] = pending.pop(key)
+                    metadata = {"token_lookup_plan": plan_id, "token_lookup_errors": stats.to_json(),
+                                "token_lookup_plan_inputs": json.dumps(self._plan_inputs(), sort_keys=True)}
+                    temporary = path + ".tmp"
+                    save_file(shard, temporary, metadata=metadata)
+                    os.replace(temporary, path)
+                    del shard
+                    table_stats.merge(stats)
+                shards[filename] = {"sha256": shard_sha256(path), "size": os.path.getsize(path)}
+            bar.close()
+            dropped = len(self.fmt.drop_layers) * self.vocab  # a dropped layer's vector is entirely missing
+            mean = (table_stats.total + dropped) / max(table_stats.count + dropped, 1)
+            meta = {
+                "format_version": TABLE_FORMAT_VERSION, "plan_id": plan_id, "format": self.fmt.to_dict(),
+                "dtype": str(self.fmt.storage_dtype).replace("torch.", ""),
+                "vocab_size": self.vocab, "num_hidden_layers": self.num_layers, "hidden_size": self.hidden,
+                "layers": self.layers, "ranks": self.ranks, "rows_per_block": self.batch_size,
+                "fingerprint": self.fingerprint, "shards": shards,
+                "error": {"max_relative": 1.0 if dropped else table_stats.max, "mean_relative": mean,
+                          "max_relative_kept_layers": table_stats.max},
+                "exporter": {"model_class": type(self.base).__name__, "torch": torch.__version__},
+            }
+            weight_map = {key: filename for filename, keys in files.items() for key in keys}
+            index = {"metadata": {"total_size": sum(s["size"] for s in shards.values()), "token_lookup": meta},
+                     "weight_map": weight_map}
+            _write_json_atomic(index_path, index)
+        return self._report(meta, time.perf_counter() - started, reused=False, resumed=resumed)
+
+    def _block_rows(self, key: str) -> int:
+        if not key.startswith("rows."):
+            return 0
+        start = int(key.split(".")[1])
+        return min(self.batch_size, self.vocab - start)
+
+    def _existing_shard(self, path: str, plan_id: str) -> _ErrorStats | None:
+        """The error stats of a complete shard of this plan already on disk (resume), else None."""
+        if not os.path.isfile(path):
+            return None
+        try:
+            with safe_open(path, "pt") as handle:
+                meta = handle.metadata() or {}
+            if meta.get("token_lookup_plan") != plan_id:
+                return None
+            return _ErrorStats.from_json(meta["token_lookup_errors"])
+        except Exception:  # damaged: rewrite it
+            return None
+
+    def _remove_stale(self, planned: set[str]) -> None:
+        for name in os.listdir(self.out_dir):
+            ours = name.startswith(OWN_FILE_PREFIX) and (name.endswith(".safetensors") or name.endswith(".tmp"))
+            if ours and name not in planned:
+                os.remove(os.path.join(self.out_dir, name))
+
+    def _report(self, meta: dict, seconds: float, reused: bool, resumed: bool = False) -> dict:
+        return {"out_dir": self.out_dir, "format": meta["format"], "size_bytes": sum(s["size"] for s in meta["shards"].values()),
+                "num_shards": len(meta["shards"]), "max_relative_error": meta["error"]["max_relative"],
+                "mean_relative_error": meta["error"]["mean_relative"],
+                "max_relative_error_kept_layers": meta["error"]["max_relative_kept_layers"],
+                "ranks": meta.get("ranks"), "layers": meta["layers"], "seconds": seconds,
+                "already_complete": reused, "resumed": resumed}
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        json.dump(data, handle, indent=2, sort_keys=True)
+    os.replace(temporary, path)
+
+
+class _progress:
+    """A tqdm bar when available and wanted, otherwise nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, unit="tok", desc="export-tols")
+            except ImportError:  # pragma: no cover
+                pass
+
+    def __call__(self, n: int, what: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Held-out loss
+
+
+def heldout_loss(model, input_ids: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy of `model` on `input_ids` [B, L] (whatever mode the model is in)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            ids = input_ids[start:start + batch_size].to(device)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            targets = ids[:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     reduction="sum")
+            total += float(loss)
+            count += targets.numel()
+    return total / max(count, 1)
+
+
+def text_to_input_ids(tokenizer, text: str, seq_len: int = 256) -> torch.Tensor:
+    """Tokenize `text` and cut it into rows of `seq_len` tokens (the last partial row kept if it is the only one)."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    if ids.numel() < 2:
+        raise ValueError(f"eval text gives {ids.numel()} tokens; the held-out loss needs at least 2")
+    rows = ids.numel() // seq_len
+    if rows == 0:
+        return ids.unsqueeze(0)
+    return ids[:rows * seq_len].view(rows, seq_len)
+
+
+def lookup_loss_delta(model, table_dir: str, input_ids: torch.Tensor, placement: str | None = None) -> dict:
+    """Held-out loss in compute mode and with the table at `table_dir`; the model is left in compute mode."""
+    base = _memory_base(model)
+    previous = getattr(base, "token_lookup", None)
+    base.token_lookup = None
+    compute = heldout_loss(model, input_ids)
+    device = base.embed_tokens.weight.device
+    if placement is None:
+        placement = "gpu" if device.type == "cuda" else "cpu"
+    model.load_tols(table_dir, placement=placement, verify="size")
+    try:
+        lookup = heldout_loss(model, input_ids)
+    finally:
+        base.token_lookup = previous
+    return {"loss_compute": compute, "loss_lookup": lookup, "loss_delta": lookup - compute,
+            "eval_tokens": int(input_ids.numel())}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _load_model(model_dir: str, device, dtype: str | None):
+    import hf_memffn  # noqa: F401  (registers the architectures with the Auto classes)
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if dtype is not None:
+        kwargs["dtype"] = FLOAT_DTYPES[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if device is not None:
+        model.to(device)
+    return model.eval()
+
+
+def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", group_size: int | None = None,
+                rank: int | None = None, energy: float | None = None, factor_dtype: str = "bf16",
+                drop_layers=(), batch_size: int = 1024, max_shard_size: int | str = "2GB", device=None,
+                eval_input_ids: torch.Tensor | None = None, eval_text: str | None = None, tokenizer=None,
+                progress: bool = True, push_to_hub: str | None = None, model_dtype: str | None = None) -> dict:
+    """Compute and write the token lookup table of `model` (a model or a checkpoint directory) into `out_dir`.
+
+    Returns a report (also written to `token_lookup_report.json`): size on disk, max / mean relative error of the
+    table per (token, layer) vector, and, given eval text or ids, the held-out loss in compute and lookup mode.
+    """
+    fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
+                            drop_layers=tuple(drop_layers))
+    if isinstance(model, (str, os.PathLike)):
+        model_dir = os.fspath(model)
+        model = _load_model(model_dir, device, model_dtype)
+        if eval_text is not None and tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out_dir = os.fspath(out_dir)
+    model.eval()
+    report = _Exporter(model, out_dir, fmt, batch_size, max_shard_size, device, progress).run()
+    if eval_text is not None:
+        if tokenizer is None:
+            raise ValueError("eval_text needs a tokenizer (pass tokenizer=, or a model directory that has one)")
+        eval_input_ids = text_to_input_ids(tokenizer, eval_text)
+    if eval_input_ids is not None:
+        report.update(lookup_loss_delta(model, out_dir, eval_input_ids))
+    _write_json_atomic(os.path.join(out_dir, REPORT_NAME), report)
+    if push_to_hub:
+        report["hub_commit"] = push_table_to_hub(out_dir, push_to_hub)
+    return report
+
+
+def push_table_to_hub(out_dir: str, repo_id: str, private: bool | None = None) -> str:
+    """Upload the table files of `out_dir` (index, shards, report) to the Hub repo `repo_id`; returns the commit url."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, exist_ok=True, private=private)
+    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id, allow_patterns=[f"{OWN_FILE_PREFIX}*"],
+                               ignore_patterns=["*.tmp"], commit_message="Add token lookup table")
+    return str(getattr(commit, "commit_url", commit))
+
+
+def format_size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="checkpoint directory of a MemoryLLM / FlexMemoryLLM model")
+    parser.add_argument("out_dir", help="directory for the table (may be the checkpoint directory itself)")
+    parser.add_argument("--format", default="bf16", choices=["fp32", "fp16", "bf16", "int8", "int4", "lowrank"])
+    parser.add_argument("--group-size", type=int, default=None, help="int8/int4: values per scale (default 128/64)")
+    parser.add_argument("--rank", type=int, default=None, help="lowrank: rank of every layer")
+    parser.add_argument("--energy", type=float, default=None, help="lowrank: keep this fraction of each layer's energy")
+    parser.add_argument("--factor-dtype", default="bf16", choices=list(FLOAT_DTYPES), help="lowrank: stored dtype")
+    parser.add_argument("--drop-layers", default="", help="comma-separated layers not stored, e.g. 8,9,10")
+    parser.add_argument("--batch-size", type=int, default=1024, help="tokens per batch (= rows per block)")
+    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument("--model-dtype", default=None, choices=list(FLOAT_DTYPES),
+                        help="dtype to load the model in (default: the checkpoint's)")
+    parser.add_argument("--eval-text", default=None, help="text file for the held-out loss in compute vs lookup mode")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the table to this Hub repo")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    drop = [int(x) for x in args.drop_layers.split(",") if x.strip()] if args.drop_layers else []
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    eval_text = None
+    if args.eval_text:
+        with open(args.eval_text) as handle:
+            eval_text = handle.read()
+    report = export_tols(args.model_dir, args.out_dir, format=args.format, group_size=args.group_size, rank=args.rank,
+                         energy=args.energy, factor_dtype=args.factor_dtype, drop_layers=drop,
+                         batch_size=args.batch_size, max_shard_size=args.max_shard_size, device=device,
+                         eval_text=eval_text, progress=not args.no_progress, push_to_hub=args.push_to_hub,
+                         model_dtype=args.model_dtype)
+    print(f"token lookup table ({report['format']['name']}) in {report['out_dir']}: "
+          f"{format_size(report['size_bytes'])} in {report['num_shards']} shard(s), {report['seconds']:.1f} s")
+    print(f"relative error per (token, layer): max {report['max_relative_error']:.3e}, "
+          f"mean {report['mean_relative_error']:.3e}")
+    if "loss_delta" in report:
+        print(f"held-out loss: compute {report['loss_compute']:.4f}, lookup {report['loss_lookup']:.4f}, "
+              f"delta {report['loss_delta']:+.4f} ({report['eval_tokens']} tokens)")
+    return 0

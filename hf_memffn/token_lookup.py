@@ -1,0 +1,775 @@
+"""Token lookup tables (ToLs): the FFNs that read the token embeddings X0, precomputed per vocabulary token.
+
+MemoryLLM's FFNs (and FlexMemoryLLM's FFN-M) see only X0, so their output for token `t` at layer `l` is a fixed
+vector. A token lookup table stores, for every token id, all layers' outputs in one contiguous row
+(`[vocab_size, num_kept_layers * hidden_size]`, possibly compressed). This module holds:
+
+* the on-disk format (`TokenLookupFormat`, the index file, the row codecs: float, int8/int4 with group-wise scales,
+  low-rank per-layer factors) shared by the exporter (`hf_memffn.conversion.export`) and the runtime;
+* `weights_fingerprint`, which identifies the weights a table was computed from;
+* `TokenLookupTable`, the runtime that replaces the memory FFN computation by a lookup, with three placements
+  (`gpu`, `cpu`, `disk`), and the readout object the decoder layers call (`readout.add_into(hidden, layer_idx)`);
+* `TokenLookupMixin`, which gives the MemoryLLM / FlexMemoryLLM model classes `load_tols`, `unload_tols` and
+  `drop_memory_ffn`.
+
+Imported by the remote-code modeling file, so it imports only torch, safetensors and stdlib (+ the guarded Triton
+kernels next to it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
+
+INDEX_NAME = "token_lookup.safetensors.index.json"
+SHARD_PATTERN = "token_lookup{suffix}.safetensors"
+REPORT_NAME = "token_lookup_report.json"
+TABLE_FORMAT_VERSION = 1
+
+FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "lowrank")
+PLACEMENTS = ("gpu", "cpu", "disk")
+KERNELS = ("auto", "triton", "torch")
+VERIFY_MODES = ("full", "size")
+FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+QUANT_MAX = {"int8": 127, "int4": 7}
+DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 64}
+SCALE_DTYPE = torch.bfloat16
+
+# safetensors dtype tags <-> torch dtypes (only those a table uses)
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
+_DTYPE_NAMES = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                                  "int8": torch.int8, "uint8": torch.uint8}.items()}
+
+
+class TokenLookupError(ValueError):
+    """A token lookup table that is incomplete, damaged, or computed from other weights than the model's."""
+
+
+def _choice(field_name: str, value, allowed: Sequence) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field_name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Format
+
+
+@dataclass
+class TokenLookupFormat:
+    """How a table is stored.
+
+    name: fp32 | fp16 | bf16 | int8 | int4 | lowrank.
+    group_size: int8/int4 only, number of consecutive hidden units sharing one scale (divides hidden_size; default
+        the largest power of two up to 128 for int8, 64 for int4, that divides hidden_size).
+    rank / energy: lowrank only, exactly one of them: a fixed rank for every layer, or the smallest per-layer rank
+        keeping this fraction of the layer's squared singular values.
+    factor_dtype: lowrank only, dtype of the stored coefficients and bases (fp32 | fp16 | bf16).
+    drop_layers: layers whose memory output is not stored (they contribute nothing in lookup mode).
+    """
+
+    name: str = "bf16"
+    group_size: int | None = None
+    rank: int | None = None
+    energy: float | None = None
+    factor_dtype: str = "bf16"
+    drop_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        _choice("format", self.name, FORMATS)
+        self.drop_layers = tuple(sorted({int(layer) for layer in self.drop_layers}))
+        if self.name in QUANT_MAX:
+            if self.group_size is None:
+                return  # chosen by check_model from the hidden size
+            if int(self.group_size) < 2 or int(self.group_size) % 2:
+                raise ValueError(f"group_size={self.group_size!r} must be an even integer >= 2")
+            self.group_size = int(self.group_size)
+        elif self.group_size is not None:
+            raise ValueError(f"group_size={self.group_size!r} applies only to formats int8 and int4, not {self.name!r}")
+        if self.name == "lowrank":
+            _choice("factor_dtype", self.factor_dtype, tuple(FLOAT_DTYPES))
+            if (self.rank is None) == (self.energy is None):
+                raise ValueError(f"format 'lowrank' needs exactly one of rank or energy (got rank={self.rank!r}, "
+                                 f"energy={self.energy!r})")
+            if self.rank is not None and int(self.rank) < 1:
+                raise ValueError(f"rank={self.rank!r} must be >= 1")
+            if self.energy is not None and not 0.0 < float(self.energy) <= 1.0:
+                raise ValueError(f"energy={self.energy!r} must be in (0, 1]")
+        elif self.rank is not None or self.energy is not None:
+            raise ValueError(f"rank/energy apply only to format 'lowrank', not {self.name!r}")
+
+    def check_model(self, num_layers: int, hidden_size: int) -> None:
+        bad = [layer for layer in self.drop_layers if not 0 <= layer < num_layers]
+        if bad:
+            raise ValueError(f"drop_layers={list(self.drop_layers)} has layers outside 0..{num_layers - 1}: {bad}")
+        if len(self.drop_layers) == num_layers:
+            raise ValueError(f"drop_layers={list(self.drop_layers)} drops every layer; keep at least one")
+        if self.name in QUANT_MAX and self.group_size is None:
+            # default: the largest power of two up to 128 (int8) / 64 (int4) dividing hidden_size
+            self.group_size = math.gcd(DEFAULT_GROUP_SIZE[self.name], hidden_size)
+            if self.group_size < 2:
+                raise ValueError(f"hidden_size={hidden_size} is odd: pass an even group_size that divides it")
+        if self.group_size is not None and hidden_size % self.group_size:
+            raise ValueError(f"group_size={self.group_size} must divide hidden_size={hidden_size}")
+        if self.rank is not None and self.rank > hidden_size:
+            raise ValueError(f"rank={self.rank} exceeds hidden_size={hidden_size}")
+
+    def kept_layers(self, num_layers: int) -> list[int]:
+        return [layer for layer in range(num_layers) if layer not in self.drop_layers]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        if self.name in FLOAT_DTYPES:
+            return FLOAT_DTYPES[self.name]
+        if self.name == "int8":
+            return torch.int8
+        if self.name == "int4":
+            return torch.uint8
+        return FLOAT_DTYPES[self.factor_dtype]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["drop_layers"] = list(self.drop_layers)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TokenLookupFormat":
+        return cls(**{k: (tuple(v) if k == "drop_layers" else v) for k, v in data.items()})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Row codecs (quantize at export, dequantize at lookup). Rows are [T, K*d] with layer k at columns [k*d, (k+1)*d).
+
+
+def quantize_rows(values: torch.Tensor, fmt: TokenLookupFormat) -> dict[str, torch.Tensor]:
+    """Encode fp32 rows [T, K*d] (float formats and int8/int4; lowrank is encoded by the exporter)."""
+    if fmt.name in FLOAT_DTYPES:
+        return {"rows": values.to(FLOAT_DTYPES[fmt.name]).contiguous()}
+    qmax = QUANT_MAX[fmt.name]
+    groups = values.float().reshape(values.shape[0], -1, fmt.group_size)
+    # Scales are stored in bf16 (fp32 range, 2 bytes); rounding them up keeps every value inside [-qmax, qmax].
+    scale = (groups.abs().amax(-1) / qmax * (1.0 + 2.0**-7)).to(SCALE_DTYPE)
+    safe_scale = torch.where(scale > 0, scale.float(), torch.ones((), device=values.device))
+    q = torch.round(groups / safe_scale.unsqueeze(-1)).clamp_(-qmax, qmax).to(torch.int8).reshape(values.shape[0], -1)
+    if fmt.name == "int4":
+        q = pack_int4(q)
+    return {"rows": q.contiguous(), "scales": scale.contiguous()}
+
+
+def dequantize_rows(rows: torch.Tensor, scales: torch.Tensor | None, fmt: TokenLookupFormat) -> torch.Tensor:
+    """Decode stored rows (any column range that starts and ends on a group boundary) to fp32."""
+    if fmt.name in FLOAT_DTYPES or fmt.name == "lowrank":
+        return rows.float()
+    q = unpack_int4(rows) if fmt.name == "int4" else rows
+    grouped = q.float().reshape(q.shape[0], -1, fmt.group_size)
+    return (grouped * scales.float().unsqueeze(-1)).reshape(q.shape[0], -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], [T, 2n] -> uint8 [T, n]; element 2i in the low nibble, 2i+1 in the high nibble."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    low = (packed & 15).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def row_relative_errors(exact: torch.Tensor, approx: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """Relative L2 error of every (token, layer) vector; an exactly-zero vector reproduced exactly counts 0."""
+    exact = exact.float().reshape(exact.shape[0], -1, hidden_size)
+    diff = (approx.float().reshape_as(exact) - exact).norm(dim=-1)
+    norm = exact.norm(dim=-1)
+    return torch.where(norm > 0, diff / norm.clamp_min(torch.finfo(torch.float32).tiny), (diff > 0).float())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fingerprint
+
+
+def _memory_base(model: nn.Module) -> nn.Module:
+    """The module holding `embed_tokens` and `memory` (the base model of a *ForCausalLM, or the model itself)."""
+    if hasattr(model, "embed_tokens"):
+        return model
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "embed_tokens"):
+        return inner
+    raise TypeError(f"{type(model).__name__} has no embed_tokens / model.embed_tokens; token lookup tables need a "
+                    "MemoryLLM or FlexMemoryLLM model")
+
+
+# config fields that change what the memory FFN computes from the same weights
+_FINGERPRINT_CONFIG_FIELDS = ("rms_norm_eps", "hidden_act", "vocab_size", "hidden_size", "num_hidden_layers",
+                              "token_memory_size")
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 of everything a table row depends on: embedding rows, every memory FFN tensor, the FFN's config.
+
+    The whole tensors are hashed (not samples), so any change (a fine-tuned embedding row, another checkpoint) is
+    seen. Tensors are hashed after rounding to bf16, so a table exported from the fp32 weights is accepted by the same
+    checkpoint loaded in bf16. Cost: about one second per GB of bf16 weights, once at export and once at load,
+    less than reading the table itself (vocab x layers x hidden values against vocab x hidden + layers x 3 x I x hidden).
+    """
+    base = _memory_base(model)
+    memory = getattr(base, "memory", None)
+    if memory is None:
+        stored = getattr(base, "_token_lookup_fingerprint", None)
+        if stored is None:
+            raise TokenLookupError("the memory FFN weights are not on this model and no fingerprint was kept; "
+                                   "load the model again to compute or check a token lookup table")
+        return stored
+    digest = hashlib.sha256()
+    config = getattr(base, "config", None)
+    settings = {k: getattr(config, k, None) for k in _FINGERPRINT_CONFIG_FIELDS}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    tensors = [("embed_tokens.weight", base.embed_tokens.weight)]
+    tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        tensor = tensor.detach()
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        flat = tensor.reshape(-1)
+        chunk = 1 << 26  # elements per device->host copy
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start:start + chunk].to(torch.bfloat16).cpu().contiguous()
+            digest.update(part.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Files: index + shards
+
+
+def shard_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_safetensors_header(path: str) -> tuple[int, dict]:
+    """(offset of the data section, header dict) of a safetensors file; raises TokenLookupError if unreadable."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+        if len(raw) < 8:
+            raise TokenLookupError(f"shard {name} is truncated: {size} bytes, no safetensors header")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise TokenLookupError(f"shard {name} is truncated: header of {header_len} bytes in a {size}-byte file")
+        try:
+            header = json.loads(handle.read(header_len))
+        except ValueError as error:
+            raise TokenLookupError(f"shard {name} has a damaged safetensors header: {error}") from None
+    data_start = 8 + header_len
+    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    if data_start + end > size:
+        raise TokenLookupError(f"shard {name} is truncated: {size} bytes on disk, its header needs {data_start + end}")
+    return data_start, header
+
+
+@dataclass
+class TableIndex:
+    """The parsed index file of a table."""
+
+    directory: str
+    fmt: TokenLookupFormat
+    vocab_size: int
+    num_hidden_layers: int
+    hidden_size: int
+    layers: list[int]
+    ranks: list[int] | None
+    rows_per_block: int
+    fingerprint: str
+    shards: dict[str, dict]  # file -> {"sha256", "size"}
+    weight_map: dict[str, str]  # tensor -> file
+    metadata: dict
+
+    @property
+    def row_width(self) -> int:
+        """Stored elements per token row."""
+        if self.fmt.name == "lowrank":
+            return sum(self.ranks)
+        width = len(self.layers) * self.hidden_size
+        return width // 2 if self.fmt.name == "int4" else width
+
+    @property
+    def scale_width(self) -> int:
+        return len(self.layers) * self.hidden_size // self.fmt.group_size if self.fmt.group_size else 0
+
+    @property
+    def block_starts(self) -> list[int]:
+        return list(range(0, self.vocab_size, self.rows_per_block))
+
+    @classmethod
+    def read(cls, directory: str) -> "TableIndex":
+        path = os.path.join(directory, INDEX_NAME)
+        if not os.path.isfile(path):
+            partial = [n for n in os.listdir(directory) if n.startswith("token_lookup")] if os.path.isdir(directory) else []
+            hint = " (shards without an index: an export was interrupted; run it again)" if partial else ""
+            raise TokenLookupError(f"no token lookup table in {directory}: {INDEX_NAME} is missing{hint}")
+        with open(path) as handle:
+            try:
+                raw = json.load(handle)
+            except ValueError as error:
+                raise TokenLookupError(f"{path} is not valid JSON: {error}") from None
+        meta = raw.get("metadata", {}).get("token_lookup")
+        if not meta or meta.get("format_version") != TABLE_FORMAT_VERSION:
+            raise TokenLookupError(f"{path} is not a token lookup index of format version {TABLE_FORMAT_VERSION}")
+        return cls(directory=directory, fmt=TokenLookupFormat.from_dict(meta["format"]),
+                   vocab_size=meta["vocab_size"], num_hidden_layers=meta["num_hidden_layers"],
+                   hidden_size=meta["hidden_size"], layers=meta["layers"], ranks=meta.get("ranks"),
+                   rows_per_block=meta["rows_per_block"], fingerprint=meta["fingerprint"], shards=meta["shards"],
+                   weight_map=raw["weight_map"], metadata=meta)
+
+    def verify(self, mode: str = "full") -> None:
+        """Check every shard: present, of the recorded size, (mode 'full') of the recorded sha256."""
+        _choice("verify", mode, VERIFY_MODES)
+        for name, info in self.shards.items():
+            path = os.path.join(self.directory, name)
+            if not os.path.isfile(path):
+                raise TokenLookupError(f"shard {name} of the token lookup table in {self.directory} is missing")
+            size = os.path.getsize(path)
+            if size != info["size"]:
+                raise TokenLookupError(f"shard {name} is truncated or altered: {size} bytes on disk, the index "
+                                       f"records {info['size']}")
+            read_safetensors_header(path)
+            if mode == "full" and shard_sha256(path) != info["sha256"]:
+                raise TokenLookupError(f"shard {name} is altered: its sha256 differs from the one in the index")
+
+    def open_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the table, memory-mapped (read lazily from disk), keyed by name."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name in self.shards:
+            path = os.path.join(self.directory, name)
+            data_start, header = read_safetensors_header(path)
+            file_bytes = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                raw = file_bytes[data_start + begin:data_start + end]
+                dtype = _ST_DTYPES[info["dtype"]]
+                if (data_start + begin) % dtype.itemsize:
+                    raw = raw.clone()  # unaligned: copy (never happens for tables written by the exporter)
+                tensors[key] = raw.view(dtype).reshape(info["shape"])
+        missing = sorted(set(self.weight_map) - set(tensors))
+        if missing:
+            raise TokenLookupError(f"tensors {missing[:3]} listed in the index are not in the shards")
+        return tensors
+
+
+def block_keys(start: int) -> tuple[str, str]:
+    return f"rows.{start:09d}", f"scales.{start:09d}"
+
+
+def basis_key(layer: int) -> str:
+    return f"basis.{layer:03d}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runtime
+
+
+def _host_mapped_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor reading `host` (pinned memory) in place: kernels fetch its rows over PCIe, no copy, no sync.
+
+    Pinned host memory is mapped into the device address space under unified addressing (every 64-bit CUDA system),
+    at the same address; the alias owns nothing, the caller keeps `host` alive.
+    """
+
+    class _Interface:
+        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
+                                    "data": (host.data_ptr(), False), "version": 2, "strides": None}
+
+    flat = torch.as_tensor(_Interface(), device=device)
+    return flat.view(host.dtype).view(host.shape)
+
+
+class TokenLookupReadout:
+    """The memory outputs of one forward's tokens, read from a table: `hidden = readout.add_into(hidden, layer)`."""
+
+    def __init__(self, table: "TokenLookupTable", row_ids: torch.Tensor, rows: torch.Tensor,
+                 scales: torch.Tensor | None):
+        self.table = table
+        self.row_ids = row_ids  # [T] index into rows/scales
+        self.rows = rows
+        self.scales = scales
+
+    def add_into(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        table = self.table
+        position = table.layer_position[layer_idx]
+        if position < 0:  # dropped layer
+            return hidden
+        d = table.index.hidden_size
+        flat = hidden.reshape(-1, d)
+        if table.fmt.name == "lowrank":
+            offset, rank = table.rank_offsets[position], table.index.ranks[position]
+            coefficients = self.rows.index_select(0, self.row_ids)[:, offset:offset + rank]
+            values = coefficients.float() @ getattr(table, f"basis_{position}").float()
+            return (flat.float() + values).to(hidden.dtype).view_as(hidden)
+        if table.kernel == "triton" and not (torch.is_grad_enabled() and hidden.requires_grad):
+            out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position, d,
+                                    table.fmt.name, table.fmt.group_size or 1)
+            return out.view_as(hidden)
+        columns = d // 2 if table.fmt.name == "int4" else d
+        rows = self.rows.index_select(0, self.row_ids)[:, position * columns:(position + 1) * columns]
+        scales = None
+        if self.scales is not None:
+            groups = d // table.fmt.group_size
+            scales = self.scales.index_select(0, self.row_ids)[:, position * groups:(position + 1) * groups]
+        values = dequantize_rows(rows, scales, table.fmt)
+        return (flat.float() + values).to(hidden.dtype).view_as(hidden)
+
+
+class TokenLookupTable(nn.Module):
+    """The runtime of a token lookup table; set as `base_model.token_lookup` by `load_tols`.
+
+    Placements:
+      gpu:  the whole table in device memory; each layer gathers its slice of the tokens' rows, dequantizes and adds
+            into the hidden state in one kernel.
+      cpu:  the table in pinned host memory, with a device cache of `cache_rows` frequent tokens (filled on a side
+            stream); each forward gathers all its tokens' rows at once (prefill: the whole prompt) into a device
+            buffer, cached rows from the cache and the others straight from host memory over PCIe (no host sync, so
+            it works under CUDA graphs). Without a GPU: plain host memory, no cache.
+      disk: the table memory-mapped from its shards (read lazily by the OS); a device cache as for `cpu`, half of it
+            frequent tokens, half least-recently-used: each forward reads its token ids on the host, copies the
+            missing rows from the mapped files into the cache on a side stream and reads every row from the cache; a
+            forward with more new tokens than the cache's LRU half (a long prompt) copies all its rows at once into
+            a device buffer instead. The host sync per forward rules out CUDA graphs. Without a GPU: rows are read
+            from the mapped files directly.
+    Triton kernels (`kernel="triton"`, the default on CUDA): gpu placement adds each layer's slice with the fused
+    gather / dequantize / add kernel; cpu and disk gather whole rows once per forward, then use the same add kernel
+    on that buffer. Low-rank tables always use PyTorch (gather coefficients, one small matmul per layer).
+    Table tensors are non-persistent buffers: they never enter the model's state dict.
+    """
+
+    def __init__(self, index: TableIndex, placement: str, device: torch.device | str | None = None,
+                 cache_rows: int = 1024, frequent_tokens: Sequence[int] | torch.Tensor | None = None,
+                 kernel: str = "auto"):
+        super().__init__()
+        _choice("placement", placement, PLACEMENTS)
+        _choice("kernel", kernel, KERNELS)
+        device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if placement == "gpu" and device.type != "cuda":
+            raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}; use 'cpu' or 'disk'")
+        if kernel == "triton" and (device.type != "cuda" or not HAS_TRITON):
+            raise ValueError(f"kernel='triton' needs triton and a CUDA device (device={str(device)!r}, "
+                             f"triton available: {HAS_TRITON})")
+        self.index = index
+        self.fmt = index.fmt
+        self.placement = placement
+        self.device = device
+        self.kernel = "triton" if kernel == "auto" and device.type == "cuda" and HAS_TRITON else (
+            "torch" if kernel == "auto" else kernel)
+        positions = {layer: k for k, layer in enumerate(index.layers)}
+        self.layer_position = [positions.get(layer, -1) for layer in range(index.num_hidden_layers)]
+        self.rank_offsets = [0]
+        for rank in index.ranks or []:
+            self.rank_offsets.append(self.rank_offsets[-1] + rank)
+        self.cache_hits = 0
+        self.cache_lookups = 0
+
+        mapped = index.open_tensors()
+        for k, layer in enumerate(index.layers if self.fmt.name == "lowrank" else []):
+            self.register_buffer(f"basis_{k}", mapped[basis_key(layer)].to(device), persistent=False)
+        quantized = self.fmt.group_size is not None
+        width, scale_width, vocab = index.row_width, index.scale_width, index.vocab_size
+        rows_dtype = self.fmt.storage_dtype
+
+        if placement == "disk":
+            self._blocks = [(start, mapped[block_keys(start)[0]], mapped[block_keys(start)[1]] if quantized else None)
+                            for start in index.block_starts]
+        else:
+            pin = placement == "cpu" and device.type == "cuda"
+            target = device if placement == "gpu" else torch.device("cpu")
+            rows = torch.empty(vocab, width, dtype=rows_dtype, device=target, pin_memory=pin)
+            scales = torch.empty(vocab, scale_width, dtype=SCALE_DTYPE, device=target, pin_memory=pin) if quantized else None
+            for start in index.block_starts:
+                block_rows = mapped[block_keys(start)[0]]
+                rows[start:start + block_rows.shape[0]].copy_(block_rows)
+                if quantized:
+                    scales[start:start + block_rows.shape[0]].copy_(mapped[block_keys(start)[1]])
+            del mapped
+            if placement == "cpu":
+                self._host_tables = (rows, scales)  # the host copies (they keep the device alias below valid)
+            if placement == "cpu" and device.type == "cuda":
+                rows = _host_mapped_alias(rows, device)
+                scales = _host_mapped_alias(scales, device) if quantized else None
+            self.register_buffer("rows", rows, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+
+        self.use_cache = placement in ("cpu", "disk") and device.type == "cuda" and cache_rows > 0
+        if placement == "disk" and device.type == "cuda" and cache_rows <= 0:
+            raise ValueError(f"cache_rows={cache_rows} must be > 0 for placement='disk' on a GPU")
+        if self.use_cache:
+            self._init_cache(min(int(cache_rows), vocab), frequent_tokens)
+        if device.type == "cuda":
+            # fixed addresses: CUDA graphs (torch.compile "reduce-overhead") read the table in place, never copy it
+            for buffer in self.buffers():
+                torch._dynamo.mark_static_address(buffer, guard=False)
+
+    # -- cache ---------------------------------------------------------------------------------------------------------
+
+    def _priority_tokens(self, frequent_tokens) -> list[int]:
+        """Distinct token ids, most important first, for the static part of the cache."""
+        vocab = self.index.vocab_size
+        if frequent_tokens is None:
+            # Byte-level BPE vocabularies give low ids to early (frequent) merges: a usable default order.
+            return list(range(min(self.static_slots, vocab)))
+        tokens = torch.as_tensor(frequent_tokens).reshape(-1).long().cpu()
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(f"frequent_tokens has ids outside 0..{vocab - 1}")
+        order, seen = [], set()
+        for token in tokens.tolist():
+            if token not in seen:
+                seen.add(token)
+                order.append(token)
+                if len(order) == self.static_slots:
+                    break
+        return order
+
+    def _init_cache(self, cache_rows: int, frequent_tokens) -> None:
+        device, index = self.device, self.index
+        self.register_buffer("cache_rows", torch.empty(cache_rows, index.row_width, dtype=self.fmt.storage_dtype,
+                                                       device=device), persistent=False)
+        self.register_buffer("cache_scales", torch.empty(cache_rows, index.scale_width, dtype=SCALE_DTYPE,
+                                                         device=device) if self.fmt.group_size else None,
+                             persistent=False)
+        self.register_buffer("slot_of_token", torch.full((index.vocab_size,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.copy_stream = torch.cuda.Stream(device)
+        # disk: the second half of the cache is least-recently-used, for the tokens a forward needs
+        self.static_slots = cache_rows if self.placement == "cpu" else max(cache_rows // 2, 0)
+        self.host_slot_of_token = torch.full((index.vocab_size,), -1, dtype=torch.int64)
+        self.token_in_slot = torch.full((cache_rows,), -1, dtype=torch.int64)
+        self.slot_last_used = torch.zeros(cache_rows, dtype=torch.int64)
+        self._clock = 0
+        tokens = torch.tensor(self._priority_tokens(frequent_tokens), dtype=torch.long)
+        self._fill_slots(torch.arange(tokens.numel()), tokens)
+        self.copy_stream.synchronize()
+
+    def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of `tokens` (CPU long tensor) read on the host: from the pinned table or the mapped shards."""
+        if self.placement == "cpu":
+            host_rows, host_scales = self._host_tables
+            return host_rows.index_select(0, tokens), (host_scales.index_select(0, tokens) if host_scales is not None else None)
+        rows = torch.empty(tokens.numel(), self.index.row_width, dtype=self.fmt.storage_dtype)
+        scales = torch.empty(tokens.numel(), self.index.scale_width, dtype=SCALE_DTYPE) if self.fmt.group_size else None
+        block_of = tokens // self.index.rows_per_block
+        for block in torch.unique(block_of).tolist():
+            where = (block_of == block).nonzero().squeeze(1)
+            start, block_rows, block_scales = self._blocks[block]
+            local = tokens.index_select(0, where) - start
+            rows[where] = block_rows.index_select(0, local)
+            if scales is not None:
+                scales[where] = block_scales.index_select(0, local)
+        return rows, scales
+
+    def _fill_slots(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Copy `tokens`' rows into cache `slots` on the side stream; the compute stream waits for it."""
+        if tokens.numel() == 0:
+            return
+        rows, scales = self._host_rows(tokens)
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)  # slots may still be read by queued kernels
+        evicted = self.token_in_slot[slots]
+        evicted = evicted[evicted >= 0]
+        with torch.cuda.stream(self.copy_stream):
+            device_slots = slots.to(self.device, non_blocking=True)
+            self.cache_rows.index_copy_(0, device_slots, rows.pin_memory().to(self.device, non_blocking=True))
+            if scales is not None:
+                self.cache_scales.index_copy_(0, device_slots, scales.pin_memory().to(self.device, non_blocking=True))
+            if evicted.numel():
+                self.slot_of_token.index_fill_(0, evicted.to(self.device, non_blocking=True), -1)
+            self.slot_of_token.index_copy_(0, tokens.to(self.device, non_blocking=True),
+                                           slots.to(self.device, torch.int32, non_blocking=True))
+        compute.wait_stream(self.copy_stream)
+        self.host_slot_of_token[evicted] = -1
+        self.host_slot_of_token[tokens] = slots
+        self.token_in_slot[slots] = tokens
+
+    @torch.compiler.disable
+    def _disk_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """disk placement: (row ids, rows, scales) of this forward's tokens on the device (a host sync on the ids).
+
+        New tokens go into the least-recently-used half of the cache when they fit there; a forward with more new
+        tokens than that (a long prompt) reads all its rows from the mapped shards at once into a device buffer.
+        """
+        tokens = ids.cpu()
+        unique = torch.unique(tokens)
+        self._clock += 1
+        slots = self.host_slot_of_token[unique]
+        missing = unique[slots < 0]
+        self.slot_last_used[slots[slots >= 0]] = self._clock
+        self.cache_lookups += unique.numel()
+        self.cache_hits += unique.numel() - missing.numel()
+        dynamic = torch.arange(self.static_slots, self.token_in_slot.numel())
+        free_order = dynamic[torch.argsort(self.slot_last_used[dynamic], stable=True)]
+        usable = free_order[self.slot_last_used[free_order] < self._clock]
+        if missing.numel() <= usable.numel():
+            chosen = usable[:missing.numel()]
+            self.slot_last_used[chosen] = self._clock
+            self._fill_slots(chosen, missing)
+            return self.slot_of_token.index_select(0, ids).long(), self.cache_rows, self.cache_scales
+        rows, scales = self._host_rows(tokens)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+            scales = scales.pin_memory().to(self.device, non_blocking=True) if scales is not None else None
+        compute.wait_stream(self.copy_stream)
+        rows.record_stream(compute)
+        if scales is not None:
+            scales.record_stream(compute)
+        return torch.arange(tokens.numel(), device=self.device), rows, scales
+
+    # -- readout -------------------------------------------------------------------------------------------------------
+
+    def readout(self, input_ids: torch.Tensor) -> TokenLookupReadout:
+        """The memory outputs of `input_ids` ([B, L]) for every layer, ready for `add_into`."""
+        if input_ids is None:
+            raise ValueError("lookup mode needs input_ids (the table is indexed by token id); got inputs_embeds only")
+        ids = input_ids.reshape(-1).to(self.device)
+        if self.placement == "gpu":
+            return TokenLookupReadout(self, ids, self.rows, self.scales)
+        # cpu / disk: gather every layer of every token at once into a device (or host) buffer
+        if not self.use_cache:
+            if self.device.type == "cuda":
+                # cpu placement with cache_rows=0: rows come straight from the pinned table over PCIe
+                rows, scales = self._gather(ids, None, self.rows, self.scales)
+            else:
+                rows, scales = self._host_rows(ids.cpu())
+            return TokenLookupReadout(self, torch.arange(ids.numel(), device=rows.device), rows, scales)
+        if self.placement == "disk":
+            return TokenLookupReadout(self, *self._disk_rows(ids))
+        rows, scales = self._gather(ids, self.slot_of_token, self.rows, self.scales)
+        return TokenLookupReadout(self, torch.arange(ids.numel(), device=self.device), rows, scales)
+
+    def _gather(self, ids, slot_of_token, host_rows, host_scales):
+        """Rows [T, W] (+ scales) of `ids` on the device: cache hits from the cache, misses from the mapped host table."""
+        cache_rows = self.cache_rows if slot_of_token is not None else None
+        cache_scales = self.cache_scales if slot_of_token is not None else None
+        if self.kernel == "triton":
+            rows = gather_rows_triton(ids, slot_of_token, cache_rows, host_rows)
+            scales = gather_rows_triton(ids, slot_of_token, cache_scales, host_scales) if host_scales is not None else None
+            return rows, scales
+        rows = host_rows.index_select(0, ids)
+        scales = host_scales.index_select(0, ids) if host_scales is not None else None
+        if slot_of_token is not None:
+            slots = slot_of_token.index_select(0, ids).long()
+            hit = (slots >= 0).unsqueeze(1)
+            rows = torch.where(hit, cache_rows.index_select(0, slots.clamp_min(0)), rows)
+            if scales is not None:
+                scales = torch.where(hit, cache_scales.index_select(0, slots.clamp_min(0)), scales)
+        return rows, scales
+
+    def extra_repr(self) -> str:
+        return (f"format={self.fmt.name}, placement={self.placement}, device={self.device}, kernel={self.kernel}, "
+                f"vocab_size={self.index.vocab_size}, layers={len(self.index.layers)}/{self.index.num_hidden_layers}")
+
+    def device_bytes(self) -> int:
+        """Bytes this table holds in device memory (table or cache, scales, bases)."""
+        total = 0
+        for name, buffer in self.named_buffers():
+            if buffer is not None and buffer.device.type == "cuda" and not (self.placement == "cpu" and name in ("rows", "scales")):
+                total += buffer.numel() * buffer.element_size()
+        return total
+
+
+def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: int = 1024, frequent_tokens=None,
+               kernel: str = "auto", verify: str = "full") -> TokenLookupTable:
+    """Read, verify and place a table (no model check: `TokenLookupMixin.load_tols` does that)."""
+    _choice("placement", placement, PLACEMENTS)
+    _choice("verify", verify, VERIFY_MODES)
+    index = TableIndex.read(path)
+    index.verify(verify)
+    return TokenLookupTable(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
+                            kernel=kernel)
+
+
+def check_table_matches(index: TableIndex, model: nn.Module) -> None:
+    """Refuse a table computed from other weights (or another shape) than `model`'s."""
+    base = _memory_base(model)
+    config = base.config
+    expected = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+                "num_hidden_layers": config.num_hidden_layers}
+    for key, value in expected.items():
+        if getattr(index, key) != value:
+            raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
+                                   f"model has {key}={value}")
+    fingerprint = weights_fingerprint(base)
+    if fingerprint != index.fingerprint:
+        raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
+                               f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
+                               f"{fingerprint[:12]}...); export the table again from this model")
+
+
+class TokenLookupMixin:
+    """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models and *ForCausalLM)."""
+
+    def load_tols(self, path: str | os.PathLike, placement: str = "gpu", *, device=None, cache_rows: int = 1024,
+                  frequent_tokens=None, kernel: str = "auto", verify: str = "full",
+                  drop_memory_ffn: bool = False) -> TokenLookupTable:
+        """Switch the memory FFN (FFN on X0) to a lookup in the table exported to `path`.
+
+        placement: "gpu" | "cpu" | "disk" (see `TokenLookupTable`); device defaults to the embedding's device.
+        cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
+        frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids).
+        kernel: "auto" (Triton on CUDA, PyTorch on CPU) | "triton" | "torch".
+        verify: "full" (sha256 of every shard) | "size" (sizes and headers only).
+        drop_memory_ffn: free the memory FFN weights afterwards (see `drop_memory_ffn`).
+        Raises TokenLookupError if the table is incomplete, damaged, or from other weights.
+        """
+        base = _memory_base(self)
+        _choice("placement", placement, PLACEMENTS)
+        _choice("verify", verify, VERIFY_MODES)
+        index = TableIndex.read(os.fspath(path))
+        check_table_matches(index, base)
+        index.verify(verify)
+        if device is None:
+            device = base.embed_tokens.weight.device
+        table = TokenLookupTable(index, placement, device=device, cache_rows=cache_rows,
+                                 frequent_tokens=frequent_tokens, kernel=kernel)
+        base.token_lookup = table
+        if drop_memory_ffn:
+            self.drop_memory_ffn()
+        return table
+
+    def unload_tols(self) -> None:
+        """Back to computing the memory FFN (needs its weights)."""
+        base = _memory_base(self)
+        if getattr(base, "memory", None) is None:
+            raise ValueError("the memory FFN weights were dropped; load the model again to compute the memory")
+        base.token_lookup = None
+
+    def drop_memory_ffn(self) -> int:
+        """Free the memory FFN weights (lookup mode only needs the table); returns the number of parameters freed."""
+        base = _memory_base(self)
+        if getattr(base, "token_lookup", None) is None:
+            raise ValueError("load a token lookup table (load_tols) before dropping the memory FFN weights")
+        memory = getattr(base, "memory", None)
+        if memory is None:
+            return 0
+        base._token_lookup_fingerprint = weights_fingerprint(base)
+        freed = sum(p.numel() for p in memory.parameters())
+        on_cuda = any(p.is_cuda for p in memory.parameters())
+        base.memory = None
+        del memory
+        if on_cuda:
+            torch.cuda.empty_cache()
+        return freed

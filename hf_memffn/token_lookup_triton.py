@@ -1,0 +1,164 @@
+"""Triton kernels of the token lookup runtime (`token_lookup.py`).
+
+* `lookup_add_triton`: for each token, gather its stored row slice for one layer, dequantize it (float / int8 / int4
+  with group-wise scales) and add it into the hidden state, in one pass: hidden is read once, the row slice once,
+  the result written once.
+* `gather_rows_triton`: gather whole rows (all layers) of many tokens into a device buffer, each row from the device
+  cache when the token is cached, otherwise from the host table (pinned, mapped into the device address space).
+
+Both are also registered as custom operators (`torch.ops.memffn_v1.token_lookup_add` / `token_lookup_gather_rows`)
+so that `torch.compile` (any backend) sees them as single opaque ops; eager code launches the kernels directly, which
+skips the dispatcher's overhead.
+
+Triton is optional: without it `HAS_TRITON` is False and the runtime uses PyTorch (and says so in `kernel`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+FORMAT_CODES = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "int4": 2}
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lookup_add_kernel(hidden_ptr, out_ptr, row_ids_ptr, rows_ptr, scales_ptr, row_stride, scale_stride,
+                           column_offset, scale_offset, hidden_size,
+                           GROUP: tl.constexpr, FORMAT: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < hidden_size
+        row = tl.load(row_ids_ptr + token).to(tl.int64)
+        hidden = tl.load(hidden_ptr + token.to(tl.int64) * hidden_size + offs, mask=mask).to(tl.float32)
+        if FORMAT == 0:  # float row
+            value = tl.load(rows_ptr + row * row_stride + column_offset + offs, mask=mask).to(tl.float32)
+        elif FORMAT == 1:  # int8 with a scale per GROUP values
+            q = tl.load(rows_ptr + row * row_stride + column_offset + offs, mask=mask).to(tl.float32)
+            scale = tl.load(scales_ptr + row * scale_stride + scale_offset + offs // GROUP, mask=mask).to(tl.float32)
+            value = q * scale
+        else:  # int4: two values per byte, element 2i in the low nibble; stored as value + 8
+            packed = tl.load(rows_ptr + row * row_stride + column_offset + offs // 2, mask=mask).to(tl.int32)
+            q = ((packed >> ((offs % 2) * 4)) & 15) - 8
+            scale = tl.load(scales_ptr + row * scale_stride + scale_offset + offs // GROUP, mask=mask).to(tl.float32)
+            value = q.to(tl.float32) * scale
+        tl.store(out_ptr + token.to(tl.int64) * hidden_size + offs, (hidden + value).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _gather_rows_kernel(token_ids_ptr, slot_of_token_ptr, cache_ptr, table_ptr, out_ptr, width,
+                            HAS_CACHE: tl.constexpr, BLOCK: tl.constexpr):
+        index = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < width
+        token = tl.load(token_ids_ptr + index).to(tl.int64)
+        if HAS_CACHE:
+            slot = tl.load(slot_of_token_ptr + token).to(tl.int64)
+            if slot >= 0:
+                values = tl.load(cache_ptr + slot * width + offs, mask=mask)
+            else:
+                values = tl.load(table_ptr + token * width + offs, mask=mask)
+        else:
+            values = tl.load(table_ptr + token * width + offs, mask=mask)
+        tl.store(out_ptr + index.to(tl.int64) * width + offs, values, mask=mask)
+
+
+OP_NAMESPACE = "memffn_v1"  # shared with flash_mhf_op.py; the op names differ
+
+
+def _block(n: int) -> int:
+    return min(1024, triton.next_power_of_2(n))
+
+
+def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
+                      layer_position: int, hidden_size: int, format_name: str, group_size: int) -> torch.Tensor:
+    """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype)."""
+    if not HAS_TRITON:
+        raise RuntimeError("lookup_add_triton needs triton")
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(hidden, row_ids, rows, scales, layer_position,
+                                                                 hidden_size, FORMAT_CODES[format_name], group_size)
+    return _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, FORMAT_CODES[format_name],
+                              group_size)
+
+
+def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, fmt, group_size):
+    out = torch.empty_like(hidden)
+    tokens = hidden.shape[0]
+    if tokens == 0:
+        return out
+    column_offset = layer_position * (hidden_size // 2 if fmt == 2 else hidden_size)
+    scale_offset = layer_position * (hidden_size // group_size) if fmt else 0
+    block = _block(hidden_size)
+    grid = (tokens, triton.cdiv(hidden_size, block))
+    _lookup_add_kernel[grid](hidden, out, row_ids, rows, scales if scales is not None else rows, rows.stride(0),
+                             scales.stride(0) if scales is not None else 0, column_offset, scale_offset, hidden_size,
+                             GROUP=group_size, FORMAT=fmt, BLOCK=block)
+    return out
+
+
+def gather_rows_triton(token_ids: torch.Tensor, slot_of_token: torch.Tensor | None, cache: torch.Tensor | None,
+                       table: torch.Tensor) -> torch.Tensor:
+    """Rows of `token_ids` [T] -> [T, width]: cache[slot_of_token[id]] when >= 0, else table[id]."""
+    if not HAS_TRITON:
+        raise RuntimeError("gather_rows_triton needs triton")
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, OP_NAMESPACE).token_lookup_gather_rows(token_ids, slot_of_token, cache, table)
+    return _launch_gather_rows(token_ids, slot_of_token, cache, table)
+
+
+def _launch_gather_rows(token_ids, slot_of_token, cache, table):
+    width = table.shape[1]
+    out = torch.empty(token_ids.shape[0], width, dtype=table.dtype, device=token_ids.device)
+    if token_ids.shape[0] == 0:
+        return out
+    block = _block(width)
+    grid = (token_ids.shape[0], triton.cdiv(width, block))
+    has_cache = slot_of_token is not None
+    _gather_rows_kernel[grid](token_ids, slot_of_token if has_cache else token_ids, cache if has_cache else table,
+                              table, out, width, HAS_CACHE=has_cache, BLOCK=block)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Custom operators (registered once per process, whichever copy of this file is imported first)
+
+
+def _registered(name: str):
+    try:
+        return getattr(getattr(torch.ops, OP_NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _register_ops():
+    @torch.library.custom_op(f"{OP_NAMESPACE}::token_lookup_add", mutates_args=())
+    def lookup_add_op(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
+                      layer_position: int, hidden_size: int, format_code: int, group_size: int) -> torch.Tensor:
+        return _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, format_code, group_size)
+
+    @lookup_add_op.register_fake
+    def _(hidden, row_ids, rows, scales, layer_position, hidden_size, format_code, group_size):
+        return torch.empty_like(hidden)
+
+    @torch.library.custom_op(f"{OP_NAMESPACE}::token_lookup_gather_rows", mutates_args=())
+    def gather_rows_op(token_ids: torch.Tensor, slot_of_token: Optional[torch.Tensor], cache: Optional[torch.Tensor],
+                       table: torch.Tensor) -> torch.Tensor:
+        return _launch_gather_rows(token_ids, slot_of_token, cache, table)
+
+    @gather_rows_op.register_fake
+    def _(token_ids, slot_of_token, cache, table):
+        return table.new_empty(token_ids.shape[0], table.shape[1])
+
+
+if HAS_TRITON and _registered("token_lookup_add") is None:
+    _register_ops()

@@ -1,0 +1,315 @@
+"""Token lookup tables: export (formats, sharding, index metadata), integrity refusals, resume, CLI, Hub upload."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn  # noqa: F401  (registers the architectures)
+from hf_memffn import cli
+from hf_memffn.conversion import export as export_module
+from hf_memffn.conversion import export_tols
+from hf_memffn.testing import tiny_config, tiny_tokenizer
+from hf_memffn.token_lookup import INDEX_NAME, REPORT_NAME, TokenLookupError, weights_fingerprint
+
+
+def build(arch="memoryllm", seed=0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
+
+
+def lookup_values(model, tokens):
+    """[T, N, d] memory outputs as the loaded table gives them (add_into on zeros)."""
+    readout = model.model.token_lookup.readout(tokens.view(1, -1))
+    zeros = torch.zeros(1, tokens.numel(), model.config.hidden_size)
+    return torch.stack([readout.add_into(zeros, layer)[0] for layer in range(model.config.num_hidden_layers)], 1)
+
+
+def exact_values(model, tokens):
+    with torch.no_grad():
+        return model.model.memory(model.model.embed_tokens(tokens.view(1, -1)))[0]
+
+
+def own_files(directory):
+    return sorted(name for name in os.listdir(directory) if name.startswith("token_lookup"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# layout and metadata
+# ---------------------------------------------------------------------------------------------------------------------
+def test_index_metadata_and_shards(model, tmp_path):
+    report = export_tols(model, tmp_path, format="fp32", batch_size=64, max_shard_size="50KB", progress=False)
+    with open(tmp_path / INDEX_NAME) as handle:
+        index = json.load(handle)
+    meta = index["metadata"]["token_lookup"]
+    config = model.config
+    assert (meta["vocab_size"], meta["num_hidden_layers"], meta["hidden_size"]) == (
+        config.vocab_size, config.num_hidden_layers, config.hidden_size)
+    assert meta["dtype"] == "float32" and meta["format"]["name"] == "fp32"
+    assert meta["layers"] == list(range(config.num_hidden_layers))
+    assert meta["fingerprint"] == weights_fingerprint(model)
+    shards = sorted(meta["shards"])
+    assert len(shards) == report["num_shards"] > 1
+    assert all(name.startswith("token_lookup-") and name.endswith(f"-of-{len(shards):05d}.safetensors") for name in shards)
+    assert set(index["weight_map"].values()) == set(shards)
+    assert report["size_bytes"] == sum(os.path.getsize(tmp_path / name) for name in shards)
+    assert report["max_relative_error"] == 0.0
+    # one contiguous row per token holding all its layers: rows.<start> is [rows, N * d]
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / index["weight_map"]["rows.000000064"], "pt") as handle:
+        block = handle.get_tensor("rows.000000064")
+    assert block.shape == (64, config.num_hidden_layers * config.hidden_size)
+    tokens = torch.arange(64, 128)
+    torch.testing.assert_close(block.view(64, config.num_hidden_layers, -1), exact_values(model, tokens))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_export_next_to_the_model_keeps_its_files(tmp_path):
+    model = build()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    model_files = sorted(n for n in os.listdir(tmp_path) if n.startswith("model"))
+    assert model_files
+    before = {name: os.path.getsize(tmp_path / name) for name in model_files}
+    export_tols(str(tmp_path), tmp_path, format="bf16", max_shard_size="30KB", progress=False)
+    export_tols(str(tmp_path), tmp_path, format="int8", group_size=32, max_shard_size="30KB", progress=False)
+    assert {name: os.path.getsize(tmp_path / name) for name in model_files} == before
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    reloaded.load_tols(tmp_path, placement="cpu")
+    assert reloaded.model.token_lookup.fmt.name == "int8"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# formats: each reports its size and error, and lookup stays within that error
+# ---------------------------------------------------------------------------------------------------------------------
+FORMATS = [
+    ("fp16", {}),
+    ("bf16", {}),
+    ("int8", {"group_size": 32}),
+    ("int4", {"group_size": 16}),
+    ("lowrank", {"energy": 0.9}),
+    ("lowrank", {"rank": 64, "factor_dtype": "fp32"}),
+    ("fp32", {"drop_layers": [1]}),
+]
+
+
+@pytest.mark.parametrize("fmt, options", FORMATS, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
+def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fmt, options):
+    eval_ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    report = export_tols(model, tmp_path, format=fmt, progress=False, eval_input_ids=eval_ids, **options)
+    fp32_bytes = model.config.vocab_size * model.config.num_hidden_layers * model.config.hidden_size * 4
+    full_rank = fmt == "lowrank" and "rank" in options  # coefficients as wide as the rows, plus the bases
+    assert 0 < report["size_bytes"] < fp32_bytes * (1.5 if full_rank else 0.8)
+    assert 0.0 <= report["mean_relative_error"] <= report["max_relative_error"]
+    assert {"loss_compute", "loss_lookup", "loss_delta"} <= set(report)
+    with open(tmp_path / REPORT_NAME) as handle:
+        assert json.load(handle)["size_bytes"] == report["size_bytes"]
+    model.load_tols(tmp_path, placement="cpu")
+    try:
+        tokens = torch.arange(model.config.vocab_size)
+        got, exact = lookup_values(model, tokens), exact_values(model, tokens)
+        kept = report["layers"]
+        errors = (got[:, kept] - exact[:, kept]).norm(dim=-1) / exact[:, kept].norm(dim=-1)
+        assert float(errors.max()) <= report["max_relative_error_kept_layers"] * (1 + 1e-4) + 1e-7
+        assert abs(float(errors.mean()) * len(kept) / model.config.num_hidden_layers
+                   + (model.config.num_hidden_layers - len(kept)) / model.config.num_hidden_layers
+                   - report["mean_relative_error"]) < 1e-4
+        for layer in options.get("drop_layers", []):
+            assert float(got[:, layer].abs().max()) == 0.0
+    finally:
+        model.unload_tols()
+    if fmt == "lowrank" and "energy" in options:
+        assert all(1 <= r < model.config.hidden_size for r in report["ranks"])
+    if fmt == "lowrank" and "rank" in options:
+        assert report["max_relative_error"] < 1e-5  # full rank in fp32 is exact up to rounding
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"format": "int3"}, "format"),
+    ({"format": "int8", "group_size": 48}, "group_size"),
+    ({"format": "lowrank"}, "rank or energy"),
+    ({"format": "lowrank", "rank": 4, "energy": 0.5}, "rank or energy"),
+    ({"format": "lowrank", "energy": 1.5}, "energy"),
+    ({"format": "bf16", "rank": 4}, "rank"),
+    ({"format": "bf16", "drop_layers": [0, 1]}, "drop_layers"),
+    ({"format": "bf16", "drop_layers": [7]}, "drop_layers"),
+])
+def test_bad_export_options_name_the_field(model, tmp_path, options, field):
+    with pytest.raises(ValueError, match=field):
+        export_tols(model, tmp_path, progress=False, **options)
+    assert not own_files(tmp_path)
+
+
+def test_non_memory_model_is_refused(tmp_path):
+    with pytest.raises((TypeError, ValueError), match="memory"):
+        export_tols(build("kvffn"), tmp_path, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# integrity
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def exported(model, tmp_path):
+    export_tols(model, tmp_path, format="bf16", batch_size=100, max_shard_size="30KB", progress=False)
+    return tmp_path
+
+
+def test_table_from_other_weights_is_refused(exported):
+    other = build(seed=0)
+    with torch.no_grad():
+        other.model.embed_tokens.weight[5, 0] += 0.5  # one changed embedding value
+    with pytest.raises(TokenLookupError, match="other weights"):
+        other.load_tols(exported, placement="cpu")
+    other = build(seed=0)
+    with torch.no_grad():
+        other.model.memory.down_proj[1, 2, 3] *= 2
+    with pytest.raises(TokenLookupError, match="other weights"):
+        other.load_tols(exported, placement="cpu")
+    assert other.model.token_lookup is None
+
+
+def test_same_weights_in_another_dtype_are_accepted(model, exported):
+    bf16_copy = build(seed=0).to(torch.bfloat16)
+    bf16_copy.load_tols(exported, placement="cpu")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_shard_is_named(model, exported, damage):
+    shard = sorted(n for n in os.listdir(exported) if n.startswith("token_lookup-"))[1]
+    path = exported / shard
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) - 100])
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+        path.write_bytes(data)
+    else:
+        path.unlink()
+    with pytest.raises(TokenLookupError, match=shard):
+        model.load_tols(exported, placement="cpu")
+    if damage == "flip":  # a size-only check cannot see a flipped byte; the default full check does
+        model.load_tols(exported, placement="cpu", verify="size")
+        model.unload_tols()
+
+
+def test_interrupted_export_never_loads_and_resumes(model, tmp_path, monkeypatch):
+    reference = tmp_path / "reference"
+    export_tols(model, reference, format="int4", group_size=16, batch_size=32, max_shard_size="6KB", progress=False)
+    target = tmp_path / "target"
+    real_save = export_module.save_file
+    calls = {"n": 0}
+
+    def failing_save(tensors, filename, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            with open(filename, "wb") as handle:  # a half-written temporary file, then the crash
+                handle.write(b"partial")
+            raise KeyboardInterrupt
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(export_module, "save_file", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        export_tols(model, target, format="int4", group_size=16, batch_size=32, max_shard_size="6KB", progress=False)
+    monkeypatch.setattr(export_module, "save_file", real_save)
+    assert not (target / INDEX_NAME).exists()
+    with pytest.raises(TokenLookupError, match="interrupted"):
+        model.load_tols(target, placement="cpu")
+    report = export_tols(model, target, format="int4", group_size=16, batch_size=32, max_shard_size="6KB",
+                         progress=False)
+    assert report["resumed"]
+    assert own_files(target) == own_files(reference)
+    from safetensors.torch import load_file
+
+    for name in own_files(reference):
+        if name.endswith(".safetensors"):  # same tensors (the bytes differ: safetensors orders metadata freely)
+            expected, got = load_file(reference / name), load_file(target / name)
+            assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    with open(reference / INDEX_NAME) as a, open(target / INDEX_NAME) as b:
+        assert json.load(a)["metadata"]["token_lookup"]["error"] == json.load(b)["metadata"]["token_lookup"]["error"]
+    again = export_tols(model, target, format="int4", group_size=16, batch_size=32, max_shard_size="6KB",
+                        progress=False)
+    assert again["already_complete"]
+
+
+def test_reexport_with_other_settings_replaces_the_table(model, tmp_path):
+    export_tols(model, tmp_path, format="fp32", batch_size=64, max_shard_size="20KB", progress=False)
+    many = own_files(tmp_path)
+    export_tols(model, tmp_path, format="int8", group_size=32, progress=False)
+    assert own_files(tmp_path) == sorted([INDEX_NAME, REPORT_NAME, "token_lookup.safetensors"])
+    assert len(many) > 3
+    model.load_tols(tmp_path, placement="disk")
+    assert model.model.token_lookup.fmt.name == "int8"
+    model.unload_tols()
+
+
+def test_lowrank_resume_reuses_the_stored_bases(model, tmp_path, monkeypatch):
+    options = dict(format="lowrank", energy=0.8, batch_size=64, max_shard_size="20KB", progress=False)
+    export_tols(model, tmp_path, **options)
+    os.remove(tmp_path / INDEX_NAME)
+    last = sorted(n for n in os.listdir(tmp_path) if n.startswith("token_lookup-"))[-1]
+    os.remove(tmp_path / last)
+    monkeypatch.setattr(export_module._Exporter, "_fit_lowrank", lambda *a: pytest.fail("bases refitted"))
+    report = export_tols(model, tmp_path, **options)
+    assert report["resumed"]
+    model.load_tols(tmp_path, placement="cpu")
+    model.unload_tols()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# command line and Hub
+# ---------------------------------------------------------------------------------------------------------------------
+def test_cli_exports_with_heldout_loss(tmp_path, capsys):
+    model = build()
+    model.attach_tokenizer(tiny_tokenizer())
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    text = tmp_path / "heldout.txt"
+    text.write_text("the memory stores a value of the key. " * 40)
+    assert cli.main(["export-tols", str(model_dir), str(tmp_path / "tol"), "--format", "int8", "--group-size", "32",
+                     "--eval-text", str(text), "--device", "cpu", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out loss" in printed and "relative error" in printed
+    with open(tmp_path / "tol" / REPORT_NAME) as handle:
+        report = json.load(handle)
+    assert abs(report["loss_delta"]) < 0.05 and report["eval_tokens"] > 100
+
+
+def test_push_to_hub_uploads_the_table(model, tmp_path, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return type("Commit", (), {"commit_url": "https://hub.example/commit/1"})()
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    report = export_tols(model, tmp_path, format="bf16", progress=False, push_to_hub="user/tols")
+    assert report["hub_commit"] == "https://hub.example/commit/1"
+    assert calls[0][:2] == ("create_repo", "user/tols")
+    upload = calls[1][1]
+    assert upload["repo_id"] == "user/tols" and upload["folder_path"] == str(tmp_path)
+    assert upload["allow_patterns"] == ["token_lookup*"]
+
+
+def test_demo_step_matches_compute_mode(tmp_path):
+    from hf_memffn.conversion import demo_step
+
+    build("flex_memoryllm").save_pretrained(tmp_path / "model")
+    results = demo_step(tmp_path / "model", tmp_path / "tables", max_new_tokens=6, device="cpu")
+    assert set(results) == {"fp32", "int8"}
+    assert results["fp32"]["tokens_match"] and results["fp32"]["logits_max_relative_diff"] < 1e-5
+    assert results["int8"]["size_bytes"] < results["fp32"]["size_bytes"] / 3

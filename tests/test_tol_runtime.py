@@ -1,0 +1,170 @@
+"""Token lookup runtime: lookup mode equals compute mode (fp32), every placement, dropping the memory FFN; GPU
+kernels and the device cache (GPU tests are skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn  # noqa: F401
+from hf_memffn.conversion import export_tols
+from hf_memffn.testing import tiny_config
+from hf_memffn.token_lookup import TokenLookupFormat, dequantize_rows, quantize_rows
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def build(arch, seed=0, device="cpu", **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(device).eval()
+
+
+def relative(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.fixture(scope="module", params=["memoryllm", "flex_memoryllm"])
+def exported(request, tmp_path_factory):
+    model = build(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    export_tols(model, directory, format="fp32", batch_size=96, max_shard_size="40KB", progress=False)
+    return model, directory
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_fp32_lookup_equals_compute(exported, placement):
+    model, directory = exported
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (3, 29), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    prompt = ids[:2, :7]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        tokens = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        model.load_tols(directory, placement=placement)
+        try:
+            assert model.model.token_lookup.kernel == "torch"
+            lookup_logits = model(input_ids=ids, attention_mask=mask).logits
+            lookup_tokens = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        finally:
+            model.unload_tols()
+    assert relative(lookup_logits, logits) < 1e-5
+    assert torch.equal(lookup_tokens, tokens)
+
+
+def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        reference = fresh(input_ids=ids).logits
+    counts = fresh.parameter_counts()
+    with pytest.raises(ValueError, match="load_tols"):
+        fresh.drop_memory_ffn()
+    fresh.load_tols(directory, placement="cpu", drop_memory_ffn=True)
+    assert fresh.model.memory is None
+    assert sum(p.numel() for p in fresh.parameters()) == counts["active"]
+    assert not any("memory." in k or "token_lookup" in k for k in fresh.state_dict())
+    with torch.no_grad():
+        assert relative(fresh(input_ids=ids).logits, reference) < 1e-5
+    with pytest.raises(ValueError, match="dropped"):
+        fresh.unload_tols()
+    fresh.load_tols(directory, placement="disk")  # the fingerprint kept at drop time still checks tables
+    fresh.model.token_lookup = None
+    with pytest.raises(RuntimeError, match="drop_memory_ffn"):
+        fresh(input_ids=ids)
+
+
+def test_bad_runtime_options_name_the_field(exported):
+    model, directory = exported
+    with pytest.raises(ValueError, match="placement"):
+        model.load_tols(directory, placement="tpu")
+    with pytest.raises(ValueError, match="verify"):
+        model.load_tols(directory, placement="cpu", verify="quick")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="placement='gpu'"):
+            model.load_tols(directory, placement="gpu")
+        with pytest.raises(ValueError, match="kernel='triton'"):
+            model.load_tols(directory, placement="cpu", kernel="triton")
+    assert model.model.token_lookup is None
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_rows_round_trip(name):
+    values = torch.randn(7, 4 * 64) * torch.logspace(-3, 2, 7).unsqueeze(1)
+    fmt = TokenLookupFormat(name=name, group_size=16)
+    encoded = quantize_rows(values, fmt)
+    decoded = dequantize_rows(encoded["rows"], encoded["scales"], fmt)
+    step = encoded["scales"].float().repeat_interleave(16, dim=1)
+    assert bool(((decoded - values).abs() <= step * 0.5 + 1e-12).all())  # within half a quantization step
+    if name == "int4":
+        assert encoded["rows"].dtype == torch.uint8 and encoded["rows"].shape == (7, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4"])
+def test_triton_lookup_add_matches_float64(name):
+    from hf_memffn.token_lookup_triton import lookup_add_triton
+
+    torch.manual_seed(0)
+    d, layers, vocab = 384, 3, 500
+    fmt = TokenLookupFormat(name=name, group_size=32 if name in ("int8", "int4") else None)
+    encoded = quantize_rows(torch.randn(vocab, layers * d, device="cuda"), fmt)
+    rows, scales = encoded["rows"], encoded.get("scales")
+    ids = torch.randint(0, vocab, (53,), device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(53, d, device="cuda").to(dtype)
+        for k in range(layers):
+            out = lookup_add_triton(hidden, ids, rows, scales, k, d, name, fmt.group_size or 1)
+            width = d // 2 if name == "int4" else d
+            sl = rows[ids][:, k * width:(k + 1) * width]
+            sc = scales[ids][:, k * d // 32:(k + 1) * d // 32] if scales is not None else None
+            reference = hidden.double() + dequantize_rows(sl, sc, fmt).double()
+            error = float((out.double() - reference).norm() / reference.norm())
+            assert error < (1e-6 if dtype == torch.float32 else 1e-2), (name, dtype, k, error)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("placement, cache_rows", [("gpu", 0), ("cpu", 64), ("cpu", 0), ("disk", 80)])
+def test_gpu_placements_equal_compute(exported, placement, cache_rows):
+    cpu_model, directory = exported
+    model = build(cpu_model.config.model_type.replace("memffn_", ""), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (4, 17), device="cuda")
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        tokens = model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        table = model.load_tols(directory, placement=placement, cache_rows=cache_rows,
+                                frequent_tokens=torch.arange(model.config.vocab_size).flip(0))
+        assert table.kernel == "triton"
+        for _ in range(2):  # second pass: the disk cache is warm
+            assert relative(model(input_ids=ids).logits, logits) < 1e-5
+        assert torch.equal(model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
+    if placement == "disk":
+        assert 0 < table.cache_hits < table.cache_lookups
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("placement, backend", [("gpu", "inductor"), ("cpu", "inductor"), ("cpu", "cudagraphs")])
+def test_compiled_generate_with_static_cache_matches_eager(tmp_path, placement, backend):
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = build("memoryllm", device="cuda")
+    export_tols(model, tmp_path, format="int8", group_size=32, progress=False)
+    model.load_tols(tmp_path, placement=placement, cache_rows=64, drop_memory_ffn=True)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), device="cuda")
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eager = model.generate(prompt, **options)
+    mode = "reduce-overhead" if backend == "inductor" else None
+    compiled = model.generate(prompt, cache_implementation="static",
+                              compile_config=CompileConfig(backend=backend, mode=mode, fullgraph=True), **options)
+    assert torch.equal(compiled, eager)
+    torch._dynamo.reset()
