@@ -1,0 +1,330 @@
+"""One call that runs every instrument and returns a JSON-ready report: `analyze(model, tokenizer, texts)`.
+
+The report (a plain dict) has these sections:
+
+* `model`: class, type and the memory banks (name, layer, kind, number of cells);
+* `texts`: for each text, its tokens and, per bank, the top cells of every token, the sparsity and the number of
+  cells that carry 90% of the coefficient mass (and, for FlashMHF, the mass share of each head and sub-network);
+* `banks`: per bank, the averages of those statistics over all texts and the key-value agreement;
+* `cells`: per bank, the most strongly triggered cells, each with its top-triggering prefixes over the dataset
+  and the tokens its value vector promotes;
+* `contributions`: per layer, the norms of the attention, FFN and token-memory (lookup-table) outputs;
+* `token_memory` (MemoryLLM / FlexMemoryLLM): per analysed layer, the token clusters and the most shared cells;
+* `edits`: memory edits and their effect on next-token predictions (reverted after measuring).
+
+`write_report` (report.py) renders it as JSON + a self-contained HTML page with plots.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .coefficients import coefficients_for_ids, summarize_coefficients
+from .editing import edit_next_token
+from .memory_banks import MemoryBank, decoder_of, memory_banks
+from .token_memory import layer_contributions, token_clusters, token_memory_map
+from .triggers import top_triggering_prefixes
+from .vocabulary import key_value_agreement, project_values
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Texts from a file: one per line, or a `.jsonl` file with a "text" field per line. Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"texts file {str(path)!r} does not exist")
+    texts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{path}:{number}: each .jsonl line must be an object with a string field 'text'")
+            texts.append(record["text"])
+        else:
+            texts.append(line)
+    if not texts:
+        raise ValueError(f"texts file {str(path)!r} holds no text")
+    return texts
+
+
+class TokenNames:
+    """Readable strings for token ids (decoded one by one, so byte-level markers disappear)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        token_id = int(token_id)
+        if token_id not in self._cache:
+            self._cache[token_id] = self.tokenizer.decode([token_id])
+        return self._cache[token_id]
+
+    def many(self, ids: Iterable[int]) -> list[str]:
+        return [self(i) for i in ids]
+
+
+def encode(tokenizer, texts: Iterable[str], max_length: int) -> Iterable[list[int]]:
+    for text in texts:
+        yield tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+
+
+def _text_section(model, banks, token_lists, names: TokenNames, top_cells: int) -> tuple[list[dict], dict]:
+    texts, totals = [], {bank.name: {"sparsity": 0.0, "cells_for_mass": 0.0, "tokens": 0} for bank in banks}
+    group_mass: dict[str, list[torch.Tensor]] = {}
+    for ids in tqdm(token_lists, desc="memory coefficients", unit="text"):
+        coefficients = coefficients_for_ids(model, torch.as_tensor(ids), banks)
+        per_bank = {}
+        for bank in banks:
+            summary = summarize_coefficients(coefficients[bank.name], bank, top_k=top_cells)
+            per_bank[bank.name] = {
+                "top_cells": [
+                    [[bank.cell_label(c), round(float(v), 5)] for c, v in zip(cells, values)]
+                    for cells, values in zip(summary.top_cells.tolist(), summary.top_values.tolist())
+                ],
+                "sparsity": summary.sparsity.tolist(),
+                "cells_for_mass": summary.cells_for_mass.tolist(),
+            }
+            totals[bank.name]["sparsity"] += float(summary.sparsity.sum())
+            totals[bank.name]["cells_for_mass"] += float(summary.cells_for_mass.float().sum())
+            totals[bank.name]["tokens"] += len(ids)
+            if summary.group_mass is not None:
+                group_mass.setdefault(bank.name, []).append(summary.group_mass)
+        texts.append({"tokens": names.many(ids), "banks": per_bank})
+    stats = {}
+    for bank in banks:
+        n = max(totals[bank.name]["tokens"], 1)
+        stats[bank.name] = {
+            "mean_sparsity": totals[bank.name]["sparsity"] / n,
+            "mean_cells_for_90pct_mass": totals[bank.name]["cells_for_mass"] / n,
+        }
+        if bank.name in group_mass:
+            stats[bank.name]["head_subnetwork_mass"] = torch.stack(group_mass[bank.name]).mean(0).tolist()
+    return texts, stats
+
+
+def _cells_section(
+    model, banks, dataset_ids, names: TokenNames, top_triggers: int, cells_per_bank: int, top_tokens: int,
+    agreement_cells: int, batch_size: int, pad_token_id: int, stats: dict,
+) -> dict:
+    index = top_triggering_prefixes(
+        model, dataset_ids, banks, k=top_triggers, batch_size=batch_size, pad_token_id=pad_token_id
+    )
+    generator = torch.Generator().manual_seed(0)
+    section = {}
+    for bank in banks:
+        triggers = index.triggers[bank.name]
+        best_score = torch.tensor([cell[0].coefficient if cell else float("-inf") for cell in triggers])
+        shown = best_score.topk(min(cells_per_bank, bank.num_cells)).indices
+        sample = torch.randperm(bank.num_cells, generator=generator)[:agreement_cells]
+        cells = torch.cat([shown, sample[~torch.isin(sample, shown)]])
+        projection = project_values(model, bank, cells, top_n=top_tokens)
+        agreement = key_value_agreement(projection, [triggers[int(c)] for c in cells])
+        sampled = agreement[torch.isin(cells, sample)]  # the bank's figure: the random sample only (unbiased)
+        valid = sampled[~sampled.isnan()]
+        stats[bank.name]["key_value_agreement"] = float(valid.mean()) if len(valid) else None
+        stats[bank.name]["agreement_cells"] = int(len(valid))
+        shown_cells = []
+        for row in range(len(shown)):
+            cell = int(cells[row])
+            shown_cells.append(
+                {
+                    "cell": bank.cell_label(cell),
+                    "index": cell,
+                    "promotes": names.many(projection.top_ids[row].tolist()),
+                    "promotes_logits": [round(v, 4) for v in projection.top_logits[row].tolist()],
+                    "demotes": names.many(projection.bottom_ids[row].tolist()),
+                    "agreement": None if agreement[row].isnan() else float(agreement[row]),
+                    "triggers": [
+                        {
+                            "coefficient": round(t.coefficient, 5),
+                            "text_index": t.text_index,
+                            "position": t.position,
+                            "prefix": names.many(t.prefix_ids),
+                            "next": names(t.next_id),
+                        }
+                        for t in triggers[cell]
+                    ],
+                }
+            )
+        section[bank.name] = shown_cells
+    return section
+
+
+def _token_memory_section(
+    model, names: TokenNames, layers: Sequence[int], num_clusters: int, cluster_tokens: torch.Tensor | None
+) -> dict:
+    section = {}
+    maps = {m.layer: m for m in token_memory_map(model, layers=layers, top_k=1)}
+    for layer in layers:
+        clusters = token_clusters(model, layer, num_clusters=num_clusters, token_ids=cluster_tokens)
+        top1 = maps[layer].top_cells[:, 0]
+        counts = torch.bincount(top1)
+        busiest = counts.topk(min(5, int((counts > 0).sum()))).indices.tolist()
+        section[str(layer)] = {
+            "top_cell_per_token": top1.tolist(),  # the token-to-memory map over the whole vocabulary
+            "cells_used_as_top1": int((counts > 0).sum()),
+            "busiest_cells": [
+                {
+                    "cell": c,
+                    "num_tokens": int(counts[c]),
+                    "tokens": names.many(maps[layer].tokens_of_cell(c)[:20].tolist()),
+                }
+                for c in busiest
+            ],
+            "clusters": [
+                {
+                    "size": len(cluster.tokens),
+                    "cohesion": round(cluster.cohesion, 4),
+                    "shared_cells": cluster.shared_cells,
+                    "tokens": names.many(cluster.tokens[:30]),
+                }
+                for cluster in clusters
+            ],
+        }
+    return section
+
+
+def _edit_section(
+    model, tokenizer, names: TokenNames, edits: Sequence[tuple[str, str]], strength: float
+) -> list[dict]:
+    results = []
+    for prompt, target in edits:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+        if not prompt_ids or not target_ids:
+            raise ValueError(f"edit ({prompt!r}, {target!r}): prompt and target must both contain tokens")
+        result = edit_next_token(model, torch.as_tensor(prompt_ids), target_ids[0], strength=strength)
+        result.edit.revert()
+        results.append(
+            {
+                "prompt": prompt,
+                "edited_token": names(prompt_ids[-1]),
+                "target": names(target_ids[0]),
+                "method": result.method,
+                "location": result.location,
+                "target_probability_before": result.target_probability_before,
+                "target_probability_after": result.target_probability_after,
+                "top_before": [[names(i), p] for i, p in result.top_before],
+                "top_after": [[names(i), p] for i, p in result.top_after],
+            }
+        )
+    return results
+
+
+def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, target_rank: int = 10) -> tuple[str, str]:
+    """A demonstration edit: the first words of `text`, and the token the model ranks `target_rank`-th after them."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
+    prompt = tokenizer.decode(ids)
+    prompt_ids = torch.as_tensor(tokenizer(prompt)["input_ids"])
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=prompt_ids.reshape(1, -1).to(device)).logits[0, -1, : len(tokenizer)]
+    for token_id in logits.argsort(descending=True)[target_rank - 1 :].tolist():
+        target = tokenizer.decode([token_id])
+        if tokenizer(target, add_special_tokens=False)["input_ids"][:1] == [token_id]:  # survives re-encoding
+            return prompt, target
+    raise ValueError("no token of the vocabulary can serve as the demonstration edit's target")
+
+
+def analyze(
+    model: torch.nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    dataset: Iterable[str] | None = None,
+    max_length: int = 128,
+    batch_size: int = 8,
+    top_cells: int = 5,
+    top_triggers: int = 8,
+    cells_per_bank: int = 4,
+    top_tokens: int = 10,
+    agreement_cells: int = 256,
+    num_clusters: int = 12,
+    memory_layers: Sequence[int] | None = None,
+    cluster_vocabulary: bool = False,
+    edits: Sequence[tuple[str, str]] | None = None,
+    edit_strength: float = 2.0,
+    banks: Sequence[MemoryBank] | None = None,
+) -> dict:
+    """Runs every instrument on `model` and returns the report dict (see the module docstring).
+
+    `texts` are analysed token by token; `dataset` (default: `texts`) is streamed for the top-triggering prefixes.
+    `edits`: (prompt, target) pairs; default: one demonstration edit on the first text (see `default_edit`);
+    `edit_strength`: see `edit_next_token`.
+    `cluster_vocabulary`: cluster the whole vocabulary (its first 8192 ids) instead of the tokens that occur in the
+    texts and the dataset (untrained tokens of a small model otherwise form large meaningless clusters).
+    `memory_layers`: token-memory layers to cluster (default: first, middle and last of the analysed ones).
+    `banks`: the memory banks to analyse (default: all; see `memory_banks` and `select_banks`).
+    """
+    if not texts:
+        raise ValueError("texts is empty: give at least one text to analyse")
+    model.eval()
+    banks = memory_banks(model) if banks is None else list(banks)
+    names = TokenNames(tokenizer)
+    token_lists = [ids for ids in encode(tokenizer, texts, max_length) if ids]
+    if not token_lists:
+        raise ValueError("texts give no tokens: every text is empty after tokenization")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    report: dict = {
+        "model": {
+            "class": type(model).__name__,
+            "model_type": getattr(model.config, "model_type", None),
+            "num_layers": len(decoder_of(model).layers),
+            "banks": [
+                {
+                    "name": b.name,
+                    "layer": b.layer,
+                    "kind": b.kind,
+                    "num_cells": b.num_cells,
+                    "cell_shape": list(b.cell_shape),
+                    "cell_axes": list(b.cell_axes),
+                }
+                for b in banks
+            ],
+        }
+    }
+    report["texts"], stats = _text_section(model, banks, token_lists, names, top_cells)
+    seen_tokens = {token for ids in token_lists for token in ids}
+
+    def remember_tokens(lists: Iterable[list[int]]) -> Iterable[list[int]]:
+        for ids in lists:
+            seen_tokens.update(ids)
+            yield ids
+
+    dataset_ids = remember_tokens(encode(tokenizer, texts if dataset is None else dataset, max_length))
+    report["cells"] = _cells_section(
+        model, banks, dataset_ids, names, top_triggers, cells_per_bank, top_tokens, agreement_cells, batch_size,
+        pad_token_id, stats,
+    )
+    report["banks"] = stats
+    contributions = layer_contributions(model, token_lists)
+    report["contributions"] = {
+        "attention": contributions.attention,
+        "ffn": contributions.ffn,
+        "memory": contributions.memory,
+        "memory_share": contributions.memory_share,
+        "ffn_share": contributions.ffn_share,
+    }
+    token_memory_layers = [bank.layer for bank in banks if bank.context_free]
+    if token_memory_layers:
+        if memory_layers is None:
+            ends = (0, len(token_memory_layers) // 2, -1)
+            memory_layers = sorted({token_memory_layers[i] for i in ends})
+        if cluster_vocabulary:
+            cluster_tokens = None
+        else:
+            cluster_tokens = torch.tensor(sorted(seen_tokens - set(tokenizer.all_special_ids)), dtype=torch.long)
+        report["token_memory"] = _token_memory_section(model, names, list(memory_layers), num_clusters, cluster_tokens)
+        report["token_memory_clustered"] = "vocabulary" if cluster_vocabulary else "tokens seen in the texts"
+    if edits is None:
+        edits = [default_edit(model, tokenizer, texts[0])]
+    report["edits"] = _edit_section(model, tokenizer, names, edits, edit_strength)
+    return report

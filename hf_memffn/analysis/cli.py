@@ -1,0 +1,108 @@
+"""`hf-memffn analyze MODEL_DIR --texts FILE --out REPORT_DIR`: what do the FFN memories of a model store?
+
+Loads any causal LM the Auto classes know (the four memffn architectures, any HF Llama-family model) with its
+tokenizer, runs every instrument of `hf_memffn.analysis` and writes `report.json`, PNG plots and a self-contained
+`index.html`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _edit(value: str) -> tuple[str, str]:
+    if "=>" not in value:
+        raise argparse.ArgumentTypeError(f"--edit {value!r}: expected 'PROMPT=>TARGET', e.g. 'The capital is=> Paris'")
+    prompt, target = value.rsplit("=>", 1)
+    return prompt, target
+
+
+def _override(value: str) -> tuple[str, object]:
+    if "=" not in value:
+        raise argparse.ArgumentTypeError(f"--override {value!r}: expected KEY=VALUE, e.g. ffn_kernel=torch")
+    key, raw = value.split("=", 1)
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError:
+        parsed = raw  # a plain string
+    return key.strip(), parsed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a saved model directory (or hub id already cached)")
+    parser.add_argument("--texts", required=True, help="texts to analyse: one per line, or .jsonl with a 'text' field")
+    parser.add_argument("--out", required=True, help="report directory (created; files in it are replaced)")
+    parser.add_argument("--dataset", help="texts streamed for the top-triggering prefixes (default: --texts)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--layers", help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
+                        help="config field set when loading (repeatable), e.g. ffn_kernel=torch")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are truncated)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--top-triggers", type=int, default=8, help="top-triggering prefixes kept per cell")
+    parser.add_argument("--cells-per-bank", type=int, default=4, help="cells shown per memory bank")
+    parser.add_argument("--top-tokens", type=int, default=10, help="tokens shown per value projection")
+    parser.add_argument("--clusters", type=int, default=12, help="token clusters per token-memory layer")
+    parser.add_argument("--edit-strength", type=float, default=2.0,
+                        help="residual move of an edit, in units of the final residual norm (default 2)")
+    parser.add_argument("--cluster-vocabulary", action="store_true",
+                        help="cluster the whole vocabulary, not only the tokens that occur in the texts")
+    parser.add_argument(
+        "--edit", action="append", type=_edit, metavar="PROMPT=>TARGET",
+        help="memory edit to demonstrate (repeatable); default: one edit on the first text",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_memffn  # noqa: F401  (registers the memffn architectures with the Auto classes)
+
+    from .analyze import analyze, read_texts
+    from .memory_banks import memory_banks
+    from .report import write_report
+
+    for name in ("max_length", "batch_size", "top_triggers", "cells_per_bank", "top_tokens", "clusters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    layers = None
+    if args.layers:
+        try:
+            layers = sorted({int(part) for part in args.layers.split(",") if part.strip()})
+        except ValueError:
+            raise ValueError(f"--layers={args.layers!r} must be comma-separated integers, e.g. 0,11,23") from None
+    texts = read_texts(args.texts)
+    dataset = read_texts(args.dataset) if args.dataset else None
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    dtype = getattr(torch, dtype_name)
+    overrides = dict(args.override)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=dtype, **overrides)
+    model.to(device).eval()
+    banks = memory_banks(model)
+    if layers is not None:
+        available = sorted({bank.layer for bank in banks})
+        unknown = [layer for layer in layers if layer not in available]
+        if unknown:
+            raise ValueError(f"--layers={args.layers!r}: layers {unknown} do not exist; allowed: {available}")
+        banks = [bank for bank in banks if bank.layer in layers]
+    print(f"analyzing {type(model).__name__} from {args.model_dir} on {device} ({dtype_name}), {len(texts)} texts")
+    report = analyze(
+        model, tokenizer, texts, dataset=dataset, max_length=args.max_length, batch_size=args.batch_size,
+        top_triggers=args.top_triggers, cells_per_bank=args.cells_per_bank, top_tokens=args.top_tokens,
+        num_clusters=args.clusters, edits=args.edit, banks=banks,
+        cluster_vocabulary=args.cluster_vocabulary, edit_strength=args.edit_strength,
+    )
+    report["run"] = {"model_dir": str(args.model_dir), "device": device, "dtype": dtype_name,
+                     "seconds": round(time.perf_counter() - start, 2)}
+    html_path = write_report(report, args.out, title=f"FFN memory analysis: {args.model_dir}")
+    print(f"wrote {html_path} and report.json ({report['run']['seconds']} s)")
+    return 0

@@ -1,0 +1,288 @@
+"""Memory editing: change what a token's memory outputs and measure the effect on next-token predictions.
+
+Two edits, both reversible (`apply()` / `revert()`, or use them as context managers):
+
+* `ValueEdit` (every architecture): add a model-space vector to the value of one memory cell. `edit_next_token`
+  picks the cell that the prompt's last token triggers most in the edited layer (largest |c_j| * ||v_j||) and moves
+  its value so that, at that position, the FFN output makes the move that most raises the target's probability.
+* `TokenMemoryEdit` (MemoryLLM / FlexMemoryLLM): rewrite one token's memory output rows, i.e. its lookup-table row,
+  by adding a `[num_layers, hidden]` delta to the memory's output wherever that token occurs. It is held by a small
+  wrapper around the decoder's memory readout, so it works with the computed memory and with loaded lookup tables
+  alike; no weight changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .coefficients import coefficients_for_ids
+from .memory_banks import MemoryBank, decoder_of, memory_banks
+
+
+def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
+    """Unit model-space vector that raises the target's logit relative to the others, through the final RMSNorm."""
+    weight = model.get_output_embeddings().weight.detach().float()
+    if not 0 <= target_id < weight.shape[0]:
+        raise ValueError(f"target_id={target_id} is outside the vocabulary [0, {weight.shape[0]})")
+    direction = weight[target_id] - weight.mean(0)
+    norm_weight = getattr(decoder_of(model).norm, "weight", None)
+    if norm_weight is not None:
+        direction = direction * norm_weight.detach().float()
+    return direction / direction.norm()
+
+
+@torch.no_grad()
+def next_token_probabilities(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """`[vocab]` next-token distribution after the sequence `input_ids` (`[length]`)."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.reshape(1, -1).to(device)).logits[0, -1]
+    return logits.float().softmax(-1).cpu()
+
+
+@torch.no_grad()
+def final_residual(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The residual stream entering the final norm at the last position (`[hidden]`)."""
+    captured: list[torch.Tensor] = []
+    handle = decoder_of(model).norm.register_forward_pre_hook(lambda module, args: captured.append(args[0][0, -1]))
+    try:
+        model(input_ids=input_ids.reshape(1, -1).to(next(model.parameters()).device))
+    finally:
+        handle.remove()
+    return captured[-1].detach()
+
+
+def promotion_move(
+    model: torch.nn.Module, input_ids: torch.Tensor, target_id: int, strength: float = 2.0, steps: int = 60
+) -> torch.Tensor:
+    """The residual-stream change at the prompt's last position, of norm at most `strength` times the residual's,
+    that most raises log p(target) through the final norm and the output embedding (projected gradient ascent).
+
+    Moving along `promotion_direction` alone can raise tokens whose output embeddings resemble the target's (other
+    cities, say) even more; ascending on log p(target) itself pushes the target above them.
+    """
+    residual = final_residual(model, input_ids).float()
+    budget = strength * float(residual.norm())
+    norm, head = decoder_of(model).norm, model.get_output_embeddings()
+    dtype = head.weight.dtype
+    move = (0.5 * budget * promotion_direction(model, target_id)).requires_grad_(True)
+    optimizer = torch.optim.Adam([move], lr=0.05 * budget)
+    with torch.enable_grad():
+        for _ in range(steps):
+            logits = head(norm((residual + move).to(dtype))).float()
+            loss = -torch.log_softmax(logits, dim=-1)[target_id]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                move.mul_(min(1.0, budget / max(float(move.norm()), 1e-30)))
+    return move.detach()
+
+
+@dataclass
+class ValueEdit:
+    """Adds `delta` (model space) to the value vector of `cell` in `bank`; `revert()` restores the exact weights."""
+
+    bank: MemoryBank
+    cell: int
+    delta: torch.Tensor
+    _saved: torch.Tensor | None = field(default=None, repr=False)
+
+    def apply(self) -> "ValueEdit":
+        if self._saved is not None:
+            raise RuntimeError("edit already applied")
+        self._saved = self.bank.value_parameter().detach().clone()
+        self.bank.add_to_value(self.cell, self.delta)
+        return self
+
+    def revert(self) -> None:
+        if self._saved is None:
+            raise RuntimeError("edit is not applied")
+        with torch.no_grad():
+            self.bank.value_parameter().copy_(self._saved)
+        self._saved = None
+
+    def __enter__(self) -> "ValueEdit":
+        return self.apply()
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def has_token_memory(model: torch.nn.Module) -> bool:
+    """True for models whose layers read a memory on the token embeddings (computed or from a lookup table)."""
+    decoder = decoder_of(model)
+    computed = getattr(decoder, "memory", None) is not None
+    return hasattr(decoder, "memory_readout") and (computed or getattr(decoder, "token_lookup", None) is not None)
+
+
+class _EditedReadout:
+    """Wraps the decoder's memory readout: adds `row_delta[layer]` wherever the token occurs."""
+
+    def __init__(self, readout, token_mask: torch.Tensor, row_delta: torch.Tensor):
+        self.readout = readout
+        self.token_mask = token_mask  # [B, L, 1]
+        self.row_delta = row_delta  # [N, d]
+
+    def add_into(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        hidden = self.readout.add_into(hidden, layer_idx)
+        delta = self.row_delta[layer_idx].to(device=hidden.device, dtype=hidden.dtype)
+        return hidden + self.token_mask.to(hidden.dtype) * delta
+
+
+@dataclass
+class TokenMemoryEdit:
+    """Adds `row_delta` (`[num_layers, hidden]`) to the memory output of every occurrence of `token_id`.
+
+    It wraps the decoder's `memory_readout` (the seam where the memory enters the layers) on this model instance,
+    so it works the same whether the memory is computed or read from a loaded lookup table.
+    """
+
+    model: torch.nn.Module
+    token_id: int
+    row_delta: torch.Tensor
+    _decoder: torch.nn.Module | None = field(default=None, repr=False)
+
+    def apply(self) -> "TokenMemoryEdit":
+        if self._decoder is not None:
+            raise RuntimeError("edit already applied")
+        if not has_token_memory(self.model):
+            raise ValueError(f"model of class {type(self.model).__name__} has no memory on the token embeddings")
+        decoder = decoder_of(self.model)
+        if self.row_delta.shape != (len(decoder.layers), decoder.embed_tokens.weight.shape[1]):
+            raise ValueError(f"row_delta has shape {tuple(self.row_delta.shape)}, expected [num_layers, hidden_size]")
+        original = decoder.memory_readout
+
+        def edited_readout(input_ids, inputs_embeds):
+            if input_ids is None:
+                raise ValueError("a TokenMemoryEdit needs `input_ids` (the edited token is found by its id)")
+            mask = (input_ids == self.token_id).unsqueeze(-1)
+            return _EditedReadout(original(input_ids, inputs_embeds), mask, self.row_delta)
+
+        decoder.memory_readout = edited_readout  # instance attribute: shadows the method until revert
+        self._decoder = decoder
+        return self
+
+    def revert(self) -> None:
+        if self._decoder is None:
+            raise RuntimeError("edit is not applied")
+        del self._decoder.memory_readout
+        self._decoder = None
+
+    def __enter__(self) -> "TokenMemoryEdit":
+        return self.apply()
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+@dataclass
+class EditResult:
+    """What an edit changed at the prompt's next-token prediction."""
+
+    method: str  # "value" or "token_memory"
+    location: str  # bank and cell, or token and layer
+    target_id: int
+    target_probability_before: float
+    target_probability_after: float
+    top_before: list[tuple[int, float]]
+    top_after: list[tuple[int, float]]
+    edit: ValueEdit | TokenMemoryEdit = field(repr=False)
+
+
+def _trigger_cell(model, input_ids, banks) -> tuple[MemoryBank, int, torch.Tensor]:
+    """(bank, cell, the bank's coefficients at the last position) of the cell with the largest |c_j| * ||v_j||."""
+    coefficients = coefficients_for_ids(model, input_ids, banks)
+    best: tuple[float, MemoryBank, int, torch.Tensor] | None = None
+    for bank in banks:
+        last = coefficients[bank.name][-1]
+        contribution = last.abs() * bank.value_vectors().float().norm(dim=-1).cpu()
+        cell = int(contribution.argmax())
+        if best is None or contribution[cell] > best[0]:
+            best = (float(contribution[cell]), bank, cell, last)
+    if best is None:
+        raise ValueError("no memory bank to search: `banks` is empty")
+    return best[1], best[2], best[3]
+
+
+def find_trigger_cell(
+    model: torch.nn.Module, input_ids: torch.Tensor, banks: Sequence[MemoryBank] | None = None
+) -> tuple[MemoryBank, int, float]:
+    """The cell the last token triggers most: largest |c_j| * ||v_j|| at the last position, over `banks`.
+
+    Returns (bank, flat cell index, coefficient).
+    """
+    bank, cell, last = _trigger_cell(model, input_ids, memory_banks(model) if banks is None else list(banks))
+    return bank, cell, float(last[cell])
+
+
+def _top(probabilities: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    values, ids = probabilities.topk(min(n, probabilities.numel()))
+    return [(int(i), float(v)) for i, v in zip(ids, values)]
+
+
+def edit_next_token(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    target_id: int,
+    strength: float = 2.0,
+    method: str = "auto",
+    layer: int | None = None,
+    banks: Sequence[MemoryBank] | None = None,
+    top_n: int = 5,
+) -> EditResult:
+    """Edits the memory of the prompt's last token so that it promotes `target_id`; the edit stays applied.
+
+    `method`: "value" (targeted value edit of the cell the last token triggers most), "token_memory" (rewrite the
+    token's memory row; MemoryLLM / FlexMemoryLLM) or "auto" (token_memory when the model has one, else value).
+    `strength`: largest residual-stream move at the prompt's last position, in units of the final residual's norm;
+    the move itself is the one that most raises log p(target) (see `promotion_move`).
+    `layer`: the layer edited (default: the last, whose output reaches the prediction directly); a value edit
+    searches the cell among that layer's `banks` (default: all of the model's banks).
+    Call `result.edit.revert()` to undo.
+    """
+    methods = ("auto", "value", "token_memory")
+    if method not in methods:
+        raise ValueError(f"method={method!r} is not one of {methods}")
+    input_ids = torch.as_tensor(input_ids).reshape(-1)
+    has_memory = has_token_memory(model)
+    if method == "auto":
+        method = "token_memory" if has_memory else "value"
+    num_layers = len(decoder_of(model).layers)
+    layer = num_layers - 1 if layer is None else layer
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer={layer} must be in [0, {num_layers})")
+    before = next_token_probabilities(model, input_ids)
+    move = promotion_move(model, input_ids, target_id, strength)
+    edit: ValueEdit | TokenMemoryEdit
+    if method == "value":
+        candidates = [bank for bank in (memory_banks(model) if banks is None else banks) if bank.layer == layer]
+        if not candidates:
+            raise ValueError(f"layer={layer} has no memory bank to edit")
+        bank, cell, last = _trigger_cell(model, input_ids, candidates)
+        coefficient = float(last[cell])
+        if coefficient == 0.0:
+            raise ValueError("the prompt's last token triggers no memory cell (all coefficients are zero)")
+        edit = ValueEdit(bank, cell, bank.value_delta_for_output(cell, last, move)).apply()
+        location = f"{bank.name} cell {bank.cell_label(cell)} (coefficient {coefficient:.3g})"
+    else:
+        if not has_memory:
+            raise ValueError(f"method='token_memory' needs a MemoryLLM/FlexMemoryLLM model, got {type(model).__name__}")
+        rows = torch.zeros(num_layers, move.numel())
+        rows[layer] = move
+        token_id = int(input_ids[-1])
+        edit = TokenMemoryEdit(model, token_id, rows).apply()
+        location = f"token {token_id} memory row of layer {layer}"
+    after = next_token_probabilities(model, input_ids)
+    return EditResult(
+        method=method,
+        location=location,
+        target_id=int(target_id),
+        target_probability_before=float(before[target_id]),
+        target_probability_after=float(after[target_id]),
+        top_before=_top(before, top_n),
+        top_after=_top(after, top_n),
+        edit=edit,
+    )

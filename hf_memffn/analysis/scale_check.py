@@ -1,0 +1,90 @@
+"""Scale check of the memory analysis: a randomly initialised Llama of real size (default ~1B parameters) analysed
+end to end, timing each stage. Weights are random, so only the cost is meaningful, not the findings.
+
+    python -m hf_memffn.analysis.scale_check --device cuda --out scale.json
+
+Prints a table and writes JSON (device, model shape, seconds per stage, peak GPU memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_memffn.testing import tiny_tokenizer
+
+from .analyze import analyze
+from .report import write_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--intermediate-size", type=int, default=5632)
+    parser.add_argument("--num-layers", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--num-texts", type=int, default=16)
+    parser.add_argument("--dataset-texts", type=int, default=256)
+    parser.add_argument("--text-words", type=int, default=100)
+    parser.add_argument("--out", default="analysis-scale.json")
+    parser.add_argument("--report-dir", help="also write the HTML report here")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.hidden_size // 64, num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    tokenizer = tiny_tokenizer()
+    words = ["memory", "key", "value", "token", "layer", "head", "the", "a", "of", "is", "reads", "stores"]
+    generator = torch.Generator().manual_seed(0)
+
+    def text() -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (args.text_words,), generator=generator))
+
+    texts = [text() for _ in range(args.num_texts)]
+    dataset = [text() for _ in range(args.dataset_texts)]
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    report = analyze(model, tokenizer, texts, dataset=dataset, max_length=args.text_words * 2, batch_size=16)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    analyze_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    if args.report_dir:
+        write_report(report, args.report_dir)
+    report_seconds = time.perf_counter() - start
+    num_cells = sum(bank["num_cells"] for bank in report["model"]["banks"])
+    result = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "dtype": str(dtype),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": args.num_layers,
+        "memory_cells": num_cells,
+        "dataset_tokens": sum(len(tokenizer(t)["input_ids"]) for t in dataset),
+        "analyze_seconds": round(analyze_seconds, 2),
+        "report_seconds": round(report_seconds, 2),
+        "peak_gpu_memory_gib": (
+            round(torch.cuda.max_memory_allocated() / 2**30, 2) if args.device.startswith("cuda") else None
+        ),
+        "model_gpu_memory_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 2),
+    }
+    for key, value in result.items():
+        print(f"{key:>22}: {value}")
+    with open(args.out, "w") as file:
+        json.dump(result, file, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,369 @@
+"""Memory analysis toolkit (hf_memffn.analysis) on tiny random models, CPU only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from hf_memffn.analysis import (
+    TokenMemoryEdit,
+    TopKPerCell,
+    ValueEdit,
+    coefficients_for_ids,
+    edit_next_token,
+    find_trigger_cell,
+    layer_contributions,
+    memory_banks,
+    next_token_probabilities,
+    project_values,
+    promotion_direction,
+    read_texts,
+    record_coefficients,
+    select_banks,
+    summarize_coefficients,
+    token_clusters,
+    token_memory_map,
+    top_triggering_prefixes,
+)
+from hf_memffn.analysis.memory_banks import decoder_of
+from hf_memffn.testing import tiny_config
+
+# arch (as in tiny_config) -> config overrides; covers every FFN kind the analysis supports
+ARCH_CASES = {
+    "llama": {},
+    "flash_mhf": {"ffn_kernel": "torch"},
+    "mh_ffn": {"ffn_kernel": "torch", "ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1},
+    "dense_moe": {"ffn_kernel": "torch", "ffn_variant": "dense_moe", "ffn_num_heads": 1, "ffn_num_kv_heads": 1},
+    "pkv": {"ffn_kernel": "torch", "ffn_variant": "pkv"},
+    "memoryllm": {},
+    "flex_memoryllm": {},
+    "kvffn": {},
+    "kvffn_sum": {"kvffn_composition": "sum"},
+    "kvffn_relu": {"ffn_variant": "relu"},
+}
+
+
+def build(case: str, seed: int = 0):
+    torch.manual_seed(seed)
+    arch = case if case in ("llama", "memoryllm", "flex_memoryllm", "kvffn", "flash_mhf") else None
+    if arch is None:
+        arch = "flash_mhf" if case in ("mh_ffn", "dense_moe", "pkv") else "kvffn"
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **ARCH_CASES[case])).eval()
+
+
+def bank_outputs(model, banks, input_ids):
+    """What each bank's module really adds to the residual stream (biases removed), captured by hooks."""
+    outputs, handles = {}, []
+    memory = getattr(decoder_of(model), "memory", None)
+    for bank in banks:
+        if bank.kind == "readout":
+            def hook(module, args, output, name=bank.name):
+                outputs[name] = output - (module.bias if module.bias is not None else 0)
+            handles.append(bank.readout.register_forward_hook(hook))
+        elif bank.kind == "token_memory":
+            def hook(module, args, output, name=bank.name, layer=bank.layer):
+                outputs[name] = output[:, :, layer]
+            handles.append(memory.register_forward_hook(hook))
+        else:
+            def hook(module, args, output, name=bank.name):
+                outputs[name] = output
+            handles.append(bank.mlp.register_forward_hook(hook))
+    with torch.no_grad(), record_coefficients(model, banks) as coefficients:
+        model(input_ids=input_ids)
+    for handle in handles:
+        handle.remove()
+    return outputs, {name: captured[0] for name, captured in coefficients.items()}
+
+
+@pytest.mark.parametrize("case", list(ARCH_CASES))
+def test_coefficients_times_values_rebuild_every_ffn_output(case):
+    model = build(case)
+    banks = memory_banks(model)
+    assert len(banks) == {"flex_memoryllm": 4}.get(case, 2)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    outputs, coefficients = bank_outputs(model, banks, input_ids)
+    for bank in banks:
+        assert coefficients[bank.name].shape == (2, 7, bank.num_cells)
+        rebuilt = bank.output_from_coefficients(coefficients[bank.name])
+        torch.testing.assert_close(rebuilt, outputs[bank.name].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_coefficients_match_manual_computation():
+    model = build("llama")
+    input_ids = torch.randint(0, model.config.vocab_size, (9,))
+    mlp = model.model.layers[1].mlp
+    captured = []
+    handle = mlp.register_forward_pre_hook(lambda module, args: captured.append(args[0][0]))
+    coefficients = coefficients_for_ids(model, input_ids)["layers.1.mlp"]
+    handle.remove()
+    x = captured[0]
+    manual = F.silu(x @ mlp.gate_proj.weight.t()) * (x @ mlp.up_proj.weight.t())
+    torch.testing.assert_close(coefficients, manual)
+
+
+def test_flash_mhf_coefficients_match_per_head_loop():
+    model = build("flash_mhf")
+    mlp = model.model.layers[0].mlp
+    bank = memory_banks(model)[0]
+    x = torch.randn(1, 5, model.config.hidden_size)
+    coefficients = bank.coefficients_from_input(x).reshape(5, *bank.cell_shape)
+    queries = mlp.queries(x)[0]  # [H, L, d_h]
+    group = mlp.num_heads // mlp.key.shape[0]
+    for head in range(mlp.num_heads):
+        q = queries[head]
+        gates = torch.sigmoid(q @ mlp.router[head])
+        gates = gates / (gates.sum(-1, keepdim=True) + mlp.gate_eps)
+        for subnetwork in range(mlp.num_subnetworks):
+            key, up = mlp.key[head // group, subnetwork], mlp.up[head // group, subnetwork]
+            manual = gates[:, subnetwork, None] * F.silu(q @ key.t()) * (q @ up.t())
+            torch.testing.assert_close(coefficients[:, head, subnetwork], manual)
+    summary = summarize_coefficients(bank.coefficients_from_input(x)[0], bank)
+    assert summary.group_mass.shape == (mlp.num_heads, mlp.num_subnetworks)
+    torch.testing.assert_close(summary.group_mass.sum(), torch.tensor(1.0))
+    last = f"h{mlp.num_heads - 1}.e{mlp.num_subnetworks - 1}.{mlp.key.shape[2] - 1}"
+    assert bank.cell_label(bank.num_cells - 1) == last
+
+
+def test_summaries_count_mass_and_sparsity():
+    model = build("llama")
+    bank = memory_banks(model)[0]
+    coefficients = torch.zeros(2, bank.num_cells)
+    coefficients[0, :4] = torch.tensor([4.0, -3.0, 2.0, 1.0])  # mass 10: 90% needs the top 3 cells (9/10)
+    coefficients[1, 7] = 5.0
+    summary = summarize_coefficients(coefficients, bank, top_k=2)
+    assert summary.top_cells[0].tolist() == [0, 1] and summary.top_values[0].tolist() == [4.0, -3.0]
+    assert summary.cells_for_mass.tolist() == [3, 1]
+    assert summary.sparsity[1] == pytest.approx((bank.num_cells - 1) / bank.num_cells)
+
+
+def test_top_k_per_cell_streaming_matches_brute_force():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(500, 37, generator=generator)
+    keys = torch.randperm(10_000, generator=generator)[:500]
+    heap = TopKPerCell(37, k=6)
+    start = 0
+    for size in (1, 3, 50, 7, 200, 239):  # uneven chunks, some smaller than k
+        heap.update(scores[start : start + size], keys[start : start + size])
+        start += size
+    expected_values, expected_index = scores.topk(6, dim=0)
+    torch.testing.assert_close(heap.values, expected_values.t())
+    assert torch.equal(heap.keys, keys[expected_index].t())
+
+
+def test_top_triggering_prefixes_match_brute_force_over_padded_batches():
+    model = build("kvffn")
+    generator = torch.Generator().manual_seed(1)
+    texts = [torch.randint(4, 300, (n,), generator=generator).tolist() for n in (5, 11, 3, 8, 13, 6, 9)]
+    banks = memory_banks(model)
+    index = top_triggering_prefixes(model, iter(texts), banks, k=5, batch_size=3, prefix_length=4,
+                                    cells={banks[1].name: [0, 17, 99]})
+    for bank in banks:
+        per_text = [coefficients_for_ids(model, torch.tensor(ids), [bank])[bank.name] for ids in texts]
+        everything = torch.cat(per_text)
+        where = [(t, p) for t, ids in enumerate(texts) for p in range(len(ids))]
+        for row, cell in enumerate(index.cells[bank.name].tolist()):
+            values, positions = everything[:, cell].topk(5)
+            triggers = index.triggers[bank.name][row]
+            assert [t.coefficient for t in triggers] == pytest.approx(values.tolist(), rel=1e-4, abs=1e-6)
+            for trigger, flat in zip(triggers, positions.tolist()):
+                text, position = where[flat]
+                assert (trigger.text_index, trigger.position) == (text, position)
+                ids = texts[text]
+                assert trigger.prefix_ids == ids[max(0, position - 3) : position + 1]
+                assert trigger.next_id == (ids[position + 1] if position + 1 < len(ids) else None)
+    assert index.cells[banks[1].name].tolist() == [0, 17, 99]
+    assert index.num_tokens == sum(map(len, texts))
+
+
+# ---- a planted memory: a cell keyed on the prompt's last token whose value promotes a chosen token ----------------
+PROMPT = torch.tensor([11, 42, 7, 99, 23])
+PLANTED_TOKEN, EDIT_TOKEN, PLANTED_CELL = 201, 77, 13
+
+
+def plant_residual_memory(model):
+    """Last layer's FFN: cell PLANTED_CELL fires on the prompt's last position and promotes PLANTED_TOKEN."""
+    mlp = model.model.layers[-1].mlp
+    captured = []
+    handle = mlp.register_forward_pre_hook(lambda module, args: captured.append(args[0][0, -1]))
+    with torch.no_grad():
+        model(input_ids=PROMPT[None])
+        handle.remove()
+        key = captured[0] / captured[0].norm()
+        mlp.gate_proj.weight[PLANTED_CELL] = 3.0 * key
+        mlp.up_proj.weight[PLANTED_CELL] = 3.0 * key
+        mlp.down_proj.weight[:, PLANTED_CELL] = 0.05 * promotion_direction(model, PLANTED_TOKEN)
+    return f"layers.{len(model.model.layers) - 1}.mlp"
+
+
+def plant_token_memory(model):
+    """Last layer of the memory on X0: cell PLANTED_CELL is keyed on the prompt's last token, promotes PLANTED_TOKEN."""
+    memory, layer = model.model.memory, model.config.num_hidden_layers - 1
+    with torch.no_grad():
+        x0 = model.model.embed_tokens.weight[PROMPT[-1]]
+        key = F.normalize(x0 * memory.norm_weight[layer], dim=0)
+        memory.gate_proj[layer, PLANTED_CELL] = 3.0 * key
+        memory.up_proj[layer, PLANTED_CELL] = 3.0 * key
+        memory.down_proj[layer, :, PLANTED_CELL] = 0.05 * promotion_direction(model, PLANTED_TOKEN)
+    return f"layers.{layer}.memory"
+
+
+@pytest.mark.parametrize("case,method", [("llama", "value"), ("memoryllm", "token_memory"), ("memoryllm", "value")])
+def test_planted_memory_is_found_by_projection_and_editing(case, method):
+    model = build(case)
+    with torch.no_grad():  # a sharper output embedding, as after training (random init predicts near-uniformly)
+        model.lm_head.weight.mul_(30)
+    bank_name = plant_token_memory(model) if case == "memoryllm" else plant_residual_memory(model)
+    bank = select_banks(memory_banks(model), [bank_name])[0]
+    assert int(next_token_probabilities(model, PROMPT).argmax()) == PLANTED_TOKEN
+
+    # the value projection reads the planted token off the value vector
+    projection = project_values(model, bank, top_n=3)
+    assert projection.top_ids[PLANTED_CELL, 0] == PLANTED_TOKEN
+    assert (projection.top_ids[:, 0] == PLANTED_TOKEN).sum() == 1
+
+    # the editing tool finds the planted cell as the one the last token triggers most ...
+    found_bank, cell, coefficient = find_trigger_cell(model, PROMPT)
+    assert (found_bank.name, cell) == (bank_name, PLANTED_CELL) and coefficient > 10
+    if bank.context_free:  # ... and so does the token-to-memory map over the whole vocabulary
+        memory_map = token_memory_map(model, layers=[bank.layer], top_k=2)[0]
+        assert memory_map.top_cells[PROMPT[-1], 0] == PLANTED_CELL
+        assert PROMPT[-1] in memory_map.tokens_of_cell(PLANTED_CELL).tolist()
+
+    # ... and rewriting that memory changes the next-token prediction, reversibly
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    result = edit_next_token(model, PROMPT, EDIT_TOKEN, method=method)
+    assert result.method == method
+    assert (PLANTED_CELL == result.edit.cell) if method == "value" else isinstance(result.edit, TokenMemoryEdit)
+    assert result.top_before[0][0] == PLANTED_TOKEN
+    assert result.top_after[0][0] == EDIT_TOKEN
+    assert result.target_probability_after > 0.5 > result.target_probability_before
+    result.edit.revert()
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    assert int(next_token_probabilities(model, PROMPT).argmax()) == PLANTED_TOKEN
+
+
+def test_token_memory_edit_touches_only_the_edited_token():
+    model = build("memoryllm")
+    other = torch.tensor([11, 42, 7, 99, 24])  # same context, another last token
+    before = next_token_probabilities(model, other)
+    rows = torch.zeros(model.config.num_hidden_layers, model.config.hidden_size)
+    rows[-1] = 50 * promotion_direction(model, EDIT_TOKEN)
+    with TokenMemoryEdit(model, int(PROMPT[-1]), rows):
+        assert int(next_token_probabilities(model, PROMPT).argmax()) == EDIT_TOKEN
+        torch.testing.assert_close(next_token_probabilities(model, other), before)
+
+
+def test_flash_mhf_value_edit_moves_the_model_space_value():
+    model = build("flash_mhf")
+    bank = memory_banks(model)[1]
+    cell = bank.num_cells - 3  # last head
+    head_dim = bank.head_dim
+    out_head = model.model.layers[1].mlp.out_proj.weight.detach()[:, -head_dim:]  # [d, d_h]
+    before = bank.value_vectors()[cell].clone()
+    reachable = out_head @ torch.randn(head_dim)  # a change the head can write through out_proj
+    with ValueEdit(bank, cell, reachable):
+        torch.testing.assert_close(bank.value_vectors()[cell] - before, reachable, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(bank.value_vectors()[cell], before)
+    anywhere = torch.randn(model.config.hidden_size)  # only its projection on the head's output span is realised
+    projection = out_head @ torch.linalg.lstsq(out_head, anywhere[:, None]).solution[:, 0]
+    with ValueEdit(bank, cell, anywhere):
+        torch.testing.assert_close(bank.value_vectors()[cell] - before, projection, rtol=1e-3, atol=1e-4)
+
+
+def test_token_clusters_group_tokens_that_share_cells():
+    model = build("memoryllm")
+    groups = [[30, 31, 32, 33], [60, 61, 62, 63]]
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        for group in groups:
+            centre = torch.randn(embed.shape[1])
+            for token in group:
+                embed[token] = centre + 0.01 * torch.randn(embed.shape[1])
+    token_ids = torch.tensor([t for group in groups for t in group] + list(range(100, 140)))
+    clusters = token_clusters(model, layer=0, num_clusters=8, token_ids=token_ids)
+    membership = {token: i for i, cluster in enumerate(clusters) for token in cluster.tokens}
+    assert sum(len(cluster.tokens) for cluster in clusters) == len(token_ids)
+    for group in groups:
+        assert len({membership[token] for token in group}) == 1
+    assert membership[groups[0][0]] != membership[groups[1][0]]
+
+
+def test_layer_contributions_split_attention_ffn_and_memory():
+    texts = [[5, 9, 13, 200], [7, 7, 8]]
+    memoryllm = build("memoryllm")
+    contributions = layer_contributions(memoryllm, texts)
+    assert contributions.ffn == [0.0, 0.0] and all(m > 0 for m in contributions.memory)
+    with torch.no_grad():  # the memory norms match the model's own memory outputs
+        embeddings = [memoryllm.model.embed_tokens(torch.tensor([ids])) for ids in texts]
+        outputs = [memoryllm.model.memory(x0)[0, :, 1] for x0 in embeddings]
+    expected = torch.cat(outputs).norm(dim=-1).mean()
+    assert contributions.memory[1] == pytest.approx(float(expected), rel=1e-4)
+    assert all(0 < share < 1 for share in contributions.memory_share)
+    llama = layer_contributions(build("llama"), texts)
+    assert llama.memory == [0.0, 0.0] and all(f > 0 for f in llama.ffn)
+
+
+def test_bad_input_is_refused_with_the_field_named(tmp_path):
+    model = build("llama")
+    with pytest.raises(ValueError, match="banks="):
+        select_banks(memory_banks(model), ["layers.9.mlp"])
+    with pytest.raises(ValueError, match="method="):
+        edit_next_token(model, PROMPT, 3, method="surgery")
+    with pytest.raises(ValueError, match="token_memory"):
+        edit_next_token(model, PROMPT, 3, method="token_memory")
+    with pytest.raises(ValueError, match="target_id=999"):
+        promotion_direction(model, 999)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_texts(tmp_path / "missing.txt")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": "x"}\n')
+    with pytest.raises(ValueError, match="'text'"):
+        read_texts(bad)
+
+
+def test_report_json_has_every_section(tmp_path):
+    from hf_memffn.analysis import analyze, write_report
+    from hf_memffn.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = build("flash_mhf")
+    texts = ["the memory stores a key", "a value of the token is the layer", "head reads the memory"]
+    report = analyze(model, tokenizer, texts, top_triggers=3, cells_per_bank=2, agreement_cells=32,
+                     edits=[("the memory stores", " value")])
+    html_path = write_report(report, tmp_path / "report")
+    assert set(report) == {"model", "texts", "cells", "banks", "contributions", "edits"}
+    assert [bank["kind"] for bank in report["model"]["banks"]] == ["flash_mhf", "flash_mhf"]
+    assert "head_subnetwork_mass" in report["banks"]["layers.0.mlp"]
+    assert len(report["cells"]["layers.1.mlp"]) == 2 and report["cells"]["layers.1.mlp"][0]["triggers"]
+    assert report["edits"][0]["target"] == " value"
+    html = html_path.read_text()
+    assert html.count("data:image/png;base64,") == 4 and "<mark>" in html and "http" not in html.split("<body>")[1]
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["model"]["num_layers"] == 2
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {
+        "report.json", "index.html", "memory_statistics.png", "contributions.png", "text0_coefficients.png",
+        "flash_mhf_heads.png",
+    }
+
+
+def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):
+    export = pytest.importorskip("hf_memffn.conversion.export")
+    model = build("memoryllm")
+    input_ids = torch.tensor([11, 42, 7, 99, 23])
+    expected = coefficients_for_ids(model, input_ids)
+    export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
+    model.load_tols(tmp_path / "tols", placement="cpu")
+    try:
+        assert model.model.token_lookup is not None
+        captured = coefficients_for_ids(model, input_ids)  # read off X0, whatever serves the memory outputs
+        for name, coefficients in expected.items():
+            torch.testing.assert_close(captured[name], coefficients)
+        rows = torch.zeros(model.config.num_hidden_layers, model.config.hidden_size)
+        rows[-1] = 50 * promotion_direction(model, EDIT_TOKEN)
+        with TokenMemoryEdit(model, int(input_ids[-1]), rows):
+            assert int(next_token_probabilities(model, input_ids).argmax()) == EDIT_TOKEN
+    finally:
+        model.unload_tols()
