@@ -145,7 +145,9 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     `ffn_num_subnetworks` to 8 (1 for mh_ffn).
 
     `ffn_kernel` chooses how the fused op runs: "auto" (Triton on CUDA, the memory-bounded PyTorch reference on CPU),
-    "triton" or "torch" (forced).
+    "triton" or "torch" (forced). `ffn_recompute_chunk_tokens` > 0 makes the FFN keep only its input for the backward
+    pass and recompute its activations in chunks of that many tokens (backward memory independent of batch and
+    sequence length, for one extra forward of the FFN); 0 keeps the activations.
     """
 
     model_type = "memffn_flash_mhf"
@@ -163,6 +165,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         ffn_io_projections: bool = True,
         ffn_gate_eps: float = 1e-6,
         ffn_kernel: str = "auto",
+        ffn_recompute_chunk_tokens: int = 0,
         **kwargs,
     ):
         _check_choice(type(self).__name__, "ffn_variant", ffn_variant, self.variants)
@@ -178,6 +181,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         self.ffn_io_projections = ffn_io_projections
         self.ffn_gate_eps = ffn_gate_eps
         self.ffn_kernel = ffn_kernel
+        self.ffn_recompute_chunk_tokens = ffn_recompute_chunk_tokens
         super().__init__(**kwargs)
 
     @property
@@ -196,6 +200,8 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         super().validate_fields()
         name = type(self).__name__
         _check_choice(name, "ffn_kernel", self.ffn_kernel, self.kernels)
+        _check(name, isinstance(self.ffn_recompute_chunk_tokens, int) and self.ffn_recompute_chunk_tokens >= 0,
+               "ffn_recompute_chunk_tokens", self.ffn_recompute_chunk_tokens, "must be an integer >= 0")
         if self.ffn_variant == "swiglu":
             return
         _check(name, self.ffn_num_heads > 0, "ffn_num_heads", self.ffn_num_heads, "must be positive")

@@ -26,6 +26,19 @@ from .rms_norm import MemFFNRMSNorm, rms_normalize
 logger = logging.getLogger(__name__)
 
 
+def recompute_in_token_chunks(fn, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Apply a position-wise `fn` ([1, n, d] -> [1, n, d']) to [B, L, d], keeping only the input for the backward
+    pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the activation
+    memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of `fn`."""
+    batch, length, width = hidden_states.shape
+    tokens = hidden_states.reshape(1, batch * length, width)
+    outputs = [
+        torch.utils.checkpoint.checkpoint(fn, chunk, use_reentrant=False)
+        for chunk in tokens.split(chunk_tokens, dim=1)
+    ]
+    return torch.cat(outputs, dim=1).view(batch, length, -1)
+
+
 class SwiGLUFeedForward(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
@@ -76,6 +89,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     then heads are concatenated and projected by `out_proj`. `key`, `up`, `value` hold the sub-network weights,
     [ffn_num_kv_heads, E, subnetwork_size, d_h]; groups of heads share them like grouped-query attention.
     With `ffn_variant="mh_ffn"` there is a single sub-network and no router (the naive multi-head FFN).
+    With `ffn_recompute_chunk_tokens` > 0 the module keeps only its input for the backward pass and recomputes its
+    activations chunk by chunk (see `recompute_in_token_chunks`).
     """
 
     def __init__(self, config):
@@ -92,6 +107,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
             self.router = None
         else:
             self.router = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.num_subnetworks))
+        self.recompute_chunk_tokens = config.ffn_recompute_chunk_tokens
         self._path_logged = False
 
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
@@ -103,6 +119,11 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         return scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.recompute_chunk_tokens and torch.is_grad_enabled():
+            return recompute_in_token_chunks(self._forward, hidden_states, self.recompute_chunk_tokens)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         queries = self.queries(hidden_states)
         gates = self.gates(queries).to(queries.dtype)
         if not self._path_logged and not torch.compiler.is_compiling():

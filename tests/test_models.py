@@ -391,3 +391,36 @@ def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
     ids = torch.randint(0, 320, (1, 6))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def _saved_bytes(fn):
+    """Bytes of the distinct storages that autograd keeps for the backward pass of `fn()`."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = fn()
+    return output, sum(storages.values())
+
+
+def test_flash_mhf_token_chunked_recompute_keeps_only_the_input():
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(tiny_config("flash_mhf")).model.layers[0].mlp
+    chunked = copy.deepcopy(plain)
+    chunked.recompute_chunk_tokens = 16
+    x = torch.randn(3, 40, 64, requires_grad=True)
+    out_plain, saved_plain = _saved_bytes(lambda: plain(x))
+    out_chunked, saved_chunked = _saved_bytes(lambda: chunked(x))
+    torch.testing.assert_close(out_chunked, out_plain)
+    input_bytes = x.numel() * x.element_size()
+    assert saved_chunked <= input_bytes < saved_plain / 4
+    grad = torch.randn_like(out_plain)
+    expected = torch.autograd.grad(out_plain, [x, *plain.parameters()], grad)
+    actual = torch.autograd.grad(out_chunked, [x, *chunked.parameters()], grad)
+    for a, b in zip(actual, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="ffn_recompute_chunk_tokens"):
+        hf_memffn.FlashMHFLlamaConfig(ffn_recompute_chunk_tokens=-1)

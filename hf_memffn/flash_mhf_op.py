@@ -1,0 +1,340 @@
+"""The FlashMHF operator: multi-head FFN over parallel sub-networks, without materialising the activations.
+
+For every head ``h`` (using weight group ``h // (H // H_kv)``) and token ``l``::
+
+    o[b, h, l] = sum_e r[b, h, l, e] * (SiLU(q K_e^T) * (q U_e^T)) V_e
+
+with ``q [B, H, L, d_h]``, ``K, U, V [H_kv, E, d_e, d_h]`` and gate weights ``r [B, H, L, E]``.
+
+Two implementations compute the same function, behind one entry point :func:`flash_mhf`:
+
+* ``"triton"``: fused forward and backward kernels (``flash_mhf_triton.py``); the ``[tokens, E * d_e]``
+  activations live only in on-chip memory and are recomputed in the backward pass.
+* ``"torch"``: a memory-bounded PyTorch reference. It walks over the sub-networks in column chunks, so it
+  never holds more than one chunk of activations, and its backward recomputes each chunk instead of keeping
+  anything alive from the forward pass.
+
+``"auto"`` picks Triton for CUDA tensors and the reference for CPU tensors; a CUDA tensor never falls back
+silently. Both run through the custom operators ``memffn_v1::flash_mhf`` / ``memffn_v1::flash_mhf_backward``,
+so ``torch.compile`` traces them without a graph break and ``torch.library.opcheck`` applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from .flash_mhf_triton import (
+        TRITON_AVAILABLE,
+        TRITON_IMPORT_ERROR,
+        TRITON_VERSION,
+        triton_backward,
+        triton_forward,
+        triton_interpreting,
+    )
+except ImportError as exc:  # pragma: no cover - only when the sibling file itself is missing
+    TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
+    triton_forward = triton_backward = None
+
+    def triton_interpreting() -> bool:
+        return False
+
+
+__all__ = [
+    "flash_mhf",
+    "flash_mhf_reference",
+    "flash_mhf_dense",
+    "flash_mhf_path",
+    "SUPPORTED_HEAD_DIMS",
+    "IMPLEMENTATIONS",
+]
+
+# Version of the operator namespace: bump it whenever the operators' schema or semantics change, so two copies
+# of this file loaded from different checkpoints never register conflicting definitions under one name.
+OP_NAMESPACE = "memffn_v1"
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+IMPLEMENTATIONS = ("auto", "triton", "torch")
+# The reference path processes this many sub-network columns at a time (at most; chunks never straddle two
+# sub-networks), which bounds its activation memory to [B, H, L, REFERENCE_CHUNK_COLUMNS] per temporary.
+REFERENCE_CHUNK_COLUMNS = 256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------------------
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, r: torch.Tensor) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [batch, heads, seq_len, head_dim]; got shape {tuple(q.shape)}")
+    for name, weight in (("k", k), ("u", u), ("v", v)):
+        if weight.dim() != 4:
+            raise ValueError(
+                f"{name} must be [kv_heads, num_subnetworks, subnetwork_size, head_dim]; got {tuple(weight.shape)}"
+            )
+    if not (k.shape == u.shape == v.shape):
+        raise ValueError(f"k, u, v must have one shape; got {tuple(k.shape)}, {tuple(u.shape)}, {tuple(v.shape)}")
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads, num_subnetworks, _subnetwork_size, weight_head_dim = k.shape
+    if weight_head_dim != head_dim:
+        raise ValueError(f"k/u/v head_dim={weight_head_dim} must equal q's head_dim={head_dim}")
+    if kv_heads < 1 or num_heads % kv_heads != 0:
+        raise ValueError(f"kv_heads={kv_heads} must divide num_heads={num_heads}")
+    if tuple(r.shape) != (batch, num_heads, seq_len, num_subnetworks):
+        raise ValueError(
+            f"r must be [batch, heads, seq_len, num_subnetworks] = {(batch, num_heads, seq_len, num_subnetworks)}; "
+            f"got {tuple(r.shape)}"
+        )
+    for name, tensor in (("q", q), ("k", k), ("u", u), ("v", v), ("r", r)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor; got dtype {tensor.dtype}")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}; all inputs must share a device")
+
+
+def _resolve_impl(q: torch.Tensor, impl: str) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r} is not supported; allowed values: {IMPLEMENTATIONS}")
+    if impl == "auto":
+        return "triton" if q.device.type == "cuda" else "torch"
+    return impl
+
+
+def _triton_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot run these inputs, or None when they can."""
+    if not TRITON_AVAILABLE:
+        return f"triton is not importable ({TRITON_IMPORT_ERROR})"
+    if q.device.type != "cuda" and not triton_interpreting():
+        return f"tensors are on {q.device.type}; the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim={q.shape[-1]} is not supported by the kernels; allowed values: {SUPPORTED_HEAD_DIMS}"
+    if k.shape[2] % 16 != 0:
+        return f"subnetwork_size={k.shape[2]} must be a multiple of 16 for the kernels"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype} is not supported by the kernels; allowed: float16, bfloat16, float32"
+    return None
+
+
+def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str = "auto") -> str:
+    """Which implementation ``flash_mhf(q, k, ...)`` would run, and why, as one human-readable line."""
+    chosen = _resolve_impl(q, impl)
+    if chosen == "torch":
+        why = "requested" if impl == "torch" else f"{q.device.type} tensors"
+        return f"torch reference (memory-bounded, chunked recompute; {why})"
+    reason = _triton_unsupported_reason(q, k if k is not None else q.new_empty(1, 1, 16, q.shape[-1]))
+    if reason is not None:
+        return f"unavailable: triton requested but {reason}"
+    mode = "interpreter" if triton_interpreting() else "CUDA"
+    why = "requested" if impl == "triton" else f"{q.device.type} tensors"
+    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory-bounded PyTorch reference (forward and recomputing backward)
+# ----------------------------------------------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _column_chunks(num_subnetworks: int, subnetwork_size: int):
+    """(subnetwork, first column, last column) over the flattened E * d_e columns; chunks stay in one subnetwork."""
+    for e in range(num_subnetworks):
+        for start in range(0, subnetwork_size, REFERENCE_CHUNK_COLUMNS):
+            stop = min(start + REFERENCE_CHUNK_COLUMNS, subnetwork_size)
+            yield e, e * subnetwork_size + start, e * subnetwork_size + stop
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, L, X] -> [B, H_kv, (H / H_kv) * L, X]: the heads of one weight group become one row block."""
+    batch, num_heads, seq_len, last = q.shape
+    return q.reshape(batch, kv_heads, (num_heads // kv_heads) * seq_len, last)
+
+
+def _reference_forward(q, k, u, v, r) -> torch.Tensor:
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
+    dtype = _compute_dtype(q.dtype)
+    rows = _grouped(q.contiguous(), kv_heads).to(dtype)
+    gates = _grouped(r.contiguous(), kv_heads).to(dtype)
+    keys, ups, values = (w.reshape(kv_heads, num_subnetworks * subnetwork_size, head_dim) for w in (k, u, v))
+    out = torch.zeros(rows.shape, dtype=dtype, device=q.device)
+    for e, start, stop in _column_chunks(num_subnetworks, subnetwork_size):
+        gate_pre = rows @ keys[:, start:stop].to(dtype).transpose(-1, -2)  # [B, H_kv, G*L, chunk]
+        up = rows @ ups[:, start:stop].to(dtype).transpose(-1, -2)
+        hidden = torch.nn.functional.silu(gate_pre).mul_(up).mul_(gates[..., e : e + 1])
+        del gate_pre, up
+        out += hidden @ values[:, start:stop].to(dtype)
+    return out.reshape(batch, num_heads, seq_len, head_dim).to(q.dtype)
+
+
+def _reference_backward(grad_out, q, k, u, v, r):
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
+    dtype = _compute_dtype(q.dtype)
+    rows = _grouped(q.contiguous(), kv_heads).to(dtype)
+    gates = _grouped(r.contiguous(), kv_heads).to(dtype)
+    grad_rows = _grouped(grad_out.contiguous(), kv_heads).to(dtype)
+    keys, ups, values = (w.reshape(kv_heads, num_subnetworks * subnetwork_size, head_dim) for w in (k, u, v))
+    grad_q = torch.zeros(rows.shape, dtype=dtype, device=q.device)
+    grad_r = torch.zeros(gates.shape, dtype=dtype, device=q.device)
+    grad_k, grad_u, grad_v = (torch.empty(keys.shape, dtype=dtype, device=q.device) for _ in range(3))
+    for e, start, stop in _column_chunks(num_subnetworks, subnetwork_size):
+        key, up_w, value = (w[:, start:stop].to(dtype) for w in (keys, ups, values))
+        gate_pre = rows @ key.transpose(-1, -2)
+        up = rows @ up_w.transpose(-1, -2)
+        sig = torch.sigmoid(gate_pre)
+        silu = gate_pre * sig
+        activated = silu * up  # before the gate weight
+        grad_hidden = grad_rows @ value.transpose(-1, -2)
+        grad_r[..., e] += (grad_hidden * activated).sum(-1)
+        gate = gates[..., e : e + 1]
+        grad_v[:, start:stop] = ((activated * gate).transpose(-1, -2) @ grad_rows).sum(0)
+        grad_hidden.mul_(gate)
+        grad_up = grad_hidden * silu
+        # d SiLU(x)/dx = sig * (1 + x * (1 - sig)) = sig + silu * (1 - sig)
+        grad_gate_pre = grad_hidden.mul_(up).mul_(sig + silu * (1 - sig))
+        del gate_pre, up, sig, silu, activated
+        grad_q += grad_gate_pre @ key + grad_up @ up_w
+        grad_k[:, start:stop] = (grad_gate_pre.transpose(-1, -2) @ rows).sum(0)
+        grad_u[:, start:stop] = (grad_up.transpose(-1, -2) @ rows).sum(0)
+    shape_w = k.shape
+    return (
+        grad_q.reshape(q.shape).to(q.dtype),
+        grad_k.reshape(shape_w).to(k.dtype),
+        grad_u.reshape(shape_w).to(u.dtype),
+        grad_v.reshape(shape_w).to(v.dtype),
+        grad_r.reshape(r.shape).to(r.dtype),
+    )
+
+
+def flash_mhf_dense(q, k, u, v, r) -> torch.Tensor:
+    """Plain autograd version that materialises all [B, H, L, E, d_e] activations.
+
+    Only for checking (in float64 it is the ground truth of the tests) and as the naive baseline of the
+    benchmark; use :func:`flash_mhf` everywhere else.
+    """
+    _check_inputs(q, k, u, v, r)
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads = k.shape[0]
+    rows = _grouped(q, kv_heads)  # [B, Hkv, R, D]
+    gate_pre = torch.einsum("bgrd,gefd->bgref", rows, k)
+    up = torch.einsum("bgrd,gefd->bgref", rows, u)
+    hidden = torch.nn.functional.silu(gate_pre) * up * _grouped(r, kv_heads).unsqueeze(-1)
+    out = torch.einsum("bgref,gefd->bgrd", hidden, v)
+    return out.reshape(batch, num_heads, seq_len, head_dim)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom operators (registered once per process, whichever copy of this file is imported first)
+# ----------------------------------------------------------------------------------------------------------
+def _registered(name: str):
+    try:
+        return getattr(getattr(torch.ops, OP_NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _in_layout_of(template: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``result`` with the strides of ``torch.empty_like(template)``: what the fake implementations promise."""
+    like = torch.empty_like(template, dtype=result.dtype)
+    if like.stride() == result.stride():
+        return result
+    return like.copy_(result)
+
+
+def _forward_impl(q, k, u, v, r, impl):
+    if impl == "triton":
+        out = triton_forward(q, k, u, v, r)
+    else:
+        out = _reference_forward(q, k, u, v, r)
+    return _in_layout_of(q, out)
+
+
+def _backward_impl(grad_out, q, k, u, v, r, impl):
+    if impl == "triton":
+        grads = triton_backward(grad_out, q, k, u, v, r)
+    else:
+        grads = _reference_backward(grad_out, q, k, u, v, r)
+    return tuple(_in_layout_of(t, g) for t, g in zip((q, k, u, v, r), grads))
+
+
+def _register_ops():
+    forward_name, backward_name = f"{OP_NAMESPACE}::flash_mhf", f"{OP_NAMESPACE}::flash_mhf_backward"
+
+    @torch.library.custom_op(forward_name, mutates_args=())
+    def forward_op(
+        q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, r: torch.Tensor, impl: str
+    ) -> torch.Tensor:
+        return _forward_impl(q, k, u, v, r, impl)
+
+    @forward_op.register_fake
+    def _(q, k, u, v, r, impl):
+        return torch.empty_like(q)
+
+    @torch.library.custom_op(backward_name, mutates_args=())
+    def backward_op(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        u: torch.Tensor,
+        v: torch.Tensor,
+        r: torch.Tensor,
+        impl: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward_impl(grad_out, q, k, u, v, r, impl)
+
+    @backward_op.register_fake
+    def _(grad_out, q, k, u, v, r, impl):
+        return tuple(torch.empty_like(t) for t in (q, k, u, v, r))
+
+    def setup_context(ctx, inputs, output):
+        q, k, u, v, r, impl = inputs
+        ctx.save_for_backward(q, k, u, v, r)
+        ctx.impl = impl
+
+    def backward(ctx, grad_out):
+        q, k, u, v, r = ctx.saved_tensors
+        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_backward(grad_out, q, k, u, v, r, ctx.impl)
+        return (*grads, None)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+if _registered("flash_mhf") is None:
+    _register_ops()
+_forward_op = _registered("flash_mhf")
+_backward_op = _registered("flash_mhf_backward")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------------------
+def flash_mhf(
+    q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, r: torch.Tensor, *, impl: str = "auto"
+) -> torch.Tensor:
+    """FlashMHF: ``o[b,h,l] = sum_e r[b,h,l,e] * (SiLU(q K_e^T) * (q U_e^T)) V_e``, differentiable in all inputs.
+
+    Args:
+        q: ``[batch, heads, seq_len, head_dim]`` per-head queries.
+        k, u, v: ``[kv_heads, num_subnetworks, subnetwork_size, head_dim]`` gate, up and down weights; head ``h``
+            uses group ``h // (heads // kv_heads)``. They are cast to ``q.dtype`` (differentiably).
+        r: ``[batch, heads, seq_len, num_subnetworks]`` sub-network weights (any float dtype; float32 advised).
+        impl: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"`` (error if it cannot run) or
+            ``"torch"`` (memory-bounded reference, any device).
+
+    Returns:
+        ``[batch, heads, seq_len, head_dim]`` in ``q.dtype``.
+    """
+    _check_inputs(q, k, u, v, r)
+    chosen = _resolve_impl(q, impl)
+    if chosen == "triton":
+        reason = _triton_unsupported_reason(q, k)
+        if reason is not None:
+            raise ValueError(f"flash_mhf(impl={impl!r}) cannot use the Triton kernels: {reason}")
+    k, u, v = (w.to(q.dtype) for w in (k, u, v))
+    return _forward_op(q, k, u, v, r, chosen)
+
+
+def flash_mhf_reference(
+    q: torch.Tensor, k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, r: torch.Tensor
+) -> torch.Tensor:
+    """The memory-bounded PyTorch implementation of :func:`flash_mhf` (same as ``impl="torch"``)."""
+    return flash_mhf(q, k, u, v, r, impl="torch")

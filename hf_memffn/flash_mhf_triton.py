@@ -1,0 +1,507 @@
+"""Fused Triton kernels for the FlashMHF operator (see ``flash_mhf_op.py`` for the maths and the public API).
+
+Layout. Every weight group ``g`` (``H / H_kv`` heads share it) is one matrix problem: its rows are the tokens of
+all its heads and all batches (``B * (H / H_kv) * L`` rows of ``q``), its columns the flattened ``E * d_e``
+sub-network units. Column block ``w`` of width ``BLOCK_N`` lies inside sub-network ``e = w * BLOCK_N // d_e``
+(``BLOCK_N`` always divides ``d_e``), so one gate column ``r[:, e]`` scales a whole block.
+
+Kernels (all accumulate in float32 and keep the ``[rows, E * d_e]`` activations on chip):
+
+* ``_forward_kernel``: one program per (row block, weight group[, column split]); the ``q`` tile stays in
+  registers/shared memory while the program streams ``K, U, V`` column blocks:
+  ``M = q K_w^T, N = q U_w^T, O += (SiLU(M) * N * r_e) V_w``.
+* ``_backward_rows_kernel`` (``dq``, ``dr``): one program per row block; streams the column blocks,
+  recomputes ``M, N`` and ``dA = dO V_w^T`` and accumulates ``dq = dM K_w + dN U_w`` and ``dr[:, e]``.
+* ``_backward_weights_kernel`` (``dK``, ``dU``, ``dV``): one program per column block; keeps the
+  ``K_w, U_w, V_w`` tiles resident and streams the row blocks, recomputing the activations as in the forward
+  pass and accumulating the gradients transposed, ``dK_w^T += q^T dM`` (and likewise ``dU_w``, ``dV_w``), so that
+  every product has ``d_h`` or ``BLOCK_L`` rows.
+
+The backward is split in two kernels (recomputing ``M``, ``N``, ``dA`` in each) rather than one kernel with atomic
+``dq`` adds: both accumulate in registers, write every output exactly once and are deterministic. When a problem
+has too few row (or column) blocks to fill the GPU, the forward (or weight-gradient) kernel additionally splits
+its loop across programs that add float32 partial sums atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = True, None, triton.__version__
+except ImportError as exc:  # the package must import on machines without triton
+    triton = tl = None
+    TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
+
+# Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
+_INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_interpreting() -> bool:
+    """True when these kernels were created under ``TRITON_INTERPRET=1`` (they then run on CPU tensors)."""
+    return _INTERPRET
+
+
+# Autotuning re-runs only when this bucket changes: log2 of (weight groups x rows), clamped, so new sequence
+# lengths reuse the tuned configuration of their size class.
+_TUNE_BUCKET_MIN, _TUNE_BUCKET_MAX = 1 << 12, 1 << 18
+
+
+# Smaller problems skip autotuning (its compile and benchmark cost would dominate) and use one fixed configuration.
+_TUNE_MIN_WORK_ROWS = 1 << 14
+
+
+def _tune_bucket(work_rows: int) -> int:
+    bucket = 1 << max(work_rows - 1, 1).bit_length()
+    return min(max(bucket, _TUNE_BUCKET_MIN), _TUNE_BUCKET_MAX)
+
+
+def _largest_block_dividing(size: int, limit: int) -> int:
+    block = limit
+    while size % block:
+        block //= 2
+    return block
+
+
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _sigmoid(x, FAST: tl.constexpr):
+        if FAST:
+            # sigmoid(x) = (1 + tanh(x / 2)) / 2 with the single-instruction hardware tanh (16-bit inputs only)
+            t = tl.inline_asm_elementwise(
+                "tanh.approx.f32 $0, $1;", "=f,f", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1
+            )
+            return 0.5 * t + 0.5
+        else:
+            return tl.sigmoid(x)
+
+    @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr):
+        # PRECISION == "interpret": the interpreter multiplies 16-bit floats wrongly, so it gets exact float32 copies
+        if PRECISION == "interpret":
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _dot_acc(a, b, acc, PRECISION: tl.constexpr):
+        if PRECISION == "interpret":
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _row_coordinates(rows, group, seq_len, group_size, num_heads):
+        """(batch, head, position, row of r) of rows ``rows`` of weight group ``group``.
+
+        A group's rows run over (batch, head within the group, position)."""
+        rows_per_batch = group_size * seq_len
+        batch = (rows // rows_per_batch).to(tl.int64)
+        within = rows % rows_per_batch
+        head = (group * group_size + within // seq_len).to(tl.int64)
+        position = (within % seq_len).to(tl.int64)
+        gate_row = (batch * num_heads + head) * seq_len + position  # row of the contiguous r [B, H, L, E]
+        return batch, head, position, gate_row
+
+    @triton.jit
+    def _forward_kernel(
+        Q, K, U, V, R, O,
+        stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, num_splits, tune_bucket,
+        D_H: tl.constexpr, D_E: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ):
+        pid_rows = tl.program_id(0)
+        group = tl.program_id(1)
+        split = tl.program_id(2)
+
+        rows = pid_rows * BLOCK_L + tl.arange(0, BLOCK_L)
+        row_mask = rows < total_rows
+        batch, head, position, gate_row = _row_coordinates(rows, group, seq_len, group_size, num_heads)
+        dims = tl.arange(0, D_H)
+        q_rows = batch * stride_qb + head * stride_qh + position * stride_ql
+        q = tl.load(Q + q_rows[:, None] + dims[None, :], mask=row_mask[:, None], other=0.0)
+
+        weight_base = group.to(tl.int64) * num_subnetworks * D_E * D_H
+        cols = tl.arange(0, BLOCK_N)
+        num_blocks = num_subnetworks * (D_E // BLOCK_N)
+        blocks_per_split = tl.cdiv(num_blocks, num_splits)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, num_blocks)
+
+        acc = tl.zeros([BLOCK_L, D_H], dtype=tl.float32)
+        for block in range(first, last):
+            col0 = block * BLOCK_N
+            subnetwork = col0 // D_E
+            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
+            k = tl.load(K + w_offsets)
+            u = tl.load(U + w_offsets)
+            gate_pre = _dot(q, tl.trans(k), PRECISION)
+            up = _dot(q, tl.trans(u), PRECISION)
+            gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
+            hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
+            v = tl.load(V + w_offsets)
+            acc = _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
+
+        out_ptrs = O + (batch * stride_ob + head * stride_oh + position * stride_ol)[:, None] + dims[None, :]
+        if ACCUMULATE:
+            tl.atomic_add(out_ptrs, acc, mask=row_mask[:, None])
+        else:
+            tl.store(out_ptrs, acc.to(O.dtype.element_ty), mask=row_mask[:, None])
+
+    @triton.jit
+    def _backward_rows_kernel(
+        Q, K, U, V, R, DO, DQ, DR,
+        stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, tune_bucket,
+        D_H: tl.constexpr, D_E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """DQ has q's strides; stride_g* are those of DO."""
+        pid_rows = tl.program_id(0)
+        group = tl.program_id(1)
+
+        rows = pid_rows * BLOCK_L + tl.arange(0, BLOCK_L)
+        row_mask = rows < total_rows
+        batch, head, position, gate_row = _row_coordinates(rows, group, seq_len, group_size, num_heads)
+        dims = tl.arange(0, D_H)
+        q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
+        do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
+        q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
+        grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
+
+        weight_base = group.to(tl.int64) * num_subnetworks * D_E * D_H
+        cols = tl.arange(0, BLOCK_N)
+        subnetwork_ids = tl.arange(0, E_POW2)
+        num_blocks = num_subnetworks * (D_E // BLOCK_N)
+
+        grad_q = tl.zeros([BLOCK_L, D_H], dtype=tl.float32)
+        grad_r = tl.zeros([BLOCK_L, E_POW2], dtype=tl.float32)
+        for block in range(0, num_blocks):
+            col0 = block * BLOCK_N
+            subnetwork = col0 // D_E
+            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
+            k = tl.load(K + w_offsets)
+            u = tl.load(U + w_offsets)
+            v = tl.load(V + w_offsets)
+            gate_pre = _dot(q, tl.trans(k), PRECISION)
+            up = _dot(q, tl.trans(u), PRECISION)
+            grad_hidden = _dot(grad_out, tl.trans(v), PRECISION)
+            gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
+
+            sig = _sigmoid(gate_pre, FAST_SIGMOID)
+            silu = gate_pre * sig
+            grad_r_block = tl.sum(grad_hidden * silu * up, axis=1)
+            grad_r += tl.where(subnetwork_ids[None, :] == subnetwork, grad_r_block[:, None], 0.0)
+            grad_hidden = grad_hidden * gate[:, None]
+            grad_up = grad_hidden * silu
+            grad_gate_pre = grad_hidden * up * (sig + silu * (1.0 - sig))
+            grad_q = _dot_acc(grad_gate_pre.to(k.dtype), k, grad_q, PRECISION)
+            grad_q = _dot_acc(grad_up.to(u.dtype), u, grad_q, PRECISION)
+
+        tl.store(DQ + q_tile, grad_q.to(DQ.dtype.element_ty), mask=row_mask[:, None])
+        dr_ptrs = DR + gate_row[:, None] * num_subnetworks + subnetwork_ids[None, :]
+        dr_mask = row_mask[:, None] & (subnetwork_ids[None, :] < num_subnetworks)
+        tl.store(dr_ptrs, grad_r.to(DR.dtype.element_ty), mask=dr_mask)
+
+    @triton.jit
+    def _backward_weights_kernel(
+        Q, K, U, V, R, DO, DK, DU, DV,
+        stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, num_splits, tune_bucket,
+        D_H: tl.constexpr, D_E: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        group = tl.program_id(1)
+        split = tl.program_id(2)
+
+        col0 = block * BLOCK_N
+        subnetwork = col0 // D_E
+        dims = tl.arange(0, D_H)
+        cols = tl.arange(0, BLOCK_N)
+        w_offsets = group.to(tl.int64) * num_subnetworks * D_E * D_H + (col0 + cols)[:, None] * D_H + dims[None, :]
+        k = tl.load(K + w_offsets)
+        u = tl.load(U + w_offsets)
+        v = tl.load(V + w_offsets)
+
+        num_row_blocks = tl.cdiv(total_rows, BLOCK_L)
+        blocks_per_split = tl.cdiv(num_row_blocks, num_splits)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, num_row_blocks)
+
+        grad_k = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
+        grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
+        grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
+        for row_block in range(first, last):
+            rows = row_block * BLOCK_L + tl.arange(0, BLOCK_L)
+            row_mask = rows < total_rows
+            batch, head, position, gate_row = _row_coordinates(rows, group, seq_len, group_size, num_heads)
+            q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
+            do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
+            q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
+            grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
+            gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
+
+            # activations [BLOCK_L, BLOCK_N] as in the forward pass; the gradients accumulate transposed,
+            # [D_H, BLOCK_N] = q^T @ [BLOCK_L, BLOCK_N], so every product has D_H or BLOCK_L rows
+            gate_pre = _dot(q, tl.trans(k), PRECISION)
+            up = _dot(q, tl.trans(u), PRECISION)
+            grad_hidden = _dot(grad_out, tl.trans(v), PRECISION) * gate[:, None]
+            sig = _sigmoid(gate_pre, FAST_SIGMOID)
+            silu = gate_pre * sig
+            hidden = silu * up * gate[:, None]
+            grad_v = _dot_acc(tl.trans(grad_out), hidden.to(q.dtype), grad_v, PRECISION)
+            grad_up = grad_hidden * silu
+            grad_gate_pre = grad_hidden * up * (sig + silu * (1.0 - sig))
+            q_t = tl.trans(q)
+            grad_k = _dot_acc(q_t, grad_gate_pre.to(q.dtype), grad_k, PRECISION)
+            grad_u = _dot_acc(q_t, grad_up.to(q.dtype), grad_u, PRECISION)
+
+        w_offsets_t = group.to(tl.int64) * num_subnetworks * D_E * D_H + (col0 + cols)[None, :] * D_H + dims[:, None]
+        if ACCUMULATE:
+            tl.atomic_add(DK + w_offsets_t, grad_k)
+            tl.atomic_add(DU + w_offsets_t, grad_u)
+            tl.atomic_add(DV + w_offsets_t, grad_v)
+        else:
+            tl.store(DK + w_offsets_t, grad_k.to(DK.dtype.element_ty))
+            tl.store(DU + w_offsets_t, grad_u.to(DU.dtype.element_ty))
+            tl.store(DV + w_offsets_t, grad_v.to(DV.dtype.element_ty))
+
+    # ------------------------------------------------------------------------------------------------------
+    # Autotuned variants (GPU only; the interpreter runs the plain kernels with one fixed configuration)
+    # ------------------------------------------------------------------------------------------------------
+    def _config(block_l, block_n, warps, stages):
+        return triton.Config({"BLOCK_L": block_l, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+    # Candidate (BLOCK_L, BLOCK_N, num_warps, num_stages) per head_dim, chosen so that the sm_90 builds keep their
+    # accumulators in registers (checked with ptxas: no or a few bytes of spills at d_h=128).
+    _CANDIDATES = {
+        "forward": {
+            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+            128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+            256: [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+        },
+        "rows": {
+            64: [(128, 64, 8, 2), (64, 64, 4, 3)],
+            128: [(128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3)],
+            256: [(64, 16, 4, 3), (64, 16, 4, 2)],
+        },
+        "weights": {
+            64: [(128, 64, 8, 2), (128, 32, 4, 2)],
+            128: [(64, 32, 4, 2), (128, 32, 8, 3)],
+            256: [(64, 16, 8, 2)],
+        },
+    }
+    _SMALL_SUBNETWORK_FALLBACK = (32, 16, 4, 2)
+
+    def _configs(kernel: str):
+        shapes = {shape for per_dim in _CANDIDATES[kernel].values() for shape in per_dim} | {_SMALL_SUBNETWORK_FALLBACK}
+        return [_config(*shape) for shape in sorted(shapes)]
+
+    def _pruner(kernel: str):
+        def prune(configs, named_args, **kwargs):
+            d_h, d_e = kwargs.get("D_H", named_args.get("D_H")), kwargs.get("D_E", named_args.get("D_E"))
+            wanted = set(_CANDIDATES[kernel].get(d_h, ()))
+            kept = [
+                c for c in configs
+                if (c.kwargs["BLOCK_L"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
+                and d_e % c.kwargs["BLOCK_N"] == 0
+            ]
+            return kept or [_config(*_SMALL_SUBNETWORK_FALLBACK)]
+
+        return prune
+
+    _TUNE_KEY = ["D_H", "D_E", "tune_bucket"]
+    _forward_tuned = triton.autotune(
+        _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
+    )(_forward_kernel)
+    _backward_rows_tuned = triton.autotune(
+        _configs("rows"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("rows")}
+    )(_backward_rows_kernel)
+    _backward_weights_tuned = triton.autotune(
+        _configs("weights"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("weights")}
+    )(_backward_weights_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------
+def _problem(q: torch.Tensor, k: torch.Tensor):
+    batch, num_heads, seq_len, head_dim = q.shape
+    kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
+    group_size = num_heads // kv_heads
+    return dict(
+        kv_heads=kv_heads,
+        num_subnetworks=num_subnetworks,
+        subnetwork_size=subnetwork_size,
+        head_dim=head_dim,
+        total_rows=batch * group_size * seq_len,
+        sizes=(batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks),
+    )
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rows_dense(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read [B, H, L, d_h] tensors through (batch, head, position) strides; only d_h must be dense."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _kernel_flags(dtype: torch.dtype) -> dict:
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    if _INTERPRET:
+        return dict(FAST_SIGMOID=False, PRECISION="interpret")
+    return dict(FAST_SIGMOID=sixteen_bit, PRECISION="tf32" if sixteen_bit else "ieee")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small enough that the tests exercise the split loops
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _auto_splits(programs: int, loop_length: int, device: torch.device) -> int:
+    """How many programs share one loop so that at least ~2 programs run per multiprocessor."""
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(loop_length, triton.cdiv(2 * sms, programs)))
+
+
+def _fixed_config(kernel: str, problem: dict) -> dict:
+    """Launch configuration for problems too small to autotune (and for the interpreter)."""
+    head_dim, subnetwork_size, rows = problem["head_dim"], problem["subnetwork_size"], problem["total_rows"]
+    block_l = 16 if rows <= 16 else (32 if rows <= 32 or _INTERPRET else 64)
+    # widest column block that keeps the accumulators in registers (see _CANDIDATES)
+    widest = {
+        "forward": {64: 64, 128: 64, 256: 32},
+        "rows": {64: 64, 128: 32, 256: 16},
+        "weights": {64: 32, 128: 32, 256: 16},
+    }[kernel][head_dim]
+    warps = 8 if head_dim == 256 and kernel != "rows" else 4
+    block_n = _largest_block_dividing(subnetwork_size, widest)
+    return dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=2)
+
+
+def _autotuned(problem: dict) -> bool:
+    return not _INTERPRET and problem["total_rows"] * problem["kv_heads"] >= _TUNE_MIN_WORK_ROWS
+
+
+def triton_forward(q, k, u, v, r, *, splits: int | None = None) -> torch.Tensor:
+    """FlashMHF forward with the fused kernel; the output has q's layout.
+
+    ``splits`` (tests only) forces the split-loop variant.
+    """
+    q = _rows_dense(q)
+    k, u, v, r = (t.contiguous() for t in (k, u, v, r))
+    p = _problem(q, k)
+    out = torch.empty_like(q)
+    if p["total_rows"] == 0:
+        return out
+    flags = _kernel_flags(q.dtype)
+    constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
+    fixed = _fixed_config("forward", p)
+    row_blocks = triton.cdiv(p["total_rows"], fixed["BLOCK_L"])
+    if splits is None:
+        column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
+        splits = _auto_splits(row_blocks * p["kv_heads"], column_blocks, q.device)
+
+    if splits == 1 and _autotuned(p):
+        bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
+
+        def grid(meta):
+            return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)
+
+        _forward_tuned[grid](
+            q, k, u, v, r, out, *_row_strides(q), *_row_strides(out), *p["sizes"], 1, bucket,
+            ACCUMULATE=False, **constants,
+        )
+        return out
+
+    accumulate = splits > 1
+    target = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if accumulate else out
+    _forward_kernel[(row_blocks, p["kv_heads"], splits)](
+        q, k, u, v, r, target, *_row_strides(q), *_row_strides(target), *p["sizes"], splits, 0,
+        ACCUMULATE=accumulate, **fixed, **constants,
+    )
+    if accumulate:
+        out.copy_(target)
+    return out
+
+
+def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None):
+    """Gradients (dq, dk, du, dv, dr) from the two backward kernels; dq has q's layout, dr is contiguous.
+
+    ``splits`` (tests only) forces the split variant of the weight-gradient kernel.
+    """
+    q = _rows_dense(q)
+    grad_out = _rows_dense(grad_out.to(q.dtype))
+    k, u, v, r = (t.contiguous() for t in (k, u, v, r))
+    p = _problem(q, k)
+    grad_q = torch.empty_like(q)
+    grad_r = torch.empty_like(r)
+    if p["total_rows"] == 0:
+        return grad_q.zero_(), torch.zeros_like(k), torch.zeros_like(u), torch.zeros_like(v), grad_r.zero_()
+    flags = _kernel_flags(q.dtype)
+    constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
+    strides = (*_row_strides(q), *_row_strides(grad_out))
+    bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
+    e_pow2 = max(2, triton.next_power_of_2(p["num_subnetworks"]))
+
+    # dq, dr: one program per row block
+    if not _autotuned(p):
+        fixed = _fixed_config("rows", p)
+        _backward_rows_kernel[(triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
+            q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants
+        )
+    else:
+
+        def rows_grid(meta):
+            return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"])
+
+        _backward_rows_tuned[rows_grid](
+            q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], bucket, E_POW2=e_pow2, **constants
+        )
+
+    # dk, du, dv: one program per column block (and per share of the rows when there are few column blocks)
+    fixed = _fixed_config("weights", p)
+    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
+    if splits is None:
+        splits = _auto_splits(column_blocks * p["kv_heads"], triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), q.device)
+    if splits == 1 and _autotuned(p):
+        grad_k, grad_u, grad_v = (torch.empty_like(w) for w in (k, u, v))
+
+        def weights_grid(meta):
+            return (p["num_subnetworks"] * p["subnetwork_size"] // meta["BLOCK_N"], p["kv_heads"], 1)
+
+        _backward_weights_tuned[weights_grid](
+            q, k, u, v, r, grad_out, grad_k, grad_u, grad_v, *strides, *p["sizes"], 1, bucket,
+            ACCUMULATE=False, **constants,
+        )
+        return grad_q, grad_k, grad_u, grad_v, grad_r
+
+    accumulate = splits > 1
+    if accumulate:
+        targets = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(3)]
+    else:
+        targets = [torch.empty_like(w) for w in (k, u, v)]
+    _backward_weights_kernel[(column_blocks, p["kv_heads"], splits)](
+        q, k, u, v, r, grad_out, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate, **fixed, **constants
+    )
+    grad_k, grad_u, grad_v = (t.to(k.dtype) for t in targets)
+    return grad_q, grad_k, grad_u, grad_v, grad_r

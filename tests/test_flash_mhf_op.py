@@ -1,0 +1,285 @@
+"""The FlashMHF op: Triton kernels and the PyTorch reference against a float64 ground truth.
+
+On a CUDA machine every test runs in this process. On CPU the Triton kernels run in Triton's interpreter, which
+must be switched on before triton is first imported; since other test files import it earlier in the same
+session, `test_kernels_under_interpreter_in_subprocess` re-runs this file's `triton` tests in a child pytest
+with TRITON_INTERPRET=1 (in that child the kernels run in-process, on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_memffn import flash_mhf_op
+from hf_memffn import flash_mhf_triton
+from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path, flash_mhf_reference
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHILD_FLAG = "MEMFFN_FLASH_MHF_INTERPRETER_CHILD"
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS_RUN_HERE = flash_mhf_triton.TRITON_AVAILABLE and (ON_GPU or flash_mhf_triton.triton_interpreting())
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN_HERE, reason="Triton kernels run on CUDA, or on CPU in test_kernels_under_interpreter_in_subprocess"
+)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+# (batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, dtype)
+KERNEL_CASES = [
+    pytest.param(2, 4, 7, 64, 2, 3, 48, torch.float32, id="odd_L-de48-grouped-fp32"),
+    pytest.param(3, 2, 1, 64, 2, 2, 32, torch.bfloat16, id="L1-decode-bf16"),
+    pytest.param(1, 2, 33, 128, 1, 1, 64, torch.float16, id="E1-one_group-fp16"),
+    pytest.param(2, 2, 19, 256, 2, 2, 32, torch.bfloat16, id="dh256-bf16"),
+    pytest.param(2, 4, 21, 64, 1, 2, 48, torch.bfloat16, id="four_heads_per_group-bf16"),
+]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def random_inputs(batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, seed=0):
+    """float64 leaves on DEVICE: q, k, u, v and normalised gates r."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=generator, dtype=torch.float64)
+    weights = [
+        torch.randn(kv_heads, num_subnetworks, subnetwork_size, head_dim, generator=generator, dtype=torch.float64)
+        * head_dim**-0.5
+        for _ in range(3)
+    ]
+    r = torch.rand(batch, heads, seq_len, num_subnetworks, generator=generator, dtype=torch.float64)
+    r = r / r.sum(-1, keepdim=True)
+    return [t.to(DEVICE) for t in (q, *weights, r)]
+
+
+def float64_truth(inputs, grad_out):
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    out = flash_mhf_dense(*leaves)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def check_against_truth(run, inputs, dtype, gate_dtype=torch.float32):
+    """run(leaves, grad) -> out; compares the output and all five gradients with the float64 ground truth."""
+    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected_out, expected_grads = float64_truth(inputs, grad_out)
+    leaves = [t.to(dtype).requires_grad_(True) for t in inputs[:4]] + [inputs[4].to(gate_dtype).requires_grad_(True)]
+    out = run(leaves, grad_out.to(dtype))
+    assert out.dtype == dtype and out.shape == inputs[0].shape
+    errors = {"out": relative_error(out, expected_out)}
+    for name, leaf, expected in zip(("q", "k", "u", "v", "r"), leaves, expected_grads):
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        errors["d" + name] = relative_error(leaf.grad, expected)
+    bad = {name: err for name, err in errors.items() if not err < TOLERANCE[dtype]}  # NaN fails too
+    assert not bad, f"relative errors over {TOLERANCE[dtype]:.0e} for {dtype}: {bad} (all: {errors})"
+
+
+def run_op(impl):
+    def run(leaves, grad_out):
+        out = flash_mhf(*leaves, impl=impl)
+        out.backward(grad_out)
+        return out
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("batch,heads,seq_len,head_dim,kv_heads,num_subnetworks,subnetwork_size,dtype", KERNEL_CASES)
+def test_triton_matches_float64(batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, dtype):
+    inputs = random_inputs(batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, seed=seq_len)
+    check_against_truth(run_op("triton"), inputs, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_split_loops_match_float64(splits):
+    """The split variants (float32 partial sums added atomically) compute the same function."""
+    inputs = random_inputs(2, 2, 9, 64, 2, 2, 32, seed=splits)
+
+    def run(leaves, grad_out):
+        q, k, u, v, r = (t.detach() for t in leaves)
+        out = flash_mhf_triton.triton_forward(q, k, u, v, r, splits=splits)
+        for leaf, grad in zip(leaves, flash_mhf_triton.triton_backward(grad_out, q, k, u, v, r, splits=splits)):
+            leaf.grad = grad
+        return out
+
+    check_against_truth(run, inputs, torch.float32)
+
+
+@needs_kernels
+def test_triton_reads_strided_queries_and_writes_their_layout():
+    """The FFN module passes q as a transposed view of [B, L, H, d_h]; no copy is needed and o keeps that layout."""
+    inputs = random_inputs(2, 4, 5, 64, 2, 2, 32, seed=3)
+    q = inputs[0].transpose(1, 2).contiguous().transpose(1, 2)
+
+    def run(leaves, grad_out):
+        view = leaves[0].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+        out = flash_mhf(view, *leaves[1:], impl="triton")
+        assert out.stride() == view.stride()
+        out.backward(grad_out)
+        leaves[0].grad = view.grad
+        return out
+
+    check_against_truth(run, [q, *inputs[1:]], torch.float32)
+
+
+@needs_kernels
+def test_triton_opcheck():
+    # Under the interpreter the (slow) aot_dispatch check is left to test_reference_opcheck: registrations are shared.
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if ON_GPU:
+        checks += ("test_aot_dispatch_dynamic",)
+    q, k, u, v, r = (t.float().requires_grad_(True) for t in random_inputs(1, 2, 5, 64, 1, 2, 16))
+    torch.library.opcheck(flash_mhf_op._forward_op.default, (q, k, u, v, r, "triton"), test_utils=checks)
+    grad_out = torch.randn_like(q)
+    backward_args = (grad_out, q.detach(), k.detach(), u.detach(), v.detach(), r.detach(), "triton")
+    torch.library.opcheck(flash_mhf_op._backward_op.default, backward_args, test_utils=checks)
+
+
+def test_kernels_under_interpreter_in_subprocess():
+    if ON_GPU:
+        pytest.skip("the kernels run in-process on this CUDA machine")
+    if not flash_mhf_triton.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    if os.environ.get(CHILD_FLAG) or flash_mhf_triton.triton_interpreting():
+        pytest.skip("already running under the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "triton", "-p", "no:cacheprovider"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert " passed" in result.stdout, result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# PyTorch reference path
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_float64(dtype, monkeypatch):
+    # small column chunks so that one sub-network spans several chunks
+    monkeypatch.setattr(flash_mhf_op, "REFERENCE_CHUNK_COLUMNS", 16)
+    inputs = random_inputs(2, 4, 7, 64, 2, 3, 48, seed=5)
+    check_against_truth(run_op("torch"), inputs, dtype)
+
+
+def test_reference_keeps_no_activations_for_backward():
+    """Only the five inputs are saved for the backward pass; each chunk is recomputed there."""
+    leaves = [t.float().requires_grad_(True) for t in random_inputs(2, 2, 16, 64, 2, 4, 64)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = flash_mhf_reference(*leaves)
+    assert sum(saved) <= sum(t.numel() for t in leaves)
+    out.sum().backward()
+    assert all(t.grad is not None for t in leaves)
+
+
+def test_reference_opcheck():
+    q, k, u, v, r = (t.float().requires_grad_(True) for t in random_inputs(2, 4, 3, 64, 2, 2, 16))
+    q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)  # strided, as the module passes it
+    torch.library.opcheck(flash_mhf_op._forward_op.default, (q, k, u, v, r, "torch"))
+    grad_out = torch.randn_like(q)
+    backward_args = (grad_out, q.detach(), k.detach(), u.detach(), v.detach(), r.detach(), "torch")
+    torch.library.opcheck(flash_mhf_op._backward_op.default, backward_args)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    """torch.compile traces the op without a graph break (reference path with aot_eager on CPU, Triton on CUDA)."""
+    impl, backend = ("triton", "inductor") if ON_GPU else ("torch", "aot_eager")
+    inputs = random_inputs(2, 4, 6, 64, 2, 2, 32, seed=7)
+
+    def ffn_core(q, k, u, v, r):
+        return flash_mhf(torch.nn.functional.rms_norm(q, (q.shape[-1],)), k, u, v, r, impl=impl).square().mean()
+
+    compiled = torch.compile(ffn_core, backend=backend, fullgraph=True)
+    eager_leaves = [t.float().requires_grad_(True) for t in inputs]
+    compiled_leaves = [t.float().requires_grad_(True) for t in inputs]
+    ffn_core(*eager_leaves).backward()
+    loss = compiled(*compiled_leaves)
+    loss.backward()
+    for eager, compiled_leaf in zip(eager_leaves, compiled_leaves):
+        assert relative_error(compiled_leaf.grad, eager.grad) < 1e-4
+
+
+def test_second_copy_of_the_op_file_reuses_the_registration(tmp_path):
+    """transformers imports remote code as another module (transformers_modules.*); that copy must not fail."""
+    package = tmp_path / "copied_checkpoint_code"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in ("flash_mhf_op.py", "flash_mhf_triton.py"):
+        shutil.copy(Path(flash_mhf_op.__file__).with_name(name), package / name)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import copied_checkpoint_code.flash_mhf_op as copy  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert copy._forward_op is flash_mhf_op._forward_op
+    inputs = [t.float() for t in random_inputs(1, 2, 3, 64, 1, 1, 16)]
+    torch.testing.assert_close(copy.flash_mhf(*inputs, impl="torch"), flash_mhf(*inputs, impl="torch"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Choosing the path and rejecting bad input
+# ------------------------------------------------------------------------------------------------------------
+def test_auto_path_is_explicit():
+    q = torch.zeros(1, 1, 1, 64, device=DEVICE)
+    described = flash_mhf_path(q)
+    assert described.startswith("triton" if ON_GPU else "torch reference")
+
+
+@pytest.mark.skipif(ON_GPU or flash_mhf_triton.triton_interpreting(), reason="CPU without the interpreter only")
+def test_triton_on_cpu_fails_loudly():
+    inputs = [t.float() for t in random_inputs(1, 2, 3, 64, 1, 1, 16)]
+    with pytest.raises(ValueError, match="cannot use the Triton kernels"):
+        flash_mhf(*inputs, impl="triton")
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda q, k, u, v, r: (q[0], k, u, v, r), "q must be"),
+        (lambda q, k, u, v, r: (q, k, u[:, :, :8], v, r), "k, u, v must have one shape"),
+        (lambda q, k, u, v, r: (q, *(torch.cat([w, w[:1]]) for w in (k, u, v)), r), "kv_heads=3 must divide"),
+        (lambda q, k, u, v, r: (q, k, u, v, r[..., :1]), "r must be"),
+        (lambda q, k, u, v, r: (q[..., :32], k, u, v, r), "head_dim"),
+    ],
+)
+def test_bad_shapes_raise_value_error(change, match):
+    inputs = [t.float() for t in random_inputs(1, 4, 3, 64, 2, 2, 16)]
+    with pytest.raises(ValueError, match=match):
+        flash_mhf(*change(*inputs))
+
+
+def test_bad_impl_and_unsupported_kernel_shapes_raise_value_error():
+    q, k, u, v, r = (t.float() for t in random_inputs(1, 2, 3, 64, 1, 1, 16))
+    with pytest.raises(ValueError, match="impl='cuda' is not supported"):
+        flash_mhf(q, k, u, v, r, impl="cuda")
+    if KERNELS_RUN_HERE:
+        odd = [w[:, :, :12] for w in (k, u, v)]
+        with pytest.raises(ValueError, match="subnetwork_size=12 must be a multiple of 16"):
+            flash_mhf(q, *odd, r, impl="triton")
+        with pytest.raises(ValueError, match="head_dim=32 is not supported"):
+            flash_mhf(q[..., :32], *(w[..., :32] for w in (k, u, v)), r, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_triton_matches_reference_at_paper_width():
+    """One batch of the paper's shape (E=15, d_e=384, d_h=128) against the reference path, bf16."""
+    inputs = random_inputs(1, 4, 300, 128, 4, 15, 384, seed=11)
+    check_against_truth(run_op("triton"), inputs, torch.bfloat16)
