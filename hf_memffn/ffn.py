@@ -26,17 +26,62 @@ from .rms_norm import MemFFNRMSNorm, rms_normalize
 logger = logging.getLogger(__name__)
 
 
-def recompute_in_token_chunks(fn, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Apply a position-wise `fn` ([1, n, d] -> [1, n, d']) to [B, L, d], keeping only the input for the backward
-    pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the activation
-    memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of `fn`."""
+class _TokenChunkedRecompute(torch.autograd.Function):
+    """Runs a position-wise module over [1, n, d] tokens chunk by chunk without keeping any activation: the backward
+    pass recomputes each chunk and writes its input gradient straight into one preallocated tensor."""
+
+    @staticmethod
+    def forward(ctx, module, chunk_tokens, tokens, *params):
+        ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
+        ctx.save_for_backward(tokens)
+        output = None
+        for start in range(0, tokens.shape[1], chunk_tokens):
+            chunk_output = module._forward(tokens[:, start : start + chunk_tokens])
+            if output is None:
+                output = chunk_output.new_empty(1, tokens.shape[1], chunk_output.shape[-1])
+            output[:, start : start + chunk_tokens] = chunk_output
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (tokens,) = ctx.saved_tensors
+        needs_tokens = ctx.needs_input_grad[2]
+        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[3:]) if needed]
+        grad_tokens = torch.empty_like(tokens) if needs_tokens else None
+        grad_params = [None] * len(params)
+        for start in range(0, tokens.shape[1], ctx.chunk_tokens):
+            stop = start + ctx.chunk_tokens
+            grads = _TokenChunkedRecompute._chunk_gradients(
+                ctx.module, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
+            )
+            if needs_tokens:
+                grad_tokens[:, start:stop] = grads.pop(0)
+            for i, grad in enumerate(grads):
+                grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+            del grads
+        grads_by_param = iter(grad_params)
+        all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
+        return None, None, grad_tokens, *all_param_grads
+
+
+    @staticmethod
+    def _chunk_gradients(module, chunk, grad_chunk, params, needs_tokens) -> list[torch.Tensor]:
+        # a function of its own, so the chunk's activations are freed before the next chunk runs
+        chunk = chunk.detach().requires_grad_(needs_tokens)
+        with torch.enable_grad():
+            chunk_output = module._forward(chunk)
+        inputs = ([chunk] if needs_tokens else []) + params
+        return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
+
+
+def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Apply a position-wise `module._forward` ([1, n, d] -> [1, n, d']) to [B, L, d] keeping only the input for the
+    backward pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the
+    activation memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of the module."""
     batch, length, width = hidden_states.shape
     tokens = hidden_states.reshape(1, batch * length, width)
-    outputs = [
-        torch.utils.checkpoint.checkpoint(fn, chunk, use_reentrant=False)
-        for chunk in tokens.split(chunk_tokens, dim=1)
-    ]
-    return torch.cat(outputs, dim=1).view(batch, length, -1)
+    output = _TokenChunkedRecompute.apply(module, chunk_tokens, tokens, *module.parameters())
+    return output.view(batch, length, -1)
 
 
 class SwiGLUFeedForward(nn.Module):
@@ -111,21 +156,27 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self._path_logged = False
 
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
-        """Normalized sub-network weights R [B, H, L, E] in float32."""
+        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast)."""
         if self.router is None:
             return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
-        logits = torch.einsum("bhld,hde->bhle", queries.float(), self.router.float())
+        with torch.autocast(queries.device.type, enabled=False):
+            logits = torch.einsum("bhld,hde->bhle", queries.float(), self.router.float())
         scores = torch.sigmoid(logits)
         return scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.recompute_chunk_tokens and torch.is_grad_enabled():
-            return recompute_in_token_chunks(self._forward, hidden_states, self.recompute_chunk_tokens)
+            return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
         return self._forward(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         queries = self.queries(hidden_states)
-        gates = self.gates(queries).to(queries.dtype)
+        gates = self.gates(queries)
+        if torch.is_autocast_enabled(queries.device.type):
+            # The fused op is a custom op that autocast does not see: run it in the autocast dtype (the RMSNorm of
+            # the queries returns float32 when its weight is float32), as autocast would run a matmul.
+            queries = queries.to(torch.get_autocast_dtype(queries.device.type))
+        gates = gates.to(queries.dtype)
         if not self._path_logged and not torch.compiler.is_compiling():
             logger.info("FlashMHF FFN runs the %s path", flash_mhf_path(queries, self.key, impl=self.kernel))
             self._path_logged = True

@@ -210,7 +210,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     config_class = MemFFNConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["MemFFNDecoderLayer", "TokenMemory"]
+    _no_split_modules = ["MemFFNDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
     _supports_flash_attn = True
     _supports_sdpa = True
@@ -277,36 +277,13 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 os.replace(tmp_path, card_path)
         return result
 
-    def push_to_hub(
-        self,
-        repo_id: str,
-        *,
-        commit_message: str = "Upload model",
-        private: bool | None = None,
-        token: str | None = None,
-        revision: str | None = None,
-        create_pr: bool = False,
-        max_shard_size: int | str = "5GB",
-        **kwargs,
-    ):
-        """Upload exactly what `save_pretrained` writes (weights, config, remote code, tokenizer, our model card).
-
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload exactly what `save_pretrained` writes (weights, config, remote code, tokenizer, this package's model
+        card, and an attached token lookup table) in one commit; see `hub.push_checkpoint` for the options.
         transformers' own `push_to_hub` would replace the model card with a generic template."""
-        import tempfile
+        from .hub import push_checkpoint
 
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as folder:
-            self.save_pretrained(folder, max_shard_size=max_shard_size)
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=folder,
-                commit_message=commit_message,
-                revision=revision,
-                create_pr=create_pr,
-            )
+        return push_checkpoint(self, repo_id, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -496,22 +473,30 @@ class FlashMHFLlamaForCausalLM(MemFFNForCausalLM):
     base_model_class = FlashMHFLlamaModel
 
 
+# The models with FFNs on X0 also keep their stacked `TokenMemory` whole (device_map, FSDP wrapping).
+_WITH_TOKEN_MEMORY = ["MemFFNDecoderLayer", "TokenMemory"]
+
+
 class MemoryLLMModel(MemFFNModel):
     config_class = MemoryLLMConfig
+    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
 class MemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
     config_class = MemoryLLMConfig
     base_model_class = MemoryLLMModel
+    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
 class FlexMemoryLLMModel(MemFFNModel):
     config_class = FlexMemoryLLMConfig
+    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
 class FlexMemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
     config_class = FlexMemoryLLMConfig
     base_model_class = FlexMemoryLLMModel
+    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
 class KVFFNModel(MemFFNModel):

@@ -290,10 +290,10 @@ class TokenChunkedRecompute(nn.Module):
 
         if not torch.is_grad_enabled():
             return self.inner(x)
-        return recompute_in_token_chunks(self.inner._forward, x, self.chunk_tokens)
+        return recompute_in_token_chunks(self.inner, x, self.chunk_tokens)
 
 
-RECOMPUTE_CHUNK_TOKENS = 16384
+RECOMPUTE_CHUNK_TOKENS = 4096
 
 
 def package_flash_mhf_module():

@@ -369,9 +369,39 @@ def test_inputs_embeds_and_tied_embeddings():
         model()
 
 
-def test_no_split_modules_and_device_map(tmp_path):
+def test_no_split_modules_name_classes_each_model_has():
+    for arch in ARCHS:
+        model = build(arch)
+        present = {type(module).__name__ for module in model.modules()}
+        assert "MemFFNDecoderLayer" in model._no_split_modules
+        assert set(model._no_split_modules) <= present, (arch, model._no_split_modules)
+    assert "TokenMemory" in build("memoryllm")._no_split_modules
+
+
+def test_flash_mhf_op_runs_in_the_autocast_dtype(monkeypatch):
+    """Under autocast (e.g. Trainer(bf16=True), fp32 weights) the fused op gets bf16 queries, gates stay fp32-made."""
+    import hf_memffn.ffn as ffn_module
+
+    seen = {}
+    real_op = ffn_module.flash_mhf
+
+    def spy(q, k, u, v, r, **kwargs):
+        seen.update(q=q.dtype, r=r.dtype)
+        return real_op(q, k, u, v, r, **kwargs)
+
+    monkeypatch.setattr(ffn_module, "flash_mhf", spy)
+    mlp = build("flash_mhf").model.layers[0].mlp
+    x = torch.randn(2, 5, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        queries = mlp.queries(x)
+        assert mlp.gates(queries).dtype == torch.float32
+        out = mlp(x)
+    assert seen == {"q": torch.bfloat16, "r": torch.bfloat16}
+    torch.testing.assert_close(out.float(), mlp(x), rtol=0.05, atol=0.02)
+
+
+def test_device_map_auto(tmp_path):
     model = build("memoryllm")
-    assert "MemFFNDecoderLayer" in model._no_split_modules
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto")
     ids = torch.randint(0, 320, (1, 5))

@@ -1,0 +1,104 @@
+"""Compare the loss curves of two or more runs of examples/pretrain.py (their `train_log.jsonl`).
+
+    python examples/compare_loss_curves.py runs/single runs/fsdp2 [runs/fsdp2-compile] --json out.json --markdown out.md
+
+The first run is the reference. For every other run it reports, over the steps both logged, the largest and mean
+absolute difference of the training loss and of the evaluation loss, next to the noise of the reference curve
+(the standard deviation of its training loss around a 5-point moving average): runs that agree "within noise"
+have a mean difference below that noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def read_curves(run_dir: Path) -> dict:
+    train, evaluation, summary = {}, {}, {}
+    for line in (run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            train[record["step"]] = record["loss"]
+        if "eval_loss" in record:
+            evaluation[record["step"]] = record["eval_loss"]
+    if (run_dir / "summary.json").is_file():
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    return {"train": train, "eval": evaluation, "summary": summary}
+
+
+def curve_noise(curve: dict[int, float], window: int = 5) -> float:
+    values = [curve[step] for step in sorted(curve)]
+    residuals = []
+    for i in range(len(values)):
+        lo, hi = max(0, i - window // 2), min(len(values), i + window // 2 + 1)
+        residuals.append(values[i] - statistics.fmean(values[lo:hi]))
+    return statistics.pstdev(residuals) if len(residuals) > 1 else float("nan")
+
+
+def differences(reference: dict[int, float], other: dict[int, float]) -> dict:
+    steps = sorted(set(reference) & set(other))
+    if not steps:
+        return {"steps": 0}
+    deltas = [abs(reference[s] - other[s]) for s in steps]
+    return {"steps": len(steps), "last_step": steps[-1], "max_abs": max(deltas), "mean_abs": statistics.fmean(deltas),
+            "reference_last": reference[steps[-1]], "other_last": other[steps[-1]]}
+
+
+def compare(run_dirs: list[Path]) -> dict:
+    runs = {str(d): read_curves(d) for d in run_dirs}
+    reference_name = str(run_dirs[0])
+    reference = runs[reference_name]
+    result = {"reference": reference_name, "reference_train_noise": curve_noise(reference["train"]), "runs": {}}
+    for name, run in runs.items():
+        summary = run["summary"]
+        entry = {key: summary.get(key) for key in ("world_size", "device", "global_step", "eval_loss", "tokens_per_second", "mfu", "train_seconds")}
+        if name != reference_name:
+            entry["train_loss_difference"] = differences(reference["train"], run["train"])
+            entry["eval_loss_difference"] = differences(reference["eval"], run["eval"])
+            entry["within_noise"] = entry["train_loss_difference"].get("mean_abs", float("inf")) < result["reference_train_noise"]
+        result["runs"][name] = entry
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Reference: `{result['reference']}`; noise of its training loss (std around a 5-point moving average): "
+        f"{result['reference_train_noise']:.4f}",
+        "",
+        "| run | GPUs | steps | final eval loss | tokens/s | MFU | mean abs Δ train loss | max abs Δ train loss | max abs Δ eval loss | within noise |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, entry in result["runs"].items():
+        train = entry.get("train_loss_difference", {})
+        evaluation = entry.get("eval_loss_difference", {})
+        fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
+        lines.append(
+            f"| `{name}` | {entry.get('world_size')} | {entry.get('global_step')} | {fmt(entry.get('eval_loss'), '.4f')} | "
+            f"{fmt(entry.get('tokens_per_second'), ',.0f')} | {fmt((entry.get('mfu') or 0) * 100, '.1f')}% | "
+            f"{fmt(train.get('mean_abs'), '.4f')} | {fmt(train.get('max_abs'), '.4f')} | {fmt(evaluation.get('max_abs'), '.4f')} | "
+            f"{entry.get('within_noise', 'reference')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="output dirs of pretrain.py; the first is the reference")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    result = compare(args.runs)
+    table = markdown(result)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.markdown:
+        args.markdown.write_text(table, encoding="utf-8")
+    return result
+
+
+if __name__ == "__main__":
+    main()

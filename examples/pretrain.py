@@ -1,0 +1,491 @@
+"""Pretrain (or fine-tune) any hf-memffn architecture, or the Llama baseline, with the transformers `Trainer`.
+
+Text comes from a `datasets` dataset: a Hub name (`--dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT`)
+or local files (`--data-files corpus/*.jsonl`, builder inferred from the suffix: text, json, csv, parquet).
+Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens.
+
+Single process:
+    python examples/pretrain.py --arch flash_mhf --preset 128M --dataset ... --tokenizer EleutherAI/gpt-neox-20b \
+        --block-size 4096 --per-device-batch-size 8 --grad-accum 8 --max-steps 245000 --output-dir runs/fmhf-128m
+Several GPUs (configs in examples/accelerate/):
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/pretrain.py <same arguments>
+Resume: add `--resume latest` (or a checkpoint folder). Fine-tune a saved model: `--init-from DIR_OR_REPO`.
+
+Optimiser defaults are flash-mhf.md Table 3: AdamW (0.9, 0.95), weight decay 0.1, cosine to 1e-5 with 1.5% warmup,
+learning rate from the preset. Every log line carries tokens/s and MFU (model FLOPs utilisation: 6 N + 12 L d T
+FLOPs per token over the device's dense bf16 peak, `--peak-tflops` to override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from presets import ARCHITECTURE_NAMES, OPTIMIZER_DEFAULTS, PRESETS, get_preset  # noqa: E402
+
+LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Dense bf16 tensor-core peak per device, TFLOP/s (datasheet, SXM parts).
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0}
+TOKENIZER_DIR = "tokenizer"
+EOS_TOKEN = "<|endoftext|>"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = p.add_argument_group("model")
+    model.add_argument("--arch", choices=ARCHITECTURE_NAMES, default="flash_mhf")
+    model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    model.add_argument("--config-overrides", default="", help="comma-separated key=value config fields, e.g. ffn_kernel=triton")
+    model.add_argument("--init-from", default=None, help="fine-tune: start from this saved model (folder or Hub repo)")
+    data = p.add_argument_group("data")
+    data.add_argument("--dataset", default=None, help="Hub dataset name, or a `datasets` builder (text/json/...) for --data-files")
+    data.add_argument("--dataset-config", default=None)
+    data.add_argument("--data-files", nargs="+", default=None, help="local text/jsonl/csv/parquet files (globs allowed)")
+    data.add_argument("--text-column", default="text")
+    data.add_argument("--train-split", default="train")
+    data.add_argument("--validation-split", default="validation", help="used when the dataset has it")
+    data.add_argument("--validation-fraction", type=float, default=0.01, help="packed blocks held out otherwise")
+    data.add_argument("--block-size", type=int, default=1024)
+    data.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub name (default: --init-from's)")
+    data.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB", help="train a byte-level BPE of this size on the training text")
+    data.add_argument("--num-proc", type=int, default=None, help="processes for tokenization")
+    train = p.add_argument_group("training")
+    train.add_argument("--output-dir", required=True)
+    train.add_argument("--max-steps", type=int, default=-1)
+    train.add_argument("--stop-after-steps", type=int, default=None, help="stop at this step, keeping the --max-steps schedule")
+    train.add_argument("--num-epochs", type=float, default=1.0)
+    train.add_argument("--per-device-batch-size", type=int, default=8)
+    train.add_argument("--grad-accum", type=int, default=1)
+    train.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
+    train.add_argument("--min-learning-rate", type=float, default=OPTIMIZER_DEFAULTS["min_learning_rate"])
+    train.add_argument("--warmup-ratio", type=float, default=OPTIMIZER_DEFAULTS["warmup_ratio"])
+    train.add_argument("--weight-decay", type=float, default=OPTIMIZER_DEFAULTS["weight_decay"])
+    train.add_argument("--max-grad-norm", type=float, default=1.0)
+    train.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on GPUs that have it")
+    train.add_argument("--gradient-checkpointing", action="store_true")
+    train.add_argument("--torch-compile", action="store_true")
+    train.add_argument("--logging-steps", type=int, default=10)
+    train.add_argument("--eval-steps", type=int, default=500)
+    train.add_argument("--max-eval-blocks", type=int, default=None, help="cap on held-out blocks evaluated")
+    train.add_argument("--save-steps", type=int, default=1000)
+    train.add_argument("--save-total-limit", type=int, default=2)
+    train.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' for the newest in --output-dir")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs' bf16 peak)")
+    train.add_argument("--report-to", default="none")
+    return p
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+
+def load_raw_splits(args):
+    """Return (train, validation or None) datasets of raw documents."""
+    import datasets
+
+    if args.data_files:
+        builder = args.dataset or _builder_for(args.data_files[0])
+        loaded = datasets.load_dataset(builder, data_files={"train": args.data_files})
+    elif args.dataset:
+        loaded = datasets.load_dataset(args.dataset, args.dataset_config)
+    else:
+        raise ValueError("give --dataset (Hub name) or --data-files (local files)")
+    if args.train_split not in loaded:
+        raise ValueError(f"--train-split={args.train_split!r} is not one of the dataset's splits {sorted(loaded)}")
+    train = loaded[args.train_split]
+    if args.text_column not in train.column_names:
+        raise ValueError(f"--text-column={args.text_column!r} is not one of the dataset's columns {train.column_names}")
+    validation = loaded[args.validation_split] if args.validation_split in loaded else None
+    return train, validation
+
+
+def _builder_for(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in LOCAL_BUILDERS:
+        raise ValueError(f"--data-files: suffix {suffix!r} of {path!r} is not one of {sorted(LOCAL_BUILDERS)}; pass --dataset BUILDER")
+    return LOCAL_BUILDERS[suffix]
+
+
+def train_bpe_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE tokenizer trained on `texts`, with one special token used as BOS, EOS and padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def load_tokenizer(args, train_text, training_args):
+    """The tokenizer: trained here (once, by the main process, then reused on resume) or loaded."""
+    from transformers import AutoTokenizer
+
+    if args.train_tokenizer:
+        folder = Path(args.output_dir) / TOKENIZER_DIR
+        with training_args.main_process_first(local=False, desc="train tokenizer"):
+            if training_args.process_index == 0 and not (folder / "tokenizer_config.json").exists():
+                tokenizer = train_bpe_tokenizer(_batches(train_text, args.text_column), args.train_tokenizer)
+                tokenizer.save_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
+    source = args.tokenizer or args.init_from
+    if source is None:
+        raise ValueError("give --tokenizer NAME_OR_DIR, --train-tokenizer VOCAB, or --init-from DIR")
+    with training_args.main_process_first(local=False, desc="load tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--tokenizer={source!r} has no EOS token, which packing puts between documents")
+    return tokenizer
+
+
+def _batches(dataset, column: str, batch_size: int = 1000):
+    for start in range(0, len(dataset), batch_size):
+        yield dataset[start : start + batch_size][column]
+
+
+def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_proc=None):
+    """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [doc + [eos] for doc in ids]}
+
+    def group(batch):
+        stream = [token for doc in batch["input_ids"] for token in doc]
+        usable = len(stream) - len(stream) % block_size
+        return {"input_ids": [stream[i : i + block_size] for i in range(0, usable, block_size)]}
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="tokenize")
+    return tokenized.map(group, batched=True, num_proc=num_proc, desc=f"pack into {block_size}-token blocks")
+
+
+def collate_blocks(features):
+    input_ids = torch.tensor([f["input_ids"] for f in features], dtype=torch.long)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+# --- model --------------------------------------------------------------------------------------------------------
+
+
+def parse_overrides(text: str) -> dict:
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if "=" not in item:
+            raise ValueError(f"--config-overrides: {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = value
+    return overrides
+
+
+def build_config(architecture: str, preset_name: str, vocab_size: int, tokenizer=None, **overrides):
+    fields = get_preset(preset_name).config_fields(architecture)
+    fields["vocab_size"] = vocab_size
+    if tokenizer is not None:
+        fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    fields.update(overrides)
+    if architecture == "llama":  # the baseline: transformers' own Llama
+        from transformers import LlamaConfig
+
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+        return LlamaConfig(**fields)
+    import hf_memffn
+
+    return hf_memffn.ARCHITECTURES[architecture](**fields)
+
+
+def build_model(args, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    if args.init_from:
+        model = from_pretrained_main_process_first(args.init_from, dtype=torch.float32)
+    else:
+        vocab_size = 64 * math.ceil(len(tokenizer) / 64)  # padded for tensor-core friendly shapes
+        config = build_config(args.arch, args.preset, vocab_size, tokenizer, **parse_overrides(args.config_overrides))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if hasattr(model, "attach_tokenizer"):
+        model.attach_tokenizer(tokenizer)
+    keep_present_wrap_units(model)
+    return model
+
+
+def keep_present_wrap_units(model) -> None:
+    """Keep in `model._no_split_modules` (the FSDP2 wrap units of examples/accelerate/fsdp2.yaml) only the classes
+    the model contains: accelerate refuses a listed class that is absent (e.g. `TokenMemory` in a FlashMHF model)."""
+    present = {type(module).__name__ for module in model.modules()}
+    model._no_split_modules = {name for name in (model._no_split_modules or ()) if name in present}
+
+
+def from_pretrained_main_process_first(path: str, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`, safe when many processes start at once.
+
+    The main process resolves the config first, which copies the checkpoint's modeling code into the transformers
+    module cache; the other processes wait at a barrier, then find the cache populated instead of writing the same
+    files at the same time. (Fine-tuning does not import `hf_memffn`, so the checkpoint's own code is what runs.)
+    """
+    from accelerate import PartialState
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with PartialState().main_process_first():
+        AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
+
+
+def training_flops_per_token(model, sequence_length: int) -> float:
+    """Forward+backward FLOPs per token: 6 per weight used in a matmul, plus 12 L d T for attention scores and mixing.
+
+    The input embedding is a lookup (not counted) unless it is tied to the output head. FlashMHF's key/up/value
+    banks are shared by `ffn_num_heads / ffn_num_kv_heads` query heads and are counted once per sharing head.
+    """
+    config = model.config
+    matmul_params = 0
+    embedding = model.get_input_embeddings().weight
+    for name, param in model.named_parameters():
+        if param is embedding and not getattr(config, "tie_word_embeddings", False):
+            continue
+        uses = 1
+        if name.endswith(("mlp.key", "mlp.up", "mlp.value")):
+            uses = getattr(config, "ffn_num_heads", 1) // max(1, getattr(config, "ffn_num_kv_heads", None) or getattr(config, "ffn_num_heads", 1))
+        matmul_params += uses * param.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * sequence_length
+    return 6.0 * matmul_params + attention
+
+
+def device_peak_flops(override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+# --- throughput ---------------------------------------------------------------------------------------------------
+
+
+def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world_size: int, log_path: Path):
+    from transformers import TrainerCallback
+
+    class ThroughputCallback(TrainerCallback):
+        """Adds tokens/s and MFU to each training log (steady-state steps only) and appends every log to a JSONL file."""
+
+        def __init__(self):
+            self.last_step_end = None
+            self.window_seconds = 0.0
+            self.window_steps = 0
+            self.total_seconds = 0.0
+            self.total_steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if self.last_step_end is not None:  # the first step (compilation, autotuning) is not timed
+                self.window_seconds += now - self.last_step_end
+                self.window_steps += 1
+            self.last_step_end = now
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.last_step_end = None  # evaluation time is not training time
+
+        def on_save(self, args, state, control, **kwargs):
+            self.last_step_end = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = dict(logs or {})
+            if "loss" in logs and self.window_steps:
+                tokens_per_second = self.window_steps * tokens_per_step / self.window_seconds
+                logs["tokens_per_second"] = round(tokens_per_second, 1)
+                if peak_flops:
+                    logs["mfu"] = tokens_per_second * flops_per_token / (peak_flops * world_size)
+                self.total_seconds += self.window_seconds
+                self.total_steps += self.window_steps
+                self.window_seconds, self.window_steps = 0.0, 0
+            if state.is_world_process_zero:
+                record = {"step": state.global_step, **logs}
+                with log_path.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(record) + "\n")
+                if "tokens_per_second" in logs:
+                    mfu = f"  MFU {100 * logs['mfu']:.1f}%" if "mfu" in logs else ""
+                    print(f"step {state.global_step}: loss {logs['loss']:.4f}  {logs['tokens_per_second']:,.0f} tokens/s{mfu}", flush=True)
+
+        def summary(self) -> dict:
+            if not self.total_steps:
+                return {}
+            tokens_per_second = self.total_steps * tokens_per_step / self.total_seconds
+            result = {"tokens_per_second": round(tokens_per_second, 1)}
+            if peak_flops:
+                result["mfu"] = tokens_per_second * flops_per_token / (peak_flops * world_size)
+            return result
+
+    return ThroughputCallback()
+
+
+# --- main ---------------------------------------------------------------------------------------------------------
+
+
+def make_stop_callback(stop_step: int):
+    from transformers import TrainerCallback
+
+    class StopAfterSteps(TrainerCallback):
+        """Ends training at `stop_step` while the learning-rate schedule stays the one of --max-steps."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= stop_step:
+                control.should_training_stop = True
+
+    return StopAfterSteps()
+
+
+def training_arguments(args, **fields):
+    """TrainingArguments from the fields this transformers version knows (`activation_checkpointing` was `gradient_checkpointing`)."""
+    from transformers import TrainingArguments
+
+    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if args.gradient_checkpointing:
+        name = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
+        fields[name] = True
+        fields[name + "_kwargs"] = {"use_reentrant": False}
+    return TrainingArguments(**{key: value for key, value in fields.items() if key in known})
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    from transformers import Trainer, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    use_bf16 = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    learning_rate = args.learning_rate or get_preset(args.preset).learning_rate
+    output_dir = Path(args.output_dir)
+    training_args = training_arguments(
+        args,
+        output_dir=str(output_dir),
+        max_steps=args.max_steps,
+        num_train_epochs=args.num_epochs,
+        per_device_train_batch_size=args.per_device_batch_size,
+        per_device_eval_batch_size=args.per_device_batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": args.min_learning_rate},
+        warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
+        weight_decay=args.weight_decay,
+        adam_beta1=OPTIMIZER_DEFAULTS["adam_beta1"],
+        adam_beta2=OPTIMIZER_DEFAULTS["adam_beta2"],
+        max_grad_norm=args.max_grad_norm,
+        bf16=use_bf16,
+        torch_compile=args.torch_compile,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps",
+        eval_steps=args.eval_steps,
+        prediction_loss_only=True,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        seed=args.seed,
+        data_seed=args.seed,
+        report_to=args.report_to,
+        ddp_find_unused_parameters=False,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    set_seed(args.seed)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    with training_args.main_process_first(local=False, desc="load dataset"):
+        raw_train, raw_validation = load_raw_splits(args)
+    tokenizer = load_tokenizer(args, raw_train, training_args)
+    with training_args.main_process_first(local=False, desc="pack"):
+        train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
+        if raw_validation is not None:
+            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
+        else:
+            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
+            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
+            train_blocks, eval_blocks = split["train"], split["test"]
+    if args.max_eval_blocks:
+        eval_blocks = eval_blocks.select(range(min(args.max_eval_blocks, len(eval_blocks))))
+    if len(train_blocks) == 0:
+        raise ValueError(f"--block-size={args.block_size}: the training text gives no full block; use more text or smaller blocks")
+
+    model = build_model(args, tokenizer)
+    counts = model.parameter_counts() if hasattr(model, "parameter_counts") else {"total": model.num_parameters()}
+    world_size = training_args.world_size
+    tokens_per_step = args.per_device_batch_size * args.grad_accum * args.block_size * world_size
+    flops_per_token = training_flops_per_token(model, args.block_size)
+    peak_flops = device_peak_flops(args.peak_tflops)
+    log_path = output_dir / "train_log.jsonl"
+    throughput = make_throughput_callback(tokens_per_step, flops_per_token, peak_flops, world_size, log_path)
+    if training_args.process_index == 0:
+        print(
+            f"{args.arch} preset={args.preset}: {counts['total']:,} parameters, {len(train_blocks):,} train / "
+            f"{len(eval_blocks):,} eval blocks of {args.block_size} tokens, {tokens_per_step:,} tokens/step on {world_size} "
+            f"process(es), bf16={use_bf16}, {flops_per_token / 1e9:.3f} GFLOP/token",
+            flush=True,
+        )
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_blocks,
+        eval_dataset=eval_blocks,
+        data_collator=collate_blocks,
+        processing_class=tokenizer,
+        callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else []),
+    )
+    resume = args.resume
+    if resume == "latest":
+        resume = get_last_checkpoint(str(output_dir))
+        if resume is None:
+            raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
+    started = time.perf_counter()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    train_seconds = time.perf_counter() - started
+    eval_metrics = trainer.evaluate()
+    final_dir = output_dir / "final"
+    trainer.save_model(str(final_dir))
+
+    summary = {
+        "arch": args.arch,
+        "preset": args.preset,
+        "parameters": counts,
+        "world_size": world_size,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "bf16": use_bf16,
+        "global_step": trainer.state.global_step,
+        "train_loss": train_result.training_loss,
+        "eval_loss": eval_metrics["eval_loss"],
+        "train_seconds": round(train_seconds, 2),
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": flops_per_token,
+        **throughput.summary(),
+        "final_model": str(final_dir),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+    }
+    if trainer.is_world_process_zero():
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        rate = f", {summary['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in summary else ""
+        mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
+        print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

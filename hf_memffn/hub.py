@@ -1,0 +1,163 @@
+"""Hub helpers: stage a checkpoint folder a stranger can use, and push it.
+
+`push_checkpoint(model, repo_id)` saves the model (weights, config with `auto_map`, the flat remote-code files,
+the attached tokenizer and the generated model card) into a temporary folder and uploads that folder in one commit.
+`push_folder(folder, repo_id)` uploads a folder that `save_pretrained` already wrote, after checking it is complete.
+
+The Hub client is created in one place, `_hub_client`, so tests replace exactly that boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# What every folder written by `save_pretrained` of this package must hold (besides the weights).
+REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
+WEIGHT_SUFFIXES = (".safetensors",)
+TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
+TABLE_FILE_SUFFIXES = (".safetensors", ".json")
+
+
+def _hub_client(token: str | bool | None = None):
+    """The huggingface_hub client every push goes through."""
+    from huggingface_hub import HfApi
+
+    return HfApi(token=token)
+
+
+def staged_files(folder: str | os.PathLike) -> list[str]:
+    """Every file under `folder`, as sorted POSIX paths relative to it (what an upload of the folder sends)."""
+    root = Path(folder)
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+
+
+def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
+    """Raise ValueError unless `folder` is a complete checkpoint of this package; return its files."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"folder={str(folder)!r} is not a directory")
+    files = staged_files(root)
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if not any(name.endswith(WEIGHT_SUFFIXES) for name in files):
+        missing.append("*.safetensors (weights)")
+    if missing:
+        raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    if "auto_map" not in config:
+        raise ValueError(
+            f"folder={str(folder)!r}: config.json has no 'auto_map', so trust_remote_code loading cannot find the classes"
+        )
+    for module_file in _remote_code_files(config):
+        if module_file not in files:
+            raise ValueError(f"folder={str(folder)!r}: config.json's auto_map needs {module_file!r}, which is missing")
+    return files
+
+
+def _remote_code_files(config: dict) -> set[str]:
+    """The Python files named by config.json's auto_map (`"module.Class"` -> `module.py`)."""
+    names = set()
+    for reference in config.get("auto_map", {}).values():
+        for ref in reference if isinstance(reference, (list, tuple)) else [reference]:
+            if ref and "--" not in ref:  # "repo--module.Class" points at another repo
+                names.add(ref.rsplit(".", 1)[0] + ".py")
+    return names
+
+
+def attached_table_dir(model) -> Path | None:
+    """The folder of the token lookup table a MemoryLLM / FlexMemoryLLM model reads, or None."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    table = getattr(base, "token_lookup", None)
+    return Path(table.index.directory) if table is not None else None
+
+
+def stage_checkpoint(
+    model, folder: str | os.PathLike, tokenizer=None, repo_id: str | None = None, include_token_lookup: bool = True
+) -> list[str]:
+    """Write `model` (and `tokenizer`, if given, else the one attached to the model) into `folder`; return its files.
+
+    If the model reads a token lookup table, the table's files (`token_lookup*`) are copied next to the weights
+    (unless `include_token_lookup=False`). The model card is rendered again with `repo_id`, so its usage snippet
+    names the Hub repository, and it says whether a table is included.
+    """
+    from .model_card import render_model_card
+
+    if tokenizer is not None:
+        if hasattr(model, "attach_tokenizer"):
+            model.attach_tokenizer(tokenizer)
+        else:
+            tokenizer.save_pretrained(folder)
+    model.save_pretrained(folder)
+    table_dir = attached_table_dir(model)
+    if include_token_lookup and table_dir is not None and table_dir.resolve() != Path(folder).resolve():
+        for path in sorted(table_dir.glob(f"{TABLE_FILE_PREFIX}*")):
+            if path.is_file() and path.suffix in TABLE_FILE_SUFFIXES:  # not token_lookup.py (remote code)
+                shutil.copy2(path, Path(folder) / path.name)
+    card = Path(folder) / "README.md"
+    tmp = card.with_name(card.name + ".tmp")
+    tmp.write_text(render_model_card(model, repo_id=repo_id, save_directory=folder), encoding="utf-8")
+    os.replace(tmp, card)
+    return check_checkpoint_folder(folder)
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+):
+    """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info."""
+    check_checkpoint_folder(folder)
+    client = _hub_client(token)
+    repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+    if revision is not None:
+        client.create_branch(repo_id, branch=revision, exist_ok=True)
+    return client.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        repo_type="model",
+        revision=revision,
+        commit_message=commit_message or "Upload model",
+        create_pr=create_pr,
+    )
+
+
+def push_checkpoint(model, repo_id: str, *, tokenizer=None, include_token_lookup: bool = True, **push_kwargs):
+    """Save `model` with its model card, tokenizer, remote code (and attached token lookup table) into a temporary
+    folder and push that folder in one commit."""
+    with tempfile.TemporaryDirectory(prefix="memffn-push-") as folder:
+        stage_checkpoint(model, folder, tokenizer=tokenizer, repo_id=repo_id, include_token_lookup=include_token_lookup)
+        return push_folder(folder, repo_id, **push_kwargs)
+
+
+# --- `hf-memffn push` -------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("folder", help="a folder written by model.save_pretrained")
+    parser.add_argument("repo_id", help="the Hub repository, e.g. user/flashmhf-128m")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
+    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+
+
+def run(args) -> int:
+    files = check_checkpoint_folder(args.folder)
+    info = push_folder(
+        args.folder,
+        args.repo_id,
+        private=args.private or None,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        create_pr=args.create_pr,
+    )
+    print(f"pushed {len(files)} files to {args.repo_id}: {getattr(info, 'commit_url', info)}")
+    return 0

@@ -1,0 +1,72 @@
+"""lm-eval-harness model `memffn`: the stock `hf` model, plus MemoryLLM / FlexMemoryLLM in token-lookup-table mode.
+
+Every checkpoint of this package already works with the stock model
+(`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True`). This wrapper adds three `model_args`:
+
+* `token_lookup=TABLE_DIR`: after loading, read the FFNs on X0 from the table exported to TABLE_DIR
+  (`hf-memffn export-tols`; a Hub repo id holding the table works too) instead of computing them;
+* `token_lookup_placement=gpu|cpu|disk` (default: gpu on CUDA, else cpu);
+* `drop_memory_ffn=True`: free the FFN weights on X0 once the table is loaded.
+
+From the command line (registers the model, then runs the lm-eval CLI with the same arguments):
+
+    python -m hf_memffn.lm_eval_model --model memffn \
+        --model_args pretrained=DIR,trust_remote_code=True,token_lookup=DIR --tasks hellaswag,piqa
+
+From Python: `import hf_memffn.lm_eval_model` and pass `model="memffn"` to `lm_eval.simple_evaluate`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+MODEL_NAME = "memffn"
+PLACEMENTS = ("gpu", "cpu", "disk")
+
+
+@register_model(MODEL_NAME)
+class MemFFNLM(HFLM):
+    """`HFLM` that can switch a MemoryLLM / FlexMemoryLLM to its token lookup table after loading."""
+
+    def __init__(self, token_lookup: str | None = None, token_lookup_placement: str | None = None,
+                 drop_memory_ffn: bool = False, **kwargs):
+        kwargs.setdefault("trust_remote_code", True)
+        super().__init__(**kwargs)
+        self.token_lookup_path = token_lookup
+        if token_lookup is None:
+            if token_lookup_placement is not None or drop_memory_ffn:
+                raise ValueError("token_lookup_placement / drop_memory_ffn need token_lookup=TABLE_DIR")
+            return
+        placement = token_lookup_placement or ("gpu" if torch.cuda.is_available() else "cpu")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"token_lookup_placement={placement!r} is not one of {PLACEMENTS}")
+        model = self._model
+        if not hasattr(model, "load_tols"):
+            raise ValueError(
+                f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "
+                "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
+            )
+        model.load_tols(local_table_dir(str(token_lookup)), placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
+
+
+def local_table_dir(token_lookup: str) -> str:
+    """A local folder as is; otherwise a Hub repo id, of which only the table files are downloaded."""
+    if os.path.isdir(token_lookup):
+        return token_lookup
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(token_lookup, allow_patterns=["token_lookup*"])
+
+
+def main() -> None:
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

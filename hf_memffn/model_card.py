@@ -1,0 +1,226 @@
+"""The model card (README.md) written next to a saved checkpoint.
+
+`render_model_card(model)` describes the architecture, the config fields that define it, the parameter counts and
+how to load the folder with `trust_remote_code`; for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
+are attached and how to export and load them.
+
+This file is copied next to saved checkpoints for `trust_remote_code`: it imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+
+CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
+TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
+
+ARCHITECTURE_SUMMARIES = {
+    "memffn_flash_mhf": (
+        "FlashMHFLlama",
+        "A Llama-style decoder whose feed-forward block is a Flash Multi-Head FFN (FlashMHF). The hidden state is "
+        "projected to `ffn_num_heads` heads; in each head, `ffn_num_subnetworks` SwiGLU sub-networks read the head's "
+        "query and their outputs are mixed by sigmoid gates normalised over the sub-networks. On CUDA the FFN runs "
+        "as a fused Triton kernel that never writes the intermediate activations to GPU memory.",
+    ),
+    "memffn_memoryllm": (
+        "MemoryLLM",
+        "A Llama-style decoder without a feed-forward block on the residual stream: layer l adds "
+        "`FFN_l(X0)`, a SwiGLU FFN of the token embeddings X0, next to attention. Because those FFNs see only the "
+        "token id, they can be precomputed once per vocabulary token into token lookup tables (ToLs) and read "
+        "instead of computed.",
+    ),
+    "memffn_flex_memoryllm": (
+        "FlexMemoryLLM",
+        "A Llama-style decoder with two FFNs per layer: FFN-C on the layer input (parallel to attention) and "
+        "FFN-M on the token embeddings X0. FFN-M depends only on the token id, so it can be precomputed into "
+        "token lookup tables (ToLs); FFN-C keeps computing on the residual stream.",
+    ),
+    "memffn_kvffn": (
+        "KVFFN",
+        "A Llama-style decoder whose feed-forward block is the KV-FFN block "
+        "`y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o + x`: keys select, values carry, and the block keeps "
+        "its own inner residual connection.",
+    ),
+}
+
+SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+ARCHITECTURE_FIELDS = {
+    "memffn_flash_mhf": (
+        "ffn_variant",
+        "ffn_num_heads",
+        "ffn_head_dim",
+        "ffn_num_subnetworks",
+        "subnetwork_size",
+        "ffn_num_kv_heads",
+        "ffn_query_norm",
+        "ffn_io_projections",
+        "ffn_kernel",
+    ),
+    "memffn_memoryllm": ("token_memory_size",),
+    "memffn_flex_memoryllm": ("memory_intermediate_size",),
+    "memffn_kvffn": (
+        "ffn_variant",
+        "kvffn_activation",
+        "kvffn_composition",
+        "kvffn_bias",
+        "kvffn_inner_residual",
+        "kvffn_init",
+    ),
+}
+MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
+
+
+def render_model_card(model, repo_id: str | None = None, save_directory: str | os.PathLike | None = None) -> str:
+    """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table."""
+    config = model.config
+    model_type = getattr(config, "model_type", "")
+    name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))
+    location = repo_id or CARD_PLACEHOLDER_PATH
+    sections = [
+        _front_matter(model_type),
+        f"# {name} ({model_type})",
+        summary,
+        _parameters_section(model, model_type),
+        _config_section(config, model_type),
+        _usage_section(model, location),
+    ]
+    if model_type in MEMORY_MODEL_TYPES:
+        sections.append(_lookup_section(model, location, save_directory))
+    sections.append(_evaluation_section(location))
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _front_matter(model_type: str) -> str:
+    tags = ["hf-memffn", model_type, "custom_code"]
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:"]
+    lines += [f"- {tag}" for tag in tags]
+    lines.append("---")
+    return "\n".join(lines)
+
+
+def _parameters_section(model, model_type: str) -> str:
+    if hasattr(model, "parameter_counts"):
+        counts = model.parameter_counts()
+    else:
+        total = sum(p.numel() for p in model.parameters())
+        counts = {"total": total, "active": total}
+    embedding = model.get_input_embeddings().weight.numel() if hasattr(model, "get_input_embeddings") else 0
+    rows = [("total", counts["total"]), ("embedding (input)", embedding)]
+    if model_type in MEMORY_MODEL_TYPES:
+        rows.append(("active (on the device once the FFNs on X0 are lookup tables)", counts["active"]))
+    table = ["| parameters | count |", "| --- | ---: |"] + [f"| {label} | {value:,} ({_short(value)}) |" for label, value in rows]
+    return "## Parameters\n\n" + "\n".join(table)
+
+
+def _short(count: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}{suffix}"
+    return str(count)
+
+
+def _config_section(config, model_type: str) -> str:
+    rows = ["| field | value |", "| --- | --- |"]
+    for field in SHARED_FIELDS + ARCHITECTURE_FIELDS.get(model_type, ()):
+        value = getattr(config, field, None)
+        if value is not None:
+            rows.append(f"| `{field}` | `{value}` |")
+    return "## Configuration highlights\n\n" + "\n".join(rows) + "\n\nThe full configuration is in `config.json`."
+
+
+def _has_tokenizer(model) -> bool:
+    return getattr(model, "attached_tokenizer", None) is not None
+
+
+def _usage_section(model, location: str) -> str:
+    if _has_tokenizer(model):
+        body = (
+            "tokenizer = AutoTokenizer.from_pretrained(checkpoint)\n"
+            "model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
+            'inputs = tokenizer("The capital of France is", return_tensors="pt")\n'
+            "output = model.generate(**inputs, max_new_tokens=20)\n"
+            "print(tokenizer.decode(output[0], skip_special_tokens=True))"
+        )
+        imports = "import torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer"
+        note = ""
+    else:
+        body = (
+            "model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
+            "input_ids = torch.tensor([[1, 2, 3]])\n"
+            "logits = model(input_ids).logits"
+        )
+        imports = "import torch\nfrom transformers import AutoModelForCausalLM"
+        note = "\n\nNo tokenizer was saved with this model: pair it with the tokenizer it was trained with."
+    return (
+        "## Usage\n\n"
+        "The modeling code ships in this folder (`modeling_memffn.py` and its siblings), so only `transformers` and "
+        "`torch` are needed (`triton` for the fused GPU kernels):\n\n"
+        f"```python\n{imports}\n\ncheckpoint = \"{location}\"\n{body}\n```{note}"
+    )
+
+
+def _lookup_section(model, location: str, save_directory) -> str:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    table = getattr(base, "token_lookup", None)
+    memory_dropped = getattr(base, "memory", "absent") is None
+    in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
+    if table is not None:
+        fmt = getattr(getattr(getattr(table, "index", None), "fmt", None), "name", "unknown")
+        status = (
+            f"**Token lookup tables: attached.** When this checkpoint was saved the model read its FFNs on X0 from a "
+            f"`{fmt}` table instead of computing them"
+            + (" (the FFN weights on X0 had been dropped)." if memory_dropped else ".")
+        )
+    else:
+        status = "**Token lookup tables: not attached.** The model computes its FFNs on X0 (exact, no table needed)."
+    if in_folder:
+        status += f" A table (`{TABLE_INDEX_NAME}` and its shards) is included in this folder."
+        table_dir = "checkpoint_dir"
+        how = (
+            "Load it from a local copy of this folder:\n\n"
+            "```python\n"
+            "from huggingface_hub import snapshot_download\n\n"
+            f'checkpoint_dir = snapshot_download("{location}")  # or the local folder itself\n'
+            "model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype=torch.bfloat16)\n"
+        )
+    else:
+        table_dir = '"TABLE_DIR"'
+        how = (
+            "Export a table from these weights with the `hf-memffn` package (formats: fp32, fp16, bf16, int8, int4, "
+            "lowrank), then load it:\n\n"
+            f"```bash\nhf-memffn export-tols {location} TABLE_DIR --format bf16\n```\n\n"
+            "```python\n"
+        )
+    return (
+        "## Token lookup tables\n\n"
+        f"{status}\n\n{how}"
+        f'model.load_tols({table_dir}, placement="gpu")  # or "cpu" / "disk" (host or mapped table, GPU row cache)\n'
+        "model.drop_memory_ffn()  # optional: free the FFN weights on X0\n"
+        "```\n\n"
+        "A table is tied to the weights it was computed from; loading one from other weights raises an error. "
+        "Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"
+        "```bash\n"
+        f"python -m hf_memffn.lm_eval_model --model memffn --model_args pretrained={location},"
+        f"token_lookup={'TABLE_DIR' if not in_folder else location} --tasks hellaswag,piqa\n"
+        "```"
+    )
+
+
+def _evaluation_section(location: str) -> str:
+    return (
+        "## Evaluation\n\n"
+        "```bash\n"
+        f"lm_eval --model hf --model_args pretrained={location},trust_remote_code=True --tasks hellaswag,piqa\n"
+        "```"
+    )

@@ -1,0 +1,73 @@
+"""Where the FlashMHF module's forward+backward peak memory goes (bf16, paper shape, B=8, L=16128).
+
+Measures the peak of: the fused op alone, the module as is, and the module with token-chunked recompute for several
+chunk sizes; and what the op allocates beyond its inputs and outputs. Writes JSON to --out.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from hf_memffn import FlashMHFLlamaConfig, flash_mhf
+from hf_memffn.ffn import FlashMHFFeedForward, recompute_in_token_chunks
+
+GiB = 2**30
+
+
+def peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / GiB, base / GiB
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "kernels/results"))
+    parser.add_argument("--length", type=int, default=16128)
+    args = parser.parse_args()
+    config = FlashMHFLlamaConfig(hidden_size=2048, intermediate_size=15 * 384, num_attention_heads=16,
+                                 ffn_num_heads=16, ffn_num_subnetworks=15, ffn_kernel="triton")
+    module = FlashMHFFeedForward(config).to("cuda", torch.bfloat16)
+    x = torch.randn(8, args.length, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    rows = {"device": torch.cuda.get_device_name(), "L": args.length, "token_bytes_GiB": x.numel() * 2 / GiB}
+
+    def run(forward):
+        def step():
+            forward(x).backward(grad)
+        step()  # warm up / autotune
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        result = peak(step)
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        return result
+
+    rows["module_plain"] = run(module._forward)
+    for chunk in (4096, 8192, 16384, 32768):
+        rows[f"module_chunked_{chunk}"] = run(lambda t, c=chunk: recompute_in_token_chunks(module, t, c))
+    # the op alone on one chunk's worth of tokens: what it allocates beyond its inputs/outputs
+    for tokens in (16384, 8 * args.length):
+        q = torch.randn(1, 16, tokens, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        r = torch.rand(1, 16, tokens, 15, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out_grad = torch.randn_like(q)
+        step = lambda: flash_mhf(q, module.key, module.up, module.value, r, impl="triton").backward(out_grad)  # noqa: E731
+        step()
+        rows[f"op_{tokens}_tokens"] = peak(step)
+        rows[f"op_{tokens}_tokens_q_GiB"] = q.numel() * 2 / GiB
+        q = r = out_grad = None
+    print(json.dumps(rows, indent=1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "flash_mhf_memory_profile.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Hub-ready checkpoints: the staged folder (exact files), the model card, and the push path with the Hub client
+replaced at our boundary (`hf_memffn.hub._hub_client`)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn
+from hf_memffn import hub
+from hf_memffn.model_card import render_model_card
+from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+PACKAGE_DIR = Path(hf_memffn.__file__).parent
+NON_CODE_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors"}
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+
+def remote_code_files() -> set[str]:
+    """configuration_memffn.py, modeling_memffn.py and every sibling they import (`from .name import`), transitively."""
+    files, todo = set(), ["configuration_memffn", "modeling_memffn"]
+    while todo:
+        name = todo.pop()
+        if name + ".py" in files:
+            continue
+        files.add(name + ".py")
+        tree = ast.parse((PACKAGE_DIR / f"{name}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module.split(".")[0])
+    return files
+
+
+class FakeHubClient:
+    """Records the calls `hf_memffn.hub` makes and what the uploaded folder held at upload time."""
+
+    def __init__(self):
+        self.calls = []
+        self.uploaded: dict[str, bytes] = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def create_branch(self, repo_id, **kwargs):
+        self.calls.append(("create_branch", repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        self.calls.append(("upload_folder", repo_id, kwargs))
+        for name in hub.staged_files(folder_path):
+            self.uploaded[name] = (Path(folder_path) / name).read_bytes()
+        return type("CommitInfo", (), {"commit_url": f"https://hub.invalid/{repo_id}/commit/1"})()
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    client = FakeHubClient()
+    monkeypatch.setattr(hub, "_hub_client", lambda token=None: client)
+    return client
+
+
+def tiny_model(arch: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(arch))
+
+
+@pytest.mark.parametrize("arch", sorted(hf_memffn.ARCHITECTURES))
+def test_push_checkpoint_stages_exactly_weights_tokenizer_code_and_card(arch, fake_hub, tmp_path):
+    model = tiny_model(arch)
+    info = hub.push_checkpoint(model, "someone/tiny-" + arch, tokenizer=tiny_tokenizer(), private=True)
+
+    assert info.commit_url.endswith("/commit/1")
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
+    assert fake_hub.calls[0][2]["private"] is True
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | remote_code_files()
+
+    config = json.loads(fake_hub.uploaded["config.json"])
+    assert config["model_type"] == model.config.model_type and "AutoModelForCausalLM" in config["auto_map"]
+    card = fake_hub.uploaded["README.md"].decode()
+    assert f'checkpoint = "someone/tiny-{arch}"' in card and "trust_remote_code=True" in card
+
+    # A stranger's view: the staged files alone load with trust_remote_code and give the same logits.
+    folder = tmp_path / "download"
+    folder.mkdir()
+    for name, data in fake_hub.uploaded.items():
+        (folder / name).write_bytes(data)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_model_push_to_hub_keeps_our_card(fake_hub):
+    model = tiny_model("memoryllm")
+    model.attach_tokenizer(tiny_tokenizer())
+    model.push_to_hub("someone/tiny-memoryllm", commit_message="first")
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
+    assert fake_hub.calls[1][2]["commit_message"] == "first"
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | remote_code_files()
+    assert "trust_remote_code=True" in fake_hub.uploaded["README.md"].decode()
+
+
+def test_push_folder_refuses_an_incomplete_folder_and_uploads_nothing(fake_hub, tmp_path):
+    model = tiny_model("kvffn")
+    model.save_pretrained(tmp_path)
+    (tmp_path / "modeling_memffn.py").unlink()
+    with pytest.raises(ValueError, match="modeling_memffn.py"):
+        hub.push_folder(tmp_path, "someone/broken")
+    assert fake_hub.calls == []
+
+
+def test_push_folder_to_a_branch(fake_hub, tmp_path):
+    tiny_model("flash_mhf").save_pretrained(tmp_path)
+    hub.push_folder(tmp_path, "someone/tiny", revision="step-100", commit_message="step 100")
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "create_branch", "upload_folder"]
+    assert fake_hub.calls[2][2]["revision"] == "step-100" and fake_hub.calls[2][2]["commit_message"] == "step 100"
+
+
+def test_cli_push(fake_hub, tmp_path, capsys):
+    from hf_memffn.cli import main
+
+    tiny_model("memoryllm").save_pretrained(tmp_path)
+    assert main(["push", str(tmp_path), "someone/tiny-memoryllm", "--private"]) == 0
+    assert "pushed" in capsys.readouterr().out
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | remote_code_files()
+
+
+def test_model_card_describes_architecture_config_and_parameters():
+    model = tiny_model("flash_mhf")
+    card = render_model_card(model)
+    counts = model.parameter_counts()
+    assert card.startswith("---\nlibrary_name: transformers")
+    assert "# FlashMHFLlama (memffn_flash_mhf)" in card
+    assert f"| total | {counts['total']:,}" in card
+    for field in ("ffn_num_heads", "ffn_num_subnetworks", "subnetwork_size", "hidden_size", "num_hidden_layers"):
+        assert f"| `{field}` | `{getattr(model.config, field)}` |" in card
+    assert "trust_remote_code=True" in card and "Token lookup tables" not in card
+
+
+def test_memoryllm_card_says_whether_lookup_tables_are_attached(tmp_path):
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    card = render_model_card(model)
+    assert "**Token lookup tables: not attached.**" in card and "model.load_tols(" in card
+    counts = model.parameter_counts()
+    assert f"| active (on the device once the FFNs on X0 are lookup tables) | {counts['active']:,}" in card
+
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    model.load_tols(tmp_path, placement="cpu")
+    card = render_model_card(model, save_directory=tmp_path)
+    assert "**Token lookup tables: attached.**" in card and "`fp32` table" in card
+    assert "is included in this folder" in card
+
+
+def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    export_tols(model, tmp_path / "table", format="int8", progress=False)
+    model.load_tols(tmp_path / "table", placement="cpu")
+    hub.push_checkpoint(model, "someone/tiny-memoryllm-tol")
+
+    table_files = {name for name in fake_hub.uploaded if name.startswith("token_lookup") and not name.endswith(".py")}
+    assert table_files == set(hub.staged_files(tmp_path / "table")) and "token_lookup.safetensors.index.json" in table_files
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | remote_code_files() | table_files
+    card = fake_hub.uploaded["README.md"].decode()
+    assert "**Token lookup tables: attached.**" in card and "is included in this folder" in card
+
+    folder = tmp_path / "download"
+    folder.mkdir()
+    for name, data in fake_hub.uploaded.items():
+        (folder / name).write_bytes(data)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    loaded.load_tols(folder, placement="cpu")
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)

@@ -1,0 +1,209 @@
+"""lm-eval-harness on checkpoints saved by this package, offline.
+
+Local task YAMLs `include` the stock hellaswag and piqa definitions (prompts, choices, metrics, hellaswag's
+`process_docs`) and only point them at small jsonl files written here; a tiny generate_until task covers generation.
+Each architecture is evaluated on all three tasks in one `simple_evaluate`; the CLI runs once, and the `memffn`
+model runs a MemoryLLM from its token lookup table.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+import hf_memffn  # noqa: E402
+from hf_memffn.testing import tiny_config, tiny_tokenizer  # noqa: E402
+
+ARCHS = sorted(hf_memffn.ARCHITECTURES)
+LIMIT = 4
+HELLASWAG, PIQA, GENERATE = "memffn_hellaswag_local", "memffn_piqa_local", "memffn_generate_local"
+TASKS = [HELLASWAG, PIQA, GENERATE]
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def stock_task_yaml(task: str) -> Path:
+    path = Path(lm_eval.__file__).parent / "tasks" / task / f"{task}.yaml"
+    assert path.is_file(), f"lm_eval no longer ships {path}"
+    return path
+
+
+def write_jsonl(path: Path, docs: list[dict]) -> None:
+    path.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+
+
+def hellaswag_docs(n: int) -> list[dict]:
+    """Rows with the fields the stock `process_docs` reads (activity_label, ctx_a, ctx_b, endings, label)."""
+    return [
+        {
+            "activity_label": "Reading memory",
+            "ctx_a": f"The model stores key {i} in a layer.",
+            "ctx_b": "then the head",
+            "endings": ["reads the value.", "stores a token.", "is the key.", "of the memory."],
+            "label": str(i % 4),
+        }
+        for i in range(n)
+    ]
+
+
+def piqa_docs(n: int) -> list[dict]:
+    return [
+        {"goal": f"How to read value {i} from memory?", "sol1": "Use the key.", "sol2": "Use the layer.", "label": i % 2}
+        for i in range(n)
+    ]
+
+
+def generate_docs(n: int) -> list[dict]:
+    return [{"question": f"key {i} reads", "answer": "value"} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    write_jsonl(root / "hellaswag.jsonl", hellaswag_docs(LIMIT))
+    write_jsonl(root / "piqa.jsonl", piqa_docs(LIMIT))
+    write_jsonl(root / "generate.jsonl", generate_docs(LIMIT))
+    for task, stock, data in ((HELLASWAG, "hellaswag", "hellaswag.jsonl"), (PIQA, "piqa", "piqa.jsonl")):
+        (root / f"{task}.yaml").write_text(
+            f"include: {stock_task_yaml(stock)}\n"
+            f"task: {task}\n"
+            "tag: []\n"
+            "dataset_path: json\n"
+            "dataset_name: null\n"
+            "dataset_kwargs:\n"
+            f"  data_files:\n    validation: {root / data}\n"
+            "training_split: null\n"
+            "validation_split: validation\n",
+            encoding="utf-8",
+        )
+    (root / f"{GENERATE}.yaml").write_text(
+        f"task: {GENERATE}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        f"  data_files:\n    test: {root / 'generate.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "generation_kwargs:\n"
+        '  until: ["\\n"]\n'
+        "  max_gen_toks: 4\n"
+        "  do_sample: false\n"
+        "metric_list:\n"
+        "  - metric: exact_match\n"
+        "    aggregation: mean\n"
+        "    higher_is_better: true\n",
+        encoding="utf-8",
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random checkpoint per architecture, saved with its tokenizer (as a user would)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    root = tmp_path_factory.mktemp("lm_eval_checkpoints")
+    folders = {}
+    for arch in ARCHS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch))
+        model.attach_tokenizer(tokenizer)
+        folders[arch] = root / arch
+        model.save_pretrained(folders[arch])
+    return folders
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    for key, value in OFFLINE_ENV.items():
+        monkeypatch.setenv(key, value)
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+
+
+def evaluate(task_dir: Path, model: str, model_args: dict) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    output = simple_evaluate(
+        model=model,
+        model_args={"trust_remote_code": True, "dtype": "float32", **model_args},
+        tasks=TASKS,
+        # Only our task folder is indexed (indexing all built-in tasks takes tens of seconds); the stock
+        # definitions still come in through `include`.
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        limit=LIMIT,
+        batch_size=LIMIT,
+        device="cpu",
+        log_samples=False,
+    )
+    return output["results"]
+
+
+def check_metrics(results: dict) -> None:
+    for task in (HELLASWAG, PIQA):
+        for metric in ("acc,none", "acc_norm,none"):
+            assert 0.0 <= results[task][metric] <= 1.0, (task, metric, results[task])
+    assert 0.0 <= results[GENERATE]["exact_match,none"] <= 1.0, results[GENERATE]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_simple_evaluate_stock_hf_model(arch, checkpoints, task_dir, offline):
+    results = evaluate(task_dir, "hf", {"pretrained": str(checkpoints[arch])})
+    check_metrics(results)
+
+
+def test_memoryllm_lookup_mode_matches_compute_mode(checkpoints, task_dir, offline, tmp_path):
+    import hf_memffn.lm_eval_model  # noqa: F401  (registers "memffn")
+    from hf_memffn.conversion.export import export_tols
+
+    folder = checkpoints["memoryllm"]
+    table = tmp_path / "table"
+    export_tols(str(folder), table, format="fp32", progress=False)
+    computed = evaluate(task_dir, "memffn", {"pretrained": str(folder)})
+    looked_up = evaluate(
+        task_dir, "memffn", {"pretrained": str(folder), "token_lookup": str(table), "token_lookup_placement": "cpu"}
+    )
+    check_metrics(looked_up)
+    for task in (HELLASWAG, PIQA):
+        assert looked_up[task]["acc,none"] == computed[task]["acc,none"]
+        assert looked_up[task]["acc_norm,none"] == computed[task]["acc_norm,none"]
+
+
+def test_memffn_model_refuses_lookup_for_architectures_without_memory(checkpoints, tmp_path):
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    with pytest.raises(ValueError, match="token_lookup"):
+        MemFFNLM(pretrained=str(checkpoints["kvffn"]), token_lookup=str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_cli(checkpoints, task_dir, tmp_path):
+    """The `lm_eval` command (it indexes every built-in task first, so one architecture and one task only)."""
+    out = tmp_path / "out"
+    env = {**os.environ, **OFFLINE_ENV}
+    command = [
+        sys.executable, "-m", "lm_eval",
+        "--model", "hf",
+        "--model_args", f"pretrained={checkpoints['flash_mhf']},trust_remote_code=True,dtype=float32",
+        "--tasks", PIQA,
+        "--include_path", str(task_dir),
+        "--limit", str(LIMIT),
+        "--batch_size", str(LIMIT),
+        "--device", "cpu",
+        "--output_path", str(out),
+    ]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [results_file] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    results = json.loads(Path(results_file).read_text())["results"]
+    assert 0.0 <= results[PIQA]["acc,none"] <= 1.0 and 0.0 <= results[PIQA]["acc_norm,none"] <= 1.0, results

@@ -1,0 +1,176 @@
+"""The pretraining recipe (examples/pretrain.py) on CPU: presets, packing, FLOP count, and a tiny
+train -> evaluate -> save -> resume run."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import pretrain  # noqa: E402
+
+WORDS = "the key reads a value from memory while each head stores one token of the layer".split()
+
+
+def write_corpus(path: Path, documents: int = 120, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w", encoding="utf-8") as handle:
+        for _ in range(documents):
+            handle.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("size", ["128M", "370M", "1.3B"])
+def test_paper_presets_keep_every_architecture_at_the_baseline_size(size):
+    from transformers import AutoModelForCausalLM
+
+    counts = {}
+    for arch in pretrain.ARCHITECTURE_NAMES:
+        config = pretrain.build_config(arch, size, vocab_size=50432)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        counts[arch] = sum(p.numel() for p in model.parameters())
+    for arch, count in counts.items():
+        assert abs(count / counts["llama"] - 1) < 0.03, (size, counts)
+    if size == "128M":
+        assert 115e6 < counts["llama"] < 130e6
+
+
+def test_flash_mhf_presets_match_table_4_shapes():
+    for name, layers, heads, subnetworks, subnetwork_size in (("128M", 10, 6, 8, 256), ("370M", 21, 8, 7, 384), ("1.3B", 20, 16, 15, 384)):
+        config = pretrain.build_config("flash_mhf", name, vocab_size=50432)
+        assert (config.num_hidden_layers, config.ffn_num_heads, config.ffn_num_subnetworks) == (layers, heads, subnetworks)
+        assert config.ffn_head_dim == 128 and config.subnetwork_size == subnetwork_size
+
+
+def test_unknown_preset_and_file_type_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="preset='7B'"):
+        pretrain.build_config("llama", "7B", vocab_size=100)
+    with pytest.raises(ValueError, match="suffix '.xyz'"):
+        pretrain._builder_for(str(tmp_path / "corpus.xyz"))
+
+
+def test_packing_joins_documents_with_eos_into_full_blocks():
+    import datasets
+
+    tokenizer = pretrain.train_bpe_tokenizer(WORDS * 3, vocab_size=300)
+    docs = datasets.Dataset.from_dict({"text": ["the key reads", "a value from memory", "each head"]})
+    blocks = pretrain.pack_into_blocks(docs, tokenizer, block_size=4, text_column="text")
+    stream = []
+    for text in docs["text"]:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    expected = [stream[i : i + 4] for i in range(0, len(stream) - len(stream) % 4, 4)]
+    assert blocks["input_ids"] == expected
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention():
+    from transformers import AutoModelForCausalLM
+
+    config = pretrain.build_config("llama", "tiny", vocab_size=256)
+    model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())  # tied: the embedding is the output head's matmul
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 64
+    assert pretrain.training_flops_per_token(model, 64) == 6 * params + attention
+
+
+def test_train_evaluate_save_and_resume(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "run"
+    common = [
+        "--arch", "flash_mhf", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+        "--block-size", "32", "--per-device-batch-size", "4", "--logging-steps", "2", "--eval-steps", "2",
+        "--save-steps", "2", "--max-eval-blocks", "4", "--peak-tflops", "0.001", "--output-dir", str(out),
+    ]
+    first = pretrain.main(common + ["--max-steps", "4"])
+    assert first["global_step"] == 4 and math.isfinite(first["eval_loss"])
+    assert first["eval_loss"] < math.log(300) + 1
+    assert first["tokens_per_second"] > 0 and 0 < first["mfu"]
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "README.md", "modeling_memffn.py", "tokenizer.json"):
+        assert (final / name).is_file(), name
+    assert (out / "checkpoint-4").is_dir()
+    log = out / "train_log.jsonl"
+    first_run_records = len(log.read_text().splitlines())
+
+    second = pretrain.main(common + ["--max-steps", "6", "--resume", "latest"])
+    assert second["global_step"] == 6
+    resumed = [json.loads(line) for line in log.read_text().splitlines()[first_run_records:]]
+    assert [r["step"] for r in resumed if "loss" in r] == [6]  # training went on from step 4, not from scratch
+    model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
+    assert type(model).__name__ == "FlashMHFLlamaForCausalLM"
+
+
+@pytest.mark.parametrize("arch", pretrain.ARCHITECTURE_NAMES)
+def test_fsdp2_config_wraps_every_decoder_layer(arch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from transformers import AutoModelForCausalLM
+
+    fsdp = load_config_from_file(str(EXAMPLES / "accelerate" / "fsdp2.yaml")).fsdp_config
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    model = AutoModelForCausalLM.from_config(pretrain.build_config(arch, "tiny", vocab_size=256))
+    pretrain.keep_present_wrap_units(model)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    wrapped = [module for module in model.modules() if policy(module)]
+    layers = list(model.model.layers)
+    assert all(any(layer is module for module in wrapped) for layer in layers)
+    memory = getattr(model.model, "memory", None)
+    assert len(wrapped) == len(layers) + (memory is not None)
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    kinds = {name: load_config_from_file(str(EXAMPLES / "accelerate" / f"{name}.yaml")).distributed_type for name in
+             ("ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3")}
+    assert [str(kind).split(".")[-1] for kind in kinds.values()] == ["MULTI_GPU", "FSDP", "DEEPSPEED", "DEEPSPEED"]
+    for stage in (2, 3):
+        config = load_config_from_file(str(EXAMPLES / "accelerate" / f"deepspeed_zero{stage}.yaml")).deepspeed_config
+        ds = json.loads((EXAMPLES.parent / config["deepspeed_config_file"]).read_text())
+        assert ds["zero_optimization"]["stage"] == stage
+
+
+LOAD_SCRIPT = """
+import sys
+sys.path.insert(0, {examples!r})
+from pretrain import from_pretrained_main_process_first
+model = from_pretrained_main_process_first({folder!r})
+assert "hf_memffn" not in sys.modules, "fine-tuning must run the checkpoint's own code"
+print("loaded", type(model).__module__.split(".")[0], type(model).__name__, flush=True)
+"""
+
+
+def test_two_processes_load_remote_code_main_process_first(tmp_path):
+    """Two processes start together on a fresh module cache: both load the checkpoint's own (remote) code."""
+    import os
+    import socket
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.testing import tiny_config
+
+    folder = tmp_path / "checkpoint"
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(folder)
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT.format(examples=str(EXAMPLES), folder=str(folder)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(script)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
