@@ -83,15 +83,23 @@ def graph_ms(fn) -> float:
         return float("nan")
 
 
-def peak_memory(fn) -> dict:
+def peak_memory(fn, leaves=(), held=()) -> dict:
+    """Peak memory of one call of `fn`: what it allocates at its peak, plus the bytes of `leaves` (parameters and
+    inputs; their stale gradients are cleared first) and `held` (the incoming gradient). Other tensors on the device
+    (e.g. the other benchmarked modules' weights) are not counted."""
+    for tensor in leaves:
+        tensor.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    return {"peak_gib": peak / GIB, "peak_above_inputs_gib": (peak - before) / GIB}
+    above = torch.cuda.max_memory_allocated() - before
+    own = sum(t.numel() * t.element_size() for t in (*leaves, *held))
+    for tensor in leaves:
+        tensor.grad = None
+    return {"peak_gib": (above + own) / GIB, "peak_above_inputs_gib": above / GIB}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -182,7 +190,7 @@ def bench_op(results, lengths):
 
         train_ms = bench_ms(train, grad_to_none=leaves)
         rows_ms = bench_ms(lambda: kernels.triton_backward(grad, q, k, u, v, r, splits=None))
-        mem = peak_memory(train)
+        mem = peak_memory(train, leaves=leaves, held=[grad])
         row = {
             "impl": "fused op (triton)", **shape, "forward_ms": forward_ms, "forward_tflops": flops / forward_ms * 1e-9,
             "train_ms": train_ms, "train_tflops": 3 * flops / train_ms * 1e-9, "backward_ms": rows_ms,
@@ -293,7 +301,7 @@ class TokenChunkedRecompute(nn.Module):
         return recompute_in_token_chunks(self.inner, x, self.chunk_tokens)
 
 
-RECOMPUTE_CHUNK_TOKENS = 4096
+RECOMPUTE_CHUNK_TOKENS = (2048, 4096)
 
 
 def package_flash_mhf_module():
@@ -336,8 +344,9 @@ def module_rows(results, lengths, compile_modules):
     checkpointed = CheckpointedModule(modules[flash_name])
     variants.insert(1, (flash_name + " + activation checkpointing", checkpointed, False))
     if package_module is not None:
-        chunked = TokenChunkedRecompute(modules[flash_name], RECOMPUTE_CHUNK_TOKENS)
-        variants.insert(1, (f"{flash_name} + token-chunked recompute ({RECOMPUTE_CHUNK_TOKENS})", chunked, False))
+        for chunk_tokens in RECOMPUTE_CHUNK_TOKENS:
+            chunked = TokenChunkedRecompute(modules[flash_name], chunk_tokens)
+            variants.insert(1, (f"{flash_name} + token-chunked recompute ({chunk_tokens})", chunked, False))
     if compile_modules:
         variants.insert(1, (flash_name + " compiled", torch.compile(modules[flash_name], dynamic=True, fullgraph=True), True))
         variants.insert(3, (f"SwiGLU d_ff={SWIGLU_D_FF} compiled", torch.compile(modules[f"SwiGLU d_ff={SWIGLU_D_FF}"], dynamic=True), True))
@@ -364,7 +373,7 @@ def module_rows(results, lengths, compile_modules):
                     module(x).backward(grad)
 
                 train_ms = bench_ms(train, grad_to_none=[x, *params])
-                mem = peak_memory(train)
+                mem = peak_memory(train, leaves=[x, *params], held=[grad])
                 row = {"module": name, "L": seq_len, "forward_ms": forward_ms, "forward_tflops": flops / forward_ms * 1e-9,
                        "train_ms": train_ms, "train_tflops": 3 * flops / train_ms * 1e-9, **mem}
                 log(f"module {name} L={seq_len}: fwd {forward_ms:.3f} ms ({row['forward_tflops']:.0f}) | fwd+bwd {train_ms:.3f} ms "
@@ -451,8 +460,9 @@ def write_outputs(results, out_dir):
     lines = [f"# FlashMHF benchmark on {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}; bf16; B=8, H=16, d_h=128, E=15, d_e=384, d_model=2048. "
              "TFLOP/s: forward FLOPs = 6 B L H E d_e d_h (+ 4 B L d^2 for the module projections; SwiGLU 6 B L d d_ff), "
-             "forward+backward = 3x forward. Peak memory = torch.cuda.max_memory_allocated during one forward+backward, "
-             "inputs and parameters included.", ""]
+             "forward+backward = 3x forward. Peak memory = what one forward+backward allocates at its peak, plus the "
+             "module's (or op's) parameters, its inputs and the incoming gradient; stale gradients are cleared first "
+             "and the other benchmarked modules' weights are not counted.", ""]
     if results["op"]:
         lines += ["## Fused op", "", "| L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['seq_len']} | {r['forward_ms']:.3f} | {r['forward_tflops']:.0f} | {r['train_ms']:.3f} | {r['train_tflops']:.0f} | {r['peak_gib']:.2f} |" for r in results["op"]]
