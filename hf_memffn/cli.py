@@ -22,10 +22,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-memffn", description="FFN-as-memory architectures for transformers.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(_module=module_name)
-        # Arguments are added lazily (see main) so that --help of one command imports only that command.
+    for name, (_module_name, help_text) in SUBCOMMANDS.items():
+        # Each command's own arguments are added in `main`, so that running one command imports only its module.
+        subparsers.add_parser(name, help=help_text, description=help_text)
     return parser
 
 
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] not in SUBCOMMANDS:
-        args = parser.parse_args(argv)  # prints usage / errors for unknown commands
+        parser.parse_args(argv)  # handles --help, and exits with an error naming the allowed commands
         parser.print_help()
         return 2
     name = argv[0]
