@@ -35,7 +35,6 @@ LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "j
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheet, SXM parts).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0}
 TOKENIZER_DIR = "tokenizer"
-EOS_TOKEN = "<|endoftext|>"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,21 +113,6 @@ def _builder_for(path: str) -> str:
     return LOCAL_BUILDERS[suffix]
 
 
-def train_bpe_tokenizer(texts, vocab_size: int):
-    """A byte-level BPE tokenizer trained on `texts`, with one special token used as BOS, EOS and padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-
-
 def load_tokenizer(args, train_text, training_args):
     """The tokenizer: trained here (once, by the main process, then reused on resume) or loaded."""
     from transformers import AutoTokenizer
@@ -137,7 +121,10 @@ def load_tokenizer(args, train_text, training_args):
         folder = Path(args.output_dir) / TOKENIZER_DIR
         with training_args.main_process_first(local=False, desc="train tokenizer"):
             if training_args.process_index == 0 and not (folder / "tokenizer_config.json").exists():
-                tokenizer = train_bpe_tokenizer(_batches(train_text, args.text_column), args.train_tokenizer)
+                from hf_memffn.tokenization import train_tokenizer
+
+                texts = (text for batch in _batches(train_text, args.text_column) for text in batch)
+                tokenizer = train_tokenizer(texts, vocab_size=args.train_tokenizer)
                 tokenizer.save_pretrained(folder)
         return AutoTokenizer.from_pretrained(folder)
     source = args.tokenizer or args.init_from

@@ -42,31 +42,11 @@ def tiny_config(arch: str, **overrides):
     return ARCHITECTURES[arch](**fields)
 
 
-SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
-
-
-def train_tokenizer(texts, vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on `texts`, as a transformers `PreTrainedTokenizerFast`
-    (with bos/eos/pad/unk tokens) that `save_pretrained` / `AutoTokenizer` handle."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
-
-
 def tiny_tokenizer(vocab_size: int = 320):
     """A tokenizer trained on a few generated sentences; its vocabulary fits the tiny configs."""
     words = ["memory", "key", "value", "token", "layer", "head", "the", "a", "of", "is", "reads", "stores"]
     texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(200)]
+    from .tokenization import train_tokenizer
+
     return train_tokenizer(texts, vocab_size=vocab_size)
 

@@ -61,7 +61,9 @@ def test_unknown_preset_and_file_type_are_refused(tmp_path):
 def test_packing_joins_documents_with_eos_into_full_blocks():
     import datasets
 
-    tokenizer = pretrain.train_bpe_tokenizer(WORDS * 3, vocab_size=300)
+    from hf_memffn.tokenization import train_tokenizer
+
+    tokenizer = train_tokenizer(WORDS * 3, vocab_size=300)
     docs = datasets.Dataset.from_dict({"text": ["the key reads", "a value from memory", "each head"]})
     blocks = pretrain.pack_into_blocks(docs, tokenizer, block_size=4, text_column="text")
     stream = []

@@ -1,0 +1,711 @@
+"""`hf-memffn demo`: train a tiny Llama and every memffn architecture on the same data, then compare them.
+
+What it does, in order:
+
+1. builds the data: by default the synthetic fact world (`hf_memffn.fact_world`), or real text from
+   `--text-files` / `--dataset`; trains a byte-level BPE tokenizer on the training text;
+2. trains the baseline (transformers' own `LlamaForCausalLM`) and each memffn architecture from the same
+   initial seed on exactly the same batches (same token budget), with a progress bar per model;
+3. measures the final train loss, the held-out loss and, on the fact world, fact recall on held-out
+   question forms; prints a table and saves it as `results.json` and `results.md` in `--out`;
+4. saves every model with its tokenizer in `--out/<arch>`, reloads one with
+   `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`, checks its logits against the
+   trained model and generates an answer to a held-out question;
+5. writes the loss curves to `--out/loss_curves.png`.
+
+The defaults are sized to take about two minutes on a 2-core CPU; `--device cuda` runs on a GPU,
+`--quick` is a seconds-long smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .fact_world import ATTRIBUTES, FactWorld, score_recall
+from .tokenization import train_tokenizer
+
+# arch name (as for `hf_memffn.testing.tiny_config`) -> name shown in the table
+ARCH_DISPLAY_NAMES: dict[str, str] = {
+    "llama": "Llama (baseline)",
+    "flash_mhf": "FlashMHFLlama",
+    "memoryllm": "MemoryLLM",
+    "flex_memoryllm": "FlexMemoryLLM",
+    "kvffn": "KVFFN",
+}
+ALL_ARCHS = tuple(ARCH_DISPLAY_NAMES)
+RELOAD_PREFERENCE = ("flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama")
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Sizes of the run. `DEFAULT` takes about two minutes on a 2-core CPU, `QUICK` a few seconds."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    learning_rate: float
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    num_entities: int
+    vocab_size: int  # upper bound for the fact world (BPE stops early), the vocabulary for real text
+    warmup_fraction: float = 0.1
+
+
+DEFAULT = DemoSettings(steps=600, batch_size=16, seq_len=64, learning_rate=5e-3, hidden_size=64, num_layers=2,
+                       num_heads=2, intermediate_size=192, num_entities=16, vocab_size=2048)
+QUICK = DemoSettings(steps=24, batch_size=8, seq_len=64, learning_rate=3e-3, hidden_size=64, num_layers=2,
+                     num_heads=2, intermediate_size=128, num_entities=8, vocab_size=2048)
+REAL_TEXT_VOCAB_SIZE = 4096
+
+
+@dataclass
+class Corpus:
+    """Token streams (documents wrapped in `<s> ... </s>` and concatenated) and what they came from."""
+
+    description: str
+    tokenizer: object
+    train_ids: torch.Tensor
+    held_out_ids: torch.Tensor
+    world: FactWorld | None = None
+
+
+@dataclass
+class ArchResult:
+    arch: str
+    name: str
+    total_params: int
+    active_params: int
+    train_loss: float
+    held_out_loss: float
+    recall: float | None
+    recall_greedy: float | None
+    tokens_per_second: float
+    train_seconds: float
+    losses: list[float] = field(repr=False)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--archs", nargs="+", default=list(ALL_ARCHS), metavar="ARCH",
+                        help="architectures to train (space or comma separated); "
+                             f"default: all of {', '.join(ALL_ARCHS)}")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps per model (default {DEFAULT.steps})")
+    parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {DEFAULT.batch_size})")
+    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT.seq_len})")
+    parser.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT.learning_rate})")
+    parser.add_argument("--hidden-size", type=int, help=f"model width (default {DEFAULT.hidden_size})")
+    parser.add_argument("--num-layers", type=int, help=f"decoder layers (default {DEFAULT.num_layers})")
+    parser.add_argument("--intermediate-size", type=int,
+                        help=f"FFN width of the baseline; the other architectures are sized from it "
+                             f"(default {DEFAULT.intermediate_size})")
+    parser.add_argument("--num-entities", type=int,
+                        help=f"people in the fact world (default {DEFAULT.num_entities})")
+    parser.add_argument("--vocab-size", type=int,
+                        help=f"tokenizer vocabulary (default: up to {DEFAULT.vocab_size} on the fact world, "
+                             f"{REAL_TEXT_VOCAB_SIZE} on real text)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and the batches")
+    parser.add_argument("--out", default="./memffn-demo", help="output directory (default ./memffn-demo)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--quick", action="store_true", help="a few-second smoke run with tiny models")
+    data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")
+    data.add_argument("--text-files", nargs="+", metavar="FILE", help="local UTF-8 text files")
+    data.add_argument("--dataset", help="a `datasets` Hub name or a local dataset path (needs `pip install datasets`)")
+    data.add_argument("--dataset-config", help="configuration name of --dataset")
+    data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
+    data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")
+    data.add_argument("--max-chars", type=int, default=5_000_000,
+                      help="read at most this many characters of real text (default 5,000,000)")
+
+
+def _settings_from_args(args: argparse.Namespace) -> DemoSettings:
+    base = QUICK if args.quick else DEFAULT
+    overrides = {
+        "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "learning_rate": args.lr,
+        "hidden_size": args.hidden_size, "num_layers": args.num_layers, "intermediate_size": args.intermediate_size,
+        "num_entities": args.num_entities,
+    }
+    values = asdict(base)
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={value!r} is invalid; allowed: a positive number")
+        values[name] = value
+    if args.vocab_size is not None:
+        values["vocab_size"] = args.vocab_size
+    elif args.text_files or args.dataset:
+        values["vocab_size"] = REAL_TEXT_VOCAB_SIZE
+    settings = DemoSettings(**values)
+    if settings.hidden_size % settings.num_heads:
+        raise ValueError(f"--hidden-size={settings.hidden_size!r} is invalid; allowed: a multiple of "
+                         f"{settings.num_heads} (the number of attention heads)")
+    return settings
+
+
+def _parse_archs(values: list[str]) -> list[str]:
+    archs: list[str] = []
+    for value in values:
+        for name in filter(None, (part.strip() for part in value.split(","))):
+            if name not in ARCH_DISPLAY_NAMES:
+                raise ValueError(f"--archs contains {name!r}; allowed: {', '.join(ALL_ARCHS)}")
+            if name not in archs:
+                archs.append(name)
+    if not archs:
+        raise ValueError(f"--archs={values!r} names no architecture; allowed: {', '.join(ALL_ARCHS)}")
+    return archs
+
+
+def _parse_device(value: str) -> torch.device:
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"--device={value!r} is not a torch device; allowed: {', '.join(DEVICE_KINDS)}, cuda:N")
+    if device.type not in DEVICE_KINDS:
+        raise ValueError(f"--device={value!r} is not supported; allowed: {', '.join(DEVICE_KINDS)}, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device={value!r} but torch sees no CUDA device; allowed here: cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device={value!r} but torch sees no MPS device; allowed here: cpu")
+    return device
+
+
+# ---- data ------------------------------------------------------------------------------------------
+def _to_stream(tokenizer, documents: list[str]) -> torch.Tensor:
+    """`<s> doc </s>` for every document, concatenated into one 1-D tensor."""
+    encoded = tokenizer(documents)["input_ids"]  # the tokenizer puts <s> in front
+    ids = [token for doc in encoded for token in doc + [tokenizer.eos_token_id]]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def build_fact_world_corpus(settings: DemoSettings, seed: int) -> Corpus:
+    world = FactWorld(seed=seed, num_entities=settings.num_entities)
+    one_pass = world.training_documents(passes=1, seed=seed)
+    tokenizer = train_tokenizer(one_pass, vocab_size=settings.vocab_size)
+    tokens_per_pass = len(_to_stream(tokenizer, one_pass))
+    budget = settings.steps * settings.batch_size * settings.seq_len
+    passes = max(2, math.ceil(budget / tokens_per_pass))  # the stream holds the whole budget: no window repeats much
+    train_ids = _to_stream(tokenizer, world.training_documents(passes=passes, seed=seed))
+    held_out_ids = _to_stream(tokenizer, world.held_out_documents())
+    num_sentences = len(world.training_sentences())
+    forms_per_fact = num_sentences // (len(world.entities) * len(ATTRIBUTES))
+    description = (f"{world.describe()}; {num_sentences} training sentences ({tokens_per_pass} tokens a pass, "
+                   f"each fact in {forms_per_fact} forms); {len(world.recall_questions())} held-out questions")
+    return Corpus(description, tokenizer, train_ids, held_out_ids, world)
+
+
+def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
+    if args.text_files and args.dataset:
+        raise ValueError("--text-files and --dataset were both given; allowed: one of them")
+    texts: list[str] = []
+    if args.text_files:
+        for name in args.text_files:
+            path = Path(name)
+            if not path.is_file():
+                raise ValueError(f"--text-files contains {name!r}, which is not a file; allowed: paths of text files")
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        source = f"{len(args.text_files)} text file(s)"
+    else:
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError("--dataset needs the `datasets` package, which is not installed: "
+                              "pip install datasets") from error
+        saved_markers = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
+        if os.path.isdir(args.dataset) and any((Path(args.dataset) / m).exists() for m in saved_markers):
+            dataset = datasets.load_from_disk(args.dataset)
+            if isinstance(dataset, datasets.DatasetDict):
+                dataset = dataset[args.dataset_split]
+        else:
+            dataset = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split)
+        if args.text_column not in dataset.column_names:
+            raise ValueError(f"--text-column={args.text_column!r} is not a column of {args.dataset!r}; "
+                             f"allowed: {dataset.column_names}")
+        total = 0
+        for row in dataset:
+            text = row[args.text_column] or ""
+            texts.append(text)
+            total += len(text)
+            if total >= args.max_chars:
+                break
+        source = f"dataset {args.dataset!r} ({args.dataset_split})"
+    # Documents are paragraphs; truncate to --max-chars.
+    paragraphs: list[str] = []
+    total = 0
+    for text in texts:
+        for paragraph in re.split(r"\n\s*\n", text):
+            paragraph = paragraph.strip()
+            if paragraph and total < args.max_chars:
+                paragraphs.append(paragraph[: args.max_chars - total])
+                total += len(paragraphs[-1])
+    if not paragraphs:
+        raise ValueError(f"{source} contain no text; allowed: non-empty text")
+    return paragraphs, f"{source}: {len(paragraphs)} paragraphs, {total:,} characters"
+
+
+def build_real_text_corpus(args: argparse.Namespace, settings: DemoSettings) -> Corpus:
+    paragraphs, description = _read_real_text(args)
+    if len(paragraphs) >= 20:  # every 20th paragraph is held out
+        train_docs = [p for i, p in enumerate(paragraphs) if i % 20 != 19]
+        held_out_docs = paragraphs[19::20]
+    else:  # too few paragraphs: hold out the last 5% of the characters
+        text = "\n\n".join(paragraphs)
+        cut = int(len(text) * 0.95)
+        train_docs, held_out_docs = [text[:cut]], [text[cut:]]
+    tokenizer = train_tokenizer(train_docs, vocab_size=settings.vocab_size)
+    train_ids = _to_stream(tokenizer, train_docs)
+    held_out_ids = _to_stream(tokenizer, held_out_docs)
+    if len(train_ids) <= settings.seq_len:
+        raise ValueError(f"the training text has {len(train_ids)} tokens, fewer than --seq-len={settings.seq_len}; "
+                         "allowed: more text or a shorter --seq-len")
+    return Corpus(f"{description}; {len(train_ids):,} training tokens, {len(held_out_ids):,} held out",
+                  tokenizer, train_ids, held_out_ids)
+
+
+# ---- models ----------------------------------------------------------------------------------------
+def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.device | None = None) -> torch.nn.Module:
+    """A freshly initialised model of `arch` sized by `settings` (the baseline is `LlamaForCausalLM`)."""
+    import hf_memffn  # noqa: F401  (registers the memffn architectures with the Auto classes)
+    from hf_memffn.flash_mhf_op import SUPPORTED_HEAD_DIMS
+    from hf_memffn.testing import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    overrides = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        intermediate_size=settings.intermediate_size,
+        num_hidden_layers=settings.num_layers,
+        num_attention_heads=settings.num_heads,
+        num_key_value_heads=settings.num_heads,
+        head_dim=settings.hidden_size // settings.num_heads,
+        max_position_embeddings=max(settings.seq_len, 128),
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "flash_mhf":
+        # One FFN head per attention head, each with its own weights. The width makes the FFN's parameters
+        # (3 * heads * width * head_dim + the 2 * d^2 input/output projections) match the baseline's SwiGLU
+        # (3 * d * intermediate_size), as the paper compares at equal size; sub-networks are about 8/3 of the
+        # head width wide (as in the paper) and a multiple of 16 (for the Triton kernels).
+        d, head_dim = settings.hidden_size, settings.hidden_size // settings.num_heads
+        width = max(16, (3 * d * settings.intermediate_size - 2 * d * d) / (3 * settings.num_heads * head_dim))
+        num_subnetworks = max(1, round(width / (8 / 3 * head_dim)))
+        subnetwork_size = max(16, round(width / num_subnetworks / 16) * 16)
+        overrides.update(intermediate_size=num_subnetworks * subnetwork_size, ffn_num_subnetworks=num_subnetworks,
+                         ffn_num_heads=settings.num_heads, ffn_num_kv_heads=settings.num_heads)
+        if device is not None and device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+            overrides["ffn_kernel"] = "torch"
+            print(f"note: FlashMHFLlama's FFN heads are {head_dim} wide; the Triton kernels take "
+                  f"{SUPPORTED_HEAD_DIMS}, "
+                  f"so it runs the PyTorch reference op (--hidden-size {SUPPORTED_HEAD_DIMS[0] * settings.num_heads} "
+                  "runs the kernels)")
+    if arch == "flex_memoryllm":
+        # Flex-MemoryLLM splits the baseline's FFN width between FFN-C (residual) and FFN-M (token embeddings).
+        overrides["intermediate_size"] = settings.intermediate_size // 2
+        overrides["memory_intermediate_size"] = settings.intermediate_size // 2
+    config = tiny_config(arch, **overrides)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    if hasattr(model, "parameter_counts"):
+        return model.parameter_counts()
+    total = sum(p.numel() for p in model.parameters())  # parameters() lists tied weights once
+    return {"total": total, "active": total}
+
+
+# ---- training and evaluation ---------------------------------------------------------------------
+def batch_starts(num_tokens: int, settings: DemoSettings, seed: int) -> torch.Tensor:
+    """[steps, batch] start offsets of the training windows: identical for every architecture."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, num_tokens - settings.seq_len, (settings.steps, settings.batch_size), generator=generator)
+
+
+def _lr_factor(step: int, settings: DemoSettings) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    warmup = max(1, int(settings.steps * settings.warmup_fraction))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, settings.steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model: torch.nn.Module, corpus: Corpus, settings: DemoSettings, starts: torch.Tensor,
+          device: torch.device, label: str) -> tuple[list[float], float]:
+    """Train with AdamW + warmup/cosine; return (loss per step, training seconds)."""
+    from tqdm.auto import tqdm
+
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, settings))
+    offsets = torch.arange(settings.seq_len)
+    train_ids = corpus.train_ids
+    losses: list[float] = []
+    tokens_per_step = settings.batch_size * settings.seq_len
+    progress = tqdm(range(settings.steps), desc=f"{label:>17}", unit="step", dynamic_ncols=True, leave=True)
+    _sync(device)
+    start = time.perf_counter()
+    for step in progress:
+        input_ids = train_ids[starts[step][:, None] + offsets].to(device, non_blocking=True)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 5 == 0 or step == settings.steps - 1:
+            elapsed = time.perf_counter() - start
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{(step + 1) * tokens_per_step / elapsed:,.0f}")
+    _sync(device)
+    seconds = time.perf_counter() - start
+    progress.close()
+    return losses, seconds
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, settings: DemoSettings, device: torch.device) -> float:
+    """Mean next-token loss over `ids`, cut into consecutive windows of `seq_len` tokens."""
+    model.eval()
+    total, count = 0.0, 0
+    windows = [ids[i:i + settings.seq_len] for i in range(0, len(ids) - 1, settings.seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    full = [w for w in windows if len(w) == settings.seq_len]
+    groups = [torch.stack(full[i:i + settings.batch_size]) for i in range(0, len(full), settings.batch_size)]
+    groups += [w[None] for w in windows if len(w) != settings.seq_len]
+    for batch in groups:
+        batch = batch.to(device)
+        logits = model(input_ids=batch).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 batch[:, 1:].reshape(-1), reduction="sum")
+        total += loss.item()
+        count += batch[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+# ---- saving, reloading, reporting ------------------------------------------------------------------
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def save_model(model: torch.nn.Module, tokenizer, directory: Path) -> None:
+    """Save model + tokenizer to `directory`, written under a temporary name first."""
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if hasattr(model, "attach_tokenizer"):
+        model.attach_tokenizer(tokenizer)
+        model.save_pretrained(tmp)
+    else:  # the transformers baseline
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    _replace_dir(tmp, directory)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# Run in a fresh Python in which `hf_memffn` cannot be imported: only the code saved with the model can load it,
+# as for someone who downloads the checkpoint without installing this package.
+_RELOAD_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class BlockPackage(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hf_memffn" or name.startswith("hf_memffn."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    sys.meta_path.insert(0, BlockPackage())
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, device, prompts_path, result_path = sys.argv[1:5]
+    with open(prompts_path) as handle:
+        prompts = json.load(handle)
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    generated_texts = []
+    with torch.no_grad():
+        for prompt in prompts:
+            inputs = tokenizer(prompt, return_tensors="pt").to(device)
+            generated = model.generate(**inputs, max_new_tokens=8, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            generated_texts.append(tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:],
+                                                    skip_special_tokens=True))
+        inputs = tokenizer(prompts[0], return_tensors="pt").to(device)
+        logits = model(**inputs).logits.float().cpu()
+    torch.save({"input_ids": inputs["input_ids"].cpu(), "logits": logits}, result_path + ".pt")
+    with open(result_path, "w") as handle:
+        json.dump({"class": f"{type(model).__module__}.{type(model).__name__}", "generated": generated_texts}, handle)
+    """
+)
+
+
+@torch.no_grad()
+def reload_and_generate(directory: Path, trained: torch.nn.Module, corpus: Corpus, device: torch.device) -> dict:
+    """Reload a saved model with `trust_remote_code=True` in a fresh Python without `hf_memffn`, check its
+    logits against the trained model and answer a few held-out questions greedily (one per attribute of the
+    first person; on real text, continue the start of the held-out text)."""
+    if corpus.world is not None:
+        first = corpus.world.entities[0].name
+        seen, questions = set(), []
+        for question in corpus.world.recall_questions():
+            if question.entity == first and question.attribute not in seen:
+                seen.add(question.attribute)
+                questions.append(question)
+        prompts, expected = [q.prompt for q in questions], [q.answer for q in questions]
+        world = corpus.world
+        ranked = score_recall(trained, corpus.tokenizer, questions,
+                              {attr: world.candidates(attr) for attr in world.values}, device=device).ranked_answers
+    else:
+        text = corpus.tokenizer.decode(corpus.held_out_ids[1:40].tolist(), skip_special_tokens=True)
+        prompts, expected, ranked = [" ".join(text.split()[:8])], [None], [None]
+    with tempfile.TemporaryDirectory() as scratch:
+        prompts_path, result_path = os.path.join(scratch, "prompts.json"), os.path.join(scratch, "reload.json")
+        with open(prompts_path, "w", encoding="utf-8") as handle:
+            json.dump(prompts, handle)
+        completed = subprocess.run(
+            [sys.executable, "-c", _RELOAD_SCRIPT, str(directory), str(device), prompts_path, result_path],
+            capture_output=True, text=True,
+        )
+        if completed.returncode != 0:
+            raise RuntimeError(f"reloading {directory} with trust_remote_code=True failed:\n{completed.stderr}")
+        with open(result_path, encoding="utf-8") as handle:
+            reloaded = json.load(handle)
+        outputs = torch.load(result_path + ".pt")
+    trained.eval()
+    logits = trained(input_ids=outputs["input_ids"].to(device)).logits.float().cpu()
+    difference = (logits - outputs["logits"]).abs().max().item()
+    return {
+        "directory": str(directory),
+        "class": reloaded["class"],
+        "max_abs_logit_difference": difference,
+        "matched": difference < 1e-4,
+        "samples": [{"prompt": p, "generated": g, "ranked": r, "expected": e}
+                    for p, g, r, e in zip(prompts, reloaded["generated"], ranked, expected)],
+    }
+
+
+def lookup_table_step(directory: Path, corpus: Corpus, device: torch.device) -> dict:
+    """Export the MemoryLLM's FFNs on X0 as token lookup tables (fp32 and int8) next to its checkpoint and check
+    that lookup mode gives the logits and the greedy `generate()` of compute mode (`hf_memffn.conversion.demo_step`)."""
+    from .conversion import demo_step
+
+    if corpus.world is not None:
+        prompt = corpus.world.recall_questions()[0].prompt
+    else:
+        prompt = corpus.tokenizer.decode(corpus.held_out_ids[1:16].tolist(), skip_special_tokens=True)
+    prompt_ids = corpus.tokenizer(prompt, return_tensors="pt").input_ids
+    formats = demo_step(directory, directory / "token_lookup", prompt_ids=prompt_ids, max_new_tokens=12,
+                        device=device)
+    return {"directory": str(directory / "token_lookup"), "prompt": prompt, "formats": formats}
+
+
+def _format_table(results: list[ArchResult], with_recall: bool) -> list[list[str]]:
+    header = ["arch", "total params", "active params", "train loss", "held-out loss"]
+    if with_recall:
+        header += ["recall (rank)", "recall (greedy)"]
+    header += ["tokens/s"]
+    rows = [header]
+    for r in results:
+        row = [r.name, f"{r.total_params:,}", f"{r.active_params:,}", f"{r.train_loss:.3f}", f"{r.held_out_loss:.3f}"]
+        if with_recall:
+            row += [f"{r.recall:.1%}", f"{r.recall_greedy:.1%}"]
+        row += [f"{r.tokens_per_second:,.0f}"]
+        rows.append(row)
+    return rows
+
+
+def render_text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(["---"] + ["---:"] * (len(rows[0]) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def _centered_mean(values: list[float], radius: int) -> list[float]:
+    """Mean over a window of `2 * radius + 1` steps around each step (narrower at the ends): no lag."""
+    return [sum(values[max(0, i - radius):i + radius + 1]) / len(values[max(0, i - radius):i + radius + 1])
+            for i in range(len(values))]
+
+
+def plot_losses(results: list[ArchResult], settings: DemoSettings, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    tokens_per_step = settings.batch_size * settings.seq_len
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in results:
+        x = [(i + 1) * tokens_per_step for i in range(len(r.losses))]
+        (line,) = ax.plot(x, _centered_mean(r.losses, max(1, len(r.losses) // 25)),
+                          label=f"{r.name} (held-out {r.held_out_loss:.2f})")
+        ax.plot(x, r.losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
+        ax.scatter([x[-1]], [r.held_out_loss], color=line.get_color(), marker="x", zorder=3)
+    ax.set_yscale("log")  # the fact-learning phase happens at low loss
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (lines: train, x: held-out at the end)")
+    ax.set_title("hf-memffn demo: same data, same token budget")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    run_start = time.perf_counter()
+    settings = _settings_from_args(args)
+    archs = _parse_archs(args.archs)
+    device = _parse_device(args.device)
+    if args.text_files or args.dataset:
+        corpus = build_real_text_corpus(args, settings)
+    else:
+        corpus = build_fact_world_corpus(settings, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = corpus.tokenizer
+    print(f"data: {corpus.description}")
+    print(f"tokenizer: byte-level BPE, {len(tokenizer)} tokens")
+    print(f"budget: {settings.steps} steps x {settings.batch_size} x {settings.seq_len} tokens = "
+          f"{settings.steps * settings.batch_size * settings.seq_len:,} tokens per model, on {device}")
+
+    starts = batch_starts(len(corpus.train_ids), settings, args.seed)
+    results: list[ArchResult] = []
+    trained_models: dict[str, torch.nn.Module] = {}
+    for arch in archs:
+        torch.manual_seed(args.seed)
+        model = build_model(arch, settings, tokenizer, device)
+        counts = parameter_counts(model)
+        losses, seconds = train(model, corpus, settings, starts, device, ARCH_DISPLAY_NAMES[arch])
+        tail = max(1, settings.steps // 10)
+        recall = None
+        if corpus.world is not None:
+            world = corpus.world
+            recall = score_recall(model, tokenizer, world.recall_questions(),
+                                  {attr: world.candidates(attr) for attr in world.values}, device=device)
+        results.append(ArchResult(
+            arch=arch,
+            name=ARCH_DISPLAY_NAMES[arch],
+            total_params=counts["total"],
+            active_params=counts["active"],
+            train_loss=sum(losses[-tail:]) / tail,
+            held_out_loss=held_out_loss(model, corpus.held_out_ids, settings, device),
+            recall=None if recall is None else recall.accuracy,
+            recall_greedy=None if recall is None else recall.greedy_accuracy,
+            tokens_per_second=settings.steps * settings.batch_size * settings.seq_len / seconds,
+            train_seconds=seconds,
+            losses=losses,
+        ))
+        save_model(model, tokenizer, out / arch)
+        trained_models[arch] = model
+
+    reload_arch = next(a for a in RELOAD_PREFERENCE if a in trained_models)
+    sample = reload_and_generate(out / reload_arch, trained_models[reload_arch], corpus, device)
+    lookup = lookup_table_step(out / "memoryllm", corpus, device) if "memoryllm" in trained_models else None
+    plot_losses(results, settings, out / "loss_curves.png")
+    if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
+        _write_text(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
+
+    with_recall = corpus.world is not None
+    rows = _format_table(results, with_recall)
+    chance = recall.chance if with_recall else None
+    total_seconds = time.perf_counter() - run_start
+    notes = [f"data: {corpus.description}",
+             f"budget: {settings.steps * settings.batch_size * settings.seq_len:,} training tokens per model "
+             f"({settings.steps} steps x {settings.batch_size} x {settings.seq_len}), device: {device}",
+             "train loss: mean of the last 10% of steps; held-out loss: "
+             + ("facts stated in forms never shown for that person" if with_recall else "held-out paragraphs")]
+    if with_recall:
+        notes.append(f"recall: held-out question forms; rank = true value scores highest among that attribute's "
+                     f"values (chance {chance:.1%}), greedy = greedy decoding reproduces the value")
+    markdown = "\n".join([render_markdown_table(rows), ""] + [f"- {n}" for n in notes]) + "\n"
+    _write_text(out / "results.md", markdown)
+    summary = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "settings": asdict(settings),
+        "archs": archs,
+        "data": corpus.description,
+        "recall_chance": chance,
+        "results": [asdict(r) for r in results],
+        "reload": sample,
+        "token_lookup": lookup,
+        "total_seconds": total_seconds,
+    }
+    _write_text(out / "results.json", json.dumps(summary, indent=2) + "\n")
+
+    print()
+    print(render_text_table(rows))
+    for note in notes:
+        print(f"  {note}")
+    print()
+    print(f"reloaded {sample['directory']} with trust_remote_code=True in a Python without hf_memffn "
+          f"({sample['class']}); "
+          f"logits match the trained model: {sample['matched']} (max |diff| {sample['max_abs_logit_difference']:.1e})")
+    if corpus.world is not None:
+        print("  held-out questions, greedy generate() of the reloaded model | best-scoring value (recall (rank)):")
+    for item in sample["samples"]:
+        answer = item["generated"].strip()
+        if item["expected"] is not None:  # a fact-world answer: show its first sentence
+            answer = answer.split(".")[0] + "." if "." in answer else answer
+        line = f"  {item['prompt']} {answer}"
+        if item["expected"] is not None:
+            line = f"{line:<62} ranked first: {item['ranked']:<11} true: {item['expected']}"
+        print(line)
+    if lookup is not None:
+        print(f"MemoryLLM token lookup tables ({lookup['directory']}), prompt {lookup['prompt']!r}:")
+        for name, row in lookup["formats"].items():
+            print(f"  {name}: {row['size_bytes'] / 2**20:.2f} MiB, table max rel. error {row['max_relative_error']:.1e}, "
+                  f"logits vs compute mode {row['logits_max_relative_diff']:.1e}, "
+                  f"greedy generate() same tokens as compute mode: {row['tokens_match']}")
+    print(f"saved: {', '.join(str(out / a) for a in archs)}, {out / 'results.json'}, {out / 'results.md'}, "
+          f"{out / 'loss_curves.png'}  ({total_seconds:.0f} s in all)")
+    return 0

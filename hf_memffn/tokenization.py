@@ -1,0 +1,46 @@
+"""The tokenizer trainer shared by the demo, the examples and the tests: a byte-level BPE built with `tokenizers`,
+wrapped as a transformers `PreTrainedTokenizerFast` that `save_pretrained` / `AutoTokenizer` handle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+    """Train a byte-level BPE on `texts`; return a `PreTrainedTokenizerFast` (adds `<s>` in front).
+
+    Special tokens: `<pad>` = 0, `<s>` = 1 (bos), `</s>` = 2 (eos). `vocab_size` is an upper bound: on
+    the fact world, training stops early once every word is a single token. A space is put in front of
+    every text (GPT-2's `add_prefix_space`), so a word at the start of a document or prompt gets the same
+    token as inside a sentence; `decode` returns the text with that leading space.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    min_vocab = 256 + 3
+    if vocab_size < min_vocab:
+        raise ValueError(f"vocab_size={vocab_size!r} is too small; allowed: an integer >= {min_vocab} "
+                         "(256 bytes + 3 special tokens)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )

@@ -1,0 +1,110 @@
+"""`hf-memffn demo --quick` end to end: every architecture trains, is saved, one reloads with remote code."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+from hf_memffn import cli
+from hf_memffn.demo import ALL_ARCHS, ARCH_DISPLAY_NAMES
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = cli.main(["demo", "--quick", "--out", str(out)])
+    assert status == 0
+    return out, stdout.getvalue(), json.loads((out / "results.json").read_text())
+
+
+def test_quick_demo_writes_every_output(quick_demo):
+    out, _, summary = quick_demo
+    for name in ("results.json", "results.md", "loss_curves.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for arch in ALL_ARCHS:
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert (out / arch / name).is_file(), (arch, name)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary leftovers
+    assert summary["archs"] == list(ALL_ARCHS)
+
+
+def test_quick_demo_table_has_every_arch_and_learns(quick_demo):
+    out, stdout, summary = quick_demo
+    markdown = (out / "results.md").read_text()
+    for arch, result in zip(ALL_ARCHS, summary["results"]):
+        assert result["arch"] == arch
+        assert ARCH_DISPLAY_NAMES[arch] in markdown and ARCH_DISPLAY_NAMES[arch] in stdout
+        assert 0 < result["active_params"] <= result["total_params"]
+        losses = result["losses"]
+        assert len(losses) == summary["settings"]["steps"]
+        assert all(math.isfinite(x) for x in losses) and math.isfinite(result["held_out_loss"])
+        assert result["train_loss"] < losses[0] - 0.5, (arch, losses[0], result["train_loss"])
+        assert 0.0 <= result["recall_greedy"] <= 1.0 and 0.0 <= result["recall"] <= 1.0
+        assert result["tokens_per_second"] > 0
+    memory = {r["arch"]: r for r in summary["results"]}["memoryllm"]
+    assert memory["active_params"] < memory["total_params"]  # its FFNs on X0 become lookup tables
+    assert 0 < summary["recall_chance"] < 0.2
+
+
+def test_quick_demo_reload_with_remote_code_matches(quick_demo):
+    _, stdout, summary = quick_demo
+    reload = summary["reload"]
+    assert reload["directory"].endswith("flash_mhf")
+    assert not reload["class"].startswith("hf_memffn.")  # loaded from the code saved beside the weights
+    assert reload["matched"], reload
+    assert len(reload["samples"]) == 5  # one held-out question per attribute
+    assert all(item["prompt"] in stdout for item in reload["samples"])
+
+
+def test_bad_arguments_fail_before_writing(tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="--archs"):
+        cli.main(["demo", "--archs", "llama,gpt2", "--out", str(out)])
+    with pytest.raises(ValueError, match="--steps"):
+        cli.main(["demo", "--steps", "0", "--out", str(out)])
+    with pytest.raises(ValueError, match="--text-files"):
+        cli.main(["demo", "--text-files", str(tmp_path / "missing.txt"), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install datasets"):
+        cli.main(["demo", "--quick", "--dataset", "some/dataset", "--out", str(tmp_path / "out")])
+
+
+def test_text_files_switch_to_real_text(tmp_path):
+    text = "\n\n".join(f"Paragraph {i}: the keys of the memory store patterns and the values store "
+                       f"next tokens, read {i % 7} times." for i in range(60))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(["demo", "--quick", "--archs", "llama", "--steps", "6", "--vocab-size", "300",
+                  "--text-files", str(tmp_path / "a.txt"), "--out", str(out)])
+    summary = json.loads((out / "results.json").read_text())
+    (result,) = summary["results"]
+    assert result["recall"] is None and summary["recall_chance"] is None
+    assert math.isfinite(result["held_out_loss"])
+    assert summary["reload"]["matched"]
+
+
+def test_quick_demo_exports_lookup_tables_and_lookup_mode_matches(quick_demo):
+    out, stdout, summary = quick_demo
+    lookup = summary["token_lookup"]
+    assert set(lookup["formats"]) == {"fp32", "int8"}
+    exact = lookup["formats"]["fp32"]
+    assert exact["tokens_match"] and exact["logits_max_relative_diff"] < 1e-5
+    assert exact["generated_lookup"] == exact["generated_compute"]
+    assert lookup["formats"]["int8"]["size_bytes"] < exact["size_bytes"]
+    assert (out / "memoryllm" / "token_lookup" / "fp32" / "token_lookup.safetensors.index.json").is_file()
+    assert "token lookup tables" in stdout
+    assert (out / "facts.txt").read_text().count("\n") > 10  # texts for `hf-memffn analyze`

@@ -1,0 +1,147 @@
+"""The synthetic fact world: determinism, held-out forms, tokenizer, recall scoring."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_memffn.fact_world import ATTRIBUTES, FactWorld, RecallQuestion, score_recall
+from hf_memffn.tokenization import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def world():
+    return FactWorld(seed=3, num_entities=12)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(world):
+    return train_tokenizer(world.training_documents(passes=1))
+
+
+def test_deterministic_from_seed(world):
+    again = FactWorld(seed=3, num_entities=12)
+    assert [(e.name, e.facts) for e in again.entities] == [(e.name, e.facts) for e in world.entities]
+    assert again.training_documents(passes=2) == world.training_documents(passes=2)
+    assert again.held_out_sentences() == world.held_out_sentences()
+    assert again.recall_questions() == world.recall_questions()
+    other = FactWorld(seed=4, num_entities=12)
+    assert [e.name for e in other.entities] != [e.name for e in world.entities]
+
+
+def test_entities_are_distinct_and_every_fact_is_trained_in_several_forms(world):
+    first_names = [e.name.split()[0] for e in world.entities]
+    assert len(set(first_names)) == len(first_names)
+    training = world.training_sentences()
+    for entity in world.entities:
+        for attr in ATTRIBUTES:
+            value = entity.facts[attr.key]
+            assert value in world.candidates(attr.key)
+            mentions = [s for s in training if entity.name in s and re.search(rf"\b{value}\b", s)]
+            assert len(mentions) >= 5, (entity.name, attr.key, mentions)
+            assert any(s.startswith("Q:") for s in mentions)  # question-like training forms exist
+
+
+def test_held_out_forms_never_appear_in_training(world):
+    training_templates = {t for attr in ATTRIBUTES for t in attr.statements + attr.training_questions}
+    held_out_templates = {t for attr in ATTRIBUTES for t in attr.held_out_questions}
+    assert not training_templates & held_out_templates
+    assert not any(t.startswith(h.removesuffix("A:")) for t in training_templates for h in held_out_templates)
+
+    training_text = "\n".join(world.training_sentences())
+    questions = world.recall_questions()
+    assert len(questions) == len(world.entities) * sum(len(a.held_out_questions) for a in ATTRIBUTES)
+    for question in questions:
+        assert question.prompt not in training_text
+        assert question.prompt.startswith("Q:") and question.prompt.endswith("A:")
+    # held-out statements (the held-out loss text) are never training sentences
+    assert not set(world.held_out_sentences()) & set(world.training_sentences())
+    # ... but every word of a held-out question is a word of the training text
+    training_words = set(re.findall(r"\w+", training_text))
+    for question in questions:
+        assert set(re.findall(r"\w+", question.prompt)) <= training_words, question.prompt
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="num_entities"):
+        FactWorld(num_entities=1)
+    with pytest.raises(ValueError, match="attribute"):
+        FactWorld(num_entities=4).candidates("shoe_size")
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(["a b c"], vocab_size=10)
+
+
+def test_tokenizer_round_trip_and_reload(world, tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    text = world.training_documents(passes=1)[0]
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id} == {0, 1, 2}
+    assert tokenizer.decode(ids, skip_special_tokens=True) == " " + text  # byte-level BPE with a prefix space
+    # every word of the fact world is a single token
+    assert len(ids) - 1 == len(re.findall(r"\w+|[^\w\s]", text))
+    # unseen text still encodes (byte level) and round-trips
+    assert tokenizer.decode(tokenizer("Ünïcode ☃ x9")["input_ids"], skip_special_tokens=True) == " Ünïcode ☃ x9"
+
+    question = world.recall_questions()[0]
+    joined = tokenizer(question.prompt + " " + question.answer)["input_ids"]
+    answer_ids = tokenizer(" " + question.answer, add_special_tokens=False)["input_ids"]
+    split = tokenizer(question.prompt)["input_ids"] + answer_ids
+    assert joined == split
+
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded(text)["input_ids"] == ids
+    assert (reloaded.bos_token, reloaded.eos_token, reloaded.pad_token) == ("<s>", "</s>", "<pad>")
+
+
+class PrefixTableLM(torch.nn.Module):
+    """A stub LM that puts all its mass on the token that follows the prefix in `sequences`."""
+
+    def __init__(self, sequences, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.next_token = {tuple(seq[:i]): seq[i] for seq in sequences for i in range(1, len(seq))}
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        for b, row in enumerate(input_ids.tolist()):
+            for i in range(len(row)):
+                token = self.next_token.get(tuple(row[: i + 1]))
+                if token is not None:
+                    logits[b, i, token] = 20.0
+        return SimpleNamespace(logits=logits)
+
+
+def _answer_table(tokenizer, questions, answer_of):
+    return [tokenizer(q.prompt)["input_ids"] + tokenizer(" " + answer_of(q), add_special_tokens=False)["input_ids"]
+            for q in questions]
+
+
+def test_score_recall_on_stubs(world, tokenizer):
+    questions = world.recall_questions()[:20]
+    candidates = {attr: world.candidates(attr) for attr in world.values}
+    oracle = PrefixTableLM(_answer_table(tokenizer, questions, lambda q: q.answer), len(tokenizer))
+    score = score_recall(oracle, tokenizer, questions, candidates, batch_size=17)
+    assert score.accuracy == 1.0 and score.greedy_accuracy == 1.0
+    assert score.num_questions == 20
+    assert 0 < score.chance < 0.2
+    assert set(score.per_attribute.values()) == {1.0}
+    assert score.ranked_answers == [q.answer for q in questions]
+
+    def wrong(q):
+        values = candidates[q.attribute]
+        return values[(values.index(q.answer) + 1) % len(values)]
+
+    liar = PrefixTableLM(_answer_table(tokenizer, questions, wrong), len(tokenizer))
+    score = score_recall(liar, tokenizer, questions, candidates)
+    assert score.accuracy == 0.0 and score.greedy_accuracy == 0.0
+    assert score.ranked_answers == [wrong(q) for q in questions]
+
+    with pytest.raises(ValueError, match="answer"):
+        score_recall(oracle, tokenizer, [RecallQuestion("Q: x? A:", "pet", "dragon", "x")], candidates)
