@@ -33,6 +33,9 @@ class _TokenChunkedRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, chunk_tokens, tokens, *params):
         ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
+        device_type = tokens.device.type  # the recompute runs under the same autocast as this forward
+        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                            dtype=torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(tokens)
         output = None
         for start in range(0, tokens.shape[1], chunk_tokens):
@@ -52,7 +55,7 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         for start in range(0, tokens.shape[1], ctx.chunk_tokens):
             stop = start + ctx.chunk_tokens
             grads = _TokenChunkedRecompute._chunk_gradients(
-                ctx.module, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
+                ctx, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
             )
             if needs_tokens:
                 grad_tokens[:, start:stop] = grads.pop(0)
@@ -63,13 +66,12 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
         return None, None, grad_tokens, *all_param_grads
 
-
     @staticmethod
-    def _chunk_gradients(module, chunk, grad_chunk, params, needs_tokens) -> list[torch.Tensor]:
+    def _chunk_gradients(ctx, chunk, grad_chunk, params, needs_tokens) -> list[torch.Tensor]:
         # a function of its own, so the chunk's activations are freed before the next chunk runs
         chunk = chunk.detach().requires_grad_(needs_tokens)
-        with torch.enable_grad():
-            chunk_output = module._forward(chunk)
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            chunk_output = ctx.module._forward(chunk)
         inputs = ([chunk] if needs_tokens else []) + params
         return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
 

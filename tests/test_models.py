@@ -436,7 +436,7 @@ def _saved_bytes(fn):
     return output, sum(storages.values())
 
 
-def test_flash_mhf_token_chunked_recompute_keeps_only_the_input():
+def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(tiny_config("flash_mhf")).model.layers[0].mlp
     chunked = copy.deepcopy(plain)
@@ -452,5 +452,15 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input():
     actual = torch.autograd.grad(out_chunked, [x, *chunked.parameters()], grad)
     for a, b in zip(actual, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # under autocast, the backward pass recomputes in the same autocast as the forward pass
+    import hf_memffn.ffn as ffn_module
+
+    dtypes = []
+    real_op = ffn_module.flash_mhf
+    monkeypatch.setattr(ffn_module, "flash_mhf", lambda q, *args, **kw: dtypes.append(q.dtype) or real_op(q, *args, **kw))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_chunked = chunked(x)
+    torch.autograd.grad(out_chunked, [x, *chunked.parameters()], grad.bfloat16())
+    assert len(dtypes) == 2 * 8 and set(dtypes) == {torch.bfloat16}  # 8 chunks of 16 tokens, forward + recompute
     with pytest.raises(ValueError, match="ffn_recompute_chunk_tokens"):
         hf_memffn.FlashMHFLlamaConfig(ffn_recompute_chunk_tokens=-1)
