@@ -464,3 +464,30 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     assert len(dtypes) == 2 * 8 and set(dtypes) == {torch.bfloat16}  # 8 chunks of 16 tokens, forward + recompute
     with pytest.raises(ValueError, match="ffn_recompute_chunk_tokens"):
         hf_memffn.FlashMHFLlamaConfig(ffn_recompute_chunk_tokens=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mhf_model_trains_on_cuda_under_autocast_with_the_triton_kernels():
+    """fp32 weights + bf16 autocast (as Trainer(bf16=True)): the fused op runs its bf16 Triton path, and the
+    token-chunked recompute gives the gradients of the plain module."""
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    config = tiny_config("flash_mhf", hidden_size=256, num_attention_heads=4, ffn_num_heads=4, ffn_num_kv_heads=2,
+                         intermediate_size=128, ffn_num_subnetworks=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).cuda().train()
+    chunked = copy.deepcopy(model)
+    for layer in chunked.model.layers:
+        layer.mlp.recompute_chunk_tokens = 64
+    ids = torch.randint(0, 320, (4, 96), device="cuda")
+    grads = []
+    for candidate in (model, chunked):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = candidate(ids, labels=ids).loss
+        loss.backward()
+        grads.append([p.grad.float() for p in candidate.parameters()])
+    queries = torch.empty(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    assert flash_mhf_path(queries).startswith("triton")
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=0.05, atol=1e-3)
