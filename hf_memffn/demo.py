@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
+from .testing import BLOCK_PACKAGE_IMPORT
 from .tokenization import train_tokenizer
 
 # arch name (as for `hf_memffn.testing.tiny_config`) -> name shown in the table
@@ -437,17 +438,10 @@ def _write_text(path: Path, text: str) -> None:
 
 # Run in a fresh Python in which `hf_memffn` cannot be imported: only the code saved with the model can load it,
 # as for someone who downloads the checkpoint without installing this package.
-_RELOAD_SCRIPT = textwrap.dedent(
+_RELOAD_SCRIPT = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     """
-    import importlib.abc, json, sys
+    import json, sys
 
-    class BlockPackage(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_memffn" or name.startswith("hf_memffn."):
-                raise ModuleNotFoundError(f"No module named {name!r}")
-            return None
-
-    sys.meta_path.insert(0, BlockPackage())
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

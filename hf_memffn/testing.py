@@ -50,3 +50,21 @@ def tiny_tokenizer(vocab_size: int = 320):
 
     return train_tokenizer(texts, vocab_size=vocab_size)
 
+
+
+# Python source that makes `hf_memffn` unimportable in the interpreter that runs it, as on a machine where only the
+# code saved beside a checkpoint exists. Prepend it to a script run with `python -c` to prove remote-code loading.
+BLOCK_PACKAGE_IMPORT = """
+import importlib.abc as _importlib_abc
+import sys as _sys
+
+
+class _BlockPackage(_importlib_abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_memffn" or name.startswith("hf_memffn."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: only the code saved with the model may run)")
+        return None
+
+
+_sys.meta_path.insert(0, _BlockPackage())
+"""

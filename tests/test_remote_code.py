@@ -13,20 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import tiny_config, tiny_tokenizer
+from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, tiny_config, tiny_tokenizer
 
-LOADER = textwrap.dedent(
+LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     """
     import json, sys
-    import importlib.abc
 
-    class BlockPackage(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_memffn" or name.startswith("hf_memffn."):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)")
-            return None
-
-    sys.meta_path.insert(0, BlockPackage())
     try:
         import hf_memffn  # noqa: F401
     except ModuleNotFoundError:
