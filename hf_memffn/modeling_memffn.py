@@ -16,6 +16,7 @@ torch, transformers, safetensors and (guarded) triton.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -265,8 +266,6 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and a model card (README.md)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            import os
-
             if self.attached_tokenizer is not None:
                 self.attached_tokenizer.save_pretrained(save_directory)
             card_path = os.path.join(save_directory, "README.md")

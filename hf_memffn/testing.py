@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import LlamaConfig
 
 from . import ARCHITECTURES
+from .tokenization import train_tokenizer
 
 # Shared decoder shape of the tiny models: small enough to train in seconds on a CPU.
 TINY_DECODER = dict(
@@ -46,8 +47,6 @@ def tiny_tokenizer(vocab_size: int = 320):
     """A tokenizer trained on a few generated sentences; its vocabulary fits the tiny configs."""
     words = ["memory", "key", "value", "token", "layer", "head", "the", "a", "of", "is", "reads", "stores"]
     texts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(200)]
-    from .tokenization import train_tokenizer
-
     return train_tokenizer(texts, vocab_size=vocab_size)
 
 
