@@ -111,6 +111,23 @@ if TRITON_AVAILABLE:
         return batch, head, position, gate_row
 
     @triton.jit
+    def _sequence_block(row_block, group, seq_len, group_size, num_heads, stride_b, stride_h, stride_l,
+                        D_H: tl.constexpr, BLOCK_L: tl.constexpr):
+        """Tile offsets, row mask and rows of r of row block ``row_block`` of weight group ``group``, with the blocks
+        counted per sequence (batch, head within the group): the index arithmetic is scalar, and the last block of
+        each sequence is masked."""
+        blocks_per_sequence = tl.cdiv(seq_len, BLOCK_L)
+        sequence = row_block // blocks_per_sequence
+        position0 = (row_block - sequence * blocks_per_sequence) * BLOCK_L
+        batch = sequence // group_size
+        head = group * group_size + (sequence - batch * group_size)
+        positions = position0 + tl.arange(0, BLOCK_L)
+        base = batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+        tile = base + positions[:, None].to(tl.int64) * stride_l + tl.arange(0, D_H)[None, :]
+        gate_row = (batch.to(tl.int64) * num_heads + head) * seq_len + positions
+        return tile, positions < seq_len, gate_row
+
+    @triton.jit
     def _forward_kernel(
         Q, K, U, V, R, O,
         stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol,
@@ -232,7 +249,8 @@ if TRITON_AVAILABLE:
         u = tl.load(U + w_offsets)
         v = tl.load(V + w_offsets)
 
-        num_row_blocks = tl.cdiv(total_rows, BLOCK_L)
+        # row blocks are counted per sequence: (total_rows // seq_len) sequences of cdiv(seq_len, BLOCK_L) blocks
+        num_row_blocks = (total_rows // seq_len) * tl.cdiv(seq_len, BLOCK_L)
         blocks_per_split = tl.cdiv(num_row_blocks, num_splits)
         first = split * blocks_per_split
         last = tl.minimum(first + blocks_per_split, num_row_blocks)
@@ -241,11 +259,10 @@ if TRITON_AVAILABLE:
         grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         for row_block in range(first, last):
-            rows = row_block * BLOCK_L + tl.arange(0, BLOCK_L)
-            row_mask = rows < total_rows
-            batch, head, position, gate_row = _row_coordinates(rows, group, seq_len, group_size, num_heads)
-            q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
-            do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
+            q_tile, row_mask, gate_row = _sequence_block(row_block, group, seq_len, group_size, num_heads,
+                                                         stride_qb, stride_qh, stride_ql, D_H, BLOCK_L)
+            do_tile, _, _ = _sequence_block(row_block, group, seq_len, group_size, num_heads,
+                                            stride_gb, stride_gh, stride_gl, D_H, BLOCK_L)
             q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
             grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
             gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
@@ -281,8 +298,9 @@ if TRITON_AVAILABLE:
     def _config(block_l, block_n, warps, stages):
         return triton.Config({"BLOCK_L": block_l, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
-    # Candidate (BLOCK_L, BLOCK_N, num_warps, num_stages) per head_dim, chosen so that the sm_90 builds keep their
-    # accumulators in registers (checked with ptxas: no or a few bytes of spills at d_h=128).
+    # Candidate (BLOCK_L, BLOCK_N, num_warps, num_stages) per head_dim, from the sweeps of kernels/tune_flash_mhf.py on
+    # an H100 (kernels/flash_mhf_notes.md). At d_h=128 every candidate keeps its accumulators in registers except the
+    # weight kernel's (128, 64, 8, 2), which spills a few values and is still the fastest there.
     _CANDIDATES = {
         "forward": {
             64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
@@ -291,12 +309,12 @@ if TRITON_AVAILABLE:
         },
         "rows": {
             64: [(128, 64, 8, 2), (64, 64, 4, 3)],
-            128: [(128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)],
             256: [(64, 16, 4, 3), (64, 16, 4, 2)],
         },
         "weights": {
             64: [(128, 64, 8, 2), (128, 32, 4, 2)],
-            128: [(64, 32, 4, 2), (128, 32, 8, 3)],
+            128: [(128, 64, 8, 2), (64, 32, 4, 2)],
             256: [(64, 16, 8, 2)],
         },
     }

@@ -1,0 +1,204 @@
+"""Launch configurations and variants of the three FlashMHF kernels, timed one by one at a paper shape (one GPU call).
+
+    python kernels/tune_flash_mhf.py --out DIR                          # the sweep: DIR/flash_mhf_tune.json
+    python kernels/tune_flash_mhf.py --profile weights:production:128,64,8,2   # one launch of one kernel, for ncu
+
+Every candidate is launched directly (no autotuner), its outputs are checked against the production kernel's
+(poisoned with NaN before each launch, so unwritten elements fail), then timed with ``triton.testing.do_bench``
+(median). Executed TFLOP/s count the products each kernel really runs, in units of one forward-sized product
+(2 B L H E d_e d_h FLOPs): forward 3, dq/dr kernel 5, dK/dU/dV kernel 6. The last lines estimate forward+backward
+from the fastest candidate of each kernel, counted as the benchmark counts it (3x the forward's FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..")]
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+import flash_mhf_variants as variants  # noqa: E402
+from bench_flash_mhf import op_flops, op_inputs, rel_err  # noqa: E402
+from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
+
+SHAPE = dict(batch=8, num_heads=16, head_dim=128, num_subnetworks=15, subnetwork_size=384)
+UNITS = {"forward": 3, "rows": 5, "weights": 6, "weights_ku": 5, "weights_v": 3}
+# which of the role's outputs a kernel writes (the dK/dU/dV roles share one launch signature)
+WRITTEN = {"forward": (0,), "rows": (0, 1), "weights": (0, 1, 2), "weights_ku": (0, 1), "weights_v": (2,)}
+FUNCTIONS = {
+    ("forward", "production"): lambda: kernels._forward_kernel,
+    ("rows", "production"): lambda: kernels._backward_rows_kernel,
+    ("weights", "production"): lambda: kernels._backward_weights_kernel,
+    ("weights", "short_lived"): lambda: variants.weights_short_lived,
+    ("weights_ku", "transposed"): lambda: variants.weights_ku_transposed,
+    ("weights_ku", "columns"): lambda: variants.weights_ku_only,
+    ("weights_v", "columns"): lambda: variants.weights_v_only,
+    ("weights_v", "seq"): lambda: variants.weights_v_seq,
+    ("weights_v", "seq_nogate"): lambda: variants.weights_v_seq,
+    ("weights_v", "seq_rt"): lambda: variants.weights_v_seq_rt,
+    ("weights", "seq_rt"): lambda: variants.weights_seq_rt,
+}
+# variants that read r transposed to [B, H, E, L]
+R_TRANSPOSED = {("weights_v", "seq_rt"), ("weights", "seq_rt")}
+# extra compile-time arguments of a variant; TIMING_ONLY variants compute a different function (their outputs are
+# not checked), to time what a left-out step costs
+EXTRA_META = {("weights_v", "seq_nogate"): {"GATE": False}}
+TIMING_ONLY = {("weights_v", "seq_nogate")}
+# (role, variant, (BLOCK_L, BLOCK_N, num_warps, num_stages)); the first of each role is the reference
+CANDIDATES = [
+    ("forward", "production", (128, 64, 8, 3)),
+    ("forward", "production", (128, 64, 8, 2)),
+    ("forward", "production", (128, 128, 8, 2)),
+    ("rows", "production", (128, 64, 8, 3)),
+    ("rows", "production", (128, 64, 8, 2)),
+    ("rows", "production", (128, 32, 8, 3)),
+    ("weights", "production", (128, 64, 8, 2)),
+    ("weights", "production", (64, 32, 4, 2)),
+    ("weights", "production", (128, 32, 8, 3)),
+    ("weights", "short_lived", (128, 64, 8, 2)),
+    ("weights", "seq_rt", (128, 64, 8, 2)),
+    ("weights_ku", "transposed", (128, 64, 8, 2)),
+    ("weights_ku", "columns", (32, 128, 8, 3)),
+    ("weights_ku", "columns", (32, 64, 4, 3)),
+    ("weights_v", "columns", (64, 128, 8, 3)),
+    ("weights_v", "seq", (64, 128, 8, 3)),
+    ("weights_v", "seq_rt", (64, 128, 8, 3)),
+    ("weights_v", "seq_nogate", (64, 128, 8, 3)),
+]
+
+
+class Problem:
+    def __init__(self, seq_len: int):
+        torch.manual_seed(0)
+        self.seq_len = seq_len
+        self.q, self.k, self.u, self.v, self.r = op_inputs(SHAPE["batch"], SHAPE["num_heads"], seq_len, SHAPE["head_dim"],
+                                                           SHAPE["num_heads"], SHAPE["num_subnetworks"],
+                                                           SHAPE["subnetwork_size"], torch.bfloat16)
+        self.grad = torch.randn_like(self.q)
+        self.p = kernels._problem(self.q, self.k)
+        self.unit_flops = op_flops(SHAPE["batch"], SHAPE["num_heads"], seq_len, SHAPE["head_dim"],
+                                   SHAPE["num_subnetworks"], SHAPE["subnetwork_size"]) / 3
+        self.constants = dict(D_H=SHAPE["head_dim"], D_E=SHAPE["subnetwork_size"], **kernels._kernel_flags(self.q.dtype))
+        self.strides = (*kernels._row_strides(self.q), *kernels._row_strides(self.grad))
+
+    def outputs(self, role):
+        like = {"forward": (self.q,), "rows": (self.q, self.r)}.get(role, (self.k, self.u, self.v))
+        return [torch.full_like(t, float("nan")) for t in like]
+
+    def launcher(self, role, fn, config, outs, extra=None, r_transposed=False):
+        block_l, block_n, warps, stages = config
+        meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **(extra or {}))
+        p, q, k, u, v, r, grad = self.p, self.q, self.k, self.u, self.v, self.r, self.grad
+        if r_transposed:
+            r = self.r.transpose(-1, -2).contiguous()
+        row_blocks = triton.cdiv(p["total_rows"], block_l)
+        if role == "forward":
+            return lambda: fn[(row_blocks, p["kv_heads"], 1)](
+                q, k, u, v, r, outs[0], *kernels._row_strides(q), *kernels._row_strides(outs[0]), *p["sizes"], 1, 0,
+                ACCUMULATE=False, **meta)
+        if role == "rows":
+            return lambda: fn[(row_blocks, p["kv_heads"])](
+                q, k, u, v, r, grad, *outs, *self.strides, *p["sizes"], 0, E_POW2=16, **meta)
+        column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // block_n
+        return lambda: fn[(column_blocks, p["kv_heads"], 1)](
+            q, k, u, v, r, grad, *outs, *self.strides, *p["sizes"], 1, 0, ACCUMULATE=False, **meta)
+
+
+def sweep(args):
+    problem = Problem(args.seq_len)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "shape": {**SHAPE, "seq_len": args.seq_len}, "candidates": []}
+    references = {}
+    for role, variant, config in CANDIDATES:
+        outs = problem.outputs(role)
+        launch = problem.launcher(role, FUNCTIONS[(role, variant)](), config, outs, EXTRA_META.get((role, variant)),
+                                (role, variant) in R_TRANSPOSED)
+        row = {"kernel": role, "variant": variant, "BLOCK_L": config[0], "BLOCK_N": config[1], "num_warps": config[2],
+               "num_stages": config[3]}
+        try:
+            compiled = launch()
+            torch.cuda.synchronize()
+            row.update(n_regs=compiled.n_regs, n_spills=compiled.n_spills)
+            family = role.split("_")[0]
+            written_outs = [outs[i] for i in WRITTEN[role]]
+            if family not in references:
+                references[family] = [t.clone() for t in outs]
+                row["max_rel_err"] = 0.0
+            else:
+                row["max_rel_err"] = max(rel_err(outs[i], references[family][i]) for i in WRITTEN[role])
+            written = all(bool(torch.isfinite(t).all()) for t in written_outs)
+            row["correct"] = written and row["max_rel_err"] < 2e-2
+            if (role, variant) in TIMING_ONLY:
+                row.update(correct=written, timing_only=True)
+            if row["correct"]:
+                ms = float(triton.testing.do_bench(launch, warmup=25, rep=200, return_mode="median"))
+                row.update(ms=ms, tflops_executed=UNITS[role] * problem.unit_flops / ms * 1e-9)
+        except Exception as exc:  # noqa: BLE001 - a candidate that does not build is a result too
+            row.update(correct=False, error=repr(exc)[:300])
+        results["candidates"].append(row)
+        print(f"{role:8s} {variant:12s} {str(config):18s} regs {row.get('n_regs', '-')!s:>4} spills "
+              f"{row.get('n_spills', '-')!s:>4} err {row.get('max_rel_err', float('nan')):.1e} "
+              f"{row.get('ms', float('nan')):7.3f} ms {row.get('tflops_executed', float('nan')):5.0f} TFLOP/s"
+              + ("" if row["correct"] else f"  FAILED {row.get('error', '')}"), flush=True)
+    best = {}
+    for row in results["candidates"]:
+        if row["correct"] and not row.get("timing_only") and (row["kernel"] not in best or row["ms"] < best[row["kernel"]]["ms"]):
+            best[row["kernel"]] = row
+    if "weights_ku" in best and "weights_v" in best:
+        split = best["weights_ku"]["ms"] + best["weights_v"]["ms"]
+        if "weights" not in best or split < best["weights"]["ms"]:
+            best["weights"] = {"variant": f"columns split: ku {best['weights_ku']['variant']} + v", "ms": split,
+                               **{k: (best["weights_ku"][k], best["weights_v"][k]) for k in ("BLOCK_L", "BLOCK_N", "num_warps", "num_stages")}}
+    if all(role in best for role in ("forward", "rows", "weights")):
+        total = sum(best[role]["ms"] for role in ("forward", "rows", "weights"))
+        reference = sum(next(r["ms"] for r in results["candidates"] if r["kernel"] == role and r["correct"])
+                        for role in ("forward", "rows", "weights"))
+        results["estimate"] = {
+            "best": {role: {k: best[role][k] for k in ("variant", "BLOCK_L", "BLOCK_N", "num_warps", "num_stages", "ms")}
+                     for role in ("forward", "rows", "weights")},
+            "fwd_bwd_ms": total, "fwd_bwd_tflops_counted": 9 * problem.unit_flops / total * 1e-9,
+            "reference_fwd_bwd_ms": reference, "reference_tflops_counted": 9 * problem.unit_flops / reference * 1e-9,
+        }
+        print(f"fastest of each kernel: {total:.2f} ms = {results['estimate']['fwd_bwd_tflops_counted']:.0f} TFLOP/s "
+              f"counted (first candidates: {reference:.2f} ms = {results['estimate']['reference_tflops_counted']:.0f})")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "flash_mhf_tune.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(results, handle, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def profile(args):
+    role, variant, config = args.profile.split(":")
+    config = tuple(int(x) for x in config.split(","))
+    problem = Problem(args.seq_len)
+    outs = problem.outputs(role)
+    launch = problem.launcher(role, FUNCTIONS[(role, variant)](), config, outs, EXTRA_META.get((role, variant)),
+                                (role, variant) in R_TRANSPOSED)
+    launch()  # compile (ncu skips this launch)
+    launch()
+    torch.cuda.synchronize()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="kernels/results")
+    parser.add_argument("--seq-len", type=int, default=4032)
+    parser.add_argument("--profile", help="role:variant:BLOCK_L,BLOCK_N,warps,stages (one launch after a warm-up)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_flash_mhf.py needs a CUDA GPU")
+    profile(args) if args.profile else sweep(args)
+
+
+if __name__ == "__main__":
+    main()
