@@ -111,21 +111,18 @@ if TRITON_AVAILABLE:
         return batch, head, position, gate_row
 
     @triton.jit
-    def _sequence_block(row_block, group, seq_len, group_size, num_heads, stride_b, stride_h, stride_l,
-                        D_H: tl.constexpr, BLOCK_L: tl.constexpr):
-        """Tile offsets, row mask and rows of r of row block ``row_block`` of weight group ``group``, with the blocks
-        counted per sequence (batch, head within the group): the index arithmetic is scalar, and the last block of
-        each sequence is masked."""
+    def _sequence_block_coordinates(row_block, group, seq_len, group_size, num_heads, BLOCK_L: tl.constexpr):
+        """(batch, head, positions, row mask, rows of r) of row block ``row_block`` of weight group ``group`` when the
+        blocks are counted per sequence (batch, head within the group): batch and head are scalars, so the index
+        arithmetic is scalar, and the last block of each sequence is masked."""
         blocks_per_sequence = tl.cdiv(seq_len, BLOCK_L)
         sequence = row_block // blocks_per_sequence
-        position0 = (row_block - sequence * blocks_per_sequence) * BLOCK_L
         batch = sequence // group_size
         head = group * group_size + (sequence - batch * group_size)
-        positions = position0 + tl.arange(0, BLOCK_L)
-        base = batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-        tile = base + positions[:, None].to(tl.int64) * stride_l + tl.arange(0, D_H)[None, :]
-        gate_row = (batch.to(tl.int64) * num_heads + head) * seq_len + positions
-        return tile, positions < seq_len, gate_row
+        position = (row_block - sequence * blocks_per_sequence) * BLOCK_L + tl.arange(0, BLOCK_L)
+        batch, head, position = batch.to(tl.int64), head.to(tl.int64), position.to(tl.int64)
+        gate_row = (batch * num_heads + head) * seq_len + position  # row of the contiguous r [B, H, L, E]
+        return batch, head, position, position < seq_len, gate_row
 
     @triton.jit
     def _forward_kernel(
@@ -259,10 +256,10 @@ if TRITON_AVAILABLE:
         grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         for row_block in range(first, last):
-            q_tile, row_mask, gate_row = _sequence_block(row_block, group, seq_len, group_size, num_heads,
-                                                         stride_qb, stride_qh, stride_ql, D_H, BLOCK_L)
-            do_tile, _, _ = _sequence_block(row_block, group, seq_len, group_size, num_heads,
-                                            stride_gb, stride_gh, stride_gl, D_H, BLOCK_L)
+            batch, head, position, row_mask, gate_row = _sequence_block_coordinates(
+                row_block, group, seq_len, group_size, num_heads, BLOCK_L)
+            q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
+            do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
             q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
             grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
             gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)

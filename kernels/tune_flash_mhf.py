@@ -34,25 +34,23 @@ SHAPE = dict(batch=8, num_heads=16, head_dim=128, num_subnetworks=15, subnetwork
 UNITS = {"forward": 3, "rows": 5, "weights": 6, "weights_ku": 5, "weights_v": 3}
 # which of the role's outputs a kernel writes (the dK/dU/dV roles share one launch signature)
 WRITTEN = {"forward": (0,), "rows": (0, 1), "weights": (0, 1, 2), "weights_ku": (0, 1), "weights_v": (2,)}
-FUNCTIONS = {
-    ("forward", "production"): lambda: kernels._forward_kernel,
-    ("rows", "production"): lambda: kernels._backward_rows_kernel,
-    ("weights", "production"): lambda: kernels._backward_weights_kernel,
-    ("weights", "short_lived"): lambda: variants.weights_short_lived,
-    ("weights_ku", "transposed"): lambda: variants.weights_ku_transposed,
-    ("weights_ku", "columns"): lambda: variants.weights_ku_only,
-    ("weights_v", "columns"): lambda: variants.weights_v_only,
-    ("weights_v", "seq"): lambda: variants.weights_v_seq,
-    ("weights_v", "seq_nogate"): lambda: variants.weights_v_seq,
-    ("weights_v", "seq_rt"): lambda: variants.weights_v_seq_rt,
-    ("weights", "seq_rt"): lambda: variants.weights_seq_rt,
+# (role, variant) -> (kernel, its compile-time switches); see flash_mhf_variants.py for what the switches mean
+VARIANTS = {
+    ("forward", "production"): (lambda: kernels._forward_kernel, {}),
+    ("rows", "production"): (lambda: kernels._backward_rows_kernel, {}),
+    ("weights", "production"): (lambda: kernels._backward_weights_kernel, {}),
+    ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
+    ("weights", "seq_rt"): (lambda: variants.weights_transposed, {"SEQUENCE_BLOCKS": True, "GATE": "transposed"}),
+    ("weights_ku", "transposed"): (lambda: variants.weights_transposed, {"WITH_V": False}),
+    ("weights_ku", "columns"): (lambda: variants.weights_columns, {"GRADS": "ku"}),
+    ("weights_v", "columns"): (lambda: variants.weights_columns, {"GRADS": "v"}),
+    ("weights_v", "seq"): (lambda: variants.weights_columns, {"GRADS": "v", "SEQUENCE_BLOCKS": True}),
+    ("weights_v", "seq_rt"): (lambda: variants.weights_columns,
+                              {"GRADS": "v", "SEQUENCE_BLOCKS": True, "GATE": "transposed"}),
+    # leaves the gate out: a different function, timed (not checked) to see what the gate costs
+    ("weights_v", "seq_nogate"): (lambda: variants.weights_columns,
+                                  {"GRADS": "v", "SEQUENCE_BLOCKS": True, "GATE": "none"}),
 }
-# variants that read r transposed to [B, H, E, L]
-R_TRANSPOSED = {("weights_v", "seq_rt"), ("weights", "seq_rt")}
-# extra compile-time arguments of a variant; TIMING_ONLY variants compute a different function (their outputs are
-# not checked), to time what a left-out step costs
-EXTRA_META = {("weights_v", "seq_nogate"): {"GATE": False}}
-TIMING_ONLY = {("weights_v", "seq_nogate")}
 # (role, variant, (BLOCK_L, BLOCK_N, num_warps, num_stages)); the first of each role is the reference
 CANDIDATES = [
     ("forward", "production", (128, 64, 8, 3)),
@@ -94,11 +92,13 @@ class Problem:
         like = {"forward": (self.q,), "rows": (self.q, self.r)}.get(role, (self.k, self.u, self.v))
         return [torch.full_like(t, float("nan")) for t in like]
 
-    def launcher(self, role, fn, config, outs, extra=None, r_transposed=False):
+    def launcher(self, role, variant, config, outs):
         block_l, block_n, warps, stages = config
-        meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **(extra or {}))
+        kernel, switches = VARIANTS[(role, variant)]
+        fn = kernel()
+        meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **switches)
         p, q, k, u, v, r, grad = self.p, self.q, self.k, self.u, self.v, self.r, self.grad
-        if r_transposed:
+        if switches.get("GATE") == "transposed":
             r = self.r.transpose(-1, -2).contiguous()
         row_blocks = triton.cdiv(p["total_rows"], block_l)
         if role == "forward":
@@ -120,8 +120,7 @@ def sweep(args):
     references = {}
     for role, variant, config in CANDIDATES:
         outs = problem.outputs(role)
-        launch = problem.launcher(role, FUNCTIONS[(role, variant)](), config, outs, EXTRA_META.get((role, variant)),
-                                (role, variant) in R_TRANSPOSED)
+        launch = problem.launcher(role, variant, config, outs)
         row = {"kernel": role, "variant": variant, "BLOCK_L": config[0], "BLOCK_N": config[1], "num_warps": config[2],
                "num_stages": config[3]}
         try:
@@ -137,7 +136,7 @@ def sweep(args):
                 row["max_rel_err"] = max(rel_err(outs[i], references[family][i]) for i in WRITTEN[role])
             written = all(bool(torch.isfinite(t).all()) for t in written_outs)
             row["correct"] = written and row["max_rel_err"] < 2e-2
-            if (role, variant) in TIMING_ONLY:
+            if VARIANTS[(role, variant)][1].get("GATE") == "none":
                 row.update(correct=written, timing_only=True)
             if row["correct"]:
                 ms = float(triton.testing.do_bench(launch, warmup=25, rep=200, return_mode="median"))
@@ -182,8 +181,7 @@ def profile(args):
     config = tuple(int(x) for x in config.split(","))
     problem = Problem(args.seq_len)
     outs = problem.outputs(role)
-    launch = problem.launcher(role, FUNCTIONS[(role, variant)](), config, outs, EXTRA_META.get((role, variant)),
-                                (role, variant) in R_TRANSPOSED)
+    launch = problem.launcher(role, variant, config, outs)
     launch()  # compile (ncu skips this launch)
     launch()
     torch.cuda.synchronize()
