@@ -13,14 +13,21 @@ Kernels (all accumulate in float32 and keep the ``[rows, E * d_e]`` activations 
 * ``_backward_rows_kernel`` (``dq``, ``dr``): one program per row block; streams the column blocks,
   recomputes ``M, N`` and ``dA = dO V_w^T`` and accumulates ``dq = dM K_w + dN U_w`` and ``dr[:, e]``.
 * ``_backward_weights_kernel`` (``dK``, ``dU``, ``dV``): one program per column block; keeps the
-  ``K_w, U_w, V_w`` tiles resident and streams the row blocks, recomputing the activations as in the forward
-  pass and accumulating the gradients transposed, ``dK_w^T += q^T dM`` (and likewise ``dU_w``, ``dV_w``), so that
-  every product has ``d_h`` or ``BLOCK_L`` rows.
+  ``K_w, U_w, V_w`` tiles resident and streams the row blocks of each sequence, recomputing the activations as in
+  the forward pass and accumulating the gradients transposed, ``dK_w^T += q^T dM`` (and likewise ``dU_w``, ``dV_w``),
+  so that every product has ``d_h`` or ``BLOCK_L`` rows.
+
+On Hopper and newer GPUs (and in the interpreter) the forward and weight-gradient kernels read the tiles they stream
+(``K, U, V`` in the forward, ``q`` and ``dO`` in the weight gradients) through tensor descriptors, i.e. bulk tensor
+copies: no per-thread addresses, which in the weight-gradient kernel frees the registers its three accumulators need.
+Older GPUs read them through pointers (``_use_tensor_descriptors`` decides; the tests run both).
 
 The backward is split in two kernels (recomputing ``M``, ``N``, ``dA`` in each) rather than one kernel with atomic
-``dq`` adds: both accumulate in registers, write every output exactly once and are deterministic. When a problem
-has too few row (or column) blocks to fill the GPU, the forward (or weight-gradient) kernel additionally splits
-its loop across programs that add float32 partial sums atomically.
+``dq`` adds: both accumulate in registers, write every output exactly once and are deterministic, and the one-kernel
+version (``kernels/flash_mhf_variants.py``) is slower on an H100 (23 ms against 17 at the paper shape): its float32
+``dq`` reductions cost more than the recomputation they save. When a problem has too few row (or column) blocks to
+fill the GPU, the forward (or weight-gradient) kernel additionally splits its loop across programs that add float32
+partial sums atomically.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = True, None, triton.__version__
 except ImportError as exc:  # the package must import on machines without triton
-    triton = tl = None
+    triton = tl = TensorDescriptor = None
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
@@ -112,17 +120,65 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _sequence_block_coordinates(row_block, group, seq_len, group_size, num_heads, BLOCK_L: tl.constexpr):
-        """(batch, head, positions, row mask, rows of r) of row block ``row_block`` of weight group ``group`` when the
-        blocks are counted per sequence (batch, head within the group): batch and head are scalars, so the index
-        arithmetic is scalar, and the last block of each sequence is masked."""
+        """(batch, head, first position, positions, row mask, rows of r) of row block ``row_block`` of weight group
+        ``group`` when the blocks are counted per sequence (batch, head within the group): batch, head and the first
+        position are scalars, so the index arithmetic is scalar, and the last block of each sequence is masked."""
         blocks_per_sequence = tl.cdiv(seq_len, BLOCK_L)
         sequence = row_block // blocks_per_sequence
         batch = sequence // group_size
         head = group * group_size + (sequence - batch * group_size)
-        position = (row_block - sequence * blocks_per_sequence) * BLOCK_L + tl.arange(0, BLOCK_L)
-        batch, head, position = batch.to(tl.int64), head.to(tl.int64), position.to(tl.int64)
-        gate_row = (batch * num_heads + head) * seq_len + position  # row of the contiguous r [B, H, L, E]
-        return batch, head, position, position < seq_len, gate_row
+        first_position = (row_block - sequence * blocks_per_sequence) * BLOCK_L
+        position = (first_position + tl.arange(0, BLOCK_L)).to(tl.int64)
+        gate_row = (batch.to(tl.int64) * num_heads + head) * seq_len + position  # row of the contiguous r [B, H, L, E]
+        return batch, head, first_position, position, position < seq_len, gate_row
+
+    @triton.jit
+    def _weight_tiles(K, U, V, weight_base, col0, cols, dims, group, num_subnetworks, D_E: tl.constexpr,
+                      D_H: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr):
+        """Rows col0 .. col0 + BLOCK_N of weight group ``group``'s K, U, V (each [E * d_e, d_h])."""
+        if TENSOR_DESCRIPTORS:
+            row = group * num_subnetworks * D_E + col0
+            return K.load([row, 0]), U.load([row, 0]), V.load([row, 0])
+        else:
+            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
+            return tl.load(K + w_offsets), tl.load(U + w_offsets), tl.load(V + w_offsets)
+
+    @triton.jit
+    def _column_block_tiles(K, U, V, group, num_subnetworks, D_E: tl.constexpr, D_H: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+        """For a program owning column block ``program_id(0)`` of weight group ``group``: (first column, sub-network,
+        offset of the group's weights, column and d_h ranges, and its K, U, V tiles transposed, [d_h, BLOCK_N]).
+        The tiles are transposed once, before the row loop: a transpose inside the loop would copy them to shared
+        memory every iteration (and keep them in registers throughout)."""
+        col0 = tl.program_id(0) * BLOCK_N
+        cols = tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D_H)
+        weight_base = group.to(tl.int64) * num_subnetworks * D_E * D_H
+        k, u, v = _weight_tiles(K, U, V, weight_base, col0, cols, dims, group, num_subnetworks, D_E, D_H, False)
+        return col0, col0 // D_E, weight_base, cols, dims, tl.trans(k), tl.trans(u), tl.trans(v)
+
+    @triton.jit
+    def _row_block_inputs(Q, DO, R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+                          stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H: tl.constexpr,
+                          BLOCK_L: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr):
+        """q and dO tiles [BLOCK_L, d_h] and sub-network ``subnetwork``'s gates [BLOCK_L] of row block ``row_block``
+        (counted per sequence) of weight group ``group``, and its (batch, head, positions, row mask). Q and DO are
+        tensor descriptors with block [1, 1, BLOCK_L, d_h] (bulk copies: the copy engine zero-fills the positions past
+        the sequence's end) or pointers with the given strides."""
+        batch, head, first_position, position, row_mask, gate_row = _sequence_block_coordinates(
+            row_block, group, seq_len, group_size, num_heads, BLOCK_L)
+        if TENSOR_DESCRIPTORS:
+            q = tl.reshape(Q.load([batch, head, first_position, 0]), [BLOCK_L, D_H])
+            grad_out = tl.reshape(DO.load([batch, head, first_position, 0]), [BLOCK_L, D_H])
+        else:
+            batch, head = batch.to(tl.int64), head.to(tl.int64)
+            dims = tl.arange(0, D_H)
+            q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
+            do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
+            q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
+            grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
+        gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
+        return q, grad_out, gate, batch, head, position, row_mask
 
     @triton.jit
     def _forward_kernel(
@@ -131,7 +187,10 @@ if TRITON_AVAILABLE:
         total_rows, seq_len, group_size, num_heads, num_subnetworks, num_splits, tune_bucket,
         D_H: tl.constexpr, D_E: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
         FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+        TENSOR_DESCRIPTORS: tl.constexpr,
     ):
+        """With TENSOR_DESCRIPTORS, K, U and V are tensor descriptors over [H_kv * E * d_e, d_h] with block
+        [BLOCK_N, d_h] (bulk copies, no per-thread addresses); otherwise contiguous [H_kv, E, d_e, d_h] pointers."""
         pid_rows = tl.program_id(0)
         group = tl.program_id(1)
         split = tl.program_id(2)
@@ -154,14 +213,12 @@ if TRITON_AVAILABLE:
         for block in range(first, last):
             col0 = block * BLOCK_N
             subnetwork = col0 // D_E
-            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
-            k = tl.load(K + w_offsets)
-            u = tl.load(U + w_offsets)
+            k, u, v = _weight_tiles(K, U, V, weight_base, col0, cols, dims, group, num_subnetworks, D_E, D_H,
+                                    TENSOR_DESCRIPTORS)
             gate_pre = _dot(q, tl.trans(k), PRECISION)
             up = _dot(q, tl.trans(u), PRECISION)
             gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
             hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
-            v = tl.load(V + w_offsets)
             acc = _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
 
         out_ptrs = O + (batch * stride_ob + head * stride_oh + position * stride_ol)[:, None] + dims[None, :]
@@ -201,10 +258,7 @@ if TRITON_AVAILABLE:
         for block in range(0, num_blocks):
             col0 = block * BLOCK_N
             subnetwork = col0 // D_E
-            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
-            k = tl.load(K + w_offsets)
-            u = tl.load(U + w_offsets)
-            v = tl.load(V + w_offsets)
+            k, u, v = _weight_tiles(K, U, V, weight_base, col0, cols, dims, group, num_subnetworks, D_E, D_H, False)
             gate_pre = _dot(q, tl.trans(k), PRECISION)
             up = _dot(q, tl.trans(u), PRECISION)
             grad_hidden = _dot(grad_out, tl.trans(v), PRECISION)
@@ -232,19 +286,15 @@ if TRITON_AVAILABLE:
         total_rows, seq_len, group_size, num_heads, num_subnetworks, num_splits, tune_bucket,
         D_H: tl.constexpr, D_E: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
         FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
+        TENSOR_DESCRIPTORS: tl.constexpr,
     ):
-        block = tl.program_id(0)
+        """With TENSOR_DESCRIPTORS, Q and DO are tensor descriptors over [B, H, L, d_h] with block
+        [1, 1, BLOCK_L, d_h] (bulk copies without per-thread addresses, which at BLOCK_L = 128 would take registers
+        that the three accumulators need); otherwise pointers with the given strides."""
         group = tl.program_id(1)
         split = tl.program_id(2)
-
-        col0 = block * BLOCK_N
-        subnetwork = col0 // D_E
-        dims = tl.arange(0, D_H)
-        cols = tl.arange(0, BLOCK_N)
-        w_offsets = group.to(tl.int64) * num_subnetworks * D_E * D_H + (col0 + cols)[:, None] * D_H + dims[None, :]
-        k = tl.load(K + w_offsets)
-        u = tl.load(U + w_offsets)
-        v = tl.load(V + w_offsets)
+        col0, subnetwork, weight_base, cols, dims, k_t, u_t, v_t = _column_block_tiles(
+            K, U, V, group, num_subnetworks, D_E, D_H, BLOCK_N)
 
         # row blocks are counted per sequence: (total_rows // seq_len) sequences of cdiv(seq_len, BLOCK_L) blocks
         num_row_blocks = (total_rows // seq_len) * tl.cdiv(seq_len, BLOCK_L)
@@ -256,30 +306,28 @@ if TRITON_AVAILABLE:
         grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         for row_block in range(first, last):
-            batch, head, position, row_mask, gate_row = _sequence_block_coordinates(
-                row_block, group, seq_len, group_size, num_heads, BLOCK_L)
-            q_tile = (batch * stride_qb + head * stride_qh + position * stride_ql)[:, None] + dims[None, :]
-            do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
-            q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
-            grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
-            gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
+            q, grad_out, gate, _, _, _, _ = _row_block_inputs(
+                Q, DO, R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+                stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H, BLOCK_L, TENSOR_DESCRIPTORS)
 
             # activations [BLOCK_L, BLOCK_N] as in the forward pass; the gradients accumulate transposed,
-            # [D_H, BLOCK_N] = q^T @ [BLOCK_L, BLOCK_N], so every product has D_H or BLOCK_L rows
-            gate_pre = _dot(q, tl.trans(k), PRECISION)
-            up = _dot(q, tl.trans(u), PRECISION)
-            grad_hidden = _dot(grad_out, tl.trans(v), PRECISION) * gate[:, None]
+            # [D_H, BLOCK_N] = q^T @ [BLOCK_L, BLOCK_N], so every product has D_H or BLOCK_L rows. The order keeps
+            # few [BLOCK_L, BLOCK_N] float32 tiles alive at once (the three accumulators need most registers):
+            # dV is taken as soon as the hidden activations exist, and the up projection is folded into the
+            # SiLU derivative before dO V^T is computed.
+            q_t = tl.trans(q)
+            gate_pre = _dot(q, k_t, PRECISION)
             sig = _sigmoid(gate_pre, FAST_SIGMOID)
             silu = gate_pre * sig
-            hidden = silu * up * gate[:, None]
-            grad_v = _dot_acc(tl.trans(grad_out), hidden.to(q.dtype), grad_v, PRECISION)
-            grad_up = grad_hidden * silu
-            grad_gate_pre = grad_hidden * up * (sig + silu * (1.0 - sig))
-            q_t = tl.trans(q)
-            grad_k = _dot_acc(q_t, grad_gate_pre.to(q.dtype), grad_k, PRECISION)
-            grad_u = _dot_acc(q_t, grad_up.to(q.dtype), grad_u, PRECISION)
+            silu_derivative = sig + silu * (1.0 - sig)
+            up = _dot(q, u_t, PRECISION)
+            grad_v = _dot_acc(tl.trans(grad_out), (silu * up * gate[:, None]).to(q.dtype), grad_v, PRECISION)
+            up_silu_derivative = up * silu_derivative
+            grad_hidden = _dot(grad_out, v_t, PRECISION) * gate[:, None]
+            grad_k = _dot_acc(q_t, (grad_hidden * up_silu_derivative).to(q.dtype), grad_k, PRECISION)
+            grad_u = _dot_acc(q_t, (grad_hidden * silu).to(q.dtype), grad_u, PRECISION)
 
-        w_offsets_t = group.to(tl.int64) * num_subnetworks * D_E * D_H + (col0 + cols)[None, :] * D_H + dims[:, None]
+        w_offsets_t = weight_base + (col0 + cols)[None, :] * D_H + dims[:, None]
         if ACCUMULATE:
             tl.atomic_add(DK + w_offsets_t, grad_k)
             tl.atomic_add(DU + w_offsets_t, grad_u)
@@ -292,8 +340,17 @@ if TRITON_AVAILABLE:
     # ------------------------------------------------------------------------------------------------------
     # Autotuned variants (GPU only; the interpreter runs the plain kernels with one fixed configuration)
     # ------------------------------------------------------------------------------------------------------
+    def _set_descriptor_blocks(nargs):
+        """Autotuning pre-hook: the block shape of a tensor descriptor argument follows the configuration's."""
+        for name, block in (("Q", [1, 1, nargs["BLOCK_L"]]), ("DO", [1, 1, nargs["BLOCK_L"]]),
+                            ("K", [nargs["BLOCK_N"]]), ("U", [nargs["BLOCK_N"]]), ("V", [nargs["BLOCK_N"]])):
+            descriptor = nargs.get(name)
+            if isinstance(descriptor, TensorDescriptor):
+                descriptor.block_shape = block + [descriptor.shape[-1]]
+
     def _config(block_l, block_n, warps, stages):
-        return triton.Config({"BLOCK_L": block_l, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+        return triton.Config({"BLOCK_L": block_l, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages,
+                             pre_hook=_set_descriptor_blocks)
 
     # Candidate (BLOCK_L, BLOCK_N, num_warps, num_stages) per head_dim, from the sweeps of kernels/tune_flash_mhf.py on
     # an H100 (kernels/flash_mhf_notes.md). At d_h=128 every candidate keeps its accumulators in registers except the
@@ -372,6 +429,39 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
+    """A bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as strides (but the last)."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
+        # a new allocation, hence aligned (contiguous() returns an already contiguous tensor as it is)
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _weight_descriptor(w: torch.Tensor, block_n: int):
+    """Tensor descriptor over contiguous [H_kv, E, d_e, d_h] weights seen as [H_kv * E * d_e, d_h] rows, read in
+    blocks of BLOCK_N rows."""
+    rows = _descriptor_ready(w.reshape(-1, w.shape[-1]))
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, w.shape[-1]])
+
+
+def _sequence_descriptor(t: torch.Tensor, block_l: int):
+    """Tensor descriptor over a [B, H, L, d_h] tensor (any strides), read in blocks of BLOCK_L positions of one
+    sequence."""
+    t = _descriptor_ready(t)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_l, t.shape[-1]])
+
+
+def _use_tensor_descriptors(device: torch.device, requested: bool | None) -> bool:
+    """Whether the forward and weight-gradient kernels read their streamed tiles through tensor descriptors (bulk
+    tensor copies, Hopper and newer; the interpreter emulates them) rather than per-thread pointers."""
+    if requested is not None:
+        return requested
+    if _INTERPRET:
+        return True
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _kernel_flags(dtype: torch.dtype) -> dict:
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if _INTERPRET:
@@ -417,10 +507,11 @@ def _autotuned(problem: dict) -> bool:
     return not _INTERPRET and problem["total_rows"] * problem["kv_heads"] >= _TUNE_MIN_WORK_ROWS
 
 
-def triton_forward(q, k, u, v, r, *, splits: int | None = None) -> torch.Tensor:
+def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
     """FlashMHF forward with the fused kernel; the output has q's layout.
 
-    ``splits`` (tests only) forces the split-loop variant.
+    ``splits`` (tests only) forces the split-loop variant; ``descriptors`` (tests only) forces or forbids the
+    tensor-descriptor reads of K, U, V (see ``_use_tensor_descriptors``).
     """
     q = _rows_dense(q)
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
@@ -429,8 +520,11 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None) -> torch.Tensor:
     if p["total_rows"] == 0:
         return out
     flags = _kernel_flags(q.dtype)
-    constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
+    use_descriptors = _use_tensor_descriptors(q.device, descriptors)
+    constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], TENSOR_DESCRIPTORS=use_descriptors, **flags)
     fixed = _fixed_config("forward", p)
+    if use_descriptors:  # block shapes: the fixed configuration's, or the tuned one's (set by the pre-hook)
+        k, u, v = (_weight_descriptor(w, fixed["BLOCK_N"]) for w in (k, u, v))
     row_blocks = triton.cdiv(p["total_rows"], fixed["BLOCK_L"])
     if splits is None:
         column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
@@ -459,10 +553,11 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None) -> torch.Tensor:
     return out
 
 
-def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None):
+def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None):
     """Gradients (dq, dk, du, dv, dr) from the two backward kernels; dq has q's layout, dr is contiguous.
 
-    ``splits`` (tests only) forces the split variant of the weight-gradient kernel.
+    ``splits`` (tests only) forces the split variant of the weight-gradient kernel; ``descriptors`` (tests only)
+    forces or forbids its tensor-descriptor reads of q and dO.
     """
     q = _rows_dense(q)
     grad_out = _rows_dense(grad_out.to(q.dtype))
@@ -495,6 +590,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None):
 
     # dk, du, dv: one program per column block (and per share of the rows when there are few column blocks)
     fixed = _fixed_config("weights", p)
+    constants["TENSOR_DESCRIPTORS"] = use_descriptors = _use_tensor_descriptors(q.device, descriptors)
+    q_rows, grad_out_rows = q, grad_out
+    if use_descriptors:  # block shapes: the fixed configuration's, or the tuned one's (set by the pre-hook)
+        q_rows, grad_out_rows = (_sequence_descriptor(t, fixed["BLOCK_L"]) for t in (q, grad_out))
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
     if splits is None:
         splits = _auto_splits(column_blocks * p["kv_heads"], triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), q.device)
@@ -505,7 +604,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None):
             return (p["num_subnetworks"] * p["subnetwork_size"] // meta["BLOCK_N"], p["kv_heads"], 1)
 
         _backward_weights_tuned[weights_grid](
-            q, k, u, v, r, grad_out, grad_k, grad_u, grad_v, *strides, *p["sizes"], 1, bucket,
+            q_rows, k, u, v, r, grad_out_rows, grad_k, grad_u, grad_v, *strides, *p["sizes"], 1, bucket,
             ACCUMULATE=False, **constants,
         )
         return grad_q, grad_k, grad_u, grad_v, grad_r
@@ -516,7 +615,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None):
     else:
         targets = [torch.empty_like(w) for w in (k, u, v)]
     _backward_weights_kernel[(column_blocks, p["kv_heads"], splits)](
-        q, k, u, v, r, grad_out, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate, **fixed, **constants
+        q_rows, k, u, v, r, grad_out_rows, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate,
+        **fixed, **constants
     )
     grad_k, grad_u, grad_v = (t.to(k.dtype) for t in targets)
     return grad_q, grad_k, grad_u, grad_v, grad_r

@@ -215,9 +215,14 @@ def bench_op(results, lengths):
         kernels._backward_rows_tuned[lambda m: (triton_cdiv(p["total_rows"], m["BLOCK_L"]), 16)](
             q, k, u, v, r, grad, dq, dr, *strides, *p["sizes"], bucket, E_POW2=16, **constants)
 
+    # as triton_backward launches it: q and dO through tensor descriptors on Hopper (block shapes set by the tuner)
+    descriptors = kernels._use_tensor_descriptors(q.device, None)
+    q_rows, grad_rows = (kernels._sequence_descriptor(t, 128) for t in (q, grad)) if descriptors else (q, grad)
+
     def weights():
         kernels._backward_weights_tuned[lambda m: (15 * 384 // m["BLOCK_N"], 16, 1)](
-            q, k, u, v, r, grad, dk, du, dv, *strides, *p["sizes"], 1, bucket, ACCUMULATE=False, **constants)
+            q_rows, k, u, v, r, grad_rows, dk, du, dv, *strides, *p["sizes"], 1, bucket, ACCUMULATE=False,
+            TENSOR_DESCRIPTORS=descriptors, **constants)
 
     rows_ms, weights_ms = bench_ms(rows), bench_ms(weights)
     # FLOPs actually executed: rows kernel 5 GEMMs (M, N, dA, dq x2), weights kernel 6 (M, N, dA, dK, dU, dV)

@@ -6,8 +6,9 @@
 Every candidate is launched directly (no autotuner), its outputs are checked against the production kernel's
 (poisoned with NaN before each launch, so unwritten elements fail), then timed with ``triton.testing.do_bench``
 (median). Executed TFLOP/s count the products each kernel really runs, in units of one forward-sized product
-(2 B L H E d_e d_h FLOPs): forward 3, dq/dr kernel 5, dK/dU/dV kernel 6. The last lines estimate forward+backward
-from the fastest candidate of each kernel, counted as the benchmark counts it (3x the forward's FLOPs).
+(2 B L H E d_e d_h FLOPs): forward 3, dq/dr kernel 5, dK/dU/dV kernel 6, the one-kernel backward of
+``flash_mhf_variants.backward_fused`` 8. The last lines estimate forward+backward from the fastest candidate of each
+kernel, counted as the benchmark counts it (3x the forward's FLOPs). ``--roles`` limits the sweep to some kernels.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from bench_flash_mhf import op_flops, op_inputs, rel_err  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
 SHAPE = dict(batch=8, num_heads=16, head_dim=128, num_subnetworks=15, subnetwork_size=384)
-UNITS = {"forward": 3, "rows": 5, "weights": 6, "weights_ku": 5, "weights_v": 3}
+UNITS = {"forward": 3, "rows": 5, "weights": 6, "weights_ku": 5, "weights_v": 3, "backward": 8}
 # which of the role's outputs a kernel writes (the dK/dU/dV roles share one launch signature)
-WRITTEN = {"forward": (0,), "rows": (0, 1), "weights": (0, 1, 2), "weights_ku": (0, 1), "weights_v": (2,)}
+WRITTEN = {"forward": (0,), "rows": (0, 1), "weights": (0, 1, 2), "weights_ku": (0, 1), "weights_v": (2,),
+           "backward": (0, 1, 2, 3, 4)}
 # (role, variant) -> (kernel, its compile-time switches); see flash_mhf_variants.py for what the switches mean
 VARIANTS = {
-    ("forward", "production"): (lambda: kernels._forward_kernel, {}),
+    ("forward", "production"): (lambda: kernels._forward_kernel, {"TENSOR_DESCRIPTORS": True}),
+    ("forward", "pointers"): (lambda: kernels._forward_kernel, {"TENSOR_DESCRIPTORS": False}),
     ("rows", "production"): (lambda: kernels._backward_rows_kernel, {}),
-    ("weights", "production"): (lambda: kernels._backward_weights_kernel, {}),
+    ("weights", "production"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": True}),
+    ("weights", "pointers"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": False}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
     ("weights", "seq_rt"): (lambda: variants.weights_transposed, {"SEQUENCE_BLOCKS": True, "GATE": "transposed"}),
     ("weights_ku", "transposed"): (lambda: variants.weights_transposed, {"WITH_V": False}),
@@ -50,18 +54,25 @@ VARIANTS = {
     # leaves the gate out: a different function, timed (not checked) to see what the gate costs
     ("weights_v", "seq_nogate"): (lambda: variants.weights_columns,
                                   {"GRADS": "v", "SEQUENCE_BLOCKS": True, "GATE": "none"}),
+    ("backward", "atomic"): (lambda: variants.backward_fused, {"DQ_REDUCE": "atomic"}),
+    ("backward", "descriptor"): (lambda: variants.backward_fused, {"DQ_REDUCE": "descriptor"}),
+    ("backward", "descriptor_halves"): (lambda: variants.backward_fused, {"DQ_REDUCE": "descriptor", "DQ_HALVES": True}),
 }
 # (role, variant, (BLOCK_L, BLOCK_N, num_warps, num_stages)); the first of each role is the reference
 CANDIDATES = [
     ("forward", "production", (128, 64, 8, 3)),
-    ("forward", "production", (128, 64, 8, 2)),
+    ("forward", "production", (128, 64, 8, 4)),
     ("forward", "production", (128, 128, 8, 2)),
+    ("forward", "pointers", (128, 64, 8, 3)),
+    ("forward", "pointers", (128, 128, 8, 2)),
     ("rows", "production", (128, 64, 8, 3)),
     ("rows", "production", (128, 64, 8, 2)),
     ("rows", "production", (128, 32, 8, 3)),
     ("weights", "production", (128, 64, 8, 2)),
-    ("weights", "production", (64, 32, 4, 2)),
     ("weights", "production", (128, 32, 8, 3)),
+    ("weights", "production", (64, 32, 4, 2)),
+    ("weights", "pointers", (128, 64, 8, 2)),
+    ("weights", "pointers", (64, 32, 4, 2)),
     ("weights", "short_lived", (128, 64, 8, 2)),
     ("weights", "seq_rt", (128, 64, 8, 2)),
     ("weights_ku", "transposed", (128, 64, 8, 2)),
@@ -71,6 +82,9 @@ CANDIDATES = [
     ("weights_v", "seq", (64, 128, 8, 3)),
     ("weights_v", "seq_rt", (64, 128, 8, 3)),
     ("weights_v", "seq_nogate", (64, 128, 8, 3)),
+    ("backward", "descriptor", (128, 64, 8, 1)),
+    ("backward", "descriptor_halves", (128, 64, 8, 1)),
+    ("backward", "atomic", (128, 64, 8, 1)),
 ]
 
 
@@ -89,7 +103,8 @@ class Problem:
         self.strides = (*kernels._row_strides(self.q), *kernels._row_strides(self.grad))
 
     def outputs(self, role):
-        like = {"forward": (self.q,), "rows": (self.q, self.r)}.get(role, (self.k, self.u, self.v))
+        like = {"forward": (self.q,), "rows": (self.q, self.r),
+                "backward": (self.q, self.r, self.k, self.u, self.v)}.get(role, (self.k, self.u, self.v))
         return [torch.full_like(t, float("nan")) for t in like]
 
     def launcher(self, role, variant, config, outs):
@@ -101,6 +116,8 @@ class Problem:
         if switches.get("GATE") == "transposed":
             r = self.r.transpose(-1, -2).contiguous()
         row_blocks = triton.cdiv(p["total_rows"], block_l)
+        if switches.get("TENSOR_DESCRIPTORS") and role == "forward":
+            k, u, v = (kernels._weight_descriptor(w, block_n) for w in (k, u, v))
         if role == "forward":
             return lambda: fn[(row_blocks, p["kv_heads"], 1)](
                 q, k, u, v, r, outs[0], *kernels._row_strides(q), *kernels._row_strides(outs[0]), *p["sizes"], 1, 0,
@@ -109,8 +126,36 @@ class Problem:
             return lambda: fn[(row_blocks, p["kv_heads"])](
                 q, k, u, v, r, grad, *outs, *self.strides, *p["sizes"], 0, E_POW2=16, **meta)
         column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // block_n
+        if role == "backward":
+            return self.fused_launcher(fn, meta, column_blocks, outs)
+        if switches.get("TENSOR_DESCRIPTORS"):
+            q, grad = (kernels._sequence_descriptor(t, block_l) for t in (q, grad))
         return lambda: fn[(column_blocks, p["kv_heads"], 1)](
             q, k, u, v, r, grad, *outs, *self.strides, *p["sizes"], 1, 0, ACCUMULATE=False, **meta)
+
+    def fused_launcher(self, fn, meta, column_blocks, outs):
+        """The one-kernel backward: zero the float32 dq/dr buffers, launch, cast (all three timed)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        p, q = self.p, self.q
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        grad_r = torch.zeros(self.r.shape, dtype=torch.float32, device=q.device)
+        target = grad_q
+        if meta["DQ_REDUCE"] == "descriptor":
+            width = q.shape[-1] // 2 if meta.get("DQ_HALVES") else q.shape[-1]
+            target = TensorDescriptor.from_tensor(grad_q.view(-1, *q.shape[2:]), [1, meta["BLOCK_L"], width])
+
+        def launch():
+            grad_q.zero_()
+            grad_r.zero_()
+            compiled = fn[(column_blocks, p["kv_heads"])](
+                q, self.k, self.u, self.v, self.r, self.grad, target, grad_r, *outs[2:], *self.strides,
+                *p["sizes"][:5], **meta)
+            outs[0].copy_(grad_q)
+            outs[1].copy_(grad_r)
+            return compiled
+
+        return launch
 
 
 def sweep(args):
@@ -119,6 +164,8 @@ def sweep(args):
                "python": platform.python_version(), "shape": {**SHAPE, "seq_len": args.seq_len}, "candidates": []}
     references = {}
     for role, variant, config in CANDIDATES:
+        if args.roles and role not in args.roles:
+            continue
         outs = problem.outputs(role)
         launch = problem.launcher(role, variant, config, outs)
         row = {"kernel": role, "variant": variant, "BLOCK_L": config[0], "BLOCK_N": config[1], "num_warps": config[2],
@@ -129,6 +176,8 @@ def sweep(args):
             row.update(n_regs=compiled.n_regs, n_spills=compiled.n_spills)
             family = role.split("_")[0]
             written_outs = [outs[i] for i in WRITTEN[role]]
+            if family == "backward" and family not in references:
+                references[family] = [*references["rows"], *references["weights"]]
             if family not in references:
                 references[family] = [t.clone() for t in outs]
                 row["max_rel_err"] = 0.0
@@ -169,6 +218,14 @@ def sweep(args):
         }
         print(f"fastest of each kernel: {total:.2f} ms = {results['estimate']['fwd_bwd_tflops_counted']:.0f} TFLOP/s "
               f"counted (first candidates: {reference:.2f} ms = {results['estimate']['reference_tflops_counted']:.0f})")
+    if "forward" in best and "backward" in best:
+        total = best["forward"]["ms"] + best["backward"]["ms"]
+        results["estimate_one_kernel_backward"] = {
+            "best": {role: {k: best[role][k] for k in ("variant", "BLOCK_L", "BLOCK_N", "num_warps", "num_stages", "ms")}
+                     for role in ("forward", "backward")},
+            "fwd_bwd_ms": total, "fwd_bwd_tflops_counted": 9 * problem.unit_flops / total * 1e-9}
+        print(f"forward + one-kernel backward: {total:.2f} ms = "
+              f"{results['estimate_one_kernel_backward']['fwd_bwd_tflops_counted']:.0f} TFLOP/s counted")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "flash_mhf_tune.json")
     with open(path + ".tmp", "w") as handle:
@@ -191,6 +248,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="kernels/results")
     parser.add_argument("--seq-len", type=int, default=4032)
+    parser.add_argument("--roles", nargs="*", help="only these kernels (forward rows weights weights_v backward ...)")
     parser.add_argument("--profile", help="role:variant:BLOCK_L,BLOCK_N,warps,stages (one launch after a warm-up)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

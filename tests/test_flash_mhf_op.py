@@ -102,16 +102,38 @@ def test_triton_matches_float64(batch, heads, seq_len, head_dim, kv_heads, num_s
 
 
 @needs_kernels
+@pytest.mark.parametrize("descriptors", [True, False])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_split_loops_match_float64(splits):
-    """The split variants (float32 partial sums added atomically) compute the same function."""
+def test_triton_split_loops_and_read_paths_match_float64(splits, descriptors):
+    """The split variants (float32 partial sums added atomically) and both ways of reading the streamed tiles
+    (tensor descriptors, per-thread pointers) compute the same function."""
     inputs = random_inputs(2, 2, 9, 64, 2, 2, 32, seed=splits)
 
     def run(leaves, grad_out):
         q, k, u, v, r = (t.detach() for t in leaves)
-        out = flash_mhf_triton.triton_forward(q, k, u, v, r, splits=splits)
-        for leaf, grad in zip(leaves, flash_mhf_triton.triton_backward(grad_out, q, k, u, v, r, splits=splits)):
+        out = flash_mhf_triton.triton_forward(q, k, u, v, r, splits=splits, descriptors=descriptors)
+        grads = flash_mhf_triton.triton_backward(grad_out, q, k, u, v, r, splits=splits, descriptors=descriptors)
+        for leaf, grad in zip(leaves, grads):
             leaf.grad = grad
+        return out
+
+    check_against_truth(run, inputs, torch.float32)
+
+
+@needs_kernels
+def test_triton_reads_queries_unaligned_for_tensor_descriptors():
+    """q whose first element is not 16-byte aligned (a view one element into a buffer) is copied for the bulk
+    copies, not misread."""
+    inputs = random_inputs(2, 2, 7, 64, 1, 2, 32, seed=5)
+
+    def run(leaves, grad_out):
+        buffer = torch.zeros(leaves[0].numel() + 1, dtype=leaves[0].dtype, device=leaves[0].device)
+        view = buffer[1:].view(leaves[0].shape).copy_(leaves[0].detach()).requires_grad_(True)
+        assert view.data_ptr() % 16
+        view.retain_grad()  # not a leaf
+        out = flash_mhf(view, *leaves[1:], impl="triton")
+        out.backward(grad_out)
+        leaves[0].grad = view.grad
         return out
 
     check_against_truth(run, inputs, torch.float32)
