@@ -77,6 +77,35 @@ def _largest_block_dividing(size: int, limit: int) -> int:
     return block
 
 
+def _shared_memory_bytes(kernel: str, block_l: int, block_n: int, stages: int, head_dim: int, element_size: int) -> int:
+    """Shared memory a launch needs (its resident tiles, ``stages`` copies of the tiles it streams, and 1 KB for
+    barriers and small buffers; within ~0.5% of what the compiler reports at the paper shape), so that configurations
+    that cannot run on this GPU for this dtype are never tried (float32 tiles are twice the size of bf16 ones)."""
+    q_tile, weight_tile = block_l * head_dim, block_n * head_dim
+    elements = {
+        "forward": q_tile + stages * 3 * weight_tile,  # q resident; K, U, V streamed
+        "rows": 2 * q_tile + stages * 3 * weight_tile,  # q, dO resident; K, U, V streamed
+        "weights": stages * 2 * q_tile + 3 * weight_tile + block_l * block_n,  # q, dO streamed; K, U, V resident
+    }[kernel]
+    return elements * element_size + 1024
+
+
+# When no candidate of _CANDIDATES fits (float32 tiles, or a GPU with less shared memory than an H100), the first of
+# these that fits: slower, but they run.
+_FALLBACK_CONFIGS = [(64, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 1)]
+
+
+def _fitting(kernel: str, shapes, head_dim: int, subnetwork_size: int, element_size: int, shared_memory: int | None):
+    """The launch shapes (BLOCK_L, BLOCK_N, warps, stages) among ``shapes`` that divide d_e and fit in shared memory
+    (``shared_memory`` None: no limit, the interpreter)."""
+    return [
+        shape for shape in shapes
+        if subnetwork_size % shape[1] == 0
+        and (shared_memory is None
+             or _shared_memory_bytes(kernel, shape[0], shape[1], shape[3], head_dim, element_size) <= shared_memory)
+    ]
+
+
 if TRITON_AVAILABLE:
 
     @triton.jit
@@ -372,22 +401,25 @@ if TRITON_AVAILABLE:
             256: [(64, 16, 8, 2)],
         },
     }
-    _SMALL_SUBNETWORK_FALLBACK = (32, 16, 4, 2)
 
     def _configs(kernel: str):
-        shapes = {shape for per_dim in _CANDIDATES[kernel].values() for shape in per_dim} | {_SMALL_SUBNETWORK_FALLBACK}
+        shapes = {shape for per_dim in _CANDIDATES[kernel].values() for shape in per_dim} | set(_FALLBACK_CONFIGS)
         return [_config(*shape) for shape in sorted(shapes)]
 
     def _pruner(kernel: str):
         def prune(configs, named_args, **kwargs):
             d_h, d_e = kwargs.get("D_H", named_args.get("D_H")), kwargs.get("D_E", named_args.get("D_E"))
-            wanted = set(_CANDIDATES[kernel].get(d_h, ()))
-            kept = [
-                c for c in configs
-                if (c.kwargs["BLOCK_L"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
-                and d_e % c.kwargs["BLOCK_N"] == 0
-            ]
-            return kept or [_config(*_SMALL_SUBNETWORK_FALLBACK)]
+            query = named_args["Q"]
+            query = query.base if isinstance(query, TensorDescriptor) else query
+            limit = _max_shared_memory(query.device)
+            shapes = _fitting(kernel, _CANDIDATES[kernel].get(d_h, ()), d_h, d_e, query.element_size(), limit)
+            if not shapes:
+                shapes = _fitting(kernel, _FALLBACK_CONFIGS, d_h, d_e, query.element_size(), limit)[:1]
+            if not shapes:
+                raise ValueError(f"no FlashMHF {kernel} launch fits in {limit} bytes of shared memory "
+                                 f"(head_dim={d_h}, subnetwork_size={d_e}, {query.dtype})")
+            by_shape = {(c.kwargs["BLOCK_L"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+            return [by_shape[shape] for shape in shapes]
 
         return prune
 
@@ -417,7 +449,21 @@ def _problem(q: torch.Tensor, k: torch.Tensor):
         head_dim=head_dim,
         total_rows=batch * group_size * seq_len,
         sizes=(batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks),
+        element_size=q.element_size(),
+        shared_memory=_max_shared_memory(q.device),
     )
+
+
+def _max_shared_memory(device: torch.device) -> int | None:
+    """Shared memory one program may use on ``device`` (None in the interpreter: no limit)."""
+    if device.type != "cuda":
+        return None
+    return _max_shared_memory_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory_of(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -500,6 +546,15 @@ def _fixed_config(kernel: str, problem: dict) -> dict:
     }[kernel][head_dim]
     warps = 8 if head_dim == 256 and kernel != "rows" else 4
     block_n = _largest_block_dividing(subnetwork_size, widest)
+    # float32 tiles (or a GPU with less shared memory): narrower column blocks, then shorter row blocks
+    element_size, limit = problem["element_size"], problem["shared_memory"]
+    while limit is not None and _shared_memory_bytes(kernel, block_l, block_n, 2, head_dim, element_size) > limit:
+        if block_n > 16:
+            block_n //= 2
+        elif block_l > 16:
+            block_l //= 2
+        else:
+            break
     return dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=2)
 
 

@@ -37,6 +37,7 @@ KERNEL_CASES = [
     pytest.param(3, 2, 1, 64, 2, 2, 32, torch.bfloat16, id="L1-decode-bf16"),
     pytest.param(1, 2, 33, 128, 1, 1, 64, torch.float16, id="E1-one_group-fp16"),
     pytest.param(2, 2, 19, 256, 2, 2, 32, torch.bfloat16, id="dh256-bf16"),
+    pytest.param(1, 2, 13, 256, 1, 2, 32, torch.float32, id="dh256-fp32"),
     pytest.param(2, 4, 21, 64, 1, 2, 48, torch.bfloat16, id="four_heads_per_group-bf16"),
 ]
 
@@ -118,6 +119,17 @@ def test_triton_split_loops_and_read_paths_match_float64(splits, descriptors):
         return out
 
     check_against_truth(run, inputs, torch.float32)
+
+
+@pytest.mark.skipif(not (ON_GPU and flash_mhf_triton.TRITON_AVAILABLE), reason="autotuned launches run on CUDA only")
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float32), (128, torch.float16),
+                                            (256, torch.bfloat16)])
+def test_triton_autotuned_launches_match_float64(head_dim, dtype):
+    """Problems above the autotuning threshold take the tuned launches (tensor-descriptor block shapes set per
+    configuration by the autotuner's pre-hook); the small cases above take the fixed configuration."""
+    inputs = random_inputs(2, 4, 2048, head_dim, 4, 4, 128, seed=head_dim)
+    assert flash_mhf_triton._autotuned(flash_mhf_triton._problem(inputs[0], inputs[1]))
+    check_against_truth(run_op("triton"), inputs, dtype)
 
 
 @needs_kernels
