@@ -187,13 +187,13 @@ if TRITON_AVAILABLE:
         return col0, col0 // D_E, weight_base, cols, dims, tl.trans(k), tl.trans(u), tl.trans(v)
 
     @triton.jit
-    def _row_block_inputs(Q, DO, R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
-                          stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H: tl.constexpr,
-                          BLOCK_L: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr):
-        """q and dO tiles [BLOCK_L, d_h] and sub-network ``subnetwork``'s gates [BLOCK_L] of row block ``row_block``
-        (counted per sequence) of weight group ``group``, and its (batch, head, positions, row mask). Q and DO are
-        tensor descriptors with block [1, 1, BLOCK_L, d_h] (bulk copies: the copy engine zero-fills the positions past
-        the sequence's end) or pointers with the given strides."""
+    def _row_block_tiles(Q, DO, row_block, group, seq_len, group_size, num_heads,
+                         stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H: tl.constexpr,
+                         BLOCK_L: tl.constexpr, TENSOR_DESCRIPTORS: tl.constexpr):
+        """q and dO tiles [BLOCK_L, d_h] of row block ``row_block`` (counted per sequence) of weight group ``group``,
+        and its (batch, head, positions, row mask). Q and DO are tensor descriptors with block [1, 1, BLOCK_L, d_h]
+        (bulk copies: the copy engine zero-fills the positions past the sequence's end) or pointers with the given
+        strides."""
         batch, head, first_position, position, row_mask, gate_row = _sequence_block_coordinates(
             row_block, group, seq_len, group_size, num_heads, BLOCK_L)
         if TENSOR_DESCRIPTORS:
@@ -206,8 +206,16 @@ if TRITON_AVAILABLE:
             do_tile = (batch * stride_gb + head * stride_gh + position * stride_gl)[:, None] + dims[None, :]
             q = tl.load(Q + q_tile, mask=row_mask[:, None], other=0.0)
             grad_out = tl.load(DO + do_tile, mask=row_mask[:, None], other=0.0)
-        gate = tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
-        return q, grad_out, gate, batch, head, position, row_mask
+        return q, grad_out, batch, head, position, row_mask
+
+    @triton.jit
+    def _row_block_gates(R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+                         BLOCK_L: tl.constexpr):
+        """Sub-network ``subnetwork``'s gates [BLOCK_L] (float32; 0 past the sequence's end) of row block
+        ``row_block`` (counted per sequence) of weight group ``group``."""
+        _, _, _, _, row_mask, gate_row = _sequence_block_coordinates(
+            row_block, group, seq_len, group_size, num_heads, BLOCK_L)
+        return tl.load(R + gate_row * num_subnetworks + subnetwork, mask=row_mask, other=0.0).to(tl.float32)
 
     @triton.jit
     def _forward_kernel(
@@ -334,9 +342,17 @@ if TRITON_AVAILABLE:
         grad_k = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
         grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
+        # each iteration loads the next row block's gates into registers as it starts, so the load has a whole
+        # iteration to arrive (left to Triton's pipelining, it is issued at the end of an iteration and waited for at
+        # the start of the next: 3% of this kernel's time at the paper shape)
+        next_gate = _row_block_gates(R, tl.minimum(first, num_row_blocks - 1), group, seq_len, group_size, num_heads,
+                                     num_subnetworks, subnetwork, BLOCK_L)
         for row_block in range(first, last):
-            q, grad_out, gate, _, _, _, _ = _row_block_inputs(
-                Q, DO, R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+            gate = next_gate
+            next_gate = _row_block_gates(R, tl.minimum(row_block + 1, last - 1), group, seq_len, group_size,
+                                         num_heads, num_subnetworks, subnetwork, BLOCK_L)
+            q, grad_out, _, _, _, _ = _row_block_tiles(
+                Q, DO, row_block, group, seq_len, group_size, num_heads,
                 stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H, BLOCK_L, TENSOR_DESCRIPTORS)
 
             # activations [BLOCK_L, BLOCK_N] as in the forward pass; the gradients accumulate transposed,
@@ -382,23 +398,25 @@ if TRITON_AVAILABLE:
                              pre_hook=_set_descriptor_blocks)
 
     # Candidate (BLOCK_L, BLOCK_N, num_warps, num_stages) per head_dim, from the sweeps of kernels/tune_flash_mhf.py on
-    # an H100 (kernels/flash_mhf_notes.md). At d_h=128 every candidate keeps its accumulators in registers except the
-    # weight kernel's (128, 64, 8, 2), which spills a few values and is still the fastest there.
+    # an H100 (kernels/flash_mhf_notes.md; d_h 64 and 256: kernels/results/flash_mhf_tune_dh{64,256}.json). At d_h=128
+    # every candidate keeps its accumulators in registers except the weight kernel's (128, 64, 8, 2), which spills a
+    # few values and is still the fastest there; at d_h=256 the dq/dr kernel's (128, 32, 8, 2) spills too and is
+    # still the fastest. Programs of 64 rows run best with 4 warps: with 8, two warp groups split 64-wide products.
     _CANDIDATES = {
         "forward": {
-            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+            64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
             128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-            256: [(64, 64, 8, 2), (64, 32, 8, 2), (128, 32, 8, 2)],
+            256: [(128, 32, 8, 2), (128, 16, 8, 3), (64, 64, 8, 2)],
         },
         "rows": {
-            64: [(128, 64, 8, 2), (64, 64, 4, 3)],
+            64: [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2)],
             128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3)],
-            256: [(64, 16, 4, 3), (64, 16, 4, 2)],
+            256: [(128, 32, 8, 2), (128, 16, 8, 3), (64, 16, 4, 2)],
         },
         "weights": {
-            64: [(128, 64, 8, 2), (128, 32, 4, 2)],
+            64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 2)],
             128: [(128, 64, 8, 2), (64, 32, 4, 2)],
-            256: [(64, 16, 8, 2)],
+            256: [(64, 16, 4, 3), (64, 16, 4, 2)],
         },
     }
 
@@ -544,7 +562,7 @@ def _fixed_config(kernel: str, problem: dict) -> dict:
         "rows": {64: 64, 128: 32, 256: 16},
         "weights": {64: 32, 128: 32, 256: 16},
     }[kernel][head_dim]
-    warps = 8 if head_dim == 256 and kernel != "rows" else 4
+    warps = 8 if head_dim == 256 and kernel == "forward" else 4
     block_n = _largest_block_dividing(subnetwork_size, widest)
     # float32 tiles (or a GPU with less shared memory): narrower column blocks, then shorter row blocks
     element_size, limit = problem["element_size"], problem["shared_memory"]

@@ -105,6 +105,19 @@ def peak_memory(fn, leaves=(), held=()) -> dict:
 # ------------------------------------------------------------------------------------------------------------
 # 1. correctness
 # ------------------------------------------------------------------------------------------------------------
+def errors_against_reference(inputs) -> list[float]:
+    """Relative errors of the Triton op's output and five gradients against the PyTorch reference path run in
+    float32 on the same (q, k, u, v, r) and the same random incoming gradient."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = flash_mhf(*leaves, impl="triton")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference = [t.float().clone().requires_grad_() for t in inputs]
+    out_ref = flash_mhf(*reference, impl="torch")
+    out_ref.backward(grad.float())
+    return [rel_err(out, out_ref)] + [rel_err(a.grad, b.grad) for a, b in zip(leaves, reference)]
+
+
 def check_correctness(results) -> bool:
     cases = [
         # (B, H, L, d_h, H_kv, E, d_e)
@@ -133,15 +146,7 @@ def check_correctness(results) -> bool:
             log(f"check {case} {dtype}: {'ok' if passed else 'FAIL'} " + " ".join(f"{x:.1e}" for x in errors))
     # the paper shape (one batch) against the PyTorch reference path in float32
     torch.manual_seed(0)
-    inputs = op_inputs(1, 16, 1536, 128, 16, 15, 384, torch.bfloat16)
-    leaves = [t.clone().requires_grad_() for t in inputs]
-    out = flash_mhf(*leaves, impl="triton")
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    ref_leaves = [t.float().clone().requires_grad_() for t in inputs]
-    out_ref = flash_mhf(*ref_leaves, impl="torch")
-    out_ref.backward(grad.float())
-    errors = [rel_err(out, out_ref)] + [rel_err(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
+    errors = errors_against_reference(op_inputs(1, 16, 1536, 128, 16, 15, 384, torch.bfloat16))
     passed = all(x < TOLERANCE[torch.bfloat16] for x in errors)
     ok &= passed
     results["correctness"].append({"shape": "paper B=1 L=1536 vs torch reference (fp32)", "dtype": "bfloat16", "rel_err_out_dq_dk_du_dv_dr": errors, "passed": passed})

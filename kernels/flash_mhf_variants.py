@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from hf_memffn.flash_mhf_triton import (
-    _column_block_tiles, _dot, _dot_acc, _row_block_inputs, _row_coordinates, _sequence_block_coordinates, _sigmoid,
+    _column_block_tiles, _dot, _dot_acc, _row_block_gates, _row_block_tiles, _row_coordinates,
+    _sequence_block_coordinates, _sigmoid,
 )
 
 
@@ -243,9 +244,11 @@ def backward_fused(
     grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
     grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
     for row_block in range(0, num_row_blocks):
-        q, grad_out, gate, batch, head, position, row_mask = _row_block_inputs(
-            Q, DO, R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+        q, grad_out, batch, head, position, row_mask = _row_block_tiles(
+            Q, DO, row_block, group, seq_len, group_size, num_heads,
             stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, D_H, BLOCK_L, False)
+        gate = _row_block_gates(R, row_block, group, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
+                                BLOCK_L)
         gate_row = (batch * num_heads + head) * seq_len + position  # rows of r [B, H, L, E]
 
         gate_pre = _dot(q, k_t, PRECISION)

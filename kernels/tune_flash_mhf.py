@@ -2,6 +2,8 @@
 
     python kernels/tune_flash_mhf.py --out DIR                          # the sweep: DIR/flash_mhf_tune.json
     python kernels/tune_flash_mhf.py --profile weights:production:128,64,8,2   # one launch of one kernel, for ncu
+    python kernels/tune_flash_mhf.py --head-dim 64 --out DIR   # other head sizes: DIR/flash_mhf_tune_dh64.json
+    python kernels/tune_flash_mhf.py --configs forward:128,64,8,3 rows:128,64,8,2 --out DIR   # chosen launches
 
 Every candidate is launched directly (no autotuner), its outputs are checked against the production kernel's
 (poisoned with NaN before each launch, so unwritten elements fail), then timed with ``triton.testing.do_bench``
@@ -87,6 +89,20 @@ CANDIDATES = [
     ("backward", "atomic", (128, 64, 8, 1)),
 ]
 
+# the sweeps at the other head sizes (production kernels; configurations that compile without spills, or with few,
+# for sm_90 with Triton 3.6)
+HEAD_DIM_CANDIDATES = {
+    64: ["forward:128,64,8,3", "forward:128,64,8,2", "forward:128,128,8,2", "forward:128,128,8,3", "forward:64,64,4,3",
+         "forward:128,64,4,3", "forward:64,128,8,2", "forward:64,128,4,3", "rows:128,64,8,2", "rows:128,64,8,3",
+         "rows:64,64,4,3", "rows:64,64,8,3", "rows:128,32,8,3", "rows:64,64,4,2", "weights:128,64,8,2",
+         "weights:128,64,8,3", "weights:128,32,4,2", "weights:128,32,8,3", "weights:64,64,8,3", "weights:64,64,4,3",
+         "weights:64,64,8,2"],
+    256: ["forward:64,64,8,2", "forward:64,32,8,2", "forward:64,32,8,3", "forward:128,32,8,2", "forward:128,16,8,3",
+          "forward:64,16,8,3", "rows:64,16,4,3", "rows:64,16,4,2", "rows:128,16,8,2", "rows:128,16,8,3",
+          "rows:128,32,8,2", "weights:64,16,8,2", "weights:64,16,4,2", "weights:64,16,4,3", "weights:64,16,8,3",
+          "weights:64,32,8,2"],
+}
+
 
 class Problem:
     def __init__(self, seq_len: int):
@@ -158,12 +174,30 @@ class Problem:
         return launch
 
 
+def explicit_candidates(specs):
+    """``role:BLOCK_L,BLOCK_N,warps,stages`` (production variant) -> CANDIDATES entries, ordered by role."""
+    candidates = []
+    for spec in specs:
+        role, config = spec.split(":")
+        if (role, "production") not in VARIANTS:
+            sys.exit(f"--configs: role must be one of forward, rows, weights, got {role!r}")
+        candidates.append((role, "production", tuple(int(x) for x in config.split(","))))
+    order = ["forward", "rows", "weights"]
+    return sorted(candidates, key=lambda c: order.index(c[0]))
+
+
 def sweep(args):
     problem = Problem(args.seq_len)
+    if args.configs:
+        candidates = explicit_candidates(args.configs)
+    elif SHAPE["head_dim"] in HEAD_DIM_CANDIDATES:
+        candidates = explicit_candidates(HEAD_DIM_CANDIDATES[SHAPE["head_dim"]])
+    else:
+        candidates = CANDIDATES
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "shape": {**SHAPE, "seq_len": args.seq_len}, "candidates": []}
     references = {}
-    for role, variant, config in CANDIDATES:
+    for role, variant, config in candidates:
         if args.roles and role not in args.roles:
             continue
         outs = problem.outputs(role)
@@ -227,7 +261,8 @@ def sweep(args):
         print(f"forward + one-kernel backward: {total:.2f} ms = "
               f"{results['estimate_one_kernel_backward']['fwd_bwd_tflops_counted']:.0f} TFLOP/s counted")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "flash_mhf_tune.json")
+    name = "flash_mhf_tune.json" if SHAPE["head_dim"] == 128 else f"flash_mhf_tune_dh{SHAPE['head_dim']}.json"
+    path = os.path.join(args.out, name)
     with open(path + ".tmp", "w") as handle:
         json.dump(results, handle, indent=1)
     os.replace(path + ".tmp", path)
@@ -250,7 +285,11 @@ def main():
     parser.add_argument("--seq-len", type=int, default=4032)
     parser.add_argument("--roles", nargs="*", help="only these kernels (forward rows weights weights_v backward ...)")
     parser.add_argument("--profile", help="role:variant:BLOCK_L,BLOCK_N,warps,stages (one launch after a warm-up)")
+    parser.add_argument("--head-dim", type=int, default=SHAPE["head_dim"], choices=(64, 128, 256))
+    parser.add_argument("--configs", nargs="*", help="role:BLOCK_L,BLOCK_N,warps,stages of the production kernels, "
+                        "timed instead of the built-in list (the first of each role is the reference)")
     args = parser.parse_args()
+    SHAPE["head_dim"] = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("tune_flash_mhf.py needs a CUDA GPU")
     profile(args) if args.profile else sweep(args)
