@@ -401,7 +401,8 @@ if TRITON_AVAILABLE:
     # an H100 (kernels/flash_mhf_notes.md; d_h 64 and 256: kernels/results/flash_mhf_tune_dh{64,256}.json). At d_h=128
     # every candidate keeps its accumulators in registers except the weight kernel's (128, 64, 8, 2), which spills a
     # few values and is still the fastest there; at d_h=256 the dq/dr kernel's (128, 32, 8, 2) spills too and is
-    # still the fastest. Programs of 64 rows run best with 4 warps: with 8, two warp groups split 64-wide products.
+    # still the fastest. Programs of 64 rows ran 2-4x faster with 4 warps than with 8 wherever the 4-warp launch
+    # did not spill (with 8, two warp groups split each 64-row product).
     _CANDIDATES = {
         "forward": {
             64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],

@@ -32,7 +32,6 @@ SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
             "Occupancy"]
 # metrics beyond the sections (only those the installed ncu knows are requested)
 EXTRA_METRICS = [
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed",
     "l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed",
