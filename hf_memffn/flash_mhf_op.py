@@ -31,10 +31,11 @@ try:
         triton_backward,
         triton_forward,
         triton_interpreting,
+        weight_gradient_kernel,
     )
 except ImportError as exc:  # pragma: no cover - only when the sibling file itself is missing
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
-    triton_forward = triton_backward = None
+    triton_forward = triton_backward = weight_gradient_kernel = None
 
     def triton_interpreting() -> bool:
         return False
@@ -124,7 +125,10 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
         return f"unavailable: triton requested but {reason}"
     mode = "interpreter" if triton_interpreting() else "CUDA"
     why = "requested" if impl == "triton" else f"{q.device.type} tensors"
-    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why})"
+    weights = ""
+    if k is not None and weight_gradient_kernel(q, k) == "gluon":
+        weights = "; dK/dU/dV by the Gluon Hopper kernel"
+    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{weights})"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ except ImportError as exc:  # the package must import on machines without triton
     triton = tl = TensorDescriptor = None
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
+from .flash_mhf_gluon import gluon_weight_gradients, gluon_weights_unsupported_reason
+
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -581,6 +583,19 @@ def _autotuned(problem: dict) -> bool:
     return not _INTERPRET and problem["total_rows"] * problem["kv_heads"] >= _TUNE_MIN_WORK_ROWS
 
 
+def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Which kernel computes dK, dU, dV for these inputs: ``"gluon"`` (``flash_mhf_gluon``: Hopper, 16-bit,
+    d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program per
+    column block) or ``"triton"`` (``_backward_weights_kernel``, everything else)."""
+    if _INTERPRET or gluon_weights_unsupported_reason(q, k) is not None:
+        return "triton"
+    p = _problem(q, k)
+    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // 64
+    if not _autotuned(p) or column_blocks * p["kv_heads"] < _num_sms(q.device):
+        return "triton"
+    return "gluon"
+
+
 def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
     """FlashMHF forward with the fused kernel; the output has q's layout.
 
@@ -662,7 +677,11 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
             q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], bucket, E_POW2=e_pow2, **constants
         )
 
-    # dk, du, dv: one program per column block (and per share of the rows when there are few column blocks)
+    # dk, du, dv: the Gluon kernel on Hopper where it applies (weight_gradient_kernel), otherwise one Triton program
+    # per column block (and per share of the rows when there are few column blocks)
+    if splits is None and descriptors is None and weight_gradient_kernel(q, k) == "gluon":
+        grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r)
+        return grad_q, grad_k, grad_u, grad_v, grad_r
     fixed = _fixed_config("weights", p)
     constants["TENSOR_DESCRIPTORS"] = use_descriptors = _use_tensor_descriptors(q.device, descriptors)
     q_rows, grad_out_rows = q, grad_out

@@ -31,6 +31,7 @@ import triton.testing  # noqa: E402
 
 import flash_mhf_variants as variants  # noqa: E402
 from bench_flash_mhf import op_flops, op_inputs, rel_err  # noqa: E402
+from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
 SHAPE = dict(batch=8, num_heads=16, head_dim=128, num_subnetworks=15, subnetwork_size=384)
@@ -45,6 +46,8 @@ VARIANTS = {
     ("rows", "production"): (lambda: kernels._backward_rows_kernel, {}),
     ("weights", "production"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": True}),
     ("weights", "pointers"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": False}),
+    # the explicitly scheduled Gluon kernel (hf_memffn/flash_mhf_gluon.py); its one launch shape is (128, 64, 8, -)
+    ("weights", "gluon"): (None, {"GLUON": True}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
     ("weights", "seq_rt"): (lambda: variants.weights_transposed, {"SEQUENCE_BLOCKS": True, "GATE": "transposed"}),
     ("weights_ku", "transposed"): (lambda: variants.weights_transposed, {"WITH_V": False}),
@@ -71,6 +74,7 @@ CANDIDATES = [
     ("rows", "production", (128, 64, 8, 2)),
     ("rows", "production", (128, 32, 8, 3)),
     ("weights", "production", (128, 64, 8, 2)),
+    ("weights", "gluon", (128, 64, 8, 2)),
     ("weights", "production", (128, 32, 8, 3)),
     ("weights", "production", (64, 32, 4, 2)),
     ("weights", "pointers", (128, 64, 8, 2)),
@@ -126,6 +130,9 @@ class Problem:
     def launcher(self, role, variant, config, outs):
         block_l, block_n, warps, stages = config
         kernel, switches = VARIANTS[(role, variant)]
+        if switches.get("GLUON"):
+            return lambda: flash_mhf_gluon.gluon_weight_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
+                                                                  outputs=outs)[3]
         fn = kernel()
         meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **switches)
         p, q, k, u, v, r, grad = self.p, self.q, self.k, self.u, self.v, self.r, self.grad
@@ -198,7 +205,7 @@ def sweep(args):
                "python": platform.python_version(), "shape": {**SHAPE, "seq_len": args.seq_len}, "candidates": []}
     references = {}
     for role, variant, config in candidates:
-        if args.roles and role not in args.roles:
+        if (args.roles and role not in args.roles) or (args.variants and variant not in args.variants):
             continue
         outs = problem.outputs(role)
         launch = problem.launcher(role, variant, config, outs)
@@ -284,6 +291,7 @@ def main():
     parser.add_argument("--out", default="kernels/results")
     parser.add_argument("--seq-len", type=int, default=4032)
     parser.add_argument("--roles", nargs="*", help="only these kernels (forward rows weights weights_v backward ...)")
+    parser.add_argument("--variants", nargs="*", help="only these variants (production gluon pointers ...)")
     parser.add_argument("--profile", help="role:variant:BLOCK_L,BLOCK_N,warps,stages (one launch after a warm-up)")
     parser.add_argument("--head-dim", type=int, default=SHAPE["head_dim"], choices=(64, 128, 256))
     parser.add_argument("--configs", nargs="*", help="role:BLOCK_L,BLOCK_N,warps,stages of the production kernels, "
