@@ -33,6 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path  # noqa: E402
 
@@ -224,20 +225,29 @@ def bench_op(results, lengths):
     descriptors = kernels._use_tensor_descriptors(q.device, None)
     q_rows, grad_rows = (kernels._sequence_descriptor(t, 128) for t in (q, grad)) if descriptors else (q, grad)
 
-    def weights():
+    def triton_weights():
         kernels._backward_weights_tuned[lambda m: (15 * 384 // m["BLOCK_N"], 16, 1)](
             q_rows, k, u, v, r, grad_rows, dk, du, dv, *strides, *p["sizes"], 1, bucket, ACCUMULATE=False,
             TENSOR_DESCRIPTORS=descriptors, **constants)
 
-    rows_ms, weights_ms = bench_ms(rows), bench_ms(weights)
+    def gluon_weights():
+        flash_mhf_gluon.gluon_weight_gradients(grad, q, k, u, v, r, outputs=[dk, du, dv])
+
+    # the weight-gradient kernel the op runs here (kernels.weight_gradient_kernel), and the Triton one beside it
+    weights_kernel = kernels.weight_gradient_kernel(q, k)
+    rows_ms = bench_ms(rows)
+    weights_ms = bench_ms(gluon_weights if weights_kernel == "gluon" else triton_weights)
+    triton_weights_ms = bench_ms(triton_weights) if weights_kernel == "gluon" else weights_ms
     # FLOPs actually executed: rows kernel 5 GEMMs (M, N, dA, dq x2), weights kernel 6 (M, N, dA, dK, dU, dV)
     unit = flops / 3
     results["backward_kernels"] = {
         "L": 4032, "rows_kernel_ms": rows_ms, "rows_kernel_tflops_executed": 5 * unit / rows_ms * 1e-9,
-        "weights_kernel_ms": weights_ms, "weights_kernel_tflops_executed": 6 * unit / weights_ms * 1e-9,
+        "weights_kernel": weights_kernel, "weights_kernel_ms": weights_ms,
+        "weights_kernel_tflops_executed": 6 * unit / weights_ms * 1e-9, "triton_weights_kernel_ms": triton_weights_ms,
     }
     log(f"backward kernels L=4032: dq/dr {rows_ms:.3f} ms ({5 * unit / rows_ms * 1e-9:.0f} TFLOP/s executed), "
-        f"dK/dU/dV {weights_ms:.3f} ms ({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed)")
+        f"dK/dU/dV ({weights_kernel}) {weights_ms:.3f} ms ({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed; "
+        f"Triton kernel {triton_weights_ms:.3f} ms)")
 
 
 def triton_cdiv(a, b):
@@ -479,7 +489,9 @@ def write_outputs(results, out_dir):
     if results.get("backward_kernels"):
         b = results["backward_kernels"]
         lines += ["", f"Backward kernels at L=4032: dq/dr {b['rows_kernel_ms']:.3f} ms ({b['rows_kernel_tflops_executed']:.0f} TFLOP/s executed, 5 GEMMs), "
-                  f"dK/dU/dV {b['weights_kernel_ms']:.3f} ms ({b['weights_kernel_tflops_executed']:.0f} TFLOP/s executed, 6 GEMMs)."]
+                  f"dK/dU/dV ({b.get('weights_kernel', 'triton')} kernel) {b['weights_kernel_ms']:.3f} ms "
+                  f"({b['weights_kernel_tflops_executed']:.0f} TFLOP/s executed, 6 GEMMs; the Triton weight kernel "
+                  f"{b.get('triton_weights_kernel_ms', b['weights_kernel_ms']):.3f} ms)."]
     if results["module"]:
         lines += ["", "## Modules", "", "| module | L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB |", "|---|---|---|---|---|---|---|"]
         for r in results["module"]:
@@ -547,8 +559,12 @@ def main():
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "command": " ".join(sys.argv), "correctness": [], "op": [], "module": [], "decode": [],
     }
-    log(f"{results['device']} torch {results['torch']} triton {results['triton']}; path: "
-        f"{flash_mhf_path(torch.empty(1, 1, 1, 128, device='cuda'))}")
+    paper_q = torch.empty(8, 16, 4032, 128, device="cuda", dtype=torch.bfloat16)
+    paper_k = torch.empty(16, 15, 384, 128, device="cuda", dtype=torch.bfloat16)
+    results["path"] = flash_mhf_path(paper_q, paper_k)
+    del paper_q, paper_k
+    log(f"{results['device']} torch {results['torch']} triton {results['triton']}; path at the paper shape: "
+        f"{results['path']}")
     start = time.time()
     sections = [("correctness", None), ("op", None), ("modules", None), ("decode", None), ("train_step", None)]
     try:
