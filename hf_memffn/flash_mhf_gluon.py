@@ -129,7 +129,7 @@ if GLUON_AVAILABLE:
         row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
 
-        # shared memory: K, U, V tiles (resident), two stages of q and dO tiles, three activation tiles (224 KB)
+        # shared memory: K, U, V tiles (resident), two stages of q and dO tiles, the activation tiles (224 KB)
         k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
         u_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
         v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
