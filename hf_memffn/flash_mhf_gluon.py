@@ -226,14 +226,6 @@ if GLUON_AVAILABLE:
         gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
 
 
-def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
-    """A bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as strides (but the last)."""
-    size = t.element_size()
-    if t.data_ptr() % 16 or t.stride(-1) != 1 or any(stride * size % 16 for stride in t.stride()[:-1]):
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -245,6 +237,8 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
     reason = gluon_weights_unsupported_reason(q, k)
     if reason is not None:
         raise ValueError(f"the Gluon weight-gradient kernel cannot run: {reason}")
+    from .flash_mhf_triton import _descriptor_ready  # the sibling imports this module, so not at the top
+
     batch, num_heads, seq_len, head_dim = q.shape
     kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
     group_size = num_heads // kv_heads

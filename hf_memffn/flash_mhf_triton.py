@@ -47,6 +47,7 @@ except ImportError as exc:  # the package must import on machines without triton
     triton = tl = TensorDescriptor = None
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
+from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
 from .flash_mhf_gluon import gluon_weight_gradients, gluon_weights_unsupported_reason
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
@@ -590,7 +591,7 @@ def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
     if _INTERPRET or gluon_weights_unsupported_reason(q, k) is not None:
         return "triton"
     p = _problem(q, k)
-    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // 64
+    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
     if not _autotuned(p) or column_blocks * p["kv_heads"] < _num_sms(q.device):
         return "triton"
     return "gluon"

@@ -559,10 +559,10 @@ def main():
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "command": " ".join(sys.argv), "correctness": [], "op": [], "module": [], "decode": [],
     }
-    paper_q = torch.empty(8, 16, 4032, 128, device="cuda", dtype=torch.bfloat16)
-    paper_k = torch.empty(16, 15, 384, 128, device="cuda", dtype=torch.bfloat16)
+    # the path depends on shapes, dtype and device only: expanded views, no memory
+    paper_q = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16).expand(8, 16, 4032, 128)
+    paper_k = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16).expand(16, 15, 384, 128)
     results["path"] = flash_mhf_path(paper_q, paper_k)
-    del paper_q, paper_k
     log(f"{results['device']} torch {results['torch']} triton {results['triton']}; path at the paper shape: "
         f"{results['path']}")
     start = time.time()
