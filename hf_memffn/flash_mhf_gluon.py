@@ -8,12 +8,15 @@ the compiler's pipeliner's:
 * the next row block's ``q`` and ``dO`` bulk copies are issued as soon as the tiles they overwrite are free, early in
   the current iteration (the Triton kernel, with two stages, issues them at the end of an iteration and waits at the
   start of the next);
-* the three activation products of a row block are queued behind the previous row block's gradient products, so
-  the tensor cores have five products in flight while the warps wait only for the first of the new ones; the SiLU
-  of the gate pre-activation then runs while the up projection and ``dO V^T`` are still being multiplied;
-* dK and dU are accumulated side by side, ``[d_h, 2 * BLOCK_N]`` from one ``[dM | dN]`` tile: one product with
-  twice the columns reads ``q`` once instead of twice (these 64-column products are bound by shared-memory reads),
-  and the compiler keeps more of the loop in registers (12 spilled registers instead of 36 with Triton 3.6).
+* the gate and up pre-activations come from one product with the K and U tiles stacked (``[BLOCK_L, 2 * BLOCK_N]``),
+  and dK and dU are accumulated side by side (``[d_h, 2 * BLOCK_N]``) from one ``[dM | dN]`` tile. A product with
+  twice the columns reads its other operand once instead of twice: at the tensor cores' peak rate a 64-column product
+  with both operands in shared memory needs 128 bytes per cycle, all that shared memory delivers, and a 128-column one
+  needs 96. The joined accumulators also keep the loop in registers (no spills with Triton 3.6; 36 spilled
+  registers with the three products apart);
+* the row block's two activation products are queued behind the previous row block's gradient products, so the
+  tensor cores have four products in flight while the warps wait only for the first; the SiLU then runs while
+  ``dO V^T`` is still being multiplied.
 
 Two warp groups (8 warps) split every product by rows: the activation products by the block's 128 rows, the gradient
 products by ``d_h``. Each gradient product reads the activation tiles of both warp groups from shared memory, so every
@@ -130,8 +133,8 @@ if GLUON_AVAILABLE:
         activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
 
         # shared memory: K, U, V tiles (resident), two stages of q and dO tiles, the activation tiles (224 KB)
-        k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
-        u_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
+        # K and U rows stacked, [2 * BLOCK_N, D_H]: one product gives the gate and up pre-activations side by side
+        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
         v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
         q_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
         grad_out_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
@@ -148,8 +151,8 @@ if GLUON_AVAILABLE:
 
         weight_row = group * num_subnetworks * D_E + col0
         mbarrier.expect(weights_ready, 3 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [weight_row, 0], weights_ready, k_tile)
-        _tma_load(u_desc, [weight_row, 0], weights_ready, u_tile)
+        _tma_load(k_desc, [weight_row, 0], weights_ready, ku_tile.slice(0, BLOCK_N))
+        _tma_load(u_desc, [weight_row, 0], weights_ready, ku_tile.slice(BLOCK_N, BLOCK_N))
         _tma_load(v_desc, [weight_row, 0], weights_ready, v_tile)
 
         blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
@@ -159,12 +162,12 @@ if GLUON_AVAILABLE:
         next_gate = _row_block_gates(R, 0, group, seq_len, blocks_per_sequence, group_size, num_heads,
                                      num_subnetworks, subnetwork, BLOCK_L, row_layout)
 
+        zero_pre_activations = gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, ku_layout)
         zero_activations = gl.zeros([BLOCK_L, BLOCK_N], gl.float32, acc_layout)
         grad_ku = warpgroup_mma_init(gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout))  # [dK^T | dU^T]
         grad_v = warpgroup_mma_init(gl.zeros([D_H, BLOCK_N], gl.float32, acc_layout))
         mbarrier.wait(weights_ready, 0)
-        k_t = k_tile.permute([1, 0])
-        u_t = u_tile.permute([1, 0])
+        ku_t = ku_tile.permute([1, 0])
         v_t = v_tile.permute([1, 0])
 
         for row_block in range(num_row_blocks):
@@ -177,11 +180,15 @@ if GLUON_AVAILABLE:
                                          blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork,
                                          BLOCK_L, row_layout)
 
-            # activations [BLOCK_L, BLOCK_N], queued behind the previous row block's gradient products
-            gate_pre = warpgroup_mma(q, k_t, zero_activations, use_acc=False, is_async=True)
-            up = warpgroup_mma(q, u_t, zero_activations, use_acc=False, is_async=True)
+            # pre-activations [gate | up] as one [BLOCK_L, 2 * BLOCK_N] product, then dO V^T, both queued behind the
+            # previous row block's gradient products
+            pre = warpgroup_mma(q, ku_t, zero_pre_activations, use_acc=False, is_async=True)
             grad_hidden = warpgroup_mma(grad_out, v_t, zero_activations, use_acc=False, is_async=True)
-            gate_pre, grad_ku, grad_v = warpgroup_mma_wait(2, deps=[gate_pre, grad_ku, grad_v])
+            pre, grad_ku, grad_v = warpgroup_mma_wait(1, deps=[pre, grad_ku, grad_v])
+            # each thread holds column c of the gate half and column c of the up half: the split moves no data
+            gate_pre, up = pre.reshape([BLOCK_L, 2, BLOCK_N]).permute([0, 2, 1]).split()
+            gate_pre = gl.convert_layout(gate_pre, acc_layout, assert_trivial=True)
+            up = gl.convert_layout(up, acc_layout, assert_trivial=True)
             # both warp groups are past the previous gradient products: the other stage and the activation tiles
             # are free, so the next row block's copies go out now
             _cta_barrier()
@@ -193,7 +200,6 @@ if GLUON_AVAILABLE:
             sig = _fast_sigmoid(gate_pre)
             silu = gate_pre * sig
             silu_derivative = sig + silu * (1.0 - sig)
-            up = warpgroup_mma_wait(1, deps=[up])
             gate_2d = gate[:, None]
             hidden_tile.store((silu * up * gate_2d).to(dtype))
             up_silu_derivative = up * silu_derivative

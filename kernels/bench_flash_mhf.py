@@ -22,7 +22,11 @@ import json
 import math
 import os
 import platform
+import shutil
+import statistics
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -41,6 +45,7 @@ PAPER = dict(batch=8, num_heads=16, head_dim=128, num_subnetworks=15, subnetwork
 SWIGLU_D_FF = 5504
 LENGTHS = (1536, 4032, 8064, 16128)
 DECODE_BATCHES = (1, 4, 16, 64)
+ROUNDS = 3  # timings of the op per length (median reported)
 GIB = 1024**3
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
@@ -82,6 +87,51 @@ def graph_ms(fn) -> float:
         return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
     except Exception:  # noqa: BLE001 - fall back to plain launches, noted in the output
         return float("nan")
+
+
+class ClockSampler:
+    """SM clock (MHz) and board power (W) from ``nvidia-smi`` every 50 ms while in a ``with`` block. An H100 at its
+    power limit changes its clock by 15% within seconds, so the op's timings record the clock they ran at."""
+
+    def __init__(self):
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def __enter__(self):
+        self.samples, self.stop = [], threading.Event()
+        if self.available:
+            self.thread = threading.Thread(target=self.run, daemon=True)
+            self.thread.start()
+        return self
+
+    def run(self):
+        while not self.stop.is_set():
+            line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                   "-i", str(torch.cuda.current_device())], capture_output=True, text=True).stdout
+            try:
+                clock, power = (float(x) for x in line.strip().split(","))
+                self.samples.append((clock, power))
+            except ValueError:
+                pass
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.available:
+            self.thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"sm_clock_mhz": None, "power_w": None, "samples": 0}
+        clocks, powers = zip(*self.samples)
+        return {"sm_clock_mhz": sum(clocks) / len(clocks), "sm_clock_min_mhz": min(clocks),
+                "power_w": sum(powers) / len(powers), "samples": len(clocks)}
+
+
+def timed(fn, grad_to_none=None) -> dict:
+    """``bench_ms`` with the SM clock and power sampled while it runs."""
+    with ClockSampler() as sampler:
+        ms = bench_ms(fn, grad_to_none=grad_to_none)
+    return {"ms": ms, **sampler.summary()}
 
 
 def peak_memory(fn, leaves=(), held=()) -> dict:
@@ -187,24 +237,41 @@ def bench_op(results, lengths):
         torch.manual_seed(0)
         q, k, u, v, r = op_inputs(8, 16, seq_len, 128, 16, 15, 384, torch.bfloat16)
         flops = op_flops(8, 16, seq_len, 128, 15, 384)
-        forward_ms = bench_ms(lambda: flash_mhf(q, k, u, v, r, impl="triton"))
         leaves = [t.requires_grad_() for t in (q, k, u, v, r)]
         grad = torch.randn_like(q)
+
+        def forward():
+            with torch.no_grad():
+                flash_mhf(*leaves, impl="triton")
 
         def train():
             flash_mhf(*leaves, impl="triton").backward(grad)
 
-        train_ms = bench_ms(train, grad_to_none=leaves)
-        rows_ms = bench_ms(lambda: kernels.triton_backward(grad, q, k, u, v, r, splits=None))
+        def backward():
+            kernels.triton_backward(grad, *(t.detach() for t in leaves))
+
+        # the three timed in turn, ROUNDS times: the clock drifts over seconds, so each reported time is the median
+        # of its rounds (each round a do_bench median) and every round is kept with its clock
+        rounds = []
+        for _ in range(ROUNDS):
+            rounds.append({"forward": timed(forward), "train": timed(train, grad_to_none=leaves),
+                           "backward": timed(backward)})
+        forward_ms, train_ms, rows_ms = (statistics.median(t[name]["ms"] for t in rounds)
+                                         for name in ("forward", "train", "backward"))
+        clocks = [t["train"]["sm_clock_mhz"] for t in rounds if t["train"]["sm_clock_mhz"]]
         mem = peak_memory(train, leaves=leaves, held=[grad])
         row = {
             "impl": "fused op (triton)", **shape, "forward_ms": forward_ms, "forward_tflops": flops / forward_ms * 1e-9,
             "train_ms": train_ms, "train_tflops": 3 * flops / train_ms * 1e-9, "backward_ms": rows_ms,
             "backward_tflops_counted_2x": 2 * flops / rows_ms * 1e-9, **mem,
+            "train_tflops_rounds": [3 * flops / t["train"]["ms"] * 1e-9 for t in rounds],
+            "train_sm_clock_mhz": statistics.median(clocks) if clocks else None, "rounds": rounds,
         }
         results["op"].append(row)
         log(f"op L={seq_len}: fwd {forward_ms:.3f} ms {row['forward_tflops']:.0f} TFLOP/s | fwd+bwd {train_ms:.3f} ms "
-            f"{row['train_tflops']:.0f} TFLOP/s | bwd {rows_ms:.3f} ms | peak {mem['peak_gib']:.2f} GiB")
+            f"{row['train_tflops']:.0f} TFLOP/s (rounds " + " / ".join(f"{x:.0f}" for x in row["train_tflops_rounds"])
+            + f", SM clock {row['train_sm_clock_mhz'] or float('nan'):.0f} MHz) | bwd {rows_ms:.3f} ms | "
+            f"peak {mem['peak_gib']:.2f} GiB")
         del q, k, u, v, r, leaves, grad
     # the two backward kernels separately, at L=4032
     q, k, u, v, r = op_inputs(8, 16, 4032, 128, 16, 15, 384, torch.bfloat16)
@@ -484,8 +551,15 @@ def write_outputs(results, out_dir):
              "module's (or op's) parameters, its inputs and the incoming gradient; stale gradients are cleared first "
              "and the other benchmarked modules' weights are not counted.", ""]
     if results["op"]:
-        lines += ["## Fused op", "", "| L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['seq_len']} | {r['forward_ms']:.3f} | {r['forward_tflops']:.0f} | {r['train_ms']:.3f} | {r['train_tflops']:.0f} | {r['peak_gib']:.2f} |" for r in results["op"]]
+        lines += ["## Fused op", "", "Forward, forward+backward and backward were timed in turn, three rounds; each time is the median of its "
+                  "rounds. The SM clock is the median over the forward+backward rounds of nvidia-smi's reading (every 50 ms).", "",
+                  "| L | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd TFLOP/s per round | SM clock MHz | peak GiB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["op"]:
+            per_round = " / ".join(f"{x:.0f}" for x in r.get("train_tflops_rounds", []))
+            clock = f"{r['train_sm_clock_mhz']:.0f}" if r.get("train_sm_clock_mhz") else "-"
+            lines.append(f"| {r['seq_len']} | {r['forward_ms']:.3f} | {r['forward_tflops']:.0f} | {r['train_ms']:.3f} | "
+                         f"{r['train_tflops']:.0f} | {per_round or '-'} | {clock} | {r['peak_gib']:.2f} |")
     if results.get("backward_kernels"):
         b = results["backward_kernels"]
         lines += ["", f"Backward kernels at L=4032: dq/dr {b['rows_kernel_ms']:.3f} ms ({b['rows_kernel_tflops_executed']:.0f} TFLOP/s executed, 5 GEMMs), "
