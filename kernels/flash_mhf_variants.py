@@ -45,6 +45,14 @@ def _block_coordinates(row_block, group, total_rows, seq_len, group_size, num_he
 
 
 @triton.jit
+def _num_row_blocks(total_rows, seq_len, BLOCK_L: tl.constexpr, SEQUENCE_BLOCKS: tl.constexpr):
+    """Row blocks of BLOCK_L rows: counted per sequence (SEQUENCE_BLOCKS) or over the flattened rows."""
+    if SEQUENCE_BLOCKS:
+        return (total_rows // seq_len) * tl.cdiv(seq_len, BLOCK_L)
+    return tl.cdiv(total_rows, BLOCK_L)
+
+
+@triton.jit
 def _load_gate(R, row_block, group, total_rows, seq_len, group_size, num_heads, num_subnetworks, subnetwork,
                BLOCK_L: tl.constexpr, SEQUENCE_BLOCKS: tl.constexpr, GATE: tl.constexpr):
     batch, head, position, row_mask, gate_row = _block_coordinates(
@@ -92,10 +100,7 @@ def weights_transposed(
     group = tl.program_id(1)
     col0, subnetwork, weight_base, cols, dims, k_t, u_t, v_t = _column_block_tiles(
         K, U, V, group, num_subnetworks, D_E, D_H, BLOCK_N)
-    if SEQUENCE_BLOCKS:
-        num_blocks = (total_rows // seq_len) * tl.cdiv(seq_len, BLOCK_L)
-    else:
-        num_blocks = tl.cdiv(total_rows, BLOCK_L)
+    num_blocks = _num_row_blocks(total_rows, seq_len, BLOCK_L, SEQUENCE_BLOCKS)
     grad_k = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
     grad_u = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
     grad_v = tl.zeros([D_H, BLOCK_N], dtype=tl.float32)
@@ -159,10 +164,7 @@ def weights_columns(
     w_offsets = group.to(tl.int64) * num_subnetworks * D_E * D_H + (col0 + cols)[:, None] * D_H + dims[None, :]
     k = tl.load(K + w_offsets)
     u = tl.load(U + w_offsets)
-    if SEQUENCE_BLOCKS:
-        num_blocks = (total_rows // seq_len) * tl.cdiv(seq_len, BLOCK_L)
-    else:
-        num_blocks = tl.cdiv(total_rows, BLOCK_L)
+    num_blocks = _num_row_blocks(total_rows, seq_len, BLOCK_L, SEQUENCE_BLOCKS)
     if GRADS == "ku":
         v = tl.load(V + w_offsets)
         grad_k = tl.zeros([BLOCK_N, D_H], dtype=tl.float32)
