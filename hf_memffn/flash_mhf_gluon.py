@@ -1,9 +1,10 @@
-"""FlashMHF weight gradients (dK, dU, dV) as an explicitly scheduled Gluon kernel for Hopper GPUs.
+"""FlashMHF backward on Hopper GPUs as two explicitly scheduled Gluon kernels: the weight gradients (dK, dU, dV) and
+the row gradients (dq, dr).
 
-Same maths and work split as ``_backward_weights_kernel`` in ``flash_mhf_triton.py`` (one program per column block of
-``BLOCK_N`` sub-network units, resident ``K, U, V`` tiles, the row blocks of every sequence streamed through, the
-gradients accumulated transposed as ``[d_h, BLOCK_N]``), written in Gluon so that the schedule is ours rather than
-the compiler's pipeliner's:
+**dK, dU, dV** (``_weight_gradients_kernel``). Same maths and work split as ``_backward_weights_kernel`` in
+``flash_mhf_triton.py`` (one program per column block of ``BLOCK_N`` sub-network units, resident ``K, U, V`` tiles,
+the row blocks of every sequence streamed through, the gradients accumulated transposed as ``[d_h, BLOCK_N]``),
+written in Gluon so that the schedule is ours rather than the compiler's pipeliner's:
 
 * the next row block's ``q`` and ``dO`` bulk copies are issued as soon as the tiles they overwrite are free, early in
   the current iteration (the Triton kernel, with two stages, issues them at the end of an iteration and waits at the
@@ -22,9 +23,19 @@ Two warp groups (8 warps) split every product by rows: the activation products b
 products by ``d_h``. Each gradient product reads the activation tiles of both warp groups from shared memory, so every
 iteration has two CTA-wide barriers (tiles free, tiles written).
 
-Only Hopper (sm_90) runs it, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
-decides when it is used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests compile
-it for sm_90 and the GPU tests compare it with the float64 reference.
+**dq, dr** (``_rows_gradients_kernel``). Same work split as ``_backward_rows_kernel``: one program per block of
+``BLOCK_L`` rows, the column blocks streamed through. It is warp-specialised: one loading warp streams the K|U and V
+tiles of each column block into a ring of ``ROWS_STAGES`` slots, and two warp groups, each in its own partition, each
+compute dq and dr of half of the rows. Neither waits for the other: a slot is refilled once both have released it, and
+nothing else is shared. So while one warp group runs its SiLU and gradient arithmetic, the other's products keep the
+tensor cores busy; with both warp groups in one partition, every shared-memory barrier that Triton inserts around the
+bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s instead of 637-642
+(``kernels/flash_mhf_notes.md``, v9).
+
+Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
+decides when they are used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
+compile them for sm_90 (and check that ptxas keeps their products asynchronous) and the GPU tests compare them with
+the float64 reference.
 """
 
 from __future__ import annotations
@@ -54,11 +65,13 @@ except (ImportError, AttributeError) as exc:  # an older or newer triton without
 
 # The one launch shape: 128 rows per row block (one 64-row half per warp group), 64 columns per program.
 BLOCK_L, BLOCK_N, NUM_WARPS = 128, 64, 8
+ROWS_STAGES = 3  # column blocks in flight in the dq/dr kernel (3 x 48 KB + the 64 KB q and dO tiles)
+ROWS_WARPS = 4  # per partition of the dq/dr kernel (it adds 4 + 1 warps in worker partitions)
 HEAD_DIM = 128
 
 
-def gluon_weights_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
-    """Why the Gluon weight-gradient kernel cannot run these inputs, or None when it can."""
+def gluon_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why the Gluon backward kernels cannot run these inputs, or None when they can."""
     if not GLUON_AVAILABLE:
         return f"triton's Gluon Hopper API is not importable ({GLUON_IMPORT_ERROR})"
     if q.device.type != "cuda":
@@ -232,33 +245,218 @@ if GLUON_AVAILABLE:
         gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
 
 
+    @gluon.jit
+    def _flat_row_coordinates(rows, group, seq_len, group_size):
+        """(batch, head, position) of rows counted over the sequences of weight group ``group`` (batch, head within
+        the group, position), as the Triton kernels count them: a row block may span two sequences."""
+        sequence = rows // seq_len
+        batch = sequence // group_size
+        head = group * group_size + (sequence - batch * group_size)
+        return batch, head, rows - sequence * seq_len
+
+    @gluon.jit
+    def _load_column_block(k_desc, u_desc, v_desc, ku_buffer, v_buffer, ready, weight_row, BLOCK_N: gl.constexpr):
+        """Issue the bulk copies of one column block: K and U rows stacked in ``ku_buffer``, V rows in ``v_buffer``."""
+        mbarrier.expect(ready, 3 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [weight_row, 0], ready, ku_buffer.slice(0, BLOCK_N))
+        _tma_load(u_desc, [weight_row, 0], ready, ku_buffer.slice(BLOCK_N, BLOCK_N))
+        _tma_load(v_desc, [weight_row, 0], ready, v_buffer)
+
+    @gluon.jit
+    def _row_block_tile(X, first_row, group, seq_len, group_size, total_rows, stride_b, stride_h, stride_l,
+                        ROWS: gl.constexpr, D_H: gl.constexpr, layout: gl.constexpr):
+        """Rows first_row .. first_row + ROWS of weight group ``group`` of a [B, H, L, d_h] tensor with the given
+        strides, [ROWS, d_h] (0 past the last row)."""
+        rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, layout))
+        batch, head, position = _flat_row_coordinates(rows, group, seq_len, group_size)
+        offsets = batch.to(gl.int64) * stride_b + head * stride_h + position * stride_l
+        return gl.load(X + offsets[:, None] + dims[None, :], mask=(rows < total_rows)[:, None], other=0.0)
+
+    @gluon.jit
+    def _rows_step(q_tile, grad_out_tile, ku_tile, v_tile, grad_q, gate, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   wide_layout: gl.constexpr, half_layout: gl.constexpr, operand_layout: gl.constexpr):
+        """One column block for one warp group's rows: the pre-activations and dO V^T, the activation gradients, and
+        the dq products. Returns dq (its products complete) and the block's dr share [ROWS] (before gating).
+
+        Every product completes within the step. The dq products read their left operands from registers, and
+        ptxas neither keeps those registers from being reused while an asynchronous product reads them, nor lets
+        non-wgmma code read one product's results while a product issued in an earlier loop iteration is still
+        running (it then serialises every wgmma of the kernel)."""
+        dtype: gl.constexpr = q_tile.dtype
+        pre = warpgroup_mma(q_tile, ku_tile.permute([1, 0]), gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, wide_layout),
+                            use_acc=False, is_async=True)
+        grad_hidden = warpgroup_mma(grad_out_tile, v_tile.permute([1, 0]),
+                                    gl.zeros([ROWS, BLOCK_N], gl.float32, half_layout), use_acc=False, is_async=True)
+        pre = warpgroup_mma_wait(1, deps=[pre])
+        # each thread holds column c of the gate half and column c of the up half: the split moves no data
+        gate_pre, up = pre.reshape([ROWS, 2, BLOCK_N]).permute([0, 2, 1]).split()
+        gate_pre = gl.convert_layout(gate_pre, half_layout, assert_trivial=True)
+        up = gl.convert_layout(up, half_layout, assert_trivial=True)
+        # everything that does not need dO V^T, while the tensor cores finish it
+        sig = _fast_sigmoid(gate_pre)
+        silu = gate_pre * sig
+        silu_up = silu * up
+        gate_2d = gate[:, None]
+        gated_up_silu_derivative = (up * (sig + silu * (1.0 - sig))) * gate_2d
+        gated_silu = silu * gate_2d
+        grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden])
+        grad_gate_share = gl.sum(grad_hidden * silu_up, axis=1)
+        grad_gate_pre = gl.convert_layout((grad_hidden * gated_up_silu_derivative).to(dtype), operand_layout)
+        grad_up = gl.convert_layout((grad_hidden * gated_silu).to(dtype), operand_layout)
+        grad_q = warpgroup_mma(grad_gate_pre, ku_tile.slice(0, BLOCK_N), grad_q, is_async=True)
+        grad_q = warpgroup_mma(grad_up, ku_tile.slice(BLOCK_N, BLOCK_N), grad_q, is_async=True)
+        grad_q, grad_gate_pre, grad_up = warpgroup_mma_wait(0, deps=[grad_q, grad_gate_pre, grad_up])
+        return grad_q, grad_gate_share
+
+    @gluon.jit
+    def _rows_producer(k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The loading warp: streams the column blocks through the ring, each into a slot both warp groups have
+        released (on the first pass the wait on the "previous" phase returns at once)."""
+        for block in range(num_blocks):
+            stage = block % STAGES
+            mbarrier.wait(empty.index(stage), ((block // STAGES) & 1) ^ 1)
+            _load_column_block(k_desc, u_desc, v_desc, ku_stages.index(stage), v_stages.index(stage),
+                               ready.index(stage), weight_row + block * BLOCK_N, BLOCK_N)
+
+    @gluon.jit
+    def _rows_consumer(half, Q, DO, R, DQ, DR, q_tile, grad_out_tile, ku_stages, v_stages, ready, empty,
+                       stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, stride_db, stride_dh,
+                       stride_dl, first_row, group, total_rows, seq_len, group_size, num_heads, num_subnetworks,
+                       num_blocks, D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """One warp group: dq and dr of its ROWS rows (``half`` of the program's row block)."""
+        dtype: gl.constexpr = q_tile.dtype
+        # [gate | up] pre-activations and dq: 2 * BLOCK_N = D_H columns; dM, dN as the dq products' left operands
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, D_H, 16])
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wide_layout, k_width=2)
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row_layout: gl.constexpr = gl.SliceLayout(1, half_layout)
+
+        first = first_row + half * ROWS
+        q_tile.store(_row_block_tile(Q, first, group, seq_len, group_size, total_rows, stride_qb, stride_qh,
+                                     stride_ql, ROWS, D_H, load_layout))
+        grad_out_tile.store(_row_block_tile(DO, first, group, seq_len, group_size, total_rows, stride_gb, stride_gh,
+                                            stride_gl, ROWS, D_H, load_layout).to(dtype))
+        fence_async_shared()
+        _cta_barrier()  # the warp group's four warps wrote the tiles its products read
+
+        gate_rows = first + gl.arange(0, ROWS, layout=row_layout)
+        gate_batch, gate_head, gate_position = _flat_row_coordinates(gate_rows, group, seq_len, group_size)
+        gate_offsets = ((gate_batch.to(gl.int64) * num_heads + gate_head) * seq_len + gate_position) * num_subnetworks
+        gate_mask = gate_rows < total_rows
+        BLOCKS_PER_SUBNETWORK: gl.constexpr = D_E // BLOCK_N
+
+        grad_q = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
+        grad_gate = gl.zeros([ROWS], gl.float32, row_layout)
+        next_gate = gl.load(R + gate_offsets, mask=gate_mask, other=0.0).to(gl.float32)
+        for block in range(num_blocks):
+            stage = block % STAGES
+            gate = next_gate
+            next_gate = gl.load(R + gate_offsets + (gl.minimum(block + 1, num_blocks - 1) * BLOCK_N) // D_E,
+                                mask=gate_mask, other=0.0).to(gl.float32)
+            mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
+            grad_q, share = _rows_step(q_tile, grad_out_tile, ku_stages.index(stage), v_stages.index(stage), grad_q,
+                                       gate, ROWS, BLOCK_N, wide_layout, half_layout, operand_layout)
+            mbarrier.arrive(empty.index(stage), count=1)  # this warp group is done with the slot
+            grad_gate += share
+            if block % BLOCKS_PER_SUBNETWORK == BLOCKS_PER_SUBNETWORK - 1:  # the sub-network's last block
+                gl.store(DR + gate_offsets + block // BLOCKS_PER_SUBNETWORK, grad_gate.to(DR.dtype.element_ty),
+                         mask=gate_mask)
+                grad_gate = gl.zeros([ROWS], gl.float32, row_layout)
+
+        out_rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, wide_layout))
+        out_dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
+        out_batch, out_head, out_position = _flat_row_coordinates(out_rows, group, seq_len, group_size)
+        out_offsets = out_batch.to(gl.int64) * stride_db + out_head * stride_dh + out_position * stride_dl
+        gl.store(DQ + out_offsets[:, None] + out_dims[None, :], grad_q.to(DQ.dtype.element_ty),
+                 mask=(out_rows < total_rows)[:, None])
+
+    @gluon.jit
+    def _rows_gradients_kernel(
+        Q, DO, k_desc, u_desc, v_desc, R, DQ, DR,
+        stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, stride_db, stride_dh, stride_dl,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        """dq and dr of one block of BLOCK_L rows of one weight group, warp-specialised: two warp groups of four
+        warps (one per half of the rows, each in its own partition, so that neither waits for the other except for
+        a slot of the ring) and one loading warp. Q, DO, DQ: [B, H, L, d_h] through their (batch, head, position)
+        strides; k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R, DR: contiguous [B, H, L, E]."""
+        dtype: gl.constexpr = k_desc.dtype
+        ROWS: gl.constexpr = BLOCK_L // 2
+        first_row = gl.program_id(0) * BLOCK_L
+        group = gl.program_id(1)
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_H], dtype)
+
+        # shared memory (208 KB): each warp group's q and dO rows, a ring of STAGES column blocks (K and U rows
+        # stacked [2 * BLOCK_N, d_h], V rows [BLOCK_N, d_h]), and per slot a "ready" (copies landed) and an "empty"
+        # (both warp groups done) barrier
+        q_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, D_H], tile_layout)
+        grad_out_tiles = gl.allocate_shared_memory(dtype, [2, ROWS, D_H], tile_layout)
+        ku_stages = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, D_H], k_desc.layout)
+        v_stages = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_H], k_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=2)
+        fence_async_shared()
+
+        num_blocks = num_subnetworks * (D_E // BLOCK_N)
+        gl.warp_specialize([
+            (_rows_consumer, (0, Q, DO, R, DQ, DR, q_tiles.index(0), grad_out_tiles.index(0), ku_stages, v_stages,
+                              ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
+                              stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
+                              num_heads, num_subnetworks, num_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+            (_rows_consumer, (1, Q, DO, R, DQ, DR, q_tiles.index(1), grad_out_tiles.index(1), ku_stages, v_stages,
+                              ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
+                              stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
+                              num_heads, num_subnetworks, num_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+            (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty,
+                              group * num_subnetworks * D_E, num_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 24])
+
+
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _launch_sizes(q, k, kernel: str):
+    """Checks that the Gluon kernels can run, then (B, H, L, d_h, H_kv, E, d_e, H / H_kv) and a function that makes
+    the [BLOCK_N, d_h] tensor descriptor of a contiguous [H_kv, E, d_e, d_h] weight."""
+    reason = gluon_unsupported_reason(q, k)
+    if reason is not None:
+        raise ValueError(f"the Gluon {kernel} kernel cannot run: {reason}")
+    from .flash_mhf_triton import _descriptor_ready  # the sibling imports this module, so not at the top
+
+    head_dim = q.shape[-1]
+    weight_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], _gl_dtype(q.dtype))
+
+    def weight_descriptor(w):
+        rows = _descriptor_ready(w.reshape(-1, head_dim))
+        return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, head_dim], weight_layout)
+
+    return (*q.shape, *k.shape[:3], q.shape[1] // k.shape[0]), weight_descriptor
 
 
 def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): three tensors to
     write instead of new ones. Returns the gradients and the compiled kernel."""
-    reason = gluon_weights_unsupported_reason(q, k)
-    if reason is not None:
-        raise ValueError(f"the Gluon weight-gradient kernel cannot run: {reason}")
-    from .flash_mhf_triton import _descriptor_ready  # the sibling imports this module, so not at the top
+    sizes, weight_descriptor = _launch_sizes(q, k, "weight-gradient")
+    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
+    from .flash_mhf_triton import _descriptor_ready
 
-    batch, num_heads, seq_len, head_dim = q.shape
-    kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
-    group_size = num_heads // kv_heads
-    element = _gl_dtype(q.dtype)
-    sequence_layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, head_dim], element)
-    weight_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], element)
+    sequence_layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, head_dim], _gl_dtype(q.dtype))
 
     def sequence_descriptor(t):
         t = _descriptor_ready(t)
         return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
-
-    def weight_descriptor(w):
-        rows = _descriptor_ready(w.reshape(-1, head_dim))
-        return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, head_dim], weight_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
     compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
@@ -271,14 +469,37 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
     return (*grads, compiled)
 
 
-def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384) -> dict:
-    """Compile the kernel for sm_90 without a GPU (tests and compile reports): its shared memory in bytes and the
-    number of wgmma instructions in its PTX (all of them are in the row loop)."""
+def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None):
+    """(dq, dr): dq in q's dtype and layout, dr like r; q and grad_out [B, H, L, d_h] (any strides with a dense last
+    dimension), k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): two
+    tensors to write instead of new ones. Returns the gradients and the compiled kernel."""
+    sizes, weight_descriptor = _launch_sizes(q, k, "dq/dr")
+    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
+    from .flash_mhf_triton import _row_strides
+
+    total_rows = batch * group_size * seq_len
+    grad_out = grad_out.to(q.dtype)
+    grad_q, grad_r = outputs if outputs is not None else (torch.empty_like(q), torch.empty_like(r))
+    compiled = _rows_gradients_kernel[(-(-total_rows // BLOCK_L), kv_heads)](
+        q, grad_out, *(weight_descriptor(w) for w in (k, u, v)), r, grad_q, grad_r,
+        *_row_strides(q), *_row_strides(grad_out), *_row_strides(grad_q),
+        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
+    )
+    return grad_q, grad_r, compiled
+
+
+def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384) -> dict:
+    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr) for sm_90 without a GPU (tests and compile reports):
+    its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds
+    its PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    if kernel not in ("weights", "rows"):
+        raise ValueError(f"kernel={kernel!r}: expected 'weights' or 'rows'")
     element = _gl_dtype(dtype)
     sequence = torch.empty(1, 1, BLOCK_L, HEAD_DIM, dtype=dtype)
     weights = torch.empty(BLOCK_N, HEAD_DIM, dtype=dtype)
@@ -287,8 +508,12 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, subnetwork_size: int
                                           gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, HEAD_DIM], element))
     weight_desc = GluonTensorDescriptor(weights, list(weights.shape), list(weights.stride()), [BLOCK_N, HEAD_DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
-    fn = _weight_gradients_kernel
-    constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS)
+    fn = _weight_gradients_kernel if kernel == "weights" else _rows_gradients_kernel
+    constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N)
+    if kernel == "weights":
+        constants["NUM_WARPS"] = NUM_WARPS
+    else:
+        constants["STAGES"] = ROWS_STAGES
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {}
     for name in fn.arg_names:
@@ -298,14 +523,15 @@ def compile_for_hopper(dtype: torch.dtype = torch.bfloat16, subnetwork_size: int
             signature[name] = mangle_type(sequence_desc)
         elif name.endswith("_desc"):
             signature[name] = mangle_type(weight_desc)
-        elif name == "R":
+        elif name in ("R", "DR"):
             signature[name] = "*fp32"
-        elif name in ("DK", "DU", "DV"):
+        elif name in ("Q", "DO", "DQ", "DK", "DU", "DV"):
             signature[name] = pointer
         else:
             signature[name] = "i32"
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-    return {"shared_memory": compiled.metadata.shared,
-            "wgmma_per_row_block": compiled.asm["ptx"].count("wgmma.mma_async")}
+    warps = NUM_WARPS if kernel == "weights" else ROWS_WARPS
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return {"shared_memory": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+            "compiled": compiled}

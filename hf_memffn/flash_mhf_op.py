@@ -31,11 +31,12 @@ try:
         triton_backward,
         triton_forward,
         triton_interpreting,
+        row_gradient_kernel,
         weight_gradient_kernel,
     )
 except ImportError as exc:  # pragma: no cover - only when the sibling file itself is missing
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
-    triton_forward = triton_backward = weight_gradient_kernel = None
+    triton_forward = triton_backward = row_gradient_kernel = weight_gradient_kernel = None
 
     def triton_interpreting() -> bool:
         return False
@@ -125,10 +126,13 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
         return f"unavailable: triton requested but {reason}"
     mode = "interpreter" if triton_interpreting() else "CUDA"
     why = "requested" if impl == "triton" else f"{q.device.type} tensors"
-    weights = ""
+    gluon = []
+    if k is not None and row_gradient_kernel(q, k) == "gluon":
+        gluon.append("dq/dr")
     if k is not None and weight_gradient_kernel(q, k) == "gluon":
-        weights = "; dK/dU/dV by the Gluon Hopper kernel"
-    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{weights})"
+        gluon.append("dK/dU/dV")
+    by_gluon = f"; {' and '.join(gluon)} by the Gluon Hopper kernels" if gluon else ""
+    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon})"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ Kernels (all accumulate in float32 and keep the ``[rows, E * d_e]`` activations 
   the forward pass and accumulating the gradients transposed, ``dK_w^T += q^T dM`` (and likewise ``dU_w``, ``dV_w``),
   so that every product has ``d_h`` or ``BLOCK_L`` rows.
 
+On Hopper, for 16-bit inputs at d_h = 128, both backward kernels are replaced by the explicitly scheduled Gluon
+kernels of ``flash_mhf_gluon.py`` (``row_gradient_kernel`` and ``weight_gradient_kernel`` decide, and
+``flash_mhf_path`` reports it).
+
 On Hopper and newer GPUs (and in the interpreter) the forward and weight-gradient kernels read the tiles they stream
 (``K, U, V`` in the forward, ``q`` and ``dO`` in the weight gradients) through tensor descriptors, i.e. bulk tensor
 copies: no per-thread addresses, which in the weight-gradient kernel frees the registers its three accumulators need.
@@ -48,7 +52,7 @@ except ImportError as exc:  # the package must import on machines without triton
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
-from .flash_mhf_gluon import gluon_weight_gradients, gluon_weights_unsupported_reason
+from .flash_mhf_gluon import gluon_rows_gradients, gluon_weight_gradients, gluon_unsupported_reason
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -588,13 +592,22 @@ def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
     """Which kernel computes dK, dU, dV for these inputs: ``"gluon"`` (``flash_mhf_gluon``: Hopper, 16-bit,
     d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program per
     column block) or ``"triton"`` (``_backward_weights_kernel``, everything else)."""
-    if _INTERPRET or gluon_weights_unsupported_reason(q, k) is not None:
+    if _INTERPRET or gluon_unsupported_reason(q, k) is not None:
         return "triton"
     p = _problem(q, k)
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
     if not _autotuned(p) or column_blocks * p["kv_heads"] < _num_sms(q.device):
         return "triton"
     return "gluon"
+
+
+def row_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Which kernel computes dq and dr for these inputs: ``"gluon"`` (``flash_mhf_gluon``, warp-specialised: Hopper,
+    16-bit, d_h = 128, d_e a multiple of 64, problems large enough to autotune) or ``"triton"``
+    (``_backward_rows_kernel``, everything else)."""
+    if _INTERPRET or gluon_unsupported_reason(q, k) is not None:
+        return "triton"
+    return "gluon" if _autotuned(_problem(q, k)) else "triton"
 
 
 def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
@@ -663,8 +676,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
     bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
     e_pow2 = max(2, triton.next_power_of_2(p["num_subnetworks"]))
 
-    # dq, dr: one program per row block
-    if not _autotuned(p):
+    # dq, dr: one program per row block (the Gluon kernel on Hopper where it applies, see row_gradient_kernel)
+    if splits is None and descriptors is None and row_gradient_kernel(q, k) == "gluon":
+        gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r))
+    elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
         _backward_rows_kernel[(triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
             q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants

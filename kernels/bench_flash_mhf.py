@@ -284,9 +284,12 @@ def bench_op(results, lengths):
     dq, dr = torch.empty_like(q), torch.empty_like(r)
     dk, du, dv = (torch.empty_like(k) for _ in range(3))
 
-    def rows():
+    def triton_rows():
         kernels._backward_rows_tuned[lambda m: (triton_cdiv(p["total_rows"], m["BLOCK_L"]), 16)](
             q, k, u, v, r, grad, dq, dr, *strides, *p["sizes"], bucket, E_POW2=16, **constants)
+
+    def gluon_rows():
+        flash_mhf_gluon.gluon_rows_gradients(grad, q, k, u, v, r, outputs=(dq, dr))
 
     # as triton_backward launches it: q and dO through tensor descriptors on Hopper (block shapes set by the tuner)
     descriptors = kernels._use_tensor_descriptors(q.device, None)
@@ -300,21 +303,24 @@ def bench_op(results, lengths):
     def gluon_weights():
         flash_mhf_gluon.gluon_weight_gradients(grad, q, k, u, v, r, outputs=[dk, du, dv])
 
-    # the weight-gradient kernel the op runs here (kernels.weight_gradient_kernel), and the Triton one beside it
-    weights_kernel = kernels.weight_gradient_kernel(q, k)
-    rows_ms = bench_ms(rows)
+    # the backward kernels the op runs here (kernels.row_gradient_kernel, kernels.weight_gradient_kernel), and the
+    # Triton ones beside them
+    rows_kernel, weights_kernel = kernels.row_gradient_kernel(q, k), kernels.weight_gradient_kernel(q, k)
+    rows_ms = bench_ms(gluon_rows if rows_kernel == "gluon" else triton_rows)
+    triton_rows_ms = bench_ms(triton_rows) if rows_kernel == "gluon" else rows_ms
     weights_ms = bench_ms(gluon_weights if weights_kernel == "gluon" else triton_weights)
     triton_weights_ms = bench_ms(triton_weights) if weights_kernel == "gluon" else weights_ms
     # FLOPs actually executed: rows kernel 5 GEMMs (M, N, dA, dq x2), weights kernel 6 (M, N, dA, dK, dU, dV)
     unit = flops / 3
     results["backward_kernels"] = {
-        "L": 4032, "rows_kernel_ms": rows_ms, "rows_kernel_tflops_executed": 5 * unit / rows_ms * 1e-9,
+        "L": 4032, "rows_kernel": rows_kernel, "rows_kernel_ms": rows_ms,
+        "rows_kernel_tflops_executed": 5 * unit / rows_ms * 1e-9, "triton_rows_kernel_ms": triton_rows_ms,
         "weights_kernel": weights_kernel, "weights_kernel_ms": weights_ms,
         "weights_kernel_tflops_executed": 6 * unit / weights_ms * 1e-9, "triton_weights_kernel_ms": triton_weights_ms,
     }
-    log(f"backward kernels L=4032: dq/dr {rows_ms:.3f} ms ({5 * unit / rows_ms * 1e-9:.0f} TFLOP/s executed), "
-        f"dK/dU/dV ({weights_kernel}) {weights_ms:.3f} ms ({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed; "
-        f"Triton kernel {triton_weights_ms:.3f} ms)")
+    log(f"backward kernels L=4032: dq/dr ({rows_kernel}) {rows_ms:.3f} ms ({5 * unit / rows_ms * 1e-9:.0f} TFLOP/s "
+        f"executed; Triton kernel {triton_rows_ms:.3f} ms), dK/dU/dV ({weights_kernel}) {weights_ms:.3f} ms "
+        f"({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed; Triton kernel {triton_weights_ms:.3f} ms)")
 
 
 def triton_cdiv(a, b):
@@ -562,7 +568,9 @@ def write_outputs(results, out_dir):
                          f"{r['train_tflops']:.0f} | {per_round or '-'} | {clock} | {r['peak_gib']:.2f} |")
     if results.get("backward_kernels"):
         b = results["backward_kernels"]
-        lines += ["", f"Backward kernels at L=4032: dq/dr {b['rows_kernel_ms']:.3f} ms ({b['rows_kernel_tflops_executed']:.0f} TFLOP/s executed, 5 GEMMs), "
+        lines += ["", f"Backward kernels at L=4032: dq/dr ({b.get('rows_kernel', 'triton')} kernel) {b['rows_kernel_ms']:.3f} ms "
+                  f"({b['rows_kernel_tflops_executed']:.0f} TFLOP/s executed, 5 GEMMs; the Triton dq/dr kernel "
+                  f"{b.get('triton_rows_kernel_ms', b['rows_kernel_ms']):.3f} ms), "
                   f"dK/dU/dV ({b.get('weights_kernel', 'triton')} kernel) {b['weights_kernel_ms']:.3f} ms "
                   f"({b['weights_kernel_tflops_executed']:.0f} TFLOP/s executed, 6 GEMMs; the Triton weight kernel "
                   f"{b.get('triton_weights_kernel_ms', b['weights_kernel_ms']):.3f} ms)."]

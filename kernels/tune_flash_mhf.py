@@ -48,6 +48,7 @@ VARIANTS = {
     ("weights", "pointers"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": False}),
     # the explicitly scheduled Gluon kernel (hf_memffn/flash_mhf_gluon.py); its one launch shape is (128, 64, 8, -)
     ("weights", "gluon"): (None, {"GLUON": True}),
+    ("rows", "gluon"): (None, {"GLUON": True}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
     ("weights", "seq_rt"): (lambda: variants.weights_transposed, {"SEQUENCE_BLOCKS": True, "GATE": "transposed"}),
     ("weights_ku", "transposed"): (lambda: variants.weights_transposed, {"WITH_V": False}),
@@ -73,6 +74,7 @@ CANDIDATES = [
     ("rows", "production", (128, 64, 8, 3)),
     ("rows", "production", (128, 64, 8, 2)),
     ("rows", "production", (128, 32, 8, 3)),
+    ("rows", "gluon", (128, 64, 8, 3)),
     ("weights", "production", (128, 64, 8, 2)),
     ("weights", "gluon", (128, 64, 8, 2)),
     ("weights", "production", (128, 32, 8, 3)),
@@ -130,6 +132,9 @@ class Problem:
     def launcher(self, role, variant, config, outs):
         block_l, block_n, warps, stages = config
         kernel, switches = VARIANTS[(role, variant)]
+        if switches.get("GLUON") and role == "rows":
+            return lambda: flash_mhf_gluon.gluon_rows_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
+                                                                outputs=outs)[2]
         if switches.get("GLUON"):
             return lambda: flash_mhf_gluon.gluon_weight_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
                                                                   outputs=outs)[3]

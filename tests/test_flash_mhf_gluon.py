@@ -1,10 +1,11 @@
-"""The Gluon weight-gradient kernel (Hopper only): dK, dU, dV against the float64 ground truth on the GPU, and a
-compile for sm_90 on any machine (Gluon has no interpreter, so that is what CPU CI can check)."""
+"""The Gluon backward kernels (Hopper only): dK, dU, dV and dq, dr against the float64 ground truth on the GPU, and
+a compile for sm_90 on any machine (Gluon has no interpreter, so that is what CPU CI can check)."""
 
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +17,13 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 needs_hopper = pytest.mark.skipif(not (ON_HOPPER and flash_mhf_gluon.GLUON_AVAILABLE),
                                   reason="the Gluon kernel runs on Hopper GPUs only")
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+SHAPE_FIELDS = "batch,heads,seq_len,kv_heads,num_subnetworks,subnetwork_size,dtype"
+SHAPES = [
+        pytest.param(2, 2, 200, 2, 3, 64, torch.bfloat16, id="ragged_L-bf16"),
+        pytest.param(1, 4, 129, 2, 2, 128, torch.float16, id="two_heads_per_group-L129-fp16"),
+        pytest.param(3, 1, 1, 1, 1, 64, torch.bfloat16, id="L1-E1"),
+        pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
+]
 
 
 def relative_error(actual, expected):
@@ -23,10 +31,15 @@ def relative_error(actual, expected):
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
-def weight_gradient_truth(q, k, u, v, r, grad_out):
+def gradient_truth(q, k, u, v, r, grad_out):
+    """(dq, dk, du, dv, dr) in float64."""
     leaves = [t.double().requires_grad_(True) for t in (q, k, u, v, r)]
     flash_mhf_dense(*leaves).backward(grad_out.double())
-    return [leaf.grad for leaf in leaves[1:4]]
+    return [leaf.grad for leaf in leaves]
+
+
+def weight_gradient_truth(q, k, u, v, r, grad_out):
+    return gradient_truth(q, k, u, v, r, grad_out)[1:4]
 
 
 def gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype, seed):
@@ -42,15 +55,7 @@ def gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_si
 
 
 @needs_hopper
-@pytest.mark.parametrize(
-    "batch,heads,seq_len,kv_heads,num_subnetworks,subnetwork_size,dtype",
-    [
-        pytest.param(2, 2, 200, 2, 3, 64, torch.bfloat16, id="ragged_L-bf16"),
-        pytest.param(1, 4, 129, 2, 2, 128, torch.float16, id="two_heads_per_group-L129-fp16"),
-        pytest.param(3, 1, 1, 1, 1, 64, torch.bfloat16, id="L1-E1"),
-        pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
-    ],
-)
+@pytest.mark.parametrize(SHAPE_FIELDS, SHAPES)
 def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size,
                                               dtype):
     q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
@@ -63,13 +68,29 @@ def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, n
 
 
 @needs_hopper
+@pytest.mark.parametrize(
+    SHAPE_FIELDS, SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")])
+def test_gluon_row_gradients_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
+    q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
+                                           seed=seq_len + 1)
+    grad_q, grad_r, _ = flash_mhf_gluon.gluon_rows_gradients(grad_out, q, k, u, v, r)
+    truth = gradient_truth(q, k, u, v, r, grad_out)
+    errors = {"dq": relative_error(grad_q, truth[0]), "dr": relative_error(grad_r, truth[4])}
+    assert grad_q.dtype == dtype and grad_r.dtype == r.dtype
+    assert all(err < TOLERANCE[dtype] for err in errors.values()), errors
+
+
+@needs_hopper
 def test_gluon_kernel_reads_strided_queries():
     """q as the module makes it (a transposed view of [B, L, H, d_h]) and an unaligned grad_out copy."""
     q, k, u, v, r, grad_out = gluon_inputs(2, 2, 100, 2, 2, 64, torch.bfloat16, seed=3)
     q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     grads = flash_mhf_gluon.gluon_weight_gradients(grad_out, q_strided, k, u, v, r)[:3]
-    expected = weight_gradient_truth(q, k, u, v, r, grad_out)
-    assert all(relative_error(g, e) < 3e-2 for g, e in zip(grads, expected))
+    grad_q, grad_r, _ = flash_mhf_gluon.gluon_rows_gradients(grad_out, q_strided, k, u, v, r)
+    truth = gradient_truth(q, k, u, v, r, grad_out)
+    assert all(relative_error(g, e) < 3e-2 for g, e in zip(grads, truth[1:4]))
+    assert grad_q.stride() == q_strided.stride()
+    assert relative_error(grad_q, truth[0]) < 3e-2 and relative_error(grad_r, truth[4]) < 3e-2
 
 
 @needs_hopper
@@ -78,31 +99,49 @@ def test_op_uses_the_gluon_kernel_where_it_applies_and_says_so():
     # 8 weight groups x 24 column blocks of 64: more programs than SMs, and enough rows to autotune
     q = torch.randn(1, 8, 2048, 128, generator=generator).cuda().bfloat16()
     k = (torch.randn(8, 4, 384, 128, generator=generator) * 128**-0.5).cuda().bfloat16()
-    assert "Gluon" in flash_mhf_path(q, k)
-    assert flash_mhf_triton.weight_gradient_kernel(q, k) == "gluon"
-    assert flash_mhf_triton.weight_gradient_kernel(q.float(), k.float()) == "triton"
-    assert flash_mhf_triton.weight_gradient_kernel(q[:, :, :16], k) == "triton"  # too small to autotune
+    assert "dq/dr and dK/dU/dV by the Gluon" in flash_mhf_path(q, k)
+    for choose in (flash_mhf_triton.row_gradient_kernel, flash_mhf_triton.weight_gradient_kernel):
+        assert choose(q, k) == "gluon"
+        assert choose(q.float(), k.float()) == "triton"
+        assert choose(q[:, :, :16], k) == "triton"  # too small to autotune
     leaves = [t.clone().requires_grad_(True) for t in (q, k, k * 0.5, k * 0.25)]
     r = torch.rand(1, 8, 2048, 4, device="cuda").requires_grad_(True)
     flash_mhf(*leaves, r).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
-def _ptxas_available() -> bool:
+def _ptxas() -> str | None:
+    """The ptxas that triton itself uses for sm_90 (triton 3.6 and 3.9 ship different ones)."""
     try:
-        import triton
+        from triton.backends.nvidia.compiler import get_ptxas
 
-        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    except ImportError:
-        return False
-    return os.path.exists(path) or shutil.which("ptxas") is not None
+        path = get_ptxas(90).path
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return path if path and os.path.exists(path) else None
+
+
+def _ptxas_available() -> bool:
+    return _ptxas() is not None
 
 
 @pytest.mark.skipif(not (flash_mhf_gluon.GLUON_AVAILABLE and _ptxas_available()),
                     reason="needs triton's Gluon API and ptxas")
 def test_gluon_kernel_compiles_for_hopper():
-    """Compiled for sm_90 without a GPU: the schedule builds, fits in shared memory and issues its 32 wgmmas per row
-    block per warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU])."""
-    report = flash_mhf_gluon.compile_for_hopper(torch.bfloat16, subnetwork_size=384)
-    assert report["shared_memory"] <= 227 * 1024, report
-    assert report["wgmma_per_row_block"] == 32, report
+    """Compiled for sm_90 without a GPU: both schedules build and fit in shared memory. The weight kernel issues 32
+    wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); the dq/dr
+    kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
+    from dM and from dN with 4 each)."""
+    for kernel, wgmmas in (("weights", 32), ("rows", 48)):
+        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384)
+        assert report["shared_memory"] <= 227 * 1024, (kernel, report)
+        assert report["wgmma"] == wgmmas, (kernel, report)
+        # ptxas serialises every wgmma of a kernel (and says so) when non-wgmma code may touch the registers of an
+        # unfinished product: the schedule would still be right, but no product would overlap anything
+        with tempfile.TemporaryDirectory() as folder:
+            ptx = os.path.join(folder, "kernel.ptx")
+            with open(ptx, "w") as handle:
+                handle.write(report["compiled"].asm["ptx"])
+            result = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(folder, "kernel.cubin")],
+                                    capture_output=True, text=True, check=True)
+        assert "serialized" not in result.stderr, (kernel, result.stderr)
