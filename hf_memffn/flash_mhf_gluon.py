@@ -29,7 +29,7 @@ tiles of each column block into a ring of ``ROWS_STAGES`` slots, and two warp gr
 compute dq and dr of half of the rows. Neither waits for the other: a slot is refilled once both have released it, and
 nothing else is shared. So while one warp group runs its SiLU and gradient arithmetic, the other's products keep the
 tensor cores busy; with both warp groups in one partition, every shared-memory barrier that Triton inserts around the
-bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s instead of 637-642
+bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s instead of 637-648
 (``kernels/flash_mhf_notes.md``, v9).
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``

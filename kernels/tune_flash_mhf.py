@@ -46,7 +46,8 @@ VARIANTS = {
     ("rows", "production"): (lambda: kernels._backward_rows_kernel, {}),
     ("weights", "production"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": True}),
     ("weights", "pointers"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": False}),
-    # the explicitly scheduled Gluon kernel (hf_memffn/flash_mhf_gluon.py); its one launch shape is (128, 64, 8, -)
+    # the explicitly scheduled Gluon kernels (hf_memffn/flash_mhf_gluon.py), each with one launch shape: 128 rows and 64
+    # columns per block; the configuration tuples below only label them
     ("weights", "gluon"): (None, {"GLUON": True}),
     ("rows", "gluon"): (None, {"GLUON": True}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),

@@ -19,10 +19,10 @@ needs_hopper = pytest.mark.skipif(not (ON_HOPPER and flash_mhf_gluon.GLUON_AVAIL
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 SHAPE_FIELDS = "batch,heads,seq_len,kv_heads,num_subnetworks,subnetwork_size,dtype"
 SHAPES = [
-        pytest.param(2, 2, 200, 2, 3, 64, torch.bfloat16, id="ragged_L-bf16"),
-        pytest.param(1, 4, 129, 2, 2, 128, torch.float16, id="two_heads_per_group-L129-fp16"),
-        pytest.param(3, 1, 1, 1, 1, 64, torch.bfloat16, id="L1-E1"),
-        pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
+    pytest.param(2, 2, 200, 2, 3, 64, torch.bfloat16, id="ragged_L-bf16"),
+    pytest.param(1, 4, 129, 2, 2, 128, torch.float16, id="two_heads_per_group-L129-fp16"),
+    pytest.param(3, 1, 1, 1, 1, 64, torch.bfloat16, id="L1-E1"),
+    pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
 ]
 
 
