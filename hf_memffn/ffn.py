@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .flash_mhf_op import flash_mhf, flash_mhf_path
+from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path
 from .rms_norm import MemFFNRMSNorm, rms_normalize
 
 logger = logging.getLogger(__name__)
@@ -128,12 +128,14 @@ class _MultiHeadQueries(nn.Module):
 
 
 class FlashMHFFeedForward(_MultiHeadQueries):
-    """Flash Multi-Head FFN. Per head h with query q (after `in_proj` and `query_norm`):
+    """Flash Multi-Head FFN. Per head h with query q (after `in_proj` and `query_norm`, in float32):
 
-        R = sigmoid(q W_router) / (sum_E sigmoid(q W_router) + eps)        (gate logits in float32)
-        S_h = sum_e R_e * (SiLU(q K_e^T) * (q U_e^T)) V_e                   (the fused op, `flash_mhf`)
+        R = sigmoid(q W_router) / (sum_E sigmoid(q W_router) + eps)
+        S_h = sum_e R_e * (SiLU(q K_e^T) * (q U_e^T)) V_e
 
-    then heads are concatenated and projected by `out_proj`. `key`, `up`, `value` hold the sub-network weights,
+    then heads are concatenated and projected by `out_proj`. Everything between the projections is one call of
+    `flash_mhf_layer`: on the Triton path its kernels compute the norm, the gates and the sub-networks, forward and
+    backward (`path_description()` says which path runs). `key`, `up`, `value` hold the sub-network weights,
     [ffn_num_kv_heads, E, subnetwork_size, d_h]; groups of heads share them like grouped-query attention.
     With `ffn_variant="mh_ffn"` there is a single sub-network and no router (the naive multi-head FFN).
     With `ffn_recompute_chunk_tokens` > 0 the module keeps only its input for the backward pass and recomputes its
@@ -155,10 +157,13 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         else:
             self.router = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.num_subnetworks))
         self.recompute_chunk_tokens = config.ffn_recompute_chunk_tokens
+        # True: on the Triton path the query norm and the gates run in the layer's kernels; False: as PyTorch
+        # operations around the op (the reference; benchmarks switch it to compare)
+        self.fused_layer = True
         self._path_logged = False
 
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
-        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast)."""
+        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast), for `queries()`."""
         if self.router is None:
             return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
         with torch.autocast(queries.device.type, enabled=False):
@@ -166,24 +171,32 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         scores = torch.sigmoid(logits)
         return scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)
 
+    def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
+        """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
+        the parameters' device and dtype)."""
+        if hidden_states is None:
+            hidden_states = self.key.new_empty(1, 1, self.num_heads * self.head_dim)
+        return flash_mhf_layer_path(hidden_states, self.key, impl=self.kernel, fused=self.fused_layer)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.recompute_chunk_tokens and torch.is_grad_enabled():
             return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
         return self._forward(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        queries = self.queries(hidden_states)
-        gates = self.gates(queries)
-        if torch.is_autocast_enabled(queries.device.type):
-            # The fused op is a custom op that autocast does not see: run it in the autocast dtype (the RMSNorm of
-            # the queries returns float32 when its weight is float32), as autocast would run a matmul.
-            queries = queries.to(torch.get_autocast_dtype(queries.device.type))
-        gates = gates.to(queries.dtype)
+        projected = self.in_proj(hidden_states) if self.in_proj is not None else hidden_states
+        if torch.is_autocast_enabled(projected.device.type):
+            # The layer is a custom op that autocast does not see: run it in the autocast dtype, as autocast would run
+            # a matmul (without input projection the input is the float32 normalized residual stream).
+            projected = projected.to(torch.get_autocast_dtype(projected.device.type))
         if not self._path_logged and not torch.compiler.is_compiling():
-            logger.info("FlashMHF FFN runs the %s path", flash_mhf_path(queries, self.key, impl=self.kernel))
+            logger.info("FlashMHF FFN runs the %s", self.path_description(projected))
             self._path_logged = True
-        heads = flash_mhf(queries, self.key, self.up, self.value, gates, impl=self.kernel)
-        return self.merge_heads(heads)
+        norm_weight = self.query_norm.weight if self.query_norm is not None else None
+        eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
+        heads = flash_mhf_layer(projected, norm_weight, self.router, self.key, self.up, self.value, eps=eps,
+                                gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
+        return self.out_proj(heads) if self.out_proj is not None else heads
 
 
 class ParametricKVFeedForward(_MultiHeadQueries):

@@ -41,9 +41,16 @@ except ImportError as exc:  # pragma: no cover - only when the sibling file itse
     def triton_interpreting() -> bool:
         return False
 
+try:
+    from .flash_mhf_layer_triton import DECODE_MAX_TOKENS, decode_forward, queries_and_gates, queries_and_gates_backward
+except ImportError:  # pragma: no cover - only when the sibling file itself is missing
+    DECODE_MAX_TOKENS, decode_forward, queries_and_gates, queries_and_gates_backward = 0, None, None, None
+
 
 __all__ = [
     "flash_mhf",
+    "flash_mhf_layer",
+    "flash_mhf_layer_path",
     "flash_mhf_reference",
     "flash_mhf_dense",
     "flash_mhf_path",
@@ -346,3 +353,151 @@ def flash_mhf_reference(
 ) -> torch.Tensor:
     """The memory-bounded PyTorch implementation of :func:`flash_mhf` (same as ``impl="torch"``)."""
     return flash_mhf(q, k, u, v, r, impl="torch")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The FFN layer between its projections: query norm, gates and the op
+# ----------------------------------------------------------------------------------------------------------
+# The fused layer takes its [B, L, H * d_h] input straight from the input projection and returns the heads in the
+# layout the output projection reads; the query norm and the gates are computed by the kernels of
+# flash_mhf_layer_triton.py (forward and backward), the queries are re-derived in the backward pass instead of kept.
+def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, eps: float, gate_eps: float,
+                              impl: str = "torch") -> torch.Tensor:
+    """The layer composed of PyTorch operations around :func:`flash_mhf` (``impl`` runs the op): the unfused path,
+    and the reference the fused layer is tested against. Same maths as :func:`flash_mhf_layer`."""
+    batch, length, width = p.shape
+    with torch.autocast(p.device.type, enabled=False):  # float32 norm and gates, also under autocast
+        queries = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2).float()
+        if norm_weight is not None:
+            queries = queries * torch.rsqrt(queries.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        if router is None:
+            gates = queries.new_ones((*queries.shape[:-1], 1))
+        else:
+            scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries, router.float()))
+            gates = scores / (scores.sum(dim=-1, keepdim=True) + gate_eps)
+    heads = flash_mhf(queries.to(p.dtype), k, u, v, gates, impl=impl)
+    return heads.transpose(1, 2).reshape(batch, length, width)
+
+
+def _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    batch, length, width = p.shape
+    if batch * length <= DECODE_MAX_TOKENS:
+        return decode_forward(p, norm_weight, router, k, u, v, eps, gate_eps)
+    q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
+    heads = triton_forward(q.view(batch, length, width // head_dim, head_dim).transpose(1, 2), k, u, v, r)
+    return heads.transpose(1, 2).reshape(batch, length, width)  # heads has q's layout: a view
+
+
+def _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    batch, length, width = p.shape
+    q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
+
+    def heads(t):  # [B, L, H * d_h] -> a [B, H, L, d_h] view
+        return t.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
+
+    grad_q, grad_k, grad_u, grad_v, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r)
+    grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
+    grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim, eps,
+                                                                gate_eps)
+    return grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v
+
+
+def _register_layer_ops():
+    forward_name, backward_name = f"{OP_NAMESPACE}::flash_mhf_layer", f"{OP_NAMESPACE}::flash_mhf_layer_backward"
+
+    @torch.library.custom_op(forward_name, mutates_args=())
+    def layer_op(p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None, k: torch.Tensor,
+                 u: torch.Tensor, v: torch.Tensor, head_dim: int, eps: float, gate_eps: float) -> torch.Tensor:
+        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+
+    @layer_op.register_fake
+    def _(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+        return torch.empty_like(p)
+
+    @torch.library.custom_op(backward_name, mutates_args=())
+    def layer_backward_op(
+        grad_out: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
+        k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, head_dim: int, eps: float, gate_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+        # a custom op returns tensors: an empty one stands for the gradient of an absent norm weight or router
+        return tuple(p.new_empty(0) if g is None else g for g in grads)
+
+    @layer_backward_op.register_fake
+    def _(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+        optional = [p.new_empty(0) if t is None else torch.empty_like(t) for t in (norm_weight, router)]
+        return (torch.empty_like(p), *optional, *(torch.empty_like(t) for t in (k, u, v)))
+
+    def setup_context(ctx, inputs, output):
+        p, norm_weight, router, k, u, v, head_dim, eps, gate_eps = inputs
+        ctx.save_for_backward(p, norm_weight, router, k, u, v)
+        ctx.settings = (head_dim, eps, gate_eps)
+
+    def backward(ctx, grad_out):
+        p, norm_weight, router, k, u, v = ctx.saved_tensors
+        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward(grad_out, p, norm_weight, router, k, u, v,
+                                                                           *ctx.settings)
+        grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v = grads
+        grad_norm = None if norm_weight is None else grad_norm
+        grad_router = None if router is None else grad_router
+        return grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v, None, None, None
+
+    layer_op.register_autograd(backward, setup_context=setup_context)
+
+
+if _registered("flash_mhf_layer") is None:
+    _register_layer_ops()
+_layer_op = _registered("flash_mhf_layer")
+
+
+def _fused_layer_unsupported_reason(p, k, impl: str) -> str | None:
+    if _resolve_impl(p, impl) != "triton":
+        return "the op runs the PyTorch reference" + ("" if impl == "torch" else f" on {p.device.type} tensors")
+    if queries_and_gates is None:
+        return "flash_mhf_layer_triton.py is missing"
+    return _triton_unsupported_reason(p.new_empty(1, 1, 1, k.shape[-1]), k)
+
+
+def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True) -> str:
+    """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and weights ``k``, as one line."""
+    reason = _fused_layer_unsupported_reason(p, k, impl) if fused else "fusion switched off"
+    queries = p.new_empty(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
+    if reason is not None:
+        return f"unfused layer (PyTorch norm and gates, {reason}); op: {flash_mhf_path(queries, k, impl=impl)}"
+    tokens = p.shape[0] * p.shape[1]
+    if tokens <= DECODE_MAX_TOKENS:
+        return f"fused layer: one Triton decode kernel (norm, gates and op for {tokens} <= {DECODE_MAX_TOKENS} tokens)"
+    return f"fused layer: Triton norm/gate kernels + {flash_mhf_path(queries, k, impl=impl)}"
+
+
+def flash_mhf_layer(
+    p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None, k: torch.Tensor,
+    u: torch.Tensor, v: torch.Tensor, *, eps: float, gate_eps: float, impl: str = "auto", fused: bool = True,
+) -> torch.Tensor:
+    """The FlashMHF FFN layer between its projections, ``[B, L, H * d_h] -> [B, L, H * d_h]``. Per head ``h``, with
+    ``p_h`` the head's slice of ``p``:
+
+        q = p_h / rms(p_h) * norm_weight                              (float32; no norm when norm_weight is None)
+        r = sigmoid(q router_h) / (sum_E sigmoid(q router_h) + gate_eps)   (float32; r = 1 when router is None)
+        o_h = flash_mhf(q in p's dtype, k, u, v, r)
+
+    ``norm_weight`` [d_h], ``router`` [H, d_h, E], ``k, u, v`` [H_kv, E, d_e, d_h] (cast to ``p``'s dtype).
+    On the Triton path the norm and the gates are computed by kernels, forward and backward (``fused=False`` runs
+    them as PyTorch operations around the op, the reference); :func:`flash_mhf_layer_path` says which path runs.
+    """
+    if p.dim() != 3:
+        raise ValueError(f"p must be [batch, seq_len, heads * head_dim]; got shape {tuple(p.shape)}")
+    head_dim = k.shape[-1]
+    if p.shape[-1] % head_dim:
+        raise ValueError(f"p's last dimension {p.shape[-1]} must be a multiple of head_dim={head_dim}")
+    k, u, v = (w.to(p.dtype) for w in (k, u, v))
+    if not fused or _fused_layer_unsupported_reason(p, k, impl) is not None:
+        return flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps,
+                                         impl=_resolve_impl(p, impl))
+    p = p.contiguous()
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (p, norm_weight, router, k, u, v))
+    if not needs_grad and not torch.compiler.is_compiling():
+        # inference outside a compiled graph: the kernels directly, without the custom operator's dispatch
+        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    return _layer_op(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)

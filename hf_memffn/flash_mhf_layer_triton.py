@@ -1,0 +1,306 @@
+"""Triton kernels for the parts of the FlashMHF FFN layer around the fused op (see ``flash_mhf_layer`` in
+``flash_mhf_op.py`` for the layer's maths and its public entry point).
+
+The layer reads ``P = in_proj(x)``, ``[tokens, H * d_h]`` (the layout the projection writes: head ``h`` is the
+column block ``h * d_h .. (h + 1) * d_h``), and per head computes
+
+    q = RMSNorm(p) * w                           (the query norm; float32)
+    r = sigmoid(q W_router) / (sum_E sigmoid(q W_router) + eps)      (the gates; float32)
+    o = sum_e r_e (SiLU(q K_e^T) * (q U_e^T)) V_e                    (the op, from q rounded to the input dtype)
+
+Kernels (all one program per block of tokens of one head; every row's norm and gates stay on chip):
+
+* ``_queries_and_gates_kernel``: q (in P's layout and dtype, so the op kernels read it through strides, without a
+  transpose) and r (float32, ``[B, H, L, E]``), in one pass over P.
+* ``_queries_and_gates_backward_kernel``: from the op's ``dq`` and ``dr``, the gradient of P (through the gates and
+  the norm, in P's layout) and per-program partial sums of the norm-weight and router gradients (added up by the
+  launcher: every output is written once, so the result is deterministic).
+* ``_decode_kernel``: the whole layer between the projections for a few tokens (decoding): norm, gates and the
+  sub-networks in one launch. Programs split the heads' weight columns (the weights are what a decoding step reads)
+  and add their float32 partial outputs atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _token_tile(P, tokens, token_mask, head, stride_token, D_H: tl.constexpr):
+        """P[tokens, head * d_h : (head + 1) * d_h] in float32 (0 for masked tokens), and its offsets."""
+        dims = tl.arange(0, D_H)
+        offsets = tokens.to(tl.int64)[:, None] * stride_token + head * D_H + dims[None, :]
+        return tl.load(P + offsets, mask=token_mask[:, None], other=0.0).to(tl.float32), offsets
+
+    @triton.jit
+    def _normalized(p, NORM_W, eps, D_H: tl.constexpr, HAS_NORM: tl.constexpr):
+        """(q, p / rms(p), 1 / rms(p)) of a float32 tile; without a norm, (p, p, 1)."""
+        if HAS_NORM:
+            inv_rms = 1.0 / tl.sqrt(tl.sum(p * p, axis=1) / D_H + eps)
+            p_hat = p * inv_rms[:, None]
+            weight = tl.load(NORM_W + tl.arange(0, D_H)).to(tl.float32)
+            return p_hat * weight[None, :], p_hat, inv_rms
+        else:
+            return p, p, tl.full([p.shape[0]], 1.0, tl.float32)
+
+    @triton.jit
+    def _router_tile(ROUTER, head, num_subnetworks, D_H: tl.constexpr, E_DOT: tl.constexpr):
+        """Head ``head``'s router weights [d_h, E_DOT] in float32 (columns past E are 0)."""
+        dims = tl.arange(0, D_H)
+        subnetworks = tl.arange(0, E_DOT)
+        offsets = (head * D_H + dims)[:, None] * num_subnetworks + subnetworks[None, :]
+        return tl.load(ROUTER + offsets, mask=subnetworks[None, :] < num_subnetworks, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _gate_scores(q, router, num_subnetworks, E_DOT: tl.constexpr):
+        """(sigmoid scores s [rows, E_DOT], 0 past E) of float32 queries: the router product in float32."""
+        logits = tl.dot(q, router, input_precision="ieee")
+        scores = tl.sigmoid(logits)
+        return tl.where(tl.arange(0, E_DOT)[None, :] < num_subnetworks, scores, 0.0)
+
+    @triton.jit
+    def _queries_and_gates_kernel(
+        P, NORM_W, ROUTER, Q, R,
+        num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_q, eps, gate_eps,
+        D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+    ):
+        head = tl.program_id(1)
+        tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = tokens < num_tokens
+        p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
+        q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
+        dims = tl.arange(0, D_H)
+        q_offsets = tokens.to(tl.int64)[:, None] * stride_q + head * D_H + dims[None, :]
+        tl.store(Q + q_offsets, q.to(Q.dtype.element_ty), mask=token_mask[:, None])
+
+        subnetworks = tl.arange(0, E_DOT)
+        if HAS_ROUTER:
+            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
+            gates = scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
+        else:
+            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
+        batch = (tokens // seq_len).to(tl.int64)
+        gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len  # rows of r [B, H, L, E]
+        r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
+        tl.store(R + gate_rows[:, None] * num_subnetworks + subnetworks[None, :], gates, mask=r_mask)
+
+    @triton.jit
+    def _queries_and_gates_backward_kernel(
+        P, NORM_W, ROUTER, DQ, DR, DP, DNORM_PARTS, DROUTER_PARTS,
+        num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_dq, stride_dp, eps, gate_eps,
+        blocks_per_program,
+        D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+    ):
+        """DNORM_PARTS [programs, H, d_h] and DROUTER_PARTS [programs, H, d_h, E_DOT]: this program's sums."""
+        part = tl.program_id(0)
+        head = tl.program_id(1)
+        dims = tl.arange(0, D_H)
+        subnetworks = tl.arange(0, E_DOT)
+        grad_norm = tl.zeros([D_H], dtype=tl.float32)
+        grad_router = tl.zeros([D_H, E_DOT], dtype=tl.float32)
+        router = tl.zeros([D_H, E_DOT], dtype=tl.float32)
+        if HAS_ROUTER:
+            router = _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT)
+        for i in range(0, blocks_per_program):
+            tokens = (part * blocks_per_program + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+            token_mask = tokens < num_tokens
+            p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
+            grad_q, _ = _token_tile(DQ, tokens, token_mask, head, stride_dq, D_H)
+            q, p_hat, inv_rms = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
+            if HAS_ROUTER:
+                scores = _gate_scores(q, router, num_subnetworks, E_DOT)
+                total = tl.sum(scores, axis=1) + gate_eps
+                gates = scores / total[:, None]
+                batch = (tokens // seq_len).to(tl.int64)
+                gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len
+                r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
+                grad_gates = tl.load(DR + gate_rows[:, None] * num_subnetworks + subnetworks[None, :], mask=r_mask,
+                                     other=0.0).to(tl.float32)
+                # r = s / (sum s + eps): ds_j = (dr_j - sum_e dr_e r_e) / (sum s + eps); then through the sigmoid
+                grad_scores = (grad_gates - tl.sum(grad_gates * gates, axis=1)[:, None]) / total[:, None]
+                grad_logits = grad_scores * scores * (1.0 - scores)
+                grad_q += tl.dot(grad_logits, tl.trans(router), input_precision="ieee")
+                grad_router += tl.dot(tl.trans(q), grad_logits, input_precision="ieee")
+            if HAS_NORM:
+                weight = tl.load(NORM_W + dims).to(tl.float32)
+                grad_norm += tl.sum(grad_q * p_hat, axis=0)
+                grad_p_hat = grad_q * weight[None, :]
+                grad_p = inv_rms[:, None] * (grad_p_hat - p_hat * (tl.sum(grad_p_hat * p_hat, axis=1) / D_H)[:, None])
+            else:
+                grad_p = grad_q
+            dp_offsets = tokens.to(tl.int64)[:, None] * stride_dp + head * D_H + dims[None, :]
+            tl.store(DP + dp_offsets, grad_p.to(DP.dtype.element_ty), mask=token_mask[:, None])
+        slot = part * num_heads + head
+        if HAS_NORM:
+            tl.store(DNORM_PARTS + slot * D_H + dims, grad_norm)
+        if HAS_ROUTER:
+            tl.store(DROUTER_PARTS + (slot * D_H + dims)[:, None] * E_DOT + subnetworks[None, :], grad_router)
+
+    @triton.jit
+    def _decode_kernel(
+        P, NORM_W, ROUTER, K, U, V, OUT,
+        num_tokens, group_size, num_subnetworks, stride_p, eps, gate_eps, blocks_per_split,
+        D_H: tl.constexpr, D_E: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """OUT: float32 [tokens, H * d_h], zeroed; program (head, split, token block) adds its columns' share."""
+        head = tl.program_id(0)
+        split = tl.program_id(1)
+        tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+        token_mask = tokens < num_tokens
+        num_heads = tl.num_programs(0)
+        p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
+        q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
+        subnetworks = tl.arange(0, E_DOT)
+        if HAS_ROUTER:
+            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
+            gates = scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
+        else:
+            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
+        q = q.to(K.dtype.element_ty)  # the op multiplies the queries in the input dtype
+
+        dims = tl.arange(0, D_H)
+        cols = tl.arange(0, BLOCK_N)
+        group = head // group_size
+        weight_base = group.to(tl.int64) * num_subnetworks * D_E * D_H
+        num_blocks = num_subnetworks * (D_E // BLOCK_N)
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, num_blocks)
+        acc = tl.zeros([BLOCK_T, D_H], dtype=tl.float32)
+        for block in range(first, last):
+            col0 = block * BLOCK_N
+            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
+            k = tl.load(K + w_offsets)
+            u = tl.load(U + w_offsets)
+            v = tl.load(V + w_offsets)
+            gate_pre = _dot(q, tl.trans(k), PRECISION)
+            up = _dot(q, tl.trans(u), PRECISION)
+            gate = tl.sum(tl.where(subnetworks[None, :] == col0 // D_E, gates, 0.0), axis=1)
+            hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
+            acc = _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
+        out_offsets = tokens.to(tl.int64)[:, None] * (num_heads * D_H) + head * D_H + dims[None, :]
+        tl.atomic_add(OUT + out_offsets, acc, mask=token_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers. ``p``: the input projection's output [B, L, H * d_h]; the gates r are [B, H, L, E] as the op reads them.
+# ----------------------------------------------------------------------------------------------------------
+BLOCK_T = 32  # tokens per program of the norm/gate kernels
+DECODE_BLOCK_T = 16  # tokens per program of the decode kernel (the smallest tile a product takes)
+DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many tokens
+DECODE_BLOCK_N = 64
+
+
+def _e_dot(num_subnetworks: int) -> int:
+    """Width of the gate tiles: a power of two the products accept (>= 16)."""
+    return max(16, triton.next_power_of_2(num_subnetworks))
+
+
+def _flags(norm_weight, router) -> dict:
+    return dict(HAS_NORM=norm_weight is not None, HAS_ROUTER=router is not None)
+
+
+def _pointer_or(tensor, fallback):
+    """A tensor argument the kernel never reads when its flag is off still needs a pointer."""
+    return tensor if tensor is not None else fallback
+
+
+def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: int, eps: float, gate_eps: float):
+    """(q like p, r float32 [B, H, L, E]) for ``p`` [B, L, H * d_h] (contiguous)."""
+    batch, length, width = p.shape
+    num_heads = width // head_dim
+    rows = p.reshape(batch * length, width)
+    q = torch.empty_like(p)
+    r = torch.empty(batch, num_heads, length, num_subnetworks, device=p.device, dtype=torch.float32)
+    num_tokens = batch * length
+    if num_tokens:
+        _queries_and_gates_kernel[(triton.cdiv(num_tokens, BLOCK_T), num_heads)](
+            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r,
+            num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
+            D_H=head_dim, E_DOT=_e_dot(num_subnetworks), BLOCK_T=BLOCK_T, num_warps=4, **_flags(norm_weight, router),
+        )
+    return q, r
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_programs(num_tokens: int, num_heads: int, num_sms: int) -> tuple[int, int]:
+    """(programs per head, token blocks per program): about four programs per multiprocessor."""
+    blocks = triton.cdiv(num_tokens, BLOCK_T)
+    per_program = max(1, triton.cdiv(blocks * num_heads, 4 * num_sms))
+    return triton.cdiv(blocks, per_program), per_program
+
+
+def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim: int, eps: float, gate_eps: float):
+    """(dP like p, d norm weight or None, d router or None) for ``p`` [B, L, H * d_h] (contiguous), from the op's dq
+    (P's layout) and dr ([B, H, L, E])."""
+    batch, length, width = p.shape
+    num_heads = width // head_dim
+    num_subnetworks = grad_r.shape[-1]
+    num_tokens = batch * length
+    rows = p.reshape(num_tokens, width)
+    grad_rows = grad_q.reshape(num_tokens, width) if grad_q.is_contiguous() else grad_q.contiguous().view(-1, width)
+    grad_p = torch.empty_like(p)
+    e_dot = _e_dot(num_subnetworks)
+    programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device))
+    flags = _flags(norm_weight, router)
+    norm_parts = torch.empty(programs, num_heads, head_dim, device=p.device, dtype=torch.float32) \
+        if flags["HAS_NORM"] else None
+    router_parts = torch.empty(programs, num_heads, head_dim, e_dot, device=p.device, dtype=torch.float32) \
+        if flags["HAS_ROUTER"] else None
+    if num_tokens:
+        _queries_and_gates_backward_kernel[(programs, num_heads)](
+            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), grad_rows, grad_r.contiguous(), grad_p,
+            _pointer_or(norm_parts, rows), _pointer_or(router_parts, rows),
+            num_tokens, length, num_heads, num_subnetworks, rows.stride(0), grad_rows.stride(0), width, eps, gate_eps,
+            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=BLOCK_T, num_warps=4, **flags,
+        )
+    grad_norm = grad_router = None
+    if norm_parts is not None:
+        grad_norm = norm_parts.sum((0, 1)).to(norm_weight.dtype) if num_tokens else torch.zeros_like(norm_weight)
+    if router_parts is not None:
+        grad_router = (router_parts.sum(0)[..., :num_subnetworks].to(router.dtype) if num_tokens
+                       else torch.zeros_like(router))
+    return grad_p, grad_norm, grad_router
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_splits(num_heads: int, token_blocks: int, num_blocks: int, num_sms: int) -> int:
+    """Column blocks per program so that about two programs run per multiprocessor."""
+    splits = max(1, min(num_blocks, triton.cdiv(2 * num_sms, num_heads * token_blocks)))
+    return triton.cdiv(num_blocks, splits)
+
+
+def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float) -> torch.Tensor:
+    """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens, in one kernel."""
+    batch, length, width = p.shape
+    kv_heads, num_subnetworks, subnetwork_size, head_dim = k.shape
+    num_heads = width // head_dim
+    num_tokens = batch * length
+    rows = p.reshape(num_tokens, width)
+    out = torch.zeros(num_tokens, width, device=p.device, dtype=torch.float32)
+    block_n = DECODE_BLOCK_N
+    while subnetwork_size % block_n:
+        block_n //= 2
+    num_blocks = num_subnetworks * subnetwork_size // block_n
+    token_blocks = triton.cdiv(num_tokens, DECODE_BLOCK_T)
+    per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device))
+    if num_tokens:
+        _decode_kernel[(num_heads, triton.cdiv(num_blocks, per_split), token_blocks)](
+            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
+            num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
+            D_H=head_dim, D_E=subnetwork_size, E_DOT=_e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
+            num_warps=4, **_flags(norm_weight, router), **_kernel_flags(k.dtype),
+        )
+    return out.to(p.dtype).view(batch, length, width)
+
+
+__all__ = ["queries_and_gates", "queries_and_gates_backward", "decode_forward", "DECODE_MAX_TOKENS"]

@@ -1,0 +1,509 @@
+"""Whole models side by side: transformers' `LlamaForCausalLM` against FlashMHFLlama, MemoryLLM, FlexMemoryLLM and
+KVFFN at the presets of `examples/presets.py` (equal parameters), in one run on one GPU.
+
+    PYTHONPATH=. python kernels/bench_models.py --out kernels/results/models
+    PYTHONPATH=. python kernels/bench_models.py --out DIR --sizes 370M --parts train decode --compile
+
+Parts (`--parts`, default all):
+- `train`: a training step (forward + backward, no optimiser) on random tokens at the preset's batch (370M: 8 x 2048,
+  1.3B: 4 x 2048): tokens/s and peak memory, eager and, with `--compile`, under `torch.compile`.
+- `decode`: `generate()` decode tokens/s at batch 1 and 16 (prompt 128, greedy), eager with the dynamic cache and, with
+  `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
+  the prefill, so the prefill is not counted.
+- `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
+  backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
+- `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
+  eager decoding step of every model, to see where the time goes.
+
+Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
+Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
+measured), <out>/models_bench.md and <out>/models_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (  # noqa: E402
+    ROOT,
+    ClockSampler,
+    bench_ms,
+    cuda_ms,
+    environment,
+    graph_ms,
+    log,
+    markdown_table,
+    median,
+    peak_memory_gib,
+    reset_peak_memory,
+    synchronize,
+    write_json,
+    write_text,
+)
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
+
+TRAIN_BATCH = {"370M": 8, "1.3B": 4, "small": 8, "tiny": 2}
+VOCAB_SIZE = 32000
+DECODE_BATCHES = (1, 16)
+PROMPT_LEN = 128
+NEW_TOKENS = 128
+SEQ_LEN = 2048
+TRAIN_STEPS = 10
+# "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op
+ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")
+DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
+           "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+def build_config(architecture: str, size: str, **overrides):
+    fields = get_preset(size).config_fields(architecture)
+    fields.update(vocab_size=VOCAB_SIZE, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    if architecture == "llama":
+        from transformers import LlamaConfig
+
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+        return LlamaConfig(**fields)
+    import hf_memffn
+
+    return hf_memffn.ARCHITECTURES[architecture](**fields)
+
+
+def build_model(architecture: str, size: str, device: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    unfused = architecture == "flash_mhf_unfused"
+    config = build_config("flash_mhf" if unfused else architecture, size, **overrides)
+    with torch.device(device):  # initialised where it runs
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    for module in model.modules():
+        if unfused and hasattr(module, "fused_layer"):
+            module.fused_layer = False
+    return model.to(device)
+
+
+def parameter_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def ffn_path(model) -> str | None:
+    """What the FlashMHF FFN of `model` runs (None for the other architectures)."""
+    from hf_memffn.ffn import FlashMHFFeedForward
+
+    for module in model.modules():
+        if isinstance(module, FlashMHFFeedForward):
+            return module.path_description()
+    return None
+
+
+def release(*objects) -> None:
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Training step
+# --------------------------------------------------------------------------------------------------------------------
+def train_row(architecture: str, size: str, compiled: bool, device: str) -> dict:
+    model = build_model(architecture, size, device)
+    model.train()
+    batch = TRAIN_BATCH[size]
+    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
+    forward = torch.compile(model) if compiled else model
+
+    def step():
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    start = time.perf_counter()
+    step()  # compiles when compiled
+    synchronize()
+    first_s = time.perf_counter() - start
+    reset_peak_memory()
+    with ClockSampler() as clock:
+        times = cuda_ms(step, TRAIN_STEPS, warmup=2)
+    step_ms = median(times)
+    row = {"arch": architecture, "size": size, "mode": "compiled" if compiled else "eager", "batch": batch,
+           "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
+           "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "peak_gib": peak_memory_gib(),
+           "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model), **clock.summary()}
+    release(model, forward)
+    return row
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------------------------
+class StepClock:
+    """A logits processor that notes the time at every decoding step (after the GPU finished it)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def decode_row(architecture: str, size: str, batch: int, static: bool, device: str, model=None) -> dict:
+    from transformers import LogitsProcessorList
+
+    own_model = model is None
+    model = build_model(architecture, size, device) if own_model else model
+    model.eval()
+    generation = model.generation_config
+    generation.eos_token_id = None
+    generation.pad_token_id = 0
+    generation.cache_implementation = "static" if static else None
+    ids = torch.randint(3, VOCAB_SIZE, (batch, PROMPT_LEN), device=device)
+
+    def generate(new_tokens: int):
+        clock = StepClock()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]))
+        return clock.times
+
+    start = time.perf_counter()
+    generate(NEW_TOKENS if static else 4)  # warm-up (a static cache of the timed shape is compiled here)
+    warmup_s = time.perf_counter() - start
+    reset_peak_memory()
+    times = generate(NEW_TOKENS)
+    # times[0] ends the prefill; every later mark ends one decoding step: the median step is what is reported
+    steps = [b - a for a, b in zip(times, times[1:])]
+    step_s = median(steps)
+    row = {"arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
+           "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
+           "mean_ms_per_step": (times[-1] - times[0]) / len(steps) * 1e3,
+           "peak_gib": peak_memory_gib(), "warmup_s": warmup_s,
+           "compiled_call": getattr(model, "_compiled_call", None) is not None}
+    if own_model:
+        release(model)
+    return row
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One FFN layer
+# --------------------------------------------------------------------------------------------------------------------
+def ffn_layers(size: str, device: str) -> tuple[dict, int]:
+    """The FFN block of each architecture's decoder layer at `size`, and SwiGLU MLPs of equal parameters."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hf_memffn.ffn import SwiGLUFeedForward, build_residual_ffn
+
+    torch.manual_seed(0)
+    layers = {}
+    flash_config = build_config("flash_mhf", size)
+    layers["FlashMHF"] = build_residual_ffn(flash_config)
+    layers["FlashMHF, unfused layer"] = copy.deepcopy(layers["FlashMHF"])
+    layers["FlashMHF, unfused layer"].fused_layer = False
+    flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())
+    width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
+    layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
+    layers["KV-FFN"] = build_residual_ffn(build_config("kvffn", size))
+    llama_config = build_config("llama", size)
+    layers[f"Llama MLP d_ff={llama_config.intermediate_size}"] = LlamaMLP(llama_config)
+    for module in layers.values():
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                param.copy_(torch.ones_like(param) if "norm" in name else torch.randn_like(param) * 0.02)
+        module.to(device, torch.bfloat16)
+    return layers, flash_config.hidden_size
+
+
+def layer_rows(size: str, device: str) -> list[dict]:
+    rows = []
+    layers, hidden = ffn_layers(size, device)
+    tokens = TRAIN_BATCH[size] * SEQ_LEN
+    x = torch.randn(TRAIN_BATCH[size], SEQ_LEN, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    for name, module in layers.items():
+        params = list(module.parameters())
+
+        def train():
+            module(x).backward(grad)
+
+        with torch.no_grad():
+            forward_ms = bench_ms(lambda: module(x))
+        train_ms = bench_ms(train, grad_to_none=[x, *params])
+        row = {"layer": name, "size": size, "tokens": tokens, "params": sum(p.numel() for p in params),
+               "forward_ms": forward_ms, "train_ms": train_ms}
+        for batch in DECODE_BATCHES:
+            step = torch.randn(batch, 1, hidden, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                graph = graph_ms(lambda: module(step))
+                row[f"decode_b{batch}_graph_us"] = None if graph is None else graph * 1e3
+                row[f"decode_b{batch}_launch_us"] = bench_ms(lambda: module(step)) * 1e3
+        log(f"layer {name}: fwd {forward_ms:.3f} ms, fwd+bwd {train_ms:.3f} ms, decode b1 "
+            f"{fmt(row['decode_b1_graph_us'])} us (graph) {fmt(row['decode_b1_launch_us'])} us (launches)")
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Profiles
+# --------------------------------------------------------------------------------------------------------------------
+def kernel_table(fn, steps: int, top: int = 25) -> dict:
+    """CUDA kernels of `steps` calls of `fn`, by total CUDA time: [(name, calls, total us)], and the totals."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    kernel_type = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == kernel_type:
+            name = event.name[:120]
+            calls, total = kernels.get(name, (0, 0.0))
+            kernels[name] = (calls + 1, total + (event.device_time if torch.cuda.is_available() else event.cpu_time))
+    ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
+    return {"steps": steps, "wall_us_per_step": wall_us / steps,
+            "kernel_us_per_step": sum(t for _, t in kernels.values()) / steps,
+            "kernels_per_step": sum(c for c, _ in kernels.values()) / steps,
+            "top": [(name, calls / steps, total / steps) for name, (calls, total) in ranked[:top]]}
+
+
+def profile_rows(size: str, device: str, archs) -> dict:
+    out = {}
+    layers, hidden = ffn_layers(size, device)
+    flash = layers["FlashMHF"]
+    x = torch.randn(TRAIN_BATCH[size], SEQ_LEN, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    out["flash_mhf_layer_fwd_bwd"] = kernel_table(lambda: flash(x).backward(grad), steps=3)
+    release(layers, x, grad)
+    for architecture in archs:
+        model = build_model(architecture, size, device)
+        model.eval()
+        ids = torch.randint(3, VOCAB_SIZE, (1, PROMPT_LEN), device=device)
+        from transformers import DynamicCache
+
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            token = ids[:, -1:]
+            length = [PROMPT_LEN]
+
+            def decode_step():
+                position = torch.tensor([[length[0]]], device=device)
+                model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True)
+                length[0] += 1
+
+            out[f"decode_step_b1_{architecture}"] = kernel_table(decode_step, steps=5, top=15)
+        release(model)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------------------------
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratio_to_llama(rows, key, match) -> dict:
+    base = {match(r): r[key] for r in rows if r["arch"] == "llama"}
+    return {id(r): r[key] / base[match(r)] for r in rows if match(r) in base}
+
+
+def report(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# Whole-model benchmark on {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; bf16 weights, sdpa "
+             f"attention, random tokens, vocabulary {VOCAB_SIZE}. Ratios are to transformers' `LlamaForCausalLM` of "
+             "the same preset in the same run.", ""]
+    train = results.get("train", [])
+    if train:
+        ratios = ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"]))
+        lines += ["## Training step (forward + backward)", ""]
+        lines += markdown_table(
+            ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama", "peak GiB"],
+            [[r["size"], r["mode"], DISPLAY[r["arch"]], f"{r['params'] / 1e6:.0f}", f"{r['batch']} x {r['seq_len']}",
+              f"{r['tokens_per_s'] / 1e3:.1f}k", f"{ratios.get(id(r), float('nan')):.2f}", fmt(r["peak_gib"])]
+             for r in train])
+        lines.append("")
+    decode = results.get("decode", [])
+    if decode:
+        ratios = ratio_to_llama(decode, "decode_tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))
+        lines += ["## Decoding with `generate()` (greedy, prompt 128, 128 new tokens)", ""]
+        lines += markdown_table(
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama"],
+            [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]], f"{r['decode_tokens_per_s']:.0f}",
+              f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}"] for r in decode])
+        lines.append("")
+    layer = results.get("layer", [])
+    if layer:
+        lines += ["## One FFN layer", "", f"Forward + backward over {layer[0]['tokens']} tokens; decoding one token "
+                  "(CUDA-graph replay / plain launches).", ""]
+        lines += markdown_table(
+            ["layer", "params (M)", "fwd ms", "fwd+bwd ms", "decode b1 us", "decode b16 us", "b1 launches us"],
+            [[r["layer"], f"{r['params'] / 1e6:.2f}", f"{r['forward_ms']:.3f}", f"{r['train_ms']:.3f}",
+              fmt(r["decode_b1_graph_us"]), fmt(r["decode_b16_graph_us"]), fmt(r["decode_b1_launch_us"])]
+             for r in layer])
+        lines.append("")
+    for name, table in results.get("profile", {}).items():
+        lines += [f"## Profile: {name}", "",
+                  f"{table['kernels_per_step']:.0f} kernels, {table['kernel_us_per_step']:.0f} us of kernels in "
+                  f"{table['wall_us_per_step']:.0f} us of wall time per step.", ""]
+        lines += markdown_table(["kernel", "calls/step", "us/step"],
+                                [[f"`{k}`", f"{c:.0f}", f"{t:.1f}"] for k, c, t in table["top"]])
+        lines.append("")
+    if results.get("errors"):
+        lines += ["## Errors", ""] + [f"- {e}" for e in results["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = []
+    for r in results.get("train", []):
+        groups.append((f"train {r['size']} {r['mode']}", r["arch"], r["tokens_per_s"]))
+    for r in results.get("decode", []):
+        groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"], r["decode_tokens_per_s"]))
+    if not groups:
+        return
+    labels = list(dict.fromkeys(g for g, _, _ in groups))
+    archs = [a for a in ARCHS if any(arch == a for _, arch, _ in groups)]
+    base = {g: v for g, a, v in groups if a == "llama"}
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 4.5))
+    width = 0.8 / len(archs)
+    for i, arch in enumerate(archs):
+        values = {g: v / base[g] for g, a, v in groups if a == arch and g in base}
+        xs = [j + i * width for j, g in enumerate(labels) if g in values]
+        ax.bar(xs, [values[g] for g in labels if g in values], width, label=DISPLAY[arch])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("throughput / Llama")
+    ax.set_title(f"Whole models against transformers' Llama, {results['environment']['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+def save(results: dict, out: str) -> None:
+    write_json(os.path.join(out, "models_bench.json"), results)
+    write_text(os.path.join(out, "models_bench.md"), report(results))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+def default_tasks(args) -> list[str]:
+    """The run's measurements, most important first (`--deadline-s` drops the tail when time runs out)."""
+    tasks = [f"layer:{args.sizes[0]}"]
+    for size in args.sizes:
+        tasks += [f"train:{size}:{arch}:eager" for arch in args.archs]
+    for size in args.decode_sizes:
+        tasks += [f"decode:{size}:{arch}:eager" for arch in args.archs]
+    if args.compile:
+        for size in args.compile_sizes:
+            tasks += [f"decode:{size}:{arch}:static" for arch in args.archs]
+            tasks += [f"train:{size}:{arch}:compiled" for arch in args.archs]
+    tasks.append(f"profile:{args.sizes[0]}")
+    return tasks
+
+
+def run_task(task: str, args, results: dict) -> None:
+    part, size, *rest = task.split(":")
+    device = args.device
+    if part == "layer":
+        results["layer"] += layer_rows(size, device)
+    elif part == "profile":
+        results["profile"].update(profile_rows(size, device, args.archs))
+    elif part == "train":
+        architecture, mode = rest
+        row = train_row(architecture, size, mode == "compiled", device)
+        results["train"].append(row)
+        log(f"train {size} {mode} {architecture}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
+            f"peak {fmt(row['peak_gib'])} GiB")
+    elif part == "decode":
+        architecture, mode = rest
+        model = build_model(architecture, size, device)
+        for batch in DECODE_BATCHES:
+            row = decode_row(architecture, size, batch, mode == "static", device, model)
+            results["decode"].append(row)
+            log(f"decode {size} {row['mode']} b{batch} {architecture}: {row['decode_tokens_per_s']:.0f} tokens/s "
+                f"({row['ms_per_step']:.2f} ms/step)")
+        release(model)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for models_bench.{json,md,png}")
+    parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"], help="presets of examples/presets.py")
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--compile", action="store_true", help="also time compiled training and static-cache decoding")
+    parser.add_argument("--decode-sizes", nargs="+", default=["370M"], help="presets timed in the decode part")
+    parser.add_argument("--compile-sizes", nargs="+", default=["370M"], help="presets timed compiled")
+    parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M train:370M:llama:eager "
+                        "decode:370M:flash_mhf:static profile:370M (default: all of the above options)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
+    parser.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generate() call")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a smoke run of the script itself (wall-clock times; the tests use it)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
+    global SEQ_LEN, NEW_TOKENS
+    SEQ_LEN, NEW_TOKENS = args.seq_len, args.new_tokens
+    tasks = args.tasks or default_tasks(args)
+    results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],
+               "layer": [], "profile": {}, "errors": [], "skipped": []}
+    started = time.perf_counter()
+    for task in tasks:
+        elapsed = time.perf_counter() - started
+        if args.deadline_s is not None and elapsed > args.deadline_s:
+            results["skipped"].append(task)
+            continue
+        log(f"[{elapsed:.0f} s] {task}")
+        try:
+            run_task(task, args, results)
+        except Exception as exc:  # noqa: BLE001 - one failed measurement must not lose the others
+            log(f"FAILED {task}: {exc!r}")
+            traceback.print_exc()
+            results["errors"].append(f"{task}: {exc!r}"[:500])
+            release()
+        save(results, args.out)
+    try:
+        plot(results, os.path.join(args.out, "models_bench.png"))
+    except Exception as exc:  # noqa: BLE001
+        log(f"plot failed: {exc!r}")
+    log(report(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

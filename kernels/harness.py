@@ -1,0 +1,200 @@
+"""What every benchmark and profiling script in `kernels/` shares: timing, clock sampling, peak memory, the device's
+name and the result files.
+
+Timings are medians: `bench_ms` (triton.testing.do_bench: L2 flushed between calls), `graph_ms` (CUDA-graph replay,
+for launch-bound decoding shapes) and `cuda_ms` (CUDA events around a callable, for whole training steps that are
+too long to repeat hundreds of times). Results are written atomically: a temporary name, then a rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+if ROOT not in sys.path:  # the scripts run from a checkout: `python kernels/<script>.py`
+    sys.path.insert(0, ROOT)
+
+GIB = 1024**3
+
+
+def log(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bench_ms(fn, grad_to_none=None, warmup: int = 50, rep: int = 300) -> float:
+    if not torch.cuda.is_available():  # CPU smoke runs of the scripts: wall-clock median of a few calls
+        return median(wall_ms(fn, 3))
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def graph_ms(fn) -> float | None:
+    """Median time of `fn` replayed from a CUDA graph (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+
+
+def wall_ms(fn, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def cuda_ms(fn, steps: int, warmup: int = 2) -> list[float]:
+    """Times of `steps` calls of `fn` (after `warmup` calls), each between two CUDA events, in ms (wall-clock times
+    without CUDA)."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        return wall_ms(fn, steps)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gib() -> float | None:
+    """Peak CUDA memory allocated since the last `reset_peak_memory` (None without CUDA)."""
+    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+class ClockSampler:
+    """SM clock (MHz) and board power (W) from `nvidia-smi` every 50 ms while in a `with` block: an H100 at its power
+    limit changes its clock by 15% within seconds, so timings record the clock they ran at."""
+
+    def __init__(self):
+        self.available = shutil.which("nvidia-smi") is not None and torch.cuda.is_available()
+
+    def __enter__(self):
+        self.samples, self.stop = [], threading.Event()
+        if self.available:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self):
+        while not self.stop.is_set():
+            line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                   "-i", str(torch.cuda.current_device())], capture_output=True, text=True).stdout
+            try:
+                clock, power = (float(x) for x in line.strip().split(","))
+                self.samples.append((clock, power))
+            except ValueError:
+                pass
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.available:
+            self.thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"sm_clock_mhz": None, "power_w": None, "samples": 0}
+        clocks, powers = zip(*self.samples)
+        return {"sm_clock_mhz": median(clocks), "sm_clock_min_mhz": min(clocks), "power_w": median(powers),
+                "samples": len(clocks)}
+
+
+def timed(fn, grad_to_none=None) -> dict:
+    """`bench_ms` with the SM clock and power sampled while it runs."""
+    with ClockSampler() as sampler:
+        ms = bench_ms(fn, grad_to_none=grad_to_none)
+    return {"ms": ms, **sampler.summary()}
+
+
+def peak_memory(fn, leaves=(), held=()) -> dict:
+    """Peak memory of one call of `fn`: what it allocates at its peak, plus the bytes of `leaves` (parameters and
+    inputs; their stale gradients are cleared first) and `held` (the incoming gradient). Other tensors on the device
+    are not counted."""
+    for tensor in leaves:
+        tensor.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    above = torch.cuda.max_memory_allocated() - before
+    own = sum(t.numel() * t.element_size() for t in (*leaves, *held))
+    for tensor in leaves:
+        tensor.grad = None
+    return {"peak_gib": (above + own) / GIB, "peak_above_inputs_gib": above / GIB}
+
+
+def environment() -> dict:
+    """The device and the versions a result was measured with."""
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton_version,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_text(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary name, so a reader never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: str, data) -> None:
+    write_text(path, json.dumps(data, indent=1, default=str) + "\n")
+
+
+def markdown_table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("-" if cell is None else str(cell) for cell in row) + " |" for row in rows]
+    return lines

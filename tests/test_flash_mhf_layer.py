@@ -1,0 +1,197 @@
+"""The fused FlashMHF layer (query norm, gates and op between the projections) against a float64 ground truth.
+
+The Triton tests run on CUDA in this process, and on CPU in a child pytest under TRITON_INTERPRET=1
+(`test_layer_kernels_under_interpreter_in_subprocess`, as in test_flash_mhf_op.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_memffn import flash_mhf_op, flash_mhf_triton
+from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_layer_path
+from hf_memffn.testing import tiny_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHILD_FLAG = "MEMFFN_FLASH_MHF_LAYER_INTERPRETER_CHILD"
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+KERNELS_RUN_HERE = flash_mhf_triton.TRITON_AVAILABLE and (ON_GPU or flash_mhf_triton.triton_interpreting())
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN_HERE, reason="Triton kernels run on CUDA, or on CPU in the interpreter subprocess test"
+)
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+EPS, GATE_EPS = 1e-5, 1e-6
+
+# (batch, seq_len, heads, head_dim, kv_heads, num_subnetworks, subnetwork_size, norm, router)
+LAYER_CASES = [
+    pytest.param((2, 37, 4, 64, 2, 3, 48, True, True), id="ragged-grouped-prologue_path"),
+    pytest.param((3, 1, 2, 64, 2, 4, 32, True, True), id="L1-decode_kernel"),
+    pytest.param((1, 70, 2, 128, 1, 1, 64, True, False), id="E1-no_router-mh_ffn"),
+    pytest.param((2, 9, 2, 64, 1, 2, 32, False, True), id="no_norm-decode_kernel"),
+    pytest.param((1, 80, 2, 256, 2, 2, 32, True, True), id="dh256"),
+]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def layer_inputs(batch, seq_len, heads, head_dim, kv_heads, num_subnetworks, subnetwork_size, norm, router, seed=0):
+    """float64 tensors on DEVICE: p, norm weight (or None), router (or None), k, u, v."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64) * scale
+
+    p = randn(batch, seq_len, heads * head_dim)
+    norm_weight = 1 + randn(head_dim, scale=0.2) if norm else None
+    router_weight = randn(heads, head_dim, num_subnetworks, scale=head_dim**-0.5) if router else None
+    weights = [randn(kv_heads, num_subnetworks, subnetwork_size, head_dim, scale=head_dim**-0.5) for _ in range(3)]
+    return [None if t is None else t.to(DEVICE) for t in (p, norm_weight, router_weight, *weights)]
+
+
+def layer_truth(p, norm_weight, router, k, u, v):
+    """The layer's maths in plain autograd (float64 inputs give the ground truth)."""
+    batch, length, width = p.shape
+    head_dim = k.shape[-1]
+    q = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
+    if norm_weight is not None:
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight
+    if router is None:
+        gates = q.new_ones((*q.shape[:-1], 1))
+    else:
+        scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", q, router))
+        gates = scores / (scores.sum(-1, keepdim=True) + GATE_EPS)
+    return flash_mhf_dense(q, k, u, v, gates).transpose(1, 2).reshape(batch, length, width)
+
+
+def check_layer(inputs, dtype, **layer_kwargs):
+    """Runs flash_mhf_layer in `dtype` (norm and router weights stay float32) and compares its output and every
+    gradient with the float64 truth; returns the errors."""
+    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    truth_leaves = [None if t is None else t.clone().requires_grad_(True) for t in inputs]
+    expected = layer_truth(*truth_leaves)
+    expected.backward(grad_out)
+    leaves = [None if t is None else t.to(dtype if i in (0, 3, 4, 5) else torch.float32).requires_grad_(True)
+              for i, t in enumerate(inputs)]
+    out = flash_mhf_layer(*leaves, eps=EPS, gate_eps=GATE_EPS, **layer_kwargs)
+    assert out.dtype == dtype and out.shape == inputs[0].shape
+    out.backward(grad_out.to(dtype))
+    errors = {"out": relative_error(out, expected)}
+    for name, leaf, truth in zip(("p", "norm", "router", "k", "u", "v"), leaves, truth_leaves):
+        if leaf is None:
+            continue
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        errors[name] = relative_error(leaf.grad, truth.grad)
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    return errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The reference (unfused) layer, on any device
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", LAYER_CASES[:3])
+def test_unfused_layer_matches_float64(case):
+    check_layer(layer_inputs(*case), torch.float32, impl="torch")
+
+
+def test_path_names_the_unfused_layer_on_cpu():
+    p, _, _, k, _, _ = layer_inputs(1, 3, 2, 64, 2, 2, 32, True, True)
+    assert flash_mhf_layer_path(p, k).startswith("unfused layer")
+    assert "fusion switched off" in flash_mhf_layer_path(p, k, fused=False)
+
+
+def test_layer_rejects_bad_shapes():
+    p, norm, router, k, u, v = layer_inputs(1, 3, 2, 64, 2, 2, 32, True, True)
+    with pytest.raises(ValueError, match="multiple of head_dim"):
+        flash_mhf_layer(p[..., :-1], norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS)
+    with pytest.raises(ValueError, match=r"\[batch, seq_len, heads \* head_dim\]"):
+        flash_mhf_layer(p[0], norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton (CUDA, or the interpreter)
+# ------------------------------------------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_triton_layer_matches_float64(case, dtype):
+    inputs = layer_inputs(*case)
+    p, _, _, k, _, _ = inputs
+    tokens = p.shape[0] * p.shape[1]
+    path = flash_mhf_layer_path(p.to(dtype), k.to(dtype), impl="triton")
+    assert path.startswith("fused layer"), path
+    assert ("decode kernel" in path) == (tokens <= flash_mhf_op.DECODE_MAX_TOKENS), path
+    check_layer(inputs, dtype, impl="triton")
+
+
+@needs_kernels
+def test_triton_layer_inference_matches_training_forward():
+    """Without gradients the kernels run directly (no custom-op dispatch); the result is the same."""
+    p, norm, router, k, u, v = (None if t is None else t.to(torch.bfloat16 if i in (0, 3, 4, 5) else torch.float32)
+                                for i, t in enumerate(layer_inputs(2, 40, 2, 64, 1, 2, 32, True, True)))
+    with torch.no_grad():
+        direct = flash_mhf_layer(p, norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    through_op = flash_mhf_layer(p.requires_grad_(True), norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS,
+                                 impl="triton")
+    torch.testing.assert_close(direct, through_op.detach(), rtol=0, atol=0)
+
+
+@needs_kernels
+def test_triton_layer_opcheck():
+    p, norm, router, k, u, v = layer_inputs(1, 70, 2, 64, 2, 2, 32, True, True)
+    args = (p.float().requires_grad_(True), norm.float(), router.float().requires_grad_(True), k.float(), u.float(),
+            v.float(), 64, EPS, GATE_EPS)
+    torch.library.opcheck(flash_mhf_op._layer_op, args, test_utils=("test_schema", "test_faketensor",
+                                                                  "test_autograd_registration"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch_kwargs", [{}, {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}, {"ffn_num_kv_heads": 1}],
+                         ids=["flash_mhf", "mh_ffn", "grouped"])
+def test_model_logits_fused_match_unfused(arch_kwargs):
+    """A tiny FlashMHFLlama in float32 gives the same logits and gradients on the fused and the unfused path."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton",
+                         **arch_kwargs)
+    fused = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    unfused = copy.deepcopy(fused)
+    for module in unfused.modules():
+        if hasattr(module, "fused_layer"):
+            module.fused_layer = False
+    ids = torch.randint(0, config.vocab_size, (2, 40), device=DEVICE)
+    out_fused, out_unfused = fused(ids, labels=ids), unfused(ids, labels=ids)
+    torch.testing.assert_close(out_fused.logits, out_unfused.logits, rtol=1e-4, atol=1e-4)
+    out_fused.loss.backward()
+    out_unfused.loss.backward()
+    for (name, a), b in zip(fused.named_parameters(), unfused.parameters()):
+        assert relative_error(a.grad, b.grad) < 1e-4, name
+    mlp = fused.model.layers[0].mlp
+    assert mlp.path_description(torch.empty(2, 40, 128, device=DEVICE)).startswith("fused layer")
+
+
+def test_layer_kernels_under_interpreter_in_subprocess():
+    if ON_GPU:
+        pytest.skip("the kernels run in-process on this CUDA machine")
+    if not flash_mhf_triton.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    if os.environ.get(CHILD_FLAG) or flash_mhf_triton.triton_interpreting():
+        pytest.skip("already running under the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "triton or fused",
+               "-p", "no:cacheprovider"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
