@@ -422,6 +422,16 @@ if GLUON_AVAILABLE:
         ], [4, 1], [232, 24])
 
 
+def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or an aligned copy of it: a bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as
+    strides (but the last). Both kernel modules build their tensor descriptors from it."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
+        # a new allocation, hence aligned (contiguous() returns an already contiguous tensor as it is)
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
@@ -432,13 +442,11 @@ def _launch_sizes(q, k, kernel: str):
     reason = gluon_unsupported_reason(q, k)
     if reason is not None:
         raise ValueError(f"the Gluon {kernel} kernel cannot run: {reason}")
-    from .flash_mhf_triton import _descriptor_ready  # the sibling imports this module, so not at the top
-
     head_dim = q.shape[-1]
     weight_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], _gl_dtype(q.dtype))
 
     def weight_descriptor(w):
-        rows = _descriptor_ready(w.reshape(-1, head_dim))
+        rows = descriptor_ready(w.reshape(-1, head_dim))
         return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, head_dim], weight_layout)
 
     return (*q.shape, *k.shape[:3], q.shape[1] // k.shape[0]), weight_descriptor
@@ -450,12 +458,10 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
     write instead of new ones. Returns the gradients and the compiled kernel."""
     sizes, weight_descriptor = _launch_sizes(q, k, "weight-gradient")
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
-    from .flash_mhf_triton import _descriptor_ready
-
     sequence_layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, head_dim], _gl_dtype(q.dtype))
 
     def sequence_descriptor(t):
-        t = _descriptor_ready(t)
+        t = descriptor_ready(t)
         return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
@@ -475,14 +481,12 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None):
     tensors to write instead of new ones. Returns the gradients and the compiled kernel."""
     sizes, weight_descriptor = _launch_sizes(q, k, "dq/dr")
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
-    from .flash_mhf_triton import _row_strides
-
     total_rows = batch * group_size * seq_len
     grad_out = grad_out.to(q.dtype)
     grad_q, grad_r = outputs if outputs is not None else (torch.empty_like(q), torch.empty_like(r))
     compiled = _rows_gradients_kernel[(-(-total_rows // BLOCK_L), kv_heads)](
         q, grad_out, *(weight_descriptor(w) for w in (k, u, v)), r, grad_q, grad_r,
-        *_row_strides(q), *_row_strides(grad_out), *_row_strides(grad_q),
+        *q.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
         total_rows, seq_len, group_size, num_heads, num_subnetworks,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
     )

@@ -52,7 +52,7 @@ except ImportError as exc:  # the package must import on machines without triton
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
-from .flash_mhf_gluon import gluon_rows_gradients, gluon_weight_gradients, gluon_unsupported_reason
+from .flash_mhf_gluon import descriptor_ready, gluon_rows_gradients, gluon_unsupported_reason, gluon_weight_gradients
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -501,26 +501,17 @@ def _rows_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _descriptor_ready(t: torch.Tensor) -> torch.Tensor:
-    """A bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as strides (but the last)."""
-    size = t.element_size()
-    if t.data_ptr() % 16 or any(stride * size % 16 for stride in t.stride()[:-1]):
-        # a new allocation, hence aligned (contiguous() returns an already contiguous tensor as it is)
-        return t.clone(memory_format=torch.contiguous_format)
-    return t
-
-
 def _weight_descriptor(w: torch.Tensor, block_n: int):
     """Tensor descriptor over contiguous [H_kv, E, d_e, d_h] weights seen as [H_kv * E * d_e, d_h] rows, read in
     blocks of BLOCK_N rows."""
-    rows = _descriptor_ready(w.reshape(-1, w.shape[-1]))
+    rows = descriptor_ready(w.reshape(-1, w.shape[-1]))
     return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [block_n, w.shape[-1]])
 
 
 def _sequence_descriptor(t: torch.Tensor, block_l: int):
     """Tensor descriptor over a [B, H, L, d_h] tensor (any strides), read in blocks of BLOCK_L positions of one
     sequence."""
-    t = _descriptor_ready(t)
+    t = descriptor_ready(t)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_l, t.shape[-1]])
 
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
-           "bench_token_lookup.py"]
+           "bench_token_lookup.py", "bench_models.py"]
 
 
 def run_script(name, *args):
@@ -57,3 +57,21 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
     assert 40 < weights["tensor pipe active %"] < 60
     assert weights["stalls per issued instruction"]["long_scoreboard"] > 1
     assert "| tensor pipe active % |" in (tmp_path / "ncu_summary.md").read_text()
+
+
+def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
+    """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
+    tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
+             "decode:tiny:flash_mhf:eager", "profile:tiny"]
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
+                        "--new-tokens", "3", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert data["errors"] == [] and data["tasks"] == tasks
+    assert [row["arch"] for row in data["train"]] == ["llama", "flash_mhf", "flash_mhf_unfused"]
+    assert all(row["tokens_per_s"] > 0 for row in data["train"])
+    assert [row["batch"] for row in data["decode"]] == [1, 16] and data["decode"][0]["decode_tokens_per_s"] > 0
+    assert "unfused layer" in data["train"][2]["ffn_path"] and "torch reference" in data["train"][1]["ffn_path"]
+    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf"} <= set(data["profile"])
+    markdown = (tmp_path / "models_bench.md").read_text()
+    assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown
