@@ -22,11 +22,8 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import traceback
 
@@ -35,8 +32,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from harness import bench_ms, graph_ms, log, peak_memory, rel_err, timed  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path  # noqa: E402
@@ -46,17 +44,7 @@ SWIGLU_D_FF = 5504
 LENGTHS = (1536, 4032, 8064, 16128)
 DECODE_BATCHES = (1, 4, 16, 64)
 ROUNDS = 3  # timings of the op per length (median reported)
-GIB = 1024**3
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-def log(*parts):
-    print(*parts, flush=True)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def op_inputs(batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, dtype, device="cuda"):
@@ -71,86 +59,6 @@ def op_inputs(batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, su
 
 def op_flops(batch, num_heads, seq_len, head_dim, num_subnetworks, subnetwork_size) -> float:
     return 6.0 * batch * seq_len * num_heads * num_subnetworks * subnetwork_size * head_dim
-
-
-def bench_ms(fn, grad_to_none=None) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median"))
-
-
-def graph_ms(fn) -> float:
-    """Median time of fn replayed from a CUDA graph (for launch-bound decoding shapes)."""
-    import triton.testing
-
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
-    except Exception:  # noqa: BLE001 - fall back to plain launches, noted in the output
-        return float("nan")
-
-
-class ClockSampler:
-    """SM clock (MHz) and board power (W) from ``nvidia-smi`` every 50 ms while in a ``with`` block. An H100 at its
-    power limit changes its clock by 15% within seconds, so the op's timings record the clock they ran at."""
-
-    def __init__(self):
-        self.available = shutil.which("nvidia-smi") is not None
-
-    def __enter__(self):
-        self.samples, self.stop = [], threading.Event()
-        if self.available:
-            self.thread = threading.Thread(target=self.run, daemon=True)
-            self.thread.start()
-        return self
-
-    def run(self):
-        while not self.stop.is_set():
-            line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                   "-i", str(torch.cuda.current_device())], capture_output=True, text=True).stdout
-            try:
-                clock, power = (float(x) for x in line.strip().split(","))
-                self.samples.append((clock, power))
-            except ValueError:
-                pass
-            time.sleep(0.05)
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        if self.available:
-            self.thread.join()
-
-    def summary(self) -> dict:
-        if not self.samples:
-            return {"sm_clock_mhz": None, "power_w": None, "samples": 0}
-        clocks, powers = zip(*self.samples)
-        return {"sm_clock_mhz": sum(clocks) / len(clocks), "sm_clock_min_mhz": min(clocks),
-                "power_w": sum(powers) / len(powers), "samples": len(clocks)}
-
-
-def timed(fn, grad_to_none=None) -> dict:
-    """``bench_ms`` with the SM clock and power sampled while it runs."""
-    with ClockSampler() as sampler:
-        ms = bench_ms(fn, grad_to_none=grad_to_none)
-    return {"ms": ms, **sampler.summary()}
-
-
-def peak_memory(fn, leaves=(), held=()) -> dict:
-    """Peak memory of one call of `fn`: what it allocates at its peak, plus the bytes of `leaves` (parameters and
-    inputs; their stale gradients are cleared first) and `held` (the incoming gradient). Other tensors on the device
-    (e.g. the other benchmarked modules' weights) are not counted."""
-    for tensor in leaves:
-        tensor.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    above = torch.cuda.max_memory_allocated() - before
-    own = sum(t.numel() * t.element_size() for t in (*leaves, *held))
-    for tensor in leaves:
-        tensor.grad = None
-    return {"peak_gib": (above + own) / GIB, "peak_above_inputs_gib": above / GIB}
 
 
 # ------------------------------------------------------------------------------------------------------------

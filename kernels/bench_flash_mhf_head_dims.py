@@ -21,7 +21,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
-from bench_flash_mhf import TOLERANCE, bench_ms, errors_against_reference, op_flops, op_inputs  # noqa: E402
+from bench_flash_mhf import TOLERANCE, errors_against_reference, op_flops, op_inputs  # noqa: E402
+from harness import bench_ms  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf  # noqa: E402
 

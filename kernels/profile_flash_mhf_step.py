@@ -27,7 +27,8 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
 import triton  # noqa: E402
 
-from bench_flash_mhf import op_flops, op_inputs, timed  # noqa: E402
+from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
+from harness import timed  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_path  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 

@@ -30,7 +30,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import flash_mhf_variants as variants  # noqa: E402
-from bench_flash_mhf import op_flops, op_inputs, rel_err  # noqa: E402
+from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
+from harness import rel_err  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
