@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic_write import atomic_output, write_atomic
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
 from .testing import BLOCK_PACKAGE_IMPORT
 from .tokenization import train_tokenizer
@@ -410,30 +410,15 @@ def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, settings: DemoSetti
 
 
 # ---- saving, reloading, reporting ------------------------------------------------------------------
-def _replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
 def save_model(model: torch.nn.Module, tokenizer, directory: Path) -> None:
     """Save model + tokenizer to `directory`, written under a temporary name first."""
-    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if hasattr(model, "attach_tokenizer"):
-        model.attach_tokenizer(tokenizer)
-        model.save_pretrained(tmp)
-    else:  # the transformers baseline
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    _replace_dir(tmp, directory)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_output(directory) as tmp:
+        if hasattr(model, "attach_tokenizer"):
+            model.attach_tokenizer(tokenizer)
+            model.save_pretrained(tmp)
+        else:  # the transformers baseline
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
 
 
 # Run in a fresh Python in which `hf_memffn` cannot be imported: only the code saved with the model can load it,
@@ -586,10 +571,9 @@ def plot_losses(results: list[ArchResult], settings: DemoSettings, path: Path) -
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=110)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -645,7 +629,7 @@ def run(args: argparse.Namespace) -> int:
     lookup = lookup_table_step(out / "memoryllm", corpus, device) if "memoryllm" in trained_models else None
     plot_losses(results, settings, out / "loss_curves.png")
     if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
-        _write_text(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
+        write_atomic(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
 
     with_recall = corpus.world is not None
     rows = _format_table(results, with_recall)
@@ -660,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"recall: held-out question forms; rank = true value scores highest among that attribute's "
                      f"values (chance {chance:.1%}), greedy = greedy decoding reproduces the value")
     markdown = "\n".join([render_markdown_table(rows), ""] + [f"- {n}" for n in notes]) + "\n"
-    _write_text(out / "results.md", markdown)
+    write_atomic(out / "results.md", markdown)
     summary = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -674,7 +658,7 @@ def run(args: argparse.Namespace) -> int:
         "token_lookup": lookup,
         "total_seconds": total_seconds,
     }
-    _write_text(out / "results.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "results.json", json.dumps(summary, indent=2) + "\n")
 
     print()
     print(render_text_table(rows))
