@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .configuration_memffn import check_choice
 from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
 
 INDEX_NAME = "token_lookup.safetensors.index.json"
@@ -53,11 +54,6 @@ _DTYPE_NAMES = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16, 
 
 class TokenLookupError(ValueError):
     """A token lookup table that is incomplete, damaged, or computed from other weights than the model's."""
-
-
-def _choice(field_name: str, value, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field_name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -85,7 +81,7 @@ class TokenLookupFormat:
     drop_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        _choice("format", self.name, FORMATS)
+        check_choice("format", self.name, FORMATS)
         self.drop_layers = tuple(sorted({int(layer) for layer in self.drop_layers}))
         if self.name in QUANT_MAX:
             if self.group_size is None:
@@ -96,7 +92,7 @@ class TokenLookupFormat:
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size!r} applies only to formats int8 and int4, not {self.name!r}")
         if self.name == "lowrank":
-            _choice("factor_dtype", self.factor_dtype, tuple(FLOAT_DTYPES))
+            check_choice("factor_dtype", self.factor_dtype, tuple(FLOAT_DTYPES))
             if (self.rank is None) == (self.energy is None):
                 raise ValueError(f"format 'lowrank' needs exactly one of rank or energy (got rank={self.rank!r}, "
                                  f"energy={self.energy!r})")
@@ -337,7 +333,7 @@ class TableIndex:
 
     def verify(self, mode: str = "full") -> None:
         """Check every shard: present, of the recorded size, (mode 'full') of the recorded sha256."""
-        _choice("verify", mode, VERIFY_MODES)
+        check_choice("verify", mode, VERIFY_MODES)
         for name, info in self.shards.items():
             path = os.path.join(self.directory, name)
             if not os.path.isfile(path):
@@ -461,8 +457,8 @@ class TokenLookupTable(nn.Module):
                  cache_rows: int = 1024, frequent_tokens: Sequence[int] | torch.Tensor | None = None,
                  kernel: str = "auto"):
         super().__init__()
-        _choice("placement", placement, PLACEMENTS)
-        _choice("kernel", kernel, KERNELS)
+        check_choice("placement", placement, PLACEMENTS)
+        check_choice("kernel", kernel, KERNELS)
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -694,8 +690,8 @@ class TokenLookupTable(nn.Module):
 def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: int = 1024, frequent_tokens=None,
                kernel: str = "auto", verify: str = "full") -> TokenLookupTable:
     """Read, verify and place a table (no model check: `TokenLookupMixin.load_tols` does that)."""
-    _choice("placement", placement, PLACEMENTS)
-    _choice("verify", verify, VERIFY_MODES)
+    check_choice("placement", placement, PLACEMENTS)
+    check_choice("verify", verify, VERIFY_MODES)
     index = TableIndex.read(path)
     index.verify(verify)
     return TokenLookupTable(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
@@ -736,8 +732,8 @@ class TokenLookupMixin:
         Raises TokenLookupError if the table is incomplete, damaged, or from other weights.
         """
         base = _memory_base(self)
-        _choice("placement", placement, PLACEMENTS)
-        _choice("verify", verify, VERIFY_MODES)
+        check_choice("placement", placement, PLACEMENTS)
+        check_choice("verify", verify, VERIFY_MODES)
         index = TableIndex.read(os.fspath(path))
         check_table_matches(index, base)
         index.verify(verify)

@@ -51,9 +51,15 @@ def test_auto_classes_build_each_architecture(arch):
     config = AutoConfig.for_model(config_class.model_type, **fields)
     assert type(config) is config_class
     prefix = config_class.class_prefix
+    modeling = {"flash_mhf": "modeling_flash_mhf", "memoryllm": "modeling_memoryllm",
+                "flex_memoryllm": "modeling_memoryllm", "kvffn": "modeling_kvffn"}[arch]
+    model = AutoModelForCausalLM.from_config(config)
     assert type(AutoModel.from_config(config)).__name__ == f"{prefix}Model"
-    assert type(AutoModelForCausalLM.from_config(config)).__name__ == f"{prefix}ForCausalLM"
-    assert config.auto_map["AutoModelForCausalLM"] == f"modeling_memffn.{prefix}ForCausalLM"
+    assert type(model).__name__ == f"{prefix}ForCausalLM"
+    assert type(model).__module__ == f"hf_memffn.{modeling}"
+    assert config.auto_map == {"AutoConfig": f"configuration_memffn.{prefix}Config",
+                               "AutoModel": f"{modeling}.{prefix}Model",
+                               "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM"}
 
 
 @pytest.mark.parametrize(
@@ -380,7 +386,7 @@ def test_no_split_modules_name_classes_each_model_has():
 
 def test_flash_mhf_op_runs_in_the_autocast_dtype(monkeypatch):
     """Under autocast (e.g. Trainer(bf16=True), fp32 weights) the fused op gets bf16 queries, gates stay fp32-made."""
-    import hf_memffn.ffn as ffn_module
+    import hf_memffn.ffn_multihead as ffn_module
 
     seen = {}
     real_op = ffn_module.flash_mhf
@@ -453,7 +459,7 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     for a, b in zip(actual, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # under autocast, the backward pass recomputes in the same autocast as the forward pass
-    import hf_memffn.ffn as ffn_module
+    import hf_memffn.ffn_multihead as ffn_module
 
     dtypes = []
     real_op = ffn_module.flash_mhf
