@@ -200,10 +200,10 @@ class TokenMemory(nn.Module):
         """Like `forward`, for a subset of layers (in the given order): [B, L, d] -> [B, L, len(layers), d]."""
         index = self._layer_index(layers)
         down_proj = self.down_proj if index is None else self.down_proj[index]
-        return torch.einsum("blni,ndi->blnd", self.hidden_activations(token_embeddings, index), down_proj)
+        return torch.einsum("...ni,ndi->...nd", self.hidden_activations(token_embeddings, index), down_proj)
 
     def hidden_activations(self, token_embeddings: torch.Tensor, layers: list[int] | torch.Tensor | None) -> torch.Tensor:
-        """act(gate(n)) * up(n) with n = RMSNorm_l(x0), what `down_proj` reads: [B, L, d] -> [B, L, len(layers), I]."""
+        """act(gate(n)) * up(n) with n = RMSNorm_l(x0), what `down_proj` reads: [..., d] -> [..., len(layers), I]."""
         index = self._layer_index(layers)
         norm_weight, gate_proj, up_proj = (
             (self.norm_weight, self.gate_proj, self.up_proj)
@@ -211,9 +211,9 @@ class TokenMemory(nn.Module):
             else (self.norm_weight[index], self.gate_proj[index], self.up_proj[index])
         )
         normalized = rms_normalize(token_embeddings, self.eps).to(token_embeddings.dtype)
-        per_layer_inputs = normalized.unsqueeze(-2) * norm_weight  # [B, L, N, d]
-        gate = torch.einsum("blnd,nid->blni", per_layer_inputs, gate_proj)
-        up = torch.einsum("blnd,nid->blni", per_layer_inputs, up_proj)
+        per_layer_inputs = normalized.unsqueeze(-2) * norm_weight  # [..., N, d]
+        gate = torch.einsum("...nd,nid->...ni", per_layer_inputs, gate_proj)
+        up = torch.einsum("...nd,nid->...ni", per_layer_inputs, up_proj)
         return self.act_fn(gate) * up
 
     def _layer_index(self, layers: list[int] | torch.Tensor | None) -> torch.Tensor | None:
