@@ -11,30 +11,28 @@ from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
 from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
 from .token_lookup import TokenLookupMixin
 
-# These models also keep their stacked `TokenMemory` whole (device_map, FSDP wrapping).
-_WITH_TOKEN_MEMORY = ["MemFFNDecoderLayer", "TokenMemory"]
+class _KeepsTokenMemoryWhole:
+    """These models also keep their stacked `TokenMemory` whole (device_map, FSDP wrapping)."""
+
+    _no_split_modules = ["MemFFNDecoderLayer", "TokenMemory"]
 
 
-class MemoryLLMModel(MemFFNModel):
+class MemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
     config_class = MemoryLLMConfig
-    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
-class MemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
+class MemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
     config_class = MemoryLLMConfig
     base_model_class = MemoryLLMModel
-    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
-class FlexMemoryLLMModel(MemFFNModel):
+class FlexMemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
     config_class = FlexMemoryLLMConfig
-    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
-class FlexMemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
+class FlexMemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
     config_class = FlexMemoryLLMConfig
     base_model_class = FlexMemoryLLMModel
-    _no_split_modules = _WITH_TOKEN_MEMORY
 
 
 register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM)
