@@ -173,8 +173,8 @@ def _usage_section(model, location: str) -> str:
         note = "\n\nNo tokenizer was saved with this model: pair it with the tokenizer it was trained with."
     return (
         "## Usage\n\n"
-        "The modeling code ships in this folder (`modeling_memffn.py` and its siblings), so only `transformers` and "
-        "`torch` are needed (`triton` for the fused GPU kernels):\n\n"
+        "The modeling code ships in this folder (the modeling file named in `config.json` and its siblings), so only "
+        "`transformers` and `torch` are needed (`triton` for the fused GPU kernels):\n\n"
         f"```python\n{imports}\n\ncheckpoint = \"{location}\"\n{body}\n```{note}"
     )
 
