@@ -29,6 +29,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupFormat, _memory_base, basis_key, block_keys,
                                     dequantize_rows, quantize_rows, row_relative_errors, shard_sha256,
@@ -261,9 +262,8 @@ class _Exporter:
                         shard[key] = pending.pop(key)
                     metadata = {"token_lookup_plan": plan_id, "token_lookup_errors": stats.to_json(),
                                 "token_lookup_plan_inputs": json.dumps(self._plan_inputs(), sort_keys=True)}
-                    temporary = path + ".tmp"
-                    save_file(shard, temporary, metadata=metadata)
-                    os.replace(temporary, path)
+                    with atomic_output(path) as temporary:
+                        save_file(shard, str(temporary), metadata=metadata)
                     del shard
                     table_stats.merge(stats)
                 shards[filename] = {"sha256": shard_sha256(path), "size": os.path.getsize(path)}
@@ -307,7 +307,8 @@ class _Exporter:
 
     def _remove_stale(self, planned: set[str]) -> None:
         for name in os.listdir(self.out_dir):
-            ours = name.startswith(OWN_FILE_PREFIX) and (name.endswith(".safetensors") or name.endswith(".tmp"))
+            shard = name.startswith(OWN_FILE_PREFIX) and name.endswith(".safetensors")
+            ours = shard or (name.startswith("." + OWN_FILE_PREFIX) and name.endswith(".tmp"))  # left by a kill
             if ours and name not in planned:
                 os.remove(os.path.join(self.out_dir, name))
 
@@ -321,10 +322,7 @@ class _Exporter:
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-    os.replace(temporary, path)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 class _progress:

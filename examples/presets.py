@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The names of `hf_memffn.architectures.REGISTRY` (tests/test_recipe.py checks they agree), spelled out here because
+# fine-tuning with the recipe must not import `hf_memffn`: it runs the checkpoint's own code.
 ARCHITECTURE_NAMES = ("llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn")
 
 
@@ -58,10 +60,10 @@ class Preset:
         }
         if architecture == "flash_mhf":
             fields.update(self.flash_mhf)
-        elif architecture == "flex_memoryllm":
-            # FFN-C on the residual and FFN-M on X0 split the baseline's width, keeping the baseline's size.
-            fields["intermediate_size"] = self.intermediate_size // 2
-            fields["memory_intermediate_size"] = self.intermediate_size // 2
+        else:  # the baseline's FFN parameters (FlexMemoryLLM splits the width between FFN-C and FFN-M)
+            from hf_memffn.architectures import REGISTRY
+
+            fields.update(REGISTRY[architecture].ffn_fields_at_width(self.intermediate_size))
         return fields
 
 

@@ -14,9 +14,11 @@ from transformers import PretrainedConfig
 _AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 
 
-def _check_choice(config_name: str, field: str, value, allowed) -> None:
+def check_choice(field: str, value, allowed, owner: str | None = None) -> None:
+    """A clear one-line error unless `value` is one of `allowed`, naming the field (and the class it belongs to)."""
     if value not in allowed:
-        raise ValueError(f"{config_name}: `{field}`={value!r} is not supported; allowed values: {list(allowed)}.")
+        where = f"{owner}: " if owner else ""
+        raise ValueError(f"{where}`{field}`={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
 
 
 def _check(config_name: str, condition: bool, field: str, value, requirement: str) -> None:
@@ -27,7 +29,8 @@ def _check(config_name: str, condition: bool, field: str, value, requirement: st
 class MemFFNConfig(PretrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
-    Subclasses set `residual_ffn` (the FFN reading the residual stream: "flash_mhf", "swiglu", "kvffn" or None),
+    Subclasses set `residual_ffn` (the FFN reading the residual stream: "swiglu", "flash_mhf", "pkv", "kvffn" or
+    None; the architecture's model class names the block of each),
     `token_memory_size` (width of the per-layer FFNs reading the token embeddings X0, or None) and
     `parallel_residual_ffn` (the residual FFN reads the layer input X_L in parallel with attention instead of
     X_L + Attn(X_L)).
@@ -35,8 +38,9 @@ class MemFFNConfig(PretrainedConfig):
 
     model_type = "memffn"
     keys_to_ignore_at_inference = ["past_key_values"]
-    # Class prefix used in `auto_map`; set by subclasses.
+    # Class prefix and modeling file (without .py) named in `auto_map`; set by subclasses.
     class_prefix = ""
+    modeling_module = ""
 
     def __init__(
         self,
@@ -81,17 +85,19 @@ class MemFFNConfig(PretrainedConfig):
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         if self.class_prefix:
-            kwargs.setdefault("auto_map", self.default_auto_map())
+            # The package's classes always point at its current files (a config.json written by an older version
+            # may name another modeling file).
+            kwargs["auto_map"] = {**(kwargs.get("auto_map") or {}), **self.default_auto_map()}
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.validate_fields()
 
     @classmethod
     def default_auto_map(cls) -> dict[str, str]:
-        prefix = cls.class_prefix
+        prefix, modeling = cls.class_prefix, cls.modeling_module
         return {
             "AutoConfig": f"configuration_memffn.{prefix}Config",
-            "AutoModel": f"modeling_memffn.{prefix}Model",
-            "AutoModelForCausalLM": f"modeling_memffn.{prefix}ForCausalLM",
+            "AutoModel": f"{modeling}.{prefix}Model",
+            "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
         }
 
     # -- wiring of the decoder (overridden by subclasses) --------------------------------------------------------
@@ -152,6 +158,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
 
     model_type = "memffn_flash_mhf"
     class_prefix = "FlashMHFLlama"
+    modeling_module = "modeling_flash_mhf"
     variants = ("flash_mhf", "swiglu", "mh_ffn", "dense_moe", "pkv")
     kernels = ("auto", "triton", "torch")
 
@@ -168,7 +175,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         ffn_recompute_chunk_tokens: int = 0,
         **kwargs,
     ):
-        _check_choice(type(self).__name__, "ffn_variant", ffn_variant, self.variants)
+        check_choice("ffn_variant", ffn_variant, self.variants, type(self).__name__)
         self.ffn_variant = ffn_variant
         if ffn_num_heads is None:
             ffn_num_heads = 1 if ffn_variant == "dense_moe" else 16
@@ -186,7 +193,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
 
     @property
     def residual_ffn(self) -> str:
-        return "swiglu" if self.ffn_variant == "swiglu" else "flash_mhf"
+        return self.ffn_variant if self.ffn_variant in ("swiglu", "pkv") else "flash_mhf"
 
     @property
     def ffn_head_dim(self) -> int:
@@ -199,7 +206,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     def validate_fields(self) -> None:
         super().validate_fields()
         name = type(self).__name__
-        _check_choice(name, "ffn_kernel", self.ffn_kernel, self.kernels)
+        check_choice("ffn_kernel", self.ffn_kernel, self.kernels, name)
         _check(name, isinstance(self.ffn_recompute_chunk_tokens, int) and self.ffn_recompute_chunk_tokens >= 0,
                "ffn_recompute_chunk_tokens", self.ffn_recompute_chunk_tokens, "must be an integer >= 0")
         if self.ffn_variant == "swiglu":
@@ -243,6 +250,7 @@ class MemoryLLMConfig(MemFFNConfig):
 
     model_type = "memffn_memoryllm"
     class_prefix = "MemoryLLM"
+    modeling_module = "modeling_memoryllm"
     residual_ffn = None
 
     def __init__(self, **kwargs):  # an explicit __init__ keeps the shared one (transformers wraps classes without)
@@ -262,6 +270,7 @@ class FlexMemoryLLMConfig(MemFFNConfig):
 
     model_type = "memffn_flex_memoryllm"
     class_prefix = "FlexMemoryLLM"
+    modeling_module = "modeling_memoryllm"
     residual_ffn = "swiglu"
     parallel_residual_ffn = True
 
@@ -297,6 +306,7 @@ class KVFFNConfig(MemFFNConfig):
 
     model_type = "memffn_kvffn"
     class_prefix = "KVFFN"
+    modeling_module = "modeling_kvffn"
     residual_ffn = "kvffn"
     variants = ("kvffn", "relu", "glu", "densenet")
     activations = ("silu", "gelu", "relu")
@@ -332,10 +342,10 @@ class KVFFNConfig(MemFFNConfig):
     def validate_fields(self) -> None:
         super().validate_fields()
         name = type(self).__name__
-        _check_choice(name, "ffn_variant", self.ffn_variant, self.variants)
-        _check_choice(name, "kvffn_activation", self.kvffn_activation, self.activations)
-        _check_choice(name, "kvffn_composition", self.kvffn_composition, self.compositions)
-        _check_choice(name, "kvffn_init", self.kvffn_init, self.inits)
+        check_choice("ffn_variant", self.ffn_variant, self.variants, name)
+        check_choice("kvffn_activation", self.kvffn_activation, self.activations, name)
+        check_choice("kvffn_composition", self.kvffn_composition, self.compositions, name)
+        check_choice("kvffn_init", self.kvffn_init, self.inits, name)
 
 
 CONFIG_CLASSES = (FlashMHFLlamaConfig, MemoryLLMConfig, FlexMemoryLLMConfig, KVFFNConfig)

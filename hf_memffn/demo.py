@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,20 +34,13 @@ from pathlib import Path
 
 import torch
 
+from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
+from .atomic_write import atomic_output, write_atomic
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
-from .testing import BLOCK_PACKAGE_IMPORT
+from .flash_mhf_op import SUPPORTED_HEAD_DIMS
+from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
 from .tokenization import train_tokenizer
 
-# arch name (as for `hf_memffn.testing.tiny_config`) -> name shown in the table
-ARCH_DISPLAY_NAMES: dict[str, str] = {
-    "llama": "Llama (baseline)",
-    "flash_mhf": "FlashMHFLlama",
-    "memoryllm": "MemoryLLM",
-    "flex_memoryllm": "FlexMemoryLLM",
-    "kvffn": "KVFFN",
-}
-ALL_ARCHS = tuple(ARCH_DISPLAY_NAMES)
-RELOAD_PREFERENCE = ("flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama")
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 
 
@@ -104,9 +96,9 @@ class ArchResult:
 
 # ---- command line ---------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--archs", nargs="+", default=list(ALL_ARCHS), metavar="ARCH",
+    parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURE_NAMES), metavar="ARCH",
                         help="architectures to train (space or comma separated); "
-                             f"default: all of {', '.join(ALL_ARCHS)}")
+                             f"default: all of {', '.join(ARCHITECTURE_NAMES)}")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per model (default {DEFAULT.steps})")
     parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {DEFAULT.batch_size})")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT.seq_len})")
@@ -164,12 +156,12 @@ def _parse_archs(values: list[str]) -> list[str]:
     archs: list[str] = []
     for value in values:
         for name in filter(None, (part.strip() for part in value.split(","))):
-            if name not in ARCH_DISPLAY_NAMES:
-                raise ValueError(f"--archs contains {name!r}; allowed: {', '.join(ALL_ARCHS)}")
+            if name not in REGISTRY:
+                raise ValueError(f"--archs contains {name!r}; allowed: {', '.join(ARCHITECTURE_NAMES)}")
             if name not in archs:
                 archs.append(name)
     if not archs:
-        raise ValueError(f"--archs={values!r} names no architecture; allowed: {', '.join(ALL_ARCHS)}")
+        raise ValueError(f"--archs={values!r} names no architecture; allowed: {', '.join(ARCHITECTURE_NAMES)}")
     return archs
 
 
@@ -281,16 +273,13 @@ def build_real_text_corpus(args: argparse.Namespace, settings: DemoSettings) -> 
 
 # ---- models ----------------------------------------------------------------------------------------
 def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.device | None = None) -> torch.nn.Module:
-    """A freshly initialised model of `arch` sized by `settings` (the baseline is `LlamaForCausalLM`)."""
-    import hf_memffn  # noqa: F401  (registers the memffn architectures with the Auto classes)
-    from hf_memffn.flash_mhf_op import SUPPORTED_HEAD_DIMS
-    from hf_memffn.testing import tiny_config
+    """A freshly initialised model of `arch` sized by `settings` (the baseline is `LlamaForCausalLM`): the
+    architectures get the baseline's FFN parameters (`Architecture.ffn_fields_at_width`; FlashMHF below)."""
     from transformers import AutoModelForCausalLM
 
     overrides = dict(
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
-        intermediate_size=settings.intermediate_size,
         num_hidden_layers=settings.num_layers,
         num_attention_heads=settings.num_heads,
         num_key_value_heads=settings.num_heads,
@@ -302,28 +291,29 @@ def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.devi
         pad_token_id=tokenizer.pad_token_id,
     )
     if arch == "flash_mhf":
-        # One FFN head per attention head, each with its own weights. The width makes the FFN's parameters
-        # (3 * heads * width * head_dim + the 2 * d^2 input/output projections) match the baseline's SwiGLU
-        # (3 * d * intermediate_size), as the paper compares at equal size; sub-networks are about 8/3 of the
-        # head width wide (as in the paper) and a multiple of 16 (for the Triton kernels).
-        d, head_dim = settings.hidden_size, settings.hidden_size // settings.num_heads
-        width = max(16, (3 * d * settings.intermediate_size - 2 * d * d) / (3 * settings.num_heads * head_dim))
-        num_subnetworks = max(1, round(width / (8 / 3 * head_dim)))
-        subnetwork_size = max(16, round(width / num_subnetworks / 16) * 16)
-        overrides.update(intermediate_size=num_subnetworks * subnetwork_size, ffn_num_subnetworks=num_subnetworks,
-                         ffn_num_heads=settings.num_heads, ffn_num_kv_heads=settings.num_heads)
-        if device is not None and device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
-            overrides["ffn_kernel"] = "torch"
-            print(f"note: FlashMHFLlama's FFN heads are {head_dim} wide; the Triton kernels take "
-                  f"{SUPPORTED_HEAD_DIMS}, "
-                  f"so it runs the PyTorch reference op (--hidden-size {SUPPORTED_HEAD_DIMS[0] * settings.num_heads} "
-                  "runs the kernels)")
-    if arch == "flex_memoryllm":
-        # Flex-MemoryLLM splits the baseline's FFN width between FFN-C (residual) and FFN-M (token embeddings).
-        overrides["intermediate_size"] = settings.intermediate_size // 2
-        overrides["memory_intermediate_size"] = settings.intermediate_size // 2
-    config = tiny_config(arch, **overrides)
-    return AutoModelForCausalLM.from_config(config)
+        overrides.update(_flash_mhf_fields(settings, device))
+    else:
+        overrides.update(REGISTRY[arch].ffn_fields_at_width(settings.intermediate_size))
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+
+
+def _flash_mhf_fields(settings: DemoSettings, device: torch.device | None) -> dict:
+    """One FFN head per attention head, each with its own weights. The width makes the FFN's parameters
+    (3 * heads * width * head_dim + the 2 * d^2 input/output projections) match the baseline's SwiGLU
+    (3 * d * intermediate_size), as the paper compares at equal size; sub-networks are about 8/3 of the head width
+    wide (as in the paper) and a multiple of 16 (for the Triton kernels)."""
+    d, head_dim = settings.hidden_size, settings.hidden_size // settings.num_heads
+    width = max(16, (3 * d * settings.intermediate_size - 2 * d * d) / (3 * settings.num_heads * head_dim))
+    num_subnetworks = max(1, round(width / (8 / 3 * head_dim)))
+    subnetwork_size = max(16, round(width / num_subnetworks / 16) * 16)
+    fields = dict(intermediate_size=num_subnetworks * subnetwork_size, ffn_num_subnetworks=num_subnetworks,
+                  ffn_num_heads=settings.num_heads, ffn_num_kv_heads=settings.num_heads)
+    if device is not None and device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+        fields["ffn_kernel"] = "torch"
+        print(f"note: FlashMHFLlama's FFN heads are {head_dim} wide; the Triton kernels take {SUPPORTED_HEAD_DIMS}, "
+              f"so it runs the PyTorch reference op (--hidden-size {SUPPORTED_HEAD_DIMS[0] * settings.num_heads} "
+              "runs the kernels)")
+    return fields
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -410,30 +400,15 @@ def held_out_loss(model: torch.nn.Module, ids: torch.Tensor, settings: DemoSetti
 
 
 # ---- saving, reloading, reporting ------------------------------------------------------------------
-def _replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
 def save_model(model: torch.nn.Module, tokenizer, directory: Path) -> None:
     """Save model + tokenizer to `directory`, written under a temporary name first."""
-    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if hasattr(model, "attach_tokenizer"):
-        model.attach_tokenizer(tokenizer)
-        model.save_pretrained(tmp)
-    else:  # the transformers baseline
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    _replace_dir(tmp, directory)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_output(directory) as tmp:
+        if hasattr(model, "attach_tokenizer"):
+            model.attach_tokenizer(tokenizer)
+            model.save_pretrained(tmp)
+        else:  # the transformers baseline
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
 
 
 # Run in a fresh Python in which `hf_memffn` cannot be imported: only the code saved with the model can load it,
@@ -586,10 +561,9 @@ def plot_losses(results: list[ArchResult], settings: DemoSettings, path: Path) -
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=110)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -604,63 +578,24 @@ def run(args: argparse.Namespace) -> int:
         corpus = build_fact_world_corpus(settings, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = corpus.tokenizer
     print(f"data: {corpus.description}")
-    print(f"tokenizer: byte-level BPE, {len(tokenizer)} tokens")
+    print(f"tokenizer: byte-level BPE, {len(corpus.tokenizer)} tokens")
     print(f"budget: {settings.steps} steps x {settings.batch_size} x {settings.seq_len} tokens = "
           f"{settings.steps * settings.batch_size * settings.seq_len:,} tokens per model, on {device}")
 
-    starts = batch_starts(len(corpus.train_ids), settings, args.seed)
-    results: list[ArchResult] = []
-    trained_models: dict[str, torch.nn.Module] = {}
-    for arch in archs:
-        torch.manual_seed(args.seed)
-        model = build_model(arch, settings, tokenizer, device)
-        counts = parameter_counts(model)
-        losses, seconds = train(model, corpus, settings, starts, device, ARCH_DISPLAY_NAMES[arch])
-        tail = max(1, settings.steps // 10)
-        recall = None
-        if corpus.world is not None:
-            world = corpus.world
-            recall = score_recall(model, tokenizer, world.recall_questions(),
-                                  {attr: world.candidates(attr) for attr in world.values}, device=device)
-        results.append(ArchResult(
-            arch=arch,
-            name=ARCH_DISPLAY_NAMES[arch],
-            total_params=counts["total"],
-            active_params=counts["active"],
-            train_loss=sum(losses[-tail:]) / tail,
-            held_out_loss=held_out_loss(model, corpus.held_out_ids, settings, device),
-            recall=None if recall is None else recall.accuracy,
-            recall_greedy=None if recall is None else recall.greedy_accuracy,
-            tokens_per_second=settings.steps * settings.batch_size * settings.seq_len / seconds,
-            train_seconds=seconds,
-            losses=losses,
-        ))
-        save_model(model, tokenizer, out / arch)
-        trained_models[arch] = model
-
-    reload_arch = next(a for a in RELOAD_PREFERENCE if a in trained_models)
-    sample = reload_and_generate(out / reload_arch, trained_models[reload_arch], corpus, device)
-    lookup = lookup_table_step(out / "memoryllm", corpus, device) if "memoryllm" in trained_models else None
+    results, trained, chance = train_architectures(archs, corpus, settings, args.seed, device, out)
+    # reload one of this package's architectures if any was trained (the baseline needs no remote code)
+    reload_arch = next((a for a in ARCHITECTURE_NAMES if a in trained and a != BASELINE), BASELINE)
+    sample = reload_and_generate(out / reload_arch, trained[reload_arch], corpus, device)
+    lookup = lookup_table_step(out / "memoryllm", corpus, device) if "memoryllm" in trained else None
     plot_losses(results, settings, out / "loss_curves.png")
     if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
-        _write_text(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
+        write_atomic(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
 
-    with_recall = corpus.world is not None
-    rows = _format_table(results, with_recall)
-    chance = recall.chance if with_recall else None
+    rows = _format_table(results, with_recall=corpus.world is not None)
+    notes = _notes(corpus, settings, device, chance)
+    write_atomic(out / "results.md", "\n".join([render_markdown_table(rows), ""] + [f"- {n}" for n in notes]) + "\n")
     total_seconds = time.perf_counter() - run_start
-    notes = [f"data: {corpus.description}",
-             f"budget: {settings.steps * settings.batch_size * settings.seq_len:,} training tokens per model "
-             f"({settings.steps} steps x {settings.batch_size} x {settings.seq_len}), device: {device}",
-             "train loss: mean of the last 10% of steps; held-out loss: "
-             + ("facts stated in forms never shown for that person" if with_recall else "held-out paragraphs")]
-    if with_recall:
-        notes.append(f"recall: held-out question forms; rank = true value scores highest among that attribute's "
-                     f"values (chance {chance:.1%}), greedy = greedy decoding reproduces the value")
-    markdown = "\n".join([render_markdown_table(rows), ""] + [f"- {n}" for n in notes]) + "\n"
-    _write_text(out / "results.md", markdown)
     summary = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -674,8 +609,65 @@ def run(args: argparse.Namespace) -> int:
         "token_lookup": lookup,
         "total_seconds": total_seconds,
     }
-    _write_text(out / "results.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "results.json", json.dumps(summary, indent=2) + "\n")
+    _print_report(rows, notes, sample, lookup, corpus)
+    print(f"saved: {', '.join(str(out / a) for a in archs)}, {out / 'results.json'}, {out / 'results.md'}, "
+          f"{out / 'loss_curves.png'}  ({total_seconds:.0f} s in all)")
+    return 0
 
+
+def train_architectures(archs: list[str], corpus: Corpus, settings: DemoSettings, seed: int, device: torch.device,
+                        out: Path) -> tuple[list[ArchResult], dict[str, torch.nn.Module], float | None]:
+    """Train each architecture from `seed` on the same batches, score it and save it to `out/<arch>`; returns the
+    results, the trained models and the chance level of the recall score (None on real text)."""
+    starts = batch_starts(len(corpus.train_ids), settings, seed)
+    results: list[ArchResult] = []
+    trained: dict[str, torch.nn.Module] = {}
+    chance = None
+    for arch in archs:
+        torch.manual_seed(seed)
+        model = build_model(arch, settings, corpus.tokenizer, device)
+        counts = parameter_counts(model)
+        losses, seconds = train(model, corpus, settings, starts, device, DISPLAY_NAMES[arch])
+        tail = max(1, settings.steps // 10)
+        recall = None
+        if corpus.world is not None:
+            world = corpus.world
+            recall = score_recall(model, corpus.tokenizer, world.recall_questions(),
+                                  {attr: world.candidates(attr) for attr in world.values}, device=device)
+            chance = recall.chance
+        results.append(ArchResult(
+            arch=arch,
+            name=DISPLAY_NAMES[arch],
+            total_params=counts["total"],
+            active_params=counts["active"],
+            train_loss=sum(losses[-tail:]) / tail,
+            held_out_loss=held_out_loss(model, corpus.held_out_ids, settings, device),
+            recall=None if recall is None else recall.accuracy,
+            recall_greedy=None if recall is None else recall.greedy_accuracy,
+            tokens_per_second=settings.steps * settings.batch_size * settings.seq_len / seconds,
+            train_seconds=seconds,
+            losses=losses,
+        ))
+        save_model(model, corpus.tokenizer, out / arch)
+        trained[arch] = model
+    return results, trained, chance
+
+
+def _notes(corpus: Corpus, settings: DemoSettings, device: torch.device, chance: float | None) -> list[str]:
+    with_recall = corpus.world is not None
+    notes = [f"data: {corpus.description}",
+             f"budget: {settings.steps * settings.batch_size * settings.seq_len:,} training tokens per model "
+             f"({settings.steps} steps x {settings.batch_size} x {settings.seq_len}), device: {device}",
+             "train loss: mean of the last 10% of steps; held-out loss: "
+             + ("facts stated in forms never shown for that person" if with_recall else "held-out paragraphs")]
+    if with_recall:
+        notes.append(f"recall: held-out question forms; rank = true value scores highest among that attribute's "
+                     f"values (chance {chance:.1%}), greedy = greedy decoding reproduces the value")
+    return notes
+
+
+def _print_report(rows: list[list[str]], notes: list[str], sample: dict, lookup: dict | None, corpus: Corpus) -> None:
     print()
     print(render_text_table(rows))
     for note in notes:
@@ -700,6 +692,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name}: {row['size_bytes'] / 2**20:.2f} MiB, table max rel. error {row['max_relative_error']:.1e}, "
                   f"logits vs compute mode {row['logits_max_relative_diff']:.1e}, "
                   f"greedy generate() same tokens as compute mode: {row['tokens_match']}")
-    print(f"saved: {', '.join(str(out / a) for a in archs)}, {out / 'results.json'}, {out / 'results.md'}, "
-          f"{out / 'loss_curves.png'}  ({total_seconds:.0f} s in all)")
-    return 0

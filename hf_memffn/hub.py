@@ -15,6 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .atomic_write import write_atomic
+from .model_card import render_model_card
+
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -83,8 +86,6 @@ def stage_checkpoint(
     (unless `include_token_lookup=False`). The model card is rendered again with `repo_id`, so its usage snippet
     names the Hub repository, and it says whether a table is included.
     """
-    from .model_card import render_model_card
-
     if tokenizer is not None:
         if hasattr(model, "attach_tokenizer"):
             model.attach_tokenizer(tokenizer)
@@ -96,10 +97,7 @@ def stage_checkpoint(
         for path in sorted(table_dir.glob(f"{TABLE_FILE_PREFIX}*")):
             if path.is_file() and path.suffix in TABLE_FILE_SUFFIXES:  # not token_lookup.py (remote code)
                 shutil.copy2(path, Path(folder) / path.name)
-    card = Path(folder) / "README.md"
-    tmp = card.with_name(card.name + ".tmp")
-    tmp.write_text(render_model_card(model, repo_id=repo_id, save_directory=folder), encoding="utf-8")
-    os.replace(tmp, card)
+    write_atomic(Path(folder) / "README.md", render_model_card(model, repo_id=repo_id, save_directory=folder))
     return check_checkpoint_folder(folder)
 
 

@@ -24,8 +24,10 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from .configuration_memffn import check_choice
+from .token_lookup import PLACEMENTS
+
 MODEL_NAME = "memffn"
-PLACEMENTS = ("gpu", "cpu", "disk")
 
 
 @register_model(MODEL_NAME)
@@ -42,8 +44,7 @@ class MemFFNLM(HFLM):
                 raise ValueError("token_lookup_placement / drop_memory_ffn need token_lookup=TABLE_DIR")
             return
         placement = token_lookup_placement or ("gpu" if torch.cuda.is_available() else "cpu")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"token_lookup_placement={placement!r} is not one of {PLACEMENTS}")
+        check_choice("token_lookup_placement", placement, PLACEMENTS)
         model = self._model
         if not hasattr(model, "load_tols"):
             raise ValueError(

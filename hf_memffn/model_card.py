@@ -2,14 +2,16 @@
 
 `render_model_card(model)` describes the architecture, the config fields that define it, the parameter counts and
 how to load the folder with `trust_remote_code`; for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
-are attached and how to export and load them.
-
-This file is copied next to saved checkpoints for `trust_remote_code`: it imports only the standard library.
+are attached and how to export and load them. `save_pretrained` writes it through `write_model_card` when the
+package is installed; checkpoints do not carry this file.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from .atomic_write import write_atomic
 
 CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
 TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
@@ -79,6 +81,13 @@ ARCHITECTURE_FIELDS = {
     ),
 }
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
+
+
+def write_model_card(model, save_directory: str | os.PathLike) -> None:
+    """Write the model card as README.md into `save_directory`, unless a README.md is already there."""
+    path = Path(save_directory) / "README.md"
+    if not path.exists():
+        write_atomic(path, render_model_card(model))
 
 
 def render_model_card(model, repo_id: str | None = None, save_directory: str | os.PathLike | None = None) -> str:
@@ -164,8 +173,8 @@ def _usage_section(model, location: str) -> str:
         note = "\n\nNo tokenizer was saved with this model: pair it with the tokenizer it was trained with."
     return (
         "## Usage\n\n"
-        "The modeling code ships in this folder (`modeling_memffn.py` and its siblings), so only `transformers` and "
-        "`torch` are needed (`triton` for the fused GPU kernels):\n\n"
+        "The modeling code ships in this folder (the modeling file named in `config.json` and its siblings), so only "
+        "`transformers` and `torch` are needed (`triton` for the fused GPU kernels):\n\n"
         f"```python\n{imports}\n\ncheckpoint = \"{location}\"\n{body}\n```{note}"
     )
 

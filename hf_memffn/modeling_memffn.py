@@ -1,4 +1,4 @@
-"""Modeling of the four FFN-as-memory architectures: one Llama-style decoder, four wirings of its FFNs.
+"""The decoder that the four FFN-as-memory architectures share, written once.
 
 A decoder layer computes
 
@@ -7,16 +7,17 @@ A decoder layer computes
 where the FFN on the residual stream (`mlp`) is FlashMHF, SwiGLU or KV-FFN and reads either X_L + Attn (sequential,
 like Llama) or X_L (parallel, FlexMemoryLLM's FFN-C), and the FFN on the token embeddings X0 (MemoryLLM, FFN-M) comes
 from the model-level `TokenMemory`, computed for all layers at once before the loop. The config says which parts a
-model has (`residual_ffn`, `parallel_residual_ffn`, `token_memory_size`); each architecture's classes below are
-thin compositions that only name their config.
+model has (`residual_ffn`, `parallel_residual_ffn`, `token_memory_size`).
 
-This file and its sibling imports are copied next to saved checkpoints for `trust_remote_code`: they import only
-torch, transformers, safetensors and (guarded) triton.
+Each architecture's classes are thin compositions in a modeling file of their own (`modeling_flash_mhf.py`,
+`modeling_memoryllm.py`, `modeling_kvffn.py`), which names its config and the FFN blocks it may use: transformers
+copies that file and the siblings it imports next to the weights, so a checkpoint carries exactly the code its
+architecture runs. These files import only torch, transformers, safetensors and (guarded) triton.
 """
 
 from __future__ import annotations
 
-import os
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -30,23 +31,22 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from .configuration_memffn import (
-    FlashMHFLlamaConfig,
-    FlexMemoryLLMConfig,
-    KVFFNConfig,
-    MemFFNConfig,
-    MemoryLLMConfig,
-)
-from .ffn import (
-    FlashMHFFeedForward,
-    ParametricKVFeedForward,
-    TokenMemory,
-    build_residual_ffn,
-    build_token_memory,
-)
-from .model_card import render_model_card
+from .configuration_memffn import MemFFNConfig
+from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
 from .rms_norm import MemFFNRMSNorm
-from .token_lookup import TokenLookupMixin
+
+
+def _package_sibling(name: str):
+    """The sibling module `name` of the installed hf-memffn package, or None where it is absent: the model card and
+    the Hub upload are features of the package, not code a checkpoint carries (transformers copies only the siblings
+    imported as `from .name import x`; a checkpoint folder loaded with `trust_remote_code` has no `name.py`)."""
+    module_name = f"{__package__}.{name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        return None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -167,13 +167,13 @@ class ComputedMemoryReadout:
 # Decoder layer, written once
 # --------------------------------------------------------------------------------------------------------------------
 class MemFFNDecoderLayer(GradientCheckpointingLayer):
-    def __init__(self, config: MemFFNConfig, layer_idx: int):
+    def __init__(self, config: MemFFNConfig, layer_idx: int, mlp: nn.Module | None):
         super().__init__()
         self.layer_idx = layer_idx
         self.parallel_residual_ffn = config.parallel_residual_ffn
         self.self_attn = MemFFNAttention(config, layer_idx)
         self.input_layernorm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = build_residual_ffn(config)
+        self.mlp = mlp
         self.post_attention_layernorm = (
             MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.mlp is not None else None
         )
@@ -230,17 +230,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MemFFNRMSNorm):
             init.ones_(module.weight)
-        elif isinstance(module, FlashMHFFeedForward):
-            for param in (module.key, module.up, module.value, module.router):
-                if param is not None:
-                    init.normal_(param, mean=0.0, std=std)
-        elif isinstance(module, ParametricKVFeedForward):
-            init.normal_(module.key, mean=0.0, std=std)
-            init.normal_(module.value, mean=0.0, std=std)
-        elif isinstance(module, TokenMemory):
-            init.ones_(module.norm_weight)
-            for param in (module.gate_proj, module.up_proj, module.down_proj):
-                init.normal_(param, mean=0.0, std=std)
+        elif hasattr(module, "init_own_parameters"):  # FFN blocks holding plain parameters (FlashMHF, PKV, TokenMemory)
+            module.init_own_parameters(std)
 
     def _token_memory(self) -> TokenMemory | None:
         base = getattr(self, self.base_model_prefix, self)
@@ -263,44 +254,61 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         return getattr(self, "_attached_tokenizer", None)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and a model card (README.md)."""
+        """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
+        a model card (README.md; see `model_card.py`)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             if self.attached_tokenizer is not None:
                 self.attached_tokenizer.save_pretrained(save_directory)
-            card_path = os.path.join(save_directory, "README.md")
-            if not os.path.exists(card_path):
-                tmp_path = card_path + ".tmp"
-                with open(tmp_path, "w", encoding="utf-8") as handle:
-                    handle.write(render_model_card(self))
-                os.replace(tmp_path, card_path)
+            model_card = _package_sibling("model_card")
+            if model_card is not None:
+                model_card.write_model_card(self, save_directory)
         return result
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload exactly what `save_pretrained` writes (weights, config, remote code, tokenizer, this package's model
-        card, and an attached token lookup table) in one commit; see `hub.push_checkpoint` for the options.
-        transformers' own `push_to_hub` would replace the model card with a generic template."""
-        from .hub import push_checkpoint
-
-        return push_checkpoint(self, repo_id, **kwargs)
+        """With the hf-memffn package installed: upload exactly what `save_pretrained` writes (weights, config, remote
+        code, tokenizer, this package's model card, and an attached token lookup table) in one commit; see
+        `hub.push_checkpoint` for the options (transformers' own `push_to_hub` would replace the model card with a
+        generic template). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`."""
+        hub = _package_sibling("hub")
+        if hub is None:
+            return super().push_to_hub(repo_id, **kwargs)
+        return hub.push_checkpoint(self, repo_id, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The decoder stack
 # --------------------------------------------------------------------------------------------------------------------
 class MemFFNModel(MemFFNPreTrainedModel):
+    # The FFN blocks a decoder layer may apply to its residual stream, by `config.residual_ffn` (each built from the
+    # config). An architecture whose FFN lives in a file of its own adds it in its modeling file.
+    residual_ffn_blocks: dict[str, Callable[[MemFFNConfig], nn.Module]] = {"swiglu": SwiGLUFeedForward.from_config}
+
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(MemFFNDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            MemFFNDecoderLayer(config, i, self.build_residual_ffn(config)) for i in range(config.num_hidden_layers)
+        )
         self.memory = build_token_memory(config)
         self.norm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MemFFNRotary(config)
         self.token_lookup = None  # set by `load_tols` (token_lookup.py) to read the FFNs on X0 from a table
         self.gradient_checkpointing = False
         self.post_init()
+
+    @classmethod
+    def build_residual_ffn(cls, config: MemFFNConfig) -> nn.Module | None:
+        """The FFN that a decoder layer applies to its residual stream, as the config's wiring says."""
+        kind = config.residual_ffn
+        if kind is None:
+            return None
+        if kind not in cls.residual_ffn_blocks:
+            raise ValueError(f"{cls.__name__}: residual FFN {kind!r} is not supported; allowed values: "
+                             f"{', '.join(map(repr, cls.residual_ffn_blocks))}")
+        return cls.residual_ffn_blocks[kind](config)
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -460,77 +468,12 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         )
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The four architectures: thin compositions naming their config
-# --------------------------------------------------------------------------------------------------------------------
-class FlashMHFLlamaModel(MemFFNModel):
-    config_class = FlashMHFLlamaConfig
+def register_for_auto_classes(config_class, model_class, causal_lm_class) -> None:
+    """Mark an architecture's classes so that `save_pretrained` copies their modeling file and its sibling imports
+    next to the weights; config.json's `auto_map` points the Auto classes at them (`MemFFNConfig.default_auto_map`)."""
+    config_class.register_for_auto_class("AutoConfig")
+    model_class.register_for_auto_class("AutoModel")
+    causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
 
 
-class FlashMHFLlamaForCausalLM(MemFFNForCausalLM):
-    config_class = FlashMHFLlamaConfig
-    base_model_class = FlashMHFLlamaModel
-
-
-# The models with FFNs on X0 also keep their stacked `TokenMemory` whole (device_map, FSDP wrapping).
-_WITH_TOKEN_MEMORY = ["MemFFNDecoderLayer", "TokenMemory"]
-
-
-class MemoryLLMModel(MemFFNModel):
-    config_class = MemoryLLMConfig
-    _no_split_modules = _WITH_TOKEN_MEMORY
-
-
-class MemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
-    config_class = MemoryLLMConfig
-    base_model_class = MemoryLLMModel
-    _no_split_modules = _WITH_TOKEN_MEMORY
-
-
-class FlexMemoryLLMModel(MemFFNModel):
-    config_class = FlexMemoryLLMConfig
-    _no_split_modules = _WITH_TOKEN_MEMORY
-
-
-class FlexMemoryLLMForCausalLM(TokenLookupMixin, MemFFNForCausalLM):
-    config_class = FlexMemoryLLMConfig
-    base_model_class = FlexMemoryLLMModel
-    _no_split_modules = _WITH_TOKEN_MEMORY
-
-
-class KVFFNModel(MemFFNModel):
-    config_class = KVFFNConfig
-
-
-class KVFFNForCausalLM(MemFFNForCausalLM):
-    config_class = KVFFNConfig
-    base_model_class = KVFFNModel
-
-
-MODEL_CLASSES = {
-    FlashMHFLlamaConfig: (FlashMHFLlamaModel, FlashMHFLlamaForCausalLM),
-    MemoryLLMConfig: (MemoryLLMModel, MemoryLLMForCausalLM),
-    FlexMemoryLLMConfig: (FlexMemoryLLMModel, FlexMemoryLLMForCausalLM),
-    KVFFNConfig: (KVFFNModel, KVFFNForCausalLM),
-}
-
-# `save_pretrained` copies this file and its sibling imports next to the weights, and config.json's `auto_map`
-# points `AutoConfig` / `AutoModel` / `AutoModelForCausalLM` at them (see `MemFFNConfig.default_auto_map`).
-for _config_class, (_model_class, _causal_lm_class) in MODEL_CLASSES.items():
-    _config_class.register_for_auto_class("AutoConfig")
-    _model_class.register_for_auto_class("AutoModel")
-    _causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
-
-__all__ = [
-    "MemFFNPreTrainedModel",
-    "MemFFNModel",
-    "MemFFNForCausalLM",
-    "FlashMHFLlamaModel",
-    "FlashMHFLlamaForCausalLM",
-    "MemoryLLMModel",
-    "MemoryLLMForCausalLM",
-    "FlexMemoryLLMModel",
-    "FlexMemoryLLMForCausalLM",
-    "KVFFNModel",
-    "KVFFNForCausalLM",
-]
+__all__ = ["MemFFNPreTrainedModel", "MemFFNModel", "MemFFNForCausalLM", "MemFFNDecoderLayer"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import LlamaConfig
-
-from . import ARCHITECTURES
+from .architectures import BASELINE, architecture
 from .tokenization import train_tokenizer
 
 # Shared decoder shape of the tiny models: small enough to train in seconds on a CPU.
@@ -20,27 +18,31 @@ TINY_DECODER = dict(
     tie_word_embeddings=False,
 )
 
-# Per-architecture FFN fields of the tiny models.
-TINY_FFN = {
-    "llama": dict(intermediate_size=128),
-    "flash_mhf": dict(intermediate_size=96, ffn_num_heads=4, ffn_num_subnetworks=2, ffn_num_kv_heads=2),
-    "memoryllm": dict(intermediate_size=128),
-    "flex_memoryllm": dict(intermediate_size=64, memory_intermediate_size=64),
-    "kvffn": dict(intermediate_size=128),
+
+# What a checkpoint of each architecture carries for `trust_remote_code` (transformers copies the modeling file named
+# in `auto_map` and its sibling imports): the code its architecture runs, and nothing else.
+_SHARED_REMOTE_CODE = {"configuration_memffn.py", "modeling_memffn.py", "ffn.py", "rms_norm.py"}
+_TOKEN_LOOKUP_RUNTIME = {"modeling_memoryllm.py", "token_lookup.py", "token_lookup_triton.py"}
+REMOTE_CODE_FILES = {
+    "flash_mhf": _SHARED_REMOTE_CODE
+    | {"modeling_flash_mhf.py", "ffn_multihead.py", "flash_mhf_op.py", "flash_mhf_triton.py", "flash_mhf_gluon.py",
+       "flash_mhf_layer_triton.py"},
+    "memoryllm": _SHARED_REMOTE_CODE | _TOKEN_LOOKUP_RUNTIME,
+    "flex_memoryllm": _SHARED_REMOTE_CODE | _TOKEN_LOOKUP_RUNTIME,
+    "kvffn": _SHARED_REMOTE_CODE | {"modeling_kvffn.py"},
 }
 
 
 def tiny_config(arch: str, **overrides):
-    """A tiny config of `arch` ("llama" for the transformers Llama baseline, or a key of `ARCHITECTURES`)."""
-    if arch not in TINY_FFN:
-        raise ValueError(f"arch={arch!r} is not supported; allowed values: {sorted(TINY_FFN)}")
-    fields = {**TINY_DECODER, **TINY_FFN[arch], **overrides}
-    if arch == "llama":
+    """A tiny config of `arch` ("llama" for the transformers Llama baseline, or a key of `ARCHITECTURES`); the FFN
+    fields of each architecture are its `tiny_ffn` in `hf_memffn.architectures.REGISTRY`."""
+    entry = architecture(arch)
+    fields = {**TINY_DECODER, **entry.tiny_ffn, **overrides}
+    if arch == BASELINE:
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
         rope_theta = fields.pop("rope_theta")
         fields.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
-        return LlamaConfig(**fields)
-    return ARCHITECTURES[arch](**fields)
+    return entry.config_class(**fields)
 
 
 def tiny_tokenizer(vocab_size: int = 320):

@@ -7,13 +7,15 @@ vector. A token lookup table stores, for every token id, all layers' outputs in 
 * the on-disk format (`TokenLookupFormat`, the index file, the row codecs: float, int8/int4 with group-wise scales,
   low-rank per-layer factors) shared by the exporter (`hf_memffn.conversion.export`) and the runtime;
 * `weights_fingerprint`, which identifies the weights a table was computed from;
-* `TokenLookupTable`, the runtime that replaces the memory FFN computation by a lookup, with three placements
-  (`gpu`, `cpu`, `disk`), and the readout object the decoder layers call (`readout.add_into(hidden, layer_idx)`);
+* `TokenLookupTable`, the runtime that replaces the memory FFN computation by a lookup, one class per placement
+  (`gpu`, `cpu`, `disk`: `PLACEMENT_CLASSES`, built by `open_table`), and the readout object the decoder layers call
+  (`readout.add_into(hidden, layer_idx)`);
 * `TokenLookupMixin`, which gives the MemoryLLM / FlexMemoryLLM model classes `load_tols`, `unload_tols` and
   `drop_memory_ffn`.
 
-Imported by the remote-code modeling file, so it imports only torch, safetensors and stdlib (+ the guarded Triton
-kernels next to it).
+Imported by the remote-code modeling file of MemoryLLM / FlexMemoryLLM (`modeling_memoryllm.py`), so it imports only
+torch and the standard library (+ `check_choice` from the configuration file and the guarded Triton kernels next to
+it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .configuration_memffn import check_choice
 from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
 
 INDEX_NAME = "token_lookup.safetensors.index.json"
@@ -53,11 +56,6 @@ _DTYPE_NAMES = {v: k for k, v in {"fp32": torch.float32, "fp16": torch.float16, 
 
 class TokenLookupError(ValueError):
     """A token lookup table that is incomplete, damaged, or computed from other weights than the model's."""
-
-
-def _choice(field_name: str, value, allowed: Sequence) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field_name}={value!r} is not supported; allowed values: {', '.join(map(repr, allowed))}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -85,7 +83,7 @@ class TokenLookupFormat:
     drop_layers: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        _choice("format", self.name, FORMATS)
+        check_choice("format", self.name, FORMATS)
         self.drop_layers = tuple(sorted({int(layer) for layer in self.drop_layers}))
         if self.name in QUANT_MAX:
             if self.group_size is None:
@@ -96,7 +94,7 @@ class TokenLookupFormat:
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size!r} applies only to formats int8 and int4, not {self.name!r}")
         if self.name == "lowrank":
-            _choice("factor_dtype", self.factor_dtype, tuple(FLOAT_DTYPES))
+            check_choice("factor_dtype", self.factor_dtype, tuple(FLOAT_DTYPES))
             if (self.rank is None) == (self.energy is None):
                 raise ValueError(f"format 'lowrank' needs exactly one of rank or energy (got rank={self.rank!r}, "
                                  f"energy={self.energy!r})")
@@ -337,7 +335,7 @@ class TableIndex:
 
     def verify(self, mode: str = "full") -> None:
         """Check every shard: present, of the recorded size, (mode 'full') of the recorded sha256."""
-        _choice("verify", mode, VERIFY_MODES)
+        check_choice("verify", mode, VERIFY_MODES)
         for name, info in self.shards.items():
             path = os.path.join(self.directory, name)
             if not os.path.isfile(path):
@@ -438,42 +436,40 @@ class TokenLookupReadout:
 class TokenLookupTable(nn.Module):
     """The runtime of a token lookup table; set as `base_model.token_lookup` by `load_tols`.
 
-    Placements:
-      gpu:  the whole table in device memory; each layer gathers its slice of the tokens' rows, dequantizes and adds
-            into the hidden state in one kernel.
-      cpu:  the table in pinned host memory, with a device cache of `cache_rows` frequent tokens (filled on a side
-            stream); each forward gathers all its tokens' rows at once (prefill: the whole prompt) into a device
-            buffer, cached rows from the cache and the others straight from host memory over PCIe (no host sync, so
-            it works under CUDA graphs). Without a GPU: plain host memory, no cache.
-      disk: the table memory-mapped from its shards (read lazily by the OS); a device cache as for `cpu`, half of it
-            frequent tokens, half least-recently-used: each forward reads its token ids on the host, copies the
-            missing rows from the mapped files into the cache on a side stream and reads every row from the cache; a
-            forward with more new tokens than the cache's LRU half (a long prompt) copies all its rows at once into
-            a device buffer instead. The host sync per forward rules out CUDA graphs. Without a GPU: rows are read
-            from the mapped files directly.
+    One subclass per placement (`PLACEMENT_CLASSES`, built by `open_table`), each holding the rows where its
+    placement says and implementing `_readout`:
+      gpu (`DeviceTokenLookupTable`): the whole table in device memory; each layer gathers its slice of the tokens'
+            rows, dequantizes and adds into the hidden state in one kernel.
+      cpu (`HostTokenLookupTable`): the table in pinned host memory, with a device cache of `cache_rows` frequent
+            tokens (filled on a side stream); each forward gathers all its tokens' rows at once (prefill: the whole
+            prompt) into a device buffer, cached rows from the cache and the others straight from host memory over
+            PCIe (no host sync, so it works under CUDA graphs). Without a GPU: plain host memory, no cache.
+      disk (`DiskTokenLookupTable`): the table memory-mapped from its shards (read lazily by the OS); a device cache
+            as for `cpu`, half of it frequent tokens, half least-recently-used: each forward reads its token ids on the
+            host, copies the missing rows from the mapped files into the cache on a side stream and reads every row
+            from the cache; a forward with more new tokens than the cache's LRU half (a long prompt) copies all its
+            rows at once into a device buffer instead. The host sync per forward rules out CUDA graphs. Without a
+            GPU: rows are read from the mapped files directly.
     Triton kernels (`kernel="triton"`, the default on CUDA): gpu placement adds each layer's slice with the fused
     gather / dequantize / add kernel; cpu and disk gather whole rows once per forward, then use the same add kernel
     on that buffer. Low-rank tables always use PyTorch (gather coefficients, one small matmul per layer).
     Table tensors are non-persistent buffers: they never enter the model's state dict.
     """
 
-    def __init__(self, index: TableIndex, placement: str, device: torch.device | str | None = None,
-                 cache_rows: int = 1024, frequent_tokens: Sequence[int] | torch.Tensor | None = None,
-                 kernel: str = "auto"):
+    placement = ""  # set by each subclass
+
+    def __init__(self, index: TableIndex, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
-        _choice("placement", placement, PLACEMENTS)
-        _choice("kernel", kernel, KERNELS)
+        check_choice("kernel", kernel, KERNELS)
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if placement == "gpu" and device.type != "cuda":
-            raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}; use 'cpu' or 'disk'")
+        self._check_device(device)
         if kernel == "triton" and (device.type != "cuda" or not HAS_TRITON):
             raise ValueError(f"kernel='triton' needs triton and a CUDA device (device={str(device)!r}, "
                              f"triton available: {HAS_TRITON})")
         self.index = index
         self.fmt = index.fmt
-        self.placement = placement
         self.device = device
         self.kernel = "triton" if kernel == "auto" and device.type == "cuda" and HAS_TRITON else (
             "torch" if kernel == "auto" else kernel)
@@ -484,47 +480,101 @@ class TokenLookupTable(nn.Module):
             self.rank_offsets.append(self.rank_offsets[-1] + rank)
         self.cache_hits = 0
         self.cache_lookups = 0
-
         mapped = index.open_tensors()
         for k, layer in enumerate(index.layers if self.fmt.name == "lowrank" else []):
             self.register_buffer(f"basis_{k}", mapped[basis_key(layer)].to(device), persistent=False)
-        quantized = self.fmt.group_size is not None
-        width, scale_width, vocab = index.row_width, index.scale_width, index.vocab_size
-        rows_dtype = self.fmt.storage_dtype
+        self._place_rows(mapped)
 
-        if placement == "disk":
-            self._blocks = [(start, mapped[block_keys(start)[0]], mapped[block_keys(start)[1]] if quantized else None)
-                            for start in index.block_starts]
-        else:
-            pin = placement == "cpu" and device.type == "cuda"
-            target = device if placement == "gpu" else torch.device("cpu")
-            rows = torch.empty(vocab, width, dtype=rows_dtype, device=target, pin_memory=pin)
-            scales = torch.empty(vocab, scale_width, dtype=SCALE_DTYPE, device=target, pin_memory=pin) if quantized else None
-            for start in index.block_starts:
-                block_rows = mapped[block_keys(start)[0]]
-                rows[start:start + block_rows.shape[0]].copy_(block_rows)
-                if quantized:
-                    scales[start:start + block_rows.shape[0]].copy_(mapped[block_keys(start)[1]])
-            del mapped
-            if placement == "cpu":
-                self._host_tables = (rows, scales)  # the host copies (they keep the device alias below valid)
-            if placement == "cpu" and device.type == "cuda":
-                rows = _host_mapped_alias(rows, device)
-                scales = _host_mapped_alias(scales, device) if quantized else None
-            self.register_buffer("rows", rows, persistent=False)
-            self.register_buffer("scales", scales, persistent=False)
+    def _check_device(self, device: torch.device) -> None:
+        """Refuse a device this placement cannot use."""
 
-        self.use_cache = placement in ("cpu", "disk") and device.type == "cuda" and cache_rows > 0
-        if placement == "disk" and device.type == "cuda" and cache_rows <= 0:
-            raise ValueError(f"cache_rows={cache_rows} must be > 0 for placement='disk' on a GPU")
-        if self.use_cache:
-            self._init_cache(min(int(cache_rows), vocab), frequent_tokens)
-        if device.type == "cuda":
+    def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _copy_rows(self, mapped: dict[str, torch.Tensor], target: torch.device, pin: bool):
+        """The table's rows and scales ([vocab, width]) copied out of the mapped shards into one tensor each."""
+        index, quantized = self.index, self.fmt.group_size is not None
+        rows = torch.empty(index.vocab_size, index.row_width, dtype=self.fmt.storage_dtype, device=target,
+                           pin_memory=pin)
+        scales = (torch.empty(index.vocab_size, index.scale_width, dtype=SCALE_DTYPE, device=target, pin_memory=pin)
+                  if quantized else None)
+        for start in index.block_starts:
+            block_rows = mapped[block_keys(start)[0]]
+            rows[start:start + block_rows.shape[0]].copy_(block_rows)
+            if quantized:
+                scales[start:start + block_rows.shape[0]].copy_(mapped[block_keys(start)[1]])
+        return rows, scales
+
+    def _mark_static(self) -> None:
+        if self.device.type == "cuda":
             # fixed addresses: CUDA graphs (torch.compile "reduce-overhead") read the table in place, never copy it
             for buffer in self.buffers():
                 torch._dynamo.mark_static_address(buffer, guard=False)
 
-    # -- cache ---------------------------------------------------------------------------------------------------------
+    def readout(self, input_ids: torch.Tensor) -> TokenLookupReadout:
+        """The memory outputs of `input_ids` ([B, L]) for every layer, ready for `add_into`."""
+        if input_ids is None:
+            raise ValueError("lookup mode needs input_ids (the table is indexed by token id); got inputs_embeds only")
+        return self._readout(input_ids.reshape(-1).to(self.device))
+
+    def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
+        raise NotImplementedError
+
+    def _host_buffers(self) -> tuple[str, ...]:
+        """Buffers that live in host memory even when they are CUDA tensors (aliases of pinned host memory)."""
+        return ()
+
+    def extra_repr(self) -> str:
+        return (f"format={self.fmt.name}, placement={self.placement}, device={self.device}, kernel={self.kernel}, "
+                f"vocab_size={self.index.vocab_size}, layers={len(self.index.layers)}/{self.index.num_hidden_layers}")
+
+    def device_bytes(self) -> int:
+        """Bytes this table holds in device memory (table or cache, scales, bases)."""
+        host = self._host_buffers()
+        return sum(buffer.numel() * buffer.element_size() for name, buffer in self.named_buffers()
+                   if buffer is not None and buffer.device.type == "cuda" and name not in host)
+
+
+class DeviceTokenLookupTable(TokenLookupTable):
+    """placement "gpu": the whole table in device memory (see `TokenLookupTable`)."""
+
+    placement = "gpu"
+
+    def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 0,
+                 frequent_tokens=None):
+        super().__init__(index, device, kernel)  # no cache: every row is on the device already
+        self._mark_static()
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"placement='gpu' needs a CUDA device, got device={str(device)!r}; use 'cpu' or 'disk'")
+
+    def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
+        rows, scales = self._copy_rows(mapped, self.device, pin=False)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
+        return TokenLookupReadout(self, ids, self.rows, self.scales)
+
+
+class _CachedTokenLookupTable(TokenLookupTable):
+    """Tables whose rows stay off the device (placements "cpu" and "disk"): on a GPU, a device cache of `cache_rows`
+    token rows, of which `static_fraction` hold `frequent_tokens` for good and the rest the least recently used."""
+
+    static_fraction = 1.0
+
+    def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
+                 frequent_tokens: Sequence[int] | torch.Tensor | None = None):
+        super().__init__(index, device, kernel)
+        self.use_cache = self.device.type == "cuda" and cache_rows > 0
+        if self.use_cache:
+            self._init_cache(min(int(cache_rows), index.vocab_size), frequent_tokens)
+        self._mark_static()
+
+    def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of `tokens` (CPU long tensor) read on the host."""
+        raise NotImplementedError
 
     def _priority_tokens(self, frequent_tokens) -> list[int]:
         """Distinct token ids, most important first, for the static part of the cache."""
@@ -554,8 +604,7 @@ class TokenLookupTable(nn.Module):
         self.register_buffer("slot_of_token", torch.full((index.vocab_size,), -1, dtype=torch.int32, device=device),
                              persistent=False)
         self.copy_stream = torch.cuda.Stream(device)
-        # disk: the second half of the cache is least-recently-used, for the tokens a forward needs
-        self.static_slots = cache_rows if self.placement == "cpu" else max(cache_rows // 2, 0)
+        self.static_slots = max(int(cache_rows * self.static_fraction), 0)
         self.host_slot_of_token = torch.full((index.vocab_size,), -1, dtype=torch.int64)
         self.token_in_slot = torch.full((cache_rows,), -1, dtype=torch.int64)
         self.slot_last_used = torch.zeros(cache_rows, dtype=torch.int64)
@@ -563,23 +612,6 @@ class TokenLookupTable(nn.Module):
         tokens = torch.tensor(self._priority_tokens(frequent_tokens), dtype=torch.long)
         self._fill_slots(torch.arange(tokens.numel()), tokens)
         self.copy_stream.synchronize()
-
-    def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of `tokens` (CPU long tensor) read on the host: from the pinned table or the mapped shards."""
-        if self.placement == "cpu":
-            host_rows, host_scales = self._host_tables
-            return host_rows.index_select(0, tokens), (host_scales.index_select(0, tokens) if host_scales is not None else None)
-        rows = torch.empty(tokens.numel(), self.index.row_width, dtype=self.fmt.storage_dtype)
-        scales = torch.empty(tokens.numel(), self.index.scale_width, dtype=SCALE_DTYPE) if self.fmt.group_size else None
-        block_of = tokens // self.index.rows_per_block
-        for block in torch.unique(block_of).tolist():
-            where = (block_of == block).nonzero().squeeze(1)
-            start, block_rows, block_scales = self._blocks[block]
-            local = tokens.index_select(0, where) - start
-            rows[where] = block_rows.index_select(0, local)
-            if scales is not None:
-                scales[where] = block_scales.index_select(0, local)
-        return rows, scales
 
     def _fill_slots(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Copy `tokens`' rows into cache `slots` on the side stream; the compute stream waits for it."""
@@ -604,9 +636,101 @@ class TokenLookupTable(nn.Module):
         self.host_slot_of_token[tokens] = slots
         self.token_in_slot[slots] = tokens
 
+    def _host_readout(self, ids: torch.Tensor) -> TokenLookupReadout:
+        """Every row of `ids` read on the host (no GPU)."""
+        rows, scales = self._host_rows(ids.cpu())
+        return TokenLookupReadout(self, torch.arange(ids.numel(), device=rows.device), rows, scales)
+
+
+class HostTokenLookupTable(_CachedTokenLookupTable):
+    """placement "cpu": the table in (pinned) host memory, the whole device cache static (see `TokenLookupTable`)."""
+
+    placement = "cpu"
+    static_fraction = 1.0
+
+    def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
+        on_gpu = self.device.type == "cuda"
+        rows, scales = self._copy_rows(mapped, torch.device("cpu"), pin=on_gpu)
+        self._host_tables = (rows, scales)  # the host copies (they keep the device aliases below valid)
+        if on_gpu:
+            rows = _host_mapped_alias(rows, self.device)
+            scales = _host_mapped_alias(scales, self.device) if scales is not None else None
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def _host_buffers(self) -> tuple[str, ...]:
+        return ("rows", "scales")
+
+    def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        host_rows, host_scales = self._host_tables
+        return host_rows.index_select(0, tokens), (host_scales.index_select(0, tokens) if host_scales is not None else None)
+
+    def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
+        if self.device.type != "cuda":
+            return self._host_readout(ids)
+        # rows straight from the pinned table over PCIe, cached rows (if any) from the device cache
+        rows, scales = self._gather(ids, self.slot_of_token if self.use_cache else None)
+        return TokenLookupReadout(self, torch.arange(ids.numel(), device=self.device), rows, scales)
+
+    def _gather(self, ids, slot_of_token):
+        """Rows [T, W] (+ scales) of `ids` on the device: cache hits from the cache, misses from the mapped host table."""
+        host_rows, host_scales = self.rows, self.scales
+        cache_rows = self.cache_rows if slot_of_token is not None else None
+        cache_scales = self.cache_scales if slot_of_token is not None else None
+        if self.kernel == "triton":
+            rows = gather_rows_triton(ids, slot_of_token, cache_rows, host_rows)
+            scales = gather_rows_triton(ids, slot_of_token, cache_scales, host_scales) if host_scales is not None else None
+            return rows, scales
+        rows = host_rows.index_select(0, ids)
+        scales = host_scales.index_select(0, ids) if host_scales is not None else None
+        if slot_of_token is not None:
+            slots = slot_of_token.index_select(0, ids).long()
+            hit = (slots >= 0).unsqueeze(1)
+            rows = torch.where(hit, cache_rows.index_select(0, slots.clamp_min(0)), rows)
+            if scales is not None:
+                scales = torch.where(hit, cache_scales.index_select(0, slots.clamp_min(0)), scales)
+        return rows, scales
+
+
+class DiskTokenLookupTable(_CachedTokenLookupTable):
+    """placement "disk": the table memory-mapped from its shards, half the device cache static and half
+    least-recently-used (see `TokenLookupTable`)."""
+
+    placement = "disk"
+    static_fraction = 0.5
+
+    def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
+                 frequent_tokens: Sequence[int] | torch.Tensor | None = None):
+        super().__init__(index, device, kernel, cache_rows, frequent_tokens)
+        if self.device.type == "cuda" and cache_rows <= 0:
+            raise ValueError(f"cache_rows={cache_rows} must be > 0 for placement='disk' on a GPU")
+
+    def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
+        quantized = self.fmt.group_size is not None
+        self._blocks = [(start, mapped[block_keys(start)[0]], mapped[block_keys(start)[1]] if quantized else None)
+                        for start in self.index.block_starts]
+
+    def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = torch.empty(tokens.numel(), self.index.row_width, dtype=self.fmt.storage_dtype)
+        scales = torch.empty(tokens.numel(), self.index.scale_width, dtype=SCALE_DTYPE) if self.fmt.group_size else None
+        block_of = tokens // self.index.rows_per_block
+        for block in torch.unique(block_of).tolist():
+            where = (block_of == block).nonzero().squeeze(1)
+            start, block_rows, block_scales = self._blocks[block]
+            local = tokens.index_select(0, where) - start
+            rows[where] = block_rows.index_select(0, local)
+            if scales is not None:
+                scales[where] = block_scales.index_select(0, local)
+        return rows, scales
+
+    def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
+        if not self.use_cache:
+            return self._host_readout(ids)
+        return TokenLookupReadout(self, *self._disk_rows(ids))
+
     @torch.compiler.disable
     def _disk_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """disk placement: (row ids, rows, scales) of this forward's tokens on the device (a host sync on the ids).
+        """(row ids, rows, scales) of this forward's tokens on the device (a host sync on the ids).
 
         New tokens go into the least-recently-used half of the cache when they fit there; a forward with more new
         tokens than that (a long prompt) reads all its rows from the mapped shards at once into a device buffer.
@@ -638,68 +762,30 @@ class TokenLookupTable(nn.Module):
             scales.record_stream(compute)
         return torch.arange(tokens.numel(), device=self.device), rows, scales
 
-    # -- readout -------------------------------------------------------------------------------------------------------
 
-    def readout(self, input_ids: torch.Tensor) -> TokenLookupReadout:
-        """The memory outputs of `input_ids` ([B, L]) for every layer, ready for `add_into`."""
-        if input_ids is None:
-            raise ValueError("lookup mode needs input_ids (the table is indexed by token id); got inputs_embeds only")
-        ids = input_ids.reshape(-1).to(self.device)
-        if self.placement == "gpu":
-            return TokenLookupReadout(self, ids, self.rows, self.scales)
-        # cpu / disk: gather every layer of every token at once into a device (or host) buffer
-        if not self.use_cache:
-            if self.device.type == "cuda":
-                # cpu placement with cache_rows=0: rows come straight from the pinned table over PCIe
-                rows, scales = self._gather(ids, None, self.rows, self.scales)
-            else:
-                rows, scales = self._host_rows(ids.cpu())
-            return TokenLookupReadout(self, torch.arange(ids.numel(), device=rows.device), rows, scales)
-        if self.placement == "disk":
-            return TokenLookupReadout(self, *self._disk_rows(ids))
-        rows, scales = self._gather(ids, self.slot_of_token, self.rows, self.scales)
-        return TokenLookupReadout(self, torch.arange(ids.numel(), device=self.device), rows, scales)
+PLACEMENT_CLASSES: dict[str, type[TokenLookupTable]] = {
+    table_class.placement: table_class
+    for table_class in (DeviceTokenLookupTable, HostTokenLookupTable, DiskTokenLookupTable)
+}
 
-    def _gather(self, ids, slot_of_token, host_rows, host_scales):
-        """Rows [T, W] (+ scales) of `ids` on the device: cache hits from the cache, misses from the mapped host table."""
-        cache_rows = self.cache_rows if slot_of_token is not None else None
-        cache_scales = self.cache_scales if slot_of_token is not None else None
-        if self.kernel == "triton":
-            rows = gather_rows_triton(ids, slot_of_token, cache_rows, host_rows)
-            scales = gather_rows_triton(ids, slot_of_token, cache_scales, host_scales) if host_scales is not None else None
-            return rows, scales
-        rows = host_rows.index_select(0, ids)
-        scales = host_scales.index_select(0, ids) if host_scales is not None else None
-        if slot_of_token is not None:
-            slots = slot_of_token.index_select(0, ids).long()
-            hit = (slots >= 0).unsqueeze(1)
-            rows = torch.where(hit, cache_rows.index_select(0, slots.clamp_min(0)), rows)
-            if scales is not None:
-                scales = torch.where(hit, cache_scales.index_select(0, slots.clamp_min(0)), scales)
-        return rows, scales
 
-    def extra_repr(self) -> str:
-        return (f"format={self.fmt.name}, placement={self.placement}, device={self.device}, kernel={self.kernel}, "
-                f"vocab_size={self.index.vocab_size}, layers={len(self.index.layers)}/{self.index.num_hidden_layers}")
-
-    def device_bytes(self) -> int:
-        """Bytes this table holds in device memory (table or cache, scales, bases)."""
-        total = 0
-        for name, buffer in self.named_buffers():
-            if buffer is not None and buffer.device.type == "cuda" and not (self.placement == "cpu" and name in ("rows", "scales")):
-                total += buffer.numel() * buffer.element_size()
-        return total
+def open_table(index: TableIndex, placement: str, *, device=None, cache_rows: int = 1024, frequent_tokens=None,
+               kernel: str = "auto") -> TokenLookupTable:
+    """The runtime of an already read and verified table, in the class of `placement`."""
+    check_choice("placement", placement, PLACEMENTS)
+    return PLACEMENT_CLASSES[placement](index, device=device, kernel=kernel, cache_rows=cache_rows,
+                                        frequent_tokens=frequent_tokens)
 
 
 def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: int = 1024, frequent_tokens=None,
                kernel: str = "auto", verify: str = "full") -> TokenLookupTable:
     """Read, verify and place a table (no model check: `TokenLookupMixin.load_tols` does that)."""
-    _choice("placement", placement, PLACEMENTS)
-    _choice("verify", verify, VERIFY_MODES)
+    check_choice("placement", placement, PLACEMENTS)
+    check_choice("verify", verify, VERIFY_MODES)
     index = TableIndex.read(path)
     index.verify(verify)
-    return TokenLookupTable(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
-                            kernel=kernel)
+    return open_table(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
+                      kernel=kernel)
 
 
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
@@ -736,15 +822,15 @@ class TokenLookupMixin:
         Raises TokenLookupError if the table is incomplete, damaged, or from other weights.
         """
         base = _memory_base(self)
-        _choice("placement", placement, PLACEMENTS)
-        _choice("verify", verify, VERIFY_MODES)
+        check_choice("placement", placement, PLACEMENTS)
+        check_choice("verify", verify, VERIFY_MODES)
         index = TableIndex.read(os.fspath(path))
         check_table_matches(index, base)
         index.verify(verify)
         if device is None:
             device = base.embed_tokens.weight.device
-        table = TokenLookupTable(index, placement, device=device, cache_rows=cache_rows,
-                                 frequent_tokens=frequent_tokens, kernel=kernel)
+        table = open_table(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
+                           kernel=kernel)
         base.token_lookup = table
         if drop_memory_ffn:
             self.drop_memory_ffn()

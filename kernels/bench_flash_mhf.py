@@ -287,7 +287,7 @@ class CheckpointedModule(nn.Module):
 
 class TokenChunkedRecompute(nn.Module):
     """The package module with `ffn_recompute_chunk_tokens` set: only the input is kept for the backward pass and the
-    activations are recomputed chunk by chunk of tokens (`hf_memffn.ffn.recompute_in_token_chunks`)."""
+    activations are recomputed chunk by chunk of tokens (`hf_memffn.ffn_multihead.recompute_in_token_chunks`)."""
 
     def __init__(self, inner, chunk_tokens):
         super().__init__()
@@ -295,7 +295,7 @@ class TokenChunkedRecompute(nn.Module):
         self.chunk_tokens = chunk_tokens
 
     def forward(self, x):
-        from hf_memffn.ffn import recompute_in_token_chunks
+        from hf_memffn.ffn_multihead import recompute_in_token_chunks
 
         if not torch.is_grad_enabled():
             return self.inner(x)
@@ -309,7 +309,7 @@ def package_flash_mhf_module():
     """The package's FlashMHF FFN at the paper's size, or None if it is not importable."""
     try:
         from hf_memffn import FlashMHFLlamaConfig
-        from hf_memffn.ffn import FlashMHFFeedForward
+        from hf_memffn.ffn_multihead import FlashMHFFeedForward
     except Exception as exc:  # noqa: BLE001
         log(f"package FlashMHF module unavailable ({exc!r}); using the benchmark's own module")
         return None

@@ -102,7 +102,7 @@ def parameter_count(model) -> int:
 
 def ffn_path(model) -> str | None:
     """What the FlashMHF FFN of `model` runs (None for the other architectures)."""
-    from hf_memffn.ffn import FlashMHFFeedForward
+    from hf_memffn.ffn_multihead import FlashMHFFeedForward
 
     for module in model.modules():
         if isinstance(module, FlashMHFFeedForward):
@@ -209,18 +209,19 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     """The FFN block of each architecture's decoder layer at `size`, and SwiGLU MLPs of equal parameters."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from hf_memffn.ffn import SwiGLUFeedForward, build_residual_ffn
+    from hf_memffn import FlashMHFLlamaModel, KVFFNModel
+    from hf_memffn.ffn import SwiGLUFeedForward
 
     torch.manual_seed(0)
     layers = {}
     flash_config = build_config("flash_mhf", size)
-    layers["FlashMHF"] = build_residual_ffn(flash_config)
+    layers["FlashMHF"] = FlashMHFLlamaModel.build_residual_ffn(flash_config)
     layers["FlashMHF, unfused layer"] = copy.deepcopy(layers["FlashMHF"])
     layers["FlashMHF, unfused layer"].fused_layer = False
     flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())
     width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
     layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
-    layers["KV-FFN"] = build_residual_ffn(build_config("kvffn", size))
+    layers["KV-FFN"] = KVFFNModel.build_residual_ffn(build_config("kvffn", size))
     llama_config = build_config("llama", size)
     layers[f"Llama MLP d_ff={llama_config.intermediate_size}"] = LlamaMLP(llama_config)
     for module in layers.values():

@@ -11,7 +11,7 @@ import os
 import torch
 
 from hf_memffn import FlashMHFLlamaConfig, flash_mhf
-from hf_memffn.ffn import FlashMHFFeedForward, recompute_in_token_chunks
+from hf_memffn.ffn_multihead import FlashMHFFeedForward, recompute_in_token_chunks
 
 GiB = 2**30
 

@@ -15,6 +15,7 @@ from hf_memffn.analysis import (
     ValueEdit,
     coefficients_for_ids,
     edit_next_token,
+    feed_forward_memory,
     find_trigger_cell,
     layer_contributions,
     memory_banks,
@@ -30,6 +31,7 @@ from hf_memffn.analysis import (
     top_triggering_prefixes,
 )
 from hf_memffn.analysis.memory_banks import decoder_of
+from hf_memffn.ffn import LinearReadoutMemory
 from hf_memffn.testing import tiny_config
 
 # arch (as in tiny_config) -> config overrides; covers every FFN kind the analysis supports
@@ -63,7 +65,7 @@ def bank_outputs(model, banks, input_ids):
         if bank.kind == "readout":
             def hook(module, args, output, name=bank.name):
                 outputs[name] = output - (module.bias if module.bias is not None else 0)
-            handles.append(bank.readout.register_forward_hook(hook))
+            handles.append(bank.memory.memory_readout.register_forward_hook(hook))
         elif bank.kind == "token_memory":
             def hook(module, args, output, name=bank.name, layer=bank.layer):
                 outputs[name] = output[:, :, layer]
@@ -71,7 +73,7 @@ def bank_outputs(model, banks, input_ids):
         else:
             def hook(module, args, output, name=bank.name):
                 outputs[name] = output
-            handles.append(bank.mlp.register_forward_hook(hook))
+            handles.append(bank.hook_module.register_forward_hook(hook))
     with torch.no_grad(), record_coefficients(model, banks) as coefficients:
         model(input_ids=input_ids)
     for handle in handles:
@@ -261,7 +263,7 @@ def test_flash_mhf_value_edit_moves_the_model_space_value():
     model = build("flash_mhf")
     bank = memory_banks(model)[1]
     cell = bank.num_cells - 3  # last head
-    head_dim = bank.head_dim
+    head_dim = bank.memory.head_dim
     out_head = model.model.layers[1].mlp.out_proj.weight.detach()[:, -head_dim:]  # [d, d_h]
     before = bank.value_vectors()[cell].clone()
     reachable = out_head @ torch.randn(head_dim)  # a change the head can write through out_proj
@@ -305,6 +307,56 @@ def test_layer_contributions_split_attention_ffn_and_memory():
     assert all(0 < share < 1 for share in contributions.memory_share)
     llama = layer_contributions(build("llama"), texts)
     assert llama.memory == [0.0, 0.0] and all(f > 0 for f in llama.ffn)
+
+
+class GELUFeedForward(LinearReadoutMemory, torch.nn.Module):
+    """A new FFN variant: it works in the analysis tools by implementing the memory interface."""
+
+    def __init__(self, hidden_size, width):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(hidden_size, width)
+        self.down_proj = torch.nn.Linear(width, hidden_size)
+
+    @property
+    def memory_readout(self):
+        return self.down_proj
+
+    def memory_coefficients(self, hidden_states):
+        return F.gelu(self.up_proj(hidden_states))
+
+    def forward(self, hidden_states):
+        return self.down_proj(self.memory_coefficients(hidden_states))
+
+
+def test_a_new_ffn_variant_works_through_the_memory_interface():
+    model = build("llama")
+    for block in model.model.layers:
+        block.mlp = GELUFeedForward(model.config.hidden_size, 24)
+    banks = memory_banks(model)
+    assert [(bank.kind, bank.num_cells) for bank in banks] == [("readout", 24)] * 2
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    outputs, coefficients = bank_outputs(model, banks, input_ids)
+    for bank in banks:
+        torch.testing.assert_close(bank.output_from_coefficients(coefficients[bank.name]), outputs[bank.name])
+    bank, cell, _ = find_trigger_cell(model, PROMPT)
+    before, delta = bank.value_vectors()[cell].clone(), torch.randn(model.config.hidden_size)
+    with ValueEdit(bank, cell, delta):
+        torch.testing.assert_close(bank.value_vectors()[cell], before + delta)
+    torch.testing.assert_close(bank.value_vectors()[cell], before)
+
+
+def test_every_ffn_block_implements_the_memory_interface():
+    for case in ARCH_CASES:
+        model = build(case)
+        for block in model.model.layers:
+            memory = feed_forward_memory("mlp", block.mlp) if block.mlp is not None else None
+            if memory is None:
+                continue
+            assert (memory is block.mlp) == (case != "llama")  # transformers' LlamaMLP goes through an adapter
+            assert memory.memory_values().shape == (memory.memory_num_cells, model.config.hidden_size)
+            assert len(memory.memory_cell_axes) == len(memory.memory_cell_shape)
+    with pytest.raises(ValueError, match="layers.0.mlp: FFN of class Identity"):
+        feed_forward_memory("layers.0.mlp", torch.nn.Identity())
 
 
 def test_bad_input_is_refused_with_the_field_named(tmp_path):

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from hf_memffn import cli
-from hf_memffn.demo import ALL_ARCHS, ARCH_DISPLAY_NAMES
+from hf_memffn.architectures import ARCHITECTURE_NAMES, DISPLAY_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +28,19 @@ def test_quick_demo_writes_every_output(quick_demo):
     for name in ("results.json", "results.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for arch in ALL_ARCHS:
+    for arch in ARCHITECTURE_NAMES:
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             assert (out / arch / name).is_file(), (arch, name)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary leftovers
-    assert summary["archs"] == list(ALL_ARCHS)
+    assert summary["archs"] == list(ARCHITECTURE_NAMES)
 
 
 def test_quick_demo_table_has_every_arch_and_learns(quick_demo):
     out, stdout, summary = quick_demo
     markdown = (out / "results.md").read_text()
-    for arch, result in zip(ALL_ARCHS, summary["results"]):
+    for arch, result in zip(ARCHITECTURE_NAMES, summary["results"]):
         assert result["arch"] == arch
-        assert ARCH_DISPLAY_NAMES[arch] in markdown and ARCH_DISPLAY_NAMES[arch] in stdout
+        assert DISPLAY_NAMES[arch] in markdown and DISPLAY_NAMES[arch] in stdout
         assert 0 < result["active_params"] <= result["total_params"]
         losses = result["losses"]
         assert len(losses) == summary["settings"]["steps"]

@@ -3,7 +3,6 @@ replaced at our boundary (`hf_memffn.hub._hub_client`)."""
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -14,26 +13,10 @@ from transformers import AutoModelForCausalLM
 import hf_memffn
 from hf_memffn import hub
 from hf_memffn.model_card import render_model_card
-from hf_memffn.testing import tiny_config, tiny_tokenizer
+from hf_memffn.testing import REMOTE_CODE_FILES, tiny_config, tiny_tokenizer
 
-PACKAGE_DIR = Path(hf_memffn.__file__).parent
 NON_CODE_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors"}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
-
-
-def remote_code_files() -> set[str]:
-    """configuration_memffn.py, modeling_memffn.py and every sibling they import (`from .name import`), transitively."""
-    files, todo = set(), ["configuration_memffn", "modeling_memffn"]
-    while todo:
-        name = todo.pop()
-        if name + ".py" in files:
-            continue
-        files.add(name + ".py")
-        tree = ast.parse((PACKAGE_DIR / f"{name}.py").read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                todo.append(node.module.split(".")[0])
-    return files
 
 
 class FakeHubClient:
@@ -77,7 +60,7 @@ def test_push_checkpoint_stages_exactly_weights_tokenizer_code_and_card(arch, fa
     assert info.commit_url.endswith("/commit/1")
     assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
     assert fake_hub.calls[0][2]["private"] is True
-    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | remote_code_files()
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | REMOTE_CODE_FILES[arch]
 
     config = json.loads(fake_hub.uploaded["config.json"])
     assert config["model_type"] == model.config.model_type and "AutoModelForCausalLM" in config["auto_map"]
@@ -100,7 +83,7 @@ def test_model_push_to_hub_keeps_our_card(fake_hub):
     model.push_to_hub("someone/tiny-memoryllm", commit_message="first")
     assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
     assert fake_hub.calls[1][2]["commit_message"] == "first"
-    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | remote_code_files()
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | REMOTE_CODE_FILES["memoryllm"]
     assert "trust_remote_code=True" in fake_hub.uploaded["README.md"].decode()
 
 
@@ -126,7 +109,7 @@ def test_cli_push(fake_hub, tmp_path, capsys):
     tiny_model("memoryllm").save_pretrained(tmp_path)
     assert main(["push", str(tmp_path), "someone/tiny-memoryllm", "--private"]) == 0
     assert "pushed" in capsys.readouterr().out
-    assert set(fake_hub.uploaded) == NON_CODE_FILES | remote_code_files()
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | REMOTE_CODE_FILES["memoryllm"]
 
 
 def test_model_card_describes_architecture_config_and_parameters():
@@ -167,7 +150,7 @@ def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
 
     table_files = {name for name in fake_hub.uploaded if name.startswith("token_lookup") and not name.endswith(".py")}
     assert table_files == set(hub.staged_files(tmp_path / "table")) and "token_lookup.safetensors.index.json" in table_files
-    assert set(fake_hub.uploaded) == NON_CODE_FILES | remote_code_files() | table_files
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | REMOTE_CODE_FILES["memoryllm"] | table_files
     card = fake_hub.uploaded["README.md"].decode()
     assert "**Token lookup tables: attached.**" in card and "is included in this folder" in card
 

@@ -51,9 +51,15 @@ def test_auto_classes_build_each_architecture(arch):
     config = AutoConfig.for_model(config_class.model_type, **fields)
     assert type(config) is config_class
     prefix = config_class.class_prefix
+    modeling = {"flash_mhf": "modeling_flash_mhf", "memoryllm": "modeling_memoryllm",
+                "flex_memoryllm": "modeling_memoryllm", "kvffn": "modeling_kvffn"}[arch]
+    model = AutoModelForCausalLM.from_config(config)
     assert type(AutoModel.from_config(config)).__name__ == f"{prefix}Model"
-    assert type(AutoModelForCausalLM.from_config(config)).__name__ == f"{prefix}ForCausalLM"
-    assert config.auto_map["AutoModelForCausalLM"] == f"modeling_memffn.{prefix}ForCausalLM"
+    assert type(model).__name__ == f"{prefix}ForCausalLM"
+    assert type(model).__module__ == f"hf_memffn.{modeling}"
+    assert config.auto_map == {"AutoConfig": f"configuration_memffn.{prefix}Config",
+                               "AutoModel": f"{modeling}.{prefix}Model",
+                               "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM"}
 
 
 @pytest.mark.parametrize(

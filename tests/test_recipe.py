@@ -44,6 +44,12 @@ def test_paper_presets_keep_every_architecture_at_the_baseline_size(size):
         assert 115e6 < counts["llama"] < 130e6
 
 
+def test_recipe_names_the_registered_architectures():
+    from hf_memffn.architectures import ARCHITECTURE_NAMES
+
+    assert pretrain.ARCHITECTURE_NAMES == ARCHITECTURE_NAMES
+
+
 def test_flash_mhf_presets_match_table_4_shapes():
     for name, layers, heads, subnetworks, subnetwork_size in (("128M", 10, 6, 8, 256), ("370M", 21, 8, 7, 384), ("1.3B", 20, 16, 15, 384)):
         config = pretrain.build_config("flash_mhf", name, vocab_size=50432)

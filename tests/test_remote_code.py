@@ -1,5 +1,5 @@
-"""A checkpoint saved by this package loads with `trust_remote_code=True` in a Python where `hf_memffn` cannot be
-imported, and gives the same logits."""
+"""A checkpoint saved by this package carries exactly the code of its architecture, loads with
+`trust_remote_code=True` in a Python where `hf_memffn` cannot be imported, gives the same logits, and saves again."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, tiny_config, tiny_tokenizer
+from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, REMOTE_CODE_FILES, tiny_config, tiny_tokenizer
 
 LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
 
     try:
         import hf_memffn  # noqa: F401
@@ -39,16 +40,32 @@ LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
             logits = model(expected["input_ids"]).logits
         prompt = tokenizer("the memory reads", return_tensors="pt")
         generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+        resaved = directory + "-resaved"
+        model.save_pretrained(resaved)
         results[directory] = {
             "module": type(model).__module__,
             "base_class": type(base).__name__,
             "max_abs_diff": (logits - expected["logits"]).abs().max().item(),
             "generated": generated[0].tolist(),
+            "resaved": sorted(os.listdir(resaved)),
+            "has_lookup_tables": hasattr(model, "load_tols"),
         }
     with open(sys.argv[1], "w") as handle:
         json.dump(results, handle)
     """
 )
+
+
+@pytest.mark.parametrize("arch", sorted(hf_memffn.ARCHITECTURES))
+def test_checkpoint_carries_exactly_the_code_of_its_architecture(arch, tmp_path):
+    AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(tmp_path)
+    carried = {path.name for path in tmp_path.glob("*.py")}
+    assert carried == REMOTE_CODE_FILES[arch]
+    assert not carried & {"hub.py", "model_card.py"}  # publishing is the package's job, not the checkpoint's
+    assert ("token_lookup.py" in carried) == (arch in ("memoryllm", "flex_memoryllm"))
+    assert ("flash_mhf_op.py" in carried) == (arch == "flash_mhf")
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert {reference.split(".")[0] + ".py" for reference in auto_map.values()} <= carried
 
 
 def test_trust_remote_code_without_the_package(tmp_path):
@@ -87,3 +104,8 @@ def test_trust_remote_code_without_the_package(tmp_path):
         assert result["base_class"].endswith("Model")
         assert result["max_abs_diff"] < 1e-5, (directory, result["max_abs_diff"])
         assert result["generated"] == generated[directory]
+        # saved again without the package: the same code, and no model card (the package writes that)
+        arch = os.path.basename(directory)
+        assert {name for name in result["resaved"] if name.endswith(".py")} == REMOTE_CODE_FILES[arch]
+        assert "README.md" not in result["resaved"]
+        assert result["has_lookup_tables"] == (arch in ("memoryllm", "flex_memoryllm"))

@@ -3,7 +3,8 @@
 Reads every FFN as unnormalized key-value memory, `FFN(x) = sum_i c_i(x) v_i` (keys detect input patterns, values
 promote output tokens), for the four memffn architectures and any HF Llama-family model:
 
-* `memory_banks(model)`: one `MemoryBank` per FFN (and per layer of the memory on X0), the single abstraction;
+* `memory_banks(model)`: one `MemoryBank` per FFN (and per layer of the memory on X0), the single abstraction, which
+  asks each FFN block through its memory interface (`hf_memffn.ffn.FeedForwardMemory`);
 * `coefficients_for_ids` / `record_coefficients` / `summarize_coefficients`: memory coefficients and their summaries;
 * `top_triggering_prefixes`: the prefixes that trigger each cell most over a dataset (streamed, bounded memory);
 * `project_values` / `key_value_agreement`: the tokens each value promotes, and whether they follow the triggers;
@@ -25,15 +26,7 @@ from .editing import (
     next_token_probabilities,
     promotion_direction,
 )
-from .memory_banks import (
-    FlashMHFBank,
-    MemoryBank,
-    ParametricKVBank,
-    ReadoutBank,
-    TokenMemoryBank,
-    memory_banks,
-    select_banks,
-)
+from .memory_banks import GatedMLPMemory, MemoryBank, feed_forward_memory, memory_banks, select_banks
 from .report import write_report
 from .token_memory import LayerContributions, TokenCluster, layer_contributions, token_clusters, token_memory_map
 from .triggers import TopKPerCell, Trigger, TriggerIndex, top_triggering_prefixes
@@ -42,13 +35,10 @@ from .vocabulary import ValueProjection, key_value_agreement, project_values, vo
 __all__ = [
     "CoefficientSummary",
     "EditResult",
-    "FlashMHFBank",
+    "GatedMLPMemory",
     "LayerContributions",
     "MemoryBank",
-    "ParametricKVBank",
-    "ReadoutBank",
     "TokenCluster",
-    "TokenMemoryBank",
     "TokenMemoryEdit",
     "TopKPerCell",
     "Trigger",
@@ -58,6 +48,7 @@ __all__ = [
     "analyze",
     "coefficients_for_ids",
     "edit_next_token",
+    "feed_forward_memory",
     "find_trigger_cell",
     "key_value_agreement",
     "layer_contributions",

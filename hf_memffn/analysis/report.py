@@ -1,7 +1,7 @@
 """Render an `analyze` report: `report.json`, the plots as PNG files, and a self-contained `index.html`
 (the PNGs embedded as base64, no external resources) that opens in any browser.
 
-Every file is written to a temporary name first and moved into place with `os.replace`.
+Every file is written to a temporary name first and renamed into place (`hf_memffn.atomic_write`).
 """
 
 from __future__ import annotations
@@ -10,24 +10,12 @@ import base64
 import html
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
 
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+from ..atomic_write import write_atomic
 
 
 def _png(figure) -> bytes:
@@ -361,9 +349,9 @@ def write_report(report: dict, out_dir: str | Path, title: str = "FFN memory ana
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = render_plots(report)
-    _atomic_write(out_dir / "report.json", json.dumps(report, indent=1).encode())
+    write_atomic(out_dir / "report.json", json.dumps(report, indent=1).encode())
     for name, png in plots.items():
-        _atomic_write(out_dir / name, png)
+        write_atomic(out_dir / name, png)
     html_path = out_dir / "index.html"
-    _atomic_write(html_path, render_html(report, plots, title).encode())
+    write_atomic(html_path, render_html(report, plots, title).encode())
     return html_path

@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_memffn.atomic_write import write_atomic
 from hf_memffn.testing import tiny_tokenizer
 
 from .analyze import analyze
@@ -81,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for key, value in result.items():
         print(f"{key:>22}: {value}")
-    with open(args.out, "w") as file:
-        json.dump(result, file, indent=1)
+    write_atomic(args.out, json.dumps(result, indent=1))
     return 0
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .memory_banks import TokenMemoryBank, decoder_of, memory_banks
+from .memory_banks import MemoryBank, decoder_of, memory_banks
 
 
-def token_memory_banks(model: torch.nn.Module) -> list[TokenMemoryBank]:
-    banks = [bank for bank in memory_banks(model) if isinstance(bank, TokenMemoryBank)]
+def token_memory_banks(model: torch.nn.Module) -> list[MemoryBank]:
+    banks = [bank for bank in memory_banks(model) if bank.context_free]
     if not banks:
         raise ValueError(f"model of class {type(model).__name__} has no memory on the token embeddings")
     return banks
@@ -27,7 +27,7 @@ def token_memory_banks(model: torch.nn.Module) -> list[TokenMemoryBank]:
 
 @torch.no_grad()
 def vocabulary_coefficients(
-    model: torch.nn.Module, bank: TokenMemoryBank, token_ids: torch.Tensor, chunk_size: int = 4096
+    model: torch.nn.Module, bank: MemoryBank, token_ids: torch.Tensor, chunk_size: int = 4096
 ) -> torch.Tensor:
     """`[len(token_ids), num_cells]` coefficients of tokens, computed straight from their embeddings (context-free)."""
     embed = decoder_of(model).embed_tokens
@@ -178,7 +178,7 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
         if getattr(block, "mlp", None) is not None:
             handles.append(block.mlp.register_forward_hook(accumulate("ffn", layer)))
     num_tokens = 0
-    memory_banks_ = [bank for bank in memory_banks(model) if isinstance(bank, TokenMemoryBank)]
+    memory_banks_ = [bank for bank in memory_banks(model) if bank.context_free]
     try:
         for ids in token_lists:
             if not ids:

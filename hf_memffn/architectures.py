@@ -1,0 +1,90 @@
+"""The one registry of architecture names: each architecture of this package, and transformers' Llama as the
+baseline they are compared with, under the name the CLI, the demo, the recipe, the tests and the docs use.
+
+`ARCHITECTURES`, `ARCHITECTURE_NAMES`, `LORA_TARGET_MODULES` and `DISPLAY_NAMES` are read from `REGISTRY`.
+This module is part of the package only (checkpoints never carry it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from .configuration_memffn import FlashMHFLlamaConfig, FlexMemoryLLMConfig, KVFFNConfig, MemoryLLMConfig, check_choice
+from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaModel
+from .modeling_kvffn import KVFFNForCausalLM, KVFFNModel
+from .modeling_memoryllm import FlexMemoryLLMForCausalLM, FlexMemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMModel
+
+BASELINE = "llama"
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+def _whole_width(width: int) -> dict[str, int]:
+    return {"intermediate_size": width}
+
+
+def _split_width(width: int) -> dict[str, int]:
+    # FFN-C on the residual and FFN-M on X0 split the width evenly, keeping the size of one FFN that wide.
+    return {"intermediate_size": width // 2, "memory_intermediate_size": width // 2}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture: its name, the classes that build it, and the settings other tools take from here."""
+
+    name: str
+    display_name: str  # in tables and plots
+    config_class: type
+    model_class: type
+    causal_lm_class: type
+    lora_target_modules: tuple[str, ...]  # the nn.Linear layers LoRA adapts (see README, PEFT)
+    tiny_ffn: dict = field(default_factory=dict)  # FFN fields of the tiny models (`hf_memffn.testing.tiny_config`)
+    # FFN width fields that give this architecture the FFN parameters of one SwiGLU `width` wide (the baseline's);
+    # FlashMHFLlama's equal-size shape depends on its heads, so its users size it themselves.
+    ffn_fields_at_width: Callable[[int], dict[str, int]] = _whole_width
+
+
+REGISTRY: dict[str, Architecture] = {
+    entry.name: entry
+    for entry in (
+        Architecture(
+            BASELINE, "Llama (baseline)", LlamaConfig, LlamaModel, LlamaForCausalLM, _ATTENTION + _SWIGLU,
+            tiny_ffn=dict(intermediate_size=128),
+        ),
+        Architecture(
+            "flash_mhf", "FlashMHFLlama", FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
+            _ATTENTION + ("in_proj", "out_proj"),
+            tiny_ffn=dict(intermediate_size=96, ffn_num_heads=4, ffn_num_subnetworks=2, ffn_num_kv_heads=2),
+        ),
+        Architecture(
+            "memoryllm", "MemoryLLM", MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, _ATTENTION,
+            tiny_ffn=dict(intermediate_size=128),
+        ),
+        Architecture(
+            "flex_memoryllm", "FlexMemoryLLM", FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
+            _ATTENTION + _SWIGLU,  # FFN-C
+            tiny_ffn=dict(intermediate_size=64, memory_intermediate_size=64),
+            ffn_fields_at_width=_split_width,
+        ),
+        Architecture(
+            "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_proj", "value_proj", "out_proj"),
+            tiny_ffn=dict(intermediate_size=128),
+        ),
+    )
+}
+
+# Every name, the baseline first.
+ARCHITECTURE_NAMES: tuple[str, ...] = tuple(REGISTRY)
+# This package's architectures: name -> config class.
+ARCHITECTURES = {name: entry.config_class for name, entry in REGISTRY.items() if name != BASELINE}
+LORA_TARGET_MODULES = {name: list(entry.lora_target_modules) for name, entry in REGISTRY.items()}
+DISPLAY_NAMES = {name: entry.display_name for name, entry in REGISTRY.items()}
+
+
+def architecture(name: str) -> Architecture:
+    check_choice("arch", name, ARCHITECTURE_NAMES)
+    return REGISTRY[name]

@@ -1,0 +1,298 @@
+"""The multi-head FFNs of FlashMHFLlama, which read per-head queries of the hidden state:
+
+- `FlashMHFFeedForward`: multi-head FFN with E gated SwiGLU sub-networks per head (flash-mhf.md eq. 10-14), and the
+  paper's MH-FFN (E=1, no gates) and Dense-MoE (one head) baselines, which are the same module with other sizes;
+  it runs the fused op of `flash_mhf_op.py`.
+- `ParametricKVFeedForward`: the PKV baseline, per-head softmax attention over learned key/value slots.
+
+They live apart from `ffn.py` so that only FlashMHFLlama checkpoints carry the fused op and its kernels (transformers
+copies a modeling file's sibling imports next to the weights).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformers import initialization as init
+
+from .ffn import FeedForwardMemory
+from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path
+from .rms_norm import MemFFNRMSNorm
+
+logger = logging.getLogger(__name__)
+
+
+class _TokenChunkedRecompute(torch.autograd.Function):
+    """Runs a position-wise module over [1, n, d] tokens chunk by chunk without keeping any activation: the backward
+    pass recomputes each chunk and writes its input gradient straight into one preallocated tensor."""
+
+    @staticmethod
+    def forward(ctx, module, chunk_tokens, tokens, *params):
+        ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
+        device_type = tokens.device.type  # the recompute runs under the same autocast as this forward
+        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                            dtype=torch.get_autocast_dtype(device_type))
+        ctx.save_for_backward(tokens)
+        output = None
+        for start in range(0, tokens.shape[1], chunk_tokens):
+            chunk_output = module._forward(tokens[:, start : start + chunk_tokens])
+            if output is None:
+                output = chunk_output.new_empty(1, tokens.shape[1], chunk_output.shape[-1])
+            output[:, start : start + chunk_tokens] = chunk_output
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (tokens,) = ctx.saved_tensors
+        needs_tokens = ctx.needs_input_grad[2]
+        params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[3:]) if needed]
+        grad_tokens = torch.empty_like(tokens) if needs_tokens else None
+        grad_params = [None] * len(params)
+        for start in range(0, tokens.shape[1], ctx.chunk_tokens):
+            stop = start + ctx.chunk_tokens
+            grads = _TokenChunkedRecompute._chunk_gradients(
+                ctx, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
+            )
+            if needs_tokens:
+                grad_tokens[:, start:stop] = grads.pop(0)
+            for i, grad in enumerate(grads):
+                grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+            del grads
+        grads_by_param = iter(grad_params)
+        all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
+        return None, None, grad_tokens, *all_param_grads
+
+    @staticmethod
+    def _chunk_gradients(ctx, chunk, grad_chunk, params, needs_tokens) -> list[torch.Tensor]:
+        # a function of its own, so the chunk's activations are freed before the next chunk runs
+        chunk = chunk.detach().requires_grad_(needs_tokens)
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            chunk_output = ctx.module._forward(chunk)
+        inputs = ([chunk] if needs_tokens else []) + params
+        return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
+
+
+def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Apply a position-wise `module._forward` ([1, n, d] -> [1, n, d']) to [B, L, d] keeping only the input for the
+    backward pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the
+    activation memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of the module."""
+    batch, length, width = hidden_states.shape
+    tokens = hidden_states.reshape(1, batch * length, width)
+    output = _TokenChunkedRecompute.apply(module, chunk_tokens, tokens, *module.parameters())
+    return output.view(batch, length, -1)
+
+
+class _MultiHeadQueries(FeedForwardMemory, nn.Module):
+    """Shared front and back of the multi-head FFNs: project to per-head queries, and heads back to the model.
+
+    As memory (`FeedForwardMemory`), each head's cells store their values in head space, `value[h_kv, ..., j]`
+    `[d_h]`, shared by the heads of a group of `num_heads / value.shape[0]` like grouped-query attention; the head's
+    slice of `out_proj` maps them to the model. Subclasses define `value` and the coefficients.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.ffn_num_heads
+        self.head_dim = config.hidden_size // config.ffn_num_heads
+        hidden_size = config.hidden_size
+        self.in_proj = nn.Linear(hidden_size, hidden_size, bias=False) if config.ffn_io_projections else None
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False) if config.ffn_io_projections else None
+        self.query_norm = MemFFNRMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.ffn_query_norm else None
+
+    def queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, L, d] -> [B, H, L, d_h]"""
+        batch, length, _ = hidden_states.shape
+        if self.in_proj is not None:
+            hidden_states = self.in_proj(hidden_states)
+        queries = hidden_states.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        return self.query_norm(queries) if self.query_norm is not None else queries
+
+    def merge_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, d_h] -> [B, L, d]"""
+        batch, _, length, _ = heads.shape
+        merged = heads.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.out_proj(merged) if self.out_proj is not None else merged
+
+    # -- memory interface (`FeedForwardMemory`): values in head space -------------------------------------------------
+    @property
+    def memory_cell_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, *self.value.shape[1:-1])
+
+    @property
+    def _heads_per_value_head(self) -> int:
+        return self.num_heads // self.value.shape[0]
+
+    def _out_proj_heads(self) -> torch.Tensor:
+        """`out_proj`'s weight split by head, [d, H, d_h] in float32 (the identity without `out_proj`)."""
+        width = self.num_heads * self.head_dim
+        weight = self.out_proj.weight.detach() if self.out_proj is not None else torch.eye(width, device=self.value.device)
+        return weight.float().reshape(weight.shape[0], self.num_heads, self.head_dim)
+
+    def memory_values(self) -> torch.Tensor:
+        values = self.value.detach().float().repeat_interleave(self._heads_per_value_head, dim=0)  # [H, ..., d_h]
+        model_space = torch.einsum("h...d,mhd->h...m", values, self._out_proj_heads())
+        return model_space.reshape(self.memory_num_cells, -1)
+
+    def memory_value_parameter(self) -> nn.Parameter:
+        return self.value
+
+    def _cell_index(self, cell: int) -> list[int]:
+        return [int(i) for i in torch.unravel_index(torch.tensor(int(cell)), self.memory_cell_shape)]
+
+    @torch.no_grad()
+    def add_to_memory_value(self, cell: int, delta: torch.Tensor) -> None:
+        """Only the part of `delta` in the span of the head's slice of `out_proj` is realised (least squares); the
+        change reaches every head of the cell's group, which share the value."""
+        head, *rest = self._cell_index(cell)
+        out_head = self._out_proj_heads()[:, head]  # [d, d_h]
+        head_delta = torch.linalg.lstsq(out_head, delta.float().to(out_head.device).unsqueeze(-1)).solution[:, 0]
+        self.value[(head // self._heads_per_value_head, *rest)] += head_delta.to(self.value.device, self.value.dtype)
+
+    def memory_value_delta_for_output(
+        self, cell: int, coefficients: torch.Tensor, output_change: torch.Tensor
+    ) -> torch.Tensor:
+        """Heads of a group share value rows, so changing cell (h, ..., j) moves the output of every head h' of the
+        group by `c[h', ..., j] * W_o[h'] @ dv`. Solves for `dv` in least squares, scaled so that the realised output
+        change has `output_change`'s full component along `output_change` (only a d_h-dim span is reachable)."""
+        head, *rest = self._cell_index(cell)
+        group = self._heads_per_value_head
+        first = head - head % group
+        out_heads = self._out_proj_heads()
+        coefficients = coefficients.reshape(self.memory_cell_shape)
+        reach = sum(  # [d, d_h]: output change per unit of head-space value change
+            float(coefficients[(h, *rest)]) * out_heads[:, h] for h in range(first, first + group)
+        )
+        target = output_change.float().to(out_heads.device)
+        head_delta = torch.linalg.lstsq(reach, target.unsqueeze(-1)).solution[:, 0]
+        along = float((reach @ head_delta) @ target)
+        if along > 0:
+            head_delta = head_delta * float(target @ target) / along
+        return out_heads[:, head] @ head_delta
+
+
+class FlashMHFFeedForward(_MultiHeadQueries):
+    """Flash Multi-Head FFN. Per head h with query q (after `in_proj` and `query_norm`, in float32):
+
+        R = sigmoid(q W_router) / (sum_E sigmoid(q W_router) + eps)
+        S_h = sum_e R_e * (SiLU(q K_e^T) * (q U_e^T)) V_e
+
+    then heads are concatenated and projected by `out_proj`. Everything between the projections is one call of
+    `flash_mhf_layer`: on the Triton path its kernels compute the norm, the gates and the sub-networks, forward and
+    backward (`path_description()` says which path runs). `key`, `up`, `value` hold the sub-network weights,
+    [ffn_num_kv_heads, E, subnetwork_size, d_h]; groups of heads share them like grouped-query attention.
+    With `ffn_variant="mh_ffn"` there is a single sub-network and no router (the naive multi-head FFN).
+    With `ffn_recompute_chunk_tokens` > 0 the module keeps only its input for the backward pass and recomputes its
+    activations chunk by chunk (see `recompute_in_token_chunks`).
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_subnetworks = config.ffn_num_subnetworks
+        self.subnetwork_size = config.intermediate_size // config.ffn_num_subnetworks
+        self.gate_eps = config.ffn_gate_eps
+        self.kernel = config.ffn_kernel
+        shape = (config.ffn_num_kv_heads, self.num_subnetworks, self.subnetwork_size, self.head_dim)
+        self.key = nn.Parameter(torch.empty(shape))
+        self.up = nn.Parameter(torch.empty(shape))
+        self.value = nn.Parameter(torch.empty(shape))
+        if config.ffn_variant == "mh_ffn":
+            self.router = None
+        else:
+            self.router = nn.Parameter(torch.empty(self.num_heads, self.head_dim, self.num_subnetworks))
+        self.recompute_chunk_tokens = config.ffn_recompute_chunk_tokens
+        # True: on the Triton path the query norm and the gates run in the layer's kernels; False: as PyTorch
+        # operations around the op (the reference; benchmarks switch it to compare)
+        self.fused_layer = True
+        self._path_logged = False
+
+    def gates(self, queries: torch.Tensor) -> torch.Tensor:
+        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast), for `queries()`."""
+        if self.router is None:
+            return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
+        with torch.autocast(queries.device.type, enabled=False):
+            logits = torch.einsum("bhld,hde->bhle", queries.float(), self.router.float())
+        scores = torch.sigmoid(logits)
+        return scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)
+
+    def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
+        """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
+        the parameters' device and dtype)."""
+        if hidden_states is None:
+            hidden_states = self.key.new_empty(1, 1, self.num_heads * self.head_dim)
+        return flash_mhf_layer_path(hidden_states, self.key, impl=self.kernel, fused=self.fused_layer)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.recompute_chunk_tokens and torch.is_grad_enabled():
+            return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        projected = self.in_proj(hidden_states) if self.in_proj is not None else hidden_states
+        if torch.is_autocast_enabled(projected.device.type):
+            # The layer is a custom op that autocast does not see: run it in the autocast dtype, as autocast would run
+            # a matmul (without input projection the input is the float32 normalized residual stream).
+            projected = projected.to(torch.get_autocast_dtype(projected.device.type))
+        if not self._path_logged and not torch.compiler.is_compiling():
+            logger.info("FlashMHF FFN runs the %s", self.path_description(projected))
+            self._path_logged = True
+        norm_weight = self.query_norm.weight if self.query_norm is not None else None
+        eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
+        heads = flash_mhf_layer(projected, norm_weight, self.router, self.key, self.up, self.value, eps=eps,
+                                gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
+        return self.out_proj(heads) if self.out_proj is not None else heads
+
+    def init_own_parameters(self, std: float) -> None:
+        for param in (self.key, self.up, self.value, self.router):
+            if param is not None:
+                init.normal_(param, mean=0.0, std=std)
+
+    # -- memory interface (`FeedForwardMemory`), computed from the parameters with plain torch ------------------------
+    memory_kind = "flash_mhf"
+    memory_cell_axes = ("head", "subnetwork", "cell")
+
+    def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`R_e * SiLU(q K_e^T)_j * (q U_e^T)_j` for head h, sub-network e, cell j: [B, L, H * E * d_e] in float32,
+        flattened in (head, subnetwork, cell) order (R = 1 without a router)."""
+        queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
+        key = self.key.float().repeat_interleave(self._heads_per_value_head, dim=0)  # [H, E, d_e, d_h]
+        up = self.up.float().repeat_interleave(self._heads_per_value_head, dim=0)
+        hidden = F.silu(torch.einsum("blhd,hejd->blhej", queries, key)) * torch.einsum("blhd,hejd->blhej", queries, up)
+        if self.router is not None:
+            scores = torch.sigmoid(torch.einsum("blhd,hde->blhe", queries, self.router.float()))
+            hidden = hidden * (scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)).unsqueeze(-1)
+        return hidden.flatten(-3)
+
+
+class ParametricKVFeedForward(_MultiHeadQueries):
+    """PKV baseline: per head, softmax(q K^T / sqrt(d_h)) V over `intermediate_size` learned key/value slots."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        slots = config.intermediate_size
+        self.key = nn.Parameter(torch.empty(self.num_heads, slots, self.head_dim))
+        self.value = nn.Parameter(torch.empty(self.num_heads, slots, self.head_dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        queries = self.queries(hidden_states)
+        batch = queries.shape[0]
+        keys = self.key.to(queries.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
+        values = self.value.to(queries.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
+        heads = F.scaled_dot_product_attention(queries, keys, values)
+        return self.merge_heads(heads)
+
+    def init_own_parameters(self, std: float) -> None:
+        init.normal_(self.key, mean=0.0, std=std)
+        init.normal_(self.value, mean=0.0, std=std)
+
+    memory_kind = "pkv"
+    memory_cell_axes = ("head", "cell")
+
+    def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`softmax(q K^T / sqrt(d_h))` over each head's slots: [B, L, H * slots] in float32."""
+        queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
+        scores = torch.einsum("blhd,hjd->blhj", queries, self.key.float()) / self.head_dim**0.5
+        return scores.softmax(-1).flatten(-2)

@@ -1,0 +1,41 @@
+"""MemoryLLM and FlexMemoryLLM: the shared decoder (`modeling_memffn.py`) with the stacked FFNs on the token
+embeddings X0 (`TokenMemory`), which `load_tols` can replace by token lookup tables (`token_lookup.py`).
+
+MemoryLLM has no FFN on the residual stream; FlexMemoryLLM's FFN-C is a SwiGLU reading the layer input. Saved
+checkpoints carry this file, the shared decoder and the token lookup runtime.
+"""
+
+from __future__ import annotations
+
+from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
+from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
+from .token_lookup import TokenLookupMixin
+
+class _KeepsTokenMemoryWhole:
+    """These models also keep their stacked `TokenMemory` whole (device_map, FSDP wrapping)."""
+
+    _no_split_modules = ["MemFFNDecoderLayer", "TokenMemory"]
+
+
+class MemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
+    config_class = MemoryLLMConfig
+
+
+class MemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
+    config_class = MemoryLLMConfig
+    base_model_class = MemoryLLMModel
+
+
+class FlexMemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
+    config_class = FlexMemoryLLMConfig
+
+
+class FlexMemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
+    config_class = FlexMemoryLLMConfig
+    base_model_class = FlexMemoryLLMModel
+
+
+register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM)
+register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM)
+
+__all__ = ["MemoryLLMModel", "MemoryLLMForCausalLM", "FlexMemoryLLMModel", "FlexMemoryLLMForCausalLM"]
