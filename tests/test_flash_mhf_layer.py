@@ -195,3 +195,23 @@ def test_layer_kernels_under_interpreter_in_subprocess():
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
+
+
+@needs_kernels
+def test_fused_layer_traces_without_graph_break():
+    """torch.compile(fullgraph=True) traces the FFN with the fused layer (forward and backward through the custom
+    operator's fake and autograd registrations), and gives the eager result; also for one decoding token."""
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton")
+    from transformers import AutoModelForCausalLM
+
+    mlp = AutoModelForCausalLM.from_config(config).to(DEVICE).model.layers[0].mlp
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    for shape in ((2, 40, 128), (3, 1, 128)):
+        x = torch.randn(*shape, device=DEVICE, requires_grad=True)
+        expected = mlp(x)
+        (grad_expected,) = torch.autograd.grad(expected.sum(), x)
+        actual = compiled(x)
+        (grad_actual,) = torch.autograd.grad(actual.sum(), x)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad_actual, grad_expected, rtol=1e-5, atol=1e-6)
