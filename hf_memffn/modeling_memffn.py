@@ -434,6 +434,11 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def load_tols(self, *args, **kwargs):
+        """Token lookup tables replace FFNs on the token embeddings: MemoryLLM and FlexMemoryLLM override this."""
+        raise ValueError(f"{type(self).__name__} has no FFNs on the token embeddings: load_tols applies to "
+                         "MemoryLLM and FlexMemoryLLM models")
+
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
