@@ -45,7 +45,7 @@ class MemFFNLM(HFLM):
         if placement not in PLACEMENTS:
             raise ValueError(f"token_lookup_placement={placement!r} is not one of {PLACEMENTS}")
         model = self._model
-        if not hasattr(model, "load_tols"):
+        if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(
                 f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "
                 "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"

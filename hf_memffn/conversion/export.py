@@ -273,9 +273,11 @@ class _Exporter:
                     temporary = path + ".tmp"
                     try:
                         save_file(shard, temporary, metadata=metadata)
-                    except BaseException:  # full disk, interrupt: no half-written file stays behind
+                    except BaseException as error:  # full disk, interrupt: no half-written file stays behind
                         if os.path.exists(temporary):
                             os.remove(temporary)
+                        if type(error).__name__ == "SafetensorError":  # safetensors reports I/O errors this way
+                            raise OSError(f"cannot write {temporary}: {error}") from error
                         raise
                     os.replace(temporary, path)
                     del shard
