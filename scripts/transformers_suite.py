@@ -18,7 +18,8 @@ the installed transformers version (a warning says when it does not).
 
 Output (`--out`, default `./transformers-suite`): `junit.xml`, `pytest.log`, `results.json` and `results.md` (one
 row per test, one column per architecture: pass, FAIL, n/a with the reason). Needs `pip install parameterized`
-(imported by transformers' test modules). Runs on CPU in a few minutes (`-k` selects tests, `--archs` architectures).
+(imported by transformers' test modules). Runs on CPU in a few minutes (`-k` selects tests, `--archs` architectures);
+on a GPU machine transformers' tests run on the GPU (`--cpu` hides it), FlashMHF still through the PyTorch op.
 """
 
 from __future__ import annotations
@@ -151,12 +152,13 @@ def fill_cache(cache: Path, source: Path | None, ref: str | None) -> dict[str, s
     return provenance
 
 
-def run_pytest(cache: Path, out: Path, archs: list[str], select: str | None, extra: list[str]) -> int:
+def run_pytest(cache: Path, out: Path, archs: list[str], select: str | None, extra: list[str], cpu: bool) -> int:
     shutil.copyfile(TESTERS_MODULE, cache / "tests" / "test_memffn_models.py")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(cache), str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["MEMFFN_SUITE_ARCHS"] = ",".join(archs)
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     command = [
         sys.executable, "-m", "pytest", "tests/test_memffn_models.py", "-q", "-rN", "-p", "no:cacheprovider",
         "-o", "addopts=", "-o", "testpaths=", f"--rootdir={cache}", f"--junitxml={out / 'junit.xml'}",
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("transformers-suite"))
     parser.add_argument("--archs", default=",".join(ARCHS), help=f"comma separated subset of {','.join(ARCHS)}")
     parser.add_argument("-k", dest="select", help="pytest -k expression")
+    parser.add_argument("--cpu", action="store_true", help="hide GPUs (default: transformers' tests use one if present)")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
     archs = [a for a in args.archs.replace(" ", ",").split(",") if a]
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     except SourceError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
-    status = run_pytest(cache, args.out, archs, args.select, args.pytest_args)
+    status = run_pytest(cache, args.out, archs, args.select, args.pytest_args, args.cpu)
     result = collect(args.out, provenance)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     write_markdown(result, archs, args.out / "results.md")
