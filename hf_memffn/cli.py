@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -40,7 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"hf-memffn {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
-    result = module.run(args)
+    try:
+        result = module.run(args)
+    except KeyboardInterrupt:
+        sub.exit(130, f"{sub.prog}: interrupted\n")
+    except (ValueError, OSError, ImportError) as error:
+        # Bad input found while running (a value a library refused, a missing or unwritable file): one line. Other
+        # exceptions are bugs and keep their traceback; HF_MEMFFN_TRACEBACK=1 shows it for these too.
+        if os.environ.get("HF_MEMFFN_TRACEBACK"):
+            raise
+        from .cli_args import first_line
+
+        sub.exit(2, f"{sub.prog}: error: {first_line(error)}\n")
     return int(result or 0)
 
 

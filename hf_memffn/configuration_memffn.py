@@ -12,6 +12,8 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 _AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
+# Activations of the SwiGLU FFNs (`hidden_act`), by their transformers names.
+HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "tanh", "sigmoid")
 
 
 def check_choice(field: str, value, allowed, owner: str | None = None) -> None:
@@ -24,6 +26,35 @@ def check_choice(field: str, value, allowed, owner: str | None = None) -> None:
 def _check(config_name: str, condition: bool, field: str, value, requirement: str) -> None:
     if not condition:
         raise ValueError(f"{config_name}: `{field}`={value!r} is invalid: {requirement}.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive_ints(config, fields) -> None:
+    for field in fields:
+        value = getattr(config, field)
+        _check(type(config).__name__, _is_int(value) and value > 0, field, value, "must be a positive integer")
+
+
+def _check_bools(config, fields) -> None:
+    for field in fields:
+        value = getattr(config, field)
+        _check(type(config).__name__, isinstance(value, bool), field, value, "must be True or False")
+
+
+def _check_number(config, field: str, low: float, low_inclusive: bool, high: float | None = None) -> None:
+    value = getattr(config, field)
+    interval = f"{'[' if low_inclusive else '('}{low:g}, {'inf)' if high is None else f'{high:g})'}"
+    within = _is_number(value) and (value >= low if low_inclusive else value > low) and (high is None or value < high)
+    requirement = f"must be a number in {interval}" if high is not None else (
+        f"must be a number {'>=' if low_inclusive else '>'} {low:g}")
+    _check(type(config).__name__, within, field, value, requirement)
 
 
 class MemFFNConfig(PretrainedConfig):
@@ -71,7 +102,9 @@ class MemFFNConfig(PretrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.head_dim = hidden_size // num_attention_heads if head_dim is None else head_dim
+        if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+            head_dim = hidden_size // num_attention_heads  # (invalid sizes are reported by `validate_fields`)
+        self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
@@ -117,25 +150,27 @@ class MemFFNConfig(PretrainedConfig):
     # -- validation ----------------------------------------------------------------------------------------------
     def validate_fields(self) -> None:
         name = type(self).__name__
-        for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim"):
+        _check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "head_dim", "intermediate_size", "num_key_value_heads", "max_position_embeddings"))
+        _check_number(self, "rms_norm_eps", 0.0, low_inclusive=False)
+        _check_number(self, "rope_theta", 0.0, low_inclusive=False)
+        _check_number(self, "initializer_range", 0.0, low_inclusive=True)
+        _check_number(self, "attention_dropout", 0.0, low_inclusive=True, high=1.0)
+        check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS, name)
+        _check_bools(self, ("attention_bias", "tie_word_embeddings", "use_cache"))
+        for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)
-            _check(name, isinstance(value, int) and value > 0, field, value, "must be a positive integer")
+            ids = value if isinstance(value, (list, tuple)) else [value]
+            _check(name, all(i is None or (_is_int(i) and 0 <= i < self.vocab_size) for i in ids), field, value,
+                   f"token ids must be None or in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size})")
         _check(
             name,
-            isinstance(self.intermediate_size, int) and self.intermediate_size > 0,
-            "intermediate_size",
-            self.intermediate_size,
-            "must be a positive integer",
-        )
-        _check(
-            name,
-            self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+            self.num_attention_heads % self.num_key_value_heads == 0,
             "num_key_value_heads",
             self.num_key_value_heads,
             f"must divide num_attention_heads={self.num_attention_heads}",
         )
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
-        _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 
 class FlashMHFLlamaConfig(MemFFNConfig):
@@ -207,11 +242,13 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         super().validate_fields()
         name = type(self).__name__
         check_choice("ffn_kernel", self.ffn_kernel, self.kernels, name)
-        _check(name, isinstance(self.ffn_recompute_chunk_tokens, int) and self.ffn_recompute_chunk_tokens >= 0,
+        _check(name, _is_int(self.ffn_recompute_chunk_tokens) and self.ffn_recompute_chunk_tokens >= 0,
                "ffn_recompute_chunk_tokens", self.ffn_recompute_chunk_tokens, "must be an integer >= 0")
+        _check_bools(self, ("ffn_query_norm", "ffn_io_projections"))
+        _check_number(self, "ffn_gate_eps", 0.0, low_inclusive=True)
+        _check_positive_ints(self, ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads"))
         if self.ffn_variant == "swiglu":
             return
-        _check(name, self.ffn_num_heads > 0, "ffn_num_heads", self.ffn_num_heads, "must be positive")
         _check(
             name,
             self.hidden_size % self.ffn_num_heads == 0,
@@ -221,17 +258,16 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         )
         _check(
             name,
-            self.ffn_num_kv_heads > 0 and self.ffn_num_heads % self.ffn_num_kv_heads == 0,
+            self.ffn_num_heads % self.ffn_num_kv_heads == 0,
             "ffn_num_kv_heads",
             self.ffn_num_kv_heads,
             f"must divide ffn_num_heads={self.ffn_num_heads}",
         )
-        _check(name, self.ffn_gate_eps >= 0, "ffn_gate_eps", self.ffn_gate_eps, "must be >= 0")
         if self.ffn_variant == "pkv":
             return
         _check(
             name,
-            self.ffn_num_subnetworks > 0 and self.intermediate_size % self.ffn_num_subnetworks == 0,
+            self.intermediate_size % self.ffn_num_subnetworks == 0,
             "ffn_num_subnetworks",
             self.ffn_num_subnetworks,
             f"must divide intermediate_size={self.intermediate_size}",
@@ -287,7 +323,7 @@ class FlexMemoryLLMConfig(MemFFNConfig):
     def validate_fields(self) -> None:
         super().validate_fields()
         value = self.memory_intermediate_size
-        _check(type(self).__name__, value is None or (isinstance(value, int) and value > 0),
+        _check(type(self).__name__, value is None or (_is_int(value) and value > 0),
                "memory_intermediate_size", value, "must be a positive integer")
 
 
@@ -346,6 +382,7 @@ class KVFFNConfig(MemFFNConfig):
         check_choice("kvffn_activation", self.kvffn_activation, self.activations, name)
         check_choice("kvffn_composition", self.kvffn_composition, self.compositions, name)
         check_choice("kvffn_init", self.kvffn_init, self.inits, name)
+        _check_bools(self, ("kvffn_bias", "kvffn_inner_residual"))
 
 
 CONFIG_CLASSES = (FlashMHFLlamaConfig, MemoryLLMConfig, FlexMemoryLLMConfig, KVFFNConfig)

@@ -36,6 +36,7 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
+from .cli_args import output_dir
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
@@ -114,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokenizer vocabulary (default: up to {DEFAULT.vocab_size} on the fact world, "
                              f"{REAL_TEXT_VOCAB_SIZE} on real text)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and the batches")
-    parser.add_argument("--out", default="./memffn-demo", help="output directory (default ./memffn-demo)")
+    parser.add_argument("--out", default="./memffn-demo", type=output_dir,
+                        help="output directory (default ./memffn-demo)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run with tiny models")
     data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")

@@ -46,7 +46,7 @@ class MemFFNLM(HFLM):
         placement = token_lookup_placement or ("gpu" if torch.cuda.is_available() else "cpu")
         check_choice("token_lookup_placement", placement, PLACEMENTS)
         model = self._model
-        if not hasattr(model, "load_tols"):
+        if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(
                 f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "
                 "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"

@@ -15,8 +15,6 @@ copies that file and the siblings it imports next to the weights, so a checkpoin
 architecture runs. These files import only torch, transformers, safetensors and (guarded) triton.
 """
 
-from __future__ import annotations
-
 import importlib
 from collections.abc import Callable
 
@@ -29,7 +27,10 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
@@ -47,6 +48,27 @@ def _package_sibling(name: str):
         if error.name != module_name:
             raise
         return None
+
+
+logger = logging.get_logger(__name__)
+
+
+def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
+    """One-line errors for token ids the embedding cannot look up (instead of an index error from inside it, or a
+    device-side assert on a GPU). Skipped while compiling (the check reads the tensor back)."""
+    if is_torchdynamo_compiling():
+        return
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per sequence")
+    if input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids must be integers (torch.long)")
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= num_embeddings:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"input_ids contains token id {bad}: allowed ids are 0..{num_embeddings - 1} (the embedding has "
+            f"{num_embeddings} rows; is the tokenizer the model's own?)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -181,14 +203,18 @@ class MemFFNDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        memory_output: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
         memory_readout: ComputedMemoryReadout | None = None,
         **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
+        """`memory_output`: this layer's FFN-on-X0 output as a tensor; `memory_readout`: an object that adds it
+        (`add_into`, e.g. from a lookup table). The tensor is passed positionally so that activation checkpointing
+        (also the reentrant kind, which sees only positional tensors) treats it as an input of the layer."""
         layer_input = hidden_states
-        attn_output, attn_weights = self.self_attn(
+        attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
@@ -199,9 +225,11 @@ class MemFFNDecoderLayer(GradientCheckpointingLayer):
         if self.mlp is not None:
             ffn_input = layer_input if self.parallel_residual_ffn else hidden_states
             hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(ffn_input))
-        if memory_readout is not None:
+        if memory_output is not None:
+            hidden_states = hidden_states + memory_output
+        elif memory_readout is not None:
             hidden_states = memory_readout.add_into(hidden_states, self.layer_idx)
-        return hidden_states, attn_weights
+        return hidden_states
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -218,6 +246,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # `output_hidden_states` / `output_attentions` are recorded by hooks on these modules (`capture_outputs`).
+    _can_record_outputs = {"hidden_states": MemFFNDecoderLayer, "attentions": MemFFNAttention}
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -334,6 +364,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
             outputs = self.memory(inputs_embeds)
         return ComputedMemoryReadout(outputs)
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -342,20 +374,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of `input_ids` or `inputs_embeds`")
-        kwargs.pop("return_dict", None)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
+        if input_ids is not None:
+            check_token_ids(input_ids, self.embed_tokens.num_embeddings)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
@@ -364,6 +388,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
             past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
+            length = past_seen + inputs_embeds.shape[1]
+            if length > self.config.max_position_embeddings and not is_torchdynamo_compiling():
+                logger.warning_once(
+                    f"sequence length {length} exceeds max_position_embeddings={self.config.max_position_embeddings}: "
+                    "positions beyond it were never trained, expect degraded outputs"
+                )
 
         causal_mask = create_causal_mask(
             config=self.config,
@@ -376,31 +406,20 @@ class MemFFNModel(MemFFNPreTrainedModel):
         memory_readout = self.memory_readout(input_ids, inputs_embeds)
 
         hidden_states = inputs_embeds
-        all_hidden_states = [] if output_hidden_states else None
-        all_attentions = [] if output_attentions else None
         for layer in self.layers[: self.config.num_hidden_layers]:
-            if all_hidden_states is not None:
-                all_hidden_states.append(hidden_states)
-            hidden_states, attn_weights = layer(
+            computed = isinstance(memory_readout, ComputedMemoryReadout)
+            hidden_states = layer(
                 hidden_states,
+                memory_readout.outputs[:, :, layer.layer_idx] if computed else None,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
-                memory_readout=memory_readout,
+                memory_readout=None if computed else memory_readout,
                 position_ids=position_ids,
                 **kwargs,
             )
-            if all_attentions is not None:
-                all_attentions.append(attn_weights)
         hidden_states = self.norm(hidden_states)
-        if all_hidden_states is not None:
-            all_hidden_states.append(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
-            hidden_states=tuple(all_hidden_states) if all_hidden_states is not None else None,
-            attentions=tuple(all_attentions) if all_attentions is not None else None,
-        )
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
 
 
 class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
@@ -423,6 +442,11 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def load_tols(self, *args, **kwargs):
+        """Token lookup tables replace FFNs on the token embeddings: MemoryLLM and FlexMemoryLLM override this."""
+        raise ValueError(f"{type(self).__name__} has no FFNs on the token embeddings: load_tols applies to "
+                         "MemoryLLM and FlexMemoryLLM models")
+
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
@@ -436,10 +460,8 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
@@ -448,8 +470,6 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state

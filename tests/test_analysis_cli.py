@@ -40,19 +40,26 @@ def test_analyze_command_writes_json_and_html(saved_model, tmp_path):
     assert "Token memory" in html and "token clusters" in html and html.count("data:image/png;base64,") == 3
 
 
-def test_analyze_command_refuses_bad_arguments(saved_model, tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        main(["analyze", str(saved_model), "--texts", str(tmp_path / "none.txt"), "--out", str(tmp_path / "r")])
+def _exits_with_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_analyze_command_refuses_bad_arguments(saved_model, tmp_path, capsys):
+    _exits_with_error(capsys, ["analyze", str(saved_model), "--texts", str(tmp_path / "none.txt"), "--out",
+                               str(tmp_path / "r")], "does not exist")
     texts = tmp_path / "texts.txt"
     texts.write_text("the memory\n")
-    with pytest.raises(ValueError, match="--top-triggers=0"):
-        main(["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"), "--top-triggers", "0"])
-    with pytest.raises(SystemExit):
-        main(["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"), "--edit", "no arrow"])
+    _exits_with_error(capsys, ["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"),
+                               "--top-triggers", "0"], "argument --top-triggers: 0 is invalid")
+    _exits_with_error(capsys, ["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"),
+                               "--edit", "no arrow"], "expected 'PROMPT=>TARGET'")
     assert not (tmp_path / "r").exists()
 
 
-def test_analyze_command_takes_layers_and_config_overrides(tmp_path):
+def test_analyze_command_takes_layers_and_config_overrides(tmp_path, capsys):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf"))
     model.attach_tokenizer(tiny_tokenizer())
@@ -66,5 +73,24 @@ def test_analyze_command_takes_layers_and_config_overrides(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [bank["name"] for bank in report["model"]["banks"]] == ["layers.1.mlp"]
     assert report["edits"][0]["method"] == "value" and report["edits"][0]["location"].startswith("layers.1.mlp cell h")
-    with pytest.raises(ValueError, match="--layers='7'"):
-        main(["analyze", str(tmp_path / "flash_mhf"), "--texts", str(texts), "--out", str(out), "--layers", "7"])
+    _exits_with_error(capsys, ["analyze", str(tmp_path / "flash_mhf"), "--texts", str(texts), "--out", str(out),
+                               "--layers", "7"], "--layers: layers [7] do not exist")
+
+
+def test_analyze_command_works_on_a_plain_llama_and_takes_a_tokenizer_option(tmp_path, capsys):
+    """Any Llama-family checkpoint is analysed; a directory without a tokenizer names the `--tokenizer` option."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path / "llama")  # saved without a tokenizer
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\nhead reads the memory of a token\n")
+    argv = ["analyze", str(tmp_path / "llama"), "--texts", str(texts), "--out", str(tmp_path / "report"),
+            "--device", "cpu", "--top-triggers", "2", "--cells-per-bank", "1", "--clusters", "2"]
+    _exits_with_error(capsys, argv, f"no tokenizer found in {tmp_path / 'llama'}")
+    assert not (tmp_path / "report").exists()
+    assert main([*argv, "--tokenizer", str(tmp_path / "tokenizer")]) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["model"]["class"] == "LlamaForCausalLM"
+    assert [bank["name"] for bank in report["model"]["banks"]] == ["layers.0.mlp", "layers.1.mlp"]

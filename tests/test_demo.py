@@ -63,23 +63,29 @@ def test_quick_demo_reload_with_remote_code_matches(quick_demo):
     assert all(item["prompt"] in stdout for item in reload["samples"])
 
 
-def test_bad_arguments_fail_before_writing(tmp_path):
+def _exits_with_error(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_bad_arguments_fail_before_writing(tmp_path, capsys):
     out = tmp_path / "never"
-    with pytest.raises(ValueError, match="--archs"):
-        cli.main(["demo", "--archs", "llama,gpt2", "--out", str(out)])
-    with pytest.raises(ValueError, match="--steps"):
-        cli.main(["demo", "--steps", "0", "--out", str(out)])
-    with pytest.raises(ValueError, match="--text-files"):
-        cli.main(["demo", "--text-files", str(tmp_path / "missing.txt"), "--out", str(out)])
+    _exits_with_error(capsys, ["demo", "--archs", "llama,gpt2", "--out", str(out)], "--archs")
+    _exits_with_error(capsys, ["demo", "--steps", "0", "--out", str(out)], "--steps")
+    _exits_with_error(capsys, ["demo", "--text-files", str(tmp_path / "missing.txt"), "--out", str(out)],
+                      "--text-files")
     assert not out.exists()
 
 
-def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch):
+def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch, capsys):
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
-    with pytest.raises(ImportError, match="pip install datasets"):
-        cli.main(["demo", "--quick", "--dataset", "some/dataset", "--out", str(tmp_path / "out")])
+    _exits_with_error(capsys, ["demo", "--quick", "--dataset", "some/dataset", "--out", str(tmp_path / "out")],
+                      "pip install datasets")
 
 
 def test_text_files_switch_to_real_text(tmp_path):

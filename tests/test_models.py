@@ -207,7 +207,7 @@ def _layer_contributions(model, input_ids):
     hooks = []
     for i, layer in enumerate(model.model.layers):
         hooks.append(layer.register_forward_hook(
-            lambda mod, args, kwargs, out, i=i: records.__setitem__(("layer", i), (args[0], out[0])),
+            lambda mod, args, kwargs, out, i=i: records.__setitem__(("layer", i), (args[0], out)),
             with_kwargs=True))
         hooks.append(layer.self_attn.register_forward_hook(
             lambda mod, args, out, i=i: records.__setitem__(("attn", i), out[0])))

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+
+from ..cli_args import (TOKENIZER_FILES, UsageError, existing_file, first_line, has_tokenizer, int_list,
+                        load_causal_lm, model_source, output_dir, positive_int, torch_device)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -33,21 +37,26 @@ def _override(value: str) -> tuple[str, object]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="a saved model directory (or hub id already cached)")
-    parser.add_argument("--texts", required=True, help="texts to analyse: one per line, or .jsonl with a 'text' field")
-    parser.add_argument("--out", required=True, help="report directory (created; files in it are replaced)")
-    parser.add_argument("--dataset", help="texts streamed for the top-triggering prefixes (default: --texts)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--layers", help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", type=model_source,
+                        help="a saved model directory (or hub id already cached)")
+    parser.add_argument("--texts", required=True, type=existing_file,
+                        help="texts to analyse: one per line, or .jsonl with a 'text' field")
+    parser.add_argument("--out", required=True, type=output_dir,
+                        help="report directory (created; files in it are replaced)")
+    parser.add_argument("--tokenizer", help="tokenizer directory or hub id (default: MODEL_DIR's own)")
+    parser.add_argument("--dataset", type=existing_file, help="texts streamed for the top-triggering prefixes (default: --texts)")
+    parser.add_argument("--device", default="auto", type=torch_device,
+                        help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--layers", type=int_list, help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                         help="config field set when loading (repeatable), e.g. ffn_kernel=torch")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per text (longer texts are truncated)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--top-triggers", type=int, default=8, help="top-triggering prefixes kept per cell")
-    parser.add_argument("--cells-per-bank", type=int, default=4, help="cells shown per memory bank")
-    parser.add_argument("--top-tokens", type=int, default=10, help="tokens shown per value projection")
-    parser.add_argument("--clusters", type=int, default=12, help="token clusters per token-memory layer")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="tokens per text (longer texts are truncated)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--top-triggers", type=positive_int, default=8, help="top-triggering prefixes kept per cell")
+    parser.add_argument("--cells-per-bank", type=positive_int, default=4, help="cells shown per memory bank")
+    parser.add_argument("--top-tokens", type=positive_int, default=10, help="tokens shown per value projection")
+    parser.add_argument("--clusters", type=positive_int, default=12, help="token clusters per token-memory layer")
     parser.add_argument("--edit-strength", type=float, default=2.0,
                         help="residual move of an edit, in units of the final residual norm (default 2)")
     parser.add_argument("--cluster-vocabulary", action="store_true",
@@ -58,9 +67,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _load_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    source = args.tokenizer or args.model_dir
+    if args.tokenizer is None and os.path.isdir(source) and not has_tokenizer(source):
+        raise UsageError(f"no tokenizer found in {source} (none of {', '.join(TOKENIZER_FILES)}); "
+                         "pass --tokenizer PATH_OR_HUB_ID")
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--tokenizer {source}: cannot load a tokenizer: {first_line(error)}") from error
+
+
+def _config_with_overrides(model_dir: str, overrides: dict):
+    """The checkpoint's config with `--override` fields set, checked like a config built with them."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True)
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise UsageError(f"--override {key}: {type(config).__name__} has no field {key!r} (see config.json)")
+        setattr(config, key, value)
+    if hasattr(config, "validate_fields"):
+        config.validate_fields()
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_memffn  # noqa: F401  (registers the memffn architectures with the Auto classes)
 
@@ -68,31 +103,23 @@ def run(args: argparse.Namespace) -> int:
     from .memory_banks import memory_banks
     from .report import write_report
 
-    for name in ("max_length", "batch_size", "top_triggers", "cells_per_bank", "top_tokens", "clusters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    layers = None
-    if args.layers:
-        try:
-            layers = sorted({int(part) for part in args.layers.split(",") if part.strip()})
-        except ValueError:
-            raise ValueError(f"--layers={args.layers!r} must be comma-separated integers, e.g. 0,11,23") from None
+    layers = args.layers
     texts = read_texts(args.texts)
     dataset = read_texts(args.dataset) if args.dataset else None
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = _load_tokenizer(args)
     dtype = getattr(torch, dtype_name)
-    overrides = dict(args.override)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, trust_remote_code=True, dtype=dtype, **overrides)
+    config = _config_with_overrides(args.model_dir, dict(args.override))
+    model = load_causal_lm(args.model_dir, config=config, trust_remote_code=True, dtype=dtype)
     model.to(device).eval()
     banks = memory_banks(model)
     if layers is not None:
         available = sorted({bank.layer for bank in banks})
         unknown = [layer for layer in layers if layer not in available]
         if unknown:
-            raise ValueError(f"--layers={args.layers!r}: layers {unknown} do not exist; allowed: {available}")
+            raise UsageError(f"--layers: layers {unknown} do not exist; allowed: {available}")
         banks = [bank for bank in banks if bank.layer in layers]
     print(f"analyzing {type(model).__name__} from {args.model_dir} on {device} ({dtype_name}), {len(texts)} texts")
     report = analyze(

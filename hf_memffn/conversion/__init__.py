@@ -1,4 +1,4 @@
-"""Conversions of trained models into deployable artefacts (installed as `hf_memffn.conversion`).
+"""Conversions of trained models into deployable artefacts.
 
 * `export_tols`: a MemoryLLM / FlexMemoryLLM's memory FFN as a token lookup table (`hf-memffn export-tols`).
 * `demo_step`: export a checkpoint's table and show lookup-mode generation matching compute mode.

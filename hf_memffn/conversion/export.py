@@ -30,12 +30,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
+from hf_memffn.cli_args import (existing_file, int_list, load_causal_lm, model_source, output_dir, positive_int,
+                                 torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupFormat, _memory_base, basis_key, block_keys,
                                     dequantize_rows, quantize_rows, row_relative_errors, shard_sha256,
                                     weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
+SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
 
 
 @dataclass
@@ -92,7 +95,12 @@ class _Exporter:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.base = _memory_base(model)
         if getattr(self.base, "memory", None) is None:
-            raise ValueError("the model has no memory FFN weights (model.model.memory is None): export needs them")
+            if getattr(self.base.config, "token_memory_size", None) is None:
+                raise ValueError(f"{type(model).__name__} has no FFNs on the token embeddings: token lookup tables are "
+                                 "exported from MemoryLLM / FlexMemoryLLM models")
+            raise ValueError("the model's memory FFN weights were dropped (model.model.memory is None): export needs "
+                             "them; load the checkpoint again")
+        _check_shard_size(max_shard_size)
         config = self.base.config
         self.vocab = config.vocab_size
         self.num_layers = config.num_hidden_layers
@@ -167,8 +175,7 @@ class _Exporter:
             return False
         try:
             with safe_open(path, "pt") as handle:
-                meta = handle.metadata() or {}
-                plan = json.loads(meta.get("token_lookup_plan_inputs", "null"))
+                plan = _shard_record(handle).get("plan_inputs")
                 if plan != self._plan_inputs():
                     return False
                 self.bases = {layer: handle.get_tensor(basis_key(layer)).to(self.device) for layer in self.layers}
@@ -260,10 +267,17 @@ class _Exporter:
                             stats.merge(block_stats)
                             bar(self._block_rows(key), filename)
                         shard[key] = pending.pop(key)
-                    metadata = {"token_lookup_plan": plan_id, "token_lookup_errors": stats.to_json(),
-                                "token_lookup_plan_inputs": json.dumps(self._plan_inputs(), sort_keys=True)}
-                    with atomic_output(path) as temporary:
-                        save_file(shard, str(temporary), metadata=metadata)
+                    # One metadata entry: safetensors writes a header's entries in an order that changes from one
+                    # process to the next, and a resumed export must give the same bytes as an uninterrupted one.
+                    record = {"plan": plan_id, "errors": stats.to_json(), "plan_inputs": self._plan_inputs()}
+                    metadata = {SHARD_RECORD_KEY: json.dumps(record, sort_keys=True)}
+                    with atomic_output(path) as temporary:  # full disk, interrupt: no half-written file stays
+                        try:
+                            save_file(shard, str(temporary), metadata=metadata)
+                        except Exception as error:
+                            if type(error).__name__ == "SafetensorError":  # safetensors reports I/O errors this way
+                                raise OSError(f"cannot write {path}: {error}") from error
+                            raise
                     del shard
                     table_stats.merge(stats)
                 shards[filename] = {"sha256": shard_sha256(path), "size": os.path.getsize(path)}
@@ -298,10 +312,10 @@ class _Exporter:
             return None
         try:
             with safe_open(path, "pt") as handle:
-                meta = handle.metadata() or {}
-            if meta.get("token_lookup_plan") != plan_id:
+                record = _shard_record(handle)
+            if record.get("plan") != plan_id:
                 return None
-            return _ErrorStats.from_json(meta["token_lookup_errors"])
+            return _ErrorStats.from_json(record["errors"])
         except Exception:  # damaged: rewrite it
             return None
 
@@ -319,6 +333,24 @@ class _Exporter:
                 "max_relative_error_kept_layers": meta["error"]["max_relative_kept_layers"],
                 "ranks": meta.get("ranks"), "layers": meta["layers"], "seconds": seconds,
                 "already_complete": reused, "resumed": resumed}
+
+
+def _shard_record(handle) -> dict:
+    """The export record a shard carries in its metadata: its plan id, error stats and plan inputs."""
+    return json.loads((handle.metadata() or {}).get(SHARD_RECORD_KEY, "{}"))
+
+
+def _check_shard_size(max_shard_size) -> None:
+    """The shard size huggingface_hub's planner takes: bytes (int) or a size such as "2GB" / "500MB"."""
+    try:
+        split_state_dict_into_shards_factory({}, get_storage_size=len, filename_pattern=SHARD_PATTERN,
+                                             max_shard_size=max_shard_size)
+        valid = not isinstance(max_shard_size, (int, float)) or max_shard_size > 0
+    except (ValueError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        raise ValueError(f"max_shard_size={max_shard_size!r} is invalid; allowed: a positive number of bytes or a "
+                         "size such as '2GB', '500MB', '64KB'")
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
@@ -402,13 +434,10 @@ def lookup_loss_delta(model, table_dir: str, input_ids: torch.Tensor, placement:
 
 
 def _load_model(model_dir: str, device, dtype: str | None):
-    import hf_memffn  # noqa: F401  (registers the architectures with the Auto classes)
-    from transformers import AutoModelForCausalLM
-
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = FLOAT_DTYPES[dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    model = load_causal_lm(model_dir, **kwargs)
     if device is not None:
         model.to(device)
     return model.eval()
@@ -472,27 +501,27 @@ def format_size(nbytes: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="checkpoint directory of a MemoryLLM / FlexMemoryLLM model")
-    parser.add_argument("out_dir", help="directory for the table (may be the checkpoint directory itself)")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", type=model_source, help="checkpoint directory of a MemoryLLM / FlexMemoryLLM model")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=output_dir, help="directory for the table (may be the checkpoint directory itself)")
     parser.add_argument("--format", default="bf16", choices=["fp32", "fp16", "bf16", "int8", "int4", "lowrank"])
-    parser.add_argument("--group-size", type=int, default=None, help="int8/int4: values per scale (default 128/64)")
-    parser.add_argument("--rank", type=int, default=None, help="lowrank: rank of every layer")
+    parser.add_argument("--group-size", type=positive_int, default=None, help="int8/int4: values per scale (default 128/64)")
+    parser.add_argument("--rank", type=positive_int, default=None, help="lowrank: rank of every layer")
     parser.add_argument("--energy", type=float, default=None, help="lowrank: keep this fraction of each layer's energy")
     parser.add_argument("--factor-dtype", default="bf16", choices=list(FLOAT_DTYPES), help="lowrank: stored dtype")
-    parser.add_argument("--drop-layers", default="", help="comma-separated layers not stored, e.g. 8,9,10")
-    parser.add_argument("--batch-size", type=int, default=1024, help="tokens per batch (= rows per block)")
+    parser.add_argument("--drop-layers", type=int_list, default=[], help="comma-separated layers not stored, e.g. 8,9,10")
+    parser.add_argument("--batch-size", type=positive_int, default=1024, help="tokens per batch (= rows per block)")
     parser.add_argument("--max-shard-size", default="2GB")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    parser.add_argument("--device", default=None, type=torch_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
     parser.add_argument("--model-dtype", default=None, choices=list(FLOAT_DTYPES),
                         help="dtype to load the model in (default: the checkpoint's)")
-    parser.add_argument("--eval-text", default=None, help="text file for the held-out loss in compute vs lookup mode")
+    parser.add_argument("--eval-text", default=None, type=existing_file, help="text file for the held-out loss in compute vs lookup mode")
     parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the table to this Hub repo")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    drop = [int(x) for x in args.drop_layers.split(",") if x.strip()] if args.drop_layers else []
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    drop = args.drop_layers
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     eval_text = None
     if args.eval_text:
         with open(args.eval_text) as handle:

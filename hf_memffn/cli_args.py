@@ -1,0 +1,104 @@
+"""Argument types and checks shared by the `hf-memffn` subcommands.
+
+Each fails with one line naming what was wrong and what is allowed (argparse prefixes the argument's name), before
+anything is loaded or written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+# A Hugging Face Hub repository id: `name` or `namespace/name`.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+class UsageError(ValueError):
+    """Bad input to a command: printed as one line, without a traceback."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid; allowed: an integer >= 1")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers, e.g. `0,11,23`."""
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: comma-separated integers, e.g. 0,11,23") from None
+
+
+def model_source(text: str) -> str:
+    """A saved model directory (with config.json), or a Hub id such as `org/name`."""
+    if os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a model directory (with config.json) or a Hub id")
+    if os.path.isdir(text):
+        if not os.path.isfile(os.path.join(text, "config.json")):
+            raise argparse.ArgumentTypeError(f"{text!r} has no config.json; allowed: a directory saved by save_pretrained")
+        return text
+    if _HUB_ID.match(text) and not text.startswith((".", "~")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a model directory or a Hub id such as org/name")
+
+
+def output_dir(text: str) -> str:
+    """A directory to write into: it may exist (as a directory) or not yet."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        what = "is a directory" if os.path.isdir(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}; allowed: an existing file")
+    return text
+
+
+def torch_device(text: str) -> str:
+    """`auto`, `cpu`, `cuda`, `cuda:N`, `mps`: a device this machine has."""
+    if text == "auto":
+        return text
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N, mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device on this machine; allowed here: cpu")
+    return text
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
+
+
+def load_causal_lm(source: str, what: str = "MODEL_DIR", **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` with a one-line error for an unreadable checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_memffn  # noqa: F401  (registers the architectures)
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, SyntaxError, ImportError) as error:
+        raise UsageError(f"{what} {source}: cannot load the model: {first_line(error)}") from error
+    except Exception as error:  # safetensors' errors of a damaged file have their own class
+        if type(error).__name__ != "SafetensorError":
+            raise
+        raise UsageError(f"{what} {source}: damaged weights file: {first_line(error)}") from error
+
+
+def first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

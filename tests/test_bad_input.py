@@ -1,0 +1,369 @@
+"""Bad input through the public surface: configs, `from_pretrained`, `forward`/`generate`, `load_tols`, the export and
+every `hf-memffn` subcommand. Each must end in a one-line error that names what was wrong and what is allowed (a
+`ValueError` from the Python API; `hf-memffn <command>: error: ...` and exit status 2 from the command line), never a
+traceback from deep inside, never a silent wrong result, and must leave the files it was given untouched.
+
+`python tests/test_bad_input.py` runs every case and prints the counts (inputs tried, clear errors, tracebacks,
+silent results, data lost) and the cases that are not clear errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_memffn
+from hf_memffn.cli import main as cli_main
+from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The inputs every case works on: tiny saved checkpoints and files, built once
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class World:
+    root: Path
+
+    def __getattr__(self, name):  # world.memoryllm -> root/memoryllm
+        return self.root / name
+
+
+def build_world(root: Path) -> World:
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    for arch in ("memoryllm", "kvffn", "flash_mhf"):
+        model = AutoModelForCausalLM.from_config(tiny_config(arch))
+        model.attach_tokenizer(tokenizer)
+        model.save_pretrained(root / arch)
+    AutoModelForCausalLM.from_config(tiny_config("memoryllm")).save_pretrained(root / "no_tokenizer")
+    llama = LlamaForCausalLM(tiny_config("llama"))
+    llama.save_pretrained(root / "llama")
+    tokenizer.save_pretrained(root / "llama")
+    from hf_memffn.conversion import export_tols
+
+    export_tols(str(root / "memoryllm"), root / "table", format="fp32", progress=False)
+    (root / "texts").write_text("the memory stores a key\nthe value of a token\n")
+    (root / "a_file").write_text("not a directory\n")
+    damaged = root / "damaged_weights"
+    shutil.copytree(root / "memoryllm", damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    broken_code = root / "damaged_code"
+    shutil.copytree(root / "memoryllm", broken_code)
+    (broken_code / "modeling_memffn.py").write_text("this is not python (\n")
+    return World(root)
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    if path.is_file():
+        return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cases: a name, what the error must mention, and the call (Python API) or argv (command line)
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    expect: tuple[str, ...]   # substrings of the one-line error (field name, allowed values)
+    api: object = None        # callable(world) that must raise ValueError
+    cli: object = None        # callable(world) -> argv that must exit 2 with one error line
+    keep: tuple[str, ...] = ("memoryllm", "llama", "table")  # world entries that must not change
+    no_output: str | None = None  # world entry that must not be created
+
+
+CASES: list[Case] = []
+
+
+def config_case(name, arch, expect, **fields):
+    CASES.append(Case(f"config-{name}", expect, api=lambda w: tiny_config(arch, **fields)))
+
+
+# Configs: wrong types and values of every field kind.
+config_case("hidden_size-str", "memoryllm", ("hidden_size", "positive integer"), hidden_size="64")
+config_case("hidden_size-bool", "memoryllm", ("hidden_size", "positive integer"), hidden_size=True)
+config_case("vocab_size-zero", "kvffn", ("vocab_size", "positive integer"), vocab_size=0)
+config_case("num_key_value_heads-str", "memoryllm", ("num_key_value_heads",), num_key_value_heads="2")
+config_case("num_key_value_heads-3", "memoryllm", ("num_key_value_heads", "divide"), num_key_value_heads=3)
+config_case("head_dim-odd", "memoryllm", ("head_dim", "even"), head_dim=15)
+config_case("max_position_embeddings-0", "memoryllm", ("max_position_embeddings", "positive integer"),
+            max_position_embeddings=0)
+config_case("rms_norm_eps-negative", "memoryllm", ("rms_norm_eps", "> 0"), rms_norm_eps=-1e-5)
+config_case("rms_norm_eps-str", "memoryllm", ("rms_norm_eps", "number"), rms_norm_eps="1e-5")
+config_case("rope_theta-0", "kvffn", ("rope_theta", "> 0"), rope_theta=0)
+config_case("initializer_range-negative", "kvffn", ("initializer_range", ">= 0"), initializer_range=-0.02)
+config_case("attention_dropout-str", "kvffn", ("attention_dropout", "number"), attention_dropout="0.1")
+config_case("attention_dropout-1", "kvffn", ("attention_dropout", "[0, 1)"), attention_dropout=1.0)
+config_case("hidden_act-unknown", "memoryllm", ("hidden_act", "silu"), hidden_act="swish2")
+config_case("attention_bias-str", "memoryllm", ("attention_bias", "True or False"), attention_bias="no")
+config_case("tie_word_embeddings-str", "memoryllm", ("tie_word_embeddings", "True or False"),
+            tie_word_embeddings="yes")
+config_case("pad_token_id-out-of-vocab", "memoryllm", ("pad_token_id", "0..319"), pad_token_id=320)
+config_case("eos_token_id-negative", "memoryllm", ("eos_token_id", "0..319"), eos_token_id=-3)
+config_case("ffn_variant-unknown", "flash_mhf", ("ffn_variant", "flash_mhf"), ffn_variant="moe")
+config_case("ffn_kernel-unknown", "flash_mhf", ("ffn_kernel", "triton"), ffn_kernel="cuda")
+config_case("ffn_num_heads-str", "flash_mhf", ("ffn_num_heads", "positive integer"), ffn_num_heads="4")
+config_case("ffn_num_subnetworks-0", "flash_mhf", ("ffn_num_subnetworks",), ffn_num_subnetworks=0)
+config_case("ffn_num_kv_heads-str", "flash_mhf", ("ffn_num_kv_heads", "positive integer"), ffn_num_kv_heads="2")
+config_case("ffn_gate_eps-str", "flash_mhf", ("ffn_gate_eps", "number"), ffn_gate_eps="1e-6")
+config_case("ffn_query_norm-str", "flash_mhf", ("ffn_query_norm", "True or False"), ffn_query_norm="no")
+config_case("ffn_recompute_chunk_tokens-float", "flash_mhf", ("ffn_recompute_chunk_tokens", "integer"),
+            ffn_recompute_chunk_tokens=2.5)
+config_case("kvffn_activation-unknown", "kvffn", ("kvffn_activation", "silu"), kvffn_activation="tanh")
+config_case("kvffn_bias-str", "kvffn", ("kvffn_bias", "True or False"), kvffn_bias="yes")
+config_case("kvffn_init-unknown", "kvffn", ("kvffn_init", "inv_sqrt_d"), kvffn_init="xavier")
+config_case("memory_intermediate_size-str", "flex_memoryllm", ("memory_intermediate_size", "positive integer"),
+            memory_intermediate_size="64")
+CASES.append(Case("tiny_config-unknown-arch", ("arch", "memoryllm"), api=lambda w: tiny_config("gpt2")))
+
+
+def _edit_config(world: World, **fields):
+    import json
+
+    target = world.root / "edited_config"
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(world.memoryllm, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(fields)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+# from_pretrained of damaged or wrong checkpoints
+CASES.append(Case("from_pretrained-bad-config-value", ("hidden_act", "silu"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(_edit_config(w, hidden_act="nope"))))
+CASES.append(Case("from_pretrained-config-str-number", ("num_hidden_layers", "positive integer"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(_edit_config(w, num_hidden_layers="2"))))
+
+
+def _model(world: World, name="memoryllm"):
+    return AutoModelForCausalLM.from_pretrained(getattr(world, name)).eval()
+
+
+# forward / generate
+CASES.append(Case("forward-token-id-too-large", ("input_ids", "0..319"),
+                  api=lambda w: _model(w)(torch.tensor([[5, 320]]))))
+CASES.append(Case("forward-negative-token-id", ("input_ids", "0..319"),
+                  api=lambda w: _model(w, "kvffn")(torch.tensor([[-1, 3]]))))
+CASES.append(Case("forward-float-ids", ("input_ids", "integers"),
+                  api=lambda w: _model(w, "flash_mhf")(torch.tensor([[1.0, 2.0]]))))
+CASES.append(Case("forward-empty", ("input_ids", "empty"), api=lambda w: _model(w)(torch.zeros(1, 0, dtype=torch.long))))
+CASES.append(Case("generate-token-id-too-large", ("input_ids", "0..319"),
+                  api=lambda w: _model(w).generate(torch.tensor([[1, 999]]), max_new_tokens=2)))
+CASES.append(Case("forward-ids-and-embeds", ("input_ids", "inputs_embeds"),
+                  api=lambda w: _model(w)(torch.tensor([[1]]), inputs_embeds=torch.zeros(1, 1, 64))))
+
+
+def _lookup_then_embeds(world: World):
+    model = _model(world)
+    model.load_tols(world.table, placement="cpu")
+    return model(inputs_embeds=torch.zeros(1, 2, 64))
+
+
+CASES.append(Case("lookup-mode-inputs_embeds", ("input_ids", "inputs_embeds"), api=_lookup_then_embeds))
+
+# load_tols
+CASES.append(Case("load_tols-missing-dir", ("does-not-exist",),
+                  api=lambda w: _model(w).load_tols(w.root / "does-not-exist", placement="cpu")))
+CASES.append(Case("load_tols-a-file", ("a_file",), api=lambda w: _model(w).load_tols(w.a_file, placement="cpu")))
+CASES.append(Case("load_tols-no-table", ("token_lookup",),
+                  api=lambda w: _model(w).load_tols(w.kvffn, placement="cpu")))
+CASES.append(Case("load_tols-placement", ("placement", "gpu"),
+                  api=lambda w: _model(w).load_tols(w.table, placement="tpu")))
+CASES.append(Case("load_tols-other-weights", ("weights",),
+                  api=lambda w: AutoModelForCausalLM.from_config(tiny_config("memoryllm")).load_tols(w.table,
+                                                                                                     placement="cpu")))
+CASES.append(Case("load_tols-kvffn", ("load_tols", "MemoryLLM"), api=lambda w: _model(w, "kvffn").load_tols(w.table)))
+
+
+def cli_case(name, expect, argv, keep=("memoryllm", "llama", "table"), no_output=None):
+    CASES.append(Case(f"cli-{name}", expect, cli=argv, keep=keep, no_output=no_output))
+
+
+S = str
+# export-tols
+cli_case("export-missing-model-dir", ("MODEL_DIR", "does-not-exist"),
+         lambda w: ["export-tols", S(w.root / "does-not-exist"), S(w.root / "out1")], no_output="out1")
+cli_case("export-model-dir-is-file", ("MODEL_DIR", "a_file"),
+         lambda w: ["export-tols", S(w.a_file), S(w.root / "out2")], no_output="out2")
+cli_case("export-out-is-file", ("OUT_DIR", "a_file"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.a_file)], keep=("memoryllm", "a_file"))
+cli_case("export-llama", ("export-tols", "LlamaForCausalLM", "MemoryLLM"),
+         lambda w: ["export-tols", S(w.llama), S(w.root / "out3")], no_output="out3")
+cli_case("export-kvffn", ("export-tols", "KVFFNForCausalLM", "MemoryLLM"),
+         lambda w: ["export-tols", S(w.kvffn), S(w.root / "out4")], no_output="out4")
+cli_case("export-format", ("--format", "int8"), lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o"),
+                                                          "--format", "int3"], no_output="o")
+cli_case("export-batch-size-0", ("--batch-size", ">= 1"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o5"), "--batch-size", "0"], no_output="o5")
+cli_case("export-batch-size-str", ("--batch-size", "integer"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o6"), "--batch-size", "many"], no_output="o6")
+cli_case("export-drop-layers-str", ("--drop-layers", "integers"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o7"), "--drop-layers", "a,b"], no_output="o7")
+cli_case("export-drop-layers-range", ("drop_layers", "0..1"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o8"), "--drop-layers", "7"], no_output="o8")
+cli_case("export-max-shard-size", ("max_shard_size", "2GB"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o9"), "--max-shard-size", "lots"], no_output="o9")
+cli_case("export-energy", ("energy", "(0, 1]"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o10"), "--format", "lowrank", "--energy", "2"],
+         no_output="o10")
+cli_case("export-group-size", ("group_size",),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o11"), "--format", "int8", "--group-size", "7"],
+         no_output="o11")
+cli_case("export-damaged-weights", ("damaged_weights",),
+         lambda w: ["export-tols", S(w.damaged_weights), S(w.root / "o12")], no_output="o12")
+cli_case("export-eval-text-missing", ("--eval-text", "nope.txt"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o13"), "--eval-text", S(w.root / "nope.txt")],
+         no_output="o13")
+cli_case("export-device", ("--device", "cpu"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o14"), "--device", "tpu"], no_output="o14")
+
+# analyze
+ANALYZE_FAST = ["--device", "cpu", "--top-triggers", "2", "--cells-per-bank", "1", "--clusters", "2"]
+cli_case("analyze-missing-model-dir", ("MODEL_DIR", "does-not-exist"),
+         lambda w: ["analyze", S(w.root / "does-not-exist"), "--texts", S(w.texts), "--out", S(w.root / "r1")],
+         no_output="r1")
+cli_case("analyze-no-tokenizer", ("no tokenizer", "--tokenizer"),
+         lambda w: ["analyze", S(w.no_tokenizer), "--texts", S(w.texts), "--out", S(w.root / "r2")],
+         no_output="r2")
+cli_case("analyze-texts-missing", ("--texts", "none.txt"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.root / "none.txt"), "--out", S(w.root / "r3")],
+         no_output="r3")
+cli_case("analyze-out-is-file", ("--out", "a_file"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.a_file)],
+         keep=("memoryllm", "a_file"))
+cli_case("analyze-layers-str", ("--layers", "integers"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r4"), "--layers", "x"],
+         no_output="r4")
+cli_case("analyze-layers-range", ("--layers", "allowed"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r5"), "--layers", "9",
+                    *ANALYZE_FAST], no_output="r5")
+cli_case("analyze-max-length-0", ("--max-length", ">= 1"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r6"),
+                    "--max-length", "0"], no_output="r6")
+cli_case("analyze-override-unknown", ("--override", "no_such_field"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r7"),
+                    "--override", "no_such_field=1", *ANALYZE_FAST], no_output="r7")
+cli_case("analyze-override-bad-value", ("ffn_kernel", "triton"),
+         lambda w: ["analyze", S(w.flash_mhf), "--texts", S(w.texts), "--out", S(w.root / "r8"),
+                    "--override", "ffn_kernel=cuda", *ANALYZE_FAST], no_output="r8")
+cli_case("analyze-device", ("--device", "cpu"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r10"),
+                    "--device", "tpu"], no_output="r10")
+
+# demo
+cli_case("demo-steps-0", ("--steps", "positive"), lambda w: ["demo", "--steps", "0", "--out", S(w.root / "d1")],
+         no_output="d1")
+cli_case("demo-steps-str", ("--steps", "int"), lambda w: ["demo", "--steps", "ten", "--out", S(w.root / "d2")],
+         no_output="d2")
+cli_case("demo-arch", ("--archs", "memoryllm"), lambda w: ["demo", "--archs", "gpt", "--out", S(w.root / "d3")],
+         no_output="d3")
+cli_case("demo-out-is-file", ("--out", "a_file"), lambda w: ["demo", "--quick", "--out", S(w.a_file)],
+         keep=("a_file",))
+cli_case("demo-text-files-missing", ("--text-files", "none.txt"),
+         lambda w: ["demo", "--quick", "--text-files", S(w.root / "none.txt"), "--out", S(w.root / "d4")],
+         no_output="d4")
+cli_case("demo-hidden-size-0", ("--hidden-size", "positive"),
+         lambda w: ["demo", "--hidden-size", "0", "--out", S(w.root / "d5")], no_output="d5")
+cli_case("demo-device", ("--device", "cpu"), lambda w: ["demo", "--device", "tpu", "--out", S(w.root / "d6")],
+         no_output="d6")
+# push (nothing may be sent: these fail before any network access)
+cli_case("push-missing-dir", ("does-not-exist",), lambda w: ["push", S(w.root / "does-not-exist"), "user/repo"])
+cli_case("push-a-file", ("a_file",), lambda w: ["push", S(w.a_file), "user/repo"], keep=("a_file",))
+cli_case("unknown-command", ("invalid choice", "analyze"), lambda w: ["analyse"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running a case and judging the outcome
+# ---------------------------------------------------------------------------------------------------------------------
+CLEAR, TRACEBACK, SILENT, LOST = "clear error", "traceback", "silent", "data lost"
+
+
+def run_case(case: Case, world: World) -> tuple[str, str]:
+    """(outcome, detail): outcome is CLEAR, TRACEBACK (wrong exception type, a multi-line message or one that does
+    not name what is expected), SILENT (no error) or LOST (a given file changed, or an output was left behind)."""
+    before = {name: tree_digest(getattr(world, name)) for name in case.keep if getattr(world, name).exists()}
+    outcome, detail = _run(case, world)
+    for name, digest in before.items():
+        if tree_digest(getattr(world, name)) != digest:
+            return LOST, f"{name} changed ({detail})"
+    if case.no_output and getattr(world, case.no_output).exists():
+        shutil.rmtree(getattr(world, case.no_output), ignore_errors=True)
+        return LOST, f"{case.no_output} was written ({detail})"
+    return outcome, detail
+
+
+def _judge_message(message: str, expect: tuple[str, ...]) -> tuple[str, str]:
+    lines = [line for line in message.strip().splitlines() if line.strip()]
+    if len(lines) != 1:
+        return TRACEBACK, f"{len(lines)} lines: {message.strip()[:300]}"
+    missing = [e for e in expect if e not in lines[0]]
+    if missing:
+        return TRACEBACK, f"does not mention {missing}: {lines[0][:300]}"
+    return CLEAR, lines[0]
+
+
+def _run(case: Case, world: World) -> tuple[str, str]:
+    if case.api is not None:
+        try:
+            case.api(world)
+        except ValueError as error:
+            return _judge_message(str(error), case.expect)
+        except Exception as error:  # noqa: BLE001 - what a user would see as a traceback
+            return TRACEBACK, f"{type(error).__name__}: {str(error)[:300]}"
+        return SILENT, "no error"
+    stderr, stdout = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+            code = cli_main(case.cli(world))
+    except SystemExit as stop:
+        code = stop.code
+    except Exception as error:  # noqa: BLE001
+        return TRACEBACK, f"{type(error).__name__}: {str(error)[:300]}"
+    if code in (0, None):
+        return SILENT, "exit status 0"
+    errors = [line for line in stderr.getvalue().splitlines() if "error:" in line]
+    if code != 2 or "Traceback" in stderr.getvalue() or len(errors) != 1:
+        return TRACEBACK, f"exit {code}: {stderr.getvalue().strip()[-300:]}"
+    return _judge_message(errors[0], case.expect)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_world(tmp_path_factory.mktemp("bad_input"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_a_one_line_error(case, world):
+    outcome, detail = run_case(case, world)
+    assert outcome == CLEAR, detail
+
+
+def survey() -> int:
+    with tempfile.TemporaryDirectory() as root:
+        world = build_world(Path(root))
+        results = [(case, *run_case(case, world)) for case in CASES]
+    counts = {kind: sum(1 for _, outcome, _ in results if outcome == kind) for kind in (CLEAR, TRACEBACK, SILENT, LOST)}
+    print(f"inputs tried: {len(results)}; " + "; ".join(f"{kind}: {n}" for kind, n in counts.items()))
+    for case, outcome, detail in results:
+        if outcome != CLEAR:
+            print(f"  {outcome:11s} {case.name}: {detail[:200]}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    sys.exit(survey())

@@ -1,0 +1,82 @@
+"""The package, its export code (`hf_memffn.conversion`) and the scripts work in every usual install mode:
+`pip install .` (a wheel), `pip install -e .` / `pip install --no-build-isolation -e .` (an editable wheel), and a
+checkout on PYTHONPATH without installing; also when the checkout's root shadows an installed copy (Python started
+in the repository root puts it first on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = ("import hf_memffn.conversion.export as export, hf_memffn.cli_args, hf_memffn.analysis.cli; "
+         "print(export.__file__)")
+
+pytestmark = pytest.mark.slow  # builds wheels (seconds each)
+
+
+def _python(code: str, cwd: Path, pythonpath: str | None = None, site_dir: Path | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    if site_dir is not None:  # an install target: process its .pth files as site-packages would
+        code = f"import site; site.addsitedir({str(site_dir)!r}); " + code
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+def _build(kind: str, out: Path) -> Path:
+    """A wheel built the way pip builds one without isolation (`build_wheel` or `build_editable`)."""
+    code = f"from setuptools import build_meta; print(build_meta.build_{kind}({str(out)!r}))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out / result.stdout.strip().splitlines()[-1]
+
+
+def _install(wheel: Path, target: Path) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target", str(target),
+               str(wheel)]
+    subprocess.run(command, check=True, capture_output=True)
+
+
+def test_wheel_holds_the_export_code_and_works_with_and_without_the_checkout_shadowing_it(tmp_path):
+    wheel = _build("wheel", tmp_path / "dist")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hf_memffn/conversion/export.py" in names and "hf_memffn/cli_args.py" in names
+    assert not [n for n in names if n.startswith("conversion/")]
+    _install(wheel, tmp_path / "site")
+    outside = _python(PROBE, cwd=tmp_path, pythonpath=str(tmp_path / "site"))
+    assert Path(outside).is_relative_to(tmp_path / "site")
+    shadowed = _python(PROBE, cwd=REPO, pythonpath=str(tmp_path / "site"))  # the checkout comes first
+    assert Path(shadowed).is_relative_to(REPO)
+
+
+def test_editable_install_points_at_the_checkout(tmp_path):
+    wheel = _build("editable", tmp_path / "dist")
+    _install(wheel, tmp_path / "site")
+    for cwd in (tmp_path, REPO):
+        assert Path(_python(PROBE, cwd=cwd, site_dir=tmp_path / "site")).is_relative_to(REPO)
+
+
+def test_checkout_on_pythonpath_runs_the_commands_and_scripts(tmp_path):
+    assert Path(_python(PROBE, cwd=tmp_path, pythonpath=str(REPO))).is_relative_to(REPO)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    for command in ([str(REPO / "conversion" / "export_tols.py"), "--help"],
+                    [str(REPO / "kernels" / "bench_token_lookup.py"), "--help"],
+                    [str(REPO / "scripts" / "transformers_suite.py"), "--help"]):
+        result = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert result.returncode == 0 and "usage:" in result.stdout, (command, result.stderr[-2000:])
+
+
+def test_export_script_runs_from_a_checkout_without_pythonpath(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(REPO / "conversion" / "export_tols.py"), "--help"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "MODEL_DIR" in result.stdout, result.stderr[-2000:]

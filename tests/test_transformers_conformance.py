@@ -1,0 +1,154 @@
+"""The properties transformers' own model tests check (`ModelTesterMixin`, `GenerationTesterMixin`), as fast tests
+that run on a clean clone without transformers' test files: each runs on the four architectures and on transformers'
+`LlamaForCausalLM` (the control, which must pass the same assertion). `scripts/transformers_suite.py` runs
+transformers' real suite; `docs/transformers-test-suite.md` has its table.
+
+Properties already covered elsewhere: greedy generation with and without cache, static cache, left-padded batches,
+sdpa vs eager attention, gradient checkpointing (non-reentrant) and inputs_embeds (tests/test_models.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+
+from hf_memffn.testing import tiny_config
+
+ARCHS = ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama"]
+
+
+def build(arch: str, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(arch, pad_token_id=0, **overrides)
+    model = LlamaForCausalLM(config) if arch == "llama" else AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def ids(batch=3, length=7, seed=1, vocab=320):
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_round_trip_gives_the_same_logits(arch, tmp_path):
+    model = build(arch)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids()).logits, model(ids()).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batching_equivalence(arch):
+    """A row's logits do not depend on the other rows of its batch."""
+    model = build(arch)
+    batch = ids(batch=4)
+    with torch.no_grad():
+        together = model(batch).logits
+        alone = torch.cat([model(row[None]).logits for row in batch])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_continuation_equals_one_forward(arch):
+    """Prefill, then feed the rest with the cache: the same logits as one forward over everything."""
+    model = build(arch)
+    sequence = ids(batch=2, length=9)
+    with torch.no_grad():
+        full = model(sequence).logits
+        cache = DynamicCache(config=model.config)
+        first = model(sequence[:, :5], past_key_values=cache, use_cache=True)
+        rest = model(sequence[:, 5:], past_key_values=first.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding_does_not_change_the_logits(arch):
+    model = build(arch)
+    sequence = ids(batch=1, length=6)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), sequence], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], dim=1)
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        plain = model(sequence).logits
+        left = model(padded, attention_mask=mask, position_ids=position_ids).logits[:, 3:]
+    torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inputs_embeds_equal_input_ids(arch):
+    model = build(arch)
+    sequence = ids()
+    with torch.no_grad():
+        from_ids = model(sequence).logits
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(sequence)).logits
+    torch.testing.assert_close(from_embeds, from_ids, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_resize_token_embeddings(arch):
+    model = build(arch)
+    sequence = ids()
+    with torch.no_grad():
+        before = model(sequence).logits
+    model.resize_token_embeddings(336)
+    assert model.config.vocab_size == 336 and model.get_output_embeddings().weight.shape[0] == 336
+    with torch.no_grad():
+        after = model(torch.cat([sequence, torch.full((3, 1), 335)], dim=1)).logits
+    assert after.shape[-1] == 336
+    torch.testing.assert_close(after[:, :-1, :320], before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_kinds_give_the_same_gradients(arch, use_reentrant):
+    model = build(arch).train()
+    sequence = ids(batch=2)
+    model(sequence, labels=sequence).loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model(sequence, labels=sequence).loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tuple_outputs_and_selected_hidden_states(arch):
+    """`return_dict=False` gives tuples (also from the base model); `output_hidden_states` and `output_attentions`
+    return one entry per layer (+ embeddings) recorded the way transformers' own models record them."""
+    model = build(arch)
+    sequence = ids()
+    with torch.no_grad():
+        as_dict = model.model(sequence, output_hidden_states=True, output_attentions=True)
+        as_tuple = model.model(sequence, return_dict=False, use_cache=False)
+        model.set_attn_implementation("eager")
+        eager = model.model(sequence, output_attentions=True)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], as_dict.last_hidden_state)
+    assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(as_dict.hidden_states[-1], as_dict.last_hidden_state)
+    assert len(eager.attentions) == model.config.num_hidden_layers
+    assert eager.attentions[0].shape == (3, model.config.num_attention_heads, 7, 7)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beam_search_sampling_and_assisted_decoding(arch):
+    model = build(arch)
+    prompt = ids(batch=2, length=5)
+    mask = torch.ones_like(prompt)
+    settings = dict(max_new_tokens=4, pad_token_id=0, attention_mask=mask)
+    greedy = model.generate(prompt, do_sample=False, **settings)
+    beams = model.generate(prompt, do_sample=False, num_beams=3, num_return_sequences=2, **settings)
+    assert beams.shape == (4, 9)
+    torch.manual_seed(0)
+    sampled = model.generate(prompt, do_sample=True, top_k=5, **settings)
+    assert sampled.shape == (2, 9)
+    assistant = copy.deepcopy(model)  # the same weights: assisted greedy decoding must equal greedy decoding
+    assisted = model.generate(prompt[:1], do_sample=False, assistant_model=assistant, max_new_tokens=4, pad_token_id=0)
+    torch.testing.assert_close(assisted, greedy[:1])
