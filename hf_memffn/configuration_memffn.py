@@ -10,6 +10,7 @@ This file is copied next to saved checkpoints for `trust_remote_code`: it import
 from __future__ import annotations
 
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 _AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 
@@ -22,6 +23,12 @@ def _check_choice(config_name: str, field: str, value, allowed) -> None:
 def _check(config_name: str, condition: bool, field: str, value, requirement: str) -> None:
     if not condition:
         raise ValueError(f"{config_name}: `{field}`={value!r} is invalid: {requirement}.")
+
+
+# RoPE types the decoder supports: the default and every type of transformers' RoPE init functions that scales the
+# frequencies of a plain (text, one-axis) rotary embedding, as LlamaForCausalLM does.
+ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn", "longrope", "llama3")
+                                  if name in ROPE_INIT_FUNCTIONS)
 
 
 class MemFFNConfig(PretrainedConfig):
@@ -50,6 +57,7 @@ class MemFFNConfig(PretrainedConfig):
         max_position_embeddings: int = 4096,
         rms_norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
         hidden_act: str = "silu",
@@ -71,6 +79,9 @@ class MemFFNConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
+        # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
+        # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
+        self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act
         self.attention_bias = attention_bias
@@ -82,8 +93,22 @@ class MemFFNConfig(PretrainedConfig):
         self.eos_token_id = eos_token_id
         if self.class_prefix:
             kwargs.setdefault("auto_map", self.default_auto_map())
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        try:
+            super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
+            raise ValueError(f"{type(self).__name__}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
+        self._standardize_rope()
         self.validate_fields()
+
+    def _standardize_rope(self) -> None:
+        """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
+        params = dict(self.rope_parameters or {})
+        params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+        params.setdefault("rope_theta", self.rope_theta)
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.rope_parameters = params
+        self.rope_theta = params["rope_theta"]
 
     @classmethod
     def default_auto_map(cls) -> dict[str, str]:
@@ -129,6 +154,13 @@ class MemFFNConfig(PretrainedConfig):
             f"must divide num_attention_heads={self.num_attention_heads}",
         )
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
+        _check_choice(name, "rope_parameters['rope_type']", self.rope_parameters["rope_type"], ROPE_TYPES)
+        validate_rope = getattr(self, "validate_rope", None)  # transformers' per-type check of the RoPE fields
+        if validate_rope is not None:
+            try:
+                validate_rope()
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{name}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
         _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 

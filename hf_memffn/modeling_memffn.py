@@ -27,6 +27,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils import can_return_tuple
 
@@ -50,23 +51,47 @@ from .token_lookup import TokenLookupMixin
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Rotary position embeddings (default RoPE with `rope_theta`)
+# Rotary position embeddings: transformers' RoPE types (`config.rope_parameters`), as in LlamaForCausalLM
 # --------------------------------------------------------------------------------------------------------------------
-class MemFFNRotary(nn.Module):
-    """cos/sin tables for positions; the inverse frequencies are recomputed on the fly (no buffer to initialize)."""
+class MemFFNRotaryEmbedding(nn.Module):
+    """cos/sin tables for positions, for every RoPE type of `MemFFNConfig.rope_parameters` ("default", "linear",
+    "dynamic", "yarn", "longrope", "llama3"): the inverse frequencies come from transformers' RoPE init functions,
+    and `dynamic_rope_update` recomputes them for the types that depend on the sequence length."""
 
     def __init__(self, config: MemFFNConfig):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.rope_theta = config.rope_theta
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        inv_freq, self.attention_scaling = self.rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @property
+    def rope_init_fn(self) -> Callable:
+        if self.rope_type == "default":
+            return self.compute_default_rope_parameters
+        return ROPE_INIT_FUNCTIONS[self.rope_type]
+
+    @staticmethod
+    def compute_default_rope_parameters(config: MemFFNConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        return 1.0 / (base**exponents), 1.0
+
+    def reset_frequencies(self) -> None:
+        """Recompute the (non-persistent) frequency buffers, e.g. after the model was built on the meta device."""
+        inv_freq, self.attention_scaling = self.rope_init_fn(self.config)
+        init.copy_(self.inv_freq, inv_freq)
+        init.copy_(self.original_inv_freq, inv_freq)
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
-        inv_freq = 1.0 / (self.rope_theta**exponents)
-        freqs = position_ids[..., None].float() * inv_freq
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -230,6 +255,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MemFFNRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, MemFFNRotaryEmbedding):
+            module.reset_frequencies()
         elif isinstance(module, FlashMHFFeedForward):
             for param in (module.key, module.up, module.value, module.router):
                 if param is not None:
@@ -297,7 +324,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         self.layers = nn.ModuleList(MemFFNDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.memory = build_token_memory(config)
         self.norm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = MemFFNRotary(config)
+        self.rotary_emb = MemFFNRotaryEmbedding(config)
         self.token_lookup = None  # set by `load_tols` (token_lookup.py) to read the FFNs on X0 from a table
         self.gradient_checkpointing = False
         self.post_init()
