@@ -31,6 +31,47 @@ ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn",
                                   if name in ROPE_INIT_FUNCTIONS)
 
 
+# Tensor-parallel style (registered by parallel.py) of a block whose hidden units are split over the ranks.
+PARTIAL_SUM_STYLE = "memffn_partial_sum"
+
+
+def tensor_parallel_plan(config) -> dict[str, str]:
+    """`base_model_tp_plan` of a config: which modules and parameters shard how (module names under the base model)."""
+    plan = {"embed_tokens": "embedding_rowwise"} if config.tie_word_embeddings else {}  # the head's weight is sharded
+    plan.update({f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")})
+    plan["layers.*.self_attn.o_proj"] = "rowwise"
+    kind = config.residual_ffn
+    variant = getattr(config, "ffn_variant", None)
+    if kind == "swiglu":
+        plan.update({"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                     "layers.*.mlp.down_proj": "rowwise"})
+    elif kind == "kvffn" and variant != "densenet":  # DenseNet's out_proj also reads the replicated input: kept whole
+        plan["layers.*.mlp.key_proj"] = "colwise"
+        if variant != "relu":
+            plan["layers.*.mlp.value_proj"] = "colwise"
+        plan["layers.*.mlp.out_proj"] = "rowwise"
+    elif kind == "flash_mhf" and variant != "pkv":  # PKV's softmax over all slots does not split: kept whole
+        plan["layers.*.mlp"] = PARTIAL_SUM_STYLE
+        plan.update({f"layers.*.mlp.{name}": "colwise" for name in ("key", "up", "value")})
+    if config.token_memory_size is not None:
+        plan.update({"memory": PARTIAL_SUM_STYLE, "memory.gate_proj": "colwise", "memory.up_proj": "colwise",
+                     "memory.down_proj": "rowwise"})
+    return plan
+
+
+def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
+    """`base_model_pp_plan`: the base model's children in pipeline order, with the inputs and outputs each needs.
+    With FFNs on X0 every stage needs the token embeddings besides the hidden states."""
+    plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"])}
+    layer_inputs = ["hidden_states", "attention_mask"]
+    if config.token_memory_size is not None:
+        plan["memory"] = (["inputs_embeds"], ["memory_outputs"])
+        layer_inputs = ["hidden_states", "attention_mask", "inputs_embeds"]
+    plan["layers"] = (layer_inputs, ["hidden_states"])
+    plan["norm"] = (["hidden_states"], ["hidden_states"])
+    return plan
+
+
 class MemFFNConfig(PretrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
@@ -98,6 +139,9 @@ class MemFFNConfig(PretrainedConfig):
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
             raise ValueError(f"{type(self).__name__}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
         self._standardize_rope()
+        # transformers reads the parallel plans from the config (they are not saved in config.json)
+        self.base_model_tp_plan = tensor_parallel_plan(self)
+        self.base_model_pp_plan = pipeline_parallel_plan(self)
         self.validate_fields()
 
     def _standardize_rope(self) -> None:
@@ -305,7 +349,7 @@ class FlexMemoryLLMConfig(MemFFNConfig):
 
     @property
     def token_memory_size(self) -> int:
-        return self.memory_intermediate_size
+        return self.memory_intermediate_size or self.intermediate_size
 
     def validate_fields(self) -> None:
         super().validate_fields()

@@ -46,6 +46,7 @@ from .ffn import (
     build_token_memory,
 )
 from .model_card import render_model_card
+from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
 from .token_lookup import TokenLookupMixin
 
@@ -326,6 +327,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         self.norm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MemFFNRotaryEmbedding(config)
         self.token_lookup = None  # set by `load_tols` (token_lookup.py) to read the FFNs on X0 from a table
+        self.token_embedding_relay = None  # set under transformers' pipeline parallelism (see parallel.py)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -392,7 +394,10 @@ class MemFFNModel(MemFFNPreTrainedModel):
             position_ids=position_ids,
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        memory_readout = self.memory_readout(input_ids, inputs_embeds)
+        token_embeddings = inputs_embeds
+        if self.token_embedding_relay is not None and self.config.token_memory_size is not None:
+            token_embeddings = self.token_embedding_relay.exchange(inputs_embeds)  # X0 on every pipeline stage
+        memory_readout = self.memory_readout(input_ids, token_embeddings)
 
         hidden_states = inputs_embeds
         all_hidden_states = [] if output_hidden_states else None
@@ -400,7 +405,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         for layer in self.layers[: self.config.num_hidden_layers]:
             if all_hidden_states is not None:
                 all_hidden_states.append(hidden_states)
-            hidden_states, attn_weights = layer(
+            output = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
@@ -409,6 +414,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
                 position_ids=position_ids,
                 **kwargs,
             )
+            # a layer another pipeline stage owns is an identity that returns the hidden states alone
+            hidden_states, attn_weights = output if isinstance(output, tuple) else (output, None)
             if all_attentions is not None:
                 all_attentions.append(attn_weights)
         hidden_states = self.norm(hidden_states)
@@ -425,6 +432,19 @@ class MemFFNModel(MemFFNPreTrainedModel):
 class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
     base_model_class = MemFFNModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    @property
+    def _pp_stage(self):
+        """The pipeline stage transformers' pipeline parallelism sets on the model (None without it)."""
+        return self.__dict__.get("_memffn_pp_stage")
+
+    @_pp_stage.setter
+    def _pp_stage(self, stage) -> None:
+        self.__dict__["_memffn_pp_stage"] = stage
+        if stage is not None and self.config.token_memory_size is not None:
+            self.model.token_embedding_relay = TokenEmbeddingRelay(stage)
 
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)
