@@ -45,7 +45,7 @@ from .ffn import (
     build_residual_ffn,
     build_token_memory,
 )
-from .model_card import render_model_card
+from .model_card import check_card_metadata, render_model_card
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
 from .token_lookup import TokenLookupMixin
@@ -290,6 +290,11 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     def attached_tokenizer(self):
         return getattr(self, "_attached_tokenizer", None)
 
+    def attach_card_metadata(self, **fields) -> None:
+        """Metadata of the model card that `save_pretrained` / `push_to_hub` write: `license`, `base_model`,
+        `datasets`, `tags`, `language` (huggingface_hub's `ModelCardData` fields)."""
+        self.card_metadata = {**(getattr(self, "card_metadata", None) or {}), **check_card_metadata(fields)}
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and a model card (README.md)."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
@@ -304,13 +309,32 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 os.replace(tmp_path, card_path)
         return result
 
-    def push_to_hub(self, repo_id: str, **kwargs):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | str | None = None,
+        tokenizer=None,
+        include_token_lookup: bool = True,
+    ):
         """Upload exactly what `save_pretrained` writes (weights, config, remote code, tokenizer, this package's model
-        card, and an attached token lookup table) in one commit; see `hub.push_checkpoint` for the options.
-        transformers' own `push_to_hub` would replace the model card with a generic template."""
+        card, and an attached token lookup table) in one commit. Takes `PreTrainedModel.push_to_hub`'s arguments
+        (`tags` go into the card's metadata), plus `tokenizer` and `include_token_lookup`; see
+        `hub.push_checkpoint`. transformers' own `push_to_hub` would replace the model card with a generic one."""
         from .hub import push_checkpoint
 
-        return push_checkpoint(self, repo_id, **kwargs)
+        return push_checkpoint(
+            self, repo_id, tokenizer=tokenizer, include_token_lookup=include_token_lookup,
+            commit_message=commit_message, commit_description=commit_description, private=private, token=token,
+            revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags,
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
