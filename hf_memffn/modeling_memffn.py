@@ -276,10 +276,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
 
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and active ones: those left on the device once the FFNs on the token embeddings X0
-        become token lookup tables (equal for architectures without such FFNs). Tied weights count once."""
-        total = sum(p.numel() for p in self.parameters())
+        become token lookup tables (equal for architectures without such FFNs). Tied weights count once; parameters
+        partitioned by DeepSpeed ZeRO-3 count with their full size."""
+        def numel(param) -> int:  # DeepSpeed ZeRO-3 partitions parameters: `ds_numel` keeps the full size
+            return getattr(param, "ds_numel", None) or param.numel()
+
+        total = sum(numel(p) for p in self.parameters())
         memory = self._token_memory()
-        in_memory = sum(p.numel() for p in memory.parameters()) if memory is not None else 0
+        in_memory = sum(numel(p) for p in memory.parameters()) if memory is not None else 0
         return {"total": total, "active": total - in_memory}
 
     def attach_tokenizer(self, tokenizer) -> None:
