@@ -6,8 +6,10 @@ styles, as Llama does. The blocks with plain parameters split their hidden units
 `memffn_partial_sum`, on the block: FlashMHF's key/up/value [H_kv, E, d_e, d_h] split the columns d_e of every
 sub-network ("colwise" on a parameter shards its second-to-last dim), `TokenMemory`'s gate/up [N, I, d] split I
 ("colwise") and its down [N, d, I] splits I too ("rowwise" shards the last dim). Each rank then computes a partial sum
-of the block's output from the replicated input; the style runs the block on its local shards, sums the partial
-outputs over the ranks and sums the input's gradient over the ranks in the backward pass (Megatron's f and g).
+of the block's output from the replicated input; the style runs the block on its local shards and sums the partial
+outputs over the ranks, and in the backward pass it sums the gradients that are partial for the same reason: the
+block input's (Megatron's f and g) and those of the block's replicated parameters (FlashMHF's in_proj, query norm
+and router, TokenMemory's norm).
 
 Pipeline parallelism. transformers' pipeline splits `layers` evenly over the stages and passes only the hidden
 states from stage to stage. MemoryLLM and FlexMemoryLLM also need the token embeddings X0 in every layer:
