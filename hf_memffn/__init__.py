@@ -41,7 +41,7 @@ ARCHITECTURES = {
 
 
 # LoRA `target_modules` per architecture (the nn.Linear layers; FlashMHF's sub-network weights and the stacked FFNs
-# on X0 are plain parameters, trained in full or left frozen).
+# on X0 are plain parameters: `hf_memffn.adapters` adapts them).
 _ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LORA_TARGET_MODULES = {
     "llama": _ATTENTION + ["gate_proj", "up_proj", "down_proj"],
