@@ -9,22 +9,31 @@ Single process:
         --block-size 4096 --per-device-batch-size 8 --grad-accum 8 --max-steps 245000 --output-dir runs/fmhf-128m
 Several GPUs (configs in examples/accelerate/):
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/pretrain.py <same arguments>
+On CPU (no GPU) it trains on the CPU; several CPU processes form one gloo run when launched with
+    torchrun --nproc_per_node 2 examples/pretrain.py <same arguments>
 Resume: add `--resume latest` (or a checkpoint folder). Fine-tune a saved model: `--init-from DIR_OR_REPO`.
 
-Optimiser defaults are flash-mhf.md Table 3: AdamW (0.9, 0.95), weight decay 0.1, cosine to 1e-5 with 1.5% warmup,
-learning rate from the preset. Every log line carries tokens/s and MFU (model FLOPs utilisation: 6 N + 12 L d T
-FLOPs per token over the device's dense bf16 peak, `--peak-tflops` to override).
+Arguments are dataclasses read by transformers' `HfArgumentParser`: this recipe's (`ModelArguments`,
+`DataArguments`, `RecipeArguments`) and every `TrainingArguments` field (`--help` lists them all; `-` and `_` are
+interchangeable), with the recipe's defaults (`TRAINING_DEFAULTS`). Optimiser defaults are flash-mhf.md Table 3: AdamW
+(0.9, 0.95), weight decay 0.1, cosine to 1e-5 with 1.5% warmup, learning rate from the preset. `--precision bf16`
+works on CPU too (bf16 autocast). Every log line carries tokens/s and MFU (model FLOPs utilisation: 6 N + 12 L d T
+FLOPs per token over the device's dense bf16 peak, `--peak-tflops` to override); parameters partitioned by DeepSpeed
+ZeRO-3 count with their full size (`ds_numel`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
 
 import torch
 
@@ -37,50 +46,140 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0,
 TOKENIZER_DIR = "tokenizer"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_argument_group("model")
-    model.add_argument("--arch", choices=ARCHITECTURE_NAMES, default="flash_mhf")
-    model.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    model.add_argument("--config-overrides", default="", help="comma-separated key=value config fields, e.g. ffn_kernel=triton")
-    model.add_argument("--init-from", default=None, help="fine-tune: start from this saved model (folder or Hub repo)")
-    data = p.add_argument_group("data")
-    data.add_argument("--dataset", default=None, help="Hub dataset name, or a `datasets` builder (text/json/...) for --data-files")
-    data.add_argument("--dataset-config", default=None)
-    data.add_argument("--data-files", nargs="+", default=None, help="local text/jsonl/csv/parquet files (globs allowed)")
-    data.add_argument("--text-column", default="text")
-    data.add_argument("--train-split", default="train")
-    data.add_argument("--validation-split", default="validation", help="used when the dataset has it")
-    data.add_argument("--validation-fraction", type=float, default=0.01, help="packed blocks held out otherwise")
-    data.add_argument("--block-size", type=int, default=1024)
-    data.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub name (default: --init-from's)")
-    data.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB", help="train a byte-level BPE of this size on the training text")
-    data.add_argument("--num-proc", type=int, default=None, help="processes for tokenization")
-    train = p.add_argument_group("training")
-    train.add_argument("--output-dir", required=True)
-    train.add_argument("--max-steps", type=int, default=-1)
-    train.add_argument("--stop-after-steps", type=int, default=None, help="stop at this step, keeping the --max-steps schedule")
-    train.add_argument("--num-epochs", type=float, default=1.0)
-    train.add_argument("--per-device-batch-size", type=int, default=8)
-    train.add_argument("--grad-accum", type=int, default=1)
-    train.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
-    train.add_argument("--min-learning-rate", type=float, default=OPTIMIZER_DEFAULTS["min_learning_rate"])
-    train.add_argument("--warmup-ratio", type=float, default=OPTIMIZER_DEFAULTS["warmup_ratio"])
-    train.add_argument("--weight-decay", type=float, default=OPTIMIZER_DEFAULTS["weight_decay"])
-    train.add_argument("--max-grad-norm", type=float, default=1.0)
-    train.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 on GPUs that have it")
-    train.add_argument("--gradient-checkpointing", action="store_true")
-    train.add_argument("--torch-compile", action="store_true")
-    train.add_argument("--logging-steps", type=int, default=10)
-    train.add_argument("--eval-steps", type=int, default=500)
-    train.add_argument("--max-eval-blocks", type=int, default=None, help="cap on held-out blocks evaluated")
-    train.add_argument("--save-steps", type=int, default=1000)
-    train.add_argument("--save-total-limit", type=int, default=2)
-    train.add_argument("--resume", default=None, help="checkpoint folder, or 'latest' for the newest in --output-dir")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs' bf16 peak)")
-    train.add_argument("--report-to", default="none")
-    return p
+# --- arguments ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelArguments:
+    arch: Literal["llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"] = "flash_mhf"
+    preset: str = field(default="tiny", metadata={"help": f"model size: one of {sorted(PRESETS)}"})
+    config_overrides: str = field(default="", metadata={"help": "comma-separated key=value config fields, e.g. ffn_kernel=triton"})
+    init_from: str | None = field(default=None, metadata={"help": "fine-tune: start from this saved model (folder or Hub repo)"})
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(default=None, metadata={"help": "Hub dataset name, or a `datasets` builder (text/json/...) for --data-files"})
+    dataset_config: str | None = None
+    data_files: list[str] | None = field(default=None, metadata={"help": "local text/jsonl/csv/parquet files (globs allowed)"})
+    text_column: str = "text"
+    train_split: str = "train"
+    validation_split: str = field(default="validation", metadata={"help": "used when the dataset has it"})
+    validation_fraction: float = field(default=0.01, metadata={"help": "packed blocks held out otherwise"})
+    block_size: int = 1024
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name (default: --init-from's)"})
+    train_tokenizer: int | None = field(default=None, metadata={"help": "train a byte-level BPE of this vocabulary size on the training text"})
+    num_proc: int | None = field(default=None, metadata={"help": "processes for tokenization"})
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "cap on held-out blocks evaluated"})
+
+
+@dataclass
+class RecipeArguments:
+    precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={"help": "auto: bf16 on GPUs that have it; bf16 also on CPU"})
+    min_learning_rate: float = OPTIMIZER_DEFAULTS["min_learning_rate"]
+    stop_after_steps: int | None = field(default=None, metadata={"help": "stop at this step, keeping the --max-steps schedule"})
+    resume: str | None = field(default=None, metadata={"help": "checkpoint folder, or 'latest' for the newest in --output-dir"})
+    peak_tflops: float | None = field(default=None, metadata={"help": "device peak for MFU (default: known GPUs' bf16 peak)"})
+
+
+# TrainingArguments defaults of the recipe (the learning rate defaults to the preset's).
+TRAINING_DEFAULTS = {
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 8,
+    "lr_scheduler_type": "cosine_with_min_lr",
+    "warmup_steps": OPTIMIZER_DEFAULTS["warmup_ratio"],  # a float in [0, 1) is a ratio of the total steps
+    "weight_decay": OPTIMIZER_DEFAULTS["weight_decay"],
+    "adam_beta1": OPTIMIZER_DEFAULTS["adam_beta1"],
+    "adam_beta2": OPTIMIZER_DEFAULTS["adam_beta2"],
+    "max_grad_norm": 1.0,
+    "logging_steps": 10,
+    "eval_strategy": "steps",
+    "eval_steps": 500,
+    "prediction_loss_only": True,
+    "save_strategy": "steps",
+    "save_steps": 1000,
+    "save_total_limit": 2,
+    "seed": 0,
+    "report_to": "none",
+    "ddp_find_unused_parameters": False,
+    "remove_unused_columns": False,
+    "disable_tqdm": True,
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "activation_checkpointing_kwargs": {"use_reentrant": False},
+}
+# Flags of earlier versions of this recipe -> the TrainingArguments flag they are now.
+RENAMED_FLAGS = {
+    "--per-device-batch-size": ("--per_device_train_batch_size", "--per_device_eval_batch_size"),
+    "--grad-accum": ("--gradient_accumulation_steps",),
+    "--num-epochs": ("--num_train_epochs",),
+    "--warmup-ratio": ("--warmup_steps",),
+    "--gradient-checkpointing": ("--gradient_checkpointing",),
+}
+RECIPE_DATACLASSES = (ModelArguments, DataArguments, RecipeArguments)
+
+
+def _renamed(argv: list[str]) -> list[str]:
+    out = []
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        names = RENAMED_FLAGS.get(flag)
+        if names is None:
+            out.append(token)
+            continue
+        takes_value = flag != "--gradient-checkpointing"
+        if eq or not takes_value:
+            out += [name + eq + value for name in names]
+        else:  # the value follows: repeat it after every new flag but the last
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            for name in names[:-1]:
+                out += [name, value]
+            out.append(names[-1])
+    return out
+
+
+def build_parser(preset: str = "tiny"):
+    """HfArgumentParser over the recipe's dataclasses and TrainingArguments, with the recipe's defaults."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((*RECIPE_DATACLASSES, TrainingArguments), description=__doc__.split("\n\n")[0])
+    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    parser.set_defaults(**{key: value for key, value in TRAINING_DEFAULTS.items() if key in known},
+                        learning_rate=get_preset(preset).learning_rate)
+    return parser
+
+
+def parse_arguments(argv=None):
+    """(recipe arguments as one namespace, TrainingArguments) from the command line."""
+    import argparse
+
+    from transformers import TrainingArguments
+
+    argv = _renamed(list(sys.argv[1:] if argv is None else argv))
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--preset", default=ModelArguments.preset)
+    preset = peek.parse_known_args(argv)[0].preset
+    get_preset(preset)  # a clear error for an unknown preset
+    parser = build_parser(preset)
+    namespace = vars(parser.parse_args(argv))
+    recipe = {}
+    for dtype in RECIPE_DATACLASSES:
+        names = [f.name for f in dataclasses.fields(dtype)]
+        recipe.update(dataclasses.asdict(dtype(**{name: namespace.pop(name) for name in names})))
+    if not namespace.get("output_dir") or namespace["output_dir"] == "trainer_output":
+        parser.error("--output-dir is required")
+    cuda = torch.cuda.is_available()
+    precision = recipe["precision"]
+    namespace["bf16"] = namespace.get("bf16") or precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported())
+    if precision == "fp32":
+        namespace["bf16"] = namespace["fp16"] = False
+    # Without a GPU, train on the CPU (bf16 autocast included), and let several launched processes form one gloo run.
+    namespace["use_cpu"] = namespace.get("use_cpu") or not cuda
+    training_args = TrainingArguments(**namespace)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size != launched:
+        raise ValueError(f"WORLD_SIZE={launched} processes were launched but they form a run of {training_args.world_size}: "
+                         "they would train separately into one --output-dir; on CPU pass --use-cpu or launch with torchrun")
+    return SimpleNamespace(**recipe, output_dir=training_args.output_dir, seed=training_args.seed), training_args
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
@@ -233,6 +332,17 @@ def from_pretrained_main_process_first(path: str, **kwargs):
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
 
 
+def full_numel(param) -> int:
+    """A parameter's size, also when DeepSpeed ZeRO-3 has partitioned it (its local tensor is then empty)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def parameter_counts(model) -> dict[str, int]:
+    if hasattr(model, "parameter_counts"):
+        return model.parameter_counts()
+    return {"total": sum(full_numel(p) for p in model.parameters())}
+
+
 def training_flops_per_token(model, sequence_length: int) -> float:
     """Forward+backward FLOPs per token: 6 per weight used in a matmul, plus 12 L d T for attention scores and mixing.
 
@@ -248,7 +358,7 @@ def training_flops_per_token(model, sequence_length: int) -> float:
         uses = 1
         if name.endswith(("mlp.key", "mlp.up", "mlp.value")):
             uses = getattr(config, "ffn_num_heads", 1) // max(1, getattr(config, "ffn_num_kv_heads", None) or getattr(config, "ffn_num_heads", 1))
-        matmul_params += uses * param.numel()
+        matmul_params += uses * full_numel(param)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * sequence_length
     return 6.0 * matmul_params + attention
@@ -341,58 +451,17 @@ def make_stop_callback(stop_step: int):
     return StopAfterSteps()
 
 
-def training_arguments(args, **fields):
-    """TrainingArguments from the fields this transformers version knows (`activation_checkpointing` was `gradient_checkpointing`)."""
-    from transformers import TrainingArguments
-
-    known = {f.name for f in dataclasses.fields(TrainingArguments)}
-    if args.gradient_checkpointing:
-        name = "activation_checkpointing" if "activation_checkpointing" in known else "gradient_checkpointing"
-        fields[name] = True
-        fields[name + "_kwargs"] = {"use_reentrant": False}
-    return TrainingArguments(**{key: value for key, value in fields.items() if key in known})
-
-
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    args, training_args = parse_arguments(argv)
     from transformers import Trainer, set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
-    use_bf16 = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    learning_rate = args.learning_rate or get_preset(args.preset).learning_rate
+    from hf_memffn.hub import keep_model_card
+
+    use_bf16 = training_args.bf16
     output_dir = Path(args.output_dir)
-    training_args = training_arguments(
-        args,
-        output_dir=str(output_dir),
-        max_steps=args.max_steps,
-        num_train_epochs=args.num_epochs,
-        per_device_train_batch_size=args.per_device_batch_size,
-        per_device_eval_batch_size=args.per_device_batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": args.min_learning_rate},
-        warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
-        weight_decay=args.weight_decay,
-        adam_beta1=OPTIMIZER_DEFAULTS["adam_beta1"],
-        adam_beta2=OPTIMIZER_DEFAULTS["adam_beta2"],
-        max_grad_norm=args.max_grad_norm,
-        bf16=use_bf16,
-        torch_compile=args.torch_compile,
-        logging_steps=args.logging_steps,
-        eval_strategy="steps",
-        eval_steps=args.eval_steps,
-        prediction_loss_only=True,
-        save_strategy="steps",
-        save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit,
-        seed=args.seed,
-        data_seed=args.seed,
-        report_to=args.report_to,
-        ddp_find_unused_parameters=False,
-        remove_unused_columns=False,
-        disable_tqdm=True,
-    )
+    if training_args.lr_scheduler_type == "cosine_with_min_lr":
+        training_args.lr_scheduler_kwargs = {"min_lr": args.min_learning_rate, **(training_args.lr_scheduler_kwargs or {})}
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -413,9 +482,10 @@ def main(argv=None) -> dict:
         raise ValueError(f"--block-size={args.block_size}: the training text gives no full block; use more text or smaller blocks")
 
     model = build_model(args, tokenizer)
-    counts = model.parameter_counts() if hasattr(model, "parameter_counts") else {"total": model.num_parameters()}
+    counts = parameter_counts(model)
     world_size = training_args.world_size
-    tokens_per_step = args.per_device_batch_size * args.grad_accum * args.block_size * world_size
+    tokens_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+                       * args.block_size * world_size)
     flops_per_token = training_flops_per_token(model, args.block_size)
     peak_flops = device_peak_flops(args.peak_tflops)
     log_path = output_dir / "train_log.jsonl"
@@ -428,7 +498,7 @@ def main(argv=None) -> dict:
             flush=True,
         )
 
-    trainer = Trainer(
+    trainer = keep_model_card(Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
@@ -436,7 +506,7 @@ def main(argv=None) -> dict:
         data_collator=collate_blocks,
         processing_class=tokenizer,
         callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else []),
-    )
+    ))
     resume = args.resume
     if resume == "latest":
         resume = get_last_checkpoint(str(output_dir))

@@ -10,6 +10,7 @@ This file is copied next to saved checkpoints for `trust_remote_code`: it import
 from __future__ import annotations
 
 from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 _AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 # Activations of the SwiGLU FFNs (`hidden_act`), by their transformers names.
@@ -57,6 +58,53 @@ def _check_number(config, field: str, low: float, low_inclusive: bool, high: flo
     _check(type(config).__name__, within, field, value, requirement)
 
 
+# RoPE types the decoder supports: the default and every type of transformers' RoPE init functions that scales the
+# frequencies of a plain (text, one-axis) rotary embedding, as LlamaForCausalLM does.
+ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn", "longrope", "llama3")
+                                  if name in ROPE_INIT_FUNCTIONS)
+
+
+# Tensor-parallel style (registered by parallel.py) of a block whose hidden units are split over the ranks.
+PARTIAL_SUM_STYLE = "memffn_partial_sum"
+
+
+def tensor_parallel_plan(config) -> dict[str, str]:
+    """`base_model_tp_plan` of a config: which modules and parameters shard how (module names under the base model)."""
+    plan = {"embed_tokens": "embedding_rowwise"} if config.tie_word_embeddings else {}  # the head's weight is sharded
+    plan.update({f"layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")})
+    plan["layers.*.self_attn.o_proj"] = "rowwise"
+    kind = config.residual_ffn
+    variant = getattr(config, "ffn_variant", None)
+    if kind == "swiglu":
+        plan.update({"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+                     "layers.*.mlp.down_proj": "rowwise"})
+    elif kind == "kvffn" and variant != "densenet":  # DenseNet's out_proj also reads the replicated input: kept whole
+        plan["layers.*.mlp.key_proj"] = "colwise"
+        if variant != "relu":
+            plan["layers.*.mlp.value_proj"] = "colwise"
+        plan["layers.*.mlp.out_proj"] = "rowwise"
+    elif kind == "flash_mhf" and variant != "pkv":  # PKV's softmax over all slots does not split: kept whole
+        plan["layers.*.mlp"] = PARTIAL_SUM_STYLE
+        plan.update({f"layers.*.mlp.{name}": "colwise" for name in ("key", "up", "value")})
+    if config.token_memory_size is not None:
+        plan.update({"memory": PARTIAL_SUM_STYLE, "memory.gate_proj": "colwise", "memory.up_proj": "colwise",
+                     "memory.down_proj": "rowwise"})
+    return plan
+
+
+def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
+    """`base_model_pp_plan`: the base model's children in pipeline order, with the inputs and outputs each needs.
+    With FFNs on X0 every stage needs the token embeddings besides the hidden states."""
+    plan = {"embed_tokens": (["input_ids"], ["inputs_embeds"])}
+    layer_inputs = ["hidden_states", "attention_mask"]
+    if config.token_memory_size is not None:
+        plan["memory"] = (["inputs_embeds"], ["memory_outputs"])
+        layer_inputs = ["hidden_states", "attention_mask", "inputs_embeds"]
+    plan["layers"] = (layer_inputs, ["hidden_states"])
+    plan["norm"] = (["hidden_states"], ["hidden_states"])
+    return plan
+
+
 class MemFFNConfig(PretrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
@@ -85,6 +133,7 @@ class MemFFNConfig(PretrainedConfig):
         max_position_embeddings: int = 4096,
         rms_norm_eps: float = 1e-5,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
         hidden_act: str = "silu",
@@ -108,6 +157,9 @@ class MemFFNConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
+        # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
+        # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
+        self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act
         self.attention_bias = attention_bias
@@ -121,8 +173,25 @@ class MemFFNConfig(PretrainedConfig):
             # The package's classes always point at its current files (a config.json written by an older version
             # may name another modeling file).
             kwargs["auto_map"] = {**(kwargs.get("auto_map") or {}), **self.default_auto_map()}
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        try:
+            super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
+            raise ValueError(f"{type(self).__name__}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
+        self._standardize_rope()
+        # transformers reads the parallel plans from the config (they are not saved in config.json)
+        self.base_model_tp_plan = tensor_parallel_plan(self)
+        self.base_model_pp_plan = pipeline_parallel_plan(self)
         self.validate_fields()
+
+    def _standardize_rope(self) -> None:
+        """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
+        params = dict(self.rope_parameters or {})
+        params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+        params.setdefault("rope_theta", self.rope_theta)
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.rope_parameters = params
+        self.rope_theta = params["rope_theta"]
 
     @classmethod
     def default_auto_map(cls) -> dict[str, str]:
@@ -171,6 +240,14 @@ class MemFFNConfig(PretrainedConfig):
             f"must divide num_attention_heads={self.num_attention_heads}",
         )
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
+        check_choice("rope_parameters['rope_type']", self.rope_parameters["rope_type"], ROPE_TYPES, name)
+        validate_rope = getattr(self, "validate_rope", None)  # transformers' per-type check of the RoPE fields
+        if validate_rope is not None:
+            try:
+                validate_rope()
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{name}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
+        _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 
 class FlashMHFLlamaConfig(MemFFNConfig):
@@ -318,7 +395,7 @@ class FlexMemoryLLMConfig(MemFFNConfig):
 
     @property
     def token_memory_size(self) -> int:
-        return self.memory_intermediate_size
+        return self.memory_intermediate_size or self.intermediate_size
 
     def validate_fields(self) -> None:
         super().validate_fields()

@@ -78,26 +78,34 @@ def attached_table_dir(model) -> Path | None:
 
 
 def stage_checkpoint(
-    model, folder: str | os.PathLike, tokenizer=None, repo_id: str | None = None, include_token_lookup: bool = True
+    model,
+    folder: str | os.PathLike,
+    tokenizer=None,
+    repo_id: str | None = None,
+    include_token_lookup: bool = True,
+    max_shard_size: int | str | None = None,
+    tags: list[str] | str | None = None,
 ) -> list[str]:
     """Write `model` (and `tokenizer`, if given, else the one attached to the model) into `folder`; return its files.
 
     If the model reads a token lookup table, the table's files (`token_lookup*`) are copied next to the weights
     (unless `include_token_lookup=False`). The model card is rendered again with `repo_id`, so its usage snippet
-    names the Hub repository, and it says whether a table is included.
+    names the Hub repository, and it says whether a table is included. `max_shard_size` goes to `save_pretrained`,
+    `tags` into the card's metadata.
     """
     if tokenizer is not None:
         if hasattr(model, "attach_tokenizer"):
             model.attach_tokenizer(tokenizer)
         else:
             tokenizer.save_pretrained(folder)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
     table_dir = attached_table_dir(model)
     if include_token_lookup and table_dir is not None and table_dir.resolve() != Path(folder).resolve():
         for path in sorted(table_dir.glob(f"{TABLE_FILE_PREFIX}*")):
             if path.is_file() and path.suffix in TABLE_FILE_SUFFIXES:  # not token_lookup.py (remote code)
                 shutil.copy2(path, Path(folder) / path.name)
-    write_atomic(Path(folder) / "README.md", render_model_card(model, repo_id=repo_id, save_directory=folder))
+    write_atomic(Path(folder) / "README.md",
+                 render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))
     return check_checkpoint_folder(folder)
 
 
@@ -110,6 +118,7 @@ def push_folder(
     revision: str | None = None,
     commit_message: str | None = None,
     create_pr: bool = False,
+    commit_description: str | None = None,
 ):
     """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info."""
     check_checkpoint_folder(folder)
@@ -123,16 +132,70 @@ def push_folder(
         repo_type="model",
         revision=revision,
         commit_message=commit_message or "Upload model",
+        commit_description=commit_description,
         create_pr=create_pr,
     )
 
 
-def push_checkpoint(model, repo_id: str, *, tokenizer=None, include_token_lookup: bool = True, **push_kwargs):
+def push_checkpoint(
+    model,
+    repo_id: str,
+    *,
+    tokenizer=None,
+    include_token_lookup: bool = True,
+    max_shard_size: int | str | None = None,
+    tags: list[str] | str | None = None,
+    **push_kwargs,
+):
     """Save `model` with its model card, tokenizer, remote code (and attached token lookup table) into a temporary
-    folder and push that folder in one commit."""
+    folder and push that folder in one commit (`push_kwargs`: those of `push_folder`)."""
     with tempfile.TemporaryDirectory(prefix="memffn-push-") as folder:
-        stage_checkpoint(model, folder, tokenizer=tokenizer, repo_id=repo_id, include_token_lookup=include_token_lookup)
+        stage_checkpoint(model, folder, tokenizer=tokenizer, repo_id=repo_id, include_token_lookup=include_token_lookup,
+                         max_shard_size=max_shard_size, tags=tags)
         return push_folder(folder, repo_id, **push_kwargs)
+
+
+TRAINER_CARD_MARKER = "This model card has been generated automatically according to the information the Trainer"
+
+
+def keep_model_card(trainer):
+    """Make `trainer.create_model_card` (which `Trainer.push_to_hub` calls after saving) write this package's model
+    card instead of transformers' generic one: the Trainer's summary (data, results, hyperparameters, versions)
+    becomes its "Training" section and the metadata it knows (license, datasets, base model, tags) its metadata.
+    Returns the trainer."""
+    generic_card = trainer.create_model_card
+
+    def create_model_card(**kwargs):
+        generic_card(**kwargs)
+        if not trainer.is_world_process_zero():
+            return
+        from huggingface_hub import ModelCard
+
+        path = Path(trainer.args.output_dir) / "README.md"
+        generic = ModelCard.load(path)
+        data = generic.data.to_dict()
+        metadata = {key: data.get(key) for key in ("license", "datasets", "base_model", "language")}
+        metadata["datasets"] = metadata["datasets"] or kwargs.get("dataset_tags") or kwargs.get("dataset")
+        metadata["tags"] = [tag for tag in data.get("tags") or [] if tag != "generated_from_trainer"]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        card = render_model_card(model, repo_id=trainer.hub_model_id, save_directory=path.parent,
+                                 training_summary=_training_summary(generic.text), **metadata)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(card, encoding="utf-8")
+        os.replace(tmp, path)
+
+    trainer.create_model_card = create_model_card
+    return trainer
+
+
+def _training_summary(text: str) -> str:
+    """The body of the Trainer's generic card, without its title and comment, its headings one level down."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("# ") or TRAINER_CARD_MARKER in line or line.startswith("should probably proofread"):
+            continue
+        lines.append("#" + line if line.startswith("#") else line)
+    return "\n".join(lines).strip()
 
 
 # --- `hf-memffn push` -------------------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@
 how to load the folder with `trust_remote_code`; for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
 are attached and how to export and load them. `save_pretrained` writes it through `write_model_card` when the
 package is installed; checkpoints do not carry this file.
+
+The card's metadata (license, base_model, datasets, tags) is built with `huggingface_hub.ModelCardData`; set it
+with `model.attach_card_metadata(...)` or pass it here. `with_training_summary` appends the training summary that
+transformers' `Trainer.create_model_card` writes (see `hub.keep_model_card`).
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ ARCHITECTURE_FIELDS = {
     ),
 }
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
+CARD_METADATA_FIELDS = ("license", "base_model", "datasets", "tags", "language")
+BASE_TAGS = ("hf-memffn", "custom_code")
 
 
 def write_model_card(model, save_directory: str | os.PathLike) -> None:
@@ -90,14 +96,53 @@ def write_model_card(model, save_directory: str | os.PathLike) -> None:
         write_atomic(path, render_model_card(model))
 
 
-def render_model_card(model, repo_id: str | None = None, save_directory: str | os.PathLike | None = None) -> str:
-    """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table."""
+def check_card_metadata(fields: dict) -> dict:
+    """The card metadata fields, checked: a clear error for a field the card does not carry."""
+    unknown = sorted(set(fields) - set(CARD_METADATA_FIELDS))
+    if unknown:
+        raise ValueError(f"model card metadata: {unknown} not supported; allowed fields: {list(CARD_METADATA_FIELDS)}")
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def card_metadata(model, **overrides) -> dict:
+    """The card's metadata: the model's attached fields, `overrides` on top; `base_model` defaults to the Hub
+    repository the weights were loaded from; tags always include this package's."""
+    fields = dict(getattr(model, "card_metadata", None) or {})
+    fields.update(check_card_metadata(overrides))
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if "base_model" not in fields and source.count("/") == 1 and not os.path.exists(source):
+        fields["base_model"] = source
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    tags = [*BASE_TAGS[:1], model_type, *BASE_TAGS[1:], *_as_list(getattr(model, "model_tags", None)),
+            *_as_list(fields.get("tags"))]
+    fields["tags"] = list(dict.fromkeys(tag for tag in tags if tag))
+    for key in ("datasets", "language"):
+        if key in fields:
+            fields[key] = _as_list(fields[key])
+    return fields
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def render_model_card(
+    model,
+    repo_id: str | None = None,
+    save_directory: str | os.PathLike | None = None,
+    training_summary: str | None = None,
+    **metadata,
+) -> str:
+    """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table,
+    `training_summary` (markdown) becomes a "Training" section, `metadata` overrides the card metadata fields."""
     config = model.config
     model_type = getattr(config, "model_type", "")
     name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))
     location = repo_id or CARD_PLACEHOLDER_PATH
     sections = [
-        _front_matter(model_type),
+        _front_matter(card_metadata(model, **metadata)),
         f"# {name} ({model_type})",
         summary,
         _parameters_section(model, model_type),
@@ -107,15 +152,16 @@ def render_model_card(model, repo_id: str | None = None, save_directory: str | o
     if model_type in MEMORY_MODEL_TYPES:
         sections.append(_lookup_section(model, location, save_directory))
     sections.append(_evaluation_section(location))
+    if training_summary:
+        sections.append("## Training\n\n" + training_summary.strip())
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
-def _front_matter(model_type: str) -> str:
-    tags = ["hf-memffn", model_type, "custom_code"]
-    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:"]
-    lines += [f"- {tag}" for tag in tags]
-    lines.append("---")
-    return "\n".join(lines)
+def _front_matter(fields: dict) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", **fields)
+    return f"---\n{data.to_yaml()}\n---"
 
 
 def _parameters_section(model, model_type: str) -> str:
@@ -155,7 +201,7 @@ def _has_tokenizer(model) -> bool:
 def _usage_section(model, location: str) -> str:
     if _has_tokenizer(model):
         body = (
-            "tokenizer = AutoTokenizer.from_pretrained(checkpoint)\n"
+            "tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)  # reads config.json too\n"
             "model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
             'inputs = tokenizer("The capital of France is", return_tensors="pt")\n'
             "output = model.generate(**inputs, max_new_tokens=20)\n"

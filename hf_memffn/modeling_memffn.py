@@ -26,6 +26,7 @@ from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
@@ -34,6 +35,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
+from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
 
 
@@ -72,23 +74,47 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Rotary position embeddings (default RoPE with `rope_theta`)
+# Rotary position embeddings: transformers' RoPE types (`config.rope_parameters`), as in LlamaForCausalLM
 # --------------------------------------------------------------------------------------------------------------------
-class MemFFNRotary(nn.Module):
-    """cos/sin tables for positions; the inverse frequencies are recomputed on the fly (no buffer to initialize)."""
+class MemFFNRotaryEmbedding(nn.Module):
+    """cos/sin tables for positions, for every RoPE type of `MemFFNConfig.rope_parameters` ("default", "linear",
+    "dynamic", "yarn", "longrope", "llama3"): the inverse frequencies come from transformers' RoPE init functions,
+    and `dynamic_rope_update` recomputes them for the types that depend on the sequence length."""
 
     def __init__(self, config: MemFFNConfig):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.rope_theta = config.rope_theta
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        inv_freq, self.attention_scaling = self.rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @property
+    def rope_init_fn(self) -> Callable:
+        if self.rope_type == "default":
+            return self.compute_default_rope_parameters
+        return ROPE_INIT_FUNCTIONS[self.rope_type]
+
+    @staticmethod
+    def compute_default_rope_parameters(config: MemFFNConfig, device=None, **kwargs) -> tuple[torch.Tensor, float]:
+        base, dim = config.rope_parameters["rope_theta"], config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+        return 1.0 / (base**exponents), 1.0
+
+    def reset_frequencies(self) -> None:
+        """Recompute the (non-persistent) frequency buffers, e.g. after the model was built on the meta device."""
+        inv_freq, self.attention_scaling = self.rope_init_fn(self.config)
+        init.copy_(self.inv_freq, inv_freq)
+        init.copy_(self.original_inv_freq, inv_freq)
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
-        inv_freq = 1.0 / (self.rope_theta**exponents)
-        freqs = position_ids[..., None].float() * inv_freq
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -260,6 +286,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MemFFNRMSNorm):
             init.ones_(module.weight)
+        elif isinstance(module, MemFFNRotaryEmbedding):
+            module.reset_frequencies()
         elif hasattr(module, "init_own_parameters"):  # FFN blocks holding plain parameters (FlashMHF, PKV, TokenMemory)
             module.init_own_parameters(std)
 
@@ -269,10 +297,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
 
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and active ones: those left on the device once the FFNs on the token embeddings X0
-        become token lookup tables (equal for architectures without such FFNs). Tied weights count once."""
-        total = sum(p.numel() for p in self.parameters())
+        become token lookup tables (equal for architectures without such FFNs). Tied weights count once; parameters
+        partitioned by DeepSpeed ZeRO-3 count with their full size."""
+        def numel(param) -> int:  # DeepSpeed ZeRO-3 partitions parameters: `ds_numel` keeps the full size
+            return getattr(param, "ds_numel", None) or param.numel()
+
+        total = sum(numel(p) for p in self.parameters())
         memory = self._token_memory()
-        in_memory = sum(p.numel() for p in memory.parameters()) if memory is not None else 0
+        in_memory = sum(numel(p) for p in memory.parameters()) if memory is not None else 0
         return {"total": total, "active": total - in_memory}
 
     def attach_tokenizer(self, tokenizer) -> None:
@@ -282,6 +314,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     @property
     def attached_tokenizer(self):
         return getattr(self, "_attached_tokenizer", None)
+
+    def attach_card_metadata(self, **fields) -> None:
+        """Metadata of the model card that `save_pretrained` / `push_to_hub` write: `license`, `base_model`,
+        `datasets`, `tags`, `language` (huggingface_hub's `ModelCardData` fields)."""
+        model_card = _package_sibling("model_card")
+        if model_card is None:
+            raise RuntimeError("attach_card_metadata needs the hf-memffn package (the model card is written by it)")
+        self.card_metadata = {**(getattr(self, "card_metadata", None) or {}), **model_card.check_card_metadata(fields)}
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
@@ -295,15 +335,33 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 model_card.write_model_card(self, save_directory)
         return result
 
-    def push_to_hub(self, repo_id: str, **kwargs):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | str | None = None,
+        tokenizer=None,
+        include_token_lookup: bool = True,
+    ):
         """With the hf-memffn package installed: upload exactly what `save_pretrained` writes (weights, config, remote
-        code, tokenizer, this package's model card, and an attached token lookup table) in one commit; see
-        `hub.push_checkpoint` for the options (transformers' own `push_to_hub` would replace the model card with a
-        generic template). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`."""
+        code, tokenizer, this package's model card, and an attached token lookup table) in one commit. Takes
+        `PreTrainedModel.push_to_hub`'s arguments (`tags` go into the card's metadata), plus `tokenizer` and
+        `include_token_lookup`; see `hub.push_checkpoint` (transformers' own `push_to_hub` would replace the model card
+        with a generic one). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`."""
+        options = dict(commit_message=commit_message, commit_description=commit_description, private=private,
+                       token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags)
         hub = _package_sibling("hub")
         if hub is None:
-            return super().push_to_hub(repo_id, **kwargs)
-        return hub.push_checkpoint(self, repo_id, **kwargs)
+            return super().push_to_hub(repo_id, **options)
+        return hub.push_checkpoint(self, repo_id, tokenizer=tokenizer, include_token_lookup=include_token_lookup,
+                                   **options)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -324,8 +382,9 @@ class MemFFNModel(MemFFNPreTrainedModel):
         )
         self.memory = build_token_memory(config)
         self.norm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = MemFFNRotary(config)
+        self.rotary_emb = MemFFNRotaryEmbedding(config)
         self.token_lookup = None  # set by `load_tols` (token_lookup.py) to read the FFNs on X0 from a table
+        self.token_embedding_relay = None  # set under transformers' pipeline parallelism (see parallel.py)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -403,14 +462,18 @@ class MemFFNModel(MemFFNPreTrainedModel):
             position_ids=position_ids,
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        memory_readout = self.memory_readout(input_ids, inputs_embeds)
+        token_embeddings = inputs_embeds
+        if self.token_embedding_relay is not None and self.config.token_memory_size is not None:
+            token_embeddings = self.token_embedding_relay.exchange(inputs_embeds)  # X0 on every pipeline stage
+        memory_readout = self.memory_readout(input_ids, token_embeddings)
 
         hidden_states = inputs_embeds
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            computed = isinstance(memory_readout, ComputedMemoryReadout)
+        computed = isinstance(memory_readout, ComputedMemoryReadout)
+        for index, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            # (a layer another pipeline stage owns is an identity that returns the hidden states)
             hidden_states = layer(
                 hidden_states,
-                memory_readout.outputs[:, :, layer.layer_idx] if computed else None,
+                memory_readout.outputs[:, :, index] if computed else None,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
@@ -425,6 +488,19 @@ class MemFFNModel(MemFFNPreTrainedModel):
 class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
     base_model_class = MemFFNModel
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    @property
+    def _pp_stage(self):
+        """The pipeline stage transformers' pipeline parallelism sets on the model (None without it)."""
+        return self.__dict__.get("_memffn_pp_stage")
+
+    @_pp_stage.setter
+    def _pp_stage(self, stage) -> None:
+        self.__dict__["_memffn_pp_stage"] = stage
+        if stage is not None and self.config.token_memory_size is not None:
+            self.model.token_embedding_relay = TokenEmbeddingRelay(stage)
 
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)

@@ -1,0 +1,169 @@
+"""LoRA and weight-only int8 for the FFN weights that are plain parameters, not `nn.Linear` layers.
+
+Half of a FlashMHF or MemoryLLM model is such weights: FlashMHF's sub-network banks key/up/value
+[H_kv, E, d_e, d_h] and router [H, d_h, E] (`FlashMHFFeedForward`), PKV's key/value slots [H, slots, d_h]
+(`ParametricKVFeedForward`), and the stacked FFNs on X0 gate/up [N, I, d], down [N, d, I] (`TokenMemory`).
+LoRA `target_modules` and Linear-based quantizers do not see them, and PEFT's `target_parameters` takes 2-D and 3-D
+parameters only (it adapts `TokenMemory` and the router, not FlashMHF's 4-D banks). Both adapters here are
+`torch.nn.utils.parametrize` parametrizations of the parameter in place, so neither the stored shapes nor the
+modules' forward (FlashMHF's fused kernel call included) change: the module reads the effective weight.
+
+- `add_weight_lora(model, r, alpha)`: W + (alpha / r) B A on the last two dims of every such weight, one (A, B)
+  pair per leading index (per weight group and sub-network, per head, per layer), B = 0 at the start. Only the
+  adapter weights are trainable afterwards unless `freeze_base=False`. Combine it with PEFT's LoRA on the Linear
+  layers (`hf_memffn.LORA_TARGET_MODULES`) to adapt every FFN weight.
+- `merge_weight_lora(model)`: folds the adapters into the weights (float again if they were int8); the model
+  saves in the original format again.
+- `weight_lora_state_dict(model)` / `load_weight_lora(model, state_dict)`: the adapter weights alone.
+- `quantize_weights_int8(model)`: keeps each such weight as int8 with a float scale per row of its last dim
+  (about a quarter of float32's memory, half of bfloat16's) and dequantizes it when the module reads it. Compute
+  stays in the model's dtype. LoRA can be added on top (QLoRA-style: the int8 base stays frozen).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .ffn import TokenMemory
+from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
+
+# module class -> its weights that are plain parameters (norm weights are left alone)
+PARAMETER_WEIGHTS = {
+    FlashMHFFeedForward: ("key", "up", "value", "router"),
+    ParametricKVFeedForward: ("key", "value"),
+    TokenMemory: ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def parameter_weights(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(qualified name, owning module, attribute) of every FFN weight that is a plain parameter."""
+    found = []
+    for module_name, module in model.named_modules():
+        for module_class, names in PARAMETER_WEIGHTS.items():
+            if isinstance(module, module_class):
+                for name in names:
+                    if getattr(module, name, None) is not None:
+                        found.append((f"{module_name}.{name}" if module_name else name, module, name))
+    return found
+
+
+class LowRankDelta(nn.Module):
+    """Parametrization W -> W + scaling * B @ A over W's last two dims, batched over its leading dims."""
+
+    def __init__(self, weight: torch.Tensor, r: int, alpha: float):
+        super().__init__()
+        *lead, rows, cols = weight.shape
+        self.scaling = alpha / r
+        self.lora_A = nn.Parameter(torch.empty(*lead, r, cols, device=weight.device, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(*lead, rows, r, device=weight.device, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A.view(-1, cols), a=math.sqrt(5))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        delta = torch.matmul(self.lora_B, self.lora_A) * self.scaling
+        return weight + delta.to(weight.dtype)
+
+
+def _check_rank(r, alpha) -> None:
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"r={r!r} is invalid: must be a positive integer")
+    if not alpha > 0:
+        raise ValueError(f"alpha={alpha!r} is invalid: must be > 0")
+
+
+def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=None, freeze_base: bool = True) -> list[str]:
+    """Add a LoRA adapter to every FFN weight that is a plain parameter (or to those named in `targets`, qualified
+    names as `parameter_weights` gives them). Returns the adapted names."""
+    _check_rank(r, alpha)
+    found = parameter_weights(model)
+    if targets is not None:
+        known = {name for name, _, _ in found}
+        unknown = sorted(set(targets) - known)
+        if unknown:
+            raise ValueError(f"targets={unknown} are not FFN parameter weights of this model; allowed: {sorted(known)}")
+        found = [entry for entry in found if entry[0] in set(targets)]
+    if freeze_base:
+        for param in model.parameters():
+            param.requires_grad_(False)
+    for _, module, name in found:
+        parametrize.register_parametrization(module, name, LowRankDelta(getattr(module, name), r, alpha))
+    return [name for name, _, _ in found]
+
+
+def _lora_parametrizations(model: nn.Module):
+    for _, module, name in parameter_weights(model):
+        if parametrize.is_parametrized(module, name):
+            for index, item in enumerate(module.parametrizations[name]):
+                if isinstance(item, LowRankDelta):
+                    yield module, name, index, item
+
+
+def merge_weight_lora(model: nn.Module) -> int:
+    """Fold the LoRA adapters into their weights (an int8 weight becomes a float one again); return how many were
+    merged. Afterwards the weights are plain parameters with their original names and shapes."""
+    merged = 0
+    for module, name, _, _ in list(_lora_parametrizations(model)):
+        with torch.no_grad():
+            effective = getattr(module, name).detach().clone()
+        chain = module.parametrizations[name]
+        requires_grad = (chain.original if chain.is_tensor else chain.original0).requires_grad
+        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+        setattr(module, name, nn.Parameter(effective, requires_grad=requires_grad))
+        merged += 1
+    return merged
+
+
+def weight_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights alone, keyed by the adapted weight's qualified name."""
+    names = {id(module): module_name for module_name, module in model.named_modules()}
+    state = {}
+    for module, name, _, item in _lora_parametrizations(model):
+        prefix = f"{names[id(module)]}.{name}".lstrip(".")
+        state[f"{prefix}.lora_A"] = item.lora_A.detach().clone()
+        state[f"{prefix}.lora_B"] = item.lora_B.detach().clone()
+    return state
+
+
+def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load adapter weights saved by `weight_lora_state_dict` into a model with the same adapters added."""
+    names = {id(module): module_name for module_name, module in model.named_modules()}
+    expected = set()
+    for module, name, _, item in _lora_parametrizations(model):
+        prefix = f"{names[id(module)]}.{name}".lstrip(".")
+        for part in ("lora_A", "lora_B"):
+            key = f"{prefix}.{part}"
+            expected.add(key)
+            if key not in state_dict:
+                raise ValueError(f"state_dict is missing {key!r}; add the same adapters with add_weight_lora first")
+            getattr(item, part).data.copy_(state_dict[key])
+    unexpected = sorted(set(state_dict) - expected)
+    if unexpected:
+        raise ValueError(f"state_dict has adapter weights this model has no adapter for: {unexpected}")
+
+
+class Int8Weight(nn.Module):
+    """Parametrization storing a weight as int8 values (`original0`) and a float scale per row of its last dim
+    (`original1`); reading the weight dequantizes it to the scale's dtype."""
+
+    def forward(self, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return values.to(scale.dtype) * scale
+
+    def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = weight.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+        values = torch.round(weight.detach() / scale).clamp_(-127, 127).to(torch.int8)
+        return values, scale.to(weight.dtype)
+
+
+def quantize_weights_int8(model: nn.Module) -> list[str]:
+    """Store every FFN weight that is a plain parameter as int8 (see `Int8Weight`); the weights are frozen.
+    Returns the quantized names."""
+    found = parameter_weights(model)
+    for _, module, name in found:
+        if parametrize.is_parametrized(module, name):
+            raise ValueError(f"{name}: quantize before adding adapters (add_weight_lora), not after")
+        weight = getattr(module, name).requires_grad_(False)  # an int8 parameter cannot require gradients
+        parametrize.register_parametrization(module, name, Int8Weight())
+    return [name for name, _, _ in found]

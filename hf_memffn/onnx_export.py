@@ -1,0 +1,72 @@
+"""ONNX export of models whose FFN runs the custom operator `memffn_v1::flash_mhf` (FlashMHFLlama).
+
+The operator has no ONNX counterpart, so `torch.onnx.export(..., dynamo=True)` needs a translation of it:
+`onnx_translation_table()` gives one, the operator's PyTorch reference decomposition written with ONNX ops (two
+einsums over the sub-network weights, SiLU, the gate weights, one einsum back; in float32, cast back to the input's
+dtype). Unlike the fused kernel it materialises the [B, H, L, E, d_e] activations. Pass it to torch's exporter:
+
+    torch.onnx.export(model, (input_ids,), dynamo=True, custom_translation_table=onnx_translation_table())
+
+or call `export_onnx(model, input_ids, path)`, which exports the logits of `model(input_ids)` (give an example batch
+of at least 2 sequences: torch.export fixes a dynamic size seen as 1). The other
+architectures export without a table (it does no harm to pass it). Needs `pip install onnx onnxscript`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .flash_mhf_op import OP_NAMESPACE
+
+
+def _flash_mhf_onnx(q, k, u, v, r, impl: str = "auto"):
+    """`flash_mhf(q, k, u, v, r)` in ONNX ops: q [B, H, L, D], k/u/v [H_kv, E, d_e, D], r [B, H, L, E]."""
+    from onnxscript import opset18 as op
+
+    dims = [op.Shape(q, start=i, end=i + 1) for i in range(4)]  # B, H, L, D
+    kv_heads = op.Shape(k, start=0, end=1)
+    group = op.Div(dims[1], kv_heads)  # query heads per weight group
+    grouped = op.Concat(dims[0], kv_heads, group, dims[2], op.Constant(value_ints=[-1]), axis=0)
+    rows = op.Reshape(op.Cast(q, to=1), grouped)  # [B, H_kv, G, L, D] in float32
+    gates = op.Reshape(op.Cast(r, to=1), grouped)  # [B, H_kv, G, L, E]
+    key, up_w, value = (op.Cast(w, to=1) for w in (k, u, v))
+    pre = op.Einsum(rows, key, equation="bhgld,hefd->bhglef")
+    up = op.Einsum(rows, up_w, equation="bhgld,hefd->bhglef")
+    hidden = op.Mul(op.Mul(op.Mul(pre, op.Sigmoid(pre)), up), op.Unsqueeze(gates, op.Constant(value_ints=[-1])))
+    out = op.Einsum(hidden, value, equation="bhglef,hefd->bhgld")
+    return op.CastLike(op.Reshape(out, op.Shape(q)), q)
+
+
+def onnx_translation_table() -> dict:
+    """{FlashMHF operator: its ONNX translation}, for `torch.onnx.export(..., custom_translation_table=...)`."""
+    return {getattr(torch.ops, OP_NAMESPACE).flash_mhf.default: _flash_mhf_onnx}
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic: bool = True, **export_kwargs):
+    """Export `input_ids -> logits` of a causal LM of this package to an ONNX file at `path` (written to a temporary
+    name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. Returns the ONNX program."""
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
+    if dynamic:
+        batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
+        export_kwargs.setdefault("dynamic_shapes", ({0: batch, 1: length},))
+    program = torch.onnx.export(_Logits(model).eval(), (input_ids,), dynamo=True, input_names=["input_ids"],
+                                output_names=["logits"], custom_translation_table=onnx_translation_table(),
+                                **export_kwargs)
+    tmp = f"{os.fspath(path)}.tmp"
+    program.save(tmp)
+    os.replace(tmp, path)
+    return program

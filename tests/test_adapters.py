@@ -1,0 +1,121 @@
+"""LoRA on every FFN weight (PEFT on the Linear layers, `hf_memffn.adapters` on the plain parameters, FlashMHF's 4-D
+sub-network banks included) and weight-only int8 for the plain parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn
+from hf_memffn import adapters
+from hf_memffn.testing import tiny_config
+
+peft = pytest.importorskip("peft")
+ARCHS = sorted(hf_memffn.ARCHITECTURES)
+
+
+def tiny_model(arch):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+
+
+def ffn_weight_names(model) -> list[str]:
+    """Every weight matrix of the FFNs (each layer's `mlp`, the model's `memory`): not norm weights, not biases."""
+    return [name for name, _ in model.named_parameters()
+            if (".mlp." in name or ".memory." in name) and "norm" not in name and not name.endswith(".bias")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format(arch, tmp_path):
+    model = tiny_model(arch)
+    original_keys = set(model.state_dict())
+    ffn_weights = ffn_weight_names(model)
+    ids = torch.randint(3, 320, (4, 16))
+    with torch.no_grad():
+        base_logits = model(ids).logits
+
+    targets = hf_memffn.LORA_TARGET_MODULES[arch]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    adapted = adapters.add_weight_lora(model, r=4, alpha=8, freeze_base=False)
+    linear_adapted = {name.rsplit(".lora_A", 1)[0].replace("base_model.model.", "") for name, _ in model.named_parameters()
+                      if ".lora_A." in name}
+    plain_adapted = {name.replace("base_model.model.", "") for name in adapted}
+    for weight in ffn_weights:  # every FFN weight has an adapter, through PEFT or through adapters
+        assert weight in plain_adapted or weight.rsplit(".weight", 1)[0] in linear_adapted, weight
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.numel() < 5000 for p in trainable)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    assert losses[-1] < losses[0]
+    for name, param in model.named_parameters():
+        if name in frozen_before:
+            torch.testing.assert_close(param, frozen_before[name])
+    with torch.no_grad():
+        adapted_logits = model(ids).logits
+    assert (adapted_logits - base_logits).abs().max() > 1e-3
+
+    merged = model.merge_and_unload()
+    assert adapters.merge_weight_lora(merged) == len(adapted)
+    assert set(merged.state_dict()) == original_keys
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted_logits, rtol=1e-4, atol=1e-5)
+    merged.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, adapted_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_flash_mhf_banks_keep_their_shape_and_the_kernel_sees_the_adapted_weight():
+    model = tiny_model("flash_mhf")
+    mlp = model.model.layers[0].mlp
+    shape = tuple(mlp.key.shape)
+    assert len(shape) == 4
+    adapters.add_weight_lora(model, r=2, alpha=2, targets=["model.layers.0.mlp.key"])
+    assert tuple(mlp.key.shape) == shape and tuple(mlp.parametrizations.key.original.shape) == shape
+    with torch.no_grad():
+        mlp.parametrizations.key[0].lora_B.fill_(0.1)
+    ids = torch.randint(3, 320, (1, 8))
+    with torch.no_grad():
+        adapted = model(ids).logits
+    with pytest.raises(ValueError, match="not FFN parameter weights"):
+        adapters.add_weight_lora(model, targets=["model.layers.0.mlp.in_proj.weight"])
+    state = adapters.weight_lora_state_dict(model)
+    assert set(state) == {"model.layers.0.mlp.key.lora_A", "model.layers.0.mlp.key.lora_B"}
+    fresh = tiny_model("flash_mhf")
+    adapters.add_weight_lora(fresh, r=2, alpha=2, targets=["model.layers.0.mlp.key"])
+    adapters.load_weight_lora(fresh, state)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids).logits, adapted)
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_int8_weights_stay_close_and_take_lora_on_top(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 320, (2, 12))
+    with torch.no_grad():
+        reference = model(ids).logits
+    names = adapters.quantize_weights_int8(model)
+    assert names
+    stored = {n: p for n, p in model.named_parameters() if n.endswith(".original0")}
+    assert stored and all(p.dtype == torch.int8 for p in stored.values())
+    with torch.no_grad():
+        quantized = model(ids).logits
+    assert (quantized - reference).abs().max() < 0.05 * reference.abs().max()
+    adapters.add_weight_lora(model, r=2, alpha=4)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert lora_grads and all(g is not None for g in lora_grads)
+    assert adapters.merge_weight_lora(model) == len(names)
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -1,0 +1,74 @@
+"""RoPE scaling goes through transformers' rotary machinery: a FlashMHFLlama with `ffn_variant="swiglu"` is a Llama
+decoder, so with the same weights and the same `rope_parameters` its logits must equal LlamaForCausalLM's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from hf_memffn.testing import tiny_config
+
+MAX_POSITIONS = 32
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + i / 16 for i in range(8)],
+                 "long_factor": [2.0 + i / 8 for i in range(8)], "original_max_position_embeddings": 16},
+}
+
+
+def llama_and_ours(rope: dict | None, **ours):
+    fields = dict(max_position_embeddings=MAX_POSITIONS, head_dim=16)
+    theta = {"rope_theta": 10000.0}
+    llama = LlamaForCausalLM(tiny_config("llama", rope_parameters={**(rope or {"rope_type": "default"}), **theta},
+                                         **fields)).eval()
+    config = tiny_config("flash_mhf", ffn_variant="swiglu", intermediate_size=128, **fields, **ours,
+                         **({"rope_parameters": dict(rope)} if rope is not None else {}))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.load_state_dict(llama.state_dict(), strict=True)
+    return llama, model
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_SCALINGS))
+def test_scaled_rope_matches_llama(rope_type):
+    torch.manual_seed(0)
+    llama, model = llama_and_ours(ROPE_SCALINGS[rope_type])
+    _, unscaled = llama_and_ours(None)
+    unscaled.load_state_dict(model.state_dict())
+    # Longer than max_position_embeddings, so the dynamic and long-context types change their frequencies.
+    ids = torch.randint(3, 320, (2, 2 * MAX_POSITIONS))
+    with torch.no_grad():
+        expected, got = llama(ids).logits, model(ids).logits
+        short_expected, short_got = llama(ids[:, :12]).logits, model(ids[:, :12]).logits
+        plain = unscaled(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(short_got, short_expected, rtol=1e-5, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-3, "the scaling changed nothing"
+
+
+def test_rope_scaling_alias_survives_save_and_load(tmp_path):
+    torch.manual_seed(0)
+    config = tiny_config("kvffn", rope_scaling={"type": "linear", "factor": 4.0})
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.rope_parameters["factor"] == 4.0
+    ids = torch.randint(3, 320, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_rope_theta_in_parameters_wins_and_is_mirrored():
+    config = tiny_config("memoryllm", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    assert config.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "mrope", "factor": 2.0}, {"rope_type": "linear"}])
+def test_unsupported_or_incomplete_rope_is_refused(rope):
+    with pytest.raises(ValueError, match="rope"):
+        tiny_config("flash_mhf", rope_parameters=rope)
