@@ -164,6 +164,6 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     for _, module, name in found:
         if parametrize.is_parametrized(module, name):
             raise ValueError(f"{name}: quantize before adding adapters (add_weight_lora), not after")
-        weight = getattr(module, name).requires_grad_(False)  # an int8 parameter cannot require gradients
+        getattr(module, name).requires_grad_(False)  # an int8 parameter cannot require gradients
         parametrize.register_parametrization(module, name, Int8Weight())
     return [name for name, _, _ in found]
