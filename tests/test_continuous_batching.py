@@ -126,3 +126,27 @@ def test_token_lookup_table_reads_the_flattened_batch(exported, placement):
         assert torch.equal(step["input_ids"], reference["input_ids"])
         scale = reference["logits"].abs().max()
         assert (step["logits"] - reference["logits"]).abs().max() <= 1e-5 * scale
+
+
+def test_throughput_benchmark_runs_at_toy_size(tmp_path):
+    """examples/bench_continuous_batching.py, as the GPU run uses it, at a toy size on the CPU."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_continuous_batching.py"
+    spec = importlib.util.spec_from_file_location("bench_continuous_batching", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--preset", "tiny", "--archs", "llama", "flash_mhf", "memoryllm", "--requests", "4",
+                "--prompt-lengths", "3,30", "--new-tokens", "2,6", "--vocab-size", "400", "--num-blocks", "16",
+                "--max-batch-tokens", "64", "--device", "cpu", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    rows = {row["model"]: row for row in report["results"]}
+    assert list(rows) == ["Llama (transformers)", "FlashMHFLlama", "MemoryLLM", "MemoryLLM + lookup table"]
+    assert all("error" not in row and row["requests_per_s"] > 0 and row["generated_tokens_per_s"] > 0
+               for row in rows.values()), rows
+    lookup = rows["MemoryLLM + lookup table"]
+    assert lookup["active_parameters"] < rows["MemoryLLM"]["parameters"]  # the memory FFN weights were dropped
+    assert rows["FlashMHFLlama"]["flash_mhf_path"].startswith("torch reference")
+    assert report["device"].startswith("CPU") and report["device"] in (tmp_path / "continuous_batching.md").read_text()
