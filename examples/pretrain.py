@@ -248,7 +248,7 @@ def training_flops_per_token(model, sequence_length: int) -> float:
         uses = 1
         if name.endswith(("mlp.key", "mlp.up", "mlp.value")):
             uses = getattr(config, "ffn_num_heads", 1) // max(1, getattr(config, "ffn_num_kv_heads", None) or getattr(config, "ffn_num_heads", 1))
-        matmul_params += uses * param.numel()
+        matmul_params += uses * getattr(param, "ds_numel", param.numel())  # ZeRO-3 leaves a shard: ds_numel is whole
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * sequence_length
     return 6.0 * matmul_params + attention
@@ -371,7 +371,9 @@ def main(argv=None) -> dict:
         gradient_accumulation_steps=args.grad_accum,
         learning_rate=learning_rate,
         lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": args.min_learning_rate},
+        # as a ratio: the absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO
+        # optimizers do not have
+        lr_scheduler_kwargs={"min_lr_rate": args.min_learning_rate / learning_rate},
         warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a ratio of the total steps
         weight_decay=args.weight_decay,
         adam_beta1=OPTIMIZER_DEFAULTS["adam_beta1"],

@@ -249,9 +249,12 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and active ones: those left on the device once the FFNs on the token embeddings X0
         become token lookup tables (equal for architectures without such FFNs). Tied weights count once."""
-        total = sum(p.numel() for p in self.parameters())
+        def numel(parameter) -> int:  # DeepSpeed ZeRO-3 leaves each parameter empty and records its size in ds_numel
+            return getattr(parameter, "ds_numel", parameter.numel())
+
+        total = sum(numel(p) for p in self.parameters())
         memory = self._token_memory()
-        in_memory = sum(p.numel() for p in memory.parameters()) if memory is not None else 0
+        in_memory = sum(numel(p) for p in memory.parameters()) if memory is not None else 0
         return {"total": total, "active": total - in_memory}
 
     def attach_tokenizer(self, tokenizer) -> None:

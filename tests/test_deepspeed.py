@@ -10,6 +10,8 @@ In a child Python (DeepSpeed keeps process-wide state):
   back the saved tensors; one training step of the DeepSpeed engine equals a plain PyTorch step;
 * the committed `examples/accelerate/ds_zero2.json` / `ds_zero3.json`, their "auto" values filled by the Trainer,
   train a MemoryLLM and a FlashMHFLlama for three steps with the losses of the same Trainer run without DeepSpeed.
+And the README's command, `accelerate launch --config_file examples/accelerate/deepspeed_zero{2,3}.yaml
+examples/pretrain.py ...`, with one CPU process, against the same recipe run without it.
 """
 
 from __future__ import annotations
@@ -135,6 +137,53 @@ def test_committed_configs_train_like_the_plain_trainer(results, arch, config):
     plain, deepspeed = results["trainer"][f"{arch}/none"], results["trainer"][f"{arch}/{config}"]
     assert len(plain) == len(deepspeed) == 3
     assert max(abs(a - b) for a, b in zip(plain, deepspeed)) < 1e-4, (plain, deepspeed)
+
+
+def recipe_run(tmp_path, name: str, launcher: list[str]) -> dict:
+    import random
+
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        rng = random.Random(0)
+        words = "the key reads a value from memory while each head stores one token of the layer".split()
+        corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(10, 40)))})
+                                  + "\n" for _ in range(200)))
+    out = tmp_path / name
+    recipe = [str(ROOT / "examples" / "pretrain.py"), "--arch", "memoryllm", "--preset", "tiny", "--data-files",
+              str(corpus), "--train-tokenizer", "300", "--block-size", "32", "--per-device-batch-size", "4",
+              "--logging-steps", "2", "--eval-steps", "4", "--save-steps", "1000", "--max-eval-blocks", "4",
+              "--max-steps", "4", "--seed", "0", "--output-dir", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run([*launcher, *recipe], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    losses = [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines() if '"loss"' in line]
+    return {"losses": losses, "summary": json.loads((out / "summary.json").read_text()), "log": completed.stdout}
+
+
+@pytest.fixture(scope="module")
+def recipe_dir(tmp_path_factory):
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (see this file's docstring)")
+    return tmp_path_factory.mktemp("recipe")
+
+
+@pytest.fixture(scope="module")
+def plain_recipe(recipe_dir):
+    return recipe_run(recipe_dir, "plain", [sys.executable])
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_readme_accelerate_deepspeed_command_runs_the_recipe(recipe_dir, plain_recipe, stage):
+    plain = plain_recipe
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              f"examples/accelerate/deepspeed_zero{stage}.yaml", "--num_processes", "1"]
+    zero = recipe_run(recipe_dir, f"zero{stage}", launch)
+    assert zero["summary"]["parameters"] == plain["summary"]["parameters"]  # counted whole, not per ZeRO-3 shard
+    assert zero["summary"]["parameters"]["total"] > 0 and zero["summary"]["flops_per_token"] == plain["summary"]["flops_per_token"]
+    assert len(zero["losses"]) == len(plain["losses"]) == 2
+    if stage == "2":  # same initial weights: the same losses
+        assert max(abs(a - b) for a, b in zip(zero["losses"], plain["losses"])) < 1e-3, (zero, plain)
+    else:  # zero.Init draws the initial weights in another order: same scale, another sample
+        assert abs(zero["losses"][0] - plain["losses"][0]) < 0.1 and zero["losses"][-1] < zero["losses"][0]
 
 
 def test_token_memory_repr_survives_sharded_parameters():
