@@ -6,6 +6,7 @@ step, with the memory FFN weights dropped."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from hf_memffn.testing import tiny_config
 EOS = 2
 # A small paged cache and token budget: prompts are prefilled in chunks, and prefill chunks of some requests share a
 # step with the decoding tokens of others.
-CB_CONFIG = dict(num_blocks=16, page_size=16, max_batch_tokens=48)
+# (transformers 5.17 calls the page size `block_size`; later versions `page_size`)
+_PAGE = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+CB_CONFIG = {"num_blocks": 16, _PAGE: 16, "max_batch_tokens": 48}
 PROMPT_LENGTHS = (5, 37, 9, 23, 3, 14)
 MAX_NEW_TOKENS = 10
 
@@ -150,3 +153,21 @@ def test_throughput_benchmark_runs_at_toy_size(tmp_path):
     assert lookup["active_parameters"] < rows["MemoryLLM"]["parameters"]  # the memory FFN weights were dropped
     assert rows["FlashMHFLlama"]["flash_mhf_path"].startswith("torch reference")
     assert report["device"].startswith("CPU") and report["device"] in (tmp_path / "continuous_batching.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mhf_continuous_batching_runs_the_fused_kernels_on_cuda():
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    torch.manual_seed(0)  # FFN heads 128 wide, sub-networks 128 wide: shapes the Triton kernels take
+    config = tiny_config("flash_mhf", hidden_size=256, intermediate_size=256, ffn_num_heads=2, ffn_num_kv_heads=2,
+                         ffn_num_subnetworks=2, ffn_kernel="triton")
+    model = AutoModelForCausalLM.from_config(config).cuda().eval()
+    ffn = model.model.layers[0].mlp
+    assert flash_mhf_path(torch.empty(1, 2, 1, 128, device="cuda"), ffn.key, impl=ffn.kernel).startswith("triton")
+    inputs = prompts()
+    with torch.no_grad():
+        reference = [model.generate(torch.tensor([ids], device="cuda"), generation_config=generation_config())[0, len(ids):]
+                     .tolist() for ids in inputs]
+    assert continuous_batching(model, inputs) == reference
