@@ -461,7 +461,10 @@ def main(argv=None) -> dict:
     use_bf16 = training_args.bf16
     output_dir = Path(args.output_dir)
     if training_args.lr_scheduler_type == "cosine_with_min_lr":
-        training_args.lr_scheduler_kwargs = {"min_lr": args.min_learning_rate, **(training_args.lr_scheduler_kwargs or {})}
+        # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
+        # do not have
+        min_lr_rate = args.min_learning_rate / training_args.learning_rate
+        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
 

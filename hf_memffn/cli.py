@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "push": ("hf_memffn.hub", "upload a saved checkpoint folder (weights, tokenizer, remote code, model card) to the Hub"),
     "export-tols": ("hf_memffn.conversion.export", "export a MemoryLLM's memory FFN as a token lookup table"),
     "analyze": ("hf_memffn.analysis.cli", "what do the FFN memories store? a JSON + HTML report of a model's memories"),
+    "serve": ("hf_memffn.serving", "serve checkpoints with transformers' OpenAI-compatible server (`transformers serve`)"),
 }
 
 
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
+    if getattr(module, "PASS_THROUGH_ARGUMENTS", False):  # a wrapper around another command line: parses its own
+        return int(module.main(argv[1:]) or 0)
     sub = argparse.ArgumentParser(prog=f"hf-memffn {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])

@@ -180,6 +180,8 @@ class TokenMemory(nn.Module):
     def __init__(self, num_layers: int, hidden_size: int, intermediate_size: int, eps: float, hidden_act: str):
         super().__init__()
         self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
         self.eps = eps
         self.norm_weight = nn.Parameter(torch.ones(num_layers, hidden_size))
         self.gate_proj = nn.Parameter(torch.empty(num_layers, intermediate_size, hidden_size))
@@ -225,8 +227,8 @@ class TokenMemory(nn.Module):
         return TokenMemoryLayer(self, layer)
 
     def extra_repr(self) -> str:
-        layers, width, hidden = self.gate_proj.shape
-        return f"layers={layers}, hidden_size={hidden}, intermediate_size={width}"
+        # From the constructor's sizes, not the parameters' shapes: those are empty while DeepSpeed ZeRO-3 shards them.
+        return f"layers={self.num_layers}, hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
 
 
 class TokenMemoryLayer(FeedForwardMemory):

@@ -18,13 +18,12 @@ From Python: `import hf_memffn.lm_eval_model` and pass `model="memffn"` to `lm_e
 
 from __future__ import annotations
 
-import os
-
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .configuration_memffn import check_choice
+from .serving import local_table_dir
 from .token_lookup import PLACEMENTS
 
 MODEL_NAME = "memffn"
@@ -52,15 +51,6 @@ class MemFFNLM(HFLM):
                 "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
             )
         model.load_tols(local_table_dir(str(token_lookup)), placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
-
-
-def local_table_dir(token_lookup: str) -> str:
-    """A local folder as is; otherwise a Hub repo id, of which only the table files are downloaded."""
-    if os.path.isdir(token_lookup):
-        return token_lookup
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(token_lookup, allow_patterns=["token_lookup*"])
 
 
 def main() -> None:

@@ -1,0 +1,277 @@
+"""Continuous-batching throughput: transformers' LlamaForCausalLM and the four architectures, side by side.
+
+    python examples/bench_continuous_batching.py --out examples/results/continuous_batching_h100   # GPU, ~3 min
+    python examples/bench_continuous_batching.py --preset tiny --requests 8 --device cpu --out /tmp/cb   # smoke run
+
+Every model is built from the same preset (examples/presets.py; default `370M`: the paper's baseline shape, FlashMHF
+its own equal-size column) with random weights in `--dtype`, and serves the same workload through transformers'
+continuous batching (`init_continuous_batching`: paged KV cache, one flattened batch per step, new requests joining
+as others finish): `--requests` requests submitted at once, prompt and generation lengths drawn uniformly from
+`--prompt-lengths` and `--new-tokens` (seeded, identical for every model; EOS disabled, so each request generates
+exactly its length). `--token-lookup` (default on) adds a MemoryLLM reading a bf16 token lookup table (`gpu`
+placement on CUDA, else `cpu`) with its memory FFN weights dropped.
+
+Each model first runs a short warm-up workload (kernel compilation, Triton autotuning, CUDA graph capture happen
+there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
+tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of all requests), and the
+device memory of the weights (and table); the paged KV cache is sized by transformers from the free memory
+(`--num-blocks` / `--max-batch-tokens` to fix it). Rows are written after every model, so a run cut short keeps
+what it measured.
+Writes continuous_batching.json and continuous_batching.md (with the device) into --out, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
+
+LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
+          "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "memoryllm_lookup": "MemoryLLM + lookup table"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    low, high = int(low), int(high or low)
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN,MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="370M", help="model size from examples/presets.py (default 370M)")
+    parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURE_NAMES), choices=ARCHITECTURE_NAMES)
+    parser.add_argument("--token-lookup", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run a MemoryLLM reading a bf16 token lookup table (memory FFN dropped)")
+    parser.add_argument("--requests", type=int, default=64, help="requests submitted at once (default 64)")
+    parser.add_argument("--prompt-lengths", type=length_range, default=(32, 512), metavar="MIN,MAX")
+    parser.add_argument("--new-tokens", type=length_range, default=(32, 256), metavar="MIN,MAX")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--num-blocks", type=int, default=None, help="paged KV cache blocks (default: transformers "
+                                                                     "sizes it from free device memory)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: transformers)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="output directory")
+    return parser
+
+
+def workload(args, seed: int, count: int, scale: float = 1.0) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) per request; `scale` shortens both for the warm-up."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        prompt = max(1, int(rng.randint(*args.prompt_lengths) * scale))
+        new = max(1, int(rng.randint(*args.new_tokens) * scale))
+        requests.append(([rng.randrange(3, args.vocab_size) for _ in range(prompt)], new))
+    return requests
+
+
+def build_model(arch: str, args, device, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_memffn
+
+    fields = dict(get_preset(args.preset).config_fields(arch), vocab_size=args.vocab_size)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        if arch == "llama":
+            fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+            model = LlamaForCausalLM(LlamaConfig(**fields))
+        else:
+            model = AutoModelForCausalLM.from_config(hf_memffn.ARCHITECTURES[arch](**fields))
+    return model.to(dtype).eval()
+
+
+def run_workload(model, requests, args, record: bool) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                                         max_new_tokens=max(new for _, new in requests))
+    cb_fields = {k: v for k, v in (("num_blocks", args.num_blocks), ("max_batch_tokens", args.max_batch_tokens))
+                 if v is not None}
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests),
+                          max_generated_length=generation_config.max_new_tokens, num_requests=len(requests))
+    results = {}
+    manager_context = model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**cb_fields),
+        block=True, timeout=30, workload_hints=hints)
+    with manager_context as manager:
+        start = time.perf_counter()
+        for i, (prompt, new_tokens) in enumerate(requests):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new_tokens, record_timestamps=record)
+        while len(results) < len(requests):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError(f"the continuous batching loop stopped with {len(results)}/{len(requests)} done")
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    short = [i for i, (_, new) in enumerate(requests) if len(results[f"r{i}"].generated_tokens) != new]
+    if short:
+        raise RuntimeError(f"requests {short[:5]} did not generate their requested number of tokens")
+    latencies = sorted(r.lifespan[1] - start for r in results.values())
+    first_tokens = sorted(r.timestamps[0] - start for r in results.values() if r.timestamps)
+    generated = sum(new for _, new in requests)
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {
+        "wall_s": wall,
+        "requests_per_s": len(requests) / wall,
+        "generated_tokens_per_s": generated / wall,
+        "total_tokens_per_s": (generated + prompt_tokens) / wall,
+        "latency_mean_s": sum(latencies) / len(latencies),
+        "latency_p90_s": latencies[int(0.9 * (len(latencies) - 1))],
+        "ttft_mean_s": sum(first_tokens) / len(first_tokens) if first_tokens else None,
+        "attn_implementation": model.config._attn_implementation,
+    }
+
+
+def flash_mhf_kernel_path(model) -> str | None:
+    """Which FlashMHF path the model's FFNs run (None for the other architectures)."""
+    from hf_memffn.ffn import FlashMHFFeedForward
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    for module in model.modules():
+        if isinstance(module, FlashMHFFeedForward):
+            heads, head_dim = module.key.shape[0], module.key.shape[-1]
+            q = torch.empty(1, heads, 1, head_dim, device=module.key.device, dtype=module.key.dtype)
+            return flash_mhf_path(q, module.key, impl=module.kernel)
+    return None
+
+
+def bench_one(name: str, args, device, dtype, requests, warmup_requests, table_dir: str | None) -> dict:
+    arch = "memoryllm" if name == "memoryllm_lookup" else name
+    model = build_model(arch, args, device, dtype)
+    counts = model.parameter_counts() if hasattr(model, "parameter_counts") else None
+    total = sum(p.numel() for p in model.parameters())
+    row = {"model": LABELS[name], "parameters": total, "active_parameters": counts["active"] if counts else total}
+    if name == "memoryllm_lookup":
+        from hf_memffn.conversion import export_tols
+
+        start = time.perf_counter()
+        export_tols(model, table_dir, format="bf16", device=device, progress=False)
+        placement = "gpu" if device.type == "cuda" else "cpu"
+        table = model.load_tols(table_dir, placement=placement, drop_memory_ffn=True, verify="size")
+        row.update(table=f"bf16, placement {placement}, kernel {table.kernel}",
+                   table_export_s=time.perf_counter() - start, active_parameters=sum(p.numel() for p in model.parameters()))
+    row["flash_mhf_path"] = flash_mhf_kernel_path(model)
+    table = getattr(getattr(model, "model", None), "token_lookup", None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    row["weights_gib"] = (weight_bytes + (table.device_bytes() if table is not None else 0)) / 2**30
+    start = time.perf_counter()
+    run_workload(model, warmup_requests, args, record=False)
+    row["warmup_s"] = time.perf_counter() - start
+    row.update(run_workload(model, requests, args, record=True))
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def to_markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"# Continuous batching throughput, preset {s['preset']}",
+        "",
+        f"Device: {report['device']}; torch {report['versions']['torch']}, transformers "
+        f"{report['versions']['transformers']}; {s['dtype']}, random weights.",
+        f"Workload: {s['requests']} requests submitted at once, prompts {s['prompt_lengths'][0]}-"
+        f"{s['prompt_lengths'][1]} tokens ({report['prompt_tokens']} in all), {s['new_tokens'][0]}-{s['new_tokens'][1]} "
+        f"new tokens each ({report['generated_tokens']} in all), greedy, EOS disabled, vocab {s['vocab_size']}.",
+        "",
+        "| model | params (active) | requests/s | generated tok/s | total tok/s | latency mean / p90 s | TTFT mean s | "
+        "weights GiB | warm-up s | attention | FFN kernel / table |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        if "error" in row:
+            lines.append(f"| {row['model']} | failed: {row['error']} |" + " |" * 9)
+            continue
+        ttft = f"{row['ttft_mean_s']:.2f}" if row.get("ttft_mean_s") is not None else "-"
+        lines.append(
+            f"| {row['model']} | {row['parameters'] / 1e6:.1f}M ({row['active_parameters'] / 1e6:.1f}M) | "
+            f"{row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.0f} | {row['total_tokens_per_s']:.0f} | "
+            f"{row['latency_mean_s']:.2f} / {row['latency_p90_s']:.2f} | {ttft} | {row['weights_gib']:.2f} | {row['warmup_s']:.1f} | "
+            f"{row['attn_implementation']} | {row.get('table') or (row.get('flash_mhf_path') or '-').split(' (')[0]} |")
+    lines += ["", f"Command: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: str) -> str:
+    markdown = to_markdown(report)
+    for name, text in (("continuous_batching.json", json.dumps(report, indent=2)), ("continuous_batching.md", markdown)):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as handle:
+            handle.write(text + "\n")
+        os.replace(path + ".tmp", path)
+    return markdown
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    os.makedirs(args.out, exist_ok=True)
+    requests = workload(args, args.seed, args.requests)
+    warmup_requests = workload(args, args.seed + 1, min(args.requests, 8), scale=0.25)
+    names = list(args.archs) + (["memoryllm_lookup"] if args.token_lookup and "memoryllm" in args.archs else [])
+    import transformers
+
+    report = {
+        "device": device_name(device),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype).replace("torch.", "")},
+        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "generated_tokens": sum(new for _, new in requests),
+        "command": "python examples/bench_continuous_batching.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "results": [],
+    }
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as table_dir:
+        for name in names:
+            print(f"[{time.perf_counter() - started:6.1f} s] {LABELS[name]} ...", flush=True)
+            try:
+                row = bench_one(name, args, device, dtype, requests, warmup_requests, table_dir)
+            except Exception as error:  # one model failing still leaves the others' numbers
+                row = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
+            report["results"].append(row)
+            print(f"    {json.dumps(row)}", flush=True)
+            report["total_s"] = time.perf_counter() - started
+            markdown = write_report(report, args.out)  # after every model: a run cut short keeps what it measured
+    print(markdown)
+    return report
+
+
+if __name__ == "__main__":
+    main()

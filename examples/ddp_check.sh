@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# DDP, FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 on two GPUs against one GPU, with the committed accelerate configs.
+#
+# Every run trains the same model (default: the `small` FlashMHFLlama, Triton kernel forced) from the same saved
+# initial weights (`--init-from`, so ZeRO-3's own initialisation plays no part), on the same data in the same order,
+# with the same global batch (16 blocks of 512 tokens): one GPU with per-device batch 16; two GPUs with per-device
+# batch 8 through examples/accelerate/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml. Then
+# examples/compare_loss_curves.py compares every curve and tokens/s with the one-GPU run (which also replaces the
+# FSDP2 check's one-GPU reference). Text: the Python standard library's sources (on any machine, offline).
+#
+#   bash examples/ddp_check.sh RESULTS_DIR [STEPS]          # on a machine with 2 GPUs; default 200 steps
+#   bash examples/ddp_check.sh --wheels [DIR]               # on a machine with the package index: DeepSpeed wheels
+#
+# Environment: RUNS (default "single ddp fsdp2 zero2 zero3"; later runs reuse WORK's initial weights and one-GPU
+# run, so the list can be split over several calls), ARCH (flash_mhf), PRESET (small), KERNEL (triton), WORK
+# (/tmp/ddp-check), WHEELS (.whl/deepspeed).
+# DeepSpeed: used if importable; otherwise installed from the wheels in WHEELS (`--wheels` builds them: DeepSpeed
+# as a pure-Python wheel with no prebuilt ops, plus einops, hjson, msgpack, ninja, py-cpuinfo). The recipe's
+# optimizer is torch's AdamW, so no DeepSpeed op is compiled. If DeepSpeed cannot be imported, the ZeRO runs are
+# skipped and RESULTS_DIR/deepspeed_status.txt says why.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+if [ "${1:-}" = "--wheels" ]; then
+    DIR=${2:-.whl/deepspeed}
+    mkdir -p "$DIR"
+    DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "deepspeed==${DEEPSPEED_VERSION:-0.19.8}"
+    python3 -m pip download -q --no-deps -d "$DIR" einops hjson ninja py-cpuinfo
+    for version in 3.10 3.11 3.12 3.13; do  # msgpack is compiled: one wheel per Python the GPU machine may have
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" -d "$DIR" msgpack
+    done
+    ls -la "$DIR"
+    exit 0
+fi
+
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RESULTS=${1:?results dir}
+STEPS=${2:-200}
+RUNS=${RUNS:-single ddp fsdp2 zero2 zero3}
+ARCH=${ARCH:-flash_mhf}
+WORK=${WORK:-/tmp/ddp-check}
+WHEELS=${WHEELS:-.whl/deepspeed}
+mkdir -p "$RESULTS" "$WORK"
+RESULTS=$(cd "$RESULTS" && pwd)
+
+{
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    python3 -c "import datasets, torch, transformers, accelerate, triton; print('datasets', datasets.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())"
+} | tee "$RESULTS/versions.txt"
+
+# DeepSpeed: importable, or installed from the carried wheels, or the reason it is not there.
+if [[ " $RUNS " == *" zero"* ]]; then
+    if ! python3 -c "import deepspeed" 2>/dev/null && ls "$WHEELS"/deepspeed-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$WORK/deepspeed-site" \
+            deepspeed einops hjson msgpack ninja py-cpuinfo 2>&1 | tail -3 || true
+        export PYTHONPATH="$WORK/deepspeed-site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if python3 -c "import deepspeed, sys; print('deepspeed', deepspeed.__version__, 'imports; accelerator', deepspeed.get_accelerator().device_name())" > "$RESULTS/deepspeed_status.txt" 2>&1; then
+        cat "$RESULTS/deepspeed_status.txt"
+    else
+        { echo "ZeRO runs skipped: deepspeed cannot be imported (wheels looked for in $WHEELS):"; tail -5 "$RESULTS/deepspeed_status.txt"; } > "$RESULTS/deepspeed_status.tmp"
+        mv "$RESULTS/deepspeed_status.tmp" "$RESULTS/deepspeed_status.txt"
+        cat "$RESULTS/deepspeed_status.txt"
+        RUNS=$(echo "$RUNS" | tr ' ' '\n' | grep -v '^zero' | tr '\n' ' ')
+    fi
+fi
+
+if [ ! -f "$WORK/corpus.jsonl" ]; then
+python3 - "$WORK/corpus.jsonl" <<'EOF'
+import json, sys, sysconfig
+from pathlib import Path
+budget, written = 8_000_000, 0
+with open(sys.argv[1], "w") as out:
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts:
+            continue
+        text = path.read_text(errors="ignore")
+        out.write(json.dumps({"text": text}) + "\n")
+        written += len(text)
+        if written > budget:
+            break
+print(f"corpus: {written / 1e6:.1f} MB of Python source")
+EOF
+fi
+
+# The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset.
+if [ ! -f "$WORK/init/config.json" ]; then
+python3 - "$HERE" "$WORK" "$ARCH" "${PRESET:-small}" "ffn_kernel=${KERNEL:-triton}" <<'EOF'
+import json, math, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import pretrain
+from transformers import AutoModelForCausalLM
+from hf_memffn.tokenization import train_tokenizer
+
+here, work, arch, preset, overrides = sys.argv[1:6]
+with open(f"{work}/corpus.jsonl") as handle:
+    tokenizer = train_tokenizer((json.loads(line)["text"] for line in handle), vocab_size=8192)
+overrides = pretrain.parse_overrides(overrides) if arch == "flash_mhf" else {}
+config = pretrain.build_config(arch, preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+model.attach_tokenizer(tokenizer)
+model.save_pretrained(f"{work}/init")
+print(f"initial weights: {arch} {preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {work}/init")
+EOF
+fi
+
+COMMON=(--init-from "$WORK/init" --data-files "$WORK/corpus.jsonl" --block-size 512 --num-proc 8
+        --logging-steps 5 --eval-steps 50 --max-eval-blocks 64 --save-steps 100000 --seed 0 --max-steps "$STEPS")
+declare -A CONFIG=([ddp]=ddp [fsdp2]=fsdp2 [zero2]=deepspeed_zero2 [zero3]=deepspeed_zero3)
+for run in $RUNS; do
+    echo "=== $run ==="
+    if [ "$run" = single ]; then
+        CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size 16 \
+            --output-dir "$WORK/single" || echo "$run FAILED"
+    else
+        python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/${CONFIG[$run]}.yaml" --num_processes 2 \
+            "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size 8 --output-dir "$WORK/$run" || echo "$run FAILED"
+    fi
+    if [ -f "$WORK/$run/train_log.jsonl" ]; then cp "$WORK/$run/train_log.jsonl" "$RESULTS/${run}_train_log.jsonl"; fi
+done
+
+COMPARED=()
+for run in single ddp fsdp2 zero2 zero3; do
+    if [ -f "$WORK/$run/summary.json" ]; then COMPARED+=("$WORK/$run"); fi
+done
+if [ -f "$WORK/single/summary.json" ] && [ ${#COMPARED[@]} -gt 1 ]; then
+    python3 "$HERE/compare_loss_curves.py" "${COMPARED[@]}" --json "$RESULTS/comparison.json" --markdown "$RESULTS/comparison.md"
+fi
+python3 - "$WORK" "$RESULTS/summaries.json" <<'EOF'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(work.iterdir()) if (d / "summary.json").is_file()}
+Path(sys.argv[2]).write_text(json.dumps(summaries, indent=2) + "\n")
+EOF

@@ -1,0 +1,163 @@
+"""`hf-memffn serve`: transformers' own OpenAI-compatible server (`transformers serve`) for checkpoints of this package.
+
+transformers 5.17-5.23 cannot serve a checkpoint whose modeling code lives next to its weights: the server's
+`ModelManager._load_model` (cli/serving/model_manager.py) looks `config.architectures[0]` up as an attribute of the
+`transformers` module and never reads `auto_map`, so it stops with `AttributeError: module transformers has no
+attribute KVFFNForCausalLM` before serving anything (docs/serving-remote-code.md has the reproduction and the fix
+proposed upstream). This module is the bridge until then: it makes those names resolve to a loader that goes through
+`AutoModelForCausalLM` (which follows `auto_map` and honours `--trust-remote-code`), optionally switches a MemoryLLM /
+FlexMemoryLLM to its token lookup table, and runs transformers' `serve` command unchanged: same options, same
+endpoints, continuous batching included.
+
+    hf-memffn serve MODEL_DIR --trust-remote-code --continuous-batching [transformers serve options]
+    hf-memffn serve MODEL_DIR --token-lookup TABLE_DIR --drop-memory-ffn --continuous-batching
+
+The model comes first; every option but the `--token-lookup*` / `--drop-memory-ffn` ones is passed to `transformers
+serve`. Without a model, the server loads whatever each request names, as `transformers serve` does.
+
+The file imports only the standard library, huggingface_hub and transformers, so where this package is not installed
+it runs as a plain script next to the checkpoint's own code: `python serving.py MODEL_DIR --trust-remote-code ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import transformers
+
+# The `architectures` names that `save_pretrained` writes for this package's models (the `*ForCausalLM` classes);
+# checked against the package's registry by the tests. A served model's own `architectures` are added at start-up.
+ARCHITECTURE_NAMES = (
+    "FlashMHFLlamaForCausalLM",
+    "MemoryLLMForCausalLM",
+    "FlexMemoryLLMForCausalLM",
+    "KVFFNForCausalLM",
+)
+PLACEMENTS = ("gpu", "cpu", "disk")  # token_lookup.PLACEMENTS (this file imports nothing of the package)
+
+
+def local_table_dir(token_lookup: str, revision: str | None = None) -> str:
+    """A local folder as is; otherwise a Hub repo id, of which only the table files are downloaded."""
+    if os.path.isdir(token_lookup):
+        return token_lookup
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(token_lookup, revision=revision, allow_patterns=["token_lookup*"])
+
+
+class TokenLookupSettings:
+    """Which model reads which token lookup table, and how (the `--token-lookup*` options)."""
+
+    def __init__(self, model: str, table: str, placement: str | None = None, drop_memory_ffn: bool = False):
+        if placement is not None and placement not in PLACEMENTS:
+            raise ValueError(f"--token-lookup-placement={placement!r} is not supported; allowed values: "
+                             f"{', '.join(PLACEMENTS)}")
+        self.model = model
+        self.table = table
+        self.placement = placement
+        self.drop_memory_ffn = drop_memory_ffn
+
+    def applies_to(self, model_id: str) -> bool:
+        same_path = os.path.exists(model_id) and os.path.exists(self.model) and os.path.samefile(model_id, self.model)
+        return same_path or model_id == self.model
+
+    def apply(self, model) -> None:
+        if not hasattr(model, "load_tols"):
+            raise ValueError(f"--token-lookup: {type(model).__name__} has no token lookup tables (only MemoryLLM and "
+                             "FlexMemoryLLM have FFNs on the token embeddings)")
+        import torch
+
+        placement = self.placement or ("gpu" if torch.cuda.is_available() else "cpu")
+        table = model.load_tols(local_table_dir(self.table), placement=placement, drop_memory_ffn=self.drop_memory_ffn)
+        dropped = "memory FFN weights dropped" if self.drop_memory_ffn else "memory FFN weights kept"
+        print(f"hf-memffn serve: {self.model} reads the token lookup table in {self.table} ({table.extra_repr()}); "
+              f"{dropped}", file=sys.stderr, flush=True)
+
+
+def auto_map_loader(architecture: str, token_lookup: TokenLookupSettings | None = None) -> type:
+    """A stand-in for `transformers.<architecture>`: its `from_pretrained` loads through `AutoModelForCausalLM`."""
+
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if token_lookup is not None and token_lookup.applies_to(str(pretrained_model_name_or_path)):
+            token_lookup.apply(model)
+        return model
+
+    return type(architecture, (), {
+        "__doc__": f"Loads checkpoints of `{architecture}` with AutoModelForCausalLM (their `auto_map`).",
+        "from_pretrained": classmethod(from_pretrained),
+    })
+
+
+def make_architectures_resolvable(names: Sequence[str], token_lookup: TokenLookupSettings | None = None) -> list[str]:
+    """Let `getattr(transformers, name)` find each architecture transformers does not have itself; returns those
+    names. transformers' own classes are never replaced."""
+    added = []
+    for name in dict.fromkeys(names):
+        try:
+            getattr(transformers, name)
+        except AttributeError:
+            setattr(transformers, name, auto_map_loader(name, token_lookup))
+            added.append(name)
+    return added
+
+
+def remote_code_architectures(model_id: str, revision: str | None = None) -> list[str]:
+    """The `architectures` of a checkpoint whose config maps `AutoModelForCausalLM` to its own code (else [])."""
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(model_id, revision=revision)
+    if "AutoModelForCausalLM" not in (config.get("auto_map") or {}):
+        return []
+    return list(config.get("architectures") or [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-memffn serve", allow_abbrev=False,
+        description="transformers' OpenAI-compatible server (`transformers serve`) for checkpoints of this package. "
+                    "Usage: hf-memffn serve [MODEL] [options]; options not listed here go to `transformers serve` "
+                    "(see `transformers serve --help`): --continuous-batching, --trust-remote-code, --port, ...")
+    parser.add_argument("--token-lookup", metavar="TABLE_DIR",
+                        help="MemoryLLM / FlexMemoryLLM: read the FFNs on the token embeddings from the table exported "
+                             "to TABLE_DIR (`hf-memffn export-tols`; the model folder itself if the table is saved "
+                             "there, or a Hub repo id); needs MODEL")
+    parser.add_argument("--token-lookup-placement", choices=PLACEMENTS,
+                        help="where the table lives (default: gpu on CUDA, else cpu)")
+    parser.add_argument("--drop-memory-ffn", action="store_true",
+                        help="free the memory FFN weights once the table is loaded")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    options, serve_args = parser.parse_known_args(argv)
+    model = serve_args[0] if serve_args and not serve_args[0].startswith("-") else None
+    if options.token_lookup is None and (options.token_lookup_placement or options.drop_memory_ffn):
+        parser.error("--token-lookup-placement / --drop-memory-ffn need --token-lookup TABLE_DIR")
+    token_lookup = None
+    if options.token_lookup is not None:
+        if model is None:
+            parser.error("--token-lookup needs the model to serve as the first argument")
+        token_lookup = TokenLookupSettings(model, options.token_lookup, options.token_lookup_placement,
+                                           options.drop_memory_ffn)
+    names = list(ARCHITECTURE_NAMES)
+    if model is not None:
+        model_id, _, revision = model.partition("@")
+        names += remote_code_architectures(model_id, revision or None)
+    make_architectures_resolvable(names, token_lookup)
+
+    from transformers.cli.transformers import app
+
+    return int(app(args=["serve", *serve_args], prog_name="hf-memffn") or 0)
+
+
+# `hf-memffn serve` passes its arguments through as they are (see cli.py)
+PASS_THROUGH_ARGUMENTS = True
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""Continuous batching (`model.generate_batch`: paged KV cache, the requests of a step flattened into one row) gives
+greedy `generate()`'s tokens for the Llama baseline and the four architectures, and a MemoryLLM / FlexMemoryLLM reading
+its token lookup table there gets exactly the token ids of the flattened batch: logits equal compute mode's at every
+step, with the memory FFN weights dropped."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
+
+import hf_memffn
+from hf_memffn.conversion import export_tols
+from hf_memffn.testing import tiny_config
+
+EOS = 2
+# A small paged cache and token budget: prompts are prefilled in chunks, and prefill chunks of some requests share a
+# step with the decoding tokens of others.
+# (transformers 5.17 calls the page size `block_size`; later versions `page_size`)
+_PAGE = "page_size" if "page_size" in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)} else "block_size"
+CB_CONFIG = {"num_blocks": 16, _PAGE: 16, "max_batch_tokens": 48}
+PROMPT_LENGTHS = (5, 37, 9, 23, 3, 14)
+MAX_NEW_TOKENS = 10
+
+
+def build(arch: str):
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    model = LlamaForCausalLM(config) if arch == "llama" else AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 320, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def generation_config() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+
+
+def greedy_one_by_one(model, inputs) -> list[list[int]]:
+    outputs = []
+    with torch.no_grad():
+        for ids in inputs:
+            outputs.append(model.generate(torch.tensor([ids]), generation_config=generation_config())[0, len(ids):].tolist())
+    return outputs
+
+
+def continuous_batching(model, inputs) -> list[list[int]]:
+    results = model.generate_batch(inputs, generation_config=generation_config(), progress_bar=False,
+                                   continuous_batching_config=ContinuousBatchingConfig(**CB_CONFIG))
+    return [results[f"req_{i}"].generated_tokens for i in range(len(inputs))]
+
+
+@pytest.mark.parametrize("arch", ["llama", *hf_memffn.ARCHITECTURES])
+def test_generate_batch_equals_greedy_generate(arch):
+    model = build(arch)
+    inputs = prompts()
+    assert continuous_batching(model, inputs) == greedy_one_by_one(model, inputs)
+
+
+class BatchRecorder:
+    """Records, for every forward of the continuous-batching loop: the flattened input ids, the number of requests
+    in the step, the ids the token lookup table was asked for, and the logits."""
+
+    def __init__(self, model):
+        self.steps = []
+        self.handles = [
+            model.register_forward_pre_hook(self._inputs, with_kwargs=True),
+            model.lm_head.register_forward_hook(lambda module, args, output: self.steps[-1].update(logits=output.clone())),
+        ]
+        table = model.model.token_lookup
+        if table is not None:
+            readout = table.readout
+            table.readout = lambda ids: (self.steps[-1].update(table_ids=ids.clone()), readout(ids))[1]
+
+    def _inputs(self, module, args, kwargs):
+        self.steps.append({"input_ids": kwargs["input_ids"].clone(), "requests": kwargs["cu_seq_lens_q"].numel() - 1})
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.fixture(scope="module", params=["memoryllm", "flex_memoryllm"])
+def exported(request, tmp_path_factory):
+    model = build(request.param)
+    directory = tmp_path_factory.mktemp(request.param)
+    export_tols(model, directory, format="fp32", progress=False)
+    return model, directory
+
+
+PLACEMENTS = ["cpu", "disk", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_token_lookup_table_reads_the_flattened_batch(exported, placement):
+    model, directory = exported
+    device = "cuda" if placement == "gpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    compute = copy.deepcopy(model).to(device)
+    lookup = copy.deepcopy(model).to(device)
+    freed = lookup.load_tols(directory, placement=placement, drop_memory_ffn=True) and lookup.model.memory is None
+    assert freed and lookup.model.token_lookup.placement == placement
+    inputs = prompts()
+
+    recorded = {}
+    for name, candidate in (("compute", compute), ("lookup", lookup)):
+        recorder = BatchRecorder(candidate)
+        try:
+            tokens = continuous_batching(candidate, inputs)
+        finally:
+            recorder.remove()
+        recorded[name] = (tokens, recorder.steps)
+
+    tokens, steps = recorded["lookup"]
+    assert tokens == recorded["compute"][0] == greedy_one_by_one(model, inputs)
+    assert any(step["requests"] > 1 and step["input_ids"].shape[1] > step["requests"] for step in steps), \
+        "no step mixed several requests with a prefill: the test would not exercise the flattened layout"
+    compute_steps = recorded["compute"][1]
+    assert len(steps) == len(compute_steps)
+    for step, reference in zip(steps, compute_steps):
+        assert torch.equal(step["table_ids"].reshape(-1).cpu(), step["input_ids"].reshape(-1).cpu())
+        assert torch.equal(step["input_ids"], reference["input_ids"])
+        scale = reference["logits"].abs().max()
+        assert (step["logits"] - reference["logits"]).abs().max() <= 1e-5 * scale
+
+
+def test_throughput_benchmark_runs_at_toy_size(tmp_path):
+    """examples/bench_continuous_batching.py, as the GPU run uses it, at a toy size on the CPU."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_continuous_batching.py"
+    spec = importlib.util.spec_from_file_location("bench_continuous_batching", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--preset", "tiny", "--archs", "llama", "flash_mhf", "memoryllm", "--requests", "4",
+                "--prompt-lengths", "3,30", "--new-tokens", "2,6", "--vocab-size", "400", "--num-blocks", "16",
+                "--max-batch-tokens", "64", "--device", "cpu", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    rows = {row["model"]: row for row in report["results"]}
+    assert list(rows) == ["Llama (transformers)", "FlashMHFLlama", "MemoryLLM", "MemoryLLM + lookup table"]
+    assert all("error" not in row and row["requests_per_s"] > 0 and row["generated_tokens_per_s"] > 0
+               for row in rows.values()), rows
+    lookup = rows["MemoryLLM + lookup table"]
+    assert lookup["active_parameters"] < rows["MemoryLLM"]["parameters"]  # the memory FFN weights were dropped
+    assert rows["FlashMHFLlama"]["flash_mhf_path"].startswith("torch reference")
+    assert report["device"].startswith("CPU") and report["device"] in (tmp_path / "continuous_batching.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mhf_continuous_batching_runs_the_fused_kernels_on_cuda():
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    torch.manual_seed(0)  # FFN heads 128 wide, sub-networks 128 wide: shapes the Triton kernels take
+    config = tiny_config("flash_mhf", hidden_size=256, intermediate_size=256, ffn_num_heads=2, ffn_num_kv_heads=2,
+                         ffn_num_subnetworks=2, ffn_kernel="triton")
+    model = AutoModelForCausalLM.from_config(config).cuda().eval()
+    ffn = model.model.layers[0].mlp
+    assert flash_mhf_path(torch.empty(1, 2, 1, 128, device="cuda"), ffn.key, impl=ffn.kernel).startswith("triton")
+    inputs = prompts()
+    with torch.no_grad():
+        reference = [model.generate(torch.tensor([ids], device="cuda"), generation_config=generation_config())[0, len(ids):]
+                     .tolist() for ids in inputs]
+    assert continuous_batching(model, inputs) == reference

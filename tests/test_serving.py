@@ -1,0 +1,263 @@
+"""transformers' own OpenAI-compatible server serves the four architectures with continuous batching.
+
+Two real servers run as subprocesses on loopback ports, started at once:
+* `serving.py` copied next to the checkpoints and run as a plain script in a Python where `hf_memffn` cannot be
+  imported, `--trust-remote-code`, no model pinned: every request names one of the four saved checkpoints, whose own
+  modeling code is loaded;
+* `hf-memffn serve MEMORYLLM_DIR --token-lookup MEMORYLLM_DIR --drop-memory-ffn`: the MemoryLLM reads its fp32 token
+  lookup table (disk placement) with the memory FFN weights freed, so every answer comes from the table.
+Concurrent requests through the `openai` client (completions and chat completions, streamed and not) must return
+exactly the text of greedy `generate()` on the same models. The tiny random models only ever choose printable ASCII
+tokens (the other rows of their output layer are zero), so texts compare exactly, streamed or not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_memffn
+from hf_memffn import serving
+from hf_memffn.conversion import export_tols
+from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, tiny_config, tiny_tokenizer
+
+openai = pytest.importorskip("openai")
+
+STARTUP_SECONDS = 120  # both servers up (imports, model and table loading) on a loaded 2-core machine
+REQUEST_SECONDS = 60
+MAX_TOKENS = 8
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                "{% if add_generation_prompt %}assistant:{% endif %}"
+CB_OPTIONS = ["--continuous-batching", "--device", "cpu", "--cb-num-blocks", "32", "--cb-block-size", "32",
+              "--cb-max-batch-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1"]
+PROMPTS = ["the memory reads", "a key of the value head"]
+CHATS = [[{"role": "system", "content": "the value"}, {"role": "user", "content": "what does the memory store"}]]
+
+
+def printable_only(model, tokenizer) -> None:
+    """Zero the output rows of every token that does not decode to printable ASCII (special tokens included): a
+    random model then picks printable tokens (their logits are mostly above 0), and never EOS."""
+    keep = torch.tensor([tokenizer.decode([i]).isascii() and tokenizer.decode([i]).isprintable()
+                         and i not in tokenizer.all_special_ids for i in range(model.config.vocab_size)])
+    with torch.no_grad():
+        model.lm_head.weight[~keep] = 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def greedy_text(model, tokenizer, input_ids: list[int]) -> str:
+    with torch.no_grad():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+    new_tokens = output[0, len(input_ids):].tolist()
+    assert len(new_tokens) == MAX_TOKENS
+    return tokenizer.decode(new_tokens, skip_special_tokens=True)
+
+
+class Server:
+    def __init__(self, command: list[str], env: dict, log_path: Path, cwd: Path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen([*command, *CB_OPTIONS, "--port", str(self.port)], env=env, cwd=cwd,
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused",
+                                    timeout=REQUEST_SECONDS, max_retries=0)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait_until_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"server not up after {STARTUP_SECONDS} s:\n{self.log_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=15)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The four tiny checkpoints (with a chat template) and, per checkpoint, the greedy texts `generate()` gives."""
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    directories, expected = {}, {}
+    for arch in hf_memffn.ARCHITECTURES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+        printable_only(model, tokenizer)
+        model.attach_tokenizer(tokenizer)
+        directory = root / arch
+        model.save_pretrained(directory)
+        directories[arch] = str(directory)
+        chats = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+                 for chat in CHATS]
+        expected[arch] = {
+            "completion": [greedy_text(model, tokenizer, tokenizer(prompt)["input_ids"]) for prompt in PROMPTS],
+            "chat": [greedy_text(model, tokenizer, chat["input_ids"]) for chat in chats],
+        }
+        if arch == "memoryllm":
+            export_tols(model, directory, format="fp32", progress=False)
+    return root, directories, expected
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints):
+    """Start both servers at once; stop them at the end, whatever happened."""
+    root, directories, _ = checkpoints
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(root / "modules"), TOKENIZERS_PARALLELISM="false")
+    # The bridge alone, beside the checkpoints, in a Python where the package cannot be imported.
+    shutil.copy(serving.__file__, root / "serving.py")
+    runner = BLOCK_PACKAGE_IMPORT + (
+        "\nimport runpy, sys\n"
+        "try:\n    import hf_memffn\nexcept ModuleNotFoundError:\n    pass\n"
+        "else:\n    raise SystemExit('hf_memffn is importable: the test would prove nothing')\n"
+        "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    started = []
+    try:
+        started.append(Server([sys.executable, "-c", runner, str(root / "serving.py"), "--trust-remote-code"],
+                              env, root / "remote_code_server.log", cwd=root))
+        memoryllm = directories["memoryllm"]
+        started.append(Server([sys.executable, "-m", "hf_memffn.cli", "serve", memoryllm, "--token-lookup", memoryllm,
+                               "--token-lookup-placement", "disk", "--drop-memory-ffn"],
+                              {**env, "HF_MODULES_CACHE": str(root / "modules_table")}, root / "table_server.log",
+                              cwd=Path(__file__).resolve().parents[1]))
+        deadline = time.monotonic() + STARTUP_SECONDS
+        for server in started:
+            server.wait_until_healthy(deadline)
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def ask(client, model: str, kind: str, stream: bool, payload) -> tuple[str, dict]:
+    """One request; returns the generated text and what the server said about it (usage, finish reason)."""
+    common = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+    if kind == "completion":
+        response = client.completions.create(prompt=payload, **common)
+        pieces = (lambda item: item.choices[0].text)
+    else:
+        response = client.chat.completions.create(messages=payload, **common)
+        pieces = (lambda item: item.choices[0].delta.content or "") if stream else (
+            lambda item: item.choices[0].message.content)
+    if not stream:
+        return pieces(response), {"usage": response.usage.completion_tokens,
+                                  "finish": response.choices[0].finish_reason}
+    chunks = list(response)
+    finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    return "".join(pieces(chunk) for chunk in chunks if chunk.choices), {"usage": None, "finish": finish[-1]}
+
+
+def run_concurrently(client, jobs: list[tuple]) -> list[tuple[str, dict]]:
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(ask, client, *job) for job in jobs]
+        return [future.result(timeout=REQUEST_SECONDS * 2) for future in futures]
+
+
+def expected_jobs(directories, expected, archs):
+    jobs, texts = [], []
+    for arch in archs:
+        for stream in (False, True):
+            for kind, payloads in (("completion", PROMPTS), ("chat", CHATS)):
+                for payload, text in zip(payloads, expected[arch][kind]):
+                    jobs.append((directories[arch], kind, stream, payload))
+                    texts.append(text)
+    return jobs, texts
+
+
+def test_four_architectures_served_from_remote_code_with_continuous_batching(checkpoints, servers):
+    _, directories, expected = checkpoints
+    server = servers[0]
+    jobs, texts = expected_jobs(directories, expected, hf_memffn.ARCHITECTURES)
+    results = run_concurrently(server.client, jobs)
+    for job, text, (answer, info) in zip(jobs, texts, results):
+        assert answer == text, (job, answer, text)
+        assert info["finish"] == "length", (job, info)
+        assert info["usage"] in (None, MAX_TOKENS), (job, info)
+    log = server.log_text()
+    assert log.count("CB: True") == len(jobs), log[-3000:]  # every request went through continuous batching
+    assert "hf_memffn" not in log.replace("hf_memffn is importable", ""), log[-3000:]
+
+
+def test_memoryllm_served_from_its_token_lookup_table(checkpoints, servers):
+    _, directories, expected = checkpoints
+    server = servers[1]
+    jobs, texts = expected_jobs(directories, expected, ["memoryllm"])
+    results = run_concurrently(server.client, jobs)
+    for job, text, (answer, _) in zip(jobs, texts, results):
+        assert answer == text, (job, answer, text)
+    log = server.log_text()
+    assert "reads the token lookup table" in log and "placement=disk" in log and "weights dropped" in log, log[-3000:]
+    assert log.count("CB: True") == len(jobs), log[-3000:]
+
+
+def test_bridge_names_every_architecture_of_the_package():
+    assert set(serving.ARCHITECTURE_NAMES) == {cls.__name__ for _, cls in hf_memffn.MODEL_CLASSES.values()}
+    from hf_memffn.token_lookup import PLACEMENTS
+
+    assert serving.PLACEMENTS == PLACEMENTS
+
+
+def test_bridge_resolves_names_through_auto_map_and_keeps_transformers_classes(tmp_path, monkeypatch):
+    import transformers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn"))
+    model.save_pretrained(tmp_path / "kvffn")
+    assert serving.remote_code_architectures(str(tmp_path / "kvffn")) == ["KVFFNForCausalLM"]
+    monkeypatch.delattr(transformers, "KVFFNForCausalLM", raising=False)
+    added = serving.make_architectures_resolvable(["KVFFNForCausalLM", "LlamaForCausalLM"])
+    try:
+        assert added == ["KVFFNForCausalLM"]
+        assert transformers.LlamaForCausalLM.__module__.startswith("transformers.models.llama")
+        loaded = transformers.KVFFNForCausalLM.from_pretrained(str(tmp_path / "kvffn"), trust_remote_code=True)
+        assert isinstance(loaded, hf_memffn.KVFFNForCausalLM)  # the package is imported here: its class serves
+    finally:
+        delattr(transformers, "KVFFNForCausalLM")
+
+
+def test_bridge_options_name_what_is_wrong(capsys):
+    with pytest.raises(SystemExit):
+        serving.main(["--token-lookup", "table", "--continuous-batching"])
+    assert "needs the model to serve as the first argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serving.main(["model", "--drop-memory-ffn"])
+    assert "need --token-lookup TABLE_DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serving.main(["model", "--token-lookup", "t", "--token-lookup-placement", "ram"])
+    assert "invalid choice: 'ram'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="KVFFNForCausalLM has no token lookup tables"):
+        serving.TokenLookupSettings("m", "t").apply(AutoModelForCausalLM.from_config(tiny_config("kvffn")))
