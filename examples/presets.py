@@ -8,7 +8,8 @@ The three paper sizes follow flash-mhf.md, Appendix C (Table 3, optimiser) and A
 | 1.3B   | 24     | 2048    | 32                   | 5504         | 20, 5760, 16 x 128, 15                      | 1e-3   |
 
 The Llama baseline, MemoryLLM and KVFFN use the baseline shape; FlexMemoryLLM splits the baseline's FFN width
-evenly between FFN-C and FFN-M; FlashMHF uses its own column (fewer layers, wider FFN heads, at equal size).
+between FFN-C and FFN-M as memoryllm.md's example does (beta = 3: FFN-C keeps 3 h^2 of the FFN's parameters, FFN-M
+gets the rest, 5 h^2 when the width is 8h/3; see `flex_memoryllm_split`); FlashMHF uses its own column (fewer layers, wider FFN heads, at equal size).
 The FlashMHF sub-network width is `intermediate_size / ffn_num_subnetworks` (256, 384, 384). Embeddings are tied
 as in the baseline of each size (Table 4's tie row is ambiguous for the 370M FlashMHF; untied is what keeps it at
 the baseline's size). `tiny` and `small` are for CI and quick GPU checks.
@@ -19,6 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ARCHITECTURE_NAMES = ("llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn")
+FLEX_MEMORYLLM_BETA = 3
+
+
+def flex_memoryllm_split(hidden_size: int, intermediate_size: int, beta: float = FLEX_MEMORYLLM_BETA) -> tuple[int, int]:
+    """(FFN-C width, FFN-M width) of a FlexMemoryLLM with the parameters of a SwiGLU FFN of `intermediate_size`.
+
+    memoryllm.md splits the FFN's parameters so that FFN-C (on the residual stream) keeps beta * h^2 of them and
+    FFN-M (on the token embeddings, offloadable as a lookup table) the rest: "5h^2 for beta=3" out of the 8h^2 of a
+    SwiGLU of width 8h/3. A SwiGLU of width w has 3 h w parameters, so FFN-C's width is beta * h / 3.
+    """
+    compute = min(max(1, round(beta * hidden_size / 3)), intermediate_size - 1)
+    return compute, intermediate_size - compute
 
 
 @dataclass(frozen=True)
@@ -59,9 +72,10 @@ class Preset:
         if architecture == "flash_mhf":
             fields.update(self.flash_mhf)
         elif architecture == "flex_memoryllm":
-            # FFN-C on the residual and FFN-M on X0 split the baseline's width, keeping the baseline's size.
-            fields["intermediate_size"] = self.intermediate_size // 2
-            fields["memory_intermediate_size"] = self.intermediate_size // 2
+            # FFN-C on the residual and FFN-M on X0 split the baseline's width (beta = 3), keeping its size.
+            compute, memory = flex_memoryllm_split(self.hidden_size, self.intermediate_size)
+            fields["intermediate_size"] = compute
+            fields["memory_intermediate_size"] = memory
         return fields
 
 
