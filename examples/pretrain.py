@@ -2,7 +2,9 @@
 
 Text comes from a `datasets` dataset: a Hub name (`--dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT`)
 or local files (`--data-files corpus/*.jsonl`, builder inferred from the suffix: text, json, csv, parquet).
-Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens.
+Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens. Or it comes already
+tokenized: `--data-dir DIR` of uint16 token shards (examples/token_shards.py; train.bin, heldout.bin and the
+tokenizer), which needs no `datasets`.
 
 Single process:
     python examples/pretrain.py --arch flash_mhf --preset 128M --dataset ... --tokenizer EleutherAI/gpt-neox-20b \
@@ -26,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", default=None, help="Hub dataset name, or a `datasets` builder (text/json/...) for --data-files")
     data.add_argument("--dataset-config", default=None)
     data.add_argument("--data-files", nargs="+", default=None, help="local text/jsonl/csv/parquet files (globs allowed)")
+    data.add_argument("--data-dir", default=None, help="pre-tokenized shards (train.bin, heldout.bin, tokenizer) instead")
     data.add_argument("--text-column", default="text")
     data.add_argument("--train-split", default="train")
     data.add_argument("--validation-split", default="validation", help="used when the dataset has it")
@@ -96,7 +100,7 @@ def load_raw_splits(args):
     elif args.dataset:
         loaded = datasets.load_dataset(args.dataset, args.dataset_config)
     else:
-        raise ValueError("give --dataset (Hub name) or --data-files (local files)")
+        raise ValueError("give --dataset (Hub name), --data-files (local files) or --data-dir (token shards)")
     if args.train_split not in loaded:
         raise ValueError(f"--train-split={args.train_split!r} is not one of the dataset's splits {sorted(loaded)}")
     train = loaded[args.train_split]
@@ -160,7 +164,7 @@ def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_
 
 
 def collate_blocks(features):
-    input_ids = torch.tensor([f["input_ids"] for f in features], dtype=torch.long)
+    input_ids = torch.as_tensor(np.stack([np.asarray(f["input_ids"]) for f in features]), dtype=torch.long)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
@@ -341,6 +345,22 @@ def make_stop_callback(stop_step: int):
     return StopAfterSteps()
 
 
+def load_and_pack(args, training_args):
+    """(train blocks, held-out blocks, tokenizer) from a `datasets` dataset (--dataset / --data-files)."""
+    with training_args.main_process_first(local=False, desc="load dataset"):
+        raw_train, raw_validation = load_raw_splits(args)
+    tokenizer = load_tokenizer(args, raw_train, training_args)
+    with training_args.main_process_first(local=False, desc="pack"):
+        train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
+        if raw_validation is not None:
+            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
+        else:
+            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
+            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
+            train_blocks, eval_blocks = split["train"], split["test"]
+    return train_blocks, eval_blocks, tokenizer
+
+
 def training_arguments(args, **fields):
     """TrainingArguments from the fields this transformers version knows (`activation_checkpointing` was `gradient_checkpointing`)."""
     from transformers import TrainingArguments
@@ -395,18 +415,20 @@ def main(argv=None) -> dict:
     )
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
-    with training_args.main_process_first(local=False, desc="load dataset"):
-        raw_train, raw_validation = load_raw_splits(args)
-    tokenizer = load_tokenizer(args, raw_train, training_args)
-    with training_args.main_process_first(local=False, desc="pack"):
-        train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
-        if raw_validation is not None:
-            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
-        else:
-            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
-            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
-            train_blocks, eval_blocks = split["train"], split["test"]
+    if args.data_dir:
+        from token_shards import load_blocks
+
+        if args.train_tokenizer:
+            raise ValueError("--train-tokenizer: the shards of --data-dir are already tokenized; drop it")
+        args.tokenizer = args.tokenizer or args.data_dir
+        tokenizer = load_tokenizer(args, None, training_args)
+        train_blocks = load_blocks(args.data_dir, args.block_size, "train")
+        eval_blocks = load_blocks(args.data_dir, args.block_size, "heldout")
+    else:
+        train_blocks, eval_blocks, tokenizer = load_and_pack(args, training_args)
     if args.max_eval_blocks:
         eval_blocks = eval_blocks.select(range(min(args.max_eval_blocks, len(eval_blocks))))
     if len(train_blocks) == 0:
@@ -462,6 +484,7 @@ def main(argv=None) -> dict:
         "train_seconds": round(train_seconds, 2),
         "tokens_per_step": tokens_per_step,
         "flops_per_token": flops_per_token,
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
         **throughput.summary(),
         "final_model": str(final_dir),
         "argv": sys.argv[1:] if argv is None else list(argv),
