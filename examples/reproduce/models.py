@@ -18,7 +18,8 @@ that the FFN keeps the parameters of the baseline's SwiGLU (3 d I):
 | ReLU FFN | 2 d I' | I' = 1.5 I |
 | DenseNet FFN | d I' + (I' + d) d | I' = 1.5 I - d / 2 |
 
-The paper runs FlashMHF and MH-FFN at fewer layers and wider FFNs (flash-mhf.md Table 4); at this size keeping the
+Dense-MoE's single head is d wide (384 at size `small`), which the fused kernels do not take: it runs the PyTorch
+op (`ffn_kernel="torch"`), so its tokens/s is not comparable. The paper runs FlashMHF and MH-FFN at fewer layers and wider FFNs (flash-mhf.md Table 4); at this size keeping the
 depth and matching the FFN alone isolates the FFN, which is what is compared. `python examples/reproduce/study.py
 --print-configs --size 370M` shows the rules at the paper's 370M shape.
 """
@@ -32,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from presets import flex_memoryllm_split  # noqa: E402
+
+from hf_memffn.flash_mhf_op import SUPPORTED_HEAD_DIMS  # noqa: E402
 
 GROUPS = {
     "flash-mhf": "flash-mhf.md Table 1: FFN variants at equal total parameters",
@@ -143,6 +146,10 @@ class StudyModel:
             "attention_dropout": recipe.dropout,
         }
         fields.update(self.ffn_fields)
+        heads = fields.get("ffn_num_heads")
+        if heads and fields.get("ffn_variant") != "pkv" and shape.hidden_size // heads not in SUPPORTED_HEAD_DIMS:
+            # the fused kernels take heads of 64/128/256 (e.g. not Dense-MoE's single head of d): the PyTorch op then
+            fields["ffn_kernel"] = "torch"
         if self.arch == "kvffn":
             fields["kvffn_dropout"] = recipe.dropout
         return fields

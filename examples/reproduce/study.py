@@ -549,12 +549,14 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         print(f"note: {tokens:,} tokens per model is more than the {data['splits']['train']['tokens']:,} of the "
               "training stream: it repeats")
     print(counts_table(selected, described), flush=True)
-    seconds_per_flop = []
+    seconds_per_flop, last_seconds = [], {}
     for index, (model, seed) in enumerate(plan):
         elapsed = time.perf_counter() - started
         cost = described[model.key]["flops_per_token"] * tokens
         if args.deadline_minutes and seconds_per_flop:
-            estimate = max(seconds_per_flop) * cost
+            # a model already run: its own time (the first run includes compilation and autotuning, so this errs
+            # long); otherwise the median time per FLOP of the runs so far; 15% margin
+            estimate = 1.15 * last_seconds.get(model.key, statistics.median(seconds_per_flop) * cost)
             if elapsed + estimate > 60 * args.deadline_minutes:
                 state["skipped"].append(f"{model.key}/seed{seed}")
                 print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: skipped (would end at about "
@@ -562,6 +564,7 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
                 continue
         result = train_one(model, seed, shape, tokens, args, data_dir, work, log_handle)
         seconds_per_flop.append(result["wall_seconds"] / cost)
+        last_seconds[model.key] = result["wall_seconds"]
         state["runs"].append(result)
         state["elapsed_seconds"] = time.perf_counter() - started
         wiki = f", Wikipedia {result['wiki_loss']:.3f}" if "wiki_loss" in result else ""
