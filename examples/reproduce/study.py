@@ -108,8 +108,22 @@ def meta_model(model: study_models.StudyModel, shape, vocab_size: int):
         return AutoModelForCausalLM.from_config(config)
 
 
+def multi_head_ffn_path(config) -> str | None:
+    """Which implementation of the fused op a FlashMHF-family FFN runs on this machine (kernels or PyTorch)."""
+    if getattr(config, "residual_ffn", None) != "flash_mhf" or config.ffn_variant == "pkv":
+        return None
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.zeros(1, config.ffn_num_heads, 1, config.ffn_head_dim, device=device, dtype=dtype)
+    k = torch.zeros(config.ffn_num_kv_heads, config.ffn_num_subnetworks, config.subnetwork_size, config.ffn_head_dim,
+                    device=device, dtype=dtype)
+    return flash_mhf_path(q, k, impl=config.ffn_kernel)
+
+
 def describe_models(selected, shape, vocab_size: int) -> dict:
-    """Parameter counts and training FLOPs per token of every selected model."""
+    """Parameter counts, training FLOPs per token and the fused op's path of every selected model."""
     described = {}
     for model in selected:
         built = meta_model(model, shape, vocab_size)
@@ -118,6 +132,7 @@ def describe_models(selected, shape, vocab_size: int) -> dict:
             "counts": study_models.parameter_counts(built),
             "flops_per_token": pretrain.training_flops_per_token(built, block),
             "config": built.config.to_diff_dict(),
+            "ffn_path": multi_head_ffn_path(built.config),
         }
     return described
 
@@ -326,6 +341,7 @@ def results_markdown(state: dict) -> str:
         + (f", out-of-domain held-out (Wikipedia leads) {state['data']['splits']['heldout_wiki']['tokens']:,}"
            if "heldout_wiki" in state["data"]["splits"] else "")
         + f"; tokenizer: byte-level BPE of {state['data']['tokenizer']['vocab_size']} trained on the training split",
+        *(f"- {labels[k]}: {described[k]['ffn_path']}" for k in state["order"] if described[k].get("ffn_path")),
         f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
         f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
         f"- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
@@ -431,6 +447,7 @@ def write_outputs(state: dict, out: Path) -> None:
     state["claims"] = claims_table(state["summary"], state["labels"])
     public = {k: v for k, v in state.items() if k not in ("described",)}
     public["parameters"] = {k: v["counts"] for k, v in state["described"].items()}
+    public["ffn_paths"] = {k: v["ffn_path"] for k, v in state["described"].items() if v["ffn_path"]}
     public["runs"] = [{k: v for k, v in run.items() if k != "config"} for run in state["runs"]]
     write_atomic(out / "results.json", json.dumps(public, indent=1) + "\n")
     write_atomic(out / "results.md", results_markdown(state))
@@ -543,8 +560,11 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         "ablations": [m.key for m in selected if m.ablation],
         "plan": [f"{m.key}/seed{s}" for m, s in plan], "runs": [], "skipped": [], "elapsed_seconds": 0.0,
     }
-    print(f"study: size {shape.name}, {tokens:,} tokens per model, {len(plan)} runs on {device}; data {data_dir} "
-          f"({data['splits']['train']['tokens']:,} training tokens)")
+    print(f"study: size {shape.name}, {tokens:,} tokens per model, {len(plan)} runs on {device} ({state['torch']}, "
+          f"{state['transformers']}); data {data_dir} ({data['splits']['train']['tokens']:,} training tokens)")
+    for key, entry in described.items():
+        if entry["ffn_path"]:
+            print(f"  {key}: {entry['ffn_path']}")
     if tokens > data["splits"]["train"]["tokens"]:
         print(f"note: {tokens:,} tokens per model is more than the {data['splits']['train']['tokens']:,} of the "
               "training stream: it repeats")
