@@ -9,7 +9,8 @@ The three paper sizes follow flash-mhf.md, Appendix C (Table 3, optimiser) and A
 
 The Llama baseline, MemoryLLM and KVFFN use the baseline shape; FlexMemoryLLM splits the baseline's FFN width
 between FFN-C and FFN-M as memoryllm.md's example does (beta = 3: FFN-C keeps 3 h^2 of the FFN's parameters, FFN-M
-gets the rest, 5 h^2 when the width is 8h/3; see `flex_memoryllm_split`); FlashMHF uses its own column (fewer layers, wider FFN heads, at equal size).
+gets the rest, 5 h^2 when the width is 8h/3; see `flex_memoryllm_split`); FlashMHF uses its own column (fewer
+layers, wider FFN heads, at equal size).
 The FlashMHF sub-network width is `intermediate_size / ffn_num_subnetworks` (256, 384, 384). Embeddings are tied
 as in the baseline of each size (Table 4's tie row is ambiguous for the 370M FlashMHF; untied is what keeps it at
 the baseline's size). `tiny` and `small` are for CI and quick GPU checks.

@@ -317,7 +317,7 @@ def fmt(value, digits=3):
 
 
 def fmt_tokens(tokens: int) -> str:
-    return f"{tokens / 1e6:g}M" if tokens >= 100_000 else f"{tokens / 1e3:g}k"
+    return f"{tokens / 1e6:.3g}M" if tokens >= 100_000 else f"{tokens / 1e3:.3g}k"
 
 
 def panel_keys(state: dict, group: str) -> tuple[list[str], list[str]]:
