@@ -8,7 +8,9 @@ The three paper sizes follow flash-mhf.md, Appendix C (Table 3, optimiser) and A
 | 1.3B   | 24     | 2048    | 32                   | 5504         | 20, 5760, 16 x 128, 15                      | 1e-3   |
 
 The Llama baseline, MemoryLLM and KVFFN use the baseline shape; FlexMemoryLLM splits the baseline's FFN width
-evenly between FFN-C and FFN-M; FlashMHF uses its own column (fewer layers, wider FFN heads, at equal size).
+between FFN-C and FFN-M as memoryllm.md's example does (beta = 3: FFN-C keeps 3 h^2 of the FFN's parameters, FFN-M
+gets the rest, 5 h^2 when the width is 8h/3; see `hf_memffn.architectures.flex_memoryllm_split`); FlashMHF uses its own column (fewer
+layers, wider FFN heads, at equal size).
 The FlashMHF sub-network width is `intermediate_size / ffn_num_subnetworks` (256, 384, 384). Embeddings are tied
 as in the baseline of each size (Table 4's tie row is ambiguous for the 370M FlashMHF; untied is what keeps it at
 the baseline's size). `tiny` and `small` are for CI and quick GPU checks.
@@ -63,7 +65,7 @@ class Preset:
         else:  # the baseline's FFN parameters (FlexMemoryLLM splits the width between FFN-C and FFN-M)
             from hf_memffn.architectures import REGISTRY
 
-            fields.update(REGISTRY[architecture].ffn_fields_at_width(self.intermediate_size))
+            fields.update(REGISTRY[architecture].ffn_fields_at_width(self.hidden_size, self.intermediate_size))
         return fields
 
 

@@ -2,7 +2,9 @@
 
 Text comes from a `datasets` dataset: a Hub name (`--dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT`)
 or local files (`--data-files corpus/*.jsonl`, builder inferred from the suffix: text, json, csv, parquet).
-Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens.
+Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens. Or it comes already
+tokenized: `--data-dir DIR` of uint16 token shards (examples/token_shards.py; train.bin, heldout.bin and the
+tokenizer), which needs no `datasets`.
 
 Single process:
     python examples/pretrain.py --arch flash_mhf --preset 128M --dataset ... --tokenizer EleutherAI/gpt-neox-20b \
@@ -35,6 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,6 +65,7 @@ class DataArguments:
     dataset: str | None = field(default=None, metadata={"help": "Hub dataset name, or a `datasets` builder (text/json/...) for --data-files"})
     dataset_config: str | None = None
     data_files: list[str] | None = field(default=None, metadata={"help": "local text/jsonl/csv/parquet files (globs allowed)"})
+    data_dir: str | None = field(default=None, metadata={"help": "pre-tokenized shards (train.bin, heldout.bin, tokenizer) instead"})
     text_column: str = "text"
     train_split: str = "train"
     validation_split: str = field(default="validation", metadata={"help": "used when the dataset has it"})
@@ -195,7 +199,7 @@ def load_raw_splits(args):
     elif args.dataset:
         loaded = datasets.load_dataset(args.dataset, args.dataset_config)
     else:
-        raise ValueError("give --dataset (Hub name) or --data-files (local files)")
+        raise ValueError("give --dataset (Hub name), --data-files (local files) or --data-dir (token shards)")
     if args.train_split not in loaded:
         raise ValueError(f"--train-split={args.train_split!r} is not one of the dataset's splits {sorted(loaded)}")
     train = loaded[args.train_split]
@@ -259,7 +263,7 @@ def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_
 
 
 def collate_blocks(features):
-    input_ids = torch.tensor([f["input_ids"] for f in features], dtype=torch.long)
+    input_ids = torch.as_tensor(np.stack([np.asarray(f["input_ids"]) for f in features]), dtype=torch.long)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
@@ -451,6 +455,22 @@ def make_stop_callback(stop_step: int):
     return StopAfterSteps()
 
 
+def load_and_pack(args, training_args):
+    """(train blocks, held-out blocks, tokenizer) from a `datasets` dataset (--dataset / --data-files)."""
+    with training_args.main_process_first(local=False, desc="load dataset"):
+        raw_train, raw_validation = load_raw_splits(args)
+    tokenizer = load_tokenizer(args, raw_train, training_args)
+    with training_args.main_process_first(local=False, desc="pack"):
+        train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
+        if raw_validation is not None:
+            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
+        else:
+            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
+            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
+            train_blocks, eval_blocks = split["train"], split["test"]
+    return train_blocks, eval_blocks, tokenizer
+
+
 def main(argv=None) -> dict:
     args, training_args = parse_arguments(argv)
     from transformers import Trainer, set_seed
@@ -467,18 +487,20 @@ def main(argv=None) -> dict:
         training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
-    with training_args.main_process_first(local=False, desc="load dataset"):
-        raw_train, raw_validation = load_raw_splits(args)
-    tokenizer = load_tokenizer(args, raw_train, training_args)
-    with training_args.main_process_first(local=False, desc="pack"):
-        train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
-        if raw_validation is not None:
-            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
-        else:
-            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
-            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
-            train_blocks, eval_blocks = split["train"], split["test"]
+    if args.data_dir:
+        from token_shards import load_blocks
+
+        if args.train_tokenizer:
+            raise ValueError("--train-tokenizer: the shards of --data-dir are already tokenized; drop it")
+        args.tokenizer = args.tokenizer or args.data_dir
+        tokenizer = load_tokenizer(args, None, training_args)
+        train_blocks = load_blocks(args.data_dir, args.block_size, "train")
+        eval_blocks = load_blocks(args.data_dir, args.block_size, "heldout")
+    else:
+        train_blocks, eval_blocks, tokenizer = load_and_pack(args, training_args)
     if args.max_eval_blocks:
         eval_blocks = eval_blocks.select(range(min(args.max_eval_blocks, len(eval_blocks))))
     if len(train_blocks) == 0:
@@ -535,6 +557,7 @@ def main(argv=None) -> dict:
         "train_seconds": round(train_seconds, 2),
         "tokens_per_step": tokens_per_step,
         "flops_per_token": flops_per_token,
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
         **throughput.summary(),
         "final_model": str(final_dir),
         "argv": sys.argv[1:] if argv is None else list(argv),

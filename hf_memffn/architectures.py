@@ -23,13 +23,22 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
 
 
-def _whole_width(width: int) -> dict[str, int]:
+def _whole_width(hidden_size: int, width: int) -> dict[str, int]:
     return {"intermediate_size": width}
 
 
-def _split_width(width: int) -> dict[str, int]:
-    # FFN-C on the residual and FFN-M on X0 split the width evenly, keeping the size of one FFN that wide.
-    return {"intermediate_size": width // 2, "memory_intermediate_size": width // 2}
+FLEX_MEMORYLLM_BETA = 3
+
+
+def flex_memoryllm_split(hidden_size: int, width: int, beta: float = FLEX_MEMORYLLM_BETA) -> dict[str, int]:
+    """FFN-C and FFN-M widths of a FlexMemoryLLM with the parameters of one SwiGLU FFN `width` wide.
+
+    memoryllm.md splits the FFN's parameters so that FFN-C (on the residual stream) keeps beta * h^2 of them and FFN-M
+    (on the token embeddings, offloadable as a lookup table) the rest: "5h^2 for beta=3" out of the 8h^2 of a SwiGLU
+    of width 8h/3. A SwiGLU of width w has 3 h w parameters, so FFN-C's width is beta * h / 3.
+    """
+    compute = min(max(1, round(beta * hidden_size / 3)), width - 1)
+    return {"intermediate_size": compute, "memory_intermediate_size": width - compute}
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,9 @@ class Architecture:
     causal_lm_class: type
     lora_target_modules: tuple[str, ...]  # the nn.Linear layers LoRA adapts (see README, PEFT)
     tiny_ffn: dict = field(default_factory=dict)  # FFN fields of the tiny models (`hf_memffn.testing.tiny_config`)
-    # FFN width fields that give this architecture the FFN parameters of one SwiGLU `width` wide (the baseline's);
-    # FlashMHFLlama's equal-size shape depends on its heads, so its users size it themselves.
-    ffn_fields_at_width: Callable[[int], dict[str, int]] = _whole_width
+    # FFN width fields (given the hidden size) that give this architecture the FFN parameters of one SwiGLU `width`
+    # wide (the baseline's); FlashMHFLlama's equal-size shape depends on its heads, so its users size it themselves.
+    ffn_fields_at_width: Callable[[int, int], dict[str, int]] = _whole_width
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -68,7 +77,7 @@ REGISTRY: dict[str, Architecture] = {
             "flex_memoryllm", "FlexMemoryLLM", FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
             _ATTENTION + _SWIGLU,  # FFN-C
             tiny_ffn=dict(intermediate_size=64, memory_intermediate_size=64),
-            ffn_fields_at_width=_split_width,
+            ffn_fields_at_width=flex_memoryllm_split,
         ),
         Architecture(
             "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_proj", "value_proj", "out_proj"),

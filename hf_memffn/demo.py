@@ -295,7 +295,7 @@ def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.devi
     if arch == "flash_mhf":
         overrides.update(_flash_mhf_fields(settings, device))
     else:
-        overrides.update(REGISTRY[arch].ffn_fields_at_width(settings.intermediate_size))
+        overrides.update(REGISTRY[arch].ffn_fields_at_width(settings.hidden_size, settings.intermediate_size))
     return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
 
 

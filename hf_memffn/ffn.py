@@ -121,7 +121,9 @@ class SwiGLUFeedForward(LinearReadoutMemory, nn.Module):
 
 
 class KVFeedForward(LinearReadoutMemory, nn.Module):
-    """KV-FFN, `y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o + x`, and its baselines (see `KVFFNConfig`).
+    """KV-FFN, `y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o (+ x)`, and its baselines (see `KVFFNConfig`:
+    the `+ x` of the paper is the decoder's residual; the block adds its input again only with
+    `kvffn_inner_residual=True`).
 
     Keys are `key_proj`, values `value_proj`, the output projection `out_proj`. The ReLU baseline has no
     `value_proj`; the DenseNet baseline's `out_proj` reads [hidden; x]. Memory cells are the hidden units, values
@@ -143,6 +145,7 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
                 linear.init_std = config.kvffn_init_std  # kv-ffn.md: every weight ~ N(0, sigma)
         activation = {"kvffn": config.kvffn_activation, "relu": "relu", "densenet": "relu", "glu": "sigmoid"}
         self.act_fn = ACT2FN[activation[self.variant]]
+        self.dropout = nn.Dropout(config.kvffn_dropout)
 
     @property
     def memory_readout(self) -> nn.Linear:
@@ -164,7 +167,7 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         hidden = self.memory_coefficients(hidden_states)
         if self.variant == "densenet":
             hidden = torch.cat([hidden, hidden_states], dim=-1)
-        output = self.out_proj(hidden)
+        output = self.dropout(self.out_proj(hidden))
         return output + hidden_states if self.inner_residual else output
 
 

@@ -82,6 +82,7 @@ ARCHITECTURE_FIELDS = {
         "kvffn_bias",
         "kvffn_inner_residual",
         "kvffn_init",
+        "kvffn_dropout",
     ),
 }
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")

@@ -26,7 +26,7 @@ ALL_VARIANTS = [
     ("kvffn", {"ffn_variant": "relu"}),
     ("kvffn", {"ffn_variant": "glu"}),
     ("kvffn", {"ffn_variant": "densenet"}),
-    ("kvffn", {"kvffn_composition": "sum", "kvffn_activation": "gelu", "kvffn_inner_residual": False}),
+    ("kvffn", {"kvffn_composition": "sum", "kvffn_activation": "gelu", "kvffn_inner_residual": True}),
 ]
 
 
@@ -79,6 +79,7 @@ def test_auto_classes_build_each_architecture(arch):
         (hf_memffn.KVFFNConfig, dict(kvffn_activation="tanh"), "kvffn_activation"),
         (hf_memffn.KVFFNConfig, dict(kvffn_composition="max"), "kvffn_composition"),
         (hf_memffn.KVFFNConfig, dict(kvffn_init="xavier"), "kvffn_init"),
+        (hf_memffn.KVFFNConfig, dict(kvffn_dropout=1.5), "kvffn_dropout"),
     ],
 )
 def test_invalid_config_names_the_field(config_class, fields, field):
@@ -167,15 +168,16 @@ def test_pkv_is_softmax_attention_over_parameters():
     torch.testing.assert_close(mlp(x), expected)
 
 
-@pytest.mark.parametrize("variant", ["kvffn", "relu", "glu", "densenet"])
+@pytest.mark.parametrize("variant", ["kvffn", "kvffn+x", "relu", "glu", "densenet"])
 def test_kvffn_block_matches_its_formula(variant):
-    model = build("kvffn", ffn_variant=variant).double()
+    inner_residual = variant == "kvffn+x"
+    model = build("kvffn", ffn_variant=variant.removesuffix("+x"), kvffn_inner_residual=inner_residual).double()
     mlp = model.model.layers[0].mlp
     x = torch.randn(2, 3, 64, dtype=torch.float64)
     key = x @ mlp.key_proj.weight.T + mlp.key_proj.bias
-    if variant == "kvffn":
+    if variant.startswith("kvffn"):
         hidden = F.silu(key) * (x @ mlp.value_proj.weight.T + mlp.value_proj.bias)
-        expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias + x
+        expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias + (x if inner_residual else 0)
     elif variant == "relu":
         expected = F.relu(key) @ mlp.out_proj.weight.T + mlp.out_proj.bias
     elif variant == "glu":
@@ -184,6 +186,43 @@ def test_kvffn_block_matches_its_formula(variant):
     else:
         expected = torch.cat([F.relu(key), x], dim=-1) @ mlp.out_proj.weight.T + mlp.out_proj.bias
     torch.testing.assert_close(mlp(x), expected)
+
+
+def test_kvffn_layer_adds_eq_3_once_to_the_residual_stream_by_default():
+    """kv-ffn.md eq. 3's `+ x` is the residual connection: by default the layer is h + W_o(k * v) + b_o with the
+    block reading RMSNorm(h); the inner residual (an ablation) adds RMSNorm(h) a second time."""
+    assert hf_memffn.KVFFNConfig().kvffn_inner_residual is False
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    outputs = {}
+    for inner_residual in (False, True):
+        model = build("kvffn", kvffn_inner_residual=inner_residual).double()
+        layer = model.model.layers[0]
+        position_ids = torch.arange(5).unsqueeze(0)
+        position_embeddings = model.model.rotary_emb(x, position_ids)
+        attn_output, _ = layer.self_attn(layer.input_layernorm(x), position_embeddings=position_embeddings,
+                                         attention_mask=None)
+        h = x + attn_output
+        outputs[inner_residual] = (layer(x, position_embeddings=position_embeddings)[0], h, layer)
+    output, h, layer = outputs[False]
+    normalized = layer.post_attention_layernorm(h)
+    mlp = layer.mlp
+    block = (F.silu(mlp.key_proj(normalized)) * mlp.value_proj(normalized)) @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    torch.testing.assert_close(output, h + block)
+    torch.testing.assert_close(outputs[True][0], h + block + normalized)
+
+
+def test_kvffn_dropout_acts_on_the_block_output_in_training_only():
+    model = build("kvffn", kvffn_dropout=0.5)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(mlp(x), mlp(x))  # eval mode: deterministic
+    mlp.train()
+    torch.manual_seed(0)
+    dropped = mlp(x)
+    mlp.eval()
+    zeroed = (dropped == 0).float().mean().item()
+    assert 0.3 < zeroed < 0.7, zeroed
 
 
 def test_token_memory_is_each_layers_swiglu_on_x0():

@@ -57,6 +57,17 @@ def test_flash_mhf_presets_match_table_4_shapes():
         assert config.ffn_head_dim == 128 and config.subnetwork_size == subnetwork_size
 
 
+def test_flex_memoryllm_presets_split_the_ffn_with_beta_3():
+    """memoryllm.md: FFN-C keeps beta * h^2 = 3 h^2 of the FFN's parameters, FFN-M the rest (5 h^2 at width 8h/3)."""
+    for name in ("128M", "370M", "1.3B"):
+        preset = pretrain.get_preset(name)
+        config = pretrain.build_config("flex_memoryllm", name, vocab_size=50432)
+        h = preset.hidden_size
+        assert 3 * h * config.intermediate_size == 3 * h * h
+        assert config.intermediate_size + config.memory_intermediate_size == preset.intermediate_size
+    assert pretrain.build_config("flex_memoryllm", "128M", vocab_size=50432).memory_intermediate_size == 1280
+
+
 def test_unknown_preset_and_file_type_are_refused(tmp_path):
     with pytest.raises(ValueError, match="preset='7B'"):
         pretrain.build_config("llama", "7B", vocab_size=100)

@@ -1,0 +1,603 @@
+"""The papers' comparisons on real text, in one command: every architecture and paper baseline trained from the same
+seed on the same tokens with the recipe of examples/pretrain.py (the transformers Trainer), held-out loss at fixed
+token counts, results as markdown + JSON, loss curves, exact configs.
+
+    python examples/reproduce/prepare_data.py --out .study-data          # once (see its docstring)
+    python examples/reproduce/study.py --data .study-data --out study-results
+    python examples/reproduce/study.py --dataset NAME [--dataset-config C] --out study-results   # Hub data
+    python examples/reproduce/study.py --print-configs --size 370M       # the matched configs and their counts
+
+Models and sizing rules: examples/reproduce/models.py. Runs go in priority order (every model once, then more seeds
+of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
+skips the runs that would not finish in time (they are listed as skipped). Output (`--out`): results.json,
+results.md, loss_curves.png, configs.json, log.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import models as study_models  # noqa: E402
+import pretrain  # noqa: E402
+import token_shards  # noqa: E402
+from models import GROUPS, RECIPES, SHAPES  # noqa: E402
+
+MAIN_SEED_KEYS = ("llama", "flash_mhf")  # the main comparison: several seeds by default
+EVALS_PER_RUN = 8
+# (group, lower, higher, the paper's numbers): "lower has the lower held-out loss" as the paper reports it
+CLAIMS = (
+    ("flash-mhf", "flash_mhf", "llama", "3.014 < 3.030"),
+    ("flash-mhf", "flash_mhf", "mh_ffn", "3.014 < 3.031"),
+    ("flash-mhf", "llama", "mh_ffn", "3.030 < 3.031 (MH-FFN near SwiGLU)"),
+    ("flash-mhf", "llama", "dense_moe", "3.030 < 3.062"),
+    ("flash-mhf", "dense_moe", "pkv", "3.062 < 3.334"),
+    ("memoryllm", "llama", "memoryllm_total", "dense better at equal total"),
+    ("memoryllm", "memoryllm_active", "llama", "MemoryLLM better at equal active"),
+    ("memoryllm", "flex_total", "memoryllm_total", "Flex closes most of the gap"),
+    ("memoryllm", "flex_active", "llama", "Flex matches or beats dense at equal active"),
+    ("kv-ffn", "kv_swiglu", "kvffn", "4.927 < 5.161"),
+    ("kv-ffn", "kvffn", "kv_glu", "5.161 < 5.287"),
+    ("kv-ffn", "kv_glu", "kv_densenet", "5.287 < 5.324"),
+    ("kv-ffn", "kv_densenet", "kv_relu", "5.324 < 5.432"),
+    ("kv-ffn", "kvffn", "kvffn_init_inv_d", "1/sqrt(d) init most stable"),
+    ("kv-ffn", "kvffn", "kvffn_init_inv_sqrt_h", "1/sqrt(d) init most stable"),
+    ("kv-ffn", "kvffn", "kvffn_gelu", "SiLU better than GELU by 0.03"),
+    ("kv-ffn", "kvffn", "kvffn_sum", "product better than sum by 0.12"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = p.add_argument_group("data (one of)")
+    data.add_argument("--data", default=None, help="token shards from prepare_data.py (default .study-data)")
+    data.add_argument("--dataset", default=None, help="a `datasets` Hub name: shards are prepared into OUT's work folder")
+    data.add_argument("--dataset-config", default=None)
+    data.add_argument("--text-column", default="text")
+    data.add_argument("--text-files", nargs="+", default=None, help="local text files: shards prepared likewise")
+    p.add_argument("--out", default="study-results", help="output folder")
+    p.add_argument("--size", choices=sorted(SHAPES), default="small", help="model shape and default budget (models.py)")
+    p.add_argument("--tokens", type=float, default=None, help="training tokens per model (default: the size's)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the main comparison (SwiGLU vs FlashMHF)")
+    p.add_argument("--seeds-for", choices=("main", "all"), default="main", help="'all': every model gets --seeds seeds")
+    p.add_argument("--models", default=None, help="comma-separated model keys to run (default: all; see --print-configs)")
+    p.add_argument("--no-ablations", action="store_true", help="skip the KV-FFN ablations")
+    p.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens per evaluation (default: the size's)")
+    p.add_argument("--deadline-minutes", type=float, default=None, help="start no run that would end after this")
+    p.add_argument("--work", default=None, help="folder for the runs' checkpoints (default: a temporary folder)")
+    p.add_argument("--keep-runs", action="store_true", help="keep every run's folder (final model, train log)")
+    p.add_argument("--print-configs", action="store_true", help="print the matched configs and parameter counts, then exit")
+    return p
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def config_overrides(fields: dict) -> str:
+    return ",".join(f"{key}={json.dumps(value)}" for key, value in fields.items())
+
+
+def meta_model(model: study_models.StudyModel, shape, vocab_size: int):
+    from transformers import AutoModelForCausalLM
+
+    import hf_memffn  # noqa: F401  (registers the architectures)
+
+    config = pretrain.build_config(model.arch, "tiny", vocab_size, **model.config_fields(shape))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def multi_head_ffn_path(config) -> str | None:
+    """Which implementation of the fused op a FlashMHF-family FFN runs on this machine (kernels or PyTorch)."""
+    if getattr(config, "residual_ffn", None) != "flash_mhf" or config.ffn_variant == "pkv":
+        return None
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.zeros(1, config.ffn_num_heads, 1, config.ffn_head_dim, device=device, dtype=dtype)
+    k = torch.zeros(config.ffn_num_kv_heads, config.ffn_num_subnetworks, config.subnetwork_size, config.ffn_head_dim,
+                    device=device, dtype=dtype)
+    return flash_mhf_path(q, k, impl=config.ffn_kernel)
+
+
+def describe_models(selected, shape, vocab_size: int) -> dict:
+    """Parameter counts, training FLOPs per token and the fused op's path of every selected model."""
+    described = {}
+    for model in selected:
+        built = meta_model(model, shape, vocab_size)
+        block = RECIPES[model.recipe].block_size(shape)
+        described[model.key] = {
+            "counts": study_models.parameter_counts(built),
+            "flops_per_token": pretrain.training_flops_per_token(built, block),
+            "config": built.config.to_diff_dict(),
+            "ffn_path": multi_head_ffn_path(built.config),
+        }
+    return described
+
+
+def counts_table(selected, described) -> str:
+    rows = ["| model | group | total params | vs baseline | active params | vs baseline | non-embedding | GFLOP/token |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for model in selected:
+        counts = described[model.key]["counts"]
+        base_key = "kv_swiglu" if model.group == "kv-ffn" else "llama"
+        base = described.get(base_key, {}).get("counts")
+        ratio = (lambda k: f"{100 * (counts[k] / base['total'] - 1):+.1f}%") if base else (lambda k: "")
+        rows.append(f"| {model.label} | {model.group} | {counts['total']:,} | {ratio('total')} | {counts['active']:,} | "
+                    f"{ratio('active')} | {counts['non_embedding']:,} | {described[model.key]['flops_per_token'] / 1e9:.3f} |")
+    return "\n".join(rows)
+
+
+def run_plan(selected, seeds: int, seeds_for: str) -> list[tuple[study_models.StudyModel, int]]:
+    """Every main model with seed 0, then the extra seeds, then the ablations (seed 0), then their extra seeds."""
+    main = [m for m in selected if not m.ablation]
+    ablations = [m for m in selected if m.ablation]
+    extra_seeded = main if seeds_for == "all" else [m for m in main if m.key in MAIN_SEED_KEYS]
+    plan = [(m, 0) for m in main]
+    plan += [(m, seed) for seed in range(1, seeds) for m in extra_seeded]
+    plan += [(m, 0) for m in ablations]
+    if seeds_for == "all":
+        plan += [(m, seed) for seed in range(1, seeds) for m in ablations]
+    return plan
+
+
+def heldout_loss(model, blocks, batch_size: int, device) -> float:
+    """Mean next-token loss over the blocks, in the precision the Trainer used (bf16 autocast on GPUs)."""
+    model.eval()
+    total, count = 0.0, 0
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with torch.no_grad(), autocast:
+        for start in range(0, len(blocks), batch_size):
+            ids = pretrain.collate_blocks([blocks[i] for i in range(start, min(start + batch_size, len(blocks)))])
+            ids = ids["input_ids"].to(device)
+            total += model(input_ids=ids, labels=ids).loss.item() * ids.shape[0]
+            count += ids.shape[0]
+    return total / count
+
+
+def out_of_domain_loss(final: Path, data_dir: Path, block: int, batch: int, eval_tokens: int) -> float | None:
+    """Loss of the saved model (reloaded from disk) on the Wikipedia held-out split, when the data has one."""
+    if not token_shards.split_path(data_dir, "heldout_wiki").is_file():
+        return None
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).to(device)
+    blocks = token_shards.load_blocks(data_dir, block, "heldout_wiki")
+    return heldout_loss(model, blocks.select(range(min(len(blocks), max(1, eval_tokens // block)))), batch, device)
+
+
+def read_curves(log_path: Path, tokens_per_step: int) -> tuple[list, list]:
+    train, evals = [], []
+    for line in log_path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        tokens = record["step"] * tokens_per_step
+        if "loss" in record:
+            train.append([tokens, round(record["loss"], 4)])
+        if "eval_loss" in record and (not evals or evals[-1][0] != tokens):
+            evals.append([tokens, round(record["eval_loss"], 4)])
+    return train, evals
+
+
+# --- one run ------------------------------------------------------------------------------------------------------
+
+
+def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, args, data_dir: Path, work: Path,
+              log_handle) -> dict:
+    recipe = RECIPES[model.recipe]
+    block = recipe.block_size(shape)
+    batch = max(1, shape.tokens_per_step // block)
+    tokens_per_step = batch * block
+    steps = max(1, round(tokens / tokens_per_step))
+    eval_steps = max(1, steps // EVALS_PER_RUN)
+    run_dir = work / f"{model.key}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = [
+        "--arch", model.arch, "--preset", "tiny", "--config-overrides", config_overrides(model.config_fields(shape)),
+        "--data-dir", str(data_dir), "--block-size", str(block), "--per-device-batch-size", str(batch),
+        "--max-steps", str(steps), "--learning-rate", str(recipe.learning_rate),
+        "--min-learning-rate", str(recipe.min_learning_rate), "--warmup-ratio", str(recipe.warmup_ratio),
+        "--weight-decay", str(recipe.weight_decay), "--max-grad-norm", str(recipe.max_grad_norm),
+        "--logging-steps", str(max(1, steps // 50)), "--eval-steps", str(eval_steps),
+        "--max-eval-blocks", str(max(1, args.eval_tokens // block)), "--save-steps", str(10**9),
+        "--seed", str(seed), "--output-dir", str(run_dir),
+    ]
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(log_handle), contextlib.redirect_stderr(log_handle):
+        print(f"\n===== {model.key} seed {seed}: examples/pretrain.py {' '.join(argv)}", flush=True)
+        summary = pretrain.main(argv)
+        wiki_loss = out_of_domain_loss(Path(summary["final_model"]), data_dir, block, batch, args.eval_tokens)
+    train_curve, eval_curve = read_curves(run_dir / "train_log.jsonl", tokens_per_step)
+    result = {
+        "model": model.key, "seed": seed, "steps": summary["global_step"], "tokens": summary["global_step"] * tokens_per_step,
+        "tokens_per_step": tokens_per_step, "block_size": block, "heldout_loss": summary["eval_loss"],
+        "train_loss": summary["train_loss"], "tokens_per_second": summary.get("tokens_per_second"),
+        "peak_memory_gib": summary.get("peak_memory_gib"), "train_seconds": summary["train_seconds"],
+        "train_curve": train_curve, "eval_curve": eval_curve, "device": summary["device"], "bf16": summary["bf16"],
+    }
+    final = Path(summary["final_model"])
+    config_path = final / "config.json"
+    result["config"] = json.loads(config_path.read_text(encoding="utf-8"))
+    if wiki_loss is not None:
+        result["wiki_loss"] = wiki_loss
+    if not args.keep_runs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    result["wall_seconds"] = round(time.perf_counter() - started, 2)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+# --- results ------------------------------------------------------------------------------------------------------
+
+
+def aggregate(runs: list[dict]) -> dict:
+    by_model: dict[str, list[dict]] = {}
+    for run in runs:
+        by_model.setdefault(run["model"], []).append(run)
+    summary = {}
+    for key, model_runs in by_model.items():
+        losses = [r["heldout_loss"] for r in model_runs]
+        entry = {
+            "seeds": [r["seed"] for r in model_runs],
+            "heldout_loss_mean": statistics.fmean(losses),
+            "heldout_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+            "heldout_loss_min": min(losses), "heldout_loss_max": max(losses),
+            "perplexity": math.exp(statistics.fmean(losses)),
+            "tokens_per_second": statistics.fmean([r["tokens_per_second"] for r in model_runs if r["tokens_per_second"]] or [0]),
+            "peak_memory_gib": max((r["peak_memory_gib"] for r in model_runs if r["peak_memory_gib"] is not None), default=None),
+            "train_seconds": statistics.fmean([r["train_seconds"] for r in model_runs]),
+            "wall_seconds": statistics.fmean([r["wall_seconds"] for r in model_runs]),
+        }
+        wiki = [r["wiki_loss"] for r in model_runs if "wiki_loss" in r]
+        if wiki:
+            entry["wiki_loss_mean"] = statistics.fmean(wiki)
+            entry["wiki_loss_std"] = statistics.stdev(wiki) if len(wiki) > 1 else None
+        summary[key] = entry
+    return summary
+
+
+def verdict(lower: dict, higher: dict) -> tuple[float, str]:
+    """How the paper's ordering (lower < higher) fares: the margin, and whether it exceeds twice the seed spread."""
+    delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
+    spreads = [s for s in (lower["heldout_loss_std"], higher["heldout_loss_std"]) if s is not None]
+    noise = 2 * max(spreads) if spreads else None
+    if delta > 0:
+        text = "reproduced" if noise is None or delta > noise else "same order, within seed noise"
+    else:
+        text = "not reproduced" if noise is None or -delta > noise else "reversed, within seed noise"
+    if noise is None:
+        text += " (one seed)"
+    return delta, text
+
+
+def claims_table(summary: dict, labels: dict) -> list[dict]:
+    rows = []
+    for group, lower, higher, paper in CLAIMS:
+        if lower in summary and higher in summary:
+            delta, text = verdict(summary[lower], summary[higher])
+            rows.append({"group": group, "claim": f"{labels[lower]} < {labels[higher]}", "paper": paper,
+                         "delta": round(delta, 4), "verdict": text})
+    keys = ("llama", "memoryllm_total", "flex_total")
+    if all(k in summary for k in keys):
+        dense, memory, flex = (summary[k]["heldout_loss_mean"] for k in keys)
+        if memory > dense:
+            closed = (memory - flex) / (memory - dense)
+            rows.append({"group": "memoryllm", "claim": "share of MemoryLLM's gap to dense that Flex closes (equal total)",
+                         "paper": "most of it", "delta": round(closed, 3),
+                         "verdict": "reproduced" if closed > 0.5 else "not reproduced"})
+    return rows
+
+
+def fmt(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_tokens(tokens: int) -> str:
+    return f"{tokens / 1e6:.3g}M" if tokens >= 100_000 else f"{tokens / 1e3:.3g}k"
+
+
+def panel_keys(state: dict, group: str) -> tuple[list[str], list[str]]:
+    """(keys drawn, reference keys drawn faint) of one results table / plot panel."""
+    main = [k for k in state["order"] if state["groups"][k] == group.removesuffix(" ablations")]
+    if group == "kv-ffn ablations":
+        return [k for k in main if k in state["ablations"]], ["kvffn"]
+    keys = [k for k in main if k not in state["ablations"]]
+    return keys, (["llama"] if group == "memoryllm" else [])
+
+
+def results_markdown(state: dict) -> str:
+    summary, described, labels = state["summary"], state["described"], state["labels"]
+    lines = [
+        "# Reproduction study: FFN-as-memory architectures on real text", "",
+        f"- device: {state['device']}; precision: {'bf16 autocast' if state['bf16'] else 'fp32'}; "
+        f"{state['torch']}; {state['transformers']}",
+        f"- command: `{state['command']}`",
+        f"- data: {state['data']['source']['name']} ({state['data']['source']['licence']}); train stream "
+        f"{state['data']['splits']['train']['tokens']:,} tokens, held-out {state['data']['splits']['heldout']['tokens']:,}"
+        + (f", out-of-domain held-out (Wikipedia leads) {state['data']['splits']['heldout_wiki']['tokens']:,}"
+           if "heldout_wiki" in state["data"]["splits"] else "")
+        + f"; tokenizer: byte-level BPE of {state['data']['tokenizer']['vocab_size']} trained on the training split",
+        *(f"- {labels[k]}: {described[k]['ffn_path']}" for k in state["order"] if described[k].get("ffn_path")),
+        f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
+        f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
+        f"- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
+        f"- runs done: {len(state['runs'])} of {len(state['plan'])}; wall time {state['elapsed_seconds']:.0f} s"
+        + (f"; skipped (deadline): {', '.join(state['skipped'])}" if state["skipped"] else ""), "",
+        "Held-out loss: mean over seeds ± sample standard deviation (n seeds); ppl = exp(mean loss). Compare models "
+        "within a table (the KV-FFN group trains with another recipe and 2048-token sequences).", "",
+    ]
+    for group, title in GROUPS.items():
+        keys = [k for k in state["order"] if state["groups"][k] == group and k in summary]
+        if not keys:
+            continue
+        base = "kv_swiglu" if group == "kv-ffn" else "llama"
+        if base in summary and base not in keys:
+            keys.insert(0, base)
+        lines += [f"## {title}", "",
+                  "| model | total params | active params | held-out loss | n | ppl | Δ vs baseline | Wikipedia loss | "
+                  "tokens/s | peak GiB | train s | paper |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for key in keys:
+            entry, counts = summary[key], described[key]["counts"]
+            delta = entry["heldout_loss_mean"] - summary[base]["heldout_loss_mean"] if base in summary else None
+            std = f" ± {entry['heldout_loss_std']:.3f}" if entry["heldout_loss_std"] is not None else ""
+            lines.append(
+                f"| {labels[key]} | {counts['total']:,} | {counts['active']:,} | {entry['heldout_loss_mean']:.3f}{std} | "
+                f"{len(entry['seeds'])} | {entry['perplexity']:.1f} | {'-' if key == base else fmt(delta)} | "
+                f"{fmt(entry.get('wiki_loss_mean'))} | {entry['tokens_per_second']:,.0f} | {fmt(entry['peak_memory_gib'], 2)} | "
+                f"{entry['train_seconds']:.1f} | {state['paper'][key]} |")
+        lines.append("")
+    claims = claims_table(summary, labels)
+    if claims:
+        lines += ["## The papers' orderings at this scale", "",
+                  "Δ = loss(right) - loss(left): positive when the paper's ordering holds. 'Within seed noise': "
+                  "|Δ| is at most twice the larger seed standard deviation.", "",
+                  "| group | paper's ordering | paper | Δ here | verdict |", "|---|---|---|---:|---|"]
+        lines += [f"| {c['group']} | {c['claim']} | {c['paper']} | {c['delta']:+.3f} | {c['verdict']} |" for c in claims]
+        lines.append("")
+    curves = {key: run["eval_curve"] for key in state["order"]
+              for run in state["runs"] if run["model"] == key and run["seed"] == 0 and run["eval_curve"]}
+    if curves:
+        points = sorted({tokens for curve in curves.values() for tokens, _ in curve})
+        lines += ["## Held-out loss at fixed token counts (seed 0)", "",
+                  "| model | " + " | ".join(fmt_tokens(t) for t in points) + " |", "|---|" + "---:|" * len(points)]
+        for key, curve in curves.items():
+            at = dict((tokens, loss) for tokens, loss in curve)
+            lines.append(f"| {labels[key]} | " + " | ".join(fmt(at.get(t)) for t in points) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(state: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no loss_curves.png")
+        return False
+    done = {r["model"] for r in state["runs"] if r["eval_curve"]}
+    panels = [g for g in (*GROUPS, "kv-ffn ablations") if set(panel_keys(state, g)[0]) & done]
+    if not panels:
+        return False
+    columns = min(2, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(7 * columns, 4.8 * rows), squeeze=False)
+    for axis in axes.flat[len(panels):]:
+        axis.set_visible(False)
+    for axis, panel in zip(axes.flat, panels):
+        keys, references = panel_keys(state, panel)
+        finals = []
+        for key in references + keys:
+            runs = [r for r in state["runs"] if r["model"] == key and r["eval_curve"]]
+            if not runs:
+                continue
+            length = min(len(r["eval_curve"]) for r in runs)
+            tokens = [runs[0]["eval_curve"][i][0] / 1e6 for i in range(length)]
+            losses = [[r["eval_curve"][i][1] for r in runs] for i in range(length)]
+            reference = key in references
+            line, = axis.plot(tokens, [statistics.fmean(v) for v in losses], ":" if reference else "-", marker="o",
+                              markersize=3, color="grey" if reference else None, alpha=0.8 if reference else 1.0,
+                              label=f"{state['labels'][key]} (n={len(runs)})" + (" [reference]" if reference else ""))
+            if len(runs) > 1:
+                axis.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=line.get_color(), alpha=0.2)
+            finals.append(statistics.fmean(losses[-1]))
+        axis.set_title(panel)
+        axis.set_xlabel("training tokens (M)")
+        axis.set_ylabel("held-out loss")
+        if finals:
+            axis.set_ylim(min(finals) - 0.2, max(finals) + 1.0)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle(f"held-out loss (mean over seeds, band: min-max), {state['device']}, size {state['size']}")
+    figure.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    os.replace(tmp, path)
+    return True
+
+
+def write_outputs(state: dict, out: Path) -> None:
+    state["summary"] = aggregate(state["runs"])
+    state["claims"] = claims_table(state["summary"], state["labels"])
+    public = {k: v for k, v in state.items() if k not in ("described",)}
+    public["parameters"] = {k: v["counts"] for k, v in state["described"].items()}
+    public["ffn_paths"] = {k: v["ffn_path"] for k, v in state["described"].items() if v["ffn_path"]}
+    public["runs"] = [{k: v for k, v in run.items() if k != "config"} for run in state["runs"]]
+    write_atomic(out / "results.json", json.dumps(public, indent=1) + "\n")
+    write_atomic(out / "results.md", results_markdown(state))
+    configs = {
+        "shape": state["shape"], "recipes": {name: vars(recipe) for name, recipe in RECIPES.items()},
+        "models": {key: {"label": state["labels"][key], "group": state["groups"][key],
+                         "parameters": state["described"][key]["counts"],
+                         "config": next((r["config"] for r in state["runs"] if r["model"] == key), state["described"][key]["config"])}
+                   for key in state["order"]},
+        "data": state["data"],
+    }
+    write_atomic(out / "configs.json", json.dumps(configs, indent=1) + "\n")
+    plot_curves(state, out / "loss_curves.png")
+
+
+# --- main ---------------------------------------------------------------------------------------------------------
+
+
+class Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+            stream.flush()
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
+def select_models(args, shape):
+    selected = study_models.study_models(shape)
+    if args.no_ablations:
+        selected = [m for m in selected if not m.ablation]
+    if args.models:
+        wanted = [k.strip() for k in args.models.split(",") if k.strip()]
+        known = [m.key for m in selected]
+        unknown = [k for k in wanted if k not in known]
+        if unknown:
+            raise ValueError(f"--models: {unknown} not among {known}")
+        selected = [m for m in selected if m.key in wanted]
+    return selected
+
+
+def prepare_from_source(args, work: Path) -> Path:
+    import prepare_data
+
+    out = work / "data"
+    source = ["--source", "hub", "--dataset", args.dataset, "--text-column", args.text_column] if args.dataset else \
+        ["--source", "text-files", "--text-files", *args.text_files]
+    if args.dataset_config:
+        source += ["--dataset-config", args.dataset_config]
+    prepare_data.main(["--out", str(out), "--overwrite", *source])
+    return out
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    shape = SHAPES[args.size]
+    if args.print_configs:
+        selected = select_models(args, shape)
+        described = describe_models(selected, shape, shape.vocab_size)
+        print(f"size {shape.name} (vocabulary {shape.vocab_size}):\n" + counts_table(selected, described))
+        return described
+    if not shape.trainable:
+        raise ValueError(f"--size={args.size!r} is a paper shape for --print-configs; trainable sizes: "
+                         f"{[s for s, v in SHAPES.items() if v.trainable]}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memffn-study-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log_handle = (out / "log.txt").open("w", encoding="utf-8")
+    console = sys.stdout
+    sys.stdout = Tee(console, log_handle)
+    try:
+        return _study(args, shape, out, work, log_handle, started, sys.argv[1:] if argv is None else list(argv))
+    finally:
+        sys.stdout = console
+        log_handle.close()
+        if not args.work and not args.keep_runs:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv: list[str]) -> dict:
+    import transformers
+
+    if args.dataset or args.text_files:
+        data_dir = prepare_from_source(args, work)
+    else:
+        data_dir = Path(args.data or ".study-data")
+    data = token_shards.read_meta(data_dir)
+    vocab_size = 64 * math.ceil(data["tokenizer"]["vocab_size"] / 64)
+    tokens = int(args.tokens or shape.tokens)
+    args.eval_tokens = args.eval_tokens or shape.eval_tokens
+    selected = select_models(args, shape)
+    described = describe_models(selected, shape, vocab_size)
+    plan = run_plan(selected, args.seeds, args.seeds_for)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    state = {
+        "command": " ".join(["python", "examples/reproduce/study.py", *argv]),
+        "device": device, "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        "torch": f"torch {torch.__version__}", "transformers": f"transformers {transformers.__version__}",
+        "size": shape.name, "shape": {**vars(shape), "tokens_per_step": shape.tokens_per_step}, "tokens": tokens,
+        "eval_tokens": args.eval_tokens, "data": data, "described": described,
+        "order": [m.key for m in selected], "labels": {m.key: m.label for m in selected},
+        "groups": {m.key: m.group for m in selected}, "paper": {m.key: m.paper for m in selected},
+        "ablations": [m.key for m in selected if m.ablation],
+        "plan": [f"{m.key}/seed{s}" for m, s in plan], "runs": [], "skipped": [], "elapsed_seconds": 0.0,
+    }
+    print(f"study: size {shape.name}, {tokens:,} tokens per model, {len(plan)} runs on {device} ({state['torch']}, "
+          f"{state['transformers']}); data {data_dir} ({data['splits']['train']['tokens']:,} training tokens)")
+    for key, entry in described.items():
+        if entry["ffn_path"]:
+            print(f"  {key}: {entry['ffn_path']}")
+    if tokens > data["splits"]["train"]["tokens"]:
+        print(f"note: {tokens:,} tokens per model is more than the {data['splits']['train']['tokens']:,} of the "
+              "training stream: it repeats")
+    print(counts_table(selected, described), flush=True)
+    seconds_per_flop, last_seconds = [], {}
+    for index, (model, seed) in enumerate(plan):
+        elapsed = time.perf_counter() - started
+        cost = described[model.key]["flops_per_token"] * tokens
+        if args.deadline_minutes and seconds_per_flop:
+            # a model already run: its own time (the first run includes compilation and autotuning, so this errs
+            # long); otherwise the median time per FLOP of the runs so far; 15% margin
+            estimate = 1.15 * last_seconds.get(model.key, statistics.median(seconds_per_flop) * cost)
+            if elapsed + estimate > 60 * args.deadline_minutes:
+                state["skipped"].append(f"{model.key}/seed{seed}")
+                print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: skipped (would end at about "
+                      f"{(elapsed + estimate) / 60:.1f} min, deadline {args.deadline_minutes} min)")
+                continue
+        result = train_one(model, seed, shape, tokens, args, data_dir, work, log_handle)
+        seconds_per_flop.append(result["wall_seconds"] / cost)
+        last_seconds[model.key] = result["wall_seconds"]
+        state["runs"].append(result)
+        state["elapsed_seconds"] = time.perf_counter() - started
+        wiki = f", Wikipedia {result['wiki_loss']:.3f}" if "wiki_loss" in result else ""
+        print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: held-out loss {result['heldout_loss']:.3f}{wiki}; "
+              f"{result['tokens']:,} tokens, train {result['train_seconds']:.1f} s "
+              f"({(result['tokens_per_second'] or 0):,.0f} tokens/s), run {result['wall_seconds']:.1f} s, "
+              f"peak {fmt(result['peak_memory_gib'], 2)} GiB; elapsed {state['elapsed_seconds']:.0f} s", flush=True)
+        write_outputs(state, out)
+    state["elapsed_seconds"] = time.perf_counter() - started
+    write_outputs(state, out)
+    print(f"done in {state['elapsed_seconds']:.0f} s: {out}/results.md, results.json, loss_curves.png, configs.json, log.txt")
+    return state
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Pre-tokenized token shards: a folder holding a tokenizer, one flat uint16 token file per split and meta.json.
+
+Layout written by `write_split` / `write_meta` (examples/reproduce/prepare_data.py builds such a folder):
+
+    DIR/tokenizer.json, tokenizer_config.json, ...   the tokenizer (AutoTokenizer.from_pretrained(DIR))
+    DIR/train.bin, DIR/heldout.bin, ...              token ids as little-endian uint16, documents joined by EOS
+    DIR/meta.json                                    source, licence, token counts, how it was made
+
+`pretrain.py --data-dir DIR` trains on `train.bin` and evaluates on `heldout.bin`, cut into blocks of `--block-size`
+tokens; nothing but numpy and torch is needed to read them (no `datasets`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOKEN_DTYPE = np.dtype("<u2")
+META_FILE = "meta.json"
+
+
+def split_path(folder: str | os.PathLike, split: str) -> Path:
+    return Path(folder) / f"{split}.bin"
+
+
+def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[int]], eos_id: int,
+                max_tokens: int | None = None) -> int:
+    """Write documents (token id lists) joined by `eos_id` to `DIR/split.bin`, stopping at `max_tokens`; returns the
+    number of tokens written. Written under a temporary name and renamed, so a folder never holds half a split."""
+    path = split_path(folder, split)
+    tmp_path = path.with_suffix(".bin.tmp")
+    written = 0
+    with tmp_path.open("wb") as handle:
+        for ids in documents:
+            chunk = np.asarray(list(ids) + [eos_id], dtype=np.int64)
+            if chunk.size and (chunk.max() > np.iinfo(TOKEN_DTYPE).max or chunk.min() < 0):
+                raise ValueError(f"token id {int(chunk.max())} does not fit uint16: use a vocabulary below 65536")
+            if max_tokens is not None:
+                chunk = chunk[: max_tokens - written]
+            handle.write(chunk.astype(TOKEN_DTYPE).tobytes())
+            written += chunk.size
+            if max_tokens is not None and written >= max_tokens:
+                break
+    os.replace(tmp_path, path)
+    return written
+
+
+def write_meta(folder: str | os.PathLike, meta: dict) -> None:
+    path = Path(folder) / META_FILE
+    tmp_path = path.with_suffix(".json.tmp")
+    tmp_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp_path, path)
+
+
+def read_meta(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"--data-dir={str(folder)!r} has no {META_FILE}: prepare it with examples/reproduce/prepare_data.py")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_tokens(folder: str | os.PathLike, split: str) -> np.ndarray:
+    path = split_path(folder, split)
+    if not path.is_file():
+        available = sorted(p.stem for p in Path(folder).glob("*.bin"))
+        raise ValueError(f"split={split!r} is not in {str(folder)!r}; available splits: {available}")
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Consecutive, non-overlapping blocks of `block_size` tokens of a token file (the tail is dropped); each item is
+    `{"input_ids": int64 array}` as `pretrain.collate_blocks` expects."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, indices: range | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        self.tokens, self.block_size = tokens, block_size
+        self.indices = range(len(tokens) // block_size) if indices is None else indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict:
+        start = self.indices[index] * self.block_size
+        return {"input_ids": np.asarray(self.tokens[start : start + self.block_size], dtype=np.int64)}
+
+    def select(self, indices) -> TokenBlocks:
+        """The blocks at `indices` (a range), like `datasets.Dataset.select`."""
+        return TokenBlocks(self.tokens, self.block_size, self.indices[indices.start : indices.stop : indices.step])
+
+
+def load_blocks(folder: str | os.PathLike, block_size: int, split: str = "train") -> TokenBlocks:
+    return TokenBlocks(read_tokens(folder, split), block_size)

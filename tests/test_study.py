@@ -1,0 +1,180 @@
+"""The real-text study (examples/reproduce/): data preparation, token shards, parameter-matched configurations, and
+the whole study end to end at toy size on CPU."""
+
+from __future__ import annotations
+
+import copyreg
+import gzip
+import io
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+import models as study_models  # noqa: E402
+import prepare_data  # noqa: E402
+import study  # noqa: E402
+import token_shards  # noqa: E402
+
+
+def old_pandas_pickle(lines: list[str]) -> bytes:
+    """A gzip-ed DataFrame pickle laid out as pandas 1.0 wrote the Gutenberg Poetry Corpus (text, meter, syllables)."""
+    pandas = pytest.importorskip("pandas")
+    from pandas.core.indexes.base import _new_Index
+    from pandas.core.internals.managers import BlockManager
+
+    class Frame:
+        __class__ = property(lambda self: pandas.DataFrame)
+
+    class Manager:
+        __class__ = property(lambda self: BlockManager)
+
+    class IndexArgs:
+        def __init__(self, cls, fields):
+            self.cls, self.fields = cls, fields
+
+    def names(*items):
+        return IndexArgs(pandas.Index, {"data": np.array(items, dtype=object), "name": None})
+
+    n = len(lines)
+    axes = [names("text", "meter", "syllables"), IndexArgs(pandas.RangeIndex, {"name": None, "start": 0, "stop": n, "step": 1})]
+    numbers, objects = np.full((1, n), 3, dtype=np.int64), np.array([lines, ["01"] * n], dtype=object)
+    manager, frame = Manager(), Frame()
+    manager.state = (axes, [numbers, objects], [names("syllables"), names("text", "meter")], {"0.14.1": {"axes": axes}})
+    frame.state = {"_data": manager, "_typ": "dataframe", "_metadata": []}
+
+    class OldLayoutPickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if type(obj) in (Frame, Manager):
+                return copyreg.__newobj__, (obj.__class__,), obj.state
+            if type(obj) is IndexArgs:
+                return _new_Index, (obj.cls, obj.fields)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb") as handle:
+        OldLayoutPickler(handle, protocol=4).dump(frame)
+    return buffer.getvalue()
+
+
+def test_poetry_corpus_pickle_is_read_without_pandas_objects(tmp_path):
+    path = tmp_path / "data.pkl.compress"
+    path.write_bytes(old_pandas_pickle(["Of man's first disobedience, and the fruit", "Of that forbidden tree"]))
+    assert prepare_data.read_poetry_lines(path) == ["Of man's first disobedience, and the fruit", "Of that forbidden tree"]
+    documents = list(prepare_data.poetry_documents(path))
+    assert documents == [("Of man's first disobedience, and the fruit\nOf that forbidden tree", False)]
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("this must never run",))
+
+    path = tmp_path / "evil.pkl.gz"
+    path.write_bytes(gzip.compress(pickle.dumps(RunsCode())))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load builtins.print"):
+        prepare_data.read_poetry_lines(path)
+
+
+def test_token_shards_round_trip_and_refuse_ids_beyond_uint16(tmp_path):
+    written = token_shards.write_split(tmp_path, "train", [[5, 6, 7], [8], [9, 10]], eos_id=2, max_tokens=8)
+    assert written == 8
+    tokens = token_shards.read_tokens(tmp_path, "train")
+    assert tokens.tolist() == [5, 6, 7, 2, 8, 2, 9, 10]
+    blocks = token_shards.load_blocks(tmp_path, 3)
+    assert len(blocks) == 2 and blocks[1]["input_ids"].tolist() == [2, 8, 2]
+    assert [b["input_ids"].tolist() for b in blocks.select(range(1, 2))] == [[2, 8, 2]]
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        token_shards.write_split(tmp_path, "bad", [[70000]], eos_id=2)
+    with pytest.raises(ValueError, match="split='heldout' is not in"):
+        token_shards.read_tokens(tmp_path, "heldout")
+
+
+@pytest.mark.parametrize("size", ["small", "370M"])
+def test_every_compared_model_is_parameter_matched(size):
+    shape = study_models.SHAPES[size]
+    selected = study_models.study_models(shape)
+    described = study.describe_models(selected, shape, shape.vocab_size)
+    counts = {key: value["counts"] for key, value in described.items()}
+    baseline = counts["llama"]["total"]
+    for model in selected:
+        if model.key in ("memoryllm_active", "flex_active"):
+            # equal active: what stays on the device once the FFNs on X0 are lookup tables
+            assert abs(counts[model.key]["active"] / baseline - 1) < 0.01, (model.key, counts[model.key])
+            assert counts[model.key]["total"] > 1.5 * baseline
+        else:
+            assert abs(counts[model.key]["total"] / baseline - 1) < 0.01, (model.key, counts[model.key])
+    assert counts["memoryllm_total"]["active"] < 0.6 * baseline
+    flex = {m.key: m.config_fields(shape) for m in selected}["flex_total"]
+    assert flex["intermediate_size"] == shape.hidden_size  # beta = 3: FFN-C keeps 3 h^2
+    assert flex["intermediate_size"] + flex["memory_intermediate_size"] == shape.intermediate_size
+    kv = {m.key: m.config_fields(shape) for m in selected if m.recipe == "kv-ffn"}
+    assert {f["attention_dropout"] for f in kv.values()} == {0.1} and {f["kvffn_dropout"] for f in kv.values()} == {0.1}
+    if size == "small":
+        fields = {m.key: m.config_fields(shape) for m in selected}["flash_mhf"]
+        assert shape.hidden_size // fields["ffn_num_heads"] == 128  # the paper's d_h, so the fused kernels run
+        assert fields["intermediate_size"] // fields["ffn_num_subnetworks"] == 384  # d_e = 8/3 d_h rounded up to 64
+
+
+@pytest.mark.slow
+def test_study_end_to_end_at_toy_size(tmp_path):
+    """prepare_data on a text that ships with the repository, then the whole study (every model, two seeds of the
+    main comparison, one ablation) through examples/pretrain.py's Trainer recipe, and every output file."""
+    data = tmp_path / "data"
+    meta = prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                              "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "20000",
+                              "--max-heldout-tokens", "2000", "--wiki", "no"])
+    assert meta["splits"]["train"]["tokens"] == 20000 and meta["tokenizer"]["vocab_size"] <= 300
+    with pytest.raises(ValueError, match="exists"):
+        prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md")])
+
+    out = tmp_path / "results"
+    keys = [m.key for m in study_models.study_models(study_models.SHAPES["toy"]) if not m.ablation] + ["kvffn_sum"]
+    state = study.main(["--data", str(data), "--size", "toy", "--tokens", "512", "--seeds", "2",
+                        "--models", ",".join(keys), "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["configs.json", "log.txt", "loss_curves.png", "results.json", "results.md"]
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["runs"]) == len(keys) + 2 and not results["skipped"]
+    assert {r["model"] for r in results["runs"] if r["seed"] == 1} == set(study.MAIN_SEED_KEYS)
+    for run in results["runs"]:
+        assert run["tokens"] == 512 and math.isfinite(run["heldout_loss"]) and len(run["eval_curve"]) >= 2
+    assert results["summary"]["llama"]["heldout_loss_std"] is not None
+    configs = json.loads((out / "configs.json").read_text())
+    assert configs["models"]["flex_total"]["config"]["memory_intermediate_size"] > 0
+    assert configs["models"]["llama"]["config"]["architectures"] == ["LlamaForCausalLM"]
+    markdown = (out / "results.md").read_text()
+    for heading in ("flash-mhf.md Table 1", "memoryllm.md", "kv-ffn.md Table 1", "orderings at this scale"):
+        assert heading in markdown
+    assert "FlashMHF d_h=32 < SwiGLU" in markdown
+
+
+def test_study_refuses_unknown_models_and_paper_shapes(tmp_path):
+    with pytest.raises(ValueError, match="--models"):
+        study.main(["--print-configs", "--size", "toy", "--models", "llama,gpt"])
+    with pytest.raises(ValueError, match="paper shape"):
+        study.main(["--size", "370M", "--out", str(tmp_path)])
+
+
+def test_prepare_data_streams_a_datasets_dataset(tmp_path):
+    """The path a Hub name takes (`--source hub`, streamed with `datasets`), here on a local dataset folder."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    sentences = (ROOT / "README.md").read_text(encoding="utf-8").split(". ")
+    with (folder / "train.jsonl").open("w", encoding="utf-8") as handle:
+        for sentence in sentences:
+            handle.write(json.dumps({"body": sentence}) + "\n")
+    meta = prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "hub", "--dataset", str(folder),
+                              "--text-column", "body", "--heldout-every", "5", "--vocab-size", "300",
+                              "--max-train-tokens", "5000", "--max-heldout-tokens", "500", "--wiki", "no"])
+    assert meta["splits"]["train"]["tokens"] == 5000 and meta["splits"]["heldout"]["tokens"] == 500
+    assert len(meta["splits"]["train"]["sha256"]) == 64
+    with pytest.raises(ValueError, match="--text-column='text'"):
+        prepare_data.main(["--out", str(tmp_path / "other"), "--source", "hub", "--dataset", str(folder), "--wiki", "no"])
