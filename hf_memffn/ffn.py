@@ -198,27 +198,35 @@ class TokenMemory(nn.Module):
             init.normal_(param, mean=0.0, std=std)
 
     def forward(self, token_embeddings: torch.Tensor) -> torch.Tensor:
-        """[B, L, d] -> [B, L, N, d]: each token's FFN output for every layer."""
+        """[B, L, d] -> [B, L, N, d]: each token's FFN output for every layer. The result is a view of a layer-major
+        [N, B, L, d] tensor, so each layer's output is contiguous and `ComputedMemoryReadout` hands the layers their
+        parts without a copy (and the backward pass joins the layers' gradients in one step)."""
         return self.forward_layers(token_embeddings, None)
 
     def forward_layers(self, token_embeddings: torch.Tensor, layers: list[int] | torch.Tensor | None) -> torch.Tensor:
         """Like `forward`, for a subset of layers (in the given order): [B, L, d] -> [B, L, len(layers), d]."""
         index = self._layer_index(layers)
         down_proj = self.down_proj if index is None else self.down_proj[index]
-        return torch.einsum("...ni,ndi->...nd", self.hidden_activations(token_embeddings, index), down_proj)
+        outputs = torch.einsum("n...i,ndi->n...d", self._layer_major_hidden(token_embeddings, index), down_proj)
+        return outputs.movedim(0, -2)
 
     def hidden_activations(self, token_embeddings: torch.Tensor, layers: list[int] | torch.Tensor | None) -> torch.Tensor:
         """act(gate(n)) * up(n) with n = RMSNorm_l(x0), what `down_proj` reads: [..., d] -> [..., len(layers), I]."""
-        index = self._layer_index(layers)
+        return self._layer_major_hidden(token_embeddings, self._layer_index(layers)).movedim(0, -2)
+
+    def _layer_major_hidden(self, token_embeddings: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """`hidden_activations` with the layers first, [len(layers), ..., I]: every product is one batched matmul
+        over the layers that reads and writes whole contiguous [tokens, width] slabs."""
         norm_weight, gate_proj, up_proj = (
             (self.norm_weight, self.gate_proj, self.up_proj)
             if index is None
             else (self.norm_weight[index], self.gate_proj[index], self.up_proj[index])
         )
         normalized = rms_normalize(token_embeddings, self.eps).to(token_embeddings.dtype)
-        per_layer_inputs = normalized.unsqueeze(-2) * norm_weight  # [..., N, d]
-        gate = torch.einsum("...nd,nid->...ni", per_layer_inputs, gate_proj)
-        up = torch.einsum("...nd,nid->...ni", per_layer_inputs, up_proj)
+        norm_weight = norm_weight.view(norm_weight.shape[0], *([1] * (normalized.dim() - 1)), norm_weight.shape[-1])
+        per_layer_inputs = normalized.unsqueeze(0) * norm_weight  # [N, ..., d]
+        gate = torch.einsum("n...d,nid->n...i", per_layer_inputs, gate_proj)
+        up = torch.einsum("n...d,nid->n...i", per_layer_inputs, up_proj)
         return self.act_fn(gate) * up
 
     def _layer_index(self, layers: list[int] | torch.Tensor | None) -> torch.Tensor | None:

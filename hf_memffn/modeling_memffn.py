@@ -199,16 +199,18 @@ class MemFFNAttention(nn.Module):
 # The FFN on X0 enters each layer through a readout
 # --------------------------------------------------------------------------------------------------------------------
 class ComputedMemoryReadout:
-    """Each layer's output of the FFNs on X0, computed by `TokenMemory` ([B, L, N, d]).
+    """Each layer's output of the FFNs on X0, computed by `TokenMemory` ([B, L, N, d]), split by layer.
 
-    A token lookup table provides the same `add_into` from the token ids instead (see `token_lookup.py`).
+    `unbind` over the layers (not one index per layer): in the backward pass the layers' gradients are joined in one
+    step, where indexing would add a zero-filled [B, L, N, d] tensor per layer. A token lookup table provides the same
+    `add_into` from the token ids instead (see `token_lookup.py`).
     """
 
     def __init__(self, outputs: torch.Tensor):
-        self.outputs = outputs
+        self.layer_outputs = outputs.movedim(-2, 0).unbind(0)
 
     def add_into(self, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return hidden_states + self.outputs[:, :, layer_idx]
+        return hidden_states + self.layer_outputs[layer_idx]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -473,7 +475,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
             # (a layer another pipeline stage owns is an identity that returns the hidden states)
             hidden_states = layer(
                 hidden_states,
-                memory_readout.outputs[:, :, index] if computed else None,
+                memory_readout.layer_outputs[index] if computed else None,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,

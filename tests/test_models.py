@@ -203,7 +203,7 @@ def test_kvffn_layer_adds_eq_3_once_to_the_residual_stream_by_default():
         attn_output, _ = layer.self_attn(layer.input_layernorm(x), position_embeddings=position_embeddings,
                                          attention_mask=None)
         h = x + attn_output
-        outputs[inner_residual] = (layer(x, position_embeddings=position_embeddings)[0], h, layer)
+        outputs[inner_residual] = (layer(x, position_embeddings=position_embeddings), h, layer)
     output, h, layer = outputs[False]
     normalized = layer.post_attention_layernorm(h)
     mlp = layer.mlp
@@ -238,6 +238,25 @@ def test_token_memory_is_each_layers_swiglu_on_x0():
         expected = (F.silu(h @ memory.gate_proj[layer].T) * (h @ memory.up_proj[layer].T)) @ memory.down_proj[layer].T
         torch.testing.assert_close(outputs[:, :, layer], expected)
     torch.testing.assert_close(memory.forward_layers(x0, [1]), outputs[:, :, [1]])
+
+
+def test_memory_readout_gives_each_layer_a_contiguous_part_and_joins_gradients_once():
+    """The FFNs on X0 are computed layers first, so each layer reads a contiguous [B, L, d] part, and the backward
+    pass joins the layers' gradients in one step (indexing one layer at a time would add a zero-filled [B, L, N, d]
+    tensor per layer)."""
+    from hf_memffn.modeling_memffn import ComputedMemoryReadout
+
+    model = build("memoryllm")
+    x0 = torch.randn(2, 4, 64, requires_grad=True)
+    readout = ComputedMemoryReadout(model.model.memory(x0))
+    assert len(readout.layer_outputs) == 2 and all(part.is_contiguous() for part in readout.layer_outputs)
+    assert readout.layer_outputs[0].grad_fn.name().startswith("Unbind")
+    hidden = torch.zeros(2, 4, 64)
+    for layer in range(2):
+        hidden = readout.add_into(hidden, layer)
+    (grad,) = torch.autograd.grad(hidden.sum(), x0)
+    (expected,) = torch.autograd.grad(model.model.memory(x0).sum(), x0)
+    torch.testing.assert_close(grad, expected)
 
 
 def _layer_contributions(model, input_ids):
