@@ -64,7 +64,7 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per sequence")
     if input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids must be integers (torch.long)")
-    low, high = (int(v) for v in torch.aminmax(input_ids))
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device-to-host copy
     if low < 0 or high >= num_embeddings:
         bad = low if low < 0 else high
         raise ValueError(
