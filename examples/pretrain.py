@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from presets import OPTIMIZER_DEFAULTS, PRESETS, get_preset  # noqa: E402
+from presets import ARCHITECTURE_NAMES, OPTIMIZER_DEFAULTS, PRESETS, get_preset  # noqa: E402,F401 (tests read the names here)
 
 LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheet, SXM parts).

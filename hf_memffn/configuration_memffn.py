@@ -177,6 +177,11 @@ class MemFFNConfig(PretrainedConfig):
             super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
             raise ValueError(f"{type(self).__name__}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
+        except Exception as exc:  # huggingface_hub 2's strict-dataclass validators (not a ValueError): one line
+            if not type(exc).__name__.startswith("StrictDataclass"):
+                raise
+            reason = str(exc).strip().splitlines()[-1].strip()
+            raise ValueError(f"{type(self).__name__}: invalid configuration: {reason}") from exc
         self._standardize_rope()
         # transformers reads the parallel plans from the config (they are not saved in config.json)
         self.base_model_tp_plan = tensor_parallel_plan(self)
