@@ -150,14 +150,11 @@ def run_workload(model, requests, args, record: bool) -> dict:
 
 def flash_mhf_kernel_path(model) -> str | None:
     """Which FlashMHF path the model's FFNs run (None for the other architectures)."""
-    from hf_memffn.ffn import FlashMHFFeedForward
-    from hf_memffn.flash_mhf_op import flash_mhf_path
+    from hf_memffn.ffn_multihead import FlashMHFFeedForward
 
     for module in model.modules():
         if isinstance(module, FlashMHFFeedForward):
-            heads, head_dim = module.key.shape[0], module.key.shape[-1]
-            q = torch.empty(1, heads, 1, head_dim, device=module.key.device, dtype=module.key.dtype)
-            return flash_mhf_path(q, module.key, impl=module.kernel)
+            return module.path_description()
     return None
 
 

@@ -65,7 +65,7 @@ class TokenLookupSettings:
         return same_path or model_id == self.model
 
     def apply(self, model) -> None:
-        if not hasattr(model, "load_tols"):
+        if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(f"--token-lookup: {type(model).__name__} has no token lookup tables (only MemoryLLM and "
                              "FlexMemoryLLM have FFNs on the token embeddings)")
         import torch

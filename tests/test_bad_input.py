@@ -23,7 +23,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-import hf_memffn
 from hf_memffn.cli import main as cli_main
 from hf_memffn.testing import tiny_config, tiny_tokenizer
 

@@ -225,7 +225,8 @@ def test_memoryllm_served_from_its_token_lookup_table(checkpoints, servers):
 
 
 def test_bridge_names_every_architecture_of_the_package():
-    assert set(serving.ARCHITECTURE_NAMES) == {cls.__name__ for _, cls in hf_memffn.MODEL_CLASSES.values()}
+    assert set(serving.ARCHITECTURE_NAMES) == {entry.causal_lm_class.__name__ for name, entry in hf_memffn.REGISTRY.items()
+                                             if name != hf_memffn.BASELINE}
     from hf_memffn.token_lookup import PLACEMENTS
 
     assert serving.PLACEMENTS == PLACEMENTS

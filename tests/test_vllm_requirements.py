@@ -51,9 +51,10 @@ def build(arch, **kwargs):
 def test_checkpoint_is_a_transformers_custom_model_with_auto_map_automodel(arch, tmp_path):
     build(arch).save_pretrained(tmp_path)
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
-    base_class = hf_memffn.MODEL_CLASSES[type(tiny_config(arch))][0]
-    assert auto_map["AutoModel"] == f"modeling_memffn.{base_class.__name__}"
-    assert (tmp_path / "modeling_memffn.py").is_file()
+    base_class = hf_memffn.REGISTRY[arch].model_class
+    module = base_class.__module__.rsplit(".", 1)[-1]  # the architecture's own modeling file
+    assert auto_map["AutoModel"] == f"{module}.{base_class.__name__}"
+    assert (tmp_path / f"{module}.py").is_file() and (tmp_path / "modeling_memffn.py").is_file()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

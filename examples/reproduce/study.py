@@ -344,7 +344,7 @@ def results_markdown(state: dict) -> str:
         *(f"- {labels[k]}: {described[k]['ffn_path']}" for k in state["order"] if described[k].get("ffn_path")),
         f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
         f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
-        f"- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
+        "- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
         f"- runs done: {len(state['runs'])} of {len(state['plan'])}; wall time {state['elapsed_seconds']:.0f} s"
         + (f"; skipped (deadline): {', '.join(state['skipped'])}" if state["skipped"] else ""), "",
         "Held-out loss: mean over seeds ± sample standard deviation (n seeds); ppl = exp(mean loss). Compare models "
