@@ -73,9 +73,9 @@ SHAPES = {
     for shape in (
         StudyShape("toy", 64, 2, 4, 16, 192, 32, block_size=64, batch_size=4, kvffn_block_size=128, tokens=2048,
                    eval_tokens=512, vocab_size=512),
-        # for a machine without a GPU (2 cores: about an hour for the 14 models and the extra seeds)
+        # for a machine without a GPU (2 cores: about an hour for the 14 models and two more seeds of the main pair)
         StudyShape("cpu", 192, 4, 3, 64, 512, 64, block_size=256, batch_size=16, kvffn_block_size=512,
-                   tokens=500_000, eval_tokens=65_536),
+                   tokens=400_000, eval_tokens=32_768),
         StudyShape("small", 384, 6, 6, 64, 1024, 128, block_size=1024, batch_size=16, kvffn_block_size=2048,
                    tokens=6_000_000),
         StudyShape("base", 512, 8, 8, 64, 1376, 128, block_size=1024, batch_size=32, kvffn_block_size=2048,
