@@ -66,6 +66,16 @@ if TRITON_AVAILABLE:
         return tl.where(tl.arange(0, E_DOT)[None, :] < num_subnetworks, scores, 0.0)
 
     @triton.jit
+    def _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H: tl.constexpr, E_DOT: tl.constexpr,
+               HAS_ROUTER: tl.constexpr):
+        """The normalised gates r [rows, E_DOT] (float32, 0 past E) of float32 queries; 1 without a router."""
+        if HAS_ROUTER:
+            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
+            return scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
+        else:
+            return tl.full([q.shape[0], E_DOT], 1.0, tl.float32)
+
+    @triton.jit
     def _queries_and_gates_kernel(
         P, NORM_W, ROUTER, Q, R,
         num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_q, eps, gate_eps,
@@ -82,11 +92,7 @@ if TRITON_AVAILABLE:
         tl.store(Q + q_offsets, q.to(Q.dtype.element_ty), mask=token_mask[:, None])
 
         subnetworks = tl.arange(0, E_DOT)
-        if HAS_ROUTER:
-            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
-            gates = scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
-        else:
-            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
+        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER)
         batch = (tokens // seq_len).to(tl.int64)
         gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len  # rows of r [B, H, L, E]
         r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
@@ -161,11 +167,7 @@ if TRITON_AVAILABLE:
         p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
         q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
         subnetworks = tl.arange(0, E_DOT)
-        if HAS_ROUTER:
-            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
-            gates = scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
-        else:
-            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
+        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER)
         q = q.to(K.dtype.element_ty)  # the op multiplies the queries in the input dtype
 
         dims = tl.arange(0, D_H)

@@ -7,26 +7,15 @@ The Triton tests run on CUDA in this process, and on CPU in a child pytest under
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from hf_memffn import flash_mhf_op, flash_mhf_triton
+from hf_memffn import flash_mhf_op
 from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_layer_path
 from hf_memffn.testing import tiny_config
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHILD_FLAG = "MEMFFN_FLASH_MHF_LAYER_INTERPRETER_CHILD"
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-KERNELS_RUN_HERE = flash_mhf_triton.TRITON_AVAILABLE and (ON_GPU or flash_mhf_triton.triton_interpreting())
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE, reason="Triton kernels run on CUDA, or on CPU in the interpreter subprocess test"
-)
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 EPS, GATE_EPS = 1e-5, 1e-6
 
@@ -182,19 +171,7 @@ def test_model_logits_fused_match_unfused(arch_kwargs):
 
 
 def test_layer_kernels_under_interpreter_in_subprocess():
-    if ON_GPU:
-        pytest.skip("the kernels run in-process on this CUDA machine")
-    if not flash_mhf_triton.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    if os.environ.get(CHILD_FLAG) or flash_mhf_triton.triton_interpreting():
-        pytest.skip("already running under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "triton or fused",
-               "-p", "no:cacheprovider"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
+    run_under_interpreter(__file__, "triton or fused")
 
 
 @needs_kernels

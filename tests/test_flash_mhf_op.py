@@ -8,9 +8,7 @@ with TRITON_INTERPRET=1 (in that child the kernels run in-process, on CPU tensor
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,15 +18,8 @@ import torch
 from hf_memffn import flash_mhf_op
 from hf_memffn import flash_mhf_triton
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path, flash_mhf_reference
+from triton_interpreter import DEVICE, KERNELS_RUN_HERE, ON_GPU, needs_kernels, run_under_interpreter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHILD_FLAG = "MEMFFN_FLASH_MHF_INTERPRETER_CHILD"
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
-KERNELS_RUN_HERE = flash_mhf_triton.TRITON_AVAILABLE and (ON_GPU or flash_mhf_triton.triton_interpreting())
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE, reason="Triton kernels run on CUDA, or on CPU in test_kernels_under_interpreter_in_subprocess"
-)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 # (batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, dtype)
@@ -182,18 +173,7 @@ def test_triton_opcheck():
 
 
 def test_kernels_under_interpreter_in_subprocess():
-    if ON_GPU:
-        pytest.skip("the kernels run in-process on this CUDA machine")
-    if not flash_mhf_triton.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
-    if os.environ.get(CHILD_FLAG) or flash_mhf_triton.triton_interpreting():
-        pytest.skip("already running under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", str(Path(__file__)), "-q", "-k", "triton", "-p", "no:cacheprovider"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in result.stdout, result.stdout[-2000:]
+    run_under_interpreter(__file__, "triton")
 
 
 # ------------------------------------------------------------------------------------------------------------
