@@ -471,25 +471,8 @@ def load_and_pack(args, training_args):
     return train_blocks, eval_blocks, tokenizer
 
 
-def main(argv=None) -> dict:
-    args, training_args = parse_arguments(argv)
-    from transformers import Trainer, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
-
-    from hf_memffn.hub import keep_model_card
-
-    use_bf16 = training_args.bf16
-    output_dir = Path(args.output_dir)
-    if training_args.lr_scheduler_type == "cosine_with_min_lr":
-        # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
-        # do not have
-        min_lr_rate = args.min_learning_rate / training_args.learning_rate
-        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
-    set_seed(args.seed)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
+def load_data(args, training_args):
+    """(train blocks, held-out blocks, tokenizer): token shards (--data-dir) or a `datasets` dataset."""
     if args.data_dir:
         from token_shards import load_blocks
 
@@ -505,6 +488,46 @@ def main(argv=None) -> dict:
         eval_blocks = eval_blocks.select(range(min(args.max_eval_blocks, len(eval_blocks))))
     if len(train_blocks) == 0:
         raise ValueError(f"--block-size={args.block_size}: the training text gives no full block; use more text or smaller blocks")
+    return train_blocks, eval_blocks, tokenizer
+
+
+def resume_checkpoint(args, output_dir: Path) -> str | None:
+    if args.resume != "latest":
+        return args.resume
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint = get_last_checkpoint(str(output_dir))
+    if checkpoint is None:
+        raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
+    return checkpoint
+
+
+def write_summary(summary: dict, output_dir: Path) -> None:
+    from hf_memffn.atomic_write import write_atomic
+
+    write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    rate = f", {summary['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in summary else ""
+    mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
+    print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)
+
+
+def main(argv=None) -> dict:
+    args, training_args = parse_arguments(argv)
+    from transformers import Trainer, set_seed
+
+    from hf_memffn.hub import keep_model_card
+
+    output_dir = Path(args.output_dir)
+    if training_args.lr_scheduler_type == "cosine_with_min_lr":
+        # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
+        # do not have
+        min_lr_rate = args.min_learning_rate / training_args.learning_rate
+        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
+    set_seed(args.seed)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
 
     model = build_model(args, tokenizer)
     counts = parameter_counts(model)
@@ -512,14 +535,13 @@ def main(argv=None) -> dict:
     tokens_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
                        * args.block_size * world_size)
     flops_per_token = training_flops_per_token(model, args.block_size)
-    peak_flops = device_peak_flops(args.peak_tflops)
-    log_path = output_dir / "train_log.jsonl"
-    throughput = make_throughput_callback(tokens_per_step, flops_per_token, peak_flops, world_size, log_path)
+    throughput = make_throughput_callback(tokens_per_step, flops_per_token, device_peak_flops(args.peak_tflops),
+                                          world_size, output_dir / "train_log.jsonl")
     if training_args.process_index == 0:
         print(
             f"{args.arch} preset={args.preset}: {counts['total']:,} parameters, {len(train_blocks):,} train / "
             f"{len(eval_blocks):,} eval blocks of {args.block_size} tokens, {tokens_per_step:,} tokens/step on {world_size} "
-            f"process(es), bf16={use_bf16}, {flops_per_token / 1e9:.3f} GFLOP/token",
+            f"process(es), bf16={training_args.bf16}, {flops_per_token / 1e9:.3f} GFLOP/token",
             flush=True,
         )
 
@@ -532,13 +554,8 @@ def main(argv=None) -> dict:
         processing_class=tokenizer,
         callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else []),
     ))
-    resume = args.resume
-    if resume == "latest":
-        resume = get_last_checkpoint(str(output_dir))
-        if resume is None:
-            raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
     started = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint(args, output_dir))
     train_seconds = time.perf_counter() - started
     eval_metrics = trainer.evaluate()
     final_dir = output_dir / "final"
@@ -550,7 +567,7 @@ def main(argv=None) -> dict:
         "parameters": counts,
         "world_size": world_size,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "bf16": use_bf16,
+        "bf16": training_args.bf16,
         "global_step": trainer.state.global_step,
         "train_loss": train_result.training_loss,
         "eval_loss": eval_metrics["eval_loss"],
@@ -563,10 +580,7 @@ def main(argv=None) -> dict:
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
     if trainer.is_world_process_zero():
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        rate = f", {summary['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in summary else ""
-        mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
-        print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)
+        write_summary(summary, output_dir)
     return summary
 
 

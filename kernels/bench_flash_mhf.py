@@ -140,48 +140,57 @@ def kernel_report():
 
 
 def bench_op(results, lengths):
+    """The fused op at the paper shape for every length, then its backward kernels alone at L=4032."""
     for seq_len in lengths:
-        shape = dict(batch=PAPER["batch"], num_heads=16, seq_len=seq_len, head_dim=128, num_subnetworks=15, subnetwork_size=384)
-        torch.manual_seed(0)
-        q, k, u, v, r = op_inputs(8, 16, seq_len, 128, 16, 15, 384, torch.bfloat16)
-        flops = op_flops(8, 16, seq_len, 128, 15, 384)
-        leaves = [t.requires_grad_() for t in (q, k, u, v, r)]
-        grad = torch.randn_like(q)
+        results["op"].append(op_row(seq_len))
+    results["backward_kernels"] = backward_kernel_times()
 
-        def forward():
-            with torch.no_grad():
-                flash_mhf(*leaves, impl="triton")
 
-        def train():
-            flash_mhf(*leaves, impl="triton").backward(grad)
+def op_row(seq_len: int) -> dict:
+    """Forward, forward+backward and backward of the op at one length, ROUNDS times each in turn; peak memory."""
+    shape = dict(batch=PAPER["batch"], num_heads=16, seq_len=seq_len, head_dim=128, num_subnetworks=15, subnetwork_size=384)
+    torch.manual_seed(0)
+    q, k, u, v, r = op_inputs(8, 16, seq_len, 128, 16, 15, 384, torch.bfloat16)
+    flops = op_flops(8, 16, seq_len, 128, 15, 384)
+    leaves = [t.requires_grad_() for t in (q, k, u, v, r)]
+    grad = torch.randn_like(q)
 
-        def backward():
-            kernels.triton_backward(grad, *(t.detach() for t in leaves))
+    def forward():
+        with torch.no_grad():
+            flash_mhf(*leaves, impl="triton")
 
-        # the three timed in turn, ROUNDS times: the clock drifts over seconds, so each reported time is the median
-        # of its rounds (each round a do_bench median) and every round is kept with its clock
-        rounds = []
-        for _ in range(ROUNDS):
-            rounds.append({"forward": timed(forward), "train": timed(train, grad_to_none=leaves),
-                           "backward": timed(backward)})
-        forward_ms, train_ms, rows_ms = (statistics.median(t[name]["ms"] for t in rounds)
-                                         for name in ("forward", "train", "backward"))
-        clocks = [t["train"]["sm_clock_mhz"] for t in rounds if t["train"]["sm_clock_mhz"]]
-        mem = peak_memory(train, leaves=leaves, held=[grad])
-        row = {
-            "impl": "fused op (triton)", **shape, "forward_ms": forward_ms, "forward_tflops": flops / forward_ms * 1e-9,
-            "train_ms": train_ms, "train_tflops": 3 * flops / train_ms * 1e-9, "backward_ms": rows_ms,
-            "backward_tflops_counted_2x": 2 * flops / rows_ms * 1e-9, **mem,
-            "train_tflops_rounds": [3 * flops / t["train"]["ms"] * 1e-9 for t in rounds],
-            "train_sm_clock_mhz": statistics.median(clocks) if clocks else None, "rounds": rounds,
-        }
-        results["op"].append(row)
-        log(f"op L={seq_len}: fwd {forward_ms:.3f} ms {row['forward_tflops']:.0f} TFLOP/s | fwd+bwd {train_ms:.3f} ms "
-            f"{row['train_tflops']:.0f} TFLOP/s (rounds " + " / ".join(f"{x:.0f}" for x in row["train_tflops_rounds"])
-            + f", SM clock {row['train_sm_clock_mhz'] or float('nan'):.0f} MHz) | bwd {rows_ms:.3f} ms | "
-            f"peak {mem['peak_gib']:.2f} GiB")
-        del q, k, u, v, r, leaves, grad
-    # the two backward kernels separately, at L=4032
+    def train():
+        flash_mhf(*leaves, impl="triton").backward(grad)
+
+    def backward():
+        kernels.triton_backward(grad, *(t.detach() for t in leaves))
+
+    # the three timed in turn, ROUNDS times: the clock drifts over seconds, so each reported time is the median
+    # of its rounds (each round a do_bench median) and every round is kept with its clock
+    rounds = []
+    for _ in range(ROUNDS):
+        rounds.append({"forward": timed(forward), "train": timed(train, grad_to_none=leaves),
+                       "backward": timed(backward)})
+    forward_ms, train_ms, rows_ms = (statistics.median(t[name]["ms"] for t in rounds)
+                                     for name in ("forward", "train", "backward"))
+    clocks = [t["train"]["sm_clock_mhz"] for t in rounds if t["train"]["sm_clock_mhz"]]
+    mem = peak_memory(train, leaves=leaves, held=[grad])
+    row = {
+        "impl": "fused op (triton)", **shape, "forward_ms": forward_ms, "forward_tflops": flops / forward_ms * 1e-9,
+        "train_ms": train_ms, "train_tflops": 3 * flops / train_ms * 1e-9, "backward_ms": rows_ms,
+        "backward_tflops_counted_2x": 2 * flops / rows_ms * 1e-9, **mem,
+        "train_tflops_rounds": [3 * flops / t["train"]["ms"] * 1e-9 for t in rounds],
+        "train_sm_clock_mhz": statistics.median(clocks) if clocks else None, "rounds": rounds,
+    }
+    log(f"op L={seq_len}: fwd {forward_ms:.3f} ms {row['forward_tflops']:.0f} TFLOP/s | fwd+bwd {train_ms:.3f} ms "
+        f"{row['train_tflops']:.0f} TFLOP/s (rounds " + " / ".join(f"{x:.0f}" for x in row["train_tflops_rounds"])
+        + f", SM clock {row['train_sm_clock_mhz'] or float('nan'):.0f} MHz) | bwd {rows_ms:.3f} ms | "
+        f"peak {mem['peak_gib']:.2f} GiB")
+    return row
+
+
+def backward_kernel_times() -> dict:
+    """The two backward kernels the op runs at L=4032, and the Triton ones beside them."""
     q, k, u, v, r = op_inputs(8, 16, 4032, 128, 16, 15, 384, torch.bfloat16)
     grad = torch.randn_like(q)
     flops = op_flops(8, 16, 4032, 128, 15, 384)
@@ -220,7 +229,7 @@ def bench_op(results, lengths):
     triton_weights_ms = bench_ms(triton_weights) if weights_kernel == "gluon" else weights_ms
     # FLOPs actually executed: rows kernel 5 GEMMs (M, N, dA, dq x2), weights kernel 6 (M, N, dA, dK, dU, dV)
     unit = flops / 3
-    results["backward_kernels"] = {
+    times = {
         "L": 4032, "rows_kernel": rows_kernel, "rows_kernel_ms": rows_ms,
         "rows_kernel_tflops_executed": 5 * unit / rows_ms * 1e-9, "triton_rows_kernel_ms": triton_rows_ms,
         "weights_kernel": weights_kernel, "weights_kernel_ms": weights_ms,
@@ -229,6 +238,7 @@ def bench_op(results, lengths):
     log(f"backward kernels L=4032: dq/dr ({rows_kernel}) {rows_ms:.3f} ms ({5 * unit / rows_ms * 1e-9:.0f} TFLOP/s "
         f"executed; Triton kernel {triton_rows_ms:.3f} ms), dK/dU/dV ({weights_kernel}) {weights_ms:.3f} ms "
         f"({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed; Triton kernel {triton_weights_ms:.3f} ms)")
+    return times
 
 
 def triton_cdiv(a, b):
