@@ -69,3 +69,19 @@ class _BlockPackage(_importlib_abc.MetaPathFinder):
 
 _sys.meta_path.insert(0, _BlockPackage())
 """
+
+
+def train_losses(model, input_ids, parameters, lr: float, steps: int) -> list[float]:
+    """Trains `parameters` of `model` on `input_ids` (labels = inputs) with AdamW for `steps` steps; the losses."""
+    import torch
+
+    optimizer = torch.optim.AdamW(parameters, lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_memffn
 from hf_memffn import adapters
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import tiny_config, train_losses
 
 peft = pytest.importorskip("peft")
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
@@ -47,15 +47,7 @@ def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.numel() < 5000 for p in trainable)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(8):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(model, ids, trainable, lr=1e-2, steps=8)
     model.eval()
     assert losses[-1] < losses[0]
     for name, param in model.named_parameters():

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hf_memffn
 from hf_memffn import LORA_TARGET_MODULES
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import tiny_config, train_losses
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 
@@ -69,14 +69,7 @@ def test_peft_lora_with_documented_targets(arch):
 
     data = PatternDataset(size=8)
     batch = torch.stack([data[i]["input_ids"] for i in range(8)])
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-2)
-    losses = []
-    for _ in range(15):
-        loss = peft_model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_losses(peft_model, batch, [p for p in peft_model.parameters() if p.requires_grad], lr=2e-2, steps=15)
     assert losses[-1] < losses[0]
 
     peft_model.eval()
