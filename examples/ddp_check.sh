@@ -66,21 +66,7 @@ if [[ " $RUNS " == *" zero"* ]]; then
 fi
 
 if [ ! -f "$WORK/corpus.jsonl" ]; then
-python3 - "$WORK/corpus.jsonl" <<'EOF'
-import json, sys, sysconfig
-from pathlib import Path
-budget, written = 8_000_000, 0
-with open(sys.argv[1], "w") as out:
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in path.parts:
-            continue
-        text = path.read_text(errors="ignore")
-        out.write(json.dumps({"text": text}) + "\n")
-        written += len(text)
-        if written > budget:
-            break
-print(f"corpus: {written / 1e6:.1f} MB of Python source")
-EOF
+python3 "$HERE/write_code_corpus.py" "$WORK/corpus.jsonl"
 fi
 
 # The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset.

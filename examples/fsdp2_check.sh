@@ -19,21 +19,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c "import datasets, torch, transformers, accelerate, triton; print('datasets', datasets.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())"
-python3 - "$WORK/corpus.jsonl" <<'EOF'
-import json, sys, sysconfig
-from pathlib import Path
-budget, written = 8_000_000, 0
-with open(sys.argv[1], "w") as out:
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        if "test" in path.parts:
-            continue
-        text = path.read_text(errors="ignore")
-        out.write(json.dumps({"text": text}) + "\n")
-        written += len(text)
-        if written > budget:
-            break
-print(f"corpus: {written / 1e6:.1f} MB of Python source")
-EOF
+python3 "$HERE/write_code_corpus.py" "$WORK/corpus.jsonl"
 
 COMMON=(--arch flash_mhf --preset "${PRESET:-small}" --config-overrides "ffn_kernel=${KERNEL:-triton}"
         --data-files "$WORK/corpus.jsonl" --block-size 512 --num-proc 8

@@ -1,0 +1,30 @@
+"""Write a JSONL corpus of about 8 MB of Python's own standard-library source (no tests), one file a document: the
+offline training text of the multi-GPU checks (`fsdp2_check.sh`, `ddp_check.sh`).
+
+    python examples/write_code_corpus.py OUT.jsonl
+"""
+
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+BUDGET = 8_000_000  # characters
+
+
+def main(path: str) -> None:
+    written = 0
+    with open(path, "w") as out:
+        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            if "test" in source.parts:
+                continue
+            text = source.read_text(errors="ignore")
+            out.write(json.dumps({"text": text}) + "\n")
+            written += len(text)
+            if written > BUDGET:
+                break
+    print(f"corpus: {written / 1e6:.1f} MB of Python source")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
