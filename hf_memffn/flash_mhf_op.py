@@ -21,6 +21,8 @@ so ``torch.compile`` traces them without a graph break and ``torch.library.opche
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -451,11 +453,19 @@ _layer_op = _registered("flash_mhf_layer")
 
 
 def _fused_layer_unsupported_reason(p, k, impl: str) -> str | None:
-    if _resolve_impl(p, impl) != "triton":
-        return "the op runs the PyTorch reference" + ("" if impl == "torch" else f" on {p.device.type} tensors")
+    """Why the fused layer cannot run (None when it can); decided once per device type, dtype and shape (decoding
+    calls this for every layer of every step)."""
+    return _fused_layer_reason_for(p.device, p.dtype, k.shape[-1], k.shape[2], impl)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_layer_reason_for(device, dtype, head_dim: int, subnetwork_size: int, impl: str) -> str | None:
+    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype)
+    if _resolve_impl(probe, impl) != "triton":
+        return "the op runs the PyTorch reference" + ("" if impl == "torch" else f" on {device.type} tensors")
     if queries_and_gates is None:
         return "flash_mhf_layer_triton.py is missing"
-    return _triton_unsupported_reason(p.new_empty(1, 1, 1, k.shape[-1]), k)
+    return _triton_unsupported_reason(probe, probe.new_empty(1, 1, subnetwork_size, head_dim))
 
 
 def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True) -> str:
