@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
-           "bench_token_lookup.py", "bench_models.py"]
+           "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py"]
 
 
 def run_script(name, *args):
