@@ -20,7 +20,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .ffn import FeedForwardMemory
-from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path
+from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
 logger = logging.getLogger(__name__)
@@ -211,12 +211,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
         """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast), for `queries()`."""
-        if self.router is None:
-            return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
-        with torch.autocast(queries.device.type, enabled=False):
-            logits = torch.einsum("bhld,hde->bhle", queries.float(), self.router.float())
-        scores = torch.sigmoid(logits)
-        return scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)
+        return router_gates(queries, self.router, self.gate_eps)
 
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
@@ -262,8 +257,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         up = self.up.float().repeat_interleave(self._heads_per_value_head, dim=0)
         hidden = F.silu(torch.einsum("blhd,hejd->blhej", queries, key)) * torch.einsum("blhd,hejd->blhej", queries, up)
         if self.router is not None:
-            scores = torch.sigmoid(torch.einsum("blhd,hde->blhe", queries, self.router.float()))
-            hidden = hidden * (scores / (scores.sum(dim=-1, keepdim=True) + self.gate_eps)).unsqueeze(-1)
+            gates = router_gates(queries.transpose(1, 2), self.router, self.gate_eps).transpose(1, 2)  # [B, L, H, E]
+            hidden = hidden * gates.unsqueeze(-1)
         return hidden.flatten(-3)
 
 

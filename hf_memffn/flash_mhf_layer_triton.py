@@ -249,7 +249,7 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     num_subnetworks = grad_r.shape[-1]
     num_tokens = batch * length
     rows = p.reshape(num_tokens, width)
-    grad_rows = grad_q.reshape(num_tokens, width) if grad_q.is_contiguous() else grad_q.contiguous().view(-1, width)
+    grad_rows = grad_q.reshape(num_tokens, width)  # a view of the op's dq (in p's layout)
     grad_p = torch.empty_like(p)
     e_dot = _e_dot(num_subnetworks)
     programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device))

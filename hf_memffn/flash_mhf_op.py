@@ -363,6 +363,16 @@ def flash_mhf_reference(
 # The fused layer takes its [B, L, H * d_h] input straight from the input projection and returns the heads in the
 # layout the output projection reads; the query norm and the gates are computed by the kernels of
 # flash_mhf_layer_triton.py (forward and backward), the queries are re-derived in the backward pass instead of kept.
+def router_gates(queries: torch.Tensor, router: torch.Tensor | None, gate_eps: float) -> torch.Tensor:
+    """The normalised sub-network gates ``sigmoid(q W_h) / (sum_E sigmoid(q W_h) + gate_eps)`` in float32, for queries
+    ``[B, H, L, d_h]`` and ``router [H, d_h, E]`` (also under autocast); all ones ``[B, H, L, 1]`` without a router."""
+    if router is None:
+        return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
+    with torch.autocast(queries.device.type, enabled=False):
+        scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries.float(), router.float()))
+        return scores / (scores.sum(dim=-1, keepdim=True) + gate_eps)
+
+
 def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, eps: float, gate_eps: float,
                               impl: str = "torch") -> torch.Tensor:
     """The layer composed of PyTorch operations around :func:`flash_mhf` (``impl`` runs the op): the unfused path,
@@ -372,11 +382,7 @@ def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, ep
         queries = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2).float()
         if norm_weight is not None:
             queries = queries * torch.rsqrt(queries.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-        if router is None:
-            gates = queries.new_ones((*queries.shape[:-1], 1))
-        else:
-            scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries, router.float()))
-            gates = scores / (scores.sum(dim=-1, keepdim=True) + gate_eps)
+        gates = router_gates(queries, router, gate_eps)
     heads = flash_mhf(queries.to(p.dtype), k, u, v, gates, impl=impl)
     return heads.transpose(1, 2).reshape(batch, length, width)
 

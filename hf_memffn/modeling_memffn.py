@@ -439,7 +439,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of `input_ids` or `inputs_embeds`")
-        if input_ids is not None:
+        if input_ids is not None and not (self.training and input_ids.device.type != "cpu"):
+            # (not in accelerator training steps: the check reads the ids back, a sync per step that Llama does not pay)
             check_token_ids(input_ids, self.embed_tokens.num_embeddings)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)

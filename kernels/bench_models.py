@@ -110,8 +110,8 @@ def ffn_path(model) -> str | None:
     return None
 
 
-def release(*objects) -> None:
-    del objects
+def release() -> None:
+    """Frees what the last measurement left on the device (its callers drop their references first)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -146,7 +146,8 @@ def train_row(architecture: str, size: str, compiled: bool, device: str) -> dict
            "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
            "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "peak_gib": peak_memory_gib(),
            "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model), **clock.summary()}
-    release(model, forward)
+    model = forward = None  # (the step closure holds them)
+    release()
     return row
 
 
@@ -165,11 +166,9 @@ class StepClock:
         return scores
 
 
-def decode_row(architecture: str, size: str, batch: int, static: bool, device: str, model=None) -> dict:
+def decode_row(model, architecture: str, size: str, batch: int, static: bool, device: str) -> dict:
     from transformers import LogitsProcessorList
 
-    own_model = model is None
-    model = build_model(architecture, size, device) if own_model else model
     model.eval()
     generation = model.generation_config
     generation.eos_token_id = None
@@ -197,8 +196,6 @@ def decode_row(architecture: str, size: str, batch: int, static: bool, device: s
            "mean_ms_per_step": (times[-1] - times[0]) / len(steps) * 1e3,
            "peak_gib": peak_memory_gib(), "warmup_s": warmup_s,
            "compiled_call": getattr(model, "_compiled_call", None) is not None}
-    if own_model:
-        release(model)
     return row
 
 
@@ -298,7 +295,8 @@ def profile_rows(size: str, device: str, archs) -> dict:
     x = torch.randn(TRAIN_BATCH[size], SEQ_LEN, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     out["flash_mhf_layer_fwd_bwd"] = kernel_table(lambda: flash(x).backward(grad), steps=3)
-    release(layers, x, grad)
+    layers = flash = x = grad = None  # (the timed closure holds them)
+    release()
     for architecture in archs:
         model = build_model(architecture, size, device)
         model.eval()
@@ -317,7 +315,8 @@ def profile_rows(size: str, device: str, archs) -> dict:
                 length[0] += 1
 
             out[f"decode_step_b1_{architecture}"] = kernel_table(decode_step, steps=5, top=15)
-        release(model)
+        model = cache = None  # (the step closure holds them)
+        release()
     return out
 
 
@@ -451,11 +450,12 @@ def run_task(task: str, args, results: dict) -> None:
         architecture, mode = rest
         model = build_model(architecture, size, device)
         for batch in DECODE_BATCHES:
-            row = decode_row(architecture, size, batch, mode == "static", device, model)
+            row = decode_row(model, architecture, size, batch, mode == "static", device)
             results["decode"].append(row)
             log(f"decode {size} {row['mode']} b{batch} {architecture}: {row['decode_tokens_per_s']:.0f} tokens/s "
                 f"({row['ms_per_step']:.2f} ms/step)")
-        release(model)
+        del model
+        release()
     else:
         raise ValueError(f"unknown task {task!r}")
 
