@@ -11,8 +11,8 @@ as others finish): `--requests` requests submitted at once, prompt and generatio
 exactly its length). `--token-lookup` (default on) adds a MemoryLLM reading a bf16 token lookup table (`gpu`
 placement on CUDA, else `cpu`) with its memory FFN weights dropped.
 
-Each model first runs a short warm-up workload (kernel compilation, Triton autotuning, CUDA graph capture happen
-there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
+Each model first runs a warm-up workload: as many requests, prompts of the same lengths, an eighth of the new tokens
+(kernel compilation, Triton autotuning of the batch shapes, CUDA graph capture happen there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
 tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of all requests), and the
 device memory of the weights (and table); the paged KV cache is sized by transformers from the free memory
 (`--num-blocks` / `--max-batch-tokens` to fix it). Rows are written after every model, so a run cut short keeps
@@ -72,13 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def workload(args, seed: int, count: int, scale: float = 1.0) -> list[tuple[list[int], int]]:
-    """(prompt ids, new tokens) per request; `scale` shortens both for the warm-up."""
+def workload(args, seed: int, count: int, new_token_scale: float = 1.0) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) per request; `new_token_scale` shortens the generations (the warm-up)."""
     rng = random.Random(seed)
     requests = []
     for _ in range(count):
-        prompt = max(1, int(rng.randint(*args.prompt_lengths) * scale))
-        new = max(1, int(rng.randint(*args.new_tokens) * scale))
+        prompt = rng.randint(*args.prompt_lengths)
+        new = max(1, int(rng.randint(*args.new_tokens) * new_token_scale))
         requests.append(([rng.randrange(3, args.vocab_size) for _ in range(prompt)], new))
     return requests
 
@@ -241,7 +241,9 @@ def main(argv=None) -> dict:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     os.makedirs(args.out, exist_ok=True)
     requests = workload(args, args.seed, args.requests)
-    warmup_requests = workload(args, args.seed + 1, min(args.requests, 8), scale=0.25)
+    # the warm-up submits as many requests with prompts of the same lengths (short generations), so that the batch
+    # shapes of the timed run, which Triton compiles and autotunes for, were seen before the clock starts
+    warmup_requests = workload(args, args.seed + 1, args.requests, new_token_scale=0.125)
     names = list(args.archs) + (["memoryllm_lookup"] if args.token_lookup and "memoryllm" in args.archs else [])
     import transformers
 

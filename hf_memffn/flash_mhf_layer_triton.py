@@ -281,6 +281,16 @@ def _decode_splits(num_heads: int, token_blocks: int, num_blocks: int, num_sms: 
     return triton.cdiv(num_blocks, splits)
 
 
+def decode_block_n(subnetwork_size: int, head_dim: int, element_size: int) -> int:
+    """Weight columns per step of the decode kernel: a power of two dividing d_e. Float32 products stage their
+    operands through shared memory, so float32 weights take narrower blocks that keep the K, U, V tiles within it
+    (d_h 128: 32 columns, ~60 KB; 64 columns would need ~110 KB, and ~410 KB at d_h 256)."""
+    block_n = DECODE_BLOCK_N if element_size <= 2 else min(DECODE_BLOCK_N, 4096 // head_dim)
+    while subnetwork_size % block_n:
+        block_n //= 2
+    return block_n
+
+
 def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float) -> torch.Tensor:
     """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens, in one kernel."""
     batch, length, width = p.shape
@@ -289,9 +299,7 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float)
     num_tokens = batch * length
     rows = p.reshape(num_tokens, width)
     out = torch.zeros(num_tokens, width, device=p.device, dtype=torch.float32)
-    block_n = DECODE_BLOCK_N
-    while subnetwork_size % block_n:
-        block_n //= 2
+    block_n = decode_block_n(subnetwork_size, head_dim, k.element_size())
     num_blocks = num_subnetworks * subnetwork_size // block_n
     token_blocks = triton.cdiv(num_tokens, DECODE_BLOCK_T)
     per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device))

@@ -460,8 +460,10 @@ _layer_op = _registered("flash_mhf_layer")
 
 def _fused_layer_unsupported_reason(p, k, impl: str) -> str | None:
     """Why the fused layer cannot run (None when it can); decided once per device type, dtype and shape (decoding
-    calls this for every layer of every step)."""
-    return _fused_layer_reason_for(p.device, p.dtype, k.shape[-1], k.shape[2], impl)
+    calls this for every layer of every step). A compiled graph decides once, while tracing: the uncached function
+    then, since Dynamo traces through a cache wrapper anyway and warns about it."""
+    decide = _fused_layer_reason_for.__wrapped__ if torch.compiler.is_compiling() else _fused_layer_reason_for
+    return decide(p.device, p.dtype, k.shape[-1], k.shape[2], impl)
 
 
 @functools.lru_cache(maxsize=None)

@@ -195,7 +195,8 @@ def decode_row(model, architecture: str, size: str, batch: int, static: bool, de
            "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
            "mean_ms_per_step": (times[-1] - times[0]) / len(steps) * 1e3,
            "peak_gib": peak_memory_gib(), "warmup_s": warmup_s,
-           "compiled_call": getattr(model, "_compiled_call", None) is not None}
+           "compiled_call": getattr(model, "_compiled_call", None) is not None,
+           "host_load_1min": os.getloadavg()[0]}  # eager decoding is bound by the host: a busy host slows it
     return row
 
 

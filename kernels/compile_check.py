@@ -1,0 +1,108 @@
+"""Compile the fused FlashMHF layer's Triton kernels for a GPU architecture on a machine without a GPU.
+
+    python kernels/compile_check.py                  # sm_90 (H100/H200), every case below; ~3 min on 2 CPU cores
+    python kernels/compile_check.py --arch 80 --quick
+
+Nothing is launched: each kernel of `hf_memffn/flash_mhf_layer_triton.py` is compiled ahead of time (Triton's
+`triton.compile` with a `GPUTarget`, the ptxas that ships with Triton) for every dtype, head size, gate width and flag
+combination below, with the block sizes the launchers pick. A lowering error, or a launch that would need more shared
+memory than the target has, shows up here instead of in a GPU call. Prints one line per compilation (shared memory
+in bytes) and exits 1 when any compilation fails or does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
+
+# Shared memory one program may use (the opt-in maximum per block), by compute capability.
+SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# (head_dim, num_subnetworks): the presets' shapes, E=3 (not a power of two) and E=1 (no router needed)
+SHAPES = [(128, 8), (64, 16), (256, 4), (128, 3), (64, 1)]
+SUBNETWORK_SIZES = (64, 256)
+
+
+def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: dict, num_warps: int = 4) -> int:
+    """Shared memory (bytes) of ``kernel`` compiled for sm_<arch>; pointers map argument names to Triton types."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in constants:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "fp32" if isinstance(scalars[name], float) else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps})
+    return compiled.metadata.shared
+
+
+def cases(quick: bool):
+    dtypes = ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32")
+    flags = [(True, True)] if quick else list(itertools.product((True, False), repeat=2))
+    for dtype, (head_dim, num_subnetworks), (has_norm, has_router) in itertools.product(dtypes, SHAPES, flags):
+        yield dtype, head_dim, num_subnetworks, has_norm, has_router
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_MEMORY), help="compute capability x10")
+    parser.add_argument("--quick", action="store_true", help="bf16 and fp32 with norm and router only")
+    args = parser.parse_args(argv)
+    limit = SHARED_MEMORY[args.arch]
+    print(f"triton {triton.__version__}, sm_{args.arch}, shared memory limit {limit} bytes")
+    failures = 0
+    for dtype, head_dim, num_subnetworks, has_norm, has_router in cases(args.quick):
+        element = "*" + dtype
+        gate_width = layer._e_dot(num_subnetworks)
+        common_scalars = dict(eps=1e-6, gate_eps=1e-6, num_tokens=1, seq_len=1, num_heads=1,
+                              num_subnetworks=num_subnetworks, stride_p=1, stride_q=1, stride_dq=1, stride_dp=1,
+                              blocks_per_program=1, group_size=1, blocks_per_split=1)
+        common_constants = dict(D_H=head_dim, E_DOT=gate_width, HAS_NORM=has_norm, HAS_ROUTER=has_router)
+        launches = [
+            ("queries_and_gates", layer._queries_and_gates_kernel,
+             dict(P=element, NORM_W=element, ROUTER=element, Q=element, R="*fp32"),
+             dict(common_constants, BLOCK_T=layer.BLOCK_T)),
+            ("queries_and_gates_backward", layer._queries_and_gates_backward_kernel,
+             dict(P=element, NORM_W=element, ROUTER=element, DQ=element, DR="*fp32", DP=element,
+                  DNORM_PARTS="*fp32", DROUTER_PARTS="*fp32"),
+             dict(common_constants, BLOCK_T=layer.BLOCK_T)),
+        ]
+        sixteen_bit = ELEMENT_SIZE[dtype] == 2
+        for subnetwork_size in SUBNETWORK_SIZES:
+            block_n = layer.decode_block_n(subnetwork_size, head_dim, ELEMENT_SIZE[dtype])
+            launches.append((
+                f"decode d_e={subnetwork_size}", layer._decode_kernel,
+                dict(P=element, NORM_W=element, ROUTER=element, K=element, U=element, V=element, OUT="*fp32"),
+                dict(common_constants, D_E=subnetwork_size, BLOCK_T=layer.DECODE_BLOCK_T, BLOCK_N=block_n,
+                     FAST_SIGMOID=sixteen_bit, PRECISION="tf32" if sixteen_bit else "ieee"),
+            ))
+        for name, kernel, pointers, constants in launches:
+            label = (f"{name:28s} {dtype} d_h={head_dim} E={num_subnetworks} norm={int(has_norm)} "
+                     f"router={int(has_router)}")
+            try:
+                shared = compile_kernel(kernel, args.arch, pointers, common_scalars, constants)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit status says so
+                failures += 1
+                print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                continue
+            fits = shared <= limit
+            failures += not fits
+            print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {shared} bytes"
+                  + ("" if fits else f" > {limit}"), flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
