@@ -6,6 +6,8 @@ Saved checkpoints carry this file, the shared decoder and the fused FlashMHF op 
 
 from __future__ import annotations
 
+from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
+
 from .configuration_memffn import FlashMHFLlamaConfig
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
 from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
@@ -20,7 +22,7 @@ class FlashMHFLlamaModel(MemFFNModel):
     }
 
 
-class FlashMHFLlamaForCausalLM(MemFFNForCausalLM):
+class FlashMHFLlamaForCausalLM(MemFFNForCausalLM, GenerationMixin):
     config_class = FlashMHFLlamaConfig
     base_model_class = FlashMHFLlamaModel
 

@@ -3,6 +3,8 @@ stream. Saved checkpoints carry this file and the shared decoder only."""
 
 from __future__ import annotations
 
+from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
+
 from .configuration_memffn import KVFFNConfig
 from .ffn import KVFeedForward
 from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
@@ -13,7 +15,7 @@ class KVFFNModel(MemFFNModel):
     residual_ffn_blocks = {"kvffn": KVFeedForward}
 
 
-class KVFFNForCausalLM(MemFFNForCausalLM):
+class KVFFNForCausalLM(MemFFNForCausalLM, GenerationMixin):
     config_class = KVFFNConfig
     base_model_class = KVFFNModel
 

@@ -7,6 +7,8 @@ checkpoints carry this file, the shared decoder and the token lookup runtime.
 
 from __future__ import annotations
 
+from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
+
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
 from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
 from .token_lookup import TokenLookupMixin
@@ -21,7 +23,7 @@ class MemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
     config_class = MemoryLLMConfig
 
 
-class MemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
+class MemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM, GenerationMixin):
     config_class = MemoryLLMConfig
     base_model_class = MemoryLLMModel
 
@@ -30,7 +32,7 @@ class FlexMemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
     config_class = FlexMemoryLLMConfig
 
 
-class FlexMemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM):
+class FlexMemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCausalLM, GenerationMixin):
     config_class = FlexMemoryLLMConfig
     base_model_class = FlexMemoryLLMModel
 

@@ -152,3 +152,12 @@ def test_beam_search_sampling_and_assisted_decoding(arch):
     assistant = copy.deepcopy(model)  # the same weights: assisted greedy decoding must equal greedy decoding
     assisted = model.generate(prompt[:1], do_sample=False, assistant_model=assistant, max_new_tokens=4, pad_token_id=0)
     torch.testing.assert_close(assisted, greedy[:1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causal_lm_lists_generation_mixin_among_its_own_bases(arch):
+    """GenerationTesterMixin's `test_inherits_generation_mixin`: transformers no longer lets a model generate through
+    `PreTrainedModel` alone, and its suite checks that the class itself names GenerationMixin as a base."""
+    model = build(arch)
+    assert "GenerationMixin" in str(type(model).__bases__)
+    assert model.can_generate()
