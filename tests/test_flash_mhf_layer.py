@@ -7,6 +7,8 @@ The Triton tests run on CUDA in this process, and on CPU in a child pytest under
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +194,55 @@ def test_fused_layer_traces_without_graph_break():
         (grad_actual,) = torch.autograd.grad(actual.sum(), x)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad_actual, grad_expected, rtol=1e-5, atol=1e-6)
+
+
+def saved_activation_bytes(module, x) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of ``module(x)``."""
+    parameters = {p.data_ptr() for p in module.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.data_ptr() not in parameters:
+            saved[tensor.data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(saved.values())
+
+
+@needs_kernels
+def test_fused_layer_keeps_only_the_projections_inputs_for_backward():
+    """The fused FFN keeps x, p = in_proj(x) and the heads' output (the out_proj input) for its backward, nothing of
+    the norm, the gates or the [tokens, E * d_e] activations; the unfused layer keeps its float32 intermediates too."""
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton")
+    from transformers import AutoModelForCausalLM
+
+    mlp = AutoModelForCausalLM.from_config(config).to(DEVICE).model.layers[0].mlp
+    x = torch.randn(2, 80, 128, device=DEVICE, requires_grad=True)
+    tokens, width = x.shape[0] * x.shape[1], mlp.in_proj.out_features
+    fused = saved_activation_bytes(mlp, x)
+    assert fused == tokens * (x.shape[-1] + 2 * width) * x.element_size()
+    mlp.fused_layer = False
+    assert saved_activation_bytes(mlp, x) >= fused + tokens * width * 4  # at least a float32 copy of the queries
+
+
+def test_fused_layer_keeps_a_fifth_of_what_swiglu_keeps_at_370m():
+    """At the 370M preset (d=1024, H * d_h = 1024) the fused layer keeps x, p and the heads output, 3072 values per
+    token (the test above proves the formula), where the SwiGLU MLP of equal parameters (d_ff 3392) keeps 14592:
+    4.75x less, the paper's 3-5x."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from presets import get_preset
+
+    from hf_memffn import FlashMHFLlamaConfig
+
+    config = FlashMHFLlamaConfig(**get_preset("370M").config_fields("flash_mhf"))
+    hidden, width = config.hidden_size, config.ffn_num_heads * config.ffn_head_dim
+    swiglu = LlamaMLP(tiny_config("llama", hidden_size=hidden, intermediate_size=3392))
+    x = torch.randn(1, 4, hidden, requires_grad=True)
+    swiglu_per_token = saved_activation_bytes(swiglu, x) / (4 * x.element_size())
+    fused_per_token = hidden + 2 * width
+    assert (hidden, width, swiglu_per_token, fused_per_token) == (1024, 1024, 14592, 3072)
