@@ -229,20 +229,18 @@ def test_fused_layer_keeps_only_the_projections_inputs_for_backward():
 
 
 def test_fused_layer_keeps_a_fifth_of_what_swiglu_keeps_at_370m():
-    """At the 370M preset (d=1024, H * d_h = 1024) the fused layer keeps x, p and the heads output, 3072 values per
-    token (the test above proves the formula), where the SwiGLU MLP of equal parameters (d_ff 3392) keeps 14592:
-    4.75x less, the paper's 3-5x."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from presets import get_preset
-
-    from hf_memffn import FlashMHFLlamaConfig
-
-    config = FlashMHFLlamaConfig(**get_preset("370M").config_fields("flash_mhf"))
-    hidden, width = config.hidden_size, config.ffn_num_heads * config.ffn_head_dim
-    swiglu = LlamaMLP(tiny_config("llama", hidden_size=hidden, intermediate_size=3392))
+    """At the 370M preset, with the layers `kernels/bench_models.py` compares, the fused layer keeps x, p and the heads'
+    output (the formula the test above checks), 3072 values per token, where the SwiGLU MLP of equal parameters keeps
+    14592: 4.75x less, the paper's 3-5x."""
+    kernels = str(Path(__file__).resolve().parents[1] / "kernels")
+    sys.path.insert(0, kernels)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(kernels)
+    layers, hidden = bench_models.ffn_layers("370M", "cpu")
+    swiglu = next(layer for name, layer in layers.items() if name.startswith("SwiGLU")).float()
     x = torch.randn(1, 4, hidden, requires_grad=True)
     swiglu_per_token = saved_activation_bytes(swiglu, x) / (4 * x.element_size())
-    fused_per_token = hidden + 2 * width
-    assert (hidden, width, swiglu_per_token, fused_per_token) == (1024, 1024, 14592, 3072)
+    fused_per_token = hidden + 2 * layers["FlashMHF"].in_proj.out_features
+    assert (swiglu_per_token, fused_per_token) == (14592, 3072)
