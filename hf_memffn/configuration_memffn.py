@@ -105,6 +105,9 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
     return plan
 
 
+DECODER_KERNELS = ("auto", "triton", "torch")  # (decoder_triton.py checks the same names)
+
+
 class MemFFNConfig(PretrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
@@ -113,6 +116,11 @@ class MemFFNConfig(PretrainedConfig):
     `token_memory_size` (width of the per-layer FFNs reading the token embeddings X0, or None) and
     `parallel_residual_ffn` (the residual FFN reads the layer input X_L in parallel with attention instead of
     X_L + Attn(X_L)).
+
+    `decoder_kernels` chooses how the decoder's RMSNorms and rotary embeddings run: "auto" (one fused Triton kernel
+    each, forward and backward, on CUDA in eager mode; the PyTorch operations on CPU and while torch.compile traces,
+    which fuses them itself), "triton" (the kernels, or an error where they cannot run) or "torch" (the PyTorch
+    operations, as transformers' Llama). The paths compute the same maths; the kernels round once per output.
     """
 
     model_type = "memffn"
@@ -143,9 +151,11 @@ class MemFFNConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
         eos_token_id: int | list[int] | None = 2,
+        decoder_kernels: str = "auto",
         **kwargs,
     ):
         self.vocab_size = vocab_size
+        self.decoder_kernels = decoder_kernels
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
@@ -231,6 +241,7 @@ class MemFFNConfig(PretrainedConfig):
         _check_number(self, "initializer_range", 0.0, low_inclusive=True)
         _check_number(self, "attention_dropout", 0.0, low_inclusive=True, high=1.0)
         check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS, name)
+        check_choice("decoder_kernels", self.decoder_kernels, DECODER_KERNELS, name)
         _check_bools(self, ("attention_bias", "tie_word_embeddings", "use_cache"))
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)

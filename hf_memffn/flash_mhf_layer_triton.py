@@ -59,18 +59,19 @@ if TRITON_AVAILABLE:
         return tl.load(ROUTER + offsets, mask=subnetworks[None, :] < num_subnetworks, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gate_scores(q, router, num_subnetworks, E_DOT: tl.constexpr):
+    def _gate_scores(q, router, num_subnetworks, E_DOT: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
         """(sigmoid scores s [rows, E_DOT], 0 past E) of float32 queries: the router product in float32."""
-        logits = tl.dot(q, router, input_precision="ieee")
+        logits = tl.dot(q, router, input_precision=ROUTER_PRECISION)
         scores = tl.sigmoid(logits)
         return tl.where(tl.arange(0, E_DOT)[None, :] < num_subnetworks, scores, 0.0)
 
     @triton.jit
     def _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H: tl.constexpr, E_DOT: tl.constexpr,
-               HAS_ROUTER: tl.constexpr):
+               HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
         """The normalised gates r [rows, E_DOT] (float32, 0 past E) of float32 queries; 1 without a router."""
         if HAS_ROUTER:
-            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT)
+            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT,
+                                  ROUTER_PRECISION)
             return scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
         else:
             return tl.full([q.shape[0], E_DOT], 1.0, tl.float32)
@@ -80,7 +81,7 @@ if TRITON_AVAILABLE:
         P, NORM_W, ROUTER, Q, R,
         num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_q, eps, gate_eps,
         D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
     ):
         head = tl.program_id(1)
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -92,7 +93,7 @@ if TRITON_AVAILABLE:
         tl.store(Q + q_offsets, q.to(Q.dtype.element_ty), mask=token_mask[:, None])
 
         subnetworks = tl.arange(0, E_DOT)
-        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER)
+        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
         batch = (tokens // seq_len).to(tl.int64)
         gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len  # rows of r [B, H, L, E]
         r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
@@ -104,7 +105,7 @@ if TRITON_AVAILABLE:
         num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_dq, stride_dp, eps, gate_eps,
         blocks_per_program,
         D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
     ):
         """DNORM_PARTS [programs, H, d_h] and DROUTER_PARTS [programs, H, d_h, E_DOT]: this program's sums."""
         part = tl.program_id(0)
@@ -123,7 +124,7 @@ if TRITON_AVAILABLE:
             grad_q, _ = _token_tile(DQ, tokens, token_mask, head, stride_dq, D_H)
             q, p_hat, inv_rms = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
             if HAS_ROUTER:
-                scores = _gate_scores(q, router, num_subnetworks, E_DOT)
+                scores = _gate_scores(q, router, num_subnetworks, E_DOT, ROUTER_PRECISION)
                 total = tl.sum(scores, axis=1) + gate_eps
                 gates = scores / total[:, None]
                 batch = (tokens // seq_len).to(tl.int64)
@@ -134,8 +135,8 @@ if TRITON_AVAILABLE:
                 # r = s / (sum s + eps): ds_j = (dr_j - sum_e dr_e r_e) / (sum s + eps); then through the sigmoid
                 grad_scores = (grad_gates - tl.sum(grad_gates * gates, axis=1)[:, None]) / total[:, None]
                 grad_logits = grad_scores * scores * (1.0 - scores)
-                grad_q += tl.dot(grad_logits, tl.trans(router), input_precision="ieee")
-                grad_router += tl.dot(tl.trans(q), grad_logits, input_precision="ieee")
+                grad_q += tl.dot(grad_logits, tl.trans(router), input_precision=ROUTER_PRECISION)
+                grad_router += tl.dot(tl.trans(q), grad_logits, input_precision=ROUTER_PRECISION)
             if HAS_NORM:
                 weight = tl.load(NORM_W + dims).to(tl.float32)
                 grad_norm += tl.sum(grad_q * p_hat, axis=0)
@@ -156,7 +157,8 @@ if TRITON_AVAILABLE:
         P, NORM_W, ROUTER, K, U, V, OUT,
         num_tokens, group_size, num_subnetworks, stride_p, eps, gate_eps, blocks_per_split,
         D_H: tl.constexpr, D_E: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
+        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """OUT: float32 [tokens, H * d_h], zeroed; program (head, split, token block) adds its columns' share."""
         head = tl.program_id(0)
@@ -167,7 +169,7 @@ if TRITON_AVAILABLE:
         p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
         q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
         subnetworks = tl.arange(0, E_DOT)
-        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER)
+        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
         q = q.to(K.dtype.element_ty)  # the op multiplies the queries in the input dtype
 
         dims = tl.arange(0, D_H)
@@ -196,7 +198,22 @@ if TRITON_AVAILABLE:
 # ----------------------------------------------------------------------------------------------------------
 # Launchers. ``p``: the input projection's output [B, L, H * d_h]; the gates r are [B, H, L, E] as the op reads them.
 # ----------------------------------------------------------------------------------------------------------
-BLOCK_T = 32  # tokens per program of the norm/gate kernels
+# How the norm/gate kernels are launched: tokens per program, warps, and (backward) programs per multiprocessor.
+# The router products run on the tensor cores in tf32 (float32 accumulation) for 16-bit layers, whose op multiplies
+# the queries rounded to 16 bits anyway (tf32 keeps 10 mantissa bits, bfloat16 7), and as float32 FMAs ("ieee") for
+# float32 layers. `kernels/tune_flash_mhf_layer.py` times the alternatives on a GPU (H100, 370M shape: forward 36 /
+# 53 / 65 us and backward 158 / 197 / 217 us for tf32 / ieee / tf32x3, against 27 us for a copy of the input).
+GATES_LAUNCH = {"block_t": 32, "num_warps": 4}
+GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4}
+ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")
+
+
+def router_precision(dtype: torch.dtype) -> str:
+    """The router products' precision for a layer whose input has ``dtype``."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+BLOCK_T = GATES_LAUNCH["block_t"]  # (compile_check.py) tokens per program of the norm/gate kernels
 DECODE_BLOCK_T = 16  # tokens per program of the decode kernel (the smallest tile a product takes)
 DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many tokens
 DECODE_BLOCK_N = 64
@@ -207,8 +224,11 @@ def _e_dot(num_subnetworks: int) -> int:
     return max(16, triton.next_power_of_2(num_subnetworks))
 
 
-def _flags(norm_weight, router) -> dict:
-    return dict(HAS_NORM=norm_weight is not None, HAS_ROUTER=router is not None)
+def _flags(norm_weight, router, dtype: torch.dtype, precision: str | None = None) -> dict:
+    precision = precision or router_precision(dtype)
+    if precision not in ROUTER_PRECISIONS:
+        raise ValueError(f"router precision={precision!r} is not one of {ROUTER_PRECISIONS}")
+    return dict(HAS_NORM=norm_weight is not None, HAS_ROUTER=router is not None, ROUTER_PRECISION=precision)
 
 
 def _pointer_or(tensor, fallback):
@@ -216,8 +236,11 @@ def _pointer_or(tensor, fallback):
     return tensor if tensor is not None else fallback
 
 
-def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: int, eps: float, gate_eps: float):
-    """(q like p, r float32 [B, H, L, E]) for ``p`` [B, L, H * d_h] (contiguous)."""
+def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: int, eps: float, gate_eps: float,
+                      launch: dict | None = None, precision: str | None = None):
+    """(q like p, r float32 [B, H, L, E]) for ``p`` [B, L, H * d_h] (contiguous). ``launch`` and ``precision``
+    (benchmarks) override ``GATES_LAUNCH`` and ``router_precision``."""
+    launch = launch or GATES_LAUNCH
     batch, length, width = p.shape
     num_heads = width // head_dim
     rows = p.reshape(batch * length, width)
@@ -225,25 +248,30 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
     r = torch.empty(batch, num_heads, length, num_subnetworks, device=p.device, dtype=torch.float32)
     num_tokens = batch * length
     if num_tokens:
-        _queries_and_gates_kernel[(triton.cdiv(num_tokens, BLOCK_T), num_heads)](
+        _queries_and_gates_kernel[(triton.cdiv(num_tokens, launch["block_t"]), num_heads)](
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r,
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
-            D_H=head_dim, E_DOT=_e_dot(num_subnetworks), BLOCK_T=BLOCK_T, num_warps=4, **_flags(norm_weight, router),
+            D_H=head_dim, E_DOT=_e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
+            **_flags(norm_weight, router, p.dtype, precision),
         )
     return q, r
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_programs(num_tokens: int, num_heads: int, num_sms: int) -> tuple[int, int]:
-    """(programs per head, token blocks per program): about four programs per multiprocessor."""
-    blocks = triton.cdiv(num_tokens, BLOCK_T)
-    per_program = max(1, triton.cdiv(blocks * num_heads, 4 * num_sms))
+def _backward_programs(num_tokens: int, num_heads: int, num_sms: int, block_t: int, programs_per_sm: int
+                       ) -> tuple[int, int]:
+    """(programs per head, token blocks per program): about ``programs_per_sm`` programs per multiprocessor."""
+    blocks = triton.cdiv(num_tokens, block_t)
+    per_program = max(1, triton.cdiv(blocks * num_heads, programs_per_sm * num_sms))
     return triton.cdiv(blocks, per_program), per_program
 
 
-def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim: int, eps: float, gate_eps: float):
+def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim: int, eps: float, gate_eps: float,
+                               launch: dict | None = None, precision: str | None = None):
     """(dP like p, d norm weight or None, d router or None) for ``p`` [B, L, H * d_h] (contiguous), from the op's dq
-    (P's layout) and dr ([B, H, L, E])."""
+    (P's layout) and dr ([B, H, L, E]). ``launch`` and ``precision`` (benchmarks) override ``GATES_BACKWARD_LAUNCH``
+    and ``router_precision``."""
+    launch = launch or GATES_BACKWARD_LAUNCH
     batch, length, width = p.shape
     num_heads = width // head_dim
     num_subnetworks = grad_r.shape[-1]
@@ -252,8 +280,9 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     grad_rows = grad_q.reshape(num_tokens, width)  # a view of the op's dq (in p's layout)
     grad_p = torch.empty_like(p)
     e_dot = _e_dot(num_subnetworks)
-    programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device))
-    flags = _flags(norm_weight, router)
+    programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device), launch["block_t"],
+                                               launch["programs_per_sm"])
+    flags = _flags(norm_weight, router, p.dtype, precision)
     norm_parts = torch.empty(programs, num_heads, head_dim, device=p.device, dtype=torch.float32) \
         if flags["HAS_NORM"] else None
     router_parts = torch.empty(programs, num_heads, head_dim, e_dot, device=p.device, dtype=torch.float32) \
@@ -263,7 +292,7 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), grad_rows, grad_r.contiguous(), grad_p,
             _pointer_or(norm_parts, rows), _pointer_or(router_parts, rows),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), grad_rows.stride(0), width, eps, gate_eps,
-            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=BLOCK_T, num_warps=4, **flags,
+            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=launch["block_t"], num_warps=launch["num_warps"], **flags,
         )
     grad_norm = grad_router = None
     if norm_parts is not None:
@@ -308,7 +337,7 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float)
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
             D_H=head_dim, D_E=subnetwork_size, E_DOT=_e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
-            num_warps=4, **_flags(norm_weight, router), **_kernel_flags(k.dtype),
+            num_warps=4, **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
         )
     return out.to(p.dtype).view(batch, length, width)
 

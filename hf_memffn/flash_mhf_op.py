@@ -458,6 +458,24 @@ if _registered("flash_mhf_layer") is None:
 _layer_op = _registered("flash_mhf_layer")
 
 
+class _EagerLayer(torch.autograd.Function):
+    """The fused layer's autograd outside torch.compile: the same forward and backward as the custom operator (which
+    torch.compile needs), without its dispatch, whose Python costs about as much host time per training step as the
+    layer's GPU work at the 370M shape."""
+
+    @staticmethod
+    def forward(ctx, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+        ctx.save_for_backward(p, norm_weight, router, k, u, v)
+        ctx.settings = (head_dim, eps, gate_eps)
+        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        p, norm_weight, router, k, u, v = ctx.saved_tensors
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, *ctx.settings)
+        return (*grads, None, None, None)
+
+
 def _fused_layer_unsupported_reason(p, k, impl: str) -> str | None:
     """Why the fused layer cannot run (None when it can); decided once per device type, dtype and shape (decoding
     calls this for every layer of every step). A compiled graph decides once, while tracing: the uncached function
@@ -515,7 +533,8 @@ def flash_mhf_layer(
     p = p.contiguous()
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (p, norm_weight, router, k, u, v))
-    if not needs_grad and not torch.compiler.is_compiling():
-        # inference outside a compiled graph: the kernels directly, without the custom operator's dispatch
+    if torch.compiler.is_compiling():
+        return _layer_op(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    if not needs_grad:  # inference: the kernels directly, no autograd node
         return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
-    return _layer_op(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    return _EagerLayer.apply(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)

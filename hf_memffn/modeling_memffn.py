@@ -34,6 +34,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig
+from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
@@ -127,6 +128,14 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
+def rotate_queries_and_keys(query, key, cos, sin, kernels: str):
+    """Rotary embedding of `query` and `key` in the projections' [B, L, H, D] layout; returns both as [B, H, L, D]
+    (contiguous from the Triton kernel, transposed views from the PyTorch operations)."""
+    if kernels != "torch" and decoder_kernels_unavailable(query, kernels) is None:
+        return rotate(query, cos, sin), rotate(key, cos, sin)
+    return apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Attention (grouped-query, through transformers' attention interface)
 # --------------------------------------------------------------------------------------------------------------------
@@ -161,6 +170,7 @@ class MemFFNAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.kernels = config.decoder_kernels
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -170,11 +180,11 @@ class MemFFNAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        query, key = rotate_queries_and_keys(query, key, cos, sin, self.kernels)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
@@ -222,10 +232,11 @@ class MemFFNDecoderLayer(GradientCheckpointingLayer):
         self.layer_idx = layer_idx
         self.parallel_residual_ffn = config.parallel_residual_ffn
         self.self_attn = MemFFNAttention(config, layer_idx)
-        self.input_layernorm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = MemFFNRMSNorm(config.hidden_size, config.rms_norm_eps, config.decoder_kernels)
         self.mlp = mlp
         self.post_attention_layernorm = (
-            MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.mlp is not None else None
+            MemFFNRMSNorm(config.hidden_size, config.rms_norm_eps, config.decoder_kernels)
+            if self.mlp is not None else None
         )
 
     def forward(
@@ -383,11 +394,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
             MemFFNDecoderLayer(config, i, self.build_residual_ffn(config)) for i in range(config.num_hidden_layers)
         )
         self.memory = build_token_memory(config)
-        self.norm = MemFFNRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = MemFFNRMSNorm(config.hidden_size, config.rms_norm_eps, config.decoder_kernels)
         self.rotary_emb = MemFFNRotaryEmbedding(config)
         self.token_lookup = None  # set by `load_tols` (token_lookup.py) to read the FFNs on X0 from a table
         self.token_embedding_relay = None  # set under transformers' pipeline parallelism (see parallel.py)
         self.gradient_checkpointing = False
+        self._decoder_path_logged = False
         self.post_init()
 
     @classmethod
@@ -406,6 +418,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
+
+    def decoder_path(self, hidden_states: torch.Tensor | None = None) -> str:
+        """What the decoder's RMSNorms and rotary embeddings run for `hidden_states` (by default the parameters'
+        device and dtype): see `MemFFNConfig.decoder_kernels`."""
+        probe = hidden_states if hidden_states is not None else self.embed_tokens.weight[:1]
+        return decoder_kernels_path(probe, self.config.decoder_kernels)
 
     def memory_readout(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor):
         """Where each layer's FFN on X0 comes from: a token lookup table if one is loaded, else `TokenMemory`."""
@@ -444,6 +462,9 @@ class MemFFNModel(MemFFNPreTrainedModel):
             check_token_ids(input_ids, self.embed_tokens.num_embeddings)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if not self._decoder_path_logged and not is_torchdynamo_compiling():
+            logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
+            self._decoder_path_logged = True
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:

@@ -13,7 +13,8 @@ Parts (`--parts`, default all):
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
-  eager decoding step of every model, to see where the time goes.
+  eager decoding step of every model, to see where the time goes; the task `profile_train:<size>:<arch>` profiles one
+  eager training step of a whole model and sums its kernels by family (attention, matmuls, the FlashMHF op, ...).
 
 Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
 Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
@@ -61,10 +62,15 @@ NEW_TOKENS = 64  # --new-tokens
 SEQ_LEN = 2048
 BUILD_ON = "device"  # --build-on
 TRAIN_STEPS = 10
-# "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op
-ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")
+# "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op;
+# "<arch>_torch_decoder": the architecture with the decoder's RMSNorms and rotary embeddings as PyTorch operations
+# (`decoder_kernels="torch"`, what transformers' Llama runs) instead of the Triton kernels
+TORCH_DECODER = "_torch_decoder"
+ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused",
+         *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"))
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
+DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -88,6 +94,9 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
     torch.manual_seed(0)
     unfused = architecture == "flash_mhf_unfused"
+    if architecture.endswith(TORCH_DECODER):
+        architecture = architecture[: -len(TORCH_DECODER)]
+        overrides = {**overrides, "decoder_kernels": "torch"}
     config = build_config("flash_mhf" if unfused else architecture, size, **overrides)
     with torch.device(device if BUILD_ON == "device" else "cpu"):  # by default initialised where it runs
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -99,6 +108,12 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
 def parameter_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def decoder_path(model) -> str | None:
+    """What the decoder's norms and rotary embeddings run (None for transformers' Llama)."""
+    base = getattr(model, "model", None)
+    return base.decoder_path() if hasattr(base, "decoder_path") else None
 
 
 def ffn_path(model) -> str | None:
@@ -146,7 +161,8 @@ def train_row(architecture: str, size: str, compiled: bool, device: str) -> dict
     row = {"arch": architecture, "size": size, "mode": "compiled" if compiled else "eager", "batch": batch,
            "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
            "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "peak_gib": peak_memory_gib(),
-           "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model), **clock.summary()}
+           "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model),
+           "decoder_path": decoder_path(model), **clock.summary()}
     model = forward = None  # (the step closure holds them)
     release()
     return row
@@ -263,8 +279,31 @@ def layer_rows(size: str, device: str) -> list[dict]:
 # --------------------------------------------------------------------------------------------------------------------
 # Profiles
 # --------------------------------------------------------------------------------------------------------------------
+# Kernel families of a profile, by name (first match wins): where a whole training step spends its GPU time.
+KERNEL_FAMILIES = (
+    ("FlashMHF op", ("_forward_kernel", "_rows_gradients_kernel", "_weight_gradients_kernel", "_backward_rows_kernel",
+                     "_backward_weights_kernel")),
+    ("FlashMHF norm/gates", ("_queries_and_gates",)),
+    ("decoder norm/rotary (Triton)", ("_rms_norm_", "_rotary_kernel")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("softmax/cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
+    ("matmul (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "Kernel2")),
+    ("elementwise/reduction/copy", ("elementwise", "reduce", "copy", "Memset", "Memcpy", "fill", "index", "embedding",
+                                    "cat", "where", "scatter", "gather")),
+)
+
+
+def kernel_family(name: str) -> str:
+    lowered = name.lower()
+    for family, patterns in KERNEL_FAMILIES:
+        if any(pattern.lower() in lowered for pattern in patterns):
+            return family
+    return "other"
+
+
 def kernel_table(fn, steps: int, top: int = 25) -> dict:
-    """CUDA kernels of `steps` calls of `fn`, by total CUDA time: [(name, calls, total us)], and the totals."""
+    """CUDA kernels of `steps` calls of `fn`, by total CUDA time: [(name, calls, total us)], the totals, and the time
+    per kernel family (`KERNEL_FAMILIES`)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -284,10 +323,36 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
             calls, total = kernels.get(name, (0, 0.0))
             kernels[name] = (calls + 1, total + (event.device_time if torch.cuda.is_available() else event.cpu_time))
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
+    host = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:12]
+    families = {}
+    for name, (_, total) in kernels.items():
+        family = kernel_family(name)
+        families[family] = families.get(family, 0.0) + total / steps
     return {"steps": steps, "wall_us_per_step": wall_us / steps,
+            "families_us_per_step": dict(sorted(families.items(), key=lambda item: -item[1])),
             "kernel_us_per_step": sum(t for _, t in kernels.values()) / steps,
             "kernels_per_step": sum(c for c, _ in kernels.values()) / steps,
-            "top": [(name, calls / steps, total / steps) for name, (calls, total) in ranked[:top]]}
+            "top": [(name, calls / steps, total / steps) for name, (calls, total) in ranked[:top]],
+            # where the host spends its time (eager decoding is bound by it): operators by self CPU time
+            "host_top": [(event.key[:120], event.count / steps, event.self_cpu_time_total / steps) for event in host]}
+
+
+def profile_train_rows(size: str, device: str, architecture: str) -> dict:
+    """Kernel table of one eager training step (forward + backward) of `architecture` at `size`."""
+    model = build_model(architecture, size, device)
+    model.train()
+    ids = torch.randint(3, VOCAB_SIZE, (TRAIN_BATCH[size], SEQ_LEN), device=device)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    step()  # warm-up (autotuning, allocator)
+    table = kernel_table(step, steps=2, top=40)
+    model = None  # (the step closure holds it)
+    release()
+    return {f"train_step_{size}_{architecture}": table}
 
 
 def profile_rows(size: str, device: str, archs) -> dict:
@@ -374,9 +439,18 @@ def report(results: dict) -> str:
         lines += [f"## Profile: {name}", "",
                   f"{table['kernels_per_step']:.0f} kernels, {table['kernel_us_per_step']:.0f} us of kernels in "
                   f"{table['wall_us_per_step']:.0f} us of wall time per step.", ""]
+        if table.get("families_us_per_step"):
+            lines += markdown_table(["kernel family", "us/step", "share of kernel time"],
+                                    [[family, f"{t:.0f}", f"{t / table['kernel_us_per_step']:.1%}"]
+                                     for family, t in table["families_us_per_step"].items()])
+            lines.append("")
         lines += markdown_table(["kernel", "calls/step", "us/step"],
                                 [[f"`{k}`", f"{c:.0f}", f"{t:.1f}"] for k, c, t in table["top"]])
         lines.append("")
+        if table.get("host_top"):
+            lines += markdown_table(["host operator (self CPU time)", "calls/step", "us/step"],
+                                    [[f"`{k}`", f"{c:.0f}", f"{t:.1f}"] for k, c, t in table["host_top"]])
+            lines.append("")
     if results.get("errors"):
         lines += ["## Errors", ""] + [f"- {e}" for e in results["errors"]]
     return "\n".join(lines) + "\n"
@@ -443,6 +517,9 @@ def run_task(task: str, args, results: dict) -> None:
         results["layer"] += layer_rows(size, device)
     elif part == "profile":
         results["profile"].update(profile_rows(size, device, args.archs))
+    elif part == "profile_train":
+        (architecture,) = rest
+        results["profile"].update(profile_train_rows(size, device, architecture))
     elif part == "train":
         architecture, mode = rest
         row = train_row(architecture, size, mode == "compiled", device)
@@ -472,7 +549,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-sizes", nargs="+", default=["370M"], help="presets timed in the decode part")
     parser.add_argument("--compile-sizes", nargs="+", default=["370M"], help="presets timed compiled")
     parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M train:370M:llama:eager "
-                        "decode:370M:flash_mhf:static profile:370M (default: all of the above options)")
+                        "decode:370M:flash_mhf:static profile:370M profile_train:370M:flash_mhf (one eager training "
+                        "step by kernel family) (default: all of the above options)")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
     parser.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generate() call")

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from hf_memffn import decoder_triton  # noqa: E402
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
 
 # Shared memory one program may use (the opt-in maximum per block), by compute capability.
@@ -54,6 +55,45 @@ def cases(quick: bool):
         yield dtype, head_dim, num_subnetworks, has_norm, has_router
 
 
+def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
+    """The decoder's RMSNorm and rotary kernels (`hf_memffn/decoder_triton.py`) at the presets' widths."""
+    failures = 0
+    scalars = dict(num_rows=1, num_cols=1, stride_x=1, stride_y=1, stride_dy=1, stride_dx=1, eps=1e-5,
+                   rows_per_program=1, seq_len=1, stride_xb=1, stride_xl=1, stride_xh=1, stride_cb=1, stride_cl=1,
+                   stride_yb=1, stride_yl=1, stride_yh=1)
+    for dtype in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
+        element = "*" + dtype
+        launches = []
+        for width in (64, 1024, 2048, 5000):
+            block_r, block_c = decoder_triton._norm_blocks(width)
+            constants = dict(BLOCK_R=block_r, BLOCK_C=block_c)
+            warps = decoder_triton._norm_warps(block_c)
+            launches.append((f"rms_norm_forward N={width}", decoder_triton._rms_norm_forward_kernel,
+                             dict(X=element, W=element, Y=element, RSTD="*fp32"), constants, warps))
+            launches.append((f"rms_norm_backward N={width}", decoder_triton._rms_norm_backward_kernel,
+                             dict(DY=element, X=element, W=element, RSTD="*fp32", DX=element, DW_PARTS="*fp32"),
+                             constants, warps))
+        for head_dim in (64, 128, 96):
+            for transposed in (False, True):
+                half = head_dim // 2
+                launches.append((f"rotary D={head_dim} transposed={int(transposed)}", decoder_triton._rotary_kernel,
+                                 dict(X=element, COS=element, SIN=element, Y=element),
+                                 dict(HALF=half, HALF_P2=triton.next_power_of_2(half),
+                                      BLOCK_L=decoder_triton.ROTARY_BLOCK_L, TRANSPOSED=transposed), 4))
+        for name, kernel, pointers, constants, warps in launches:
+            label = f"{name:34s} {dtype}"
+            try:
+                shared = compile_kernel(kernel, arch, pointers, scalars, constants, num_warps=warps)
+            except Exception as exc:  # noqa: BLE001
+                failures += 1
+                print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                continue
+            fits = shared <= limit
+            failures += not fits
+            print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {shared} bytes", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_MEMORY), help="compute capability x10")
@@ -68,7 +108,8 @@ def main(argv=None) -> int:
         common_scalars = dict(eps=1e-6, gate_eps=1e-6, num_tokens=1, seq_len=1, num_heads=1,
                               num_subnetworks=num_subnetworks, stride_p=1, stride_q=1, stride_dq=1, stride_dp=1,
                               blocks_per_program=1, group_size=1, blocks_per_split=1)
-        common_constants = dict(D_H=head_dim, E_DOT=gate_width, HAS_NORM=has_norm, HAS_ROUTER=has_router)
+        common_constants = dict(D_H=head_dim, E_DOT=gate_width, HAS_NORM=has_norm, HAS_ROUTER=has_router,
+                                ROUTER_PRECISION="ieee" if dtype == "fp32" else "tf32")
         launches = [
             ("queries_and_gates", layer._queries_and_gates_kernel,
              dict(P=element, NORM_W=element, ROUTER=element, Q=element, R="*fp32"),
@@ -100,6 +141,7 @@ def main(argv=None) -> int:
             failures += not fits
             print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {shared} bytes"
                   + ("" if fits else f" > {limit}"), flush=True)
+    failures += check_decoder_kernels(args.arch, limit, args.quick)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 

@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
-           "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py"]
+           "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
+           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py"]
 
 
 def run_script(name, *args):
@@ -63,7 +64,7 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "decode:tiny:flash_mhf:eager", "profile:tiny"]
+             "decode:tiny:flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
                         "--new-tokens", "3", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -73,7 +74,9 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert all(row["tokens_per_s"] > 0 for row in data["train"])
     assert [row["batch"] for row in data["decode"]] == [1, 16] and data["decode"][0]["decode_tokens_per_s"] > 0
     assert "unfused layer" in data["train"][2]["ffn_path"] and "torch reference" in data["train"][1]["ffn_path"]
-    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf"} <= set(data["profile"])
+    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf", "train_step_tiny_flash_mhf"} <= set(data["profile"])
+    train_profile = data["profile"]["train_step_tiny_flash_mhf"]
+    assert train_profile["families_us_per_step"] and train_profile["host_top"]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown
 

@@ -1,0 +1,162 @@
+"""The decoder's Triton RMSNorm and rotary kernels (`hf_memffn/decoder_triton.py`) against a float64 ground truth,
+outputs and every gradient, and whole models on the kernels against the PyTorch operations.
+
+The kernel tests run on CUDA in this process, and on CPU in a child pytest under TRITON_INTERPRET=1
+(`test_decoder_kernels_under_interpreter_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_memffn import decoder_triton
+from hf_memffn.modeling_memffn import apply_rotary_pos_emb
+from hf_memffn.rms_norm import MemFFNRMSNorm
+from hf_memffn.testing import tiny_config
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(DEVICE)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RMSNorm
+# ------------------------------------------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 37, 64), (3, 100), (1, 5, 1024), (2, 3, 96)], ids=str)
+def test_rms_norm_matches_float64(shape, dtype):
+    eps = 1e-5
+    x, weight, grad_y = randn(*shape, seed=0), 1 + randn(shape[-1], seed=1, scale=0.2), randn(*shape, seed=2)
+    x64, w64 = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    expected = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    expected.backward(grad_y)
+    x_k, w_k = x.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
+    out = decoder_triton.rms_norm(x_k, w_k, eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    out.backward(grad_y.to(dtype))
+    errors = {"out": relative_error(out, expected), "x": relative_error(x_k.grad, x64.grad),
+              "weight": relative_error(w_k.grad, w64.grad)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    with torch.no_grad():  # inference: one launch, no autograd node, the same values
+        torch.testing.assert_close(decoder_triton.rms_norm(x_k, w_k, eps), out.detach(), rtol=0, atol=0)
+
+
+@needs_kernels
+def test_rms_norm_module_paths_agree():
+    """The module on the kernels and on the PyTorch operations: the same values (bf16: the kernel rounds once, the
+    operations after every step) and gradients; float32 weight with bf16 input promotes as PyTorch does."""
+    x = randn(4, 9, 256, seed=3).to(torch.bfloat16)
+    for weight_dtype in (torch.bfloat16, torch.float32):
+        modules = {k: MemFFNRMSNorm(256, 1e-5, kernels=k).to(DEVICE, weight_dtype) for k in ("triton", "torch")}
+        with torch.no_grad():
+            for module in modules.values():
+                module.weight.copy_(1 + randn(256, seed=4, scale=0.2))
+        outs = {k: m(x) for k, m in modules.items()}
+        assert outs["triton"].dtype == outs["torch"].dtype == torch.promote_types(weight_dtype, torch.bfloat16)
+        assert relative_error(outs["triton"], outs["torch"]) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rotary embeddings
+# ------------------------------------------------------------------------------------------------------------
+def rotary_tables(batch: int, length: int, dim: int, seed: int, shared_halves: bool = True):
+    """cos/sin [batch, L, D] in float64; `shared_halves` as RoPE builds them (both halves equal), else any values."""
+    if shared_halves:
+        angles = randn(batch, length, dim // 2, seed=seed, scale=3.0)
+        angles = torch.cat((angles, angles), -1)
+        return angles.cos(), angles.sin()
+    return randn(batch, length, dim, seed=seed), randn(batch, length, dim, seed=seed + 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 37, 3, 64, 2, True), (1, 5, 4, 16, 1, True), (3, 40, 2, 12, 1, False),
+                                  (2, 1, 2, 128, 2, True)], ids=["batch_tables", "short", "D12_any_tables", "L1"])
+def test_rotary_matches_float64(case, dtype):
+    """Output (a contiguous [B, H, L, D] tensor) and input gradient, with per-batch and batch-shared tables, a head
+    size whose half is not a power of two, and tables whose halves differ (the adjoint must not assume equal halves)."""
+    batch, length, heads, dim, table_batch, shared_halves = case
+    x, grad_out = randn(batch, length, heads, dim, seed=0), randn(batch, heads, length, dim, seed=1)
+    cos, sin = rotary_tables(table_batch, length, dim, seed=2, shared_halves=shared_halves)
+    x64 = x.clone().requires_grad_(True)
+    expected, _ = apply_rotary_pos_emb(x64.transpose(1, 2), x64.transpose(1, 2), cos, sin)
+    expected.backward(grad_out)
+    x_k = x.to(dtype).requires_grad_(True)
+    out = decoder_triton.rotate(x_k, cos.to(dtype), sin.to(dtype))
+    assert out.shape == (batch, heads, length, dim) and out.is_contiguous() and out.dtype == dtype
+    out.backward(grad_out.to(dtype))
+    errors = {"out": relative_error(out, expected), "x": relative_error(x_k.grad, x64.grad)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Whole models, and the choice of path
+# ------------------------------------------------------------------------------------------------------------
+@needs_kernels
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"])
+def test_models_on_decoder_kernels_match_pytorch_operations(arch):
+    """float32 logits, every parameter's gradient and greedy generation with the cache: the same on both paths."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    models = {}
+    for kernels in ("triton", "torch"):
+        torch.manual_seed(0)
+        # (the tiny FlashMHF FFN has 16-wide heads, which its kernels do not take: its PyTorch op runs on both paths)
+        ffn = {"ffn_kernel": "torch"} if arch == "flash_mhf" else {}
+        config = tiny_config(arch, decoder_kernels=kernels, num_key_value_heads=2, **ffn)
+        models[kernels] = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    models["torch"].load_state_dict(models["triton"].state_dict())
+    ids = torch.randint(3, config.vocab_size, (2, 24), device=DEVICE)
+    outs = {k: m(ids, labels=ids) for k, m in models.items()}
+    torch.testing.assert_close(outs["triton"].logits, outs["torch"].logits, rtol=1e-4, atol=1e-4)
+    for out in outs.values():
+        out.loss.backward()
+    for (name, a), b in zip(models["triton"].named_parameters(), models["torch"].parameters()):
+        if a.grad is not None or b.grad is not None:
+            assert relative_error(a.grad, b.grad) < 1e-4, name
+    prompt = ids[:1, :8]
+    generated = {k: m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0) for k, m in models.items()}
+    assert torch.equal(generated["triton"], generated["torch"])
+    assert models["triton"].model.decoder_path().startswith("Triton")
+    assert models["torch"].model.decoder_path().startswith("PyTorch")
+
+
+def test_decoder_kernels_field_is_checked():
+    with pytest.raises(ValueError, match="decoder_kernels"):
+        tiny_config("kvffn", decoder_kernels="cuda")
+
+
+def test_auto_runs_pytorch_operations_where_kernels_cannot_run():
+    x = torch.empty(2, 3)
+    if DEVICE == "cpu" and not decoder_triton._INTERPRET:
+        assert "need CUDA" in decoder_triton.decoder_kernels_path(x, "auto")
+        with pytest.raises(RuntimeError, match="decoder_kernels='triton' cannot run here"):
+            decoder_triton.decoder_kernels_unavailable(x, "triton")
+    assert decoder_triton.decoder_kernels_path(x, "torch") == "PyTorch RMSNorm and rotary (decoder_kernels='torch')"
+
+
+def test_compiled_model_traces_pytorch_operations_under_auto():
+    """Under torch.compile "auto" hands the norm and rotation to the compiler (no graph break from the kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", decoder_kernels="auto"))
+    ids = torch.randint(3, 100, (1, 12))
+    compiled = torch.compile(model.model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(ids).last_hidden_state, model.model(ids).last_hidden_state)
+
+
+def test_decoder_kernels_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__, "matches_float64 or paths_agree or match_pytorch_operations")
