@@ -183,6 +183,15 @@ class StepClock:
         return scores
 
 
+def dynamo_counts() -> dict:
+    """torch.compile's running counts: graphs compiled, and compiled graphs that inductor ran without CUDA graphs
+    (under `mode="reduce-overhead"`; it logs the reason as a warning)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs_compiled": sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)),
+            "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0)}
+
+
 def decode_row(model, architecture: str, size: str, batch: int, static: bool, device: str) -> dict:
     from transformers import LogitsProcessorList
 
@@ -200,6 +209,7 @@ def decode_row(model, architecture: str, size: str, batch: int, static: bool, de
                            min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]))
         return clock.times
 
+    compile_counts = dynamo_counts()
     start = time.perf_counter()
     generate(NEW_TOKENS if static else 4)  # warm-up (a static cache of the timed shape is compiled here)
     warmup_s = time.perf_counter() - start
@@ -213,6 +223,8 @@ def decode_row(model, architecture: str, size: str, batch: int, static: bool, de
            "mean_ms_per_step": (times[-1] - times[0]) / len(steps) * 1e3,
            "peak_gib": peak_memory_gib(), "warmup_s": warmup_s,
            "compiled_call": getattr(model, "_compiled_call", None) is not None,
+           # graphs compiled and CUDA-graph captures skipped by inductor during this row (warm-up and timed calls)
+           **{key: value - compile_counts[key] for key, value in dynamo_counts().items()},
            "host_load_1min": os.getloadavg()[0]}  # eager decoding is bound by the host: a busy host slows it
     return row
 
@@ -421,9 +433,10 @@ def report(results: dict) -> str:
         new_tokens = results.get("args", {}).get("new_tokens", NEW_TOKENS)
         lines += [f"## Decoding with `generate()` (greedy, prompt {PROMPT_LEN}, {new_tokens} new tokens)", ""]
         lines += markdown_table(
-            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama"],
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "graphs compiled / CUDA-graph skips"],
             [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]], f"{r['decode_tokens_per_s']:.0f}",
-              f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}"] for r in decode])
+              f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
+              f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])
         lines.append("")
     layer = results.get("layer", [])
     if layer:
