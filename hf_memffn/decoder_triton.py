@@ -64,11 +64,10 @@ if TRITON_AVAILABLE:
         col_mask = cols < num_cols
         weight = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         grad_weight = tl.zeros([BLOCK_C], dtype=tl.float32)
-        first = part * rows_per_program
-        last = tl.minimum(first + rows_per_program, num_rows)
-        for start in range(first, last, BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            row_mask = rows < last
+        first = part * rows_per_program  # (rows_per_program is a multiple of BLOCK_R)
+        for offset in range(0, rows_per_program, BLOCK_R):
+            rows = first + offset + tl.arange(0, BLOCK_R)
+            row_mask = rows < num_rows
             mask = row_mask[:, None] & col_mask[None, :]
             rows64 = rows.to(tl.int64)[:, None]
             x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -267,6 +266,9 @@ class _RotaryFunction(torch.autograd.Function):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [B, L, H, D] (the projection's layout) with ``cos``/``sin`` [B or 1, L, D]:
     returns a contiguous [B, H, L, D] tensor (the attention's layout)."""
+    if cos.shape[-1] != x.shape[-1] or sin.shape != cos.shape or cos.shape[-2] != x.shape[1]:
+        raise ValueError(f"rotary tables of shape {tuple(cos.shape)} / {tuple(sin.shape)} do not match heads of shape "
+                         f"{tuple(x.shape)} ([B, L, H, D]): they must be [B or 1, L, D]")
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))

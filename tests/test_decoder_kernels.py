@@ -159,4 +159,12 @@ def test_compiled_model_traces_pytorch_operations_under_auto():
 
 
 def test_decoder_kernels_under_interpreter_in_subprocess():
-    run_under_interpreter(__file__, "matches_float64 or paths_agree or match_pytorch_operations")
+    run_under_interpreter(__file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects")
+
+
+@needs_kernels
+def test_rotary_rejects_tables_of_another_width():
+    x = randn(1, 4, 2, 16, seed=0)
+    cos, sin = rotary_tables(1, 4, 8, seed=1)
+    with pytest.raises(ValueError, match="rotary tables of shape"):
+        decoder_triton.rotate(x, cos, sin)
