@@ -64,10 +64,11 @@ if TRITON_AVAILABLE:
         col_mask = cols < num_cols
         weight = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         grad_weight = tl.zeros([BLOCK_C], dtype=tl.float32)
-        first = part * rows_per_program  # (rows_per_program is a multiple of BLOCK_R)
-        for offset in range(0, rows_per_program, BLOCK_R):
-            rows = first + offset + tl.arange(0, BLOCK_R)
-            row_mask = rows < num_rows
+        first = part * rows_per_program
+        last = tl.minimum(first + rows_per_program, num_rows)
+        for start in range(first, last, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            row_mask = rows < last
             mask = row_mask[:, None] & col_mask[None, :]
             rows64 = rows.to(tl.int64)[:, None]
             x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
