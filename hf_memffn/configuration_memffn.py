@@ -105,7 +105,7 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
     return plan
 
 
-DECODER_KERNELS = ("auto", "triton", "torch")  # (decoder_triton.py checks the same names)
+DECODER_KERNELS = ("auto", "triton", "torch")  # how the decoder's norms and rotations run (decoder_triton.py)
 
 
 class MemFFNConfig(PretrainedConfig):

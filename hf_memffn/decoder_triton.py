@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from .configuration_memffn import DECODER_KERNELS
+
 try:
     import triton
     import triton.language as tl
@@ -35,7 +37,6 @@ except ImportError as exc:  # the package must import on machines without triton
     triton = tl = None
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR = False, repr(exc)
 
-DECODER_KERNELS = ("auto", "triton", "torch")
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if TRITON_AVAILABLE:
@@ -183,20 +184,19 @@ def rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     grad_rows = grad_y.reshape(rows.shape)
     num_rows, num_cols = rows.shape
     grad_x = torch.empty_like(rows)
+    if not num_rows:
+        return grad_x.view(x.shape), torch.zeros_like(weight)
     block_r, block_c = _norm_blocks(num_cols)
-    programs = max(1, min(triton.cdiv(num_rows, block_r), 2 * _num_sms(x.device)))
-    rows_per_program = block_r * triton.cdiv(triton.cdiv(num_rows, block_r), programs)
-    programs = max(1, triton.cdiv(num_rows, rows_per_program))
+    # about two programs per multiprocessor, each over a whole number of row blocks
+    row_blocks = triton.cdiv(num_rows, block_r)
+    rows_per_program = block_r * triton.cdiv(row_blocks, min(row_blocks, 2 * _num_sms(x.device)))
+    programs = triton.cdiv(num_rows, rows_per_program)
     parts = torch.empty(programs, num_cols, device=x.device, dtype=torch.float32)
-    if num_rows:
-        _rms_norm_backward_kernel[(programs,)](
-            grad_rows, rows, weight, rstd, grad_x, parts, num_rows, num_cols, grad_rows.stride(0), rows.stride(0),
-            grad_x.stride(0), rows_per_program, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
-        )
-        grad_weight = parts.sum(0).to(weight.dtype)
-    else:
-        grad_weight = torch.zeros_like(weight)
-    return grad_x.view(x.shape), grad_weight
+    _rms_norm_backward_kernel[(programs,)](
+        grad_rows, rows, weight, rstd, grad_x, parts, num_rows, num_cols, grad_rows.stride(0), rows.stride(0),
+        grad_x.stride(0), rows_per_program, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
+    )
+    return grad_x.view(x.shape), parts.sum(0).to(weight.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -280,4 +280,4 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.transpose(1, 2)
 
 
-__all__ = ["DECODER_KERNELS", "decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate"]
+__all__ = ["decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate"]

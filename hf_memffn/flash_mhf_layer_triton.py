@@ -60,7 +60,8 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _gate_scores(q, router, num_subnetworks, E_DOT: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
-        """(sigmoid scores s [rows, E_DOT], 0 past E) of float32 queries: the router product in float32."""
+        """(sigmoid scores s [rows, E_DOT], 0 past E) of float32 queries: the router product accumulated in float32
+        (inputs rounded to tf32 when ROUTER_PRECISION is "tf32")."""
         logits = tl.dot(q, router, input_precision=ROUTER_PRECISION)
         scores = tl.sigmoid(logits)
         return tl.where(tl.arange(0, E_DOT)[None, :] < num_subnetworks, scores, 0.0)
@@ -213,7 +214,6 @@ def router_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-BLOCK_T = GATES_LAUNCH["block_t"]  # (compile_check.py) tokens per program of the norm/gate kernels
 DECODE_BLOCK_T = 16  # tokens per program of the decode kernel (the smallest tile a product takes)
 DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many tokens
 DECODE_BLOCK_N = 64

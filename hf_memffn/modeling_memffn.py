@@ -170,7 +170,6 @@ class MemFFNAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.kernels = config.decoder_kernels
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -184,7 +183,7 @@ class MemFFNAttention(nn.Module):
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = rotate_queries_and_keys(query, key, cos, sin, self.kernels)
+        query, key = rotate_queries_and_keys(query, key, cos, sin, self.config.decoder_kernels)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 

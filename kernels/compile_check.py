@@ -113,11 +113,11 @@ def main(argv=None) -> int:
         launches = [
             ("queries_and_gates", layer._queries_and_gates_kernel,
              dict(P=element, NORM_W=element, ROUTER=element, Q=element, R="*fp32"),
-             dict(common_constants, BLOCK_T=layer.BLOCK_T)),
+             dict(common_constants, BLOCK_T=layer.GATES_LAUNCH["block_t"])),
             ("queries_and_gates_backward", layer._queries_and_gates_backward_kernel,
              dict(P=element, NORM_W=element, ROUTER=element, DQ=element, DR="*fp32", DP=element,
                   DNORM_PARTS="*fp32", DROUTER_PARTS="*fp32"),
-             dict(common_constants, BLOCK_T=layer.BLOCK_T)),
+             dict(common_constants, BLOCK_T=layer.GATES_BACKWARD_LAUNCH["block_t"])),
         ]
         sixteen_bit = ELEMENT_SIZE[dtype] == 2
         for subnetwork_size in SUBNETWORK_SIZES:

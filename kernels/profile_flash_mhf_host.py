@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import TRAIN_BATCH, ffn_layers  # noqa: E402
-from harness import cuda_ms, environment, log, synchronize, write_json, write_text  # noqa: E402
+from harness import cuda_ms, environment, log, median, synchronize, write_json, write_text  # noqa: E402
 
 SEQ_LEN = 2048
 
@@ -38,7 +38,7 @@ def host_profile(fn, steps: int, top: int = 30) -> dict:
         fn()
     host_ms = (time.perf_counter() - start) / steps * 1e3  # the time to issue (the GPU may still be running)
     synchronize()
-    gpu_ms = sorted(cuda_ms(fn, steps, warmup=1))[steps // 2]
+    gpu_ms = median(cuda_ms(fn, steps, warmup=1))
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):

@@ -56,15 +56,29 @@ def test_rms_norm_matches_float64(shape, dtype):
 def test_rms_norm_module_paths_agree():
     """The module on the kernels and on the PyTorch operations: the same values (bf16: the kernel rounds once, the
     operations after every step) and gradients; float32 weight with bf16 input promotes as PyTorch does."""
-    x = randn(4, 9, 256, seed=3).to(torch.bfloat16)
+    grad = randn(4, 9, 256, seed=5)
     for weight_dtype in (torch.bfloat16, torch.float32):
         modules = {k: MemFFNRMSNorm(256, 1e-5, kernels=k).to(DEVICE, weight_dtype) for k in ("triton", "torch")}
+        inputs = {k: randn(4, 9, 256, seed=3).to(torch.bfloat16).requires_grad_(True) for k in modules}
         with torch.no_grad():
             for module in modules.values():
                 module.weight.copy_(1 + randn(256, seed=4, scale=0.2))
-        outs = {k: m(x) for k, m in modules.items()}
+        outs = {k: m(inputs[k]) for k, m in modules.items()}
         assert outs["triton"].dtype == outs["torch"].dtype == torch.promote_types(weight_dtype, torch.bfloat16)
         assert relative_error(outs["triton"], outs["torch"]) < 1e-2
+        for out in outs.values():
+            out.backward(grad.to(out.dtype))
+        assert relative_error(inputs["triton"].grad, inputs["torch"].grad) < 2e-2
+        assert relative_error(modules["triton"].weight.grad, modules["torch"].weight.grad) < 2e-2
+
+
+@needs_kernels
+def test_rms_norm_of_no_rows():
+    x = torch.empty(0, 5, 64, device=DEVICE, requires_grad=True)
+    weight = torch.ones(64, device=DEVICE, requires_grad=True)
+    out = decoder_triton.rms_norm(x, weight, 1e-5)
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -148,18 +162,27 @@ def test_auto_runs_pytorch_operations_where_kernels_cannot_run():
 
 
 def test_compiled_model_traces_pytorch_operations_under_auto():
-    """Under torch.compile "auto" hands the norm and rotation to the compiler (no graph break from the kernels)."""
+    """Under torch.compile "auto" hands the norm and rotation to the compiler: one graph, no break, the eager result
+    (meaningful where the kernels run eagerly: on CUDA, and in the interpreter run on CPU); "triton" refuses."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", decoder_kernels="auto"))
-    ids = torch.randint(3, 100, (1, 12))
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", decoder_kernels="auto")).to(DEVICE)
+    ids = torch.randint(3, 100, (1, 12), device=DEVICE)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model.model)(ids)
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0
     compiled = torch.compile(model.model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(ids).last_hidden_state, model.model(ids).last_hidden_state)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="decoder_kernels='triton' cannot run here"):
+        torch.compile(MemFFNRMSNorm(16, kernels="triton").to(DEVICE), fullgraph=True, backend="eager")(
+            torch.ones(2, 16, device=DEVICE))
 
 
 def test_decoder_kernels_under_interpreter_in_subprocess():
-    run_under_interpreter(__file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects")
+    run_under_interpreter(
+        __file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects or no_rows or compiled_model")
 
 
 @needs_kernels
