@@ -2,14 +2,18 @@
 KVFFN at the presets of `examples/presets.py` (equal parameters), in one run on one GPU.
 
     PYTHONPATH=. python kernels/bench_models.py --out kernels/results/models
-    PYTHONPATH=. python kernels/bench_models.py --out DIR --sizes 370M --parts train decode --compile
+    PYTHONPATH=. python kernels/bench_models.py --out DIR --sizes 370M --compile
+    PYTHONPATH=. python kernels/bench_models.py --out DIR --tasks train:370M:llama:eager decode:370M:llama+kvffn:static
 
-Parts (`--parts`, default all):
+Measurements (all of them by default, or the `--tasks` named):
 - `train`: a training step (forward + backward, no optimiser) on random tokens at the preset's batch (370M: 8 x 2048,
   1.3B: 4 x 2048): tokens/s and peak memory, eager and, with `--compile`, under `torch.compile`.
 - `decode`: `generate()` decode tokens/s at batch 1 and 16 (prompt 128, greedy), eager with the dynamic cache and, with
   `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
-  the prefill, so the prefill is not counted.
+  the prefill, so the prefill is not counted. At these sizes a step is bound by the host (Python, launches, guards),
+  whose speed drifts by 20% from minute to minute: the models of a task (`decode:370M:llama+flash_mhf:static`)
+  decode in turn, round by round (`--decode-repeats`), and `profile_decode:<size>:<arch>` shows a static-cache
+  call's kernels, CUDA-graph launches and host time.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
@@ -59,6 +63,7 @@ VOCAB_SIZE = 32000
 DECODE_BATCHES = (1, 16)
 PROMPT_LEN = 128
 NEW_TOKENS = 64  # --new-tokens
+DECODE_REPEATS = 3  # --decode-repeats
 SEQ_LEN = 2048
 BUILD_ON = "device"  # --build-on
 TRAIN_STEPS = 10
@@ -192,7 +197,9 @@ def dynamo_counts() -> dict:
             "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0)}
 
 
-def decode_row(model, architecture: str, size: str, batch: int, static: bool, device: str) -> dict:
+def decode_generator(model, batch: int, static: bool, device: str):
+    """Greedy `generate()` from a random prompt of `batch` rows: returns a function of the number of new tokens that
+    decodes them and returns the time at the end of the prefill and of every decoding step."""
     from transformers import LogitsProcessorList
 
     model.eval()
@@ -202,31 +209,63 @@ def decode_row(model, architecture: str, size: str, batch: int, static: bool, de
     generation.cache_implementation = "static" if static else None
     ids = torch.randint(3, VOCAB_SIZE, (batch, PROMPT_LEN), device=device)
 
-    def generate(new_tokens: int):
+    def generate(new_tokens: int) -> list[float]:
         clock = StepClock()
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, logits_processor=LogitsProcessorList([clock]))
         return clock.times
 
-    compile_counts = dynamo_counts()
-    start = time.perf_counter()
-    generate(NEW_TOKENS if static else 4)  # warm-up (a static cache of the timed shape is compiled here)
-    warmup_s = time.perf_counter() - start
+    return generate
+
+
+def decode_rows(models: dict, size: str, batch: int, static: bool, device: str) -> list[dict]:
+    """One row per model of `models` ({architecture: model}) at `batch`: each is warmed up (compiled, for a static
+    cache), then DECODE_REPEATS rounds time one `generate()` call of every model in turn, so that the host's slow and
+    fast minutes (decoding at these sizes is bound by the host) fall on all of them alike. The median step over all
+    rounds is reported, each round's median beside it."""
+    generators, warmups, compile_counts = {}, {}, {}
+    for architecture, model in models.items():
+        counts = dynamo_counts()
+        generators[architecture] = decode_generator(model, batch, static, device)
+        start = time.perf_counter()
+        generators[architecture](NEW_TOKENS if static else 4)  # warm-up (compiles the timed shape)
+        warmups[architecture] = time.perf_counter() - start
+        compile_counts[architecture] = {key: value - counts[key] for key, value in dynamo_counts().items()}
     reset_peak_memory()
-    times = generate(NEW_TOKENS)
-    # times[0] ends the prefill; every later mark ends one decoding step: the median step is what is reported
-    steps = [b - a for a, b in zip(times, times[1:])]
-    step_s = median(steps)
-    row = {"arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
-           "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
-           "mean_ms_per_step": (times[-1] - times[0]) / len(steps) * 1e3,
-           "peak_gib": peak_memory_gib(), "warmup_s": warmup_s,
-           "compiled_call": getattr(model, "_compiled_call", None) is not None,
-           # graphs compiled and CUDA-graph captures skipped by inductor during this row (warm-up and timed calls)
-           **{key: value - compile_counts[key] for key, value in dynamo_counts().items()},
-           "host_load_1min": os.getloadavg()[0]}  # eager decoding is bound by the host: a busy host slows it
-    return row
+    # each call's times[0] ends the prefill, every later mark ends one decoding step
+    round_steps = {architecture: [] for architecture in models}
+    for _ in range(DECODE_REPEATS):
+        for architecture, generate in generators.items():
+            times = generate(NEW_TOKENS)
+            round_steps[architecture].append([b - a for a, b in zip(times, times[1:])])
+    rows = []
+    for architecture, rounds in round_steps.items():
+        step_s = median([step for steps in rounds for step in steps])
+        rows.append({
+            "arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
+            "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
+            "round_median_ms_per_step": [median(steps) * 1e3 for steps in rounds],
+            "peak_gib": peak_memory_gib() if len(models) == 1 else None,  # (shared by the models of a group)
+            "warmup_s": warmups[architecture],
+            "compiled_call": getattr(models[architecture], "_compiled_call", None) is not None,
+            # graphs compiled and CUDA-graph captures skipped by inductor in this model's warm-up
+            **compile_counts[architecture],
+            "interleaved_with": [a for a in models if a != architecture],
+            "host_load_1min": os.getloadavg()[0]})
+    return rows
+
+
+def profile_decode_rows(size: str, device: str, architecture: str, batch: int = 1) -> dict:
+    """Kernel and host tables of one static-cache compiled `generate()` call (NEW_TOKENS tokens, after a warm-up call
+    that compiles): whether the decoding steps replay CUDA graphs, and where the GPU and the host spend a step."""
+    model = build_model(architecture, size, device)
+    generate = decode_generator(model, batch, static=True, device=device)
+    generate(NEW_TOKENS)  # warm-up: compiles and captures
+    table = kernel_table(lambda: generate(NEW_TOKENS), steps=1, top=25)
+    model = generate = None  # (the closure holds the model)
+    release()
+    return {f"decode_{size}_{architecture}_static_b{batch}_generate_{NEW_TOKENS}_tokens": table}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -328,8 +367,9 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
             fn()
         synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
-    kernels = {}
+    kernels, graph_launches = {}, 0
     for event in prof.events():
+        graph_launches += event.name == "cudaGraphLaunch"
         if event.device_type == kernel_type:
             name = event.name[:120]
             calls, total = kernels.get(name, (0, 0.0))
@@ -344,27 +384,29 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
             "families_us_per_step": dict(sorted(families.items(), key=lambda item: -item[1])),
             "kernel_us_per_step": sum(t for _, t in kernels.values()) / steps,
             "kernels_per_step": sum(c for c, _ in kernels.values()) / steps,
+            "cuda_graph_launches_per_step": graph_launches / steps,
             "top": [(name, calls / steps, total / steps) for name, (calls, total) in ranked[:top]],
             # where the host spends its time (eager decoding is bound by it): operators by self CPU time
             "host_top": [(event.key[:120], event.count / steps, event.self_cpu_time_total / steps) for event in host]}
 
 
-def profile_train_rows(size: str, device: str, architecture: str) -> dict:
-    """Kernel table of one eager training step (forward + backward) of `architecture` at `size`."""
+def profile_train_rows(size: str, device: str, architecture: str, compiled: bool = False) -> dict:
+    """Kernel table of one training step (forward + backward) of `architecture` at `size`, eager or compiled."""
     model = build_model(architecture, size, device)
     model.train()
     ids = torch.randint(3, VOCAB_SIZE, (TRAIN_BATCH[size], SEQ_LEN), device=device)
+    forward = torch.compile(model) if compiled else model
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        forward(input_ids=ids, labels=ids).loss.backward()
         for p in model.parameters():
             p.grad = None
 
-    step()  # warm-up (autotuning, allocator)
+    step()  # warm-up (compilation, autotuning, allocator)
     table = kernel_table(step, steps=2, top=40)
-    model = None  # (the step closure holds it)
+    model = forward = None  # (the step closure holds them)
     release()
-    return {f"train_step_{size}_{architecture}": table}
+    return {f"train_step_{size}_{architecture}" + ("_compiled" if compiled else ""): table}
 
 
 def profile_rows(size: str, device: str, archs) -> dict:
@@ -433,9 +475,11 @@ def report(results: dict) -> str:
         new_tokens = results.get("args", {}).get("new_tokens", NEW_TOKENS)
         lines += [f"## Decoding with `generate()` (greedy, prompt {PROMPT_LEN}, {new_tokens} new tokens)", ""]
         lines += markdown_table(
-            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "graphs compiled / CUDA-graph skips"],
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "ms/step by round",
+             "graphs compiled / CUDA-graph skips"],
             [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]], f"{r['decode_tokens_per_s']:.0f}",
               f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
+              " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
               f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])
         lines.append("")
     layer = results.get("layer", [])
@@ -451,7 +495,9 @@ def report(results: dict) -> str:
     for name, table in results.get("profile", {}).items():
         lines += [f"## Profile: {name}", "",
                   f"{table['kernels_per_step']:.0f} kernels, {table['kernel_us_per_step']:.0f} us of kernels in "
-                  f"{table['wall_us_per_step']:.0f} us of wall time per step.", ""]
+                  f"{table['wall_us_per_step']:.0f} us of wall time per step"
+                  + (f", {table['cuda_graph_launches_per_step']:.0f} CUDA-graph launches"
+                     if table.get("cuda_graph_launches_per_step") else "") + ".", ""]
         if table.get("families_us_per_step"):
             lines += markdown_table(["kernel family", "us/step", "share of kernel time"],
                                     [[family, f"{t:.0f}", f"{t / table['kernel_us_per_step']:.1%}"]
@@ -513,11 +559,11 @@ def default_tasks(args) -> list[str]:
     tasks = [f"layer:{args.sizes[0]}"]
     for size in args.sizes:
         tasks += [f"train:{size}:{arch}:eager" for arch in args.archs]
-    for size in args.decode_sizes:
-        tasks += [f"decode:{size}:{arch}:eager" for arch in args.archs]
+    for size in args.decode_sizes:  # the models of a size decode in turn, round by round (`decode_rows`)
+        tasks.append(f"decode:{size}:{'+'.join(args.archs)}:eager")
     if args.compile:
         for size in args.compile_sizes:
-            tasks += [f"decode:{size}:{arch}:static" for arch in args.archs]
+            tasks.append(f"decode:{size}:{'+'.join(args.archs)}:static")
             tasks += [f"train:{size}:{arch}:compiled" for arch in args.archs]
     tasks.append(f"profile:{args.sizes[0]}")
     return tasks
@@ -530,9 +576,15 @@ def run_task(task: str, args, results: dict) -> None:
         results["layer"] += layer_rows(size, device)
     elif part == "profile":
         results["profile"].update(profile_rows(size, device, args.archs))
+    elif part == "profile_decode":
+        architecture, *batch = rest
+        results["profile"].update(profile_decode_rows(size, device, architecture, int(batch[0]) if batch else 1))
     elif part == "profile_train":
-        (architecture,) = rest
-        results["profile"].update(profile_train_rows(size, device, architecture))
+        architecture, *mode = rest
+        compiled = mode == ["compiled"]
+        if mode not in ([], ["eager"], ["compiled"]):
+            raise ValueError(f"task {task!r}: the mode after the architecture is 'eager' (default) or 'compiled'")
+        results["profile"].update(profile_train_rows(size, device, architecture, compiled))
     elif part == "train":
         architecture, mode = rest
         row = train_row(architecture, size, mode == "compiled", device)
@@ -540,14 +592,15 @@ def run_task(task: str, args, results: dict) -> None:
         log(f"train {size} {mode} {architecture}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
             f"peak {fmt(row['peak_gib'])} GiB")
     elif part == "decode":
-        architecture, mode = rest
-        model = build_model(architecture, size, device)
-        for batch in DECODE_BATCHES:
-            row = decode_row(model, architecture, size, batch, mode == "static", device)
-            results["decode"].append(row)
-            log(f"decode {size} {row['mode']} b{batch} {architecture}: {row['decode_tokens_per_s']:.0f} tokens/s "
-                f"({row['ms_per_step']:.2f} ms/step)")
-        del model
+        architectures, mode = rest
+        models = {architecture: build_model(architecture, size, device) for architecture in architectures.split("+")}
+        for batch in args.decode_batches:
+            for row in decode_rows(models, size, batch, mode == "static", device):
+                results["decode"].append(row)
+                rounds = ", ".join(f"{t:.2f}" for t in row["round_median_ms_per_step"])
+                log(f"decode {size} {row['mode']} b{batch} {row['arch']}: {row['decode_tokens_per_s']:.0f} tokens/s "
+                    f"({row['ms_per_step']:.2f} ms/step; rounds {rounds})")
+        del models
         release()
     else:
         raise ValueError(f"unknown task {task!r}")
@@ -562,11 +615,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-sizes", nargs="+", default=["370M"], help="presets timed in the decode part")
     parser.add_argument("--compile-sizes", nargs="+", default=["370M"], help="presets timed compiled")
     parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M train:370M:llama:eager "
-                        "decode:370M:flash_mhf:static profile:370M profile_train:370M:flash_mhf (one eager training "
-                        "step by kernel family) (default: all of the above options)")
+                        "decode:370M:llama+flash_mhf:static (models joined by + decode in turn) profile:370M "
+                        "profile_train:370M:flash_mhf[:compiled] (one training step by kernel family) "
+                        "profile_decode:370M:flash_mhf[:16] (one static-cache generate() call at batch 1 [16]) "
+                        "(default: all of the above options)")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
     parser.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generate() call")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES),
+                        help="batch sizes of the decode rows")
+    parser.add_argument("--decode-repeats", type=int, default=3,
+                        help="rounds of timed generate() calls per decode row (the step median is taken over all)")
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],
                         help="where models are initialised before they move to --device (cpu: as the baseline run did; "
                              "slower to build, kept to tell whether construction on the device changes eager decoding)")
@@ -575,8 +634,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
-    global SEQ_LEN, NEW_TOKENS, BUILD_ON
-    SEQ_LEN, NEW_TOKENS, BUILD_ON = args.seq_len, args.new_tokens, args.build_on
+    # every compiled model adds entries to the cache of the same code (`Module.__call__`): room for all of a run's
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS
+    SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
     tasks = args.tasks or default_tasks(args)
     results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],
                "layer": [], "profile": {}, "errors": [], "skipped": []}

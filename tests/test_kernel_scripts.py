@@ -64,21 +64,27 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "decode:tiny:flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf"]
+             "decode:tiny:llama+flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf",
+             "profile_decode:tiny:flash_mhf:2"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
-                        "--new-tokens", "3", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
+                        "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and data["tasks"] == tasks
     assert [row["arch"] for row in data["train"]] == ["llama", "flash_mhf", "flash_mhf_unfused"]
     assert all(row["tokens_per_s"] > 0 for row in data["train"])
-    assert [row["batch"] for row in data["decode"]] == [1, 16] and data["decode"][0]["decode_tokens_per_s"] > 0
+    # the models of a decode task take turns, round by round, at each batch size
+    assert [(row["batch"], row["arch"]) for row in data["decode"]] == [
+        (1, "llama"), (1, "flash_mhf"), (16, "llama"), (16, "flash_mhf")]
+    assert all(row["decode_tokens_per_s"] > 0 and len(row["round_median_ms_per_step"]) == 2 for row in data["decode"])
+    assert data["decode"][1]["interleaved_with"] == ["llama"]
     assert "unfused layer" in data["train"][2]["ffn_path"] and "torch reference" in data["train"][1]["ffn_path"]
-    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf", "train_step_tiny_flash_mhf"} <= set(data["profile"])
+    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf", "train_step_tiny_flash_mhf",
+            "decode_tiny_flash_mhf_static_b2_generate_3_tokens"} <= set(data["profile"])
     train_profile = data["profile"]["train_step_tiny_flash_mhf"]
     assert train_profile["families_us_per_step"] and train_profile["host_top"]
     markdown = (tmp_path / "models_bench.md").read_text()
-    assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown
+    assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown and "| ms/step by round |" in markdown
 
 
 @pytest.mark.slow
