@@ -12,8 +12,9 @@ Measurements (all of them by default, or the `--tasks` named):
   `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
   the prefill, so the prefill is not counted. At these sizes a step is bound by the host (Python, launches, guards),
   whose speed drifts by 20% from minute to minute: the models of a task (`decode:370M:llama+flash_mhf:static`)
-  decode in turn, round by round (`--decode-repeats`), and `profile_decode:<size>:<arch>` shows a static-cache
-  call's kernels, CUDA-graph launches and host time.
+  decode in turn, round by round (`--decode-repeats`); with `--decode-processes` each model decodes in a process of
+  its own (compiled models otherwise share the compile cache of `Module.__call__`, which slows the later ones'
+  lookups). `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and host time.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
@@ -219,39 +220,106 @@ def decode_generator(model, batch: int, static: bool, device: str):
     return generate
 
 
-def decode_rows(models: dict, size: str, batch: int, static: bool, device: str) -> list[dict]:
-    """One row per model of `models` ({architecture: model}) at `batch`: each is warmed up (compiled, for a static
-    cache), then DECODE_REPEATS rounds time one `generate()` call of every model in turn, so that the host's slow and
-    fast minutes (decoding at these sizes is bound by the host) fall on all of them alike. The median step over all
-    rounds is reported, each round's median beside it."""
-    generators, warmups, compile_counts = {}, {}, {}
-    for architecture, model in models.items():
+class LocalDecoder:
+    """A model decoding in this process (the models of a task share the process, its compile cache included)."""
+
+    def __init__(self, architecture: str, size: str, device: str, static: bool):
+        self.model = build_model(architecture, size, device)
+        self.device, self.static, self.generators = device, static, {}
+
+    def warm_up(self, batch: int) -> dict:
+        """Compiles (for a static cache) and runs the shape of `batch` once: seconds taken, graphs compiled and
+        CUDA-graph captures skipped."""
         counts = dynamo_counts()
-        generators[architecture] = decode_generator(model, batch, static, device)
+        self.generators[batch] = decode_generator(self.model, batch, self.static, self.device)
         start = time.perf_counter()
-        generators[architecture](NEW_TOKENS if static else 4)  # warm-up (compiles the timed shape)
-        warmups[architecture] = time.perf_counter() - start
-        compile_counts[architecture] = {key: value - counts[key] for key, value in dynamo_counts().items()}
+        self.generators[batch](NEW_TOKENS if self.static else 4)
+        return {"warmup_s": time.perf_counter() - start,
+                "compiled_call": getattr(self.model, "_compiled_call", None) is not None,
+                **{key: value - counts[key] for key, value in dynamo_counts().items()}}
+
+    def steps(self, batch: int) -> list[float]:
+        """Seconds of each decoding step of one timed `generate()` call (the prefill is not a step)."""
+        times = self.generators[batch](NEW_TOKENS)
+        return [b - a for a, b in zip(times, times[1:])]
+
+    def close(self) -> None:
+        self.model = self.generators = None
+
+
+def _decoder_worker(connection, architecture: str, size: str, device: str, static: bool, settings: dict) -> None:
+    """A `LocalDecoder` in a process of its own, driven by `ProcessDecoder` through `connection`."""
+    globals().update(settings)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    decoder = LocalDecoder(architecture, size, device, static)
+    connection.send("ready")
+    while True:
+        command, batch = connection.recv()
+        if command == "stop":
+            return
+        try:
+            connection.send(("ok", getattr(decoder, command)(batch)))
+        except Exception as exc:  # noqa: BLE001 - the driver reports it and goes on with the other models
+            connection.send(("error", f"{architecture}: {exc!r}"))
+
+
+class ProcessDecoder:
+    """A model decoding in a process of its own (`--decode-processes`): no compile cache shared with the other
+    models, as a user runs one model, while the driver still has the models take turns."""
+
+    def __init__(self, architecture: str, size: str, device: str, static: bool):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
+        self.connection, child = context.Pipe()
+        settings = {"SEQ_LEN": SEQ_LEN, "NEW_TOKENS": NEW_TOKENS, "BUILD_ON": BUILD_ON}
+        self.process = context.Process(target=_decoder_worker, args=(child, architecture, size, device, static, settings))
+        self.process.start()
+        if self.connection.recv() != "ready":
+            raise RuntimeError(f"the decoding process of {architecture} did not start")
+
+    def _call(self, command: str, batch: int):
+        self.connection.send((command, batch))
+        status, value = self.connection.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def warm_up(self, batch: int) -> dict:
+        return self._call("warm_up", batch)
+
+    def steps(self, batch: int) -> list[float]:
+        return self._call("steps", batch)
+
+    def close(self) -> None:
+        self.connection.send(("stop", 0))
+        self.process.join(timeout=60)
+
+
+def decode_rows(decoders: dict, size: str, batch: int, static: bool) -> list[dict]:
+    """One row per model of `decoders` ({architecture: LocalDecoder or ProcessDecoder}) at `batch`: each is warmed up
+    (compiled, for a static cache), then DECODE_REPEATS rounds time one `generate()` call of every model in turn, so
+    that the host's slow and fast minutes (decoding at these sizes is bound by the host) fall on all of them alike.
+    The median step over all rounds is reported, each round's median beside it."""
+    warm = {architecture: decoder.warm_up(batch) for architecture, decoder in decoders.items()}
     reset_peak_memory()
-    # each call's times[0] ends the prefill, every later mark ends one decoding step
-    round_steps = {architecture: [] for architecture in models}
+    round_steps = {architecture: [] for architecture in decoders}
     for _ in range(DECODE_REPEATS):
-        for architecture, generate in generators.items():
-            times = generate(NEW_TOKENS)
-            round_steps[architecture].append([b - a for a, b in zip(times, times[1:])])
+        for architecture, decoder in decoders.items():
+            round_steps[architecture].append(decoder.steps(batch))
     rows = []
     for architecture, rounds in round_steps.items():
         step_s = median([step for steps in rounds for step in steps])
+        separate = isinstance(decoders[architecture], ProcessDecoder)
         rows.append({
             "arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
             "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
             "round_median_ms_per_step": [median(steps) * 1e3 for steps in rounds],
-            "peak_gib": peak_memory_gib() if len(models) == 1 else None,  # (shared by the models of a group)
-            "warmup_s": warmups[architecture],
-            "compiled_call": getattr(models[architecture], "_compiled_call", None) is not None,
-            # graphs compiled and CUDA-graph captures skipped by inductor in this model's warm-up
-            **compile_counts[architecture],
-            "interleaved_with": [a for a in models if a != architecture],
+            # (the models of a task share this process's peak unless each has its own process)
+            "peak_gib": peak_memory_gib() if len(decoders) == 1 and not separate else None,
+            **warm[architecture],  # warm-up seconds, graphs compiled, CUDA-graph captures skipped
+            "interleaved_with": [a for a in decoders if a != architecture],
+            "own_process": separate,
             "host_load_1min": os.getloadavg()[0]})
     return rows
 
@@ -477,7 +545,8 @@ def report(results: dict) -> str:
         lines += markdown_table(
             ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "ms/step by round",
              "graphs compiled / CUDA-graph skips"],
-            [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]], f"{r['decode_tokens_per_s']:.0f}",
+            [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else ""),
+              f"{r['decode_tokens_per_s']:.0f}",
               f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
               " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
               f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])
@@ -593,15 +662,21 @@ def run_task(task: str, args, results: dict) -> None:
             f"peak {fmt(row['peak_gib'])} GiB")
     elif part == "decode":
         architectures, mode = rest
-        models = {architecture: build_model(architecture, size, device) for architecture in architectures.split("+")}
-        for batch in args.decode_batches:
-            for row in decode_rows(models, size, batch, mode == "static", device):
-                results["decode"].append(row)
-                rounds = ", ".join(f"{t:.2f}" for t in row["round_median_ms_per_step"])
-                log(f"decode {size} {row['mode']} b{batch} {row['arch']}: {row['decode_tokens_per_s']:.0f} tokens/s "
-                    f"({row['ms_per_step']:.2f} ms/step; rounds {rounds})")
-        del models
-        release()
+        decoder_class = ProcessDecoder if args.decode_processes else LocalDecoder
+        decoders = {architecture: decoder_class(architecture, size, device, mode == "static")
+                    for architecture in architectures.split("+")}
+        try:
+            for batch in args.decode_batches:
+                for row in decode_rows(decoders, size, batch, mode == "static"):
+                    results["decode"].append(row)
+                    rounds = ", ".join(f"{t:.2f}" for t in row["round_median_ms_per_step"])
+                    log(f"decode {size} {row['mode']} b{batch} {row['arch']}: {row['decode_tokens_per_s']:.0f} "
+                        f"tokens/s ({row['ms_per_step']:.2f} ms/step; rounds {rounds})")
+        finally:
+            for decoder in decoders.values():
+                decoder.close()
+            del decoders
+            release()
     else:
         raise ValueError(f"unknown task {task!r}")
 
@@ -624,6 +699,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generate() call")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES),
                         help="batch sizes of the decode rows")
+    parser.add_argument("--decode-processes", action="store_true",
+                        help="each model of a decode task decodes in a process of its own (its own compile cache, as "
+                             "a user runs one model); the models still take turns")
     parser.add_argument("--decode-repeats", type=int, default=3,
                         help="rounds of timed generate() calls per decode row (the step median is taken over all)")
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],

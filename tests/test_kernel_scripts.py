@@ -87,6 +87,18 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown and "| ms/step by round |" in markdown
 
 
+def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
+    """`--decode-processes`: the models of a decode task run in processes of their own and still take turns."""
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
+                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes",
+                        "--tasks", "decode:tiny:llama+kvffn:eager")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == ["llama", "kvffn"]
+    assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 2 for row in data["decode"])
+    assert "KVFFN, own process" in (tmp_path / "models_bench.md").read_text()
+
+
 @pytest.mark.slow
 def test_layer_kernels_compile_for_hopper():
     """Ahead-of-time compilation for sm_90 (Triton's bundled ptxas, no GPU): lowering errors and launches that would
