@@ -189,6 +189,11 @@ class StepClock:
         return scores
 
 
+def allow_recompiles() -> None:
+    """Every compiled model adds entries to the cache of one code object (`Module.__call__`): room for a whole run's."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def dynamo_counts() -> dict:
     """torch.compile's running counts: graphs compiled, and compiled graphs that inductor ran without CUDA graphs
     (under `mode="reduce-overhead"`; it logs the reason as a warning)."""
@@ -250,7 +255,7 @@ class LocalDecoder:
 def _decoder_worker(connection, architecture: str, size: str, device: str, static: bool, settings: dict) -> None:
     """A `LocalDecoder` in a process of its own, driven by `ProcessDecoder` through `connection`."""
     globals().update(settings)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_recompiles()
     decoder = LocalDecoder(architecture, size, device, static)
     connection.send("ready")
     while True:
@@ -327,11 +332,10 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool) -> list[dic
 def profile_decode_rows(size: str, device: str, architecture: str, batch: int = 1) -> dict:
     """Kernel and host tables of one static-cache compiled `generate()` call (NEW_TOKENS tokens, after a warm-up call
     that compiles): whether the decoding steps replay CUDA graphs, and where the GPU and the host spend a step."""
-    model = build_model(architecture, size, device)
-    generate = decode_generator(model, batch, static=True, device=device)
-    generate(NEW_TOKENS)  # warm-up: compiles and captures
-    table = kernel_table(lambda: generate(NEW_TOKENS), steps=1, top=25)
-    model = generate = None  # (the closure holds the model)
+    decoder = LocalDecoder(architecture, size, device, static=True)
+    decoder.warm_up(batch)  # compiles and captures
+    table = kernel_table(lambda: decoder.steps(batch), steps=1, top=25)
+    decoder.close()
     release()
     return {f"decode_{size}_{architecture}_static_b{batch}_generate_{NEW_TOKENS}_tokens": table}
 
@@ -712,8 +716,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
-    # every compiled model adds entries to the cache of the same code (`Module.__call__`): room for all of a run's
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_recompiles()
     global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
     tasks = args.tasks or default_tasks(args)

@@ -384,51 +384,50 @@ def test_sdpa_and_eager_attention_agree(arch):
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
 
 
-def _attention_masks_seen(model, monkeypatch) -> list:
-    """Records the mask each attention call of `model` receives (None: sdpa's `is_causal` flag)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    seen, sdpa = [], ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        seen.append(attention_mask)
-        return sdpa(module, query, key, value, attention_mask, **kwargs)
-
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", recording)
-    return seen
-
-
 @pytest.mark.parametrize("arch", ["flash_mhf", "kvffn"])
 def test_unpadded_sequences_attend_with_the_causal_flag_and_match_the_explicit_mask(arch, monkeypatch):
     """No attention mask, no positions and an empty cache (a training step, a prompt's first forward into a dynamic or
-    static cache): sdpa gets no mask, also while torch.compile traces, and the logits are those of an explicit causal
-    mask (eager attention). A padding mask, given positions or a filled cache go through transformers' mask."""
+    static cache): the decoder builds no mask (sdpa's causal flag), also while torch.compile traces, and the logits are
+    those of an explicit causal mask (eager attention). A padding mask, given positions (which may mark packed
+    sequences) or a filled cache go through transformers' `create_causal_mask`."""
     from transformers import StaticCache
 
+    from hf_memffn import modeling_memffn
+
+    built = []  # one entry per forward that asked transformers for a mask
+
+    def create_causal_mask(**kwargs):
+        built.append(kwargs["attention_mask"])
+        return real_create_causal_mask(**kwargs)
+
+    real_create_causal_mask = modeling_memffn.create_causal_mask
+    monkeypatch.setattr(modeling_memffn, "create_causal_mask", create_causal_mask)
     model = build(arch)
     eager = copy.deepcopy(model)
     eager.set_attn_implementation("eager")
-    seen = _attention_masks_seen(model, monkeypatch)
     ids = torch.randint(3, 320, (2, 9))
     with torch.no_grad():
         expected = eager(ids).logits
+        assert len(built) == 1  # (eager attention always takes transformers' mask)
+        built.clear()
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-5)
         static = StaticCache(config=model.config, max_cache_len=16)
         torch.testing.assert_close(model(ids, past_key_values=static, use_cache=True).logits, expected,
                                    rtol=1e-4, atol=1e-5)
-        positions = torch.arange(9)[None].expand(2, 9)  # (may mark packed sequences: transformers reads them)
-        torch.testing.assert_close(model(ids, position_ids=positions).logits, expected, rtol=1e-4, atol=1e-5)
         cached = model(ids[:, :5], use_cache=True).past_key_values
-        assert all(mask is None for mask in seen)
-        seen.clear()
+        assert built == []
+        positions = torch.arange(9)[None].expand(2, 9)
+        torch.testing.assert_close(model(ids, position_ids=positions).logits, expected, rtol=1e-4, atol=1e-5)
+        padding = torch.ones_like(ids)
+        torch.testing.assert_close(model(ids, attention_mask=padding).logits, expected, rtol=1e-4, atol=1e-5)
         model(ids[:, 5:], past_key_values=cached, use_cache=True)
-    assert len(seen) == model.config.num_hidden_layers and all(mask is not None for mask in seen)
-    seen.clear()
+        assert len(built) == 3
+    built.clear()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-4, atol=1e-5)
-    assert seen and all(mask is None for mask in seen)
+    assert built == []
 
 
 @pytest.mark.parametrize("arch", ARCHS)
