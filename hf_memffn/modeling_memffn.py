@@ -16,6 +16,7 @@ architecture runs. These files import only torch, transformers, safetensors and 
 """
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -600,6 +601,12 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+# transformers' generate() reads the forward's signature at every decoding step of a model with its own code (to see
+# whether it takes `cache_position`), and `inspect` rebuilds it through the decorators each time: host time that
+# transformers' own models do not pay, and that a static-cache step, bound by the host, shows. Computed once here.
+MemFFNForCausalLM.forward.__signature__ = inspect.signature(MemFFNForCausalLM.forward)
 
 
 def register_for_auto_classes(config_class, model_class, causal_lm_class) -> None:

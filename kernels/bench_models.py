@@ -14,7 +14,9 @@ Measurements (all of them by default, or the `--tasks` named):
   whose speed drifts by 20% from minute to minute: the models of a task (`decode:370M:llama+flash_mhf:static`)
   decode in turn, round by round (`--decode-repeats`); with `--decode-processes` each model decodes in a process of
   its own (compiled models otherwise share the compile cache of `Module.__call__`, which slows the later ones'
-  lookups). `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and host time.
+  lookups). Each row gives the median step, the fastest decile's step and the median over rounds of Llama's round
+  median divided by the model's. `--decode-profile` profiles each model where it ran, after its rounds;
+  `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and host time.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
@@ -72,11 +74,14 @@ TRAIN_STEPS = 10
 # "<arch>_torch_decoder": the architecture with the decoder's RMSNorms and rotary embeddings as PyTorch operations
 # (`decoder_kernels="torch"`, what transformers' Llama runs) instead of the Triton kernels
 TORCH_DECODER = "_torch_decoder"
+# "kvffn_no_bias": KVFFN without its three biases per layer, `kvffn_bias=False`, a diagnostic of what the bias tensors cost
+# (fewer parameters than the other rows)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
-ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"))
+ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
+DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -103,6 +108,8 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     if architecture.endswith(TORCH_DECODER):
         architecture = architecture[: -len(TORCH_DECODER)]
         overrides = {**overrides, "decoder_kernels": "torch"}
+    if architecture == "kvffn_no_bias":
+        architecture, overrides = "kvffn", {**overrides, "kvffn_bias": False}
     config = build_config("flash_mhf" if unfused else architecture, size, **overrides)
     with torch.device(device if BUILD_ON == "device" else "cpu"):  # by default initialised where it runs
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -232,6 +239,11 @@ class LocalDecoder:
         self.model = build_model(architecture, size, device)
         self.device, self.static, self.generators = device, static, {}
 
+    def start_warm_up(self, batch: int):
+        """`warm_up` now; returns the function that gives its result (`ProcessDecoder` runs it in the background)."""
+        result = self.warm_up(batch)
+        return lambda: result
+
     def warm_up(self, batch: int) -> dict:
         """Compiles (for a static cache) and runs the shape of `batch` once: seconds taken, graphs compiled and
         CUDA-graph captures skipped."""
@@ -247,6 +259,10 @@ class LocalDecoder:
         """Seconds of each decoding step of one timed `generate()` call (the prefill is not a step)."""
         times = self.generators[batch](NEW_TOKENS)
         return [b - a for a, b in zip(times, times[1:])]
+
+    def profile(self, batch: int) -> dict:
+        """Kernel and host tables of one timed `generate()` call at `batch`, in the state the timed rounds left."""
+        return kernel_table(lambda: self.steps(batch), steps=1, top=25)
 
     def close(self) -> None:
         self.model = self.generators = None
@@ -270,25 +286,40 @@ def _decoder_worker(connection, architecture: str, size: str, device: str, stati
 
 class ProcessDecoder:
     """A model decoding in a process of its own (`--decode-processes`): no compile cache shared with the other
-    models, as a user runs one model, while the driver still has the models take turns."""
+    models, as a user runs one model, while the driver still has the models take turns. The processes build their
+    models and compile at the same time (only the timed calls take turns)."""
 
     def __init__(self, architecture: str, size: str, device: str, static: bool):
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
+        self.architecture = architecture
         self.connection, child = context.Pipe()
         settings = {"SEQ_LEN": SEQ_LEN, "NEW_TOKENS": NEW_TOKENS, "BUILD_ON": BUILD_ON}
         self.process = context.Process(target=_decoder_worker, args=(child, architecture, size, device, static, settings))
         self.process.start()
-        if self.connection.recv() != "ready":
-            raise RuntimeError(f"the decoding process of {architecture} did not start")
+        self.started = False  # the "ready" message is read by the first command, so that the models build together
 
-    def _call(self, command: str, batch: int):
+    def _send(self, command: str, batch: int) -> None:
+        if not self.started:
+            if self.connection.recv() != "ready":
+                raise RuntimeError(f"the decoding process of {self.architecture} did not start")
+            self.started = True
         self.connection.send((command, batch))
+
+    def _receive(self):
         status, value = self.connection.recv()
         if status != "ok":
             raise RuntimeError(value)
         return value
+
+    def _call(self, command: str, batch: int):
+        self._send(command, batch)
+        return self._receive()
+
+    def start_warm_up(self, batch: int):
+        self._send("warm_up", batch)
+        return self._receive
 
     def warm_up(self, batch: int) -> dict:
         return self._call("warm_up", batch)
@@ -296,37 +327,54 @@ class ProcessDecoder:
     def steps(self, batch: int) -> list[float]:
         return self._call("steps", batch)
 
+    def profile(self, batch: int) -> dict:
+        return self._call("profile", batch)
+
     def close(self) -> None:
-        self.connection.send(("stop", 0))
+        if self.process.is_alive():
+            self.connection.send(("stop", 0))
         self.process.join(timeout=60)
 
 
-def decode_rows(decoders: dict, size: str, batch: int, static: bool) -> list[dict]:
+def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bool = False) -> tuple[list[dict], dict]:
     """One row per model of `decoders` ({architecture: LocalDecoder or ProcessDecoder}) at `batch`: each is warmed up
     (compiled, for a static cache), then DECODE_REPEATS rounds time one `generate()` call of every model in turn, so
     that the host's slow and fast minutes (decoding at these sizes is bound by the host) fall on all of them alike.
-    The median step over all rounds is reported, each round's median beside it."""
-    warm = {architecture: decoder.warm_up(batch) for architecture, decoder in decoders.items()}
+    The median step over all rounds is reported, each round's median beside it. With `profile`, each model then
+    profiles one more call where it ran (`--decode-profile`): the kernel and host tables behind the row. Models in
+    processes of their own warm up at the same time, so their warm-up seconds overlap."""
+    pending = {architecture: decoder.start_warm_up(batch) for architecture, decoder in decoders.items()}
+    warm = {architecture: result() for architecture, result in pending.items()}
     reset_peak_memory()
     round_steps = {architecture: [] for architecture in decoders}
     for _ in range(DECODE_REPEATS):
         for architecture, decoder in decoders.items():
             round_steps[architecture].append(decoder.steps(batch))
+    round_medians = {architecture: [median(steps) for steps in rounds] for architecture, rounds in round_steps.items()}
     rows = []
     for architecture, rounds in round_steps.items():
-        step_s = median([step for steps in rounds for step in steps])
+        all_steps = sorted(step for steps in rounds for step in steps)
+        step_s = median(all_steps)
+        # Llama's step over this model's, round by round (the two calls seconds apart), then the median of those
+        paired = [base / own for base, own in zip(round_medians["llama"], round_medians[architecture])
+                  ] if "llama" in round_medians else []
         separate = isinstance(decoders[architecture], ProcessDecoder)
         rows.append({
             "arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
             "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
-            "round_median_ms_per_step": [median(steps) * 1e3 for steps in rounds],
+            "round_median_ms_per_step": [t * 1e3 for t in round_medians[architecture]],
+            "p10_ms_per_step": all_steps[len(all_steps) // 10] * 1e3,  # the fastest decile's bound: less host noise
+            "round_paired_ratio_to_llama": median(paired) if paired else None,
             # (the models of a task share this process's peak unless each has its own process)
             "peak_gib": peak_memory_gib() if len(decoders) == 1 and not separate else None,
             **warm[architecture],  # warm-up seconds, graphs compiled, CUDA-graph captures skipped
             "interleaved_with": [a for a in decoders if a != architecture],
             "own_process": separate,
             "host_load_1min": os.getloadavg()[0]})
-    return rows
+    mode = "static" if static else "eager"
+    profiles = {f"decode_{size}_{architecture}_{mode}_b{batch}_in_task": decoder.profile(batch)
+                for architecture, decoder in decoders.items()} if profile else {}
+    return rows, profiles
 
 
 def profile_decode_rows(size: str, device: str, architecture: str, batch: int = 1) -> dict:
@@ -547,11 +595,12 @@ def report(results: dict) -> str:
         new_tokens = results.get("args", {}).get("new_tokens", NEW_TOKENS)
         lines += [f"## Decoding with `generate()` (greedy, prompt {PROMPT_LEN}, {new_tokens} new tokens)", ""]
         lines += markdown_table(
-            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "ms/step by round",
-             "graphs compiled / CUDA-graph skips"],
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "x Llama, median of round pairs",
+             "p10 ms/step", "ms/step by round", "graphs compiled / CUDA-graph skips"],
             [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else ""),
               f"{r['decode_tokens_per_s']:.0f}",
               f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
+              fmt(r.get("round_paired_ratio_to_llama"), ".2f"), fmt(r.get("p10_ms_per_step"), ".2f"),
               " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
               f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])
         lines.append("")
@@ -671,7 +720,9 @@ def run_task(task: str, args, results: dict) -> None:
                     for architecture in architectures.split("+")}
         try:
             for batch in args.decode_batches:
-                for row in decode_rows(decoders, size, batch, mode == "static"):
+                rows, profiles = decode_rows(decoders, size, batch, mode == "static", args.decode_profile)
+                results["profile"].update(profiles)
+                for row in rows:
                     results["decode"].append(row)
                     rounds = ", ".join(f"{t:.2f}" for t in row["round_median_ms_per_step"])
                     log(f"decode {size} {row['mode']} b{batch} {row['arch']}: {row['decode_tokens_per_s']:.0f} "
@@ -706,6 +757,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-processes", action="store_true",
                         help="each model of a decode task decodes in a process of its own (its own compile cache, as "
                              "a user runs one model); the models still take turns")
+    parser.add_argument("--decode-profile", action="store_true",
+                        help="after its timed rounds, each model of a decode task profiles one more call where it ran "
+                             "(its own process with --decode-processes)")
     parser.add_argument("--decode-repeats", type=int, default=3,
                         help="rounds of timed generate() calls per decode row (the step median is taken over all)")
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
-           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py"]
+           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py"]
 
 
 def run_script(name, *args):
@@ -88,15 +88,35 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
 
 
 def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
-    """`--decode-processes`: the models of a decode task run in processes of their own and still take turns."""
+    """`--decode-processes`: the models of a decode task run in processes of their own and still take turns;
+    `--decode-profile` profiles each where it ran."""
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
-                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes",
-                        "--tasks", "decode:tiny:llama+kvffn:eager")
+                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes", "--decode-profile",
+                        "--tasks", "decode:tiny:llama+kvffn+kvffn_no_bias:eager")
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
-    assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == ["llama", "kvffn"]
+    assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == ["llama", "kvffn", "kvffn_no_bias"]
     assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 2 for row in data["decode"])
+    llama = data["decode"][0]
+    assert llama["round_paired_ratio_to_llama"] == 1.0 and llama["p10_ms_per_step"] <= llama["ms_per_step"]
     assert "KVFFN, own process" in (tmp_path / "models_bench.md").read_text()
+    # --decode-profile: each model's tables, taken in its own process after the timed rounds
+    profiles = {name: data["profile"][name] for name in data["profile"]}
+    assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in ("llama", "kvffn", "kvffn_no_bias")}
+    assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
+
+
+def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
+    """`profile_decode_host.py`: the host time of a static-cache step, each model (and the variant whose forward
+    rebuilds its signature) measured in a process of its own."""
+    result = run_script("profile_decode_host.py", "--out", str(tmp_path), "--size", "tiny", "--rounds", "1",
+                        "--calls", "1", "--new-tokens", "3", "--archs", "llama", "kvffn", "--rebuilt-signature")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "decode_host.json").read_text())
+    assert list(data["rounds"]) == ["llama", "kvffn", "kvffn:rebuilt_signature"]
+    assert all(len(rounds) == 1 and rounds[0] > 0 for rounds in data["rounds"].values())
+    assert data["parameters"]["kvffn"] > data["parameters"]["llama"]  # (its biases)
+    assert "host us per step" in (tmp_path / "decode_host.md").read_text()
 
 
 @pytest.mark.slow

@@ -339,6 +339,26 @@ def test_static_cache_generation_equals_dynamic(arch):
     assert torch.equal(dynamic, static)
 
 
+def test_generation_steps_read_the_forward_signature_computed_once(monkeypatch):
+    """transformers' generate() asks for the forward's signature of a model with its own code at every decoding step;
+    `inspect` returns the one stored on the forward instead of rebuilding it through the decorators."""
+    import inspect
+
+    model = build("kvffn")
+    assert model.is_remote_code()  # (registered for the Auto classes: generate() takes the custom-code branch)
+    built = []
+    original = inspect._signature_from_function
+    monkeypatch.setattr(inspect, "_signature_from_function", lambda *a, **k: built.append(a[1]) or original(*a, **k))
+    signature = inspect.signature(model.forward)
+    assert built == []
+    unwrapped = inspect.signature(inspect.unwrap(type(model).forward))
+    assert list(signature.parameters) == list(unwrapped.parameters)[1:]  # (without `self`)
+    assert "labels" in signature.parameters and "logits_to_keep" in signature.parameters
+    built.clear()
+    model.generate(torch.randint(3, 320, (1, 4)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert "MemFFNForCausalLM.forward" not in [function.__qualname__ for function in built]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padded_batch_generation_equals_per_row(arch):
     model = build(arch)

@@ -1,0 +1,147 @@
+"""Host time of a static-cache decoding step, measured without a GPU.
+
+    python kernels/profile_decode_host.py --out DIR                  # the 370M presets' depth, ~3 min on a CPU
+    python kernels/profile_decode_host.py --out DIR --size tiny --rounds 1 --archs llama kvffn   # smoke run
+
+At the 370M preset a compiled static-cache `generate()` step on an H100 is about 1.2 ms of GPU kernels in a
+2.3-3 ms step: the rest is host work that the CUDA graph does not hide. This script measures the part of that host
+work that comes from the model's Python: each model decodes with `generate()` and a static cache while
+`torch.compile` hands the traced graph to a backend that runs it once and then only returns those outputs. What is
+left of a step is `generate()`'s own Python, dynamo's guard check and the bytecode around the graph (inductor's
+wrapper and the graph launch are not included). The models have the preset's depth and parameter tensors with tiny
+widths, since only the host is measured.
+
+Each measurement is a process of its own (no compile cache shared between models), and the models take turns over
+`--rounds` rounds, so that the host's slow and fast minutes fall on all of them. `--rebuilt-signature` adds rows
+where our models' forward has no stored signature, as before it had one: transformers' `generate()` then rebuilds it
+through the decorators at every step (it does so for every model with its own code). Writes decode_host.json and
+decode_host.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import environment, log, markdown_table, median, write_json, write_text  # noqa: E402
+
+REBUILT = ":rebuilt_signature"  # a variant's suffix: the forward without its stored signature
+TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "head_dim": 16}
+FLASH_MHF_WIDTHS = {"intermediate_size": 128, "ffn_num_heads": 2, "ffn_num_subnetworks": 2}
+
+
+def worker(variant: str, size: str, calls: int, new_tokens: int) -> dict:
+    """One model in this process: the median host time of a decoding step over `calls` `generate()` calls."""
+    import torch
+    from transformers import AutoModelForCausalLM, CompileConfig
+
+    import bench_models
+
+    architecture, rebuilt = variant.removesuffix(REBUILT), variant.endswith(REBUILT)
+    overrides = {"kvffn_bias": False} if architecture == "kvffn_no_bias" else {}
+    name = "kvffn" if architecture == "kvffn_no_bias" else architecture
+    widths = {**TINY_WIDTHS, **(FLASH_MHF_WIDTHS if name == "flash_mhf" else {})}
+    config = bench_models.build_config(name, size, **widths, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if rebuilt:
+        if architecture == "llama":
+            raise ValueError("--rebuilt-signature applies to our models, not transformers' Llama")
+        del type(model).forward.__signature__
+
+    def replay_first_outputs(graph, example_inputs):
+        outputs = graph(*example_inputs)
+        return lambda *args: outputs
+
+    compile_config = CompileConfig(fullgraph=True, backend=replay_first_outputs, mode=None)
+    compile_config._compile_all_devices = True  # (generate() compiles on accelerators only unless told)
+    model.generation_config.compile_config = compile_config
+    generate = bench_models.decode_generator(model, 1, True, "cpu")
+    generate(new_tokens)  # compiles
+    medians = []
+    for _ in range(calls):
+        times = generate(new_tokens)
+        medians.append(median([b - a for a, b in zip(times, times[1:])]))
+    return {"variant": variant, "step_us": median(medians) * 1e6, "parameters": len(list(model.parameters())),
+            "compiled_call": getattr(model, "_compiled_call", None) is not None}
+
+
+def cpu_name() -> str:
+    """The processor's model name and core count (the host is what this script measures)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown processor'}, {os.cpu_count()} cores"
+
+
+def measure(variant: str, args) -> dict:
+    command = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--size", args.size,
+               "--calls", str(args.calls), "--new-tokens", str(args.new_tokens), "--out", args.out]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{variant}: the measuring process failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def report(results: dict) -> str:
+    env, args = results["environment"], results["args"]
+    lines = [f"# Host time of a static-cache decoding step ({args['size']} depth, tiny widths)", "",
+             f"{env['cpu']}; torch {env['torch']}, transformers {env['transformers']}. Each model in a process of "
+             f"its own, {args['rounds']} rounds in turn, {args['calls']} `generate()` calls of {args['new_tokens']} "
+             "tokens per round; the compiled graph replaced by its first outputs (what is left: `generate()`, "
+             "dynamo's guards, the bytecode around the graph).", ""]
+    base = median(results["rounds"]["llama"]) if "llama" in results["rounds"] else None
+    rows = []
+    for variant, rounds in results["rounds"].items():
+        step = median(rounds)
+        rows.append([variant, results["parameters"][variant], f"{step:.0f}",
+                     f"{step - base:+.0f}" if base else "-", " / ".join(f"{t:.0f}" for t in rounds)])
+    lines += markdown_table(["model", "parameter tensors", "host us per step", "vs Llama", "by round"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for decode_host.{json,md}")
+    parser.add_argument("--size", default="370M", help="preset of examples/presets.py whose depth the models take")
+    parser.add_argument("--archs", nargs="+", default=["llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn",
+                                                        "kvffn_no_bias"])
+    parser.add_argument("--rebuilt-signature", action="store_true",
+                        help="also our models with the forward's signature rebuilt at every step")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=10, help="timed generate() calls per measurement")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.size, args.calls, args.new_tokens)))
+        return {}
+    variants = list(args.archs)
+    if args.rebuilt_signature:
+        variants += [f"{arch}{REBUILT}" for arch in args.archs if arch != "llama"]
+    results = {"environment": {**environment(), "cpu": cpu_name()}, "args": vars(args), "rounds": {v: [] for v in variants},
+               "parameters": {}}
+    start = time.perf_counter()
+    for round_index in range(args.rounds):
+        for variant in variants:
+            row = measure(variant, args)
+            results["rounds"][variant].append(row["step_us"])
+            results["parameters"][variant] = row["parameters"]
+            log(f"[{time.perf_counter() - start:.0f} s] round {round_index + 1} {variant}: {row['step_us']:.0f} us")
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "decode_host.json"), results)
+        write_text(os.path.join(args.out, "decode_host.md"), report(results))
+    log(report(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
