@@ -76,12 +76,16 @@ TRAIN_STEPS = 10
 TORCH_DECODER = "_torch_decoder"
 # "kvffn_no_bias": KVFFN without its three biases per layer, `kvffn_bias=False`, a diagnostic of what the bias tensors cost
 # (fewer parameters than the other rows)
+# "llama_causal_flag": transformers' Llama given sdpa's causal flag instead of the [B, 1, L, L] mask that transformers
+# builds while compiling, as our decoder does (training steps without padding only; `causal_flag_attention`)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
-ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias")
+ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
+         "llama_causal_flag")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
 DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
+DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -100,10 +104,30 @@ def build_config(architecture: str, size: str, **overrides):
     return hf_memffn.ARCHITECTURES[architecture](**fields)
 
 
+def causal_flag_attention() -> str:
+    """Registers "sdpa_causal_flag" with transformers: its own sdpa attention, and a mask function that builds no mask,
+    so sdpa gets `is_causal=True`. Valid only for sequences without padding that start an empty cache (what the
+    training rows run); anything else raises."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def no_mask(*, q_length, kv_length, attention_mask=None, **kwargs):
+        if attention_mask is not None or q_length != kv_length:
+            raise ValueError("llama_causal_flag: only for sequences without a padding mask and without a cache")
+        return None
+
+    AttentionInterface.register("sdpa_causal_flag", AttentionInterface._global_mapping["sdpa"])
+    AttentionMaskInterface.register("sdpa_causal_flag", no_mask)
+    return "sdpa_causal_flag"
+
+
 def build_model(architecture: str, size: str, device: str, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
+    attention = "sdpa"
+    if architecture == "llama_causal_flag":
+        architecture, attention = "llama", causal_flag_attention()
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
         architecture = architecture[: -len(TORCH_DECODER)]
@@ -112,7 +136,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
         architecture, overrides = "kvffn", {**overrides, "kvffn_bias": False}
     config = build_config("flash_mhf" if unfused else architecture, size, **overrides)
     with torch.device(device if BUILD_ON == "device" else "cpu"):  # by default initialised where it runs
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attention)
     for module in model.modules():
         if unfused and hasattr(module, "fused_layer"):
             module.fused_layer = False

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
@@ -104,6 +105,24 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     profiles = {name: data["profile"][name] for name in data["profile"]}
     assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in ("llama", "kvffn", "kvffn_no_bias")}
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
+
+
+def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
+    """bench_models' `llama_causal_flag` row: transformers' Llama with sdpa's causal flag in place of the mask gives
+    Llama's logits, also compiled, and refuses inputs the flag cannot stand for."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    flag, llama = (bench_models.build_model(arch, "tiny", "cpu").float() for arch in ("llama_causal_flag", "llama"))
+    ids = torch.randint(3, 1000, (2, 16))
+    with torch.no_grad():
+        expected = llama(input_ids=ids).logits
+        torch.testing.assert_close(flag(input_ids=ids).logits, expected)
+        torch.testing.assert_close(torch.compile(flag)(input_ids=ids).logits, expected)
+        with pytest.raises(ValueError, match="padding mask"):
+            flag(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
 def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
