@@ -604,9 +604,12 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
 
 
 # transformers' generate() reads the forward's signature at every decoding step of a model with its own code (to see
-# whether it takes `cache_position`), and `inspect` rebuilds it through the decorators each time: host time that
-# transformers' own models do not pay, and that a static-cache step, bound by the host, shows. Computed once here.
-MemFFNForCausalLM.forward.__signature__ = inspect.signature(MemFFNForCausalLM.forward)
+# whether it takes `cache_position`), and `inspect` rebuilds it each time: host time that transformers' own models do
+# not pay, and that a static-cache step, bound by the host, shows. Computed once, and stored on the undecorated
+# function, where `inspect` finds it after following the decorators: the bound method's signature still drops `self`,
+# also through wrappers that copy the decorated function's attributes (accelerate's hooks).
+_undecorated_forward = inspect.unwrap(MemFFNForCausalLM.forward)
+_undecorated_forward.__signature__ = inspect.signature(_undecorated_forward)
 
 
 def register_for_auto_classes(config_class, model_class, causal_lm_class) -> None:

@@ -357,6 +357,11 @@ def test_generation_steps_read_the_forward_signature_computed_once(monkeypatch):
     built.clear()
     model.generate(torch.randint(3, 320, (1, 4)), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert "MemFFNForCausalLM.forward" not in [function.__qualname__ for function in built]
+    # a forward that accelerate's hooks wrap (device_map dispatch) keeps the same signature, without `self`
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    add_hook_to_module(model, ModelHook())
+    assert inspect.signature(model.forward) == signature
 
 
 @pytest.mark.parametrize("arch", ARCHS)
