@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import environment, log, markdown_table, median, write_json, write_text  # noqa: E402
+from bench_models import ARCHS  # noqa: E402
 
 REBUILT = ":rebuilt_signature"  # a variant's suffix: the forward without its stored signature
 TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -39,20 +40,15 @@ FLASH_MHF_WIDTHS = {"intermediate_size": 128, "ffn_num_heads": 2, "ffn_num_subne
 
 def worker(variant: str, size: str, calls: int, new_tokens: int) -> dict:
     """One model in this process: the median host time of a decoding step over `calls` `generate()` calls."""
-    import torch
-    from transformers import AutoModelForCausalLM, CompileConfig
+    from transformers import CompileConfig
 
     import bench_models
 
     architecture, rebuilt = variant.removesuffix(REBUILT), variant.endswith(REBUILT)
-    overrides = {"kvffn_bias": False} if architecture == "kvffn_no_bias" else {}
-    name = "kvffn" if architecture == "kvffn_no_bias" else architecture
-    widths = {**TINY_WIDTHS, **(FLASH_MHF_WIDTHS if name == "flash_mhf" else {})}
-    config = bench_models.build_config(name, size, **widths, **overrides)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    widths = {**TINY_WIDTHS, **(FLASH_MHF_WIDTHS if architecture.startswith("flash_mhf") else {})}
+    model = bench_models.build_model(architecture, size, "cpu", **widths).float()
     if rebuilt:
-        if architecture == "llama":
+        if architecture.startswith("llama"):
             raise ValueError("--rebuilt-signature applies to our models, not transformers' Llama")
         del inspect.unwrap(type(model).forward).__signature__  # (stored on the undecorated function)
 
@@ -113,8 +109,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for decode_host.{json,md}")
     parser.add_argument("--size", default="370M", help="preset of examples/presets.py whose depth the models take")
-    parser.add_argument("--archs", nargs="+", default=["llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn",
-                                                        "kvffn_no_bias"])
+    parser.add_argument("--archs", nargs="+", choices=ARCHS,
+                        default=["llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "kvffn_no_bias"],
+                        help="models of kernels/bench_models.py (kvffn_no_bias: KVFFN without its biases)")
     parser.add_argument("--rebuilt-signature", action="store_true",
                         help="also our models with the forward's signature rebuilt at every step")
     parser.add_argument("--rounds", type=int, default=4)
@@ -127,7 +124,7 @@ def main(argv=None) -> dict:
         return {}
     variants = list(args.archs)
     if args.rebuilt_signature:
-        variants += [f"{arch}{REBUILT}" for arch in args.archs if arch != "llama"]
+        variants += [f"{arch}{REBUILT}" for arch in args.archs if not arch.startswith("llama")]
     results = {"environment": {**environment(), "cpu": cpu_name()}, "args": vars(args), "rounds": {v: [] for v in variants},
                "parameters": {}}
     start = time.perf_counter()
