@@ -14,9 +14,11 @@ Measurements (all of them by default, or the `--tasks` named):
   whose speed drifts by 20% from minute to minute: the models of a task (`decode:370M:llama+flash_mhf:static`)
   decode in turn, round by round (`--decode-repeats`); with `--decode-processes` each model decodes in a process of
   its own (compiled models otherwise share the compile cache of `Module.__call__`, which slows the later ones'
-  lookups). Each row gives the median step, the fastest decile's step and the median over rounds of Llama's round
-  median divided by the model's. `--decode-profile` profiles each model where it ran, after its rounds;
-  `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and host time.
+  lookups); every other round reverses the order, and `--decode-cpus` pins each process to a CPU once it has
+  compiled. Each row gives the median step, the fastest decile's step and the median over rounds of Llama's round
+  median divided by the model's, with the quartiles of those ratios. `--decode-profile` profiles each model where it
+  ran, after its rounds; `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and
+  host time.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
@@ -288,8 +290,65 @@ class LocalDecoder:
         """Kernel and host tables of one timed `generate()` call at `batch`, in the state the timed rounds left."""
         return kernel_table(lambda: self.steps(batch), steps=1, top=25)
 
+    def pin(self, cpu: int) -> int:
+        """Every thread of this process on CPU `cpu` from now on (after the warm-up, whose compilation wants all of
+        them); returns `cpu`."""
+        pin_process(cpu)
+        return cpu
+
     def close(self) -> None:
         self.model = self.generators = None
+
+
+def quartiles(values) -> tuple[float, float]:
+    """The first and third quartiles of `values` (the middle half lies between them)."""
+    import statistics
+
+    first, _, third = statistics.quantiles(values, n=4)
+    return first, third
+
+
+def pin_process(cpu: int) -> None:
+    """Every thread of this process (the Python thread that decodes and the CUDA driver's) on CPU `cpu`."""
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), {cpu})
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU ids of a Linux CPU list such as "0-7,16-23"."""
+    cpus = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
+def decode_cpus(spec: str | None) -> list[int] | None:
+    """The CPUs that `--decode-cpus` names: None (no pinning), "gpu" (the CPUs of the GPU's NUMA node, as the
+    kernel lists them for its PCI device), or a list such as "8-13" or "8,9,10"."""
+    if spec is None:
+        return None
+    if spec != "gpu":
+        try:
+            return parse_cpu_list(spec)
+        except ValueError:
+            raise ValueError(f"--decode-cpus={spec!r} is not 'gpu' or a CPU list such as '8-13' or '8,9,10'") from None
+    import subprocess
+
+    bus_id = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    domain, rest = bus_id.split(":", 1)  # nvidia-smi writes an 8-digit domain, sysfs a 4-digit one
+    path = f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest.lower()}/local_cpulist"
+    with open(path, encoding="utf-8") as handle:
+        cpus = parse_cpu_list(handle.read())
+    allowed = os.sched_getaffinity(0)
+    cpus = [cpu for cpu in cpus if cpu in allowed]
+    if not cpus:
+        raise RuntimeError(f"--decode-cpus=gpu: none of the CPUs in {path} is available to this process")
+    return cpus
 
 
 def _decoder_worker(connection, architecture: str, size: str, device: str, static: bool, settings: dict) -> None:
@@ -299,11 +358,11 @@ def _decoder_worker(connection, architecture: str, size: str, device: str, stati
     decoder = LocalDecoder(architecture, size, device, static)
     connection.send("ready")
     while True:
-        command, batch = connection.recv()
+        command, argument = connection.recv()  # a batch size, or the CPU of "pin"
         if command == "stop":
             return
         try:
-            connection.send(("ok", getattr(decoder, command)(batch)))
+            connection.send(("ok", getattr(decoder, command)(argument)))
         except Exception as exc:  # noqa: BLE001 - the driver reports it and goes on with the other models
             connection.send(("error", f"{architecture}: {exc!r}"))
 
@@ -354,26 +413,39 @@ class ProcessDecoder:
     def profile(self, batch: int) -> dict:
         return self._call("profile", batch)
 
+    def pin(self, cpu: int) -> int:
+        return self._call("pin", cpu)
+
     def close(self) -> None:
         if self.process.is_alive():
             self.connection.send(("stop", 0))
         self.process.join(timeout=60)
 
 
-def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bool = False) -> tuple[list[dict], dict]:
+def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bool = False,
+                cpus: list[int] | None = None) -> tuple[list[dict], dict]:
     """One row per model of `decoders` ({architecture: LocalDecoder or ProcessDecoder}) at `batch`: each is warmed up
     (compiled, for a static cache), then DECODE_REPEATS rounds time one `generate()` call of every model in turn, so
-    that the host's slow and fast minutes (decoding at these sizes is bound by the host) fall on all of them alike.
+    that the host's slow and fast minutes (decoding at these sizes is bound by the host) fall on all of them alike;
+    every other round runs the models in reverse order, so that a steady drift does not favour the first. With
+    `cpus`, each model's process decodes on one of those CPUs (`--decode-cpus`; pinned after the warm-up).
     The median step over all rounds is reported, each round's median beside it. With `profile`, each model then
     profiles one more call where it ran (`--decode-profile`): the kernel and host tables behind the row. Models in
     processes of their own warm up at the same time, so their warm-up seconds overlap."""
     pending = {architecture: decoder.start_warm_up(batch) for architecture, decoder in decoders.items()}
     warm = {architecture: result() for architecture, result in pending.items()}
+    pinned = {}
+    if cpus:
+        if not all(isinstance(decoder, ProcessDecoder) for decoder in decoders.values()):
+            raise ValueError("--decode-cpus pins the decoding processes: it needs --decode-processes")
+        pinned = {architecture: decoder.pin(cpus[index % len(cpus)])
+                  for index, (architecture, decoder) in enumerate(decoders.items())}
     reset_peak_memory()
     round_steps = {architecture: [] for architecture in decoders}
-    for _ in range(DECODE_REPEATS):
-        for architecture, decoder in decoders.items():
-            round_steps[architecture].append(decoder.steps(batch))
+    for round_index in range(DECODE_REPEATS):
+        order = list(decoders) if round_index % 2 == 0 else list(reversed(decoders))
+        for architecture in order:
+            round_steps[architecture].append(decoders[architecture].steps(batch))
     round_medians = {architecture: [median(steps) for steps in rounds] for architecture, rounds in round_steps.items()}
     rows = []
     for architecture, rounds in round_steps.items():
@@ -389,11 +461,14 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
             "round_median_ms_per_step": [t * 1e3 for t in round_medians[architecture]],
             "p10_ms_per_step": all_steps[len(all_steps) // 10] * 1e3,  # the fastest decile's bound: less host noise
             "round_paired_ratio_to_llama": median(paired) if paired else None,
+            # the middle half of the round pairs' ratios: how far one pair can be from the median
+            "round_paired_ratio_quartiles": quartiles(paired) if len(paired) >= 4 else None,
             # (the models of a task share this process's peak unless each has its own process)
             "peak_gib": peak_memory_gib() if len(decoders) == 1 and not separate else None,
             **warm[architecture],  # warm-up seconds, graphs compiled, CUDA-graph captures skipped
             "interleaved_with": [a for a in decoders if a != architecture],
             "own_process": separate,
+            "cpu": pinned.get(architecture),  # the CPU its process decoded on (--decode-cpus), None if not pinned
             "host_load_1min": os.getloadavg()[0]})
     mode = "static" if static else "eager"
     profiles = {f"decode_{size}_{architecture}_{mode}_b{batch}_in_task": decoder.profile(batch)
@@ -619,12 +694,16 @@ def report(results: dict) -> str:
         new_tokens = results.get("args", {}).get("new_tokens", NEW_TOKENS)
         lines += [f"## Decoding with `generate()` (greedy, prompt {PROMPT_LEN}, {new_tokens} new tokens)", ""]
         lines += markdown_table(
-            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "x Llama, median of round pairs",
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "x Llama, median of round pairs (quartiles)",
              "p10 ms/step", "ms/step by round", "graphs compiled / CUDA-graph skips"],
-            [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else ""),
+            [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else "")
+              + (f", CPU {r['cpu']}" if r.get("cpu") is not None else ""),
               f"{r['decode_tokens_per_s']:.0f}",
               f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
-              fmt(r.get("round_paired_ratio_to_llama"), ".2f"), fmt(r.get("p10_ms_per_step"), ".2f"),
+              fmt(r.get("round_paired_ratio_to_llama"), ".2f")
+              + (" ({:.2f}-{:.2f})".format(*r["round_paired_ratio_quartiles"])
+                 if r.get("round_paired_ratio_quartiles") and r["arch"] != "llama" else ""),
+              fmt(r.get("p10_ms_per_step"), ".2f"),
               " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
               f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])
         lines.append("")
@@ -744,7 +823,8 @@ def run_task(task: str, args, results: dict) -> None:
                     for architecture in architectures.split("+")}
         try:
             for batch in args.decode_batches:
-                rows, profiles = decode_rows(decoders, size, batch, mode == "static", args.decode_profile)
+                rows, profiles = decode_rows(decoders, size, batch, mode == "static", args.decode_profile,
+                                             args.decode_cpu_list)
                 results["profile"].update(profiles)
                 for row in rows:
                     results["decode"].append(row)
@@ -784,6 +864,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--decode-profile", action="store_true",
                         help="after its timed rounds, each model of a decode task profiles one more call where it ran "
                              "(its own process with --decode-processes)")
+    parser.add_argument("--decode-cpus", default=None,
+                        help="with --decode-processes: pin each decoding process (after its warm-up) to one CPU of this "
+                             "list ('8-13', '8,9,10'), or of the GPU's NUMA node with 'gpu'; the host's part of a "
+                             "step then depends less on where the scheduler puts it")
     parser.add_argument("--decode-repeats", type=int, default=3,
                         help="rounds of timed generate() calls per decode row (the step median is taken over all)")
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],
@@ -794,6 +878,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
+    if args.decode_cpus is not None and not args.decode_processes:
+        parser.error("--decode-cpus pins the decoding processes: it needs --decode-processes")
+    args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
     allow_recompiles()
     global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats

@@ -11,6 +11,10 @@ left of a step is `generate()`'s own Python, dynamo's guard check and the byteco
 wrapper and the graph launch are not included). The models have the preset's depth and parameter tensors with tiny
 widths, since only the host is measured.
 
+Beside the step, each model's row gives what dynamo's guard check alone takes: the inputs of one step are
+recorded, and the check of the compiled entry is timed on them (it grows with the module attributes and parameters
+that the forward reads).
+
 Each measurement is a process of its own (no compile cache shared between models), and the models take turns over
 `--rounds` rounds, so that the host's slow and fast minutes fall on all of them. `--rebuilt-signature` adds rows
 where our models' forward has no stored signature, as before it had one: transformers' `generate()` then rebuilds it
@@ -27,6 +31,8 @@ import os
 import subprocess
 import sys
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import environment, log, markdown_table, median, write_json, write_text  # noqa: E402
@@ -66,7 +72,49 @@ def worker(variant: str, size: str, calls: int, new_tokens: int) -> dict:
         times = generate(new_tokens)
         medians.append(median([b - a for a, b in zip(times, times[1:])]))
     return {"variant": variant, "step_us": median(medians) * 1e6, "parameters": len(list(model.parameters())),
-            "compiled_call": getattr(model, "_compiled_call", None) is not None}
+            "compiled_call": getattr(model, "_compiled_call", None) is not None,
+            "guard_check_us": guard_check_us(model, generate)}
+
+
+def guard_check_us(model, generate, repeats: int = 2000) -> float:
+    """Microseconds that dynamo's guard check of the compiled forward takes for a decoding step's inputs: the part
+    of the step's host time that grows with what the model's Python reads (module attributes, parameters). The
+    inputs of one step are recorded, then the check of the cache entry that `generate()` compiled is timed alone."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    compiled, recorded = model._compiled_call, {}
+
+    def record(*args, **kwargs):
+        recorded.update(args=args, kwargs=kwargs)
+        return compiled(*args, **kwargs)
+
+    model._compiled_call = record
+    try:
+        generate(2)
+    finally:
+        model._compiled_call = compiled
+    forward = type(model).forward
+    code = forward.__code__
+    entries = _debug_get_cache_entry_list(code)
+    if len(entries) != 1:
+        raise RuntimeError(f"expected one compiled entry for {forward.__qualname__}, found {len(entries)}")
+    if code.co_flags & inspect.CO_VARARGS and code.co_flags & inspect.CO_VARKEYWORDS and code.co_argcount == 1:
+        names = code.co_varnames  # a decorator's wrapper(self, *args, **kwargs)
+        frame_locals = {names[0]: model, names[1]: recorded["args"], names[2]: dict(recorded["kwargs"])}
+    else:
+        bound = inspect.signature(forward).bind(model, *recorded["args"], **recorded["kwargs"])
+        bound.apply_defaults()
+        frame_locals = dict(bound.arguments)
+    frame_locals.update(zip(code.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
+    check = entries[0].guard_manager.check
+    with torch.no_grad():  # (generate() decodes without gradients; the guards check the grad mode)
+        if not check(frame_locals):
+            raise RuntimeError("the recorded inputs of a decoding step fail the compiled entry's guards: "
+                               f"{entries[0].guard_manager.check_verbose(frame_locals)}")
+        start = time.perf_counter()
+        for _ in range(repeats):
+            check(frame_locals)
+        return (time.perf_counter() - start) / repeats * 1e6
 
 
 def cpu_name() -> str:
@@ -96,12 +144,16 @@ def report(results: dict) -> str:
              "tokens per round; the compiled graph replaced by its first outputs (what is left: `generate()`, "
              "dynamo's guards, the bytecode around the graph).", ""]
     base = median(results["rounds"]["llama"]) if "llama" in results["rounds"] else None
+    guards = results.get("guard_check_us", {})
     rows = []
     for variant, rounds in results["rounds"].items():
         step = median(rounds)
         rows.append([variant, results["parameters"][variant], f"{step:.0f}",
-                     f"{step - base:+.0f}" if base else "-", " / ".join(f"{t:.0f}" for t in rounds)])
-    lines += markdown_table(["model", "parameter tensors", "host us per step", "vs Llama", "by round"], rows)
+                     f"{step - base:+.0f}" if base else "-",
+                     f"{median(guards[variant]):.0f}" if guards.get(variant) else "-",
+                     " / ".join(f"{t:.0f}" for t in rounds)])
+    lines += markdown_table(["model", "parameter tensors", "host us per step", "vs Llama",
+                             "of which dynamo's guard check, us", "by round"], rows)
     return "\n".join(lines) + "\n"
 
 
@@ -126,12 +178,14 @@ def main(argv=None) -> dict:
     if args.rebuilt_signature:
         variants += [f"{arch}{REBUILT}" for arch in args.archs if not arch.startswith("llama")]
     results = {"environment": {**environment(), "cpu": cpu_name()}, "args": vars(args), "rounds": {v: [] for v in variants},
-               "parameters": {}}
+               "parameters": {},
+               "guard_check_us": {}}
     start = time.perf_counter()
     for round_index in range(args.rounds):
         for variant in variants:
             row = measure(variant, args)
             results["rounds"][variant].append(row["step_us"])
+            results["guard_check_us"].setdefault(variant, []).append(row["guard_check_us"])
             results["parameters"][variant] = row["parameters"]
             log(f"[{time.perf_counter() - start:.0f} s] round {round_index + 1} {variant}: {row['step_us']:.0f} us")
         os.makedirs(args.out, exist_ok=True)

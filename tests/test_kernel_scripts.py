@@ -90,21 +90,42 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
 
 def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     """`--decode-processes`: the models of a decode task run in processes of their own and still take turns;
-    `--decode-profile` profiles each where it ran."""
+    `--decode-cpus` pins each process to a CPU after its warm-up; `--decode-profile` profiles each where it ran."""
+    cpu = min(os.sched_getaffinity(0))
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
-                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes", "--decode-profile",
-                        "--tasks", "decode:tiny:llama+kvffn+kvffn_no_bias:eager")
+                        "--decode-repeats", "4", "--decode-batches", "1", "--decode-processes", "--decode-profile",
+                        "--decode-cpus", str(cpu), "--tasks", "decode:tiny:llama+kvffn+kvffn_no_bias:eager")
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == ["llama", "kvffn", "kvffn_no_bias"]
-    assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 2 for row in data["decode"])
-    llama = data["decode"][0]
+    assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 4 for row in data["decode"])
+    assert all(row["cpu"] == cpu for row in data["decode"])
+    llama, kvffn = data["decode"][:2]
     assert llama["round_paired_ratio_to_llama"] == 1.0 and llama["p10_ms_per_step"] <= llama["ms_per_step"]
-    assert "KVFFN, own process" in (tmp_path / "models_bench.md").read_text()
+    low, high = kvffn["round_paired_ratio_quartiles"]
+    assert low <= kvffn["round_paired_ratio_to_llama"] <= high
+    assert f"KVFFN, own process, CPU {cpu}" in (tmp_path / "models_bench.md").read_text()
     # --decode-profile: each model's tables, taken in its own process after the timed rounds
     profiles = {name: data["profile"][name] for name in data["profile"]}
     assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in ("llama", "kvffn", "kvffn_no_bias")}
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
+
+
+def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path):
+    """`--decode-cpus` reads Linux CPU lists and refuses to run without `--decode-processes` (nothing to pin)."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    assert bench_models.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert bench_models.decode_cpus(None) is None and bench_models.decode_cpus("2,5") == [2, 5]
+    with pytest.raises(ValueError, match="--decode-cpus='fast'"):
+        bench_models.decode_cpus("fast")
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--decode-cpus", "0",
+                        "--tasks", "decode:tiny:llama:eager")
+    assert result.returncode == 2 and "needs --decode-processes" in result.stderr
+    assert not (tmp_path / "models_bench.json").exists()
 
 
 def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
@@ -135,7 +156,10 @@ def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
     assert list(data["rounds"]) == ["llama", "kvffn", "kvffn:rebuilt_signature"]
     assert all(len(rounds) == 1 and rounds[0] > 0 for rounds in data["rounds"].values())
     assert data["parameters"]["kvffn"] > data["parameters"]["llama"]  # (its biases)
-    assert "host us per step" in (tmp_path / "decode_host.md").read_text()
+    # dynamo's guard check of the compiled forward, timed alone on a recorded step's inputs (which must pass it)
+    assert all(len(times) == 1 and 0 < times[0] < 1e5 for times in data["guard_check_us"].values())
+    markdown = (tmp_path / "decode_host.md").read_text()
+    assert "host us per step" in markdown and "guard check" in markdown
 
 
 @pytest.mark.slow
