@@ -80,14 +80,19 @@ TORCH_DECODER = "_torch_decoder"
 # (fewer parameters than the other rows)
 # "llama_causal_flag": transformers' Llama given sdpa's causal flag instead of the [B, 1, L, L] mask that transformers
 # builds while compiling, as our decoder does (training steps without padding only; `causal_flag_attention`)
+# "llama_extra_inputs": transformers' Llama with EXTRA_INPUTS_PER_LAYER zero vectors per decoder layer added to the
+# layer's output: as many more parameter tensors as KVFFN's biases, whose additions inductor fuses into kernels it
+# runs anyway; a diagnostic of what a compiled graph's input costs a decoding step (`add_zero_inputs`)
+EXTRA_INPUTS_PER_LAYER = 3
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
-         "llama_causal_flag")
+         "llama_causal_flag", "llama_extra_inputs")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
 DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
+DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -123,13 +128,31 @@ def causal_flag_attention() -> str:
     return "sdpa_causal_flag"
 
 
+def add_zero_inputs(model, per_layer: int) -> None:
+    """Gives each decoder layer of transformers' Llama `per_layer` zero parameters of the hidden size, added to the
+    layer's output by a forward hook: the logits do not change, a compiled graph has that many more inputs."""
+    for layer in model.model.layers:
+        for index in range(per_layer):
+            layer.register_parameter(f"zero_input_{index}", torch.nn.Parameter(
+                torch.zeros(model.config.hidden_size, dtype=model.dtype, device=model.device)))
+
+        def add_zeros(module, args, output):
+            for index in range(per_layer):
+                output = output + getattr(module, f"zero_input_{index}")
+            return output
+
+        layer.register_forward_hook(add_zeros)
+
+
 def build_model(architecture: str, size: str, device: str, **overrides):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    attention = "sdpa"
+    attention, extra_inputs = "sdpa", 0
     if architecture == "llama_causal_flag":
         architecture, attention = "llama", causal_flag_attention()
+    if architecture == "llama_extra_inputs":
+        architecture, extra_inputs = "llama", EXTRA_INPUTS_PER_LAYER
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
         architecture = architecture[: -len(TORCH_DECODER)]
@@ -142,6 +165,8 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     for module in model.modules():
         if unfused and hasattr(module, "fused_layer"):
             module.fused_layer = False
+    if extra_inputs:
+        add_zero_inputs(model, extra_inputs)
     return model.to(device)
 
 

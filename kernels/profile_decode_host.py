@@ -58,7 +58,10 @@ def worker(variant: str, size: str, calls: int, new_tokens: int) -> dict:
             raise ValueError("--rebuilt-signature applies to our models, not transformers' Llama")
         del inspect.unwrap(type(model).forward).__signature__  # (stored on the undecorated function)
 
+    graph_inputs = []
+
     def replay_first_outputs(graph, example_inputs):
+        graph_inputs.append(len(example_inputs))  # parameters, cache tensors and the step's own inputs
         outputs = graph(*example_inputs)
         return lambda *args: outputs
 
@@ -73,7 +76,7 @@ def worker(variant: str, size: str, calls: int, new_tokens: int) -> dict:
         medians.append(median([b - a for a, b in zip(times, times[1:])]))
     return {"variant": variant, "step_us": median(medians) * 1e6, "parameters": len(list(model.parameters())),
             "compiled_call": getattr(model, "_compiled_call", None) is not None,
-            "guard_check_us": guard_check_us(model, generate)}
+            "graph_inputs": graph_inputs, "guard_check_us": guard_check_us(model, generate)}
 
 
 def guard_check_us(model, generate, repeats: int = 2000) -> float:
@@ -148,11 +151,12 @@ def report(results: dict) -> str:
     rows = []
     for variant, rounds in results["rounds"].items():
         step = median(rounds)
-        rows.append([variant, results["parameters"][variant], f"{step:.0f}",
+        rows.append([variant, results["parameters"][variant],
+                     " / ".join(map(str, results.get("graph_inputs", {}).get(variant, []))) or "-", f"{step:.0f}",
                      f"{step - base:+.0f}" if base else "-",
                      f"{median(guards[variant]):.0f}" if guards.get(variant) else "-",
                      " / ".join(f"{t:.0f}" for t in rounds)])
-    lines += markdown_table(["model", "parameter tensors", "host us per step", "vs Llama",
+    lines += markdown_table(["model", "parameter tensors", "compiled graph's inputs", "host us per step", "vs Llama",
                              "of which dynamo's guard check, us", "by round"], rows)
     return "\n".join(lines) + "\n"
 
@@ -179,7 +183,7 @@ def main(argv=None) -> dict:
         variants += [f"{arch}{REBUILT}" for arch in args.archs if not arch.startswith("llama")]
     results = {"environment": {**environment(), "cpu": cpu_name()}, "args": vars(args), "rounds": {v: [] for v in variants},
                "parameters": {},
-               "guard_check_us": {}}
+               "graph_inputs": {}, "guard_check_us": {}}
     start = time.perf_counter()
     for round_index in range(args.rounds):
         for variant in variants:
@@ -187,6 +191,7 @@ def main(argv=None) -> dict:
             results["rounds"][variant].append(row["step_us"])
             results["guard_check_us"].setdefault(variant, []).append(row["guard_check_us"])
             results["parameters"][variant] = row["parameters"]
+            results["graph_inputs"][variant] = row["graph_inputs"]
             log(f"[{time.perf_counter() - start:.0f} s] round {round_index + 1} {variant}: {row['step_us']:.0f} us")
         os.makedirs(args.out, exist_ok=True)
         write_json(os.path.join(args.out, "decode_host.json"), results)

@@ -146,6 +146,24 @@ def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
             flag(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
+def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
+    """bench_models' `llama_extra_inputs` row: transformers' Llama with zero parameters added to each decoder layer's
+    output, as many per layer as KVFFN's biases: the logits are Llama's, eager and compiled, with more parameters."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    extra, llama = (bench_models.build_model(arch, "tiny", "cpu").float() for arch in ("llama_extra_inputs", "llama"))
+    layers = llama.config.num_hidden_layers
+    assert len(list(extra.parameters())) - len(list(llama.parameters())) == bench_models.EXTRA_INPUTS_PER_LAYER * layers
+    ids = torch.randint(3, 1000, (2, 16))
+    with torch.no_grad():
+        expected = llama(input_ids=ids).logits
+        torch.testing.assert_close(extra(input_ids=ids).logits, expected)
+        torch.testing.assert_close(torch.compile(extra)(input_ids=ids).logits, expected)
+
+
 def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
     """`profile_decode_host.py`: the host time of a static-cache step, each model (and the variant whose forward
     rebuilds its signature) measured in a process of its own."""
@@ -156,6 +174,8 @@ def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
     assert list(data["rounds"]) == ["llama", "kvffn", "kvffn:rebuilt_signature"]
     assert all(len(rounds) == 1 and rounds[0] > 0 for rounds in data["rounds"].values())
     assert data["parameters"]["kvffn"] > data["parameters"]["llama"]  # (its biases)
+    assert data["graph_inputs"]["kvffn"][0] - data["graph_inputs"]["llama"][0] == (
+        data["parameters"]["kvffn"] - data["parameters"]["llama"])  # (one compiled graph; each parameter an input)
     # dynamo's guard check of the compiled forward, timed alone on a recorded step's inputs (which must pass it)
     assert all(len(times) == 1 and 0 < times[0] < 1e5 for times in data["guard_check_us"].values())
     markdown = (tmp_path / "decode_host.md").read_text()
