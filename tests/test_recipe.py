@@ -167,7 +167,9 @@ sys.path.insert(0, {examples!r})
 from pretrain import from_pretrained_main_process_first
 model = from_pretrained_main_process_first({folder!r})
 assert "hf_memffn" not in sys.modules, "fine-tuning must run the checkpoint's own code"
-print("loaded", type(model).__module__.split(".")[0], type(model).__name__, flush=True)
+# one write per line: the two ranks share the pipe, and print() writes its parts separately
+sys.stdout.write(f"loaded {{type(model).__module__.split('.')[0]}} {{type(model).__name__}}\\n")
+sys.stdout.flush()
 """
 
 
