@@ -71,6 +71,7 @@ NEW_TOKENS = 64  # --new-tokens
 DECODE_REPEATS = 3  # --decode-repeats
 SEQ_LEN = 2048
 BUILD_ON = "device"  # --build-on
+DECODE_COMPILE_MODE = "reduce-overhead"  # --decode-compile-mode: generate()'s default, CUDA graphs
 TRAIN_STEPS = 10
 # "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op;
 # "<arch>_torch_decoder": the architecture with the decoder's RMSNorms and rotary embeddings as PyTorch operations
@@ -268,6 +269,11 @@ def decode_generator(model, batch: int, static: bool, device: str):
 
     model.eval()
     generation = model.generation_config
+    if static and DECODE_COMPILE_MODE != "reduce-overhead":
+        from transformers import CompileConfig
+
+        # torch.compile's mode for the static-cache step ("default": the compiled graph without CUDA graphs)
+        generation.compile_config = CompileConfig(mode=DECODE_COMPILE_MODE)
     generation.eos_token_id = None
     generation.pad_token_id = 0
     generation.cache_implementation = "static" if static else None
@@ -403,7 +409,8 @@ class ProcessDecoder:
         context = multiprocessing.get_context("spawn")  # (CUDA cannot be forked)
         self.architecture = architecture
         self.connection, child = context.Pipe()
-        settings = {"SEQ_LEN": SEQ_LEN, "NEW_TOKENS": NEW_TOKENS, "BUILD_ON": BUILD_ON}
+        settings = {"SEQ_LEN": SEQ_LEN, "NEW_TOKENS": NEW_TOKENS, "BUILD_ON": BUILD_ON,
+                    "DECODE_COMPILE_MODE": DECODE_COMPILE_MODE}
         self.process = context.Process(target=_decoder_worker, args=(child, architecture, size, device, static, settings))
         self.process.start()
         self.started = False  # the "ready" message is read by the first command, so that the models build together
@@ -481,7 +488,9 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
                   ] if "llama" in round_medians else []
         separate = isinstance(decoders[architecture], ProcessDecoder)
         rows.append({
-            "arch": architecture, "size": size, "batch": batch, "mode": "static+compiled" if static else "eager",
+            "arch": architecture, "size": size, "batch": batch,
+            "mode": ("static+compiled" + (", no CUDA graphs" if DECODE_COMPILE_MODE == "default" else "")) if static
+            else "eager",
             "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
             "round_median_ms_per_step": [t * 1e3 for t in round_medians[architecture]],
             "p10_ms_per_step": all_steps[len(all_steps) // 10] * 1e3,  # the fastest decile's bound: less host noise
@@ -893,6 +902,9 @@ def main(argv=None) -> dict:
                         help="with --decode-processes: pin each decoding process (after its warm-up) to one CPU of this "
                              "list ('8-13', '8,9,10'), or of the GPU's NUMA node with 'gpu'; the host's part of a "
                              "step then depends less on where the scheduler puts it")
+    parser.add_argument("--decode-compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default"],
+                        help="torch.compile mode of static-cache decoding: generate()'s default with CUDA graphs, or "
+                             "'default', the compiled graph launched without them (where a step's host time goes)")
     parser.add_argument("--decode-repeats", type=int, default=3,
                         help="rounds of timed generate() calls per decode row (the step median is taken over all)")
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],
@@ -907,8 +919,9 @@ def main(argv=None) -> dict:
         parser.error("--decode-cpus pins the decoding processes: it needs --decode-processes")
     args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
     allow_recompiles()
-    global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS
+    global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS, DECODE_COMPILE_MODE
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
+    DECODE_COMPILE_MODE = args.decode_compile_mode
     tasks = args.tasks or default_tasks(args)
     results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],
                "layer": [], "profile": {}, "errors": [], "skipped": []}

@@ -111,6 +111,23 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
 
 
+def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):
+    """`--decode-compile-mode default`: static-cache generate() compiles without CUDA graphs; the default leaves
+    generate()'s own configuration (CUDA graphs) alone."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    model = bench_models.build_model("llama", "tiny", "cpu")
+    default_config = model.generation_config.compile_config
+    bench_models.decode_generator(model, 1, True, "cpu")
+    assert model.generation_config.compile_config is default_config
+    monkeypatch.setattr(bench_models, "DECODE_COMPILE_MODE", "default")
+    bench_models.decode_generator(model, 1, True, "cpu")
+    assert model.generation_config.compile_config.mode == "default"
+
+
 def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path):
     """`--decode-cpus` reads Linux CPU lists and refuses to run without `--decode-processes` (nothing to pin)."""
     sys.path.insert(0, KERNELS)
