@@ -132,16 +132,15 @@ def causal_flag_attention() -> str:
 def add_zero_inputs(model, per_layer: int) -> None:
     """Gives each decoder layer of transformers' Llama `per_layer` zero parameters of the hidden size, added to the
     layer's output by a forward hook: the logits do not change, a compiled graph has that many more inputs."""
+    def add_zeros(module, args, output):
+        for index in range(per_layer):
+            output = output + getattr(module, f"zero_input_{index}")
+        return output
+
     for layer in model.model.layers:
         for index in range(per_layer):
             layer.register_parameter(f"zero_input_{index}", torch.nn.Parameter(
                 torch.zeros(model.config.hidden_size, dtype=model.dtype, device=model.device)))
-
-        def add_zeros(module, args, output):
-            for index in range(per_layer):
-                output = output + getattr(module, f"zero_input_{index}")
-            return output
-
         layer.register_forward_hook(add_zeros)
 
 
@@ -466,12 +465,8 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
     processes of their own warm up at the same time, so their warm-up seconds overlap."""
     pending = {architecture: decoder.start_warm_up(batch) for architecture, decoder in decoders.items()}
     warm = {architecture: result() for architecture, result in pending.items()}
-    pinned = {}
-    if cpus:
-        if not all(isinstance(decoder, ProcessDecoder) for decoder in decoders.values()):
-            raise ValueError("--decode-cpus pins the decoding processes: it needs --decode-processes")
-        pinned = {architecture: decoder.pin(cpus[index % len(cpus)])
-                  for index, (architecture, decoder) in enumerate(decoders.items())}
+    pinned = {architecture: decoder.pin(cpus[index % len(cpus)])  # (main() allows cpus with processes only)
+              for index, (architecture, decoder) in enumerate(decoders.items())} if cpus else {}
     reset_peak_memory()
     round_steps = {architecture: [] for architecture in decoders}
     for round_index in range(DECODE_REPEATS):
@@ -479,6 +474,8 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
         for architecture in order:
             round_steps[architecture].append(decoders[architecture].steps(batch))
     round_medians = {architecture: [median(steps) for steps in rounds] for architecture, rounds in round_steps.items()}
+    row_mode = "eager" if not static else (
+        "static+compiled" if DECODE_COMPILE_MODE == "reduce-overhead" else "static+compiled, no CUDA graphs")
     rows = []
     for architecture, rounds in round_steps.items():
         all_steps = sorted(step for steps in rounds for step in steps)
@@ -488,9 +485,7 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
                   ] if "llama" in round_medians else []
         separate = isinstance(decoders[architecture], ProcessDecoder)
         rows.append({
-            "arch": architecture, "size": size, "batch": batch,
-            "mode": ("static+compiled" + (", no CUDA graphs" if DECODE_COMPILE_MODE == "default" else "")) if static
-            else "eager",
+            "arch": architecture, "size": size, "batch": batch, "mode": row_mode,
             "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
             "round_median_ms_per_step": [t * 1e3 for t in round_medians[architecture]],
             "p10_ms_per_step": all_steps[len(all_steps) // 10] * 1e3,  # the fastest decile's bound: less host noise
