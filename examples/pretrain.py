@@ -360,7 +360,7 @@ def training_flops_per_token(model, sequence_length: int) -> float:
         if param is embedding and not getattr(config, "tie_word_embeddings", False):
             continue
         uses = 1
-        if name.endswith(("mlp.key", "mlp.up", "mlp.value")):
+        if name.endswith("mlp.key_up_value"):
             uses = getattr(config, "ffn_num_heads", 1) // max(1, getattr(config, "ffn_num_kv_heads", None) or getattr(config, "ffn_num_heads", 1))
         matmul_params += uses * full_numel(param)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

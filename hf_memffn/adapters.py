@@ -1,7 +1,7 @@
 """LoRA and weight-only int8 for the FFN weights that are plain parameters, not `nn.Linear` layers.
 
-Half of a FlashMHF or MemoryLLM model is such weights: FlashMHF's sub-network banks key/up/value
-[H_kv, E, d_e, d_h] and router [H, d_h, E] (`FlashMHFFeedForward`), PKV's key/value slots [H, slots, d_h]
+Half of a FlashMHF or MemoryLLM model is such weights: FlashMHF's sub-network banks key/up/value, one parameter
+`key_up_value` [3 * H_kv, E, d_e, d_h], and router [H, d_h, E] (`FlashMHFFeedForward`), PKV's key/value slots [H, slots, d_h]
 (`ParametricKVFeedForward`), and the stacked FFNs on X0 gate/up [N, I, d], down [N, d, I] (`TokenMemory`).
 LoRA `target_modules` and Linear-based quantizers do not see them, and PEFT's `target_parameters` takes 2-D and 3-D
 parameters only (it adapts `TokenMemory` and the router, not FlashMHF's 4-D banks). Both adapters here are
@@ -33,7 +33,7 @@ from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
 
 # module class -> its weights that are plain parameters (norm weights are left alone)
 PARAMETER_WEIGHTS = {
-    FlashMHFFeedForward: ("key", "up", "value", "router"),
+    FlashMHFFeedForward: ("key_up_value", "router"),
     ParametricKVFeedForward: ("key", "value"),
     TokenMemory: ("gate_proj", "up_proj", "down_proj"),
 }

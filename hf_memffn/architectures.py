@@ -80,7 +80,7 @@ REGISTRY: dict[str, Architecture] = {
             ffn_fields_at_width=flex_memoryllm_split,
         ),
         Architecture(
-            "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_proj", "value_proj", "out_proj"),
+            "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_value_proj", "out_proj"),
             tiny_ffn=dict(intermediate_size=128),
         ),
     )

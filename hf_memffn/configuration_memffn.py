@@ -79,13 +79,14 @@ def tensor_parallel_plan(config) -> dict[str, str]:
         plan.update({"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
                      "layers.*.mlp.down_proj": "rowwise"})
     elif kind == "kvffn" and variant != "densenet":  # DenseNet's out_proj also reads the replicated input: kept whole
-        plan["layers.*.mlp.key_proj"] = "colwise"
-        if variant != "relu":
-            plan["layers.*.mlp.value_proj"] = "colwise"
+        if variant == "relu":
+            plan["layers.*.mlp.key_proj"] = "colwise"
+        else:  # its rows interleave keys and values: a contiguous share of them is a share of the hidden units
+            plan["layers.*.mlp.key_value_proj"] = "colwise"
         plan["layers.*.mlp.out_proj"] = "rowwise"
     elif kind == "flash_mhf" and variant != "pkv":  # PKV's softmax over all slots does not split: kept whole
         plan["layers.*.mlp"] = PARTIAL_SUM_STYLE
-        plan.update({f"layers.*.mlp.{name}": "colwise" for name in ("key", "up", "value")})
+        plan["layers.*.mlp.key_up_value"] = "colwise"  # key, up and value split alike, each by its columns d_e
     if config.token_memory_size is not None:
         plan.update({"memory": PARTIAL_SUM_STYLE, "memory.gate_proj": "colwise", "memory.up_proj": "colwise",
                      "memory.down_proj": "rowwise"})

@@ -125,9 +125,12 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
     the `+ x` of the paper is the decoder's residual; the block adds its input again only with
     `kvffn_inner_residual=True`).
 
-    Keys are `key_proj`, values `value_proj`, the output projection `out_proj`. The ReLU baseline has no
-    `value_proj`; the DenseNet baseline's `out_proj` reads [hidden; x]. Memory cells are the hidden units, values
-    the columns of `out_proj` (the DenseNet input copy and the inner residual are not memories).
+    Keys and values come from one linear layer `key_value_proj` (output 2i is key i, output 2i + 1 value i: one GEMM
+    and one weight tensor instead of two), the output projection is `out_proj`. Checkpoints store
+    the key and value projections as `key_proj` and `value_proj` (see `KEY_VALUE_CONVERSION` in
+    `modeling_kvffn.py`). The ReLU and DenseNet baselines have keys only, `key_proj`; the DenseNet baseline's
+    `out_proj` reads [hidden; x]. Memory cells are the hidden units, values the columns of `out_proj` (the DenseNet
+    input copy and the inner residual are not memories).
     """
 
     def __init__(self, config):
@@ -136,11 +139,14 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         self.variant = config.ffn_variant
         self.composition = config.kvffn_composition
         self.inner_residual = config.kvffn_inner_residual and self.variant == "kvffn"
-        self.key_proj = nn.Linear(hidden_size, width, bias=bias)
-        self.value_proj = None if self.variant in ("relu", "densenet") else nn.Linear(hidden_size, width, bias=bias)
+        self.width = width
+        if self.variant in ("relu", "densenet"):
+            self.key_proj, self.key_value_proj = nn.Linear(hidden_size, width, bias=bias), None
+        else:
+            self.key_proj, self.key_value_proj = None, nn.Linear(hidden_size, 2 * width, bias=bias)
         out_features_in = width + hidden_size if self.variant == "densenet" else width
         self.out_proj = nn.Linear(out_features_in, hidden_size, bias=bias)
-        for linear in (self.key_proj, self.value_proj, self.out_proj):
+        for linear in (self.key_proj, self.key_value_proj, self.out_proj):
             if linear is not None:
                 linear.init_std = config.kvffn_init_std  # kv-ffn.md: every weight ~ N(0, sigma)
         activation = {"kvffn": config.kvffn_activation, "relu": "relu", "densenet": "relu", "glu": "sigmoid"}
@@ -153,14 +159,14 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
 
     @property
     def memory_cell_shape(self) -> tuple[int, ...]:
-        return (self.key_proj.out_features,)
+        return (self.width,)
 
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The hidden activation that `out_proj` reads (without the DenseNet input copy)."""
-        keys = self.act_fn(self.key_proj(hidden_states))
-        if self.value_proj is None:
-            return keys
-        values = self.value_proj(hidden_states)
+        if self.key_value_proj is None:
+            return self.act_fn(self.key_proj(hidden_states))
+        keys, values = self.key_value_proj(hidden_states).unflatten(-1, (-1, 2)).unbind(-1)  # interleaved
+        keys = self.act_fn(keys)
         return keys + values if (self.variant == "kvffn" and self.composition == "sum") else keys * values
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

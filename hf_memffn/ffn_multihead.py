@@ -182,8 +182,11 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     then heads are concatenated and projected by `out_proj`. Everything between the projections is one call of
     `flash_mhf_layer`: on the Triton path its kernels compute the norm, the gates and the sub-networks, forward and
-    backward (`path_description()` says which path runs). `key`, `up`, `value` hold the sub-network weights,
-    [ffn_num_kv_heads, E, subnetwork_size, d_h]; groups of heads share them like grouped-query attention.
+    backward (`path_description()` says which path runs). The sub-network weights `key`, `up`, `value`,
+    [ffn_num_kv_heads, E, subnetwork_size, d_h] each, are the thirds of one parameter `key_up_value`
+    [3 * ffn_num_kv_heads, E, subnetwork_size, d_h] (contiguous views): a compiled decoding step pays host time per
+    parameter tensor it reads. Checkpoints store them as three tensors `key`, `up`, `value` (see
+    `SUBNETWORK_WEIGHTS_CONVERSION`). Groups of heads share them like grouped-query attention.
     With `ffn_variant="mh_ffn"` there is a single sub-network and no router (the naive multi-head FFN).
     With `ffn_recompute_chunk_tokens` > 0 the module keeps only its input for the backward pass and recomputes its
     activations chunk by chunk (see `recompute_in_token_chunks`).
@@ -195,10 +198,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self.subnetwork_size = config.intermediate_size // config.ffn_num_subnetworks
         self.gate_eps = config.ffn_gate_eps
         self.kernel = config.ffn_kernel
-        shape = (config.ffn_num_kv_heads, self.num_subnetworks, self.subnetwork_size, self.head_dim)
-        self.key = nn.Parameter(torch.empty(shape))
-        self.up = nn.Parameter(torch.empty(shape))
-        self.value = nn.Parameter(torch.empty(shape))
+        self.key_up_value = nn.Parameter(
+            torch.empty(3 * config.ffn_num_kv_heads, self.num_subnetworks, self.subnetwork_size, self.head_dim))
         if config.ffn_variant == "mh_ffn":
             self.router = None
         else:
@@ -209,6 +210,23 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self.fused_layer = True
         self._path_logged = False
 
+    def subnetwork_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(key, up, value), contiguous views of `key_up_value`: one autograd node, whose backward concatenates their
+        gradients."""
+        return self.key_up_value.chunk(3)
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.subnetwork_weights()[0]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.subnetwork_weights()[1]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.subnetwork_weights()[2]
+
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
         """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast), for `queries()`."""
         return router_gates(queries, self.router, self.gate_eps)
@@ -216,9 +234,10 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
         the parameters' device and dtype)."""
+        key = self.key
         if hidden_states is None:
-            hidden_states = self.key.new_empty(1, 1, self.num_heads * self.head_dim)
-        return flash_mhf_layer_path(hidden_states, self.key, impl=self.kernel, fused=self.fused_layer)
+            hidden_states = key.new_empty(1, 1, self.num_heads * self.head_dim)
+        return flash_mhf_layer_path(hidden_states, key, impl=self.kernel, fused=self.fused_layer)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.recompute_chunk_tokens and torch.is_grad_enabled():
@@ -236,17 +255,22 @@ class FlashMHFFeedForward(_MultiHeadQueries):
             self._path_logged = True
         norm_weight = self.query_norm.weight if self.query_norm is not None else None
         eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
-        heads = flash_mhf_layer(projected, norm_weight, self.router, self.key, self.up, self.value, eps=eps,
+        key, up, value = self.subnetwork_weights()
+        heads = flash_mhf_layer(projected, norm_weight, self.router, key, up, value, eps=eps,
                                 gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
         return self.out_proj(heads) if self.out_proj is not None else heads
 
     def init_own_parameters(self, std: float) -> None:
-        for param in (self.key, self.up, self.value, self.router):
+        for param in (self.key_up_value, self.router):
             if param is not None:
                 init.normal_(param, mean=0.0, std=std)
 
     # -- memory interface (`FeedForwardMemory`), computed from the parameters with plain torch ------------------------
     memory_kind = "flash_mhf"
+
+    def memory_value_parameter(self) -> nn.Parameter:
+        return self.key_up_value  # the values are its last third
+
     memory_cell_axes = ("head", "subnetwork", "cell")
 
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:

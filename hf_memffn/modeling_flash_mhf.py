@@ -6,6 +6,8 @@ Saved checkpoints carry this file, the shared decoder and the fused FlashMHF op 
 
 from __future__ import annotations
 
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import FlashMHFLlamaConfig
@@ -28,5 +30,14 @@ class FlashMHFLlamaForCausalLM(MemFFNForCausalLM, GenerationMixin):
 
 
 register_for_auto_classes(FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM)
+
+# Checkpoints store each FlashMHF layer's sub-network weights as three tensors, `mlp.key`, `mlp.up` and `mlp.value`;
+# the module holds them as one parameter `mlp.key_up_value`. Loading concatenates them, saving splits it again.
+# (The lookaheads keep `mlp.up` off the SwiGLU baseline's `mlp.up_proj`; saving drops them from the names.)
+SUBNETWORK_WEIGHTS_CONVERSION = [
+    WeightConverter([r"mlp.key(?!\w)", r"mlp.up(?!\w)", r"mlp.value(?!\w)"], "mlp.key_up_value",
+                    operations=[Concatenate(dim=0)]),
+]
+register_checkpoint_conversion_mapping(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION, overwrite=True)
 
 __all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM"]

@@ -3,6 +3,10 @@ stream. Saved checkpoints carry this file and the shared decoder only."""
 
 from __future__ import annotations
 
+import torch
+
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import KVFFNConfig
@@ -22,4 +26,37 @@ class KVFFNForCausalLM(MemFFNForCausalLM, GenerationMixin):
 
 register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM)
 
-__all__ = ["KVFFNModel", "KVFFNForCausalLM"]
+# Checkpoints store each KV-FFN layer's key and value projections as two linear layers, `mlp.key_proj` and
+# `mlp.value_proj`; the module holds them as one, `mlp.key_value_proj`, whose output features interleave them (key 0,
+# value 0, key 1, ...). Loading interleaves the two, saving separates them again. Interleaved, every contiguous share
+# of the rows pairs each key with its value, so tensor parallelism shards the layer as a plain column-parallel one
+# (transformers shards each checkpoint tensor before the conversion runs). The baselines without values keep
+# `mlp.key_proj`, which has no `value_proj` to pair with.
+class InterleaveRows(ConversionOps):
+    """[n, ...] tensors (all of one shape) -> one [len * n, ...] tensor whose row `len * i + j` is row i of tensor j;
+    `separate=True` is the reverse."""
+
+    def __init__(self, separate: bool = False):
+        self.separate = separate
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        if self.separate:
+            (tensor,) = (value[0] if isinstance(value, list) else value for value in input_dict.values())
+            parts = tensor.unflatten(0, (-1, len(target_patterns))).unbind(1)
+            return {target: part.contiguous() for target, part in zip(target_patterns, parts)}
+        tensors = [input_dict[pattern] for pattern in source_patterns]
+        tensors = [tensor[0] if isinstance(tensor, list) else tensor for tensor in tensors]
+        return {target_patterns[0]: torch.stack(tensors, dim=1).flatten(0, 1)}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return InterleaveRows(separate=not self.separate)
+
+
+KEY_VALUE_CONVERSION = [
+    WeightConverter([f"mlp.key_proj.{name}", f"mlp.value_proj.{name}"], f"mlp.key_value_proj.{name}",
+                    operations=[InterleaveRows()])
+    for name in ("weight", "bias")
+]
+register_checkpoint_conversion_mapping(KVFFNConfig.model_type, KEY_VALUE_CONVERSION, overwrite=True)

@@ -85,15 +85,18 @@ TORCH_DECODER = "_torch_decoder"
 # layer's output: as many more parameter tensors as KVFFN's biases, whose additions inductor fuses into kernels it
 # runs anyway; a diagnostic of what a compiled graph's input costs a decoding step (`add_zero_inputs`)
 EXTRA_INPUTS_PER_LAYER = 3
+# "flash_mhf_split_weights": FlashMHFLlama with each layer's key, up and value as three parameters, as the module held
+# them before `key_up_value`: the same kernels and values, two more inputs per layer (`split_subnetwork_weights`)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
-         "llama_causal_flag", "llama_extra_inputs")
+         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
 DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
+DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -144,6 +147,24 @@ def add_zero_inputs(model, per_layer: int) -> None:
         layer.register_forward_hook(add_zeros)
 
 
+def split_subnetwork_weights(model) -> None:
+    """Gives each FlashMHF layer its key, up and value as three parameters (copies of the thirds of `key_up_value`,
+    which it drops): the same logits and kernels, three inputs of a compiled graph per layer instead of one."""
+    from hf_memffn.ffn_multihead import FlashMHFFeedForward
+
+    class SplitWeightsFlashMHF(FlashMHFFeedForward):
+        def subnetwork_weights(self):
+            return self.split_key, self.split_up, self.split_value
+
+    for module in model.modules():
+        if isinstance(module, FlashMHFFeedForward):
+            thirds = [torch.nn.Parameter(third.detach().clone()) for third in module.key_up_value.chunk(3)]
+            del module.key_up_value
+            for name, third in zip(("split_key", "split_up", "split_value"), thirds):
+                module.register_parameter(name, third)
+            module.__class__ = SplitWeightsFlashMHF
+
+
 def build_model(architecture: str, size: str, device: str, **overrides):
     from transformers import AutoModelForCausalLM
 
@@ -153,6 +174,9 @@ def build_model(architecture: str, size: str, device: str, **overrides):
         architecture, attention = "llama", causal_flag_attention()
     if architecture == "llama_extra_inputs":
         architecture, extra_inputs = "llama", EXTRA_INPUTS_PER_LAYER
+    split_weights = architecture == "flash_mhf_split_weights"
+    if split_weights:
+        architecture = "flash_mhf"
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
         architecture = architecture[: -len(TORCH_DECODER)]
@@ -167,6 +191,8 @@ def build_model(architecture: str, size: str, device: str, **overrides):
             module.fused_layer = False
     if extra_inputs:
         add_zero_inputs(model, extra_inputs)
+    if split_weights:
+        split_subnetwork_weights(model)
     return model.to(device)
 
 

@@ -71,21 +71,23 @@ def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format
 def test_flash_mhf_banks_keep_their_shape_and_the_kernel_sees_the_adapted_weight():
     model = tiny_model("flash_mhf")
     mlp = model.model.layers[0].mlp
-    shape = tuple(mlp.key.shape)
-    assert len(shape) == 4
-    adapters.add_weight_lora(model, r=2, alpha=2, targets=["model.layers.0.mlp.key"])
-    assert tuple(mlp.key.shape) == shape and tuple(mlp.parametrizations.key.original.shape) == shape
+    shape = tuple(mlp.key_up_value.shape)
+    assert len(shape) == 4 and tuple(mlp.key.shape) == (shape[0] // 3, *shape[1:])
+    adapters.add_weight_lora(model, r=2, alpha=2, targets=["model.layers.0.mlp.key_up_value"])
+    assert tuple(mlp.key_up_value.shape) == shape
+    assert tuple(mlp.parametrizations.key_up_value.original.shape) == shape
     with torch.no_grad():
-        mlp.parametrizations.key[0].lora_B.fill_(0.1)
+        mlp.parametrizations.key_up_value[0].lora_B.fill_(0.1)
+        assert not torch.equal(mlp.key, mlp.parametrizations.key_up_value.original.chunk(3)[0])  # key reads the delta
     ids = torch.randint(3, 320, (1, 8))
     with torch.no_grad():
         adapted = model(ids).logits
     with pytest.raises(ValueError, match="not FFN parameter weights"):
         adapters.add_weight_lora(model, targets=["model.layers.0.mlp.in_proj.weight"])
     state = adapters.weight_lora_state_dict(model)
-    assert set(state) == {"model.layers.0.mlp.key.lora_A", "model.layers.0.mlp.key.lora_B"}
+    assert set(state) == {"model.layers.0.mlp.key_up_value.lora_A", "model.layers.0.mlp.key_up_value.lora_B"}
     fresh = tiny_model("flash_mhf")
-    adapters.add_weight_lora(fresh, r=2, alpha=2, targets=["model.layers.0.mlp.key"])
+    adapters.add_weight_lora(fresh, r=2, alpha=2, targets=["model.layers.0.mlp.key_up_value"])
     adapters.load_weight_lora(fresh, state)
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, adapted)

@@ -125,7 +125,7 @@ def test_zero3_shards_gathers_and_steps_every_parameter(results, arch):
     if arch in ("memoryllm", "flex_memoryllm"):
         assert len(result["sharded"]["model.memory.gate_proj"]) == 3  # the stacked [layers, I, d] memory FFN
     if arch == "flash_mhf":
-        assert len(result["sharded"]["model.layers.0.mlp.key"]) == 4  # [H_kv, E, d_e, d_h] sub-network keys
+        assert len(result["sharded"]["model.layers.0.mlp.key_up_value"]) == 4  # [3 * H_kv, E, d_e, d_h]
     assert result["gather_max_diff"] == 0.0
     assert abs(result["loss"] - result["reference_loss"]) < 1e-6
     assert result["step_max_diff"] < 1e-6

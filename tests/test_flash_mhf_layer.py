@@ -197,12 +197,13 @@ def test_fused_layer_traces_without_graph_break():
 
 
 def saved_activation_bytes(module, x) -> int:
-    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of ``module(x)``."""
-    parameters = {p.data_ptr() for p in module.parameters()}
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of ``module(x)`` (views of a
+    parameter, such as FlashMHF's key, up and value, are the parameter)."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
     saved = {}
 
     def pack(tensor):
-        if tensor.data_ptr() not in parameters:
+        if tensor.untyped_storage().data_ptr() not in parameters:
             saved[tensor.data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 

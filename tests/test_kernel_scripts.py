@@ -181,6 +181,29 @@ def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
         torch.testing.assert_close(torch.compile(extra)(input_ids=ids).logits, expected)
 
 
+def test_flash_mhf_with_split_weights_has_two_more_parameters_per_layer_and_the_same_logits():
+    """bench_models' `flash_mhf_split_weights` row: FlashMHFLlama with key, up and value as three parameters per layer
+    (the layout before `key_up_value`): the logits are FlashMHFLlama's, eager and compiled, and gradients reach the
+    three parameters."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    split, merged = (bench_models.build_model(arch, "tiny", "cpu").float()
+                     for arch in ("flash_mhf_split_weights", "flash_mhf"))
+    layers = merged.config.num_hidden_layers
+    assert len(list(split.parameters())) - len(list(merged.parameters())) == 2 * layers
+    ids = torch.randint(3, 1000, (2, 16))
+    with torch.no_grad():
+        expected = merged(input_ids=ids).logits
+        torch.testing.assert_close(split(input_ids=ids).logits, expected)
+        torch.testing.assert_close(torch.compile(split)(input_ids=ids).logits, expected)
+    split(input_ids=ids, labels=ids).loss.backward()
+    mlp = split.model.layers[0].mlp
+    assert all(getattr(mlp, name).grad is not None for name in ("split_key", "split_up", "split_value"))
+
+
 def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
     """`profile_decode_host.py`: the host time of a static-cache step, each model (and the variant whose forward
     rebuilds its signature) measured in a process of its own."""

@@ -106,7 +106,7 @@ def test_variant_defaults_follow_the_paper():
 def test_kvffn_initialization_scale(kvffn_init, expected_std):
     model = build("kvffn", hidden_size=64, intermediate_size=512, kvffn_init=kvffn_init)
     mlp = model.model.layers[0].mlp
-    for linear in (mlp.key_proj, mlp.value_proj, mlp.out_proj):
+    for linear in (mlp.key_value_proj, mlp.out_proj):
         assert linear.weight.std().item() == pytest.approx(expected_std, rel=0.1)
         assert torch.count_nonzero(linear.bias) == 0
     assert model.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
@@ -168,20 +168,30 @@ def test_pkv_is_softmax_attention_over_parameters():
     torch.testing.assert_close(mlp(x), expected)
 
 
+def kvffn_key_and_value(mlp):
+    """(W_k, b_k, W_v, b_v) of a KV-FFN block: the even and odd rows of `key_value_proj`, or `key_proj` and no
+    values."""
+    if mlp.key_value_proj is None:
+        return mlp.key_proj.weight, mlp.key_proj.bias, None, None
+    weight, bias = mlp.key_value_proj.weight, mlp.key_value_proj.bias
+    return weight[0::2], bias[0::2], weight[1::2], bias[1::2]
+
+
 @pytest.mark.parametrize("variant", ["kvffn", "kvffn+x", "relu", "glu", "densenet"])
 def test_kvffn_block_matches_its_formula(variant):
     inner_residual = variant == "kvffn+x"
     model = build("kvffn", ffn_variant=variant.removesuffix("+x"), kvffn_inner_residual=inner_residual).double()
     mlp = model.model.layers[0].mlp
     x = torch.randn(2, 3, 64, dtype=torch.float64)
-    key = x @ mlp.key_proj.weight.T + mlp.key_proj.bias
+    key_weight, key_bias, value_weight, value_bias = kvffn_key_and_value(mlp)
+    key = x @ key_weight.T + key_bias
     if variant.startswith("kvffn"):
-        hidden = F.silu(key) * (x @ mlp.value_proj.weight.T + mlp.value_proj.bias)
+        hidden = F.silu(key) * (x @ value_weight.T + value_bias)
         expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias + (x if inner_residual else 0)
     elif variant == "relu":
         expected = F.relu(key) @ mlp.out_proj.weight.T + mlp.out_proj.bias
     elif variant == "glu":
-        hidden = torch.sigmoid(key) * (x @ mlp.value_proj.weight.T + mlp.value_proj.bias)
+        hidden = torch.sigmoid(key) * (x @ value_weight.T + value_bias)
         expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias
     else:
         expected = torch.cat([F.relu(key), x], dim=-1) @ mlp.out_proj.weight.T + mlp.out_proj.bias
@@ -207,7 +217,9 @@ def test_kvffn_layer_adds_eq_3_once_to_the_residual_stream_by_default():
     output, h, layer = outputs[False]
     normalized = layer.post_attention_layernorm(h)
     mlp = layer.mlp
-    block = (F.silu(mlp.key_proj(normalized)) * mlp.value_proj(normalized)) @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    key_weight, key_bias, value_weight, value_bias = kvffn_key_and_value(mlp)
+    keys, values = normalized @ key_weight.T + key_bias, normalized @ value_weight.T + value_bias
+    block = (F.silu(keys) * values) @ mlp.out_proj.weight.T + mlp.out_proj.bias
     torch.testing.assert_close(output, h + block)
     torch.testing.assert_close(outputs[True][0], h + block + normalized)
 
@@ -556,6 +568,78 @@ def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
     ids = torch.randint(0, 320, (1, 6))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def saved_first_layer_ffn(model, directory) -> dict[str, torch.Tensor]:
+    """Saves `model` to `directory` and returns the tensors stored for its first layer's FFN, by name under it."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(directory)
+    stored = load_file(directory / "model.safetensors")
+    return {name.removeprefix("model.layers.0.mlp."): tensor for name, tensor in stored.items()
+            if name.startswith("model.layers.0.mlp.")}
+
+
+def assert_loads_exactly(directory, ids, expected_logits) -> None:
+    reloaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected_logits)
+
+
+@pytest.mark.parametrize("variant", ["flash_mhf", "pkv", "swiglu"])
+def test_flash_mhf_checkpoints_keep_key_up_and_value_as_three_tensors(tmp_path, variant):
+    """The module holds each layer's key, up and value as views of one parameter `key_up_value` (one input of a
+    compiled step, not three); checkpoints store the three tensors they always had, and a file with the merged
+    tensor loads too. The PKV and SwiGLU baselines, whose `mlp.key` / `mlp.up_proj` the conversion must leave
+    alone, round-trip unchanged."""
+    from safetensors.torch import save_file
+
+    model = build("flash_mhf", ffn_variant=variant)
+    ids = torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    layer = saved_first_layer_ffn(model, tmp_path)
+    mlp = model.model.layers[0].mlp
+    if variant == "flash_mhf":
+        assert {"key", "up", "value"} <= set(layer) and "key_up_value" not in layer
+        assert [name for name, _ in mlp.named_parameters() if name in ("key", "up", "value", "key_up_value")] == [
+            "key_up_value"]
+        for name in ("key", "up", "value"):
+            torch.testing.assert_close(layer[name], getattr(mlp, name))
+            assert getattr(mlp, name).untyped_storage().data_ptr() == mlp.key_up_value.untyped_storage().data_ptr()
+    else:
+        assert set(layer) == {name for name, _ in mlp.named_parameters()}
+    assert_loads_exactly(tmp_path, ids, expected)
+    if variant == "flash_mhf":  # a file holding the merged tensor, as the module names it
+        save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+        assert_loads_exactly(tmp_path, ids, expected)
+
+
+@pytest.mark.parametrize("variant", ["kvffn", "glu", "relu"])
+def test_kvffn_checkpoints_keep_key_and_value_projections_apart(tmp_path, variant):
+    """The KV-FFN block computes keys and values with one linear layer `key_value_proj` (one GEMM, one weight and
+    one bias tensor, rows interleaved); checkpoints store `key_proj` and `value_proj` as they always had, and load
+    back exactly. The ReLU baseline, keys only, keeps its `key_proj`."""
+    model = build("kvffn", ffn_variant=variant)
+    ids = torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        expected = model(ids).logits
+    layer = saved_first_layer_ffn(model, tmp_path)
+    mlp = model.model.layers[0].mlp
+    if variant == "relu":
+        assert set(layer) == {"key_proj.weight", "key_proj.bias", "out_proj.weight", "out_proj.bias"}
+    else:
+        assert set(layer) == {f"{name}.{kind}" for name in ("key_proj", "value_proj", "out_proj")
+                              for kind in ("weight", "bias")}
+        assert [name for name, _ in mlp.named_parameters()] == ["key_value_proj.weight", "key_value_proj.bias",
+                                                                "out_proj.weight", "out_proj.bias"]
+        key_weight, key_bias, value_weight, value_bias = kvffn_key_and_value(mlp)
+        for name, tensor in (("key_proj.weight", key_weight), ("key_proj.bias", key_bias),
+                             ("value_proj.weight", value_weight), ("value_proj.bias", value_bias)):
+            torch.testing.assert_close(layer[name], tensor)
+    assert_loads_exactly(tmp_path, ids, expected)
 
 
 def _saved_bytes(fn):

@@ -95,15 +95,16 @@ def test_tensor_parallel_matches_one_process(checkpoints):
     results = run_workers(root, "tp")
     for arch in ARCHS:
         logits, grads = expected[arch]
-        torch.testing.assert_close(torch.tensor(results[arch]["logits"]), logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(results[arch]["logits"]), logits, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"{arch}: {m}")
         for name, grad in grads.items():
             torch.testing.assert_close(torch.tensor(results[arch]["grads"][name]), grad, rtol=1e-3, atol=1e-6,
                                        msg=lambda m: f"{arch} {name}: {m}")
     sharded = {arch: results[arch]["sharded"] for arch in ARCHS}
-    assert "model.layers.0.mlp.key" in sharded["flash_mhf"] and "model.layers.1.mlp.value" in sharded["flash_mhf"]
+    assert {"model.layers.0.mlp.key_up_value", "model.layers.1.mlp.key_up_value"} <= set(sharded["flash_mhf"])
     assert {"model.memory.gate_proj", "model.memory.down_proj"} <= set(sharded["memoryllm"])
     assert "model.layers.0.mlp.gate_proj.weight" in sharded["flex_memoryllm"]
-    assert "model.layers.0.mlp.key_proj.weight" in sharded["kvffn"]
+    assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
 
 
 @pytest.mark.slow
