@@ -3,7 +3,7 @@
 
 Tensor parallelism. Attention, SwiGLU and KV-FFN are Linear layers and use transformers' "colwise" / "rowwise"
 styles, as Llama does. The blocks with plain parameters split their hidden units instead, with one style of this file,
-`memffn_partial_sum`, on the block: FlashMHF's key/up/value [H_kv, E, d_e, d_h] split the columns d_e of every
+`memffn_partial_sum`, on the block: FlashMHF's `key_up_value` [3 * H_kv, E, d_e, d_h] splits the columns d_e of every
 sub-network ("colwise" on a parameter shards its second-to-last dim), `TokenMemory`'s gate/up [N, I, d] split I
 ("colwise") and its down [N, d, I] splits I too ("rowwise" shards the last dim). Each rank then computes a partial sum
 of the block's output from the replicated input; the style runs the block on its local shards and sums the partial
