@@ -1,8 +1,8 @@
 """LoRA and weight-only int8 for the FFN weights that are plain parameters, not `nn.Linear` layers.
 
 Half of a FlashMHF or MemoryLLM model is such weights: FlashMHF's sub-network banks key/up/value, one parameter
-`key_up_value` [3 * H_kv, E, d_e, d_h], and router [H, d_h, E] (`FlashMHFFeedForward`), PKV's key/value slots [H, slots, d_h]
-(`ParametricKVFeedForward`), and the stacked FFNs on X0 gate/up [N, I, d], down [N, d, I] (`TokenMemory`).
+`key_up_value` [3 * H_kv, E, d_e, d_h], and router [H, d_h, E] (`FlashMHFFeedForward`), PKV's key/value slots
+[H, slots, d_h] (`ParametricKVFeedForward`), and the stacked FFNs on X0 gate/up [N, I, d], down [N, d, I] (`TokenMemory`).
 LoRA `target_modules` and Linear-based quantizers do not see them, and PEFT's `target_parameters` takes 2-D and 3-D
 parameters only (it adapts `TokenMemory` and the router, not FlashMHF's 4-D banks). Both adapters here are
 `torch.nn.utils.parametrize` parametrizations of the parameter in place, so neither the stored shapes nor the

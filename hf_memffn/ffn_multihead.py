@@ -267,11 +267,10 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     # -- memory interface (`FeedForwardMemory`), computed from the parameters with plain torch ------------------------
     memory_kind = "flash_mhf"
+    memory_cell_axes = ("head", "subnetwork", "cell")
 
     def memory_value_parameter(self) -> nn.Parameter:
         return self.key_up_value  # the values are its last third
-
-    memory_cell_axes = ("head", "subnetwork", "cell")
 
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`R_e * SiLU(q K_e^T)_j * (q U_e^T)_j` for head h, sub-network e, cell j: [B, L, H * E * d_e] in float32,

@@ -60,3 +60,5 @@ KEY_VALUE_CONVERSION = [
     for name in ("weight", "bias")
 ]
 register_checkpoint_conversion_mapping(KVFFNConfig.model_type, KEY_VALUE_CONVERSION, overwrite=True)
+
+__all__ = ["KVFFNModel", "KVFFNForCausalLM"]
