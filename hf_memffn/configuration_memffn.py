@@ -125,7 +125,7 @@ class MemFFNConfig(PretrainedConfig):
     """
 
     model_type = "memffn"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache field before and since transformers 5.24
     # Class prefix and modeling file (without .py) named in `auto_map`; set by subclasses.
     class_prefix = ""
     modeling_module = ""

@@ -56,6 +56,23 @@ def _package_sibling(name: str):
 
 logger = logging.get_logger(__name__)
 
+# The key/value cache's keyword: transformers 5.24 renamed `past_key_values` to `cache` (model and layer arguments,
+# output field). Outputs and decoder layers get the installed version's name: `generate()` reads the cache back under
+# it, and `GradientCheckpointingLayer` drops it by that name under activation checkpointing.
+CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def take_cache(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
+    """The key/value cache a forward was given. Since transformers 5.24 it comes as `cache` (taken out of `kwargs`;
+    `past_key_values` still accepted); before, as `past_key_values`, and a `cache` in `kwargs` is continuous batching's
+    paged cache, which the attention function updates itself: it stays in `kwargs` for that function."""
+    if CACHE_KWARG == "past_key_values":
+        return past_key_values
+    cache = kwargs.pop("cache", None)
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("pass the key/value cache once: as `cache` (or the older name `past_key_values`), not both")
+    return cache if cache is not None else past_key_values
+
 
 def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
     """One-line errors for token ids the embedding cannot look up (instead of an index error from inside it, or a
@@ -177,7 +194,7 @@ class MemFFNAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
@@ -185,8 +202,9 @@ class MemFFNAttention(nn.Module):
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = rotate_queries_and_keys(query, key, cos, sin, self.config.decoder_kernels)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if kv_cache is not None:
+            # (`kwargs`: a paged cache, since transformers 5.24, adds what the attention function needs to them)
+            key, value = kv_cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -251,13 +269,14 @@ class MemFFNDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         """`memory_output`: this layer's FFN-on-X0 output as a tensor; `memory_readout`: an object that adds it
         (`add_into`, e.g. from a lookup table). The tensor is passed positionally so that activation checkpointing
-        (also the reentrant kind, which sees only positional tensors) treats it as an input of the layer."""
+        (also the reentrant kind, which sees only positional tensors) treats it as an input of the layer. The
+        key/value cache comes as `cache` or `past_key_values` (see `take_cache`)."""
         layer_input = hidden_states
         attn_output, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            kv_cache=take_cache(past_key_values, kwargs),
             **kwargs,
         )
         hidden_states = layer_input + attn_output
@@ -279,7 +298,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["MemFFNDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -465,6 +484,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of `input_ids` or `inputs_embeds`")
         if input_ids is not None and not (self.training and input_ids.device.type != "cpu"):
@@ -475,12 +495,13 @@ class MemFFNModel(MemFFNPreTrainedModel):
         if not self._decoder_path_logged and not is_torchdynamo_compiling():
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        cache = take_cache(past_key_values, kwargs)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
             length = past_seen + inputs_embeds.shape[1]
@@ -493,13 +514,9 @@ class MemFFNModel(MemFFNPreTrainedModel):
         if causal_only and self.plain_causal_mask(past_seen):
             causal_mask = None
         else:
-            causal_mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                past_key_values=past_key_values,
-                position_ids=position_ids,
-            )
+            # (the cache positionally: transformers 5.24 renamed that argument)
+            causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache,
+                                             position_ids=position_ids)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         token_embeddings = inputs_embeds
         if self.token_embedding_relay is not None and self.config.token_memory_size is not None:
@@ -515,13 +532,13 @@ class MemFFNModel(MemFFNPreTrainedModel):
                 memory_readout.layer_outputs[index] if computed else None,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
                 memory_readout=None if computed else memory_readout,
                 position_ids=position_ids,
+                **{CACHE_KWARG: cache},
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
 
 
 class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
@@ -578,11 +595,12 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=take_cache(past_key_values, kwargs),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -597,7 +615,7 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -1,6 +1,6 @@
 """`hf-memffn serve`: transformers' own OpenAI-compatible server (`transformers serve`) for checkpoints of this package.
 
-transformers 5.17-5.23 cannot serve a checkpoint whose modeling code lives next to its weights: the server's
+transformers 5.17-5.24 cannot serve a checkpoint whose modeling code lives next to its weights: the server's
 `ModelManager._load_model` (cli/serving/model_manager.py) looks `config.architectures[0]` up as an attribute of the
 `transformers` module and never reads `auto_map`, so it stops with `AttributeError: module transformers has no
 attribute KVFFNForCausalLM` before serving anything (docs/serving-remote-code.md has the reproduction and the fix

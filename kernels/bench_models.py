@@ -698,15 +698,17 @@ def profile_rows(size: str, device: str, archs) -> dict:
         ids = torch.randint(3, VOCAB_SIZE, (1, PROMPT_LEN), device=device)
         from transformers import DynamicCache
 
+        from hf_memffn.modeling_memffn import CACHE_KWARG  # (the cache argument's name in this transformers)
+
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **{CACHE_KWARG: cache}, use_cache=True)
             token = ids[:, -1:]
             length = [PROMPT_LEN]
 
             def decode_step():
                 position = torch.tensor([[length[0]]], device=device)
-                model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True)
+                model(input_ids=token, **{CACHE_KWARG: cache}, position_ids=position, use_cache=True)
                 length[0] += 1
 
             out[f"decode_step_b1_{architecture}"] = kernel_table(decode_step, steps=5, top=15)

@@ -124,6 +124,8 @@ def graph_decode_speed(model, prompt, args) -> dict:
     position and cache length are updated inside the graph, so the timing is the model's own decode step."""
     from transformers import StaticCache
 
+    from hf_memffn.modeling_memffn import CACHE_KWARG  # (the cache argument's name in this transformers)
+
     batch, length = prompt.shape
     steps = args.new_tokens_long
     cache = StaticCache(config=model.config, max_cache_len=length + steps + 8)
@@ -132,14 +134,14 @@ def graph_decode_speed(model, prompt, args) -> dict:
     with torch.no_grad():
         positions = torch.arange(length, device="cuda")
         extra = {"cache_position": positions} if is_llama else {}
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+        logits = model(input_ids=prompt, **{CACHE_KWARG: cache}, use_cache=True,
                        position_ids=positions.expand(batch, -1), **extra).logits
         token = logits[:, -1:].argmax(-1)
         position = torch.full((1,), length, device="cuda", dtype=torch.long)
 
         def step():
             extra = {"cache_position": position} if is_llama else {}
-            out = model(input_ids=token, past_key_values=cache, use_cache=True,
+            out = model(input_ids=token, **{CACHE_KWARG: cache}, use_cache=True,
                         position_ids=position.expand(batch, 1), **extra).logits
             token.copy_(out[:, -1:].argmax(-1))
             position.add_(1)

@@ -101,9 +101,13 @@ def guard_check_us(model, generate, repeats: int = 2000) -> float:
     entries = _debug_get_cache_entry_list(code)
     if len(entries) != 1:
         raise RuntimeError(f"expected one compiled entry for {forward.__qualname__}, found {len(entries)}")
-    if code.co_flags & inspect.CO_VARARGS and code.co_flags & inspect.CO_VARKEYWORDS and code.co_argcount == 1:
-        names = code.co_varnames  # a decorator's wrapper(self, *args, **kwargs)
-        frame_locals = {names[0]: model, names[1]: recorded["args"], names[2]: dict(recorded["kwargs"])}
+    if code.co_flags & inspect.CO_VARARGS and code.co_flags & inspect.CO_VARKEYWORDS and not code.co_kwonlyargcount:
+        # a decorator's wrapper: wrapper(self, *args, **kwargs), or wrapper(*args, **kwargs) (transformers' own
+        # deprecated-argument wrapper since 5.24)
+        names, explicit = code.co_varnames, code.co_argcount
+        positional = (model, *recorded["args"])
+        frame_locals = dict(zip(names[:explicit], positional))
+        frame_locals.update({names[explicit]: positional[explicit:], names[explicit + 1]: dict(recorded["kwargs"])})
     else:
         bound = inspect.signature(forward).bind(model, *recorded["args"], **recorded["kwargs"])
         bound.apply_defaults()

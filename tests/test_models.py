@@ -341,6 +341,34 @@ def test_greedy_with_cache_equals_without(arch, overrides):
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
 
 
+def test_the_cache_under_either_name_and_dropped_under_checkpointing():
+    """transformers 5.24 renamed the key/value cache `past_key_values` -> `cache` (argument and output field). The
+    forward takes the installed version's name, and `past_key_values` always; the output carries the cache under the
+    installed version's name (the one `generate()` reads back); an activation-checkpointed layer is given the cache
+    under the name that `GradientCheckpointingLayer` drops, so a training step's recompute never writes it twice."""
+    from transformers import DynamicCache
+
+    from hf_memffn.modeling_memffn import CACHE_KWARG
+
+    model = build("kvffn")
+    ids = torch.randint(3, 320, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits[:, 5:]
+        old_name = model(ids[:, :5], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        assert getattr(old_name, CACHE_KWARG).get_seq_length() == 5
+        given = {CACHE_KWARG: getattr(old_name, CACHE_KWARG)}
+        torch.testing.assert_close(model(ids[:, 5:], use_cache=True, **given).logits, expected, rtol=1e-4, atol=1e-5)
+        if CACHE_KWARG == "cache":
+            with pytest.raises(ValueError, match="`cache`"):
+                model(ids, past_key_values=DynamicCache(config=model.config), cache=DynamicCache(config=model.config))
+
+    model.train()
+    model.gradient_checkpointing_enable()
+    cache = DynamicCache(config=model.config)
+    model(ids, labels=ids, use_cache=True, **{CACHE_KWARG: cache}).loss.backward()
+    assert cache.get_seq_length() == 0
+
+
 @pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
 def test_static_cache_generation_equals_dynamic(arch):
     model = build(arch)
@@ -433,9 +461,9 @@ def test_unpadded_sequences_attend_with_the_causal_flag_and_match_the_explicit_m
 
     built = []  # one entry per forward that asked transformers for a mask
 
-    def create_causal_mask(**kwargs):
-        built.append(kwargs["attention_mask"])
-        return real_create_causal_mask(**kwargs)
+    def create_causal_mask(config, inputs_embeds, attention_mask, cache, **kwargs):
+        built.append(attention_mask)
+        return real_create_causal_mask(config, inputs_embeds, attention_mask, cache, **kwargs)
 
     real_create_causal_mask = modeling_memffn.create_causal_mask
     monkeypatch.setattr(modeling_memffn, "create_causal_mask", create_causal_mask)
