@@ -17,6 +17,7 @@ architecture runs. These files import only torch, transformers, safetensors and 
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -62,16 +63,23 @@ logger = logging.get_logger(__name__)
 CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def take_cache(past_key_values: Cache | None, kwargs: dict) -> Cache | None:
-    """The key/value cache a forward was given. Since transformers 5.24 it comes as `cache` (taken out of `kwargs`;
-    `past_key_values` still accepted); before, as `past_key_values`, and a `cache` in `kwargs` is continuous batching's
-    paged cache, which the attention function updates itself: it stays in `kwargs` for that function."""
+def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict, warn: bool = True) -> Cache | None:
+    """The key/value cache a forward was given, under either name. Before transformers 5.24 it is `past_key_values`,
+    and a `cache` is continuous batching's paged cache, which the attention function updates itself: it goes back
+    into `kwargs`, for that function. Since 5.24 it is `cache`; `past_key_values` still works, with transformers'
+    deprecation warning (``warn``)."""
     if CACHE_KWARG == "past_key_values":
+        if cache is not None:
+            kwargs["cache"] = cache
         return past_key_values
-    cache = kwargs.pop("cache", None)
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
+    if past_key_values is None:
+        return cache
+    if cache is not None and cache is not past_key_values:
         raise ValueError("pass the key/value cache once: as `cache` (or the older name `past_key_values`), not both")
-    return cache if cache is not None else past_key_values
+    if warn and not is_torchdynamo_compiling():
+        warnings.warn("`past_key_values` is deprecated since transformers 5.24: pass the key/value cache as `cache`",
+                      FutureWarning, stacklevel=3)
+    return past_key_values
 
 
 def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
@@ -276,7 +284,7 @@ class MemFFNDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            kv_cache=take_cache(past_key_values, kwargs),
+            kv_cache=take_cache(past_key_values, kwargs.pop("cache", None), kwargs, warn=False),
             **kwargs,
         )
         hidden_states = layer_input + attn_output
@@ -482,6 +490,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
@@ -495,7 +504,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         if not self._decoder_path_logged and not is_torchdynamo_compiling():
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
-        cache = take_cache(past_key_values, kwargs)
+        cache = take_cache(past_key_values, cache, kwargs)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
@@ -593,6 +602,7 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
@@ -600,7 +610,7 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=take_cache(past_key_values, kwargs),
+            **{CACHE_KWARG: take_cache(past_key_values, cache, kwargs)},
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,

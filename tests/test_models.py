@@ -343,18 +343,27 @@ def test_greedy_with_cache_equals_without(arch, overrides):
 
 def test_the_cache_under_either_name_and_dropped_under_checkpointing():
     """transformers 5.24 renamed the key/value cache `past_key_values` -> `cache` (argument and output field). The
-    forward takes the installed version's name, and `past_key_values` always; the output carries the cache under the
-    installed version's name (the one `generate()` reads back); an activation-checkpointed layer is given the cache
-    under the name that `GradientCheckpointingLayer` drops, so a training step's recompute never writes it twice."""
+    forwards take both (`past_key_values` with transformers' deprecation warning since 5.24); the output carries the
+    cache under the installed version's name (the one `generate()` reads back); an activation-checkpointed layer is
+    given the cache under the name that `GradientCheckpointingLayer` drops, so a training step's recompute never
+    writes it twice."""
+    import contextlib
+    import inspect
+
     from transformers import DynamicCache
 
     from hf_memffn.modeling_memffn import CACHE_KWARG
 
     model = build("kvffn")
+    for forward in (model.forward, model.model.forward):
+        assert {"past_key_values", "cache"} <= set(inspect.signature(forward).parameters)
     ids = torch.randint(3, 320, (2, 9))
+    old_name_warns = (pytest.warns(FutureWarning, match="`past_key_values` is deprecated") if CACHE_KWARG == "cache"
+                      else contextlib.nullcontext())
     with torch.no_grad():
         expected = model(ids).logits[:, 5:]
-        old_name = model(ids[:, :5], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        with old_name_warns:
+            old_name = model(ids[:, :5], past_key_values=DynamicCache(config=model.config), use_cache=True)
         assert getattr(old_name, CACHE_KWARG).get_seq_length() == 5
         given = {CACHE_KWARG: getattr(old_name, CACHE_KWARG)}
         torch.testing.assert_close(model(ids[:, 5:], use_cache=True, **given).logits, expected, rtol=1e-4, atol=1e-5)
