@@ -127,8 +127,31 @@ def weight_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+# FlashMHF's banks were three parameters, `key`, `up` and `value` [H_kv, E, d_e, d_h], before they became the thirds
+# of `key_up_value` [3 * H_kv, E, d_e, d_h]. Their adapters (one (A, B) pair per leading index) are the thirds of the
+# merged bank's adapter, so files saved then load exactly.
+_SUBNETWORK_BANK_PARTS = ("key", "up", "value")
+
+
+def _with_merged_bank_adapters(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with the adapters of FlashMHF's former `key`/`up`/`value` parameters joined into those of
+    `key_up_value` (where all three are present); other entries as they are."""
+    state = dict(state_dict)
+    for key in list(state_dict):
+        prefix, _, part = key.rpartition(".")
+        if not prefix.endswith(".key") or part not in ("lora_A", "lora_B"):
+            continue
+        module = prefix[: -len(".key")]
+        old = [f"{module}.{bank}.{part}" for bank in _SUBNETWORK_BANK_PARTS]
+        if all(name in state for name in old):
+            state[f"{module}.key_up_value.{part}"] = torch.cat([state.pop(name) for name in old])
+    return state
+
+
 def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load adapter weights saved by `weight_lora_state_dict` into a model with the same adapters added."""
+    """Load adapter weights saved by `weight_lora_state_dict` into a model with the same adapters added (also files
+    saved when FlashMHF's banks were three parameters `key`, `up`, `value`)."""
+    state_dict = _with_merged_bank_adapters(state_dict)
     names = {id(module): module_name for module_name, module in model.named_modules()}
     expected = set()
     for module, name, _, item in _lora_parametrizations(model):

@@ -106,7 +106,7 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
     return plan
 
 
-DECODER_KERNELS = ("auto", "triton", "torch")  # how the decoder's norms and rotations run (decoder_triton.py)
+DECODER_KERNELS = ("auto", "triton", "torch")  # decoder's norms and rotations, KV-FFN's activation (*_triton.py)
 
 
 class MemFFNConfig(PretrainedConfig):
@@ -118,10 +118,11 @@ class MemFFNConfig(PretrainedConfig):
     `parallel_residual_ffn` (the residual FFN reads the layer input X_L in parallel with attention instead of
     X_L + Attn(X_L)).
 
-    `decoder_kernels` chooses how the decoder's RMSNorms and rotary embeddings run: "auto" (one fused Triton kernel
-    each, forward and backward, on CUDA in eager mode; the PyTorch operations on CPU and while torch.compile traces,
-    which fuses them itself), "triton" (the kernels, or an error where they cannot run) or "torch" (the PyTorch
-    operations, as transformers' Llama). The paths compute the same maths; the kernels round once per output.
+    `decoder_kernels` chooses how the decoder's RMSNorms and rotary embeddings (and KV-FFN's activation between its
+    projections) run: "auto" (one fused Triton kernel each, forward and backward, on CUDA in eager mode; the PyTorch
+    operations on CPU and while torch.compile traces, which fuses them itself), "triton" (the kernels, or an error
+    where they cannot run) or "torch" (the PyTorch operations, as transformers' Llama). The paths compute the same
+    maths; the kernels round once per output.
     """
 
     model_type = "memffn"

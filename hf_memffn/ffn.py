@@ -18,8 +18,13 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.utils import logging
 
+from .decoder_triton import decoder_kernels_unavailable
+from .ffn_triton import paired_activation
 from .rms_norm import rms_normalize
+
+logger = logging.get_logger(__name__)
 
 
 class FeedForwardMemory:
@@ -126,7 +131,9 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
     `kvffn_inner_residual=True`).
 
     Keys and values come from one linear layer `key_value_proj` (output 2i is key i, output 2i + 1 value i: one GEMM
-    and one weight tensor instead of two), the output projection is `out_proj`. Checkpoints store
+    and one weight tensor instead of two), the output projection is `out_proj`. Between them, `act(keys) * values`
+    is one Triton kernel per direction on CUDA in eager mode (`ffn_triton.py`; `decoder_kernels` decides, as for the
+    decoder's norms; `path_description` says which runs), PyTorch operations otherwise. Checkpoints store
     the key and value projections as `key_proj` and `value_proj` (see `KEY_VALUE_CONVERSION` in
     `modeling_kvffn.py`). The ReLU and DenseNet baselines have keys only, `key_proj`; the DenseNet baseline's
     `out_proj` reads [hidden; x]. Memory cells are the hidden units, values the columns of `out_proj` (the DenseNet
@@ -150,8 +157,12 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
             if linear is not None:
                 linear.init_std = config.kvffn_init_std  # kv-ffn.md: every weight ~ N(0, sigma)
         activation = {"kvffn": config.kvffn_activation, "relu": "relu", "densenet": "relu", "glu": "sigmoid"}
-        self.act_fn = ACT2FN[activation[self.variant]]
+        self.activation = activation[self.variant]
+        self.act_fn = ACT2FN[self.activation]
+        self.product = not (self.variant == "kvffn" and self.composition == "sum")  # act(keys) * values, or +
+        self.kernels = config.decoder_kernels
         self.dropout = nn.Dropout(config.kvffn_dropout)
+        self._path_logged = False
 
     @property
     def memory_readout(self) -> nn.Linear:
@@ -161,13 +172,37 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
     def memory_cell_shape(self) -> tuple[int, ...]:
         return (self.width,)
 
+    def _paired_kernels_unavailable(self, pairs: torch.Tensor) -> str | None:
+        """Why `act(keys) * values` runs as PyTorch operations for the projection output `pairs` (None: the
+        Triton kernels run)."""
+        if self.key_value_proj is None:
+            return f"the {self.variant} baseline has keys only"
+        return decoder_kernels_unavailable(pairs, self.kernels)
+
+    def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
+        """What computes the activation between the projections for `hidden_states` (by default one token on the
+        parameters' device and dtype)."""
+        weight = self.out_proj.weight
+        if hidden_states is None:
+            hidden_states = weight.new_empty(1, 1, self.out_proj.in_features)
+        reason = self._paired_kernels_unavailable(hidden_states)
+        if reason is None:
+            return f"Triton kernels for {self.activation}(keys) {'*' if self.product else '+'} values"
+        return f"PyTorch operations for the activation ({reason})"
+
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The hidden activation that `out_proj` reads (without the DenseNet input copy)."""
         if self.key_value_proj is None:
             return self.act_fn(self.key_proj(hidden_states))
-        keys, values = self.key_value_proj(hidden_states).unflatten(-1, (-1, 2)).unbind(-1)  # interleaved
+        pairs = self.key_value_proj(hidden_states)  # key i at 2i, value i at 2i + 1
+        if not self._path_logged and not torch.compiler.is_compiling():
+            logger.info("KV-FFN runs %s", self.path_description(pairs))
+            self._path_logged = True
+        if self._paired_kernels_unavailable(pairs) is None:
+            return paired_activation(pairs, self.activation, self.product)
+        keys, values = pairs.unflatten(-1, (-1, 2)).unbind(-1)
         keys = self.act_fn(keys)
-        return keys + values if (self.variant == "kvffn" and self.composition == "sum") else keys * values
+        return keys * values if self.product else keys + values
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden = self.memory_coefficients(hidden_states)

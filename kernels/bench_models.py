@@ -356,6 +356,23 @@ class LocalDecoder:
         self.model = self.generators = None
 
 
+def paired_ratio_cell(row: dict) -> str:
+    """A decode row's paired-round ratio for the report: "1.03 (0.93-1.16)", with " x <model>" when the rounds were
+    paired with a model other than Llama (a task without Llama pairs with its first model). Reads results files
+    written before the baseline was recorded (`round_paired_ratio_to_llama`) too."""
+    ratio = row.get("round_paired_ratio", row.get("round_paired_ratio_to_llama"))
+    baseline = row.get("round_paired_baseline", "llama")
+    if ratio is None:
+        return "-"
+    cell = f"{ratio:.2f}"
+    if row["arch"] != baseline:
+        if row.get("round_paired_ratio_quartiles"):
+            cell += " ({:.2f}-{:.2f})".format(*row["round_paired_ratio_quartiles"])
+        if baseline != "llama":
+            cell += f" x {DISPLAY.get(baseline, baseline)}"
+    return cell
+
+
 def quartiles(values) -> tuple[float, float]:
     """The first and third quartiles of `values` (the middle half lies between them)."""
     import statistics
@@ -500,22 +517,24 @@ def decode_rows(decoders: dict, size: str, batch: int, static: bool, profile: bo
         for architecture in order:
             round_steps[architecture].append(decoders[architecture].steps(batch))
     round_medians = {architecture: [median(steps) for steps in rounds] for architecture, rounds in round_steps.items()}
+    # the model each row's rounds are paired with: Llama where the task has it, otherwise the task's first model
+    baseline = "llama" if "llama" in round_medians else next(iter(round_medians))
     row_mode = "eager" if not static else (
         "static+compiled" if DECODE_COMPILE_MODE == "reduce-overhead" else "static+compiled, no CUDA graphs")
     rows = []
     for architecture, rounds in round_steps.items():
         all_steps = sorted(step for steps in rounds for step in steps)
         step_s = median(all_steps)
-        # Llama's step over this model's, round by round (the two calls seconds apart), then the median of those
-        paired = [base / own for base, own in zip(round_medians["llama"], round_medians[architecture])
-                  ] if "llama" in round_medians else []
+        # the baseline's step over this model's, round by round (the two calls seconds apart), then their median
+        paired = [base / own for base, own in zip(round_medians[baseline], round_medians[architecture])]
         separate = isinstance(decoders[architecture], ProcessDecoder)
         rows.append({
             "arch": architecture, "size": size, "batch": batch, "mode": row_mode,
             "decode_tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
             "round_median_ms_per_step": [t * 1e3 for t in round_medians[architecture]],
             "p10_ms_per_step": all_steps[len(all_steps) // 10] * 1e3,  # the fastest decile's bound: less host noise
-            "round_paired_ratio_to_llama": median(paired) if paired else None,
+            "round_paired_baseline": baseline,
+            "round_paired_ratio": median(paired) if paired else None,
             # the middle half of the round pairs' ratios: how far one pair can be from the median
             "round_paired_ratio_quartiles": quartiles(paired) if len(paired) >= 4 else None,
             # (the models of a task share this process's peak unless each has its own process)
@@ -562,6 +581,8 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
     layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
     layers["KV-FFN"] = KVFFNModel.build_residual_ffn(build_config("kvffn", size))
+    layers["KV-FFN, PyTorch activation"] = copy.deepcopy(layers["KV-FFN"])
+    layers["KV-FFN, PyTorch activation"].kernels = "torch"  # act(keys) * values as PyTorch operations
     llama_config = build_config("llama", size)
     layers[f"Llama MLP d_ff={llama_config.intermediate_size}"] = LlamaMLP(llama_config)
     for module in layers.values():
@@ -751,15 +772,14 @@ def report(results: dict) -> str:
         new_tokens = results.get("args", {}).get("new_tokens", NEW_TOKENS)
         lines += [f"## Decoding with `generate()` (greedy, prompt {PROMPT_LEN}, {new_tokens} new tokens)", ""]
         lines += markdown_table(
-            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama", "x Llama, median of round pairs (quartiles)",
+            ["size", "mode", "batch", "model", "tokens/s", "ms/step", "x Llama",
+             "x Llama (or the named model), median of round pairs (quartiles)",
              "p10 ms/step", "ms/step by round", "graphs compiled / CUDA-graph skips"],
             [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else "")
               + (f", CPU {r['cpu']}" if r.get("cpu") is not None else ""),
               f"{r['decode_tokens_per_s']:.0f}",
               f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
-              fmt(r.get("round_paired_ratio_to_llama"), ".2f")
-              + (" ({:.2f}-{:.2f})".format(*r["round_paired_ratio_quartiles"])
-                 if r.get("round_paired_ratio_quartiles") and r["arch"] != "llama" else ""),
+              paired_ratio_cell(r),
               fmt(r.get("p10_ms_per_step"), ".2f"),
               " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
               f"{r['graphs_compiled']} / {r['cudagraph_skips']}" if "cudagraph_skips" in r else "-"] for r in decode])

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hf_memffn import decoder_triton  # noqa: E402
+from hf_memffn import decoder_triton, ffn_triton  # noqa: E402
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
 
 # Shared memory one program may use (the opt-in maximum per block), by compute capability.
@@ -56,11 +56,12 @@ def cases(quick: bool):
 
 
 def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
-    """The decoder's RMSNorm and rotary kernels (`hf_memffn/decoder_triton.py`) at the presets' widths."""
+    """The decoder's RMSNorm and rotary kernels (`hf_memffn/decoder_triton.py`) at the presets' widths, and KV-FFN's
+    activation kernels (`hf_memffn/ffn_triton.py`) for each activation and composition."""
     failures = 0
     scalars = dict(num_rows=1, num_cols=1, stride_x=1, stride_y=1, stride_dy=1, stride_dx=1, eps=1e-5,
                    rows_per_program=1, seq_len=1, stride_xb=1, stride_xl=1, stride_xh=1, stride_cb=1, stride_cl=1,
-                   stride_yb=1, stride_yl=1, stride_yh=1)
+                   stride_yb=1, stride_yl=1, stride_yh=1, num_pairs=1)
     for dtype in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
         element = "*" + dtype
         launches = []
@@ -80,6 +81,14 @@ def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
                                  dict(X=element, COS=element, SIN=element, Y=element),
                                  dict(HALF=half, HALF_P2=triton.next_power_of_2(half),
                                       BLOCK_L=decoder_triton.ROTARY_BLOCK_L, TRANSPOSED=transposed), 4))
+        for activation, activation_id in ffn_triton.PAIRED_ACTIVATIONS.items():
+            for product in (True, False):
+                constants = dict(ACTIVATION=activation_id, PRODUCT=product, BLOCK=ffn_triton.PAIRED_BLOCK)
+                composition = "product" if product else "sum"
+                launches.append((f"kvffn {activation} {composition}", ffn_triton._paired_forward_kernel,
+                                 dict(Y=element, H=element), constants, 4))
+                launches.append((f"kvffn {activation} {composition} backward", ffn_triton._paired_backward_kernel,
+                                 dict(Y=element, DH=element, DY=element), constants, 4))
         for name, kernel, pointers, constants, warps in launches:
             label = f"{name:34s} {dtype}"
             try:

@@ -91,6 +91,17 @@ def test_flash_mhf_banks_keep_their_shape_and_the_kernel_sees_the_adapted_weight
     adapters.load_weight_lora(fresh, state)
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, adapted)
+    # adapters saved when the banks were three parameters `key`, `up`, `value` (their thirds) load the same
+    thirds = {f"model.layers.0.mlp.{bank}.{part}": third
+              for part in ("lora_A", "lora_B")
+              for bank, third in zip(("key", "up", "value"), state[f"model.layers.0.mlp.key_up_value.{part}"].chunk(3))}
+    older = tiny_model("flash_mhf")
+    adapters.add_weight_lora(older, r=2, alpha=2, targets=["model.layers.0.mlp.key_up_value"])
+    adapters.load_weight_lora(older, thirds)
+    with torch.no_grad():
+        torch.testing.assert_close(older(ids).logits, adapted)
+    with pytest.raises(ValueError, match="missing"):  # (two of the three thirds: nothing to join)
+        adapters.load_weight_lora(older, {k: v for k, v in thirds.items() if ".value." not in k})
 
 
 @pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])

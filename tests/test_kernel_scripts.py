@@ -101,14 +101,45 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 4 for row in data["decode"])
     assert all(row["cpu"] == cpu for row in data["decode"])
     llama, kvffn = data["decode"][:2]
-    assert llama["round_paired_ratio_to_llama"] == 1.0 and llama["p10_ms_per_step"] <= llama["ms_per_step"]
+    assert llama["round_paired_ratio"] == 1.0 and llama["p10_ms_per_step"] <= llama["ms_per_step"]
+    assert {row["round_paired_baseline"] for row in data["decode"]} == {"llama"}
     low, high = kvffn["round_paired_ratio_quartiles"]
-    assert low <= kvffn["round_paired_ratio_to_llama"] <= high
+    assert low <= kvffn["round_paired_ratio"] <= high
     assert f"KVFFN, own process, CPU {cpu}" in (tmp_path / "models_bench.md").read_text()
     # --decode-profile: each model's tables, taken in its own process after the timed rounds
     profiles = {name: data["profile"][name] for name in data["profile"]}
     assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in ("llama", "kvffn", "kvffn_no_bias")}
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
+
+
+def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
+    """A decode task without Llama (e.g. `flash_mhf_split_weights+flash_mhf`) pairs every model's rounds with its
+    first model's, and the report names that model beside the ratio."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+
+    class FixedSteps:  # a decoder whose steps take the given seconds, round after round
+        def __init__(self, step_s):
+            self.step_s = step_s
+
+        def start_warm_up(self, batch):
+            return lambda: {"warmup_s": 0.0}
+
+        def steps(self, batch):
+            return [self.step_s] * 3
+
+    monkeypatch.setattr(bench_models, "DECODE_REPEATS", 4)  # (quartiles need four rounds)
+    decoders = {"flash_mhf_split_weights": FixedSteps(0.0030), "flash_mhf": FixedSteps(0.0025)}
+    rows, _ = bench_models.decode_rows(decoders, "tiny", 1, static=True)
+    split, merged = rows
+    assert split["round_paired_baseline"] == merged["round_paired_baseline"] == "flash_mhf_split_weights"
+    assert split["round_paired_ratio"] == 1.0 and merged["round_paired_ratio"] == pytest.approx(1.2)
+    assert bench_models.paired_ratio_cell(merged) == (
+        "1.20 (1.20-1.20) x FlashMHFLlama with key, up, value as three parameters")
+    assert bench_models.paired_ratio_cell({"arch": "kvffn", "round_paired_ratio_to_llama": 0.97}) == "0.97"
 
 
 def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):

@@ -1,0 +1,88 @@
+"""KV-FFN's Triton kernels for `act(keys) * values` (`hf_memffn/ffn_triton.py`) against a float64 ground truth, output
+and gradient, for every activation and composition; and the block on the kernels against its PyTorch operations.
+
+The kernel tests run on CUDA in this process, and on CPU in a child pytest under TRITON_INTERPRET=1
+(`test_ffn_kernels_under_interpreter_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_memffn import ffn_triton
+from hf_memffn.ffn import KVFeedForward
+from hf_memffn.testing import tiny_config
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+REFERENCE_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", sorted(ffn_triton.PAIRED_ACTIVATIONS))
+@pytest.mark.parametrize("product", [True, False], ids=["product", "sum"])
+def test_paired_activation_matches_float64(activation, product, dtype):
+    """Ragged sizes (not a multiple of the block), an odd number of rows, fresh random inputs."""
+    generator = torch.Generator().manual_seed(len(activation) + product)
+    y = torch.randn(3, 7, 2 * 173, generator=generator, dtype=torch.float64).to(DEVICE)
+    grad_hidden = torch.randn(3, 7, 173, generator=generator, dtype=torch.float64).to(DEVICE)
+    y64 = y.clone().requires_grad_(True)
+    keys, values = y64[..., 0::2], y64[..., 1::2]
+    act = REFERENCE_ACTIVATIONS[activation](keys)
+    expected = act * values if product else act + values
+    expected.backward(grad_hidden)
+    y_k = y.to(dtype).requires_grad_(True)
+    out = ffn_triton.paired_activation(y_k, activation, product)
+    assert out.dtype == dtype and out.shape == (3, 7, 173)
+    out.backward(grad_hidden.to(dtype))
+    errors = {"out": relative_error(out, expected), "y": relative_error(y_k.grad, y64.grad)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    with torch.no_grad():  # inference: no autograd node, the same values
+        torch.testing.assert_close(ffn_triton.paired_activation(y_k, activation, product), out.detach(), rtol=0,
+                                   atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("overrides", [{}, {"ffn_variant": "glu"}, {"kvffn_activation": "gelu",
+                                                                    "kvffn_composition": "sum"}], ids=str)
+def test_kvffn_block_on_the_kernels_matches_its_pytorch_operations(overrides):
+    """The block's output and every parameter's gradient, float32: the same on both paths; and each says its path."""
+    blocks = {}
+    for kernels in ("triton", "torch"):
+        torch.manual_seed(0)
+        blocks[kernels] = KVFeedForward(tiny_config("kvffn", decoder_kernels=kernels, **overrides)).to(DEVICE)
+    x = torch.randn(2, 5, blocks["torch"].out_proj.out_features, device=DEVICE)
+    outs = {kernels: block(x) for kernels, block in blocks.items()}
+    torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-6)
+    for out in outs.values():
+        out.square().sum().backward()
+    for (name, a), b in zip(blocks["triton"].named_parameters(), blocks["torch"].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert blocks["triton"].path_description(x).startswith("Triton kernels")
+    assert blocks["torch"].path_description(x) == "PyTorch operations for the activation (decoder_kernels='torch')"
+
+
+def test_baselines_with_keys_only_run_pytorch_operations():
+    block = KVFeedForward(tiny_config("kvffn", ffn_variant="relu"))
+    assert block.path_description() == "PyTorch operations for the activation (the relu baseline has keys only)"
+
+
+@needs_kernels
+def test_paired_activation_rejects_what_it_cannot_compute():
+    y = torch.zeros(2, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="activation='tanh' is not one of"):
+        ffn_triton.paired_activation(y, "tanh")
+    with pytest.raises(ValueError, match="must be even"):
+        ffn_triton.paired_activation(y[:, :5], "silu")
+
+
+def test_ffn_kernels_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__, "matches_float64 or matches_its_pytorch or rejects")
