@@ -577,6 +577,8 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     layers["FlashMHF"] = FlashMHFLlamaModel.build_residual_ffn(flash_config)
     layers["FlashMHF, unfused layer"] = copy.deepcopy(layers["FlashMHF"])
     layers["FlashMHF, unfused layer"].fused_layer = False
+    layers["FlashMHF, key/up/value as three parameters"] = copy.deepcopy(layers["FlashMHF"])
+    split_subnetwork_weights(layers["FlashMHF, key/up/value as three parameters"])
     flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())
     width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
     layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
