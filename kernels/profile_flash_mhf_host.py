@@ -1,5 +1,6 @@
 """Where the host's time goes in the FlashMHF layer (one GPU call): Python's cProfile over training steps of the FFN
-block at the 370M shape (8 x 2048 tokens) and over decoding steps (one token), after a warm-up.
+block at the 370M shape (8 x 2048 tokens), over forwards of the same tokens without gradients, and over decoding
+steps (one token), after a warm-up.
 
     PYTHONPATH=. python kernels/profile_flash_mhf_host.py --out DIR     # DIR/flash_mhf_host_profile.{json,txt}
 
@@ -79,13 +80,17 @@ def main(argv=None) -> int:
             for tensor in (x, *params):
                 tensor.grad = None
 
+        def forward():  # the layer bench's "fwd ms": a forward over all tokens without gradients
+            with torch.no_grad():
+                module(x)
+
         step = torch.randn(1, 1, hidden, device="cuda", dtype=torch.bfloat16)
 
         def decode():
             with torch.no_grad():
                 module(step)
 
-        for label, fn in (("train", train), ("decode", decode)):
+        for label, fn in (("train", train), ("forward", forward), ("decode", decode)):
             profile = host_profile(fn, args.steps)
             results["profiles"][f"{name} {label}"] = profile
             log(f"{name} {label}: host {profile['host_ms_per_step']:.3f} ms/step to issue, GPU "
