@@ -93,6 +93,7 @@ ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAM
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
+DISPLAY[f"kvffn{TORCH_DECODER}"] = "KVFFN, PyTorch norm/rotary and activation"  # (decoder_kernels also decides it)
 DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
