@@ -607,14 +607,19 @@ def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
-def saved_first_layer_ffn(model, directory) -> dict[str, torch.Tensor]:
-    """Saves `model` to `directory` and returns the tensors stored for its first layer's FFN, by name under it."""
+def saved_first_layer_ffn(model, directory):
+    """Saves `model` to `directory`; returns token ids, the model's logits for them, the tensors stored for its first
+    layer's FFN (by name under it) and that FFN module."""
     from safetensors.torch import load_file
 
+    ids = torch.randint(0, 320, (1, 6))
+    with torch.no_grad():
+        logits = model(ids).logits
     model.save_pretrained(directory)
     stored = load_file(directory / "model.safetensors")
-    return {name.removeprefix("model.layers.0.mlp."): tensor for name, tensor in stored.items()
-            if name.startswith("model.layers.0.mlp.")}
+    layer = {name.removeprefix("model.layers.0.mlp."): tensor for name, tensor in stored.items()
+             if name.startswith("model.layers.0.mlp.")}
+    return ids, logits, layer, model.model.layers[0].mlp
 
 
 def assert_loads_exactly(directory, ids, expected_logits) -> None:
@@ -633,11 +638,7 @@ def test_flash_mhf_checkpoints_keep_key_up_and_value_as_three_tensors(tmp_path, 
     from safetensors.torch import save_file
 
     model = build("flash_mhf", ffn_variant=variant)
-    ids = torch.randint(0, 320, (1, 6))
-    with torch.no_grad():
-        expected = model(ids).logits
-    layer = saved_first_layer_ffn(model, tmp_path)
-    mlp = model.model.layers[0].mlp
+    ids, expected, layer, mlp = saved_first_layer_ffn(model, tmp_path)
     if variant == "flash_mhf":
         assert {"key", "up", "value"} <= set(layer) and "key_up_value" not in layer
         assert [name for name, _ in mlp.named_parameters() if name in ("key", "up", "value", "key_up_value")] == [
@@ -660,11 +661,7 @@ def test_kvffn_checkpoints_keep_key_and_value_projections_apart(tmp_path, varian
     one bias tensor, rows interleaved); checkpoints store `key_proj` and `value_proj` as they always had, and load
     back exactly. The ReLU baseline, keys only, keeps its `key_proj`."""
     model = build("kvffn", ffn_variant=variant)
-    ids = torch.randint(0, 320, (1, 6))
-    with torch.no_grad():
-        expected = model(ids).logits
-    layer = saved_first_layer_ffn(model, tmp_path)
-    mlp = model.model.layers[0].mlp
+    ids, expected, layer, mlp = saved_first_layer_ffn(model, tmp_path)
     if variant == "relu":
         assert set(layer) == {"key_proj.weight", "key_proj.bias", "out_proj.weight", "out_proj.bias"}
     else:
