@@ -3,8 +3,8 @@
 #
 # Every run trains the same model (default: the `small` FlashMHFLlama, Triton kernel forced) from the same saved
 # initial weights (`--init-from`, so ZeRO-3's own initialisation plays no part), on the same data in the same order,
-# with the same global batch (16 blocks of 512 tokens): one GPU with per-device batch 16; two GPUs with per-device
-# batch 8 through examples/accelerate/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml. Then
+# with the same global batch (default 16 blocks of 512 tokens): one GPU with per-device batch 16; two GPUs with
+# per-device batch 8 through examples/accelerate/{ddp,fsdp2,deepspeed_zero2,deepspeed_zero3}.yaml. Then
 # examples/compare_loss_curves.py compares every curve and tokens/s with the one-GPU run (which also replaces the
 # FSDP2 check's one-GPU reference). Text: the Python standard library's sources (on any machine, offline).
 #
@@ -12,11 +12,14 @@
 #   bash examples/ddp_check.sh --wheels [DIR]               # on a machine with the package index: DeepSpeed wheels
 #
 # Environment: RUNS (default "single ddp fsdp2 zero2 zero3"; later runs reuse WORK's initial weights and one-GPU
-# run, so the list can be split over several calls), ARCH (flash_mhf), PRESET (small), KERNEL (triton), WORK
-# (/tmp/ddp-check), WHEELS (.whl/deepspeed).
+# run, so the list can be split over several calls), ARCH (flash_mhf), PRESET (small; also the learning rate),
+# KERNEL (triton), BATCH (global batch in blocks, 16; even), BLOCK (tokens per block, 512), WORK (/tmp/ddp-check),
+# WHEELS (.whl/deepspeed), EXTRA_ARGS (more examples/pretrain.py arguments for every run, e.g.
+# "--profile-steps 21:25", whose profile_steps.{json,txt} are copied to RESULTS_DIR as RUN_profile_steps.*).
 # DeepSpeed: used if importable; otherwise installed from the wheels in WHEELS (`--wheels` builds them: DeepSpeed
-# as a pure-Python wheel with no prebuilt ops, plus einops, hjson, msgpack, ninja, py-cpuinfo). The recipe's
-# optimizer is torch's AdamW, so no DeepSpeed op is compiled. If DeepSpeed cannot be imported, the ZeRO runs are
+# as a pure-Python wheel with no prebuilt ops, plus einops, hjson, msgpack, ninja, py-cpuinfo and pydantic with its
+# own dependencies; also `datasets` with dill and multiprocess, installed the same way where it is missing). The
+# recipe's optimizer is torch's AdamW, so no DeepSpeed op is compiled. If DeepSpeed cannot be imported, the ZeRO runs are
 # skipped and RESULTS_DIR/deepspeed_status.txt says why.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -25,10 +28,15 @@ if [ "${1:-}" = "--wheels" ]; then
     DIR=${2:-.whl/deepspeed}
     mkdir -p "$DIR"
     DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$DIR" "deepspeed==${DEEPSPEED_VERSION:-0.19.8}"
-    python3 -m pip download -q --no-deps -d "$DIR" einops hjson ninja py-cpuinfo
-    for version in 3.10 3.11 3.12 3.13; do  # msgpack is compiled: one wheel per Python the GPU machine may have
-        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" -d "$DIR" msgpack
+    python3 -m pip download -q --no-deps -d "$DIR" einops hjson ninja py-cpuinfo "pydantic==${PYDANTIC_VERSION:-2.13.4}" \
+        annotated-types typing-inspection
+    for version in 3.10 3.11 3.12 3.13; do  # compiled: one wheel per Python the GPU machine may have
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$version" \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$DIR" msgpack "pydantic-core==${PYDANTIC_CORE_VERSION:-2.46.4}" "multiprocess==${MULTIPROCESS_VERSION:-0.70.19}"
     done
+    # `datasets` for the recipe, where the GPU machine's image lacks it (its other needs are common there)
+    python3 -m pip download -q --no-deps -d "$DIR" "datasets==${DATASETS_VERSION:-5.2.0}" "dill==${DILL_VERSION:-0.4.1}"
     ls -la "$DIR"
     exit 0
 fi
@@ -40,8 +48,19 @@ RUNS=${RUNS:-single ddp fsdp2 zero2 zero3}
 ARCH=${ARCH:-flash_mhf}
 WORK=${WORK:-/tmp/ddp-check}
 WHEELS=${WHEELS:-.whl/deepspeed}
+PRESET=${PRESET:-small}
+BATCH=${BATCH:-16}
+BLOCK=${BLOCK:-512}
+if (( BATCH % 2 )); then echo "BATCH=$BATCH: the global batch must be even (two GPUs share it)" >&2; exit 2; fi
 mkdir -p "$RESULTS" "$WORK"
 RESULTS=$(cd "$RESULTS" && pwd)
+
+# `datasets` (the recipe's data loading): importable, or installed from the carried wheels.
+if ! python3 -c "import datasets" 2>/dev/null && ls "$WHEELS"/datasets-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$WORK/datasets-site" \
+        datasets dill multiprocess 2>&1 | tail -3 || true
+    export PYTHONPATH="$WORK/datasets-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 {
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
@@ -52,7 +71,7 @@ RESULTS=$(cd "$RESULTS" && pwd)
 if [[ " $RUNS " == *" zero"* ]]; then
     if ! python3 -c "import deepspeed" 2>/dev/null && ls "$WHEELS"/deepspeed-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$WORK/deepspeed-site" \
-            deepspeed einops hjson msgpack ninja py-cpuinfo 2>&1 | tail -3 || true
+            deepspeed einops hjson msgpack ninja py-cpuinfo pydantic pydantic-core annotated-types typing-inspection 2>&1 | tail -3 || true
         export PYTHONPATH="$WORK/deepspeed-site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     if python3 -c "import deepspeed, sys; print('deepspeed', deepspeed.__version__, 'imports; accelerator', deepspeed.get_accelerator().device_name())" > "$RESULTS/deepspeed_status.txt" 2>&1; then
@@ -71,7 +90,7 @@ fi
 
 # The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset.
 if [ ! -f "$WORK/init/config.json" ]; then
-python3 - "$HERE" "$WORK" "$ARCH" "${PRESET:-small}" "ffn_kernel=${KERNEL:-triton}" <<'EOF'
+python3 - "$HERE" "$WORK" "$ARCH" "$PRESET" "ffn_kernel=${KERNEL:-triton}" <<'EOF'
 import json, math, sys
 import torch
 sys.path.insert(0, sys.argv[1])
@@ -86,25 +105,32 @@ overrides = pretrain.parse_overrides(overrides) if arch == "flash_mhf" else {}
 config = pretrain.build_config(arch, preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-model.attach_tokenizer(tokenizer)
+if hasattr(model, "attach_tokenizer"):  # our architectures keep the tokenizer's special ids in the config
+    model.attach_tokenizer(tokenizer)
 model.save_pretrained(f"{work}/init")
+tokenizer.save_pretrained(f"{work}/init")
 print(f"initial weights: {arch} {preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {work}/init")
 EOF
 fi
 
-COMMON=(--init-from "$WORK/init" --data-files "$WORK/corpus.jsonl" --block-size 512 --num-proc 8
+COMMON=(--init-from "$WORK/init" --arch "$ARCH" --preset "$PRESET" --data-files "$WORK/corpus.jsonl" --block-size "$BLOCK" --num-proc 8
         --logging-steps 5 --eval-steps 50 --max-eval-blocks 64 --save-steps 100000 --seed 0 --max-steps "$STEPS")
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+COMMON+=("${EXTRA[@]}")
 declare -A CONFIG=([ddp]=ddp [fsdp2]=fsdp2 [zero2]=deepspeed_zero2 [zero3]=deepspeed_zero3)
 for run in $RUNS; do
     echo "=== $run ==="
     if [ "$run" = single ]; then
-        CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size 16 \
+        CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size "$BATCH" \
             --output-dir "$WORK/single" || echo "$run FAILED"
     else
         python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/${CONFIG[$run]}.yaml" --num_processes 2 \
-            "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size 8 --output-dir "$WORK/$run" || echo "$run FAILED"
+            "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size $((BATCH / 2)) --output-dir "$WORK/$run" || echo "$run FAILED"
     fi
     if [ -f "$WORK/$run/train_log.jsonl" ]; then cp "$WORK/$run/train_log.jsonl" "$RESULTS/${run}_train_log.jsonl"; fi
+    for kind in json txt; do
+        if [ -f "$WORK/$run/profile_steps.$kind" ]; then cp "$WORK/$run/profile_steps.$kind" "$RESULTS/${run}_profile_steps.$kind"; fi
+    done
 done
 
 COMPARED=()

@@ -84,6 +84,8 @@ class RecipeArguments:
     stop_after_steps: int | None = field(default=None, metadata={"help": "stop at this step, keeping the --max-steps schedule"})
     resume: str | None = field(default=None, metadata={"help": "checkpoint folder, or 'latest' for the newest in --output-dir"})
     peak_tflops: float | None = field(default=None, metadata={"help": "device peak for MFU (default: known GPUs' bf16 peak)"})
+    profile_steps: str | None = field(default=None, metadata={"help": "FIRST:LAST: profile these training steps on the "
+                                      "main process; writes profile_steps.json and profile_steps.txt to --output-dir"})
 
 
 # TrainingArguments defaults of the recipe (the learning rate defaults to the preset's).
@@ -383,11 +385,15 @@ def device_peak_flops(override_tflops: float | None) -> float | None:
 # --- throughput ---------------------------------------------------------------------------------------------------
 
 
-def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world_size: int, log_path: Path):
+def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world_size: int,
+                             log_path: Path, untimed_steps: range = range(0)):
     from transformers import TrainerCallback
 
     class ThroughputCallback(TrainerCallback):
-        """Adds tokens/s and MFU to each training log (steady-state steps only) and appends every log to a JSONL file."""
+        """Adds tokens/s and MFU to each training log (steady-state steps only) and appends every log to a JSONL file.
+
+        Steps in `untimed_steps` are left out of the rates (the profiled steps, and the one after them, which pays
+        for writing the profile)."""
 
         def __init__(self):
             self.last_step_end = None
@@ -398,7 +404,8 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
-            if self.last_step_end is not None:  # the first step (compilation, autotuning) is not timed
+            # the first step (compilation, autotuning) is not timed
+            if self.last_step_end is not None and state.global_step not in untimed_steps:
                 self.window_seconds += now - self.last_step_end
                 self.window_steps += 1
             self.last_step_end = now
@@ -440,6 +447,89 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
 
 
 # --- main ---------------------------------------------------------------------------------------------------------
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise ValueError(f"--profile-steps={text!r}: expected FIRST:LAST, two step numbers with 1 <= FIRST <= LAST")
+    return int(first), int(last)
+
+
+def make_profile_callback(first: int, last: int, output_dir: Path, is_main_process: bool):
+    """Profiles training steps FIRST..LAST (counted from 1) with torch.profiler on the main process.
+
+    profile_steps.json: wall time per step, and per step the device's kernel time (all kernels, and the collective
+    communication kernels apart), with the 25 kernels and the 25 host operators that took longest.
+    profile_steps.txt: torch.profiler's tables of the same events, by device time and by host time.
+    A step whose wall time is well above its kernel time waits on the host (Python, launches, the optimizer's
+    per-tensor work); one whose communication kernels fill the gap waits on the interconnect.
+    """
+    from transformers import TrainerCallback
+
+    class ProfileSteps(TrainerCallback):
+        def __init__(self):
+            self.profiler = None
+            self.started = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if is_main_process and state.global_step == first - 1 and self.profiler is None:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize()
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+                self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.profiler is None or state.global_step != last:
+                return
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.started
+            self.profiler.__exit__(None, None, None)
+            write_profile(self.profiler, wall, last - first + 1, output_dir)
+            self.profiler = None
+
+    return ProfileSteps()
+
+
+def write_profile(profiler, wall_seconds: float, steps: int, output_dir: Path) -> None:
+    from hf_memffn.atomic_write import write_atomic
+
+    averages = profiler.key_averages()
+
+    def device_us(event) -> float:
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+    # The device's own events (kernels, copies). A host operator's device time repeats that of its kernels, and a
+    # `record_function` region (DDP's forward, the optimizer's step, a collective) shows on the device as an
+    # annotation spanning them: both are left out, as in the total of torch.profiler's own table.
+    kernels = [e for e in averages if e.device_type != torch.autograd.DeviceType.CPU
+               and not getattr(e, "is_user_annotation", False) and device_us(e) > 0]
+    communication = [e for e in kernels if "nccl" in e.key.lower()]
+    kernel_ms = sum(device_us(e) for e in kernels) / 1e3 / steps
+    summary = {
+        "steps": steps,
+        "wall_ms_per_step": round(wall_seconds * 1e3 / steps, 2),
+        "kernel_ms_per_step": round(kernel_ms, 2),
+        "communication_kernel_ms_per_step": round(sum(device_us(e) for e in communication) / 1e3 / steps, 2),
+        "kernels": [{"name": e.key[:120], "calls_per_step": e.count / steps, "ms_per_step": round(device_us(e) / 1e3 / steps, 3)}
+                    for e in sorted(kernels, key=device_us, reverse=True)[:25]],
+        "host_operators": [{"name": e.key[:120], "calls_per_step": e.count / steps,
+                            "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 3),
+                            "total_ms_per_step": round(e.cpu_time_total / 1e3 / steps, 3)}
+                           for e in sorted(averages, key=lambda e: e.cpu_time_total, reverse=True)[:25]],
+    }
+    write_atomic(output_dir / "profile_steps.json", json.dumps(summary, indent=2) + "\n")
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    tables = (f"{steps} steps, {summary['wall_ms_per_step']} ms wall per step, {summary['kernel_ms_per_step']} ms of kernels "
+              f"per step ({summary['communication_kernel_ms_per_step']} ms communication)\n\n"
+              + averages.table(sort_by=device_key, row_limit=40) + "\n\n"
+              + averages.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+    write_atomic(output_dir / "profile_steps.txt", tables)
+    print(f"profiled steps: {tables.splitlines()[0]} -> {output_dir / 'profile_steps.json'}", flush=True)
 
 
 def make_stop_callback(stop_step: int):
@@ -518,6 +608,7 @@ def main(argv=None) -> dict:
     from hf_memffn.hub import keep_model_card
 
     output_dir = Path(args.output_dir)
+    profile_steps = parse_profile_steps(args.profile_steps) if args.profile_steps else None
     if training_args.lr_scheduler_type == "cosine_with_min_lr":
         # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
         # do not have
@@ -536,10 +627,14 @@ def main(argv=None) -> dict:
                        * args.block_size * world_size)
     flops_per_token = training_flops_per_token(model, args.block_size)
     throughput = make_throughput_callback(tokens_per_step, flops_per_token, device_peak_flops(args.peak_tflops),
-                                          world_size, output_dir / "train_log.jsonl")
+                                          world_size, output_dir / "train_log.jsonl",
+                                          range(profile_steps[0], profile_steps[1] + 2) if profile_steps else range(0))
+    # With --init-from the saved model decides the architecture and size; --preset then gives only the learning rate.
+    model_label = (f"{model.config.model_type} from {args.init_from}" if args.init_from
+                   else f"{args.arch} preset={args.preset}")
     if training_args.process_index == 0:
         print(
-            f"{args.arch} preset={args.preset}: {counts['total']:,} parameters, {len(train_blocks):,} train / "
+            f"{model_label}: {counts['total']:,} parameters, {len(train_blocks):,} train / "
             f"{len(eval_blocks):,} eval blocks of {args.block_size} tokens, {tokens_per_step:,} tokens/step on {world_size} "
             f"process(es), bf16={training_args.bf16}, {flops_per_token / 1e9:.3f} GFLOP/token",
             flush=True,
@@ -552,7 +647,8 @@ def main(argv=None) -> dict:
         eval_dataset=eval_blocks,
         data_collator=collate_blocks,
         processing_class=tokenizer,
-        callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else []),
+        callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
+        + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
     ))
     started = time.perf_counter()
     train_result = trainer.train(resume_from_checkpoint=resume_checkpoint(args, output_dir))
@@ -564,6 +660,8 @@ def main(argv=None) -> dict:
     summary = {
         "arch": args.arch,
         "preset": args.preset,
+        "init_from": args.init_from,
+        "model_type": model.config.model_type,
         "parameters": counts,
         "world_size": world_size,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

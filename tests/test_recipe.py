@@ -128,6 +128,25 @@ def test_train_evaluate_save_and_resume(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
     assert type(model).__name__ == "FlashMHFLlamaForCausalLM"
 
+    # Fine-tuning from the saved model: the summary names the saved model's type and folder.
+    tuned = pretrain.main([
+        "--init-from", str(final), "--data-files", str(corpus), "--block-size", "32", "--per-device-batch-size", "4",
+        "--max-steps", "4", "--logging-steps", "1", "--eval-steps", "4", "--save-steps", "100",
+        "--max-eval-blocks", "4", "--peak-tflops", "0.001", "--output-dir", str(tmp_path / "tuned"),
+        "--profile-steps", "2:2",
+    ])
+    assert tuned["init_from"] == str(final) and tuned["model_type"] == model.config.model_type
+    assert tuned["global_step"] == 4 and math.isfinite(tuned["eval_loss"])
+    # steps 2 (profiled) and 3 (writes the profile) are not timed, step 1 never is: the rate is step 4's
+    rated = [r["step"] for r in map(json.loads, (tmp_path / "tuned" / "train_log.jsonl").read_text().splitlines())
+             if "tokens_per_second" in r]
+    assert rated == [4] and tuned["tokens_per_second"] > 0
+    profile = json.loads((tmp_path / "tuned" / "profile_steps.json").read_text())
+    assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0 and profile["host_operators"]
+    assert "ms wall per step" in (tmp_path / "tuned" / "profile_steps.txt").read_text()
+    with pytest.raises(ValueError, match="--profile-steps='3:1'"):
+        pretrain.parse_profile_steps("3:1")
+
 
 @pytest.mark.parametrize("arch", pretrain.ARCHITECTURE_NAMES)
 def test_fsdp2_config_wraps_every_decoder_layer(arch):
