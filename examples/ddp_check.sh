@@ -90,27 +90,8 @@ fi
 
 # The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset.
 if [ ! -f "$WORK/init/config.json" ]; then
-python3 - "$HERE" "$WORK" "$ARCH" "$PRESET" "ffn_kernel=${KERNEL:-triton}" <<'EOF'
-import json, math, sys
-import torch
-sys.path.insert(0, sys.argv[1])
-import pretrain
-from transformers import AutoModelForCausalLM
-from hf_memffn.tokenization import train_tokenizer
-
-here, work, arch, preset, overrides = sys.argv[1:6]
-with open(f"{work}/corpus.jsonl") as handle:
-    tokenizer = train_tokenizer((json.loads(line)["text"] for line in handle), vocab_size=8192)
-overrides = pretrain.parse_overrides(overrides) if arch == "flash_mhf" else {}
-config = pretrain.build_config(arch, preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-if hasattr(model, "attach_tokenizer"):  # our architectures keep the tokenizer's special ids in the config
-    model.attach_tokenizer(tokenizer)
-model.save_pretrained(f"{work}/init")
-tokenizer.save_pretrained(f"{work}/init")
-print(f"initial weights: {arch} {preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {work}/init")
-EOF
+python3 "$HERE/save_initial_weights.py" "$WORK/corpus.jsonl" "$WORK/init" --arch "$ARCH" --preset "$PRESET" \
+    --config-overrides "ffn_kernel=${KERNEL:-triton}"
 fi
 
 COMMON=(--init-from "$WORK/init" --arch "$ARCH" --preset "$PRESET" --data-files "$WORK/corpus.jsonl" --block-size "$BLOCK" --num-proc 8

@@ -214,3 +214,21 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "flash_mhf"])
+def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arch):
+    """examples/save_initial_weights.py (the starting point of examples/ddp_check.sh) for our models and Llama."""
+    import save_initial_weights
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    init = save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", arch, "--preset", "tiny",
+                                      "--config-overrides", "ffn_kernel=torch", "--vocab-size", "300"])
+    assert (init / "tokenizer.json").is_file() and (init / "config.json").is_file()
+    summary = pretrain.main([
+        "--init-from", str(init), "--arch", arch, "--preset", "tiny", "--data-files", str(corpus), "--block-size", "32",
+        "--per-device-batch-size", "4", "--max-steps", "2", "--logging-steps", "1", "--eval-steps", "2",
+        "--save-steps", "100", "--max-eval-blocks", "4", "--output-dir", str(tmp_path / "run"),
+    ])
+    expected_type = "llama" if arch == "llama" else "memffn_flash_mhf"
+    assert summary["model_type"] == expected_type and summary["global_step"] == 2

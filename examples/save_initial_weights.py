@@ -1,0 +1,55 @@
+"""The shared starting point of a multi-GPU comparison: a tokenizer trained on the corpus and a model from a preset.
+
+    python examples/save_initial_weights.py CORPUS.jsonl OUT_DIR --arch flash_mhf --preset small \
+        [--config-overrides ffn_kernel=triton] [--vocab-size 8192] [--seed 0]
+
+OUT_DIR gets the model (float32, seeded) and its tokenizer, ready for `examples/pretrain.py --init-from OUT_DIR`,
+so every engine of examples/ddp_check.sh starts from the same weights (ZeRO-3's own initialisation plays no part).
+Config overrides apply to FlashMHFLlama only (the other architectures ignore them here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pretrain  # noqa: E402
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("corpus", type=Path, help="JSON lines with a 'text' field")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--arch", default="flash_mhf", choices=pretrain.ARCHITECTURE_NAMES)
+    parser.add_argument("--preset", default="small", choices=sorted(pretrain.PRESETS))
+    parser.add_argument("--config-overrides", default="")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    with args.corpus.open(encoding="utf-8") as handle:
+        tokenizer = train_tokenizer((json.loads(line)["text"] for line in handle), vocab_size=args.vocab_size)
+    overrides = pretrain.parse_overrides(args.config_overrides) if args.arch == "flash_mhf" else {}
+    config = pretrain.build_config(args.arch, args.preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if hasattr(model, "attach_tokenizer"):  # our architectures keep the tokenizer's special ids in the config
+        model.attach_tokenizer(tokenizer)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"initial weights: {args.arch} {args.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {args.out}")
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
