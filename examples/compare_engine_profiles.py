@@ -2,10 +2,11 @@
 
 Reads, from each results folder of `EXTRA_ARGS="--profile-steps FIRST:LAST" bash examples/ddp_check.sh DIR`, every
 run's `RUN_profile_steps.txt` and `.json` (written by examples/pretrain.py on the main process) and `summaries.json`,
-and prints one row per run: wall time per step, the kernel time of the main process's GPU per step (torch.profiler's
-"Self CUDA time total", which counts each kernel once), the collective kernels' share of it, the GPU's idle share,
-and how long the host waited for the GPU (`cudaStreamSynchronize`). A step whose GPU idles while the host never
-waits is bound by the host: the engine's per-parameter Python work, not the model's kernels.
+and prints one row per run: wall time per step, the kernel time of the main process's GPU per step (each kernel
+once), the collective kernels' share of it, the GPU's idle share, how long the host waited for the GPU
+(`cudaStreamSynchronize`) and the host's own time (torch.profiler's "Self CPU time total", all threads). A step
+whose GPU idles while the host never waits is bound by the host: the engine's per-parameter Python work, not the
+model's kernels.
 
     python examples/compare_engine_profiles.py DIR [DIR ...] --markdown OUT.md --json OUT.json
 """
@@ -38,9 +39,7 @@ def profile_row(folder: Path, run: str) -> dict | None:
     text, profile = text_path.read_text(), json.loads(json_path.read_text())
     summaries = json.loads((folder / "summaries.json").read_text()) if (folder / "summaries.json").is_file() else {}
     summary = summaries.get(run, {})
-    steps, wall = profile["steps"], profile["wall_ms_per_step"]
-    kernel = total_ms(text, "Self CUDA") / steps
-    communication = sum(k["ms_per_step"] for k in profile["kernels"] if k["name"].startswith("ncclDevKernel"))
+    steps, wall, kernel = profile["steps"], profile["wall_ms_per_step"], profile["kernel_ms_per_step"]
     waited = sum(h["self_ms_per_step"] for h in profile["host_operators"] if h["name"] == "cudaStreamSynchronize")
     row = {
         "model": summary.get("model_type") or summary.get("arch") or folder.name,
@@ -49,7 +48,7 @@ def profile_row(folder: Path, run: str) -> dict | None:
         "steps_profiled": steps,
         "wall_ms_per_step": round(wall, 1),
         "kernel_ms_per_step": round(kernel, 1),
-        "communication_kernel_ms_per_step": round(communication, 1),
+        "communication_kernel_ms_per_step": round(profile["communication_kernel_ms_per_step"], 1),
         "gpu_idle_fraction": round(max(0.0, 1 - kernel / wall), 3),
         "host_waits_for_gpu_ms_per_step": round(waited, 1),
         "host_self_ms_per_step": round(total_ms(text, "Self CPU") / steps, 1),
