@@ -40,6 +40,8 @@ the float64 reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -72,18 +74,24 @@ HEAD_DIM = 128
 
 def gluon_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
     """Why the Gluon backward kernels cannot run these inputs, or None when they can."""
+    return gluon_reason_for(q.device, q.dtype, q.shape[-1], k.shape[2])
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_reason_for(device: torch.device, dtype: torch.dtype, head_dim: int, subnetwork_size: int) -> str | None:
+    """`gluon_unsupported_reason`, decided once per device, dtype and shape (every backward pass asks)."""
     if not GLUON_AVAILABLE:
         return f"triton's Gluon Hopper API is not importable ({GLUON_IMPORT_ERROR})"
-    if q.device.type != "cuda":
-        return f"tensors are on {q.device.type}"
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if device.type != "cuda":
+        return f"tensors are on {device.type}"
+    if torch.cuda.get_device_capability(device)[0] != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (it takes float16 and bfloat16)"
-    if q.shape[-1] != HEAD_DIM:
-        return f"head_dim={q.shape[-1]} (it takes {HEAD_DIM})"
-    if k.shape[2] % BLOCK_N:
-        return f"subnetwork_size={k.shape[2]} (it takes multiples of {BLOCK_N})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (it takes float16 and bfloat16)"
+    if head_dim != HEAD_DIM:
+        return f"head_dim={head_dim} (it takes {HEAD_DIM})"
+    if subnetwork_size % BLOCK_N:
+        return f"subnetwork_size={subnetwork_size} (it takes multiples of {BLOCK_N})"
     return None
 
 
@@ -436,29 +444,40 @@ def _gl_dtype(dtype: torch.dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block_shape: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a tensor descriptor's ``block_shape`` tiles (the same object for every launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _gl_dtype(dtype))
+
+
 def _launch_sizes(q, k, kernel: str):
-    """Checks that the Gluon kernels can run, then (B, H, L, d_h, H_kv, E, d_e, H / H_kv) and a function that makes
-    the [BLOCK_N, d_h] tensor descriptor of a contiguous [H_kv, E, d_e, d_h] weight."""
+    """Checks that the Gluon kernels can run, then (B, H, L, d_h, H_kv, E, d_e, H / H_kv)."""
     reason = gluon_unsupported_reason(q, k)
     if reason is not None:
         raise ValueError(f"the Gluon {kernel} kernel cannot run: {reason}")
-    head_dim = q.shape[-1]
-    weight_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], _gl_dtype(q.dtype))
-
-    def weight_descriptor(w):
-        rows = descriptor_ready(w.reshape(-1, head_dim))
-        return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, head_dim], weight_layout)
-
-    return (*q.shape, *k.shape[:3], q.shape[1] // k.shape[0]), weight_descriptor
+    return (*q.shape, *k.shape[:3], q.shape[1] // k.shape[0])
 
 
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
+def weight_descriptors(k, u, v):
+    """The [BLOCK_N, d_h] tensor descriptors of contiguous [H_kv, E, d_e, d_h] weights, as both Gluon kernels read
+    them: ``triton_backward`` builds them once for the two launches."""
+    layout = _shared_layout((BLOCK_N, k.shape[-1]), k.dtype)
+
+    def descriptor(w):
+        rows = descriptor_ready(w.reshape(-1, w.shape[-1]))
+        return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, w.shape[-1]], layout)
+
+    return tuple(descriptor(w) for w in (k, u, v))
+
+
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): three tensors to
-    write instead of new ones. Returns the gradients and the compiled kernel."""
-    sizes, weight_descriptor = _launch_sizes(q, k, "weight-gradient")
-    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
-    sequence_layout = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, head_dim], _gl_dtype(q.dtype))
+    write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the
+    gradients and the compiled kernel."""
+    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
+        q, k, "weight-gradient")
+    sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
 
     def sequence_descriptor(t):
         t = descriptor_ready(t)
@@ -466,8 +485,8 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
     compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
-        sequence_descriptor(q), sequence_descriptor(grad_out.to(q.dtype)),
-        *(weight_descriptor(w) for w in (k, u, v)), r, *grads,
+        sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
+        *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
         num_warps=NUM_WARPS,
@@ -475,17 +494,19 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None):
     return (*grads, compiled)
 
 
-def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None):
+def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dq, dr): dq in q's dtype and layout, dr like r; q and grad_out [B, H, L, d_h] (any strides with a dense last
     dimension), k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): two
-    tensors to write instead of new ones. Returns the gradients and the compiled kernel."""
-    sizes, weight_descriptor = _launch_sizes(q, k, "dq/dr")
-    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = sizes
+    tensors to write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them.
+    Returns the gradients and the compiled kernel."""
+    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
+        q, k, "dq/dr")
     total_rows = batch * group_size * seq_len
-    grad_out = grad_out.to(q.dtype)
+    if grad_out.dtype != q.dtype:
+        grad_out = grad_out.to(q.dtype)
     grad_q, grad_r = outputs if outputs is not None else (torch.empty_like(q), torch.empty_like(r))
     compiled = _rows_gradients_kernel[(-(-total_rows // BLOCK_L), kv_heads)](
-        q, grad_out, *(weight_descriptor(w) for w in (k, u, v)), r, grad_q, grad_r,
+        q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
         *q.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
         total_rows, seq_len, group_size, num_heads, num_subnetworks,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,

@@ -526,7 +526,8 @@ def flash_mhf_layer(
     head_dim = k.shape[-1]
     if p.shape[-1] % head_dim:
         raise ValueError(f"p's last dimension {p.shape[-1]} must be a multiple of head_dim={head_dim}")
-    k, u, v = (w.to(p.dtype) for w in (k, u, v))
+    if k.dtype != p.dtype:  # (a cast that changes nothing still costs a call per weight and layer)
+        k, u, v = (w.to(p.dtype) for w in (k, u, v))
     if not fused or _fused_layer_unsupported_reason(p, k, impl) is not None:
         return flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps,
                                          impl=_resolve_impl(p, impl))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import torch
 
@@ -52,7 +53,13 @@ except ImportError as exc:  # the package must import on machines without triton
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
-from .flash_mhf_gluon import descriptor_ready, gluon_rows_gradients, gluon_unsupported_reason, gluon_weight_gradients
+from .flash_mhf_gluon import (
+    descriptor_ready,
+    gluon_reason_for,
+    gluon_rows_gradients,
+    gluon_weight_gradients,
+    weight_descriptors,
+)
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -465,19 +472,25 @@ if TRITON_AVAILABLE:
 # Launchers
 # ----------------------------------------------------------------------------------------------------------
 def _problem(q: torch.Tensor, k: torch.Tensor):
-    batch, num_heads, seq_len, head_dim = q.shape
-    kv_heads, num_subnetworks, subnetwork_size, _ = k.shape
+    """The launch sizes of these inputs (read-only; one object per shape, dtype and device: every call asks)."""
+    return _problem_for(q.shape, k.shape, q.element_size(), q.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _problem_for(q_shape, k_shape, element_size: int, device: torch.device):
+    batch, num_heads, seq_len, head_dim = q_shape
+    kv_heads, num_subnetworks, subnetwork_size, _ = k_shape
     group_size = num_heads // kv_heads
-    return dict(
+    return types.MappingProxyType(dict(
         kv_heads=kv_heads,
         num_subnetworks=num_subnetworks,
         subnetwork_size=subnetwork_size,
         head_dim=head_dim,
         total_rows=batch * group_size * seq_len,
         sizes=(batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks),
-        element_size=q.element_size(),
-        shared_memory=_max_shared_memory(q.device),
-    )
+        element_size=element_size,
+        shared_memory=_max_shared_memory(device),
+    ))
 
 
 def _max_shared_memory(device: torch.device) -> int | None:
@@ -522,14 +535,21 @@ def _use_tensor_descriptors(device: torch.device, requested: bool | None) -> boo
         return requested
     if _INTERPRET:
         return True
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return _capability_of(device) >= (9, 0)
 
 
-def _kernel_flags(dtype: torch.dtype) -> dict:
+@functools.lru_cache(maxsize=None)
+def _capability_of(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_flags(dtype: torch.dtype):
+    """The kernels' precision flags for ``dtype`` (read-only)."""
     sixteen_bit = dtype in (torch.float16, torch.bfloat16)
     if _INTERPRET:
-        return dict(FAST_SIGMOID=False, PRECISION="interpret")
-    return dict(FAST_SIGMOID=sixteen_bit, PRECISION="tf32" if sixteen_bit else "ieee")
+        return types.MappingProxyType(dict(FAST_SIGMOID=False, PRECISION="interpret"))
+    return types.MappingProxyType(dict(FAST_SIGMOID=sixteen_bit, PRECISION="tf32" if sixteen_bit else "ieee"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -579,26 +599,51 @@ def _autotuned(problem: dict) -> bool:
     return not _INTERPRET and problem["total_rows"] * problem["kv_heads"] >= _TUNE_MIN_WORK_ROWS
 
 
+# The configuration the autotuner picked for each launch key (the kernel, the tuning key, the dtypes and the reading
+# mode). The first launch of a key goes through the autotuner, which tunes or looks its pick up; later launches go
+# straight to the kernel with that configuration, without the autotuner's work per call (its key from the argument
+# dictionary, the pre-hook's dictionary), about a fifth of the forward's host time.
+_PICKED: dict = {}
+
+
+def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
+    """``tuned[grid](*args, **kwargs)``, through the autotuner once per ``key`` and directly afterwards."""
+    picked = _PICKED.get(key)
+    if picked is None:
+        tuned[grid](*args, **kwargs)
+        config = tuned.best_config
+        _PICKED[key] = (config.all_kwargs(), config.pre_hook is not None)
+        return
+    config_kwargs, has_pre_hook = picked
+    if has_pre_hook:  # the descriptors' block shapes follow the configuration's (what the autotuner's pre-hook does)
+        _set_descriptor_blocks({**dict(zip(tuned.arg_names, args)), **config_kwargs})
+    tuned.fn[grid](*args, **kwargs, **config_kwargs)
+
+
 def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
     """Which kernel computes dK, dU, dV for these inputs: ``"gluon"`` (``flash_mhf_gluon``: Hopper, 16-bit,
     d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program per
     column block) or ``"triton"`` (``_backward_weights_kernel``, everything else)."""
-    if _INTERPRET or gluon_unsupported_reason(q, k) is not None:
-        return "triton"
-    p = _problem(q, k)
-    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
-    if not _autotuned(p) or column_blocks * p["kv_heads"] < _num_sms(q.device):
-        return "triton"
-    return "gluon"
+    return _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)[1]
 
 
 def row_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
     """Which kernel computes dq and dr for these inputs: ``"gluon"`` (``flash_mhf_gluon``, warp-specialised: Hopper,
     16-bit, d_h = 128, d_e a multiple of 64, problems large enough to autotune) or ``"triton"``
     (``_backward_rows_kernel``, everything else)."""
-    if _INTERPRET or gluon_unsupported_reason(q, k) is not None:
-        return "triton"
-    return "gluon" if _autotuned(_problem(q, k)) else "triton"
+    return _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """(dq/dr kernel, dK/dU/dV kernel), decided once per shape, dtype and device (every backward pass asks)."""
+    if _INTERPRET or gluon_reason_for(device, dtype, q_shape[-1], k_shape[2]) is not None:
+        return "triton", "triton"
+    p = _problem_for(q_shape, k_shape, dtype.itemsize, device)
+    if not _autotuned(p):
+        return "triton", "triton"
+    column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
+    return "gluon", "triton" if column_blocks * p["kv_heads"] < _num_sms(device) else "gluon"
 
 
 def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
@@ -609,7 +654,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     """
     q = _rows_dense(q)
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
-    p = _problem(q, k)
+    p, k_dtype = _problem(q, k), k.dtype
     out = torch.empty_like(q)
     if p["total_rows"] == 0:
         return out
@@ -630,7 +675,8 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
         def grid(meta):
             return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)
 
-        _forward_tuned[grid](
+        _launch_tuned(
+            _forward_tuned, ("forward", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k_dtype, r.dtype, use_descriptors), grid,
             q, k, u, v, r, out, *_row_strides(q), *_row_strides(out), *p["sizes"], 1, bucket,
             ACCUMULATE=False, **constants,
         )
@@ -668,8 +714,11 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
     e_pow2 = max(2, triton.next_power_of_2(p["num_subnetworks"]))
 
     # dq, dr: one program per row block (the Gluon kernel on Hopper where it applies, see row_gradient_kernel)
-    if splits is None and descriptors is None and row_gradient_kernel(q, k) == "gluon":
-        gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r))
+    rows_kernel, weights_kernel = ("triton", "triton") if splits is not None or descriptors is not None else \
+        _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)
+    gluon_weights = weight_descriptors(k, u, v) if "gluon" in (rows_kernel, weights_kernel) else None
+    if rows_kernel == "gluon":
+        gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights)
     elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
         _backward_rows_kernel[(triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
@@ -680,14 +729,15 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
         def rows_grid(meta):
             return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"])
 
-        _backward_rows_tuned[rows_grid](
+        _launch_tuned(
+            _backward_rows_tuned, ("rows", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k.dtype, r.dtype), rows_grid,
             q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], bucket, E_POW2=e_pow2, **constants
         )
 
     # dk, du, dv: the Gluon kernel on Hopper where it applies (weight_gradient_kernel), otherwise one Triton program
     # per column block (and per share of the rows when there are few column blocks)
-    if splits is None and descriptors is None and weight_gradient_kernel(q, k) == "gluon":
-        grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r)
+    if weights_kernel == "gluon":
+        grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r, weights=gluon_weights)
         return grad_q, grad_k, grad_u, grad_v, grad_r
     fixed = _fixed_config("weights", p)
     constants["TENSOR_DESCRIPTORS"] = use_descriptors = _use_tensor_descriptors(q.device, descriptors)
@@ -703,8 +753,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
         def weights_grid(meta):
             return (p["num_subnetworks"] * p["subnetwork_size"] // meta["BLOCK_N"], p["kv_heads"], 1)
 
-        _backward_weights_tuned[weights_grid](
-            q_rows, k, u, v, r, grad_out_rows, grad_k, grad_u, grad_v, *strides, *p["sizes"], 1, bucket,
+        _launch_tuned(
+            _backward_weights_tuned,
+            ("weights", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k.dtype, r.dtype, use_descriptors),
+            weights_grid, q_rows, k, u, v, r, grad_out_rows, grad_k, grad_u, grad_v, *strides, *p["sizes"], 1, bucket,
             ACCUMULATE=False, **constants,
         )
         return grad_q, grad_k, grad_u, grad_v, grad_r

@@ -7,7 +7,9 @@ KVFFN at the presets of `examples/presets.py` (equal parameters), in one run on 
 
 Measurements (all of them by default, or the `--tasks` named):
 - `train`: a training step (forward + backward, no optimiser) on random tokens at the preset's batch (370M: 8 x 2048,
-  1.3B: 4 x 2048): tokens/s and peak memory, eager and, with `--compile`, under `torch.compile`.
+  1.3B: 4 x 2048; a task can name another, `train:370M:flash_mhf:eager:1`): tokens/s, peak memory and the host's
+  time to issue one step (`harness.host_issue_ms`; a step bound by the host takes about that long whatever its
+  batch), eager and, with `--compile`, under `torch.compile`.
 - `decode`: `generate()` decode tokens/s at batch 1 and 16 (prompt 128, greedy), eager with the dynamic cache and, with
   `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
   the prefill, so the prefill is not counted. At these sizes a step is bound by the host (Python, launches, guards),
@@ -48,6 +50,7 @@ from harness import (  # noqa: E402
     ClockSampler,
     bench_ms,
     cuda_ms,
+    host_issue_ms,
     environment,
     graph_ms,
     log,
@@ -228,10 +231,10 @@ def release() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Training step
 # --------------------------------------------------------------------------------------------------------------------
-def train_row(architecture: str, size: str, compiled: bool, device: str) -> dict:
+def train_row(architecture: str, size: str, compiled: bool, device: str, batch: int | None = None) -> dict:
     model = build_model(architecture, size, device)
     model.train()
-    batch = TRAIN_BATCH[size]
+    batch = batch or TRAIN_BATCH[size]
     ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
     forward = torch.compile(model) if compiled else model
 
@@ -249,9 +252,10 @@ def train_row(architecture: str, size: str, compiled: bool, device: str) -> dict
     with ClockSampler() as clock:
         times = cuda_ms(step, TRAIN_STEPS, warmup=2)
     step_ms = median(times)
+    host_ms = median(host_issue_ms(step, TRAIN_STEPS))
     row = {"arch": architecture, "size": size, "mode": "compiled" if compiled else "eager", "batch": batch,
            "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
-           "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "peak_gib": peak_memory_gib(),
+           "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "host_ms": host_ms, "peak_gib": peak_memory_gib(),
            "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model),
            "decoder_path": decoder_path(model), **clock.summary()}
     model = forward = None  # (the step closure holds them)
@@ -761,12 +765,15 @@ def report(results: dict) -> str:
              "the same preset in the same run.", ""]
     train = results.get("train", [])
     if train:
-        ratios = ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"]))
-        lines += ["## Training step (forward + backward)", ""]
+        ratios = ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))
+        lines += ["## Training step (forward + backward)", "", "host ms: the host's time to issue one step, started "
+                  "on an idle GPU (a step bound by the host takes about that long whatever its batch).", ""]
         lines += markdown_table(
-            ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama", "peak GiB"],
+            ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama", "step ms", "host ms",
+             "peak GiB"],
             [[r["size"], r["mode"], DISPLAY[r["arch"]], f"{r['params'] / 1e6:.0f}", f"{r['batch']} x {r['seq_len']}",
-              f"{r['tokens_per_s'] / 1e3:.1f}k", f"{ratios.get(id(r), float('nan')):.2f}", fmt(r["peak_gib"])]
+              f"{r['tokens_per_s'] / 1e3:.1f}k", f"{ratios.get(id(r), float('nan')):.2f}", f"{r['step_ms']:.1f}",
+              fmt(r.get("host_ms")), fmt(r["peak_gib"])]
              for r in train])
         lines.append("")
     decode = results.get("decode", [])
@@ -828,7 +835,8 @@ def plot(results: dict, path: str) -> None:
 
     groups = []
     for r in results.get("train", []):
-        groups.append((f"train {r['size']} {r['mode']}", r["arch"], r["tokens_per_s"]))
+        batch = "" if r["batch"] == TRAIN_BATCH.get(r["size"]) else f" b{r['batch']}"
+        groups.append((f"train {r['size']}{batch} {r['mode']}", r["arch"], r["tokens_per_s"]))
     for r in results.get("decode", []):
         groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"], r["decode_tokens_per_s"]))
     if not groups:
@@ -891,11 +899,13 @@ def run_task(task: str, args, results: dict) -> None:
             raise ValueError(f"task {task!r}: the mode after the architecture is 'eager' (default) or 'compiled'")
         results["profile"].update(profile_train_rows(size, device, architecture, compiled))
     elif part == "train":
-        architecture, mode = rest
-        row = train_row(architecture, size, mode == "compiled", device)
+        architecture, mode, *batch = rest
+        if mode not in ("eager", "compiled") or len(batch) > 1 or (batch and not batch[0].isdigit()):
+            raise ValueError(f"task {task!r}: expected train:<size>:<arch>:eager|compiled[:<batch>]")
+        row = train_row(architecture, size, mode == "compiled", device, int(batch[0]) if batch else None)
         results["train"].append(row)
-        log(f"train {size} {mode} {architecture}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
-            f"peak {fmt(row['peak_gib'])} GiB")
+        log(f"train {size} {mode} {architecture} batch {row['batch']}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
+            f"step {row['step_ms']:.1f} ms (host {row['host_ms']:.1f} ms to issue), peak {fmt(row['peak_gib'])} GiB")
     elif part == "decode":
         architectures, mode = rest
         decoder_class = ProcessDecoder if args.decode_processes else LocalDecoder

@@ -82,6 +82,21 @@ def cuda_ms(fn, steps: int, warmup: int = 2) -> list[float]:
     return times
 
 
+def host_issue_ms(fn, steps: int) -> list[float]:
+    """The host's time to return from each of `steps` calls of `fn`, each started on an idle GPU: how long the host
+    takes to issue the work. Where `fn` launches more kernels than the launch queue holds (about a thousand), the host
+    also waits for the GPU once the queue is full, so a host time near the step's time alone does not show that the
+    host bounds the step; how the step's time scales with its work does."""
+    times = []
+    for _ in range(steps):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    synchronize()
+    return times
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

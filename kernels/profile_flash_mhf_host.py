@@ -4,6 +4,10 @@ steps (one token), after a warm-up.
 
     PYTHONPATH=. python kernels/profile_flash_mhf_host.py --out DIR     # DIR/flash_mhf_host_profile.{json,txt}
 
+Before the profiles, each piece of the layer is timed alone without a profiler (`--parts`: the host's microseconds
+to issue one call, the median over calls each started on an idle GPU, and the GPU's), from one aten launch up to the
+module's training step, so the cost of each Python layer between the module and the kernels reads as a difference.
+
 A training step of the whole model is bound by the host when the host takes longer to issue a layer's kernels than
 the GPU takes to run them; this names the Python functions that take the host's time, by own time and by cumulative
 time, with the host and GPU time per step beside them.
@@ -12,6 +16,7 @@ time, with the host and GPU time per step beside them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -23,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import TRAIN_BATCH, ffn_layers  # noqa: E402
-from harness import cuda_ms, environment, log, median, synchronize, write_json, write_text  # noqa: E402
+from harness import cuda_ms, environment, host_issue_ms, log, median, synchronize, write_json, write_text  # noqa: E402
 
 SEQ_LEN = 2048
 
@@ -60,16 +65,115 @@ def host_profile(fn, steps: int, top: int = 30) -> dict:
             "text": rows}
 
 
+def issue_us(fn, calls: int) -> float:
+    """Median host microseconds to issue one call of `fn`, each call started on an idle GPU (so a piece that launches
+    many kernels never waits for a full launch queue), after a warm-up."""
+    for _ in range(3):
+        fn()
+    return median(host_issue_ms(fn, calls)) * 1e3
+
+
+def part_timings(module, hidden: int, calls: int, profile_parts: tuple = ()) -> list[dict]:
+    """Host and GPU time per call of each piece of the fused FlashMHF layer at 8 x 2048 tokens and at one token; with
+    `profile_parts` (names or their first words), a cProfile of those pieces instead."""
+    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton
+
+    x = torch.randn(TRAIN_BATCH["370M"], SEQ_LEN, hidden, device="cuda", dtype=torch.bfloat16)
+    p = module.in_proj(x).detach()
+    norm_weight, router = module.query_norm.weight.detach(), module.router.detach()
+    eps, gate_eps, head_dim = module.query_norm.variance_epsilon, module.gate_eps, module.head_dim
+    k, u, v = (w.detach() for w in module.subnetwork_weights())
+    num_subnetworks = k.shape[1]
+    q, r = flash_mhf_layer_triton.queries_and_gates(p, norm_weight, router, head_dim, num_subnetworks, eps, gate_eps)
+    batch, length, width = p.shape
+    q4 = q.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
+    grad_heads = torch.randn_like(q4)
+    grad_q = torch.randn_like(p)
+    grad_r = torch.randn_like(r)
+    small = torch.randn(16, device="cuda")
+    step = torch.randn(1, 1, width, device="cuda", dtype=torch.bfloat16)
+    layer_args = (norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    leaf = x.clone().requires_grad_()
+    params = list(module.parameters())
+
+    def module_train():
+        module(leaf).backward(x)
+        for tensor in (leaf, *params):
+            tensor.grad = None
+
+    parts = {
+        "one aten add (16 floats)": lambda: small.add(1.0),
+        "torch.empty_like(p)": lambda: torch.empty_like(p),
+        "queries_and_gates (norm + gates kernel)": lambda: flash_mhf_layer_triton.queries_and_gates(
+            p, norm_weight, router, head_dim, num_subnetworks, eps, gate_eps),
+        "triton_forward (op forward, autotuned launch)": lambda: flash_mhf_triton.triton_forward(q4, k, u, v, r),
+        "gluon_rows_gradients (dq, dr)": lambda: flash_mhf_gluon.gluon_rows_gradients(grad_heads, q4, k, u, v, r),
+        "gluon_weight_gradients (dK, dU, dV)": lambda: flash_mhf_gluon.gluon_weight_gradients(
+            grad_heads, q4, k, u, v, r),
+        "triton_backward (both)": lambda: flash_mhf_triton.triton_backward(grad_heads, q4, k, u, v, r),
+        "queries_and_gates_backward": lambda: flash_mhf_layer_triton.queries_and_gates_backward(
+            p, norm_weight, router, grad_q, grad_r, head_dim, eps, gate_eps),
+        "_layer_forward_impl": lambda: flash_mhf_op._layer_forward_impl(p, *layer_args),
+        "_layer_backward_impl": lambda: flash_mhf_op._layer_backward_impl(grad_q, p, *layer_args),
+        "flash_mhf_layer, no grad": lambda: flash_mhf_op.flash_mhf_layer(
+            p, norm_weight, router, k, u, v, eps=eps, gate_eps=gate_eps),
+        "module forward, no grad": lambda: module(x),
+        "module forward + backward": module_train,
+        "decode_forward (1 token)": lambda: flash_mhf_layer_triton.decode_forward(
+            step, norm_weight, router, k, u, v, eps, gate_eps),
+        "module forward, 1 token": lambda: module(step),
+    }
+    rows = []
+    for name, fn in parts.items() if not profile_parts else ():
+        with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
+            host = issue_us(fn, calls)
+            gpu = median(cuda_ms(fn, 20, warmup=1)) * 1e3
+        rows.append({"part": name, "host_us": host, "gpu_us": gpu})
+        log(f"{name}: host {host:.1f} us/call, GPU {gpu:.1f} us/call")
+    for name, fn in parts.items():
+        if any(name.startswith(prefix) for prefix in profile_parts):
+            with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
+                profile = host_profile(fn, calls, top=25)
+            rows.append({"part": name, "host_us": profile["host_ms_per_step"] * 1e3,
+                         "gpu_us": profile["gpu_ms_per_step"] * 1e3, "cprofile": profile["text"]["tottime"]})
+            log(f"## {name}\n{profile['text']['tottime']}")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--parts", type=int, default=100, help="calls per piece in the part timings (0: skip them)")
+    parser.add_argument("--no-cprofile", action="store_true", help="only the part timings")
+    parser.add_argument("--cprofile-parts", nargs="*", default=(),
+                        help="cProfile these pieces of the part timings (names' first words) instead of timing all")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of GPU launches")
     layers, hidden = ffn_layers("370M", "cuda")
-    results = {"environment": environment(), "profiles": {}}
-    for name in ("FlashMHF", "Llama MLP d_ff=2752"):
+    results = {"environment": environment(), "profiles": {}, "parts": []}
+    if args.parts:
+        results["parts"] = part_timings(next(m for key, m in layers.items() if key == "FlashMHF"), hidden, args.parts,
+                                        tuple(args.cprofile_parts))
+        llama_mlp = next(m for key, m in layers.items() if key.startswith("Llama MLP"))
+        x = torch.randn(TRAIN_BATCH["370M"], SEQ_LEN, hidden, device="cuda", dtype=torch.bfloat16)
+        leaf = x.clone().requires_grad_()
+
+        def llama_train():
+            llama_mlp(leaf).backward(x)
+            for tensor in (leaf, *llama_mlp.parameters()):
+                tensor.grad = None
+
+        step = torch.randn(1, 1, hidden, device="cuda", dtype=torch.bfloat16)
+        for name, fn in (("Llama MLP forward, no grad", lambda: llama_mlp(x)), ("Llama MLP forward + backward", llama_train),
+                         ("Llama MLP forward, 1 token", lambda: llama_mlp(step))):
+            with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
+                row = {"part": name, "host_us": issue_us(fn, args.parts), "gpu_us": median(cuda_ms(fn, 20)) * 1e3}
+            results["parts"].append(row)
+            log(f"{name}: host {row['host_us']:.1f} us/call, GPU {row['gpu_us']:.1f} us/call")
+        write_json(os.path.join(args.out, "flash_mhf_host_profile.json"), results)
+    for name in () if args.no_cprofile else ("FlashMHF", "Llama MLP d_ff=2752"):
         module = next(m for key, m in layers.items() if key.startswith(name))
         x = torch.randn(TRAIN_BATCH["370M"], SEQ_LEN, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
@@ -97,8 +201,10 @@ def main(argv=None) -> int:
                 f"{profile['gpu_ms_per_step']:.3f} ms/step")
             log(profile["text"]["tottime"])
     write_json(os.path.join(args.out, "flash_mhf_host_profile.json"), results)
+    parts = "".join(f"{row['part']}: host {row['host_us']:.1f} us, GPU {row['gpu_us']:.1f} us per call\n"
+                    for row in results["parts"])
     write_text(os.path.join(args.out, "flash_mhf_host_profile.txt"),
-               "\n\n".join(f"## {key}\nhost {p['host_ms_per_step']:.3f} ms/step, GPU {p['gpu_ms_per_step']:.3f} ms/step\n"
+               f"## Parts (host and GPU microseconds per call, {environment()['device']})\n{parts}\n" + "\n\n".join(f"## {key}\nhost {p['host_ms_per_step']:.3f} ms/step, GPU {p['gpu_ms_per_step']:.3f} ms/step\n"
                            f"{p['text']['tottime']}\n{p['text']['cumtime']}" for key, p in results["profiles"].items()))
     return 0
 

@@ -106,8 +106,17 @@ def test_op_uses_the_gluon_kernel_where_it_applies_and_says_so():
         assert choose(q[:, :, :16], k) == "triton"  # too small to autotune
     leaves = [t.clone().requires_grad_(True) for t in (q, k, k * 0.5, k * 0.25)]
     r = torch.rand(1, 8, 2048, 4, device="cuda").requires_grad_(True)
-    flash_mhf(*leaves, r).sum().backward()
+    # the op builds the weights' tensor descriptors once for both kernels; each kernel alone builds its own
+    outputs = [flash_mhf(*leaves, r) for _ in range(2)]  # the second forward skips the autotuner (its pick is kept)
+    assert torch.equal(outputs[0], outputs[1])
+    grad = torch.randn_like(outputs[0])
+    outputs[0].backward(grad)
     assert all(torch.isfinite(t.grad).all() for t in leaves)
+    detached = [t.detach() for t in (*leaves, r)]
+    grad_q, grad_r, _ = flash_mhf_gluon.gluon_rows_gradients(grad, *detached)
+    grad_k, grad_u, grad_v, _ = flash_mhf_gluon.gluon_weight_gradients(grad, *detached)
+    for leaf, alone in zip((*leaves, r), (grad_q, grad_k, grad_u, grad_v, grad_r)):
+        assert torch.equal(leaf.grad, alone.to(leaf.dtype))
 
 
 def _ptxas() -> str | None:

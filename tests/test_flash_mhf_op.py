@@ -117,9 +117,13 @@ def test_triton_split_loops_and_read_paths_match_float64(splits, descriptors):
                                             (256, torch.bfloat16)])
 def test_triton_autotuned_launches_match_float64(head_dim, dtype):
     """Problems above the autotuning threshold take the tuned launches (tensor-descriptor block shapes set per
-    configuration by the autotuner's pre-hook); the small cases above take the fixed configuration."""
+    configuration by the autotuner's pre-hook); the small cases above take the fixed configuration. The first launch
+    of each kernel goes through the autotuner, the second straight to the kernel with the configuration it picked
+    (and the block shapes that the pre-hook would set): both are checked."""
     inputs = random_inputs(2, 4, 2048, head_dim, 4, 4, 128, seed=head_dim)
     assert flash_mhf_triton._autotuned(flash_mhf_triton._problem(inputs[0], inputs[1]))
+    check_against_truth(run_op("triton"), inputs, dtype)
+    assert any(key[0] == "forward" and key[1] == head_dim and key[4] == dtype for key in flash_mhf_triton._PICKED)
     check_against_truth(run_op("triton"), inputs, dtype)
 
 

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
-           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py"]
+           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py"]
 
 
 def run_script(name, *args):
@@ -65,15 +65,16 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "decode:tiny:llama+flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf",
+             "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf",
              "profile_decode:tiny:flash_mhf:2"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
                         "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and data["tasks"] == tasks
-    assert [row["arch"] for row in data["train"]] == ["llama", "flash_mhf", "flash_mhf_unfused"]
-    assert all(row["tokens_per_s"] > 0 for row in data["train"])
+    assert [(row["arch"], row["batch"]) for row in data["train"]] == [
+        ("llama", 2), ("flash_mhf", 2), ("flash_mhf_unfused", 2), ("flash_mhf", 1)]  # the preset's batch, or the task's
+    assert all(row["tokens_per_s"] > 0 and row["host_ms"] > 0 for row in data["train"])
     # the models of a decode task take turns, round by round, at each batch size
     assert [(row["batch"], row["arch"]) for row in data["decode"]] == [
         (1, "llama"), (1, "flash_mhf"), (16, "llama"), (16, "flash_mhf")]
@@ -86,6 +87,7 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert train_profile["families_us_per_step"] and train_profile["host_top"]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown and "| ms/step by round |" in markdown
+    assert "| host ms |" in markdown
 
 
 def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
@@ -261,3 +263,28 @@ def test_layer_kernels_compile_for_hopper():
     result = run_script("compile_check.py", "--quick")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 failure(s)" in result.stdout
+
+
+def test_host_time_comparison_tables(tmp_path):
+    """`compare_host_time.py` pairs the two trees' rounds of part timings and training steps into one table."""
+    work = tmp_path / "work"
+    for round_ in (1, 2):
+        for tree, scale in (("before", 1.0), ("after", 0.8)):
+            parts = {"environment": {"device": "GPU X"},
+                     "parts": [{"part": "triton_forward", "host_us": 100.0 * scale * round_, "gpu_us": 600.0}]}
+            train = {"environment": {"device": "GPU X"},
+                     "train": [{"size": "370M", "arch": "flash_mhf", "batch": 1, "step_ms": 80.0 * scale,
+                                "host_ms": 79.0 * scale}]}
+            for kind, name, data in (("parts", "flash_mhf_host_profile.json", parts),
+                                     ("train", "models_bench.json", train)):
+                folder = work / f"{kind}_{tree}_{round_}"
+                folder.mkdir(parents=True)
+                (folder / name).write_text(json.dumps(data))
+    result = run_script("compare_host_time.py", str(work), "2", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "out" / "host_time.json").read_text())
+    assert data["device"] == "GPU X"
+    assert data["parts_host_us"]["triton_forward"] == {"before": [100.0, 200.0], "after": [80.0, 160.0]}
+    markdown = (tmp_path / "out" / "host_time.md").read_text()
+    assert "| triton_forward | 100.0 / 200.0 | 80.0 / 160.0 | 0.80 |" in markdown
+    assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown

@@ -1,0 +1,89 @@
+"""Tables of `compare_host_time.sh`'s runs: the host's microseconds per call of each piece of the FlashMHF layer and
+the small-batch training steps, before and after, per round and as medians.
+
+    python kernels/compare_host_time.py WORK_DIR ROUNDS OUT_DIR    # OUT_DIR/host_time.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import markdown_table, median, write_json, write_text  # noqa: E402
+
+TREES = ("before", "after")
+
+
+def load(work: str, kind: str, tree: str, round_: int) -> dict | None:
+    name = "flash_mhf_host_profile.json" if kind == "parts" else "models_bench.json"
+    path = os.path.join(work, f"{kind}_{tree}_{round_}", name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def collect(work: str, rounds: int) -> dict:
+    parts, train, device = {}, {}, None
+    for round_ in range(1, rounds + 1):
+        for tree in TREES:
+            data = load(work, "parts", tree, round_)
+            if data:
+                device = data["environment"]["device"]
+                for row in data["parts"]:
+                    parts.setdefault(row["part"], {t: [] for t in TREES})[tree].append(row["host_us"])
+            data = load(work, "train", tree, round_)
+            if data:
+                device = device or data["environment"]["device"]
+                for row in data["train"]:
+                    cell = train.setdefault(f"{row['size']} {row['arch']} batch {row['batch']}",
+                                            {t: {"step_ms": [], "host_ms": []} for t in TREES})
+                    cell[tree]["step_ms"].append(row["step_ms"])
+                    cell[tree]["host_ms"].append(row["host_ms"])
+    return {"device": device, "rounds": rounds, "parts_host_us": parts, "train": train}
+
+
+def report(result: dict) -> str:
+    def cell(values, spec=".1f"):
+        return " / ".join(format(v, spec) for v in values) or "-"
+
+    def ratio(before, after):
+        return f"{median(after) / median(before):.2f}" if before and after else "-"
+
+    lines = [f"# Host time before and after, {result['device']}", "",
+             f"{result['rounds']} rounds, the two trees alternating. Host microseconds to issue one call of each piece "
+             "(the median of 200 calls, each started on an idle GPU).", ""]
+    lines += markdown_table(
+        ["piece", "before (rounds)", "after (rounds)", "after / before (medians)"],
+        [[name, cell(v["before"]), cell(v["after"]), ratio(v["before"], v["after"])]
+         for name, v in result["parts_host_us"].items()])
+    if not result["train"]:
+        return "\n".join(lines) + "\n"
+    lines += ["", "Training steps (forward + backward, eager, bf16, random tokens x 2048): step ms and the host's ms "
+              "to issue one step, per round.", ""]
+    lines += markdown_table(
+        ["model", "step ms before", "step ms after", "after / before", "host ms before", "host ms after"],
+        [[name, cell(v["before"]["step_ms"]), cell(v["after"]["step_ms"]),
+          ratio(v["before"]["step_ms"], v["after"]["step_ms"]), cell(v["before"]["host_ms"]),
+          cell(v["after"]["host_ms"])] for name, v in result["train"].items()])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("work", help="the folder of compare_host_time.sh's runs")
+    parser.add_argument("rounds", type=int)
+    parser.add_argument("out", help="folder for host_time.{json,md}")
+    args = parser.parse_args(argv)
+    result = collect(args.work, args.rounds)
+    write_json(os.path.join(args.out, "host_time.json"), result)
+    write_text(os.path.join(args.out, "host_time.md"), report(result))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
