@@ -675,9 +675,9 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
         def grid(meta):
             return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)
 
+        key = ("forward", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k_dtype, r.dtype, use_descriptors)
         _launch_tuned(
-            _forward_tuned, ("forward", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k_dtype, r.dtype, use_descriptors), grid,
-            q, k, u, v, r, out, *_row_strides(q), *_row_strides(out), *p["sizes"], 1, bucket,
+            _forward_tuned, key, grid, q, k, u, v, r, out, *_row_strides(q), *_row_strides(out), *p["sizes"], 1, bucket,
             ACCUMULATE=False, **constants,
         )
         return out
@@ -729,9 +729,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
         def rows_grid(meta):
             return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"])
 
+        key = ("rows", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k.dtype, r.dtype)
         _launch_tuned(
-            _backward_rows_tuned, ("rows", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k.dtype, r.dtype), rows_grid,
-            q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], bucket, E_POW2=e_pow2, **constants
+            _backward_rows_tuned, key, rows_grid, q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"],
+            bucket, E_POW2=e_pow2, **constants
         )
 
     # dk, du, dv: the Gluon kernel on Hopper where it applies (weight_gradient_kernel), otherwise one Triton program

@@ -24,8 +24,9 @@ Measurements (all of them by default, or the `--tasks` named):
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
-  eager decoding step of every model, to see where the time goes; the task `profile_train:<size>:<arch>` profiles one
-  eager training step of a whole model and sums its kernels by family (attention, matmuls, the FlashMHF op, ...).
+  eager decoding step of every model, to see where the time goes; the task
+  `profile_train:<size>:<arch>[:eager|compiled[:<batch>]]` profiles one training step of a whole model and sums its
+  kernels by family (attention, matmuls, the FlashMHF op, ...).
 
 Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
 Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
@@ -692,11 +693,13 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
             "host_top": [(event.key[:120], event.count / steps, event.self_cpu_time_total / steps) for event in host]}
 
 
-def profile_train_rows(size: str, device: str, architecture: str, compiled: bool = False) -> dict:
-    """Kernel table of one training step (forward + backward) of `architecture` at `size`, eager or compiled."""
+def profile_train_rows(size: str, device: str, architecture: str, compiled: bool = False,
+                       batch: int | None = None) -> dict:
+    """Kernel table of one training step (forward + backward) of `architecture` at `size`, eager or compiled, at the
+    preset's batch or `batch` sequences."""
     model = build_model(architecture, size, device)
     model.train()
-    ids = torch.randint(3, VOCAB_SIZE, (TRAIN_BATCH[size], SEQ_LEN), device=device)
+    ids = torch.randint(3, VOCAB_SIZE, (batch or TRAIN_BATCH[size], SEQ_LEN), device=device)
     forward = torch.compile(model) if compiled else model
 
     def step():
@@ -708,7 +711,8 @@ def profile_train_rows(size: str, device: str, architecture: str, compiled: bool
     table = kernel_table(step, steps=2, top=40)
     model = forward = None  # (the step closure holds them)
     release()
-    return {f"train_step_{size}_{architecture}" + ("_compiled" if compiled else ""): table}
+    return {f"train_step_{size}_{architecture}" + ("_compiled" if compiled else "") + (f"_b{batch}" if batch else ""):
+            table}
 
 
 def profile_rows(size: str, device: str, archs) -> dict:
@@ -894,10 +898,11 @@ def run_task(task: str, args, results: dict) -> None:
         results["profile"].update(profile_decode_rows(size, device, architecture, int(batch[0]) if batch else 1))
     elif part == "profile_train":
         architecture, *mode = rest
-        compiled = mode == ["compiled"]
-        if mode not in ([], ["eager"], ["compiled"]):
-            raise ValueError(f"task {task!r}: the mode after the architecture is 'eager' (default) or 'compiled'")
-        results["profile"].update(profile_train_rows(size, device, architecture, compiled))
+        mode, batch = (mode + [None])[:2] if mode else ("eager", None)
+        if mode not in ("eager", "compiled") or len(rest) > 3 or (batch is not None and not batch.isdigit()):
+            raise ValueError(f"task {task!r}: expected profile_train:<size>:<arch>[:eager|compiled[:<batch>]]")
+        results["profile"].update(profile_train_rows(size, device, architecture, mode == "compiled",
+                                                     int(batch) if batch else None))
     elif part == "train":
         architecture, mode, *batch = rest
         if mode not in ("eager", "compiled") or len(batch) > 1 or (batch and not batch[0].isdigit()):

@@ -166,7 +166,8 @@ def main(argv=None) -> int:
                 tensor.grad = None
 
         step = torch.randn(1, 1, hidden, device="cuda", dtype=torch.bfloat16)
-        for name, fn in (("Llama MLP forward, no grad", lambda: llama_mlp(x)), ("Llama MLP forward + backward", llama_train),
+        for name, fn in (("Llama MLP forward, no grad", lambda: llama_mlp(x)),
+                         ("Llama MLP forward + backward", llama_train),
                          ("Llama MLP forward, 1 token", lambda: llama_mlp(step))):
             with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
                 row = {"part": name, "host_us": issue_us(fn, args.parts), "gpu_us": median(cuda_ms(fn, 20)) * 1e3}
@@ -203,9 +204,11 @@ def main(argv=None) -> int:
     write_json(os.path.join(args.out, "flash_mhf_host_profile.json"), results)
     parts = "".join(f"{row['part']}: host {row['host_us']:.1f} us, GPU {row['gpu_us']:.1f} us per call\n"
                     for row in results["parts"])
+    profiles = "\n\n".join(
+        f"## {key}\nhost {p['host_ms_per_step']:.3f} ms/step, GPU {p['gpu_ms_per_step']:.3f} ms/step\n"
+        f"{p['text']['tottime']}\n{p['text']['cumtime']}" for key, p in results["profiles"].items())
     write_text(os.path.join(args.out, "flash_mhf_host_profile.txt"),
-               f"## Parts (host and GPU microseconds per call, {environment()['device']})\n{parts}\n" + "\n\n".join(f"## {key}\nhost {p['host_ms_per_step']:.3f} ms/step, GPU {p['gpu_ms_per_step']:.3f} ms/step\n"
-                           f"{p['text']['tottime']}\n{p['text']['cumtime']}" for key, p in results["profiles"].items()))
+               f"## Parts (host and GPU microseconds per call, {environment()['device']})\n{parts}\n{profiles}")
     return 0
 
 

@@ -65,8 +65,8 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny", "profile_train:tiny:flash_mhf",
-             "profile_decode:tiny:flash_mhf:2"]
+             "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny",
+             "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
                         "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -81,9 +81,9 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert all(row["decode_tokens_per_s"] > 0 and len(row["round_median_ms_per_step"]) == 2 for row in data["decode"])
     assert data["decode"][1]["interleaved_with"] == ["llama"]
     assert "unfused layer" in data["train"][2]["ffn_path"] and "torch reference" in data["train"][1]["ffn_path"]
-    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf", "train_step_tiny_flash_mhf",
+    assert {"flash_mhf_layer_fwd_bwd", "decode_step_b1_flash_mhf", "train_step_tiny_flash_mhf_b1",
             "decode_tiny_flash_mhf_static_b2_generate_3_tokens"} <= set(data["profile"])
-    train_profile = data["profile"]["train_step_tiny_flash_mhf"]
+    train_profile = data["profile"]["train_step_tiny_flash_mhf_b1"]
     assert train_profile["families_us_per_step"] and train_profile["host_top"]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown and "| ms/step by round |" in markdown
