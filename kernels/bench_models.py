@@ -9,7 +9,8 @@ Measurements (all of them by default, or the `--tasks` named):
 - `train`: a training step (forward + backward, no optimiser) on random tokens at the preset's batch (370M: 8 x 2048,
   1.3B: 4 x 2048; a task can name another, `train:370M:flash_mhf:eager:1`): tokens/s, peak memory and the host's
   time to issue one step (`harness.host_issue_ms`; a step bound by the host takes about that long whatever its
-  batch), eager and, with `--compile`, under `torch.compile`.
+  batch), eager and, with `--compile`, under `torch.compile`; a task can also ask for the compiled step replayed from
+  CUDA graphs (`train:370M:flash_mhf:cudagraphs:1`, `torch.compile(mode="reduce-overhead")`).
 - `decode`: `generate()` decode tokens/s at batch 1 and 16 (prompt 128, greedy), eager with the dynamic cache and, with
   `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
   the prefill, so the prefill is not counted. At these sizes a step is bound by the host (Python, launches, guards),
@@ -77,6 +78,7 @@ SEQ_LEN = 2048
 BUILD_ON = "device"  # --build-on
 DECODE_COMPILE_MODE = "reduce-overhead"  # --decode-compile-mode: generate()'s default, CUDA graphs
 TRAIN_STEPS = 10
+TRAIN_MODES = ("eager", "compiled", "cudagraphs")  # train:<size>:<arch>:<mode>; cudagraphs: mode="reduce-overhead"
 # "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op;
 # "<arch>_torch_decoder": the architecture with the decoder's RMSNorms and rotary embeddings as PyTorch operations
 # (`decoder_kernels="torch"`, what transformers' Llama runs) instead of the Triton kernels
@@ -232,14 +234,27 @@ def release() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Training step
 # --------------------------------------------------------------------------------------------------------------------
-def train_row(architecture: str, size: str, compiled: bool, device: str, batch: int | None = None) -> dict:
+def compiled_for_training(model, mode: str):
+    """`model` as a training step runs it in `mode` (one of TRAIN_MODES)."""
+    if mode == "eager":
+        return model
+    if mode == "compiled":
+        return torch.compile(model)
+    # "cudagraphs": inductor's graphs replayed from CUDA graphs (forward and backward), which takes the host's
+    # launches out of the step; on a CPU it warns and runs the compiled graphs without them
+    return torch.compile(model, mode="reduce-overhead")
+
+
+def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
     model = build_model(architecture, size, device)
     model.train()
     batch = batch or TRAIN_BATCH[size]
     ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
-    forward = torch.compile(model) if compiled else model
+    forward = compiled_for_training(model, mode)
 
     def step():
+        if mode == "cudagraphs":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
         loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         for p in model.parameters():
@@ -254,7 +269,7 @@ def train_row(architecture: str, size: str, compiled: bool, device: str, batch: 
         times = cuda_ms(step, TRAIN_STEPS, warmup=2)
     step_ms = median(times)
     host_ms = median(host_issue_ms(step, TRAIN_STEPS))
-    row = {"arch": architecture, "size": size, "mode": "compiled" if compiled else "eager", "batch": batch,
+    row = {"arch": architecture, "size": size, "mode": mode, "batch": batch,
            "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
            "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "host_ms": host_ms, "peak_gib": peak_memory_gib(),
            "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model),
@@ -905,9 +920,9 @@ def run_task(task: str, args, results: dict) -> None:
                                                      int(batch) if batch else None))
     elif part == "train":
         architecture, mode, *batch = rest
-        if mode not in ("eager", "compiled") or len(batch) > 1 or (batch and not batch[0].isdigit()):
-            raise ValueError(f"task {task!r}: expected train:<size>:<arch>:eager|compiled[:<batch>]")
-        row = train_row(architecture, size, mode == "compiled", device, int(batch[0]) if batch else None)
+        if mode not in TRAIN_MODES or len(batch) > 1 or (batch and not batch[0].isdigit()):
+            raise ValueError(f"task {task!r}: expected train:<size>:<arch>:{'|'.join(TRAIN_MODES)}[:<batch>]")
+        row = train_row(architecture, size, mode, device, int(batch[0]) if batch else None)
         results["train"].append(row)
         log(f"train {size} {mode} {architecture} batch {row['batch']}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
             f"step {row['step_ms']:.1f} ms (host {row['host_ms']:.1f} ms to issue), peak {fmt(row['peak_gib'])} GiB")

@@ -65,15 +65,16 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny",
-             "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
+             "train:tiny:flash_mhf:eager:1", "train:tiny:flash_mhf:cudagraphs:1", "decode:tiny:llama+flash_mhf:eager",
+             "profile:tiny", "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
                         "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and data["tasks"] == tasks
-    assert [(row["arch"], row["batch"]) for row in data["train"]] == [
-        ("llama", 2), ("flash_mhf", 2), ("flash_mhf_unfused", 2), ("flash_mhf", 1)]  # the preset's batch, or the task's
+    assert [(row["arch"], row["mode"], row["batch"]) for row in data["train"]] == [  # the preset's batch, or the task's
+        ("llama", "eager", 2), ("flash_mhf", "eager", 2), ("flash_mhf_unfused", "eager", 2), ("flash_mhf", "eager", 1),
+        ("flash_mhf", "cudagraphs", 1)]
     assert all(row["tokens_per_s"] > 0 and row["host_ms"] > 0 for row in data["train"])
     # the models of a decode task take turns, round by round, at each batch size
     assert [(row["batch"], row["arch"]) for row in data["decode"]] == [
