@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,11 +27,41 @@ def run_script(name, *args):
                           env=env, timeout=300)
 
 
+# Runs each script's `--help` in one Python process (one import of torch and transformers for all of them) and prints
+# {script: [exit code, what it printed]} as JSON.
+HELP_RUNNER = """
+import contextlib, io, json, os, runpy, sys
+results = {}
+for path in sys.argv[1:]:
+    printed, code = io.StringIO(), 0
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code or 0
+    except Exception as exc:  # reported by the test of that script
+        code = repr(exc)
+    results[os.path.basename(path)] = [code, printed.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def script_help():
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    result = subprocess.run([sys.executable, "-c", HELP_RUNNER, *(os.path.join(KERNELS, name) for name in SCRIPTS)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_script_help(name):
-    result = run_script(name, "--help")
-    assert result.returncode == 0, result.stderr
-    assert "usage" in result.stdout
+def test_script_help(script_help, name):
+    """Every script imports and parses its arguments without a GPU."""
+    code, printed = script_help[name]
+    assert code == 0, code
+    assert "usage" in printed
 
 
 def test_tune_candidates_parse():
@@ -65,16 +96,15 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
 def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
-             "train:tiny:flash_mhf:eager:1", "train:tiny:flash_mhf:cudagraphs:1", "decode:tiny:llama+flash_mhf:eager",
-             "profile:tiny", "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
+             "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny",
+             "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
                         "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and data["tasks"] == tasks
     assert [(row["arch"], row["mode"], row["batch"]) for row in data["train"]] == [  # the preset's batch, or the task's
-        ("llama", "eager", 2), ("flash_mhf", "eager", 2), ("flash_mhf_unfused", "eager", 2), ("flash_mhf", "eager", 1),
-        ("flash_mhf", "cudagraphs", 1)]
+        ("llama", "eager", 2), ("flash_mhf", "eager", 2), ("flash_mhf_unfused", "eager", 2), ("flash_mhf", "eager", 1)]
     assert all(row["tokens_per_s"] > 0 and row["host_ms"] > 0 for row in data["train"])
     # the models of a decode task take turns, round by round, at each batch size
     assert [(row["batch"], row["arch"]) for row in data["decode"]] == [
@@ -89,6 +119,26 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama |" in markdown and "FlashMHFLlama, unfused layer" in markdown and "| ms/step by round |" in markdown
     assert "| host ms |" in markdown
+
+
+def test_model_benchmark_training_modes_and_bad_tasks():
+    """A training task runs eager, compiled, or compiled and replayed from CUDA graphs (`cudagraphs`: inductor's
+    reduce-overhead mode, which the GPU runs time); a task outside that grammar says what it expects."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    model = torch.nn.Linear(2, 2)
+    assert bench_models.compiled_for_training(model, "eager") is model
+    for mode in ("compiled", "cudagraphs"):  # torch.compile is lazy: nothing compiles here
+        assert bench_models.compiled_for_training(model, mode)._orig_mod is model
+    args = bench_models.argparse.Namespace(device="cpu")
+    for task, expected in (("train:tiny:llama:graphs", "eager|compiled|cudagraphs[:<batch>]"),
+                           ("train:tiny:llama:eager:x", "eager|compiled|cudagraphs[:<batch>]"),
+                           ("profile_train:tiny:llama:eager:1:2", "profile_train:<size>:<arch>[:eager|compiled")):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            bench_models.run_task(task, args, {"train": [], "profile": {}})
 
 
 def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
