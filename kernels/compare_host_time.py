@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import markdown_table, median, write_json, write_text  # noqa: E402
 
 TREES = ("before", "after")
+ISSUE_TEXT = {"idle": "(the median of 200 calls, each started on an idle GPU).",
+              "back-to-back": "(200 calls back to back, no synchronisation between them)."}
 
 
 def load(work: str, kind: str, tree: str, round_: int) -> dict | None:
@@ -27,12 +29,12 @@ def load(work: str, kind: str, tree: str, round_: int) -> dict | None:
 
 
 def collect(work: str, rounds: int) -> dict:
-    parts, train, device = {}, {}, None
+    parts, train, device, issue = {}, {}, None, None
     for round_ in range(1, rounds + 1):
         for tree in TREES:
             data = load(work, "parts", tree, round_)
             if data:
-                device = data["environment"]["device"]
+                device, issue = data["environment"]["device"], data.get("issue")
                 for row in data["parts"]:
                     parts.setdefault(row["part"], {t: [] for t in TREES})[tree].append(row["host_us"])
             data = load(work, "train", tree, round_)
@@ -43,7 +45,7 @@ def collect(work: str, rounds: int) -> dict:
                                             {t: {"step_ms": [], "host_ms": []} for t in TREES})
                     cell[tree]["step_ms"].append(row["step_ms"])
                     cell[tree]["host_ms"].append(row["host_ms"])
-    return {"device": device, "rounds": rounds, "parts_host_us": parts, "train": train}
+    return {"device": device, "rounds": rounds, "issue": issue, "parts_host_us": parts, "train": train}
 
 
 def report(result: dict) -> str:
@@ -55,7 +57,7 @@ def report(result: dict) -> str:
 
     lines = [f"# Host time before and after, {result['device']}", "",
              f"{result['rounds']} rounds, the two trees alternating. Host microseconds to issue one call of each piece "
-             "(the median of 200 calls, each started on an idle GPU).", ""]
+             + ISSUE_TEXT.get(result.get("issue"), "(200 calls per piece)."), ""]
     lines += markdown_table(
         ["piece", "before (rounds)", "after (rounds)", "after / before (medians)"],
         [[name, cell(v["before"]), cell(v["after"]), ratio(v["before"], v["after"])]

@@ -8,7 +8,8 @@
 # BEFORE_DIR holds the other `hf_memffn/` and `examples/presets.py` (e.g. `git archive <commit> hf_memffn
 # examples/presets.py | tar -x -C BEFORE_DIR`); this checkout's `kernels/` scripts run against both, so they measure
 # the same pieces. TRAIN_TASKS (bench_models tasks; default: 370M Llama and FlashMHFLlama at batch 1 and 2; empty:
-# none) are the training steps timed after the pieces. Writes OUT_DIR/host_time.json and OUT_DIR/host_time.md.
+# none) are the training steps timed after the pieces; ISSUE ("idle", default, or "back-to-back") is how the pieces'
+# calls are issued (profile_flash_mhf_host.py --issue). Writes OUT_DIR/host_time.json and OUT_DIR/host_time.md.
 set -euo pipefail
 before=$(cd "$1" && pwd)
 out=$(mkdir -p "$2" && cd "$2" && pwd)
@@ -22,7 +23,7 @@ for round in $(seq "$rounds"); do
   for tree in after before; do
     root=$here; [ "$tree" = before ] && root=$before
     (cd "$root" && PYTHONPATH=. timeout 150 python kernels/profile_flash_mhf_host.py --out "$work/parts_${tree}_$round" \
-       --no-cprofile --parts 200 > "$work/parts_${tree}_$round.log" 2>&1)
+       --no-cprofile --parts 200 --issue "${ISSUE:-idle}" > "$work/parts_${tree}_$round.log" 2>&1)
     if [ -n "$tasks" ]; then
       (cd "$root" && PYTHONPATH=. timeout 150 python kernels/bench_models.py --out "$work/train_${tree}_$round" \
          --tasks $tasks > "$work/train_${tree}_$round.log" 2>&1)

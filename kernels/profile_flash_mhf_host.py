@@ -65,15 +65,28 @@ def host_profile(fn, steps: int, top: int = 30) -> dict:
             "text": rows}
 
 
-def issue_us(fn, calls: int) -> float:
-    """Median host microseconds to issue one call of `fn`, each call started on an idle GPU (so a piece that launches
-    many kernels never waits for a full launch queue), after a warm-up."""
+ISSUE_MODES = ("idle", "back-to-back")  # --issue
+
+
+def issue_us(fn, calls: int, mode: str = "idle") -> float:
+    """Host microseconds to issue one call of `fn`, after a warm-up. "idle": the median over calls each started on an
+    idle GPU (a piece that launches many kernels never waits for a full launch queue, but the host's speed between
+    calls shows); "back-to-back": the mean over `calls` calls issued without synchronising (steadier, but a piece of
+    more launches than the queue holds over those calls reads the GPU's rate)."""
     for _ in range(3):
         fn()
-    return median(host_issue_ms(fn, calls)) * 1e3
+    if mode == "idle":
+        return median(host_issue_ms(fn, calls)) * 1e3
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed / calls * 1e6
 
 
-def part_timings(module, hidden: int, calls: int, profile_parts: tuple = ()) -> list[dict]:
+def part_timings(module, hidden: int, calls: int, profile_parts: tuple = (), mode: str = "idle") -> list[dict]:
     """Host and GPU time per call of each piece of the fused FlashMHF layer at 8 x 2048 tokens and at one token; with
     `profile_parts` (names or their first words), a cProfile of those pieces instead."""
     from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton
@@ -126,7 +139,7 @@ def part_timings(module, hidden: int, calls: int, profile_parts: tuple = ()) -> 
     rows = []
     for name, fn in parts.items() if not profile_parts else ():
         with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
-            host = issue_us(fn, calls)
+            host = issue_us(fn, calls, mode)
             gpu = median(cuda_ms(fn, 20, warmup=1)) * 1e3
         rows.append({"part": name, "host_us": host, "gpu_us": gpu})
         log(f"{name}: host {host:.1f} us/call, GPU {gpu:.1f} us/call")
@@ -145,6 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--parts", type=int, default=100, help="calls per piece in the part timings (0: skip them)")
+    parser.add_argument("--issue", choices=ISSUE_MODES, default="idle", help="how the part timings issue the calls")
     parser.add_argument("--no-cprofile", action="store_true", help="only the part timings")
     parser.add_argument("--cprofile-parts", nargs="*", default=(),
                         help="cProfile these pieces of the part timings (names' first words) instead of timing all")
@@ -152,10 +166,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of GPU launches")
     layers, hidden = ffn_layers("370M", "cuda")
-    results = {"environment": environment(), "profiles": {}, "parts": []}
+    results = {"environment": environment(), "profiles": {}, "parts": [], "issue": args.issue}
     if args.parts:
         results["parts"] = part_timings(next(m for key, m in layers.items() if key == "FlashMHF"), hidden, args.parts,
-                                        tuple(args.cprofile_parts))
+                                        tuple(args.cprofile_parts), args.issue)
         llama_mlp = next(m for key, m in layers.items() if key.startswith("Llama MLP"))
         x = torch.randn(TRAIN_BATCH["370M"], SEQ_LEN, hidden, device="cuda", dtype=torch.bfloat16)
         leaf = x.clone().requires_grad_()
@@ -170,7 +184,8 @@ def main(argv=None) -> int:
                          ("Llama MLP forward + backward", llama_train),
                          ("Llama MLP forward, 1 token", lambda: llama_mlp(step))):
             with torch.no_grad() if "backward" not in name else contextlib.nullcontext():
-                row = {"part": name, "host_us": issue_us(fn, args.parts), "gpu_us": median(cuda_ms(fn, 20)) * 1e3}
+                row = {"part": name, "host_us": issue_us(fn, args.parts, args.issue),
+                       "gpu_us": median(cuda_ms(fn, 20)) * 1e3}
             results["parts"].append(row)
             log(f"{name}: host {row['host_us']:.1f} us/call, GPU {row['gpu_us']:.1f} us/call")
         write_json(os.path.join(args.out, "flash_mhf_host_profile.json"), results)

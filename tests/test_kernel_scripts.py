@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
-           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py"]
+           "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
+           "custom_op_overhead.py"]
 
 
 def run_script(name, *args):
@@ -321,7 +322,7 @@ def test_host_time_comparison_tables(tmp_path):
     work = tmp_path / "work"
     for round_ in (1, 2):
         for tree, scale in (("before", 1.0), ("after", 0.8)):
-            parts = {"environment": {"device": "GPU X"},
+            parts = {"environment": {"device": "GPU X"}, "issue": "back-to-back",
                      "parts": [{"part": "triton_forward", "host_us": 100.0 * scale * round_, "gpu_us": 600.0}]}
             train = {"environment": {"device": "GPU X"},
                      "train": [{"size": "370M", "arch": "flash_mhf", "batch": 1, "step_ms": 80.0 * scale,
@@ -338,4 +339,5 @@ def test_host_time_comparison_tables(tmp_path):
     assert data["parts_host_us"]["triton_forward"] == {"before": [100.0, 200.0], "after": [80.0, 160.0]}
     markdown = (tmp_path / "out" / "host_time.md").read_text()
     assert "| triton_forward | 100.0 / 200.0 | 80.0 / 160.0 | 0.80 |" in markdown
+    assert "(200 calls back to back, no synchronisation between them)" in markdown
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
