@@ -298,7 +298,9 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     if norm_parts is not None:
         grad_norm = norm_parts.sum((0, 1)).to(norm_weight.dtype) if num_tokens else torch.zeros_like(norm_weight)
     if router_parts is not None:
-        grad_router = (router_parts.sum(0)[..., :num_subnetworks].to(router.dtype) if num_tokens
+        # (the sum of the slice is a new contiguous [H, d_h, E] tensor; a slice of the sum would keep the padded
+        # strides wherever no cast copies it)
+        grad_router = (router_parts[..., :num_subnetworks].sum(0).to(router.dtype) if num_tokens
                        else torch.zeros_like(router))
     return grad_p, grad_norm, grad_router
 

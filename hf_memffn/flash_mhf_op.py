@@ -407,7 +407,9 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, head_dim, ep
     grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
     grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim, eps,
                                                                 gate_eps)
-    return grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v
+    # each gradient in the layout the backward operator's fake kernel promises a compiled graph (no copy where it is)
+    return tuple(None if g is None else _in_layout_of(t, g) for t, g in zip(
+        (p, norm_weight, router, k, u, v), (grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v)))
 
 
 def _register_layer_ops():

@@ -26,8 +26,8 @@ Measurements (all of them by default, or the `--tasks` named):
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
   eager decoding step of every model, to see where the time goes; the task
-  `profile_train:<size>:<arch>[:eager|compiled[:<batch>]]` profiles one training step of a whole model and sums its
-  kernels by family (attention, matmuls, the FlashMHF op, ...).
+  `profile_train:<size>:<arch>[:eager|compiled|cudagraphs[:<batch>]]` profiles one training step of a whole model
+  and sums its kernels by family (attention, matmuls, the FlashMHF op, ...).
 
 Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
 Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
@@ -245,21 +245,26 @@ def compiled_for_training(model, mode: str):
     return torch.compile(model, mode="reduce-overhead")
 
 
-def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
-    model = build_model(architecture, size, device)
-    model.train()
-    batch = batch or TRAIN_BATCH[size]
-    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
+def training_step(model, ids, mode: str):
+    """One training step of `model` on `ids` (forward, loss, backward; gradients dropped) in `mode`, as a callable."""
     forward = compiled_for_training(model, mode)
 
     def step():
         if mode == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
+        forward(input_ids=ids, labels=ids).loss.backward()
         for p in model.parameters():
             p.grad = None
 
+    return step
+
+
+def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
+    model = build_model(architecture, size, device)
+    model.train()
+    batch = batch or TRAIN_BATCH[size]
+    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
+    step = training_step(model, ids, mode)
     start = time.perf_counter()
     step()  # compiles when compiled
     synchronize()
@@ -274,7 +279,7 @@ def train_row(architecture: str, size: str, mode: str, device: str, batch: int |
            "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "host_ms": host_ms, "peak_gib": peak_memory_gib(),
            "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model),
            "decoder_path": decoder_path(model), **clock.summary()}
-    model = forward = None  # (the step closure holds them)
+    model = step = None  # (the step closure holds the compiled model)
     release()
     return row
 
@@ -708,26 +713,21 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
             "host_top": [(event.key[:120], event.count / steps, event.self_cpu_time_total / steps) for event in host]}
 
 
-def profile_train_rows(size: str, device: str, architecture: str, compiled: bool = False,
+def profile_train_rows(size: str, device: str, architecture: str, mode: str = "eager",
                        batch: int | None = None) -> dict:
-    """Kernel table of one training step (forward + backward) of `architecture` at `size`, eager or compiled, at the
-    preset's batch or `batch` sequences."""
+    """Kernel table of one training step (forward + backward) of `architecture` at `size` in `mode` (one of
+    TRAIN_MODES), at the preset's batch or `batch` sequences."""
     model = build_model(architecture, size, device)
     model.train()
     ids = torch.randint(3, VOCAB_SIZE, (batch or TRAIN_BATCH[size], SEQ_LEN), device=device)
-    forward = torch.compile(model) if compiled else model
-
-    def step():
-        forward(input_ids=ids, labels=ids).loss.backward()
-        for p in model.parameters():
-            p.grad = None
-
-    step()  # warm-up (compilation, autotuning, allocator)
+    step = training_step(model, ids, mode)
+    for _ in range(1 if mode == "eager" else 3):  # warm-up (compilation, autotuning, allocator, graph recording)
+        step()
     table = kernel_table(step, steps=2, top=40)
-    model = forward = None  # (the step closure holds them)
+    model = step = None  # (the step closure holds the compiled model)
     release()
-    return {f"train_step_{size}_{architecture}" + ("_compiled" if compiled else "") + (f"_b{batch}" if batch else ""):
-            table}
+    return {f"train_step_{size}_{architecture}" + ("" if mode == "eager" else f"_{mode}")
+            + (f"_b{batch}" if batch else ""): table}
 
 
 def profile_rows(size: str, device: str, archs) -> dict:
@@ -914,10 +914,10 @@ def run_task(task: str, args, results: dict) -> None:
     elif part == "profile_train":
         architecture, *mode = rest
         mode, batch = (mode + [None])[:2] if mode else ("eager", None)
-        if mode not in ("eager", "compiled") or len(rest) > 3 or (batch is not None and not batch.isdigit()):
-            raise ValueError(f"task {task!r}: expected profile_train:<size>:<arch>[:eager|compiled[:<batch>]]")
-        results["profile"].update(profile_train_rows(size, device, architecture, mode == "compiled",
-                                                     int(batch) if batch else None))
+        if mode not in TRAIN_MODES or len(rest) > 3 or (batch is not None and not batch.isdigit()):
+            raise ValueError(f"task {task!r}: expected profile_train:<size>:<arch>[:{'|'.join(TRAIN_MODES)}"
+                             "[:<batch>]]")
+        results["profile"].update(profile_train_rows(size, device, architecture, mode, int(batch) if batch else None))
     elif part == "train":
         architecture, mode, *batch = rest
         if mode not in TRAIN_MODES or len(batch) > 1 or (batch and not batch[0].isdigit()):
@@ -960,7 +960,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-sizes", nargs="+", default=["370M"], help="presets timed compiled")
     parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M train:370M:llama:eager "
                         "decode:370M:llama+flash_mhf:static (models joined by + decode in turn) profile:370M "
-                        "profile_train:370M:flash_mhf[:compiled] (one training step by kernel family) "
+                        "profile_train:370M:flash_mhf[:compiled|cudagraphs[:1]] (one training step by kernel family) "
                         "profile_decode:370M:flash_mhf[:16] (one static-cache generate() call at batch 1 [16]) "
                         "(default: all of the above options)")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")

@@ -209,6 +209,13 @@ def write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
+def write_report(out: str, stem: str, results: dict, text: str) -> None:
+    """A measurement's results as `<out>/<stem>.json` and its table as `<out>/<stem>.md`, and the table printed."""
+    write_json(os.path.join(out, f"{stem}.json"), results)
+    write_text(os.path.join(out, f"{stem}.md"), text)
+    log(text)
+
+
 def markdown_table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join("-" if cell is None else str(cell) for cell in row) + " |" for row in rows]

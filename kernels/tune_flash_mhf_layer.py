@@ -22,7 +22,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench_ms, environment, log, markdown_table, rel_err, write_json, write_text  # noqa: E402
+from harness import bench_ms, environment, log, markdown_table, rel_err, write_json, write_report  # noqa: E402
 
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
 
@@ -151,9 +151,7 @@ def main(argv=None) -> int:
         results["rows"] += rows
         results["copy_us"][shape[0]] = copy_us
         write_json(os.path.join(args.out, "flash_mhf_layer_tune.json"), results)
-    text = report(results)
-    write_text(os.path.join(args.out, "flash_mhf_layer_tune.md"), text)
-    log(text)
+    write_report(args.out, "flash_mhf_layer_tune", results, report(results))
     return 0
 
 

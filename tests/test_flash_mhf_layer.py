@@ -16,7 +16,7 @@ import torch
 from hf_memffn import flash_mhf_op
 from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_layer_path
 from hf_memffn.testing import tiny_config
-from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
+from triton_interpreter import DEVICE, ON_GPU, needs_kernels, run_under_interpreter
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 EPS, GATE_EPS = 1e-5, 1e-6
@@ -144,6 +144,11 @@ def test_triton_layer_opcheck():
             v.float(), 64, EPS, GATE_EPS)
     torch.library.opcheck(flash_mhf_op._layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                                   "test_autograd_registration"))
+    # the backward operator's outputs have the strides its fake kernel says (a compiled graph asserts them): the
+    # router's gradient in float32 too, where no cast copies the [H, d_h, E] slice of the padded partial sums
+    backward_args = (torch.randn_like(p.float()), *(t.detach() if torch.is_tensor(t) else t for t in args))
+    torch.library.opcheck(flash_mhf_op._registered("flash_mhf_layer_backward"), backward_args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @needs_kernels
@@ -194,6 +199,31 @@ def test_fused_layer_traces_without_graph_break():
         (grad_actual,) = torch.autograd.grad(actual.sum(), x)
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad_actual, grad_expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_training_steps_replayed_from_cuda_graphs_match_eager():
+    """A tiny FlashMHFLlama (fused layer, float32) compiled with mode="reduce-overhead": the steps replayed from CUDA
+    graphs give the eager step's loss and gradients, step after step (the layer's launches read nothing from the host
+    that changes between steps)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton")
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    assert model.model.layers[0].mlp.path_description(torch.empty(2, 40, 128, device=DEVICE)).startswith("fused")
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for step in range(4):  # warm-up, recording, then replays; new tokens every step
+        ids = torch.randint(0, config.vocab_size, (2, 40), device=DEVICE)
+        expected = model(ids, labels=ids).loss
+        expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+        for (name, parameter), grad in zip(model.named_parameters(), expected_grads):
+            assert relative_error(parameter.grad, grad) < 1e-4, (step, name)
+            parameter.grad = None
 
 
 def saved_activation_bytes(module, x) -> int:

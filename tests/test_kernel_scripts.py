@@ -19,7 +19,7 @@ KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
-           "custom_op_overhead.py"]
+           "custom_op_overhead.py", "profile_compiled_step_host.py"]
 
 
 def run_script(name, *args):
@@ -122,6 +122,39 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert "| host ms |" in markdown
 
 
+def test_compiled_step_host_report_and_idle_layer_ops():
+    """`profile_compiled_step_host.py`: the table from a result (fixture numbers), and the stand-in operators that
+    allocate the layer's outputs, launch nothing and are put back afterwards."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import profile_compiled_step_host as probe
+    finally:
+        sys.path.remove(KERNELS)
+    from hf_memffn import flash_mhf_op
+
+    def line(step, host):
+        return {"step_ms": step, "host_ms": host, "gc_ms_per_step": 0.0}
+
+    results = {"environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6",
+                               "transformers": "5.17"},
+               "args": {"size": "370M", "batch": 1, "rounds": 3, "steps": 8},
+               "models": [{"name": "FlashMHFLlama", "layers": 21,
+                           "summary": {"real": line(47.7, 49.9), "layer ops doing nothing": line(26.9, 28.5)},
+                           "launchers_alone": {"forward_host_us": 204.0, "forward_gpu_us": 258.0,
+                                               "backward_host_us": 500.0, "backward_gpu_us": 505.0}}]}
+    text = probe.report(results)
+    assert "| FlashMHFLlama | layer ops doing nothing | 26.9 | 28.5 | 1.36 | 0.00 |" in text
+    assert "14.8 ms of host time per step over 21 layers" in text
+    saved = flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl
+    p, k = torch.randn(1, 4, 8), torch.randn(2, 3, 4, 4)
+    with probe.layer_ops_doing_nothing():
+        assert flash_mhf_op._layer_forward_impl(p, None, None, k, k, k, 4, 1e-6, 1e-6).shape == p.shape
+        grads = flash_mhf_op._layer_backward_impl(p, p, None, torch.randn(2, 4, 3), k, k, k, 4, 1e-6, 1e-6)
+        assert [None if g is None else g.shape for g in grads] == [p.shape, None, (2, 4, 3), k.shape, k.shape,
+                                                                    k.shape]
+    assert (flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl) == saved
+
+
 def test_model_benchmark_training_modes_and_bad_tasks():
     """A training task runs eager, compiled, or compiled and replayed from CUDA graphs (`cudagraphs`: inductor's
     reduce-overhead mode, which the GPU runs time); a task outside that grammar says what it expects."""
@@ -137,7 +170,8 @@ def test_model_benchmark_training_modes_and_bad_tasks():
     args = bench_models.argparse.Namespace(device="cpu")
     for task, expected in (("train:tiny:llama:graphs", "eager|compiled|cudagraphs[:<batch>]"),
                            ("train:tiny:llama:eager:x", "eager|compiled|cudagraphs[:<batch>]"),
-                           ("profile_train:tiny:llama:eager:1:2", "profile_train:<size>:<arch>[:eager|compiled")):
+                           ("profile_train:tiny:llama:eager:1:2",
+                            "profile_train:<size>:<arch>[:eager|compiled|cudagraphs")):
         with pytest.raises(ValueError, match=re.escape(expected)):
             bench_models.run_task(task, args, {"train": [], "profile": {}})
 

@@ -54,6 +54,40 @@ def test_trainer_loss_falls(arch, tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_trainer_with_cuda_graphs_trains_the_fused_layer(tmp_path):
+    """`torch_compile_mode="reduce-overhead"` (the compiled step replayed from CUDA graphs, for small batches whose
+    steps the host bounds): FlashMHFLlama with its fused layer trains through the Trainer as it does eagerly."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # (accelerate switches TF32 on for a compiled float32 model)
+    try:
+        losses = train_eager_and_with_cuda_graphs(tmp_path)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    eager, graphs = losses["eager"], losses["reduce-overhead"]
+    assert len(graphs) == len(eager) >= 5 and graphs[-1] < 0.5 * graphs[0], losses
+    assert abs(graphs[0] - eager[0]) < 0.05 * eager[0], losses  # the first five steps, before updates compound
+
+
+def train_eager_and_with_cuda_graphs(tmp_path) -> dict:
+    """The logged losses of the same tiny FlashMHFLlama trained eagerly and with CUDA graphs, by mode."""
+    losses = {}
+    for mode in ("eager", "reduce-overhead"):
+        torch.manual_seed(0)
+        config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton")
+        model = AutoModelForCausalLM.from_config(config).cuda()
+        compile_args = {} if mode == "eager" else {"torch_compile": True, "torch_compile_mode": mode}
+        args = TrainingArguments(output_dir=str(tmp_path / mode), per_device_train_batch_size=8, max_steps=30,
+                                 learning_rate=1e-2, warmup_steps=3, lr_scheduler_type="cosine", logging_steps=5,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
+                                 tf32=False,  # (torch_compile would switch TF32 on for the whole process)
+                                 **compile_args)
+        trainer = Trainer(model=model, args=args, train_dataset=PatternDataset())
+        trainer.train()
+        losses[mode] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        assert model.model.layers[0].mlp.path_description(torch.empty(8, 16, 128, device="cuda")).startswith("fused")
+    return losses
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_peft_lora_with_documented_targets(arch):
     peft = pytest.importorskip("peft")
