@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import markdown_table, median, write_json, write_text  # noqa: E402
+from harness import markdown_table, median, write_report  # noqa: E402
 
 TREES = ("before", "after")
 ISSUE_TEXT = {"idle": "(the median of 200 calls, each started on an idle GPU).",
@@ -81,9 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("out", help="folder for host_time.{json,md}")
     args = parser.parse_args(argv)
     result = collect(args.work, args.rounds)
-    write_json(os.path.join(args.out, "host_time.json"), result)
-    write_text(os.path.join(args.out, "host_time.md"), report(result))
-    print(report(result))
+    write_report(args.out, "host_time", result, report(result))
     return 0
 
 

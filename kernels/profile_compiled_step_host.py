@@ -147,13 +147,7 @@ def measure(architecture: str, size: str, batch: int, rounds: int, steps: int, p
     model = build_model(architecture, size, device)
     model.train()
     ids = torch.randint(3, VOCAB_SIZE, (batch, bench_models.SEQ_LEN), device=device)
-    forward = torch.compile(model)
-
-    def step():
-        forward(input_ids=ids, labels=ids).loss.backward()
-        for p in model.parameters():
-            p.grad = None
-
+    step = bench_models.training_step(model, ids, "compiled")
     start = time.perf_counter()
     step()
     synchronize()
@@ -191,7 +185,7 @@ def measure(architecture: str, size: str, batch: int, rounds: int, steps: int, p
                               "text": cprofile["text"]}
         log(cprofile["text"]["tottime"])
         result["torch_profiler"] = torch_profiler_tables(step, profile_steps)
-    model = forward = None  # (the step closure holds them)
+    model = step = None  # (the step closure holds the compiled model)
     release()
     return result
 
