@@ -1,0 +1,209 @@
+"""Training speed of the recipe as users run it: examples/pretrain.py, one process per run, side by side.
+
+    python examples/recipe_speed.py --out DIR [--data-dir SHARDS] [--preset 370M] [--steps 40] \
+        --runs llama:reduce-overhead:1 flash_mhf:reduce-overhead:1 flash_mhf:default:1
+
+Each run is `ARCH:MODE[:BATCH]`: an architecture of the recipe, how the Trainer runs the model (`eager`, or a
+`torch.compile` mode: `default`, `reduce-overhead` (CUDA graphs), `max-autotune`, `max-autotune-no-cudagraphs`) and
+the sequences per step (default 1). Every run trains from the same token shards (bf16 unless `--precision fp32`),
+in blocks of `--block-size` tokens, with no evaluation or checkpoint until the end. Its speed is the median of the
+recipe's own tokens/s windows (one per `--logging-steps` steps) after the first `--skip-windows`, which hold
+compilation and CUDA-graph recording. Ratios are to the first run of the same batch.
+
+`--data-dir` is a folder of token shards (examples/token_shards.py); without one, shards are built from the Python
+standard library's sources with a byte-level BPE of `--vocab-size` tokens (examples/reproduce/prepare_data.py), so
+the script runs offline on any machine. Writes DIR/recipe_speed.{json,md} (after every run) and each run's log and
+train_log.jsonl; the runs' folders, with their saved models, stay under `--work`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from presets import ARCHITECTURE_NAMES  # noqa: E402
+
+from hf_memffn.atomic_write import atomic_output  # noqa: E402
+
+MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def parse_run(text: str) -> dict:
+    """`ARCH:MODE[:BATCH]` -> {"arch", "mode", "batch", "name"}, with errors that name the allowed values."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: expected ARCH:MODE[:BATCH]")
+    arch, mode = parts[0], parts[1]
+    if arch not in ARCHITECTURE_NAMES:
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: ARCH must be one of {', '.join(ARCHITECTURE_NAMES)}")
+    if mode not in MODES:
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: MODE must be one of {', '.join(MODES)}")
+    try:
+        batch = int(parts[2]) if len(parts) == 3 else 1
+    except ValueError:
+        batch = 0
+    if batch < 1:
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: BATCH must be a positive integer")
+    return {"arch": arch, "mode": mode, "batch": batch, "name": f"{arch}_{mode}_b{batch}"}
+
+
+def standard_library_shards(folder: Path, vocab_size: int, max_train_tokens: int) -> Path:
+    """Token shards of the Python standard library's sources (built once; the folder appears whole or not at all)."""
+    if (folder / "meta.json").is_file():
+        return folder
+    sys.path.insert(0, str(HERE / "reproduce"))
+    import prepare_data
+
+    files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    prepare_data.main(["--out", str(folder), "--source", "text-files", "--text-files", *files,
+                       "--vocab-size", str(vocab_size), "--max-train-tokens", str(max_train_tokens),
+                       "--max-heldout-tokens", str(64 * 2048), "--wiki", "no"])
+    return folder
+
+
+def recipe_command(run: dict, args, output_dir: Path) -> list[str]:
+    command = [sys.executable, str(HERE / "pretrain.py"), "--arch", run["arch"], "--preset", args.preset,
+               "--data-dir", str(args.data_dir), "--block-size", str(args.block_size), "--precision", args.precision,
+               "--per-device-batch-size", str(run["batch"]), "--max-steps", str(args.steps),
+               "--logging-steps", str(args.logging_steps), "--eval-steps", "1000000", "--save-steps", "1000000",
+               "--max-eval-blocks", "2", "--seed", "0", "--output-dir", str(output_dir)]
+    if run["mode"] != "eager":
+        command += ["--torch_compile", "--torch_compile_mode", run["mode"]]
+    return command + args.extra_args
+
+
+def window_rates(train_log: Path) -> list[float]:
+    rates = []
+    for line in train_log.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if "tokens_per_second" in record:
+            rates.append(float(record["tokens_per_second"]))
+    return rates
+
+
+def measure(run: dict, args) -> dict:
+    output_dir = args.work / run["name"]
+    log_path = args.out / f"{run['name']}.log"
+    started = time.perf_counter()
+    with log_path.open("w", encoding="utf-8") as log:
+        completed = subprocess.run(recipe_command(run, args, output_dir), stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    row = {**run, "returncode": completed.returncode, "wall_s": round(time.perf_counter() - started, 1)}
+    summary_path, train_log = output_dir / "summary.json", output_dir / "train_log.jsonl"
+    if completed.returncode != 0 or not summary_path.is_file():
+        row["error"] = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+        return row
+    (args.out / f"{run['name']}_train_log.jsonl").write_text(train_log.read_text(encoding="utf-8"), encoding="utf-8")
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    rates = window_rates(train_log)
+    steady = rates[args.skip_windows:]
+    if not steady:
+        row["error"] = [f"{len(rates)} tokens/s windows, none after the first {args.skip_windows}: raise --steps"]
+        return row
+    tokens_per_second = statistics.median(steady)
+    row.update(
+        tokens_per_second=round(tokens_per_second, 1),
+        ms_per_step=round(1000 * summary["tokens_per_step"] / tokens_per_second, 2),
+        windows=steady,
+        peak_memory_gib=summary.get("peak_memory_gib"),
+        parameters=summary["parameters"]["total"],
+        final_train_loss=summary.get("train_loss"),
+        device=summary.get("device"),
+    )
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    reference = {}
+    for row in rows:
+        if "tokens_per_second" in row:
+            reference.setdefault(row["batch"], row)
+            base = reference[row["batch"]]
+            row["ratio"] = round(row["tokens_per_second"] / base["tokens_per_second"], 3)
+            row["ratio_to"] = base["name"]
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# The recipe's training speed ({result['device']}, preset {result['preset']}, "
+             f"{result['block_size']}-token blocks, {result['precision']})", "",
+             f"`{result['command']}`", "",
+             "| run | arch | mode | sequences | tokens/s | ms/step | ratio | peak GiB | parameters |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['name']} | {row['arch']} | {row['mode']} | {row['batch']} | failed: "
+                         f"{' '.join(row['error'])} | | | | |")
+            continue
+        lines.append(f"| {row['name']} | {row['arch']} | {row['mode']} | {row['batch']} | "
+                     f"{row['tokens_per_second']:,.0f} | {row['ms_per_step']} | {row['ratio']:.2f}x | "
+                     f"{'-' if row['peak_memory_gib'] is None else row['peak_memory_gib']} | {row['parameters']:,} |")
+    lines += ["", f"Ratios are to the first run of the same batch. Speed: the median of the recipe's tokens/s windows "
+              f"({result['logging_steps']} steps each) after the first {result['skip_windows']}."]
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, text: str) -> None:
+    with atomic_output(path) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+
+
+def report(rows: list[dict], args, argv) -> dict:
+    add_ratios(rows)
+    devices = sorted({row["device"] for row in rows if row.get("device")})
+    result = {"device": ", ".join(devices) or "unknown", "preset": args.preset, "block_size": args.block_size,
+              "precision": args.precision, "steps": args.steps, "logging_steps": args.logging_steps,
+              "skip_windows": args.skip_windows, "data_dir": str(args.data_dir),
+              "command": " ".join(["examples/recipe_speed.py", *(sys.argv[1:] if argv is None else argv)]),
+              "rows": rows}
+    write(args.out / "recipe_speed.json", json.dumps(result, indent=2) + "\n")
+    write(args.out / "recipe_speed.md", markdown(result))
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="results folder")
+    parser.add_argument("--runs", type=parse_run, nargs="+", required=True, help="ARCH:MODE[:BATCH] ...")
+    parser.add_argument("--data-dir", type=Path, default=None, help="token shards (default: built from the stdlib)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "recipe_speed",
+                        help="run folders, each with the run's saved model (default: TMPDIR/recipe_speed)")
+    parser.add_argument("--preset", default="370M")
+    parser.add_argument("--block-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--logging-steps", type=int, default=5)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--skip-windows", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=32000, help="of the shards built without --data-dir")
+    parser.add_argument("--extra-args", nargs=argparse.REMAINDER, default=[], help="more pretrain.py arguments")
+    args = parser.parse_args(argv)
+    if args.data_dir is not None and not (args.data_dir / "train.bin").is_file():
+        parser.error(f"--data-dir {args.data_dir}: no train.bin there (a folder of token shards, "
+                     "examples/token_shards.py; leave --data-dir out to build one from the standard library)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.data_dir is None:
+        largest_batch = max(run["batch"] for run in args.runs)
+        tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
+        args.data_dir = standard_library_shards(args.work / "shards", args.vocab_size, tokens)
+    rows = []
+    for run in args.runs:
+        rows.append(measure(run, args))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "windows"}), flush=True)
+        result = report(rows, args, argv)  # after every run, so a run cut short keeps the rows before it
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

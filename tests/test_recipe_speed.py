@@ -1,0 +1,70 @@
+"""examples/recipe_speed.py on CPU: two eager runs of the recipe at the tiny preset, side by side, and its run specs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+import prepare_data  # noqa: E402
+import recipe_speed  # noqa: E402
+
+
+def test_run_specs_name_the_allowed_values():
+    assert recipe_speed.parse_run("flash_mhf:reduce-overhead:4") == {
+        "arch": "flash_mhf", "mode": "reduce-overhead", "batch": 4, "name": "flash_mhf_reduce-overhead_b4"}
+    assert recipe_speed.parse_run("llama:eager")["batch"] == 1
+    for spec, allowed in (("gpt2:eager", "ARCH must be one of llama, flash_mhf"),
+                          ("llama:fast", "MODE must be one of eager, default, reduce-overhead"),
+                          ("llama:eager:0", "BATCH must be a positive integer"),
+                          ("llama:eager:two", "BATCH must be a positive integer"),
+                          ("llama", "expected ARCH:MODE")):
+        with pytest.raises(argparse.ArgumentTypeError, match=allowed):
+            recipe_speed.parse_run(spec)
+
+
+@pytest.mark.slow
+def test_two_recipe_runs_side_by_side(tmp_path):
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "20000",
+                       "--max-heldout-tokens", "2000", "--wiki", "no"])
+    out = tmp_path / "results"
+    result = recipe_speed.main(["--out", str(out), "--data-dir", str(data), "--work", str(tmp_path / "work"),
+                                "--preset", "tiny", "--block-size", "32", "--steps", "6", "--logging-steps", "2",
+                                "--skip-windows", "1", "--precision", "fp32",
+                                "--runs", "llama:eager:2", "flash_mhf:eager:2"])
+    rows = result["rows"]
+    assert [row["name"] for row in rows] == ["llama_eager_b2", "flash_mhf_eager_b2"]
+    for row in rows:
+        assert row["returncode"] == 0 and "error" not in row, row
+        assert row["tokens_per_second"] > 0 and len(row["windows"]) == 2  # windows 2 and 3 of 3
+        assert row["ms_per_step"] == pytest.approx(1000 * 64 / row["tokens_per_second"], rel=0.01)
+        assert (out / f"{row['name']}.log").is_file() and (out / f"{row['name']}_train_log.jsonl").is_file()
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio_to"] == "llama_eager_b2"
+    assert json.loads((out / "recipe_speed.json").read_text())["rows"][1]["arch"] == "flash_mhf"
+    table = (out / "recipe_speed.md").read_text()
+    assert "| flash_mhf_eager_b2 | flash_mhf | eager | 2 |" in table and "cpu" in table
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        recipe_speed.main(["--out", str(tmp_path / "results"), "--data-dir", str(tmp_path / "missing"),
+                           "--runs", "llama:eager"])
+    assert "--data-dir" in capsys.readouterr().err and not (tmp_path / "results").exists()
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"")  # shards without a tokenizer: the recipe itself fails
+    result = recipe_speed.main(["--out", str(tmp_path / "results"), "--data-dir", str(data),
+                                "--work", str(tmp_path / "work"), "--preset", "tiny", "--runs", "llama:eager"])
+    (row,) = result["rows"]
+    assert row["returncode"] != 0 and row["error"]
+    assert "| llama_eager_b1 | llama | eager | 1 | failed: " in (tmp_path / "results" / "recipe_speed.md").read_text()
