@@ -8,12 +8,14 @@ Each run is `ARCH:MODE[:BATCH]`: an architecture of the recipe, how the Trainer 
 the sequences per step (default 1). Every run trains from the same token shards (bf16 unless `--precision fp32`),
 in blocks of `--block-size` tokens, with no evaluation or checkpoint until the end. Its speed is the median of the
 recipe's own tokens/s windows (one per `--logging-steps` steps) after the first `--skip-windows`, which hold
-compilation and CUDA-graph recording. Ratios are to the first run of the same batch.
+compilation and CUDA-graph recording. Ratios are to the first run of the same batch. A run named twice runs twice
+(its second row is `NAME_2`), which shows how much the speed drifts from one run to the next.
 
 `--data-dir` is a folder of token shards (examples/token_shards.py); without one, shards are built from the Python
 standard library's sources with a byte-level BPE of `--vocab-size` tokens (examples/reproduce/prepare_data.py), so
 the script runs offline on any machine. Writes DIR/recipe_speed.{json,md} (after every run) and each run's log and
-train_log.jsonl; the runs' folders, with their saved models, stay under `--work`.
+train_log.jsonl; each run's folder under `--work`, with the model it saved, is removed once read (unless
+`--keep-run-folders`), so a long list of runs does not fill the disk.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,6 +98,7 @@ def window_rates(train_log: Path) -> list[float]:
 
 def measure(run: dict, args) -> dict:
     output_dir = args.work / run["name"]
+    shutil.rmtree(output_dir, ignore_errors=True)  # a folder left by an earlier call would resume and add to its log
     log_path = args.out / f"{run['name']}.log"
     started = time.perf_counter()
     with log_path.open("w", encoding="utf-8") as log:
@@ -108,6 +112,8 @@ def measure(run: dict, args) -> dict:
     (args.out / f"{run['name']}_train_log.jsonl").write_text(train_log.read_text(encoding="utf-8"), encoding="utf-8")
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     rates = window_rates(train_log)
+    if not args.keep_run_folders:  # the saved model: 1.5 GB at 370M, 5.4 GB at 1.3B per run
+        shutil.rmtree(output_dir, ignore_errors=True)
     steady = rates[args.skip_windows:]
     if not steady:
         row["error"] = [f"{len(rates)} tokens/s windows, none after the first {args.skip_windows}: raise --steps"]
@@ -185,6 +191,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--skip-windows", type=int, default=2)
+    parser.add_argument("--keep-run-folders", action="store_true",
+                        help="keep each run's folder under --work (its saved model) after reading its results")
     parser.add_argument("--vocab-size", type=int, default=32000, help="of the shards built without --data-dir")
     parser.add_argument("--extra-args", nargs=argparse.REMAINDER, default=[], help="more pretrain.py arguments")
     args = parser.parse_args(argv)
@@ -196,6 +204,11 @@ def main(argv=None) -> dict:
         largest_batch = max(run["batch"] for run in args.runs)
         tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
         args.data_dir = standard_library_shards(args.work / "shards", args.vocab_size, tokens)
+    seen: dict[str, int] = {}
+    for run in args.runs:  # a run named twice (to see the drift between runs) gets a second folder and row
+        seen[run["name"]] = seen.get(run["name"], 0) + 1
+        if seen[run["name"]] > 1:
+            run["name"] = f"{run['name']}_{seen[run['name']]}"
     rows = []
     for run in args.runs:
         rows.append(measure(run, args))

@@ -39,19 +39,20 @@ def test_two_recipe_runs_side_by_side(tmp_path):
     result = recipe_speed.main(["--out", str(out), "--data-dir", str(data), "--work", str(tmp_path / "work"),
                                 "--preset", "tiny", "--block-size", "32", "--steps", "6", "--logging-steps", "2",
                                 "--skip-windows", "1", "--precision", "fp32",
-                                "--runs", "llama:eager:2", "flash_mhf:eager:2"])
+                                "--runs", "llama:eager:2", "flash_mhf:eager:2", "llama:eager:2"])
     rows = result["rows"]
-    assert [row["name"] for row in rows] == ["llama_eager_b2", "flash_mhf_eager_b2"]
+    assert [row["name"] for row in rows] == ["llama_eager_b2", "flash_mhf_eager_b2", "llama_eager_b2_2"]
     for row in rows:
         assert row["returncode"] == 0 and "error" not in row, row
         assert row["tokens_per_second"] > 0 and len(row["windows"]) == 2  # windows 2 and 3 of 3
         assert row["ms_per_step"] == pytest.approx(1000 * 64 / row["tokens_per_second"], rel=0.01)
         assert (out / f"{row['name']}.log").is_file() and (out / f"{row['name']}_train_log.jsonl").is_file()
-    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio_to"] == "llama_eager_b2"
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio_to"] == rows[2]["ratio_to"] == "llama_eager_b2"
     assert json.loads((out / "recipe_speed.json").read_text())["rows"][1]["arch"] == "flash_mhf"
     table = (out / "recipe_speed.md").read_text()
     assert "| flash_mhf_eager_b2 | flash_mhf | eager | 2 |" in table and "cpu" in table
     assert not list(out.glob(".*.tmp"))
+    assert not list((tmp_path / "work").glob("*_eager_b2*"))  # each run's folder (its saved model) is gone once read
 
 
 def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_path, capsys):
