@@ -63,7 +63,8 @@ def parse_run(text: str) -> dict:
 
 
 def standard_library_shards(folder: Path, vocab_size: int, max_train_tokens: int) -> Path:
-    """Token shards of the Python standard library's sources (built once; the folder appears whole or not at all)."""
+    """Token shards of the Python standard library's sources (built once per vocabulary size, in a folder named by it;
+    the folder appears whole or not at all)."""
     if (folder / "meta.json").is_file():
         return folder
     sys.path.insert(0, str(HERE / "reproduce"))
@@ -109,7 +110,7 @@ def measure(run: dict, args) -> dict:
     if completed.returncode != 0 or not summary_path.is_file():
         row["error"] = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
         return row
-    (args.out / f"{run['name']}_train_log.jsonl").write_text(train_log.read_text(encoding="utf-8"), encoding="utf-8")
+    write(args.out / f"{run['name']}_train_log.jsonl", train_log.read_text(encoding="utf-8"))
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     rates = window_rates(train_log)
     if not args.keep_run_folders:  # the saved model: 1.5 GB at 370M, 5.4 GB at 1.3B per run
@@ -203,7 +204,8 @@ def main(argv=None) -> dict:
     if args.data_dir is None:
         largest_batch = max(run["batch"] for run in args.runs)
         tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
-        args.data_dir = standard_library_shards(args.work / "shards", args.vocab_size, tokens)
+        args.data_dir = standard_library_shards(args.work / f"shards_vocab{args.vocab_size}", args.vocab_size,
+                                                tokens)
     seen: dict[str, int] = {}
     for run in args.runs:  # a run named twice (to see the drift between runs) gets a second folder and row
         seen[run["name"]] = seen.get(run["name"], 0) + 1

@@ -69,3 +69,13 @@ def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_p
     (row,) = result["rows"]
     assert row["returncode"] != 0 and row["error"]
     assert "| llama_eager_b1 | llama | eager | 1 | failed: " in (tmp_path / "results" / "recipe_speed.md").read_text()
+
+
+def test_default_shards_come_from_the_standard_library_once_per_vocabulary(tmp_path):
+    folder = recipe_speed.standard_library_shards(tmp_path / "shards_vocab300", 300, 20_000)
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["splits"]["train"]["tokens"] == 20_000 and meta["tokenizer"]["vocab_size"] <= 300
+    assert "argparse.py" in meta["source"]["name"]
+    built = (folder / "train.bin").stat().st_mtime_ns
+    assert recipe_speed.standard_library_shards(folder, 300, 20_000) == folder  # found, not built again
+    assert (folder / "train.bin").stat().st_mtime_ns == built
