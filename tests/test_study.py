@@ -178,3 +178,56 @@ def test_prepare_data_streams_a_datasets_dataset(tmp_path):
     assert len(meta["splits"]["train"]["sha256"]) == 64
     with pytest.raises(ValueError, match="--text-column='text'"):
         prepare_data.main(["--out", str(tmp_path / "other"), "--source", "hub", "--dataset", str(folder), "--wiki", "no"])
+
+
+def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
+    """--resume keeps the runs already in --out and trains only the planned runs it lacks; the reported models are
+    the union of both calls'; a different budget is refused before anything is written."""
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "6000",
+                       "--max-heldout-tokens", "1000", "--wiki", "no"])
+    out = tmp_path / "results"
+    common = ["--data", str(data), "--size", "toy", "--tokens", "256", "--out", str(out)]
+    first = study.main([*common, "--models", "llama", "--seeds", "1"])
+    assert [(r["model"], r["seed"]) for r in first["runs"]] == [("llama", 0)]
+    before = (out / "results.json").read_text()
+
+    with pytest.raises(ValueError, match=r"--resume: .* tokens=256, this call has tokens=512"):
+        study.main([*common[:-4], "--tokens", "512", "--out", str(out), "--models", "llama", "--resume"])
+    assert (out / "results.json").read_text() == before
+
+    state = study.main([*common, "--models", "llama,memoryllm_total", "--seeds", "2", "--seeds-for", "all", "--resume"])
+    runs = [(r["model"], r["seed"]) for r in state["runs"]]
+    assert runs == [("llama", 0), ("memoryllm_total", 0), ("llama", 1), ("memoryllm_total", 1)]
+    assert state["runs"][0] == {**first["runs"][0], "config": state["runs"][0]["config"]}  # kept, not retrained
+    results = json.loads((out / "results.json").read_text())
+    assert results["summary"]["llama"]["seeds"] == [0, 1] and results["earlier_calls"][0]["command"] == first["command"]
+    assert set(results["plan"]) == {"llama/seed0", "llama/seed1", "memoryllm_total/seed0", "memoryllm_total/seed1"}
+    configs = json.loads((out / "configs.json").read_text())
+    assert configs["models"]["llama"]["config"]["architectures"] == ["LlamaForCausalLM"]
+    log = (out / "log.txt").read_text()
+    assert log.count("===== llama seed 0") == 1 and "llama seed 0: already done" in log
+    markdown = (out / "results.md").read_text()
+    assert "2 calls, each after the first continuing the study with `--resume`" in markdown
+    assert " (2) |" in markdown.split("paired Δ ± s.e. (seeds)")[1]  # llama vs MemoryLLM over two common seeds
+
+    (out / "results.md").unlink()
+    reported = study.main(["--report", "--out", str(out)])
+    assert (out / "results.md").read_text() == markdown and len(reported["runs"]) == 4
+    assert json.loads((out / "configs.json").read_text()) == configs
+    with pytest.raises(ValueError, match="--report: no study in --out="):
+        study.main(["--report", "--out", str(tmp_path / "nothing")])
+
+
+def test_paired_difference_decides_the_verdict_from_three_seeds():
+    runs = [{"model": m, "seed": s, "heldout_loss": loss} for m, s, loss in [
+        ("a", 0, 4.0), ("a", 1, 4.2), ("a", 2, 4.1), ("b", 0, 4.05), ("b", 1, 4.26), ("b", 2, 4.14), ("b", 3, 9.0)]]
+    seeds, delta, error = study.paired_difference(runs, "a", "b")
+    assert seeds == 3 and delta == pytest.approx(0.05) and error == pytest.approx(0.01 / math.sqrt(3))
+    summary = {m: {"heldout_loss_mean": mean, "heldout_loss_std": std}
+               for m, mean, std in [("a", 4.1, 0.1), ("b", 5.3625, 2.4)]}
+    # the means' spread (seed 3 of b) would call it noise; the paired seeds resolve it
+    assert study.verdict(summary["a"], summary["b"])[1] == "same order, within seed noise"
+    assert study.verdict(summary["a"], summary["b"], (seeds, delta, error))[1] == "reproduced"
+    assert study.paired_difference(runs, "a", "c") == (0, None, None)

@@ -9,8 +9,10 @@ token counts, results as markdown + JSON, loss curves, exact configs.
 
 Models and sizing rules: examples/reproduce/models.py. Runs go in priority order (every model once, then more seeds
 of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
-skips the runs that would not finish in time (they are listed as skipped). Output (`--out`): results.json,
-results.md, loss_curves.png, configs.json, log.txt.
+skips the runs that would not finish in time (they are listed as skipped); `--resume` continues a study in `--out`
+with the runs it lacks, so one study can span several calls (or more seeds and models added later); `--report`
+writes the report files again from `--out`'s results.json. Output (`--out`): results.json, results.md,
+loss_curves.png, configs.json, log.txt.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-minutes", type=float, default=None, help="start no run that would end after this")
     p.add_argument("--work", default=None, help="folder for the runs' checkpoints (default: a temporary folder)")
     p.add_argument("--keep-runs", action="store_true", help="keep every run's folder (final model, train log)")
+    p.add_argument("--report", action="store_true",
+                   help="write the report files in --out again from its results.json and configs.json, "
+                        "without training")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the study in --out: keep its runs, train only the planned runs it lacks (the size, "
+                        "--tokens, --eval-tokens and data must match)")
     p.add_argument("--print-configs", action="store_true", help="print the matched configs and parameter counts, then exit")
     return p
 
@@ -148,6 +156,54 @@ def counts_table(selected, described) -> str:
         rows.append(f"| {model.label} | {model.group} | {counts['total']:,} | {ratio('total')} | {counts['active']:,} | "
                     f"{ratio('active')} | {counts['non_embedding']:,} | {described[model.key]['flops_per_token'] / 1e9:.3f} |")
     return "\n".join(rows)
+
+
+RESUME_FIELDS = ("size", "tokens", "eval_tokens")
+
+
+def read_study(out: Path) -> dict:
+    """results.json of the study in `out`, each run with its saved config from configs.json."""
+    previous = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    configs_path = out / "configs.json"
+    saved = json.loads(configs_path.read_text(encoding="utf-8"))["models"] if configs_path.is_file() else {}
+    for run in previous["runs"]:  # results.json leaves each run's saved config to configs.json
+        if run["model"] in saved:
+            run["config"] = saved[run["model"]]["config"]
+    paths = previous.get("ffn_paths", {})
+    previous["described"] = {key: {"counts": previous["parameters"][key], "ffn_path": paths.get(key),
+                                   "config": saved.get(key, {}).get("config", {})} for key in previous["order"]}
+    return previous
+
+
+def rewrite_report(out: Path) -> dict:
+    """--report: results.md, results.json, configs.json and loss_curves.png written again from the study in `out`
+    (after a change to the report's format), without training."""
+    if not (out / "results.json").is_file():
+        raise ValueError(f"--report: no study in --out={str(out)!r} (results.json is missing)")
+    state = read_study(out)
+    write_outputs(state, out)
+    print(f"rewrote {out}/results.md, results.json, loss_curves.png, configs.json from {len(state['runs'])} runs")
+    return state
+
+
+def load_previous(out: Path, size: str, tokens: int, eval_tokens: int, data: dict) -> dict | None:
+    """The study already in `out` (for --resume), refused unless it was made with the same size, budget and data."""
+    path = out / "results.json"
+    if not path.is_file():
+        print(f"--resume: no {path} yet, starting the study there")
+        return None
+    previous = read_study(out)
+    wanted = {"size": size, "tokens": tokens, "eval_tokens": eval_tokens}
+    for field in RESUME_FIELDS:
+        if previous.get(field) != wanted[field]:
+            raise ValueError(f"--resume: {path} was made with {field}={previous.get(field)!r}, this call has "
+                             f"{field}={wanted[field]!r}; resume with the same value or choose another --out")
+    old_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in previous["data"]["splits"].items()}
+    new_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in data["splits"].items()}
+    if old_data != new_data or previous["data"]["tokenizer"] != data["tokenizer"]:
+        raise ValueError(f"--resume: {path} was made from other data (splits {old_data}, tokenizer "
+                         f"{previous['data']['tokenizer']}); resume with the same --data or choose another --out")
+    return previous
 
 
 def run_plan(selected, seeds: int, seeds_for: str) -> list[tuple[study_models.StudyModel, int]]:
@@ -280,9 +336,31 @@ def aggregate(runs: list[dict]) -> dict:
     return summary
 
 
-def verdict(lower: dict, higher: dict) -> tuple[float, str]:
-    """How the paper's ordering (lower < higher) fares: the margin, and whether it exceeds twice the seed spread."""
+def paired_difference(runs: list[dict], lower: str, higher: str) -> tuple[int, float | None, float | None]:
+    """loss(higher) - loss(lower) over the seeds both ran (a seed fixes the order of the training batches): the number
+    of seeds, the mean difference and its standard error (None under two seeds)."""
+    losses: dict[str, dict[int, float]] = {}
+    for run in runs:
+        losses.setdefault(run["model"], {})[run["seed"]] = run["heldout_loss"]
+    seeds = sorted(set(losses.get(lower, {})) & set(losses.get(higher, {})))
+    differences = [losses[higher][s] - losses[lower][s] for s in seeds]
+    if not differences:
+        return 0, None, None
+    error = statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) > 1 else None
+    return len(differences), statistics.fmean(differences), error
+
+
+def verdict(lower: dict, higher: dict,
+            paired: tuple[int, float | None, float | None] = (0, None, None)) -> tuple[float, str]:
+    """How the paper's ordering (lower < higher) fares. With three or more common seeds, by the paired difference:
+    resolved when it exceeds twice its standard error. Otherwise by the difference of the means against twice the
+    larger seed standard deviation."""
     delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
+    seeds, paired_delta, error = paired
+    if seeds >= 3 and error is not None:
+        if abs(paired_delta) > 2 * error:
+            return delta, "reproduced" if paired_delta > 0 else "not reproduced"
+        return delta, "same order, within seed noise" if paired_delta > 0 else "reversed, within seed noise"
     spreads = [s for s in (lower["heldout_loss_std"], higher["heldout_loss_std"]) if s is not None]
     noise = 2 * max(spreads) if spreads else None
     if delta > 0:
@@ -294,13 +372,19 @@ def verdict(lower: dict, higher: dict) -> tuple[float, str]:
     return delta, text
 
 
-def claims_table(summary: dict, labels: dict) -> list[dict]:
+def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dict]:
     rows = []
     for group, lower, higher, paper in CLAIMS:
         if lower in summary and higher in summary:
-            delta, text = verdict(summary[lower], summary[higher])
-            rows.append({"group": group, "claim": f"{labels[lower]} < {labels[higher]}", "paper": paper,
-                         "delta": round(delta, 4), "verdict": text})
+            paired = paired_difference(list(runs), lower, higher)
+            delta, text = verdict(summary[lower], summary[higher], paired)
+            row = {"group": group, "claim": f"{labels[lower]} < {labels[higher]}", "paper": paper,
+                   "delta": round(delta, 4), "verdict": text, "paired_seeds": paired[0]}
+            if paired[1] is not None:
+                row["paired_delta"] = round(paired[1], 4)
+            if paired[2] is not None:
+                row["paired_standard_error"] = round(paired[2], 4)
+            rows.append(row)
     keys = ("llama", "memoryllm_total", "flex_total")
     if all(k in summary for k in keys):
         dense, memory, flex = (summary[k]["heldout_loss_mean"] for k in keys)
@@ -335,7 +419,10 @@ def results_markdown(state: dict) -> str:
         "# Reproduction study: FFN-as-memory architectures on real text", "",
         f"- device: {state['device']}; precision: {'bf16 autocast' if state['bf16'] else 'fp32'}; "
         f"{state['torch']}; {state['transformers']}",
-        f"- command: `{state['command']}`",
+        *([f"- command: `{state['command']}`"] if not state.get("earlier_calls") else
+          [f"- {len(state['earlier_calls']) + 1} calls, each after the first continuing the study with `--resume`:",
+           *(f"  {i + 1}. on {call['device']}, {call['elapsed_seconds']:.0f} s: `{call['command']}`"
+             for i, call in enumerate([*state["earlier_calls"], state]))]),
         f"- data: {state['data']['source']['name']} ({state['data']['source']['licence']}); train stream "
         f"{state['data']['splits']['train']['tokens']:,} tokens, held-out {state['data']['splits']['heldout']['tokens']:,}"
         + (f", out-of-domain held-out (Wikipedia leads) {state['data']['splits']['heldout_wiki']['tokens']:,}"
@@ -345,7 +432,8 @@ def results_markdown(state: dict) -> str:
         f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
         f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
         "- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
-        f"- runs done: {len(state['runs'])} of {len(state['plan'])}; wall time {state['elapsed_seconds']:.0f} s"
+        f"- runs done: {len(state['runs'])} of {len(state['plan'])}; wall time "
+        f"{state['elapsed_seconds'] + sum(c['elapsed_seconds'] for c in state.get('earlier_calls', [])):.0f} s"
         + (f"; skipped (deadline): {', '.join(state['skipped'])}" if state["skipped"] else ""), "",
         "Held-out loss: mean over seeds ± sample standard deviation (n seeds); ppl = exp(mean loss). Compare models "
         "within a table (the KV-FFN group trains with another recipe and 2048-token sequences).", "",
@@ -371,23 +459,37 @@ def results_markdown(state: dict) -> str:
                 f"{fmt(entry.get('wiki_loss_mean'))} | {entry['tokens_per_second']:,.0f} | {fmt(entry['peak_memory_gib'], 2)} | "
                 f"{entry['train_seconds']:.1f} | {state['paper'][key]} |")
         lines.append("")
-    claims = claims_table(summary, labels)
+    claims = claims_table(summary, labels, state["runs"])
     if claims:
         lines += ["## The papers' orderings at this scale", "",
-                  "Δ = loss(right) - loss(left): positive when the paper's ordering holds. 'Within seed noise': "
-                  "|Δ| is at most twice the larger seed standard deviation.", "",
-                  "| group | paper's ordering | paper | Δ here | verdict |", "|---|---|---|---:|---|"]
-        lines += [f"| {c['group']} | {c['claim']} | {c['paper']} | {c['delta']:+.3f} | {c['verdict']} |" for c in claims]
+                  "Δ = loss(right) - loss(left) of the means: positive when the paper's ordering holds. "
+                  "Paired Δ: the "
+                  "same difference over the seeds both models ran (a seed fixes the order of the training batches), "
+                  "± its standard error. 'Within seed noise': with three or more common seeds, |paired Δ| is at most "
+                  "twice its standard error; otherwise |Δ| is at most twice the larger seed standard deviation.", "",
+                  "| group | paper's ordering | paper | Δ here | paired Δ ± s.e. (seeds) | verdict |",
+                  "|---|---|---|---:|---:|---|"]
+        for c in claims:
+            paired = "-"
+            if c.get("paired_standard_error") is not None:
+                paired = f"{c['paired_delta']:+.3f} ± {c['paired_standard_error']:.3f} ({c['paired_seeds']})"
+            lines.append(f"| {c['group']} | {c['claim']} | {c['paper']} | {c['delta']:+.3f} | {paired} | "
+                         f"{c['verdict']} |")
         lines.append("")
-    curves = {key: run["eval_curve"] for key in state["order"]
-              for run in state["runs"] if run["model"] == key and run["seed"] == 0 and run["eval_curve"]}
+    curves: dict[str, dict[int, list[float]]] = {}
+    for key in state["order"]:
+        for run in state["runs"]:
+            if run["model"] == key and run["eval_curve"]:
+                for tokens, loss in run["eval_curve"]:
+                    curves.setdefault(key, {}).setdefault(tokens, []).append(loss)
     if curves:
-        points = sorted({tokens for curve in curves.values() for tokens, _ in curve})
-        lines += ["## Held-out loss at fixed token counts (seed 0)", "",
-                  "| model | " + " | ".join(fmt_tokens(t) for t in points) + " |", "|---|" + "---:|" * len(points)]
+        points = sorted({tokens for curve in curves.values() for tokens in curve})
+        lines += ["## Held-out loss at fixed token counts (mean over seeds)", "",
+                  "| model | n | " + " | ".join(fmt_tokens(t) for t in points) + " |",
+                  "|---|---:|" + "---:|" * len(points)]
         for key, curve in curves.items():
-            at = dict((tokens, loss) for tokens, loss in curve)
-            lines.append(f"| {labels[key]} | " + " | ".join(fmt(at.get(t)) for t in points) + " |")
+            means = [fmt(statistics.fmean(curve[t])) if t in curve else "-" for t in points]
+            lines.append(f"| {labels[key]} | {len(summary[key]['seeds'])} | " + " | ".join(means) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -444,7 +546,7 @@ def plot_curves(state: dict, path: Path) -> bool:
 
 def write_outputs(state: dict, out: Path) -> None:
     state["summary"] = aggregate(state["runs"])
-    state["claims"] = claims_table(state["summary"], state["labels"])
+    state["claims"] = claims_table(state["summary"], state["labels"], state["runs"])
     public = {k: v for k, v in state.items() if k not in ("described",)}
     public["parameters"] = {k: v["counts"] for k, v in state["described"].items()}
     public["ffn_paths"] = {k: v["ffn_path"] for k, v in state["described"].items() if v["ffn_path"]}
@@ -455,7 +557,8 @@ def write_outputs(state: dict, out: Path) -> None:
         "shape": state["shape"], "recipes": {name: vars(recipe) for name, recipe in RECIPES.items()},
         "models": {key: {"label": state["labels"][key], "group": state["groups"][key],
                          "parameters": state["described"][key]["counts"],
-                         "config": next((r["config"] for r in state["runs"] if r["model"] == key), state["described"][key]["config"])}
+                         "config": next((r["config"] for r in state["runs"] if r["model"] == key and "config" in r),
+                                        state["described"][key]["config"])}
                    for key in state["order"]},
         "data": state["data"],
     }
@@ -514,6 +617,8 @@ def main(argv=None) -> dict:
         described = describe_models(selected, shape, shape.vocab_size)
         print(f"size {shape.name} (vocabulary {shape.vocab_size}):\n" + counts_table(selected, described))
         return described
+    if args.report:
+        return rewrite_report(Path(args.out))
     if not shape.trainable:
         raise ValueError(f"--size={args.size!r} is a paper shape for --print-configs; trainable sizes: "
                          f"{[s for s, v in SHAPES.items() if v.trainable]}")
@@ -522,7 +627,7 @@ def main(argv=None) -> dict:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memffn-study-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    log_handle = (out / "log.txt").open("w", encoding="utf-8")
+    log_handle = (out / "log.txt").open("a" if args.resume else "w", encoding="utf-8")
     console = sys.stdout
     sys.stdout = Tee(console, log_handle)
     try:
@@ -546,19 +651,30 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
     tokens = int(args.tokens or shape.tokens)
     args.eval_tokens = args.eval_tokens or shape.eval_tokens
     selected = select_models(args, shape)
-    described = describe_models(selected, shape, vocab_size)
+    previous = load_previous(out, shape.name, tokens, args.eval_tokens, data) if args.resume else None
+    done = {(r["model"], r["seed"]) for r in previous["runs"]} if previous else set()
+    # the models to describe and report: this call's and every model the study in --out already ran
+    wanted = {m.key for m in selected} | {key for key, _ in done}
+    reported = [m for m in study_models.study_models(shape) if m.key in wanted]
+    described = describe_models(reported, shape, vocab_size)
     plan = run_plan(selected, args.seeds, args.seeds_for)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    earlier_plan = [label for label in (previous or {}).get("plan", [])
+                    if label not in {f"{m.key}/seed{s}" for m, s in plan}]
     state = {
         "command": " ".join(["python", "examples/reproduce/study.py", *argv]),
+        "earlier_calls": (previous.get("earlier_calls", []) + [{k: previous[k] for k in ("command", "device",
+                          "elapsed_seconds")}]) if previous else [],
         "device": device, "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         "torch": f"torch {torch.__version__}", "transformers": f"transformers {transformers.__version__}",
         "size": shape.name, "shape": {**vars(shape), "tokens_per_step": shape.tokens_per_step}, "tokens": tokens,
         "eval_tokens": args.eval_tokens, "data": data, "described": described,
-        "order": [m.key for m in selected], "labels": {m.key: m.label for m in selected},
-        "groups": {m.key: m.group for m in selected}, "paper": {m.key: m.paper for m in selected},
-        "ablations": [m.key for m in selected if m.ablation],
-        "plan": [f"{m.key}/seed{s}" for m, s in plan], "runs": [], "skipped": [], "elapsed_seconds": 0.0,
+        "order": [m.key for m in reported], "labels": {m.key: m.label for m in reported},
+        "groups": {m.key: m.group for m in reported}, "paper": {m.key: m.paper for m in reported},
+        "ablations": [m.key for m in reported if m.ablation],
+        "plan": earlier_plan + [f"{m.key}/seed{s}" for m, s in plan],
+        "runs": list(previous["runs"]) if previous else [],
+        "skipped": [], "elapsed_seconds": 0.0,
     }
     print(f"study: size {shape.name}, {tokens:,} tokens per model, {len(plan)} runs on {device} ({state['torch']}, "
           f"{state['transformers']}); data {data_dir} ({data['splits']['train']['tokens']:,} training tokens)")
@@ -569,8 +685,17 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         print(f"note: {tokens:,} tokens per model is more than the {data['splits']['train']['tokens']:,} of the "
               "training stream: it repeats")
     print(counts_table(selected, described), flush=True)
-    seconds_per_flop, last_seconds = [], {}
+    if previous:
+        print(f"--resume: {len(done)} runs already in {out / 'results.json'}; "
+              f"{sum((m.key, s) not in done for m, s in plan)} of this call's {len(plan)} planned runs left to train")
+    # the deadline's estimates start from the earlier runs on this device
+    seconds_per_flop = [r["wall_seconds"] / (described[r["model"]]["flops_per_token"] * tokens)
+                        for r in state["runs"] if r.get("device") == device]
+    last_seconds = {r["model"]: r["wall_seconds"] for r in state["runs"] if r.get("device") == device}
     for index, (model, seed) in enumerate(plan):
+        if (model.key, seed) in done:
+            print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: already done")
+            continue
         elapsed = time.perf_counter() - started
         cost = described[model.key]["flops_per_token"] * tokens
         if args.deadline_minutes and seconds_per_flop:
