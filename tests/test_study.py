@@ -121,6 +121,9 @@ def test_every_compared_model_is_parameter_matched(size):
         fields = {m.key: m.config_fields(shape) for m in selected}["flash_mhf"]
         assert shape.hidden_size // fields["ffn_num_heads"] == 128  # the paper's d_h, so the fused kernels run
         assert fields["intermediate_size"] // fields["ffn_num_subnetworks"] == 384  # d_e = 8/3 d_h rounded up to 64
+        half = {m.key: m.config_fields(shape) for m in selected}["flash_mhf_half_head_dim"]
+        assert shape.hidden_size // half["ffn_num_heads"] == 64  # the paper's head-width ablation
+        assert (half["ffn_num_subnetworks"], half["intermediate_size"] // half["ffn_num_subnetworks"]) == (4, 192)
 
 
 @pytest.mark.slow

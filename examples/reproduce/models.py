@@ -7,6 +7,7 @@ that the FFN keeps the parameters of the baseline's SwiGLU (3 d I):
 |---|---|---|
 | SwiGLU (transformers `LlamaForCausalLM`) | 3 d I | the baseline |
 | FlashMHF d_h=128 | in/out projections 2 d^2 + H heads x E sub-networks 3 d_h d_e | d_e ~ 8/3 d_h rounded up to 64 (paper), E = what fills the rest, d_e then fitted in steps of 16 |
+| FlashMHF d_h=64 | the same with twice the heads, each half as wide (the paper's head-width ablation) | as FlashMHF |
 | MH-FFN d_h=128 | the same with one sub-network of width E d_e per head, no gates | as FlashMHF |
 | Dense-MoE | FlashMHF with one head (d_h = d) | as FlashMHF |
 | PKV d_h=128 | 2 d^2 + softmax attention over S learned slots per head, 2 d S | S fills the rest |
@@ -73,7 +74,7 @@ SHAPES = {
     for shape in (
         StudyShape("toy", 64, 2, 4, 16, 192, 32, block_size=64, batch_size=4, kvffn_block_size=128, tokens=2048,
                    eval_tokens=512, vocab_size=512),
-        # for a machine without a GPU (2 cores: about an hour for the 14 models and two more seeds of the main pair)
+        # for a machine without a GPU (2 cores: about an hour for the 15 models and two more seeds of the main pair)
         StudyShape("cpu", 192, 4, 3, 64, 512, 64, block_size=256, batch_size=16, kvffn_block_size=512,
                    tokens=400_000, eval_tokens=32_768),
         StudyShape("small", 384, 6, 6, 64, 1024, 128, block_size=1024, batch_size=16, kvffn_block_size=2048,
@@ -162,9 +163,10 @@ def _round_to(value: float, multiple: int) -> int:
     return max(multiple, multiple * round(value / multiple))
 
 
-def multi_head_ffn_widths(shape: StudyShape) -> tuple[int, int]:
-    """(E, d_e) of a FlashMHF FFN with the parameters of the baseline's SwiGLU (see the module docstring)."""
-    d, head_dim = shape.hidden_size, shape.ffn_head_dim
+def multi_head_ffn_widths(shape: StudyShape, head_dim: int | None = None) -> tuple[int, int]:
+    """(E, d_e) of a FlashMHF FFN of heads `head_dim` wide (default: the shape's) with the parameters of the baseline's
+    SwiGLU (see the module docstring)."""
+    d, head_dim = shape.hidden_size, head_dim or shape.ffn_head_dim
     rest = 3 * d * shape.intermediate_size - 2 * d * d  # what the in/out projections leave for key/up/value
     paper_width = 64 * math.ceil(8 / 3 * head_dim / 64)
     subnetworks = max(1, round(rest / (3 * d * paper_width)))
@@ -188,11 +190,18 @@ def study_models(shape: StudyShape) -> list[StudyModel]:
     flex_compute, flex_memory = flex_widths["intermediate_size"], flex_widths["memory_intermediate_size"]
     flex_active_memory = _round_to(width * flex_memory / flex_compute, 16)
     multi_head = {"ffn_num_heads": heads, "ffn_num_kv_heads": heads}
+    # the paper's head-width ablation (Table 1: d_h = 64 against 128): twice the heads, each half as wide
+    half_head_dim = shape.ffn_head_dim // 2
+    half_subnetworks, half_subnetwork_size = multi_head_ffn_widths(shape, half_head_dim)
     models = [
         StudyModel("llama", "SwiGLU (transformers Llama)", "flash-mhf", "llama", "flash-mhf", paper="3.030"),
         StudyModel("flash_mhf", f"FlashMHF d_h={shape.ffn_head_dim}", "flash-mhf", "flash_mhf", "flash-mhf",
                    {"ffn_variant": "flash_mhf", "intermediate_size": head_width, "ffn_num_subnetworks": subnetworks,
                     **multi_head}, paper="3.014"),
+        StudyModel("flash_mhf_half_head_dim", f"FlashMHF d_h={half_head_dim}", "flash-mhf", "flash_mhf", "flash-mhf",
+                   {"ffn_variant": "flash_mhf", "intermediate_size": half_subnetworks * half_subnetwork_size,
+                    "ffn_num_subnetworks": half_subnetworks, "ffn_num_heads": 2 * heads, "ffn_num_kv_heads": 2 * heads},
+                   paper="3.046 (d_h=64)"),
         StudyModel("mh_ffn", f"MH-FFN d_h={shape.ffn_head_dim}", "flash-mhf", "flash_mhf", "flash-mhf",
                    {"ffn_variant": "mh_ffn", "intermediate_size": head_width, "ffn_num_subnetworks": 1, **multi_head},
                    paper="3.031"),
