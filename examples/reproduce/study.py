@@ -160,9 +160,6 @@ def counts_table(selected, described) -> str:
     return "\n".join(rows)
 
 
-RESUME_FIELDS = ("size", "tokens", "eval_tokens")
-
-
 def read_study(out: Path) -> dict:
     """results.json of the study in `out`, each run with its saved config from configs.json."""
     previous = json.loads((out / "results.json").read_text(encoding="utf-8"))
@@ -195,11 +192,10 @@ def load_previous(out: Path, size: str, tokens: int, eval_tokens: int, data: dic
         print(f"--resume: no {path} yet, starting the study there")
         return None
     previous = read_study(out)
-    wanted = {"size": size, "tokens": tokens, "eval_tokens": eval_tokens}
-    for field in RESUME_FIELDS:
-        if previous.get(field) != wanted[field]:
+    for field, value in {"size": size, "tokens": tokens, "eval_tokens": eval_tokens}.items():
+        if previous.get(field) != value:
             raise ValueError(f"--resume: {path} was made with {field}={previous.get(field)!r}, this call has "
-                             f"{field}={wanted[field]!r}; resume with the same value or choose another --out")
+                             f"{field}={value!r}; resume with the same value or choose another --out")
     old_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in previous["data"]["splits"].items()}
     new_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in data["splits"].items()}
     if old_data != new_data or previous["data"]["tokenizer"] != data["tokenizer"]:
@@ -465,8 +461,8 @@ def results_markdown(state: dict) -> str:
     if claims:
         lines += ["## The papers' orderings at this scale", "",
                   "Δ = loss(right) - loss(left) of the means: positive when the paper's ordering holds. "
-                  "Paired Δ: the "
-                  "same difference over the seeds both models ran (a seed fixes the order of the training batches), "
+                  "Paired Δ: the same difference over the seeds both models ran (a seed fixes the order of the "
+                  "training batches), "
                   "± its standard error. 'Within seed noise': with three or more common seeds, |paired Δ| is at most "
                   "twice its standard error; otherwise |Δ| is at most twice the larger seed standard deviation.", "",
                   "| group | paper's ordering | paper | Δ here | paired Δ ± s.e. (seeds) | verdict |",
