@@ -1,5 +1,5 @@
-"""FlashMHF backward on Hopper GPUs as two explicitly scheduled Gluon kernels: the weight gradients (dK, dU, dV) and
-the row gradients (dq, dr).
+"""FlashMHF on Hopper GPUs as three explicitly scheduled Gluon kernels: the weight gradients (dK, dU, dV), the row
+gradients (dq, dr) and the forward.
 
 **dK, dU, dV** (``_weight_gradients_kernel``). Same maths and work split as ``_backward_weights_kernel`` in
 ``flash_mhf_triton.py`` (one program per column block of ``BLOCK_N`` sub-network units, resident ``K, U, V`` tiles,
@@ -31,6 +31,12 @@ nothing else is shared. So while one warp group runs its SiLU and gradient arith
 tensor cores busy; with both warp groups in one partition, every shared-memory barrier that Triton inserts around the
 bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s instead of 637-648
 (``kernels/flash_mhf_notes.md``, v9).
+
+**The forward** (``_warp_specialised_forward_kernel``). The dq/dr kernel's split with the forward's two products per
+column block (``[gate | up] = q [K | U]^T``, then ``out += (SiLU(gate) * up * r_e) V`` from registers) and three
+computing warp groups of 64 rows instead of two: the forward's warp groups hold fewer registers (the output and the
+pre-activations), so three fit, and a program of 192 rows reads each column block from L2 for 1.5 times the rows.
+It ran at 702-707 TFLOP/s at the paper's shape against 586-589 for ``_forward_kernel`` (two warp groups: 638-647).
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
 decides when they are used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
@@ -68,7 +74,14 @@ except (ImportError, AttributeError) as exc:  # an older or newer triton without
 # The one launch shape: 128 rows per row block (one 64-row half per warp group), 64 columns per program.
 BLOCK_L, BLOCK_N, NUM_WARPS = 128, 64, 8
 ROWS_STAGES = 3  # column blocks in flight in the dq/dr kernel (3 x 48 KB + the 64 KB q and dO tiles)
-ROWS_WARPS = 4  # per partition of the dq/dr kernel (it adds 4 + 1 warps in worker partitions)
+ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warps in worker partitions)
+# The forward kernel: 64 rows per computing warp group, FORWARD_CONSUMERS of them per program, and FORWARD_STAGES
+# column blocks in flight (48 KB each, beside the q tiles' 16 KB per warp group). Three warp groups of 64 rows ran
+# 1.10-1.20x faster than the Triton kernel on an H100, two 1.08-1.10x (kernels/results/gluon/forward_kernels.md).
+FORWARD_CONSUMERS, FORWARD_STAGES = 3, 3
+# registers per thread of a computing warp group, by their number: what fits in the 64K registers beside the loading
+# warp
+CONSUMER_REGISTERS = {2: 232, 3: 160}
 HEAD_DIM = 128
 
 
@@ -430,6 +443,135 @@ if GLUON_AVAILABLE:
         ], [4, 1], [232, 24])
 
 
+    @gluon.jit
+    def _forward_step(q_tile, ku_tile, v_tile, out, gate, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                      wide_layout: gl.constexpr, half_layout: gl.constexpr, operand_layout: gl.constexpr):
+        """One column block for one warp group's rows: ``out += (SiLU(q K^T) * q U^T * gate) V``. Both products
+        complete within the step (the second reads its left operand from registers; see ``_rows_step``)."""
+        dtype: gl.constexpr = q_tile.dtype
+        pre = warpgroup_mma(q_tile, ku_tile.permute([1, 0]), gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, wide_layout),
+                            use_acc=False, is_async=True)
+        pre = warpgroup_mma_wait(0, deps=[pre])
+        gate_pre, up = pre.reshape([ROWS, 2, BLOCK_N]).permute([0, 2, 1]).split()
+        gate_pre = gl.convert_layout(gate_pre, half_layout, assert_trivial=True)
+        up = gl.convert_layout(up, half_layout, assert_trivial=True)
+        hidden = gate_pre * _fast_sigmoid(gate_pre) * up * gate[:, None]
+        hidden = gl.convert_layout(hidden.to(dtype), operand_layout)
+        out = warpgroup_mma(hidden, v_tile, out, is_async=True)
+        out, hidden = warpgroup_mma_wait(0, deps=[out, hidden])
+        return out
+
+    @gluon.jit
+    def _forward_consumer(part, Q, R, O, q_tile, ku_stages, v_stages, ready, empty,
+                          stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                          total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks,
+                          D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                          STAGES: gl.constexpr):
+        """One warp group: the output of its ROWS rows (part ``part`` of the program's row block)."""
+        # [gate | up] pre-activations and the output: 2 * BLOCK_N = D_H columns; the activations as the output
+        # product's left operand
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, D_H, 16])
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wide_layout, k_width=2)
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row_layout: gl.constexpr = gl.SliceLayout(1, half_layout)
+
+        first = first_row + part * ROWS
+        q_tile.store(_row_block_tile(Q, first, group, seq_len, group_size, total_rows, stride_qb, stride_qh,
+                                     stride_ql, ROWS, D_H, load_layout))
+        fence_async_shared()
+        _cta_barrier()  # the warp group's four warps wrote the tile its products read
+
+        gate_rows = first + gl.arange(0, ROWS, layout=row_layout)
+        gate_batch, gate_head, gate_position = _flat_row_coordinates(gate_rows, group, seq_len, group_size)
+        gate_offsets = ((gate_batch.to(gl.int64) * num_heads + gate_head) * seq_len + gate_position) * num_subnetworks
+        gate_mask = gate_rows < total_rows
+
+        out = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
+        next_gate = gl.load(R + gate_offsets, mask=gate_mask, other=0.0).to(gl.float32)
+        for block in range(num_blocks):
+            stage = block % STAGES
+            gate = next_gate
+            next_gate = gl.load(R + gate_offsets + (gl.minimum(block + 1, num_blocks - 1) * BLOCK_N) // D_E,
+                                mask=gate_mask, other=0.0).to(gl.float32)
+            mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
+            out = _forward_step(q_tile, ku_stages.index(stage), v_stages.index(stage), out, gate, ROWS, BLOCK_N,
+                                wide_layout, half_layout, operand_layout)
+            mbarrier.arrive(empty.index(stage), count=1)  # this warp group is done with the slot
+
+        out_rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, wide_layout))
+        out_dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
+        out_batch, out_head, out_position = _flat_row_coordinates(out_rows, group, seq_len, group_size)
+        out_offsets = out_batch.to(gl.int64) * stride_ob + out_head * stride_oh + out_position * stride_ol
+        gl.store(O + out_offsets[:, None] + out_dims[None, :], out.to(O.dtype.element_ty),
+                 mask=(out_rows < total_rows)[:, None])
+
+    @gluon.jit
+    def _warp_specialised_forward_kernel(
+        Q, k_desc, u_desc, v_desc, R, O,
+        stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+        CONSUMER_REGISTERS: gl.constexpr,
+    ):
+        """The output of one block of CONSUMERS x 64 rows of one weight group, split like the dq/dr kernel: CONSUMERS
+        (2 or 3) warp groups of four warps, one per 64 rows, each in its own partition, and one loading warp that
+        streams the column blocks through a ring of STAGES slots. Q, O: [B, H, L, d_h] through their (batch, head,
+        position) strides; k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R: contiguous [B, H, L, E]."""
+        dtype: gl.constexpr = k_desc.dtype
+        ROWS: gl.constexpr = 64
+        first_row = gl.program_id(0) * (CONSUMERS * ROWS)
+        group = gl.program_id(1)
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_H], dtype)
+
+        # shared memory: each warp group's q rows and a ring of STAGES column blocks (K and U rows stacked
+        # [2 * BLOCK_N, d_h], V rows [BLOCK_N, d_h]), with a "ready" and an "empty" barrier per slot
+        q_tiles = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D_H], tile_layout)
+        ku_stages = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, D_H], k_desc.layout)
+        v_stages = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_H], k_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=CONSUMERS)
+        fence_async_shared()
+
+        num_blocks = num_subnetworks * (D_E // BLOCK_N)
+        weight_row = group * num_subnetworks * D_E
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
+                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                     D_E, ROWS, BLOCK_N, STAGES)),
+                (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
+                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                     D_E, ROWS, BLOCK_N, STAGES)),
+                (_forward_consumer, (2, Q, R, O, q_tiles.index(2), ku_stages, v_stages, ready, empty, stride_qb,
+                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                     D_E, ROWS, BLOCK_N, STAGES)),
+                (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
+                                  BLOCK_N, STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, 24])
+        else:
+            gl.warp_specialize([
+                (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
+                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                     D_E, ROWS, BLOCK_N, STAGES)),
+                (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
+                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                     D_E, ROWS, BLOCK_N, STAGES)),
+                (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
+                                  BLOCK_N, STAGES)),
+            ], [4, 1], [CONSUMER_REGISTERS, 24])
+
+
 def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
     """``t``, or an aligned copy of it: a bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as
     strides (but the last). Both kernel modules build their tensor descriptors from it."""
@@ -514,17 +656,48 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     return grad_q, grad_r, compiled
 
 
-def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384) -> dict:
-    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr) for sm_90 without a GPU (tests and compile reports):
-    its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds
-    its PTX and cubin)."""
+def _consumers(consumers: int) -> int:
+    if consumers not in CONSUMER_REGISTERS:
+        raise ValueError(f"consumers={consumers}: the forward kernel runs "
+                         f"{' or '.join(map(str, CONSUMER_REGISTERS))} computing warp groups")
+    return consumers
+
+
+def gluon_forward(q, k, u, v, r, out=None, weights=None, consumers=None, stages=None, registers=None):
+    """The FlashMHF output in q's dtype and layout; q [B, H, L, d_h] (any strides with a dense last dimension), k, u,
+    v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``out`` (benchmarks): a tensor to write instead of a
+    new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them; ``consumers``, ``stages``,
+    ``registers`` (benchmarks): the launch shape, by default ``FORWARD_CONSUMERS``, ``FORWARD_STAGES`` and
+    ``CONSUMER_REGISTERS[consumers]``. Returns the output and the compiled kernel."""
+    consumers = _consumers(consumers or FORWARD_CONSUMERS)
+    batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
+        q, k, "forward")
+    total_rows = batch * group_size * seq_len
+    out = out if out is not None else torch.empty_like(q)
+    compiled = _warp_specialised_forward_kernel[(-(-total_rows // (64 * consumers)), kv_heads)](
+        q, *(weights or weight_descriptors(k, u, v)), r, out, *q.stride()[:3], *out.stride()[:3],
+        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, CONSUMERS=consumers, STAGES=stages or FORWARD_STAGES,
+        CONSUMER_REGISTERS=registers or CONSUMER_REGISTERS[consumers], num_warps=ROWS_WARPS,
+    )
+    return out, compiled
+
+
+def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
+                       **launch) -> dict:
+    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, "forward": the output, which takes `gluon_forward`'s
+    ``consumers``, ``stages`` and ``registers`` as keywords) for sm_90 without a GPU (tests and compile
+    reports): its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled kernel
+    (``asm`` holds its PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    if kernel not in ("weights", "rows"):
-        raise ValueError(f"kernel={kernel!r}: expected 'weights' or 'rows'")
+    kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
+               "forward": _warp_specialised_forward_kernel}
+    if kernel not in kernels:
+        raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
     sequence = torch.empty(1, 1, BLOCK_L, HEAD_DIM, dtype=dtype)
     weights = torch.empty(BLOCK_N, HEAD_DIM, dtype=dtype)
@@ -533,12 +706,16 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
                                           gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, HEAD_DIM], element))
     weight_desc = GluonTensorDescriptor(weights, list(weights.shape), list(weights.stride()), [BLOCK_N, HEAD_DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
-    fn = _weight_gradients_kernel if kernel == "weights" else _rows_gradients_kernel
-    constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N)
+    fn = kernels[kernel]
+    constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
     if kernel == "weights":
-        constants["NUM_WARPS"] = NUM_WARPS
+        constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
+    elif kernel == "rows":
+        constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
     else:
-        constants["STAGES"] = ROWS_STAGES
+        consumers = _consumers(launch.get("consumers", FORWARD_CONSUMERS))
+        constants.update(CONSUMERS=consumers, STAGES=launch.get("stages", FORWARD_STAGES),
+                         CONSUMER_REGISTERS=launch.get("registers", CONSUMER_REGISTERS[consumers]))
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {}
     for name in fn.arg_names:
@@ -550,7 +727,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = mangle_type(weight_desc)
         elif name in ("R", "DR"):
             signature[name] = "*fp32"
-        elif name in ("Q", "DO", "DQ", "DK", "DU", "DV"):
+        elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O"):
             signature[name] = pointer
         else:
             signature[name] = "i32"

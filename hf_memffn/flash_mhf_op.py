@@ -33,12 +33,13 @@ try:
         triton_backward,
         triton_forward,
         triton_interpreting,
+        forward_kernel,
         row_gradient_kernel,
         weight_gradient_kernel,
     )
 except ImportError as exc:  # pragma: no cover - only when the sibling file itself is missing
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
-    triton_forward = triton_backward = row_gradient_kernel = weight_gradient_kernel = None
+    triton_forward = triton_backward = forward_kernel = row_gradient_kernel = weight_gradient_kernel = None
 
     def triton_interpreting() -> bool:
         return False
@@ -136,11 +137,14 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
     mode = "interpreter" if triton_interpreting() else "CUDA"
     why = "requested" if impl == "triton" else f"{q.device.type} tensors"
     gluon = []
+    if k is not None and forward_kernel(q, k) == "gluon":
+        gluon.append("the output")
     if k is not None and row_gradient_kernel(q, k) == "gluon":
         gluon.append("dq/dr")
     if k is not None and weight_gradient_kernel(q, k) == "gluon":
         gluon.append("dK/dU/dV")
-    by_gluon = f"; {' and '.join(gluon)} by the Gluon Hopper kernels" if gluon else ""
+    listed = " and ".join([", ".join(gluon[:-1]), gluon[-1]] if len(gluon) > 1 else gluon)
+    by_gluon = f"; {listed} by the Gluon Hopper kernels" if gluon else ""
     return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon})"
 
 

@@ -17,9 +17,9 @@ Kernels (all accumulate in float32 and keep the ``[rows, E * d_e]`` activations 
   the forward pass and accumulating the gradients transposed, ``dK_w^T += q^T dM`` (and likewise ``dU_w``, ``dV_w``),
   so that every product has ``d_h`` or ``BLOCK_L`` rows.
 
-On Hopper, for 16-bit inputs at d_h = 128, both backward kernels are replaced by the explicitly scheduled Gluon
-kernels of ``flash_mhf_gluon.py`` (``row_gradient_kernel`` and ``weight_gradient_kernel`` decide, and
-``flash_mhf_path`` reports it).
+On Hopper, for 16-bit inputs at d_h = 128, all three kernels are replaced by the explicitly scheduled Gluon
+kernels of ``flash_mhf_gluon.py`` where the problem is large enough (``forward_kernel``, ``row_gradient_kernel`` and
+``weight_gradient_kernel`` decide, and ``flash_mhf_path`` reports it).
 
 On Hopper and newer GPUs (and in the interpreter) the forward and weight-gradient kernels read the tiles they stream
 (``K, U, V`` in the forward, ``q`` and ``dO`` in the weight gradients) through tensor descriptors, i.e. bulk tensor
@@ -36,6 +36,7 @@ partial sums atomically.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
@@ -53,8 +54,10 @@ except ImportError as exc:  # the package must import on machines without triton
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
+from .flash_mhf_gluon import FORWARD_CONSUMERS as GLUON_FORWARD_CONSUMERS
 from .flash_mhf_gluon import (
     descriptor_ready,
+    gluon_forward,
     gluon_reason_for,
     gluon_rows_gradients,
     gluon_weight_gradients,
@@ -620,30 +623,66 @@ def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
     tuned.fn[grid](*args, **kwargs, **config_kwargs)
 
 
-def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
-    """Which kernel computes dK, dU, dV for these inputs: ``"gluon"`` (``flash_mhf_gluon``: Hopper, 16-bit,
-    d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program per
-    column block) or ``"triton"`` (``_backward_weights_kernel``, everything else)."""
-    return _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)[1]
+# The kernels that run as Gluon kernels where those apply (`gluon_kernels` narrows the set, for benchmarks that time
+# the Triton kernels in place).
+GLUON_ROLES = ("forward", "rows", "weights")
+_gluon_roles = set(GLUON_ROLES)
+
+
+@contextlib.contextmanager
+def gluon_kernels(*roles: str):
+    """Within the block, only ``roles`` (of ``GLUON_ROLES``) run as Gluon kernels where they apply; the others run
+    their Triton kernels."""
+    unknown = set(roles) - set(GLUON_ROLES)
+    if unknown:
+        raise ValueError(f"roles={sorted(unknown)}: expected some of {', '.join(GLUON_ROLES)}")
+    global _gluon_roles
+    before, _gluon_roles = _gluon_roles, set(roles)
+    try:
+        yield
+    finally:
+        _gluon_roles = before
+
+
+def _chosen_kernels(q: torch.Tensor, k: torch.Tensor) -> tuple[str, str, str]:
+    chosen = _kernels_for(q.shape, k.shape, q.dtype, q.device)
+    return tuple(kernel if role in _gluon_roles else "triton" for role, kernel in zip(GLUON_ROLES, chosen))
+
+
+def forward_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Which kernel computes the output for these inputs: ``"gluon"`` (``flash_mhf_gluon``, warp-specialised: Hopper,
+    16-bit, d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program
+    per row block) or ``"triton"`` (``_forward_kernel``, everything else)."""
+    return _chosen_kernels(q, k)[0]
 
 
 def row_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
     """Which kernel computes dq and dr for these inputs: ``"gluon"`` (``flash_mhf_gluon``, warp-specialised: Hopper,
     16-bit, d_h = 128, d_e a multiple of 64, problems large enough to autotune) or ``"triton"``
     (``_backward_rows_kernel``, everything else)."""
-    return _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)[0]
+    return _chosen_kernels(q, k)[1]
+
+
+def weight_gradient_kernel(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Which kernel computes dK, dU, dV for these inputs: ``"gluon"`` (``flash_mhf_gluon``: Hopper, 16-bit,
+    d_h = 128, d_e a multiple of 64, problems large enough to autotune and to fill the GPU with one program per
+    column block) or ``"triton"`` (``_backward_weights_kernel``, everything else)."""
+    return _chosen_kernels(q, k)[2]
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
-    """(dq/dr kernel, dK/dU/dV kernel), decided once per shape, dtype and device (every backward pass asks)."""
+def _kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> tuple[str, str, str]:
+    """(forward kernel, dq/dr kernel, dK/dU/dV kernel), decided once per shape, dtype and device (every call asks)."""
     if _INTERPRET or gluon_reason_for(device, dtype, q_shape[-1], k_shape[2]) is not None:
-        return "triton", "triton"
+        return "triton", "triton", "triton"
     p = _problem_for(q_shape, k_shape, dtype.itemsize, device)
     if not _autotuned(p):
-        return "triton", "triton"
+        return "triton", "triton", "triton"
+    sms = _num_sms(device)
+    row_blocks = triton.cdiv(p["total_rows"], 64 * GLUON_FORWARD_CONSUMERS)
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
-    return "gluon", "triton" if column_blocks * p["kv_heads"] < _num_sms(device) else "gluon"
+    return ("triton" if row_blocks * p["kv_heads"] < sms else "gluon", "gluon",
+            "triton" if column_blocks * p["kv_heads"] < sms else "gluon")
 
 
 def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
@@ -658,6 +697,8 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     out = torch.empty_like(q)
     if p["total_rows"] == 0:
         return out
+    if splits is None and descriptors is None and forward_kernel(q, k) == "gluon":
+        return gluon_forward(q, k, u, v, r, out=out)[0]
     flags = _kernel_flags(q.dtype)
     use_descriptors = _use_tensor_descriptors(q.device, descriptors)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], TENSOR_DESCRIPTORS=use_descriptors, **flags)
@@ -715,7 +756,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
 
     # dq, dr: one program per row block (the Gluon kernel on Hopper where it applies, see row_gradient_kernel)
     rows_kernel, weights_kernel = ("triton", "triton") if splits is not None or descriptors is not None else \
-        _backward_kernels_for(q.shape, k.shape, q.dtype, q.device)
+        _chosen_kernels(q, k)[1:]
     gluon_weights = weight_descriptors(k, u, v) if "gluon" in (rows_kernel, weights_kernel) else None
     if rows_kernel == "gluon":
         gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights)

@@ -143,7 +143,7 @@ def bench_op(results, lengths):
     """The fused op at the paper shape for every length, then its backward kernels alone at L=4032."""
     for seq_len in lengths:
         results["op"].append(op_row(seq_len))
-    results["backward_kernels"] = backward_kernel_times()
+    results["backward_kernels"] = kernel_times()
 
 
 def op_row(seq_len: int) -> dict:
@@ -189,8 +189,8 @@ def op_row(seq_len: int) -> dict:
     return row
 
 
-def backward_kernel_times() -> dict:
-    """The two backward kernels the op runs at L=4032, and the Triton ones beside them."""
+def kernel_times() -> dict:
+    """The three kernels the op runs at L=4032 (forward, dq/dr, dK/dU/dV), and the Triton ones beside them."""
     q, k, u, v, r = op_inputs(8, 16, 4032, 128, 16, 15, 384, torch.bfloat16)
     grad = torch.randn_like(q)
     flops = op_flops(8, 16, 4032, 128, 15, 384)
@@ -200,6 +200,19 @@ def backward_kernel_times() -> dict:
     bucket = kernels._tune_bucket(p["total_rows"] * p["kv_heads"])
     dq, dr = torch.empty_like(q), torch.empty_like(r)
     dk, du, dv = (torch.empty_like(k) for _ in range(3))
+
+    out = torch.empty_like(q)
+    forward_descriptors = kernels._use_tensor_descriptors(q.device, None)
+    k_forward, u_forward, v_forward = ((kernels._weight_descriptor(w, 64) for w in (k, u, v)) if forward_descriptors
+                                       else (k, u, v))
+
+    def triton_forward():
+        kernels._forward_tuned[lambda m: (triton_cdiv(p["total_rows"], m["BLOCK_L"]), 16, 1)](
+            q, k_forward, u_forward, v_forward, r, out, *kernels._row_strides(q), *kernels._row_strides(out),
+            *p["sizes"], 1, bucket, ACCUMULATE=False, TENSOR_DESCRIPTORS=forward_descriptors, **constants)
+
+    def gluon_forward():
+        flash_mhf_gluon.gluon_forward(q, k, u, v, r, out=out)
 
     def triton_rows():
         kernels._backward_rows_tuned[lambda m: (triton_cdiv(p["total_rows"], m["BLOCK_L"]), 16)](
@@ -222,7 +235,10 @@ def backward_kernel_times() -> dict:
 
     # the backward kernels the op runs here (kernels.row_gradient_kernel, kernels.weight_gradient_kernel), and the
     # Triton ones beside them
+    forward_kernel = kernels.forward_kernel(q, k)
     rows_kernel, weights_kernel = kernels.row_gradient_kernel(q, k), kernels.weight_gradient_kernel(q, k)
+    forward_ms = bench_ms(gluon_forward if forward_kernel == "gluon" else triton_forward)
+    triton_forward_ms = bench_ms(triton_forward) if forward_kernel == "gluon" else forward_ms
     rows_ms = bench_ms(gluon_rows if rows_kernel == "gluon" else triton_rows)
     triton_rows_ms = bench_ms(triton_rows) if rows_kernel == "gluon" else rows_ms
     weights_ms = bench_ms(gluon_weights if weights_kernel == "gluon" else triton_weights)
@@ -230,11 +246,15 @@ def backward_kernel_times() -> dict:
     # FLOPs actually executed: rows kernel 5 GEMMs (M, N, dA, dq x2), weights kernel 6 (M, N, dA, dK, dU, dV)
     unit = flops / 3
     times = {
-        "L": 4032, "rows_kernel": rows_kernel, "rows_kernel_ms": rows_ms,
+        "L": 4032, "forward_kernel": forward_kernel, "forward_kernel_ms": forward_ms,
+        "forward_kernel_tflops_executed": 3 * unit / forward_ms * 1e-9, "triton_forward_kernel_ms": triton_forward_ms,
+        "rows_kernel": rows_kernel, "rows_kernel_ms": rows_ms,
         "rows_kernel_tflops_executed": 5 * unit / rows_ms * 1e-9, "triton_rows_kernel_ms": triton_rows_ms,
         "weights_kernel": weights_kernel, "weights_kernel_ms": weights_ms,
         "weights_kernel_tflops_executed": 6 * unit / weights_ms * 1e-9, "triton_weights_kernel_ms": triton_weights_ms,
     }
+    log(f"forward kernel L=4032 ({forward_kernel}) {forward_ms:.3f} ms ({3 * unit / forward_ms * 1e-9:.0f} TFLOP/s; "
+        f"Triton kernel {triton_forward_ms:.3f} ms)")
     log(f"backward kernels L=4032: dq/dr ({rows_kernel}) {rows_ms:.3f} ms ({5 * unit / rows_ms * 1e-9:.0f} TFLOP/s "
         f"executed; Triton kernel {triton_rows_ms:.3f} ms), dK/dU/dV ({weights_kernel}) {weights_ms:.3f} ms "
         f"({6 * unit / weights_ms * 1e-9:.0f} TFLOP/s executed; Triton kernel {triton_weights_ms:.3f} ms)")
@@ -486,6 +506,10 @@ def write_outputs(results, out_dir):
                          f"{r['train_tflops']:.0f} | {per_round or '-'} | {clock} | {r['peak_gib']:.2f} |")
     if results.get("backward_kernels"):
         b = results["backward_kernels"]
+        if "forward_kernel_ms" in b:
+            lines += ["", f"Forward kernel at L=4032 ({b['forward_kernel']} kernel) {b['forward_kernel_ms']:.3f} ms "
+                      f"({b['forward_kernel_tflops_executed']:.0f} TFLOP/s executed, 3 GEMMs; the Triton forward kernel "
+                      f"{b['triton_forward_kernel_ms']:.3f} ms)."]
         lines += ["", f"Backward kernels at L=4032: dq/dr ({b.get('rows_kernel', 'triton')} kernel) {b['rows_kernel_ms']:.3f} ms "
                   f"({b['rows_kernel_tflops_executed']:.0f} TFLOP/s executed, 5 GEMMs; the Triton dq/dr kernel "
                   f"{b.get('triton_rows_kernel_ms', b['rows_kernel_ms']):.3f} ms), "

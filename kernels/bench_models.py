@@ -37,6 +37,7 @@ measured), <out>/models_bench.md and <out>/models_bench.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -93,9 +94,11 @@ TORCH_DECODER = "_torch_decoder"
 EXTRA_INPUTS_PER_LAYER = 3
 # "flash_mhf_split_weights": FlashMHFLlama with each layer's key, up and value as three parameters, as the module held
 # them before `key_up_value`: the same kernels and values, two more inputs per layer (`split_subnetwork_weights`)
+# "flash_mhf_triton_forward": FlashMHFLlama with the op's forward on the Triton kernel where the warp-specialised Gluon
+# kernel would run (`flash_mhf_triton.gluon_kernels`)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
-         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights")
+         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -104,6 +107,7 @@ DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
 DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
+DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -182,7 +186,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     if architecture == "llama_extra_inputs":
         architecture, extra_inputs = "llama", EXTRA_INPUTS_PER_LAYER
     split_weights = architecture == "flash_mhf_split_weights"
-    if split_weights:
+    if split_weights or architecture == "flash_mhf_triton_forward":
         architecture = "flash_mhf"
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
@@ -259,7 +263,21 @@ def training_step(model, ids, mode: str):
     return step
 
 
+def op_kernels(architecture: str):
+    """The context a measurement of `architecture` runs in: which of the FlashMHF op's kernels run as Gluon kernels."""
+    from hf_memffn import flash_mhf_triton
+
+    if architecture == "flash_mhf_triton_forward":
+        return flash_mhf_triton.gluon_kernels("rows", "weights")
+    return contextlib.nullcontext()
+
+
 def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
+    with op_kernels(architecture):
+        return _train_row(architecture, size, mode, device, batch)
+
+
+def _train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
     model = build_model(architecture, size, device)
     model.train()
     batch = batch or TRAIN_BATCH[size]
@@ -605,6 +623,7 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     layers["FlashMHF, unfused layer"].fused_layer = False
     layers["FlashMHF, key/up/value as three parameters"] = copy.deepcopy(layers["FlashMHF"])
     split_subnetwork_weights(layers["FlashMHF, key/up/value as three parameters"])
+    layers[TRITON_FORWARD_LAYER] = copy.deepcopy(layers["FlashMHF"])
     flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())
     width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
     layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
@@ -621,6 +640,9 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     return layers, flash_config.hidden_size
 
 
+TRITON_FORWARD_LAYER = "FlashMHF, the op's forward on the Triton kernel"  # (the same module, timed in op_kernels)
+
+
 def layer_rows(size: str, device: str) -> list[dict]:
     rows = []
     layers, hidden = ffn_layers(size, device)
@@ -633,9 +655,10 @@ def layer_rows(size: str, device: str) -> list[dict]:
         def train():
             module(x).backward(grad)
 
-        with torch.no_grad():
+        with op_kernels("flash_mhf_triton_forward" if name == TRITON_FORWARD_LAYER else name), torch.no_grad():
             forward_ms = bench_ms(lambda: module(x))
-        train_ms = bench_ms(train, grad_to_none=[x, *params])
+        with op_kernels("flash_mhf_triton_forward" if name == TRITON_FORWARD_LAYER else name):
+            train_ms = bench_ms(train, grad_to_none=[x, *params])
         row = {"layer": name, "size": size, "tokens": tokens, "params": sum(p.numel() for p in params),
                "forward_ms": forward_ms, "train_ms": train_ms}
         for batch in DECODE_BATCHES:
@@ -655,10 +678,10 @@ def layer_rows(size: str, device: str) -> list[dict]:
 # --------------------------------------------------------------------------------------------------------------------
 # Kernel families of a profile, by name (first match wins): where a whole training step spends its GPU time.
 KERNEL_FAMILIES = (
+    ("decoder norm/rotary (Triton)", ("_rms_norm_", "_rotary_kernel")),  # before "_forward_kernel" matches the norm's
     ("FlashMHF op", ("_forward_kernel", "_rows_gradients_kernel", "_weight_gradients_kernel", "_backward_rows_kernel",
                      "_backward_weights_kernel")),
     ("FlashMHF norm/gates", ("_queries_and_gates",)),
-    ("decoder norm/rotary (Triton)", ("_rms_norm_", "_rotary_kernel")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("softmax/cross-entropy", ("softmax", "nll_loss", "cross_entropy")),
     ("matmul (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "Kernel2")),

@@ -1,4 +1,4 @@
-"""The Gluon backward kernels (Hopper only): dK, dU, dV and dq, dr against the float64 ground truth on the GPU, and
+"""The Gluon kernels (Hopper only): the output, dK, dU, dV and dq, dr against the float64 ground truth on the GPU, and
 a compile for sm_90 on any machine (Gluon has no interpreter, so that is what CPU CI can check)."""
 
 from __future__ import annotations
@@ -70,6 +70,26 @@ def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, n
 @needs_hopper
 @pytest.mark.parametrize(
     SHAPE_FIELDS, SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")])
+def test_gluon_forward_matches_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
+    q, k, u, v, r, _ = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
+                                    seed=seq_len + 2)
+    expected = flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))
+    for consumers, stages in ((3, 3), (2, 4)):  # the launch shape the op runs, and the one of two warp groups
+        out, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r, consumers=consumers, stages=stages)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert relative_error(out, expected) < TOLERANCE[dtype], consumers
+
+
+def test_gluon_forward_refuses_other_warp_group_counts():
+    q = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="consumers=4: the forward kernel runs 2 or 3 computing warp groups"):
+        flash_mhf_gluon.gluon_forward(q, k, k, k, torch.ones(1, 1, 4, 1), consumers=4)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    SHAPE_FIELDS, SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")])
 def test_gluon_row_gradients_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
     q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
                                            seed=seq_len + 1)
@@ -87,6 +107,9 @@ def test_gluon_kernel_reads_strided_queries():
     q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     grads = flash_mhf_gluon.gluon_weight_gradients(grad_out, q_strided, k, u, v, r)[:3]
     grad_q, grad_r, _ = flash_mhf_gluon.gluon_rows_gradients(grad_out, q_strided, k, u, v, r)
+    out, _ = flash_mhf_gluon.gluon_forward(q_strided, k, u, v, r)
+    assert out.stride() == q_strided.stride()
+    assert relative_error(out, flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))) < 3e-2
     truth = gradient_truth(q, k, u, v, r, grad_out)
     assert all(relative_error(g, e) < 3e-2 for g, e in zip(grads, truth[1:4]))
     assert grad_q.stride() == q_strided.stride()
@@ -96,16 +119,25 @@ def test_gluon_kernel_reads_strided_queries():
 @needs_hopper
 def test_op_uses_the_gluon_kernel_where_it_applies_and_says_so():
     generator = torch.Generator().manual_seed(0)
-    # 8 weight groups x 24 column blocks of 64: more programs than SMs, and enough rows to autotune
-    q = torch.randn(1, 8, 2048, 128, generator=generator).cuda().bfloat16()
+    # 8 weight groups x 32 row blocks of 128 and x 24 column blocks of 64: more programs than SMs, and enough rows
+    # to autotune
+    q = torch.randn(1, 8, 4096, 128, generator=generator).cuda().bfloat16()
     k = (torch.randn(8, 4, 384, 128, generator=generator) * 128**-0.5).cuda().bfloat16()
-    assert "dq/dr and dK/dU/dV by the Gluon" in flash_mhf_path(q, k)
-    for choose in (flash_mhf_triton.row_gradient_kernel, flash_mhf_triton.weight_gradient_kernel):
+    assert "the output, dq/dr and dK/dU/dV by the Gluon" in flash_mhf_path(q, k)
+    for choose in (flash_mhf_triton.forward_kernel, flash_mhf_triton.row_gradient_kernel,
+                   flash_mhf_triton.weight_gradient_kernel):
         assert choose(q, k) == "gluon"
         assert choose(q.float(), k.float()) == "triton"
         assert choose(q[:, :, :16], k) == "triton"  # too small to autotune
+    # 8 x 16 row blocks: fewer programs than SMs, so the Triton forward splits its column loop instead
+    assert flash_mhf_triton.forward_kernel(q[:, :, :2048], k) == "triton"
+    assert flash_mhf_triton.row_gradient_kernel(q[:, :, :2048], k) == "gluon"
+    with flash_mhf_triton.gluon_kernels("rows", "weights"):  # (what benchmarks time the Triton forward with)
+        assert flash_mhf_triton.forward_kernel(q, k) == "triton"
+        assert "; dq/dr and dK/dU/dV by the Gluon" in flash_mhf_path(q, k)
+    assert flash_mhf_triton.forward_kernel(q, k) == "gluon"
     leaves = [t.clone().requires_grad_(True) for t in (q, k, k * 0.5, k * 0.25)]
-    r = torch.rand(1, 8, 2048, 4, device="cuda").requires_grad_(True)
+    r = torch.rand(1, 8, 4096, 4, device="cuda").requires_grad_(True)
     # the op builds the weights' tensor descriptors once for both kernels; each kernel alone builds its own
     outputs = [flash_mhf(*leaves, r) for _ in range(2)]  # the second forward skips the autotuner (its pick is kept)
     assert torch.equal(outputs[0], outputs[1])
@@ -113,6 +145,7 @@ def test_op_uses_the_gluon_kernel_where_it_applies_and_says_so():
     outputs[0].backward(grad)
     assert all(torch.isfinite(t.grad).all() for t in leaves)
     detached = [t.detach() for t in (*leaves, r)]
+    assert torch.equal(outputs[0], flash_mhf_gluon.gluon_forward(*detached)[0])
     grad_q, grad_r, _ = flash_mhf_gluon.gluon_rows_gradients(grad, *detached)
     grad_k, grad_u, grad_v, _ = flash_mhf_gluon.gluon_weight_gradients(grad, *detached)
     for leaf, alone in zip((*leaves, r), (grad_q, grad_k, grad_u, grad_v, grad_r)):
@@ -137,12 +170,14 @@ def _ptxas_available() -> bool:
 @pytest.mark.skipif(not (flash_mhf_gluon.GLUON_AVAILABLE and _ptxas_available()),
                     reason="needs triton's Gluon API and ptxas")
 def test_gluon_kernel_compiles_for_hopper():
-    """Compiled for sm_90 without a GPU: both schedules build and fit in shared memory. The weight kernel issues 32
-    wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); the dq/dr
+    """Compiled for sm_90 without a GPU: the three schedules build and fit in shared memory. The weight kernel issues
+    32 wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); the dq/dr
     kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
-    from dM and from dN with 4 each)."""
-    for kernel, wgmmas in (("weights", 32), ("rows", 48)):
-        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384)
+    from dM and from dN with 4 each); the forward 12 in each of its three ([gate | up] with 8 k-steps, the output
+    with 4), or two with ``consumers=2``."""
+    for kernel, wgmmas, launch in (("weights", 32, {}), ("rows", 48, {}), ("forward", 36, {}),
+                                   ("forward", 24, {"consumers": 2, "stages": 4})):
+        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384, **launch)
         assert report["shared_memory"] <= 227 * 1024, (kernel, report)
         assert report["wgmma"] == wgmmas, (kernel, report)
         # ptxas serialises every wgmma of a kernel (and says so) when non-wgmma code may touch the registers of an

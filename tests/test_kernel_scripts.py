@@ -19,7 +19,7 @@ KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
-           "custom_op_overhead.py", "profile_compiled_step_host.py"]
+           "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py"]
 
 
 def run_script(name, *args):
@@ -174,6 +174,29 @@ def test_model_benchmark_training_modes_and_bad_tasks():
                             "profile_train:<size>:<arch>[:eager|compiled|cudagraphs")):
         with pytest.raises(ValueError, match=re.escape(expected)):
             bench_models.run_task(task, args, {"train": [], "profile": {}})
+
+
+def test_kernel_families_and_the_op_kernels_a_row_runs():
+    """A profile's kernels by family (the decoder's `_rms_norm_forward_kernel` is not the op's forward), and the
+    `flash_mhf_triton_forward` row, which keeps the op's forward off the Gluon kernel for its measurement only."""
+    from hf_memffn import flash_mhf_triton
+
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    assert bench_models.kernel_family("_rms_norm_forward_kernel") == "decoder norm/rotary (Triton)"
+    for name in ("_forward_kernel", "_warp_specialised_forward_kernel", "_rows_gradients_kernel"):
+        assert bench_models.kernel_family(name) == "FlashMHF op"
+    with bench_models.op_kernels("flash_mhf_triton_forward"):
+        assert flash_mhf_triton._gluon_roles == {"rows", "weights"}
+    with bench_models.op_kernels("flash_mhf"):
+        assert flash_mhf_triton._gluon_roles == set(flash_mhf_triton.GLUON_ROLES)
+    assert flash_mhf_triton._gluon_roles == set(flash_mhf_triton.GLUON_ROLES)
+    with pytest.raises(ValueError, match="expected some of forward, rows, weights"):
+        with flash_mhf_triton.gluon_kernels("backward"):
+            pass
 
 
 def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
