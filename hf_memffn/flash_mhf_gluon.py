@@ -75,13 +75,12 @@ except (ImportError, AttributeError) as exc:  # an older or newer triton without
 BLOCK_L, BLOCK_N, NUM_WARPS = 128, 64, 8
 ROWS_STAGES = 3  # column blocks in flight in the dq/dr kernel (3 x 48 KB + the 64 KB q and dO tiles)
 ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warps in worker partitions)
-# The forward kernel: 64 rows per computing warp group, FORWARD_CONSUMERS of them per program, and FORWARD_STAGES
-# column blocks in flight (48 KB each, beside the q tiles' 16 KB per warp group). Three warp groups of 64 rows ran
-# 1.10-1.20x faster than the Triton kernel on an H100, two 1.08-1.10x (kernels/results/gluon/forward_kernels.md).
-FORWARD_CONSUMERS, FORWARD_STAGES = 3, 3
-# registers per thread of a computing warp group, by their number: what fits in the 64K registers beside the loading
-# warp
-CONSUMER_REGISTERS = {2: 232, 3: 160}
+# The forward kernel: three computing warp groups of 64 rows (FORWARD_BLOCK_L rows per program) with
+# FORWARD_REGISTERS registers per thread each (what fits in the 64K beside the loading warp), and FORWARD_STAGES column
+# blocks in flight (48 KB each, beside the q tiles' 16 KB per warp group). Three warp groups ran 1.11-1.21x faster
+# than the Triton kernel on an H100, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from commit b635f54,
+# which still had the two-warp-group launch).
+FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
 HEAD_DIM = 128
 
 
@@ -513,15 +512,16 @@ if GLUON_AVAILABLE:
         Q, k_desc, u_desc, v_desc, R, O,
         stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol,
         total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGISTERS: gl.constexpr,
     ):
-        """The output of one block of CONSUMERS x 64 rows of one weight group, split like the dq/dr kernel: CONSUMERS
-        (2 or 3) warp groups of four warps, one per 64 rows, each in its own partition, and one loading warp that
-        streams the column blocks through a ring of STAGES slots. Q, O: [B, H, L, d_h] through their (batch, head,
-        position) strides; k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R: contiguous [B, H, L, E]."""
+        """The output of one block of 3 x 64 rows of one weight group, split like the dq/dr kernel: three warp groups
+        of four warps, one per 64 rows, each in its own partition, and one loading warp that streams the column
+        blocks through a ring of STAGES slots. Q, O: [B, H, L, d_h] through their (batch, head, position) strides;
+        k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R: contiguous [B, H, L, E]."""
         dtype: gl.constexpr = k_desc.dtype
         ROWS: gl.constexpr = 64
+        CONSUMERS: gl.constexpr = 3
         first_row = gl.program_id(0) * (CONSUMERS * ROWS)
         group = gl.program_id(1)
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_H], dtype)
@@ -540,36 +540,22 @@ if GLUON_AVAILABLE:
 
         num_blocks = num_subnetworks * (D_E // BLOCK_N)
         weight_row = group * num_subnetworks * D_E
-        if CONSUMERS == 3:
-            gl.warp_specialize([
-                (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
-                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                     D_E, ROWS, BLOCK_N, STAGES)),
-                (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
-                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                     D_E, ROWS, BLOCK_N, STAGES)),
-                (_forward_consumer, (2, Q, R, O, q_tiles.index(2), ku_stages, v_stages, ready, empty, stride_qb,
-                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                     D_E, ROWS, BLOCK_N, STAGES)),
-                (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
-                                  BLOCK_N, STAGES)),
-            ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, 24])
-        else:
-            gl.warp_specialize([
-                (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
-                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                     D_E, ROWS, BLOCK_N, STAGES)),
-                (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
-                                     stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                     total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                     D_E, ROWS, BLOCK_N, STAGES)),
-                (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
-                                  BLOCK_N, STAGES)),
-            ], [4, 1], [CONSUMER_REGISTERS, 24])
+        gl.warp_specialize([
+            (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
+                                 stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                 D_E, ROWS, BLOCK_N, STAGES)),
+            (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
+                                 stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                 D_E, ROWS, BLOCK_N, STAGES)),
+            (_forward_consumer, (2, Q, R, O, q_tiles.index(2), ku_stages, v_stages, ready, empty, stride_qb,
+                                 stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
+                                 D_E, ROWS, BLOCK_N, STAGES)),
+            (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
+                              BLOCK_N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, 24])
 
 
 def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
@@ -656,39 +642,28 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     return grad_q, grad_r, compiled
 
 
-def _consumers(consumers: int) -> int:
-    if consumers not in CONSUMER_REGISTERS:
-        raise ValueError(f"consumers={consumers}: the forward kernel runs "
-                         f"{' or '.join(map(str, CONSUMER_REGISTERS))} computing warp groups")
-    return consumers
-
-
-def gluon_forward(q, k, u, v, r, out=None, weights=None, consumers=None, stages=None, registers=None):
+def gluon_forward(q, k, u, v, r, out=None, weights=None):
     """The FlashMHF output in q's dtype and layout; q [B, H, L, d_h] (any strides with a dense last dimension), k, u,
     v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``out`` (benchmarks): a tensor to write instead of a
-    new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them; ``consumers``, ``stages``,
-    ``registers`` (benchmarks): the launch shape, by default ``FORWARD_CONSUMERS``, ``FORWARD_STAGES`` and
-    ``CONSUMER_REGISTERS[consumers]``. Returns the output and the compiled kernel."""
-    consumers = _consumers(consumers or FORWARD_CONSUMERS)
+    new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the output and the
+    compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "forward")
     total_rows = batch * group_size * seq_len
     out = out if out is not None else torch.empty_like(q)
-    compiled = _warp_specialised_forward_kernel[(-(-total_rows // (64 * consumers)), kv_heads)](
+    compiled = _warp_specialised_forward_kernel[(-(-total_rows // FORWARD_BLOCK_L), kv_heads)](
         q, *(weights or weight_descriptors(k, u, v)), r, out, *q.stride()[:3], *out.stride()[:3],
         total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, CONSUMERS=consumers, STAGES=stages or FORWARD_STAGES,
-        CONSUMER_REGISTERS=registers or CONSUMER_REGISTERS[consumers], num_warps=ROWS_WARPS,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
+        CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS,
     )
     return out, compiled
 
 
-def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
-                       **launch) -> dict:
-    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, "forward": the output, which takes `gluon_forward`'s
-    ``consumers``, ``stages`` and ``registers`` as keywords) for sm_90 without a GPU (tests and compile
-    reports): its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled kernel
-    (``asm`` holds its PTX and cubin)."""
+def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384) -> dict:
+    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, "forward": the output) for sm_90 without a GPU (tests
+    and compile reports): its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled
+    kernel (``asm`` holds its PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -713,9 +688,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
     else:
-        consumers = _consumers(launch.get("consumers", FORWARD_CONSUMERS))
-        constants.update(CONSUMERS=consumers, STAGES=launch.get("stages", FORWARD_STAGES),
-                         CONSUMER_REGISTERS=launch.get("registers", CONSUMER_REGISTERS[consumers]))
+        constants.update(STAGES=FORWARD_STAGES, CONSUMER_REGISTERS=FORWARD_REGISTERS)
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {}
     for name in fn.arg_names:

@@ -54,7 +54,7 @@ except ImportError as exc:  # the package must import on machines without triton
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR, TRITON_VERSION = False, repr(exc), None
 
 from .flash_mhf_gluon import BLOCK_N as GLUON_BLOCK_N
-from .flash_mhf_gluon import FORWARD_CONSUMERS as GLUON_FORWARD_CONSUMERS
+from .flash_mhf_gluon import FORWARD_BLOCK_L as GLUON_FORWARD_BLOCK_L
 from .flash_mhf_gluon import (
     descriptor_ready,
     gluon_forward,
@@ -679,7 +679,7 @@ def _kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> 
     if not _autotuned(p):
         return "triton", "triton", "triton"
     sms = _num_sms(device)
-    row_blocks = triton.cdiv(p["total_rows"], 64 * GLUON_FORWARD_CONSUMERS)
+    row_blocks = triton.cdiv(p["total_rows"], GLUON_FORWARD_BLOCK_L)
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
     return ("triton" if row_blocks * p["kv_heads"] < sms else "gluon", "gluon",
             "triton" if column_blocks * p["kv_heads"] < sms else "gluon")

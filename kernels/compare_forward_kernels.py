@@ -1,12 +1,12 @@
-"""The FlashMHF forward: the Triton kernel against the warp-specialised Gluon kernel's launch shapes, in alternating
-rounds (one GPU call).
+"""The FlashMHF forward: the Triton kernel against the warp-specialised Gluon kernel, in alternating rounds (one GPU
+call).
 
     PYTHONPATH=. python kernels/compare_forward_kernels.py --out DIR    # DIR/forward_kernels.{json,md}
 
 Shapes: the paper's (B=8, H=16, E=15, d_e=384 at L=4032 and 16128) and the FFN layer of the 370M and 1.3B presets at
 their benchmark batches. Kernels: ``triton`` is ``triton_forward`` held to the Triton kernel (autotuned, weights
-through tensor descriptors, as it runs on Hopper), ``gluon CxS`` is ``gluon_forward`` with C computing warp groups of
-64 rows and S column blocks in flight. Every round times each kernel once with ``do_bench`` (median, L2 flushed), in
+through tensor descriptors, as it runs on Hopper), ``gluon`` is ``gluon_forward`` (three computing warp groups of 64
+rows, three column blocks in flight). Every round times each kernel once with ``do_bench`` (median, L2 flushed), in
 an order rotated from round to round so that no kernel always runs first or last as the GPU warms; the table gives
 the median over rounds, each round's SM clock, and each output's relative difference from the Triton kernel's.
 """
@@ -32,7 +32,6 @@ SHAPES = [
     ("370M layer (8 x 2048 tokens)", 8, 8, 2048, 7, 384),
     ("1.3B layer (4 x 2048 tokens)", 4, 16, 2048, 15, 384),
 ]
-GLUON_LAUNCHES = [(3, 3), (2, 4), (2, 3)]  # (computing warp groups, stages)
 
 
 def inputs(batch, heads, seq_len, subnetworks, subnetwork_size):
@@ -49,14 +48,11 @@ def compare(shape, rounds: int) -> dict:
     q, k, u, v, r = inputs(batch, heads, seq_len, subnetworks, subnetwork_size)
     flops = 6 * batch * heads * seq_len * subnetworks * subnetwork_size * 128
     weights = flash_mhf_gluon.weight_descriptors(k, u, v)
-    outputs = {"triton": torch.empty_like(q)}
-    launches = {"triton": lambda: outputs["triton"].copy_(flash_mhf_triton.triton_forward(q, k, u, v, r,
-                                                                                          descriptors=True))}
-    for consumers, stages in GLUON_LAUNCHES:
-        label = f"gluon {consumers}x{stages}"
-        outputs[label] = torch.empty_like(q)
-        launches[label] = (lambda out, c, s: lambda: flash_mhf_gluon.gluon_forward(
-            q, k, u, v, r, out=out, weights=weights, consumers=c, stages=s))(outputs[label], consumers, stages)
+    outputs = {"triton": torch.empty_like(q), "gluon": torch.empty_like(q)}
+    launches = {
+        "triton": lambda: outputs["triton"].copy_(flash_mhf_triton.triton_forward(q, k, u, v, r, descriptors=True)),
+        "gluon": lambda: flash_mhf_gluon.gluon_forward(q, k, u, v, r, out=outputs["gluon"], weights=weights),
+    }
     for launch in launches.values():
         launch()
     torch.cuda.synchronize()
@@ -85,9 +81,7 @@ def main():
     if not (torch.cuda.is_available() and flash_mhf_gluon.gluon_reason_for(torch.device("cuda"), torch.bfloat16, 128,
                                                                              384) is None):
         sys.exit("compare_forward_kernels.py needs a Hopper GPU and triton's Gluon API")
-    results = {**environment(), "rounds": args.rounds,
-               "op_launch": f"{flash_mhf_gluon.FORWARD_CONSUMERS}x{flash_mhf_gluon.FORWARD_STAGES}",
-               "shapes": [compare(shape, args.rounds) for shape in SHAPES]}
+    results = {**environment(), "rounds": args.rounds, "shapes": [compare(shape, args.rounds) for shape in SHAPES]}
     rows = []
     for shape in results["shapes"]:
         for label, row in shape["kernels"].items():
@@ -99,7 +93,7 @@ def main():
     text = "\n".join([
         f"# FlashMHF forward kernels on {results['device']}", "",
         f"torch {results['torch']}, triton {results['triton']}; bf16, d_h = 128; median of {args.rounds} rounds, the "
-        f"order rotated every round. The op runs gluon {results['op_launch']} where the Gluon kernels apply.", "",
+        "order rotated every round.", "",
         *markdown_table(["shape", "kernel", "ms", "TFLOP/s", "x Triton", "rounds (ms)", "SM clock MHz",
                          "rel. diff. from Triton"], rows), ""])
     write_report(args.out, "forward_kernels", results, text)

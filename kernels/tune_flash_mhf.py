@@ -47,9 +47,9 @@ VARIANTS = {
     ("rows", "production"): (lambda: kernels._backward_rows_kernel, {}),
     ("weights", "production"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": True}),
     ("weights", "pointers"): (lambda: kernels._backward_weights_kernel, {"TENSOR_DESCRIPTORS": False}),
-    # the explicitly scheduled Gluon kernels (hf_memffn/flash_mhf_gluon.py): the backward ones with one launch shape,
-    # 128 rows and 64 columns per block, which the configuration tuples below only label; the forward's BLOCK_L picks
-    # its computing warp groups (64 rows each) and num_stages its ring
+    # the explicitly scheduled Gluon kernels (hf_memffn/flash_mhf_gluon.py), each with one launch shape (backward: 128
+    # rows and 64 columns per block; forward: 192 rows in three warp groups, 64 columns); the configuration tuples
+    # below only label them
     ("weights", "gluon"): (None, {"GLUON": True}),
     ("rows", "gluon"): (None, {"GLUON": True}),
     ("forward", "gluon"): (None, {"GLUON": True}),
@@ -75,7 +75,6 @@ CANDIDATES = [
     ("forward", "production", (128, 128, 8, 2)),
     ("forward", "pointers", (128, 64, 8, 3)),
     ("forward", "pointers", (128, 128, 8, 2)),
-    ("forward", "gluon", (128, 64, 8, 4)),
     ("forward", "gluon", (192, 64, 12, 3)),
     ("rows", "production", (128, 64, 8, 3)),
     ("rows", "production", (128, 64, 8, 2)),
@@ -139,8 +138,7 @@ class Problem:
         block_l, block_n, warps, stages = config
         kernel, switches = VARIANTS[(role, variant)]
         if switches.get("GLUON") and role == "forward":
-            return lambda: flash_mhf_gluon.gluon_forward(self.q, self.k, self.u, self.v, self.r, out=outs[0],
-                                                         consumers=block_l // 64, stages=stages)[1]
+            return lambda: flash_mhf_gluon.gluon_forward(self.q, self.k, self.u, self.v, self.r, out=outs[0])[1]
         if switches.get("GLUON") and role == "rows":
             return lambda: flash_mhf_gluon.gluon_rows_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
                                                                 outputs=outs)[2]

@@ -73,18 +73,10 @@ def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, n
 def test_gluon_forward_matches_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
     q, k, u, v, r, _ = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
                                     seed=seq_len + 2)
+    out, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r)
     expected = flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))
-    for consumers, stages in ((3, 3), (2, 4)):  # the launch shape the op runs, and the one of two warp groups
-        out, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r, consumers=consumers, stages=stages)
-        assert out.dtype == dtype and out.shape == q.shape
-        assert relative_error(out, expected) < TOLERANCE[dtype], consumers
-
-
-def test_gluon_forward_refuses_other_warp_group_counts():
-    q = torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16)
-    k = torch.zeros(1, 1, 64, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="consumers=4: the forward kernel runs 2 or 3 computing warp groups"):
-        flash_mhf_gluon.gluon_forward(q, k, k, k, torch.ones(1, 1, 4, 1), consumers=4)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
 @needs_hopper
@@ -174,10 +166,9 @@ def test_gluon_kernel_compiles_for_hopper():
     32 wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); the dq/dr
     kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
     from dM and from dN with 4 each); the forward 12 in each of its three ([gate | up] with 8 k-steps, the output
-    with 4), or two with ``consumers=2``."""
-    for kernel, wgmmas, launch in (("weights", 32, {}), ("rows", 48, {}), ("forward", 36, {}),
-                                   ("forward", 24, {"consumers": 2, "stages": 4})):
-        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384, **launch)
+    with 4)."""
+    for kernel, wgmmas in (("weights", 32), ("rows", 48), ("forward", 36)):
+        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384)
         assert report["shared_memory"] <= 227 * 1024, (kernel, report)
         assert report["wgmma"] == wgmmas, (kernel, report)
         # ptxas serialises every wgmma of a kernel (and says so) when non-wgmma code may touch the registers of an
