@@ -36,7 +36,8 @@ bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s inst
 column block (``[gate | up] = q [K | U]^T``, then ``out += (SiLU(gate) * up * r_e) V`` from registers) and three
 computing warp groups of 64 rows instead of two: the forward's warp groups hold fewer registers (the output and the
 pre-activations), so three fit, and a program of 192 rows reads each column block from L2 for 1.5 times the rows.
-It ran at 702-707 TFLOP/s at the paper's shape against 586-589 for ``_forward_kernel`` (two warp groups: 638-647).
+It ran at 702-708 TFLOP/s at the paper's shape against 586-591 for ``_forward_kernel`` (with two warp groups,
+645-655).
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
 decides when they are used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
@@ -71,7 +72,8 @@ except (ImportError, AttributeError) as exc:  # an older or newer triton without
     gluon = gl = GluonTensorDescriptor = None
     GLUON_AVAILABLE, GLUON_IMPORT_ERROR = False, repr(exc)
 
-# The one launch shape: 128 rows per row block (one 64-row half per warp group), 64 columns per program.
+# The backward kernels' one launch shape: 128 rows per row block (one 64-row half per warp group), 64 columns per
+# program.
 BLOCK_L, BLOCK_N, NUM_WARPS = 128, 64, 8
 ROWS_STAGES = 3  # column blocks in flight in the dq/dr kernel (3 x 48 KB + the 64 KB q and dO tiles)
 ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warps in worker partitions)
