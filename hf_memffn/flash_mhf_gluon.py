@@ -83,9 +83,6 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # than the Triton kernel on an H100, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from commit b635f54,
 # which still had the two-warp-group launch).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
-# The warp-specialised weight kernel: 64-row blocks, WEIGHTS_WS_STAGES of them in flight
-WEIGHT_SCHEDULES = ("lockstep", "warp_specialised")
-WEIGHTS_WS_ROWS, WEIGHTS_WS_STAGES, WEIGHTS_WS_BUFFERS = 64, 3, 3
 HEAD_DIM = 128
 
 
@@ -269,193 +266,6 @@ if GLUON_AVAILABLE:
         gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
         gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
 
-
-    @gluon.jit
-    def _weights_producer(q_desc, grad_out_desc, k_desc, u_desc, v_desc, ku_tile, v_tile, q_stages, grad_out_stages,
-                          weights_ready, ready, empty, weight_row, group, num_row_blocks, blocks_per_sequence,
-                          group_size, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The loading warp of the warp-specialised weight kernel: the resident K|U and V tiles, then the row blocks'
-        q and dO tiles through the ring, each into a slot both warp groups have released."""
-        mbarrier.expect(weights_ready, 3 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [weight_row, 0], weights_ready, ku_tile.slice(0, BLOCK_N))
-        _tma_load(u_desc, [weight_row, 0], weights_ready, ku_tile.slice(BLOCK_N, BLOCK_N))
-        _tma_load(v_desc, [weight_row, 0], weights_ready, v_tile)
-        for row_block in range(num_row_blocks):
-            stage = row_block % STAGES
-            mbarrier.wait(empty.index(stage), ((row_block // STAGES) & 1) ^ 1)
-            _load_row_block(q_desc, grad_out_desc, q_stages.index(stage), grad_out_stages.index(stage),
-                            ready.index(stage), row_block, group, blocks_per_sequence, group_size, ROWS)
-
-    @gluon.jit
-    def _weights_activations(row_block, R, ku_tile, v_tile, q_stages, grad_out_stages, hidden_tiles, grad_ku_tiles,
-                             ready, activations_ready, activations_free, group, seq_len, blocks_per_sequence,
-                             group_size, num_heads, num_subnetworks, subnetwork, D_H: gl.constexpr,
-                             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             BUFFERS: gl.constexpr, wide_layout: gl.constexpr, half_layout: gl.constexpr):
-        """The activation tiles of row block ``row_block`` (its owner warp group): hidden [ROWS, BLOCK_N] and
-        [dM | dN] [ROWS, 2 * BLOCK_N] into the block's buffer, once both warp groups are done with the block two
-        before, which used it; then the buffer's "ready" barrier."""
-        dtype: gl.constexpr = hidden_tiles.dtype
-        stage = row_block % STAGES
-        buffer = row_block % BUFFERS
-        gate = _row_block_gates(R, row_block, group, seq_len, blocks_per_sequence, group_size, num_heads,
-                                num_subnetworks, subnetwork, ROWS, gl.SliceLayout(1, half_layout))
-        mbarrier.wait(ready.index(stage), (row_block // STAGES) & 1)
-        q = q_stages.index(stage).reshape([ROWS, D_H])
-        grad_out = grad_out_stages.index(stage).reshape([ROWS, D_H])
-        pre = warpgroup_mma(q, ku_tile.permute([1, 0]), gl.zeros([ROWS, 2 * BLOCK_N], gl.float32, wide_layout),
-                            use_acc=False, is_async=True)
-        grad_hidden = warpgroup_mma(grad_out, v_tile.permute([1, 0]),
-                                    gl.zeros([ROWS, BLOCK_N], gl.float32, half_layout), use_acc=False, is_async=True)
-        pre = warpgroup_mma_wait(1, deps=[pre])
-        gate_pre, up = pre.reshape([ROWS, 2, BLOCK_N]).permute([0, 2, 1]).split()
-        gate_pre = gl.convert_layout(gate_pre, half_layout, assert_trivial=True)
-        up = gl.convert_layout(up, half_layout, assert_trivial=True)
-        sig = _fast_sigmoid(gate_pre)
-        silu = gate_pre * sig
-        gate_2d = gate[:, None]
-        up_silu_derivative = up * (sig + silu * (1.0 - sig))
-        if row_block >= BUFFERS:
-            mbarrier.wait(activations_free.index(buffer), ((row_block // BUFFERS) - 1) & 1)
-        hidden_tiles.index(buffer).store((silu * up * gate_2d).to(dtype))
-        grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden]) * gate_2d
-        grad_ku_tile = grad_ku_tiles.index(buffer)
-        grad_ku_tile.slice(0, BLOCK_N, dim=1).store((grad_hidden * up_silu_derivative).to(dtype))
-        grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store((grad_hidden * silu).to(dtype))
-        fence_async_shared()
-        _cta_barrier()  # the warp group's four warps wrote the tiles
-        mbarrier.arrive(activations_ready.index(buffer), count=1)
-
-    @gluon.jit
-    def _weights_gradient_products(row_block, part, grad_ku, grad_v, q_stages, grad_out_stages, hidden_tiles,
-                                   grad_ku_tiles, ready, activations_ready, D_H: gl.constexpr, ROWS: gl.constexpr,
-                                   STAGES: gl.constexpr, BUFFERS: gl.constexpr):
-        """Issues one row block's gradient products for this warp group's half of d_h (not waited for):
-        [dK^T | dU^T] += q^T [dM | dN] and dV^T += dO^T hidden."""
-        HALF: gl.constexpr = D_H // 2
-        stage = row_block % STAGES
-        buffer = row_block % BUFFERS
-        mbarrier.wait(ready.index(stage), (row_block // STAGES) & 1)
-        mbarrier.wait(activations_ready.index(buffer), (row_block // BUFFERS) & 1)
-        q = q_stages.index(stage).reshape([ROWS, D_H]).slice(part * HALF, HALF, dim=1)
-        grad_out = grad_out_stages.index(stage).reshape([ROWS, D_H]).slice(part * HALF, HALF, dim=1)
-        grad_v = warpgroup_mma(grad_out.permute([1, 0]), hidden_tiles.index(buffer), grad_v, is_async=True)
-        grad_ku = warpgroup_mma(q.permute([1, 0]), grad_ku_tiles.index(buffer), grad_ku, is_async=True)
-        return grad_ku, grad_v
-
-    @gluon.jit
-    def _weights_release(row_block, empty, activations_free, STAGES: gl.constexpr, BUFFERS: gl.constexpr):
-        """This warp group is done with the row block's q/dO slot and activation buffer."""
-        mbarrier.arrive(empty.index(row_block % STAGES), count=1)
-        mbarrier.arrive(activations_free.index(row_block % BUFFERS), count=1)
-
-    @gluon.jit
-    def _weights_consumer(part, R, DK, DU, DV, ku_tile, v_tile, q_stages, grad_out_stages, hidden_tiles,
-                          grad_ku_tiles, weights_ready, ready, empty, activations_ready, activations_free, col0, group,
-                          seq_len, blocks_per_sequence, group_size, num_heads, num_subnetworks, num_row_blocks,
-                          D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr, BUFFERS: gl.constexpr):
-        """One warp group of the warp-specialised weight kernel: it owns the activations of every other row block
-        (``part``, ``part`` + 2, ...) and accumulates half of d_h of every block's gradients. At each of its blocks
-        it computes the block's activations, then the gradient products of the block before (the other warp group's)
-        and of its own, so that one warp group's activation arithmetic runs beside the other's products."""
-        HALF: gl.constexpr = D_H // 2
-        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, 2 * BLOCK_N, 16])
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_N, 16])
-        subnetwork = col0 // D_E
-        grad_ku = gl.zeros([HALF, 2 * BLOCK_N], gl.float32, wide_layout)  # [dK^T | dU^T] for d_h rows of this half
-        grad_v = gl.zeros([HALF, BLOCK_N], gl.float32, half_layout)
-        mbarrier.wait(weights_ready, 0)
-        for row_block in range(part, num_row_blocks + 1, 2):
-            if row_block < num_row_blocks:
-                _weights_activations(row_block, R, ku_tile, v_tile, q_stages, grad_out_stages, hidden_tiles,
-                                     grad_ku_tiles, ready, activations_ready, activations_free, group, seq_len,
-                                     blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork, D_H,
-                                     ROWS, BLOCK_N, STAGES, BUFFERS, wide_layout, half_layout)
-            # the gradient products of the other warp group's block before and of this block, waited for together
-            grad_ku, grad_v = warpgroup_mma_init(grad_ku), warpgroup_mma_init(grad_v)
-            if row_block >= 1:
-                grad_ku, grad_v = _weights_gradient_products(row_block - 1, part, grad_ku, grad_v, q_stages,
-                                                             grad_out_stages, hidden_tiles, grad_ku_tiles, ready,
-                                                             activations_ready, D_H, ROWS, STAGES, BUFFERS)
-            if row_block < num_row_blocks:
-                grad_ku, grad_v = _weights_gradient_products(row_block, part, grad_ku, grad_v, q_stages,
-                                                             grad_out_stages, hidden_tiles, grad_ku_tiles, ready,
-                                                             activations_ready, D_H, ROWS, STAGES, BUFFERS)
-            grad_ku, grad_v = warpgroup_mma_wait(0, deps=[grad_ku, grad_v])
-            if row_block >= 1:
-                _weights_release(row_block - 1, empty, activations_free, STAGES, BUFFERS)
-            if row_block < num_row_blocks:
-                _weights_release(row_block, empty, activations_free, STAGES, BUFFERS)
-
-        dims = part * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, half_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, half_layout))
-        offsets = (group.to(gl.int64) * num_subnetworks * D_E + col0 + cols)[None, :] * D_H + dims[:, None]
-        gl.store(DV + offsets, grad_v.to(DV.dtype.element_ty))
-        # columns [0, BLOCK_N) of the joint accumulator are dK^T, the others dU^T
-        ku_dims = part * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, wide_layout))
-        ku_cols = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(0, wide_layout))
-        is_u = (ku_cols >= BLOCK_N)[None, :] & (ku_dims >= 0)[:, None]
-        ku_offsets = ((group.to(gl.int64) * num_subnetworks * D_E + col0 + ku_cols % BLOCK_N)[None, :] * D_H
-                      + ku_dims[:, None])
-        gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
-        gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
-
-    @gluon.jit
-    def _warp_specialised_weight_gradients_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BUFFERS: gl.constexpr,
-    ):
-        """dK, dU, dV of one column block of one weight group, warp-specialised: a loading warp, and two warp groups
-        that take turns computing the activations of 64-row blocks and each accumulate half of d_h of the gradients
-        (``_weights_consumer``). q_desc, grad_out_desc: [B, H, L, d_h] with block [1, 1, 64, d_h]; k/u/v_desc:
-        [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h]."""
-        dtype: gl.constexpr = q_desc.dtype
-        ROWS: gl.constexpr = 64
-        col0 = gl.program_id(0) * BLOCK_N
-        group = gl.program_id(1)
-        # shared memory: the resident K|U and V tiles, a ring of STAGES q and dO tiles, and two buffers of the
-        # activation tiles (a block's owner writes one while the other may still read the block before's)
-        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
-        q_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, ROWS, D_H], q_desc.layout)
-        grad_out_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, ROWS, D_H], q_desc.layout)
-        hidden_tiles = gl.allocate_shared_memory(dtype, [BUFFERS, ROWS, BLOCK_N],
-                                                 gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
-        grad_ku_tiles = gl.allocate_shared_memory(dtype, [BUFFERS, ROWS, 2 * BLOCK_N],
-                                                  gl.NVMMASharedLayout.get_default_for([ROWS, 2 * BLOCK_N], dtype))
-        weights_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        activations_ready = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
-        activations_free = gl.allocate_shared_memory(gl.int64, [BUFFERS, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(weights_ready, count=1)
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(ready.index(stage), count=1)
-            mbarrier.init(empty.index(stage), count=2)
-        for buffer in gl.static_range(BUFFERS):
-            mbarrier.init(activations_ready.index(buffer), count=1)
-            mbarrier.init(activations_free.index(buffer), count=2)
-        fence_async_shared()
-
-        blocks_per_sequence = gl.cdiv(seq_len, ROWS)
-        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
-        gl.warp_specialize([
-            (_weights_consumer, (0, R, DK, DU, DV, ku_tile, v_tile, q_stages, grad_out_stages, hidden_tiles,
-                                 grad_ku_tiles, weights_ready, ready, empty, activations_ready, activations_free,
-                                 col0, group, seq_len, blocks_per_sequence, group_size, num_heads, num_subnetworks,
-                                 num_row_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES, BUFFERS)),
-            (_weights_consumer, (1, R, DK, DU, DV, ku_tile, v_tile, q_stages, grad_out_stages, hidden_tiles,
-                                 grad_ku_tiles, weights_ready, ready, empty, activations_ready, activations_free,
-                                 col0, group, seq_len, blocks_per_sequence, group_size, num_heads, num_subnetworks,
-                                 num_row_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES, BUFFERS)),
-            (_weights_producer, (q_desc, grad_out_desc, k_desc, u_desc, v_desc, ku_tile, v_tile, q_stages,
-                                 grad_out_stages, weights_ready, ready, empty, group * num_subnetworks * D_E + col0,
-                                 group, num_row_blocks, blocks_per_sequence, group_size, ROWS, BLOCK_N, STAGES)),
-        ], [4, 1], [232, 24])
 
     @gluon.jit
     def _flat_row_coordinates(rows, group, seq_len, group_size):
@@ -790,38 +600,27 @@ def weight_descriptors(k, u, v):
     return tuple(descriptor(w) for w in (k, u, v))
 
 
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, schedule="lockstep", buffers=None):
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): three tensors to
-    write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them; ``schedule``:
-    "lockstep" (``_weight_gradients_kernel``) or "warp_specialised" (``_warp_specialised_weight_gradients_kernel``).
-    Returns the gradients and the compiled kernel."""
-    if schedule not in WEIGHT_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(WEIGHT_SCHEDULES)}")
+    write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the
+    gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
-    rows = BLOCK_L if schedule == "lockstep" else WEIGHTS_WS_ROWS
-    sequence_layout = _shared_layout((1, 1, rows, head_dim), q.dtype)
+    sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
 
     def sequence_descriptor(t):
         t = descriptor_ready(t)
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], sequence_layout)
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
-    arguments = (
+    compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
-    grid = (num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)
-    if schedule == "lockstep":
-        compiled = _weight_gradients_kernel[grid](
-            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-            num_warps=NUM_WARPS)
-    else:
-        compiled = _warp_specialised_weight_gradients_kernel[grid](
-            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=WEIGHTS_WS_STAGES,
-            BUFFERS=buffers or WEIGHTS_WS_BUFFERS, num_warps=ROWS_WARPS)
     return (*grads, compiled)
 
 
@@ -873,24 +672,21 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     from triton.runtime.jit import mangle_type
 
     kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
-               "forward": _warp_specialised_forward_kernel, "weights_ws": _warp_specialised_weight_gradients_kernel}
+               "forward": _warp_specialised_forward_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
-    rows = WEIGHTS_WS_ROWS if kernel == "weights_ws" else BLOCK_L
-    sequence = torch.empty(1, 1, rows, HEAD_DIM, dtype=dtype)
+    sequence = torch.empty(1, 1, BLOCK_L, HEAD_DIM, dtype=dtype)
     weights = torch.empty(BLOCK_N, HEAD_DIM, dtype=dtype)
     sequence_desc = GluonTensorDescriptor(sequence, list(sequence.shape), list(sequence.stride()),
-                                          [1, 1, rows, HEAD_DIM],
-                                          gl.NVMMASharedLayout.get_default_for([1, 1, rows, HEAD_DIM], element))
+                                          [1, 1, BLOCK_L, HEAD_DIM],
+                                          gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, HEAD_DIM], element))
     weight_desc = GluonTensorDescriptor(weights, list(weights.shape), list(weights.stride()), [BLOCK_N, HEAD_DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
     fn = kernels[kernel]
     constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
     if kernel == "weights":
         constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
-    elif kernel == "weights_ws":
-        constants.update(STAGES=WEIGHTS_WS_STAGES, BUFFERS=WEIGHTS_WS_BUFFERS)
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
     else:
