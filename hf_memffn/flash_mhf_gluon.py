@@ -36,7 +36,7 @@ bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s inst
 column block (``[gate | up] = q [K | U]^T``, then ``out += (SiLU(gate) * up * r_e) V`` from registers) and three
 computing warp groups of 64 rows instead of two: the forward's warp groups hold fewer registers (the output and the
 pre-activations), so three fit, and a program of 192 rows reads each column block from L2 for 1.5 times the rows.
-It ran at 702-708 TFLOP/s at the paper's shape against 586-591 for ``_forward_kernel`` (with two warp groups,
+It ran at 690-708 TFLOP/s at the paper's shape against 584-591 for ``_forward_kernel`` (with two warp groups,
 645-655).
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
@@ -79,9 +79,9 @@ ROWS_STAGES = 3  # column blocks in flight in the dq/dr kernel (3 x 48 KB + the 
 ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warps in worker partitions)
 # The forward kernel: three computing warp groups of 64 rows (FORWARD_BLOCK_L rows per program) with
 # FORWARD_REGISTERS registers per thread each (what fits in the 64K beside the loading warp), and FORWARD_STAGES column
-# blocks in flight (48 KB each, beside the q tiles' 16 KB per warp group). Three warp groups ran 1.11-1.21x faster
-# than the Triton kernel on an H100, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from commit b635f54,
-# which still had the two-warp-group launch).
+# blocks in flight (48 KB each, beside the q tiles' 16 KB per warp group). Three warp groups ran 1.08-1.21x faster
+# than the Triton kernel on an H100 over two calls, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from
+# commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
 HEAD_DIM = 128
 
@@ -296,6 +296,31 @@ if GLUON_AVAILABLE:
         return gl.load(X + offsets[:, None] + dims[None, :], mask=(rows < total_rows)[:, None], other=0.0)
 
     @gluon.jit
+    def _row_gate_offsets(first, group, total_rows, seq_len, group_size, num_heads, num_subnetworks,
+                          ROWS: gl.constexpr, layout: gl.constexpr):
+        """Offsets of rows first .. first + ROWS of weight group ``group`` in the contiguous [B, H, L, E] gates (their
+        first sub-network), and the mask of the rows that exist."""
+        rows = first + gl.arange(0, ROWS, layout=layout)
+        batch, head, position = _flat_row_coordinates(rows, group, seq_len, group_size)
+        return ((batch.to(gl.int64) * num_heads + head) * seq_len + position) * num_subnetworks, rows < total_rows
+
+    @gluon.jit
+    def _block_gates(R, gate_offsets, gate_mask, block, BLOCK_N: gl.constexpr, D_E: gl.constexpr):
+        """The gates [ROWS] (float32) of the sub-network that column block ``block`` lies in."""
+        return gl.load(R + gate_offsets + (block * BLOCK_N) // D_E, mask=gate_mask, other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _store_row_block(X, tile, first, group, total_rows, seq_len, group_size, stride_b, stride_h, stride_l,
+                         ROWS: gl.constexpr, D_H: gl.constexpr, layout: gl.constexpr):
+        """Writes ``tile`` [ROWS, d_h] (in ``layout``) to rows first .. first + ROWS of weight group ``group`` of a
+        [B, H, L, d_h] tensor with the given strides (rows past the last are not written)."""
+        rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, layout))
+        batch, head, position = _flat_row_coordinates(rows, group, seq_len, group_size)
+        offsets = batch.to(gl.int64) * stride_b + head * stride_h + position * stride_l
+        gl.store(X + offsets[:, None] + dims[None, :], tile.to(X.dtype.element_ty), mask=(rows < total_rows)[:, None])
+
+    @gluon.jit
     def _rows_step(q_tile, grad_out_tile, ku_tile, v_tile, grad_q, gate, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    wide_layout: gl.constexpr, half_layout: gl.constexpr, operand_layout: gl.constexpr):
         """One column block for one warp group's rows: the pre-activations and dO V^T, the activation gradients, and
@@ -367,20 +392,17 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _cta_barrier()  # the warp group's four warps wrote the tiles its products read
 
-        gate_rows = first + gl.arange(0, ROWS, layout=row_layout)
-        gate_batch, gate_head, gate_position = _flat_row_coordinates(gate_rows, group, seq_len, group_size)
-        gate_offsets = ((gate_batch.to(gl.int64) * num_heads + gate_head) * seq_len + gate_position) * num_subnetworks
-        gate_mask = gate_rows < total_rows
+        gate_offsets, gate_mask = _row_gate_offsets(first, group, total_rows, seq_len, group_size, num_heads,
+                                                    num_subnetworks, ROWS, row_layout)
         BLOCKS_PER_SUBNETWORK: gl.constexpr = D_E // BLOCK_N
 
         grad_q = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
         grad_gate = gl.zeros([ROWS], gl.float32, row_layout)
-        next_gate = gl.load(R + gate_offsets, mask=gate_mask, other=0.0).to(gl.float32)
+        next_gate = _block_gates(R, gate_offsets, gate_mask, 0, BLOCK_N, D_E)
         for block in range(num_blocks):
             stage = block % STAGES
             gate = next_gate
-            next_gate = gl.load(R + gate_offsets + (gl.minimum(block + 1, num_blocks - 1) * BLOCK_N) // D_E,
-                                mask=gate_mask, other=0.0).to(gl.float32)
+            next_gate = _block_gates(R, gate_offsets, gate_mask, gl.minimum(block + 1, num_blocks - 1), BLOCK_N, D_E)
             mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
             grad_q, share = _rows_step(q_tile, grad_out_tile, ku_stages.index(stage), v_stages.index(stage), grad_q,
                                        gate, ROWS, BLOCK_N, wide_layout, half_layout, operand_layout)
@@ -391,12 +413,8 @@ if GLUON_AVAILABLE:
                          mask=gate_mask)
                 grad_gate = gl.zeros([ROWS], gl.float32, row_layout)
 
-        out_rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, wide_layout))
-        out_dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
-        out_batch, out_head, out_position = _flat_row_coordinates(out_rows, group, seq_len, group_size)
-        out_offsets = out_batch.to(gl.int64) * stride_db + out_head * stride_dh + out_position * stride_dl
-        gl.store(DQ + out_offsets[:, None] + out_dims[None, :], grad_q.to(DQ.dtype.element_ty),
-                 mask=(out_rows < total_rows)[:, None])
+        _store_row_block(DQ, grad_q, first, group, total_rows, seq_len, group_size, stride_db, stride_dh, stride_dl,
+                         ROWS, D_H, wide_layout)
 
     @gluon.jit
     def _rows_gradients_kernel(
@@ -485,29 +503,22 @@ if GLUON_AVAILABLE:
         fence_async_shared()
         _cta_barrier()  # the warp group's four warps wrote the tile its products read
 
-        gate_rows = first + gl.arange(0, ROWS, layout=row_layout)
-        gate_batch, gate_head, gate_position = _flat_row_coordinates(gate_rows, group, seq_len, group_size)
-        gate_offsets = ((gate_batch.to(gl.int64) * num_heads + gate_head) * seq_len + gate_position) * num_subnetworks
-        gate_mask = gate_rows < total_rows
+        gate_offsets, gate_mask = _row_gate_offsets(first, group, total_rows, seq_len, group_size, num_heads,
+                                                    num_subnetworks, ROWS, row_layout)
 
         out = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
-        next_gate = gl.load(R + gate_offsets, mask=gate_mask, other=0.0).to(gl.float32)
+        next_gate = _block_gates(R, gate_offsets, gate_mask, 0, BLOCK_N, D_E)
         for block in range(num_blocks):
             stage = block % STAGES
             gate = next_gate
-            next_gate = gl.load(R + gate_offsets + (gl.minimum(block + 1, num_blocks - 1) * BLOCK_N) // D_E,
-                                mask=gate_mask, other=0.0).to(gl.float32)
+            next_gate = _block_gates(R, gate_offsets, gate_mask, gl.minimum(block + 1, num_blocks - 1), BLOCK_N, D_E)
             mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
             out = _forward_step(q_tile, ku_stages.index(stage), v_stages.index(stage), out, gate, ROWS, BLOCK_N,
                                 wide_layout, half_layout, operand_layout)
             mbarrier.arrive(empty.index(stage), count=1)  # this warp group is done with the slot
 
-        out_rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, wide_layout))
-        out_dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
-        out_batch, out_head, out_position = _flat_row_coordinates(out_rows, group, seq_len, group_size)
-        out_offsets = out_batch.to(gl.int64) * stride_ob + out_head * stride_oh + out_position * stride_ol
-        gl.store(O + out_offsets[:, None] + out_dims[None, :], out.to(O.dtype.element_ty),
-                 mask=(out_rows < total_rows)[:, None])
+        _store_row_block(O, out, first, group, total_rows, seq_len, group_size, stride_ob, stride_oh, stride_ol, ROWS,
+                         D_H, wide_layout)
 
     @gluon.jit
     def _warp_specialised_forward_kernel(

@@ -48,11 +48,15 @@ def compare(shape, rounds: int) -> dict:
     q, k, u, v, r = inputs(batch, heads, seq_len, subnetworks, subnetwork_size)
     flops = 6 * batch * heads * seq_len * subnetworks * subnetwork_size * 128
     weights = flash_mhf_gluon.weight_descriptors(k, u, v)
-    outputs = {"triton": torch.empty_like(q), "gluon": torch.empty_like(q)}
-    launches = {
-        "triton": lambda: outputs["triton"].copy_(flash_mhf_triton.triton_forward(q, k, u, v, r, descriptors=True)),
-        "gluon": lambda: flash_mhf_gluon.gluon_forward(q, k, u, v, r, out=outputs["gluon"], weights=weights),
-    }
+    outputs = {}
+
+    def triton():  # (each launch allocates its output, as the op does)
+        outputs["triton"] = flash_mhf_triton.triton_forward(q, k, u, v, r, descriptors=True)
+
+    def gluon():
+        outputs["gluon"] = flash_mhf_gluon.gluon_forward(q, k, u, v, r, weights=weights)[0]
+
+    launches = {"triton": triton, "gluon": gluon}
     for launch in launches.values():
         launch()
     torch.cuda.synchronize()
