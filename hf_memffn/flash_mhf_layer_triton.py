@@ -22,6 +22,7 @@ Kernels (all one program per block of tokens of one head; every row's norm and g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -107,17 +108,24 @@ if TRITON_AVAILABLE:
         blocks_per_program,
         D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
         HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
+        ROUTER_GRAD_TRANSPOSED: tl.constexpr,
     ):
-        """DNORM_PARTS [programs, H, d_h] and DROUTER_PARTS [programs, H, d_h, E_DOT]: this program's sums."""
+        """DNORM_PARTS [programs, H, d_h] and DROUTER_PARTS [programs, H, d_h, E_DOT] (ROUTER_GRAD_TRANSPOSED:
+        [programs, H, E_DOT, d_h], from the product grad_logits^T q, which transposes the small gate tile instead of
+        the queries): this program's sums."""
         part = tl.program_id(0)
         head = tl.program_id(1)
         dims = tl.arange(0, D_H)
         subnetworks = tl.arange(0, E_DOT)
         grad_norm = tl.zeros([D_H], dtype=tl.float32)
-        grad_router = tl.zeros([D_H, E_DOT], dtype=tl.float32)
+        if ROUTER_GRAD_TRANSPOSED:
+            grad_router = tl.zeros([E_DOT, D_H], dtype=tl.float32)
+        else:
+            grad_router = tl.zeros([D_H, E_DOT], dtype=tl.float32)
         router = tl.zeros([D_H, E_DOT], dtype=tl.float32)
         if HAS_ROUTER:
             router = _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT)
+        router_t = tl.trans(router)
         for i in range(0, blocks_per_program):
             tokens = (part * blocks_per_program + i) * BLOCK_T + tl.arange(0, BLOCK_T)
             token_mask = tokens < num_tokens
@@ -136,8 +144,11 @@ if TRITON_AVAILABLE:
                 # r = s / (sum s + eps): ds_j = (dr_j - sum_e dr_e r_e) / (sum s + eps); then through the sigmoid
                 grad_scores = (grad_gates - tl.sum(grad_gates * gates, axis=1)[:, None]) / total[:, None]
                 grad_logits = grad_scores * scores * (1.0 - scores)
-                grad_q += tl.dot(grad_logits, tl.trans(router), input_precision=ROUTER_PRECISION)
-                grad_router += tl.dot(tl.trans(q), grad_logits, input_precision=ROUTER_PRECISION)
+                grad_q += tl.dot(grad_logits, router_t, input_precision=ROUTER_PRECISION)
+                if ROUTER_GRAD_TRANSPOSED:
+                    grad_router += tl.dot(tl.trans(grad_logits), q, input_precision=ROUTER_PRECISION)
+                else:
+                    grad_router += tl.dot(tl.trans(q), grad_logits, input_precision=ROUTER_PRECISION)
             if HAS_NORM:
                 weight = tl.load(NORM_W + dims).to(tl.float32)
                 grad_norm += tl.sum(grad_q * p_hat, axis=0)
@@ -151,7 +162,10 @@ if TRITON_AVAILABLE:
         if HAS_NORM:
             tl.store(DNORM_PARTS + slot * D_H + dims, grad_norm)
         if HAS_ROUTER:
-            tl.store(DROUTER_PARTS + (slot * D_H + dims)[:, None] * E_DOT + subnetworks[None, :], grad_router)
+            if ROUTER_GRAD_TRANSPOSED:
+                tl.store(DROUTER_PARTS + (slot * E_DOT + subnetworks)[:, None] * D_H + dims[None, :], grad_router)
+            else:
+                tl.store(DROUTER_PARTS + (slot * D_H + dims)[:, None] * E_DOT + subnetworks[None, :], grad_router)
 
     @triton.jit
     def _decode_kernel(
@@ -205,7 +219,11 @@ if TRITON_AVAILABLE:
 # float32 layers. `kernels/tune_flash_mhf_layer.py` times the alternatives on a GPU (H100, 370M shape: forward 36 /
 # 53 / 65 us and backward 158 / 197 / 217 us for tf32 / ieee / tf32x3, against 27 us for a copy of the input).
 GATES_LAUNCH = {"block_t": 32, "num_warps": 4}
-GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4}
+GATES_BACKWARD_LAUNCH = {"block_t": 16, "num_warps": 2, "programs_per_sm": 4, "num_stages": 3,
+                         "router_grad_transposed": True}
+# what the backward ran with before the sweep of `kernels/results/models/h100_gate_kernels_tune_v2.md` (benchmarks)
+PREVIOUS_GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4,
+                                  "router_grad_transposed": False}
 ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")
 
 
@@ -266,6 +284,17 @@ def _backward_programs(num_tokens: int, num_heads: int, num_sms: int, block_t: i
     return triton.cdiv(blocks, per_program), per_program
 
 
+@contextlib.contextmanager
+def gates_backward_launch(launch: dict):
+    """Within the block, the norm/gate backward launches with ``launch`` (benchmarks)."""
+    global GATES_BACKWARD_LAUNCH
+    before, GATES_BACKWARD_LAUNCH = GATES_BACKWARD_LAUNCH, launch
+    try:
+        yield
+    finally:
+        GATES_BACKWARD_LAUNCH = before
+
+
 def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim: int, eps: float, gate_eps: float,
                                launch: dict | None = None, precision: str | None = None):
     """(dP like p, d norm weight or None, d router or None) for ``p`` [B, L, H * d_h] (contiguous), from the op's dq
@@ -283,25 +312,33 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device), launch["block_t"],
                                                launch["programs_per_sm"])
     flags = _flags(norm_weight, router, p.dtype, precision)
+    transposed = bool(launch.get("router_grad_transposed", False))
     norm_parts = torch.empty(programs, num_heads, head_dim, device=p.device, dtype=torch.float32) \
         if flags["HAS_NORM"] else None
-    router_parts = torch.empty(programs, num_heads, head_dim, e_dot, device=p.device, dtype=torch.float32) \
-        if flags["HAS_ROUTER"] else None
+    parts_shape = (programs, num_heads, e_dot, head_dim) if transposed else (programs, num_heads, head_dim, e_dot)
+    router_parts = torch.empty(parts_shape, device=p.device, dtype=torch.float32) if flags["HAS_ROUTER"] else None
     if num_tokens:
+        stages = {"num_stages": launch["num_stages"]} if "num_stages" in launch else {}
         _queries_and_gates_backward_kernel[(programs, num_heads)](
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), grad_rows, grad_r.contiguous(), grad_p,
             _pointer_or(norm_parts, rows), _pointer_or(router_parts, rows),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), grad_rows.stride(0), width, eps, gate_eps,
-            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=launch["block_t"], num_warps=launch["num_warps"], **flags,
+            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=launch["block_t"], ROUTER_GRAD_TRANSPOSED=transposed,
+            num_warps=launch["num_warps"], **stages, **flags,
         )
     grad_norm = grad_router = None
     if norm_parts is not None:
         grad_norm = norm_parts.sum((0, 1)).to(norm_weight.dtype) if num_tokens else torch.zeros_like(norm_weight)
     if router_parts is not None:
-        # (the sum of the slice is a new contiguous [H, d_h, E] tensor; a slice of the sum would keep the padded
-        # strides wherever no cast copies it)
-        grad_router = (router_parts[..., :num_subnetworks].sum(0).to(router.dtype) if num_tokens
-                       else torch.zeros_like(router))
+        if not num_tokens:
+            grad_router = torch.zeros_like(router)
+        elif transposed:  # [H, E, d_h] partial sums: their sum, transposed into a new contiguous [H, d_h, E] tensor
+            grad_router = torch.empty(router.shape, device=router.device, dtype=router.dtype)
+            grad_router.copy_(router_parts[:, :, :num_subnetworks].sum(0).transpose(1, 2))
+        else:
+            # (the sum of the slice is a new contiguous [H, d_h, E] tensor; a slice of the sum would keep the padded
+            # strides wherever no cast copies it)
+            grad_router = router_parts[..., :num_subnetworks].sum(0).to(router.dtype)
     return grad_p, grad_norm, grad_router
 
 

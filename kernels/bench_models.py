@@ -96,9 +96,12 @@ EXTRA_INPUTS_PER_LAYER = 3
 # them before `key_up_value`: the same kernels and values, two more inputs per layer (`split_subnetwork_weights`)
 # "flash_mhf_triton_forward": FlashMHFLlama with the op's forward on the Triton kernel where the warp-specialised Gluon
 # kernel would run (`flash_mhf_triton.gluon_kernels`)
+# "flash_mhf_previous_kernels": FlashMHFLlama with the weight-gradient kernel's lock-step schedule and the norm/gate
+# backward's previous launch (`flash_mhf_gluon.weight_schedule`, `flash_mhf_layer_triton.gates_backward_launch`)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
-         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward")
+         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward",
+         "flash_mhf_previous_kernels")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -108,6 +111,7 @@ DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
 DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
+DISPLAY["flash_mhf_previous_kernels"] = "FlashMHFLlama, lock-step weight kernel and previous gate backward launch"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -186,7 +190,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     if architecture == "llama_extra_inputs":
         architecture, extra_inputs = "llama", EXTRA_INPUTS_PER_LAYER
     split_weights = architecture == "flash_mhf_split_weights"
-    if split_weights or architecture == "flash_mhf_triton_forward":
+    if split_weights or architecture in KERNEL_VARIANTS:
         architecture = "flash_mhf"
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
@@ -263,12 +267,21 @@ def training_step(model, ids, mode: str):
     return step
 
 
+KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_kernels")  # FlashMHFLlama run in a kernel context
+
+
 def op_kernels(architecture: str):
-    """The context a measurement of `architecture` runs in: which of the FlashMHF op's kernels run as Gluon kernels."""
-    from hf_memffn import flash_mhf_triton
+    """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs."""
+    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton
 
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
+    if architecture == "flash_mhf_previous_kernels":
+        context = contextlib.ExitStack()
+        context.enter_context(flash_mhf_gluon.weight_schedule("lockstep"))
+        context.enter_context(flash_mhf_layer_triton.gates_backward_launch(
+            flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH))
+        return context
     return contextlib.nullcontext()
 
 
@@ -623,7 +636,8 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     layers["FlashMHF, unfused layer"].fused_layer = False
     layers["FlashMHF, key/up/value as three parameters"] = copy.deepcopy(layers["FlashMHF"])
     split_subnetwork_weights(layers["FlashMHF, key/up/value as three parameters"])
-    layers[TRITON_FORWARD_LAYER] = copy.deepcopy(layers["FlashMHF"])
+    for name in LAYER_KERNELS:
+        layers[name] = copy.deepcopy(layers["FlashMHF"])
     flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())
     width = 64 * round(flash_params / (3 * flash_config.hidden_size * 64))  # a tensor-core friendly width
     layers[f"SwiGLU d_ff={width} (~ FlashMHF params)"] = SwiGLUFeedForward(flash_config.hidden_size, width)
@@ -640,7 +654,9 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     return layers, flash_config.hidden_size
 
 
-TRITON_FORWARD_LAYER = "FlashMHF, the op's forward on the Triton kernel"  # (the same module, timed in op_kernels)
+# the same module, timed in the op_kernels context of an architecture
+LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_triton_forward",
+                 "FlashMHF, lock-step weight kernel, previous gate backward launch": "flash_mhf_previous_kernels"}
 
 
 def layer_rows(size: str, device: str) -> list[dict]:
@@ -655,7 +671,7 @@ def layer_rows(size: str, device: str) -> list[dict]:
         def train():
             module(x).backward(grad)
 
-        with op_kernels("flash_mhf_triton_forward" if name == TRITON_FORWARD_LAYER else "flash_mhf"):
+        with op_kernels(LAYER_KERNELS.get(name, "flash_mhf")):
             with torch.no_grad():
                 forward_ms = bench_ms(lambda: module(x))
             train_ms = bench_ms(train, grad_to_none=[x, *params])

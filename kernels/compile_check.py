@@ -126,7 +126,8 @@ def main(argv=None) -> int:
             ("queries_and_gates_backward", layer._queries_and_gates_backward_kernel,
              dict(P=element, NORM_W=element, ROUTER=element, DQ=element, DR="*fp32", DP=element,
                   DNORM_PARTS="*fp32", DROUTER_PARTS="*fp32"),
-             dict(common_constants, BLOCK_T=layer.GATES_BACKWARD_LAUNCH["block_t"])),
+             dict(common_constants, BLOCK_T=layer.GATES_BACKWARD_LAUNCH["block_t"],
+                  ROUTER_GRAD_TRANSPOSED=layer.GATES_BACKWARD_LAUNCH["router_grad_transposed"])),
         ]
         sixteen_bit = ELEMENT_SIZE[dtype] == 2
         for subnetwork_size in SUBNETWORK_SIZES:

@@ -1,10 +1,14 @@
-"""Nsight Compute profile of the three production FlashMHF kernels at the paper shape (B=8, H=16, L=4032, d_h=128,
-E=15, d_e=384, bf16), one launch of each at its tuned configuration (one GPU call):
+"""Nsight Compute profile of the FlashMHF kernels, one launch of each (one GPU call):
 
-    python kernels/profile_flash_mhf_kernels.py --out DIR
+    python kernels/profile_flash_mhf_kernels.py --out DIR                      # the production kernels
+    python kernels/profile_flash_mhf_kernels.py --out DIR --kernels forward_triton gates_backward
 
-Each kernel is launched by ``kernels/tune_flash_mhf.py --profile`` under ``ncu --clock-control none`` (the GPU keeps
-its own clocks, as in the timings). Writes the raw metrics of each kernel (DIR/ncu_<kernel>.csv) and a summary of the
+The op's kernels run at the paper shape (B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16), launched by
+``kernels/tune_flash_mhf.py --profile``: on Hopper the production kernels are the Gluon ones (``forward``, ``rows``,
+``weights``), and the Triton kernels that run elsewhere are there too (``*_triton``). The layer's norm/gate kernels
+(``gates_forward``, ``gates_backward``) run at the 1.3B layer's shape (4 x 2048 tokens, 16 heads, E=15), launched by
+``kernels/tune_flash_mhf_layer.py --profile``. Everything runs under ``ncu --clock-control none`` (the GPU keeps its
+own clocks, as in the timings). Writes the raw metrics of each kernel (DIR/ncu_<kernel>.csv) and a summary of the
 metrics that say what limits them (DIR/ncu_summary.{json,md}): tensor-pipe activity, issue-slot use, shared-memory
 traffic, spills, and the stall reasons per issued instruction.
 """
@@ -22,12 +26,27 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# (kernel role, Triton kernel name, tuned configuration BLOCK_L,BLOCK_N,warps,stages)
-KERNELS = [
-    ("forward", "_forward_kernel", "128,64,8,3"),
-    ("rows", "_backward_rows_kernel", "128,64,8,3"),
-    ("weights", "_backward_weights_kernel", "128,64,8,2"),
-]
+OP_SHAPE = "B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16"
+GATES_SHAPE = "4 x 2048 tokens, H=16, d_h=128, E=15, bf16"
+# role -> (kernel name, the script and arguments that launch it, shape); the op's configuration tuples are those
+# tune_flash_mhf.py times (BLOCK_L,BLOCK_N,warps,stages; for the Gluon kernels, labels of their one launch shape)
+KERNELS = {
+    "forward": ("_warp_specialised_forward_kernel", ["tune_flash_mhf.py", "--profile", "forward:gluon:192,64,12,3"],
+                OP_SHAPE),
+    "rows": ("_rows_gradients_kernel", ["tune_flash_mhf.py", "--profile", "rows:gluon:128,64,8,3"], OP_SHAPE),
+    "weights": ("_weight_gradients_kernel", ["tune_flash_mhf.py", "--profile", "weights:gluon:128,64,8,2"], OP_SHAPE),
+    "forward_triton": ("_forward_kernel", ["tune_flash_mhf.py", "--profile", "forward:production:128,64,8,3"],
+                       OP_SHAPE),
+    "rows_triton": ("_backward_rows_kernel", ["tune_flash_mhf.py", "--profile", "rows:production:128,64,8,3"],
+                    OP_SHAPE),
+    "weights_triton": ("_backward_weights_kernel", ["tune_flash_mhf.py", "--profile", "weights:production:128,64,8,2"],
+                       OP_SHAPE),
+    "gates_forward": ("_queries_and_gates_kernel", ["tune_flash_mhf_layer.py", "--profile", "forward:1.3B"],
+                      GATES_SHAPE),
+    "gates_backward": ("_queries_and_gates_backward_kernel", ["tune_flash_mhf_layer.py", "--profile", "backward:1.3B"],
+                       GATES_SHAPE),
+}
+DEFAULT_KERNELS = ("forward", "rows", "weights", "gates_forward", "gates_backward")
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats",
             "Occupancy"]
 # metrics beyond the sections (only those the installed ncu knows are requested)
@@ -65,11 +84,12 @@ def read_raw(lines: list[str]) -> dict[str, str]:
     return dict(zip(header, values))
 
 
-def profile(ncu: str, role: str, kernel: str, config: str, metrics: list[str], out: str) -> dict[str, str]:
+def profile(ncu: str, role: str, metrics: list[str], out: str) -> dict[str, str]:
+    kernel, (script, *arguments), _ = KERNELS[role]
     command = [ncu, "--clock-control", "none", "-k", kernel, "--launch-skip", "1", "--launch-count", "1",
                *[arg for section in SECTIONS for arg in ("--section", section)],
                *(["--metrics", ",".join(metrics)] if metrics else []), "--csv", "--page", "raw",
-               sys.executable, os.path.join(HERE, "tune_flash_mhf.py"), "--profile", f"{role}:production:{config}"]
+               sys.executable, os.path.join(HERE, script), *arguments]
     run = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith('"')]
     path = os.path.join(out, f"ncu_{role}.csv")
@@ -91,12 +111,17 @@ def number(text: str) -> float | None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS), choices=list(KERNELS),
+                        help="which kernels (default: %(default)s)")
     parser.add_argument("--from-csv", action="store_true",
-                        help="only rebuild the summary from the ncu_<kernel>.csv files already in --out (no GPU)")
+                        help="only rebuild the summary from ncu_summary.json and the ncu_<kernel>.csv files already in "
+                        "--out (no GPU)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_csv:
-        device = json.load(open(os.path.join(args.out, "ncu_summary.json")))["device"]
+        with open(os.path.join(args.out, "ncu_summary.json")) as handle:
+            previous = json.load(handle)
+        device = previous["device"]
         ncu = metrics = None
     else:
         ncu = shutil.which("ncu")
@@ -108,15 +133,27 @@ def main():
 
         device = torch.cuda.get_device_name()
 
-    summary = {"device": device, "command": "python kernels/profile_flash_mhf_kernels.py",
-               "shape": "B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16", "kernels": {}}
-    for role, kernel, config in KERNELS:
+    roles = list(previous["kernels"]) if args.from_csv else list(dict.fromkeys(args.kernels))
+    summary = {"device": device, "command": "python kernels/profile_flash_mhf_kernels.py --kernels " + " ".join(roles),
+               "kernels": {}}
+    for role in roles:
+        csv_path = os.path.join(args.out, f"ncu_{role}.csv")
+        if args.from_csv and not os.path.exists(csv_path):  # (a summary kept without its raw metrics)
+            summary["kernels"][role] = previous["kernels"][role]
+            continue
         if args.from_csv:
-            with open(os.path.join(args.out, f"ncu_{role}.csv")) as handle:
+            with open(csv_path) as handle:
                 raw = read_raw([line.rstrip("\n") for line in handle if line.startswith('"')])
         else:
-            raw = profile(ncu, role, kernel, config, metrics, args.out)
-        row = {"config": config}
+            try:
+                raw = profile(ncu, role, metrics, args.out)
+            except RuntimeError as exc:  # one kernel's failure is a result; the others are still profiled
+                print(exc, flush=True)
+                raw = {"error": str(exc)[:500]}
+        kernel, launch, shape = KERNELS[role]
+        row = {"kernel": kernel, "launch": " ".join(launch), "shape": shape}
+        if "error" in raw:
+            row["error"] = raw["error"]
         for label, name in SUMMARY:
             value = number(raw.get(name))
             if value is not None:
@@ -129,17 +166,18 @@ def main():
         print(role, json.dumps(row), flush=True)
 
     labels = [label for label, _ in SUMMARY]
-    lines = [f"# Nsight Compute: FlashMHF kernels on {summary['device']}", "", summary["shape"] + "; `"
-             + summary["command"] + "`.", "", "| metric | " + " | ".join(r for r, _, _ in KERNELS) + " |",
-             "|---|" + "---|" * len(KERNELS)]
-    for label in ["config", *labels]:
-        cells = [summary["kernels"][role].get(label, "-") for role, _, _ in KERNELS]
-        lines.append(f"| {label} | " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells) + " |")
-    stalls = sorted({name for role, _, _ in KERNELS for name in summary["kernels"][role]["stalls per issued instruction"]})
+    lines = [f"# Nsight Compute: FlashMHF kernels on {summary['device']}", "", "`" + summary["command"] + "`.", "",
+             "| metric | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+    for label in ["kernel", "shape", *labels]:
+        cells = [summary["kernels"][role].get(label, "-") for role in roles]
+        text = [f"{c:.3g}" if isinstance(c, float) else str(c) for c in cells]
+        lines.append(f"| {label} | " + " | ".join(text) + " |")
+    stalls = sorted({name for role in roles for name in summary["kernels"][role]["stalls per issued instruction"]})
     for name in stalls:
-        cells = [summary["kernels"][role]["stalls per issued instruction"].get(name) for role, _, _ in KERNELS]
+        cells = [summary["kernels"][role]["stalls per issued instruction"].get(name) for role in roles]
         lines.append(f"| stall: {name} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
-    for name, text in (("ncu_summary.json", json.dumps(summary, indent=1)), ("ncu_summary.md", "\n".join(lines) + "\n")):
+    reports = (("ncu_summary.json", json.dumps(summary, indent=1)), ("ncu_summary.md", "\n".join(lines) + "\n"))
+    for name, text in reports:
         path = os.path.join(args.out, name)
         with open(path + ".tmp", "w") as handle:
             handle.write(text)

@@ -2,6 +2,7 @@
 370M and 1.3B training shapes (one GPU call).
 
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --out DIR      # DIR/flash_mhf_layer_tune.{json,md}
+    PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --profile backward:1.3B   # two production launches, for ncu
 
 For each shape it times the forward kernel (queries and gates from the input projection's output) and the backward
 kernel (their gradients), first across router-product precisions at the production launch, then across launch
@@ -30,9 +31,13 @@ EPS, GATE_EPS = 1e-5, 1e-6
 # (name, tokens, heads, head_dim, num_subnetworks): the presets' FlashMHF layers at their training batch (8 x 2048 and
 # 4 x 2048 tokens)
 SHAPES = [("370M", 8 * 2048, 8, 128, 7), ("1.3B", 4 * 2048, 16, 128, 15)]
-FORWARD_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in itertools.product((32, 64, 128), (4, 8))]
-BACKWARD_LAUNCHES = [{"block_t": t, "num_warps": w, "programs_per_sm": s}
-                     for t, w, s in itertools.product((32, 64), (4, 8), (2, 4, 8))]
+FORWARD_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in itertools.product((16, 32, 64, 128), (2, 4, 8))]
+# the backward loops over token blocks, so its software-pipelining depth (num_stages) is swept too; the router's
+# gradient either from q^T grad_logits or, transposed, from grad_logits^T q
+BACKWARD_LAUNCHES = [
+    {"block_t": t, "num_warps": w, "programs_per_sm": s, "num_stages": n, "router_grad_transposed": transposed}
+    for t, w, s, n, transposed in itertools.product((16, 32, 64), (2, 4), (2, 4, 8, 16), (1, 2, 3), (False, True))
+]
 TOLERANCE = 2e-2  # bf16 outputs against float64: a wrong kernel is off by O(1)
 PRODUCTION_PRECISION = layer.router_precision(torch.bfloat16)
 
@@ -118,27 +123,55 @@ def report(results: dict) -> str:
         lines += [f"## {shape} (copy of p: {copy_us:.1f} us)", ""]
         rows = [r for r in results["rows"] if r["shape"] == shape]
         lines += markdown_table(
-            ["kernel", "precision", "tokens/program", "warps", "programs/SM", "us", "rel. error"],
+            ["kernel", "precision", "tokens/program", "warps", "programs/SM", "stages", "router gradient", "us",
+             "rel. error"],
             [[r["kernel"], r["precision"], r["block_t"], r["num_warps"], r.get("programs_per_sm", "-"),
+              r.get("num_stages", "default"),
+              "-" if r["kernel"] == "forward" else ("transposed" if r.get("router_grad_transposed") else "q^T dl"),
               f"{r['us']:.1f}" if "us" in r else r.get("error", "-"),
               f"{r['rel_err']:.1e}" if "rel_err" in r else "-"] for r in rows])
         for role in ("forward", "backward"):
             timed = [r for r in rows if r["kernel"] == role and "us" in r]
             if timed:
                 best = min(timed, key=lambda r: r["us"])
+                extra = ""
+                if role == "backward":
+                    product = "transposed" if best.get("router_grad_transposed") else "q^T dl"
+                    extra = (f", {best['programs_per_sm']} programs/SM, {best.get('num_stages', 'default')} stages, "
+                             f"router gradient {product}")
                 lines.append(f"\nFastest {role}: {best['us']:.1f} us, {best['precision']}, "
-                             f"{best['block_t']} tokens, {best['num_warps']} warps"
-                             + (f", {best['programs_per_sm']} programs/SM" if role == "backward" else ""))
+                             f"{best['block_t']} tokens, {best['num_warps']} warps{extra}")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def profile(role: str, shape_name: str) -> None:
+    """Two launches of one kernel at its production settings (the first compiles; a profiler skips it)."""
+    shape = {s[0]: s for s in SHAPES}[shape_name]
+    _, tokens, heads, head_dim, num_subnetworks = shape
+    p, norm, router, grad_q, grad_r = inputs(tokens, heads, head_dim, num_subnetworks)
+    for _ in range(2):
+        if role == "forward":
+            layer.queries_and_gates(p, norm, router, head_dim, num_subnetworks, EPS, GATE_EPS)
+        else:
+            layer.queries_and_gates_backward(p, norm, router, grad_q, grad_r, head_dim, EPS, GATE_EPS)
+    torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--profile", choices=[f"{role}:{shape[0]}" for role in ("forward", "backward")
+                                              for shape in SHAPES],
+                        help="only launch one kernel twice at its production settings (for Nsight Compute)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this sweep times GPU kernels")
+    if args.profile:
+        profile(*args.profile.split(":"))
+        return 0
+    if not args.out:
+        parser.error("--out is required for the sweep")
     results = {"environment": environment(), "rows": [], "copy_us": {},
                "production": {"precision": PRODUCTION_PRECISION, "forward": layer.GATES_LAUNCH,
                               "backward": layer.GATES_BACKWARD_LAUNCH}}

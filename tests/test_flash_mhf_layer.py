@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_memffn import flash_mhf_op
+from hf_memffn import flash_mhf_layer_triton, flash_mhf_op
 from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_layer_path
 from hf_memffn.testing import tiny_config
 from triton_interpreter import DEVICE, ON_GPU, needs_kernels, run_under_interpreter
@@ -123,6 +123,39 @@ def test_triton_layer_matches_float64(case, dtype):
     assert path.startswith("fused layer"), path
     assert ("decode kernel" in path) == (tokens <= flash_mhf_op.DECODE_MAX_TOKENS), path
     check_layer(inputs, dtype, impl="triton")
+
+
+@needs_kernels
+@pytest.mark.parametrize("launch", [
+    pytest.param(dict(flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH), id="production"),
+    pytest.param({"block_t": 16, "num_warps": 2, "programs_per_sm": 1, "num_stages": 1,
+                  "router_grad_transposed": True}, id="16_tokens-transposed_router_gradient"),
+    pytest.param({"block_t": 32, "num_warps": 4, "programs_per_sm": 2, "num_stages": 3,
+                  "router_grad_transposed": False}, id="32_tokens-3_stages"),
+])
+def test_triton_gates_backward_launches_match_float64(launch):
+    """Every launch setting the tuning sweep times gives the norm/gate backward's float64 gradients (dP, norm weight,
+    router), also where the programs loop over several token blocks and the last block is ragged."""
+    batch, length, heads, head_dim, num_subnetworks = 2, 45, 3, 64, 5
+    generator = torch.Generator().manual_seed(3)
+    p = torch.randn(batch, length, heads * head_dim, generator=generator, dtype=torch.float64)
+    norm_weight = 1 + 0.2 * torch.randn(head_dim, generator=generator, dtype=torch.float64)
+    router = torch.randn(heads, head_dim, num_subnetworks, generator=generator, dtype=torch.float64) * head_dim**-0.5
+    grad_q = torch.randn(p.shape, generator=generator, dtype=torch.float64)
+    grad_r = 0.1 * torch.randn(batch, heads, length, num_subnetworks, generator=generator, dtype=torch.float64)
+    leaves = [t.clone().to(DEVICE).requires_grad_(True) for t in (p, norm_weight, router)]
+    x = leaves[0].view(batch, length, heads, head_dim)
+    q = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * leaves[1]
+    scores = torch.sigmoid(torch.einsum("blhd,hde->bhle", q, leaves[2]))
+    r = scores / (scores.sum(-1, keepdim=True) + GATE_EPS)
+    torch.autograd.backward([q, r], [grad_q.to(DEVICE).view_as(q), grad_r.to(DEVICE)])
+    grads = flash_mhf_layer_triton.queries_and_gates_backward(
+        p.to(DEVICE, torch.float32), norm_weight.to(DEVICE, torch.float32), router.to(DEVICE, torch.float32),
+        grad_q.to(DEVICE, torch.float32), grad_r.to(DEVICE, torch.float32), head_dim, EPS, GATE_EPS, launch=launch,
+        precision="ieee")
+    for name, grad, leaf in zip(("p", "norm", "router"), grads, leaves):
+        assert grad.shape == leaf.shape and grad.is_contiguous(), name
+        assert relative_error(grad, leaf.grad) < TOLERANCE[torch.float32], name
 
 
 @needs_kernels
