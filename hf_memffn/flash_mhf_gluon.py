@@ -47,7 +47,6 @@ the float64 reference.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -84,8 +83,6 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # than the Triton kernel on an H100 over two calls, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from
 # commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
-WEIGHTS_SCHEDULES = ("lockstep", "overlapped", "top_dv")
-WEIGHTS_SCHEDULE = "overlapped"  # which of the weight-gradient kernels runs
 HEAD_DIM = 128
 
 
@@ -269,289 +266,6 @@ if GLUON_AVAILABLE:
         gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
         gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
 
-
-    @gluon.jit
-    def _weight_gradients_overlapped_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):
-        """``_weight_gradients_kernel`` (same arguments, same products in the same order per element) with the
-        gradient products moved to where they overlap the warps' activation arithmetic: a row block's ``dV`` product
-        is issued once its hidden tile is written, before its activation gradients are computed, and its ``[dK | dU]``
-        product is queued behind the next row block's two activation products, so it runs while the warps compute the
-        next block's SiLU. The next row block's dO copy goes out once this block's activation products are done, its
-        q copy once the previous block's ``[dK | dU]`` product has read the q tile it replaces."""
-        dtype: gl.constexpr = q_desc.dtype
-        col0 = gl.program_id(0) * BLOCK_N
-        group = gl.program_id(1)
-        subnetwork = col0 // D_E
-
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        ku_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                            instr_shape=[16, 2 * BLOCK_N, 16])
-        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
-        zero_fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-
-        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
-        q_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        grad_out_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        hidden_tile = gl.allocate_shared_memory(dtype, [BLOCK_L, BLOCK_N], activation_layout)
-        grad_ku_tile = gl.allocate_shared_memory(
-            dtype, [BLOCK_L, 2 * BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_L, 2 * BLOCK_N], dtype))
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        weights_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        mbarrier.init(weights_ready, count=1)
-        # The first row block's [dK | dU] product is issued like every other one, behind a product of zeros: the
-        # activation-gradient tile and the q stage it reads start as zeros, so it adds exactly nothing.
-        q_stages.index(1).reshape([BLOCK_L, D_H]).store(gl.zeros([BLOCK_L, D_H], dtype, zero_fill_layout))
-        grad_out_stages.index(1).reshape([BLOCK_L, D_H]).store(gl.zeros([BLOCK_L, D_H], dtype, zero_fill_layout))
-        grad_ku_tile.store(gl.zeros([BLOCK_L, 2 * BLOCK_N], dtype, zero_fill_layout))
-        hidden_tile.store(gl.zeros([BLOCK_L, BLOCK_N], dtype, zero_fill_layout))
-        fence_async_shared()
-
-        weight_row = group * num_subnetworks * D_E + col0
-        mbarrier.expect(weights_ready, 3 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [weight_row, 0], weights_ready, ku_tile.slice(0, BLOCK_N))
-        _tma_load(u_desc, [weight_row, 0], weights_ready, ku_tile.slice(BLOCK_N, BLOCK_N))
-        _tma_load(v_desc, [weight_row, 0], weights_ready, v_tile)
-
-        blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
-        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
-        _load_row_block(q_desc, grad_out_desc, q_stages.index(0), grad_out_stages.index(0), ready.index(0), 0, group,
-                        blocks_per_sequence, group_size, BLOCK_L)
-        next_gate = _row_block_gates(R, 0, group, seq_len, blocks_per_sequence, group_size, num_heads,
-                                     num_subnetworks, subnetwork, BLOCK_L, row_layout)
-
-        zero_pre_activations = gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, ku_layout)
-        zero_activations = gl.zeros([BLOCK_L, BLOCK_N], gl.float32, acc_layout)
-        grad_ku = warpgroup_mma_init(gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout))  # [dK^T | dU^T]
-        grad_v = warpgroup_mma_init(gl.zeros([D_H, BLOCK_N], gl.float32, acc_layout))
-        _cta_barrier()  # both warp groups' zeros are written before either product reads them
-        mbarrier.wait(weights_ready, 0)
-        ku_t = ku_tile.permute([1, 0])
-        v_t = v_tile.permute([1, 0])
-
-        for row_block in range(num_row_blocks):
-            stage = row_block % 2
-            mbarrier.wait(ready.index(stage), (row_block // 2) & 1)
-            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
-            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
-            previous_q = q_stages.index(1 - stage).reshape([BLOCK_L, D_H])
-            gate = next_gate
-            next_gate = _row_block_gates(R, gl.minimum(row_block + 1, num_row_blocks - 1), group, seq_len,
-                                         blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork,
-                                         BLOCK_L, row_layout)
-
-            # queue: this block's pre-activations and dO V^T, then the previous block's dV and [dK | dU] products
-            previous_grad_out = grad_out_stages.index(1 - stage).reshape([BLOCK_L, D_H])
-            pre = warpgroup_mma(q, ku_t, zero_pre_activations, use_acc=False, is_async=True)
-            grad_hidden = warpgroup_mma(grad_out, v_t, zero_activations, use_acc=False, is_async=True)
-            grad_v = warpgroup_mma(previous_grad_out.permute([1, 0]), hidden_tile, grad_v, is_async=True)
-            grad_ku = warpgroup_mma(previous_q.permute([1, 0]), grad_ku_tile, grad_ku, is_async=True)
-            pre = warpgroup_mma_wait(3, deps=[pre])
-            gate_pre, up = pre.reshape([BLOCK_L, 2, BLOCK_N]).permute([0, 2, 1]).split()
-            gate_pre = gl.convert_layout(gate_pre, acc_layout, assert_trivial=True)
-            up = gl.convert_layout(up, acc_layout, assert_trivial=True)
-            sig = _fast_sigmoid(gate_pre)
-            silu = gate_pre * sig
-            silu_derivative = sig + silu * (1.0 - sig)
-            gate_2d = gate[:, None]
-            hidden = (silu * up * gate_2d).to(dtype)
-            up_silu_derivative = up * silu_derivative
-
-            # dO V^T and the previous block's dV product are done; once both warp groups are, the hidden tile and
-            # the previous dO stage are free
-            grad_hidden, grad_v = warpgroup_mma_wait(1, deps=[grad_hidden, grad_v])
-            grad_v = warpgroup_mma_init(grad_v)  # an accumulator again, as the loop carries it (no instruction)
-            _cta_barrier()
-            has_next = row_block + 1 < num_row_blocks
-            batch, head, position = _sequence_block(gl.minimum(row_block + 1, num_row_blocks - 1), group,
-                                                    blocks_per_sequence, group_size, BLOCK_L)
-            if has_next:
-                mbarrier.expect(ready.index(1 - stage), q_desc.block_type.nbytes + grad_out_desc.block_type.nbytes)
-                _tma_load(grad_out_desc, [batch, head, position, 0], ready.index(1 - stage),
-                          grad_out_stages.index(1 - stage))
-            hidden_tile.store(hidden)
-            grad_hidden = grad_hidden * gate_2d
-            grad_gate = (grad_hidden * up_silu_derivative).to(dtype)
-            grad_up = (grad_hidden * silu).to(dtype)
-
-            # the previous block's [dK | dU] product is done: the activation-gradient tile and the previous q stage
-            # are free
-            grad_ku = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[grad_ku]))
-            _cta_barrier()
-            if has_next:
-                _tma_load(q_desc, [batch, head, position, 0], ready.index(1 - stage), q_stages.index(1 - stage))
-            grad_ku_tile.slice(0, BLOCK_N, dim=1).store(grad_gate)
-            grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store(grad_up)
-            fence_async_shared()
-            _cta_barrier()
-
-        last_q = q_stages.index((num_row_blocks - 1) % 2).reshape([BLOCK_L, D_H])
-        last_grad_out = grad_out_stages.index((num_row_blocks - 1) % 2).reshape([BLOCK_L, D_H])
-        grad_v = warpgroup_mma(last_grad_out.permute([1, 0]), hidden_tile, grad_v, is_async=True)
-        grad_ku = warpgroup_mma(last_q.permute([1, 0]), grad_ku_tile, grad_ku, is_async=True)
-        grad_ku, grad_v = warpgroup_mma_wait(0, deps=[grad_ku, grad_v])
-        mbarrier.invalidate(ready.index(0))
-        mbarrier.invalidate(ready.index(1))
-        mbarrier.invalidate(weights_ready)
-
-        dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        offsets = (group.to(gl.int64) * num_subnetworks * D_E + col0 + cols)[None, :] * D_H + dims[:, None]
-        gl.store(DV + offsets, grad_v.to(DV.dtype.element_ty))
-        ku_dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, ku_layout))
-        ku_cols = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(0, ku_layout))
-        is_u = (ku_cols >= BLOCK_N)[None, :] & (ku_dims >= 0)[:, None]
-        ku_offsets = ((group.to(gl.int64) * num_subnetworks * D_E + col0 + ku_cols % BLOCK_N)[None, :] * D_H
-                      + ku_dims[:, None])
-        gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
-        gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
-
-    @gluon.jit
-    def _weight_gradients_top_dv_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):
-        """An alternative schedule of ``_weight_gradients_overlapped_kernel`` (timed against it): the previous row
-        block's dV product first in the queue, waited for with the pre-activations."""
-        dtype: gl.constexpr = q_desc.dtype
-        col0 = gl.program_id(0) * BLOCK_N
-        group = gl.program_id(1)
-        subnetwork = col0 // D_E
-
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        ku_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                            instr_shape=[16, 2 * BLOCK_N, 16])
-        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
-        zero_fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-
-        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
-        q_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        grad_out_stages = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        hidden_tile = gl.allocate_shared_memory(dtype, [BLOCK_L, BLOCK_N], activation_layout)
-        grad_ku_tile = gl.allocate_shared_memory(
-            dtype, [BLOCK_L, 2 * BLOCK_N], gl.NVMMASharedLayout.get_default_for([BLOCK_L, 2 * BLOCK_N], dtype))
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        weights_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(ready.index(0), count=1)
-        mbarrier.init(ready.index(1), count=1)
-        mbarrier.init(weights_ready, count=1)
-        # The first row block's [dK | dU] product is issued like every other one, behind a product of zeros: the
-        # activation-gradient tile and the q stage it reads start as zeros, so it adds exactly nothing.
-        q_stages.index(1).reshape([BLOCK_L, D_H]).store(gl.zeros([BLOCK_L, D_H], dtype, zero_fill_layout))
-        grad_out_stages.index(1).reshape([BLOCK_L, D_H]).store(gl.zeros([BLOCK_L, D_H], dtype, zero_fill_layout))
-        grad_ku_tile.store(gl.zeros([BLOCK_L, 2 * BLOCK_N], dtype, zero_fill_layout))
-        hidden_tile.store(gl.zeros([BLOCK_L, BLOCK_N], dtype, zero_fill_layout))
-        fence_async_shared()
-
-        weight_row = group * num_subnetworks * D_E + col0
-        mbarrier.expect(weights_ready, 3 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [weight_row, 0], weights_ready, ku_tile.slice(0, BLOCK_N))
-        _tma_load(u_desc, [weight_row, 0], weights_ready, ku_tile.slice(BLOCK_N, BLOCK_N))
-        _tma_load(v_desc, [weight_row, 0], weights_ready, v_tile)
-
-        blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
-        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
-        _load_row_block(q_desc, grad_out_desc, q_stages.index(0), grad_out_stages.index(0), ready.index(0), 0, group,
-                        blocks_per_sequence, group_size, BLOCK_L)
-        next_gate = _row_block_gates(R, 0, group, seq_len, blocks_per_sequence, group_size, num_heads,
-                                     num_subnetworks, subnetwork, BLOCK_L, row_layout)
-
-        zero_pre_activations = gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, ku_layout)
-        zero_activations = gl.zeros([BLOCK_L, BLOCK_N], gl.float32, acc_layout)
-        grad_ku = warpgroup_mma_init(gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout))  # [dK^T | dU^T]
-        grad_v = warpgroup_mma_init(gl.zeros([D_H, BLOCK_N], gl.float32, acc_layout))
-        _cta_barrier()  # both warp groups' zeros are written before either product reads them
-        mbarrier.wait(weights_ready, 0)
-        ku_t = ku_tile.permute([1, 0])
-        v_t = v_tile.permute([1, 0])
-
-        for row_block in range(num_row_blocks):
-            stage = row_block % 2
-            mbarrier.wait(ready.index(stage), (row_block // 2) & 1)
-            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
-            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
-            previous_q = q_stages.index(1 - stage).reshape([BLOCK_L, D_H])
-            gate = next_gate
-            next_gate = _row_block_gates(R, gl.minimum(row_block + 1, num_row_blocks - 1), group, seq_len,
-                                         blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork,
-                                         BLOCK_L, row_layout)
-
-            # queue: the previous block's dV product, this block's pre-activations and dO V^T, then the previous
-            # block's [dK | dU] product
-            previous_grad_out = grad_out_stages.index(1 - stage).reshape([BLOCK_L, D_H])
-            grad_v = warpgroup_mma(previous_grad_out.permute([1, 0]), hidden_tile, grad_v, is_async=True)
-            pre = warpgroup_mma(q, ku_t, zero_pre_activations, use_acc=False, is_async=True)
-            grad_hidden = warpgroup_mma(grad_out, v_t, zero_activations, use_acc=False, is_async=True)
-            grad_ku = warpgroup_mma(previous_q.permute([1, 0]), grad_ku_tile, grad_ku, is_async=True)
-            # done: the previous block's dV product (issued before these) and the pre-activations
-            pre, grad_v = warpgroup_mma_wait(2, deps=[pre, grad_v])
-            grad_v = warpgroup_mma_init(grad_v)
-            gate_pre, up = pre.reshape([BLOCK_L, 2, BLOCK_N]).permute([0, 2, 1]).split()
-            gate_pre = gl.convert_layout(gate_pre, acc_layout, assert_trivial=True)
-            up = gl.convert_layout(up, acc_layout, assert_trivial=True)
-            # both warp groups are past the previous dV product: its dO stage and the hidden tile are free
-            _cta_barrier()
-            has_next = row_block + 1 < num_row_blocks
-            batch, head, position = _sequence_block(gl.minimum(row_block + 1, num_row_blocks - 1), group,
-                                                    blocks_per_sequence, group_size, BLOCK_L)
-            if has_next:
-                mbarrier.expect(ready.index(1 - stage), q_desc.block_type.nbytes + grad_out_desc.block_type.nbytes)
-                _tma_load(grad_out_desc, [batch, head, position, 0], ready.index(1 - stage),
-                          grad_out_stages.index(1 - stage))
-
-            sig = _fast_sigmoid(gate_pre)
-            silu = gate_pre * sig
-            silu_derivative = sig + silu * (1.0 - sig)
-            gate_2d = gate[:, None]
-            hidden_tile.store((silu * up * gate_2d).to(dtype))
-            up_silu_derivative = up * silu_derivative
-            # this block's dO V^T and the previous block's [dK | dU] product (which read the previous q stage and
-            # the activation-gradient tile) are done
-            grad_hidden, grad_ku = warpgroup_mma_wait(0, deps=[grad_hidden, grad_ku])
-            grad_ku = warpgroup_mma_init(grad_ku)  # an accumulator again, as the loop carries it (no instruction)
-            fence_async_shared()
-            _cta_barrier()
-            if has_next:
-                _tma_load(q_desc, [batch, head, position, 0], ready.index(1 - stage), q_stages.index(1 - stage))
-
-            grad_hidden = grad_hidden * gate_2d
-            grad_ku_tile.slice(0, BLOCK_N, dim=1).store((grad_hidden * up_silu_derivative).to(dtype))
-            grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store((grad_hidden * silu).to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-
-        last_q = q_stages.index((num_row_blocks - 1) % 2).reshape([BLOCK_L, D_H])
-        last_grad_out = grad_out_stages.index((num_row_blocks - 1) % 2).reshape([BLOCK_L, D_H])
-        grad_v = warpgroup_mma(last_grad_out.permute([1, 0]), hidden_tile, grad_v, is_async=True)
-        grad_ku = warpgroup_mma(last_q.permute([1, 0]), grad_ku_tile, grad_ku, is_async=True)
-        grad_ku, grad_v = warpgroup_mma_wait(0, deps=[grad_ku, grad_v])
-        mbarrier.invalidate(ready.index(0))
-        mbarrier.invalidate(ready.index(1))
-        mbarrier.invalidate(weights_ready)
-
-        dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        offsets = (group.to(gl.int64) * num_subnetworks * D_E + col0 + cols)[None, :] * D_H + dims[:, None]
-        gl.store(DV + offsets, grad_v.to(DV.dtype.element_ty))
-        ku_dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, ku_layout))
-        ku_cols = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(0, ku_layout))
-        is_u = (ku_cols >= BLOCK_N)[None, :] & (ku_dims >= 0)[:, None]
-        ku_offsets = ((group.to(gl.int64) * num_subnetworks * D_E + col0 + ku_cols % BLOCK_N)[None, :] * D_H
-                      + ku_dims[:, None])
-        gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
-        gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
 
     @gluon.jit
     def _flat_row_coordinates(rows, group, seq_len, group_size):
@@ -857,19 +571,6 @@ if GLUON_AVAILABLE:
         ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, 24])
 
 
-@contextlib.contextmanager
-def weight_schedule(schedule: str):
-    """Within the block, ``schedule`` (one of ``WEIGHTS_SCHEDULES``) computes the weight gradients (benchmarks)."""
-    if schedule not in WEIGHTS_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is not one of {WEIGHTS_SCHEDULES}")
-    global WEIGHTS_SCHEDULE
-    before, WEIGHTS_SCHEDULE = WEIGHTS_SCHEDULE, schedule
-    try:
-        yield
-    finally:
-        WEIGHTS_SCHEDULE = before
-
-
 def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
     """``t``, or an aligned copy of it: a bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as
     strides (but the last). Both kernel modules build their tensor descriptors from it."""
@@ -910,7 +611,7 @@ def weight_descriptors(k, u, v):
     return tuple(descriptor(w) for w in (k, u, v))
 
 
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, schedule=None):
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): three tensors to
     write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the
@@ -924,10 +625,7 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, 
         return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
-    kernel = {"lockstep": _weight_gradients_kernel, "overlapped": _weight_gradients_overlapped_kernel,
-              "top_dv": _weight_gradients_top_dv_kernel}[
-        schedule or WEIGHTS_SCHEDULE]
-    compiled = kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
+    compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
@@ -984,9 +682,8 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    kernels = {"weights": _weight_gradients_kernel, "weights_overlapped": _weight_gradients_overlapped_kernel,
-               "weights_top_dv": _weight_gradients_top_dv_kernel,
-               "rows": _rows_gradients_kernel, "forward": _warp_specialised_forward_kernel}
+    kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
+               "forward": _warp_specialised_forward_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
@@ -999,7 +696,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
     fn = kernels[kernel]
     constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
-    if kernel.startswith("weights"):
+    if kernel == "weights":
         constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
@@ -1022,7 +719,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = "i32"
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
-    warps = NUM_WARPS if kernel.startswith("weights") else ROWS_WARPS
+    warps = NUM_WARPS if kernel == "weights" else ROWS_WARPS
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return {"shared_memory": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
             "compiled": compiled}

@@ -213,15 +213,18 @@ if TRITON_AVAILABLE:
 # ----------------------------------------------------------------------------------------------------------
 # Launchers. ``p``: the input projection's output [B, L, H * d_h]; the gates r are [B, H, L, E] as the op reads them.
 # ----------------------------------------------------------------------------------------------------------
-# How the norm/gate kernels are launched: tokens per program, warps, and (backward) programs per multiprocessor.
+# How the norm/gate kernels are launched: tokens per program, warps, and for the backward programs per
+# multiprocessor, software-pipelining stages and which product gives the router's gradient.
 # The router products run on the tensor cores in tf32 (float32 accumulation) for 16-bit layers, whose op multiplies
 # the queries rounded to 16 bits anyway (tf32 keeps 10 mantissa bits, bfloat16 7), and as float32 FMAs ("ieee") for
-# float32 layers. `kernels/tune_flash_mhf_layer.py` times the alternatives on a GPU (H100, 370M shape: forward 36 /
-# 53 / 65 us and backward 158 / 197 / 217 us for tf32 / ieee / tf32x3, against 27 us for a copy of the input).
+# float32 layers. `kernels/tune_flash_mhf_layer.py` times the alternatives on a GPU
+# (`kernels/results/models/h100_gate_kernels_tune_v2.md`, H100, 370M / 1.3B shapes, against 28 us for a copy of the
+# input): the forward 36.5 / 38.3 us in tf32 (ieee 53, tf32x3 65); the backward 104 / 107 us as launched here, 142 /
+# 138 us as launched before (PREVIOUS_GATES_BACKWARD_LAUNCH). Its router gradient is the transposed product
+# grad_logits^T q, which transposes the [tokens, E] gate tile instead of the [tokens, d_h] queries.
 GATES_LAUNCH = {"block_t": 32, "num_warps": 4}
 GATES_BACKWARD_LAUNCH = {"block_t": 16, "num_warps": 2, "programs_per_sm": 4, "num_stages": 3,
                          "router_grad_transposed": True}
-# what the backward ran with before the sweep of `kernels/results/models/h100_gate_kernels_tune_v2.md` (benchmarks)
 PREVIOUS_GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4,
                                   "router_grad_transposed": False}
 ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")

@@ -96,12 +96,12 @@ EXTRA_INPUTS_PER_LAYER = 3
 # them before `key_up_value`: the same kernels and values, two more inputs per layer (`split_subnetwork_weights`)
 # "flash_mhf_triton_forward": FlashMHFLlama with the op's forward on the Triton kernel where the warp-specialised Gluon
 # kernel would run (`flash_mhf_triton.gluon_kernels`)
-# "flash_mhf_previous_kernels": FlashMHFLlama with the weight-gradient kernel's lock-step schedule and the norm/gate
-# backward's previous launch (`flash_mhf_gluon.weight_schedule`, `flash_mhf_layer_triton.gates_backward_launch`)
+# "flash_mhf_previous_gate_launch": FlashMHFLlama with the norm/gate backward kernel launched as before its tf32 sweep
+# (`flash_mhf_layer_triton.gates_backward_launch`)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward",
-         "flash_mhf_previous_kernels")
+         "flash_mhf_previous_gate_launch")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -111,7 +111,7 @@ DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
 DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
-DISPLAY["flash_mhf_previous_kernels"] = "FlashMHFLlama, lock-step weight kernel and previous gate backward launch"
+DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,21 +267,17 @@ def training_step(model, ids, mode: str):
     return step
 
 
-KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_kernels")  # FlashMHFLlama run in a kernel context
+KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch")  # FlashMHFLlama in a kernel context
 
 
 def op_kernels(architecture: str):
     """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs."""
-    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton
+    from hf_memffn import flash_mhf_layer_triton, flash_mhf_triton
 
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
-    if architecture == "flash_mhf_previous_kernels":
-        context = contextlib.ExitStack()
-        context.enter_context(flash_mhf_gluon.weight_schedule("lockstep"))
-        context.enter_context(flash_mhf_layer_triton.gates_backward_launch(
-            flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH))
-        return context
+    if architecture == "flash_mhf_previous_gate_launch":
+        return flash_mhf_layer_triton.gates_backward_launch(flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH)
     return contextlib.nullcontext()
 
 
@@ -656,7 +652,7 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
 
 # the same module, timed in the op_kernels context of an architecture
 LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_triton_forward",
-                 "FlashMHF, lock-step weight kernel, previous gate backward launch": "flash_mhf_previous_kernels"}
+                 "FlashMHF, the norm/gate backward's previous launch": "flash_mhf_previous_gate_launch"}
 
 
 def layer_rows(size: str, device: str) -> list[dict]:

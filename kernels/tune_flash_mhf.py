@@ -51,10 +51,6 @@ VARIANTS = {
     # rows and 64 columns per block; forward: 192 rows in three warp groups, 64 columns); the configuration tuples
     # below only label them
     ("weights", "gluon"): (None, {"GLUON": True}),
-    # the weight kernel's schedules (flash_mhf_gluon.WEIGHTS_SCHEDULE): "gluon" runs the one in production
-    ("weights", "gluon_lockstep"): (None, {"GLUON": True, "SCHEDULE": "lockstep"}),
-    ("weights", "gluon_overlapped"): (None, {"GLUON": True, "SCHEDULE": "overlapped"}),
-    ("weights", "gluon_top_dv"): (None, {"GLUON": True, "SCHEDULE": "top_dv"}),
     ("rows", "gluon"): (None, {"GLUON": True}),
     ("forward", "gluon"): (None, {"GLUON": True}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
@@ -86,9 +82,6 @@ CANDIDATES = [
     ("rows", "gluon", (128, 64, 8, 3)),
     ("weights", "production", (128, 64, 8, 2)),
     ("weights", "gluon", (128, 64, 8, 2)),
-    ("weights", "gluon_lockstep", (128, 64, 8, 2)),
-    ("weights", "gluon_overlapped", (128, 64, 8, 2)),
-    ("weights", "gluon_top_dv", (128, 64, 8, 2)),
     ("weights", "production", (128, 32, 8, 3)),
     ("weights", "production", (64, 32, 4, 2)),
     ("weights", "pointers", (128, 64, 8, 2)),
@@ -151,7 +144,7 @@ class Problem:
                                                                 outputs=outs)[2]
         if switches.get("GLUON"):
             return lambda: flash_mhf_gluon.gluon_weight_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
-                                                                  outputs=outs, schedule=switches.get("SCHEDULE"))[3]
+                                                                  outputs=outs)[3]
         fn = kernel()
         meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **switches)
         p, q, k, u, v, r, grad = self.p, self.q, self.k, self.u, self.v, self.r, self.grad

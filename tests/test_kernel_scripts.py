@@ -179,7 +179,7 @@ def test_model_benchmark_training_modes_and_bad_tasks():
 def test_kernel_families_and_the_op_kernels_a_row_runs():
     """A profile's kernels by family (the decoder's `_rms_norm_forward_kernel` is not the op's forward), and the
     `flash_mhf_triton_forward` row, which keeps the op's forward off the Gluon kernel for its measurement only."""
-    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton
+    from hf_memffn import flash_mhf_layer_triton, flash_mhf_triton
 
     sys.path.insert(0, KERNELS)
     try:
@@ -194,15 +194,11 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     with bench_models.op_kernels("flash_mhf"):
         assert flash_mhf_triton._gluon_roles == set(flash_mhf_triton.GLUON_ROLES)
     assert flash_mhf_triton._gluon_roles == set(flash_mhf_triton.GLUON_ROLES)
-    # the row of the kernels before the overlapped weight schedule and the tuned norm/gate backward
-    schedule, launch = flash_mhf_gluon.WEIGHTS_SCHEDULE, flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH
-    with bench_models.op_kernels("flash_mhf_previous_kernels"):
-        assert flash_mhf_gluon.WEIGHTS_SCHEDULE == "lockstep"
+    # the row of the norm/gate backward as it was launched before its tf32 sweep
+    launch = flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH
+    with bench_models.op_kernels("flash_mhf_previous_gate_launch"):
         assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH
-    assert (flash_mhf_gluon.WEIGHTS_SCHEDULE, flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH) == (schedule, launch)
-    with pytest.raises(ValueError, match="is not one of"):
-        with flash_mhf_gluon.weight_schedule("eager"):
-            pass
+    assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == launch
     with pytest.raises(ValueError, match="expected some of forward, rows, weights"):
         with flash_mhf_triton.gluon_kernels("backward"):
             pass
