@@ -139,9 +139,54 @@ class MemFFNRotaryEmbedding(nn.Module):
     @torch.no_grad()
     @dynamic_rope_update
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+        inv_freq, scaling = self.inv_freq.to(device=x.device, dtype=torch.float), float(self.attention_scaling)
+        if ROTARY_TABLES_OPERATOR and torch.compiler.is_dynamo_compiling() and position_ids.shape[-1] > 1:
+            # Left as PyTorch operations in a compiled graph, cos and sin are recomputed for every element inside each
+            # layer's rotary kernel, forward and backward (inductor inlines cheap-looking producers into all their
+            # consumers): the operator computes the tables once per forward and the rotations only read them. (A
+            # decoding step's one position per sequence costs nothing to recompute; it keeps its fused kernels.)
+            # (Under Dynamo only: torch.compile and strict torch.export. Non-strict export, which ONNX export tries
+            # first, keeps the PyTorch operations; torch 2.11's Dynamo answers True to is_exporting() in torch.compile
+            # too, so that cannot tell the two apart.)
+            return _ROTARY_TABLES(position_ids, inv_freq, scaling, x.dtype)
+        return rotary_tables(position_ids, inv_freq, scaling, x.dtype)
+
+
+def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [*position_ids.shape, 2 * len(inv_freq)] in ``dtype`` for float32 inverse frequencies."""
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+# The namespace of the fused FlashMHF operators (`flash_mhf_op.OP_NAMESPACE`, which tests check this agrees with): an
+# operator already registered under this name comes from another copy of this file (a checkpoint's remote code).
+ROTARY_TABLES_OP = "memffn_v1::rotary_tables"
+ROTARY_TABLES_OPERATOR = True  # False: compiled graphs keep the tables' PyTorch operations (benchmarks compare both)
+
+
+def _register_rotary_tables():
+    namespace, name = ROTARY_TABLES_OP.split("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op(ROTARY_TABLES_OP, mutates_args=())
+    def rotary_tables_op(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(position_ids, inv_freq, scaling, dtype)
+
+    @rotary_tables_op.register_fake
+    def _(position_ids, inv_freq, scaling, dtype):
+        shape = (*position_ids.shape, 2 * inv_freq.shape[-1])
+        return (position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype))
+
+    return rotary_tables_op
+
+
+_ROTARY_TABLES = _register_rotary_tables()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,12 @@ EXTRA_INPUTS_PER_LAYER = 3
 # kernel would run (`flash_mhf_triton.gluon_kernels`)
 # "flash_mhf_previous_gate_launch": FlashMHFLlama with the norm/gate backward kernel launched as before its tf32 sweep
 # (`flash_mhf_layer_triton.gates_backward_launch`)
+# "flash_mhf_inline_rotary_tables": FlashMHFLlama whose compiled graph keeps the rotary tables' PyTorch operations,
+# which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward",
-         "flash_mhf_previous_gate_launch")
+         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -112,6 +114,7 @@ DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LA
 DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
+DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,7 +270,8 @@ def training_step(model, ids, mode: str):
     return step
 
 
-KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch")  # FlashMHFLlama in a kernel context
+# FlashMHFLlama measured in a context of its own (op_kernels)
+KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables")
 
 
 def op_kernels(architecture: str):
@@ -278,7 +282,21 @@ def op_kernels(architecture: str):
         return flash_mhf_triton.gluon_kernels("rows", "weights")
     if architecture == "flash_mhf_previous_gate_launch":
         return flash_mhf_layer_triton.gates_backward_launch(flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH)
+    if architecture == "flash_mhf_inline_rotary_tables":
+        return inline_rotary_tables()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def inline_rotary_tables():
+    """Compiled graphs traced within the block keep the rotary tables' PyTorch operations."""
+    from hf_memffn import modeling_memffn
+
+    before, modeling_memffn.ROTARY_TABLES_OPERATOR = modeling_memffn.ROTARY_TABLES_OPERATOR, False
+    try:
+        yield
+    finally:
+        modeling_memffn.ROTARY_TABLES_OPERATOR = before
 
 
 def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:

@@ -6,7 +6,9 @@
 
 For each shape it times the forward kernel (queries and gates from the input projection's output) and the backward
 kernel (their gradients), first across router-product precisions at the production launch, then across launch
-settings (tokens per program, warps, programs per multiprocessor) at the production precision. Every candidate's
+settings at the production precision (tokens per program and warps; for the backward also programs per
+multiprocessor, software-pipelining stages, and whether the router's gradient is the product q^T dl or, transposed,
+dl^T q). Every candidate's
 outputs are checked against a float64 PyTorch computation of the same maths before it is timed; a candidate that
 fails to compile or to match is reported, not timed. A copy of the kernel's input (`p.clone()`) is timed beside them:
 both kernels read and write about that many bytes (the backward twice), so it is their floor.

@@ -199,6 +199,11 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     with bench_models.op_kernels("flash_mhf_previous_gate_launch"):
         assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH
     assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == launch
+    from hf_memffn import modeling_memffn
+
+    with bench_models.op_kernels("flash_mhf_inline_rotary_tables"):
+        assert not modeling_memffn.ROTARY_TABLES_OPERATOR
+    assert modeling_memffn.ROTARY_TABLES_OPERATOR
     with pytest.raises(ValueError, match="expected some of forward, rows, weights"):
         with flash_mhf_triton.gluon_kernels("backward"):
             pass

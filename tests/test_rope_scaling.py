@@ -3,6 +3,8 @@ decoder, so with the same weights and the same `rope_parameters` its logits must
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
@@ -72,3 +74,27 @@ def test_rope_theta_in_parameters_wins_and_is_mirrored():
 def test_unsupported_or_incomplete_rope_is_refused(rope):
     with pytest.raises(ValueError, match="rope"):
         tiny_config("flash_mhf", rope_parameters=rope)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_compiled_model_computes_the_rotary_tables_once(rope_type):
+    """Under torch.compile the cos/sin tables come from one operator call per forward: the rotations only read them
+    (left as PyTorch operations, inductor recomputed cos and sin inside every layer's rotary kernel). The compiled
+    logits equal the eager ones, with a scaled RoPE too."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_memffn import flash_mhf_op, modeling_memffn
+
+    assert modeling_memffn.ROTARY_TABLES_OP.split("::")[0] == flash_mhf_op.OP_NAMESPACE
+    torch.manual_seed(0)
+    _, model = llama_and_ours(None if rope_type == "default" else ROPE_SCALINGS[rope_type],
+                              decoder_kernels="torch")
+    ids = torch.randint(3, 320, (2, 20))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(ids).logits
+        got, codes = run_and_get_code(torch.compile(model), ids)
+    torch.testing.assert_close(got.logits, expected, rtol=1e-4, atol=1e-4)
+    code = "\n".join(codes)
+    assert "rotary_tables" in code
+    assert not re.search(r"\b(cos|sin)\(", code), "a generated kernel computes cos or sin"
