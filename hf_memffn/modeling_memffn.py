@@ -143,11 +143,11 @@ class MemFFNRotaryEmbedding(nn.Module):
         if ROTARY_TABLES_OPERATOR and torch.compiler.is_dynamo_compiling() and position_ids.shape[-1] > 1:
             # Left as PyTorch operations in a compiled graph, cos and sin are recomputed for every element inside each
             # layer's rotary kernel, forward and backward (inductor inlines cheap-looking producers into all their
-            # consumers): the operator computes the tables once per forward and the rotations only read them. (A
-            # decoding step's one position per sequence costs nothing to recompute; it keeps its fused kernels.)
-            # (Under Dynamo only: torch.compile and strict torch.export. Non-strict export, which ONNX export tries
-            # first, keeps the PyTorch operations; torch 2.11's Dynamo answers True to is_exporting() in torch.compile
-            # too, so that cannot tell the two apart.)
+            # consumers): the operator computes the tables once per forward and the rotations only read them.
+            # Dynamo only (torch.compile, strict torch.export): eager steps and non-strict export, which ONNX export
+            # tries first, keep the PyTorch operations (torch 2.11's Dynamo answers True to is_exporting() inside
+            # torch.compile too, so that call cannot tell them apart), and so does a decoding step, whose one
+            # position per sequence costs nothing to recompute.
             return _ROTARY_TABLES(position_ids, inv_freq, scaling, x.dtype)
         return rotary_tables(position_ids, inv_freq, scaling, x.dtype)
 
