@@ -25,6 +25,9 @@ SHAPES = [
     pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
 ]
 
+# the forward and dq/dr tests also run five sub-networks of 192 units
+SHAPES_WITH_E5 = SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")]
+
 
 def relative_error(actual, expected):
     actual, expected = actual.double(), expected.double()
@@ -69,7 +72,7 @@ def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, n
 
 @needs_hopper
 @pytest.mark.parametrize(
-    SHAPE_FIELDS, SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")])
+    SHAPE_FIELDS, SHAPES_WITH_E5)
 def test_gluon_forward_matches_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
     q, k, u, v, r, _ = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
                                     seed=seq_len + 2)
@@ -81,7 +84,7 @@ def test_gluon_forward_matches_float64(batch, heads, seq_len, kv_heads, num_subn
 
 @needs_hopper
 @pytest.mark.parametrize(
-    SHAPE_FIELDS, SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")])
+    SHAPE_FIELDS, SHAPES_WITH_E5)
 def test_gluon_row_gradients_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype):
     q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
                                            seed=seq_len + 1)
