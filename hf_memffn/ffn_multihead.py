@@ -185,8 +185,9 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     backward (`path_description()` says which path runs). The sub-network weights `key`, `up`, `value`,
     [ffn_num_kv_heads, E, subnetwork_size, d_h] each, are the thirds of one parameter `key_up_value`
     [3 * ffn_num_kv_heads, E, subnetwork_size, d_h] (contiguous views): a compiled decoding step pays host time per
-    parameter tensor it reads. Checkpoints store them as three tensors `key`, `up`, `value` (see
-    `SUBNETWORK_WEIGHTS_CONVERSION`). Groups of heads share them like grouped-query attention.
+    parameter tensor it reads, and the layer's backward writes the three gradients into one tensor. Checkpoints
+    store them as three tensors `key`, `up`, `value` (see `SUBNETWORK_WEIGHTS_CONVERSION`). Groups of heads share
+    them like grouped-query attention.
     With `ffn_variant="mh_ffn"` there is a single sub-network and no router (the naive multi-head FFN).
     With `ffn_recompute_chunk_tokens` > 0 the module keeps only its input for the backward pass and recomputes its
     activations chunk by chunk (see `recompute_in_token_chunks`).
@@ -211,8 +212,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self._path_logged = False
 
     def subnetwork_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(key, up, value), contiguous views of `key_up_value`: one autograd node, whose backward concatenates their
-        gradients."""
+        """(key, up, value), contiguous views of `key_up_value` (the layer itself takes `key_up_value` whole, and its
+        backward writes the three gradients into one tensor)."""
         return self.key_up_value.chunk(3)
 
     @property
@@ -255,8 +256,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
             self._path_logged = True
         norm_weight = self.query_norm.weight if self.query_norm is not None else None
         eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
-        key, up, value = self.subnetwork_weights()
-        heads = flash_mhf_layer(projected, norm_weight, self.router, key, up, value, eps=eps,
+        heads = flash_mhf_layer(projected, norm_weight, self.router, self.key_up_value, eps=eps,
                                 gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
         return self.out_proj(heads) if self.out_proj is not None else heads
 

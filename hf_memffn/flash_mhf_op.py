@@ -15,7 +15,7 @@ Two implementations compute the same function, behind one entry point :func:`fla
   anything alive from the forward pass.
 
 ``"auto"`` picks Triton for CUDA tensors and the reference for CPU tensors; a CUDA tensor never falls back
-silently. Both run through the custom operators ``memffn_v1::flash_mhf`` / ``memffn_v1::flash_mhf_backward``,
+silently. Both run through the custom operators ``memffn_v2::flash_mhf`` / ``memffn_v2::flash_mhf_backward``,
 so ``torch.compile`` traces them without a graph break and ``torch.library.opcheck`` applies.
 """
 
@@ -62,8 +62,9 @@ __all__ = [
 ]
 
 # Version of the operator namespace: bump it whenever the operators' schema or semantics change, so two copies
-# of this file loaded from different checkpoints never register conflicting definitions under one name.
-OP_NAMESPACE = "memffn_v1"
+# of this file loaded from different checkpoints never register conflicting definitions under one name (v2: the fused
+# layer takes key, up and value as one stacked tensor and returns its gradient as one).
+OP_NAMESPACE = "memffn_v2"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 IMPLEMENTATIONS = ("auto", "triton", "torch")
 # The reference path processes this many sub-network columns at a time (at most; chunks never straddle two
@@ -393,8 +394,9 @@ def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, ep
     return heads.transpose(1, 2).reshape(batch, length, width)
 
 
-def _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+def _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps):
     batch, length, width = p.shape
+    k, u, v = weights.chunk(3)
     if batch * length <= DECODE_MAX_TOKENS:
         return decode_forward(p, norm_weight, router, k, u, v, eps, gate_eps)
     q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
@@ -402,61 +404,65 @@ def _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps
     return heads.transpose(1, 2).reshape(batch, length, width)  # heads has q's layout: a view
 
 
-def _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
     batch, length, width = p.shape
+    k, u, v = weights.chunk(3)
     q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
 
     def heads(t):  # [B, L, H * d_h] -> a [B, H, L, d_h] view
         return t.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
 
-    grad_q, grad_k, grad_u, grad_v, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r)
+    # the kernels write dK, dU, dV into the thirds of one buffer: the gradient of `weights`, with no concatenation
+    grad_weights = torch.empty_like(weights)
+    grad_q, _, _, _, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r,
+                                              weight_grads=grad_weights.chunk(3))
     grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
     grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim, eps,
                                                                 gate_eps)
     # each gradient in the layout the backward operator's fake kernel promises a compiled graph (no copy where it is)
     return tuple(None if g is None else _in_layout_of(t, g) for t, g in zip(
-        (p, norm_weight, router, k, u, v), (grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v)))
+        (p, norm_weight, router, weights), (grad_p, grad_norm, grad_router, grad_weights)))
 
 
 def _register_layer_ops():
     forward_name, backward_name = f"{OP_NAMESPACE}::flash_mhf_layer", f"{OP_NAMESPACE}::flash_mhf_layer_backward"
 
     @torch.library.custom_op(forward_name, mutates_args=())
-    def layer_op(p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None, k: torch.Tensor,
-                 u: torch.Tensor, v: torch.Tensor, head_dim: int, eps: float, gate_eps: float) -> torch.Tensor:
-        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    def layer_op(p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
+                 weights: torch.Tensor, head_dim: int, eps: float, gate_eps: float) -> torch.Tensor:
+        return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)
 
     @layer_op.register_fake
-    def _(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    def _(p, norm_weight, router, weights, head_dim, eps, gate_eps):
         return torch.empty_like(p)
 
     @torch.library.custom_op(backward_name, mutates_args=())
     def layer_backward_op(
         grad_out: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
-        k: torch.Tensor, u: torch.Tensor, v: torch.Tensor, head_dim: int, eps: float, gate_eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        grads = _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+        weights: torch.Tensor, head_dim: int, eps: float, gate_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps)
         # a custom op returns tensors: an empty one stands for the gradient of an absent norm weight or router
         return tuple(p.new_empty(0) if g is None else g for g in grads)
 
     @layer_backward_op.register_fake
-    def _(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    def _(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
         optional = [p.new_empty(0) if t is None else torch.empty_like(t) for t in (norm_weight, router)]
-        return (torch.empty_like(p), *optional, *(torch.empty_like(t) for t in (k, u, v)))
+        return (torch.empty_like(p), *optional, torch.empty_like(weights))
 
     def setup_context(ctx, inputs, output):
-        p, norm_weight, router, k, u, v, head_dim, eps, gate_eps = inputs
-        ctx.save_for_backward(p, norm_weight, router, k, u, v)
+        p, norm_weight, router, weights, head_dim, eps, gate_eps = inputs
+        ctx.save_for_backward(p, norm_weight, router, weights)
         ctx.settings = (head_dim, eps, gate_eps)
 
     def backward(ctx, grad_out):
-        p, norm_weight, router, k, u, v = ctx.saved_tensors
-        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward(grad_out, p, norm_weight, router, k, u, v,
+        p, norm_weight, router, weights = ctx.saved_tensors
+        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward(grad_out, p, norm_weight, router, weights,
                                                                            *ctx.settings)
-        grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v = grads
+        grad_p, grad_norm, grad_router, grad_weights = grads
         grad_norm = None if norm_weight is None else grad_norm
         grad_router = None if router is None else grad_router
-        return grad_p, grad_norm, grad_router, grad_k, grad_u, grad_v, None, None, None
+        return grad_p, grad_norm, grad_router, grad_weights, None, None, None
 
     layer_op.register_autograd(backward, setup_context=setup_context)
 
@@ -472,15 +478,15 @@ class _EagerLayer(torch.autograd.Function):
     layer's GPU work at the 370M shape."""
 
     @staticmethod
-    def forward(ctx, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
-        ctx.save_for_backward(p, norm_weight, router, k, u, v)
+    def forward(ctx, p, norm_weight, router, weights, head_dim, eps, gate_eps):
+        ctx.save_for_backward(p, norm_weight, router, weights)
         ctx.settings = (head_dim, eps, gate_eps)
-        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+        return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)
 
     @staticmethod
     def backward(ctx, grad_out):
-        p, norm_weight, router, k, u, v = ctx.saved_tensors
-        grads = _layer_backward_impl(grad_out, p, norm_weight, router, k, u, v, *ctx.settings)
+        p, norm_weight, router, weights = ctx.saved_tensors
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings)
         return (*grads, None, None, None)
 
 
@@ -503,7 +509,8 @@ def _fused_layer_reason_for(device, dtype, head_dim: int, subnetwork_size: int, 
 
 
 def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True) -> str:
-    """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and weights ``k``, as one line."""
+    """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and sub-network weights ``k`` (the key, or all
+    three stacked: only their last two sizes count), as one line."""
     reason = _fused_layer_unsupported_reason(p, k, impl) if fused else "fusion switched off"
     queries = p.new_empty(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
     if reason is not None:
@@ -515,8 +522,8 @@ def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto"
 
 
 def flash_mhf_layer(
-    p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None, k: torch.Tensor,
-    u: torch.Tensor, v: torch.Tensor, *, eps: float, gate_eps: float, impl: str = "auto", fused: bool = True,
+    p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None, weights: torch.Tensor, *,
+    eps: float, gate_eps: float, impl: str = "auto", fused: bool = True,
 ) -> torch.Tensor:
     """The FlashMHF FFN layer between its projections, ``[B, L, H * d_h] -> [B, L, H * d_h]``. Per head ``h``, with
     ``p_h`` the head's slice of ``p``:
@@ -525,25 +532,29 @@ def flash_mhf_layer(
         r = sigmoid(q router_h) / (sum_E sigmoid(q router_h) + gate_eps)   (float32; r = 1 when router is None)
         o_h = flash_mhf(q in p's dtype, k, u, v, r)
 
-    ``norm_weight`` [d_h], ``router`` [H, d_h, E], ``k, u, v`` [H_kv, E, d_e, d_h] (cast to ``p``'s dtype).
-    On the Triton path the norm and the gates are computed by kernels, forward and backward (``fused=False`` runs
-    them as PyTorch operations around the op, the reference); :func:`flash_mhf_layer_path` says which path runs.
+    ``norm_weight`` [d_h], ``router`` [H, d_h, E], ``weights`` [3 * H_kv, E, d_e, d_h]: ``k, u, v`` stacked (its
+    thirds; cast to ``p``'s dtype). On the Triton path the norm and the gates are computed by kernels, forward and
+    backward, and the backward writes the three weight gradients into one tensor (``fused=False`` runs the norm and
+    the gates as PyTorch operations around the op, the reference); :func:`flash_mhf_layer_path` says which path runs.
     """
     if p.dim() != 3:
         raise ValueError(f"p must be [batch, seq_len, heads * head_dim]; got shape {tuple(p.shape)}")
-    head_dim = k.shape[-1]
+    if weights.dim() != 4 or weights.shape[0] % 3:
+        raise ValueError("weights must be [3 * kv_heads, num_subnetworks, subnetwork_size, head_dim] (key, up and "
+                         f"value stacked); got shape {tuple(weights.shape)}")
+    head_dim = weights.shape[-1]
     if p.shape[-1] % head_dim:
         raise ValueError(f"p's last dimension {p.shape[-1]} must be a multiple of head_dim={head_dim}")
-    if k.dtype != p.dtype:  # (a cast that changes nothing still costs a call per weight and layer)
-        k, u, v = (w.to(p.dtype) for w in (k, u, v))
-    if not fused or _fused_layer_unsupported_reason(p, k, impl) is not None:
-        return flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps,
+    # (a cast or copy that changes nothing still costs a call per layer)
+    weights = weights.to(p.dtype) if weights.dtype != p.dtype else weights.contiguous()
+    if not fused or _fused_layer_unsupported_reason(p, weights, impl) is not None:
+        return flash_mhf_layer_reference(p, norm_weight, router, *weights.chunk(3), head_dim, eps, gate_eps,
                                          impl=_resolve_impl(p, impl))
     p = p.contiguous()
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (p, norm_weight, router, k, u, v))
+        t is not None and t.requires_grad for t in (p, norm_weight, router, weights))
     if torch.compiler.is_compiling():
-        return _layer_op(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+        return _layer_op(p, norm_weight, router, weights, head_dim, eps, gate_eps)
     if not needs_grad:  # inference: the kernels directly, no autograd node
-        return _layer_forward_impl(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
-    return _EagerLayer.apply(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+        return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)
+    return _EagerLayer.apply(p, norm_weight, router, weights, head_dim, eps, gate_eps)

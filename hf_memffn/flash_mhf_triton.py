@@ -734,11 +734,14 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     return out
 
 
-def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None):
+def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int | None = None,
+                    descriptors: bool | None = None):
     """Gradients (dq, dk, du, dv, dr) from the two backward kernels; dq has q's layout, dr is contiguous.
 
-    ``splits`` (tests only) forces the split variant of the weight-gradient kernel; ``descriptors`` (tests only)
-    forces or forbids its tensor-descriptor reads of q and dO.
+    ``weight_grads``: three contiguous tensors shaped and typed like k, u, v that receive dk, du, dv (and are
+    returned), e.g. the thirds of one gradient buffer; new tensors when None. ``splits`` (tests only) forces the split
+    variant of the weight-gradient kernel; ``descriptors`` (tests only) forces or forbids its tensor-descriptor reads
+    of q and dO.
     """
     q = _rows_dense(q)
     grad_out = _rows_dense(grad_out.to(q.dtype))
@@ -746,8 +749,13 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
     p = _problem(q, k)
     grad_q = torch.empty_like(q)
     grad_r = torch.empty_like(r)
+    if weight_grads is None:
+        weight_grads = [torch.empty_like(w) for w in (k, u, v)]
+    elif any(g.shape != w.shape or g.dtype != w.dtype or not g.is_contiguous()
+             for g, w in zip(weight_grads, (k, u, v))):
+        raise ValueError("weight_grads must be three contiguous tensors with the shapes and dtypes of k, u and v")
     if p["total_rows"] == 0:
-        return grad_q.zero_(), torch.zeros_like(k), torch.zeros_like(u), torch.zeros_like(v), grad_r.zero_()
+        return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
     flags = _kernel_flags(q.dtype)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
     strides = (*_row_strides(q), *_row_strides(grad_out))
@@ -779,7 +787,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
     # dk, du, dv: the Gluon kernel on Hopper where it applies (weight_gradient_kernel), otherwise one Triton program
     # per column block (and per share of the rows when there are few column blocks)
     if weights_kernel == "gluon":
-        grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r, weights=gluon_weights)
+        grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=weight_grads,
+                                                            weights=gluon_weights)
         return grad_q, grad_k, grad_u, grad_v, grad_r
     fixed = _fixed_config("weights", p)
     constants["TENSOR_DESCRIPTORS"] = use_descriptors = _use_tensor_descriptors(q.device, descriptors)
@@ -790,7 +799,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
     if splits is None:
         splits = _auto_splits(column_blocks * p["kv_heads"], triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), q.device)
     if splits == 1 and _autotuned(p):
-        grad_k, grad_u, grad_v = (torch.empty_like(w) for w in (k, u, v))
+        grad_k, grad_u, grad_v = weight_grads
 
         def weights_grid(meta):
             return (p["num_subnetworks"] * p["subnetwork_size"] // meta["BLOCK_N"], p["kv_heads"], 1)
@@ -804,13 +813,15 @@ def triton_backward(grad_out, q, k, u, v, r, *, splits: int | None = None, descr
         return grad_q, grad_k, grad_u, grad_v, grad_r
 
     accumulate = splits > 1
-    if accumulate:
+    if accumulate:  # float32 partial sums, added up by the programs that share a column block
         targets = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(3)]
     else:
-        targets = [torch.empty_like(w) for w in (k, u, v)]
+        targets = weight_grads
     _backward_weights_kernel[(column_blocks, p["kv_heads"], splits)](
         q_rows, k, u, v, r, grad_out_rows, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate,
         **fixed, **constants
     )
-    grad_k, grad_u, grad_v = (t.to(k.dtype) for t in targets)
-    return grad_q, grad_k, grad_u, grad_v, grad_r
+    if accumulate:
+        for grad, target in zip(weight_grads, targets):
+            grad.copy_(target)
+    return grad_q, *weight_grads, grad_r

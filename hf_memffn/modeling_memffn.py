@@ -162,7 +162,7 @@ def rotary_tables(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: f
 
 # The namespace of the fused FlashMHF operators (`flash_mhf_op.OP_NAMESPACE`, which tests check this agrees with): an
 # operator already registered under this name comes from another copy of this file (a checkpoint's remote code).
-ROTARY_TABLES_OP = "memffn_v1::rotary_tables"
+ROTARY_TABLES_OP = "memffn_v2::rotary_tables"
 ROTARY_TABLES_OPERATOR = True  # False: compiled graphs keep the tables' PyTorch operations (benchmarks compare both)
 
 

@@ -1,4 +1,4 @@
-"""ONNX export of models whose FFN runs the custom operator `memffn_v1::flash_mhf` (FlashMHFLlama).
+"""ONNX export of models whose FFN runs the custom operator `memffn_v2::flash_mhf` (FlashMHFLlama).
 
 The operator has no ONNX counterpart, so `torch.onnx.export(..., dynamo=True)` needs a translation of it:
 `onnx_translation_table()` gives one, the operator's PyTorch reference decomposition written with ONNX ops (two

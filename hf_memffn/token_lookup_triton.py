@@ -6,7 +6,7 @@
 * `gather_rows_triton`: gather whole rows (all layers) of many tokens into a device buffer, each row from the device
   cache when the token is cached, otherwise from the host table (pinned, mapped into the device address space).
 
-Both are also registered as custom operators (`torch.ops.memffn_v1.token_lookup_add` / `token_lookup_gather_rows`)
+Both are also registered as custom operators (`torch.ops.memffn_v2.token_lookup_add` / `token_lookup_gather_rows`)
 so that `torch.compile` (any backend) sees them as single opaque ops; eager code launches the kernels directly, which
 skips the dispatcher's overhead.
 
@@ -72,7 +72,7 @@ if HAS_TRITON:
         tl.store(out_ptr + index.to(tl.int64) * width + offs, values, mask=mask)
 
 
-OP_NAMESPACE = "memffn_v1"  # shared with flash_mhf_op.py; the op names differ
+OP_NAMESPACE = "memffn_v2"  # shared with flash_mhf_op.py; the op names differ
 
 
 def _block(n: int) -> int:

@@ -92,8 +92,6 @@ TORCH_DECODER = "_torch_decoder"
 # layer's output: as many more parameter tensors as KVFFN's biases, whose additions inductor fuses into kernels it
 # runs anyway; a diagnostic of what a compiled graph's input costs a decoding step (`add_zero_inputs`)
 EXTRA_INPUTS_PER_LAYER = 3
-# "flash_mhf_split_weights": FlashMHFLlama with each layer's key, up and value as three parameters, as the module held
-# them before `key_up_value`: the same kernels and values, two more inputs per layer (`split_subnetwork_weights`)
 # "flash_mhf_triton_forward": FlashMHFLlama with the op's forward on the Triton kernel where the warp-specialised Gluon
 # kernel would run (`flash_mhf_triton.gluon_kernels`)
 # "flash_mhf_previous_gate_launch": FlashMHFLlama with the norm/gate backward kernel launched as before its tf32 sweep
@@ -102,7 +100,7 @@ EXTRA_INPUTS_PER_LAYER = 3
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
-         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_split_weights", "flash_mhf_triton_forward",
+         "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
          "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
@@ -111,7 +109,6 @@ DISPLAY[f"kvffn{TORCH_DECODER}"] = "KVFFN, PyTorch norm/rotary and activation"  
 DISPLAY["kvffn_no_bias"] = "KVFFN without biases (fewer parameters)"
 DISPLAY["llama_causal_flag"] = "Llama (transformers) with sdpa's causal flag"
 DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LAYER} zero parameters per layer"
-DISPLAY["flash_mhf_split_weights"] = "FlashMHFLlama with key, up, value as three parameters"
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
@@ -165,24 +162,6 @@ def add_zero_inputs(model, per_layer: int) -> None:
         layer.register_forward_hook(add_zeros)
 
 
-def split_subnetwork_weights(model) -> None:
-    """Gives each FlashMHF layer its key, up and value as three parameters (copies of the thirds of `key_up_value`,
-    which it drops): the same logits and kernels, three inputs of a compiled graph per layer instead of one."""
-    from hf_memffn.ffn_multihead import FlashMHFFeedForward
-
-    class SplitWeightsFlashMHF(FlashMHFFeedForward):
-        def subnetwork_weights(self):
-            return self.split_key, self.split_up, self.split_value
-
-    for module in model.modules():
-        if isinstance(module, FlashMHFFeedForward):
-            thirds = [torch.nn.Parameter(third.detach().clone()) for third in module.key_up_value.chunk(3)]
-            del module.key_up_value
-            for name, third in zip(("split_key", "split_up", "split_value"), thirds):
-                module.register_parameter(name, third)
-            module.__class__ = SplitWeightsFlashMHF
-
-
 def build_model(architecture: str, size: str, device: str, **overrides):
     from transformers import AutoModelForCausalLM
 
@@ -192,8 +171,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
         architecture, attention = "llama", causal_flag_attention()
     if architecture == "llama_extra_inputs":
         architecture, extra_inputs = "llama", EXTRA_INPUTS_PER_LAYER
-    split_weights = architecture == "flash_mhf_split_weights"
-    if split_weights or architecture in KERNEL_VARIANTS:
+    if architecture in KERNEL_VARIANTS:
         architecture = "flash_mhf"
     unfused = architecture == "flash_mhf_unfused"
     if architecture.endswith(TORCH_DECODER):
@@ -209,8 +187,6 @@ def build_model(architecture: str, size: str, device: str, **overrides):
             module.fused_layer = False
     if extra_inputs:
         add_zero_inputs(model, extra_inputs)
-    if split_weights:
-        split_subnetwork_weights(model)
     return model.to(device)
 
 
@@ -648,8 +624,6 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
     layers["FlashMHF"] = FlashMHFLlamaModel.build_residual_ffn(flash_config)
     layers["FlashMHF, unfused layer"] = copy.deepcopy(layers["FlashMHF"])
     layers["FlashMHF, unfused layer"].fused_layer = False
-    layers["FlashMHF, key/up/value as three parameters"] = copy.deepcopy(layers["FlashMHF"])
-    split_subnetwork_weights(layers["FlashMHF, key/up/value as three parameters"])
     for name in LAYER_KERNELS:
         layers[name] = copy.deepcopy(layers["FlashMHF"])
     flash_params = sum(p.numel() for p in layers["FlashMHF"].parameters())

@@ -6,7 +6,7 @@
    same function called directly.
 2. Inductor's code around the operators: a tiny FlashMHFLlama training step compiled on the CPU with the fused layer
    forced (its kernels replaced by stand-ins of the right shapes, since the CPU runs the unfused reference), and the
-   lines of inductor's output code that call `memffn_v1.flash_mhf_layer` and its backward, with their neighbours:
+   lines of inductor's output code that call `memffn_v2.flash_mhf_layer` and its backward, with their neighbours:
    whether anything is copied or re-laid out for the operators.
 """
 
@@ -57,12 +57,11 @@ def compiled_output_code() -> list[str]:
     from hf_memffn.testing import tiny_config
     from transformers import AutoModelForCausalLM
 
-    def forward(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    def forward(p, norm_weight, router, weights, head_dim, eps, gate_eps):
         return p * 1.0
 
-    def backward(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
-        return (grad_out * 1.0, torch.zeros_like(norm_weight), torch.zeros_like(router), torch.zeros_like(k),
-                torch.zeros_like(u), torch.zeros_like(v))
+    def backward(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
+        return grad_out * 1.0, torch.zeros_like(norm_weight), torch.zeros_like(router), torch.zeros_like(weights)
 
     saved = (flash_mhf_op._fused_layer_unsupported_reason, flash_mhf_op._layer_forward_impl,
              flash_mhf_op._layer_backward_impl)
@@ -85,7 +84,7 @@ def compiled_output_code() -> list[str]:
     for source in sources:
         lines = source.splitlines()
         for i, line in enumerate(lines):
-            if "= torch.ops.memffn_v1.flash_mhf_layer" in line:  # the call itself
+            if f"= torch.ops.{flash_mhf_op.OP_NAMESPACE}.flash_mhf_layer" in line:  # the call itself
                 excerpts.append("\n".join(lines[max(0, i - 3):i + 4]))
     return excerpts
 

@@ -81,12 +81,12 @@ def layer_ops_doing_nothing():
     module-level implementations at run time, so no recompilation)."""
     from hf_memffn import flash_mhf_op
 
-    def forward(p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    def forward(p, norm_weight, router, weights, head_dim, eps, gate_eps):
         return torch.empty_like(p)
 
-    def backward(grad_out, p, norm_weight, router, k, u, v, head_dim, eps, gate_eps):
+    def backward(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
         optional = [None if t is None else torch.empty_like(t) for t in (norm_weight, router)]
-        return (torch.empty_like(p), *optional, torch.empty_like(k), torch.empty_like(u), torch.empty_like(v))
+        return (torch.empty_like(p), *optional, torch.empty_like(weights))
 
     saved = flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl
     flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl = forward, backward
@@ -109,11 +109,10 @@ def launchers_alone(module, batch: int, steps: int) -> dict:
     width = module.num_heads * module.head_dim
     p = torch.randn(batch, bench_models.SEQ_LEN, width, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(p)
-    k, u, v = (w.detach() for w in module.subnetwork_weights())
     norm_weight = None if module.query_norm is None else module.query_norm.weight.detach()
     router = None if module.router is None else module.router.detach()
     eps = getattr(module.query_norm, "variance_epsilon", 1e-6)  # (no norm: eps is not read)
-    args = (norm_weight, router, k, u, v, module.head_dim, eps, module.gate_eps)
+    args = (norm_weight, router, module.key_up_value.detach(), module.head_dim, eps, module.gate_eps)
     out = {}
     for name, fn in (("forward", lambda: flash_mhf_op._layer_forward_impl(p, *args)),
                      ("backward", lambda: flash_mhf_op._layer_backward_impl(grad, p, *args))):

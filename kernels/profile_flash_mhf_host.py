@@ -105,7 +105,8 @@ def part_timings(module, hidden: int, calls: int, profile_parts: tuple = (), mod
     grad_r = torch.randn_like(r)
     small = torch.randn(16, device="cuda")
     step = torch.randn(1, 1, width, device="cuda", dtype=torch.bfloat16)
-    layer_args = (norm_weight, router, k, u, v, head_dim, eps, gate_eps)
+    weights = module.key_up_value.detach()
+    layer_args = (norm_weight, router, weights, head_dim, eps, gate_eps)
     leaf = x.clone().requires_grad_()
     params = list(module.parameters())
 
@@ -129,7 +130,7 @@ def part_timings(module, hidden: int, calls: int, profile_parts: tuple = (), mod
         "_layer_forward_impl": lambda: flash_mhf_op._layer_forward_impl(p, *layer_args),
         "_layer_backward_impl": lambda: flash_mhf_op._layer_backward_impl(grad_q, p, *layer_args),
         "flash_mhf_layer, no grad": lambda: flash_mhf_op.flash_mhf_layer(
-            p, norm_weight, router, k, u, v, eps=eps, gate_eps=gate_eps),
+            p, norm_weight, router, weights, eps=eps, gate_eps=gate_eps),
         "module forward, no grad": lambda: module(x),
         "module forward + backward": module_train,
         "decode_forward (1 token)": lambda: flash_mhf_layer_triton.decode_forward(

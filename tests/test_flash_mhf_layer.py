@@ -72,17 +72,21 @@ def check_layer(inputs, dtype, **layer_kwargs):
     truth_leaves = [None if t is None else t.clone().requires_grad_(True) for t in inputs]
     expected = layer_truth(*truth_leaves)
     expected.backward(grad_out)
-    leaves = [None if t is None else t.to(dtype if i in (0, 3, 4, 5) else torch.float32).requires_grad_(True)
-              for i, t in enumerate(inputs)]
-    out = flash_mhf_layer(*leaves, eps=EPS, gate_eps=GATE_EPS, **layer_kwargs)
+    p, norm_weight, router = (None if t is None else t.to(dtype if i == 0 else torch.float32).requires_grad_(True)
+                              for i, t in enumerate(inputs[:3]))
+    weights = torch.cat(inputs[3:]).to(dtype).requires_grad_(True)  # k, u, v stacked, as the module holds them
+    out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, **layer_kwargs)
     assert out.dtype == dtype and out.shape == inputs[0].shape
     out.backward(grad_out.to(dtype))
+    assert weights.grad is not None and weights.grad.dtype == dtype
+    grads = [None if t is None else t.grad for t in (p, norm_weight, router)] + list(weights.grad.chunk(3))
     errors = {"out": relative_error(out, expected)}
-    for name, leaf, truth in zip(("p", "norm", "router", "k", "u", "v"), leaves, truth_leaves):
-        if leaf is None:
+    for name, grad, leaf, truth in zip(("p", "norm", "router", "k", "u", "v"), grads,
+                                       (p, norm_weight, router, weights, weights, weights), truth_leaves):
+        if truth is None:
             continue
-        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
-        errors[name] = relative_error(leaf.grad, truth.grad)
+        assert grad is not None and grad.dtype == leaf.dtype, name
+        errors[name] = relative_error(grad, truth.grad)
     assert max(errors.values()) < TOLERANCE[dtype], errors
     return errors
 
@@ -103,10 +107,13 @@ def test_path_names_the_unfused_layer_on_cpu():
 
 def test_layer_rejects_bad_shapes():
     p, norm, router, k, u, v = layer_inputs(1, 3, 2, 64, 2, 2, 32, True, True)
+    weights = torch.cat([k, u, v])
     with pytest.raises(ValueError, match="multiple of head_dim"):
-        flash_mhf_layer(p[..., :-1], norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS)
+        flash_mhf_layer(p[..., :-1], norm, router, weights, eps=EPS, gate_eps=GATE_EPS)
     with pytest.raises(ValueError, match=r"\[batch, seq_len, heads \* head_dim\]"):
-        flash_mhf_layer(p[0], norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS)
+        flash_mhf_layer(p[0], norm, router, weights, eps=EPS, gate_eps=GATE_EPS)
+    with pytest.raises(ValueError, match=r"weights must be \[3 \* kv_heads, .*got shape \(2, 2, 32, 64\)"):
+        flash_mhf_layer(p, norm, router, k, eps=EPS, gate_eps=GATE_EPS)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -163,9 +170,10 @@ def test_triton_layer_inference_matches_training_forward():
     """Without gradients the kernels run directly (no custom-op dispatch); the result is the same."""
     p, norm, router, k, u, v = (None if t is None else t.to(torch.bfloat16 if i in (0, 3, 4, 5) else torch.float32)
                                 for i, t in enumerate(layer_inputs(2, 40, 2, 64, 1, 2, 32, True, True)))
+    weights = torch.cat([k, u, v])
     with torch.no_grad():
-        direct = flash_mhf_layer(p, norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS, impl="triton")
-    through_op = flash_mhf_layer(p.requires_grad_(True), norm, router, k, u, v, eps=EPS, gate_eps=GATE_EPS,
+        direct = flash_mhf_layer(p, norm, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    through_op = flash_mhf_layer(p.requires_grad_(True), norm, router, weights, eps=EPS, gate_eps=GATE_EPS,
                                  impl="triton")
     torch.testing.assert_close(direct, through_op.detach(), rtol=0, atol=0)
 
@@ -173,8 +181,8 @@ def test_triton_layer_inference_matches_training_forward():
 @needs_kernels
 def test_triton_layer_opcheck():
     p, norm, router, k, u, v = layer_inputs(1, 70, 2, 64, 2, 2, 32, True, True)
-    args = (p.float().requires_grad_(True), norm.float(), router.float().requires_grad_(True), k.float(), u.float(),
-            v.float(), 64, EPS, GATE_EPS)
+    args = (p.float().requires_grad_(True), norm.float(), router.float().requires_grad_(True),
+            torch.cat([k, u, v]).float().requires_grad_(True), 64, EPS, GATE_EPS)
     torch.library.opcheck(flash_mhf_op._layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                                   "test_autograd_registration"))
     # the backward operator's outputs have the strides its fake kernel says (a compiled graph asserts them): the

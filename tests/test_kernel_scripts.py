@@ -146,12 +146,11 @@ def test_compiled_step_host_report_and_idle_layer_ops():
     assert "| FlashMHFLlama | layer ops doing nothing | 26.9 | 28.5 | 1.36 | 0.00 |" in text
     assert "14.8 ms of host time per step over 21 layers" in text
     saved = flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl
-    p, k = torch.randn(1, 4, 8), torch.randn(2, 3, 4, 4)
+    p, weights = torch.randn(1, 4, 8), torch.randn(6, 3, 4, 4)
     with probe.layer_ops_doing_nothing():
-        assert flash_mhf_op._layer_forward_impl(p, None, None, k, k, k, 4, 1e-6, 1e-6).shape == p.shape
-        grads = flash_mhf_op._layer_backward_impl(p, p, None, torch.randn(2, 4, 3), k, k, k, 4, 1e-6, 1e-6)
-        assert [None if g is None else g.shape for g in grads] == [p.shape, None, (2, 4, 3), k.shape, k.shape,
-                                                                    k.shape]
+        assert flash_mhf_op._layer_forward_impl(p, None, None, weights, 4, 1e-6, 1e-6).shape == p.shape
+        grads = flash_mhf_op._layer_backward_impl(p, p, None, torch.randn(2, 4, 3), weights, 4, 1e-6, 1e-6)
+        assert [None if g is None else g.shape for g in grads] == [p.shape, None, (2, 4, 3), weights.shape]
     assert (flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl) == saved
 
 
@@ -234,7 +233,7 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
 
 
 def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
-    """A decode task without Llama (e.g. `flash_mhf_split_weights+flash_mhf`) pairs every model's rounds with its
+    """A decode task without Llama (e.g. `flash_mhf_triton_forward+flash_mhf`) pairs every model's rounds with its
     first model's, and the report names that model beside the ratio."""
     sys.path.insert(0, KERNELS)
     try:
@@ -253,13 +252,13 @@ def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monk
             return [self.step_s] * 3
 
     monkeypatch.setattr(bench_models, "DECODE_REPEATS", 4)  # (quartiles need four rounds)
-    decoders = {"flash_mhf_split_weights": FixedSteps(0.0030), "flash_mhf": FixedSteps(0.0025)}
+    decoders = {"flash_mhf_triton_forward": FixedSteps(0.0030), "flash_mhf": FixedSteps(0.0025)}
     rows, _ = bench_models.decode_rows(decoders, "tiny", 1, static=True)
-    split, merged = rows
-    assert split["round_paired_baseline"] == merged["round_paired_baseline"] == "flash_mhf_split_weights"
-    assert split["round_paired_ratio"] == 1.0 and merged["round_paired_ratio"] == pytest.approx(1.2)
-    assert bench_models.paired_ratio_cell(merged) == (
-        "1.20 (1.20-1.20) x FlashMHFLlama with key, up, value as three parameters")
+    first, second = rows
+    assert first["round_paired_baseline"] == second["round_paired_baseline"] == "flash_mhf_triton_forward"
+    assert first["round_paired_ratio"] == 1.0 and second["round_paired_ratio"] == pytest.approx(1.2)
+    assert bench_models.paired_ratio_cell(second) == (
+        "1.20 (1.20-1.20) x FlashMHFLlama, the op's forward on the Triton kernel")
     assert bench_models.paired_ratio_cell({"arch": "kvffn", "round_paired_ratio_to_llama": 0.97}) == "0.97"
 
 
@@ -331,29 +330,6 @@ def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
         expected = llama(input_ids=ids).logits
         torch.testing.assert_close(extra(input_ids=ids).logits, expected)
         torch.testing.assert_close(torch.compile(extra)(input_ids=ids).logits, expected)
-
-
-def test_flash_mhf_with_split_weights_has_two_more_parameters_per_layer_and_the_same_logits():
-    """bench_models' `flash_mhf_split_weights` row: FlashMHFLlama with key, up and value as three parameters per layer
-    (the layout before `key_up_value`): the logits are FlashMHFLlama's, eager and compiled, and gradients reach the
-    three parameters."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
-    split, merged = (bench_models.build_model(arch, "tiny", "cpu").float()
-                     for arch in ("flash_mhf_split_weights", "flash_mhf"))
-    layers = merged.config.num_hidden_layers
-    assert len(list(split.parameters())) - len(list(merged.parameters())) == 2 * layers
-    ids = torch.randint(3, 1000, (2, 16))
-    with torch.no_grad():
-        expected = merged(input_ids=ids).logits
-        torch.testing.assert_close(split(input_ids=ids).logits, expected)
-        torch.testing.assert_close(torch.compile(split)(input_ids=ids).logits, expected)
-    split(input_ids=ids, labels=ids).loss.backward()
-    mlp = split.model.layers[0].mlp
-    assert all(getattr(mlp, name).grad is not None for name in ("split_key", "split_up", "split_value"))
 
 
 def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
