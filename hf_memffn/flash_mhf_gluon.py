@@ -613,9 +613,9 @@ def weight_descriptors(k, u, v):
 
 def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
-    k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): three tensors to
-    write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the
-    gradients and the compiled kernel."""
+    k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs``: three contiguous tensors to
+    write instead of new ones (the fused layer passes the thirds of one gradient buffer); ``weights``: k, u, v's
+    `weight_descriptors`, when the caller has them. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
     sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
