@@ -47,6 +47,7 @@ the float64 reference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -83,6 +84,13 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # than the Triton kernel on an H100 over two calls, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from
 # commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
+# The weight-gradient kernel's schedules: "lockstep" (`_weight_gradients_kernel`, two warp groups that compute and
+# multiply in turn) and "warp_specialised" (`_warp_specialised_weight_kernel`: a loading warp, two activation warp
+# groups on alternate row blocks of WARP_SPECIALISED_BLOCK_L rows with WEIGHTS_ACTIVATION_REGISTERS registers each,
+# and a gradient warp group with the rest; a ring of WEIGHTS_STAGES row blocks).
+WEIGHTS_SCHEDULES = ("lockstep", "warp_specialised")
+WEIGHTS_SCHEDULE = "lockstep"
+WARP_SPECIALISED_BLOCK_L, WEIGHTS_STAGES, WEIGHTS_ACTIVATION_REGISTERS = 64, 4, 128
 HEAD_DIM = 128
 
 
@@ -265,6 +273,175 @@ if GLUON_AVAILABLE:
                       + ku_dims[:, None])
         gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
         gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
+
+
+    @gluon.jit
+    def _weights_loader(q_desc, grad_out_desc, k_desc, u_desc, v_desc, q_stages, grad_out_stages, ku_tile, v_tile,
+                        rows_ready, rows_empty, weights_ready, weight_row, group, num_row_blocks, blocks_per_sequence,
+                        group_size, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The loading warp: the program's K, U, V tiles once, then every row block's q and dO tiles through the
+        ring, each into a slot that both its readers (an activation warp group and the gradient warp group) have
+        released (on the first pass the wait on the "previous" phase returns at once)."""
+        _load_column_block(k_desc, u_desc, v_desc, ku_tile, v_tile, weights_ready, weight_row, BLOCK_N)
+        for row_block in range(num_row_blocks):
+            stage = row_block % STAGES
+            mbarrier.wait(rows_empty.index(stage), ((row_block // STAGES) & 1) ^ 1)
+            _load_row_block(q_desc, grad_out_desc, q_stages.index(stage), grad_out_stages.index(stage),
+                            rows_ready.index(stage), row_block, group, blocks_per_sequence, group_size, BLOCK_L)
+
+    @gluon.jit
+    def _weights_activations(part, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tile, grad_ku_tile,
+                             rows_ready, rows_empty, weights_ready, tiles_ready, tiles_empty, group, seq_len,
+                             blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks,
+                             D_H: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """An activation warp group: for every other row block (``part``, ``part + 2``, ...), the pre-activations and
+        dO V^T, then the activation tile ``SiLU(gate) * up * r`` and the ``[dM | dN]`` tile, written into its own
+        pair of tiles for the gradient warp group."""
+        dtype: gl.constexpr = q_stages.dtype
+        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, 2 * BLOCK_N, 16])
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, half_layout)
+        mbarrier.wait(weights_ready, 0)
+        ku_t = ku_tile.permute([1, 0])
+        v_t = v_tile.permute([1, 0])
+        for row_block in range(part, num_row_blocks, 2):
+            stage = row_block % STAGES
+            gate = _row_block_gates(R, row_block, group, seq_len, blocks_per_sequence, group_size, num_heads,
+                                    num_subnetworks, subnetwork, BLOCK_L, row_layout)[:, None]
+            mbarrier.wait(rows_ready.index(stage), (row_block // STAGES) & 1)
+            # the gradient warp group is done with this warp group's pair of tiles (its products of two row blocks
+            # ago)
+            mbarrier.wait(tiles_empty, ((row_block // 2) & 1) ^ 1)
+            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
+            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
+            # one product at a time, each finished before the arithmetic on it: the other warp groups' products keep
+            # the tensor cores busy meanwhile, and this warp group holds one accumulator at a time
+            pre = warpgroup_mma(q, ku_t, gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, wide_layout), use_acc=False,
+                                is_async=True)
+            pre = warpgroup_mma_wait(0, deps=[pre])
+            # each thread holds column c of the gate half and column c of the up half: the split moves no data
+            gate_pre, up = pre.reshape([BLOCK_L, 2, BLOCK_N]).permute([0, 2, 1]).split()
+            gate_pre = gl.convert_layout(gate_pre, half_layout, assert_trivial=True)
+            up = gl.convert_layout(up, half_layout, assert_trivial=True)
+            sig = _fast_sigmoid(gate_pre)
+            silu = gate_pre * sig
+            hidden_tile.store((silu * up * gate).to(dtype))
+            gated_up_silu_derivative = up * (sig + silu * (1.0 - sig)) * gate
+            gated_silu = silu * gate
+            grad_hidden = warpgroup_mma(grad_out, v_t, gl.zeros([BLOCK_L, BLOCK_N], gl.float32, half_layout),
+                                        use_acc=False, is_async=True)
+            grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden])
+            mbarrier.arrive(rows_empty.index(stage), count=1)  # this warp group's products have read q and dO
+            grad_ku_tile.slice(0, BLOCK_N, dim=1).store((grad_hidden * gated_up_silu_derivative).to(dtype))
+            grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store((grad_hidden * gated_silu).to(dtype))
+            fence_async_shared()
+            _cta_barrier()  # the warp group's four warps wrote the tiles
+            mbarrier.arrive(tiles_ready, count=1)
+
+    @gluon.jit
+    def _weights_gradients(DK, DU, DV, q_stages, grad_out_stages, hidden_tiles, grad_ku_tiles, rows_empty,
+                           tiles_ready, tiles_empty, group, num_subnetworks, col0, num_row_blocks, D_H: gl.constexpr,
+                           D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The gradient warp group: holds dK^T | dU^T [d_h, 2 * BLOCK_N] and dV^T [d_h, BLOCK_N] in registers and
+        only issues products, ``+= tile^T @ activations`` per row block in order, keeping one row block's products in
+        flight behind the next; then writes the gradients."""
+        ku_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, 2 * BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        grad_ku = gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout)  # [dK^T | dU^T]
+        grad_v = gl.zeros([D_H, BLOCK_N], gl.float32, acc_layout)
+        for row_block in range(num_row_blocks):
+            stage = row_block % STAGES
+            part = row_block % 2
+            mbarrier.wait(tiles_ready.index(part), (row_block // 2) & 1)
+            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
+            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
+            grad_v = warpgroup_mma(grad_out.permute([1, 0]), hidden_tiles.index(part), grad_v, is_async=True)
+            grad_ku = warpgroup_mma(q.permute([1, 0]), grad_ku_tiles.index(part), grad_ku, is_async=True)
+            # the previous row block's products are done: its tiles and ring slot go back
+            grad_v, grad_ku = warpgroup_mma_wait(2, deps=[grad_v, grad_ku])
+            if row_block > 0:
+                mbarrier.arrive(tiles_empty.index(1 - part), count=1)
+                mbarrier.arrive(rows_empty.index((row_block - 1) % STAGES), count=1)
+        grad_v, grad_ku = warpgroup_mma_wait(0, deps=[grad_v, grad_ku])
+
+        # one [d_h, BLOCK_N] tile of 32-bit offsets for the three gradients (a joint [d_h, 2 * BLOCK_N] tile of 64-bit
+        # ones beside the accumulators would not fit in this warp group's registers)
+        first = (group.to(gl.int64) * num_subnetworks * D_E + col0) * D_H
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        offsets = cols[None, :] * D_H + dims[:, None]
+        gl.store(DV + first + offsets, grad_v.to(DV.dtype.element_ty))
+        # each thread holds column c of the dK^T half and column c of the dU^T half: the split moves no data
+        grad_k, grad_u = grad_ku.reshape([D_H, 2, BLOCK_N]).permute([0, 2, 1]).split()
+        gl.store(DK + first + offsets, gl.convert_layout(grad_k, acc_layout, assert_trivial=True).to(DK.dtype.element_ty))
+        gl.store(DU + first + offsets, gl.convert_layout(grad_u, acc_layout, assert_trivial=True).to(DU.dtype.element_ty))
+
+    @gluon.jit
+    def _warp_specialised_weight_kernel(
+        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        ACTIVATION_REGISTERS: gl.constexpr,
+    ):
+        """dK, dU, dV of one column block of BLOCK_N units of one weight group, warp-specialised: one loading warp
+        streams the row blocks (BLOCK_L rows each) through a ring of STAGES slots; two activation warp groups take
+        alternate row blocks and write their activation tiles; the gradient warp group (this partition) accumulates
+        the three gradients from them. So the tensor cores multiply one warp group's products while the other warp
+        groups do their arithmetic. q_desc, grad_out_desc: [B, H, L, d_h] with block [1, 1, BLOCK_L, d_h];
+        k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h]."""
+        dtype: gl.constexpr = q_desc.dtype
+        col0 = gl.program_id(0) * BLOCK_N
+        group = gl.program_id(1)
+        subnetwork = col0 // D_E
+        activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
+        grad_ku_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, 2 * BLOCK_N], dtype)
+
+        # shared memory: K and U rows stacked [2 * BLOCK_N, d_h] and V rows (resident), the ring of q and dO tiles,
+        # and each activation warp group's pair of tiles (the activations and [dM | dN])
+        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
+        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
+        q_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_L, D_H], q_desc.layout)
+        grad_out_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_L, D_H], q_desc.layout)
+        hidden_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_L, BLOCK_N], activation_layout)
+        grad_ku_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_L, 2 * BLOCK_N], grad_ku_layout)
+        rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        rows_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        tiles_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tiles_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        weights_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(rows_ready.index(stage), count=1)
+            mbarrier.init(rows_empty.index(stage), count=2)  # its activation warp group and the gradient warp group
+        for part in gl.static_range(2):
+            mbarrier.init(tiles_ready.index(part), count=1)
+            mbarrier.init(tiles_empty.index(part), count=1)
+        mbarrier.init(weights_ready, count=1)
+        fence_async_shared()
+
+        blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
+        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
+        gl.warp_specialize([
+            (_weights_gradients, (DK, DU, DV, q_stages, grad_out_stages, hidden_tiles, grad_ku_tiles, rows_empty,
+                                  tiles_ready, tiles_empty, group, num_subnetworks, col0, num_row_blocks, D_H, D_E,
+                                  BLOCK_L, BLOCK_N, STAGES)),
+            (_weights_activations, (0, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tiles.index(0),
+                                    grad_ku_tiles.index(0), rows_ready, rows_empty, weights_ready,
+                                    tiles_ready.index(0), tiles_empty.index(0), group, seq_len, blocks_per_sequence,
+                                    group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks, D_H, BLOCK_L,
+                                    BLOCK_N, STAGES)),
+            (_weights_activations, (1, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tiles.index(1),
+                                    grad_ku_tiles.index(1), rows_ready, rows_empty, weights_ready,
+                                    tiles_ready.index(1), tiles_empty.index(1), group, seq_len, blocks_per_sequence,
+                                    group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks, D_H, BLOCK_L,
+                                    BLOCK_N, STAGES)),
+            (_weights_loader, (q_desc, grad_out_desc, k_desc, u_desc, v_desc, q_stages, grad_out_stages, ku_tile,
+                               v_tile, rows_ready, rows_empty, weights_ready, group * num_subnetworks * D_E + col0,
+                               group, num_row_blocks, blocks_per_sequence, group_size, BLOCK_L, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [ACTIVATION_REGISTERS, ACTIVATION_REGISTERS, 24])
 
 
     @gluon.jit
@@ -611,27 +788,54 @@ def weight_descriptors(k, u, v):
     return tuple(descriptor(w) for w in (k, u, v))
 
 
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
+@contextlib.contextmanager
+def weight_schedule(schedule: str):
+    """Within the block, the weight-gradient kernel runs ``schedule`` (one of ``WEIGHTS_SCHEDULES``; benchmarks)."""
+    global WEIGHTS_SCHEDULE
+    if schedule not in WEIGHTS_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(WEIGHTS_SCHEDULES)}")
+    before, WEIGHTS_SCHEDULE = WEIGHTS_SCHEDULE, schedule
+    try:
+        yield
+    finally:
+        WEIGHTS_SCHEDULE = before
+
+
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, schedule=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs``: three contiguous tensors to
     write instead of new ones (the fused layer passes the thirds of one gradient buffer); ``weights``: k, u, v's
-    `weight_descriptors`, when the caller has them. Returns the gradients and the compiled kernel."""
+    `weight_descriptors`, when the caller has them; ``schedule``: one of ``WEIGHTS_SCHEDULES`` (default
+    ``WEIGHTS_SCHEDULE``). Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
-    sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
+    schedule = schedule or WEIGHTS_SCHEDULE
+    if schedule not in WEIGHTS_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(WEIGHTS_SCHEDULES)}")
+    block_l = WARP_SPECIALISED_BLOCK_L if schedule == "warp_specialised" else BLOCK_L
+    sequence_layout = _shared_layout((1, 1, block_l, head_dim), q.dtype)
 
     def sequence_descriptor(t):
         t = descriptor_ready(t)
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_l, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
-    compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
+    arguments = (
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
-        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS,
     )
+    grid = (num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)
+    if schedule == "warp_specialised":
+        compiled = _warp_specialised_weight_kernel[grid](
+            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_L=block_l, BLOCK_N=BLOCK_N, STAGES=WEIGHTS_STAGES,
+            ACTIVATION_REGISTERS=WEIGHTS_ACTIVATION_REGISTERS, num_warps=ROWS_WARPS,
+        )
+    else:
+        compiled = _weight_gradients_kernel[grid](
+            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_L=block_l, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
+            num_warps=NUM_WARPS,
+        )
     return (*grads, compiled)
 
 
@@ -682,22 +886,25 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
-               "forward": _warp_specialised_forward_kernel}
+    kernels = {"weights": _weight_gradients_kernel, "weights_warp_specialised": _warp_specialised_weight_kernel,
+               "rows": _rows_gradients_kernel, "forward": _warp_specialised_forward_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
-    sequence = torch.empty(1, 1, BLOCK_L, HEAD_DIM, dtype=dtype)
+    block_l = WARP_SPECIALISED_BLOCK_L if kernel == "weights_warp_specialised" else BLOCK_L
+    sequence = torch.empty(1, 1, block_l, HEAD_DIM, dtype=dtype)
     weights = torch.empty(BLOCK_N, HEAD_DIM, dtype=dtype)
     sequence_desc = GluonTensorDescriptor(sequence, list(sequence.shape), list(sequence.stride()),
-                                          [1, 1, BLOCK_L, HEAD_DIM],
-                                          gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, HEAD_DIM], element))
+                                          [1, 1, block_l, HEAD_DIM],
+                                          gl.NVMMASharedLayout.get_default_for([1, 1, block_l, HEAD_DIM], element))
     weight_desc = GluonTensorDescriptor(weights, list(weights.shape), list(weights.stride()), [BLOCK_N, HEAD_DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
     fn = kernels[kernel]
     constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
     if kernel == "weights":
         constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
+    elif kernel == "weights_warp_specialised":
+        constants.update(BLOCK_L=block_l, STAGES=WEIGHTS_STAGES, ACTIVATION_REGISTERS=WEIGHTS_ACTIVATION_REGISTERS)
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
     else:

@@ -98,10 +98,13 @@ EXTRA_INPUTS_PER_LAYER = 3
 # (`flash_mhf_layer_triton.gates_backward_launch`)
 # "flash_mhf_inline_rotary_tables": FlashMHFLlama whose compiled graph keeps the rotary tables' PyTorch operations,
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
+# "flash_mhf_lockstep_weights", "flash_mhf_warp_specialised_weights": FlashMHFLlama with the weight-gradient kernel's
+# schedule set (`flash_mhf_gluon.weight_schedule`), whichever is in production
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
-         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables")
+         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_lockstep_weights",
+         "flash_mhf_warp_specialised_weights")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -112,6 +115,8 @@ DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LA
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
+DISPLAY["flash_mhf_lockstep_weights"] = "FlashMHFLlama, lock-step weight-gradient kernel"
+DISPLAY["flash_mhf_warp_specialised_weights"] = "FlashMHFLlama, warp-specialised weight-gradient kernel"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -247,12 +252,14 @@ def training_step(model, ids, mode: str):
 
 
 # FlashMHFLlama measured in a context of its own (op_kernels)
-KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables")
+KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables",
+                   "flash_mhf_lockstep_weights", "flash_mhf_warp_specialised_weights")
+WEIGHT_SCHEDULE_SUFFIX = "_weights"
 
 
 def op_kernels(architecture: str):
     """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs."""
-    from hf_memffn import flash_mhf_layer_triton, flash_mhf_triton
+    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton
 
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
@@ -260,6 +267,8 @@ def op_kernels(architecture: str):
         return flash_mhf_layer_triton.gates_backward_launch(flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH)
     if architecture == "flash_mhf_inline_rotary_tables":
         return inline_rotary_tables()
+    if architecture in KERNEL_VARIANTS and architecture.endswith(WEIGHT_SCHEDULE_SUFFIX):
+        return flash_mhf_gluon.weight_schedule(architecture[len("flash_mhf_"):-len(WEIGHT_SCHEDULE_SUFFIX)])
     return contextlib.nullcontext()
 
 
@@ -644,7 +653,9 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
 
 # the same module, timed in the op_kernels context of an architecture
 LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_triton_forward",
-                 "FlashMHF, the norm/gate backward's previous launch": "flash_mhf_previous_gate_launch"}
+                 "FlashMHF, the norm/gate backward's previous launch": "flash_mhf_previous_gate_launch",
+                 "FlashMHF, lock-step weight-gradient kernel": "flash_mhf_lockstep_weights",
+                 "FlashMHF, warp-specialised weight-gradient kernel": "flash_mhf_warp_specialised_weights"}
 
 
 def layer_rows(size: str, device: str) -> list[dict]:
