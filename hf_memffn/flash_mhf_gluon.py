@@ -47,8 +47,8 @@ the float64 reference.
 
 from __future__ import annotations
 
-import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -84,13 +84,6 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # than the Triton kernel on an H100 over two calls, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from
 # commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
-# The weight-gradient kernel's schedules: "lockstep" (`_weight_gradients_kernel`, two warp groups that compute and
-# multiply in turn) and "warp_specialised" (`_warp_specialised_weight_kernel`: a loading warp, two activation warp
-# groups on alternate row blocks of WARP_SPECIALISED_BLOCK_L rows with WEIGHTS_ACTIVATION_REGISTERS registers each,
-# and a gradient warp group with the rest; a ring of WEIGHTS_STAGES row blocks).
-WEIGHTS_SCHEDULES = ("lockstep", "warp_specialised")
-WEIGHTS_SCHEDULE = "lockstep"
-WARP_SPECIALISED_BLOCK_L, WEIGHTS_STAGES, WEIGHTS_ACTIVATION_REGISTERS = 64, 4, 128
 HEAD_DIM = 128
 
 
@@ -276,175 +269,6 @@ if GLUON_AVAILABLE:
 
 
     @gluon.jit
-    def _weights_loader(q_desc, grad_out_desc, k_desc, u_desc, v_desc, q_stages, grad_out_stages, ku_tile, v_tile,
-                        rows_ready, rows_empty, weights_ready, weight_row, group, num_row_blocks, blocks_per_sequence,
-                        group_size, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The loading warp: the program's K, U, V tiles once, then every row block's q and dO tiles through the
-        ring, each into a slot that both its readers (an activation warp group and the gradient warp group) have
-        released (on the first pass the wait on the "previous" phase returns at once)."""
-        _load_column_block(k_desc, u_desc, v_desc, ku_tile, v_tile, weights_ready, weight_row, BLOCK_N)
-        for row_block in range(num_row_blocks):
-            stage = row_block % STAGES
-            mbarrier.wait(rows_empty.index(stage), ((row_block // STAGES) & 1) ^ 1)
-            _load_row_block(q_desc, grad_out_desc, q_stages.index(stage), grad_out_stages.index(stage),
-                            rows_ready.index(stage), row_block, group, blocks_per_sequence, group_size, BLOCK_L)
-
-    @gluon.jit
-    def _weights_activations(part, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tile, grad_ku_tile,
-                             rows_ready, rows_empty, weights_ready, tiles_ready, tiles_empty, group, seq_len,
-                             blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks,
-                             D_H: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """An activation warp group: for every other row block (``part``, ``part + 2``, ...), the pre-activations and
-        dO V^T, then the activation tile ``SiLU(gate) * up * r`` and the ``[dM | dN]`` tile, written into its own
-        pair of tiles for the gradient warp group."""
-        dtype: gl.constexpr = q_stages.dtype
-        wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, 2 * BLOCK_N, 16])
-        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, BLOCK_N, 16])
-        row_layout: gl.constexpr = gl.SliceLayout(1, half_layout)
-        mbarrier.wait(weights_ready, 0)
-        ku_t = ku_tile.permute([1, 0])
-        v_t = v_tile.permute([1, 0])
-        for row_block in range(part, num_row_blocks, 2):
-            stage = row_block % STAGES
-            gate = _row_block_gates(R, row_block, group, seq_len, blocks_per_sequence, group_size, num_heads,
-                                    num_subnetworks, subnetwork, BLOCK_L, row_layout)[:, None]
-            mbarrier.wait(rows_ready.index(stage), (row_block // STAGES) & 1)
-            # the gradient warp group is done with this warp group's pair of tiles (its products of two row blocks
-            # ago)
-            mbarrier.wait(tiles_empty, ((row_block // 2) & 1) ^ 1)
-            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
-            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
-            # one product at a time, each finished before the arithmetic on it: the other warp groups' products keep
-            # the tensor cores busy meanwhile, and this warp group holds one accumulator at a time
-            pre = warpgroup_mma(q, ku_t, gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, wide_layout), use_acc=False,
-                                is_async=True)
-            pre = warpgroup_mma_wait(0, deps=[pre])
-            # each thread holds column c of the gate half and column c of the up half: the split moves no data
-            gate_pre, up = pre.reshape([BLOCK_L, 2, BLOCK_N]).permute([0, 2, 1]).split()
-            gate_pre = gl.convert_layout(gate_pre, half_layout, assert_trivial=True)
-            up = gl.convert_layout(up, half_layout, assert_trivial=True)
-            sig = _fast_sigmoid(gate_pre)
-            silu = gate_pre * sig
-            hidden_tile.store((silu * up * gate).to(dtype))
-            gated_up_silu_derivative = up * (sig + silu * (1.0 - sig)) * gate
-            gated_silu = silu * gate
-            grad_hidden = warpgroup_mma(grad_out, v_t, gl.zeros([BLOCK_L, BLOCK_N], gl.float32, half_layout),
-                                        use_acc=False, is_async=True)
-            grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden])
-            mbarrier.arrive(rows_empty.index(stage), count=1)  # this warp group's products have read q and dO
-            grad_ku_tile.slice(0, BLOCK_N, dim=1).store((grad_hidden * gated_up_silu_derivative).to(dtype))
-            grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store((grad_hidden * gated_silu).to(dtype))
-            fence_async_shared()
-            _cta_barrier()  # the warp group's four warps wrote the tiles
-            mbarrier.arrive(tiles_ready, count=1)
-
-    @gluon.jit
-    def _weights_gradients(DK, DU, DV, q_stages, grad_out_stages, hidden_tiles, grad_ku_tiles, rows_empty,
-                           tiles_ready, tiles_empty, group, num_subnetworks, col0, num_row_blocks, D_H: gl.constexpr,
-                           D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The gradient warp group: holds dK^T | dU^T [d_h, 2 * BLOCK_N] and dV^T [d_h, BLOCK_N] in registers and
-        only issues products, ``+= tile^T @ activations`` per row block in order, keeping one row block's products in
-        flight behind the next; then writes the gradients."""
-        ku_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 2 * BLOCK_N, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        grad_ku = gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout)  # [dK^T | dU^T]
-        grad_v = gl.zeros([D_H, BLOCK_N], gl.float32, acc_layout)
-        for row_block in range(num_row_blocks):
-            stage = row_block % STAGES
-            part = row_block % 2
-            mbarrier.wait(tiles_ready.index(part), (row_block // 2) & 1)
-            q = q_stages.index(stage).reshape([BLOCK_L, D_H])
-            grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
-            grad_v = warpgroup_mma(grad_out.permute([1, 0]), hidden_tiles.index(part), grad_v, is_async=True)
-            grad_ku = warpgroup_mma(q.permute([1, 0]), grad_ku_tiles.index(part), grad_ku, is_async=True)
-            # the previous row block's products are done: its tiles and ring slot go back
-            grad_v, grad_ku = warpgroup_mma_wait(2, deps=[grad_v, grad_ku])
-            if row_block > 0:
-                mbarrier.arrive(tiles_empty.index(1 - part), count=1)
-                mbarrier.arrive(rows_empty.index((row_block - 1) % STAGES), count=1)
-        grad_v, grad_ku = warpgroup_mma_wait(0, deps=[grad_v, grad_ku])
-
-        # one [d_h, BLOCK_N] tile of 32-bit offsets for the three gradients (a joint [d_h, 2 * BLOCK_N] tile of 64-bit
-        # ones beside the accumulators would not fit in this warp group's registers)
-        first = (group.to(gl.int64) * num_subnetworks * D_E + col0) * D_H
-        dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        offsets = cols[None, :] * D_H + dims[:, None]
-        gl.store(DV + first + offsets, grad_v.to(DV.dtype.element_ty))
-        # each thread holds column c of the dK^T half and column c of the dU^T half: the split moves no data
-        grad_k, grad_u = grad_ku.reshape([D_H, 2, BLOCK_N]).permute([0, 2, 1]).split()
-        gl.store(DK + first + offsets, gl.convert_layout(grad_k, acc_layout, assert_trivial=True).to(DK.dtype.element_ty))
-        gl.store(DU + first + offsets, gl.convert_layout(grad_u, acc_layout, assert_trivial=True).to(DU.dtype.element_ty))
-
-    @gluon.jit
-    def _warp_specialised_weight_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
-        D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        ACTIVATION_REGISTERS: gl.constexpr,
-    ):
-        """dK, dU, dV of one column block of BLOCK_N units of one weight group, warp-specialised: one loading warp
-        streams the row blocks (BLOCK_L rows each) through a ring of STAGES slots; two activation warp groups take
-        alternate row blocks and write their activation tiles; the gradient warp group (this partition) accumulates
-        the three gradients from them. So the tensor cores multiply one warp group's products while the other warp
-        groups do their arithmetic. q_desc, grad_out_desc: [B, H, L, d_h] with block [1, 1, BLOCK_L, d_h];
-        k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h]."""
-        dtype: gl.constexpr = q_desc.dtype
-        col0 = gl.program_id(0) * BLOCK_N
-        group = gl.program_id(1)
-        subnetwork = col0 // D_E
-        activation_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, BLOCK_N], dtype)
-        grad_ku_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_L, 2 * BLOCK_N], dtype)
-
-        # shared memory: K and U rows stacked [2 * BLOCK_N, d_h] and V rows (resident), the ring of q and dO tiles,
-        # and each activation warp group's pair of tiles (the activations and [dM | dN])
-        ku_tile = gl.allocate_shared_memory(dtype, [2 * BLOCK_N, D_H], k_desc.layout)
-        v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, D_H], k_desc.layout)
-        q_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        grad_out_stages = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_L, D_H], q_desc.layout)
-        hidden_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_L, BLOCK_N], activation_layout)
-        grad_ku_tiles = gl.allocate_shared_memory(dtype, [2, BLOCK_L, 2 * BLOCK_N], grad_ku_layout)
-        rows_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        rows_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        tiles_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tiles_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        weights_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(rows_ready.index(stage), count=1)
-            mbarrier.init(rows_empty.index(stage), count=2)  # its activation warp group and the gradient warp group
-        for part in gl.static_range(2):
-            mbarrier.init(tiles_ready.index(part), count=1)
-            mbarrier.init(tiles_empty.index(part), count=1)
-        mbarrier.init(weights_ready, count=1)
-        fence_async_shared()
-
-        blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
-        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
-        gl.warp_specialize([
-            (_weights_gradients, (DK, DU, DV, q_stages, grad_out_stages, hidden_tiles, grad_ku_tiles, rows_empty,
-                                  tiles_ready, tiles_empty, group, num_subnetworks, col0, num_row_blocks, D_H, D_E,
-                                  BLOCK_L, BLOCK_N, STAGES)),
-            (_weights_activations, (0, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tiles.index(0),
-                                    grad_ku_tiles.index(0), rows_ready, rows_empty, weights_ready,
-                                    tiles_ready.index(0), tiles_empty.index(0), group, seq_len, blocks_per_sequence,
-                                    group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks, D_H, BLOCK_L,
-                                    BLOCK_N, STAGES)),
-            (_weights_activations, (1, R, q_stages, grad_out_stages, ku_tile, v_tile, hidden_tiles.index(1),
-                                    grad_ku_tiles.index(1), rows_ready, rows_empty, weights_ready,
-                                    tiles_ready.index(1), tiles_empty.index(1), group, seq_len, blocks_per_sequence,
-                                    group_size, num_heads, num_subnetworks, subnetwork, num_row_blocks, D_H, BLOCK_L,
-                                    BLOCK_N, STAGES)),
-            (_weights_loader, (q_desc, grad_out_desc, k_desc, u_desc, v_desc, q_stages, grad_out_stages, ku_tile,
-                               v_tile, rows_ready, rows_empty, weights_ready, group * num_subnetworks * D_E + col0,
-                               group, num_row_blocks, blocks_per_sequence, group_size, BLOCK_L, BLOCK_N, STAGES)),
-        ], [4, 4, 1], [ACTIVATION_REGISTERS, ACTIVATION_REGISTERS, 24])
-
-
-    @gluon.jit
     def _flat_row_coordinates(rows, group, seq_len, group_size):
         """(batch, head, position) of rows counted over the sequences of weight group ``group`` (batch, head within
         the group, position), as the Triton kernels count them: a row block may span two sequences."""
@@ -545,12 +369,83 @@ if GLUON_AVAILABLE:
                                ready.index(stage), weight_row + block * BLOCK_N, BLOCK_N)
 
     @gluon.jit
+    def _gates_backward_epilogue(grad_q, q_tile, logits_tile, router_tile, P, NORM_W, ROUTER, R, DR, TOTALS, DP,
+                                 NORM_PARTS, ROUTER_PARTS, first, head, total_rows, seq_len, num_heads,
+                                 num_subnetworks, stride_p, eps, slot, D_H: gl.constexpr, E_DOT: gl.constexpr,
+                                 ROWS: gl.constexpr, HAS_NORM: gl.constexpr, HAS_ROUTER: gl.constexpr,
+                                 wide_layout: gl.constexpr):
+        """The fused layer's norm/gate backward for one warp group's ROWS rows of one head (weight groups of one
+        head: row ``t`` is token ``t``), from their complete dq (float32, in registers) and dr (in DR): the gradient of
+        the input projection's output P [tokens, H * d_h] into DP (P's layout), and this warp group's shares of the
+        norm-weight and router gradients into slot ``slot`` of NORM_PARTS [slots, H, d_h] and ROUTER_PARTS [slots, H,
+        E_DOT, d_h]. The gates' totals ``sum_e sigmoid(q W_e) + gate_eps`` (TOTALS [B, H, L]) come from the forward's
+        kernel, so the gates need no router product here: ``s_e = r_e * total``. Every tile is read with one load
+        (one program per multiprocessor: nothing else would hide a chain of loads), and the router's two products
+        run on the tensor cores from ``logits_tile`` [ROWS, E_DOT] (the logits' gradients, columns past E zero) and
+        ``router_tile`` [d_h, E_DOT] (the head's router, 16-bit): dq += dlogits W^T, and the router's gradient
+        q^T dlogits from the queries' tile ``q_tile`` (as the op multiplied them)."""
+        dtype: gl.constexpr = q_tile.dtype
+        row_layout: gl.constexpr = gl.SliceLayout(1, wide_layout)
+        tokens = first + gl.arange(0, ROWS, layout=row_layout)
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
+        token_mask = tokens < total_rows
+        p = gl.load(P + (tokens.to(gl.int64)[:, None] * stride_p + head * D_H + dims[None, :]), mask=token_mask[:, None],
+                    other=0.0)
+        if HAS_ROUTER:
+            narrow_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                    instr_shape=[16, E_DOT, 16])
+            narrow_rows: gl.constexpr = gl.SliceLayout(1, narrow_layout)
+            columns = gl.arange(0, E_DOT, layout=gl.SliceLayout(0, narrow_layout))
+            router_dims = gl.arange(0, D_H, layout=narrow_rows)
+            router_mask = (columns < num_subnetworks)[None, :] & (router_dims >= 0)[:, None]
+            router = gl.load(ROUTER + (head * D_H + router_dims)[:, None] * num_subnetworks + columns[None, :],
+                             mask=router_mask, other=0.0)
+            gate_tokens = first + gl.arange(0, ROWS, layout=narrow_rows)
+            batch = gate_tokens // seq_len
+            gate_rows = (batch.to(gl.int64) * num_heads + head) * seq_len + (gate_tokens - batch * seq_len)
+            gate_mask = (gate_tokens < total_rows)[:, None] & (columns < num_subnetworks)[None, :]
+            gate_offsets = gate_rows[:, None] * num_subnetworks + columns[None, :]
+            gates = gl.load(R + gate_offsets, mask=gate_mask, other=0.0)
+            grad_gates = gl.load(DR + gate_offsets, mask=gate_mask, other=0.0)
+            totals = gl.load(TOTALS + gate_rows, mask=gate_tokens < total_rows, other=1.0)[:, None]
+            # r = s / total: ds_e = (dr_e - sum_j dr_j r_j) / total, then through the sigmoid
+            scores = gates * totals
+            grad_logits = ((grad_gates - gl.sum(grad_gates * gates, axis=1)[:, None]) / totals
+                           * scores * (1.0 - scores))
+            logits_tile.store(grad_logits.to(dtype))
+            router_tile.store(router.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            grad_q = warpgroup_mma(logits_tile, router_tile.permute([1, 0]), grad_q, is_async=True)
+            # the router's gradient, transposed [d_h, E_DOT] = q^T dlogits over the warp group's rows
+            share = warpgroup_mma(q_tile.permute([1, 0]), logits_tile,
+                                  gl.zeros([D_H, E_DOT], gl.float32, narrow_layout), use_acc=False, is_async=True)
+            grad_q, share = warpgroup_mma_wait(0, deps=[grad_q, share])
+            gl.store(ROUTER_PARTS + ((slot * num_heads + head) * E_DOT + columns[None, :]) * D_H + router_dims[:, None],
+                     share, mask=router_mask)
+        p = p.to(gl.float32)
+        if HAS_NORM:
+            inv_rms = 1.0 / gl.sqrt(gl.sum(p * p, axis=1) / D_H + eps)
+            p_hat = p * inv_rms[:, None]
+            gl.store(NORM_PARTS + (slot * num_heads + head) * D_H + dims, gl.sum(grad_q * p_hat, axis=0))
+            grad_p_hat = grad_q * gl.load(NORM_W + dims).to(gl.float32)[None, :]
+            grad_p = inv_rms[:, None] * (grad_p_hat - p_hat * (gl.sum(grad_p_hat * p_hat, axis=1) / D_H)[:, None])
+        else:
+            grad_p = grad_q
+        gl.store(DP + (tokens.to(gl.int64)[:, None] * stride_p + head * D_H + dims[None, :]),
+                 grad_p.to(DP.dtype.element_ty), mask=token_mask[:, None])
+
+    @gluon.jit
     def _rows_consumer(half, Q, DO, R, DQ, DR, q_tile, grad_out_tile, ku_stages, v_stages, ready, empty,
                        stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, stride_db, stride_dh,
                        stride_dl, first_row, group, total_rows, seq_len, group_size, num_heads, num_subnetworks,
-                       num_blocks, D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr):
-        """One warp group: dq and dr of its ROWS rows (``half`` of the program's row block)."""
+                       num_blocks, logits_tile, router_tile, P, NORM_W, ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS,
+                       stride_p, eps,
+                       D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, E_DOT: gl.constexpr, FUSED_GATES: gl.constexpr,
+                       HAS_NORM: gl.constexpr, HAS_ROUTER: gl.constexpr):
+        """One warp group: dq and dr of its ROWS rows (``half`` of the program's row block); with FUSED_GATES, then
+        the layer's norm/gate backward of those rows (`_gates_backward_epilogue`, DQ being the layer's DP)."""
         dtype: gl.constexpr = q_tile.dtype
         # [gate | up] pre-activations and dq: 2 * BLOCK_N = D_H columns; dM, dN as the dq products' left operands
         wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -590,15 +485,25 @@ if GLUON_AVAILABLE:
                          mask=gate_mask)
                 grad_gate = gl.zeros([ROWS], gl.float32, row_layout)
 
-        _store_row_block(DQ, grad_q, first, group, total_rows, seq_len, group_size, stride_db, stride_dh, stride_dl,
-                         ROWS, D_H, wide_layout)
+        if FUSED_GATES:
+            _cta_barrier()  # the warp group's dr stores, read back by other threads of it
+            _gates_backward_epilogue(grad_q, q_tile, logits_tile, router_tile, P, NORM_W, ROUTER, R, DR, TOTALS, DQ,
+                                     NORM_PARTS,
+                                     ROUTER_PARTS, first, group, total_rows, seq_len, num_heads, num_subnetworks,
+                                     stride_p, eps, gl.program_id(0) * 2 + half, D_H, E_DOT, ROWS, HAS_NORM,
+                                     HAS_ROUTER, wide_layout)
+        else:
+            _store_row_block(DQ, grad_q, first, group, total_rows, seq_len, group_size, stride_db, stride_dh,
+                             stride_dl, ROWS, D_H, wide_layout)
 
     @gluon.jit
     def _rows_gradients_kernel(
         Q, DO, k_desc, u_desc, v_desc, R, DQ, DR,
         stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, stride_db, stride_dh, stride_dl,
         total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        P, NORM_W, ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS, stride_p, eps,
         D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        E_DOT: gl.constexpr, FUSED_GATES: gl.constexpr, HAS_NORM: gl.constexpr, HAS_ROUTER: gl.constexpr,
     ):
         """dq and dr of one block of BLOCK_L rows of one weight group, warp-specialised: two warp groups of four
         warps (one per half of the rows, each in its own partition, so that neither waits for the other except for
@@ -619,6 +524,14 @@ if GLUON_AVAILABLE:
         v_stages = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_H], k_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the fused norm/gate backward's logit-gradient and router tiles (one each per warp group; token tiles
+        # without it)
+        LOGIT_ROWS: gl.constexpr = ROWS if FUSED_GATES else 16
+        logits_tiles = gl.allocate_shared_memory(dtype, [2, LOGIT_ROWS, E_DOT],
+                                                 gl.NVMMASharedLayout.get_default_for([LOGIT_ROWS, E_DOT], dtype))
+        ROUTER_ROWS: gl.constexpr = D_H if FUSED_GATES else 16
+        router_tiles = gl.allocate_shared_memory(dtype, [2, ROUTER_ROWS, E_DOT],
+                                                 gl.NVMMASharedLayout.get_default_for([ROUTER_ROWS, E_DOT], dtype))
         for stage in gl.static_range(STAGES):
             mbarrier.init(ready.index(stage), count=1)
             mbarrier.init(empty.index(stage), count=2)
@@ -629,11 +542,17 @@ if GLUON_AVAILABLE:
             (_rows_consumer, (0, Q, DO, R, DQ, DR, q_tiles.index(0), grad_out_tiles.index(0), ku_stages, v_stages,
                               ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
                               stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
-                              num_heads, num_subnetworks, num_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+                              num_heads, num_subnetworks, num_blocks, logits_tiles.index(0),
+                              router_tiles.index(0), P, NORM_W,
+                              ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS, stride_p, eps, D_H, D_E, ROWS, BLOCK_N,
+                              STAGES, E_DOT, FUSED_GATES, HAS_NORM, HAS_ROUTER)),
             (_rows_consumer, (1, Q, DO, R, DQ, DR, q_tiles.index(1), grad_out_tiles.index(1), ku_stages, v_stages,
                               ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
                               stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
-                              num_heads, num_subnetworks, num_blocks, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+                              num_heads, num_subnetworks, num_blocks, logits_tiles.index(1),
+                              router_tiles.index(1), P, NORM_W,
+                              ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS, stride_p, eps, D_H, D_E, ROWS, BLOCK_N,
+                              STAGES, E_DOT, FUSED_GATES, HAS_NORM, HAS_ROUTER)),
             (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty,
                               group * num_subnetworks * D_E, num_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [232, 24])
@@ -788,75 +707,93 @@ def weight_descriptors(k, u, v):
     return tuple(descriptor(w) for w in (k, u, v))
 
 
-@contextlib.contextmanager
-def weight_schedule(schedule: str):
-    """Within the block, the weight-gradient kernel runs ``schedule`` (one of ``WEIGHTS_SCHEDULES``; benchmarks)."""
-    global WEIGHTS_SCHEDULE
-    if schedule not in WEIGHTS_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(WEIGHTS_SCHEDULES)}")
-    before, WEIGHTS_SCHEDULE = WEIGHTS_SCHEDULE, schedule
-    try:
-        yield
-    finally:
-        WEIGHTS_SCHEDULE = before
-
-
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, schedule=None):
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs``: three contiguous tensors to
     write instead of new ones (the fused layer passes the thirds of one gradient buffer); ``weights``: k, u, v's
-    `weight_descriptors`, when the caller has them; ``schedule``: one of ``WEIGHTS_SCHEDULES`` (default
-    ``WEIGHTS_SCHEDULE``). Returns the gradients and the compiled kernel."""
+    `weight_descriptors`, when the caller has them. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
-    schedule = schedule or WEIGHTS_SCHEDULE
-    if schedule not in WEIGHTS_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(WEIGHTS_SCHEDULES)}")
-    block_l = WARP_SPECIALISED_BLOCK_L if schedule == "warp_specialised" else BLOCK_L
-    sequence_layout = _shared_layout((1, 1, block_l, head_dim), q.dtype)
+    sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
 
     def sequence_descriptor(t):
         t = descriptor_ready(t)
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_l, head_dim], sequence_layout)
+        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
-    arguments = (
+    compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
-    grid = (num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)
-    if schedule == "warp_specialised":
-        compiled = _warp_specialised_weight_kernel[grid](
-            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_L=block_l, BLOCK_N=BLOCK_N, STAGES=WEIGHTS_STAGES,
-            ACTIVATION_REGISTERS=WEIGHTS_ACTIVATION_REGISTERS, num_warps=ROWS_WARPS,
-        )
-    else:
-        compiled = _weight_gradients_kernel[grid](
-            *arguments, D_H=head_dim, D_E=subnetwork_size, BLOCK_L=block_l, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-            num_warps=NUM_WARPS,
-        )
     return (*grads, compiled)
 
 
-def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
+class FusedGates(NamedTuple):
+    """What the dq/dr kernel needs to run the fused layer's norm/gate backward after dq (`_gates_backward_epilogue`):
+    the input projection's output ``p`` [tokens, H * d_h] (rows of tokens), the norm weight [d_h] and router [H, d_h,
+    E] (or None), the gates' totals [B, H, L] (float32, None without a router), and the outputs: ``grad_p`` like p,
+    ``norm_parts`` [slots, H, d_h] and ``router_parts`` [slots, H, E_DOT, d_h] (float32, `gate_partial_slots`
+    slots, each written once; None without a norm / router)."""
+
+    p: torch.Tensor
+    norm_weight: torch.Tensor | None
+    router: torch.Tensor | None
+    totals: torch.Tensor | None
+    grad_p: torch.Tensor
+    norm_parts: torch.Tensor | None
+    router_parts: torch.Tensor | None
+    eps: float
+
+
+def gate_partial_slots(tokens: int) -> int:
+    """Slots of the partial sums that the dq/dr kernel's norm/gate epilogue writes per head: one per warp group."""
+    return 2 * -(-tokens // BLOCK_L)
+
+
+def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fused_gates: FusedGates | None = None):
     """(dq, dr): dq in q's dtype and layout, dr like r; q and grad_out [B, H, L, d_h] (any strides with a dense last
     dimension), k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs`` (benchmarks): two
     tensors to write instead of new ones; ``weights``: k, u, v's `weight_descriptors`, when the caller has them.
-    Returns the gradients and the compiled kernel."""
+    ``fused_gates`` (the fused layer's backward; one head per weight group): the kernel then writes its outputs
+    instead of dq, which it returns in dq's place. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "dq/dr")
     total_rows = batch * group_size * seq_len
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
-    grad_q, grad_r = outputs if outputs is not None else (torch.empty_like(q), torch.empty_like(r))
+    grad_q, grad_r = outputs if outputs is not None else (None, torch.empty_like(r))
+    if fused_gates is None:
+        grad_q = grad_q if grad_q is not None else torch.empty_like(q)
+        strides = grad_q.stride()[:3]
+        extra = (q, q, q, r, r, r, 0, 0.0)  # pointers the kernel does not read
+        flags = dict(E_DOT=16, FUSED_GATES=False, HAS_NORM=False, HAS_ROUTER=False)
+    else:
+        if group_size != 1:
+            raise ValueError(f"the fused norm/gate backward needs one head per weight group; got {group_size}")
+        gates = fused_gates
+        grad_q, strides = gates.grad_p, (0, 0, 0)
+        extra = (gates.p, _pointer_or(gates.norm_weight, gates.p), _pointer_or(gates.router, gates.p),
+                 _pointer_or(gates.totals, r), _pointer_or(gates.norm_parts, r), _pointer_or(gates.router_parts, r),
+                 gates.p.stride(0), gates.eps)
+        e_dot = gates.router_parts.shape[2] if gates.router_parts is not None else 16
+        flags = dict(E_DOT=e_dot, FUSED_GATES=True, HAS_NORM=gates.norm_weight is not None,
+                     HAS_ROUTER=gates.router is not None)
     compiled = _rows_gradients_kernel[(-(-total_rows // BLOCK_L), kv_heads)](
         q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
-        *q.stride()[:3], *grad_out.stride()[:3], *grad_q.stride()[:3],
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        *q.stride()[:3], *grad_out.stride()[:3], *strides,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, *extra,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
+        **flags,
     )
     return grad_q, grad_r, compiled
+
+
+def _pointer_or(tensor, fallback):
+    """A tensor argument the kernel never reads when its flag is off still needs a pointer."""
+    return tensor if tensor is not None else fallback
 
 
 def gluon_forward(q, k, u, v, r, out=None, weights=None):
@@ -877,36 +814,36 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None):
     return out, compiled
 
 
-def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384) -> dict:
-    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, "forward": the output) for sm_90 without a GPU (tests
-    and compile reports): its shared memory in bytes, the number of wgmma instructions in its PTX, and the compiled
-    kernel (``asm`` holds its PTX and cubin)."""
+def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
+                       fused_gates: bool = False) -> dict:
+    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, with ``fused_gates`` the fused layer's norm/gate
+    backward after it; "forward": the output) for sm_90 without a GPU (tests and compile reports): its shared memory
+    in bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds its PTX and
+    cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    kernels = {"weights": _weight_gradients_kernel, "weights_warp_specialised": _warp_specialised_weight_kernel,
-               "rows": _rows_gradients_kernel, "forward": _warp_specialised_forward_kernel}
+    kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
+               "forward": _warp_specialised_forward_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
-    block_l = WARP_SPECIALISED_BLOCK_L if kernel == "weights_warp_specialised" else BLOCK_L
-    sequence = torch.empty(1, 1, block_l, HEAD_DIM, dtype=dtype)
+    sequence = torch.empty(1, 1, BLOCK_L, HEAD_DIM, dtype=dtype)
     weights = torch.empty(BLOCK_N, HEAD_DIM, dtype=dtype)
     sequence_desc = GluonTensorDescriptor(sequence, list(sequence.shape), list(sequence.stride()),
-                                          [1, 1, block_l, HEAD_DIM],
-                                          gl.NVMMASharedLayout.get_default_for([1, 1, block_l, HEAD_DIM], element))
+                                          [1, 1, BLOCK_L, HEAD_DIM],
+                                          gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_L, HEAD_DIM], element))
     weight_desc = GluonTensorDescriptor(weights, list(weights.shape), list(weights.stride()), [BLOCK_N, HEAD_DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], element))
     fn = kernels[kernel]
     constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
     if kernel == "weights":
         constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
-    elif kernel == "weights_warp_specialised":
-        constants.update(BLOCK_L=block_l, STAGES=WEIGHTS_STAGES, ACTIVATION_REGISTERS=WEIGHTS_ACTIVATION_REGISTERS)
     elif kernel == "rows":
-        constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES)
+        constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES, E_DOT=16, FUSED_GATES=fused_gates, HAS_NORM=fused_gates,
+                         HAS_ROUTER=fused_gates)
     else:
         constants.update(STAGES=FORWARD_STAGES, CONSUMER_REGISTERS=FORWARD_REGISTERS)
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -918,10 +855,12 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = mangle_type(sequence_desc)
         elif name.endswith("_desc"):
             signature[name] = mangle_type(weight_desc)
-        elif name in ("R", "DR"):
+        elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER"):
             signature[name] = "*fp32"
-        elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O"):
+        elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O", "P"):
             signature[name] = pointer
+        elif name == "eps":
+            signature[name] = "fp32"
         else:
             signature[name] = "i32"
     source = GluonASTSource(fn=fn, signature=signature,

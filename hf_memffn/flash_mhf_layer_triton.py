@@ -80,11 +80,12 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _queries_and_gates_kernel(
-        P, NORM_W, ROUTER, Q, R,
+        P, NORM_W, ROUTER, Q, R, TOTALS,
         num_tokens, seq_len, num_heads, num_subnetworks, stride_p, stride_q, eps, gate_eps,
         D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr, WITH_TOTALS: tl.constexpr,
     ):
+        """WITH_TOTALS (and a router): also the gates' totals sum_E sigmoid(q W_router) + gate_eps, TOTALS [B, H, L]."""
         head = tl.program_id(1)
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < num_tokens
@@ -95,9 +96,17 @@ if TRITON_AVAILABLE:
         tl.store(Q + q_offsets, q.to(Q.dtype.element_ty), mask=token_mask[:, None])
 
         subnetworks = tl.arange(0, E_DOT)
-        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
         batch = (tokens // seq_len).to(tl.int64)
         gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len  # rows of r [B, H, L, E]
+        if HAS_ROUTER:
+            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT,
+                                  ROUTER_PRECISION)
+            total = tl.sum(scores, axis=1) + gate_eps
+            gates = scores / total[:, None]
+            if WITH_TOTALS:
+                tl.store(TOTALS + gate_rows, total, mask=token_mask)
+        else:
+            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
         r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
         tl.store(R + gate_rows[:, None] * num_subnetworks + subnetworks[None, :], gates, mask=r_mask)
 
@@ -168,6 +177,35 @@ if TRITON_AVAILABLE:
                 tl.store(DROUTER_PARTS + (slot * D_H + dims)[:, None] * E_DOT + subnetworks[None, :], grad_router)
 
     @triton.jit
+    def _gate_gradient_sums_kernel(
+        NORM_PARTS, ROUTER_PARTS, DNORM, DROUTER, slots, num_heads, num_subnetworks,
+        D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+    ):
+        """The norm/gate backward's partial sums added up, in a fixed order: program (h, block) for h < H writes the
+        router's gradient DROUTER[h, block's dims, :E] from ROUTER_PARTS [slots, H, E_DOT, d_h]; program (H, block)
+        the norm weight's DNORM[block's dims] from NORM_PARTS [slots * H, d_h]."""
+        head = tl.program_id(0)
+        dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        if head < num_heads:
+            if HAS_ROUTER:
+                subnetworks = tl.arange(0, E_DOT)
+                offsets = (head * E_DOT + subnetworks[:, None]) * D_H + dims[None, :]
+                total = tl.zeros([E_DOT, BLOCK_D], dtype=tl.float32)
+                for slot in range(slots):
+                    total += tl.load(ROUTER_PARTS + slot * (num_heads * E_DOT * D_H) + offsets)
+                tl.store(DROUTER + (head * D_H + dims[None, :]) * num_subnetworks + subnetworks[:, None],
+                         total.to(DROUTER.dtype.element_ty), mask=subnetworks[:, None] < num_subnetworks)
+        else:
+            if HAS_NORM:
+                rows = tl.arange(0, BLOCK_S)
+                total = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+                for first in range(0, slots * num_heads, BLOCK_S):
+                    total += tl.load(NORM_PARTS + (first + rows)[:, None] * D_H + dims[None, :],
+                                     mask=(first + rows < slots * num_heads)[:, None], other=0.0)
+                tl.store(DNORM + dims, tl.sum(total, axis=0).to(DNORM.dtype.element_ty))
+
+    @triton.jit
     def _decode_kernel(
         P, NORM_W, ROUTER, K, U, V, OUT,
         num_tokens, group_size, num_subnetworks, stride_p, eps, gate_eps, blocks_per_split,
@@ -228,6 +266,8 @@ GATES_BACKWARD_LAUNCH = {"block_t": 16, "num_warps": 2, "programs_per_sm": 4, "n
 PREVIOUS_GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4,
                                   "router_grad_transposed": False}
 ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")
+# The partial sums' finishing kernel: dims per program, and rows of the norm weight's partial sums per step.
+GATE_SUMS_BLOCK_D, GATE_SUMS_BLOCK_S = 32, 64
 
 
 def router_precision(dtype: torch.dtype) -> str:
@@ -240,7 +280,7 @@ DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many t
 DECODE_BLOCK_N = 64
 
 
-def _e_dot(num_subnetworks: int) -> int:
+def e_dot(num_subnetworks: int) -> int:
     """Width of the gate tiles: a power of two the products accept (>= 16)."""
     return max(16, triton.next_power_of_2(num_subnetworks))
 
@@ -258,24 +298,27 @@ def _pointer_or(tensor, fallback):
 
 
 def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: int, eps: float, gate_eps: float,
-                      launch: dict | None = None, precision: str | None = None):
-    """(q like p, r float32 [B, H, L, E]) for ``p`` [B, L, H * d_h] (contiguous). ``launch`` and ``precision``
-    (benchmarks) override ``GATES_LAUNCH`` and ``router_precision``."""
+                      launch: dict | None = None, precision: str | None = None, totals: bool = False):
+    """(q like p, r float32 [B, H, L, E]) for ``p`` [B, L, H * d_h] (contiguous); with ``totals``, a third tensor:
+    the gates' totals ``sum_E sigmoid(q W_router) + gate_eps`` (float32 [B, H, L]; None without a router), from which
+    the fused backward gets the sigmoid scores back (``r * total``). ``launch`` and ``precision`` (benchmarks)
+    override ``GATES_LAUNCH`` and ``router_precision``."""
     launch = launch or GATES_LAUNCH
     batch, length, width = p.shape
     num_heads = width // head_dim
     rows = p.reshape(batch * length, width)
     q = torch.empty_like(p)
     r = torch.empty(batch, num_heads, length, num_subnetworks, device=p.device, dtype=torch.float32)
+    gate_totals = r.new_empty(batch, num_heads, length) if totals and router is not None else None
     num_tokens = batch * length
     if num_tokens:
         _queries_and_gates_kernel[(triton.cdiv(num_tokens, launch["block_t"]), num_heads)](
-            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r,
+            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r, _pointer_or(gate_totals, r),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
-            D_H=head_dim, E_DOT=_e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
-            **_flags(norm_weight, router, p.dtype, precision),
+            D_H=head_dim, E_DOT=e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
+            WITH_TOTALS=gate_totals is not None, **_flags(norm_weight, router, p.dtype, precision),
         )
-    return q, r
+    return (q, r, gate_totals) if totals else (q, r)
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,14 +354,15 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     rows = p.reshape(num_tokens, width)
     grad_rows = grad_q.reshape(num_tokens, width)  # a view of the op's dq (in p's layout)
     grad_p = torch.empty_like(p)
-    e_dot = _e_dot(num_subnetworks)
+    gate_width = e_dot(num_subnetworks)
     programs, per_program = _backward_programs(num_tokens, num_heads, _num_sms(p.device), launch["block_t"],
                                                launch["programs_per_sm"])
     flags = _flags(norm_weight, router, p.dtype, precision)
     transposed = bool(launch.get("router_grad_transposed", False))
     norm_parts = torch.empty(programs, num_heads, head_dim, device=p.device, dtype=torch.float32) \
         if flags["HAS_NORM"] else None
-    parts_shape = (programs, num_heads, e_dot, head_dim) if transposed else (programs, num_heads, head_dim, e_dot)
+    parts_shape = ((programs, num_heads, gate_width, head_dim) if transposed
+                   else (programs, num_heads, head_dim, gate_width))
     router_parts = torch.empty(parts_shape, device=p.device, dtype=torch.float32) if flags["HAS_ROUTER"] else None
     if num_tokens:
         stages = {"num_stages": launch["num_stages"]} if "num_stages" in launch else {}
@@ -326,23 +370,38 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), grad_rows, grad_r.contiguous(), grad_p,
             _pointer_or(norm_parts, rows), _pointer_or(router_parts, rows),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), grad_rows.stride(0), width, eps, gate_eps,
-            per_program, D_H=head_dim, E_DOT=e_dot, BLOCK_T=launch["block_t"], ROUTER_GRAD_TRANSPOSED=transposed,
+            per_program, D_H=head_dim, E_DOT=gate_width, BLOCK_T=launch["block_t"], ROUTER_GRAD_TRANSPOSED=transposed,
             num_warps=launch["num_warps"], **stages, **flags,
         )
-    grad_norm = grad_router = None
-    if norm_parts is not None:
-        grad_norm = norm_parts.sum((0, 1)).to(norm_weight.dtype) if num_tokens else torch.zeros_like(norm_weight)
-    if router_parts is not None:
-        if not num_tokens:
-            grad_router = torch.zeros_like(router)
-        elif transposed:  # [H, E, d_h] partial sums: their sum, transposed into a new contiguous [H, d_h, E] tensor
-            grad_router = torch.empty(router.shape, device=router.device, dtype=router.dtype)
-            grad_router.copy_(router_parts[:, :, :num_subnetworks].sum(0).transpose(1, 2))
-        else:
-            # (the sum of the slice is a new contiguous [H, d_h, E] tensor; a slice of the sum would keep the padded
-            # strides wherever no cast copies it)
-            grad_router = router_parts[..., :num_subnetworks].sum(0).to(router.dtype)
+    if transposed or not num_tokens:
+        return (grad_p, *finish_gate_gradients(norm_parts, router_parts, norm_weight, router, num_tokens))
+    grad_norm = norm_parts.sum((0, 1)).to(norm_weight.dtype) if norm_parts is not None else None
+    # (the sum of the slice is a new contiguous [H, d_h, E] tensor; a slice of the sum would keep the padded strides
+    # wherever no cast copies it)
+    grad_router = router_parts[..., :num_subnetworks].sum(0).to(router.dtype) if router_parts is not None else None
     return grad_p, grad_norm, grad_router
+
+
+def finish_gate_gradients(norm_parts, router_parts, norm_weight, router, num_tokens: int):
+    """(d norm weight or None, d router or None) from the norm/gate backward's partial sums: ``norm_parts`` [slots, H,
+    d_h] and ``router_parts`` [slots, H, E_DOT, d_h] (float32, None where the layer has no norm / router), added up
+    in a fixed order, in the parameters' dtypes and layouts (the router's gradient a new contiguous [H, d_h, E])."""
+    if not num_tokens:
+        return (None if norm_parts is None else torch.zeros_like(norm_weight),
+                None if router_parts is None else torch.zeros_like(router))
+    grad_norm = None if norm_parts is None else torch.empty_like(norm_weight, memory_format=torch.contiguous_format)
+    grad_router = None if router_parts is None else torch.empty_like(router, memory_format=torch.contiguous_format)
+    if grad_norm is None and grad_router is None:
+        return None, None
+    slots, num_heads, head_dim = (norm_parts if norm_parts is not None else router_parts[:, :, 0]).shape
+    any_part = norm_parts if norm_parts is not None else router_parts
+    _gate_gradient_sums_kernel[(num_heads + 1, head_dim // GATE_SUMS_BLOCK_D)](
+        _pointer_or(norm_parts, any_part), _pointer_or(router_parts, any_part), _pointer_or(grad_norm, any_part),
+        _pointer_or(grad_router, any_part), slots, num_heads, 1 if router is None else router.shape[-1],
+        D_H=head_dim, E_DOT=16 if router_parts is None else router_parts.shape[2], BLOCK_D=GATE_SUMS_BLOCK_D,
+        BLOCK_S=GATE_SUMS_BLOCK_S, HAS_NORM=grad_norm is not None, HAS_ROUTER=grad_router is not None,
+    )
+    return grad_norm, grad_router
 
 
 @functools.lru_cache(maxsize=None)
@@ -378,10 +437,11 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float)
         _decode_kernel[(num_heads, triton.cdiv(num_blocks, per_split), token_blocks)](
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
-            D_H=head_dim, D_E=subnetwork_size, E_DOT=_e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
+            D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
             num_warps=4, **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
         )
     return out.to(p.dtype).view(batch, length, width)
 
 
-__all__ = ["queries_and_gates", "queries_and_gates_backward", "decode_forward", "DECODE_MAX_TOKENS"]
+__all__ = ["queries_and_gates", "queries_and_gates_backward", "finish_gate_gradients", "decode_forward", "e_dot",
+           "DECODE_MAX_TOKENS"]

@@ -45,9 +45,20 @@ except ImportError as exc:  # pragma: no cover - only when the sibling file itse
         return False
 
 try:
-    from .flash_mhf_layer_triton import DECODE_MAX_TOKENS, decode_forward, queries_and_gates, queries_and_gates_backward
+    from .flash_mhf_layer_triton import (
+        DECODE_MAX_TOKENS,
+        decode_forward,
+        e_dot,
+        finish_gate_gradients,
+        queries_and_gates,
+        queries_and_gates_backward,
+    )
 except ImportError:  # pragma: no cover - only when the sibling file itself is missing
     DECODE_MAX_TOKENS, decode_forward, queries_and_gates, queries_and_gates_backward = 0, None, None, None
+try:
+    from .flash_mhf_gluon import FusedGates, gate_partial_slots
+except ImportError:  # pragma: no cover - only when the sibling file itself is missing
+    FusedGates = gate_partial_slots = None
 
 
 __all__ = [
@@ -404,21 +415,50 @@ def _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps
     return heads.transpose(1, 2).reshape(batch, length, width)  # heads has q's layout: a view
 
 
+# Where the op's dq/dr kernel is its Gluon kernel and every weight group has one head, the layer's norm/gate backward
+# runs inside it (benchmarks switch this off to time the norm/gate backward kernel of its own instead).
+GATES_IN_ROWS_KERNEL = True
+
+
+def _gates_in_rows_kernel(queries: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the layer's norm/gate backward runs inside the op's dq/dr kernel (its Gluon kernel, one head per
+    weight group) rather than as a kernel of its own."""
+    return (GATES_IN_ROWS_KERNEL and FusedGates is not None and queries.shape[1] == k.shape[0]
+            and row_gradient_kernel(queries, k) == "gluon")
+
+
 def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
     batch, length, width = p.shape
     k, u, v = weights.chunk(3)
-    q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
 
     def heads(t):  # [B, L, H * d_h] -> a [B, H, L, d_h] view
         return t.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
 
     # the kernels write dK, dU, dV into the thirds of one buffer: the gradient of `weights`, with no concatenation
     grad_weights = torch.empty_like(weights)
-    grad_q, _, _, _, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r,
-                                              weight_grads=grad_weights.chunk(3))
-    grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
-    grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim, eps,
-                                                                gate_eps)
+    if _gates_in_rows_kernel(heads(p), k):
+        q, r, totals = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=True)
+        tokens, num_heads = batch * length, width // head_dim
+        slots = gate_partial_slots(tokens)
+
+        def parts(*shape):
+            return torch.empty(slots, num_heads, *shape, device=p.device, dtype=torch.float32)
+
+        gates = FusedGates(p.view(tokens, width), norm_weight, router, totals, torch.empty_like(p).view(tokens, width),
+                           None if norm_weight is None else parts(head_dim),
+                           None if router is None else parts(e_dot(k.shape[1]), head_dim), eps)
+        triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r, weight_grads=grad_weights.chunk(3),
+                        fused_gates=gates)
+        grad_p = gates.grad_p.view(batch, length, width)
+        grad_norm, grad_router = finish_gate_gradients(gates.norm_parts, gates.router_parts, norm_weight, router,
+                                                       tokens)
+    else:
+        q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
+        grad_q, _, _, _, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r,
+                                                  weight_grads=grad_weights.chunk(3))
+        grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
+        grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim,
+                                                                    eps, gate_eps)
     # each gradient in the layout the backward operator's fake kernel promises a compiled graph (no copy where it is)
     return tuple(None if g is None else _in_layout_of(t, g) for t, g in zip(
         (p, norm_weight, router, weights), (grad_p, grad_norm, grad_router, grad_weights)))
@@ -509,8 +549,8 @@ def _fused_layer_reason_for(device, dtype, head_dim: int, subnetwork_size: int, 
 
 
 def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True) -> str:
-    """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and sub-network weights ``k`` (the key, or all
-    three stacked: only their last two sizes count), as one line."""
+    """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and the key ``k`` [H_kv, E, d_e, d_h], as one
+    line."""
     reason = _fused_layer_unsupported_reason(p, k, impl) if fused else "fusion switched off"
     queries = p.new_empty(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
     if reason is not None:
@@ -518,7 +558,11 @@ def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto"
     tokens = p.shape[0] * p.shape[1]
     if tokens <= DECODE_MAX_TOKENS:
         return f"fused layer: one Triton decode kernel (norm, gates and op for {tokens} <= {DECODE_MAX_TOKENS} tokens)"
-    return f"fused layer: Triton norm/gate kernels + {flash_mhf_path(queries, k, impl=impl)}"
+    if _gates_in_rows_kernel(queries, k):
+        gates = "Triton norm/gate forward kernel, norm/gate backward inside the Gluon dq/dr kernel"
+    else:
+        gates = "Triton norm/gate kernels"
+    return f"fused layer: {gates} + {flash_mhf_path(queries, k, impl=impl)}"
 
 
 def flash_mhf_layer(

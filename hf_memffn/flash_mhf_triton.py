@@ -735,11 +735,14 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
 
 def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int | None = None,
-                    descriptors: bool | None = None):
+                    descriptors: bool | None = None, fused_gates=None):
     """Gradients (dq, dk, du, dv, dr) from the two backward kernels; dq has q's layout, dr is contiguous.
 
     ``weight_grads``: three contiguous tensors shaped and typed like k, u, v that receive dk, du, dv (and are
-    returned), e.g. the thirds of one gradient buffer; new tensors when None. ``splits`` (tests only) forces the split
+    returned), e.g. the thirds of one gradient buffer; new tensors when None. ``fused_gates``
+    (`flash_mhf_gluon.FusedGates`, the fused layer's backward where `row_gradient_kernel` is the Gluon kernel and
+    every weight group has one head): the dq/dr kernel then also runs the layer's norm/gate backward and returns the
+    gradient of the input projection's output in dq's place. ``splits`` (tests only) forces the split
     variant of the weight-gradient kernel; ``descriptors`` (tests only) forces or forbids its tensor-descriptor reads
     of q and dO.
     """
@@ -747,15 +750,17 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     grad_out = _rows_dense(grad_out.to(q.dtype))
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
     p = _problem(q, k)
-    grad_q = torch.empty_like(q)
+    grad_q = torch.empty_like(q) if fused_gates is None else fused_gates.grad_p
     grad_r = torch.empty_like(r)
     if weight_grads is None:
         weight_grads = [torch.empty_like(w) for w in (k, u, v)]
     elif any(g.shape != w.shape or g.dtype != w.dtype or not g.is_contiguous()
              for g, w in zip(weight_grads, (k, u, v))):
         raise ValueError("weight_grads must be three contiguous tensors with the shapes and dtypes of k, u and v")
-    if p["total_rows"] == 0:
-        return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
+    if p["total_rows"] == 0 or (fused_gates is not None and row_gradient_kernel(q, k) != "gluon"):
+        if p["total_rows"] == 0:
+            return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
+        raise ValueError("fused_gates needs the Gluon dq/dr kernel (flash_mhf_triton.row_gradient_kernel)")
     flags = _kernel_flags(q.dtype)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
     strides = (*_row_strides(q), *_row_strides(grad_out))
@@ -767,7 +772,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
         _chosen_kernels(q, k)[1:]
     gluon_weights = weight_descriptors(k, u, v) if "gluon" in (rows_kernel, weights_kernel) else None
     if rows_kernel == "gluon":
-        gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights)
+        gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights,
+                             fused_gates=fused_gates)
     elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
         _backward_rows_kernel[(triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](

@@ -98,13 +98,12 @@ EXTRA_INPUTS_PER_LAYER = 3
 # (`flash_mhf_layer_triton.gates_backward_launch`)
 # "flash_mhf_inline_rotary_tables": FlashMHFLlama whose compiled graph keeps the rotary tables' PyTorch operations,
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
-# "flash_mhf_lockstep_weights", "flash_mhf_warp_specialised_weights": FlashMHFLlama with the weight-gradient kernel's
-# schedule set (`flash_mhf_gluon.weight_schedule`), whichever is in production
+# "flash_mhf_separate_gates_backward": FlashMHFLlama with the norm/gate backward as a kernel of its own where the op's
+# Gluon dq/dr kernel would run it (`flash_mhf_op.GATES_IN_ROWS_KERNEL` off)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
-         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_lockstep_weights",
-         "flash_mhf_warp_specialised_weights")
+         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -115,8 +114,7 @@ DISPLAY["llama_extra_inputs"] = f"Llama (transformers) with {EXTRA_INPUTS_PER_LA
 DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Triton kernel"
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
-DISPLAY["flash_mhf_lockstep_weights"] = "FlashMHFLlama, lock-step weight-gradient kernel"
-DISPLAY["flash_mhf_warp_specialised_weights"] = "FlashMHFLlama, warp-specialised weight-gradient kernel"
+DISPLAY["flash_mhf_separate_gates_backward"] = "FlashMHFLlama, norm/gate backward as a kernel of its own"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -253,35 +251,33 @@ def training_step(model, ids, mode: str):
 
 # FlashMHFLlama measured in a context of its own (op_kernels)
 KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables",
-                   "flash_mhf_lockstep_weights", "flash_mhf_warp_specialised_weights")
-WEIGHT_SCHEDULE_SUFFIX = "_weights"
+                   "flash_mhf_separate_gates_backward")
 
 
 def op_kernels(architecture: str):
     """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs."""
-    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton
+    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn
 
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
     if architecture == "flash_mhf_previous_gate_launch":
         return flash_mhf_layer_triton.gates_backward_launch(flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH)
-    if architecture == "flash_mhf_inline_rotary_tables":
-        return inline_rotary_tables()
-    if architecture in KERNEL_VARIANTS and architecture.endswith(WEIGHT_SCHEDULE_SUFFIX):
-        return flash_mhf_gluon.weight_schedule(architecture[len("flash_mhf_"):-len(WEIGHT_SCHEDULE_SUFFIX)])
+    if architecture == "flash_mhf_inline_rotary_tables":  # compiled graphs keep the tables' PyTorch operations
+        return switched_off(modeling_memffn, "ROTARY_TABLES_OPERATOR")
+    if architecture == "flash_mhf_separate_gates_backward":  # the norm/gate backward as a kernel of its own
+        return switched_off(flash_mhf_op, "GATES_IN_ROWS_KERNEL")
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def inline_rotary_tables():
-    """Compiled graphs traced within the block keep the rotary tables' PyTorch operations."""
-    from hf_memffn import modeling_memffn
-
-    before, modeling_memffn.ROTARY_TABLES_OPERATOR = modeling_memffn.ROTARY_TABLES_OPERATOR, False
+def switched_off(module, flag: str):
+    """Within the block, ``module.flag`` is False."""
+    before = getattr(module, flag)
+    setattr(module, flag, False)
     try:
         yield
     finally:
-        modeling_memffn.ROTARY_TABLES_OPERATOR = before
+        setattr(module, flag, before)
 
 
 def train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
@@ -654,8 +650,7 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
 # the same module, timed in the op_kernels context of an architecture
 LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_triton_forward",
                  "FlashMHF, the norm/gate backward's previous launch": "flash_mhf_previous_gate_launch",
-                 "FlashMHF, lock-step weight-gradient kernel": "flash_mhf_lockstep_weights",
-                 "FlashMHF, warp-specialised weight-gradient kernel": "flash_mhf_warp_specialised_weights"}
+                 "FlashMHF, norm/gate backward as a kernel of its own": "flash_mhf_separate_gates_backward"}
 
 
 def layer_rows(size: str, device: str) -> list[dict]:

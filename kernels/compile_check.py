@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     failures = 0
     for dtype, head_dim, num_subnetworks, has_norm, has_router in cases(args.quick):
         element = "*" + dtype
-        gate_width = layer._e_dot(num_subnetworks)
+        gate_width = layer.e_dot(num_subnetworks)
         common_scalars = dict(eps=1e-6, gate_eps=1e-6, num_tokens=1, seq_len=1, num_heads=1,
                               num_subnetworks=num_subnetworks, stride_p=1, stride_q=1, stride_dq=1, stride_dp=1,
                               blocks_per_program=1, group_size=1, blocks_per_split=1)
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
                                 ROUTER_PRECISION="ieee" if dtype == "fp32" else "tf32")
         launches = [
             ("queries_and_gates", layer._queries_and_gates_kernel,
-             dict(P=element, NORM_W=element, ROUTER=element, Q=element, R="*fp32"),
-             dict(common_constants, BLOCK_T=layer.GATES_LAUNCH["block_t"])),
+             dict(P=element, NORM_W=element, ROUTER=element, Q=element, R="*fp32", TOTALS="*fp32"),
+             dict(common_constants, BLOCK_T=layer.GATES_LAUNCH["block_t"], WITH_TOTALS=has_router)),
             ("queries_and_gates_backward", layer._queries_and_gates_backward_kernel,
              dict(P=element, NORM_W=element, ROUTER=element, DQ=element, DR="*fp32", DP=element,
                   DNORM_PARTS="*fp32", DROUTER_PARTS="*fp32"),

@@ -51,15 +51,6 @@ VARIANTS = {
     # rows and 64 columns per block; forward: 192 rows in three warp groups, 64 columns); the configuration tuples
     # below only label them
     ("weights", "gluon"): (None, {"GLUON": True}),
-    # the weight kernel's schedules (flash_mhf_gluon.WEIGHTS_SCHEDULES): "gluon" runs the one in production
-    ("weights", "gluon_lockstep"): (None, {"GLUON": True, "SCHEDULE": "lockstep"}),
-    ("weights", "gluon_warp_specialised"): (None, {"GLUON": True, "SCHEDULE": "warp_specialised"}),
-    # its ring of row blocks one slot shorter, and its activation warp groups' register share (the gradient warp group
-    # gets the rest): flash_mhf_gluon.WEIGHTS_STAGES, WEIGHTS_ACTIVATION_REGISTERS
-    ("weights", "gluon_warp_specialised_3_stages"): (None, {"GLUON": True, "SCHEDULE": "warp_specialised",
-                                                           "WEIGHTS_STAGES": 3}),
-    ("weights", "gluon_warp_specialised_120_registers"): (None, {"GLUON": True, "SCHEDULE": "warp_specialised",
-                                                                "WEIGHTS_ACTIVATION_REGISTERS": 120}),
     ("rows", "gluon"): (None, {"GLUON": True}),
     ("forward", "gluon"): (None, {"GLUON": True}),
     ("weights", "short_lived"): (lambda: variants.weights_transposed, {"SHORT_LIVED": True}),
@@ -91,10 +82,6 @@ CANDIDATES = [
     ("rows", "gluon", (128, 64, 8, 3)),
     ("weights", "production", (128, 64, 8, 2)),
     ("weights", "gluon", (128, 64, 8, 2)),
-    ("weights", "gluon_lockstep", (128, 64, 8, 2)),
-    ("weights", "gluon_warp_specialised", (64, 64, 13, 4)),
-    ("weights", "gluon_warp_specialised_3_stages", (64, 64, 13, 3)),
-    ("weights", "gluon_warp_specialised_120_registers", (64, 64, 13, 4)),
     ("weights", "production", (128, 32, 8, 3)),
     ("weights", "production", (64, 32, 4, 2)),
     ("weights", "pointers", (128, 64, 8, 2)),
@@ -156,20 +143,8 @@ class Problem:
             return lambda: flash_mhf_gluon.gluon_rows_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
                                                                 outputs=outs)[2]
         if switches.get("GLUON"):
-            settings = {name: value for name, value in switches.items() if name.startswith("WEIGHTS_")}
-
-            def launch():
-                before = {name: getattr(flash_mhf_gluon, name) for name in settings}
-                for name, value in settings.items():
-                    setattr(flash_mhf_gluon, name, value)
-                try:
-                    return flash_mhf_gluon.gluon_weight_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
-                                                                  outputs=outs, schedule=switches.get("SCHEDULE"))[3]
-                finally:
-                    for name, value in before.items():
-                        setattr(flash_mhf_gluon, name, value)
-
-            return launch
+            return lambda: flash_mhf_gluon.gluon_weight_gradients(self.grad, self.q, self.k, self.u, self.v, self.r,
+                                                                  outputs=outs)[3]
         fn = kernel()
         meta = dict(BLOCK_L=block_l, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **self.constants, **switches)
         p, q, k, u, v, r, grad = self.p, self.q, self.k, self.u, self.v, self.r, self.grad

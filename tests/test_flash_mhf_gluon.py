@@ -25,7 +25,7 @@ SHAPES = [
     pytest.param(1, 2, 384, 1, 2, 384, torch.bfloat16, id="de384-one_group"),
 ]
 
-# the forward and dq/dr tests also run five sub-networks of 192 units
+# every kernel's test but the strided one also runs five sub-networks of 192 units
 SHAPES_WITH_E5 = SHAPES + [pytest.param(2, 3, 70, 3, 5, 192, torch.float16, id="E5-de192-fp16")]
 
 
@@ -58,36 +58,16 @@ def gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_si
 
 
 @needs_hopper
-@pytest.mark.parametrize("schedule", flash_mhf_gluon.WEIGHTS_SCHEDULES)
 @pytest.mark.parametrize(SHAPE_FIELDS, SHAPES_WITH_E5)
 def test_gluon_weight_gradients_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size,
-                                              dtype, schedule):
+                                              dtype):
     q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, dtype,
                                            seed=seq_len)
-    grads = flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r, schedule=schedule)[:3]
+    grads = flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r)[:3]
     expected = weight_gradient_truth(q, k, u, v, r, grad_out)
     errors = {name: relative_error(g, e) for name, g, e in zip(("dk", "du", "dv"), grads, expected)}
     assert all(g.dtype == dtype for g in grads)
     assert all(err < TOLERANCE[dtype] for err in errors.values()), errors
-
-
-@needs_hopper
-def test_gluon_weight_schedules_agree_on_many_row_blocks():
-    """Both schedules over 4 sequences of 1000 rows (16 ragged row blocks of 64 per sequence, so every ring slot and
-    tile pair turns over many times), within bf16 rounding of each other, and each run twice to the bit."""
-    q, k, u, v, r, grad_out = gluon_inputs(4, 2, 1000, 1, 2, 128, torch.bfloat16, seed=11)
-    results = {}
-    for schedule in flash_mhf_gluon.WEIGHTS_SCHEDULES:
-        first = flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r, schedule=schedule)[:3]
-        again = flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r, schedule=schedule)[:3]
-        assert all(torch.equal(a, b) for a, b in zip(first, again)), schedule
-        results[schedule] = first
-    expected = weight_gradient_truth(q, k, u, v, r, grad_out)
-    for schedule, grads in results.items():
-        errors = [relative_error(g, e) for g, e in zip(grads, expected)]
-        assert max(errors) < TOLERANCE[torch.bfloat16], (schedule, errors)
-    with pytest.raises(ValueError, match="schedule='pipelined'"):
-        flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r, schedule="pipelined")
 
 
 @needs_hopper
@@ -186,14 +166,15 @@ def _ptxas_available() -> bool:
                     reason="needs triton's Gluon API and ptxas")
 def test_gluon_kernel_compiles_for_hopper():
     """Compiled for sm_90 without a GPU: the three schedules build and fit in shared memory. The weight kernel issues
-    32 wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); its
-    warp-specialised schedule 48 (16 in each of its two activation warp groups: [gate | up] and dO V^T with 8 k-steps;
-    16 in its gradient warp group: dV and [dK | dU] with 4 k-steps for each 64-row half of d_h); the dq/dr
+    32 wgmmas per row block and warp group (4 products of 8 k-steps: [gate | up], dO V^T, dV, [dK | dU]); the dq/dr
     kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
-    from dM and from dN with 4 each); the forward 12 in each of its three ([gate | up] with 8 k-steps, the output
-    with 4)."""
-    for kernel, wgmmas in (("weights", 32), ("weights_warp_specialised", 48), ("rows", 48), ("forward", 36)):
-        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384)
+    from dM and from dN with 4 each), and 9 more in each with the fused layer's norm/gate backward after its loop (the
+    router's gradient with 4 k-steps for each 64-row half of d_h, dq's share through the gates with 1); the forward
+    12 in each of its three ([gate | up] with 8 k-steps, the output with 4)."""
+    for kernel, wgmmas, fused_gates in (("weights", 32, False), ("rows", 48, False), ("rows", 66, True),
+                                        ("forward", 36, False)):
+        report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384,
+                                                    fused_gates=fused_gates)
         assert report["shared_memory"] <= 227 * 1024, (kernel, report)
         assert report["wgmma"] == wgmmas, (kernel, report)
         # ptxas serialises every wgmma of a kernel (and says so) when non-wgmma code may touch the registers of an

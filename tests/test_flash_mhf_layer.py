@@ -166,6 +166,69 @@ def test_triton_gates_backward_launches_match_float64(launch):
 
 
 @needs_kernels
+def test_triton_gate_totals():
+    """With ``totals``, the norm/gate forward kernel also gives sum_E sigmoid(q W) + gate_eps per row (what the
+    fused backward gets the sigmoid scores back from: s = r * total), and None without a router."""
+    p, norm, router, _, _, _ = (None if t is None else t.float()
+                                for t in layer_inputs(2, 45, 3, 64, 1, 5, 32, True, True, seed=4))
+    q, r, totals = flash_mhf_layer_triton.queries_and_gates(p, norm, router, 64, 5, EPS, GATE_EPS, precision="ieee",
+                                                            totals=True)
+    x = p.double().view(2, 45, 3, 64)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * norm.double()
+    scores = torch.sigmoid(torch.einsum("blhd,hde->bhle", x, router.double()))
+    assert totals.shape == (2, 3, 45) and totals.dtype == torch.float32
+    assert relative_error(totals, scores.sum(-1) + GATE_EPS) < 1e-6
+    assert relative_error(r * totals[..., None], scores) < 1e-6
+    assert flash_mhf_layer_triton.queries_and_gates(p, norm, None, 64, 1, EPS, GATE_EPS, totals=True)[2] is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("norm,router", [(True, True), (False, True), (True, False)])
+def test_triton_gate_gradient_sums(norm, router):
+    """The partial sums' finishing kernel: the sums over slots (and heads, for the norm weight) in the parameters'
+    dtypes and layouts, the router's [H, d_h, E] from [slots, H, E_DOT, d_h] partial sums."""
+    generator = torch.Generator().manual_seed(7)
+    slots, heads, head_dim, num_subnetworks = 70, 3, 64, 5
+    norm_parts = torch.randn(slots, heads, head_dim, generator=generator).to(DEVICE) if norm else None
+    router_parts = torch.randn(slots, heads, 16, head_dim, generator=generator).to(DEVICE) if router else None
+    norm_weight = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16) if norm else None
+    router_weight = torch.ones(heads, head_dim, num_subnetworks, device=DEVICE) if router else None
+    grad_norm, grad_router = flash_mhf_layer_triton.finish_gate_gradients(norm_parts, router_parts, norm_weight,
+                                                                          router_weight, num_tokens=1)
+    if norm:
+        assert grad_norm.dtype == torch.bfloat16
+        torch.testing.assert_close(grad_norm, norm_parts.double().sum((0, 1)).bfloat16())
+    else:
+        assert grad_norm is None
+    if router:
+        assert grad_router.shape == router_weight.shape and grad_router.is_contiguous()
+        expected = router_parts[:, :, :num_subnetworks].double().sum(0).transpose(1, 2)
+        torch.testing.assert_close(grad_router.double(), expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert grad_router is None
+
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon dq/dr kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("norm,router,num_subnetworks", [(True, True, 5), (False, True, 3), (True, False, 1)],
+                         ids=["norm-router", "no_norm", "no_router-mh_ffn"])
+def test_gates_backward_inside_the_rows_kernel_matches_float64(norm, router, num_subnetworks):
+    """Where the op's dq/dr kernel is the Gluon kernel (large enough problems, one head per weight group), the layer's
+    norm/gate backward runs inside it: every gradient against float64, over two ragged sequences."""
+    inputs = layer_inputs(2, 2100, 8, 128, 8, num_subnetworks, 128, norm, router, seed=5)
+    p, _, _, k, _, _ = inputs
+    assert flash_mhf_op._gates_in_rows_kernel(p.new_empty(2, 8, 2100, 128).bfloat16(), k.bfloat16())
+    assert "norm/gate backward inside the Gluon dq/dr kernel" in flash_mhf_layer_path(p.bfloat16(), k.bfloat16())
+    check_layer(inputs, torch.bfloat16, impl="triton")
+    # grouped heads keep the norm/gate backward kernel of its own
+    grouped = layer_inputs(2, 2100, 8, 128, 4, 2, 128, True, True, seed=6)
+    assert not flash_mhf_op._gates_in_rows_kernel(p.new_empty(2, 8, 2100, 128).bfloat16(), grouped[3].bfloat16())
+    check_layer(grouped, torch.bfloat16, impl="triton")
+
+
+@needs_kernels
 def test_triton_layer_inference_matches_training_forward():
     """Without gradients the kernels run directly (no custom-op dispatch); the result is the same."""
     p, norm, router, k, u, v = (None if t is None else t.to(torch.bfloat16 if i in (0, 3, 4, 5) else torch.float32)

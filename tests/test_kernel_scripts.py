@@ -203,17 +203,11 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     with bench_models.op_kernels("flash_mhf_inline_rotary_tables"):
         assert not modeling_memffn.ROTARY_TABLES_OPERATOR
     assert modeling_memffn.ROTARY_TABLES_OPERATOR
-    # the weight-gradient kernel's schedules, each in a row of its own
-    from hf_memffn import flash_mhf_gluon
+    from hf_memffn import flash_mhf_op
 
-    production = flash_mhf_gluon.WEIGHTS_SCHEDULE
-    for schedule in flash_mhf_gluon.WEIGHTS_SCHEDULES:
-        with bench_models.op_kernels(f"flash_mhf_{schedule}_weights"):
-            assert flash_mhf_gluon.WEIGHTS_SCHEDULE == schedule
-        assert flash_mhf_gluon.WEIGHTS_SCHEDULE == production
-    with pytest.raises(ValueError, match="expected one of lockstep, warp_specialised"):
-        with flash_mhf_gluon.weight_schedule("overlapped"):
-            pass
+    with bench_models.op_kernels("flash_mhf_separate_gates_backward"):
+        assert not flash_mhf_op.GATES_IN_ROWS_KERNEL
+    assert flash_mhf_op.GATES_IN_ROWS_KERNEL
     with pytest.raises(ValueError, match="expected some of forward, rows, weights"):
         with flash_mhf_triton.gluon_kernels("backward"):
             pass
