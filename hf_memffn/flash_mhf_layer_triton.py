@@ -191,19 +191,19 @@ if TRITON_AVAILABLE:
             if HAS_ROUTER:
                 subnetworks = tl.arange(0, E_DOT)
                 offsets = (head * E_DOT + subnetworks[:, None]) * D_H + dims[None, :]
-                total = tl.zeros([E_DOT, BLOCK_D], dtype=tl.float32)
+                router_sum = tl.zeros([E_DOT, BLOCK_D], dtype=tl.float32)
                 for slot in range(slots):
-                    total += tl.load(ROUTER_PARTS + slot * (num_heads * E_DOT * D_H) + offsets)
+                    router_sum += tl.load(ROUTER_PARTS + slot * (num_heads * E_DOT * D_H) + offsets)
                 tl.store(DROUTER + (head * D_H + dims[None, :]) * num_subnetworks + subnetworks[:, None],
-                         total.to(DROUTER.dtype.element_ty), mask=subnetworks[:, None] < num_subnetworks)
+                         router_sum.to(DROUTER.dtype.element_ty), mask=subnetworks[:, None] < num_subnetworks)
         else:
             if HAS_NORM:
                 rows = tl.arange(0, BLOCK_S)
-                total = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+                norm_sum = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
                 for first in range(0, slots * num_heads, BLOCK_S):
-                    total += tl.load(NORM_PARTS + (first + rows)[:, None] * D_H + dims[None, :],
-                                     mask=(first + rows < slots * num_heads)[:, None], other=0.0)
-                tl.store(DNORM + dims, tl.sum(total, axis=0).to(DNORM.dtype.element_ty))
+                    norm_sum += tl.load(NORM_PARTS + (first + rows)[:, None] * D_H + dims[None, :],
+                                        mask=(first + rows < slots * num_heads)[:, None], other=0.0)
+                tl.store(DNORM + dims, tl.sum(norm_sum, axis=0).to(DNORM.dtype.element_ty))
 
     @triton.jit
     def _decode_kernel(

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         gate_width = layer.e_dot(num_subnetworks)
         common_scalars = dict(eps=1e-6, gate_eps=1e-6, num_tokens=1, seq_len=1, num_heads=1,
                               num_subnetworks=num_subnetworks, stride_p=1, stride_q=1, stride_dq=1, stride_dp=1,
-                              blocks_per_program=1, group_size=1, blocks_per_split=1)
+                              blocks_per_program=1, group_size=1, blocks_per_split=1, slots=1)
         common_constants = dict(D_H=head_dim, E_DOT=gate_width, HAS_NORM=has_norm, HAS_ROUTER=has_router,
                                 ROUTER_PRECISION="ieee" if dtype == "fp32" else "tf32")
         launches = [
@@ -129,6 +129,13 @@ def main(argv=None) -> int:
              dict(common_constants, BLOCK_T=layer.GATES_BACKWARD_LAUNCH["block_t"],
                   ROUTER_GRAD_TRANSPOSED=layer.GATES_BACKWARD_LAUNCH["router_grad_transposed"])),
         ]
+        if has_norm or has_router:
+            launches.append((
+                "gate_gradient_sums", layer._gate_gradient_sums_kernel,
+                dict(NORM_PARTS="*fp32", ROUTER_PARTS="*fp32", DNORM=element, DROUTER=element),
+                dict(D_H=head_dim, E_DOT=gate_width, BLOCK_D=layer.GATE_SUMS_BLOCK_D, BLOCK_S=layer.GATE_SUMS_BLOCK_S,
+                     HAS_NORM=has_norm, HAS_ROUTER=has_router),
+            ))
         sixteen_bit = ELEMENT_SIZE[dtype] == 2
         for subnetwork_size in SUBNETWORK_SIZES:
             block_n = layer.decode_block_n(subnetwork_size, head_dim, ELEMENT_SIZE[dtype])
