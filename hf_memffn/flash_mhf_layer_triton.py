@@ -179,31 +179,40 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _gate_gradient_sums_kernel(
         NORM_PARTS, ROUTER_PARTS, DNORM, DROUTER, slots, num_heads, num_subnetworks,
-        D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-        HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
+        D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+        NORM_BLOCK_S: tl.constexpr, NORM_BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr,
     ):
-        """The norm/gate backward's partial sums added up, in a fixed order: program (h, block) for h < H writes the
-        router's gradient DROUTER[h, block's dims, :E] from ROUTER_PARTS [slots, H, E_DOT, d_h]; program (H, block)
-        the norm weight's DNORM[block's dims] from NORM_PARTS [slots * H, d_h]."""
-        head = tl.program_id(0)
-        dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        """The norm/gate backward's partial sums added up, in a fixed order. Program (block, h) for h < H: columns
+        block * BLOCK_C .. of head h's router partial sums ROUTER_PARTS [slots, H, E_DOT * d_h] (column e * d_h + d),
+        summed over the slots BLOCK_S at a time, into DROUTER[h, d, e] (e < E). Program (block, H): the norm
+        weight's gradient DNORM at dims block * NORM_BLOCK_D .. from NORM_PARTS [slots * H, d_h], NORM_BLOCK_S rows
+        at a time."""
+        block = tl.program_id(0)
+        head = tl.program_id(1)
         if head < num_heads:
             if HAS_ROUTER:
-                subnetworks = tl.arange(0, E_DOT)
-                offsets = (head * E_DOT + subnetworks[:, None]) * D_H + dims[None, :]
-                router_sum = tl.zeros([E_DOT, BLOCK_D], dtype=tl.float32)
-                for slot in range(slots):
-                    router_sum += tl.load(ROUTER_PARTS + slot * (num_heads * E_DOT * D_H) + offsets)
-                tl.store(DROUTER + (head * D_H + dims[None, :]) * num_subnetworks + subnetworks[:, None],
-                         router_sum.to(DROUTER.dtype.element_ty), mask=subnetworks[:, None] < num_subnetworks)
+                columns = block * BLOCK_C + tl.arange(0, BLOCK_C)
+                slot_rows = tl.arange(0, BLOCK_S)
+                router_sum = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+                for first in range(0, slots, BLOCK_S):
+                    rows = first + slot_rows
+                    router_sum += tl.load(
+                        ROUTER_PARTS + ((rows.to(tl.int64) * num_heads + head) * (E_DOT * D_H))[:, None]
+                        + columns[None, :], mask=(rows < slots)[:, None], other=0.0)
+                subnetwork = columns // D_H
+                tl.store(DROUTER + (head * D_H + columns % D_H) * num_subnetworks + subnetwork,
+                         tl.sum(router_sum, axis=0).to(DROUTER.dtype.element_ty), mask=subnetwork < num_subnetworks)
         else:
             if HAS_NORM:
-                rows = tl.arange(0, BLOCK_S)
-                norm_sum = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
-                for first in range(0, slots * num_heads, BLOCK_S):
-                    norm_sum += tl.load(NORM_PARTS + (first + rows)[:, None] * D_H + dims[None, :],
-                                        mask=(first + rows < slots * num_heads)[:, None], other=0.0)
-                tl.store(DNORM + dims, tl.sum(norm_sum, axis=0).to(DNORM.dtype.element_ty))
+                if block < D_H // NORM_BLOCK_D:
+                    dims = block * NORM_BLOCK_D + tl.arange(0, NORM_BLOCK_D)
+                    norm_rows = tl.arange(0, NORM_BLOCK_S)
+                    norm_sum = tl.zeros([NORM_BLOCK_S, NORM_BLOCK_D], dtype=tl.float32)
+                    for first in range(0, slots * num_heads, NORM_BLOCK_S):
+                        rows = first + norm_rows
+                        norm_sum += tl.load(NORM_PARTS + rows.to(tl.int64)[:, None] * D_H + dims[None, :],
+                                            mask=(rows < slots * num_heads)[:, None], other=0.0)
+                    tl.store(DNORM + dims, tl.sum(norm_sum, axis=0).to(DNORM.dtype.element_ty))
 
     @triton.jit
     def _decode_kernel(
@@ -266,8 +275,11 @@ GATES_BACKWARD_LAUNCH = {"block_t": 16, "num_warps": 2, "programs_per_sm": 4, "n
 PREVIOUS_GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_sm": 4,
                                   "router_grad_transposed": False}
 ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")
-# The partial sums' finishing kernel: dims per program, and rows of the norm weight's partial sums per step.
-GATE_SUMS_BLOCK_D, GATE_SUMS_BLOCK_S = 32, 64
+# The partial sums' finishing kernel: router columns (E_DOT * d_h per head) per program and slots per step; the norm
+# weight's dims per program and rows of its partial sums per step. Every program's loop is short (8 steps at the
+# presets' shapes): one program per multiprocessor has nothing to hide a long chain of loads behind.
+GATE_SUMS_BLOCK_C, GATE_SUMS_BLOCK_S = 256, 16
+GATE_SUMS_NORM_BLOCK_D, GATE_SUMS_NORM_BLOCK_S = 32, 256
 
 
 def router_precision(dtype: torch.dtype) -> str:
@@ -394,13 +406,26 @@ def finish_gate_gradients(norm_parts, router_parts, norm_weight, router, num_tok
     if grad_norm is None and grad_router is None:
         return None, None
     slots, num_heads, head_dim = (norm_parts if norm_parts is not None else router_parts[:, :, 0]).shape
+    gate_width = 16 if router_parts is None else router_parts.shape[2]
     any_part = norm_parts if norm_parts is not None else router_parts
-    _gate_gradient_sums_kernel[(num_heads + 1, head_dim // GATE_SUMS_BLOCK_D)](
+    blocks = max(triton.cdiv(gate_width * head_dim, GATE_SUMS_BLOCK_C), head_dim // GATE_SUMS_NORM_BLOCK_D)
+    _gate_gradient_sums_kernel[(blocks, num_heads + 1)](
         _pointer_or(norm_parts, any_part), _pointer_or(router_parts, any_part), _pointer_or(grad_norm, any_part),
         _pointer_or(grad_router, any_part), slots, num_heads, 1 if router is None else router.shape[-1],
-        D_H=head_dim, E_DOT=16 if router_parts is None else router_parts.shape[2], BLOCK_D=GATE_SUMS_BLOCK_D,
-        BLOCK_S=GATE_SUMS_BLOCK_S, HAS_NORM=grad_norm is not None, HAS_ROUTER=grad_router is not None,
+        D_H=head_dim, E_DOT=gate_width, BLOCK_C=GATE_SUMS_BLOCK_C, BLOCK_S=GATE_SUMS_BLOCK_S,
+        NORM_BLOCK_S=GATE_SUMS_NORM_BLOCK_S, NORM_BLOCK_D=GATE_SUMS_NORM_BLOCK_D, HAS_NORM=grad_norm is not None,
+        HAS_ROUTER=grad_router is not None, num_warps=8,
     )
+    return grad_norm, grad_router
+
+
+def gate_gradient_sums_reference(norm_parts, router_parts, norm_weight, router):
+    """`finish_gate_gradients` as PyTorch reductions (benchmarks time the kernel against it)."""
+    grad_norm = None if norm_parts is None else norm_parts.sum((0, 1)).to(norm_weight.dtype)
+    grad_router = None
+    if router_parts is not None:
+        grad_router = torch.empty(router.shape, device=router.device, dtype=router.dtype)
+        grad_router.copy_(router_parts[:, :, :router.shape[-1]].sum(0).transpose(1, 2))
     return grad_norm, grad_router
 
 

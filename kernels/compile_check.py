@@ -133,7 +133,8 @@ def main(argv=None) -> int:
             launches.append((
                 "gate_gradient_sums", layer._gate_gradient_sums_kernel,
                 dict(NORM_PARTS="*fp32", ROUTER_PARTS="*fp32", DNORM=element, DROUTER=element),
-                dict(D_H=head_dim, E_DOT=gate_width, BLOCK_D=layer.GATE_SUMS_BLOCK_D, BLOCK_S=layer.GATE_SUMS_BLOCK_S,
+                dict(D_H=head_dim, E_DOT=gate_width, BLOCK_C=layer.GATE_SUMS_BLOCK_C, BLOCK_S=layer.GATE_SUMS_BLOCK_S,
+                     NORM_BLOCK_S=layer.GATE_SUMS_NORM_BLOCK_S, NORM_BLOCK_D=layer.GATE_SUMS_NORM_BLOCK_D,
                      HAS_NORM=has_norm, HAS_ROUTER=has_router),
             ))
         sixteen_bit = ELEMENT_SIZE[dtype] == 2

@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --out DIR      # DIR/flash_mhf_layer_tune.{json,md}
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --profile backward:1.3B   # two production launches, for ncu
+    PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --sums --out DIR   # the partial sums' kernel against PyTorch
 
 For each shape it times the forward kernel (queries and gates from the input projection's output) and the backward
 kernel (their gradients), first across router-product precisions at the production launch, then across launch
@@ -160,12 +161,46 @@ def profile(role: str, shape_name: str) -> None:
     torch.cuda.synchronize()
 
 
+def partial_sums(out: str) -> None:
+    """The norm-weight and router partial sums added up at each shape, as the fused backward of the Gluon dq/dr kernel
+    leaves them (two slots per 128 tokens per head): the finishing kernel against the PyTorch reductions it replaced
+    (`gate_gradient_sums_reference`), after checking they agree; DIR/gate_gradient_sums.{json,md}."""
+    rows = []
+    for name, tokens, heads, head_dim, num_subnetworks in SHAPES:
+        generator = torch.Generator().manual_seed(0)
+        slots, width = 2 * -(-tokens // 128), layer.e_dot(num_subnetworks)
+        norm_parts = torch.randn(slots, heads, head_dim, generator=generator).cuda()
+        router_parts = torch.randn(slots, heads, width, head_dim, generator=generator).cuda()
+        norm = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16)
+        router = torch.ones(heads, head_dim, num_subnetworks, device="cuda", dtype=torch.bfloat16)
+        kernel = layer.finish_gate_gradients(norm_parts, router_parts, norm, router, tokens)
+        torch_ops = layer.gate_gradient_sums_reference(norm_parts, router_parts, norm, router)
+        error = max(rel_err(a, b) for a, b in zip(kernel, torch_ops))
+        row = {"shape": name, "slots": slots, "heads": heads, "rel_err": error,
+               "kernel_us": 1e3 * bench_ms(lambda: layer.finish_gate_gradients(norm_parts, router_parts, norm, router,
+                                                                                 tokens)),
+               "torch_us": 1e3 * bench_ms(lambda: layer.gate_gradient_sums_reference(norm_parts, router_parts, norm,
+                                                                                      router))}
+        log(f"{name}: partial sums {row['kernel_us']:.1f} us (kernel) against {row['torch_us']:.1f} us (PyTorch), "
+            f"rel. error {error:.1e}")
+        rows.append(row)
+    results = {"environment": environment(), "rows": rows}
+    write_json(os.path.join(out, "gate_gradient_sums.json"), results)
+    lines = [f"# The norm/gate backward's partial sums added up ({results['environment']['device']})", "",
+             *markdown_table(["shape", "slots x heads", "kernel us", "PyTorch us", "rel. error"],
+                             [[r["shape"], f"{r['slots']} x {r['heads']}", f"{r['kernel_us']:.1f}",
+                               f"{r['torch_us']:.1f}", f"{r['rel_err']:.1e}"] for r in rows]), ""]
+    write_report(out, "gate_gradient_sums", results, "\n".join(lines))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     parser.add_argument("--profile", choices=[f"{role}:{shape[0]}" for role in ("forward", "backward")
                                               for shape in SHAPES],
                         help="only launch one kernel twice at its production settings (for Nsight Compute)")
+    parser.add_argument("--sums", action="store_true",
+                        help="only time the partial sums' finishing kernel against PyTorch's reductions")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this sweep times GPU kernels")
@@ -174,6 +209,9 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         parser.error("--out is required for the sweep")
+    if args.sums:
+        partial_sums(args.out)
+        return 0
     results = {"environment": environment(), "rows": [], "copy_us": {},
                "production": {"precision": PRODUCTION_PRECISION, "forward": layer.GATES_LAUNCH,
                               "backward": layer.GATES_BACKWARD_LAUNCH}}
