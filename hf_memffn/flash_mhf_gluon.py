@@ -30,7 +30,9 @@ compute dq and dr of half of the rows. Neither waits for the other: a slot is re
 nothing else is shared. So while one warp group runs its SiLU and gradient arithmetic, the other's products keep the
 tensor cores busy; with both warp groups in one partition, every shared-memory barrier that Triton inserts around the
 bulk copies lines them up again, and the same kernel ran at 524-556 TFLOP/s instead of 637-648
-(``kernels/flash_mhf_notes.md``, v9).
+(``kernels/flash_mhf_notes.md``, v9). In the fused layer's backward (``FusedGates``) each warp group then takes its
+rows back through the gates and the query norm (``_gates_backward_epilogue``) and writes the gradient of the input
+projection's output instead of dq (notes, v23).
 
 **The forward** (``_warp_specialised_forward_kernel``). The dq/dr kernel's split with the forward's two products per
 column block (``[gate | up] = q [K | U]^T``, then ``out += (SiLU(gate) * up * r_e) V`` from registers) and three

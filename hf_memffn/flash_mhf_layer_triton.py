@@ -11,10 +11,13 @@ column block ``h * d_h .. (h + 1) * d_h``), and per head computes
 Kernels (all one program per block of tokens of one head; every row's norm and gates stay on chip):
 
 * ``_queries_and_gates_kernel``: q (in P's layout and dtype, so the op kernels read it through strides, without a
-  transpose) and r (float32, ``[B, H, L, E]``), in one pass over P.
+  transpose) and r (float32, ``[B, H, L, E]``), in one pass over P; for the backward also the gates' totals.
 * ``_queries_and_gates_backward_kernel``: from the op's ``dq`` and ``dr``, the gradient of P (through the gates and
-  the norm, in P's layout) and per-program partial sums of the norm-weight and router gradients (added up by the
-  launcher: every output is written once, so the result is deterministic).
+  the norm, in P's layout) and per-program partial sums of the norm-weight and router gradients (every output is
+  written once, so the result is deterministic). Where the op's dq/dr kernel is its Gluon kernel and each weight
+  group has one head, that kernel does this itself (``flash_mhf_gluon._gates_backward_epilogue``).
+* ``_gate_gradient_sums_kernel``: either backward's partial sums added up, in a fixed order, into the norm-weight and
+  router gradients.
 * ``_decode_kernel``: the whole layer between the projections for a few tokens (decoding): norm, gates and the
   sub-networks in one launch. Programs split the heads' weight columns (the weights are what a decoding step reads)
   and add their float32 partial outputs atomically.

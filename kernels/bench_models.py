@@ -94,8 +94,8 @@ TORCH_DECODER = "_torch_decoder"
 EXTRA_INPUTS_PER_LAYER = 3
 # "flash_mhf_triton_forward": FlashMHFLlama with the op's forward on the Triton kernel where the warp-specialised Gluon
 # kernel would run (`flash_mhf_triton.gluon_kernels`)
-# "flash_mhf_previous_gate_launch": FlashMHFLlama with the norm/gate backward kernel launched as before its tf32 sweep
-# (`flash_mhf_layer_triton.gates_backward_launch`)
+# "flash_mhf_previous_gate_launch": FlashMHFLlama with the norm/gate backward kernel of its own (also where the Gluon
+# dq/dr kernel would run it) launched as before its tf32 sweep (`flash_mhf_layer_triton.gates_backward_launch`)
 # "flash_mhf_inline_rotary_tables": FlashMHFLlama whose compiled graph keeps the rotary tables' PyTorch operations,
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
 # "flash_mhf_separate_gates_backward": FlashMHFLlama with the norm/gate backward as a kernel of its own where the op's
@@ -260,8 +260,12 @@ def op_kernels(architecture: str):
 
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
-    if architecture == "flash_mhf_previous_gate_launch":
-        return flash_mhf_layer_triton.gates_backward_launch(flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH)
+    if architecture == "flash_mhf_previous_gate_launch":  # (the norm/gate backward kernel of its own, launched so)
+        context = contextlib.ExitStack()
+        context.enter_context(switched_off(flash_mhf_op, "GATES_IN_ROWS_KERNEL"))
+        context.enter_context(flash_mhf_layer_triton.gates_backward_launch(
+            flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH))
+        return context
     if architecture == "flash_mhf_inline_rotary_tables":  # compiled graphs keep the tables' PyTorch operations
         return switched_off(modeling_memffn, "ROTARY_TABLES_OPERATOR")
     if architecture == "flash_mhf_separate_gates_backward":  # the norm/gate backward as a kernel of its own

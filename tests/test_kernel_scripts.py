@@ -195,16 +195,17 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     assert flash_mhf_triton._gluon_roles == set(flash_mhf_triton.GLUON_ROLES)
     # the row of the norm/gate backward as it was launched before its tf32 sweep
     launch = flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH
+    from hf_memffn import flash_mhf_op
+
     with bench_models.op_kernels("flash_mhf_previous_gate_launch"):
         assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == flash_mhf_layer_triton.PREVIOUS_GATES_BACKWARD_LAUNCH
-    assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == launch
+        assert not flash_mhf_op.GATES_IN_ROWS_KERNEL
+    assert flash_mhf_layer_triton.GATES_BACKWARD_LAUNCH == launch and flash_mhf_op.GATES_IN_ROWS_KERNEL
     from hf_memffn import modeling_memffn
 
     with bench_models.op_kernels("flash_mhf_inline_rotary_tables"):
         assert not modeling_memffn.ROTARY_TABLES_OPERATOR
     assert modeling_memffn.ROTARY_TABLES_OPERATOR
-    from hf_memffn import flash_mhf_op
-
     with bench_models.op_kernels("flash_mhf_separate_gates_backward"):
         assert not flash_mhf_op.GATES_IN_ROWS_KERNEL
     assert flash_mhf_op.GATES_IN_ROWS_KERNEL
