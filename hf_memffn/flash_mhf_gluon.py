@@ -442,9 +442,8 @@ if GLUON_AVAILABLE:
                        stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl, stride_db, stride_dh,
                        stride_dl, first_row, group, total_rows, seq_len, group_size, num_heads, num_subnetworks,
                        num_blocks, logits_tile, router_tile, P, NORM_W, ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS,
-                       stride_p, eps,
-                       D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, E_DOT: gl.constexpr, FUSED_GATES: gl.constexpr,
+                       stride_p, eps, D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, E_DOT: gl.constexpr, FUSED_GATES: gl.constexpr,
                        HAS_NORM: gl.constexpr, HAS_ROUTER: gl.constexpr):
         """One warp group: dq and dr of its ROWS rows (``half`` of the program's row block); with FUSED_GATES, then
         the layer's norm/gate backward of those rows (`_gates_backward_epilogue`, DQ being the layer's DP)."""
@@ -490,10 +489,9 @@ if GLUON_AVAILABLE:
         if FUSED_GATES:
             _cta_barrier()  # the warp group's dr stores, read back by other threads of it
             _gates_backward_epilogue(grad_q, q_tile, logits_tile, router_tile, P, NORM_W, ROUTER, R, DR, TOTALS, DQ,
-                                     NORM_PARTS,
-                                     ROUTER_PARTS, first, group, total_rows, seq_len, num_heads, num_subnetworks,
-                                     stride_p, eps, gl.program_id(0) * 2 + half, D_H, E_DOT, ROWS, HAS_NORM,
-                                     HAS_ROUTER, wide_layout)
+                                     NORM_PARTS, ROUTER_PARTS, first, group, total_rows, seq_len, num_heads,
+                                     num_subnetworks, stride_p, eps, gl.program_id(0) * 2 + half, D_H, E_DOT, ROWS,
+                                     HAS_NORM, HAS_ROUTER, wide_layout)
         else:
             _store_row_block(DQ, grad_q, first, group, total_rows, seq_len, group_size, stride_db, stride_dh,
                              stride_dl, ROWS, D_H, wide_layout)
@@ -545,16 +543,16 @@ if GLUON_AVAILABLE:
                               ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
                               stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
                               num_heads, num_subnetworks, num_blocks, logits_tiles.index(0),
-                              router_tiles.index(0), P, NORM_W,
-                              ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS, stride_p, eps, D_H, D_E, ROWS, BLOCK_N,
-                              STAGES, E_DOT, FUSED_GATES, HAS_NORM, HAS_ROUTER)),
+                              router_tiles.index(0), P, NORM_W, ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS,
+                              stride_p, eps, D_H, D_E, ROWS, BLOCK_N, STAGES, E_DOT, FUSED_GATES, HAS_NORM,
+                              HAS_ROUTER)),
             (_rows_consumer, (1, Q, DO, R, DQ, DR, q_tiles.index(1), grad_out_tiles.index(1), ku_stages, v_stages,
                               ready, empty, stride_qb, stride_qh, stride_ql, stride_gb, stride_gh, stride_gl,
                               stride_db, stride_dh, stride_dl, first_row, group, total_rows, seq_len, group_size,
                               num_heads, num_subnetworks, num_blocks, logits_tiles.index(1),
-                              router_tiles.index(1), P, NORM_W,
-                              ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS, stride_p, eps, D_H, D_E, ROWS, BLOCK_N,
-                              STAGES, E_DOT, FUSED_GATES, HAS_NORM, HAS_ROUTER)),
+                              router_tiles.index(1), P, NORM_W, ROUTER, TOTALS, NORM_PARTS, ROUTER_PARTS,
+                              stride_p, eps, D_H, D_E, ROWS, BLOCK_N, STAGES, E_DOT, FUSED_GATES, HAS_NORM,
+                              HAS_ROUTER)),
             (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty,
                               group * num_subnetworks * D_E, num_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [232, 24])
@@ -777,8 +775,9 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
             raise ValueError(f"the fused norm/gate backward needs one head per weight group; got {group_size}")
         gates = fused_gates
         grad_q, strides = gates.grad_p, (0, 0, 0)
-        extra = (gates.p, _pointer_or(gates.norm_weight, gates.p), _pointer_or(gates.router, gates.p),
-                 _pointer_or(gates.totals, r), _pointer_or(gates.norm_parts, r), _pointer_or(gates.router_parts, r),
+        # (a tensor the kernel does not read, where its flag is off, still needs a pointer)
+        extra = (gates.p, *(t if t is not None else gates.p for t in (gates.norm_weight, gates.router)),
+                 *(t if t is not None else r for t in (gates.totals, gates.norm_parts, gates.router_parts)),
                  gates.p.stride(0), gates.eps)
         e_dot = gates.router_parts.shape[2] if gates.router_parts is not None else 16
         flags = dict(E_DOT=e_dot, FUSED_GATES=True, HAS_NORM=gates.norm_weight is not None,
@@ -791,11 +790,6 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
         **flags,
     )
     return grad_q, grad_r, compiled
-
-
-def _pointer_or(tensor, fallback):
-    """A tensor argument the kernel never reads when its flag is off still needs a pointer."""
-    return tensor if tensor is not None else fallback
 
 
 def gluon_forward(q, k, u, v, r, out=None, weights=None):

@@ -279,8 +279,8 @@ PREVIOUS_GATES_BACKWARD_LAUNCH = {"block_t": 32, "num_warps": 4, "programs_per_s
                                   "router_grad_transposed": False}
 ROUTER_PRECISIONS = ("tf32", "ieee", "tf32x3")
 # The partial sums' finishing kernel: router columns (E_DOT * d_h per head) per program and slots per step; the norm
-# weight's dims per program and rows of its partial sums per step. Every program's loop is short (8 steps at the
-# presets' shapes): one program per multiprocessor has nothing to hide a long chain of loads behind.
+# weight's dims per program and rows of its partial sums per step. Each program's loop is short (8 steps at the
+# presets' shapes): a step waits for its loads, so 128 one-slot steps took 33 us where 8 wide ones take 21.
 GATE_SUMS_BLOCK_C, GATE_SUMS_BLOCK_S = 256, 16
 GATE_SUMS_NORM_BLOCK_D, GATE_SUMS_NORM_BLOCK_S = 32, 256
 

@@ -757,10 +757,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     elif any(g.shape != w.shape or g.dtype != w.dtype or not g.is_contiguous()
              for g, w in zip(weight_grads, (k, u, v))):
         raise ValueError("weight_grads must be three contiguous tensors with the shapes and dtypes of k, u and v")
-    if p["total_rows"] == 0 or (fused_gates is not None and row_gradient_kernel(q, k) != "gluon"):
-        if p["total_rows"] == 0:
-            return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
-        raise ValueError("fused_gates needs the Gluon dq/dr kernel (flash_mhf_triton.row_gradient_kernel)")
+    if p["total_rows"] == 0:
+        return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
     flags = _kernel_flags(q.dtype)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
     strides = (*_row_strides(q), *_row_strides(grad_out))
@@ -770,6 +768,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     # dq, dr: one program per row block (the Gluon kernel on Hopper where it applies, see row_gradient_kernel)
     rows_kernel, weights_kernel = ("triton", "triton") if splits is not None or descriptors is not None else \
         _chosen_kernels(q, k)[1:]
+    if fused_gates is not None and rows_kernel != "gluon":
+        raise ValueError("fused_gates needs the Gluon dq/dr kernel (flash_mhf_triton.row_gradient_kernel)")
     gluon_weights = weight_descriptors(k, u, v) if "gluon" in (rows_kernel, weights_kernel) else None
     if rows_kernel == "gluon":
         gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights,

@@ -208,6 +208,22 @@ def test_triton_gate_gradient_sums(norm, router):
         assert grad_router is None
 
 
+@needs_kernels
+def test_triton_fused_gates_need_the_gluon_rows_kernel():
+    """Asked to run the norm/gate backward where the Triton dq/dr kernel runs, the op's backward says so instead of
+    leaving the layer's gradients unwritten."""
+    from hf_memffn import flash_mhf_gluon, flash_mhf_triton
+
+    p, norm, router, k, u, v = (None if t is None else t.float() for t in layer_inputs(1, 20, 2, 64, 2, 2, 32, True,
+                                                                                       True))
+    q = p.view(1, 20, 2, 64).transpose(1, 2)
+    r = torch.full((1, 2, 20, 2), 0.5, device=DEVICE)
+    gates = flash_mhf_gluon.FusedGates(p.view(20, 128), norm, router, None, torch.empty(20, 128, device=DEVICE), None,
+                                       None, EPS)
+    with pytest.raises(ValueError, match="fused_gates needs the Gluon dq/dr kernel"):
+        flash_mhf_triton.triton_backward(torch.ones_like(q), q, k, u, v, r, fused_gates=gates)
+
+
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
