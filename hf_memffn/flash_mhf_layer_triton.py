@@ -73,13 +73,15 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H: tl.constexpr, E_DOT: tl.constexpr,
                HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
-        """The normalised gates r [rows, E_DOT] (float32, 0 past E) of float32 queries; 1 without a router."""
+        """(the normalised gates r [rows, E_DOT] (float32, 0 past E), their totals sum_E sigmoid + gate_eps [rows])
+        of float32 queries; r = 1 (and totals 1) without a router."""
         if HAS_ROUTER:
             scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT,
                                   ROUTER_PRECISION)
-            return scores / (tl.sum(scores, axis=1) + gate_eps)[:, None]
+            total = tl.sum(scores, axis=1) + gate_eps
+            return scores / total[:, None], total
         else:
-            return tl.full([q.shape[0], E_DOT], 1.0, tl.float32)
+            return tl.full([q.shape[0], E_DOT], 1.0, tl.float32), tl.full([q.shape[0]], 1.0, tl.float32)
 
     @triton.jit
     def _queries_and_gates_kernel(
@@ -88,7 +90,8 @@ if TRITON_AVAILABLE:
         D_H: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr,
         HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr, WITH_TOTALS: tl.constexpr,
     ):
-        """WITH_TOTALS (and a router): also the gates' totals sum_E sigmoid(q W_router) + gate_eps, TOTALS [B, H, L]."""
+        """WITH_TOTALS (set only with a router): also the gates' totals sum_E sigmoid(q W_router) + gate_eps, TOTALS
+        [B, H, L]."""
         head = tl.program_id(1)
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < num_tokens
@@ -101,15 +104,9 @@ if TRITON_AVAILABLE:
         subnetworks = tl.arange(0, E_DOT)
         batch = (tokens // seq_len).to(tl.int64)
         gate_rows = (batch * num_heads + head) * seq_len + tokens % seq_len  # rows of r [B, H, L, E]
-        if HAS_ROUTER:
-            scores = _gate_scores(q, _router_tile(ROUTER, head, num_subnetworks, D_H, E_DOT), num_subnetworks, E_DOT,
-                                  ROUTER_PRECISION)
-            total = tl.sum(scores, axis=1) + gate_eps
-            gates = scores / total[:, None]
-            if WITH_TOTALS:
-                tl.store(TOTALS + gate_rows, total, mask=token_mask)
-        else:
-            gates = tl.full([BLOCK_T, E_DOT], 1.0, tl.float32)
+        gates, totals = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
+        if WITH_TOTALS:
+            tl.store(TOTALS + gate_rows, totals, mask=token_mask)
         r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
         tl.store(R + gate_rows[:, None] * num_subnetworks + subnetworks[None, :], gates, mask=r_mask)
 
@@ -234,7 +231,7 @@ if TRITON_AVAILABLE:
         p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
         q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
         subnetworks = tl.arange(0, E_DOT)
-        gates = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
+        gates, _ = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
         q = q.to(K.dtype.element_ty)  # the op multiplies the queries in the input dtype
 
         dims = tl.arange(0, D_H)

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import bench_ms, environment, log, markdown_table, rel_err, write_json, write_report  # noqa: E402
 
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
+from hf_memffn.flash_mhf_gluon import gate_partial_slots  # noqa: E402
 
 EPS, GATE_EPS = 1e-5, 1e-6
 # (name, tokens, heads, head_dim, num_subnetworks): the presets' FlashMHF layers at their training batch (8 x 2048 and
@@ -163,12 +164,12 @@ def profile(role: str, shape_name: str) -> None:
 
 def partial_sums(out: str) -> None:
     """The norm-weight and router partial sums added up at each shape, as the fused backward of the Gluon dq/dr kernel
-    leaves them (two slots per 128 tokens per head): the finishing kernel against the PyTorch reductions it replaced
+    leaves them (`gate_partial_slots` per head): the finishing kernel against the PyTorch reductions it replaced
     (`gate_gradient_sums_reference`), after checking they agree; DIR/gate_gradient_sums.{json,md}."""
     rows = []
     for name, tokens, heads, head_dim, num_subnetworks in SHAPES:
         generator = torch.Generator().manual_seed(0)
-        slots, width = 2 * -(-tokens // 128), layer.e_dot(num_subnetworks)
+        slots, width = gate_partial_slots(tokens), layer.e_dot(num_subnetworks)
         norm_parts = torch.randn(slots, heads, head_dim, generator=generator).cuda()
         router_parts = torch.randn(slots, heads, width, head_dim, generator=generator).cuda()
         norm = torch.ones(head_dim, device="cuda", dtype=torch.bfloat16)
@@ -185,7 +186,6 @@ def partial_sums(out: str) -> None:
             f"rel. error {error:.1e}")
         rows.append(row)
     results = {"environment": environment(), "rows": rows}
-    write_json(os.path.join(out, "gate_gradient_sums.json"), results)
     lines = [f"# The norm/gate backward's partial sums added up ({results['environment']['device']})", "",
              *markdown_table(["shape", "slots x heads", "kernel us", "PyTorch us", "rel. error"],
                              [[r["shape"], f"{r['slots']} x {r['heads']}", f"{r['kernel_us']:.1f}",
