@@ -39,7 +39,10 @@ column block (``[gate | up] = q [K | U]^T``, then ``out += (SiLU(gate) * up * r_
 computing warp groups of 64 rows instead of two: the forward's warp groups hold fewer registers (the output and the
 pre-activations), so three fit, and a program of 192 rows reads each column block from L2 for 1.5 times the rows.
 It ran at 690-708 TFLOP/s at the paper's shape against 584-591 for ``_forward_kernel`` (with two warp groups,
-645-655).
+645-655). One program runs per multiprocessor, so when the row blocks are not a multiple of the multiprocessors the
+last round of programs leaves some idle (at both presets' layer shapes, 688 row blocks make five rounds of 132 and
+one of 28). The row blocks of that round are split into column ranges (``forward_splits``), whose programs write
+float32 shares that ``_add_forward_splits_kernel`` adds up in a fixed order.
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
 decides when they are used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
@@ -86,6 +89,7 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # than the Triton kernel on an H100 over two calls, two 1.09-1.11x (kernels/results/gluon/forward_kernels.md, from
 # commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
+FORWARD_MIN_SPLIT_BLOCKS = 4  # column blocks in one range of a split row block (see `forward_splits`)
 HEAD_DIM = 128
 
 
@@ -577,12 +581,14 @@ if GLUON_AVAILABLE:
         return out
 
     @gluon.jit
-    def _forward_consumer(part, Q, R, O, q_tile, ku_stages, v_stages, ready, empty,
+    def _forward_consumer(part, Q, R, O, O_SPLITS, q_tile, ku_stages, v_stages, ready, empty,
                           stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                          total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks,
-                          D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                          STAGES: gl.constexpr):
-        """One warp group: the output of its ROWS rows (part ``part`` of the program's row block)."""
+                          total_rows, seq_len, group_size, num_heads, num_subnetworks, first_block, num_blocks,
+                          split_row, D_H: gl.constexpr, D_E: gl.constexpr, ROWS: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp group: the output of its ROWS rows (part ``part`` of the program's row block) over column blocks
+        first_block .. first_block + num_blocks, written to O, or (split_row >= 0) as float32 rows split_row + part *
+        ROWS .. of O_SPLITS [rows, d_h]."""
         # [gate | up] pre-activations and the output: 2 * BLOCK_N = D_H columns; the activations as the output
         # product's left operand
         wide_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -603,36 +609,62 @@ if GLUON_AVAILABLE:
                                                     num_subnetworks, ROWS, row_layout)
 
         out = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
-        next_gate = _block_gates(R, gate_offsets, gate_mask, 0, BLOCK_N, D_E)
-        for block in range(num_blocks):
+        last_block = first_block + num_blocks - 1
+        next_gate = _block_gates(R, gate_offsets, gate_mask, first_block, BLOCK_N, D_E)
+        for block in range(num_blocks):  # counted from the program's first column block (the ring's phases)
             stage = block % STAGES
             gate = next_gate
-            next_gate = _block_gates(R, gate_offsets, gate_mask, gl.minimum(block + 1, num_blocks - 1), BLOCK_N, D_E)
+            next_gate = _block_gates(R, gate_offsets, gate_mask, gl.minimum(first_block + block + 1, last_block),
+                                     BLOCK_N, D_E)
             mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
             out = _forward_step(q_tile, ku_stages.index(stage), v_stages.index(stage), out, gate, ROWS, BLOCK_N,
                                 wide_layout, half_layout, operand_layout)
             mbarrier.arrive(empty.index(stage), count=1)  # this warp group is done with the slot
 
-        _store_row_block(O, out, first, group, total_rows, seq_len, group_size, stride_ob, stride_oh, stride_ol, ROWS,
-                         D_H, wide_layout)
+        if split_row >= 0:  # one column range of a split row block: float32 rows for `_add_forward_splits_kernel`
+            rows = split_row + part * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, wide_layout))
+            dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, wide_layout))
+            gl.store(O_SPLITS + rows.to(gl.int64)[:, None] * D_H + dims[None, :], out)
+        else:
+            _store_row_block(O, out, first, group, total_rows, seq_len, group_size, stride_ob, stride_oh, stride_ol,
+                             ROWS, D_H, wide_layout)
 
     @gluon.jit
     def _warp_specialised_forward_kernel(
-        Q, k_desc, u_desc, v_desc, R, O,
+        Q, k_desc, u_desc, v_desc, R, O, O_SPLITS,
         stride_qb, stride_qh, stride_ql, stride_ob, stride_oh, stride_ol,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, row_blocks, split_from, splits,
         D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CONSUMER_REGISTERS: gl.constexpr,
     ):
         """The output of one block of 3 x 64 rows of one weight group, split like the dq/dr kernel: three warp groups
         of four warps, one per 64 rows, each in its own partition, and one loading warp that streams the column
         blocks through a ring of STAGES slots. Q, O: [B, H, L, d_h] through their (batch, head, position) strides;
-        k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R: contiguous [B, H, L, E]."""
+        k/u/v_desc: [H_kv * E * d_e, d_h] with block [BLOCK_N, d_h]; R: contiguous [B, H, L, E].
+
+        Programs 0 .. split_from - 1 each own a row block (``row_blocks`` per weight group, the groups one after the
+        other) and all its column blocks. The row blocks from ``split_from`` on (the last, partly filled round of
+        programs) are each split into ``splits`` column ranges, one program per range, which writes its float32
+        share into O_SPLITS [(row blocks - split_from) * splits * 192, d_h] for `_add_forward_splits_kernel`."""
         dtype: gl.constexpr = k_desc.dtype
         ROWS: gl.constexpr = 64
         CONSUMERS: gl.constexpr = 3
-        first_row = gl.program_id(0) * (CONSUMERS * ROWS)
-        group = gl.program_id(1)
+        program = gl.program_id(0)
+        all_blocks = num_subnetworks * (D_E // BLOCK_N)
+        if program < split_from:
+            tile = program
+            first_block = 0
+            num_blocks = all_blocks
+            split_row = -1
+        else:
+            share = program - split_from
+            split = share % splits
+            tile = split_from + share // splits
+            first_block = split * all_blocks // splits
+            num_blocks = (split + 1) * all_blocks // splits - first_block
+            split_row = share * (CONSUMERS * ROWS)
+        group = tile // row_blocks
+        first_row = (tile - group * row_blocks) * (CONSUMERS * ROWS)
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D_H], dtype)
 
         # shared memory: each warp group's q rows and a ring of STAGES column blocks (K and U rows stacked
@@ -647,24 +679,45 @@ if GLUON_AVAILABLE:
             mbarrier.init(empty.index(stage), count=CONSUMERS)
         fence_async_shared()
 
-        num_blocks = num_subnetworks * (D_E // BLOCK_N)
-        weight_row = group * num_subnetworks * D_E
+        weight_row = (group * num_subnetworks * (D_E // BLOCK_N) + first_block) * BLOCK_N
         gl.warp_specialize([
-            (_forward_consumer, (0, Q, R, O, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
+            (_forward_consumer, (0, Q, R, O, O_SPLITS, q_tiles.index(0), ku_stages, v_stages, ready, empty, stride_qb,
                                  stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                 D_E, ROWS, BLOCK_N, STAGES)),
-            (_forward_consumer, (1, Q, R, O, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, first_block, num_blocks,
+                                 split_row, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+            (_forward_consumer, (1, Q, R, O, O_SPLITS, q_tiles.index(1), ku_stages, v_stages, ready, empty, stride_qb,
                                  stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                 D_E, ROWS, BLOCK_N, STAGES)),
-            (_forward_consumer, (2, Q, R, O, q_tiles.index(2), ku_stages, v_stages, ready, empty, stride_qb,
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, first_block, num_blocks,
+                                 split_row, D_H, D_E, ROWS, BLOCK_N, STAGES)),
+            (_forward_consumer, (2, Q, R, O, O_SPLITS, q_tiles.index(2), ku_stages, v_stages, ready, empty, stride_qb,
                                  stride_qh, stride_ql, stride_ob, stride_oh, stride_ol, first_row, group,
-                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, num_blocks, D_H,
-                                 D_E, ROWS, BLOCK_N, STAGES)),
+                                 total_rows, seq_len, group_size, num_heads, num_subnetworks, first_block, num_blocks,
+                                 split_row, D_H, D_E, ROWS, BLOCK_N, STAGES)),
             (_rows_producer, (k_desc, u_desc, v_desc, ku_stages, v_stages, ready, empty, weight_row, num_blocks,
                               BLOCK_N, STAGES)),
         ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, 24])
+
+    @gluon.jit
+    def _add_forward_splits_kernel(O_SPLITS, O, stride_ob, stride_oh, stride_ol, total_rows, seq_len, group_size,
+                                   row_blocks, split_from, splits, D_H: gl.constexpr, ROWS: gl.constexpr):
+        """The output of 64 rows of a split row block of the forward: its ``splits`` float32 shares added in order
+        (the result does not depend on which program finished first) and written to O in O's dtype. Program ``i``
+        takes rows (i % 3) * 64 .. of split row block ``i // 3``."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        index = gl.program_id(0)
+        third = index % 3
+        tile = split_from + index // 3
+        group = tile // row_blocks
+        first = (tile - group * row_blocks) * (3 * ROWS) + third * ROWS
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, layout))
+        offsets = rows.to(gl.int64)[:, None] * D_H + dims[None, :]
+        base = ((index // 3) * splits * 3 + third) * ROWS * D_H
+        total = gl.load(O_SPLITS + base + offsets)
+        for split in range(1, splits):
+            total += gl.load(O_SPLITS + base + split * (3 * ROWS * D_H) + offsets)
+        _store_row_block(O, total, first, group, total_rows, seq_len, group_size, stride_ob, stride_oh, stride_ol,
+                         ROWS, D_H, layout)
 
 
 def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
@@ -792,28 +845,62 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
     return grad_q, grad_r, compiled
 
 
-def gluon_forward(q, k, u, v, r, out=None, weights=None):
+@functools.lru_cache(maxsize=None)
+def multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def forward_splits(row_blocks: int, multiprocessors: int, column_blocks: int) -> tuple[int, int]:
+    """(split_from, splits) of the forward's launch for ``row_blocks`` programs of 192 rows (one per multiprocessor
+    at a time). The last round of programs leaves multiprocessors idle when the row blocks are not a multiple of
+    their number (at both presets' shapes 688 = 5 x 132 + 28: 28 programs run a sixth round alone). The row blocks
+    from ``split_from`` on are therefore split into ``splits`` column ranges, enough to fill that round (28 x 4 =
+    112 programs of a quarter of the work), each at least ``FORWARD_MIN_SPLIT_BLOCKS`` column blocks long."""
+    last_round = row_blocks % multiprocessors
+    splits = min(multiprocessors // last_round, column_blocks // FORWARD_MIN_SPLIT_BLOCKS) if last_round else 1
+    if splits < 2:
+        return row_blocks, 1
+    return row_blocks - last_round, splits
+
+
+def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True):
     """The FlashMHF output in q's dtype and layout; q [B, H, L, d_h] (any strides with a dense last dimension), k, u,
     v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``out`` (benchmarks): a tensor to write instead of a
-    new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them. Returns the output and the
-    compiled kernel."""
+    new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them; ``split=False`` (tests and
+    benchmarks): no row block split into column ranges (see `forward_splits`). Returns the output and the compiled
+    kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "forward")
     total_rows = batch * group_size * seq_len
     out = out if out is not None else torch.empty_like(q)
-    compiled = _warp_specialised_forward_kernel[(-(-total_rows // FORWARD_BLOCK_L), kv_heads)](
-        q, *(weights or weight_descriptors(k, u, v)), r, out, *q.stride()[:3], *out.stride()[:3],
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+    row_blocks = -(-total_rows // FORWARD_BLOCK_L)
+    tiles = row_blocks * kv_heads
+    column_blocks = num_subnetworks * subnetwork_size // BLOCK_N
+    split_from, splits = tiles, 1
+    if split:
+        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        split_from, splits = forward_splits(tiles, multiprocessor_count(device), column_blocks)
+    split_tiles = tiles - split_from
+    # float32 shares of the split row blocks (a 4-byte placeholder when none is split)
+    shares = q.new_empty((max(1, split_tiles * splits * FORWARD_BLOCK_L), head_dim), dtype=torch.float32)
+    sizes = (total_rows, seq_len, group_size)
+    compiled = _warp_specialised_forward_kernel[(split_from + split_tiles * splits,)](
+        q, *(weights or weight_descriptors(k, u, v)), r, out, shares, *q.stride()[:3], *out.stride()[:3],
+        *sizes, num_heads, num_subnetworks, row_blocks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
         CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS,
     )
+    if split_tiles:
+        _add_forward_splits_kernel[(3 * split_tiles,)](shares, out, *out.stride()[:3], *sizes, row_blocks, split_from,
+                                                       splits, D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4)
     return out, compiled
 
 
 def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
                        fused_gates: bool = False) -> dict:
     """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, with ``fused_gates`` the fused layer's norm/gate
-    backward after it; "forward": the output) for sm_90 without a GPU (tests and compile reports): its shared memory
+    backward after it; "forward": the output; "add_forward_splits": the forward's split row blocks added up) for sm_90
+    without a GPU (tests and compile reports): its shared memory
     in bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds its PTX and
     cubin)."""
     import triton
@@ -822,7 +909,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     from triton.runtime.jit import mangle_type
 
     kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
-               "forward": _warp_specialised_forward_kernel}
+               "forward": _warp_specialised_forward_kernel, "add_forward_splits": _add_forward_splits_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
@@ -840,8 +927,10 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES, E_DOT=16, FUSED_GATES=fused_gates, HAS_NORM=fused_gates,
                          HAS_ROUTER=fused_gates)
-    else:
+    elif kernel == "forward":
         constants.update(STAGES=FORWARD_STAGES, CONSUMER_REGISTERS=FORWARD_REGISTERS)
+    else:
+        constants = dict(D_H=HEAD_DIM, ROWS=FORWARD_BLOCK_L // 3)
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature = {}
     for name in fn.arg_names:
@@ -851,7 +940,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = mangle_type(sequence_desc)
         elif name.endswith("_desc"):
             signature[name] = mangle_type(weight_desc)
-        elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER"):
+        elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER", "O_SPLITS"):
             signature[name] = "*fp32"
         elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O", "P"):
             signature[name] = pointer

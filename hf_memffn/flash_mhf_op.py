@@ -410,9 +410,17 @@ def _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps
     k, u, v = weights.chunk(3)
     if batch * length <= DECODE_MAX_TOKENS:
         return decode_forward(p, norm_weight, router, k, u, v, eps, gate_eps)
-    q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
+    return _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps)[0]
+
+
+def _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps):
+    """(the layer's output, q, r, the gates' totals or None): the forward of training, which keeps q, r and the totals
+    for the backward instead of recomputing them there."""
+    batch, length, width = p.shape
+    k, u, v = weights.chunk(3)
+    q, r, totals = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=True)
     heads = triton_forward(q.view(batch, length, width // head_dim, head_dim).transpose(1, 2), k, u, v, r)
-    return heads.transpose(1, 2).reshape(batch, length, width)  # heads has q's layout: a view
+    return heads.transpose(1, 2).reshape(batch, length, width), q, r, totals  # heads has q's layout: a view
 
 
 # Where the op's dq/dr kernel is its Gluon kernel and every weight group has one head, the layer's norm/gate backward
@@ -427,9 +435,13 @@ def _gates_in_rows_kernel(queries: torch.Tensor, k: torch.Tensor) -> bool:
             and row_gradient_kernel(queries, k) == "gluon")
 
 
-def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
+def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps, saved=None):
+    """The layer's gradients; ``saved``: the forward's (q, r, totals), or None to recompute them from p."""
     batch, length, width = p.shape
     k, u, v = weights.chunk(3)
+    if saved is None:
+        saved = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=True)
+    q, r, totals = saved
 
     def heads(t):  # [B, L, H * d_h] -> a [B, H, L, d_h] view
         return t.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
@@ -437,7 +449,6 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, ep
     # the kernels write dK, dU, dV into the thirds of one buffer: the gradient of `weights`, with no concatenation
     grad_weights = torch.empty_like(weights)
     if _gates_in_rows_kernel(heads(p), k):
-        q, r, totals = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=True)
         tokens, num_heads = batch * length, width // head_dim
         slots = gate_partial_slots(tokens)
 
@@ -453,7 +464,6 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, ep
         grad_norm, grad_router = finish_gate_gradients(gates.norm_parts, gates.router_parts, norm_weight, router,
                                                        tokens)
     else:
-        q, r = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps)
         grad_q, _, _, _, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r,
                                                   weight_grads=grad_weights.chunk(3))
         grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
@@ -462,6 +472,26 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, ep
     # each gradient in the layout the backward operator's fake kernel promises a compiled graph (no copy where it is)
     return tuple(None if g is None else _in_layout_of(t, g) for t, g in zip(
         (p, norm_weight, router, weights), (grad_p, grad_norm, grad_router, grad_weights)))
+
+
+def _operator_gradients(grads, p):
+    """The layer's gradients as a backward operator returns them: a custom op returns tensors, so an empty one stands
+    for the gradient of an absent norm weight or router."""
+    return tuple(p.new_empty(0) if g is None else g for g in grads)
+
+
+def _fake_gradients(p, norm_weight, router, weights):
+    """What a layer backward operator's fake kernel returns (the shapes and layouts of `_operator_gradients`)."""
+    optional = [p.new_empty(0) if t is None else torch.empty_like(t) for t in (norm_weight, router)]
+    return (torch.empty_like(p), *optional, torch.empty_like(weights))
+
+
+def _autograd_gradients(grads, norm_weight, router):
+    """A backward operator's gradients as autograd takes them: None for an absent norm weight or router and for the
+    layer's three settings."""
+    grad_p, grad_norm, grad_router, grad_weights = grads
+    return (grad_p, None if norm_weight is None else grad_norm, None if router is None else grad_router, grad_weights,
+            None, None, None)
 
 
 def _register_layer_ops():
@@ -481,14 +511,12 @@ def _register_layer_ops():
         grad_out: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
         weights: torch.Tensor, head_dim: int, eps: float, gate_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps)
-        # a custom op returns tensors: an empty one stands for the gradient of an absent norm weight or router
-        return tuple(p.new_empty(0) if g is None else g for g in grads)
+        return _operator_gradients(
+            _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps), p)
 
     @layer_backward_op.register_fake
     def _(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
-        optional = [p.new_empty(0) if t is None else torch.empty_like(t) for t in (norm_weight, router)]
-        return (torch.empty_like(p), *optional, torch.empty_like(weights))
+        return _fake_gradients(p, norm_weight, router, weights)
 
     def setup_context(ctx, inputs, output):
         p, norm_weight, router, weights, head_dim, eps, gate_eps = inputs
@@ -499,10 +527,7 @@ def _register_layer_ops():
         p, norm_weight, router, weights = ctx.saved_tensors
         grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward(grad_out, p, norm_weight, router, weights,
                                                                            *ctx.settings)
-        grad_p, grad_norm, grad_router, grad_weights = grads
-        grad_norm = None if norm_weight is None else grad_norm
-        grad_router = None if router is None else grad_router
-        return grad_p, grad_norm, grad_router, grad_weights, None, None, None
+        return _autograd_gradients(grads, norm_weight, router)
 
     layer_op.register_autograd(backward, setup_context=setup_context)
 
@@ -512,6 +537,65 @@ if _registered("flash_mhf_layer") is None:
 _layer_op = _registered("flash_mhf_layer")
 
 
+def _register_training_layer_ops():
+    """The layer's operators for training: the forward also returns q, r and the gates' totals, which autograd keeps
+    for the backward (one [tokens, H * d_h] tensor in p's dtype and two small float32 ones per layer) so that the
+    backward does not compute them again from p. `flash_mhf_layer` (inference) returns the output alone."""
+    forward_name = f"{OP_NAMESPACE}::flash_mhf_layer_keeping_queries"
+    backward_name = f"{OP_NAMESPACE}::flash_mhf_layer_backward_from_queries"
+
+    @torch.library.custom_op(forward_name, mutates_args=())
+    def training_op(p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
+                    weights: torch.Tensor, head_dim: int, eps: float, gate_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, q, r, totals = _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps)
+        # a custom op returns tensors: an empty one stands for the totals of a layer without a router
+        return out, q, r, p.new_empty(0, dtype=torch.float32) if totals is None else totals
+
+    @training_op.register_fake
+    def _(p, norm_weight, router, weights, head_dim, eps, gate_eps):
+        batch, length, width = p.shape
+        gates_shape = (batch, width // head_dim, length)
+        totals = p.new_empty(gates_shape if router is not None else (0,), dtype=torch.float32)
+        return (torch.empty_like(p), torch.empty_like(p), p.new_empty(*gates_shape, weights.shape[1],
+                                                                        dtype=torch.float32), totals)
+
+    @torch.library.custom_op(backward_name, mutates_args=())
+    def training_backward_op(
+        grad_out: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
+        weights: torch.Tensor, q: torch.Tensor, r: torch.Tensor, totals: torch.Tensor, head_dim: int, eps: float,
+        gate_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        saved = (q, r, None if router is None else totals)
+        return _operator_gradients(
+            _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps, saved), p)
+
+    @training_backward_op.register_fake
+    def _(grad_out, p, norm_weight, router, weights, q, r, totals, head_dim, eps, gate_eps):
+        return _fake_gradients(p, norm_weight, router, weights)
+
+    def setup_context(ctx, inputs, output):
+        p, norm_weight, router, weights, head_dim, eps, gate_eps = inputs
+        _, q, r, totals = output
+        ctx.save_for_backward(p, norm_weight, router, weights, q, r, totals)
+        ctx.mark_non_differentiable(q, r, totals)
+        ctx.set_materialize_grads(False)
+        ctx.settings = (head_dim, eps, gate_eps)
+
+    def backward(ctx, grad_out, *_):
+        p, norm_weight, router, weights, q, r, totals = ctx.saved_tensors
+        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward_from_queries(
+            grad_out, p, norm_weight, router, weights, q, r, totals, *ctx.settings)
+        return _autograd_gradients(grads, norm_weight, router)
+
+    training_op.register_autograd(backward, setup_context=setup_context)
+
+
+if _registered("flash_mhf_layer_keeping_queries") is None:
+    _register_training_layer_ops()
+_training_layer_op = _registered("flash_mhf_layer_keeping_queries")
+
+
 class _EagerLayer(torch.autograd.Function):
     """The fused layer's autograd outside torch.compile: the same forward and backward as the custom operator (which
     torch.compile needs), without its dispatch, whose Python costs about as much host time per training step as the
@@ -519,14 +603,15 @@ class _EagerLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p, norm_weight, router, weights, head_dim, eps, gate_eps):
-        ctx.save_for_backward(p, norm_weight, router, weights)
+        out, q, r, totals = _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps)
+        ctx.save_for_backward(p, norm_weight, router, weights, q, r, totals)
         ctx.settings = (head_dim, eps, gate_eps)
-        return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        p, norm_weight, router, weights = ctx.saved_tensors
-        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings)
+        p, norm_weight, router, weights, *saved = ctx.saved_tensors
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings, saved=saved)
         return (*grads, None, None, None)
 
 
@@ -598,6 +683,8 @@ def flash_mhf_layer(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (p, norm_weight, router, weights))
     if torch.compiler.is_compiling():
+        if needs_grad:
+            return _training_layer_op(p, norm_weight, router, weights, head_dim, eps, gate_eps)[0]
         return _layer_op(p, norm_weight, router, weights, head_dim, eps, gate_eps)
     if not needs_grad:  # inference: the kernels directly, no autograd node
         return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)

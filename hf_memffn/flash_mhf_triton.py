@@ -61,6 +61,7 @@ from .flash_mhf_gluon import (
     gluon_reason_for,
     gluon_rows_gradients,
     gluon_weight_gradients,
+    multiprocessor_count,
     weight_descriptors,
 )
 
@@ -555,15 +556,10 @@ def _kernel_flags(dtype: torch.dtype):
     return types.MappingProxyType(dict(FAST_SIGMOID=sixteen_bit, PRECISION="tf32" if sixteen_bit else "ieee"))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small enough that the tests exercise the split loops
-    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
+    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _auto_splits(programs: int, loop_length: int, device: torch.device) -> int:

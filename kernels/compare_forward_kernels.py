@@ -6,7 +6,8 @@ call).
 Shapes: the paper's (B=8, H=16, E=15, d_e=384 at L=4032 and 16128) and the FFN layer of the 370M and 1.3B presets at
 their benchmark batches. Kernels: ``triton`` is ``triton_forward`` held to the Triton kernel (autotuned, weights
 through tensor descriptors, as it runs on Hopper), ``gluon`` is ``gluon_forward`` (three computing warp groups of 64
-rows, three column blocks in flight). Every round times each kernel once with ``do_bench`` (median, L2 flushed), in
+rows, three column blocks in flight; the row blocks of a last, partly filled round of programs split into column
+ranges, see ``flash_mhf_gluon.forward_splits``), ``gluon no split`` the same kernel with every row block whole. Every round times each kernel once with ``do_bench`` (median, L2 flushed), in
 an order rotated from round to round so that no kernel always runs first or last as the GPU warms; the table gives
 the median over rounds, each round's SM clock, and each output's relative difference from the Triton kernel's.
 """
@@ -56,7 +57,10 @@ def compare(shape, rounds: int) -> dict:
     def gluon():
         outputs["gluon"] = flash_mhf_gluon.gluon_forward(q, k, u, v, r, weights=weights)[0]
 
-    launches = {"triton": triton, "gluon": gluon}
+    def gluon_no_split():
+        outputs["gluon no split"] = flash_mhf_gluon.gluon_forward(q, k, u, v, r, weights=weights, split=False)[0]
+
+    launches = {"triton": triton, "gluon": gluon, "gluon no split": gluon_no_split}
     for launch in launches.values():
         launch()
     torch.cuda.synchronize()

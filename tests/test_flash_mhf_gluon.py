@@ -82,6 +82,46 @@ def test_gluon_forward_matches_float64(batch, heads, seq_len, kv_heads, num_subn
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+def test_forward_splits_fill_the_last_round_of_programs():
+    """(split_from, splits) for (row blocks, multiprocessors, column blocks): the presets' 688 row blocks on 132
+    multiprocessors leave 28 for a sixth round, which becomes 112 programs of a quarter of the columns; whole rounds,
+    and last rounds more than half full, are not split; each range keeps at least FORWARD_MIN_SPLIT_BLOCKS blocks."""
+    assert flash_mhf_gluon.forward_splits(688, 132, 90) == (660, 4)
+    assert flash_mhf_gluon.forward_splits(688, 132, 42) == (660, 4)
+    assert flash_mhf_gluon.forward_splits(264, 132, 90) == (264, 1)
+    assert flash_mhf_gluon.forward_splits(200, 132, 90) == (200, 1)
+    assert flash_mhf_gluon.forward_splits(2, 132, 12) == (0, 12 // flash_mhf_gluon.FORWARD_MIN_SPLIT_BLOCKS)
+    assert flash_mhf_gluon.forward_splits(2, 132, 7) == (2, 1)
+
+
+# (batch, heads, seq_len, kv_heads, subnetworks, subnetwork_size): every row block split (fewer than the SMs, a ragged
+# last block, grouped heads), and more row blocks than SMs (1 x 26880 rows: 140 blocks of 192 on 132 SMs, 8 split)
+SPLIT_SHAPES = [
+    pytest.param(2, 4, 300, 2, 3, 192, id="all_split-ragged-grouped"),
+    pytest.param(1, 1, 26880, 1, 4, 128, id="last_round_split"),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("batch,heads,seq_len,kv_heads,num_subnetworks,subnetwork_size", SPLIT_SHAPES)
+def test_gluon_forward_split_row_blocks_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks,
+                                                      subnetwork_size):
+    q, k, u, v, r, _ = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size, torch.bfloat16,
+                                    seed=seq_len + 5)
+    rows = batch * (heads // kv_heads) * seq_len
+    tiles = -(-rows // flash_mhf_gluon.FORWARD_BLOCK_L) * kv_heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split_from, splits = flash_mhf_gluon.forward_splits(tiles, sms, num_subnetworks * subnetwork_size // 64)
+    assert split_from < tiles and splits > 1
+    expected = flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))
+    split, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r)
+    whole, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r, split=False)
+    assert relative_error(split, expected) < TOLERANCE[torch.bfloat16]
+    assert relative_error(whole, expected) < TOLERANCE[torch.bfloat16]
+    assert relative_error(split, whole) < 1e-2  # the same products; the shares' float32 sums round differently
+    assert torch.equal(split, flash_mhf_gluon.gluon_forward(q, k, u, v, r)[0])  # shares added in a fixed order
+
+
 @needs_hopper
 @pytest.mark.parametrize(
     SHAPE_FIELDS, SHAPES_WITH_E5)
@@ -170,9 +210,10 @@ def test_gluon_kernel_compiles_for_hopper():
     kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
     from dM and from dN with 4 each), and 9 more in each with the fused layer's norm/gate backward after its loop (the
     router's gradient with 4 k-steps for each 64-row half of d_h, dq's share through the gates with 1); the forward
-    12 in each of its three ([gate | up] with 8 k-steps, the output with 4)."""
+    12 in each of its three ([gate | up] with 8 k-steps, the output with 4); the kernel that adds up the forward's
+    split row blocks none."""
     for kernel, wgmmas, fused_gates in (("weights", 32, False), ("rows", 48, False), ("rows", 66, True),
-                                        ("forward", 36, False)):
+                                        ("forward", 36, False), ("add_forward_splits", 0, False)):
         report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384,
                                                     fused_gates=fused_gates)
         assert report["shared_memory"] <= 227 * 1024, (kernel, report)

@@ -269,6 +269,14 @@ def test_triton_layer_opcheck():
     backward_args = (torch.randn_like(p.float()), *(t.detach() if torch.is_tensor(t) else t for t in args))
     torch.library.opcheck(flash_mhf_op._registered("flash_mhf_layer_backward"), backward_args,
                           test_utils=("test_schema", "test_faketensor"))
+    # training's operators: the forward also returns q, r and the totals, the backward takes them
+    torch.library.opcheck(flash_mhf_op._training_layer_op, args, test_utils=("test_schema", "test_faketensor",
+                                                                          "test_autograd_registration"))
+    out, q, r, totals = flash_mhf_op._training_layer_op(*(t.detach() if torch.is_tensor(t) else t for t in args))
+    torch.testing.assert_close(out, flash_mhf_op._layer_op(*args).detach(), rtol=0, atol=0)
+    from_queries_args = (*backward_args[:5], q, r, totals, *backward_args[5:])
+    torch.library.opcheck(flash_mhf_op._registered("flash_mhf_layer_backward_from_queries"), from_queries_args,
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @needs_kernels
@@ -363,9 +371,10 @@ def saved_activation_bytes(module, x) -> int:
 
 
 @needs_kernels
-def test_fused_layer_keeps_only_the_projections_inputs_for_backward():
-    """The fused FFN keeps x, p = in_proj(x) and the heads' output (the out_proj input) for its backward, nothing of
-    the norm, the gates or the [tokens, E * d_e] activations; the unfused layer keeps its float32 intermediates too."""
+def test_fused_layer_keeps_only_the_projections_inputs_and_the_queries_for_backward():
+    """The fused FFN keeps x, p = in_proj(x), the queries q (p's dtype), the gates r and their totals (float32, E + 1
+    values per token and head) and the heads' output (the out_proj input) for its backward, nothing of the
+    [tokens, E * d_e] activations; the unfused layer keeps its float32 intermediates too."""
     torch.manual_seed(0)
     config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton")
     from transformers import AutoModelForCausalLM
@@ -374,15 +383,16 @@ def test_fused_layer_keeps_only_the_projections_inputs_for_backward():
     x = torch.randn(2, 80, 128, device=DEVICE, requires_grad=True)
     tokens, width = x.shape[0] * x.shape[1], mlp.in_proj.out_features
     fused = saved_activation_bytes(mlp, x)
-    assert fused == tokens * (x.shape[-1] + 2 * width) * x.element_size()
+    heads, subnetworks = mlp.num_heads, mlp.num_subnetworks
+    assert fused == tokens * ((x.shape[-1] + 3 * width) * x.element_size() + heads * (subnetworks + 1) * 4)
     mlp.fused_layer = False
     assert saved_activation_bytes(mlp, x) >= fused + tokens * width * 4  # at least a float32 copy of the queries
 
 
-def test_fused_layer_keeps_a_fifth_of_what_swiglu_keeps_at_370m():
-    """At the 370M preset, with the layers `kernels/bench_models.py` compares, the fused layer keeps x, p and the heads'
-    output (the formula the test above checks), 3072 values per token, where the SwiGLU MLP of equal parameters keeps
-    14592: 4.75x less, the paper's 3-5x."""
+def test_fused_layer_keeps_under_a_third_of_what_swiglu_keeps_at_370m():
+    """At the 370M preset, with the layers `kernels/bench_models.py` compares, the fused layer keeps x, p, q and the
+    heads' output, and 8 heads x (7 gates + 1 total) float32 values (the formula the test above checks): 4224 16-bit
+    values per token, where the SwiGLU MLP of equal parameters keeps 14592: 3.45x less, the paper's 3-5x."""
     kernels = str(Path(__file__).resolve().parents[1] / "kernels")
     sys.path.insert(0, kernels)
     try:
@@ -393,5 +403,7 @@ def test_fused_layer_keeps_a_fifth_of_what_swiglu_keeps_at_370m():
     swiglu = next(layer for name, layer in layers.items() if name.startswith("SwiGLU")).float()
     x = torch.randn(1, 4, hidden, requires_grad=True)
     swiglu_per_token = saved_activation_bytes(swiglu, x) / (4 * x.element_size())
-    fused_per_token = hidden + 2 * layers["FlashMHF"].in_proj.out_features
-    assert (swiglu_per_token, fused_per_token) == (14592, 3072)
+    flash_mhf = layers["FlashMHF"]
+    gates = flash_mhf.num_heads * (flash_mhf.num_subnetworks + 1) * 2  # float32: two 16-bit values each
+    fused_per_token = hidden + 3 * flash_mhf.in_proj.out_features + gates
+    assert (swiglu_per_token, fused_per_token) == (14592, 4224)
