@@ -900,9 +900,8 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
                        fused_gates: bool = False) -> dict:
     """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, with ``fused_gates`` the fused layer's norm/gate
     backward after it; "forward": the output; "add_forward_splits": the forward's split row blocks added up) for sm_90
-    without a GPU (tests and compile reports): its shared memory
-    in bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds its PTX and
-    cubin)."""
+    without a GPU (tests and compile reports): its shared memory in bytes, the number of wgmma instructions in its
+    PTX, and the compiled kernel (``asm`` holds its PTX and cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -410,15 +410,16 @@ def _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps
     k, u, v = weights.chunk(3)
     if batch * length <= DECODE_MAX_TOKENS:
         return decode_forward(p, norm_weight, router, k, u, v, eps, gate_eps)
-    return _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps)[0]
+    return _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps, totals=False)[0]
 
 
-def _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps):
+def _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps, totals: bool = True):
     """(the layer's output, q, r, the gates' totals or None): the forward of training, which keeps q, r and the totals
-    for the backward instead of recomputing them there."""
+    for the backward instead of recomputing them there (inference asks for no totals)."""
     batch, length, width = p.shape
     k, u, v = weights.chunk(3)
-    q, r, totals = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=True)
+    outputs = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=totals)
+    q, r, totals = outputs if totals else (*outputs, None)
     heads = triton_forward(q.view(batch, length, width // head_dim, head_dim).transpose(1, 2), k, u, v, r)
     return heads.transpose(1, 2).reshape(batch, length, width), q, r, totals  # heads has q's layout: a view
 
