@@ -846,8 +846,13 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessor_count(device_index: int) -> int:
+def _multiprocessor_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (looked up once per device)."""
+    return _multiprocessor_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def forward_splits(row_blocks: int, multiprocessors: int, column_blocks: int) -> tuple[int, int]:
@@ -878,8 +883,7 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True):
     column_blocks = num_subnetworks * subnetwork_size // BLOCK_N
     split_from, splits = tiles, 1
     if split:
-        device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        split_from, splits = forward_splits(tiles, multiprocessor_count(device), column_blocks)
+        split_from, splits = forward_splits(tiles, multiprocessor_count(q.device), column_blocks)
     split_tiles = tiles - split_from
     # float32 shares of the split row blocks (a 4-byte placeholder when none is split)
     shares = q.new_empty((max(1, split_tiles * splits * FORWARD_BLOCK_L), head_dim), dtype=torch.float32)

@@ -11,7 +11,8 @@ column block ``h * d_h .. (h + 1) * d_h``), and per head computes
 Kernels (all one program per block of tokens of one head; every row's norm and gates stay on chip):
 
 * ``_queries_and_gates_kernel``: q (in P's layout and dtype, so the op kernels read it through strides, without a
-  transpose) and r (float32, ``[B, H, L, E]``), in one pass over P; for the backward also the gates' totals.
+  transpose) and r (float32, ``[B, H, L, E]``), in one pass over P; in training also the gates' totals, kept with q
+  and r for the backward.
 * ``_queries_and_gates_backward_kernel``: from the op's ``dq`` and ``dr``, the gradient of P (through the gates and
   the norm, in P's layout) and per-program partial sums of the norm-weight and router gradients (every output is
   written once, so the result is deterministic). Where the op's dq/dr kernel is its Gluon kernel and each weight

@@ -559,7 +559,7 @@ def _kernel_flags(dtype: torch.dtype):
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: small enough that the tests exercise the split loops
-    return multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+    return multiprocessor_count(device)
 
 
 def _auto_splits(programs: int, loop_length: int, device: torch.device) -> int:
