@@ -10,7 +10,10 @@ Measurements (all of them by default, or the `--tasks` named):
   1.3B: 4 x 2048; a task can name another, `train:370M:flash_mhf:eager:1`): tokens/s, peak memory and the host's
   time to issue one step (`harness.host_issue_ms`; a step bound by the host takes about that long whatever its
   batch), eager and, with `--compile`, under `torch.compile`; a task can also ask for the compiled step replayed from
-  CUDA graphs (`train:370M:flash_mhf:cudagraphs:1`, `torch.compile(mode="reduce-overhead")`).
+  CUDA graphs (`train:370M:flash_mhf:cudagraphs:1`, `torch.compile(mode="reduce-overhead")`). A task that names
+  several models (`train:1.3B:llama+flash_mhf:compiled`) builds them all in one process and times them in alternating
+  rounds (`--train-rounds` of `--train-round-steps` steps each), so that the GPU's clock, which follows its power draw
+  from minute to minute, moves under all of them alike; its rows give the median of the round pairs' ratios to Llama.
 - `decode`: `generate()` decode tokens/s at batch 1 and 16 (prompt 128, greedy), eager with the dynamic cache and, with
   `--compile`, with a static cache (which `generate()` compiles with CUDA graphs). Each decoding step is timed after
   the prefill, so the prefill is not counted. At these sizes a step is bound by the host (Python, launches, guards),
@@ -30,6 +33,12 @@ Measurements (all of them by default, or the `--tasks` named):
   and sums its kernels by family (attention, matmuls, the FlashMHF op, ...).
 
 Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
+`--gpus N` runs each task in a process of its own on the next free one of N GPUs, several at once, and merges them
+into one report (a task then names Llama beside the models it compares: ratios are taken within a task's GPU):
+
+    PYTHONPATH=. python kernels/bench_models.py --out DIR --gpus 4 --decode-processes --tasks \
+        train:1.3B:llama+flash_mhf+memoryllm+flex_memoryllm+kvffn:compiled layer:370M ...
+
 Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
 measured), <out>/models_bench.md and <out>/models_bench.png.
 """
@@ -40,7 +49,9 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -49,6 +60,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
+    GIB,
     ROOT,
     ClockSampler,
     bench_ms,
@@ -79,6 +91,8 @@ SEQ_LEN = 2048
 BUILD_ON = "device"  # --build-on
 DECODE_COMPILE_MODE = "reduce-overhead"  # --decode-compile-mode: generate()'s default, CUDA graphs
 TRAIN_STEPS = 10
+TRAIN_ROUNDS = 10  # --train-rounds: rounds of a training task that names several models (`paired_train_rows`)
+TRAIN_ROUND_STEPS = 5  # timed steps of each model per round
 TRAIN_MODES = ("eager", "compiled", "cudagraphs")  # train:<size>:<arch>:<mode>; cudagraphs: mode="reduce-overhead"
 # "flash_mhf_unfused": FlashMHFLlama with the query norm and the gates as PyTorch operations around the op;
 # "<arch>_torch_decoder": the architecture with the decoder's RMSNorms and rotary embeddings as PyTorch operations
@@ -314,6 +328,76 @@ def _train_row(architecture: str, size: str, mode: str, device: str, batch: int 
     return row
 
 
+def resident_bytes(model) -> int:
+    """The bytes of a model's parameters and buffers (its gradients are dropped after every step)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def allocated_bytes() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def paired_train_rows(architectures: list[str], size: str, mode: str, device: str, batch: int | None = None) -> list:
+    """One row per model of a task that names several (`train:1.3B:llama+flash_mhf:compiled`): every model is built
+    and warmed up (compiled) in this process, then TRAIN_ROUNDS rounds time TRAIN_ROUND_STEPS steps of each model in
+    turn, every other round in reverse order, on the same batch. A training step at these sizes is bound by the GPU,
+    whose clock follows its power draw and temperature from minute to minute; models timed in alternating rounds of a
+    few seconds see the same minutes, so each row also gives the median over rounds of the first model's (Llama's
+    where the task has it) round median divided by its own, and the quartiles of those ratios.
+    Peak memory is each model's own: its weights and what its steps allocate above what was allocated before them
+    (the other models' weights are not counted)."""
+    batch = batch or TRAIN_BATCH[size]
+    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
+    models, steps, warm = {}, {}, {}
+    for architecture in architectures:
+        with op_kernels(architecture):
+            model = build_model(architecture, size, device)
+            model.train()
+            step = training_step(model, ids, mode)
+            start = time.perf_counter()
+            step()  # compiles when compiled
+            synchronize()
+            warm[architecture] = time.perf_counter() - start
+            step()
+        models[architecture], steps[architecture] = model, step
+    round_times = {architecture: [] for architecture in architectures}
+    peak_above = dict.fromkeys(architectures, 0)
+    with ClockSampler() as clock:
+        for round_index in range(TRAIN_ROUNDS):
+            for architecture in architectures if round_index % 2 == 0 else reversed(architectures):
+                with op_kernels(architecture):
+                    synchronize()
+                    reset_peak_memory()
+                    before = allocated_bytes()
+                    round_times[architecture].append(cuda_ms(steps[architecture], TRAIN_ROUND_STEPS, warmup=1))
+                    synchronize()
+                    if torch.cuda.is_available():
+                        peak_above[architecture] = max(peak_above[architecture],
+                                                       torch.cuda.max_memory_allocated() - before)
+    round_medians = {architecture: [median(times) for times in rounds] for architecture, rounds in round_times.items()}
+    baseline = "llama" if "llama" in round_medians else architectures[0]
+    rows = []
+    for architecture in architectures:
+        with op_kernels(architecture):
+            host_ms = median(host_issue_ms(steps[architecture], 3))
+        step_ms = median([t for times in round_times[architecture] for t in times])
+        paired = [base / own for base, own in zip(round_medians[baseline], round_medians[architecture])]
+        model = models[architecture]
+        rows.append({
+            "arch": architecture, "size": size, "mode": mode, "batch": batch, "seq_len": SEQ_LEN,
+            "params": parameter_count(model), "step_ms": step_ms, "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3,
+            "host_ms": host_ms,
+            "peak_gib": (peak_above[architecture] + resident_bytes(model)) / GIB if torch.cuda.is_available() else None,
+            "first_step_s": warm[architecture], "round_median_step_ms": round_medians[architecture],
+            "round_paired_baseline": baseline, "round_paired_ratio": median(paired),
+            "round_paired_ratio_quartiles": quartiles(paired) if len(paired) >= 4 else None,
+            "interleaved_with": [a for a in architectures if a != architecture],
+            "ffn_path": ffn_path(model), "decoder_path": decoder_path(model), **clock.summary()})
+    models = steps = model = None
+    release()
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Decoding
 # --------------------------------------------------------------------------------------------------------------------
@@ -413,9 +497,9 @@ class LocalDecoder:
 
 
 def paired_ratio_cell(row: dict) -> str:
-    """A decode row's paired-round ratio for the report: "1.03 (0.93-1.16)", with " x <model>" when the rounds were
-    paired with a model other than Llama (a task without Llama pairs with its first model). Reads results files
-    written before the baseline was recorded (`round_paired_ratio_to_llama`) too."""
+    """A decode or training row's paired-round ratio for the report: "1.03 (0.93-1.16)", with " x <model>" when the
+    rounds were paired with a model other than Llama (a task without Llama pairs with its first model). Reads results
+    files written before the baseline was recorded (`round_paired_ratio_to_llama`) too."""
     ratio = row.get("round_paired_ratio", row.get("round_paired_ratio_to_llama"))
     baseline = row.get("round_paired_baseline", "llama")
     if ratio is None:
@@ -809,8 +893,13 @@ def fmt(value, spec: str = ".1f") -> str:
 
 
 def ratio_to_llama(rows, key, match) -> dict:
-    base = {match(r): r[key] for r in rows if r["arch"] == "llama"}
-    return {id(r): r[key] / base[match(r)] for r in rows if match(r) in base}
+    """{id(row): row[key] / Llama's} for the rows whose `match` (and GPU and task, where a run on several GPUs recorded
+    them) a Llama row shares."""
+    def where(r):
+        return r.get("gpu"), r.get("task") if r.get("interleaved_with") else None, match(r)
+
+    base = {where(r): r[key] for r in rows if r["arch"] == "llama"}
+    return {id(r): r[key] / base[where(r)] for r in rows if where(r) in base}
 
 
 def report(results: dict) -> str:
@@ -819,17 +908,31 @@ def report(results: dict) -> str:
              f"torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}; bf16 weights, sdpa "
              f"attention, random tokens, vocabulary {VOCAB_SIZE}. Ratios are to transformers' `LlamaForCausalLM` of "
              "the same preset in the same run.", ""]
+    if results.get("gpus"):
+        lines += [f"Each task ran in a process of its own on one of {len(results['gpus'])} GPUs ("
+                  + ", ".join(f"{gpu}: {name}" for gpu, name in sorted(results["gpus"].items()))
+                  + "), several at once; ratios to Llama are within a task's GPU.", ""]
     train = results.get("train", [])
     if train:
         ratios = ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))
         lines += ["## Training step (forward + backward)", "", "host ms: the host's time to issue one step, started "
                   "on an idle GPU (a step bound by the host takes about that long whatever its batch).", ""]
+        paired = any(r.get("round_paired_ratio") for r in train)
+        if paired:
+            round_steps = results.get("args", {}).get("train_round_steps", TRAIN_ROUND_STEPS)
+            lines += ["Models of one task (`train:<size>:llama+flash_mhf:<mode>`) took turns in rounds of "
+                      f"{round_steps} steps; \"by round pairs\": "
+                      "the median over rounds of Llama's round median step divided by the model's (quartiles). "
+                      "Their peak memory is each model's own (the other models' weights not counted).", ""]
         lines += markdown_table(
-            ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama", "step ms", "host ms",
-             "peak GiB"],
+            ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama",
+             *(["x Llama by round pairs"] if paired else []), "step ms", "host ms", "peak GiB",
+             *(["GPU"] if any("gpu" in r for r in train) else [])],
             [[r["size"], r["mode"], DISPLAY[r["arch"]], f"{r['params'] / 1e6:.0f}", f"{r['batch']} x {r['seq_len']}",
-              f"{r['tokens_per_s'] / 1e3:.1f}k", f"{ratios.get(id(r), float('nan')):.2f}", f"{r['step_ms']:.1f}",
-              fmt(r.get("host_ms")), fmt(r["peak_gib"])]
+              f"{r['tokens_per_s'] / 1e3:.1f}k", fmt(ratios.get(id(r)), ".2f"),
+              *([paired_ratio_cell(r)] if paired else []), f"{r['step_ms']:.1f}",
+              fmt(r.get("host_ms")), fmt(r["peak_gib"]), *([fmt(r.get("gpu"), "d")] if any("gpu" in x for x in train)
+                                                            else [])]
              for r in train])
         lines.append("")
     decode = results.get("decode", [])
@@ -922,6 +1025,17 @@ def save(results: dict, out: str) -> None:
     write_text(os.path.join(out, "models_bench.md"), report(results))
 
 
+def finish(results: dict, out: str) -> dict:
+    """The run's last save, its plot and its table printed."""
+    save(results, out)
+    try:
+        plot(results, os.path.join(out, "models_bench.png"))
+    except Exception as exc:  # noqa: BLE001
+        log(f"plot failed: {exc!r}")
+    log(report(results))
+    return results
+
+
 # --------------------------------------------------------------------------------------------------------------------
 def default_tasks(args) -> list[str]:
     """The run's measurements, most important first (`--deadline-s` drops the tail when time runs out)."""
@@ -959,10 +1073,17 @@ def run_task(task: str, args, results: dict) -> None:
         architecture, mode, *batch = rest
         if mode not in TRAIN_MODES or len(batch) > 1 or (batch and not batch[0].isdigit()):
             raise ValueError(f"task {task!r}: expected train:<size>:<arch>:{'|'.join(TRAIN_MODES)}[:<batch>]")
-        row = train_row(architecture, size, mode, device, int(batch[0]) if batch else None)
-        results["train"].append(row)
-        log(f"train {size} {mode} {architecture} batch {row['batch']}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
-            f"step {row['step_ms']:.1f} ms (host {row['host_ms']:.1f} ms to issue), peak {fmt(row['peak_gib'])} GiB")
+        architectures = architecture.split("+")
+        batch = int(batch[0]) if batch else None
+        rows = (paired_train_rows(architectures, size, mode, device, batch) if len(architectures) > 1
+                else [train_row(architecture, size, mode, device, batch)])
+        for row in rows:
+            row["task"] = task
+            results["train"].append(row)
+            paired = f", paired rounds {paired_ratio_cell(row)}" if row.get("round_paired_ratio") else ""
+            log(f"train {size} {mode} {row['arch']} batch {row['batch']}: {row['tokens_per_s'] / 1e3:.1f}k tokens/s, "
+                f"step {row['step_ms']:.1f} ms (host {row['host_ms']:.1f} ms to issue), peak {fmt(row['peak_gib'])} "
+                f"GiB{paired}")
     elif part == "decode":
         architectures, mode = rest
         decoder_class = ProcessDecoder if args.decode_processes else LocalDecoder
@@ -974,6 +1095,7 @@ def run_task(task: str, args, results: dict) -> None:
                                              args.decode_cpu_list)
                 results["profile"].update(profiles)
                 for row in rows:
+                    row["task"] = task
                     results["decode"].append(row)
                     rounds = ", ".join(f"{t:.2f}" for t in row["round_median_ms_per_step"])
                     log(f"decode {size} {row['mode']} b{batch} {row['arch']}: {row['decode_tokens_per_s']:.0f} "
@@ -987,7 +1109,115 @@ def run_task(task: str, args, results: dict) -> None:
         raise ValueError(f"unknown task {task!r}")
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Several GPUs: each task in a process of its own
+# --------------------------------------------------------------------------------------------------------------------
+NOT_FORWARDED = ("help", "out", "tasks", "gpus", "deadline_s")  # what each task's process is not given as is
+
+
+def forwarded_options(parser, args) -> list[str]:
+    """The command-line options of `args` that differ from the defaults, for a task's own process."""
+    options = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in NOT_FORWARDED or value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            options.append(flag)
+        elif isinstance(value, list):
+            options += [flag, *map(str, value)]
+        else:
+            options += [flag, str(value)]
+    return options
+
+
+def visible_device(gpu: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a process that is to see only the `gpu`-th of this process's GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[gpu].strip() if visible else str(gpu)
+
+
+def run_on_gpus(tasks: list[str], args, parser) -> dict:
+    """Runs every task in a process of its own (`<out>/tasks/<index>/`, its log beside it) on the next free one of
+    `args.gpus` GPUs, and merges what they measured, in task order, into one report. Each row notes its GPU; ratios to
+    Llama are taken only between rows of one GPU (a task names Llama beside the models it compares). A task is not
+    started after `--deadline-s`; the report is rewritten whenever a task finishes."""
+    started = time.perf_counter()
+    work = os.path.join(args.out, "tasks")
+    os.makedirs(work, exist_ok=True)
+    options = forwarded_options(parser, args)
+    pending, running, finished = list(enumerate(tasks)), {}, {}
+    results = {}
+    while pending or running:
+        for gpu in range(args.gpus):
+            if gpu in running or not pending:
+                continue
+            elapsed = time.perf_counter() - started
+            if args.deadline_s is not None and elapsed > args.deadline_s:
+                finished.update({index: (task, None, None, "skipped") for index, task in pending})
+                pending = []
+                break
+            index, task = pending.pop(0)
+            out = os.path.join(work, f"{index:02d}")
+            log_file = open(out + ".log", "w")  # noqa: SIM115 - closed when the process ends
+            command = [sys.executable, os.path.abspath(__file__), "--out", out, "--tasks", task, *options]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(gpu)}
+            log(f"[{elapsed:.0f} s] GPU {gpu}: {task}")
+            running[gpu] = (index, task, out, log_file,
+                            subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env))
+        for gpu, (index, task, out, log_file, process) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log_file.close()
+            del running[gpu]
+            path = os.path.join(out, "models_bench.json")
+            child = None
+            if os.path.exists(path):
+                with open(path) as handle:
+                    child = json.load(handle)
+            with open(out + ".log") as handle:
+                lines = handle.read().splitlines()
+            for line in lines:
+                if line.startswith(("train ", "decode ", "FAILED")):
+                    log(f"  GPU {gpu}: {line}")
+            status = "ok" if process.returncode == 0 and child is not None else \
+                f"exit code {process.returncode}: " + " | ".join(lines[-5:])[-400:]
+            log(f"[{time.perf_counter() - started:.0f} s] GPU {gpu} finished {task}: {status}")
+            finished[index] = (task, gpu, child, status)
+            results = merge_task_results(tasks, finished, args)
+            save(results, args.out)
+        time.sleep(0.5)
+    return finish(merge_task_results(tasks, finished, args), args.out)
+
+
+def merge_task_results(tasks: list[str], finished: dict, args) -> dict:
+    """One results dict from the task processes' ({index: (task, gpu, results or None, status)}), in task order."""
+    merged = {"environment": None, "args": {**vars(args), "tasks": tasks}, "tasks": tasks, "train": [], "decode": [],
+              "layer": [], "profile": {}, "errors": [], "skipped": [], "gpus": {}}
+    for index in sorted(finished):
+        task, gpu, child, status = finished[index]
+        if status == "skipped":
+            merged["skipped"].append(task)
+            continue
+        if child is None:
+            merged["errors"].append(f"{task}: {status}")
+            continue
+        merged["environment"] = merged["environment"] or child["environment"]
+        merged["gpus"][str(gpu)] = child["environment"]["device"]
+        for part in ("train", "decode", "layer"):
+            merged[part] += [{**row, "gpu": gpu, "task": task} for row in child[part]]
+        for name, table in child["profile"].items():
+            merged["profile"][name if name not in merged["profile"] else f"{name} (task {index})"] = table
+        merged["errors"] += child["errors"]
+        if status != "ok":
+            merged["errors"].append(f"{task}: {status}")
+    merged["environment"] = merged["environment"] or environment()
+    return merged
+
+
 def main(argv=None) -> dict:
+    global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS, DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for models_bench.{json,md,png}")
     parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"], help="presets of examples/presets.py")
@@ -1023,19 +1253,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--build-on", default="device", choices=["device", "cpu"],
                         help="where models are initialised before they move to --device (cpu: as the baseline run did; "
                              "slower to build, kept to tell whether construction on the device changes eager decoding)")
+    parser.add_argument("--train-rounds", type=int, default=TRAIN_ROUNDS,
+                        help="rounds of a training task that names several models "
+                             "(train:1.3B:llama+flash_mhf:compiled)")
+    parser.add_argument("--train-round-steps", type=int, default=TRAIN_ROUND_STEPS,
+                        help="timed steps of each model per round of such a task")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="run the tasks on this many GPUs at once, each task in a process of its own on the next "
+                             "free GPU, and write one report of all of them (ratios stay within a task's GPU)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a smoke run of the script itself (wall-clock times; the tests use it)")
     args = parser.parse_args(argv)
+    for name in ("train_rounds", "train_round_steps", "gpus", "decode_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.device == "cuda" and torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
+        parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
     if args.decode_cpus is not None and not args.decode_processes:
         parser.error("--decode-cpus pins the decoding processes: it needs --decode-processes")
     args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
     allow_recompiles()
-    global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS, DECODE_COMPILE_MODE
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
-    DECODE_COMPILE_MODE = args.decode_compile_mode
+    DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS = (args.decode_compile_mode, args.train_rounds,
+                                                            args.train_round_steps)
     tasks = args.tasks or default_tasks(args)
+    if args.gpus > 1:
+        return run_on_gpus(tasks, args, parser)
     results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],
                "layer": [], "profile": {}, "errors": [], "skipped": []}
     started = time.perf_counter()
@@ -1053,12 +1298,7 @@ def main(argv=None) -> dict:
             results["errors"].append(f"{task}: {exc!r}"[:500])
             release()
         save(results, args.out)
-    try:
-        plot(results, os.path.join(args.out, "models_bench.png"))
-    except Exception as exc:  # noqa: BLE001
-        log(f"plot failed: {exc!r}")
-    log(report(results))
-    return results
+    return finish(results, args.out)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,59 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert "| host ms |" in markdown
 
 
+def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices(tmp_path):
+    """A training task naming several models times them in alternating rounds (`paired_train_rows`); `--gpus 2` runs
+    each task in a process of its own on the next free device (here both are the CPU) and merges one report, each row
+    noting its device and task, a failed task's error kept."""
+    tasks = ["train:tiny:llama+kvffn:eager", "train:tiny:llama:eager", "bogus:tiny"]
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--seq-len", "16",
+                        "--train-rounds", "4", "--train-round-steps", "1", "--tasks", *tasks)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert data["errors"] == ["bogus:tiny: ValueError(\"unknown task 'bogus:tiny'\")"] and data["tasks"] == tasks
+    assert [(row["arch"], row["task"]) for row in data["train"]] == [
+        ("llama", tasks[0]), ("kvffn", tasks[0]), ("llama", tasks[1])]
+    assert {row["gpu"] for row in data["train"]} <= {0, 1} and set(data["gpus"]) <= {"0", "1"}
+    llama, kvffn, alone = data["train"]
+    assert llama["round_paired_ratio"] == 1.0 and kvffn["interleaved_with"] == ["llama"]
+    assert len(kvffn["round_median_step_ms"]) == 4 and "round_paired_ratio" not in alone
+    low, high = kvffn["round_paired_ratio_quartiles"]
+    assert low <= kvffn["round_paired_ratio"] <= high
+    assert sorted(os.listdir(tmp_path / "tasks")) == ["00", "00.log", "01", "01.log", "02", "02.log"]
+    markdown = (tmp_path / "models_bench.md").read_text()
+    assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
+
+
+def test_model_benchmark_task_processes_get_the_options_given():
+    """`--gpus`: each task's process gets every option that differs from its default, except those of the whole run."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    captured = {}
+
+    def capture(tasks, args, parser):
+        captured.update(tasks=tasks, options=bench_models.forwarded_options(parser, args))
+        return {}
+
+    given = ["--device", "cpu", "--seq-len", "16", "--decode-batches", "1", "4", "--decode-processes",
+             "--train-rounds", "3"]
+    settings = ("run_on_gpus", "SEQ_LEN", "NEW_TOKENS", "BUILD_ON", "DECODE_REPEATS", "DECODE_COMPILE_MODE",
+                "TRAIN_ROUNDS", "TRAIN_ROUND_STEPS")  # (main sets the module's settings from its options)
+    saved = {name: getattr(bench_models, name) for name in settings}
+    bench_models.run_on_gpus = capture
+    try:
+        bench_models.main(["--out", "unused", "--gpus", "2", "--deadline-s", "9", "--tasks", "layer:tiny", *given])
+    finally:
+        for name, value in saved.items():
+            setattr(bench_models, name, value)
+    assert captured["tasks"] == ["layer:tiny"]
+    assert sorted(captured["options"]) == sorted(given)
+    with pytest.raises(SystemExit):
+        bench_models.main(["--out", "unused", "--train-rounds", "0", "--device", "cpu"])
+
+
 def test_compiled_step_host_report_and_idle_layer_ops():
     """`profile_compiled_step_host.py`: the table from a result (fixture numbers), and the stand-in operators that
     allocate the layer's outputs, launch nothing and are put back afterwards."""
