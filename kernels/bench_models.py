@@ -34,7 +34,8 @@ Measurements (all of them by default, or the `--tasks` named):
 
 Ratios are what this benchmark is for: every model runs in the same process on the same GPU, minutes apart.
 `--gpus N` runs each task in a process of its own on the next free one of N GPUs, several at once, and merges them
-into one report (a task then names Llama beside the models it compares: ratios are taken within a task's GPU):
+into one report (a task then names Llama beside the models it compares: ratios are taken within a task's GPU; a
+decoding task, bound by the host, runs with no other task beside it, so list those last):
 
     PYTHONPATH=. python kernels/bench_models.py --out DIR --gpus 4 --decode-processes --tasks \
         train:1.3B:llama+flash_mhf+memoryllm+flex_memoryllm+kvffn:compiled layer:370M ...
@@ -1132,6 +1133,11 @@ def forwarded_options(parser, args) -> list[str]:
     return options
 
 
+def bound_by_host(task: str) -> bool:
+    """Whether a task times steps that the host bounds (decoding): `--gpus` runs such a task with no other beside it."""
+    return task.split(":")[0] in ("decode", "profile_decode")
+
+
 def visible_device(gpu: int) -> str:
     """CUDA_VISIBLE_DEVICES for a process that is to see only the `gpu`-th of this process's GPUs."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -1140,9 +1146,10 @@ def visible_device(gpu: int) -> str:
 
 def run_on_gpus(tasks: list[str], args, parser) -> dict:
     """Runs every task in a process of its own (`<out>/tasks/<index>/`, its log beside it) on the next free one of
-    `args.gpus` GPUs, and merges what they measured, in task order, into one report. Each row notes its GPU; ratios to
-    Llama are taken only between rows of one GPU (a task names Llama beside the models it compares). A task is not
-    started after `--deadline-s`; the report is rewritten whenever a task finishes."""
+    `args.gpus` GPUs, in the order given, and merges what they measured, in task order, into one report. Each row notes
+    its GPU; ratios to Llama are taken only between rows of one GPU (a task names Llama beside the models it compares).
+    Decoding tasks run alone (`bound_by_host`): other tasks' compilation would take the host's CPUs from their steps.
+    A task is not started after `--deadline-s`; the report is rewritten whenever a task finishes."""
     started = time.perf_counter()
     work = os.path.join(args.out, "tasks")
     os.makedirs(work, exist_ok=True)
@@ -1153,6 +1160,9 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
         for gpu in range(args.gpus):
             if gpu in running or not pending:
                 continue
+            # a decoding task is bound by the host: it runs alone, not beside another task's compilation
+            if running and (bound_by_host(pending[0][1]) or any(bound_by_host(t) for _, t, *_ in running.values())):
+                break
             elapsed = time.perf_counter() - started
             if args.deadline_s is not None and elapsed > args.deadline_s:
                 finished.update({index: (task, None, None, "skipped") for index, task in pending})

@@ -125,22 +125,29 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
 def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices(tmp_path):
     """A training task naming several models times them in alternating rounds (`paired_train_rows`); `--gpus 2` runs
     each task in a process of its own on the next free device (here both are the CPU) and merges one report, each row
-    noting its device and task, a failed task's error kept."""
-    tasks = ["train:tiny:llama+kvffn:eager", "train:tiny:llama:eager", "bogus:tiny"]
+    noting its device and task, a failed task's error kept; a decoding task runs with no other task beside it."""
+    tasks = ["train:tiny:llama+kvffn:eager", "decode:tiny:llama:eager", "train:tiny:llama:eager", "bogus:tiny"]
     result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--seq-len", "16",
-                        "--train-rounds", "4", "--train-round-steps", "1", "--tasks", *tasks)
+                        "--train-rounds", "4", "--train-round-steps", "1", "--new-tokens", "2", "--decode-batches", "1",
+                        "--decode-repeats", "1", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
+    events = [(kind, line.split(": ", 1)[1] if kind == "start" else line.split(" finished ")[1].split(": ")[0])
+              for line in result.stdout.splitlines() if line.startswith("[")
+              for kind in (("finish",) if " finished " in line else ("start",))]
+    decode = events.index(("start", tasks[1]))
+    assert events[decode - 1] == ("finish", tasks[0]) and events[decode + 1] == ("finish", tasks[1])
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == ["bogus:tiny: ValueError(\"unknown task 'bogus:tiny'\")"] and data["tasks"] == tasks
+    assert [row["task"] for row in data["decode"]] == [tasks[1]]
     assert [(row["arch"], row["task"]) for row in data["train"]] == [
-        ("llama", tasks[0]), ("kvffn", tasks[0]), ("llama", tasks[1])]
+        ("llama", tasks[0]), ("kvffn", tasks[0]), ("llama", tasks[2])]
     assert {row["gpu"] for row in data["train"]} <= {0, 1} and set(data["gpus"]) <= {"0", "1"}
     llama, kvffn, alone = data["train"]
     assert llama["round_paired_ratio"] == 1.0 and kvffn["interleaved_with"] == ["llama"]
     assert len(kvffn["round_median_step_ms"]) == 4 and "round_paired_ratio" not in alone
     low, high = kvffn["round_paired_ratio_quartiles"]
     assert low <= kvffn["round_paired_ratio"] <= high
-    assert sorted(os.listdir(tmp_path / "tasks")) == ["00", "00.log", "01", "01.log", "02", "02.log"]
+    assert sorted(os.listdir(tmp_path / "tasks")) == [f"{i:02d}{suffix}" for i in range(4) for suffix in ("", ".log")]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
 
