@@ -541,8 +541,8 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def decode_cpus(spec: str | None) -> list[int] | None:
-    """The CPUs that `--decode-cpus` names: None (no pinning), "gpu" (the CPUs of the GPU's NUMA node, as the
-    kernel lists them for its PCI device), or a list such as "8-13" or "8,9,10"."""
+    """The CPUs that `--decode-cpus` names: None (no pinning), "gpu" (the CPUs of the NUMA node of the process's first
+    visible GPU, as the kernel lists them for its PCI device), or a list such as "8-13" or "8,9,10"."""
     if spec is None:
         return None
     if spec != "gpu":
@@ -550,9 +550,8 @@ def decode_cpus(spec: str | None) -> list[int] | None:
             return parse_cpu_list(spec)
         except ValueError:
             raise ValueError(f"--decode-cpus={spec!r} is not 'gpu' or a CPU list such as '8-13' or '8,9,10'") from None
-    import subprocess
-
-    bus_id = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()  # (nvidia-smi does not read it)
+    bus_id = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
                             capture_output=True, text=True, check=True).stdout.strip()
     domain, rest = bus_id.split(":", 1)  # nvidia-smi writes an 8-digit domain, sysfs a 4-digit one
     path = f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest.lower()}/local_cpulist"
