@@ -992,21 +992,28 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # (label, model, ratio to Llama): the paired rounds' median where the rows have one, else the ratio of the
+    # throughputs to the Llama row of the same task's GPU (`ratio_to_llama`)
     groups = []
-    for r in results.get("train", []):
+    train, decode = results.get("train", []), results.get("decode", [])
+    ratios = {**ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"])),
+              **ratio_to_llama(decode, "decode_tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))}
+    for r in train:
         batch = "" if r["batch"] == TRAIN_BATCH.get(r["size"]) else f" b{r['batch']}"
-        groups.append((f"train {r['size']}{batch} {r['mode']}", r["arch"], r["tokens_per_s"]))
-    for r in results.get("decode", []):
-        groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"], r["decode_tokens_per_s"]))
+        groups.append((f"train {r['size']}{batch} {r['mode']}", r["arch"],
+                       r.get("round_paired_ratio", ratios.get(id(r)))))
+    for r in decode:
+        groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"],
+                       r.get("round_paired_ratio", ratios.get(id(r)))))
+    groups = [group for group in groups if group[2] is not None]
     if not groups:
         return
     labels = list(dict.fromkeys(g for g, _, _ in groups))
     archs = [a for a in ARCHS if any(arch == a for _, arch, _ in groups)]
-    base = {g: v for g, a, v in groups if a == "llama"}
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)) + 3, 4.5))
     width = 0.8 / len(archs)
     for i, arch in enumerate(archs):
-        values = {g: v / base[g] for g, a, v in groups if a == arch and g in base}
+        values = {g: v for g, a, v in groups if a == arch}
         xs = [j + i * width for j, g in enumerate(labels) if g in values]
         ax.bar(xs, [values[g] for g in labels if g in values], width, label=DISPLAY[arch])
     ax.axhline(1.0, color="black", linewidth=0.8)
@@ -1014,7 +1021,10 @@ def plot(results: dict, path: str) -> None:
     ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("throughput / Llama")
     ax.set_title(f"Whole models against transformers' Llama, {results['environment']['device']}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if any(r.get("round_paired_ratio") for r in (*train, *decode)):
+        ax.text(1.01, 0.0, "models timed in alternating\nrounds: median of the\nrounds' ratios",
+                transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=110)
     os.replace(path + ".tmp.png", path)

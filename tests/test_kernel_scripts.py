@@ -150,6 +150,7 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
     assert sorted(os.listdir(tmp_path / "tasks")) == [f"{i:02d}{suffix}" for i in range(4) for suffix in ("", ".log")]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
+    assert "plot failed" not in result.stdout and (tmp_path / "models_bench.png").stat().st_size > 0
 
 
 def test_model_benchmark_task_processes_get_the_options_given():
@@ -180,6 +181,32 @@ def test_model_benchmark_task_processes_get_the_options_given():
     assert sorted(captured["options"]) == sorted(given)
     with pytest.raises(SystemExit):
         bench_models.main(["--out", "unused", "--train-rounds", "0", "--device", "cpu"])
+
+
+def _brace_expansions(name: str) -> list[str]:
+    """`a_{b,c}.md` -> [`a_b.md`, `a_c.md`], as bash expands the names the docs write."""
+    match = re.search(r"\{([^{}]*)\}", name)
+    if not match:
+        return [name]
+    return [expanded for alternative in match.group(1).split(",")
+            for expanded in _brace_expansions(name[:match.start()] + alternative + name[match.end():])]
+
+
+def test_every_result_file_the_docs_name_exists():
+    """Each GPU result file that README.md, the results index and the kernel notes cite (`h100_*`, `h100x4_*`,
+    `h200x4_*`, with `.*` for a file set) is committed under kernels/results or examples/results."""
+    committed = {name for folder in ("kernels/results", "examples/results")
+                 for _, _, names in os.walk(os.path.join(ROOT, folder)) for name in names}
+    missing = []
+    for doc in ("README.md", "kernels/results/models/README.md", "kernels/flash_mhf_notes.md"):
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as handle:
+            text = handle.read()
+        for cited in set(re.findall(r"`(?:[\w.]+/)*((?:h100|h200x4|h100x4)[A-Za-z0-9_.{},*\-]*)`", text)):
+            for name in _brace_expansions(cited):
+                pattern = re.escape(name[:-1]) + ".+" if name.endswith(".*") else re.escape(name).replace(r"\*", ".*")
+                if not any(re.fullmatch(pattern, file) for file in committed):
+                    missing.append(f"{doc}: {cited}")
+    assert not missing, missing
 
 
 def test_compiled_step_host_report_and_idle_layer_ops():
