@@ -61,7 +61,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    GIB,
     ROOT,
     ClockSampler,
     bench_ms,
@@ -72,6 +71,7 @@ from harness import (  # noqa: E402
     log,
     markdown_table,
     median,
+    peak_memory,
     peak_memory_gib,
     reset_peak_memory,
     synchronize,
@@ -329,15 +329,6 @@ def _train_row(architecture: str, size: str, mode: str, device: str, batch: int 
     return row
 
 
-def resident_bytes(model) -> int:
-    """The bytes of a model's parameters and buffers (its gradients are dropped after every step)."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-
-def allocated_bytes() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-
-
 def paired_train_rows(architectures: list[str], size: str, mode: str, device: str, batch: int | None = None) -> list:
     """One row per model of a task that names several (`train:1.3B:llama+flash_mhf:compiled`): every model is built
     and warmed up (compiled) in this process, then TRAIN_ROUNDS rounds time TRAIN_ROUND_STEPS steps of each model in
@@ -345,8 +336,8 @@ def paired_train_rows(architectures: list[str], size: str, mode: str, device: st
     whose clock follows its power draw and temperature from minute to minute; models timed in alternating rounds of a
     few seconds see the same minutes, so each row also gives the median over rounds of the first model's (Llama's
     where the task has it) round median divided by its own, and the quartiles of those ratios.
-    Peak memory is each model's own: its weights and what its steps allocate above what was allocated before them
-    (the other models' weights are not counted)."""
+    Peak memory is each model's own, from one more step after the rounds (`harness.peak_memory`: its parameters and
+    what the step allocates; the other models' weights are not counted)."""
     batch = batch or TRAIN_BATCH[size]
     ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
     models, steps, warm = {}, {}, {}
@@ -362,33 +353,27 @@ def paired_train_rows(architectures: list[str], size: str, mode: str, device: st
             step()
         models[architecture], steps[architecture] = model, step
     round_times = {architecture: [] for architecture in architectures}
-    peak_above = dict.fromkeys(architectures, 0)
     with ClockSampler() as clock:
         for round_index in range(TRAIN_ROUNDS):
             for architecture in architectures if round_index % 2 == 0 else reversed(architectures):
                 with op_kernels(architecture):
-                    synchronize()
-                    reset_peak_memory()
-                    before = allocated_bytes()
                     round_times[architecture].append(cuda_ms(steps[architecture], TRAIN_ROUND_STEPS, warmup=1))
-                    synchronize()
-                    if torch.cuda.is_available():
-                        peak_above[architecture] = max(peak_above[architecture],
-                                                       torch.cuda.max_memory_allocated() - before)
     round_medians = {architecture: [median(times) for times in rounds] for architecture, rounds in round_times.items()}
     baseline = "llama" if "llama" in round_medians else architectures[0]
     rows = []
     for architecture in architectures:
+        model = models[architecture]
         with op_kernels(architecture):
             host_ms = median(host_issue_ms(steps[architecture], 3))
+            peak = peak_memory(steps[architecture], leaves=list(model.parameters())) if torch.cuda.is_available() \
+                else {"peak_gib": None}
         step_ms = median([t for times in round_times[architecture] for t in times])
         paired = [base / own for base, own in zip(round_medians[baseline], round_medians[architecture])]
-        model = models[architecture]
         rows.append({
             "arch": architecture, "size": size, "mode": mode, "batch": batch, "seq_len": SEQ_LEN,
             "params": parameter_count(model), "step_ms": step_ms, "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3,
             "host_ms": host_ms,
-            "peak_gib": (peak_above[architecture] + resident_bytes(model)) / GIB if torch.cuda.is_available() else None,
+            "peak_gib": peak["peak_gib"],
             "first_step_s": warm[architecture], "round_median_step_ms": round_medians[architecture],
             "round_paired_baseline": baseline, "round_paired_ratio": median(paired),
             "round_paired_ratio_quartiles": quartiles(paired) if len(paired) >= 4 else None,
@@ -1164,7 +1149,6 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
     os.makedirs(work, exist_ok=True)
     options = forwarded_options(parser, args)
     pending, running, finished = list(enumerate(tasks)), {}, {}
-    results = {}
     while pending or running:
         for gpu in range(args.gpus):
             if gpu in running or not pending:
@@ -1204,8 +1188,7 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
                 f"exit code {process.returncode}: " + " | ".join(lines[-5:])[-400:]
             log(f"[{time.perf_counter() - started:.0f} s] GPU {gpu} finished {task}: {status}")
             finished[index] = (task, gpu, child, status)
-            results = merge_task_results(tasks, finished, args)
-            save(results, args.out)
+            save(merge_task_results(tasks, finished, args), args.out)
         time.sleep(0.5)
     return finish(merge_task_results(tasks, finished, args), args.out)
 
