@@ -115,10 +115,17 @@ EXTRA_INPUTS_PER_LAYER = 3
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
 # "flash_mhf_separate_gates_backward": FlashMHFLlama with the norm/gate backward as a kernel of its own where the op's
 # Gluon dq/dr kernel would run it (`flash_mhf_op.GATES_IN_ROWS_KERNEL` off)
+# "memoryllm_lookup", "flex_memoryllm_lookup": decoding from the model's token lookup table, as a deployment of these
+# architectures does: the memory FFN exported as a bf16 table when the model is built, loaded onto the GPU, and the
+# memory FFN's weights dropped (`use_token_lookup_table`); decoding only. "..._lookup_torch": the same with the table's
+# PyTorch path (`kernel="torch"`: a gather and an add that torch.compile fuses) instead of its Triton kernel
+LOOKUP = "_lookup"
+LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in ("", "_torch"))
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
-         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward")
+         "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward",
+         *LOOKUP_ARCHS)
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -130,6 +137,9 @@ DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Tr
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
 DISPLAY["flash_mhf_separate_gates_backward"] = "FlashMHFLlama, norm/gate backward as a kernel of its own"
+for _arch in ("memoryllm", "flex_memoryllm"):
+    DISPLAY[f"{_arch}{LOOKUP}"] = f"{DISPLAY[_arch]}, token lookup table"
+    DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table (PyTorch gather)"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -185,6 +195,10 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
     torch.manual_seed(0)
     attention, extra_inputs = "sdpa", 0
+    architecture, lookup, lookup_kernel = architecture.partition(LOOKUP)
+    if lookup and (lookup_kernel not in ("", "_torch") or architecture not in ("memoryllm", "flex_memoryllm")):
+        raise ValueError(f"architecture {architecture}{lookup}{lookup_kernel}: a lookup variant is one of "
+                         f"{', '.join(LOOKUP_ARCHS)}")
     if architecture == "llama_causal_flag":
         architecture, attention = "llama", causal_flag_attention()
     if architecture == "llama_extra_inputs":
@@ -205,7 +219,24 @@ def build_model(architecture: str, size: str, device: str, **overrides):
             module.fused_layer = False
     if extra_inputs:
         add_zero_inputs(model, extra_inputs)
-    return model.to(device)
+    model = model.to(device)
+    if lookup:
+        use_token_lookup_table(model, "torch" if lookup_kernel else "auto")
+    return model
+
+
+def use_token_lookup_table(model, kernel: str) -> None:
+    """Exports the memory FFN of `model` (MemoryLLM or FlexMemoryLLM) as a bf16 token lookup table and has the model
+    read it from then on: placement "gpu" on a GPU ("cpu" without one), `kernel` as `load_tols` takes it, the memory
+    FFN's weights dropped. The table is written to a temporary directory and copied into memory from there."""
+    import tempfile
+
+    from hf_memffn.conversion import export_tols
+
+    placement = "gpu" if model.device.type == "cuda" else "cpu"
+    with tempfile.TemporaryDirectory(prefix="bench_models_table_") as directory:
+        export_tols(model, directory, progress=False)
+        model.load_tols(directory, placement=placement, kernel=kernel, verify="size", drop_memory_ffn=True)
 
 
 def parameter_count(model) -> int:
@@ -1066,6 +1097,9 @@ def run_task(task: str, args, results: dict) -> None:
         results["profile"].update(profile_train_rows(size, device, architecture, mode, int(batch) if batch else None))
     elif part == "train":
         architecture, mode, *batch = rest
+        if LOOKUP in architecture:
+            raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
+                             "FFN's weights are dropped")
         if mode not in TRAIN_MODES or len(batch) > 1 or (batch and not batch[0].isdigit()):
             raise ValueError(f"task {task!r}: expected train:<size>:<arch>:{'|'.join(TRAIN_MODES)}[:<batch>]")
         architectures = architecture.split("+")

@@ -4,6 +4,7 @@ an H100 (sm_90) without one."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -151,6 +152,30 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
     assert "plot failed" not in result.stdout and (tmp_path / "models_bench.png").stat().st_size > 0
+
+
+def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
+    """`memoryllm_lookup` and `flex_memoryllm_lookup[_torch]`: the model built as the plain architecture, its memory FFN
+    exported as a table that it then reads, its weights dropped, the logits unchanged; training tasks refuse them."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import bench_models
+    finally:
+        sys.path.remove(KERNELS)
+    ids = torch.randint(3, 200, (2, 9))
+    for architecture, kernel in (("memoryllm", "torch"), ("flex_memoryllm", "torch")):
+        computed = bench_models.build_model(architecture, "tiny", "cpu").float().eval()
+        for variant in (f"{architecture}_lookup", f"{architecture}_lookup_torch"):
+            looked_up = bench_models.build_model(variant, "tiny", "cpu").float().eval()
+            table = looked_up.model.token_lookup
+            assert looked_up.model.memory is None and table.placement == "cpu" and table.kernel == kernel
+            with torch.no_grad():
+                expected, got = computed(input_ids=ids).logits, looked_up(input_ids=ids).logits
+            assert (got - expected).norm() / expected.norm() < 2e-2  # (the table holds bf16 rows)
+    with pytest.raises(ValueError, match="a lookup variant is one of memoryllm_lookup"):
+        bench_models.build_model("kvffn_lookup", "tiny", "cpu")
+    with pytest.raises(ValueError, match="decodes only"):
+        bench_models.run_task("train:tiny:llama+memoryllm_lookup:eager", argparse.Namespace(device="cpu"), {})
 
 
 def test_model_benchmark_task_processes_get_the_options_given():
