@@ -117,10 +117,12 @@ EXTRA_INPUTS_PER_LAYER = 3
 # Gluon dq/dr kernel would run it (`flash_mhf_op.GATES_IN_ROWS_KERNEL` off)
 # "memoryllm_lookup", "flex_memoryllm_lookup": decoding from the model's token lookup table, as a deployment of these
 # architectures does: the memory FFN exported as a bf16 table when the model is built, loaded onto the GPU, and the
-# memory FFN's weights dropped (`use_token_lookup_table`); decoding only. "..._lookup_torch": the same with the table's
-# PyTorch path (`kernel="torch"`: a gather and an add that torch.compile fuses) instead of its Triton kernel
+# memory FFN's weights dropped (`use_token_lookup_table`); decoding only. The table's `kernel="auto"`: its Triton add
+# kernel in eager steps, PyTorch operations that inductor fuses under torch.compile. "..._lookup_torch": PyTorch in
+# eager steps too (`kernel="torch"`); "..._lookup_triton": the Triton kernel under torch.compile too (`kernel="triton"`)
 LOOKUP = "_lookup"
-LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in ("", "_torch"))
+LOOKUP_KERNELS = {"": "auto", "_torch": "torch", "_triton": "triton"}
+LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in LOOKUP_KERNELS)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
@@ -139,7 +141,8 @@ DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomp
 DISPLAY["flash_mhf_separate_gates_backward"] = "FlashMHFLlama, norm/gate backward as a kernel of its own"
 for _arch in ("memoryllm", "flex_memoryllm"):
     DISPLAY[f"{_arch}{LOOKUP}"] = f"{DISPLAY[_arch]}, token lookup table"
-    DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table (PyTorch gather)"
+    DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table, PyTorch add"
+    DISPLAY[f"{_arch}{LOOKUP}_triton"] = f"{DISPLAY[_arch]}, token lookup table, Triton add when compiled"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     torch.manual_seed(0)
     attention, extra_inputs = "sdpa", 0
     architecture, lookup, lookup_kernel = architecture.partition(LOOKUP)
-    if lookup and (lookup_kernel not in ("", "_torch") or architecture not in ("memoryllm", "flex_memoryllm")):
+    if lookup and (lookup_kernel not in LOOKUP_KERNELS or architecture not in ("memoryllm", "flex_memoryllm")):
         raise ValueError(f"architecture {architecture}{lookup}{lookup_kernel}: a lookup variant is one of "
                          f"{', '.join(LOOKUP_ARCHS)}")
     if architecture == "llama_causal_flag":
@@ -221,7 +224,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
         add_zero_inputs(model, extra_inputs)
     model = model.to(device)
     if lookup:
-        use_token_lookup_table(model, "torch" if lookup_kernel else "auto")
+        use_token_lookup_table(model, LOOKUP_KERNELS[lookup_kernel])
     return model
 
 

@@ -156,7 +156,8 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
 
 def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
     """`memoryllm_lookup` and `flex_memoryllm_lookup[_torch]`: the model built as the plain architecture, its memory FFN
-    exported as a table that it then reads, its weights dropped, the logits unchanged; training tasks refuse them."""
+    exported as a table that it then reads, its weights dropped, the logits unchanged; training tasks refuse them.
+    (`_lookup_triton` needs a GPU.)"""
     sys.path.insert(0, KERNELS)
     try:
         import bench_models

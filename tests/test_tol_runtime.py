@@ -54,6 +54,45 @@ def test_fp32_lookup_equals_compute(exported, placement):
     assert torch.equal(lookup_tokens, tokens)
 
 
+def lookup_graphs(model, ids) -> tuple[torch.Tensor, list]:
+    """The logits of `model` on `ids` under torch.compile, and the graphs that Dynamo traced (run as traced)."""
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            logits = torch.compile(model, backend=record, fullgraph=True)(input_ids=ids).logits
+    finally:
+        torch._dynamo.reset()
+    return logits, graphs
+
+
+def calls_the_triton_add(graphs) -> bool:
+    return any("token_lookup_add" in str(node.target) for graph in graphs for node in graph.graph.nodes)
+
+
+def test_compiled_lookup_is_traced_as_pytorch_operations(exported):
+    """Under torch.compile the table's add is PyTorch operations that inductor can fuse (`compiled_kernel`), with
+    the same logits as the eager lookup."""
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    table = model.load_tols(directory, placement="cpu")
+    try:
+        assert (table.kernel, table.compiled_kernel) == ("torch", "torch")
+        assert "compiled_kernel=torch" in repr(table)
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits
+        compiled, graphs = lookup_graphs(model, ids)
+    finally:
+        model.unload_tols()
+    assert graphs and not calls_the_triton_add(graphs)
+    assert relative(compiled, eager) < 1e-6
+
+
 def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
     model, directory = exported
     fresh = build(model.config.model_type.replace("memffn_", ""))
@@ -148,6 +187,24 @@ def test_gpu_placements_equal_compute(exported, placement, cache_rows):
         assert torch.equal(model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
     if placement == "disk":
         assert 0 < table.cache_hits < table.cache_lookups
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
+def test_compiled_lookup_runs_the_triton_add_only_when_asked(tmp_path, kernel):
+    """kernel="auto": the Triton add in eager steps, PyTorch operations for inductor under torch.compile;
+    kernel="triton": the Triton add (its custom operator) under torch.compile too. Both equal the eager lookup."""
+    model = build("flex_memoryllm", device="cuda")
+    export_tols(model, tmp_path, format="int8", group_size=32, progress=False)
+    table = model.load_tols(tmp_path, placement="gpu", kernel=kernel, drop_memory_ffn=True)
+    assert (table.kernel, table.compiled_kernel) == ("triton", "triton" if kernel == "triton" else "torch")
+    ids = torch.randint(0, model.config.vocab_size, (3, 11), device="cuda")
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+    compiled, graphs = lookup_graphs(model, ids)
+    assert graphs and calls_the_triton_add(graphs) == (kernel == "triton")
+    assert relative(compiled, eager) < 1e-5
 
 
 @pytest.mark.gpu
