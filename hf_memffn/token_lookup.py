@@ -457,7 +457,7 @@ class TokenLookupTable(nn.Module):
     Under torch.compile (`compiled_kernel`), the add is PyTorch operations unless `kernel="triton"` was asked for:
     inductor fuses the gather, dequantization and add into the kernels around them, where the Triton kernel, opaque
     to it, runs as a kernel of its own per layer (a compiled static-cache decoding step of the 370M MemoryLLM on an
-    H100: 783 against 834 us of GPU work at batch 1). The cpu placement's gather of host rows stays a Triton kernel.
+    H100: 778 against 834 us of GPU work at batch 1). The cpu placement's gather of host rows stays a Triton kernel.
     Table tensors are non-persistent buffers: they never enter the model's state dict.
     """
 
