@@ -425,11 +425,15 @@ class TokenLookupReadout:
                                     table.fmt.name, table.fmt.group_size or 1)
             return out.view_as(hidden)
         columns = d // 2 if table.fmt.name == "int4" else d
-        rows = self.rows.index_select(0, self.row_ids)[:, position * columns:(position + 1) * columns]
+        # only this layer's columns of the tokens' rows are read
+        rows = self.rows[:, position * columns:(position + 1) * columns].index_select(0, self.row_ids)
+        if rows.dtype == hidden.dtype and self.scales is None:
+            # one addition: PyTorch adds 16-bit tensors in float32 and rounds once, as the branch below does
+            return (flat + rows).view_as(hidden)
         scales = None
         if self.scales is not None:
             groups = d // table.fmt.group_size
-            scales = self.scales.index_select(0, self.row_ids)[:, position * groups:(position + 1) * groups]
+            scales = self.scales[:, position * groups:(position + 1) * groups].index_select(0, self.row_ids)
         values = dequantize_rows(rows, scales, table.fmt)
         return (flat.float() + values).to(hidden.dtype).view_as(hidden)
 
