@@ -406,6 +406,15 @@ class TokenLookupReadout:
         self.row_ids = row_ids  # [T] index into rows/scales
         self.rows = rows
         self.scales = scales
+        self._tokens_rows = None  # (rows, scales) of the tokens, every layer's columns: gathered once, on first use
+
+    def tokens_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens' rows and scales [T, width], gathered by the first layer that reads them (PyTorch path): one
+        gather per forward, then each layer adds its columns."""
+        if self._tokens_rows is None:
+            scales = None if self.scales is None else self.scales.index_select(0, self.row_ids)
+            self._tokens_rows = (self.rows.index_select(0, self.row_ids), scales)
+        return self._tokens_rows
 
     def add_into(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
         table = self.table
@@ -425,15 +434,15 @@ class TokenLookupReadout:
                                     table.fmt.name, table.fmt.group_size or 1)
             return out.view_as(hidden)
         columns = d // 2 if table.fmt.name == "int4" else d
-        # only this layer's columns of the tokens' rows are read
-        rows = self.rows[:, position * columns:(position + 1) * columns].index_select(0, self.row_ids)
-        if rows.dtype == hidden.dtype and self.scales is None:
+        tokens_rows, tokens_scales = self.tokens_rows()
+        rows = tokens_rows[:, position * columns:(position + 1) * columns]
+        if rows.dtype == hidden.dtype and tokens_scales is None:
             # one addition: PyTorch adds 16-bit tensors in float32 and rounds once, as the branch below does
             return (flat + rows).view_as(hidden)
         scales = None
-        if self.scales is not None:
+        if tokens_scales is not None:
             groups = d // table.fmt.group_size
-            scales = self.scales[:, position * groups:(position + 1) * groups].index_select(0, self.row_ids)
+            scales = tokens_scales[:, position * groups:(position + 1) * groups]
         values = dequantize_rows(rows, scales, table.fmt)
         return (flat.float() + values).to(hidden.dtype).view_as(hidden)
 
