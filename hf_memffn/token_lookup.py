@@ -401,12 +401,14 @@ class TokenLookupReadout:
     """The memory outputs of one forward's tokens, read from a table: `hidden = readout.add_into(hidden, layer)`."""
 
     def __init__(self, table: "TokenLookupTable", row_ids: torch.Tensor, rows: torch.Tensor,
-                 scales: torch.Tensor | None):
+                 scales: torch.Tensor | None, gathered: bool = False):
+        """`gathered`: `rows` and `scales` are already the tokens' own, in order (`row_ids` counts 0..T-1)."""
         self.table = table
         self.row_ids = row_ids  # [T] index into rows/scales
         self.rows = rows
         self.scales = scales
-        self._tokens_rows = None  # (rows, scales) of the tokens, every layer's columns: gathered once, on first use
+        # (rows, scales) of the tokens, every layer's columns: gathered once, on first use
+        self._tokens_rows = (rows, scales) if gathered else None
 
     def tokens_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens' rows and scales [T, width], gathered by the first layer that reads them (PyTorch path): one
@@ -659,7 +661,7 @@ class _CachedTokenLookupTable(TokenLookupTable):
     def _host_readout(self, ids: torch.Tensor) -> TokenLookupReadout:
         """Every row of `ids` read on the host (no GPU)."""
         rows, scales = self._host_rows(ids.cpu())
-        return TokenLookupReadout(self, torch.arange(ids.numel(), device=rows.device), rows, scales)
+        return TokenLookupReadout(self, torch.arange(ids.numel(), device=rows.device), rows, scales, gathered=True)
 
 
 class HostTokenLookupTable(_CachedTokenLookupTable):
@@ -690,7 +692,7 @@ class HostTokenLookupTable(_CachedTokenLookupTable):
             return self._host_readout(ids)
         # rows straight from the pinned table over PCIe, cached rows (if any) from the device cache
         rows, scales = self._gather(ids, self.slot_of_token if self.use_cache else None)
-        return TokenLookupReadout(self, torch.arange(ids.numel(), device=self.device), rows, scales)
+        return TokenLookupReadout(self, torch.arange(ids.numel(), device=self.device), rows, scales, gathered=True)
 
     def _gather(self, ids, slot_of_token):
         """Rows [T, W] (+ scales) of `ids` on the device: cache hits from the cache, misses from the mapped host table."""
@@ -746,7 +748,8 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
     def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
         if not self.use_cache:
             return self._host_readout(ids)
-        return TokenLookupReadout(self, *self._disk_rows(ids))
+        row_ids, rows, scales = self._disk_rows(ids)
+        return TokenLookupReadout(self, row_ids, rows, scales, gathered=rows is not self.cache_rows)
 
     @torch.compiler.disable
     def _disk_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
