@@ -338,26 +338,37 @@ def train_row(architecture: str, size: str, mode: str, device: str, batch: int |
         return _train_row(architecture, size, mode, device, batch)
 
 
-def _train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
+def warmed_up_step(architecture: str, size: str, mode: str, device: str, ids: torch.Tensor):
+    """`architecture`'s model in training mode and its training step on `ids`, run once (which compiles it when
+    compiled): (model, step, seconds of that first step)."""
     model = build_model(architecture, size, device)
     model.train()
-    batch = batch or TRAIN_BATCH[size]
-    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
     step = training_step(model, ids, mode)
     start = time.perf_counter()
-    step()  # compiles when compiled
+    step()
     synchronize()
-    first_s = time.perf_counter() - start
+    return model, step, time.perf_counter() - start
+
+
+def train_row_fields(architecture: str, size: str, mode: str, model, batch: int, step_ms: float, host_ms: float,
+                     peak_gib, first_s: float) -> dict:
+    """The fields every training row has."""
+    return {"arch": architecture, "size": size, "mode": mode, "batch": batch, "seq_len": SEQ_LEN,
+            "params": parameter_count(model), "step_ms": step_ms, "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3,
+            "host_ms": host_ms, "peak_gib": peak_gib, "first_step_s": first_s, "ffn_path": ffn_path(model),
+            "decoder_path": decoder_path(model)}
+
+
+def _train_row(architecture: str, size: str, mode: str, device: str, batch: int | None = None) -> dict:
+    batch = batch or TRAIN_BATCH[size]
+    ids = torch.randint(3, VOCAB_SIZE, (batch, SEQ_LEN), device=device)
+    model, step, first_s = warmed_up_step(architecture, size, mode, device, ids)
     reset_peak_memory()
     with ClockSampler() as clock:
         times = cuda_ms(step, TRAIN_STEPS, warmup=2)
-    step_ms = median(times)
     host_ms = median(host_issue_ms(step, TRAIN_STEPS))
-    row = {"arch": architecture, "size": size, "mode": mode, "batch": batch,
-           "seq_len": SEQ_LEN, "params": parameter_count(model), "step_ms": step_ms,
-           "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3, "host_ms": host_ms, "peak_gib": peak_memory_gib(),
-           "first_step_s": first_s, "step_ms_all": times, "ffn_path": ffn_path(model),
-           "decoder_path": decoder_path(model), **clock.summary()}
+    row = {**train_row_fields(architecture, size, mode, model, batch, median(times), host_ms, peak_memory_gib(),
+                              first_s), "step_ms_all": times, **clock.summary()}
     model = step = None  # (the step closure holds the compiled model)
     release()
     return row
@@ -377,15 +388,9 @@ def paired_train_rows(architectures: list[str], size: str, mode: str, device: st
     models, steps, warm = {}, {}, {}
     for architecture in architectures:
         with op_kernels(architecture):
-            model = build_model(architecture, size, device)
-            model.train()
-            step = training_step(model, ids, mode)
-            start = time.perf_counter()
-            step()  # compiles when compiled
-            synchronize()
-            warm[architecture] = time.perf_counter() - start
-            step()
-        models[architecture], steps[architecture] = model, step
+            models[architecture], steps[architecture], warm[architecture] = warmed_up_step(
+                architecture, size, mode, device, ids)
+            steps[architecture]()
     round_times = {architecture: [] for architecture in architectures}
     with ClockSampler() as clock:
         for round_index in range(TRAIN_ROUNDS):
@@ -404,15 +409,12 @@ def paired_train_rows(architectures: list[str], size: str, mode: str, device: st
         step_ms = median([t for times in round_times[architecture] for t in times])
         paired = [base / own for base, own in zip(round_medians[baseline], round_medians[architecture])]
         rows.append({
-            "arch": architecture, "size": size, "mode": mode, "batch": batch, "seq_len": SEQ_LEN,
-            "params": parameter_count(model), "step_ms": step_ms, "tokens_per_s": batch * SEQ_LEN / step_ms * 1e3,
-            "host_ms": host_ms,
-            "peak_gib": peak["peak_gib"],
-            "first_step_s": warm[architecture], "round_median_step_ms": round_medians[architecture],
+            **train_row_fields(architecture, size, mode, model, batch, step_ms, host_ms, peak["peak_gib"],
+                               warm[architecture]),
+            "round_median_step_ms": round_medians[architecture],
             "round_paired_baseline": baseline, "round_paired_ratio": median(paired),
             "round_paired_ratio_quartiles": quartiles(paired) if len(paired) >= 4 else None,
-            "interleaved_with": [a for a in architectures if a != architecture],
-            "ffn_path": ffn_path(model), "decoder_path": decoder_path(model), **clock.summary()})
+            "interleaved_with": [a for a in architectures if a != architecture], **clock.summary()})
     models = steps = model = None
     release()
     return rows
@@ -943,15 +945,15 @@ def report(results: dict) -> str:
                       f"{round_steps} steps; \"by round pairs\": "
                       "the median over rounds of Llama's round median step divided by the model's (quartiles). "
                       "Their peak memory is each model's own (the other models' weights not counted).", ""]
+        on_gpus = any("gpu" in r for r in train)
         lines += markdown_table(
             ["size", "mode", "model", "params (M)", "batch x L", "tokens/s", "x Llama",
              *(["x Llama by round pairs"] if paired else []), "step ms", "host ms", "peak GiB",
-             *(["GPU"] if any("gpu" in r for r in train) else [])],
+             *(["GPU"] if on_gpus else [])],
             [[r["size"], r["mode"], DISPLAY[r["arch"]], f"{r['params'] / 1e6:.0f}", f"{r['batch']} x {r['seq_len']}",
               f"{r['tokens_per_s'] / 1e3:.1f}k", fmt(ratios.get(id(r)), ".2f"),
               *([paired_ratio_cell(r)] if paired else []), f"{r['step_ms']:.1f}",
-              fmt(r.get("host_ms")), fmt(r["peak_gib"]), *([fmt(r.get("gpu"), "d")] if any("gpu" in x for x in train)
-                                                            else [])]
+              fmt(r.get("host_ms")), fmt(r["peak_gib"]), *([fmt(r.get("gpu"), "d")] if on_gpus else [])]
              for r in train])
         lines.append("")
     decode = results.get("decode", [])
