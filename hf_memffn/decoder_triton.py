@@ -27,6 +27,7 @@ import os
 import torch
 
 from .configuration_memffn import DECODER_KERNELS
+from .triton_launch import launch
 
 try:
     import triton
@@ -163,7 +164,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(num_rows, device=x.device, dtype=torch.float32)
     if num_rows:
         block_r, block_c = _norm_blocks(num_cols)
-        _rms_norm_forward_kernel[(triton.cdiv(num_rows, block_r),)](
+        launch(
+            _rms_norm_forward_kernel, (triton.cdiv(num_rows, block_r),),
             rows, weight, y, rstd, num_rows, num_cols, rows.stride(0), y.stride(0), eps,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
         )
@@ -192,7 +194,8 @@ def rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     rows_per_program = block_r * triton.cdiv(row_blocks, min(row_blocks, 2 * _num_sms(x.device)))
     programs = triton.cdiv(num_rows, rows_per_program)
     parts = torch.empty(programs, num_cols, device=x.device, dtype=torch.float32)
-    _rms_norm_backward_kernel[(programs,)](
+    launch(
+        _rms_norm_backward_kernel, (programs,),
         grad_rows, rows, weight, rstd, grad_x, parts, num_rows, num_cols, grad_rows.stride(0), rows.stride(0),
         grad_x.stride(0), rows_per_program, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
     )
@@ -232,7 +235,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
         return
     half = dim // 2
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
-    _rotary_kernel[(triton.cdiv(length, ROTARY_BLOCK_L), heads, batch)](
+    launch(
+        _rotary_kernel, (triton.cdiv(length, ROTARY_BLOCK_L), heads, batch),
         x, cos, sin, out, length, x.stride(0), x.stride(1), x.stride(2), cos_batch_stride, cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_L=ROTARY_BLOCK_L, TRANSPOSED=transposed, num_warps=4,

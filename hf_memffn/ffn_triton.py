@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .decoder_triton import TRITON_AVAILABLE
+from .triton_launch import launch
 
 if TRITON_AVAILABLE:
     import triton
@@ -77,8 +78,8 @@ if TRITON_AVAILABLE:
 
 def _launch(kernel, pairs: int, *tensors, activation: str, product: bool) -> None:
     if pairs:
-        kernel[(triton.cdiv(pairs, PAIRED_BLOCK),)](*tensors, pairs, ACTIVATION=PAIRED_ACTIVATIONS[activation],
-                                                     PRODUCT=product, BLOCK=PAIRED_BLOCK, num_warps=4)
+        launch(kernel, (triton.cdiv(pairs, PAIRED_BLOCK),), *tensors, pairs, ACTIVATION=PAIRED_ACTIVATIONS[activation],
+               PRODUCT=product, BLOCK=PAIRED_BLOCK, num_warps=4)
 
 
 def paired_forward(y: torch.Tensor, activation: str, product: bool) -> torch.Tensor:

@@ -32,6 +32,7 @@ import functools
 import torch
 
 from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid
+from .triton_launch import launch as launch_kernel
 
 if TRITON_AVAILABLE:
     import triton
@@ -325,7 +326,8 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
     gate_totals = r.new_empty(batch, num_heads, length) if totals and router is not None else None
     num_tokens = batch * length
     if num_tokens:
-        _queries_and_gates_kernel[(triton.cdiv(num_tokens, launch["block_t"]), num_heads)](
+        launch_kernel(
+            _queries_and_gates_kernel, (triton.cdiv(num_tokens, launch["block_t"]), num_heads),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r, _pointer_or(gate_totals, r),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
             D_H=head_dim, E_DOT=e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
@@ -379,7 +381,8 @@ def queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim:
     router_parts = torch.empty(parts_shape, device=p.device, dtype=torch.float32) if flags["HAS_ROUTER"] else None
     if num_tokens:
         stages = {"num_stages": launch["num_stages"]} if "num_stages" in launch else {}
-        _queries_and_gates_backward_kernel[(programs, num_heads)](
+        launch_kernel(
+            _queries_and_gates_backward_kernel, (programs, num_heads),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), grad_rows, grad_r.contiguous(), grad_p,
             _pointer_or(norm_parts, rows), _pointer_or(router_parts, rows),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), grad_rows.stride(0), width, eps, gate_eps,
@@ -410,7 +413,8 @@ def finish_gate_gradients(norm_parts, router_parts, norm_weight, router, num_tok
     gate_width = 16 if router_parts is None else router_parts.shape[2]
     any_part = norm_parts if norm_parts is not None else router_parts
     blocks = max(triton.cdiv(gate_width * head_dim, GATE_SUMS_BLOCK_C), head_dim // GATE_SUMS_NORM_BLOCK_D)
-    _gate_gradient_sums_kernel[(blocks, num_heads + 1)](
+    launch_kernel(
+        _gate_gradient_sums_kernel, (blocks, num_heads + 1),
         _pointer_or(norm_parts, any_part), _pointer_or(router_parts, any_part), _pointer_or(grad_norm, any_part),
         _pointer_or(grad_router, any_part), slots, num_heads, 1 if router is None else router.shape[-1],
         D_H=head_dim, E_DOT=gate_width, BLOCK_C=GATE_SUMS_BLOCK_C, BLOCK_S=GATE_SUMS_BLOCK_S,
@@ -460,7 +464,8 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float)
     token_blocks = triton.cdiv(num_tokens, DECODE_BLOCK_T)
     per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device))
     if num_tokens:
-        _decode_kernel[(num_heads, triton.cdiv(num_blocks, per_split), token_blocks)](
+        launch_kernel(
+            _decode_kernel, (num_heads, triton.cdiv(num_blocks, per_split), token_blocks),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
             D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,

@@ -22,7 +22,7 @@ TINY_DECODER = dict(
 # What a checkpoint of each architecture carries for `trust_remote_code` (transformers copies the modeling file named
 # in `auto_map` and its sibling imports): the code its architecture runs, and nothing else.
 _SHARED_REMOTE_CODE = {"configuration_memffn.py", "modeling_memffn.py", "ffn.py", "rms_norm.py", "parallel.py",
-                       "decoder_triton.py", "ffn_triton.py"}
+                       "decoder_triton.py", "ffn_triton.py", "triton_launch.py"}
 _TOKEN_LOOKUP_RUNTIME = {"modeling_memoryllm.py", "token_lookup.py", "token_lookup_triton.py"}
 REMOTE_CODE_FILES = {
     "flash_mhf": _SHARED_REMOTE_CODE

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -100,9 +102,9 @@ def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_siz
     scale_offset = layer_position * (hidden_size // group_size) if fmt else 0
     block = _block(hidden_size)
     grid = (tokens, triton.cdiv(hidden_size, block))
-    _lookup_add_kernel[grid](hidden, out, row_ids, rows, scales if scales is not None else rows, rows.stride(0),
-                             scales.stride(0) if scales is not None else 0, column_offset, scale_offset, hidden_size,
-                             GROUP=group_size, FORMAT=fmt, BLOCK=block)
+    launch(_lookup_add_kernel, grid, hidden, out, row_ids, rows, scales if scales is not None else rows, rows.stride(0),
+           scales.stride(0) if scales is not None else 0, column_offset, scale_offset, hidden_size,
+           GROUP=group_size, FORMAT=fmt, BLOCK=block)
     return out
 
 
@@ -124,8 +126,8 @@ def _launch_gather_rows(token_ids, slot_of_token, cache, table):
     block = _block(width)
     grid = (token_ids.shape[0], triton.cdiv(width, block))
     has_cache = slot_of_token is not None
-    _gather_rows_kernel[grid](token_ids, slot_of_token if has_cache else token_ids, cache if has_cache else table,
-                              table, out, width, HAS_CACHE=has_cache, BLOCK=block)
+    launch(_gather_rows_kernel, grid, token_ids, slot_of_token if has_cache else token_ids,
+           cache if has_cache else table, table, out, width, HAS_CACHE=has_cache, BLOCK=block)
     return out
 
 

@@ -121,6 +121,10 @@ EXTRA_INPUTS_PER_LAYER = 3
 # kernel in eager steps, PyTorch operations that inductor fuses under torch.compile. "..._lookup_torch": PyTorch in
 # eager steps too (`kernel="torch"`); "..._lookup_triton": the Triton kernel under torch.compile too (`kernel="triton"`)
 LOOKUP = "_lookup"
+# "<arch>_plain_launch" (our four architectures, any lookup variant too): every Triton kernel of ours launched through
+# `kernel[grid](...)` on every call, Triton's binder and all, instead of the compiled kernel kept per argument
+# signature (`hf_memffn.triton_launch`, `CACHED` off while the model decodes or trains); what that costs a step
+PLAIN_LAUNCH = "_plain_launch"
 LOOKUP_KERNELS = {"": "auto", "_torch": "torch", "_triton": "triton"}
 LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in LOOKUP_KERNELS)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
@@ -128,6 +132,7 @@ ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAM
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
          "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward",
          *LOOKUP_ARCHS)
+ARCHS += tuple(f"{arch}{PLAIN_LAUNCH}" for arch in (*ARCHITECTURE_NAMES, *LOOKUP_ARCHS) if arch != "llama")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
 DISPLAY.update({f"{arch}{TORCH_DECODER}": f"{DISPLAY[arch]}, PyTorch norm/rotary" for arch in ARCHITECTURE_NAMES})
@@ -143,6 +148,8 @@ for _arch in ("memoryllm", "flex_memoryllm"):
     DISPLAY[f"{_arch}{LOOKUP}"] = f"{DISPLAY[_arch]}, token lookup table"
     DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table, PyTorch add"
     DISPLAY[f"{_arch}{LOOKUP}_triton"] = f"{DISPLAY[_arch]}, token lookup table, Triton add when compiled"
+DISPLAY.update({f"{arch}{PLAIN_LAUNCH}": f"{DISPLAY[arch]}, Triton's launch on every call"
+                for arch in (*ARCHITECTURE_NAMES, *LOOKUP_ARCHS) if arch != "llama"})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -198,6 +205,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
     torch.manual_seed(0)
     attention, extra_inputs = "sdpa", 0
+    architecture = architecture.removesuffix(PLAIN_LAUNCH)  # (how it launches is `launch_context`'s)
     architecture, lookup, lookup_kernel = architecture.partition(LOOKUP)
     if lookup and (lookup_kernel not in LOOKUP_KERNELS or architecture not in ("memoryllm", "flex_memoryllm")):
         raise ValueError(f"architecture {architecture}{lookup}{lookup_kernel}: a lookup variant is one of "
@@ -304,9 +312,12 @@ KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch",
 
 
 def op_kernels(architecture: str):
-    """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs."""
-    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn
+    """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs, and how our Triton
+    kernels are launched."""
+    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn, triton_launch
 
+    if architecture.endswith(PLAIN_LAUNCH):
+        return switched_off(triton_launch, "CACHED")
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
     if architecture == "flash_mhf_previous_gate_launch":  # (the norm/gate backward kernel of its own, launched so)
@@ -481,7 +492,7 @@ class LocalDecoder:
 
     def __init__(self, architecture: str, size: str, device: str, static: bool):
         self.model = build_model(architecture, size, device)
-        self.device, self.static, self.generators = device, static, {}
+        self.architecture, self.device, self.static, self.generators = architecture, device, static, {}
 
     def start_warm_up(self, batch: int):
         """`warm_up` now; returns the function that gives its result (`ProcessDecoder` runs it in the background)."""
@@ -494,14 +505,16 @@ class LocalDecoder:
         counts = dynamo_counts()
         self.generators[batch] = decode_generator(self.model, batch, self.static, self.device)
         start = time.perf_counter()
-        self.generators[batch](NEW_TOKENS if self.static else 4)
+        with op_kernels(self.architecture):
+            self.generators[batch](NEW_TOKENS if self.static else 4)
         return {"warmup_s": time.perf_counter() - start,
                 "compiled_call": getattr(self.model, "_compiled_call", None) is not None,
                 **{key: value - counts[key] for key, value in dynamo_counts().items()}}
 
     def steps(self, batch: int) -> list[float]:
         """Seconds of each decoding step of one timed `generate()` call (the prefill is not a step)."""
-        times = self.generators[batch](NEW_TOKENS)
+        with op_kernels(self.architecture):
+            times = self.generators[batch](NEW_TOKENS)
         return [b - a for a, b in zip(times, times[1:])]
 
     def profile(self, batch: int) -> dict:

@@ -97,6 +97,19 @@ def host_issue_ms(fn, steps: int) -> list[float]:
     return times
 
 
+def back_to_back_us(fn, calls: int) -> float:
+    """Microseconds per call of `calls` calls of `fn` issued without synchronising, from an idle GPU: the host's time
+    to issue one call where each is little GPU work (a call of more launches than the launch queue holds over those
+    calls reads the GPU's rate instead)."""
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed / calls * 1e6
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

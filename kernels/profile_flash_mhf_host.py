@@ -28,7 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import TRAIN_BATCH, ffn_layers  # noqa: E402
-from harness import cuda_ms, environment, host_issue_ms, log, median, synchronize, write_json, write_text  # noqa: E402
+from harness import (  # noqa: E402
+    back_to_back_us, cuda_ms, environment, host_issue_ms, log, median, synchronize, write_json, write_text,
+)
 
 SEQ_LEN = 2048
 
@@ -77,13 +79,7 @@ def issue_us(fn, calls: int, mode: str = "idle") -> float:
         fn()
     if mode == "idle":
         return median(host_issue_ms(fn, calls)) * 1e3
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    synchronize()
-    return elapsed / calls * 1e6
+    return back_to_back_us(fn, calls)
 
 
 def part_timings(module, hidden: int, calls: int, profile_parts: tuple = (), mode: str = "idle") -> list[dict]:

@@ -1,0 +1,126 @@
+"""Host time of our Triton launches in an eager decoding step: Triton's launch on every call against the compiled
+kernel kept per argument signature (`hf_memffn.triton_launch`).
+
+    PYTHONPATH=. python kernels/bench_triton_launch.py --out DIR          # on a GPU, about a minute
+
+Each part is what an eager decoding step of the 370M preset runs once per layer, at one token per row (batch 1 and
+16): the decoder's RMSNorm and the rotary embedding of the queries (one Triton kernel each), the FlashMHF FFN block
+(its projections, and the norm, gates and sub-networks in one Triton decode kernel), the KV-FFN block (two matrix
+products around a Triton activation kernel) and, for comparison, transformers' `LlamaRMSNorm` and Llama's MLP
+(PyTorch operations only). A part's time is the host's: `--calls` calls are issued back to back, each a few
+microseconds of GPU work, so the GPU waits for the host and the wall time per call is the host's time to issue one.
+The two launch modes alternate over `--rounds` rounds, so the host's slow and fast minutes fall on both; each row
+gives the medians and the median of the rounds' ratios. Before timing, each part's outputs under both modes are
+compared (they must be bitwise equal: the same compiled kernel runs). Writes triton_launch.{json,md} into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import back_to_back_us, environment, log, markdown_table, median, write_report  # noqa: E402
+from bench_models import build_config, switched_off  # noqa: E402
+
+DECODE_BATCHES = (1, 16)
+
+
+def parts(size: str, batch: int) -> dict:
+    """{name: function of no arguments} for one decoding step's pieces at `size`, `batch` rows of one token."""
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    from hf_memffn import FlashMHFLlamaModel, KVFFNModel
+    from hf_memffn.decoder_triton import rms_norm, rotate
+
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    llama_config = build_config("llama", size)
+    hidden, heads = llama_config.hidden_size, llama_config.num_attention_heads
+    head_dim = hidden // heads
+    x = torch.randn(batch, 1, hidden, device=device, dtype=dtype)
+    norm_weight = torch.rand(hidden, device=device, dtype=dtype) + 0.5
+    queries = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype)
+    angles = torch.rand(1, 1, head_dim, device=device, dtype=dtype)
+    cos, sin = angles.cos(), angles.sin()
+    flash = FlashMHFLlamaModel.build_residual_ffn(build_config("flash_mhf", size))
+    kv_ffn = KVFFNModel.build_residual_ffn(build_config("kvffn", size))
+    llama_norm, llama_mlp = LlamaRMSNorm(hidden, llama_config.rms_norm_eps), LlamaMLP(llama_config)
+    for module in (flash, kv_ffn, llama_norm, llama_mlp):
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(torch.randn_like(param) * 0.02 + (1.0 if param.dim() == 1 else 0.0))
+        module.to(device, dtype).eval()
+    return {
+        "RMSNorm (Triton kernel)": lambda: rms_norm(x, norm_weight, 1e-6),
+        "rotary embedding of the queries (Triton kernel)": lambda: rotate(queries, cos, sin),
+        "FlashMHF FFN block (projections + Triton decode kernel)": lambda: flash(x),
+        "KV-FFN block (products + Triton activation kernel)": lambda: kv_ffn(x),
+        "transformers' LlamaRMSNorm (PyTorch operations)": lambda: llama_norm(x),
+        "transformers' Llama MLP (PyTorch operations)": lambda: llama_mlp(x),
+    }
+
+
+def outputs_equal(fn, launch_module) -> bool:
+    """Whether `fn` gives bitwise the same output with the kept compiled kernels and with Triton's launch."""
+    direct = fn()
+    direct = fn()  # (the first call of a signature goes through Triton; the second launches the kept kernel)
+    with switched_off(launch_module, "CACHED"):
+        plain = fn()
+    return torch.equal(direct, plain)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for triton_launch.{json,md}")
+    parser.add_argument("--size", default="370M")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=200, help="calls per part, mode and round")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_triton_launch.py times launches on a CUDA GPU; none is visible")
+    from hf_memffn import triton_launch
+
+    results = {"environment": environment(), "args": vars(args), "rows": []}
+    with torch.no_grad():
+        for batch in DECODE_BATCHES:
+            for name, fn in parts(args.size, batch).items():
+                uses_triton = "Triton" in name
+                equal = outputs_equal(fn, triton_launch) if uses_triton else None
+                if equal is False:
+                    raise RuntimeError(f"{name}, batch {batch}: the kept compiled kernel and Triton's launch disagree")
+                kept, plain = [], []
+                for _ in range(args.rounds):
+                    kept.append(back_to_back_us(fn, args.calls))
+                    with switched_off(triton_launch, "CACHED"):
+                        plain.append(back_to_back_us(fn, args.calls))
+                ratios = [p / k for p, k in zip(plain, kept)]
+                row = {"part": name, "batch": batch, "kept_kernel_us": median(kept), "triton_launch_us": median(plain),
+                       "saved_us": median(plain) - median(kept), "plain_over_kept": median(ratios),
+                       "kept_kernel_rounds_us": kept, "triton_launch_rounds_us": plain, "outputs_equal": equal}
+                results["rows"].append(row)
+                log(f"b{batch} {name}: {row['kept_kernel_us']:.1f} us kept kernel, {row['triton_launch_us']:.1f} us "
+                    f"Triton's launch ({row['plain_over_kept']:.2f}x)")
+    write_report(args.out, "triton_launch", results, report(results))
+    return results
+
+
+def report(results: dict) -> str:
+    env, args = results["environment"], results["args"]
+    lines = [f"# Host time per call of our Triton launches on {env.get('device', 'unknown device')}", "",
+             f"torch {env.get('torch')}, triton {env.get('triton')}; {args['size']} preset's widths, bf16, one token "
+             f"per row; {args['calls']} calls back to back per part and mode, {args['rounds']} alternating rounds "
+             "(medians). `python kernels/bench_triton_launch.py`.", ""]
+    rows = [[r["part"], r["batch"], f"{r['triton_launch_us']:.1f}", f"{r['kept_kernel_us']:.1f}",
+             f"{r['saved_us']:.1f}", f"{r['plain_over_kept']:.2f}",
+             "-" if r["outputs_equal"] is None else ("yes" if r["outputs_equal"] else "NO")] for r in results["rows"]]
+    lines += markdown_table(["part", "batch", "Triton's launch, us", "kept compiled kernel, us", "saved, us",
+                             "ratio (median of rounds)", "outputs bitwise equal"], rows)
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
