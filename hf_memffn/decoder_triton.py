@@ -27,7 +27,7 @@ import os
 import torch
 
 from .configuration_memffn import DECODER_KERNELS
-from .triton_launch import launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:
     import triton
@@ -148,7 +148,7 @@ NORM_TILE = 4096  # elements per row block of the norm kernels (rows per block =
 
 
 def _norm_blocks(num_cols: int) -> tuple[int, int]:
-    block_c = triton.next_power_of_2(num_cols)
+    block_c = next_power_of_2(num_cols)
     return max(1, NORM_TILE // block_c), block_c
 
 
@@ -165,7 +165,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     if num_rows:
         block_r, block_c = _norm_blocks(num_cols)
         launch(
-            _rms_norm_forward_kernel, (triton.cdiv(num_rows, block_r),),
+            _rms_norm_forward_kernel, (cdiv(num_rows, block_r),),
             rows, weight, y, rstd, num_rows, num_cols, rows.stride(0), y.stride(0), eps,
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
         )
@@ -190,9 +190,9 @@ def rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
         return grad_x.view(x.shape), torch.zeros_like(weight)
     block_r, block_c = _norm_blocks(num_cols)
     # about two programs per multiprocessor, each over a whole number of row blocks
-    row_blocks = triton.cdiv(num_rows, block_r)
-    rows_per_program = block_r * triton.cdiv(row_blocks, min(row_blocks, 2 * _num_sms(x.device)))
-    programs = triton.cdiv(num_rows, rows_per_program)
+    row_blocks = cdiv(num_rows, block_r)
+    rows_per_program = block_r * cdiv(row_blocks, min(row_blocks, 2 * _num_sms(x.device)))
+    programs = cdiv(num_rows, rows_per_program)
     parts = torch.empty(programs, num_cols, device=x.device, dtype=torch.float32)
     launch(
         _rms_norm_backward_kernel, (programs,),
@@ -236,10 +236,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     half = dim // 2
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     launch(
-        _rotary_kernel, (triton.cdiv(length, ROTARY_BLOCK_L), heads, batch),
+        _rotary_kernel, (cdiv(length, ROTARY_BLOCK_L), heads, batch),
         x, cos, sin, out, length, x.stride(0), x.stride(1), x.stride(2), cos_batch_stride, cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_L=ROTARY_BLOCK_L, TRANSPOSED=transposed, num_warps=4,
+        HALF=half, HALF_P2=next_power_of_2(half), BLOCK_L=ROTARY_BLOCK_L, TRANSPOSED=transposed, num_warps=4,
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .decoder_triton import TRITON_AVAILABLE
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 
 if TRITON_AVAILABLE:
     import triton
@@ -78,7 +78,7 @@ if TRITON_AVAILABLE:
 
 def _launch(kernel, pairs: int, *tensors, activation: str, product: bool) -> None:
     if pairs:
-        launch(kernel, (triton.cdiv(pairs, PAIRED_BLOCK),), *tensors, pairs, ACTIVATION=PAIRED_ACTIVATIONS[activation],
+        launch(kernel, (cdiv(pairs, PAIRED_BLOCK),), *tensors, pairs, ACTIVATION=PAIRED_ACTIVATIONS[activation],
                PRODUCT=product, BLOCK=PAIRED_BLOCK, num_warps=4)
 
 

@@ -32,6 +32,7 @@ import functools
 import torch
 
 from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid
+from .triton_launch import cdiv, next_power_of_2
 from .triton_launch import launch as launch_kernel
 
 if TRITON_AVAILABLE:
@@ -296,7 +297,7 @@ DECODE_BLOCK_N = 64
 
 def e_dot(num_subnetworks: int) -> int:
     """Width of the gate tiles: a power of two the products accept (>= 16)."""
-    return max(16, triton.next_power_of_2(num_subnetworks))
+    return max(16, next_power_of_2(num_subnetworks))
 
 
 def _flags(norm_weight, router, dtype: torch.dtype, precision: str | None = None) -> dict:
@@ -327,7 +328,7 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
     num_tokens = batch * length
     if num_tokens:
         launch_kernel(
-            _queries_and_gates_kernel, (triton.cdiv(num_tokens, launch["block_t"]), num_heads),
+            _queries_and_gates_kernel, (cdiv(num_tokens, launch["block_t"]), num_heads),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r, _pointer_or(gate_totals, r),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
             D_H=head_dim, E_DOT=e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
@@ -340,9 +341,9 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
 def _backward_programs(num_tokens: int, num_heads: int, num_sms: int, block_t: int, programs_per_sm: int
                        ) -> tuple[int, int]:
     """(programs per head, token blocks per program): about ``programs_per_sm`` programs per multiprocessor."""
-    blocks = triton.cdiv(num_tokens, block_t)
-    per_program = max(1, triton.cdiv(blocks * num_heads, programs_per_sm * num_sms))
-    return triton.cdiv(blocks, per_program), per_program
+    blocks = cdiv(num_tokens, block_t)
+    per_program = max(1, cdiv(blocks * num_heads, programs_per_sm * num_sms))
+    return cdiv(blocks, per_program), per_program
 
 
 @contextlib.contextmanager
@@ -412,7 +413,7 @@ def finish_gate_gradients(norm_parts, router_parts, norm_weight, router, num_tok
     slots, num_heads, head_dim = (norm_parts if norm_parts is not None else router_parts[:, :, 0]).shape
     gate_width = 16 if router_parts is None else router_parts.shape[2]
     any_part = norm_parts if norm_parts is not None else router_parts
-    blocks = max(triton.cdiv(gate_width * head_dim, GATE_SUMS_BLOCK_C), head_dim // GATE_SUMS_NORM_BLOCK_D)
+    blocks = max(cdiv(gate_width * head_dim, GATE_SUMS_BLOCK_C), head_dim // GATE_SUMS_NORM_BLOCK_D)
     launch_kernel(
         _gate_gradient_sums_kernel, (blocks, num_heads + 1),
         _pointer_or(norm_parts, any_part), _pointer_or(router_parts, any_part), _pointer_or(grad_norm, any_part),
@@ -437,8 +438,8 @@ def gate_gradient_sums_reference(norm_parts, router_parts, norm_weight, router):
 @functools.lru_cache(maxsize=None)
 def _decode_splits(num_heads: int, token_blocks: int, num_blocks: int, num_sms: int) -> int:
     """Column blocks per program so that about two programs run per multiprocessor."""
-    splits = max(1, min(num_blocks, triton.cdiv(2 * num_sms, num_heads * token_blocks)))
-    return triton.cdiv(num_blocks, splits)
+    splits = max(1, min(num_blocks, cdiv(2 * num_sms, num_heads * token_blocks)))
+    return cdiv(num_blocks, splits)
 
 
 def decode_block_n(subnetwork_size: int, head_dim: int, element_size: int) -> int:
@@ -461,11 +462,11 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float)
     out = torch.zeros(num_tokens, width, device=p.device, dtype=torch.float32)
     block_n = decode_block_n(subnetwork_size, head_dim, k.element_size())
     num_blocks = num_subnetworks * subnetwork_size // block_n
-    token_blocks = triton.cdiv(num_tokens, DECODE_BLOCK_T)
+    token_blocks = cdiv(num_tokens, DECODE_BLOCK_T)
     per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device))
     if num_tokens:
         launch_kernel(
-            _decode_kernel, (num_heads, triton.cdiv(num_blocks, per_split), token_blocks),
+            _decode_kernel, (num_heads, cdiv(num_blocks, per_split), token_blocks),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
             D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,

@@ -64,6 +64,7 @@ from .flash_mhf_gluon import (
     multiprocessor_count,
     weight_descriptors,
 )
+from .triton_launch import cdiv, next_power_of_2
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -567,7 +568,7 @@ def _auto_splits(programs: int, loop_length: int, device: torch.device) -> int:
     sms = _num_sms(device)
     if programs >= sms:
         return 1
-    return max(1, min(loop_length, triton.cdiv(2 * sms, programs)))
+    return max(1, min(loop_length, cdiv(2 * sms, programs)))
 
 
 def _fixed_config(kernel: str, problem: dict) -> dict:
@@ -675,7 +676,7 @@ def _kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> 
     if not _autotuned(p):
         return "triton", "triton", "triton"
     sms = _num_sms(device)
-    row_blocks = triton.cdiv(p["total_rows"], GLUON_FORWARD_BLOCK_L)
+    row_blocks = cdiv(p["total_rows"], GLUON_FORWARD_BLOCK_L)
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // GLUON_BLOCK_N
     return ("triton" if row_blocks * p["kv_heads"] < sms else "gluon", "gluon",
             "triton" if column_blocks * p["kv_heads"] < sms else "gluon")
@@ -701,7 +702,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     fixed = _fixed_config("forward", p)
     if use_descriptors:  # block shapes: the fixed configuration's, or the tuned one's (set by the pre-hook)
         k, u, v = (_weight_descriptor(w, fixed["BLOCK_N"]) for w in (k, u, v))
-    row_blocks = triton.cdiv(p["total_rows"], fixed["BLOCK_L"])
+    row_blocks = cdiv(p["total_rows"], fixed["BLOCK_L"])
     if splits is None:
         column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
         splits = _auto_splits(row_blocks * p["kv_heads"], column_blocks, q.device)
@@ -710,7 +711,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
         bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
 
         def grid(meta):
-            return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)
+            return (cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)
 
         key = ("forward", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k_dtype, r.dtype, use_descriptors)
         _launch_tuned(
@@ -759,7 +760,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
     strides = (*_row_strides(q), *_row_strides(grad_out))
     bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
-    e_pow2 = max(2, triton.next_power_of_2(p["num_subnetworks"]))
+    e_pow2 = max(2, next_power_of_2(p["num_subnetworks"]))
 
     # dq, dr: one program per row block (the Gluon kernel on Hopper where it applies, see row_gradient_kernel)
     rows_kernel, weights_kernel = ("triton", "triton") if splits is not None or descriptors is not None else \
@@ -772,13 +773,13 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
                              fused_gates=fused_gates)
     elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
-        _backward_rows_kernel[(triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
+        _backward_rows_kernel[(cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
             q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants
         )
     else:
 
         def rows_grid(meta):
-            return (triton.cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"])
+            return (cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"])
 
         key = ("rows", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k.dtype, r.dtype)
         _launch_tuned(
@@ -799,7 +800,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
         q_rows, grad_out_rows = (_sequence_descriptor(t, fixed["BLOCK_L"]) for t in (q, grad_out))
     column_blocks = p["num_subnetworks"] * p["subnetwork_size"] // fixed["BLOCK_N"]
     if splits is None:
-        splits = _auto_splits(column_blocks * p["kv_heads"], triton.cdiv(p["total_rows"], fixed["BLOCK_L"]), q.device)
+        splits = _auto_splits(column_blocks * p["kv_heads"], cdiv(p["total_rows"], fixed["BLOCK_L"]), q.device)
     if splits == 1 and _autotuned(p):
         grad_k, grad_u, grad_v = weight_grads
 

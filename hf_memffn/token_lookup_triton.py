@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .triton_launch import launch
+from .triton_launch import cdiv, launch, next_power_of_2
 
 try:
     import triton
@@ -78,7 +78,7 @@ OP_NAMESPACE = "memffn_v2"  # shared with flash_mhf_op.py; the op names differ
 
 
 def _block(n: int) -> int:
-    return min(1024, triton.next_power_of_2(n))
+    return min(1024, next_power_of_2(n))
 
 
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
@@ -101,7 +101,7 @@ def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_siz
     column_offset = layer_position * (hidden_size // 2 if fmt == 2 else hidden_size)
     scale_offset = layer_position * (hidden_size // group_size) if fmt else 0
     block = _block(hidden_size)
-    grid = (tokens, triton.cdiv(hidden_size, block))
+    grid = (tokens, cdiv(hidden_size, block))
     launch(_lookup_add_kernel, grid, hidden, out, row_ids, rows, scales if scales is not None else rows, rows.stride(0),
            scales.stride(0) if scales is not None else 0, column_offset, scale_offset, hidden_size,
            GROUP=group_size, FORMAT=fmt, BLOCK=block)
@@ -124,7 +124,7 @@ def _launch_gather_rows(token_ids, slot_of_token, cache, table):
     if token_ids.shape[0] == 0:
         return out
     block = _block(width)
-    grid = (token_ids.shape[0], triton.cdiv(width, block))
+    grid = (token_ids.shape[0], cdiv(width, block))
     has_cache = slot_of_token is not None
     launch(_gather_rows_kernel, grid, token_ids, slot_of_token if has_cache else token_ids,
            cache if has_cache else table, table, out, width, HAS_CACHE=has_cache, BLOCK=block)

@@ -64,9 +64,21 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled[grid](*args, *[kwargs[name] for name in keyword_names])
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for launch grids. Triton's ``triton.cdiv`` (and ``next_power_of_2``) are
+    functions that kernels can also call, whose Python call unwraps its arguments first: a few microseconds per call,
+    several per launch."""
+    return -(-numerator // denominator)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def clear() -> None:
     """Forgets the compiled kernels kept (the next launch of each signature goes through Triton)."""
     _compiled.clear()
 
 
-__all__ = ["launch", "clear", "CACHED"]
+__all__ = ["launch", "clear", "cdiv", "next_power_of_2", "CACHED"]

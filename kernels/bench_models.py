@@ -121,9 +121,10 @@ EXTRA_INPUTS_PER_LAYER = 3
 # kernel in eager steps, PyTorch operations that inductor fuses under torch.compile. "..._lookup_torch": PyTorch in
 # eager steps too (`kernel="torch"`); "..._lookup_triton": the Triton kernel under torch.compile too (`kernel="triton"`)
 LOOKUP = "_lookup"
-# "<arch>_plain_launch" (our four architectures, any lookup variant too): every Triton kernel of ours launched through
-# `kernel[grid](...)` on every call, Triton's binder and all, instead of the compiled kernel kept per argument
-# signature (`hf_memffn.triton_launch`, `CACHED` off while the model decodes or trains); what that costs a step
+# "<arch>_plain_launch" (our four architectures, any lookup variant too): our Triton kernels launched as before
+# `hf_memffn.triton_launch` (`tritons_own_launch`): through `kernel[grid](...)` on every call, Triton's binder and all,
+# instead of the compiled kernel kept per argument signature, and their grids computed by Triton's `cdiv` and
+# `next_power_of_2`; what that costs a step
 PLAIN_LAUNCH = "_plain_launch"
 LOOKUP_KERNELS = {"": "auto", "_torch": "torch", "_triton": "triton"}
 LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in LOOKUP_KERNELS)
@@ -314,10 +315,10 @@ KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch",
 def op_kernels(architecture: str):
     """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs, and how our Triton
     kernels are launched."""
-    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn, triton_launch
+    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn
 
     if architecture.endswith(PLAIN_LAUNCH):
-        return switched_off(triton_launch, "CACHED")
+        return tritons_own_launch()
     if architecture == "flash_mhf_triton_forward":
         return flash_mhf_triton.gluon_kernels("rows", "weights")
     if architecture == "flash_mhf_previous_gate_launch":  # (the norm/gate backward kernel of its own, launched so)
@@ -331,6 +332,28 @@ def op_kernels(architecture: str):
     if architecture == "flash_mhf_separate_gates_backward":  # the norm/gate backward as a kernel of its own
         return switched_off(flash_mhf_op, "GATES_IN_ROWS_KERNEL")
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def tritons_own_launch():
+    """Within the block, our Triton kernels launch as before `hf_memffn.triton_launch`: through `kernel[grid](...)` on
+    every call (`CACHED` off), their grids computed by `triton.cdiv` and `triton.next_power_of_2`."""
+    import triton
+
+    from hf_memffn import decoder_triton, ffn_triton, flash_mhf_layer_triton, flash_mhf_triton, token_lookup_triton
+    from hf_memffn import triton_launch
+
+    launchers = (decoder_triton, ffn_triton, flash_mhf_layer_triton, flash_mhf_triton, token_lookup_triton)
+    before = [(module, name, getattr(module, name)) for module in launchers for name in ("cdiv", "next_power_of_2")
+              if hasattr(module, name)]
+    with switched_off(triton_launch, "CACHED"):
+        try:
+            for module, name, _ in before:
+                setattr(module, name, getattr(triton, name))
+            yield
+        finally:
+            for module, name, function in before:
+                setattr(module, name, function)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""Host time of our Triton launches in an eager decoding step: Triton's launch on every call against the compiled
-kernel kept per argument signature (`hf_memffn.triton_launch`).
+"""Host time of our Triton launches in an eager decoding step: as `hf_memffn.triton_launch` launches them (the
+compiled kernel kept per argument signature, grids computed in plain Python) against Triton's own launch on every
+call with Triton's `cdiv` / `next_power_of_2` for the grids (`bench_models.tritons_own_launch`, the code before).
 
     PYTHONPATH=. python kernels/bench_triton_launch.py --out DIR          # on a GPU, about a minute
 
@@ -7,11 +8,13 @@ Each part is what an eager decoding step of the 370M preset runs once per layer,
 16): the decoder's RMSNorm and the rotary embedding of the queries (one Triton kernel each), the FlashMHF FFN block
 (its projections, and the norm, gates and sub-networks in one Triton decode kernel), the KV-FFN block (two matrix
 products around a Triton activation kernel) and, for comparison, transformers' `LlamaRMSNorm` and Llama's MLP
-(PyTorch operations only). A part's time is the host's: `--calls` calls are issued back to back, each a few
-microseconds of GPU work, so the GPU waits for the host and the wall time per call is the host's time to issue one.
-The two launch modes alternate over `--rounds` rounds, so the host's slow and fast minutes fall on both; each row
-gives the medians and the median of the rounds' ratios. Before timing, each part's outputs under both modes are
-compared (they must be bitwise equal: the same compiled kernel runs). Writes triton_launch.{json,md} into --out.
+(PyTorch operations only, so both columns time the same code). A part's time is the host's: `--calls` calls are
+issued back to back, each a few microseconds of GPU work, so the GPU waits for the host and the wall time per call
+is the host's time to issue one. The two modes alternate over `--rounds` rounds, so the host's slow and fast minutes
+fall on both; each row gives the medians and the median of the rounds' ratios. Before timing, each part's outputs
+under both modes are compared: the same compiled kernel runs, so they agree bitwise except where a kernel adds
+shares atomically (the FlashMHF decode kernel's column splits at batch 16). Writes triton_launch.{json,md} into
+--out.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import back_to_back_us, environment, log, markdown_table, median, write_report  # noqa: E402
-from bench_models import build_config, switched_off  # noqa: E402
+from bench_models import build_config, tritons_own_launch  # noqa: E402
 
 DECODE_BATCHES = (1, 16)
 
@@ -64,13 +67,15 @@ def parts(size: str, batch: int) -> dict:
     }
 
 
-def outputs_equal(fn, launch_module) -> bool:
-    """Whether `fn` gives bitwise the same output with the kept compiled kernels and with Triton's launch."""
+def largest_difference(fn) -> float:
+    """The largest absolute difference between `fn`'s output with the kept compiled kernels and with Triton's launch
+    (0 for kernels whose programs write their own outputs; the FlashMHF decode kernel adds the column splits' shares
+    with atomic additions, whose order varies from launch to launch)."""
     direct = fn()
     direct = fn()  # (the first call of a signature goes through Triton; the second launches the kept kernel)
-    with switched_off(launch_module, "CACHED"):
+    with tritons_own_launch():
         plain = fn()
-    return torch.equal(direct, plain)
+    return (direct.float() - plain.float()).abs().max().item()
 
 
 def main(argv=None) -> dict:
@@ -82,25 +87,25 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton_launch.py times launches on a CUDA GPU; none is visible")
-    from hf_memffn import triton_launch
-
     results = {"environment": environment(), "args": vars(args), "rows": []}
     with torch.no_grad():
         for batch in DECODE_BATCHES:
             for name, fn in parts(args.size, batch).items():
-                uses_triton = "Triton" in name
-                equal = outputs_equal(fn, triton_launch) if uses_triton else None
-                if equal is False:
-                    raise RuntimeError(f"{name}, batch {batch}: the kept compiled kernel and Triton's launch disagree")
+                difference = largest_difference(fn) if "Triton" in name else None
+                reference = fn().float().abs().max().item()
+                if difference is not None and difference > 1e-2 * reference:
+                    raise RuntimeError(f"{name}, batch {batch}: the kept compiled kernel and Triton's launch disagree "
+                                       f"by {difference} (largest output {reference})")
                 kept, plain = [], []
                 for _ in range(args.rounds):
                     kept.append(back_to_back_us(fn, args.calls))
-                    with switched_off(triton_launch, "CACHED"):
+                    with tritons_own_launch():
                         plain.append(back_to_back_us(fn, args.calls))
                 ratios = [p / k for p, k in zip(plain, kept)]
                 row = {"part": name, "batch": batch, "kept_kernel_us": median(kept), "triton_launch_us": median(plain),
                        "saved_us": median(plain) - median(kept), "plain_over_kept": median(ratios),
-                       "kept_kernel_rounds_us": kept, "triton_launch_rounds_us": plain, "outputs_equal": equal}
+                       "kept_kernel_rounds_us": kept, "triton_launch_rounds_us": plain,
+                       "largest_difference": difference, "largest_output": reference}
                 results["rows"].append(row)
                 log(f"b{batch} {name}: {row['kept_kernel_us']:.1f} us kept kernel, {row['triton_launch_us']:.1f} us "
                     f"Triton's launch ({row['plain_over_kept']:.2f}x)")
@@ -116,9 +121,10 @@ def report(results: dict) -> str:
              "(medians). `python kernels/bench_triton_launch.py`.", ""]
     rows = [[r["part"], r["batch"], f"{r['triton_launch_us']:.1f}", f"{r['kept_kernel_us']:.1f}",
              f"{r['saved_us']:.1f}", f"{r['plain_over_kept']:.2f}",
-             "-" if r["outputs_equal"] is None else ("yes" if r["outputs_equal"] else "NO")] for r in results["rows"]]
+             "-" if r["largest_difference"] is None else f"{r['largest_difference']:.2g} ({r['largest_output']:.2g})"]
+            for r in results["rows"]]
     lines += markdown_table(["part", "batch", "Triton's launch, us", "kept compiled kernel, us", "saved, us",
-                             "ratio (median of rounds)", "outputs bitwise equal"], rows)
+                             "ratio (median of rounds)", "largest difference (largest output)"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
 """`hf_memffn.triton_launch`: which launches go through Triton and which launch the kept compiled kernel, with a
-stand-in kernel on any machine; on a CUDA machine, our kernels give bitwise the same outputs either way, also for
-inputs whose addresses Triton specialises differently."""
+stand-in kernel on any machine; on a CUDA machine, our kernels give the same outputs either way (bitwise, but for the
+decode kernel's atomic additions), also for inputs whose addresses Triton specialises differently."""
 
 from __future__ import annotations
 
@@ -105,6 +105,14 @@ def test_the_kept_kernels_are_bounded(stand_in, monkeypatch):
     assert len(triton_launch._compiled) <= 3
 
 
+def test_the_grid_arithmetic_agrees_with_tritons():
+    triton = pytest.importorskip("triton")
+    for n in range(0, 600):
+        assert triton_launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 32, 128):
+            assert triton_launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # On the GPU: our kernels, through the kept compiled kernel and through Triton's launch
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,5 +157,8 @@ def test_our_kernels_give_the_same_outputs_through_the_kept_kernel(name):
             plain = call()
         finally:
             triton_launch.CACHED = True
-    torch.testing.assert_close(second, first, rtol=0, atol=0)
-    torch.testing.assert_close(plain, first, rtol=0, atol=0)
+    # (the decode kernel adds its column splits' shares atomically, in an order that varies between launches: one
+    # bf16 rounding apart at most; the other kernels' programs write their own outputs)
+    tolerance = dict(rtol=1.6e-2, atol=1e-3) if name == "FlashMHF decode kernel" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(second, first, **tolerance)
+    torch.testing.assert_close(plain, first, **tolerance)
