@@ -44,7 +44,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _rms_norm_forward_kernel(X, W, Y, RSTD, num_rows, num_cols, stride_x, stride_y, eps,
-                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, STORE_RSTD: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         row_mask = rows < num_rows
@@ -55,7 +55,8 @@ if TRITON_AVAILABLE:
         weight = tl.load(W + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
         y = weight[None, :] * normalized
         tl.store(Y + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
 
     @triton.jit
     def _rms_norm_backward_kernel(DY, X, W, RSTD, DX, DW_PARTS, num_rows, num_cols, stride_dy, stride_x, stride_dx,
@@ -84,19 +85,28 @@ if TRITON_AVAILABLE:
         tl.store(DW_PARTS + part * num_cols + cols, grad_weight, mask=col_mask)
 
     @triton.jit
-    def _rotary_kernel(X, COS, SIN, Y, seq_len,
-                       stride_xb, stride_xl, stride_xh, stride_cb, stride_cl, stride_yb, stride_yl, stride_yh,
+    def _rotary_kernel(X, Y, X2, Y2, COS, SIN, seq_len, heads_first,
+                       stride_xb, stride_xl, stride_xh, stride_yb, stride_yl, stride_yh,
+                       stride_x2b, stride_x2l, stride_x2h, stride_y2b, stride_y2l, stride_y2h, stride_cb, stride_cl,
                        HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_L: tl.constexpr, TRANSPOSED: tl.constexpr):
         """One head, BLOCK_L positions: y = x * cos + rotate_half(x) * sin, or with TRANSPOSED the adjoint map (the
-        backward: dx = dy * cos - rotate_half(dy * sin)); x and y are addressed by (batch, position, head) strides."""
+        backward: dx = dy * cos - rotate_half(dy * sin)); x and y are addressed by (batch, position, head) strides.
+        The heads from ``heads_first`` on are those of a second tensor, X2 into Y2 (the keys beside the queries:
+        one launch for both)."""
         positions = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
         head = tl.program_id(1)
         batch = tl.program_id(2).to(tl.int64)
         dims = tl.arange(0, HALF_P2)
         mask = (positions < seq_len)[:, None] & (dims < HALF)[None, :]
-        x_at = X + batch * stride_xb + head * stride_xh + positions.to(tl.int64)[:, None] * stride_xl + dims[None, :]
-        c_at = COS + batch * stride_cb + positions.to(tl.int64)[:, None] * stride_cl + dims[None, :]
-        s_at = SIN + batch * stride_cb + positions.to(tl.int64)[:, None] * stride_cl + dims[None, :]
+        rows = positions.to(tl.int64)[:, None]
+        if head < heads_first:
+            x_at = X + batch * stride_xb + head * stride_xh + rows * stride_xl + dims[None, :]
+            y_at = Y + batch * stride_yb + head * stride_yh + rows * stride_yl + dims[None, :]
+        else:
+            x_at = X2 + batch * stride_x2b + (head - heads_first) * stride_x2h + rows * stride_x2l + dims[None, :]
+            y_at = Y2 + batch * stride_y2b + (head - heads_first) * stride_y2h + rows * stride_y2l + dims[None, :]
+        c_at = COS + batch * stride_cb + rows * stride_cl + dims[None, :]
+        s_at = SIN + batch * stride_cb + rows * stride_cl + dims[None, :]
         x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
         cos1 = tl.load(c_at, mask=mask, other=0.0).to(tl.float32)
@@ -109,7 +119,6 @@ if TRITON_AVAILABLE:
         else:
             y1 = x1 * cos1 - x2 * sin1
             y2 = x2 * cos2 + x1 * sin2
-        y_at = Y + batch * stride_yb + head * stride_yh + positions.to(tl.int64)[:, None] * stride_yl + dims[None, :]
         tl.store(y_at, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(y_at + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
@@ -156,18 +165,20 @@ def _norm_warps(block_c: int) -> int:
     return 4 if block_c <= 2048 else 8
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, 1 / rms per row float32) for ``x`` [..., N]; y has the dtype ``weight * x`` has in PyTorch."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_rstd: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, 1 / rms per row float32) for ``x`` [..., N]; y has the dtype ``weight * x`` has in PyTorch. Without
+    ``keep_rstd`` (inference) the second is None and is not written."""
     rows = x.reshape(-1, x.shape[-1])
     num_rows, num_cols = rows.shape
     y = torch.empty(rows.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
-    rstd = torch.empty(num_rows, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(num_rows, device=x.device, dtype=torch.float32) if keep_rstd else None
     if num_rows:
         block_r, block_c = _norm_blocks(num_cols)
         launch(
             _rms_norm_forward_kernel, (cdiv(num_rows, block_r),),
-            rows, weight, y, rstd, num_rows, num_cols, rows.stride(0), y.stride(0), eps,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_norm_warps(block_c),
+            rows, weight, y, rstd if keep_rstd else y, num_rows, num_cols, rows.stride(0), y.stride(0), eps,
+            BLOCK_R=block_r, BLOCK_C=block_c, STORE_RSTD=keep_rstd, num_warps=_norm_warps(block_c),
         )
     return y.view(*x.shape[:-1], num_cols), rstd
 
@@ -221,24 +232,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps)
-    return rms_norm_forward(x, weight, eps)[0]  # inference: no autograd node, one launch
+    return rms_norm_forward(x, weight, eps, keep_rstd=False)[0]  # inference: no autograd node, one launch
 
 
 ROTARY_BLOCK_L = 32
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, transposed: bool) -> None:
-    """Writes the rotation of ``x`` into ``out``; both are [B, L, H, D]-indexed views (any strides, dense last
-    dimension), ``cos`` and ``sin`` [B or 1, L, D]."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, transposed: bool,
+           second: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Writes the rotation of ``x`` into ``out``, and with ``second = (x2, out2)`` that of ``x2`` into ``out2`` in the
+    same launch; all are [B, L, H, D]-indexed views (any strides, dense last dimension; ``x2`` may have another
+    number of heads), ``cos`` and ``sin`` [B or 1, L, D]."""
     batch, length, heads, dim = x.shape
+    x2, out2 = second if second is not None else (x, out)
+    heads_total = heads + (x2.shape[2] if second is not None else 0)
     if not length or not batch:
         return
     half = dim // 2
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     launch(
-        _rotary_kernel, (cdiv(length, ROTARY_BLOCK_L), heads, batch),
-        x, cos, sin, out, length, x.stride(0), x.stride(1), x.stride(2), cos_batch_stride, cos.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        _rotary_kernel, (cdiv(length, ROTARY_BLOCK_L), heads_total, batch),
+        x, out, x2, out2, cos, sin, length, heads,
+        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        x2.stride(0), x2.stride(1), x2.stride(2), out2.stride(0), out2.stride(1), out2.stride(2),
+        cos_batch_stride, cos.stride(1),
         HALF=half, HALF_P2=next_power_of_2(half), BLOCK_L=ROTARY_BLOCK_L, TRANSPOSED=transposed, num_warps=4,
     )
 
@@ -268,15 +285,18 @@ class _RotaryFunction(torch.autograd.Function):
         return grad_x, None, None
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` [B, L, H, D] (the projection's layout) with ``cos``/``sin`` [B or 1, L, D]:
-    returns a contiguous [B, H, L, D] tensor (the attention's layout)."""
+def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(x, cos, sin) with dense last dimensions, after checking that the tables fit ``x`` [B, L, H, D]."""
     if cos.shape[-1] != x.shape[-1] or sin.shape != cos.shape or cos.shape[-2] != x.shape[1]:
         raise ValueError(f"rotary tables of shape {tuple(cos.shape)} / {tuple(sin.shape)} do not match heads of shape "
                          f"{tuple(x.shape)} ([B, L, H, D]): they must be [B or 1, L, D]")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [B, L, H, D] (the projection's layout) with ``cos``/``sin`` [B or 1, L, D]:
+    returns a contiguous [B, H, L, D] tensor (the attention's layout)."""
+    x, cos, sin = _rotary_inputs(x, cos, sin)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RotaryFunction.apply(x, cos, sin)
     out = _heads_first(x)
@@ -284,4 +304,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.transpose(1, 2)
 
 
-__all__ = ["decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate"]
+def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate` of the queries and of the keys ([B, L, H, D] and [B, L, H_kv, D]); without gradients to
+    record (inference, decoding), one launch rotates both."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        return rotate(query, cos, sin), rotate(key, cos, sin)
+    if key.shape[:2] != query.shape[:2] or key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"keys of shape {tuple(key.shape)} do not match queries of shape {tuple(query.shape)} "
+                         "([B, L, H, D] and [B, L, H_kv, D])")
+    query, cos, sin = _rotary_inputs(query, cos, sin)
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    query_out, key_out = _heads_first(query), _heads_first(key)
+    rotary(query, cos, sin, query_out, transposed=False, second=(key, key_out))
+    return query_out.transpose(1, 2), key_out.transpose(1, 2)
+
+
+__all__ = ["decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate", "rotate_pair"]

@@ -36,7 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig
-from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate
+from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate_pair
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
@@ -203,7 +203,7 @@ def rotate_queries_and_keys(query, key, cos, sin, kernels: str):
     """Rotary embedding of `query` and `key` in the projections' [B, L, H, D] layout; returns both as [B, H, L, D]
     (contiguous from the Triton kernel, transposed views from the PyTorch operations)."""
     if kernels != "torch" and decoder_kernels_unavailable(query, kernels) is None:
-        return rotate(query, cos, sin), rotate(key, cos, sin)
+        return rotate_pair(query, key, cos, sin)
     return apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
 
 

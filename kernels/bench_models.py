@@ -151,6 +151,12 @@ for _arch in ("memoryllm", "flex_memoryllm"):
     DISPLAY[f"{_arch}{LOOKUP}_triton"] = f"{DISPLAY[_arch]}, token lookup table, Triton add when compiled"
 DISPLAY.update({f"{arch}{PLAIN_LAUNCH}": f"{DISPLAY[arch]}, Triton's launch on every call"
                 for arch in (*ARCHITECTURE_NAMES, *LOOKUP_ARCHS) if arch != "llama"})
+# "<arch>@other" (a decode task with --decode-processes): the model built from the hf_memffn package in
+# --other-package DIR (an earlier commit's, `git archive <commit> hf_memffn | tar -x -C DIR`), decoding in turn with
+# this checkout's models: a change's effect on decoding, paired round by round
+OTHER_PACKAGE = "@other"
+OTHER_PACKAGE_DIR = None  # --other-package
+DISPLAY.update({f"{arch}{OTHER_PACKAGE}": f"{name}, the other package" for arch, name in list(DISPLAY.items())})
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -622,8 +628,14 @@ def decode_cpus(spec: str | None) -> list[int] | None:
 
 
 def _decoder_worker(connection, architecture: str, size: str, device: str, static: bool, settings: dict) -> None:
-    """A `LocalDecoder` in a process of its own, driven by `ProcessDecoder` through `connection`."""
+    """A `LocalDecoder` in a process of its own, driven by `ProcessDecoder` through `connection`; an "@other" model
+    imports hf_memffn from OTHER_PACKAGE_DIR (this process has not imported it yet)."""
     globals().update(settings)
+    if architecture.endswith(OTHER_PACKAGE):
+        if "hf_memffn" in sys.modules:
+            raise RuntimeError("hf_memffn was imported before the other package could be put first on the path")
+        sys.path.insert(0, OTHER_PACKAGE_DIR)
+        architecture = architecture.removesuffix(OTHER_PACKAGE)
     allow_recompiles()
     decoder = LocalDecoder(architecture, size, device, static)
     connection.send("ready")
@@ -649,7 +661,7 @@ class ProcessDecoder:
         self.architecture = architecture
         self.connection, child = context.Pipe()
         settings = {"SEQ_LEN": SEQ_LEN, "NEW_TOKENS": NEW_TOKENS, "BUILD_ON": BUILD_ON,
-                    "DECODE_COMPILE_MODE": DECODE_COMPILE_MODE}
+                    "DECODE_COMPILE_MODE": DECODE_COMPILE_MODE, "OTHER_PACKAGE_DIR": OTHER_PACKAGE_DIR}
         self.process = context.Process(target=_decoder_worker, args=(child, architecture, size, device, static, settings))
         self.process.start()
         self.started = False  # the "ready" message is read by the first command, so that the models build together
@@ -1157,6 +1169,8 @@ def run_task(task: str, args, results: dict) -> None:
     elif part == "decode":
         architectures, mode = rest
         decoder_class = ProcessDecoder if args.decode_processes else LocalDecoder
+        if OTHER_PACKAGE in architectures and not (args.decode_processes and OTHER_PACKAGE_DIR):
+            raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model needs --decode-processes and --other-package")
         decoders = {architecture: decoder_class(architecture, size, device, mode == "static")
                     for architecture in architectures.split("+")}
         try:
@@ -1295,6 +1309,7 @@ def merge_task_results(tasks: list[str], finished: dict, args) -> dict:
 
 def main(argv=None) -> dict:
     global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS, DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS
+    global OTHER_PACKAGE_DIR
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for models_bench.{json,md,png}")
     parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"], help="presets of examples/presets.py")
@@ -1322,6 +1337,10 @@ def main(argv=None) -> dict:
                         help="with --decode-processes: pin each decoding process (after its warm-up) to one CPU of this "
                              "list ('8-13', '8,9,10'), or of the GPU's NUMA node with 'gpu'; the host's part of a "
                              "step then depends less on where the scheduler puts it")
+    parser.add_argument("--other-package", default=None,
+                        help="a directory holding another hf_memffn package (an earlier commit's): decode tasks' "
+                             f"<arch>{OTHER_PACKAGE} models are built from it, each in its own process "
+                             "(--decode-processes)")
     parser.add_argument("--decode-compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default"],
                         help="torch.compile mode of static-cache decoding: generate()'s default with CUDA graphs, or "
                              "'default', the compiled graph launched without them (where a step's host time goes)")
@@ -1351,6 +1370,10 @@ def main(argv=None) -> dict:
     if args.decode_cpus is not None and not args.decode_processes:
         parser.error("--decode-cpus pins the decoding processes: it needs --decode-processes")
     args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
+    if args.other_package is not None:
+        if not os.path.isfile(os.path.join(args.other_package, "hf_memffn", "__init__.py")):
+            parser.error(f"--other-package {args.other_package!r} holds no hf_memffn/__init__.py")
+        OTHER_PACKAGE_DIR = os.path.abspath(args.other_package)
     allow_recompiles()
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
     DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS = (args.decode_compile_mode, args.train_rounds,

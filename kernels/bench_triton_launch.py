@@ -5,9 +5,9 @@ call with Triton's `cdiv` / `next_power_of_2` for the grids (`bench_models.trito
     PYTHONPATH=. python kernels/bench_triton_launch.py --out DIR          # on a GPU, about a minute
 
 Each part is what an eager decoding step of the 370M preset runs once per layer, at one token per row (batch 1 and
-16): the decoder's RMSNorm and the rotary embedding of the queries (one Triton kernel each), the FlashMHF FFN block
-(its projections, and the norm, gates and sub-networks in one Triton decode kernel), the KV-FFN block (two matrix
-products around a Triton activation kernel) and, for comparison, transformers' `LlamaRMSNorm` and Llama's MLP
+16): the decoder's RMSNorm and the rotary embedding of the queries and keys (one Triton kernel each), the FlashMHF
+FFN block (its projections, and the norm, gates and sub-networks in one Triton decode kernel), the KV-FFN block (two
+matrix products around a Triton activation kernel) and, for comparison, transformers' `LlamaRMSNorm` and Llama's MLP
 (PyTorch operations only, so both columns time the same code). A part's time is the host's: `--calls` calls are
 issued back to back, each a few microseconds of GPU work, so the GPU waits for the host and the wall time per call
 is the host's time to issue one. The two modes alternate over `--rounds` rounds, so the host's slow and fast minutes
@@ -37,7 +37,7 @@ def parts(size: str, batch: int) -> dict:
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
     from hf_memffn import FlashMHFLlamaModel, KVFFNModel
-    from hf_memffn.decoder_triton import rms_norm, rotate
+    from hf_memffn.decoder_triton import rms_norm, rotate_pair
 
     torch.manual_seed(0)
     device, dtype = "cuda", torch.bfloat16
@@ -47,6 +47,7 @@ def parts(size: str, batch: int) -> dict:
     x = torch.randn(batch, 1, hidden, device=device, dtype=dtype)
     norm_weight = torch.rand(hidden, device=device, dtype=dtype) + 0.5
     queries = torch.randn(batch, 1, heads, head_dim, device=device, dtype=dtype)
+    keys = torch.randn(batch, 1, llama_config.num_key_value_heads, head_dim, device=device, dtype=dtype)
     angles = torch.rand(1, 1, head_dim, device=device, dtype=dtype)
     cos, sin = angles.cos(), angles.sin()
     flash = FlashMHFLlamaModel.build_residual_ffn(build_config("flash_mhf", size))
@@ -59,7 +60,7 @@ def parts(size: str, batch: int) -> dict:
         module.to(device, dtype).eval()
     return {
         "RMSNorm (Triton kernel)": lambda: rms_norm(x, norm_weight, 1e-6),
-        "rotary embedding of the queries (Triton kernel)": lambda: rotate(queries, cos, sin),
+        "rotary embedding of the queries and keys (one Triton kernel)": lambda: rotate_pair(queries, keys, cos, sin)[1],
         "FlashMHF FFN block (projections + Triton decode kernel)": lambda: flash(x),
         "KV-FFN block (products + Triton activation kernel)": lambda: kv_ffn(x),
         "transformers' LlamaRMSNorm (PyTorch operations)": lambda: llama_norm(x),

@@ -61,7 +61,8 @@ def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
     failures = 0
     scalars = dict(num_rows=1, num_cols=1, stride_x=1, stride_y=1, stride_dy=1, stride_dx=1, eps=1e-5,
                    rows_per_program=1, seq_len=1, stride_xb=1, stride_xl=1, stride_xh=1, stride_cb=1, stride_cl=1,
-                   stride_yb=1, stride_yl=1, stride_yh=1, num_pairs=1)
+                   stride_yb=1, stride_yl=1, stride_yh=1, num_pairs=1, heads_first=1, stride_x2b=1, stride_x2l=1,
+                   stride_x2h=1, stride_y2b=1, stride_y2l=1, stride_y2h=1)
     for dtype in ("bf16", "fp32") if quick else ("bf16", "fp16", "fp32"):
         element = "*" + dtype
         launches = []
@@ -69,8 +70,11 @@ def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
             block_r, block_c = decoder_triton._norm_blocks(width)
             constants = dict(BLOCK_R=block_r, BLOCK_C=block_c)
             warps = decoder_triton._norm_warps(block_c)
-            launches.append((f"rms_norm_forward N={width}", decoder_triton._rms_norm_forward_kernel,
-                             dict(X=element, W=element, Y=element, RSTD="*fp32"), constants, warps))
+            for store_rstd in (True, False):  # (training keeps 1 / rms for the backward; inference does not)
+                launches.append((f"rms_norm_forward N={width} rstd={int(store_rstd)}",
+                                 decoder_triton._rms_norm_forward_kernel,
+                                 dict(X=element, W=element, Y=element, RSTD="*fp32" if store_rstd else element),
+                                 dict(constants, STORE_RSTD=store_rstd), warps))
             launches.append((f"rms_norm_backward N={width}", decoder_triton._rms_norm_backward_kernel,
                              dict(DY=element, X=element, W=element, RSTD="*fp32", DX=element, DW_PARTS="*fp32"),
                              constants, warps))
@@ -78,7 +82,7 @@ def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
             for transposed in (False, True):
                 half = head_dim // 2
                 launches.append((f"rotary D={head_dim} transposed={int(transposed)}", decoder_triton._rotary_kernel,
-                                 dict(X=element, COS=element, SIN=element, Y=element),
+                                 dict(X=element, Y=element, X2=element, Y2=element, COS=element, SIN=element),
                                  dict(HALF=half, HALF_P2=triton.next_power_of_2(half),
                                       BLOCK_L=decoder_triton.ROTARY_BLOCK_L, TRANSPOSED=transposed), 4))
         for activation, activation_id in ffn_triton.PAIRED_ACTIVATIONS.items():

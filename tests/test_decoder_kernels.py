@@ -114,6 +114,30 @@ def test_rotary_matches_float64(case, dtype):
     assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [(2, 37, 4, 2, 64, 2), (3, 1, 3, 1, 12, 1), (1, 9, 2, 2, 128, 1)],
+                         ids=["grouped_batch_tables", "L1_D12", "equal_heads"])
+def test_rotary_of_queries_and_keys_in_one_launch_matches_float64(case, dtype):
+    """`rotate_pair` (inference: both in one launch) against float64, from views of one projection buffer (strided
+    heads), and equal to `rotate` of each bitwise."""
+    batch, length, heads, kv_heads, dim, table_batch = case
+    projected = randn(batch, length, (heads + kv_heads) * dim, seed=3)
+    query = projected[..., : heads * dim].view(batch, length, heads, dim)
+    key = projected[..., heads * dim:].view(batch, length, kv_heads, dim)
+    cos, sin = rotary_tables(table_batch, length, dim, seed=4, shared_halves=False)
+    expected_q, expected_k = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    with torch.no_grad():
+        q_k, k_k = decoder_triton.rotate_pair(query.to(dtype), key.to(dtype), cos.to(dtype), sin.to(dtype))
+        singles = [decoder_triton.rotate(t.to(dtype), cos.to(dtype), sin.to(dtype)) for t in (query, key)]
+    assert q_k.shape == (batch, heads, length, dim) and k_k.shape == (batch, kv_heads, length, dim)
+    assert q_k.is_contiguous() and k_k.is_contiguous() and q_k.dtype == k_k.dtype == dtype
+    errors = {"query": relative_error(q_k, expected_q), "key": relative_error(k_k, expected_k)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+    torch.testing.assert_close(q_k, singles[0], rtol=0, atol=0)
+    torch.testing.assert_close(k_k, singles[1], rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Whole models, and the choice of path
 # ------------------------------------------------------------------------------------------------------------

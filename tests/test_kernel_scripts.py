@@ -351,6 +351,30 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
 
 
+def test_model_benchmark_decodes_another_package_beside_this_one(tmp_path):
+    """`--other-package DIR`: a decode task's `<arch>@other` model is built from DIR's hf_memffn, in a process of its
+    own, and takes turns with this checkout's models; `<arch>_plain_launch` decodes too."""
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(ROOT, "hf_memffn"), other / "hf_memffn",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "imported_from"
+    with open(other / "hf_memffn" / "__init__.py", "a", encoding="utf-8") as handle:
+        handle.write(f"\nopen({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
+    result = run_script("bench_models.py", "--out", str(tmp_path / "out"), "--device", "cpu", "--new-tokens", "2",
+                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes",
+                        "--other-package", str(other), "--tasks",
+                        "decode:tiny:llama+kvffn+kvffn@other+kvffn_plain_launch:eager")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "models_bench.json").read_text())
+    assert data["errors"] == []
+    assert [row["arch"] for row in data["decode"]] == ["llama", "kvffn", "kvffn@other", "kvffn_plain_launch"]
+    assert marker.read_text().splitlines() == [str(other / "hf_memffn" / "__init__.py")]  # that one process alone
+    assert "KVFFN, the other package, own process" in (tmp_path / "out" / "models_bench.md").read_text()
+    refused = run_script("bench_models.py", "--out", str(tmp_path / "refused"), "--device", "cpu",
+                         "--tasks", "decode:tiny:llama+kvffn@other:eager")
+    assert "needs --decode-processes and --other-package" in refused.stderr
+
+
 def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
     """A decode task without Llama (e.g. `flash_mhf_triton_forward+flash_mhf`) pairs every model's rounds with its
     first model's, and the report names that model beside the ratio."""
