@@ -24,7 +24,9 @@ Measurements (all of them by default, or the `--tasks` named):
   compiled. Each row gives the median step, the fastest decile's step and the median over rounds of Llama's round
   median divided by the model's, with the quartiles of those ratios. `--decode-profile` profiles each model where it
   ran, after its rounds; `profile_decode:<size>:<arch>` shows a static-cache call's kernels, CUDA-graph launches and
-  host time.
+  host time. With `--other-package DIR` (and `--decode-processes`), a task's `<arch>@other` models are built from the
+  hf_memffn package in DIR (an earlier commit's) and decode in turn with this checkout's: a change's effect, paired
+  round by round.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
   backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
@@ -212,7 +214,7 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
     torch.manual_seed(0)
     attention, extra_inputs = "sdpa", 0
-    architecture = architecture.removesuffix(PLAIN_LAUNCH)  # (how it launches is `launch_context`'s)
+    architecture = architecture.removesuffix(PLAIN_LAUNCH)  # (how it launches is `op_kernels`'s)
     architecture, lookup, lookup_kernel = architecture.partition(LOOKUP)
     if lookup and (lookup_kernel not in LOOKUP_KERNELS or architecture not in ("memoryllm", "flex_memoryllm")):
         raise ValueError(f"architecture {architecture}{lookup}{lookup_kernel}: a lookup variant is one of "
