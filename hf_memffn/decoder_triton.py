@@ -22,12 +22,11 @@ All maths is float32; outputs are rounded once, to the input dtype (the PyTorch 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from .configuration_memffn import DECODER_KERNELS
-from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, next_power_of_2
 
 try:
     import triton
@@ -38,7 +37,7 @@ except ImportError as exc:  # the package must import on machines without triton
     triton = tl = None
     TRITON_AVAILABLE, TRITON_IMPORT_ERROR = False, repr(exc)
 
-_INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = TRITON_AVAILABLE and INTERPRET_REQUESTED
 
 if TRITON_AVAILABLE:
 
@@ -245,7 +244,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     number of heads), ``cos`` and ``sin`` [B or 1, L, D]."""
     batch, length, heads, dim = x.shape
     x2, out2 = second if second is not None else (x, out)
-    heads_total = heads + (x2.shape[2] if second is not None else 0)
+    heads_total = heads + x2.shape[2] if second is not None else heads
     if not length or not batch:
         return
     half = dim // 2

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import types
 
 import torch
@@ -64,10 +63,10 @@ from .flash_mhf_gluon import (
     multiprocessor_count,
     weight_descriptors,
 )
-from .triton_launch import cdiv, next_power_of_2
+from .triton_launch import INTERPRET_REQUESTED, cdiv, next_power_of_2
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
-_INTERPRET = TRITON_AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = TRITON_AVAILABLE and INTERPRET_REQUESTED
 
 
 def triton_interpreting() -> bool:

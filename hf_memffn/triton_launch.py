@@ -29,7 +29,9 @@ CACHED = True  # False: every launch through `kernel[grid](...)`
 MAX_SIGNATURES = 4096  # compiled kernels kept; past this, the cache starts again (each new signature costs one
 # launch through Triton, which finds the compiled kernel in its own cache)
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton reads TRITON_INTERPRET when it is first imported: kernels then run in its interpreter, on CPU tensors (the
+# kernel modules record this with their triton import)
+INTERPRET_REQUESTED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _compiled: dict = {}
 
 
@@ -42,7 +44,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` function whose arguments are tensors, numbers, booleans
     or None. The parameters that ``args`` leaves out must all come as keyword arguments (defaults are not filled
     in); keyword arguments that are not parameters are launch options."""
-    if not CACHED or _INTERPRET or torch.compiler.is_compiling():
+    if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
         kernel[grid](*args, **kwargs)
         return
     key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()), _signature(args))

@@ -41,7 +41,7 @@ class StandInCompiled:
 @pytest.fixture
 def stand_in(monkeypatch):
     """A fresh stand-in kernel, launches not interpreted, device 0 current, the kept kernels forgotten after."""
-    monkeypatch.setattr(triton_launch, "_INTERPRET", False)
+    monkeypatch.setattr(triton_launch, "INTERPRET_REQUESTED", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     triton_launch.clear()
     yield StandInKernel()
@@ -85,7 +85,7 @@ def test_switched_off_or_interpreted_every_launch_goes_through_triton(stand_in, 
     for _ in range(3):
         triton_launch.launch(stand_in, (1,), x, x, 8, 1e-6, BLOCK=128)
     monkeypatch.setattr(triton_launch, "CACHED", True)
-    monkeypatch.setattr(triton_launch, "_INTERPRET", True)
+    monkeypatch.setattr(triton_launch, "INTERPRET_REQUESTED", True)
     for _ in range(2):
         triton_launch.launch(stand_in, (1,), x, x, 8, 1e-6, BLOCK=128)
     assert len(stand_in.through_triton) == 5 and not stand_in.direct
