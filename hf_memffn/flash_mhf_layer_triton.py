@@ -218,46 +218,60 @@ if TRITON_AVAILABLE:
                     tl.store(DNORM + dims, tl.sum(norm_sum, axis=0).to(DNORM.dtype.element_ty))
 
     @triton.jit
+    def _decode_weight_tiles(K, U, V, weight_base, block, D_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Column block ``block``'s K, U and V tiles [BLOCK_N, d_h] of one weight group."""
+        offsets = (weight_base + (block * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * D_H
+                   + tl.arange(0, D_H)[None, :])
+        return tl.load(K + offsets), tl.load(U + offsets), tl.load(V + offsets)
+
+    @triton.jit
+    def _decode_block(q, gates, k, u, v, block, acc, D_E: tl.constexpr, E_DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + the column block's share of the heads' output: (r_e SiLU(q k^T) * (q u^T)) v, e the block's
+        sub-network."""
+        gate_pre = _dot(q, tl.trans(k), PRECISION)
+        up = _dot(q, tl.trans(u), PRECISION)
+        subnetwork = block * BLOCK_N // D_E
+        gate = tl.sum(tl.where(tl.arange(0, E_DOT)[None, :] == subnetwork, gates, 0.0), axis=1)
+        hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
+        return _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
+
+    @triton.jit
     def _decode_kernel(
         P, NORM_W, ROUTER, K, U, V, OUT,
         num_tokens, group_size, num_subnetworks, stride_p, eps, gate_eps, blocks_per_split,
         D_H: tl.constexpr, D_E: tl.constexpr, E_DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
-        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr,
+        FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
     ):
-        """OUT: float32 [tokens, H * d_h], zeroed; program (head, split, token block) adds its columns' share."""
+        """OUT: float32 [tokens, H * d_h], zeroed; program (head, split, token block) adds its columns' share.
+
+        A decoding step's time is the weights' reading, so with WEIGHTS_FIRST a program asks for its first column
+        block before it loads the queries: the norm and the gates are computed while those tiles arrive."""
         head = tl.program_id(0)
         split = tl.program_id(1)
         tokens = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < num_tokens
         num_heads = tl.num_programs(0)
+        weight_base = (head // group_size).to(tl.int64) * num_subnetworks * D_E * D_H
+        first = split * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, num_subnetworks * (D_E // BLOCK_N))
+        if WEIGHTS_FIRST:
+            k, u, v = _decode_weight_tiles(K, U, V, weight_base, first, D_H, BLOCK_N)
         p, _ = _token_tile(P, tokens, token_mask, head, stride_p, D_H)
         q, _, _ = _normalized(p, NORM_W, eps, D_H, HAS_NORM)
-        subnetworks = tl.arange(0, E_DOT)
         gates, _ = _gates(q, ROUTER, head, num_subnetworks, gate_eps, D_H, E_DOT, HAS_ROUTER, ROUTER_PRECISION)
         q = q.to(K.dtype.element_ty)  # the op multiplies the queries in the input dtype
-
-        dims = tl.arange(0, D_H)
-        cols = tl.arange(0, BLOCK_N)
-        group = head // group_size
-        weight_base = group.to(tl.int64) * num_subnetworks * D_E * D_H
-        num_blocks = num_subnetworks * (D_E // BLOCK_N)
-        first = split * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, num_blocks)
-        acc = tl.zeros([BLOCK_T, D_H], dtype=tl.float32)
-        for block in range(first, last):
-            col0 = block * BLOCK_N
-            w_offsets = weight_base + (col0 + cols)[:, None] * D_H + dims[None, :]
-            k = tl.load(K + w_offsets)
-            u = tl.load(U + w_offsets)
-            v = tl.load(V + w_offsets)
-            gate_pre = _dot(q, tl.trans(k), PRECISION)
-            up = _dot(q, tl.trans(u), PRECISION)
-            gate = tl.sum(tl.where(subnetworks[None, :] == col0 // D_E, gates, 0.0), axis=1)
-            hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
-            acc = _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
-        out_offsets = tokens.to(tl.int64)[:, None] * (num_heads * D_H) + head * D_H + dims[None, :]
-        tl.atomic_add(OUT + out_offsets, acc, mask=token_mask[:, None])
+        if not WEIGHTS_FIRST:
+            k, u, v = _decode_weight_tiles(K, U, V, weight_base, first, D_H, BLOCK_N)
+        acc = _decode_block(q, gates, k, u, v, first, tl.zeros([BLOCK_T, D_H], dtype=tl.float32), D_E, E_DOT, BLOCK_N,
+                            FAST_SIGMOID, PRECISION)
+        for block in range(first + 1, last):
+            k, u, v = _decode_weight_tiles(K, U, V, weight_base, block, D_H, BLOCK_N)
+            acc = _decode_block(q, gates, k, u, v, block, acc, D_E, E_DOT, BLOCK_N, FAST_SIGMOID, PRECISION)
+        out_offsets = tokens.to(tl.int64)[:, None] * (num_heads * D_H) + head * D_H + tl.arange(0, D_H)[None, :]
+        # the adds need no order among themselves ("relaxed": no fence around each, which "acq_rel" would add)
+        tl.atomic_add(OUT + out_offsets, acc, mask=token_mask[:, None], sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -292,7 +306,11 @@ def router_precision(dtype: torch.dtype) -> str:
 
 DECODE_BLOCK_T = 16  # tokens per program of the decode kernel (the smallest tile a product takes)
 DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many tokens
-DECODE_BLOCK_N = 64
+# How the decode kernel is launched: weight columns per step (for 16-bit weights; see `decode_block_n`), warps,
+# software-pipelining stages of its column loop, programs per multiprocessor (each takes a share of a head's column
+# blocks), and whether a program asks for its first weight tiles before computing the norm and gates.
+# `python kernels/tune_flash_mhf_layer.py --decode` times the alternatives.
+DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "weights_first": True}
 
 
 def e_dot(num_subnetworks: int) -> int:
@@ -436,41 +454,48 @@ def gate_gradient_sums_reference(norm_parts, router_parts, norm_weight, router):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_splits(num_heads: int, token_blocks: int, num_blocks: int, num_sms: int) -> int:
-    """Column blocks per program so that about two programs run per multiprocessor."""
-    splits = max(1, min(num_blocks, cdiv(2 * num_sms, num_heads * token_blocks)))
+def _decode_splits(num_heads: int, token_blocks: int, num_blocks: int, num_sms: int, programs_per_sm: int) -> int:
+    """Column blocks per program so that about ``programs_per_sm`` programs run per multiprocessor."""
+    splits = max(1, min(num_blocks, cdiv(programs_per_sm * num_sms, num_heads * token_blocks)))
     return cdiv(num_blocks, splits)
 
 
-def decode_block_n(subnetwork_size: int, head_dim: int, element_size: int) -> int:
-    """Weight columns per step of the decode kernel: a power of two dividing d_e. Float32 products stage their
-    operands through shared memory, so float32 weights take narrower blocks that keep the K, U, V tiles within it
-    (d_h 128: 32 columns, ~60 KB; 64 columns would need ~110 KB, and ~410 KB at d_h 256)."""
-    block_n = DECODE_BLOCK_N if element_size <= 2 else min(DECODE_BLOCK_N, 4096 // head_dim)
+def decode_block_n(subnetwork_size: int, head_dim: int, element_size: int, block_n: int | None = None) -> int:
+    """Weight columns per step of the decode kernel: a power of two dividing d_e, at most ``block_n`` (by default
+    ``DECODE_LAUNCH``'s). Float32 products stage their operands through shared memory, so float32 weights take
+    narrower blocks that keep the K, U, V tiles within it (d_h 128: 32 columns, ~60 KB; 64 columns would need
+    ~110 KB, and ~410 KB at d_h 256)."""
+    block_n = block_n or DECODE_LAUNCH["block_n"]
+    if element_size > 2:
+        block_n = min(block_n, 4096 // head_dim)
     while subnetwork_size % block_n:
         block_n //= 2
     return block_n
 
 
-def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float) -> torch.Tensor:
-    """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens, in one kernel."""
+def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float, launch: dict | None = None
+                   ) -> torch.Tensor:
+    """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens, in one kernel.
+    ``launch`` (benchmarks) overrides ``DECODE_LAUNCH``."""
+    launch = launch or DECODE_LAUNCH
     batch, length, width = p.shape
     kv_heads, num_subnetworks, subnetwork_size, head_dim = k.shape
     num_heads = width // head_dim
     num_tokens = batch * length
     rows = p.reshape(num_tokens, width)
     out = torch.zeros(num_tokens, width, device=p.device, dtype=torch.float32)
-    block_n = decode_block_n(subnetwork_size, head_dim, k.element_size())
+    block_n = decode_block_n(subnetwork_size, head_dim, k.element_size(), launch["block_n"])
     num_blocks = num_subnetworks * subnetwork_size // block_n
     token_blocks = cdiv(num_tokens, DECODE_BLOCK_T)
-    per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device))
+    per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device), launch["programs_per_sm"])
     if num_tokens:
         launch_kernel(
             _decode_kernel, (num_heads, cdiv(num_blocks, per_split), token_blocks),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
             D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
-            num_warps=4, **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
+            WEIGHTS_FIRST=launch["weights_first"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+            **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
         )
     return out.to(p.dtype).view(batch, length, width)
 

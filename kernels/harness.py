@@ -45,13 +45,13 @@ def bench_ms(fn, grad_to_none=None, warmup: int = 50, rep: int = 300) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
-def graph_ms(fn) -> float | None:
-    """Median time of `fn` replayed from a CUDA graph (None without CUDA)."""
+def graph_ms(fn, rep: int = 200) -> float | None:
+    """Median time of `fn` replayed from a CUDA graph, over about `rep` ms of replays (None without CUDA)."""
     if not torch.cuda.is_available():
         return None
     import triton.testing
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
 def wall_ms(fn, steps: int) -> list[float]:

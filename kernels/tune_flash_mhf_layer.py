@@ -4,6 +4,7 @@
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --out DIR      # DIR/flash_mhf_layer_tune.{json,md}
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --profile backward:1.3B   # two production launches, for ncu
     PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --sums --out DIR   # the partial sums' kernel against PyTorch
+    PYTHONPATH=. python kernels/tune_flash_mhf_layer.py --decode --out DIR [--other-package OTHER]   # decode kernel
 
 For each shape it times the forward kernel (queries and gates from the input projection's output) and the backward
 kernel (their gradients), first across router-product precisions at the production launch, then across launch
@@ -13,22 +14,37 @@ dl^T q). Every candidate's
 outputs are checked against a float64 PyTorch computation of the same maths before it is timed; a candidate that
 fails to compile or to match is reported, not timed. A copy of the kernel's input (`p.clone()`) is timed beside them:
 both kernels read and write about that many bytes (the backward twice), so it is their floor.
+
+`--decode` sweeps the decode kernel's launch (`DECODE_LAUNCH`: columns per step, warps, pipelining stages, programs
+per multiprocessor, whether the first weight tiles are asked for before the norm and gates) at the presets' FlashMHF
+layers, one token per row at 1, 4, 16 and 64 rows, as `decode_forward` runs it (the zeroed float32 output and its
+cast included). A
+decoding step reads every layer's weights once, from HBM: each call here gets a weight copy of its own, as many copies
+as make three times the L2 cache, all called in one CUDA graph. For scale, a PyTorch sum over each copy (one kernel
+reading the same bytes) is timed the same way. With `--other-package OTHER` (a copy of an earlier commit's package,
+`git archive <commit> hf_memffn | tar -x -C OTHER`) its `decode_forward` is timed beside, at its own launch settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
+import math
 import os
 import sys
 import traceback
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench_ms, environment, log, markdown_table, rel_err, write_json, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    bench_ms, environment, graph_ms, log, markdown_table, rel_err, write_json, write_report,
+)
 
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
+from hf_memffn.flash_mhf_op import flash_mhf_layer_reference  # noqa: E402
 from hf_memffn.flash_mhf_gluon import gate_partial_slots  # noqa: E402
 
 EPS, GATE_EPS = 1e-5, 1e-6
@@ -193,6 +209,136 @@ def partial_sums(out: str) -> None:
     write_report(out, "gate_gradient_sums", results, "\n".join(lines))
 
 
+# The decode kernel. (name, heads (= weight groups), head_dim, num_subnetworks, subnetwork_size): the presets' layers
+DECODE_SHAPES = [("370M", 8, 128, 7, 384), ("1.3B", 16, 128, 15, 384)]
+DECODE_ROWS = (1, 4, 16, 64)
+# (the column loop is one to a few steps long, so its pipelining depth is swept only at the production settings)
+DECODE_LAUNCHES = [
+    {"block_n": n, "num_warps": w, "num_stages": 3, "programs_per_sm": pps, "weights_first": first}
+    for n, w, pps, first in itertools.product((32, 64, 128), (4, 8), (1, 2, 4), (False, True))
+] + [{**layer.DECODE_LAUNCH, "num_stages": stages} for stages in (1, 2, 3) if stages != layer.DECODE_LAUNCH["num_stages"]]
+
+
+def other_layer_module(directory: str):
+    """`flash_mhf_layer_triton` of the hf_memffn package in ``directory``, imported under another name (its
+    ``__init__``, which registers the architectures, is not run)."""
+    name = "hf_memffn_other"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(os.path.abspath(directory), "hf_memffn")]
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.flash_mhf_layer_triton")
+
+
+def decode_inputs(rows: int, heads: int, head_dim: int, num_subnetworks: int, subnetwork_size: int, copies: int):
+    """(p [rows, 1, H * d_h], norm weight, router [H, d_h, E], [K|U|V per weight copy]), bf16 on the GPU; each copy
+    is one [3, H, E, d_e, d_h] tensor, as the layer keeps them (`key_up_value`)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to("cuda", torch.bfloat16)
+
+    p = randn(rows, 1, heads * head_dim)
+    norm = 1 + randn(head_dim, scale=0.2)
+    router = randn(heads, head_dim, num_subnetworks, scale=head_dim**-0.5)
+    shape = (heads, num_subnetworks, subnetwork_size, head_dim)
+    weights = [randn(3, *shape, scale=head_dim**-0.5) for _ in range(copies)]
+    return p, norm, router, weights
+
+
+def decode_sweep(shape, other=None) -> list[dict]:
+    name, heads, head_dim, num_subnetworks, subnetwork_size = shape
+    weight_bytes = 3 * heads * num_subnetworks * subnetwork_size * head_dim * 2
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, math.ceil(3 * l2_bytes / weight_bytes))
+    rows_out = []
+    for rows in DECODE_ROWS:
+        p, norm, router, weights = decode_inputs(rows, heads, head_dim, num_subnetworks, subnetwork_size, copies)
+        k, u, v = weights[0].unbind(0)
+        truth = flash_mhf_layer_reference(p.double(), norm.double(), router.double(), k.double(), u.double(),
+                                          v.double(), head_dim, EPS, GATE_EPS)
+        sum_us = graph_ms(lambda: [kuv.sum() for kuv in weights], rep=40) * 1e3 / copies
+        log(f"decode {name} rows={rows}: a sum over one layer's weights ({weight_bytes / 1e6:.1f} MB) {sum_us:.2f} us, "
+            f"{copies} weight copies")
+        candidates = [("this", launch) for launch in DECODE_LAUNCHES]
+        if other is not None:
+            candidates.append(("other", None))
+        for package, launch in candidates:
+            module = layer if package == "this" else other
+            row = {"shape": name, "rows": rows, "package": package, "weights_sum_us": sum_us,
+                   **(launch or {"launch": getattr(module, "DECODE_LAUNCH", "DECODE_BLOCK_N=64")})}
+            extra = {} if launch is None else {"launch": launch}
+            try:
+                out = module.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS, **extra)
+                row["rel_err"] = rel_err(out, truth)
+                if not row["rel_err"] < TOLERANCE:
+                    row["error"] = f"relative error {row['rel_err']:.2e} above {TOLERANCE}"
+                else:
+                    row["us"] = graph_ms(lambda: [module.decode_forward(p, norm, router, *kuv.unbind(0), EPS, GATE_EPS,
+                                                                        **extra) for kuv in weights],
+                                         rep=40) * 1e3 / copies
+            except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result of the sweep
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            log(f"decode {name} rows={rows} {package} {launch or ''}: "
+                + (f"{row['us']:.2f} us (rel err {row['rel_err']:.1e})" if "us" in row else row["error"]))
+            rows_out.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def decode_report(results: dict) -> str:
+    env = results["environment"]
+    lines = [f"# FlashMHF decode kernel launches on {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}; bf16. `decode_forward` per call, each call on a weight "
+             f"copy of its own (HBM, not L2), median of CUDA-graph replays. Production: `{results['production']}`.",
+             ""]
+    summary = []
+    for shape in DECODE_SHAPES:
+        for rows in DECODE_ROWS:
+            timed = [r for r in results["rows"] if r["shape"] == shape[0] and r["rows"] == rows and "us" in r]
+            if not timed:
+                continue
+            ours = [r for r in timed if r["package"] == "this"]
+            best = min(ours, key=lambda r: r["us"]) if ours else None
+            production = next((r for r in timed if r["package"] == "this"
+                               and all(r[key] == value for key, value in results["production"].items())), None)
+            other = next((r for r in timed if r["package"] == "other"), None)
+            summary.append([shape[0], rows, f"{timed[0]['weights_sum_us']:.2f}", fmt_us(production), fmt_us(other),
+                            fmt_us(best), "-" if best is None else launch_text(best)])
+    lines += markdown_table(["layer", "rows", "sum over the weights us", "production us", "other package us",
+                             "fastest us", "fastest launch"], summary)
+    lines += ["", "## Every launch", ""]
+    lines += markdown_table(
+        ["layer", "rows", "launch", "us", "rel. error"],
+        [[r["shape"], r["rows"], "other package" if r["package"] == "other" else launch_text(r),
+          f"{r['us']:.2f}" if "us" in r else r.get("error", "-"),
+          f"{r['rel_err']:.1e}" if "rel_err" in r else "-"] for r in results["rows"]])
+    return "\n".join(lines) + "\n"
+
+
+def fmt_us(row) -> str:
+    return "-" if row is None else f"{row['us']:.2f}"
+
+
+def launch_text(row) -> str:
+    return (f"{row['block_n']} cols, {row['num_warps']} warps, {row['num_stages']} stages, "
+            f"{row['programs_per_sm']}/SM, weights {'first' if row['weights_first'] else 'after gates'}")
+
+
+def decode(out: str, other_dir: str | None) -> None:
+    other = other_layer_module(other_dir) if other_dir else None
+    results = {"environment": environment(), "production": layer.DECODE_LAUNCH, "rows": [],
+               "other_package": other_dir}
+    for shape in DECODE_SHAPES:
+        try:
+            results["rows"] += decode_sweep(shape, other)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        write_json(os.path.join(out, "flash_mhf_decode_tune.json"), results)
+    write_report(out, "flash_mhf_decode_tune", results, decode_report(results))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
@@ -201,6 +347,9 @@ def main(argv=None) -> int:
                         help="only launch one kernel twice at its production settings (for Nsight Compute)")
     parser.add_argument("--sums", action="store_true",
                         help="only time the partial sums' finishing kernel against PyTorch's reductions")
+    parser.add_argument("--decode", action="store_true", help="only sweep the decode kernel's launch settings")
+    parser.add_argument("--other-package", help="with --decode: a directory holding another hf_memffn package, "
+                        "whose decode_forward is timed beside")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this sweep times GPU kernels")
@@ -212,6 +361,11 @@ def main(argv=None) -> int:
     if args.sums:
         partial_sums(args.out)
         return 0
+    if args.decode:
+        decode(args.out, args.other_package)
+        return 0
+    if args.other_package:
+        parser.error("--other-package goes with --decode")
     results = {"environment": environment(), "rows": [], "copy_us": {},
                "production": {"precision": PRODUCTION_PRECISION, "forward": layer.GATES_LAUNCH,
                               "backward": layer.GATES_BACKWARD_LAUNCH}}

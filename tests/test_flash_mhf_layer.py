@@ -166,6 +166,29 @@ def test_triton_gates_backward_launches_match_float64(launch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("launch", [
+    pytest.param(dict(flash_mhf_layer_triton.DECODE_LAUNCH), id="production"),
+    pytest.param({"block_n": 32, "num_warps": 4, "num_stages": 1, "programs_per_sm": 1, "weights_first": False},
+                 id="32_columns-one_split_per_head-weights_after_gates"),
+    pytest.param({"block_n": 16, "num_warps": 8, "num_stages": 3, "programs_per_sm": 64, "weights_first": True},
+                 id="16_columns-one_block_per_program"),
+    pytest.param({"block_n": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "weights_first": True},
+                 id="128_columns-narrowed_to_the_subnetwork"),
+])
+def test_triton_decode_launches_match_float64(launch, dtype):
+    """Every launch setting the decode sweep times (`tune_flash_mhf_layer.py --decode`) gives the layer's float64
+    output: column blocks narrowed to divide d_e, a head's blocks in one program or one block per program, the first
+    weight tiles loaded before or after the gates, grouped weights, and two token blocks (the second ragged)."""
+    p, norm, router, k, u, v = layer_inputs(20, 1, 4, 64, 2, 3, 64, True, True, seed=5)
+    expected = layer_truth(p, norm, router, k, u, v)
+    out = flash_mhf_layer_triton.decode_forward(p.to(dtype), norm.float(), router.float(), k.to(dtype), u.to(dtype),
+                                                v.to(dtype), EPS, GATE_EPS, launch=launch)
+    assert out.dtype == dtype and out.shape == p.shape
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+@needs_kernels
 def test_triton_gate_totals():
     """With ``totals``, the norm/gate forward kernel also gives sum_E sigmoid(q W) + gate_eps per row (what the
     fused backward gets the sigmoid scores back from: s = r * total), and None without a router."""

@@ -81,6 +81,34 @@ def test_tune_candidates_parse():
         tune_flash_mhf.explicit_candidates(["backward:128,64,8,2"])
 
 
+def test_decode_sweep_reads_another_package_and_reports():
+    """`tune_flash_mhf_layer.py --decode`: another copy of the package is imported under its own name (here this
+    checkout's, without running its registrations again), every launch it sweeps is a full DECODE_LAUNCH, and the
+    report names the production, the other package's and the fastest launch of each shape."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import tune_flash_mhf_layer as tune
+    finally:
+        sys.path.remove(KERNELS)
+    from hf_memffn import flash_mhf_layer_triton
+
+    other = tune.other_layer_module(ROOT)
+    assert other is not flash_mhf_layer_triton and other.__name__ == "hf_memffn_other.flash_mhf_layer_triton"
+    assert other.DECODE_LAUNCH == flash_mhf_layer_triton.DECODE_LAUNCH
+    assert all(set(launch) == set(flash_mhf_layer_triton.DECODE_LAUNCH) for launch in tune.DECODE_LAUNCHES)
+    production = dict(flash_mhf_layer_triton.DECODE_LAUNCH)
+    fastest = {**production, "block_n": 32, "weights_first": False}
+    rows = [{"shape": "370M", "rows": 1, "package": "this", "weights_sum_us": 6.0, "us": 9.0, **production},
+            {"shape": "370M", "rows": 1, "package": "this", "weights_sum_us": 6.0, "us": 8.0, **fastest},
+            {"shape": "370M", "rows": 1, "package": "other", "weights_sum_us": 6.0, "us": 11.0, "launch": "x"},
+            {"shape": "370M", "rows": 4, "package": "this", "weights_sum_us": 6.0, "error": "OutOfResources",
+             **fastest}]
+    results = {"environment": {"device": "GPU", "torch": "2", "triton": "3"}, "production": production, "rows": rows}
+    text = tune.decode_report(results)
+    assert "| 370M | 1 | 6.00 | 9.00 | 11.00 | 8.00 | 32 cols, " in text, text
+    assert "weights after gates" in text and "OutOfResources" in text
+
+
 def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
     source = os.path.join(KERNELS, "results", "ncu")
     for role in ("forward", "rows", "weights"):
