@@ -21,7 +21,8 @@ Kernels (all one program per block of tokens of one head; every row's norm and g
   router gradients.
 * ``_decode_kernel``: the whole layer between the projections for a few tokens (decoding): norm, gates and the
   sub-networks in one launch. Programs split the heads' weight columns (the weights are what a decoding step reads)
-  and add their float32 partial outputs atomically.
+  and write their float32 shares; ``_split_sum_kernel`` adds them up in a fixed order (no atomics: decoding gives
+  the same output from run to run).
 """
 
 from __future__ import annotations
@@ -244,7 +245,8 @@ if TRITON_AVAILABLE:
         HAS_NORM: tl.constexpr, HAS_ROUTER: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
         FAST_SIGMOID: tl.constexpr, PRECISION: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
     ):
-        """OUT: float32 [tokens, H * d_h], zeroed; program (head, split, token block) adds its columns' share.
+        """OUT [splits, tokens, H * d_h]: program (head, split, token block) writes its columns' share of the heads'
+        output, in float32 where ``_split_sum_kernel`` adds the splits up (or, with one split, the output itself).
 
         A decoding step's time is the weights' reading, so with WEIGHTS_FIRST a program asks for its first column
         block before it loads the queries: the norm and the gates are computed while those tiles arrive."""
@@ -269,9 +271,24 @@ if TRITON_AVAILABLE:
         for block in range(first + 1, last):
             k, u, v = _decode_weight_tiles(K, U, V, weight_base, block, D_H, BLOCK_N)
             acc = _decode_block(q, gates, k, u, v, block, acc, D_E, E_DOT, BLOCK_N, FAST_SIGMOID, PRECISION)
-        out_offsets = tokens.to(tl.int64)[:, None] * (num_heads * D_H) + head * D_H + tl.arange(0, D_H)[None, :]
-        # the adds need no order among themselves ("relaxed": no fence around each, which "acq_rel" would add)
-        tl.atomic_add(OUT + out_offsets, acc, mask=token_mask[:, None], sem="relaxed")
+        width = num_heads * D_H
+        out_offsets = (split.to(tl.int64) * num_tokens * width + tokens.to(tl.int64)[:, None] * width + head * D_H
+                       + tl.arange(0, D_H)[None, :])
+        tl.store(OUT + out_offsets, acc.to(OUT.dtype.element_ty), mask=token_mask[:, None])
+
+    @triton.jit
+    def _split_sum_kernel(PARTS, OUT, num_splits, num_elements, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+        """OUT[i] = sum over s of PARTS[s, i] (float32, then OUT's dtype), for BLOCK elements per program: the splits
+        in a fixed order, so the decode kernel's output is the same from run to run."""
+        elements = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        element_mask = elements < num_elements
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for first in range(0, num_splits, BLOCK_S):
+            splits = first + tl.arange(0, BLOCK_S)
+            offsets = splits.to(tl.int64)[:, None] * num_elements + elements[None, :]
+            parts = tl.load(PARTS + offsets, mask=(splits < num_splits)[:, None] & element_mask[None, :], other=0.0)
+            total += tl.sum(parts, axis=0)
+        tl.store(OUT + elements, total.to(OUT.dtype.element_ty), mask=element_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,6 +328,8 @@ DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many t
 # blocks), and whether a program asks for its first weight tiles before computing the norm and gates.
 # `python kernels/tune_flash_mhf_layer.py --decode` times the alternatives.
 DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "weights_first": True}
+# The splits' sum: output elements per program, and splits per step (all of a decoding step's splits in one load)
+DECODE_SUM_BLOCK, DECODE_SUM_BLOCK_S = 128, 64
 
 
 def e_dot(num_subnetworks: int) -> int:
@@ -475,29 +494,37 @@ def decode_block_n(subnetwork_size: int, head_dim: int, element_size: int, block
 
 def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float, launch: dict | None = None
                    ) -> torch.Tensor:
-    """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens, in one kernel.
-    ``launch`` (benchmarks) overrides ``DECODE_LAUNCH``."""
+    """The layer's heads output [B, L, H * d_h] (p's dtype) for at most ``DECODE_MAX_TOKENS`` tokens: one kernel, and
+    a second that adds up the float32 shares of the programs that split a head's columns (in a fixed order: the
+    output does not change from run to run). ``launch`` (benchmarks) overrides ``DECODE_LAUNCH``."""
     launch = launch or DECODE_LAUNCH
     batch, length, width = p.shape
     kv_heads, num_subnetworks, subnetwork_size, head_dim = k.shape
     num_heads = width // head_dim
     num_tokens = batch * length
     rows = p.reshape(num_tokens, width)
-    out = torch.zeros(num_tokens, width, device=p.device, dtype=torch.float32)
+    out = torch.empty(num_tokens, width, device=p.device, dtype=p.dtype)
     block_n = decode_block_n(subnetwork_size, head_dim, k.element_size(), launch["block_n"])
     num_blocks = num_subnetworks * subnetwork_size // block_n
     token_blocks = cdiv(num_tokens, DECODE_BLOCK_T)
     per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device), launch["programs_per_sm"])
+    splits = cdiv(num_blocks, per_split)
+    parts = torch.empty(splits, num_tokens, width, device=p.device, dtype=torch.float32) if splits > 1 else out
     if num_tokens:
         launch_kernel(
-            _decode_kernel, (num_heads, cdiv(num_blocks, per_split), token_blocks),
-            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, out,
+            _decode_kernel, (num_heads, splits, token_blocks),
+            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, parts,
             num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
             D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
             WEIGHTS_FIRST=launch["weights_first"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
         )
-    return out.to(p.dtype).view(batch, length, width)
+        if splits > 1:
+            launch_kernel(
+                _split_sum_kernel, (cdiv(out.numel(), DECODE_SUM_BLOCK),), parts, out, splits, out.numel(),
+                BLOCK_S=min(next_power_of_2(splits), DECODE_SUM_BLOCK_S), BLOCK=DECODE_SUM_BLOCK, num_warps=4,
+            )
+    return out.view(batch, length, width)
 
 
 __all__ = ["queries_and_gates", "queries_and_gates_backward", "finish_gate_gradients", "decode_forward", "e_dot",

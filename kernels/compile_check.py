@@ -127,7 +127,8 @@ def main(argv=None) -> int:
         gate_width = layer.e_dot(num_subnetworks)
         common_scalars = dict(eps=1e-6, gate_eps=1e-6, num_tokens=1, seq_len=1, num_heads=1,
                               num_subnetworks=num_subnetworks, stride_p=1, stride_q=1, stride_dq=1, stride_dp=1,
-                              blocks_per_program=1, group_size=1, blocks_per_split=1, slots=1)
+                              blocks_per_program=1, group_size=1, blocks_per_split=1, slots=1, num_splits=1,
+                              num_elements=1)
         common_constants = dict(D_H=head_dim, E_DOT=gate_width, HAS_NORM=has_norm, HAS_ROUTER=has_router,
                                 ROUTER_PRECISION="ieee" if dtype == "fp32" else "tf32")
         launches = [
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
                      WEIGHTS_FIRST=layer.DECODE_LAUNCH["weights_first"]),
                 {"num_warps": layer.DECODE_LAUNCH["num_warps"], "num_stages": layer.DECODE_LAUNCH["num_stages"]},
             ))
+        launches.append(("decode split sum", layer._split_sum_kernel, dict(PARTS="*fp32", OUT=element),
+                         dict(BLOCK_S=layer.DECODE_SUM_BLOCK_S, BLOCK=layer.DECODE_SUM_BLOCK), {"num_warps": 4}))
         for name, kernel, pointers, constants, options in launches:  # options: the launcher's warps and stages
             label = (f"{name:28s} {dtype} d_h={head_dim} E={num_subnetworks} norm={int(has_norm)} "
                      f"router={int(has_router)}")

@@ -17,8 +17,7 @@ both kernels read and write about that many bytes (the backward twice), so it is
 
 `--decode` sweeps the decode kernel's launch (`DECODE_LAUNCH`: columns per step, warps, pipelining stages, programs
 per multiprocessor, whether the first weight tiles are asked for before the norm and gates) at the presets' FlashMHF
-layers, one token per row at 1, 4, 16 and 64 rows, as `decode_forward` runs it (the zeroed float32 output and its
-cast included). A
+layers, one token per row at 1, 4, 16 and 64 rows, as `decode_forward` runs it (the splits' sum included). A
 decoding step reads every layer's weights once, from HBM: each call here gets a weight copy of its own, as many copies
 as make three times the L2 cache, all called in one CUDA graph. For scale, a PyTorch sum over each copy (one kernel
 reading the same bytes) is timed the same way. With `--other-package OTHER` (a copy of an earlier commit's package,
@@ -212,11 +211,17 @@ def partial_sums(out: str) -> None:
 # The decode kernel. (name, heads (= weight groups), head_dim, num_subnetworks, subnetwork_size): the presets' layers
 DECODE_SHAPES = [("370M", 8, 128, 7, 384), ("1.3B", 16, 128, 15, 384)]
 DECODE_ROWS = (1, 4, 16, 64)
-# (the column loop is one to a few steps long, so its pipelining depth is swept only at the production settings)
+# The first sweep (`results/models/h100_decode_tune_first_sweep.md`: 32/64/128 columns x 4/8 warps x 1/2/4 programs
+# per multiprocessor x the first tiles before/after the gates, 3 stages) found 128 columns and 8 warps slower
+# everywhere; this sweep keeps the rest and adds the pipelining depth. With `--decode-wide` it runs the first sweep.
 DECODE_LAUNCHES = [
+    {"block_n": n, "num_warps": 4, "num_stages": st, "programs_per_sm": pps, "weights_first": True}
+    for n, st, pps in itertools.product((32, 64), (2, 3), (1, 2, 4))
+] + [{**layer.DECODE_LAUNCH, "weights_first": False}]
+DECODE_LAUNCHES_WIDE = [
     {"block_n": n, "num_warps": w, "num_stages": 3, "programs_per_sm": pps, "weights_first": first}
     for n, w, pps, first in itertools.product((32, 64, 128), (4, 8), (1, 2, 4), (False, True))
-] + [{**layer.DECODE_LAUNCH, "num_stages": stages} for stages in (1, 2, 3) if stages != layer.DECODE_LAUNCH["num_stages"]]
+]
 
 
 def other_layer_module(directory: str):
@@ -246,7 +251,7 @@ def decode_inputs(rows: int, heads: int, head_dim: int, num_subnetworks: int, su
     return p, norm, router, weights
 
 
-def decode_sweep(shape, other=None) -> list[dict]:
+def decode_sweep(shape, launches: list[dict], other=None) -> list[dict]:
     name, heads, head_dim, num_subnetworks, subnetwork_size = shape
     weight_bytes = 3 * heads * num_subnetworks * subnetwork_size * head_dim * 2
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
@@ -260,7 +265,7 @@ def decode_sweep(shape, other=None) -> list[dict]:
         sum_us = graph_ms(lambda: [kuv.sum() for kuv in weights], rep=40) * 1e3 / copies
         log(f"decode {name} rows={rows}: a sum over one layer's weights ({weight_bytes / 1e6:.1f} MB) {sum_us:.2f} us, "
             f"{copies} weight copies")
-        candidates = [("this", launch) for launch in DECODE_LAUNCHES]
+        candidates = [("this", launch) for launch in launches]
         if other is not None:
             candidates.append(("other", None))
         for package, launch in candidates:
@@ -326,13 +331,14 @@ def launch_text(row) -> str:
             f"{row['programs_per_sm']}/SM, weights {'first' if row['weights_first'] else 'after gates'}")
 
 
-def decode(out: str, other_dir: str | None) -> None:
+def decode(out: str, other_dir: str | None, wide: bool = False) -> None:
     other = other_layer_module(other_dir) if other_dir else None
+    launches = DECODE_LAUNCHES_WIDE if wide else DECODE_LAUNCHES
     results = {"environment": environment(), "production": layer.DECODE_LAUNCH, "rows": [],
                "other_package": other_dir}
     for shape in DECODE_SHAPES:
         try:
-            results["rows"] += decode_sweep(shape, other)
+            results["rows"] += decode_sweep(shape, launches, other)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         write_json(os.path.join(out, "flash_mhf_decode_tune.json"), results)
@@ -348,6 +354,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sums", action="store_true",
                         help="only time the partial sums' finishing kernel against PyTorch's reductions")
     parser.add_argument("--decode", action="store_true", help="only sweep the decode kernel's launch settings")
+    parser.add_argument("--decode-wide", action="store_true", help="with --decode: the first, wider sweep")
     parser.add_argument("--other-package", help="with --decode: a directory holding another hf_memffn package, "
                         "whose decode_forward is timed beside")
     args = parser.parse_args(argv)
@@ -362,10 +369,10 @@ def main(argv=None) -> int:
         partial_sums(args.out)
         return 0
     if args.decode:
-        decode(args.out, args.other_package)
+        decode(args.out, args.other_package, args.decode_wide)
         return 0
-    if args.other_package:
-        parser.error("--other-package goes with --decode")
+    if args.other_package or args.decode_wide:
+        parser.error("--other-package and --decode-wide go with --decode")
     results = {"environment": environment(), "rows": [], "copy_us": {},
                "production": {"precision": PRODUCTION_PRECISION, "forward": layer.GATES_LAUNCH,
                               "backward": layer.GATES_BACKWARD_LAUNCH}}

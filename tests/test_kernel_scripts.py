@@ -95,7 +95,8 @@ def test_decode_sweep_reads_another_package_and_reports():
     other = tune.other_layer_module(ROOT)
     assert other is not flash_mhf_layer_triton and other.__name__ == "hf_memffn_other.flash_mhf_layer_triton"
     assert other.DECODE_LAUNCH == flash_mhf_layer_triton.DECODE_LAUNCH
-    assert all(set(launch) == set(flash_mhf_layer_triton.DECODE_LAUNCH) for launch in tune.DECODE_LAUNCHES)
+    assert all(set(launch) == set(flash_mhf_layer_triton.DECODE_LAUNCH)
+               for launch in tune.DECODE_LAUNCHES + tune.DECODE_LAUNCHES_WIDE)
     production = dict(flash_mhf_layer_triton.DECODE_LAUNCH)
     fastest = {**production, "block_n": 32, "weights_first": False}
     rows = [{"shape": "370M", "rows": 1, "package": "this", "weights_sum_us": 6.0, "us": 9.0, **production},
