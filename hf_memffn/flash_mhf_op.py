@@ -643,7 +643,8 @@ def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto"
         return f"unfused layer (PyTorch norm and gates, {reason}); op: {flash_mhf_path(queries, k, impl=impl)}"
     tokens = p.shape[0] * p.shape[1]
     if tokens <= DECODE_MAX_TOKENS:
-        return f"fused layer: one Triton decode kernel (norm, gates and op for {tokens} <= {DECODE_MAX_TOKENS} tokens)"
+        return (f"fused layer: the Triton decode kernel (norm, gates and op for {tokens} <= {DECODE_MAX_TOKENS} "
+                "tokens) and the sum of its column splits")
     if _gates_in_rows_kernel(queries, k):
         gates = "Triton norm/gate forward kernel, norm/gate backward inside the Gluon dq/dr kernel"
     else:

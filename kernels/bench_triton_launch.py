@@ -6,15 +6,14 @@ call with Triton's `cdiv` / `next_power_of_2` for the grids (`bench_models.trito
 
 Each part is what an eager decoding step of the 370M preset runs once per layer, at one token per row (batch 1 and
 16): the decoder's RMSNorm and the rotary embedding of the queries and keys (one Triton kernel each), the FlashMHF
-FFN block (its projections, and the norm, gates and sub-networks in one Triton decode kernel), the KV-FFN block (two
-matrix products around a Triton activation kernel) and, for comparison, transformers' `LlamaRMSNorm` and Llama's MLP
-(PyTorch operations only, so both columns time the same code). A part's time is the host's: `--calls` calls are
+FFN block (its projections, and the norm, gates and sub-networks in the Triton decode kernel and the sum of its
+column splits), the KV-FFN block (two matrix products around a Triton activation kernel) and, for comparison,
+transformers' `LlamaRMSNorm` and Llama's MLP (PyTorch operations only, so both columns time the same code). A part's time is the host's: `--calls` calls are
 issued back to back, each a few microseconds of GPU work, so the GPU waits for the host and the wall time per call
 is the host's time to issue one. The two modes alternate over `--rounds` rounds, so the host's slow and fast minutes
 fall on both; each row gives the medians and the median of the rounds' ratios. Before timing, each part's outputs
-under both modes are compared: the same compiled kernel runs, so they agree bitwise except where a kernel adds
-shares atomically (the FlashMHF decode kernel's column splits at batch 16). Writes triton_launch.{json,md} into
---out.
+under both modes are compared: the same compiled kernels run, so they agree bitwise. Writes
+triton_launch.{json,md} into --out.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ def parts(size: str, batch: int) -> dict:
 
 def largest_difference(fn) -> float:
     """The largest absolute difference between `fn`'s output with the kept compiled kernels and with Triton's launch
-    (0 for kernels whose programs write their own outputs; the FlashMHF decode kernel adds the column splits' shares
-    with atomic additions, whose order varies from launch to launch)."""
+    (0: the same compiled kernels run, and none of them adds in an order that varies between launches)."""
     direct = fn()
     direct = fn()  # (the first call of a signature goes through Triton; the second launches the kept kernel)
     with tritons_own_launch():

@@ -192,6 +192,18 @@ def test_triton_decode_launches_match_float64(launch, dtype):
 
 
 @needs_kernels
+def test_triton_decode_adds_more_splits_than_one_load_takes():
+    """68 programs split one head's columns (one 16-column block each), more than the splits' sum reads per step
+    (DECODE_SUM_BLOCK_S): the sum loops over them and still gives the float64 output."""
+    launch = {**flash_mhf_layer_triton.DECODE_LAUNCH, "block_n": 16, "programs_per_sm": 64}
+    p, norm, router, k, u, v = layer_inputs(1, 1, 1, 64, 1, 17, 64, True, True, seed=8)
+    assert 17 * 64 // 16 > flash_mhf_layer_triton.DECODE_SUM_BLOCK_S
+    out = flash_mhf_layer_triton.decode_forward(p.float(), norm.float(), router.float(), k.float(), u.float(),
+                                                v.float(), EPS, GATE_EPS, launch=launch)
+    assert relative_error(out, layer_truth(p, norm, router, k, u, v)) < TOLERANCE[torch.float32]
+
+
+@needs_kernels
 def test_triton_decode_is_the_same_from_run_to_run():
     """Decoding with the fused layer gives bit-identical outputs from call to call (no atomics: on a GPU, programs
     finish in a different order every time), at a shape where many programs split each head's columns."""
