@@ -21,8 +21,8 @@ Kernels (all one program per block of tokens of one head; every row's norm and g
   router gradients.
 * ``_decode_kernel``: the whole layer between the projections for a few tokens (decoding): norm, gates and the
   sub-networks in one launch. Programs split the heads' weight columns (the weights are what a decoding step reads)
-  and write their float32 shares; ``_split_sum_kernel`` adds them up in a fixed order (no atomics: decoding gives
-  the same output from run to run).
+  and write their float32 shares; ``_split_sum_kernel`` adds them up in a fixed order (no atomics: the output is the
+  same from run to run).
 """
 
 from __future__ import annotations
