@@ -87,30 +87,37 @@ def reference(p, norm, router, grad_q, grad_r, head_dim: int):
     return (q.detach().reshape(batch, length, width), r.detach(), *(leaf.grad for leaf in leaves))
 
 
+def check_and_time(row: dict, run, expected, time_us) -> None:
+    """Fills ``row`` with the largest relative error of ``run()``'s outputs against ``expected`` and, if it is within
+    TOLERANCE, with ``time_us()``; a launch that fails to compile or to match gets ``row["error"]`` instead (a result
+    of the sweep, not its end)."""
+    try:
+        row["rel_err"] = max(rel_err(a, b) for a, b in zip(run(), expected))
+        if not row["rel_err"] < TOLERANCE:
+            row["error"] = f"relative error {row['rel_err']:.2e} above {TOLERANCE}"
+        else:
+            row["us"] = time_us()
+    except Exception as exc:  # noqa: BLE001
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
 def candidate_rows(shape, truth, tensors, role: str, settings) -> list[dict]:
     name, tokens, heads, head_dim, num_subnetworks = shape
     p, norm, router, grad_q, grad_r = tensors
     rows = []
     for launch, precision in settings:
         row = {"shape": name, "kernel": role, "precision": precision, **launch}
-        try:
-            if role == "forward":
-                def run():
-                    return layer.queries_and_gates(p, norm, router, head_dim, num_subnetworks, EPS, GATE_EPS,
-                                                   launch=launch, precision=precision)
-                outputs, expected = run(), truth[:2]
-            else:
-                def run():
-                    return layer.queries_and_gates_backward(p, norm, router, grad_q, grad_r, head_dim, EPS, GATE_EPS,
-                                                            launch=launch, precision=precision)
-                outputs, expected = run(), truth[2:]
-            row["rel_err"] = max(rel_err(a, b) for a, b in zip(outputs, expected))
-            if not row["rel_err"] < TOLERANCE:
-                row["error"] = f"relative error {row['rel_err']:.2e} above {TOLERANCE}"
-            else:
-                row["us"] = bench_ms(run) * 1e3
-        except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result of the sweep
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        if role == "forward":
+            def run():
+                return layer.queries_and_gates(p, norm, router, head_dim, num_subnetworks, EPS, GATE_EPS,
+                                               launch=launch, precision=precision)
+            expected = truth[:2]
+        else:
+            def run():
+                return layer.queries_and_gates_backward(p, norm, router, grad_q, grad_r, head_dim, EPS, GATE_EPS,
+                                                        launch=launch, precision=precision)
+            expected = truth[2:]
+        check_and_time(row, run, expected, lambda: bench_ms(run) * 1e3)
         log(f"{name} {role:8s} {precision:6s} {launch}: "
             + (f"{row['us']:.1f} us (rel err {row['rel_err']:.1e})" if "us" in row else row["error"]))
         rows.append(row)
@@ -273,17 +280,13 @@ def decode_sweep(shape, launches: list[dict], other=None) -> list[dict]:
             row = {"shape": name, "rows": rows, "package": package, "weights_sum_us": sum_us,
                    **(launch or {"launch": getattr(module, "DECODE_LAUNCH", "DECODE_BLOCK_N=64")})}
             extra = {} if launch is None else {"launch": launch}
-            try:
-                out = module.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS, **extra)
-                row["rel_err"] = rel_err(out, truth)
-                if not row["rel_err"] < TOLERANCE:
-                    row["error"] = f"relative error {row['rel_err']:.2e} above {TOLERANCE}"
-                else:
-                    row["us"] = graph_ms(lambda: [module.decode_forward(p, norm, router, *kuv.unbind(0), EPS, GATE_EPS,
-                                                                        **extra) for kuv in weights],
-                                         rep=40) * 1e3 / copies
-            except Exception as exc:  # noqa: BLE001 - a launch that does not compile is a result of the sweep
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+            def run_all():  # one call per weight copy
+                return [module.decode_forward(p, norm, router, *kuv.unbind(0), EPS, GATE_EPS, **extra)
+                        for kuv in weights]
+
+            check_and_time(row, lambda: (module.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS, **extra),),
+                           (truth,), lambda: graph_ms(run_all, rep=40) * 1e3 / copies)
             log(f"decode {name} rows={rows} {package} {launch or ''}: "
                 + (f"{row['us']:.2f} us (rel err {row['rel_err']:.1e})" if "us" in row else row["error"]))
             rows_out.append(row)

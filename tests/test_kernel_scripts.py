@@ -109,6 +109,15 @@ def test_decode_sweep_reads_another_package_and_reports():
     assert "| 370M | 1 | 6.00 | 9.00 | 11.00 | 8.00 | 32 cols, " in text, text
     assert "weights after gates" in text and "OutOfResources" in text
 
+    ones = torch.ones(4)
+    checked = [{}, {}, {}]
+    tune.check_and_time(checked[0], lambda: (ones,), (ones,), lambda: 1.5)
+    tune.check_and_time(checked[1], lambda: (2 * ones,), (ones,), lambda: 1.5)
+    tune.check_and_time(checked[2], lambda: (ones[:-5],), (ones,), lambda: 1.5)
+    assert checked[0] == {"rel_err": 0.0, "us": 1.5}
+    assert "above" in checked[1]["error"] and "us" not in checked[1]
+    assert "error" in checked[2] and "us" not in checked[2]
+
 
 def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
     source = os.path.join(KERNELS, "results", "ncu")
