@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -34,7 +33,8 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import GIB, environment, peak_memory_gib, reset_peak_memory, write_json, write_text  # noqa: E402
 
 
 def check_kernels() -> dict:
@@ -106,7 +106,7 @@ def decode_speed(model, batch: int, graphed: bool, args, generator) -> dict:
     short, long = args.new_tokens_short, args.new_tokens_long
     model.generate(prompt, max_new_tokens=short, **kwargs)  # warm-up
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory()
     times = {}
     for n in (short, long, short, long):
         torch.cuda.synchronize()
@@ -116,7 +116,7 @@ def decode_speed(model, batch: int, graphed: bool, args, generator) -> dict:
         times.setdefault(n, []).append(time.perf_counter() - start)
         assert out.shape[1] == prompt.shape[1] + n
     extra = min(times[long]) - min(times[short])
-    return {"tokens_per_s": batch * (long - short) / extra, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"tokens_per_s": batch * (long - short) / extra, "peak_mem_gib": peak_memory_gib()}
 
 
 def graph_decode_speed(model, prompt, args) -> dict:
@@ -130,7 +130,7 @@ def graph_decode_speed(model, prompt, args) -> dict:
     steps = args.new_tokens_long
     cache = StaticCache(config=model.config, max_cache_len=length + steps + 8)
     is_llama = model.config.model_type == "llama"
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory()
     with torch.no_grad():
         positions = torch.arange(length, device="cuda")
         extra = {"cache_position": positions} if is_llama else {}
@@ -166,7 +166,7 @@ def graph_decode_speed(model, prompt, args) -> dict:
         torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1000
     return {"tokens_per_s": batch * (replays - 2) / seconds, "step_ms": 1000 * seconds / (replays - 2),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_mem_gib": peak_memory_gib()}
 
 
 def zipf_tokens(batch, length, vocab, generator):
@@ -205,9 +205,7 @@ def bench_mode(results, label, model, args):
 
 
 def save(results, args):
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "token_lookup.json"), "w") as handle:
-        json.dump(results, handle, indent=2)
+    write_json(os.path.join(args.out, "token_lookup.json"), results)
     lines = [f"# Token lookup tables: decoding on {results['device']}", "",
              f"Shape: {results['shape']}", "",
              "| mode | eager b1 tok/s | eager b16 tok/s | CUDA graph b1 tok/s | CUDA graph b16 tok/s | peak mem b1 / b16 (GiB, CUDA graph) |",
@@ -225,12 +223,11 @@ def save(results, args):
     lines += [f"- {k}: {v:.2e}" for k, v in results.get("kernel_checks", {}).items()]
     if "export" in results:
         e = results["export"]
-        lines += ["", f"Export of the full bf16 table: {e['seconds']:.1f} s, {e['size_bytes'] / 2**30:.2f} GiB, "
+        lines += ["", f"Export of the full bf16 table: {e['seconds']:.1f} s, {e['size_bytes'] / GIB:.2f} GiB, "
                       f"{e['num_shards']} shards"]
     for k, v in results.get("notes", {}).items():
         lines.append(f"- {k}: {v}")
-    with open(os.path.join(args.out, "token_lookup.md"), "w") as handle:
-        handle.write("\n".join(lines) + "\n")
+    write_text(os.path.join(args.out, "token_lookup.md"), "\n".join(lines) + "\n")
 
 
 FORMAT_SWEEP = [
@@ -267,11 +264,10 @@ def format_sweep(args) -> None:
                                                               "mean_relative_error", "loss_compute", "loss_delta",
                                                               "seconds")}, "ranks": report["ranks"]})
         print(rows[-1], flush=True)
-    os.makedirs(args.out, exist_ok=True)
     shape = f"{args.layers} layers, hidden {args.hidden}, memory width {args.intermediate}, vocab {args.vocab}"
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    with open(os.path.join(args.out, "token_lookup_formats.json"), "w") as handle:
-        json.dump({"device": device_name, "shape": shape, "formats": rows}, handle, indent=2)
+    write_json(os.path.join(args.out, "token_lookup_formats.json"),
+               {**environment(), "device": device_name, "shape": shape, "formats": rows})
     lines = [f"# Token lookup table formats ({device_name})", "",
              f"Random-weight MemoryLLM ({shape}); held-out loss on 4 x 128 Zipf-distributed token ids "
              f"(compute-mode loss {rows[0]['loss_compute']:.4f}). Relative error per (token, layer) vector; "
@@ -283,8 +279,7 @@ def format_sweep(args) -> None:
         lines.append(f"| {row['format']} | {row['size_bytes'] / 2**20:.2f} MiB | "
                      f"{row['size_bytes'] / rows[0]['size_bytes']:.3f} | {row['max_relative_error']:.2e} | "
                      f"{row['mean_relative_error']:.2e} | {row['loss_delta']:+.2e} | {ranks} |")
-    with open(os.path.join(args.out, "token_lookup_formats.md"), "w") as handle:
-        handle.write("\n".join(lines) + "\n")
+    write_text(os.path.join(args.out, "token_lookup_formats.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -317,7 +312,7 @@ def main():
         format_sweep(args)
         return
     modes = args.modes.split(",")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {**environment(),
                "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
                "decode": {}, "notes": {"cache_rows": args.cache_rows,
                                        "prompt": f"{args.prompt} Zipf-distributed token ids"}}
@@ -359,7 +354,7 @@ def main():
         start = time.perf_counter()
         table = model.load_tols(table_dir, placement=placement, verify="size", cache_rows=args.cache_rows)
         results["notes"][f"load_{placement}_s"] = round(time.perf_counter() - start, 2)
-        results["notes"][f"table_device_gib_{placement}"] = round(table.device_bytes() / 2**30, 3)
+        results["notes"][f"table_device_gib_{placement}"] = round(table.device_bytes() / GIB, 3)
         bench_mode(results, placement, model, args)
     shutil.rmtree(table_dir, ignore_errors=True)
     save(results, args)

@@ -25,6 +25,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import write_json, write_text  # noqa: E402
 
 OP_SHAPE = "B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16"
 GATES_SHAPE = "4 x 2048 tokens, H=16, d_h=128, E=15, bf16"
@@ -92,10 +94,7 @@ def profile(ncu: str, role: str, metrics: list[str], out: str) -> dict[str, str]
                sys.executable, os.path.join(HERE, script), *arguments]
     run = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith('"')]
-    path = os.path.join(out, f"ncu_{role}.csv")
-    with open(path + ".tmp", "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
+    write_text(os.path.join(out, f"ncu_{role}.csv"), "\n".join(lines) + "\n")
     if run.returncode or len(lines) < 3:
         raise RuntimeError(f"ncu failed for {kernel} (exit {run.returncode}): {run.stderr[-2000:]}")
     return read_raw(lines)
@@ -176,12 +175,8 @@ def main():
     for name in stalls:
         cells = [summary["kernels"][role]["stalls per issued instruction"].get(name) for role in roles]
         lines.append(f"| stall: {name} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
-    reports = (("ncu_summary.json", json.dumps(summary, indent=1)), ("ncu_summary.md", "\n".join(lines) + "\n"))
-    for name, text in reports:
-        path = os.path.join(args.out, name)
-        with open(path + ".tmp", "w") as handle:
-            handle.write(text)
-        os.replace(path + ".tmp", path)
+    write_json(os.path.join(args.out, "ncu_summary.json"), summary)
+    write_text(os.path.join(args.out, "ncu_summary.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

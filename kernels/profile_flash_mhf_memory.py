@@ -1,28 +1,32 @@
 """Where the FlashMHF module's forward+backward peak memory goes (bf16, paper shape, B=8, L=16128).
 
 Measures the peak of: the fused op alone, the module as is, and the module with token-chunked recompute for several
-chunk sizes; and what the op allocates beyond its inputs and outputs. Writes JSON to --out.
+chunk sizes; and what the op allocates beyond its inputs and outputs. Writes flash_mhf_memory_profile.json to --out.
 """
 
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from hf_memffn import FlashMHFLlamaConfig, flash_mhf
-from hf_memffn.ffn_multihead import FlashMHFFeedForward, recompute_in_token_chunks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import GIB as GiB  # noqa: E402
+from harness import environment, peak_memory_gib, reset_peak_memory, synchronize, write_json  # noqa: E402
 
-GiB = 2**30
+from hf_memffn import FlashMHFLlamaConfig, flash_mhf  # noqa: E402
+from hf_memffn.ffn_multihead import FlashMHFFeedForward, recompute_in_token_chunks  # noqa: E402
 
 
 def peak(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    """(GiB allocated at the peak of ``fn`` above what was allocated before it, GiB allocated before it)."""
+    synchronize()
+    reset_peak_memory()
+    base = torch.cuda.memory_allocated() / GiB
     fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / GiB, base / GiB
+    synchronize()
+    return peak_memory_gib() - base, base
 
 
 def main():
@@ -35,7 +39,7 @@ def main():
     module = FlashMHFFeedForward(config).to("cuda", torch.bfloat16)
     x = torch.randn(8, args.length, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    rows = {"device": torch.cuda.get_device_name(), "L": args.length, "token_bytes_GiB": x.numel() * 2 / GiB}
+    rows = {**environment(), "L": args.length, "token_bytes_GiB": x.numel() * 2 / GiB}
 
     def run(forward):
         def step():
@@ -64,9 +68,7 @@ def main():
         rows[f"op_{tokens}_tokens_q_GiB"] = q.numel() * 2 / GiB
         q = r = out_grad = None
     print(json.dumps(rows, indent=1))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "flash_mhf_memory_profile.json"), "w") as handle:
-        json.dump(rows, handle, indent=1)
+    write_json(os.path.join(args.out, "flash_mhf_memory_profile.json"), rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ KERNELS = os.path.join(ROOT, "kernels")
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
-           "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py"]
+           "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
+           "profile_flash_mhf_memory.py"]
 
 
 def run_script(name, *args):
@@ -539,6 +540,48 @@ def test_layer_kernels_compile_for_hopper():
     result = run_script("compile_check.py", "--quick")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 failure(s)" in result.stdout
+
+
+def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
+    """`bench_token_lookup.py --formats` runs without a GPU: every format's size, table error and loss change, in a
+    JSON that names the device and versions and a markdown table (both written whole through the harness)."""
+    result = run_script("bench_token_lookup.py", "--formats", "--layers", "4", "--hidden", "64", "--heads", "2",
+                        "--kv-heads", "1", "--intermediate", "128", "--vocab", "500", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "token_lookup_formats.json").read_text())
+    assert data["device"] == "CPU" and data["torch"] == torch.__version__
+    formats = {row["format"]: row for row in data["formats"]}
+    assert formats["fp32"]["max_relative_error"] == 0.0 and formats["fp32"]["loss_delta"] == 0.0
+    assert formats["int4"]["size_bytes"] < formats["int8"]["size_bytes"] < formats["bf16"]["size_bytes"]
+    assert formats["bf16 drop_layers=[1]"]["max_relative_error"] == 1.0  # a dropped layer counts as error 1
+    assert "| int8 |" in (tmp_path / "token_lookup_formats.md").read_text()
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_ptxas_report_of_the_gluon_kernels(tmp_path):
+    """`ptxas_report.py` compiles the Gluon kernels for sm_90 on the CPU and assembles them as Triton does: the
+    weight, row and forward kernels keep every value in registers (a spill made the weight kernel's schedules slower,
+    notes v20-v23). A kernel of another package copy is named by its folder, with module settings."""
+    from hf_memffn import flash_mhf_gluon
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    other = tmp_path / "other"
+    (other / "hf_memffn").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "hf_memffn", "flash_mhf_gluon.py"), other / "hf_memffn")
+    kernels = ["weights", "rows", "forward", f"{other}:add_forward_splits:FORWARD_STAGES=2"]
+    result = run_script("ptxas_report.py", "--out", str(tmp_path), "--stem", "report", "--kernels", *kernels)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "report.json").read_text())
+    (ptxas,) = data["ptxas"]
+    rows = {row["kernel"]: row["by_ptxas"][ptxas["label"]] for row in data["kernels"]}
+    assert list(rows) == ["weights", "rows", "forward", "other:add_forward_splits FORWARD_STAGES=2"]
+    for name in ("weights", "rows", "forward"):
+        assert rows[name]["registers"] <= 255 and not rows[name]["wgmma_serialised"], rows[name]
+        assert rows[name]["spill_store_bytes"] == rows[name]["spill_load_bytes"] == 0, (name, rows[name])
+    assert "| weights |" in (tmp_path / "report.md").read_text()
+    result = run_script("ptxas_report.py", "--out", str(tmp_path), "--kernels", f"{other}:forward:NO_SUCH=1")
+    assert result.returncode != 0 and "has no setting NO_SUCH" in result.stderr
 
 
 def test_host_time_comparison_tables(tmp_path):
