@@ -8,8 +8,9 @@ Each kernel is compiled for sm_90 by the Triton that runs this script (``compile
 ``flash_mhf_gluon.py``, which needs no GPU), and its PTX is then assembled by every ptxas named, each with its flags,
 as Triton would (``-lineinfo -v --gpu-name=sm_90a``). ptxas's report gives the registers per thread, the bytes spilled
 to local memory, and whether it serialised the kernel's wgmma products (it does, and says so, when other code may
-touch the registers of an unfinished product). The PTX's ``.version`` line is set to what each ptxas accepts, as
-Triton sets it for its own.
+touch the registers of an unfinished product); the SASS (Triton's ``nvdisasm``) says how many of the spill
+instructions sit in the loops that issue the products, where they cost every iteration. The PTX's ``.version`` line
+is set to what each ptxas accepts, as Triton sets it for its own.
 
 Which ptxas runs depends on the Triton version: Triton 3.6 assembles sm_90 kernels with the ptxas of CUDA 12.8 it
 ships, Triton 3.9 with the one of CUDA 13 (its ``ptxas-blackwell``) and ``--regAllocOptLevel=2``; a Triton of either
@@ -130,15 +131,56 @@ def compile_ptx(kernel: dict) -> tuple[str, dict]:
     return ptx, {"shared_memory": report["shared_memory"], "wgmma_in_ptx": report["wgmma"]}
 
 
+def hot_loop_spills(sass: str) -> dict:
+    """Spill instructions (``STL``/``LDL``) of a kernel's SASS, counted inside and outside its hot loops: the loops
+    (backward branches) that issue tensor-core products (``HGMMA``) and hold no smaller such loop. A value spilled
+    before a loop and reloaded after it costs a few instructions per program; one spilled inside costs every
+    iteration."""
+    address_of, label, instructions = {}, None, []
+    for line in sass.splitlines():
+        found = re.match(r"\s*\.(L_x_\d+):", line)
+        if found:
+            label = found.group(1)
+            continue
+        at = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if at:
+            address = int(at.group(1), 16)
+            if label is not None:
+                address_of[label], label = address, None
+            instructions.append((address, at.group(2)))
+    loops = []
+    for address, text in instructions:
+        target = re.search(r"BRA.*`\(\.(L_x_\d+)\)", text)
+        if target and target.group(1) in address_of and address_of[target.group(1)] < address:
+            loops.append((address_of[target.group(1)], address))
+
+    def products(loop):
+        return sum(1 for address, text in instructions if loop[0] <= address <= loop[1] and "HGMMA" in text)
+
+    with_products = [loop for loop in loops if products(loop)]
+    hot = [loop for loop in with_products
+           if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in with_products)]
+    spills = [address for address, text in instructions if re.match(r"(@\S+\s+)?(STL|LDL)\b", text)]
+    inside = sum(1 for address in spills if any(start <= address <= end for start, end in hot))
+    return {"hot_loops": len(hot), "spill_instructions_in_hot_loops": inside,
+            "spill_instructions_elsewhere": len(spills) - inside}
+
+
 def assemble(ptx: str, ptxas: str, flags: list[str], release: str) -> dict:
-    """ptxas's -v report of ``ptx`` for sm_90a: registers, spills, whether it serialised the wgmma products."""
+    """ptxas's -v report of ``ptx`` for sm_90a: registers, spills, whether it serialised the wgmma products; and where
+    the spill instructions are (``hot_loop_spills``, from the SASS that Triton's nvdisasm prints)."""
     ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptx_isa_version(release)}", ptx, count=1, flags=re.MULTILINE)
     with tempfile.TemporaryDirectory() as folder:
-        source = os.path.join(folder, "kernel.ptx")
+        source, cubin = os.path.join(folder, "kernel.ptx"), os.path.join(folder, "kernel.cubin")
         with open(source, "w") as handle:
             handle.write(ptx)
-        command = [ptxas, "-lineinfo", "-v", *flags, "--gpu-name=sm_90a", source, "-o", os.path.join(folder, "k.cubin")]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run([ptxas, "-lineinfo", "-v", *flags, "--gpu-name=sm_90a", source, "-o", cubin],
+                                capture_output=True, text=True)
+        sass = None
+        if result.returncode == 0:
+            nvdisasm = os.path.join(os.path.dirname(tritons_ptxas()), "nvdisasm")
+            listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
+            sass = listing.stdout if listing.returncode == 0 else None
     text = result.stdout + result.stderr
     if result.returncode != 0:
         return {"error": text.strip()[-500:]}
@@ -147,6 +189,7 @@ def assemble(ptx: str, ptxas: str, flags: list[str], release: str) -> dict:
     return {"registers": max(map(int, registers)) if registers else None,
             "spill_store_bytes": sum(int(s) for s, _ in spills), "spill_load_bytes": sum(int(l) for _, l in spills),
             "wgmma_serialised": "serialized" in text,
+            **(hot_loop_spills(sass) if sass is not None else {"hot_loops": None}),
             "warnings": [line.strip() for line in text.splitlines() if "warning" in line][:5]}
 
 
@@ -185,6 +228,10 @@ def main() -> None:
         if "error" in report:
             return "fails"
         text = f"{report['registers']} regs, {report['spill_store_bytes']}/{report['spill_load_bytes']} B spilled"
+        if report["hot_loops"] and report["spill_store_bytes"] + report["spill_load_bytes"]:
+            text += (f" ({report['spill_instructions_in_hot_loops']} of "
+                     f"{report['spill_instructions_in_hot_loops'] + report['spill_instructions_elsewhere']} "
+                     "spill instructions in the product loops)")
         return text + (", wgmma serialised" if report["wgmma_serialised"] else "")
 
     header = ["kernel", "shared memory", *[a["label"] for a in assemblers]]

@@ -542,6 +542,34 @@ def test_layer_kernels_compile_for_hopper():
     assert "0 failure(s)" in result.stdout
 
 
+def test_spill_instructions_are_placed_by_the_loops_that_issue_products():
+    """`ptxas_report.hot_loop_spills` on a made-up listing: a hot loop is one that issues HGMMA and holds no smaller
+    such loop; a spill inside it counts, one before or after it (or in a loop without products) does not."""
+    sys.path.insert(0, KERNELS)
+    try:
+        import ptxas_report
+    finally:
+        sys.path.remove(KERNELS)
+    sass = """
+        /*0000*/   STL [R1], R3 ;
+    .L_x_1:
+        /*0010*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+    .L_x_2:
+        /*0020*/   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8], R5 ;
+        /*0030*/   @!P0 BRA `(.L_x_2) ;
+        /*0040*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR6], R24 ;
+        /*0050*/   @P1 STL [R1+0x4], R24 ;
+        /*0060*/   @P2 BRA `(.L_x_1) ;
+    .L_x_3:
+        /*0070*/   LDL R5, [R1+0x8] ;
+        /*0080*/   @P3 BRA `(.L_x_3) ;
+        /*0090*/   LDL.LU R3, [R1] ;
+        /*00a0*/   EXIT ;
+    """
+    assert ptxas_report.hot_loop_spills(sass) == {"hot_loops": 1, "spill_instructions_in_hot_loops": 1,
+                                                  "spill_instructions_elsewhere": 3}
+
+
 def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
     """`bench_token_lookup.py --formats` runs without a GPU: every format's size, table error and loss change, in a
     JSON that names the device and versions and a markdown table (both written whole through the harness)."""
@@ -579,6 +607,7 @@ def test_ptxas_report_of_the_gluon_kernels(tmp_path):
     for name in ("weights", "rows", "forward"):
         assert rows[name]["registers"] <= 255 and not rows[name]["wgmma_serialised"], rows[name]
         assert rows[name]["spill_store_bytes"] == rows[name]["spill_load_bytes"] == 0, (name, rows[name])
+        assert rows[name]["hot_loops"] >= 1 and rows[name]["spill_instructions_in_hot_loops"] == 0, (name, rows[name])
     assert "| weights |" in (tmp_path / "report.md").read_text()
     result = run_script("ptxas_report.py", "--out", str(tmp_path), "--kernels", f"{other}:forward:NO_SUCH=1")
     assert result.returncode != 0 and "has no setting NO_SUCH" in result.stderr
