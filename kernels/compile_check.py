@@ -7,7 +7,8 @@ Nothing is launched: each kernel of `hf_memffn/flash_mhf_layer_triton.py` is com
 `triton.compile` with a `GPUTarget`, the ptxas that ships with Triton) for every dtype, head size, gate width and flag
 combination below, with the block sizes the launchers pick. A lowering error, or a launch that would need more shared
 memory than the target has, shows up here instead of in a GPU call. Prints one line per compilation (shared memory
-in bytes) and exits 1 when any compilation fails or does not fit.
+in bytes, registers per thread and local memory per thread, which is where ptxas spills, read from the cubin with
+the cuobjdump that ships with Triton) and exits 1 when any compilation fails or does not fit.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,9 +37,24 @@ SHAPES = [(128, 8), (64, 16), (256, 4), (128, 3), (64, 1)]
 SUBNETWORK_SIZES = (64, 256)
 
 
+def resource_usage(cubin: bytes) -> dict:
+    """Registers and local memory (bytes per thread: spills) of a compiled kernel, from ``cuobjdump -res-usage``."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        listing = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) .*LOCAL:(\d+)", listing.stdout)
+    if listing.returncode or not found:
+        raise RuntimeError(f"cuobjdump -res-usage gave no REG/LOCAL line: {listing.stdout[-300:]}{listing.stderr[-300:]}")
+    return {"registers": int(found.group(1)), "local": int(found.group(2))}
+
+
 def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: dict, num_warps: int = 4,
-                   num_stages: int | None = None) -> int:
-    """Shared memory (bytes) of ``kernel`` compiled for sm_<arch>; pointers map argument names to Triton types.
+                   num_stages: int | None = None) -> dict:
+    """Shared memory (bytes), registers and local memory (bytes per thread) of ``kernel`` compiled for sm_<arch>;
+    pointers map argument names to Triton types.
 
     Pointers are compiled as 16-byte aligned, as Triton specialises the launches of aligned tensors (all of ours at
     the presets' shapes): without that the loads are not vectorised, loops are not software-pipelined through shared
@@ -52,7 +71,16 @@ def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: 
     options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", arch, 32),
                               options=options)
-    return compiled.metadata.shared
+    return {"shared": compiled.metadata.shared, **resource_usage(compiled.asm["cubin"])}
+
+
+def report_line(label: str, usage: dict, limit: int) -> bool:
+    """Prints the kernel's line; False when it does not fit in shared memory."""
+    fits = usage["shared"] <= limit
+    print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {usage['shared']} bytes"
+          + ("" if fits else f" > {limit}") + f", {usage['registers']} registers, {usage['local']} bytes local",
+          flush=True)
+    return fits
 
 
 def cases(quick: bool):
@@ -103,14 +131,12 @@ def check_decoder_kernels(arch: int, limit: int, quick: bool) -> int:
         for name, kernel, pointers, constants, warps in launches:
             label = f"{name:34s} {dtype}"
             try:
-                shared = compile_kernel(kernel, arch, pointers, scalars, constants, num_warps=warps)
+                usage = compile_kernel(kernel, arch, pointers, scalars, constants, num_warps=warps)
             except Exception as exc:  # noqa: BLE001
                 failures += 1
                 print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
                 continue
-            fits = shared <= limit
-            failures += not fits
-            print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {shared} bytes", flush=True)
+            failures += not report_line(label, usage, limit)
     return failures
 
 
@@ -170,15 +196,12 @@ def main(argv=None) -> int:
             label = (f"{name:28s} {dtype} d_h={head_dim} E={num_subnetworks} norm={int(has_norm)} "
                      f"router={int(has_router)}")
             try:
-                shared = compile_kernel(kernel, args.arch, pointers, common_scalars, constants, **options)
+                usage = compile_kernel(kernel, args.arch, pointers, common_scalars, constants, **options)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit status says so
                 failures += 1
                 print(f"FAIL {label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
                 continue
-            fits = shared <= limit
-            failures += not fits
-            print(f"{'ok  ' if fits else 'FAIL'} {label}: shared memory {shared} bytes"
-                  + ("" if fits else f" > {limit}"), flush=True)
+            failures += not report_line(label, usage, limit)
     failures += check_decoder_kernels(args.arch, limit, args.quick)
     print(f"{failures} failure(s)")
     return 1 if failures else 0
