@@ -47,7 +47,8 @@ def resource_usage(cubin: bytes) -> dict:
         listing = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True)
     found = re.search(r"REG:(\d+) .*LOCAL:(\d+)", listing.stdout)
     if listing.returncode or not found:
-        raise RuntimeError(f"cuobjdump -res-usage gave no REG/LOCAL line: {listing.stdout[-300:]}{listing.stderr[-300:]}")
+        raise RuntimeError("cuobjdump -res-usage gave no REG/LOCAL line: "
+                           f"{listing.stdout[-300:]}{listing.stderr[-300:]}")
     return {"registers": int(found.group(1)), "local": int(found.group(2))}
 
 

@@ -13,9 +13,9 @@ instructions sit in the loops that issue the products, where they cost every ite
 is set to what each ptxas accepts, as Triton sets it for its own.
 
 Which ptxas runs depends on the Triton version: Triton 3.6 assembles sm_90 kernels with the ptxas of CUDA 12.8 it
-ships, Triton 3.9 with the one of CUDA 13 (its ``ptxas-blackwell``) and ``--regAllocOptLevel=2``; a Triton of either
-version uses another one when ``TRITON_PTXAS_PATH`` names it. So a kernel that spills under one may not under the
-other, and a GPU timing measured with one says little about the other.
+ships, Triton 3.9 with the one of CUDA 13 (its ``ptxas-blackwell``) and ``--regAllocOptLevel=2``; another one when
+``TRITON_PTXAS_PATH`` (3.6) or ``TRITON_PTXAS_BLACKWELL_PATH`` (3.9) names it. Run under each Triton, the report
+separates what its lowering does from what the ptxas does (``kernels/flash_mhf_notes.md``, v29).
 
 A kernel is ``[PACKAGE:]NAME[:SETTING=VALUE,...]``: ``PACKAGE`` a folder holding ``hf_memffn/flash_mhf_gluon.py``
 (another commit's, from ``git archive COMMIT hf_memffn | tar -x -C PACKAGE``; default this checkout), ``NAME`` one of
