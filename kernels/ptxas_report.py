@@ -176,20 +176,22 @@ def assemble(ptx: str, ptxas: str, flags: list[str], release: str) -> dict:
             handle.write(ptx)
         result = subprocess.run([ptxas, "-lineinfo", "-v", *flags, "--gpu-name=sm_90a", source, "-o", cubin],
                                 capture_output=True, text=True)
-        sass = None
+        listing = None
         if result.returncode == 0:
-            nvdisasm = os.path.join(os.path.dirname(tritons_ptxas()), "nvdisasm")
+            nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
             listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
-            sass = listing.stdout if listing.returncode == 0 else None
     text = result.stdout + result.stderr
     if result.returncode != 0:
         return {"error": text.strip()[-500:]}
+    if listing.returncode == 0:
+        where = hot_loop_spills(listing.stdout)
+    else:  # said in the report, not left out silently
+        where = {"hot_loops": None, "sass_error": listing.stderr.strip()[-300:]}
     registers = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     return {"registers": max(map(int, registers)) if registers else None,
             "spill_store_bytes": sum(int(s) for s, _ in spills), "spill_load_bytes": sum(int(l) for _, l in spills),
-            "wgmma_serialised": "serialized" in text,
-            **(hot_loop_spills(sass) if sass is not None else {"hot_loops": None}),
+            "wgmma_serialised": "serialized" in text, **where,
             "warnings": [line.strip() for line in text.splitlines() if "warning" in line][:5]}
 
 
@@ -228,7 +230,9 @@ def main() -> None:
         if "error" in report:
             return "fails"
         text = f"{report['registers']} regs, {report['spill_store_bytes']}/{report['spill_load_bytes']} B spilled"
-        if report["hot_loops"] and report["spill_store_bytes"] + report["spill_load_bytes"]:
+        if "sass_error" in report:
+            text += " (no SASS: nvdisasm failed)"
+        elif report["hot_loops"] and report["spill_store_bytes"] + report["spill_load_bytes"]:
             text += (f" ({report['spill_instructions_in_hot_loops']} of "
                      f"{report['spill_instructions_in_hot_loops'] + report['spill_instructions_elsewhere']} "
                      "spill instructions in the product loops)")
