@@ -21,7 +21,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
-           "profile_flash_mhf_memory.py"]
+           "profile_flash_mhf_memory.py", "compare_triton_builds.py"]
 
 
 def run_script(name, *args):
@@ -594,7 +594,9 @@ def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
 def test_ptxas_report_of_the_gluon_kernels(tmp_path):
     """`ptxas_report.py` compiles the Gluon kernels for sm_90 on the CPU and assembles them as Triton does: the
     weight, row and forward kernels keep every value in registers (a spill made the weight kernel's schedules slower,
-    notes v20-v23). A kernel of another package copy is named by its folder, with module settings."""
+    notes v20-v23). It compiles them without a launch's pointer-alignment specialisation: at a launch's, Triton 3.9
+    spills in the forward (notes v30, `compare_triton_builds.py`). A kernel of another package copy is named by its
+    folder, with module settings."""
     from hf_memffn import flash_mhf_gluon
 
     if not flash_mhf_gluon.GLUON_AVAILABLE:
@@ -642,3 +644,36 @@ def test_host_time_comparison_tables(tmp_path):
     assert "| triton_forward | 100.0 / 200.0 | 80.0 / 160.0 | 0.80 |" in markdown
     assert "(200 calls back to back, no synchronisation between them)" in markdown
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
+
+
+def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path):
+    """`compare_triton_builds.py export` runs a decoding case on CPU tensors under a stand-in for Triton's CUDA driver:
+    the installed Triton compiles the kernels a launch of that case compiles (the decode kernel and the splits' sum),
+    and the manifest gives each one's cubin, launch metadata, PTX parameters and code digest. A build whose metadata
+    differs only by keys that a newer Triton adds with false values launches the same way; one whose PTX parameters
+    differ does not."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, KERNELS)
+    try:
+        import compare_triton_builds as builds
+    finally:
+        sys.path.remove(KERNELS)
+    result = run_script("compare_triton_builds.py", "export", "--out", str(tmp_path), "--cases", "decode:370M:1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    entries = manifest["cases"]["decode:370M:1"]
+    assert [entry["function"] for entry in entries] == ["_decode_kernel", "_split_sum_kernel"]
+    for entry in entries:
+        assert (tmp_path / entry["cubin"]).stat().st_size > 1000
+        assert entry["metadata"]["target"]["arch"] == 90 and entry["metadata"]["num_warps"] == 4
+        assert entry["ptx_parameters"] and all(p.startswith(".param") for p in entry["ptx_parameters"])
+    assert not list(tmp_path.glob("*.tmp*"))
+    old = [{"swizzle": 3, "block_size": [64, 64]}]
+    assert builds.same_launch_value(old, [{"swizzle": 3, "block_size": [64, 64], "is_im2col": False}])
+    assert not builds.same_launch_value(old, [{"swizzle": 3, "block_size": [64, 64], "is_im2col": True}])
+    assert not builds.same_launch_value(old, [{"swizzle": 2, "block_size": [64, 64]}])
+    ptx = (".version 8.7\n.file 1 \"/a/flash_mhf_gluon.py\"\n.entry k(\n"
+           "\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1\n)\n{\n\t.loc 1 10 5\n\tret;\n}\n")
+    assert builds.ptx_parameters(ptx) == [".param .u64 .ptr .global .align 1", ".param .u32"]
+    assert builds.code_digest(ptx) == builds.code_digest(ptx.replace("/a/", "/elsewhere/").replace("10 5", "12 1"))
+    assert builds.code_digest(ptx) != builds.code_digest(ptx.replace("ret;", "exit;"))
