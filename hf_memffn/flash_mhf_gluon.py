@@ -609,12 +609,12 @@ if GLUON_AVAILABLE:
                                                     num_subnetworks, ROWS, row_layout)
 
         out = gl.zeros([ROWS, D_H], gl.float32, wide_layout)
-        last_block = first_block + num_blocks - 1
         next_gate = _block_gates(R, gate_offsets, gate_mask, first_block, BLOCK_N, D_E)
         for block in range(num_blocks):  # counted from the program's first column block (the ring's phases)
             stage = block % STAGES
             gate = next_gate
-            next_gate = _block_gates(R, gate_offsets, gate_mask, gl.minimum(first_block + block + 1, last_block),
+            # (the last iteration's "next" gates lie past the range: masked, nothing is read)
+            next_gate = _block_gates(R, gate_offsets, gate_mask & (block + 1 < num_blocks), first_block + block + 1,
                                      BLOCK_N, D_E)
             mbarrier.wait(ready.index(stage), (block // STAGES) & 1)
             out = _forward_step(q_tile, ku_stages.index(stage), v_stages.index(stage), out, gate, ROWS, BLOCK_N,

@@ -63,9 +63,11 @@ LAYERS = {"370M": (8 * 2048, 8, 7, 384), "1.3B": (4 * 2048, 16, 15, 384)}
 # gradient kernels alone, on the layer's queries and gates
 CASES = [f"{role}:{preset}" for preset in LAYERS for role in ("forward", "backward", "forward_op", "weights")]
 CASES += [f"decode:{preset}:{batch}" for preset in LAYERS for batch in (1, 16)]
-# with --package OLD (a folder holding another commit's hf_memffn/flash_mhf_gluon.py, e.g. 4bcb1fb's): its weight
-# kernel's warp-specialised schedule with three or two buffers (`gluon_weight_gradients(schedule=..., buffers=...)`)
-OLD_WEIGHT_CASES = [f"old_weights_ws{buffers}:{preset}" for preset in LAYERS for buffers in (3, 2)]
+# with --package OLD (a folder holding another commit's hf_memffn/flash_mhf_gluon.py): its Gluon forward alone, and
+# (4bcb1fb's) its weight kernel's warp-specialised schedule with three or two buffers
+# (`gluon_weight_gradients(schedule=..., buffers=...)`)
+OLD_CASES = [f"old_forward_op:{preset}" for preset in LAYERS]
+OLD_CASES += [f"old_weights_ws{buffers}:{preset}" for preset in LAYERS for buffers in (3, 2)]
 # what must agree between two builds of a kernel for one's cubin to run under the other's launcher
 LAUNCH_METADATA = ("num_warps", "num_ctas", "cluster_dims", "global_scratch_size", "global_scratch_align",
                    "profile_scratch_size", "profile_scratch_align", "launch_cooperative_grid", "launch_pdl",
@@ -144,6 +146,8 @@ class Case:
             return flash_mhf_gluon.gluon_forward(*self.op_inputs[1:])[:1]
         if self.role == "weights":
             return flash_mhf_gluon.gluon_weight_gradients(*self.op_inputs)[:3]
+        if self.role == "old_forward_op":
+            return self.package.gluon_forward(*self.op_inputs[1:])[:1]
         if self.role.startswith("old_weights_ws"):
             buffers = int(self.role[len("old_weights_ws"):])
             return self.package.gluon_weight_gradients(*self.op_inputs, schedule="warp_specialised",
@@ -280,7 +284,10 @@ def compiling_for_hopper():
         (flash_mhf_triton, "gluon_reason_for", lambda *args: None),
         (triton_launch, "CACHED", False),
     ]
-    patches += [(module, "gluon_reason_for", lambda *args: None) for module in KERNEL_MODULES[3:]]
+    for module in KERNEL_MODULES[3:]:  # another package's
+        patches.append((module, "gluon_reason_for", lambda *args: None))
+        if hasattr(module, "multiprocessor_count"):
+            patches.append((module, "multiprocessor_count", lambda device: MULTIPROCESSORS))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
@@ -489,22 +496,22 @@ def main(argv=None) -> int:
     exporting = commands.add_parser("export", help="compile the cases' kernels for sm_90 with the installed Triton")
     exporting.add_argument("--out", required=True)
     exporting.add_argument("--label", help="the build's name in reports (default: 'triton VERSION')")
-    exporting.add_argument("--cases", nargs="+", choices=CASES + OLD_WEIGHT_CASES,
-                           help="default: all (the old_* ones with --package)")
+    exporting.add_argument("--cases", nargs="+", choices=CASES + OLD_CASES,
+                           help="default: all (with --package, the old_* ones too; old_weights_* need 4bcb1fb's)")
     exporting.add_argument("--package", help="a folder with another commit's hf_memffn/flash_mhf_gluon.py")
     timing = commands.add_parser("time", help="time the cases with the installed Triton and each build's cubins")
     timing.add_argument("--builds", nargs="+", required=True)
     timing.add_argument("--out", required=True)
     timing.add_argument("--stem", default="triton_builds")
-    timing.add_argument("--cases", nargs="+", choices=CASES + OLD_WEIGHT_CASES,
-                        help="default: all (the old_* ones with --package)")
+    timing.add_argument("--cases", nargs="+", choices=CASES + OLD_CASES,
+                        help="default: all (with --package, the old_* ones too; old_weights_* need 4bcb1fb's)")
     timing.add_argument("--package", help="the folder the builds were exported with --package from")
     timing.add_argument("--rounds", type=int, default=5,
                         help="0: no timing, only the check (each build's kernels launched once, the installed "
                         "Triton's first, then the builds' in the order given: for a profiler such as ncu)")
     args = parser.parse_args(argv)
     package = load_package(args.package) if args.package else None
-    cases = args.cases or CASES + (OLD_WEIGHT_CASES if package else [])
+    cases = args.cases or CASES + (OLD_CASES if package else [])
     if args.command == "export":
         export(args.out, args.label, cases, package)
     else:
