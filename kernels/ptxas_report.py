@@ -133,9 +133,9 @@ def compile_ptx(kernel: dict) -> tuple[str, dict]:
 
 def hot_loop_spills(sass: str) -> dict:
     """Spill instructions (``STL``/``LDL``) of a kernel's SASS, counted inside and outside its hot loops: the loops
-    (backward branches) that issue tensor-core products (``HGMMA``) and hold no smaller such loop. A value spilled
-    before a loop and reloaded after it costs a few instructions per program; one spilled inside costs every
-    iteration."""
+    (backward branches) that issue tensor-core products (``HGMMA``) and neither hold a smaller such loop nor straddle
+    a shorter one. A value spilled before a loop and reloaded after it costs a few instructions per program; one
+    spilled inside costs every iteration."""
     address_of, label, instructions = {}, None, []
     for line in sass.splitlines():
         found = re.match(r"\s*\.(L_x_\d+):", line)
@@ -158,8 +158,17 @@ def hot_loop_spills(sass: str) -> dict:
         return sum(1 for address, text in instructions if loop[0] <= address <= loop[1] and "HGMMA" in text)
 
     with_products = [loop for loop in loops if products(loop)]
+
+    def encloses(loop, other):  # holds the other loop's code, or overlaps a shorter one without nesting
+        if loop[0] <= other[0] and other[1] <= loop[1]:
+            return True
+        straddles = loop[0] < other[0] <= loop[1] < other[1] or other[0] < loop[0] <= other[1] < loop[1]
+        return straddles and other[1] - other[0] < loop[1] - loop[0]
+
+    # (a backward branch that straddles a shorter product loop is how the partitions of a warp-specialised kernel
+    # are laid out, not a loop of its own)
     hot = [loop for loop in with_products
-           if not any(other != loop and loop[0] <= other[0] and other[1] <= loop[1] for other in with_products)]
+           if not any(other != loop and encloses(loop, other) for other in with_products)]
     spills = [address for address, text in instructions if re.match(r"(@\S+\s+)?(STL|LDL)\b", text)]
     inside = sum(1 for address in spills if any(start <= address <= end for start, end in hot))
     return {"hot_loops": len(hot), "spill_instructions_in_hot_loops": inside,

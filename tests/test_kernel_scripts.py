@@ -548,8 +548,9 @@ def test_layer_kernels_compile_for_hopper():
 
 
 def test_spill_instructions_are_placed_by_the_loops_that_issue_products():
-    """`ptxas_report.hot_loop_spills` on a made-up listing: a hot loop is one that issues HGMMA and holds no smaller
-    such loop; a spill inside it counts, one before or after it (or in a loop without products) does not."""
+    """`ptxas_report.hot_loop_spills` on made-up listings: a hot loop is one that issues HGMMA and holds no smaller
+    such loop, nor straddles a shorter one; a spill inside it counts, one before or after it (or in a loop without
+    products) does not."""
     sys.path.insert(0, KERNELS)
     try:
         import ptxas_report
@@ -573,6 +574,27 @@ def test_spill_instructions_are_placed_by_the_loops_that_issue_products():
     """
     assert ptxas_report.hot_loop_spills(sass) == {"hot_loops": 1, "spill_instructions_in_hot_loops": 1,
                                                   "spill_instructions_elsewhere": 3}
+    # warp-specialised code: two partitions' product loops one after the other, and a longer backward branch that
+    # straddles the second loop's end (how the partitions are laid out) with a spill of the epilogue in its range
+    sass = """
+    .L_x_1:
+        /*0010*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/   @P0 BRA `(.L_x_1) ;
+        /*0030*/   STL [R1], R3 ;
+    .L_x_2:
+        /*0040*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+    .L_x_3:
+        /*0050*/   LDL R5, [R1] ;
+        /*0060*/   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR6], R24 ;
+        /*0070*/   @P1 BRA `(.L_x_2) ;
+        /*0080*/   LDL.LU R3, [R1] ;
+        /*0090*/   NOP ;
+        /*00a0*/   NOP ;
+        /*00b0*/   @P2 BRA `(.L_x_3) ;
+        /*00c0*/   EXIT ;
+    """
+    assert ptxas_report.hot_loop_spills(sass) == {"hot_loops": 2, "spill_instructions_in_hot_loops": 1,
+                                                  "spill_instructions_elsewhere": 2}
 
 
 def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
