@@ -699,3 +699,32 @@ def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path):
     assert builds.ptx_parameters(ptx) == [".param .u64 .ptr .global .align 1", ".param .u32"]
     assert builds.code_digest(ptx) == builds.code_digest(ptx.replace("/a/", "/elsewhere/").replace("10 5", "12 1"))
     assert builds.code_digest(ptx) != builds.code_digest(ptx.replace("ret;", "exit;"))
+
+
+def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tmp_path):
+    """The Gluon forward, dq/dr (with the layer's norm/gate backward) and weight kernels, compiled by the installed
+    Triton for exactly what a 1.3B training step launches (`compare_triton_builds.py export`: the launch's pointer
+    alignment and integer specialisation, which `compile_for_hopper` leaves out): no spill instruction in the loops
+    that issue their products (under Triton 3.9 the forward once reloaded a spilled value there every iteration,
+    notes v30)."""
+    from hf_memffn import flash_mhf_gluon
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    sys.path.insert(0, KERNELS)
+    try:
+        import ptxas_report
+    finally:
+        sys.path.remove(KERNELS)
+    result = run_script("compare_triton_builds.py", "export", "--out", str(tmp_path), "--cases", "forward_op:1.3B",
+                        "backward:1.3B")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    cubins = {entry["function"]: entry["cubin"] for entries in manifest["cases"].values() for entry in entries}
+    nvdisasm = os.path.join(os.path.dirname(ptxas_report.triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    for function, loops in (("_warp_specialised_forward_kernel", 3), ("_rows_gradients_kernel", 2),
+                            ("_weight_gradients_kernel", 1)):
+        listing = subprocess.run([nvdisasm, "-c", str(tmp_path / cubins[function])], capture_output=True, text=True)
+        assert listing.returncode == 0, listing.stderr[-2000:]
+        where = ptxas_report.hot_loop_spills(listing.stdout)
+        assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (function, where)
