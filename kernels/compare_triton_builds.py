@@ -48,6 +48,8 @@ from harness import (  # noqa: E402
     bench_ms, environment, graph_ms, log, markdown_table, median, rel_err, write_json, write_report,
 )
 
+from ptxas_report import load_gluon_module, ptxas_release, tritons_ptxas  # noqa: E402
+
 from hf_memffn import (  # noqa: E402
     flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, triton_launch,
 )
@@ -55,7 +57,6 @@ from hf_memffn import (  # noqa: E402
 EPS, GATE_EPS = 1e-5, 1e-6
 HEAD_DIM = 128
 MULTIPROCESSORS = 132  # an H100 SXM's, which the stand-in driver reports
-DEVICE = "cuda"  # where `time` runs the cases
 L2_BYTES = 50 * 1024**2
 # (preset, tokens of a training step, heads, sub-networks, sub-network width): the presets' FlashMHF layers
 LAYERS = {"370M": (8 * 2048, 8, 7, 384), "1.3B": (4 * 2048, 16, 15, 384)}
@@ -76,15 +77,9 @@ KERNEL_MODULES = [flash_mhf_gluon, flash_mhf_triton, flash_mhf_layer_triton]  # 
 
 
 def load_package(directory: str):
-    """``DIRECTORY/hf_memffn/flash_mhf_gluon.py`` as a module of its own (it imports only torch and triton), its
-    kernels added to those `jit_functions` finds."""
-    import importlib.util
-
-    path = os.path.join(directory, "hf_memffn", "flash_mhf_gluon.py")
-    spec = importlib.util.spec_from_file_location("other_flash_mhf_gluon", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Gluon resolves the kernels' globals through their module
-    spec.loader.exec_module(module)
+    """``DIRECTORY/hf_memffn/flash_mhf_gluon.py`` as a module of its own, its kernels added to those `jit_functions`
+    finds."""
+    module = load_gluon_module(directory, {})
     KERNEL_MODULES.append(module)
     return module
 
@@ -223,13 +218,8 @@ def metadata_of(compiled) -> dict:
 
 
 def ptxas_in_use() -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    try:
-        ptxas = get_ptxas(90)
-    except TypeError:  # a Triton whose get_ptxas takes no architecture
-        ptxas = get_ptxas()
-    return f"{ptxas.path} ({ptxas.version})" if hasattr(ptxas, "version") else str(ptxas.path)
+    path = tritons_ptxas()
+    return f"{path} ({ptxas_release(path)})"
 
 
 # --- export: compile on a machine without a GPU -------------------------------------------------------------------
@@ -373,7 +363,7 @@ def cubins_of(swaps: list):
 
 
 def time_case(name: str, builds: list[dict], rounds: int, package=None) -> dict:
-    case = Case(name, DEVICE, package)
+    case = Case(name, "cuda", package)
     forget_compiled()
     expected = [t.clone() for t in case.run()]
     torch.cuda.synchronize()

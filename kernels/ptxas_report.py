@@ -63,6 +63,11 @@ def tritons_ptxas_flags() -> list[str]:
     return re.findall(r"'(--regAllocOptLevel=\d+)'", inspect.getsource(CUDABackend.make_cubin))
 
 
+def tritons_nvdisasm() -> str:
+    """The nvdisasm shipped with this Triton (it reads the cubins its ptxas writes)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
 def ptxas_release(path: str) -> str:
     """``12.8`` for the ptxas of CUDA 12.8."""
     text = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
@@ -104,7 +109,7 @@ def load_gluon_module(package: str, settings: dict):
     """A fresh copy of ``PACKAGE/hf_memffn/flash_mhf_gluon.py`` (it imports only torch and triton), with settings."""
     path = os.path.join(package, "hf_memffn", "flash_mhf_gluon.py")
     if not os.path.exists(path):
-        raise SystemExit(f"--kernels: no {path}")
+        raise SystemExit(f"no {path}")
     spec = importlib.util.spec_from_file_location(f"flash_mhf_gluon_{abs(hash((path, str(settings))))}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # Gluon resolves the kernels' globals through their module
@@ -187,8 +192,7 @@ def assemble(ptx: str, ptxas: str, flags: list[str], release: str) -> dict:
                                 capture_output=True, text=True)
         listing = None
         if result.returncode == 0:
-            nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-            listing = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
+            listing = subprocess.run([tritons_nvdisasm(), "-c", cubin], capture_output=True, text=True)
     text = result.stdout + result.stderr
     if result.returncode != 0:
         return {"error": text.strip()[-500:]}

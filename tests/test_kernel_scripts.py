@@ -721,10 +721,10 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     cubins = {entry["function"]: entry["cubin"] for entries in manifest["cases"].values() for entry in entries}
-    nvdisasm = os.path.join(os.path.dirname(ptxas_report.triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     for function, loops in (("_warp_specialised_forward_kernel", 3), ("_rows_gradients_kernel", 2),
                             ("_weight_gradients_kernel", 1)):
-        listing = subprocess.run([nvdisasm, "-c", str(tmp_path / cubins[function])], capture_output=True, text=True)
+        listing = subprocess.run([ptxas_report.tritons_nvdisasm(), "-c", str(tmp_path / cubins[function])],
+                                 capture_output=True, text=True)
         assert listing.returncode == 0, listing.stderr[-2000:]
         where = ptxas_report.hot_loop_spills(listing.stdout)
         assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (function, where)
