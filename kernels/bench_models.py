@@ -72,7 +72,9 @@ from harness import (  # noqa: E402
     graph_ms,
     log,
     markdown_table,
+    measure_on,
     median,
+    on_cuda,
     peak_memory,
     peak_memory_gib,
     reset_peak_memory,
@@ -282,7 +284,7 @@ def ffn_path(model) -> str | None:
 def release() -> None:
     """Frees what the last measurement left on the device (its callers drop their references first)."""
     gc.collect()
-    if torch.cuda.is_available():
+    if on_cuda():
         torch.cuda.empty_cache()
     torch._dynamo.reset()
 
@@ -446,7 +448,7 @@ def paired_train_rows(architectures: list[str], size: str, mode: str, device: st
         model = models[architecture]
         with op_kernels(architecture):
             host_ms = median(host_issue_ms(steps[architecture], 3))
-            peak = peak_memory(steps[architecture], leaves=list(model.parameters())) if torch.cuda.is_available() \
+            peak = peak_memory(steps[architecture], leaves=list(model.parameters())) if on_cuda() \
                 else {"peak_gib": None}
         step_ms = median([t for times in round_times[architecture] for t in times])
         paired = [base / own for base, own in zip(round_medians[baseline], round_medians[architecture])]
@@ -638,6 +640,7 @@ def _decoder_worker(connection, architecture: str, size: str, device: str, stati
             raise RuntimeError("hf_memffn was imported before the other package could be put first on the path")
         sys.path.insert(0, OTHER_PACKAGE_DIR)
         architecture = architecture.removesuffix(OTHER_PACKAGE)
+    measure_on(device)
     allow_recompiles()
     decoder = LocalDecoder(architecture, size, device, static)
     connection.send("ready")
@@ -874,8 +877,8 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
 
     fn()
     synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    kernel_type = torch.autograd.DeviceType.CUDA if torch.cuda.is_available() else torch.autograd.DeviceType.CPU
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
+    kernel_type = torch.autograd.DeviceType.CUDA if on_cuda() else torch.autograd.DeviceType.CPU
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -888,7 +891,7 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
         if event.device_type == kernel_type:
             name = event.name[:120]
             calls, total = kernels.get(name, (0, 0.0))
-            kernels[name] = (calls + 1, total + (event.device_time if torch.cuda.is_available() else event.cpu_time))
+            kernels[name] = (calls + 1, total + (event.device_time if on_cuda() else event.cpu_time))
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     host = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:12]
     families = {}
@@ -1376,6 +1379,7 @@ def main(argv=None) -> dict:
         if not os.path.isfile(os.path.join(args.other_package, "hf_memffn", "__init__.py")):
             parser.error(f"--other-package {args.other_package!r} holds no hf_memffn/__init__.py")
         OTHER_PACKAGE_DIR = os.path.abspath(args.other_package)
+    measure_on(args.device)
     allow_recompiles()
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
     DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS = (args.decode_compile_mode, args.train_rounds,

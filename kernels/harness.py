@@ -25,6 +25,23 @@ if ROOT not in sys.path:  # the scripts run from a checkout: `python kernels/<sc
     sys.path.insert(0, ROOT)
 
 GIB = 1024**3
+# Where the measurements run: None follows torch (CUDA where it sees a GPU); `measure_on("cpu")` makes a script's CPU
+# smoke run time wall-clock and name the CPU on a machine that has a GPU too.
+_measured_device_type: str | None = None
+
+
+def measure_on(device: str) -> None:
+    """Time, synchronise, read peak memory and name the device as for `device` ("cuda", "cuda:N" or "cpu")."""
+    global _measured_device_type
+    kind = torch.device(device).type
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} is not supported; allowed: cuda, cuda:N, cpu")
+    _measured_device_type = kind
+
+
+def on_cuda() -> bool:
+    """Whether the measurements run on a CUDA device (see `measure_on`)."""
+    return _measured_device_type != "cpu" and torch.cuda.is_available()
 
 
 def log(*parts) -> None:
@@ -38,7 +55,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def bench_ms(fn, grad_to_none=None, warmup: int = 50, rep: int = 300) -> float:
-    if not torch.cuda.is_available():  # CPU smoke runs of the scripts: wall-clock median of a few calls
+    if not on_cuda():  # CPU smoke runs of the scripts: wall-clock median of a few calls
         return median(wall_ms(fn, 3))
     import triton.testing
 
@@ -47,7 +64,7 @@ def bench_ms(fn, grad_to_none=None, warmup: int = 50, rep: int = 300) -> float:
 
 def graph_ms(fn, rep: int = 200) -> float | None:
     """Median time of `fn` replayed from a CUDA graph, over about `rep` ms of replays (None without CUDA)."""
-    if not torch.cuda.is_available():
+    if not on_cuda():
         return None
     import triton.testing
 
@@ -68,7 +85,7 @@ def cuda_ms(fn, steps: int, warmup: int = 2) -> list[float]:
     without CUDA)."""
     for _ in range(warmup):
         fn()
-    if not torch.cuda.is_available():
+    if not on_cuda():
         return wall_ms(fn, steps)
     torch.cuda.synchronize()
     times = []
@@ -111,18 +128,18 @@ def back_to_back_us(fn, calls: int) -> float:
 
 
 def synchronize() -> None:
-    if torch.cuda.is_available():
+    if on_cuda():
         torch.cuda.synchronize()
 
 
 def reset_peak_memory() -> None:
-    if torch.cuda.is_available():
+    if on_cuda():
         torch.cuda.reset_peak_memory_stats()
 
 
 def peak_memory_gib() -> float | None:
     """Peak CUDA memory allocated since the last `reset_peak_memory` (None without CUDA)."""
-    return torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
+    return torch.cuda.max_memory_allocated() / GIB if on_cuda() else None
 
 
 def median(values) -> float:
@@ -134,7 +151,7 @@ class ClockSampler:
     limit changes its clock by 15% within seconds, so timings record the clock they ran at."""
 
     def __init__(self):
-        self.available = shutil.which("nvidia-smi") is not None and torch.cuda.is_available()
+        self.available = shutil.which("nvidia-smi") is not None and on_cuda()
 
     def __enter__(self):
         self.samples, self.stop = [], threading.Event()
@@ -203,7 +220,7 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    device = torch.cuda.get_device_name() if on_cuda() else platform.processor() or "cpu"
     return {"device": device, "torch": torch.__version__, "triton": triton_version,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}

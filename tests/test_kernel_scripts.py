@@ -24,8 +24,8 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "profile_flash_mhf_memory.py", "compare_triton_builds.py"]
 
 
-def run_script(name, *args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def run_script(name, *args, hide_gpus=False):
+    env = {**os.environ, "PYTHONPATH": ROOT, **({"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else {})}
     return subprocess.run([sys.executable, os.path.join(KERNELS, name), *args], capture_output=True, text=True,
                           env=env, timeout=300)
 
@@ -601,7 +601,8 @@ def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
     """`bench_token_lookup.py --formats` runs without a GPU: every format's size, table error and loss change, in a
     JSON that names the device and versions and a markdown table (both written whole through the harness)."""
     result = run_script("bench_token_lookup.py", "--formats", "--layers", "4", "--hidden", "64", "--heads", "2",
-                        "--kv-heads", "1", "--intermediate", "128", "--vocab", "500", "--out", str(tmp_path))
+                        "--kv-heads", "1", "--intermediate", "128", "--vocab", "500", "--out", str(tmp_path),
+                        hide_gpus=True)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "token_lookup_formats.json").read_text())
     assert data["device"] == "CPU" and data["torch"] == torch.__version__

@@ -57,6 +57,16 @@ def test_flash_mhf_presets_match_table_4_shapes():
         assert config.ffn_head_dim == 128 and config.subnetwork_size == subnetwork_size
 
 
+def test_every_flash_mhf_preset_runs_the_fused_kernels():
+    """On a GPU the FlashMHF layer runs the fused kernels, which take a few head widths and fail loudly on others:
+    every preset, `tiny` (the recipe's default) included, must be one of their shapes."""
+    from hf_memffn.flash_mhf_op import SUPPORTED_HEAD_DIMS
+
+    for name in pretrain.PRESETS:
+        config = pretrain.build_config("flash_mhf", name, vocab_size=256)
+        assert config.ffn_head_dim in SUPPORTED_HEAD_DIMS and config.subnetwork_size % 16 == 0, name
+
+
 def test_flex_memoryllm_presets_split_the_ffn_with_beta_3():
     """memoryllm.md: FFN-C keeps beta * h^2 = 3 h^2 of the FFN's parameters, FFN-M the rest (5 h^2 at width 8h/3)."""
     for name in ("128M", "370M", "1.3B"):
@@ -209,7 +219,8 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # two gloo processes on the CPU, on a one-GPU machine too
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(script)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
