@@ -57,6 +57,8 @@ from typing import NamedTuple
 
 import torch
 
+from .triton_launch import COMPILE_OPTIONS
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -790,7 +792,7 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
         *(weights or weight_descriptors(k, u, v)), r, *grads,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )
     return (*grads, compiled)
 
@@ -851,7 +853,7 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
         *q.stride()[:3], *grad_out.stride()[:3], *strides,
         total_rows, seq_len, group_size, num_heads, num_subnetworks, *extra,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
-        **flags,
+        **flags, **COMPILE_OPTIONS,
     )
     return grad_q, grad_r, compiled
 
@@ -903,11 +905,12 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True):
         q, *(weights or weight_descriptors(k, u, v)), r, out, shares, *q.stride()[:3], *out.stride()[:3],
         *sizes, num_heads, num_subnetworks, row_blocks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
-        CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS,
+        CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS, **COMPILE_OPTIONS,
     )
     if split_tiles:
         _add_forward_splits_kernel[(3 * split_tiles,)](shares, out, *out.stride()[:3], *sizes, row_blocks, split_from,
-                                                       splits, D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4)
+                                                       splits, D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4,
+                                                       **COMPILE_OPTIONS)
     return out, compiled
 
 
@@ -967,6 +970,6 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
     warps = NUM_WARPS if kernel == "weights" else ROWS_WARPS
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **COMPILE_OPTIONS})
     return {"shared_memory": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
             "compiled": compiled}

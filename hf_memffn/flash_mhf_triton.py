@@ -63,7 +63,7 @@ from .flash_mhf_gluon import (
     multiprocessor_count,
     weight_descriptors,
 )
-from .triton_launch import INTERPRET_REQUESTED, cdiv, next_power_of_2
+from .triton_launch import COMPILE_OPTIONS, INTERPRET_REQUESTED, cdiv, next_power_of_2
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and INTERPRET_REQUESTED
@@ -609,14 +609,14 @@ def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
     """``tuned[grid](*args, **kwargs)``, through the autotuner once per ``key`` and directly afterwards."""
     picked = _PICKED.get(key)
     if picked is None:
-        tuned[grid](*args, **kwargs)
+        tuned[grid](*args, **kwargs, **COMPILE_OPTIONS)
         config = tuned.best_config
         _PICKED[key] = (config.all_kwargs(), config.pre_hook is not None)
         return
     config_kwargs, has_pre_hook = picked
     if has_pre_hook:  # the descriptors' block shapes follow the configuration's (what the autotuner's pre-hook does)
         _set_descriptor_blocks({**dict(zip(tuned.arg_names, args)), **config_kwargs})
-    tuned.fn[grid](*args, **kwargs, **config_kwargs)
+    tuned.fn[grid](*args, **kwargs, **config_kwargs, **COMPILE_OPTIONS)
 
 
 # The kernels that run as Gluon kernels where those apply (`gluon_kernels` narrows the set, for benchmarks that time
@@ -723,7 +723,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     target = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if accumulate else out
     _forward_kernel[(row_blocks, p["kv_heads"], splits)](
         q, k, u, v, r, target, *_row_strides(q), *_row_strides(target), *p["sizes"], splits, 0,
-        ACCUMULATE=accumulate, **fixed, **constants,
+        ACCUMULATE=accumulate, **fixed, **constants, **COMPILE_OPTIONS,
     )
     if accumulate:
         out.copy_(target)
@@ -773,7 +773,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
         _backward_rows_kernel[(cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
-            q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants
+            q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants,
+            **COMPILE_OPTIONS,
         )
     else:
 
@@ -821,7 +822,7 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
         targets = weight_grads
     _backward_weights_kernel[(column_blocks, p["kv_heads"], splits)](
         q_rows, k, u, v, r, grad_out_rows, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate,
-        **fixed, **constants
+        **fixed, **constants, **COMPILE_OPTIONS,
     )
     if accumulate:
         for grad, target in zip(weight_grads, targets):

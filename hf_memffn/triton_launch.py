@@ -26,6 +26,10 @@ import os
 import torch
 
 CACHED = True  # False: every launch through `kernel[grid](...)`
+# How every kernel of this package is compiled, passed with its first launch: with floating-point fusion (a * b + c
+# as one FMA), the default of Triton 3.6 to 3.9 under which the kernels were checked and timed. Asked for explicitly
+# because Triton 3.9 warns that 3.10 turns it off by default.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 MAX_SIGNATURES = 4096  # compiled kernels kept; past this, the cache starts again (each new signature costs one
 # launch through Triton, which finds the compiled kernel in its own cache)
 
@@ -43,9 +47,9 @@ def _signature(args: tuple) -> tuple:
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` function whose arguments are tensors, numbers, booleans
     or None. The parameters that ``args`` leaves out must all come as keyword arguments (defaults are not filled
-    in); keyword arguments that are not parameters are launch options."""
+    in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them)."""
     if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         return
     key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()), _signature(args))
     compiled = _compiled.get(key)
@@ -55,7 +59,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         if missing:
             raise TypeError(f"launch({kernel.__name__}): parameters {missing} must be given (defaults are not "
                             "filled in by the direct launch)")
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
         if compiled is not None:
             if len(_compiled) >= MAX_SIGNATURES:
                 _compiled.clear()

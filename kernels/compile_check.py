@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hf_memffn import decoder_triton, ffn_triton  # noqa: E402
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
+from hf_memffn.triton_launch import COMPILE_OPTIONS  # noqa: E402
 
 # Shared memory one program may use (the opt-in maximum per block), by compute capability.
 SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
@@ -69,7 +70,7 @@ def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: 
             signature[name] = "constexpr"
         else:
             signature[name] = "fp32" if isinstance(scalars[name], float) else "i32"
-    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})}
+    options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **COMPILE_OPTIONS}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", arch, 32),
                               options=options)
     return {"shared": compiled.metadata.shared, **resource_usage(compiled.asm["cubin"])}

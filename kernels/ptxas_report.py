@@ -106,11 +106,14 @@ def parse_kernel(spec: str) -> dict:
 
 
 def load_gluon_module(package: str, settings: dict):
-    """A fresh copy of ``PACKAGE/hf_memffn/flash_mhf_gluon.py`` (it imports only torch and triton), with settings."""
+    """A fresh copy of ``PACKAGE/hf_memffn/flash_mhf_gluon.py`` with settings, as a module of the ``hf_memffn``
+    package: it imports torch, triton and (the current file) the compile options of ``hf_memffn.triton_launch``,
+    which resolves to this checkout's."""
     path = os.path.join(package, "hf_memffn", "flash_mhf_gluon.py")
     if not os.path.exists(path):
         raise SystemExit(f"no {path}")
-    spec = importlib.util.spec_from_file_location(f"flash_mhf_gluon_{abs(hash((path, str(settings))))}", path)
+    spec = importlib.util.spec_from_file_location(f"hf_memffn.flash_mhf_gluon_{abs(hash((path, str(settings))))}",
+                                                  path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # Gluon resolves the kernels' globals through their module
     spec.loader.exec_module(module)

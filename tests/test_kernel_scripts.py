@@ -669,13 +669,15 @@ def test_host_time_comparison_tables(tmp_path):
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
 
 
-def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path):
+def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path, monkeypatch):
     """`compare_triton_builds.py export` runs a decoding case on CPU tensors under a stand-in for Triton's CUDA driver:
     the installed Triton compiles the kernels a launch of that case compiles (the decode kernel and the splits' sum),
-    and the manifest gives each one's cubin, launch metadata, PTX parameters and code digest. A build whose metadata
-    differs only by keys that a newer Triton adds with false values launches the same way; one whose PTX parameters
-    differ does not."""
+    and the manifest gives each one's cubin, launch metadata, PTX parameters and code digest. The launches ask for
+    floating-point fusion themselves (`triton_launch.COMPILE_OPTIONS`), so Triton 3.9 does not warn that its default
+    will change. A build whose metadata differs only by keys that a newer Triton adds with false values launches the
+    same way; one whose PTX parameters differ does not."""
     pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
     sys.path.insert(0, KERNELS)
     try:
         import compare_triton_builds as builds
@@ -689,8 +691,10 @@ def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path):
     for entry in entries:
         assert (tmp_path / entry["cubin"]).stat().st_size > 1000
         assert entry["metadata"]["target"]["arch"] == 90 and entry["metadata"]["num_warps"] == 4
+        assert entry["metadata"]["enable_fp_fusion"] is True
         assert entry["ptx_parameters"] and all(p.startswith(".param") for p in entry["ptx_parameters"])
     assert not list(tmp_path.glob("*.tmp*"))
+    assert "TRITON_DEFAULT_FP_FUSION" not in result.stderr
     old = [{"swizzle": 3, "block_size": [64, 64]}]
     assert builds.same_launch_value(old, [{"swizzle": 3, "block_size": [64, 64], "is_im2col": False}])
     assert not builds.same_launch_value(old, [{"swizzle": 3, "block_size": [64, 64], "is_im2col": True}])
