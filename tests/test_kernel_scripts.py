@@ -258,8 +258,8 @@ def _brace_expansions(name: str) -> list[str]:
 
 
 def test_every_result_file_the_docs_name_exists():
-    """Each GPU result file that README.md, docs/speed.md, the results index and the kernel notes cite (`h100_*`, `h100x4_*`,
-    `h200x4_*`, with `.*` for a file set) is committed under kernels/results or examples/results."""
+    """Each GPU result file that README.md, docs/speed.md, the results index and the kernel notes cite (`h100_*`,
+    `h100x4_*`, `h200x4_*`, with `.*` for a file set) is committed under kernels/results or examples/results."""
     committed = {name for folder in ("kernels/results", "examples/results")
                  for _, _, names in os.walk(os.path.join(ROOT, folder)) for name in names}
     missing = []
