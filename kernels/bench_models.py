@@ -877,8 +877,9 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
 
     fn()
     synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda() else [])
-    kernel_type = torch.autograd.DeviceType.CUDA if on_cuda() else torch.autograd.DeviceType.CPU
+    use_cuda = on_cuda()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+    kernel_type = torch.autograd.DeviceType.CUDA if use_cuda else torch.autograd.DeviceType.CPU
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -891,7 +892,7 @@ def kernel_table(fn, steps: int, top: int = 25) -> dict:
         if event.device_type == kernel_type:
             name = event.name[:120]
             calls, total = kernels.get(name, (0, 0.0))
-            kernels[name] = (calls + 1, total + (event.device_time if on_cuda() else event.cpu_time))
+            kernels[name] = (calls + 1, total + (event.device_time if use_cuda else event.cpu_time))
     ranked = sorted(kernels.items(), key=lambda item: -item[1][1])
     host = sorted(prof.key_averages(), key=lambda event: -event.self_cpu_time_total)[:12]
     families = {}
