@@ -3,8 +3,9 @@
     python kernels/compare_triton_builds.py export --out BUILD [--label NAME]        # any machine, no GPU needed
     python kernels/compare_triton_builds.py time --builds BUILD [BUILD ...] --out DIR [--stem NAME]   # on the GPU
 
-A user gets the Triton that their torch brings (3.6 with torch 2.11 up to 3.9 with torch 2.13). What changes from one
-version to the next is the compiled kernel (the lowering, and the ptxas that assembles it), not how it is launched.
+A user gets the Triton that their torch brings: PyPI's CUDA builds of torch pin Triton 3.6.0 (torch 2.11), 3.7.0
+(2.12), 3.7.1 (2.13), 3.8.0 (2.14) and 3.9 (2.15). What changes from one version to the next is the compiled kernel
+(the lowering, and the ptxas that assembles it), not how it is launched.
 So the kernels can be built where a Triton is installed and timed, as cubins, on a GPU that has another one.
 
 ``export`` runs the layer's cases (`CASES`: the training forward and backward at the 370M and 1.3B presets' layer

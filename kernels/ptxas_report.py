@@ -13,7 +13,8 @@ instructions sit in the loops that issue the products, where they cost every ite
 is set to what each ptxas accepts, as Triton sets it for its own.
 
 Which ptxas runs depends on the Triton version: Triton 3.6 assembles sm_90 kernels with the ptxas of CUDA 12.8 it
-ships, Triton 3.9 with the one of CUDA 13 (its ``ptxas-blackwell``) and ``--regAllocOptLevel=2``; another one when
+ships, 3.7 with the same and ``--regAllocOptLevel=2``, 3.8 with CUDA 12.9's and the option, 3.9 with the one of CUDA
+13 (its ``ptxas-blackwell``) and the option; another one when
 ``TRITON_PTXAS_PATH`` (3.6) or ``TRITON_PTXAS_BLACKWELL_PATH`` (3.9) names it. Run under each Triton, the report
 separates what its lowering does from what the ptxas does (``kernels/flash_mhf_notes.md``, v29).
 

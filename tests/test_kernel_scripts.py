@@ -17,6 +17,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "kernels")
+# the scripts import this checkout, and whatever else PYTHONPATH names (e.g. another Triton, to check its builds)
+SCRIPT_PYTHONPATH = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
@@ -25,7 +27,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
 
 
 def run_script(name, *args, hide_gpus=False):
-    env = {**os.environ, "PYTHONPATH": ROOT, **({"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else {})}
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, **({"CUDA_VISIBLE_DEVICES": ""} if hide_gpus else {})}
     return subprocess.run([sys.executable, os.path.join(KERNELS, name), *args], capture_output=True, text=True,
                           env=env, timeout=300)
 
@@ -52,7 +54,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def script_help():
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH}
     result = subprocess.run([sys.executable, "-c", HELP_RUNNER, *(os.path.join(KERNELS, name) for name in SCRIPTS)],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -616,10 +618,13 @@ def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
 
 def test_ptxas_report_of_the_gluon_kernels(tmp_path):
     """`ptxas_report.py` compiles the Gluon kernels for sm_90 on the CPU and assembles them as Triton does: the
-    weight, row and forward kernels keep every value in registers (a spill made the weight kernel's schedules slower,
-    notes v20-v23). It compiles them without a launch's pointer-alignment specialisation: at a launch's, Triton 3.9
-    spills in the forward (notes v30, `compare_triton_builds.py`). A kernel of another package copy is named by its
-    folder, with module settings."""
+    weight, row and forward kernels keep the loops that issue their products free of spills (spills there made the
+    weight kernel's other schedules slower, notes v20-v23). Outside those loops a lowering may keep a few values in
+    local memory: Triton 3.8 keeps one value of the dq/dr kernel's there, computed before its column loop for dq's
+    store after it (4 bytes: one store and one load per program), as 3.6 does in the norm/gate backward (notes v29,
+    v32). It compiles them without a launch's pointer-alignment specialisation: at a launch's, Triton 3.9 spilled in
+    the forward (notes v30, `compare_triton_builds.py`). A kernel of another package copy is named by its folder,
+    with module settings."""
     from hf_memffn import flash_mhf_gluon
 
     if not flash_mhf_gluon.GLUON_AVAILABLE:
@@ -635,9 +640,10 @@ def test_ptxas_report_of_the_gluon_kernels(tmp_path):
     rows = {row["kernel"]: row["by_ptxas"][ptxas["label"]] for row in data["kernels"]}
     assert list(rows) == ["weights", "rows", "forward", "other:add_forward_splits FORWARD_STAGES=2"]
     for name in ("weights", "rows", "forward"):
-        assert rows[name]["registers"] <= 255 and not rows[name]["wgmma_serialised"], rows[name]
-        assert rows[name]["spill_store_bytes"] == rows[name]["spill_load_bytes"] == 0, (name, rows[name])
-        assert rows[name]["hot_loops"] >= 1 and rows[name]["spill_instructions_in_hot_loops"] == 0, (name, rows[name])
+        row = rows[name]
+        assert row["registers"] <= 255 and not row["wgmma_serialised"], (name, row)
+        assert row["hot_loops"] >= 1 and row["spill_instructions_in_hot_loops"] == 0, (name, row)
+        assert max(row["spill_store_bytes"], row["spill_load_bytes"]) <= 16, (name, row)
     assert "| weights |" in (tmp_path / "report.md").read_text()
     result = run_script("ptxas_report.py", "--out", str(tmp_path), "--kernels", f"{other}:forward:NO_SUCH=1")
     assert result.returncode != 0 and "has no setting NO_SUCH" in result.stderr

@@ -213,7 +213,7 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
     assert log.count("===== llama seed 0") == 1 and "llama seed 0: already done" in log
     markdown = (out / "results.md").read_text()
     assert "2 calls, each after the first continuing the study with `--resume`" in markdown
-    assert " (2) |" in markdown.split("paired Δ ± s.e. (seeds)")[1]  # llama vs MemoryLLM over two common seeds
+    assert " (2) |" in markdown.split("## The papers' orderings")[1]  # llama vs MemoryLLM over two common seeds
 
     (out / "results.md").unlink()
     reported = study.main(["--report", "--out", str(out)])
@@ -234,3 +234,21 @@ def test_paired_difference_decides_the_verdict_from_three_seeds():
     assert study.verdict(summary["a"], summary["b"])[1] == "same order, within seed noise"
     assert study.verdict(summary["a"], summary["b"], (seeds, delta, error))[1] == "reproduced"
     assert study.paired_difference(runs, "a", "c") == (0, None, None)
+
+
+def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict():
+    """The verdict stays the held-out text's; the Wikipedia set's paired difference is reported beside it, over the
+    seeds that measured it (a run without an out-of-domain loss is left out)."""
+    rows = [("llama", 0, 5.00, 6.50), ("llama", 1, 5.10, 6.40), ("llama", 2, 5.05, 6.45), ("llama", 3, 5.2, None),
+            ("flash_mhf", 0, 4.99, 6.40), ("flash_mhf", 1, 5.08, 6.32), ("flash_mhf", 2, 5.06, 6.33),
+            ("flash_mhf", 3, 5.1, 6.0)]
+    runs = [{"model": m, "seed": s, "heldout_loss": loss, **({} if wiki is None else {"wiki_loss": wiki})}
+            for m, s, loss, wiki in rows]
+    seeds, delta, error = study.paired_difference(runs, "flash_mhf", "llama", loss="wiki_loss")
+    assert seeds == 3 and delta == pytest.approx(0.1) and error == pytest.approx(0.02 / math.sqrt(3))
+    summary = {m: {"heldout_loss_mean": mean, "heldout_loss_std": 0.08} for m, mean in [("llama", 5.0875),
+                                                                                          ("flash_mhf", 5.0575)]}
+    (claim,) = study.claims_table(summary, {"llama": "SwiGLU", "flash_mhf": "FlashMHF"}, runs)
+    assert claim["paired_seeds"] == 4 and claim["wiki_paired_seeds"] == 3
+    assert claim["wiki_paired_delta"] == pytest.approx(0.1)
+    assert claim["verdict"] == "same order, within seed noise"  # the held-out text's, not the Wikipedia set's
