@@ -620,9 +620,9 @@ def test_ptxas_report_of_the_gluon_kernels(tmp_path):
     """`ptxas_report.py` compiles the Gluon kernels for sm_90 on the CPU and assembles them as Triton does: the
     weight, row and forward kernels keep the loops that issue their products free of spills (spills there made the
     weight kernel's other schedules slower, notes v20-v23). Outside those loops a lowering may keep a few values in
-    local memory: Triton 3.8 keeps one value of the dq/dr kernel's there, computed before its column loop for dq's
-    store after it (4 bytes: one store and one load per program), as 3.6 does in the norm/gate backward (notes v29,
-    v32). It compiles them without a launch's pointer-alignment specialisation: at a launch's, Triton 3.9 spilled in
+    local memory: Triton 3.7 and 3.8 keep one value of the dq/dr kernel's there, computed before its column loop for
+    dq's store after it (4 bytes: one store and one load per program), as 3.6 does in the norm/gate backward (notes
+    v29, v32). It compiles them without a launch's pointer-alignment specialisation: at a launch's, Triton 3.9 spilled in
     the forward (notes v30, `compare_triton_builds.py`). A kernel of another package copy is named by its folder,
     with module settings."""
     from hf_memffn import flash_mhf_gluon
