@@ -11,12 +11,18 @@ as others finish): `--requests` requests submitted at once, prompt and generatio
 exactly its length). `--token-lookup` (default on) adds a MemoryLLM reading a bf16 token lookup table (`gpu`
 placement on CUDA, else `cpu`) with its memory FFN weights dropped.
 
-Each model first runs a warm-up workload: as many requests, prompts of the same lengths, an eighth of the new tokens
-(kernel compilation, Triton autotuning of the batch shapes, CUDA graph capture happen there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
-tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of all requests), and the
-device memory of the weights (and table); the paged KV cache is sized by transformers from the free memory
-(`--num-blocks` / `--max-batch-tokens` to fix it). Rows are written after every model, so a run cut short keeps
-what it measured.
+Each model first runs a warm-up workload: as many requests, prompts drawn from the same range (another seed), an
+eighth of the new tokens (kernel compilation, Triton autotuning of the batch shapes, CUDA graph capture happen
+there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
+tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of
+all requests), the device memory of the weights (and table), and the Triton kernels compiled (or loaded from
+Triton's disk cache) during the warm-up and during the timed workload, with the seconds they took; the paged KV cache
+is sized by transformers from the free memory (`--num-blocks` / `--max-batch-tokens` to fix it).
+
+`--rounds N` (N > 1) builds and warms up every model first, then serves the timed workload N times, the models taking
+turns in an order rotated each round; each row then holds the medians over the rounds, and the ratio of the model's
+generated tokens/s to Llama's in the same round (median, lowest and highest), which cancels what drifts between rounds.
+Rows are written after every model (every round with --rounds), so a run cut short keeps what it measured.
 Writes continuous_batching.json and continuous_batching.md (with the device) into --out, and prints the table.
 """
 
@@ -36,7 +42,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 
+from harness import TritonCompilations, median  # noqa: E402
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
@@ -68,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "sizes it from free device memory)")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: transformers)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1, help="timed workloads per model, the models taking turns "
+                                                              "(default 1: each model built, warmed up and timed "
+                                                              "in turn)")
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -158,7 +169,8 @@ def flash_mhf_kernel_path(model) -> str | None:
     return None
 
 
-def bench_one(name: str, args, device, dtype, requests, warmup_requests, table_dir: str | None) -> dict:
+def prepare_model(name: str, args, device, dtype, warmup_requests, table_dir: str | None):
+    """(the model, its row: sizes, FFN path, warm-up time and compilations)."""
     arch = "memoryllm" if name == "memoryllm_lookup" else name
     model = build_model(arch, args, device, dtype)
     counts = model.parameter_counts() if hasattr(model, "parameter_counts") else None
@@ -178,14 +190,58 @@ def bench_one(name: str, args, device, dtype, requests, warmup_requests, table_d
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row["weights_gib"] = (weight_bytes + (table.device_bytes() if table is not None else 0)) / 2**30
     start = time.perf_counter()
-    run_workload(model, warmup_requests, args, record=False)
+    with TritonCompilations() as compilations:
+        run_workload(model, warmup_requests, args, record=False)
     row["warmup_s"] = time.perf_counter() - start
-    row.update(run_workload(model, requests, args, record=True))
+    row["warmup_compilations"] = compilations.summary()
+    return model, row
+
+
+def timed_run(model, requests, args) -> dict:
+    with TritonCompilations() as compilations:
+        result = run_workload(model, requests, args, record=True)
+    result["compilations"] = compilations.summary()
+    return result
+
+
+def release(model, device) -> None:
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def bench_one(name: str, args, device, dtype, requests, warmup_requests, table_dir: str | None) -> dict:
+    model, row = prepare_model(name, args, device, dtype, warmup_requests, table_dir)
+    row.update(timed_run(model, requests, args))
+    release(model, device)
     return row
+
+
+def summarise_rounds(row: dict, rounds: list[dict], baseline_rounds: list[dict] | None) -> dict:
+    """The row of a model timed over several rounds: the medians of each measure, every round's numbers, and the
+    ratio of its generated tokens/s to the baseline's of the same round (median, lowest, highest)."""
+    summary = dict(row, rounds=rounds, attn_implementation=rounds[0]["attn_implementation"])
+    for measure in ("wall_s", "requests_per_s", "generated_tokens_per_s", "total_tokens_per_s", "latency_mean_s",
+                    "latency_p90_s", "ttft_mean_s"):
+        values = [r[measure] for r in rounds if r.get(measure) is not None]
+        summary[measure] = median(values) if values else None
+    summary["compilations"] = {"count": sum(r["compilations"]["count"] for r in rounds),
+                               "seconds": sum(r["compilations"]["seconds"] for r in rounds),
+                               "per_round": [r["compilations"]["count"] for r in rounds]}
+    if baseline_rounds:
+        ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"] for r, b in zip(rounds, baseline_rounds)]
+        summary["x_baseline"] = {"median": median(ratios), "low": min(ratios), "high": max(ratios),
+                                 "rounds": ratios}
+    return summary
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def device_name(device) -> str:
@@ -194,8 +250,15 @@ def device_name(device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _compilations(summary: dict | None) -> str:
+    if not summary:
+        return "-"
+    return f"{summary['count']} ({summary['seconds']:.1f} s)" if summary["count"] else "0"
+
+
 def to_markdown(report: dict) -> str:
     s = report["settings"]
+    rounds = s.get("rounds", 1)
     lines = [
         f"# Continuous batching throughput, preset {s['preset']}",
         "",
@@ -204,21 +267,35 @@ def to_markdown(report: dict) -> str:
         f"Workload: {s['requests']} requests submitted at once, prompts {s['prompt_lengths'][0]}-"
         f"{s['prompt_lengths'][1]} tokens ({report['prompt_tokens']} in all), {s['new_tokens'][0]}-{s['new_tokens'][1]} "
         f"new tokens each ({report['generated_tokens']} in all), greedy, EOS disabled, vocab {s['vocab_size']}.",
+    ]
+    if rounds > 1:
+        lines.append(f"{rounds} rounds, the models taking turns in an order rotated each round: medians over the "
+                     "rounds; x Llama is the model's generated tokens/s over Llama's in the same round (median, "
+                     "lowest-highest).")
+    lines += [
+        "Compiled: the Triton kernels compiled or loaded from Triton's disk cache during the warm-up / during the "
+        "timed workload" + (" (all rounds)" if rounds > 1 else "") + ", with the seconds they took.",
         "",
-        "| model | params (active) | requests/s | generated tok/s | total tok/s | latency mean / p90 s | TTFT mean s | "
-        "weights GiB | warm-up s | attention | FFN kernel / table |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params (active) | requests/s | generated tok/s | " + ("x Llama | " if rounds > 1 else "")
+        + "total tok/s | latency mean / p90 s | TTFT mean s | weights GiB | warm-up s | compiled | attention | "
+        "FFN kernel / table |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rounds > 1 else ""),
     ]
     for row in report["results"]:
         if "error" in row:
-            lines.append(f"| {row['model']} | failed: {row['error']} |" + " |" * 9)
+            lines.append(f"| {row['model']} | failed: {row['error']} |" + " |" * (10 + (rounds > 1)))
             continue
         ttft = f"{row['ttft_mean_s']:.2f}" if row.get("ttft_mean_s") is not None else "-"
+        ratio = row.get("x_baseline")
+        ratio = (f"{ratio['median']:.2f} ({ratio['low']:.2f}-{ratio['high']:.2f}) | " if ratio else "- | ") \
+            if rounds > 1 else ""
+        compiled = f"{_compilations(row.get('warmup_compilations'))} / {_compilations(row.get('compilations'))}"
         lines.append(
             f"| {row['model']} | {row['parameters'] / 1e6:.1f}M ({row['active_parameters'] / 1e6:.1f}M) | "
-            f"{row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.0f} | {row['total_tokens_per_s']:.0f} | "
-            f"{row['latency_mean_s']:.2f} / {row['latency_p90_s']:.2f} | {ttft} | {row['weights_gib']:.2f} | {row['warmup_s']:.1f} | "
-            f"{row['attn_implementation']} | {row.get('table') or (row.get('flash_mhf_path') or '-').split(' (')[0]} |")
+            f"{row['requests_per_s']:.2f} | {row['generated_tokens_per_s']:.0f} | {ratio}"
+            f"{row['total_tokens_per_s']:.0f} | {row['latency_mean_s']:.2f} / {row['latency_p90_s']:.2f} | {ttft} | "
+            f"{row['weights_gib']:.2f} | {row['warmup_s']:.1f} | {compiled} | {row['attn_implementation']} | "
+            f"{row.get('table') or (row.get('flash_mhf_path') or '-').split(' (')[0]} |")
     lines += ["", f"Command: `{report['command']}`", ""]
     return "\n".join(lines)
 
@@ -234,7 +311,10 @@ def write_report(report: dict, out: str) -> str:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -249,7 +329,8 @@ def main(argv=None) -> dict:
 
     report = {
         "device": device_name(device),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "triton": triton_version()},
         "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype).replace("torch.", "")},
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "generated_tokens": sum(new for _, new in requests),
@@ -257,17 +338,61 @@ def main(argv=None) -> dict:
         "results": [],
     }
     started = time.perf_counter()
+
+    def progress(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {text}", flush=True)
+
+    def record(rows: list[dict]) -> str:
+        report["results"] = rows
+        report["total_s"] = time.perf_counter() - started
+        return write_report(report, args.out)  # after every step: a run cut short keeps what it measured
+
     with tempfile.TemporaryDirectory() as table_dir:
-        for name in names:
-            print(f"[{time.perf_counter() - started:6.1f} s] {LABELS[name]} ...", flush=True)
+        if args.rounds == 1:
+            rows = []
+            for name in names:
+                progress(f"{LABELS[name]} ...")
+                try:
+                    row = bench_one(name, args, device, dtype, requests, warmup_requests, table_dir)
+                except Exception as error:  # one model failing still leaves the others' numbers
+                    row = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
+                rows.append(row)
+                print(f"    {json.dumps(row)}", flush=True)
+                markdown = record(rows)
+        else:
+            markdown = run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir, progress, record)
+    print(markdown)
+    return report
+
+
+def run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir, progress, record) -> str:
+    """Every model built and warmed up, then ``args.rounds`` timed workloads each, the models taking turns."""
+    models, rows, failed = {}, {}, {}
+    for name in names:
+        progress(f"{LABELS[name]}: build and warm up ...")
+        try:
+            models[name], rows[name] = prepare_model(name, args, device, dtype, warmup_requests, table_dir)
+        except Exception as error:
+            failed[name] = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
+    rounds = {name: [] for name in models}
+    markdown = ""
+    for index in range(args.rounds):
+        order = list(models)[index % max(1, len(models)):] + list(models)[:index % max(1, len(models))]
+        for name in order:
+            progress(f"round {index + 1}/{args.rounds}: {LABELS[name]} ...")
             try:
-                row = bench_one(name, args, device, dtype, requests, warmup_requests, table_dir)
-            except Exception as error:  # one model failing still leaves the others' numbers
-                row = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
-            report["results"].append(row)
-            print(f"    {json.dumps(row)}", flush=True)
-            report["total_s"] = time.perf_counter() - started
-            markdown = write_report(report, args.out)  # after every model: a run cut short keeps what it measured
+                rounds[name].append(timed_run(models[name], requests, args))
+            except Exception as error:
+                failed[name] = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
+                release(models.pop(name), device)
+                rounds.pop(name)
+        complete = [name for name in names if name in rounds and rounds[name]]
+        baseline = rounds.get("llama") if "llama" in complete else None
+        summaries = {name: summarise_rounds(rows[name], rounds[name], baseline if name != "llama" else None)
+                     for name in complete}
+        markdown = record([summaries.get(name) or failed.get(name) for name in names
+                           if name in summaries or name in failed])
+    return markdown
     print(markdown)
     return report
 

@@ -26,7 +26,7 @@ import functools
 import torch
 
 from .configuration_memffn import DECODER_KERNELS
-from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, next_power_of_2
+from .triton_launch import INTERPRET_REQUESTED, any_size, cdiv, launch, next_power_of_2
 
 try:
     import triton
@@ -121,6 +121,10 @@ if TRITON_AVAILABLE:
         tl.store(y_at, y1.to(Y.dtype.element_ty), mask=mask)
         tl.store(y_at + HALF, y2.to(Y.dtype.element_ty), mask=mask)
 
+    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`)
+    _rms_norm_forward_any_size = any_size(_rms_norm_forward_kernel, "num_rows")
+    _rotary_any_size = any_size(_rotary_kernel, "seq_len")
+
 
 def decoder_kernels_unavailable(x: torch.Tensor, kernels: str) -> str | None:
     """Why the decoder's norm and rotation run as PyTorch operations for ``x`` under ``kernels`` (one of
@@ -174,8 +178,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, keep_rst
     rstd = torch.empty(num_rows, device=x.device, dtype=torch.float32) if keep_rstd else None
     if num_rows:
         block_r, block_c = _norm_blocks(num_cols)
-        launch(
-            _rms_norm_forward_kernel, (cdiv(num_rows, block_r),),
+        launch(  # without keep_rstd (inference): the build for any number of rows
+            _rms_norm_forward_kernel if keep_rstd else _rms_norm_forward_any_size, (cdiv(num_rows, block_r),),
             rows, weight, y, rstd if keep_rstd else y, num_rows, num_cols, rows.stride(0), y.stride(0), eps,
             BLOCK_R=block_r, BLOCK_C=block_c, STORE_RSTD=keep_rstd, num_warps=_norm_warps(block_c),
         )
@@ -238,10 +242,11 @@ ROTARY_BLOCK_L = 32
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, transposed: bool,
-           second: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+           second: tuple[torch.Tensor, torch.Tensor] | None = None, inference: bool = False) -> None:
     """Writes the rotation of ``x`` into ``out``, and with ``second = (x2, out2)`` that of ``x2`` into ``out2`` in the
     same launch; all are [B, L, H, D]-indexed views (any strides, dense last dimension; ``x2`` may have another
-    number of heads), ``cos`` and ``sin`` [B or 1, L, D]."""
+    number of heads), ``cos`` and ``sin`` [B or 1, L, D]. ``inference``: the kernel's build for any number of
+    tokens."""
     batch, length, heads, dim = x.shape
     x2, out2 = second if second is not None else (x, out)
     heads_total = heads + x2.shape[2] if second is not None else heads
@@ -250,7 +255,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     half = dim // 2
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     launch(
-        _rotary_kernel, (cdiv(length, ROTARY_BLOCK_L), heads_total, batch),
+        _rotary_any_size if inference else _rotary_kernel, (cdiv(length, ROTARY_BLOCK_L), heads_total, batch),
         x, out, x2, out2, cos, sin, length, heads,
         x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
         x2.stride(0), x2.stride(1), x2.stride(2), out2.stride(0), out2.stride(1), out2.stride(2),
@@ -299,7 +304,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if torch.is_grad_enabled() and x.requires_grad:
         return _RotaryFunction.apply(x, cos, sin)
     out = _heads_first(x)
-    rotary(x, cos, sin, out, transposed=False)
+    rotary(x, cos, sin, out, transposed=False, inference=True)
     return out.transpose(1, 2)
 
 
@@ -315,7 +320,7 @@ def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     query, cos, sin = _rotary_inputs(query, cos, sin)
     key = key if key.stride(-1) == 1 else key.contiguous()
     query_out, key_out = _heads_first(query), _heads_first(key)
-    rotary(query, cos, sin, query_out, transposed=False, second=(key, key_out))
+    rotary(query, cos, sin, query_out, transposed=False, second=(key, key_out), inference=True)
     return query_out.transpose(1, 2), key_out.transpose(1, 2)
 
 

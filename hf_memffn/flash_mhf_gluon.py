@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_launch import COMPILE_OPTIONS
+from .triton_launch import COMPILE_OPTIONS, any_size
 
 try:
     from triton.experimental import gluon
@@ -732,6 +732,11 @@ if GLUON_AVAILABLE:
         _store_row_block(O, total, first, group, total_rows, seq_len, group_size, stride_ob, stride_oh, stride_ol,
                          ROWS, D_H, layout)
 
+    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`)
+    _FORWARD_SIZES = ("total_rows", "seq_len", "row_blocks", "split_from", "splits")
+    _warp_specialised_forward_any_size = any_size(_warp_specialised_forward_kernel, *_FORWARD_SIZES)
+    _add_forward_splits_any_size = any_size(_add_forward_splits_kernel, *_FORWARD_SIZES)
+
 
 def descriptor_ready(t: torch.Tensor) -> torch.Tensor:
     """``t``, or an aligned copy of it: a bulk tensor copy needs a 16-byte aligned base and 16-byte multiples as
@@ -881,12 +886,15 @@ def forward_splits(row_blocks: int, multiprocessors: int, column_blocks: int) ->
     return row_blocks - last_round, splits
 
 
-def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True):
+_ADD_SPLITS_COMPILED: set = set()  # (device, dtype, d_h) for which inference's build of the splits' sum is compiled
+
+
+def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inference: bool = False):
     """The FlashMHF output in q's dtype and layout; q [B, H, L, d_h] (any strides with a dense last dimension), k, u,
     v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``out`` (benchmarks): a tensor to write instead of a
     new one; ``weights``: k, u, v's `weight_descriptors`, when the caller has them; ``split=False`` (tests and
-    benchmarks): no row block split into column ranges (see `forward_splits`). Returns the output and the compiled
-    kernel."""
+    benchmarks): no row block split into column ranges (see `forward_splits`); ``inference``: the kernels' builds for
+    any number of tokens. Returns the output and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "forward")
     total_rows = batch * group_size * seq_len
@@ -901,16 +909,24 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True):
     # float32 shares of the split row blocks (a 4-byte placeholder when none is split)
     shares = q.new_empty((max(1, split_tiles * splits * FORWARD_BLOCK_L), head_dim), dtype=torch.float32)
     sizes = (total_rows, seq_len, group_size)
-    compiled = _warp_specialised_forward_kernel[(split_from + split_tiles * splits,)](
+    forward, add_splits = ((_warp_specialised_forward_any_size, _add_forward_splits_any_size) if inference
+                           else (_warp_specialised_forward_kernel, _add_forward_splits_kernel))
+    compiled = forward[(split_from + split_tiles * splits,)](
         q, *(weights or weight_descriptors(k, u, v)), r, out, shares, *q.stride()[:3], *out.stride()[:3],
         *sizes, num_heads, num_subnetworks, row_blocks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
         CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS, **COMPILE_OPTIONS,
     )
+    add_splits_arguments = (shares, out, *out.stride()[:3], *sizes, row_blocks, split_from, splits)
+    add_splits_options = dict(D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4, **COMPILE_OPTIONS)
     if split_tiles:
-        _add_forward_splits_kernel[(3 * split_tiles,)](shares, out, *out.stride()[:3], *sizes, row_blocks, split_from,
-                                                       splits, D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4,
-                                                       **COMPILE_OPTIONS)
+        add_splits[(3 * split_tiles,)](*add_splits_arguments, **add_splits_options)
+    elif inference and (q.device, q.dtype, head_dim) not in _ADD_SPLITS_COMPILED:
+        # compiled with the forward's first call rather than in the middle of serving, at the first prompt whose last
+        # round of programs is split (its build for any size: these arguments compile what that launch runs)
+        add_splits.warmup(*add_splits_arguments, grid=(1,), **add_splits_options)
+    if inference:
+        _ADD_SPLITS_COMPILED.add((q.device, q.dtype, head_dim))
     return out, compiled
 
 

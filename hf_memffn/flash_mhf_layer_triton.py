@@ -33,7 +33,7 @@ import functools
 import torch
 
 from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid
-from .triton_launch import cdiv, next_power_of_2
+from .triton_launch import any_size, cdiv, next_power_of_2
 from .triton_launch import launch as launch_kernel
 
 if TRITON_AVAILABLE:
@@ -113,6 +113,9 @@ if TRITON_AVAILABLE:
             tl.store(TOTALS + gate_rows, totals, mask=token_mask)
         r_mask = token_mask[:, None] & (subnetworks[None, :] < num_subnetworks)
         tl.store(R + gate_rows[:, None] * num_subnetworks + subnetworks[None, :], gates, mask=r_mask)
+
+    # the build that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`)
+    _queries_and_gates_any_size = any_size(_queries_and_gates_kernel, "num_tokens", "seq_len")
 
     @triton.jit
     def _queries_and_gates_backward_kernel(
@@ -237,7 +240,7 @@ if TRITON_AVAILABLE:
         hidden = gate_pre * _sigmoid(gate_pre, FAST_SIGMOID) * up * gate[:, None]
         return _dot_acc(hidden.to(v.dtype), v, acc, PRECISION)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens", "blocks_per_split"])
     def _decode_kernel(
         P, NORM_W, ROUTER, K, U, V, OUT,
         num_tokens, group_size, num_subnetworks, stride_p, eps, gate_eps, blocks_per_split,
@@ -276,7 +279,7 @@ if TRITON_AVAILABLE:
                        + tl.arange(0, D_H)[None, :])
         tl.store(OUT + out_offsets, acc.to(OUT.dtype.element_ty), mask=token_mask[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _split_sum_kernel(PARTS, OUT, num_splits, num_elements, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
         """OUT[i] = sum over s of PARTS[s, i] (float32, then OUT's dtype), for BLOCK elements per program: the splits
         in a fixed order, so the decode kernel's output is the same from run to run."""
@@ -328,7 +331,8 @@ DECODE_MAX_TOKENS = 64  # the decode kernel runs the layer for up to this many t
 # blocks), and whether a program asks for its first weight tiles before computing the norm and gates.
 # `python kernels/tune_flash_mhf_layer.py --decode` times the alternatives.
 DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2, "weights_first": True}
-# The splits' sum: output elements per program, and splits per step (all of a decoding step's splits in one load)
+# The splits' sum: output elements per program, and splits per step (all of a decoding step's splits in one load;
+# one value for every number of splits, so that the kernel is compiled once)
 DECODE_SUM_BLOCK, DECODE_SUM_BLOCK_S = 128, 64
 
 
@@ -364,8 +368,9 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
     gate_totals = r.new_empty(batch, num_heads, length) if totals and router is not None else None
     num_tokens = batch * length
     if num_tokens:
-        launch_kernel(
-            _queries_and_gates_kernel, (cdiv(num_tokens, launch["block_t"]), num_heads),
+        launch_kernel(  # training (totals) launches the kernel as it is, inference its build for any size
+            _queries_and_gates_kernel if totals else _queries_and_gates_any_size,
+            (cdiv(num_tokens, launch["block_t"]), num_heads),
             rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), q, r, _pointer_or(gate_totals, r),
             num_tokens, length, num_heads, num_subnetworks, rows.stride(0), width, eps, gate_eps,
             D_H=head_dim, E_DOT=e_dot(num_subnetworks), BLOCK_T=launch["block_t"], num_warps=launch["num_warps"],
@@ -522,7 +527,7 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float,
         if splits > 1:
             launch_kernel(
                 _split_sum_kernel, (cdiv(out.numel(), DECODE_SUM_BLOCK),), parts, out, splits, out.numel(),
-                BLOCK_S=min(next_power_of_2(splits), DECODE_SUM_BLOCK_S), BLOCK=DECODE_SUM_BLOCK, num_warps=4,
+                BLOCK_S=DECODE_SUM_BLOCK_S, BLOCK=DECODE_SUM_BLOCK, num_warps=4,
             )
     return out.view(batch, length, width)
 

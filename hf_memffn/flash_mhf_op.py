@@ -418,9 +418,11 @@ def _layer_forward_keeping_queries(p, norm_weight, router, weights, head_dim, ep
     for the backward instead of recomputing them there (inference asks for no totals)."""
     batch, length, width = p.shape
     k, u, v = weights.chunk(3)
+    inference = not totals  # the kernels' builds for any number of tokens (`triton_launch.any_size`)
     outputs = queries_and_gates(p, norm_weight, router, head_dim, k.shape[1], eps, gate_eps, totals=totals)
     q, r, totals = outputs if totals else (*outputs, None)
-    heads = triton_forward(q.view(batch, length, width // head_dim, head_dim).transpose(1, 2), k, u, v, r)
+    heads = triton_forward(q.view(batch, length, width // head_dim, head_dim).transpose(1, 2), k, u, v, r,
+                           inference=inference)
     return heads.transpose(1, 2).reshape(batch, length, width), q, r, totals  # heads has q's layout: a view
 
 

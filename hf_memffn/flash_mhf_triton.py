@@ -63,7 +63,7 @@ from .flash_mhf_gluon import (
     multiprocessor_count,
     weight_descriptors,
 )
-from .triton_launch import COMPILE_OPTIONS, INTERPRET_REQUESTED, cdiv, next_power_of_2
+from .triton_launch import COMPILE_OPTIONS, INTERPRET_REQUESTED, any_size, cdiv, next_power_of_2
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and INTERPRET_REQUESTED
@@ -464,6 +464,12 @@ if TRITON_AVAILABLE:
     _forward_tuned = triton.autotune(
         _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
     )(_forward_kernel)
+    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`);
+    # the autotuner's picks per size bucket are shared with training's
+    _forward_any_size = any_size(_forward_kernel, "total_rows", "seq_len", "num_splits")
+    _forward_tuned_any_size = triton.autotune(
+        _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
+    )(_forward_any_size)
     _backward_rows_tuned = triton.autotune(
         _configs("rows"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("rows")}
     )(_backward_rows_kernel)
@@ -681,11 +687,13 @@ def _kernels_for(q_shape, k_shape, dtype: torch.dtype, device: torch.device) -> 
             "triton" if column_blocks * p["kv_heads"] < sms else "gluon")
 
 
-def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None) -> torch.Tensor:
+def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: bool | None = None,
+                   inference: bool = False) -> torch.Tensor:
     """FlashMHF forward with the fused kernel; the output has q's layout.
 
     ``splits`` (tests only) forces the split-loop variant; ``descriptors`` (tests only) forces or forbids the
-    tensor-descriptor reads of K, U, V (see ``_use_tensor_descriptors``).
+    tensor-descriptor reads of K, U, V (see ``_use_tensor_descriptors``); ``inference``: the kernels' builds for any
+    number of tokens (`triton_launch.any_size`).
     """
     q = _rows_dense(q)
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
@@ -694,7 +702,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
     if p["total_rows"] == 0:
         return out
     if splits is None and descriptors is None and forward_kernel(q, k) == "gluon":
-        return gluon_forward(q, k, u, v, r, out=out)[0]
+        return gluon_forward(q, k, u, v, r, out=out, inference=inference)[0]
     flags = _kernel_flags(q.dtype)
     use_descriptors = _use_tensor_descriptors(q.device, descriptors)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], TENSOR_DESCRIPTORS=use_descriptors, **flags)
@@ -714,14 +722,14 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
         key = ("forward", p["head_dim"], p["subnetwork_size"], bucket, q.dtype, k_dtype, r.dtype, use_descriptors)
         _launch_tuned(
-            _forward_tuned, key, grid, q, k, u, v, r, out, *_row_strides(q), *_row_strides(out), *p["sizes"], 1, bucket,
-            ACCUMULATE=False, **constants,
+            _forward_tuned_any_size if inference else _forward_tuned, key, grid, q, k, u, v, r, out, *_row_strides(q),
+            *_row_strides(out), *p["sizes"], 1, bucket, ACCUMULATE=False, **constants,
         )
         return out
 
     accumulate = splits > 1
     target = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if accumulate else out
-    _forward_kernel[(row_blocks, p["kv_heads"], splits)](
+    (_forward_any_size if inference else _forward_kernel)[(row_blocks, p["kv_heads"], splits)](
         q, k, u, v, r, target, *_row_strides(q), *_row_strides(target), *p["sizes"], splits, 0,
         ACCUMULATE=accumulate, **fixed, **constants, **COMPILE_OPTIONS,
     )

@@ -82,9 +82,30 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def any_size(kernel, *arguments: str):
+    """``kernel`` built a second time for inference, with ``arguments`` (those that follow the number of tokens in a
+    call) left unspecialised (Triton's ``do_not_specialize``).
+
+    Triton compiles a kernel again for each new combination of its integer arguments being 1, a multiple of 16, or
+    neither. A training run's shapes are fixed, and knowing a size is a multiple of 16 saves a few instructions per
+    tile (one predicate for four rows of a mask), so training launches the kernel as it is. Inference sees a new
+    number of tokens at every decoding step, prompt and continuous-batching step: launched with this build, a kernel
+    is compiled once, whatever the sizes, instead of a second time in the middle of serving (about a second for the
+    Gluon forward). Arguments that bound a mask along a tensor's contiguous dimension, and strides, stay specialised
+    (a multiple of 16 lets the masked loads vectorise); kernels that only inference runs take ``do_not_specialize``
+    directly."""
+    import inspect
+
+    parameters = list(inspect.signature(kernel.fn).parameters)
+    unknown = [name for name in arguments if name not in parameters]
+    if unknown:  # Triton would ignore them: the build would specialise them after all
+        raise ValueError(f"any_size({kernel.fn.__name__}): {unknown} are not among its parameters {parameters}")
+    return type(kernel)(kernel.fn, do_not_specialize=list(arguments))
+
+
 def clear() -> None:
     """Forgets the compiled kernels kept (the next launch of each signature goes through Triton)."""
     _compiled.clear()
 
 
-__all__ = ["launch", "clear", "cdiv", "next_power_of_2", "CACHED"]
+__all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "CACHED"]

@@ -269,6 +269,7 @@ def compiling_for_hopper():
 
     patches = [
         (flash_mhf_triton, "_num_sms", lambda device: MULTIPROCESSORS),
+        (flash_mhf_triton, "_capability_of", lambda device: (9, 0)),
         (flash_mhf_layer_triton, "_num_sms", lambda device: MULTIPROCESSORS),
         (flash_mhf_gluon, "multiprocessor_count", lambda device: MULTIPROCESSORS),
         (flash_mhf_gluon, "gluon_reason_for", lambda *args: None),

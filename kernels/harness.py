@@ -146,6 +146,54 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+class TritonCompilations:
+    """Records the Triton kernels compiled (or loaded from Triton's disk cache) while active, with the seconds each
+    took, through Triton's JIT hooks (`triton.knobs.runtime`, Triton 3.6 to 3.9): the cache hook runs before a
+    kernel missing from the in-memory cache is built, the post-compile hook after. A kernel is named by its function,
+    or by ``names`` ({kernel: name}) where that holds it (two builds of one function). Without Triton it records
+    nothing."""
+
+    def __init__(self, names: dict | None = None):
+        self.events: list[tuple[str, float]] = []
+        self.names = names or {}
+        self._started: dict = {}
+        self._saved = None
+
+    def _before(self, *_, **kwargs):
+        self._started[kwargs.get("key")] = time.perf_counter()
+        return None  # a true value would tell Triton to skip the compilation
+
+    def _after(self, *_, **kwargs):
+        start = self._started.pop(kwargs.get("key"), None)
+        function = kwargs.get("fn")
+        name = (self.names.get(getattr(function, "jit_function", None)) or getattr(function, "name", None)
+                or str(kwargs.get("repr", "?")).split("[")[0])
+        self.events.append((name, time.perf_counter() - start if start is not None else float("nan")))
+        return None
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *_):
+        if self._saved is not None:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+            self._saved = None
+
+    def summary(self) -> dict:
+        kernels: dict[str, int] = {}
+        for name, _ in self.events:
+            kernels[name] = kernels.get(name, 0) + 1
+        return {"count": len(self.events), "seconds": sum(seconds for _, seconds in self.events), "kernels": kernels}
+
+
 class ClockSampler:
     """SM clock (MHz) and board power (W) from `nvidia-smi` every 50 ms while in a `with` block: an H100 at its power
     limit changes its clock by 15% within seconds, so timings record the clock they ran at."""

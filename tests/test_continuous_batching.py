@@ -131,16 +131,22 @@ def test_token_lookup_table_reads_the_flattened_batch(exported, placement):
         assert (step["logits"] - reference["logits"]).abs().max() <= 1e-5 * scale
 
 
-def test_throughput_benchmark_runs_at_toy_size(tmp_path):
-    """examples/bench_continuous_batching.py, as the GPU run uses it, at a toy size on the CPU."""
+def _load_throughput_benchmark():
     import importlib.util
-    import json
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "examples" / "bench_continuous_batching.py"
     spec = importlib.util.spec_from_file_location("bench_continuous_batching", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_throughput_benchmark_runs_at_toy_size(tmp_path):
+    """examples/bench_continuous_batching.py, as the GPU run uses it, at a toy size on the CPU."""
+    import json
+
+    bench = _load_throughput_benchmark()
     bench.main(["--preset", "tiny", "--archs", "llama", "flash_mhf", "memoryllm", "--requests", "4",
                 "--prompt-lengths", "3,30", "--new-tokens", "2,6", "--vocab-size", "400", "--num-blocks", "16",
                 "--max-batch-tokens", "64", "--device", "cpu", "--out", str(tmp_path)])
@@ -153,6 +159,48 @@ def test_throughput_benchmark_runs_at_toy_size(tmp_path):
     assert lookup["active_parameters"] < rows["MemoryLLM"]["parameters"]  # the memory FFN weights were dropped
     assert rows["FlashMHFLlama"]["flash_mhf_path"].startswith("unfused layer")
     assert report["device"].startswith("CPU") and report["device"] in (tmp_path / "continuous_batching.md").read_text()
+
+
+def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
+    """--rounds: every model warmed up once, then timed in turns; each row has its rounds and its ratio to Llama in
+    the same round."""
+    import json
+
+    bench = _load_throughput_benchmark()
+    bench.main(["--preset", "tiny", "--archs", "llama", "kvffn", "--no-token-lookup", "--requests", "3",
+                "--prompt-lengths", "3,12", "--new-tokens", "2,4", "--vocab-size", "300", "--num-blocks", "16",
+                "--max-batch-tokens", "32", "--device", "cpu", "--rounds", "2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    llama, kvffn = report["results"]
+    assert [len(llama["rounds"]), len(kvffn["rounds"])] == [2, 2] and "x_baseline" not in llama
+    ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"] for r, b in zip(kvffn["rounds"], llama["rounds"])]
+    assert kvffn["x_baseline"]["rounds"] == ratios
+    assert kvffn["x_baseline"]["low"] <= kvffn["x_baseline"]["median"] <= kvffn["x_baseline"]["high"]
+    assert kvffn["compilations"]["per_round"] == [0, 0] and kvffn["warmup_compilations"]["count"] == 0  # CPU
+    assert "| x Llama |" in (tmp_path / "continuous_batching.md").read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0", "--out", str(tmp_path)])
+
+
+def test_triton_compilations_are_recorded_through_the_jit_hooks():
+    """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a kernel and the
+    post-compile hook after; the hooks in place before are restored."""
+    triton = pytest.importorskip("triton")
+    from triton import knobs
+
+    bench = _load_throughput_benchmark()  # puts kernels/ on the path
+    from harness import TritonCompilations
+
+    saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    with TritonCompilations() as compilations:
+        function = type("Info", (), {"name": "_decode_kernel"})()
+        assert knobs.runtime.jit_cache_hook(key="k", repr="_decode_kernel[num_warps=4]()", fn=function) is None
+        knobs.runtime.jit_post_compile_hook(key="k", repr="_decode_kernel[num_warps=4]()", fn=function)
+        knobs.runtime.jit_post_compile_hook(key="other", repr="_norm_kernel[num_warps=4]()")
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == saved
+    summary = compilations.summary()
+    assert summary["count"] == 2 and summary["kernels"] == {"_decode_kernel": 1, "_norm_kernel": 1}
+    assert compilations.events[0][1] >= 0
 
 
 @pytest.mark.gpu

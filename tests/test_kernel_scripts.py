@@ -23,7 +23,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
-           "profile_flash_mhf_memory.py", "compare_triton_builds.py"]
+           "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py"]
 
 
 def run_script(name, *args, hide_gpus=False):
@@ -673,6 +673,44 @@ def test_host_time_comparison_tables(tmp_path):
     assert "| triton_forward | 100.0 / 200.0 | 80.0 / 160.0 | 0.80 |" in markdown
     assert "(200 calls back to back, no synchronisation between them)" in markdown
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
+
+
+def test_inference_kernels_compile_once_whatever_the_number_of_tokens(tmp_path):
+    """`compare_specialisation.py --compile-only` compiles, for an H100 on the CPU, a decoding step's kernels at 1, 2
+    and 16 tokens, the layer's inference forward at 100, 128, 3168, 4096 and 4097 tokens and its training step at two
+    lengths, with the package's kernels and with their inference builds specialised on every argument (Triton's
+    default). Inference compiles each kernel once, at its first call, whatever the number of tokens (a
+    continuous-batching step or a prompt of a new length compiles nothing more); the specialised builds compile
+    again for sizes that are 1, a multiple of 16, or neither. Training launches the kernels as they are, specialised
+    (its shapes are fixed), in both sets alike. The arguments that bound a mask along a contiguous dimension stay
+    specialised."""
+    pytest.importorskip("triton")
+    result = run_script("compare_specialisation.py", "--compile-only", "--out", str(tmp_path), hide_gpus=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "specialisation.json").read_text())
+    package, specialised = report["compilations"]["package"], report["compilations"]["specialised"]
+    assert list(package) == ["decode 1", "decode 2", "decode 16", "forward 100", "forward 128", "forward 3168",
+                             "forward 4096", "forward 4097", "train 2 x 496", "train 2 x 500"]
+    # 100 tokens: the Triton forward (too few rows for the Gluon one); 3168: the Gluon forward with no row block
+    # split, which compiles the splits' sum too, for the first prompt whose last round is split (4096)
+    first_calls = ["decode 1", "forward 100", "forward 3168"]
+    assert "_add_forward_splits_any_size" in package["forward 3168"]
+    for call in [name for name in package if not name.startswith("train")]:
+        assert all(count == 1 for count in package[call].values()), (call, package[call])
+        assert bool(package[call]) == (call in first_calls), (call, package[call])
+    assert {"_decode_kernel", "_rms_norm_forward_any_size", "_rotary_any_size", "_queries_and_gates_any_size",
+            "_warp_specialised_forward_any_size", "_forward_any_size"} <= {
+        name for call in first_calls for name in package[call]}
+    assert specialised["decode 2"] and specialised["forward 128"] and specialised["forward 4097"]
+    assert package["train 2 x 496"] == specialised["train 2 x 496"] and "_queries_and_gates_kernel" in package[
+        "train 2 x 496"]
+    assert package["train 2 x 500"] == specialised["train 2 x 500"]  # training's kernels specialise in both sets
+    unspecialised = report["unspecialised"]
+    assert unspecialised["_decode_kernel"] == ["num_tokens", "blocks_per_split"]
+    assert unspecialised["_split_sum_kernel"] == ["num_splits"]  # num_elements bounds the contiguous mask
+    assert not any(name.startswith("stride") or name in ("num_cols", "num_elements", "hidden_size")
+                   for names in unspecialised.values() for name in names)
+    assert "Compilations in all" in (tmp_path / "specialisation.md").read_text()
 
 
 def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path, monkeypatch):

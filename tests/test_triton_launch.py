@@ -159,3 +159,19 @@ def test_our_kernels_give_the_same_outputs_through_the_kept_kernel(name):
             triton_launch.CACHED = True
     # (every program writes its own outputs; the decode kernel's column splits are added in a fixed order)
     assert torch.equal(second, first) and torch.equal(plain, first)
+
+
+def test_any_size_builds_the_same_function_with_only_the_named_sizes_unspecialised():
+    """`any_size`: inference's build of a kernel leaves exactly the named arguments unspecialised, keeps the function,
+    and refuses a name that is not a parameter (Triton would ignore it and specialise the argument after all)."""
+    triton = pytest.importorskip("triton")
+    from hf_memffn import decoder_triton
+
+    kernel = decoder_triton._rms_norm_forward_kernel
+    build = triton_launch.any_size(kernel, "num_rows")
+    assert build.fn is kernel.fn and type(build) is type(kernel)
+    if isinstance(kernel, triton.runtime.jit.JITFunction):  # not under the interpreter
+        assert [p.name for p in build.params if p.do_not_specialize] == ["num_rows"]
+        assert not any(p.do_not_specialize for p in kernel.params)
+    with pytest.raises(ValueError, match="num_row"):
+        triton_launch.any_size(kernel, "num_row")
