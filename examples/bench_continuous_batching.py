@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 
-from harness import TritonCompilations, median  # noqa: E402
+from harness import TritonCompilations, environment, median  # noqa: E402
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
@@ -236,14 +236,6 @@ def summarise_rounds(row: dict, rounds: list[dict], baseline_rounds: list[dict] 
     return summary
 
 
-def triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
 def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -330,7 +322,7 @@ def main(argv=None) -> dict:
     report = {
         "device": device_name(device),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "triton": triton_version()},
+                     "triton": environment()["triton"]},
         "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "dtype": str(dtype).replace("torch.", "")},
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "generated_tokens": sum(new for _, new in requests),

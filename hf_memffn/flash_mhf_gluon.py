@@ -917,16 +917,19 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
         D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
         CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS, **COMPILE_OPTIONS,
     )
-    add_splits_arguments = (shares, out, *out.stride()[:3], *sizes, row_blocks, split_from, splits)
-    add_splits_options = dict(D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4, **COMPILE_OPTIONS)
-    if split_tiles:
-        add_splits[(3 * split_tiles,)](*add_splits_arguments, **add_splits_options)
-    elif inference and (q.device, q.dtype, head_dim) not in _ADD_SPLITS_COMPILED:
-        # compiled with the forward's first call rather than in the middle of serving, at the first prompt whose last
-        # round of programs is split (its build for any size: these arguments compile what that launch runs)
-        add_splits.warmup(*add_splits_arguments, grid=(1,), **add_splits_options)
-    if inference:
-        _ADD_SPLITS_COMPILED.add((q.device, q.dtype, head_dim))
+    # inference compiles the splits' sum with the forward's first call rather than in the middle of serving, at the
+    # first prompt whose last round of programs is split (its build for any size: these arguments compile what that
+    # launch runs)
+    first_inference = inference and (q.device, q.dtype, head_dim) not in _ADD_SPLITS_COMPILED
+    if split_tiles or first_inference:
+        arguments = (shares, out, *out.stride()[:3], *sizes, row_blocks, split_from, splits)
+        options = dict(D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4, **COMPILE_OPTIONS)
+        if split_tiles:
+            add_splits[(3 * split_tiles,)](*arguments, **options)
+        else:
+            add_splits.warmup(*arguments, grid=(1,), **options)
+        if first_inference:
+            _ADD_SPLITS_COMPILED.add((q.device, q.dtype, head_dim))
     return out, compiled
 
 

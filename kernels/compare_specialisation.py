@@ -44,8 +44,13 @@ from harness import (  # noqa: E402
     TritonCompilations, bench_ms, environment, log, markdown_table, median, rel_err, write_report,
 )
 
-from hf_memffn import decoder_triton, flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton  # noqa: E402
-from hf_memffn import triton_launch  # noqa: E402
+from compare_triton_builds import (  # noqa: E402
+    CASES, Case, compiling_for_hopper, forget_compiled, jit_functions, layer_inputs,
+)
+
+from hf_memffn import (  # noqa: E402
+    decoder_triton, flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton,
+)
 
 KERNEL_MODULES = [decoder_triton, flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_triton]
 SETS = ("specialised", "package")
@@ -56,14 +61,11 @@ INFERENCE_CASES = [f"prefill:{preset}" for preset in ("370M", "1.3B")]
 INFERENCE_CASES += [f"{kind}:{tokens}" for kind in ("rms_norm", "rotary") for tokens in ("prefill", "decode")]
 
 
-def _is_kernel(value) -> bool:
-    return isinstance(value, triton.runtime.jit.JITFunction)
-
-
 def package_kernels() -> dict:
     """{(module, name): kernel} of the package's kernels that leave some argument unspecialised."""
     return {(module, name): value for module in KERNEL_MODULES for name, value in vars(module).items()
-            if _is_kernel(value) and any(param.do_not_specialize for param in value.params)}
+            if isinstance(value, triton.runtime.jit.JITFunction)
+            and any(param.do_not_specialize for param in value.params)}
 
 
 def unspecialised_arguments(kernel) -> list[str]:
@@ -89,26 +91,6 @@ def kernel_set(name: str, twins: dict):
     finally:
         for (module, attribute), kernel in swapped:
             setattr(module, attribute, kernel)
-
-
-def all_kernels() -> dict:
-    """{kernel: name} of every Triton and Gluon kernel of the modules (an autotuner's under its own name)."""
-    found = {}
-    for module in KERNEL_MODULES:
-        for name, value in vars(module).items():
-            for kernel in (value, getattr(value, "fn", None)):
-                if _is_kernel(kernel):
-                    found.setdefault(kernel, name)
-    return found
-
-
-def forget_compiled(kernels) -> None:
-    """Empties the compiled-kernel caches of ``kernels`` (and the launch shortcuts and the autotuner's picks)."""
-    for kernel in kernels:
-        kernel.device_caches.clear()
-    flash_mhf_gluon._ADD_SPLITS_COMPILED.clear()
-    triton_launch.clear()
-    flash_mhf_triton._PICKED.clear()
 
 
 # --- the cases ----------------------------------------------------------------------------------------------------
@@ -162,8 +144,6 @@ class InferenceCase:
         kind, size = name.split(":")
         self.kind = kind
         if kind == "prefill":
-            from compare_triton_builds import layer_inputs
-
             self.p, self.norm, self.router, weights, _ = layer_inputs(size, device)
             self.weights = weights[0]
             return
@@ -193,11 +173,7 @@ class InferenceCase:
 
 
 def build_case(name: str, device):
-    if name in INFERENCE_CASES:
-        return InferenceCase(name, device)
-    from compare_triton_builds import Case
-
-    return Case(name, device)
+    return InferenceCase(name, device) if name in INFERENCE_CASES else Case(name, device)
 
 
 def compare_outputs(first, second) -> dict:
@@ -267,8 +243,6 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    from compare_triton_builds import CASES, compiling_for_hopper
-
     known = [*[case for case in CASES if case.startswith("decode:")], *INFERENCE_CASES]
     cases = args.cases or known
     unknown = sorted(set(cases) - set(known))
@@ -291,10 +265,10 @@ def main(argv=None) -> dict:
     forward_tokens = [100, 128, 1000, 2048, 3168, 4096, 4097] if on_gpu else [100, 128, 3168, 4096, 4097]
     train_lengths = [1000, 1024, 2048] if on_gpu else [496, 500]
     # a twin is named after the build it stands in for
-    names = {**all_kernels(), **{twins[kernel]: name for (_, name), kernel in kernels.items()}}
+    names = {**jit_functions(KERNEL_MODULES), **{twins[kernel]: name for (_, name), kernel in kernels.items()}}
     for set_name in SETS:
-        forget_compiled(names)
         with kernel_set(set_name, twins), (contextlib.nullcontext() if on_gpu else compiling_for_hopper()):
+            forget_compiled(KERNEL_MODULES)  # the set's kernels, from a cold in-memory cache
             results["compilations"][set_name] = compilation_sequence(device, decode_tokens, forward_tokens,
                                                                      train_lengths, names)
         log(f"{set_name}: {results['compilations'][set_name]}")

@@ -166,24 +166,27 @@ class Case:
 
 # --- the kernels a case compiles ----------------------------------------------------------------------------------
 
-def jit_functions() -> list:
-    """Every Triton and Gluon kernel of the layer's modules."""
+def jit_functions(modules=None) -> dict:
+    """{kernel: its name in its module} of every Triton and Gluon kernel of the layer's modules (or of ``modules``);
+    an autotuner's kernel under the autotuner's name."""
     found = {}
-    for module in KERNEL_MODULES:
-        for value in vars(module).values():
+    for module in KERNEL_MODULES if modules is None else modules:
+        for name, value in vars(module).items():
             for fn in (value, getattr(value, "fn", None)):  # a kernel, or an autotuner's
                 if isinstance(fn, triton.runtime.jit.JITFunction):
-                    found[id(fn)] = fn
-    return list(found.values())
+                    found.setdefault(fn, name)
+    return found
 
 
-def forget_compiled() -> None:
-    """Empties every kernel's compiled-kernel cache (and the launch shortcuts that keep compiled kernels), so that
-    what a case compiles is what it runs."""
-    for fn in jit_functions():
+def forget_compiled(modules=None) -> None:
+    """Empties every kernel's compiled-kernel cache (and the launch shortcuts that keep compiled kernels, the
+    autotuner's picks, and the record of the splits' sum compiled for inference), so that what a case compiles is
+    what it runs."""
+    for fn in jit_functions(modules):
         fn.device_caches.clear()
     triton_launch.clear()
     flash_mhf_triton._PICKED.clear()
+    flash_mhf_gluon._ADD_SPLITS_COMPILED.clear()
 
 
 def compiled_kernels(device_key) -> list[tuple[str, object]]:

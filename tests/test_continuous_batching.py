@@ -173,7 +173,8 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
     llama, kvffn = report["results"]
     assert [len(llama["rounds"]), len(kvffn["rounds"])] == [2, 2] and "x_baseline" not in llama
-    ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"] for r, b in zip(kvffn["rounds"], llama["rounds"])]
+    ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"]
+              for r, b in zip(kvffn["rounds"], llama["rounds"])]
     assert kvffn["x_baseline"]["rounds"] == ratios
     assert kvffn["x_baseline"]["low"] <= kvffn["x_baseline"]["median"] <= kvffn["x_baseline"]["high"]
     assert kvffn["compilations"]["per_round"] == [0, 0] and kvffn["warmup_compilations"]["count"] == 0  # CPU
@@ -183,8 +184,8 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
 
 
 def test_triton_compilations_are_recorded_through_the_jit_hooks():
-    """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a kernel and the
-    post-compile hook after; the hooks in place before are restored."""
+    """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a
+    kernel and the post-compile hook after; the hooks in place before are restored."""
     triton = pytest.importorskip("triton")
     from triton import knobs
 
