@@ -12,12 +12,13 @@ exactly its length). `--token-lookup` (default on) adds a MemoryLLM reading a bf
 placement on CUDA, else `cpu`) with its memory FFN weights dropped.
 
 Each model first runs a warm-up workload: as many requests, prompts drawn from the same range (another seed), an
-eighth of the new tokens (kernel compilation, Triton autotuning of the batch shapes, CUDA graph capture happen
-there), then the timed one. Measured: wall time from the first submission to the last result, requests/s, generated
+eighth of the new tokens (kernel compilation, Triton autotuning, CUDA graph capture happen there), then the
+timed one. Measured: wall time from the first submission to the last result, requests/s, generated
 tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of
 all requests), the device memory of the weights (and table), and the Triton kernels compiled (or loaded from
-Triton's disk cache) during the warm-up and during the timed workload, with the seconds they took; the paged KV cache
-is sized by transformers from the free memory (`--num-blocks` / `--max-batch-tokens` to fix it).
+Triton's disk cache) during the warm-up and during the timed workload, with the seconds they took, and the pauses of
+Python's garbage collector during the timed workload (JSON); the paged KV cache is sized by transformers from the free
+memory (`--num-blocks` / `--max-batch-tokens` to fix it).
 
 `--rounds N` (N > 1) builds and warms up every model first, then serves the timed workload N times, the models taking
 turns in an order rotated each round; each row then holds the medians over the rounds, and the ratio of the model's
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 
-from harness import TritonCompilations, environment, median  # noqa: E402
+from harness import GcPauses, TritonCompilations, environment, median  # noqa: E402
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
@@ -198,9 +199,10 @@ def prepare_model(name: str, args, device, dtype, warmup_requests, table_dir: st
 
 
 def timed_run(model, requests, args) -> dict:
-    with TritonCompilations() as compilations:
+    with TritonCompilations() as compilations, GcPauses() as gc_pauses:
         result = run_workload(model, requests, args, record=True)
     result["compilations"] = compilations.summary()
+    result["gc_pauses"] = gc_pauses.summary()
     return result
 
 
@@ -226,9 +228,13 @@ def summarise_rounds(row: dict, rounds: list[dict], baseline_rounds: list[dict] 
                     "latency_p90_s", "ttft_mean_s"):
         values = [r[measure] for r in rounds if r.get(measure) is not None]
         summary[measure] = median(values) if values else None
+    tunings = [r["compilations"].get("tuned") or {"configs": 0, "seconds": 0.0} for r in rounds]
     summary["compilations"] = {"count": sum(r["compilations"]["count"] for r in rounds),
                                "seconds": sum(r["compilations"]["seconds"] for r in rounds),
-                               "per_round": [r["compilations"]["count"] for r in rounds]}
+                               "per_round": [r["compilations"]["count"] for r in rounds],
+                               "tuned": {"configs": sum(t["configs"] for t in tunings),
+                                         "seconds": sum(t["seconds"] for t in tunings),
+                                         "per_round": [t["configs"] for t in tunings]}}
     if baseline_rounds:
         ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"] for r, b in zip(rounds, baseline_rounds)]
         summary["x_baseline"] = {"median": median(ratios), "low": min(ratios), "high": max(ratios),
@@ -245,7 +251,11 @@ def device_name(device) -> str:
 def _compilations(summary: dict | None) -> str:
     if not summary:
         return "-"
-    return f"{summary['count']} ({summary['seconds']:.1f} s)" if summary["count"] else "0"
+    text = f"{summary['count']} ({summary['seconds']:.1f} s)" if summary["count"] else "0"
+    tuned = summary.get("tuned") or {}
+    if tuned.get("configs"):
+        text += f", {tuned['configs']} tuned ({tuned['seconds']:.1f} s)"
+    return text
 
 
 def to_markdown(report: dict) -> str:
@@ -266,7 +276,8 @@ def to_markdown(report: dict) -> str:
                      "lowest-highest).")
     lines += [
         "Compiled: the Triton kernels compiled or loaded from Triton's disk cache during the warm-up / during the "
-        "timed workload" + (" (all rounds)" if rounds > 1 else "") + ", with the seconds they took.",
+        "timed workload" + (" (all rounds)" if rounds > 1 else "") + ", with the seconds they took, and the "
+        "configurations that Triton's autotuners benchmarked (\"tuned\"; their seconds include compiling them).",
         "",
         "| model | params (active) | requests/s | generated tok/s | " + ("x Llama | " if rounds > 1 else "")
         + "total tok/s | latency mean / p90 s | TTFT mean s | weights GiB | warm-up s | compiled | attention | "

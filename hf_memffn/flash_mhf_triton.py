@@ -82,6 +82,11 @@ _TUNE_BUCKET_MIN, _TUNE_BUCKET_MAX = 1 << 12, 1 << 18
 # Smaller problems skip autotuning (its compile and benchmark cost would dominate) and use one fixed configuration.
 _TUNE_MIN_WORK_ROWS = 1 << 14
 
+# Inference tunes once, for all its sizes: the tuning bucket of its forward launches (`triton_forward(inference=True)`).
+# A size class met for the first time while serving would otherwise stop every request in flight while the autotuner
+# benchmarks each configuration (about 0.1 s each).
+_INFERENCE_TUNE_BUCKET = 0
+
 
 def _tune_bucket(work_rows: int) -> int:
     bucket = 1 << max(work_rows - 1, 1).bit_length()
@@ -464,9 +469,9 @@ if TRITON_AVAILABLE:
     _forward_tuned = triton.autotune(
         _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
     )(_forward_kernel)
-    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`);
-    # the autotuner's picks per size bucket are shared with training's
-    _forward_any_size = any_size(_forward_kernel, "total_rows", "seq_len", "num_splits")
+    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`) and
+    # tuned once whatever the bucket (_INFERENCE_TUNE_BUCKET)
+    _forward_any_size = any_size(_forward_kernel, "total_rows", "seq_len", "num_splits", "tune_bucket")
     _forward_tuned_any_size = triton.autotune(
         _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
     )(_forward_any_size)
@@ -622,7 +627,9 @@ def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
     config_kwargs, has_pre_hook = picked
     if has_pre_hook:  # the descriptors' block shapes follow the configuration's (what the autotuner's pre-hook does)
         _set_descriptor_blocks({**dict(zip(tuned.arg_names, args)), **config_kwargs})
-    tuned.fn[grid](*args, **kwargs, **config_kwargs, **COMPILE_OPTIONS)
+    # the keyword arguments in the order the autotuner passes them: Triton's in-memory cache key spells the options
+    # in that order, so another order compiles the picked configuration again
+    tuned.fn[grid](*args, **kwargs, **COMPILE_OPTIONS, **config_kwargs)
 
 
 # The kernels that run as Gluon kernels where those apply (`gluon_kernels` narrows the set, for benchmarks that time
@@ -693,7 +700,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
     ``splits`` (tests only) forces the split-loop variant; ``descriptors`` (tests only) forces or forbids the
     tensor-descriptor reads of K, U, V (see ``_use_tensor_descriptors``); ``inference``: the kernels' builds for any
-    number of tokens (`triton_launch.any_size`).
+    number of tokens (`triton_launch.any_size`), and one autotuning for all of them.
     """
     q = _rows_dense(q)
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
@@ -715,7 +722,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
         splits = _auto_splits(row_blocks * p["kv_heads"], column_blocks, q.device)
 
     if splits == 1 and _autotuned(p):
-        bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
+        bucket = _INFERENCE_TUNE_BUCKET if inference else _tune_bucket(p["total_rows"] * p["kv_heads"])
 
         def grid(meta):
             return (cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)

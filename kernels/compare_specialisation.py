@@ -105,12 +105,13 @@ def layer_weights(device, heads=8, num_subnetworks=7, subnetwork_size=384, seed=
             randn(3 * heads, num_subnetworks, subnetwork_size, HEAD_DIM, scale=HEAD_DIM**-0.5), randn)
 
 
-def compilation_sequence(device, decode_tokens, forward_tokens, train_lengths, names: dict, heads=8) -> dict:
+def compilation_sequence(device, decode_tokens, forward_tokens, train_lengths, names: dict, heads=8):
     """The calls in order (a decoding step's kernels at each of ``decode_tokens`` tokens: the decoder's RMSNorm and
     rotary kernels and the layer's; the layer's inference forward of one sequence of each of ``forward_tokens``; its
-    training forward + backward of two sequences of each of ``train_lengths``): {call: kernels it compiled}."""
+    training forward + backward of two sequences of each of ``train_lengths``): ({call: kernels it compiled},
+    {call: configurations an autotuner benchmarked})."""
     norm, router, weights, randn = layer_weights(device, heads)
-    compiled = {}
+    compiled, tuned = {}, {}
     for tokens in decode_tokens:
         width = heads * HEAD_DIM
         angles = randn(1, 1, HEAD_DIM).float()
@@ -120,20 +121,25 @@ def compilation_sequence(device, decode_tokens, forward_tokens, train_lengths, n
                 decoder_triton.rotate_pair(randn(tokens, 1, heads, HEAD_DIM), randn(tokens, 1, heads, HEAD_DIM),
                                            angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16))
             flash_mhf_op._layer_forward_impl(randn(tokens, 1, width), norm, router, weights, HEAD_DIM, EPS, GATE_EPS)
-        compiled[f"decode {tokens}"] = record.summary()["kernels"]
+        compiled[f"decode {tokens}"], tuned[f"decode {tokens}"] = _counts(record)
     for tokens in forward_tokens:
         with TritonCompilations(names) as record:
             flash_mhf_op._layer_forward_impl(randn(1, tokens, heads * HEAD_DIM), norm, router, weights, HEAD_DIM, EPS,
                                              GATE_EPS)
-        compiled[f"forward {tokens}"] = record.summary()["kernels"]
+        compiled[f"forward {tokens}"], tuned[f"forward {tokens}"] = _counts(record)
     for length in train_lengths:
         p = randn(2, length, heads * HEAD_DIM)
         with TritonCompilations(names) as record:
             saved = flash_mhf_op._layer_forward_keeping_queries(p, norm, router, weights, HEAD_DIM, EPS, GATE_EPS)
             flash_mhf_op._layer_backward_impl(randn(*p.shape), p, norm, router, weights, HEAD_DIM, EPS, GATE_EPS,
                                               saved=saved[1:])
-        compiled[f"train 2 x {length}"] = record.summary()["kernels"]
-    return compiled
+        compiled[f"train 2 x {length}"], tuned[f"train 2 x {length}"] = _counts(record)
+    return compiled, tuned
+
+
+def _counts(record: TritonCompilations) -> tuple[dict, int]:
+    summary = record.summary()
+    return summary["kernels"], summary["tuned"]["configs"]
 
 
 class InferenceCase:
@@ -219,11 +225,15 @@ def to_markdown(results: dict) -> str:
                             [[name, ", ".join(args)] for name, args in results["unspecialised"].items()])
     lines += ["", "## Kernels compiled by each call, from a cold in-memory cache", ""]
     calls = list(results["compilations"]["package"])
-    lines += markdown_table(["call", *SETS], [
-        [call, *[", ".join(f"{k} x{n}" if n > 1 else k for k, n in results["compilations"][s][call].items()) or "-"
-                 for s in SETS]] for call in calls])
+    def cell(set_name, call):
+        text = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in results["compilations"][set_name][call].items())
+        configs = results.get("tuned", {}).get(set_name, {}).get(call)
+        return (text or "-") + (f"; {configs} configurations tuned" if configs else "")
+
+    lines += markdown_table(["call", *SETS], [[call, *[cell(s, call) for s in SETS]] for call in calls])
     totals = {s: sum(sum(c.values()) for c in results["compilations"][s].values()) for s in SETS}
-    lines += ["", f"Compilations in all: specialised {totals['specialised']}, package {totals['package']}.", ""]
+    lines += ["", f"Compilations in all: specialised {totals['specialised']}, package {totals['package']} "
+              "(an autotuner's compile as they benchmark).", ""]
     if results.get("timing"):
         lines += ["## Time (median over the rounds; x = specialised / package, above 1: the package's is faster)", ""]
         lines += markdown_table(["case", "specialised ms", "package ms", "x (lowest-highest)", "outputs"], [
@@ -257,20 +267,22 @@ def main(argv=None) -> dict:
     results = {"environment": environment(), "command": "python kernels/compare_specialisation.py "
                + " ".join(sys.argv[1:] if argv is None else argv),
                "unspecialised": {name: unspecialised_arguments(k) for (_, name), k in kernels.items()},
-               "compiled_for": "this GPU" if on_gpu else "an H100, on the CPU", "compilations": {}}
-    # without a GPU each compilation takes seconds on the CPU: fewer calls, and none that the autotuner would time
-    # (the Triton path's problems of 2 ** 14 rows and more, below the Gluon forward's)
+               "compiled_for": "this GPU" if on_gpu else "an H100, on the CPU", "compilations": {}, "tuned": {}}
+    # without a GPU each compilation takes seconds on the CPU: fewer calls; the autotuner's benchmark is the stand-in
+    # driver's (each configuration compiled and launched once)
     decode_tokens = [1, 2, 3, 16, 17, 33, 64] if on_gpu else [1, 2, 16]
-    # 3168 tokens of 8 heads: 132 row blocks of the Gluon forward, no split; 4096: a last round split
-    forward_tokens = [100, 128, 1000, 2048, 3168, 4096, 4097] if on_gpu else [100, 128, 3168, 4096, 4097]
+    # 2048 and 3000 tokens of 8 heads: the autotuned Triton forward (2 ** 14 rows and more, too few row blocks for
+    # the Gluon one), two tuning buckets; 3168: 132 row blocks of the Gluon forward, no split; 4096: a last round split
+    forward_tokens = [100, 128, 1000, 2048, 3000, 3168, 4096, 4097] if on_gpu else [100, 128, 2048, 3000, 3168, 4096,
+                                                                                 4097]
     train_lengths = [1000, 1024, 2048] if on_gpu else [496, 500]
     # a twin is named after the build it stands in for
     names = {**jit_functions(KERNEL_MODULES), **{twins[kernel]: name for (_, name), kernel in kernels.items()}}
     for set_name in SETS:
         with kernel_set(set_name, twins), (contextlib.nullcontext() if on_gpu else compiling_for_hopper()):
             forget_compiled(KERNEL_MODULES)  # the set's kernels, from a cold in-memory cache
-            results["compilations"][set_name] = compilation_sequence(device, decode_tokens, forward_tokens,
-                                                                     train_lengths, names)
+            results["compilations"][set_name], results["tuned"][set_name] = compilation_sequence(
+                device, decode_tokens, forward_tokens, train_lengths, names)
         log(f"{set_name}: {results['compilations'][set_name]}")
     if not args.compile_only:
         results["timing"] = time_cases(cases, args.rounds, twins, device)

@@ -8,6 +8,7 @@ too long to repeat hundreds of times). Results are written atomically: a tempora
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -150,48 +151,106 @@ class TritonCompilations:
     """Records the Triton kernels compiled (or loaded from Triton's disk cache) while active, with the seconds each
     took, through Triton's JIT hooks (`triton.knobs.runtime`, Triton 3.6 to 3.9): the cache hook runs before a
     kernel missing from the in-memory cache is built, the post-compile hook after. A kernel is named by its function,
-    or by ``names`` ({kernel: name}) where that holds it (two builds of one function). Without Triton it records
-    nothing."""
+    or by ``names`` ({kernel: name}) where that holds it (two builds of one function). It also records each
+    configuration an autotuner benchmarks (``Autotuner._bench``, the same in Triton 3.6 to 3.9), with the seconds it
+    took: a tuning key met for the first time stops the caller for the benchmark of every configuration. Without
+    Triton it records nothing."""
 
     def __init__(self, names: dict | None = None):
         self.events: list[tuple[str, float]] = []
+        self.tunings: list[tuple[str, float]] = []  # (kernel, seconds) per configuration benchmarked
         self.names = names or {}
         self._started: dict = {}
         self._saved = None
+        self._saved_bench = None
 
     def _before(self, *_, **kwargs):
         self._started[kwargs.get("key")] = time.perf_counter()
         return None  # a true value would tell Triton to skip the compilation
 
+    def _name(self, function, fallback: str = "?") -> str:
+        return self.names.get(getattr(function, "jit_function", function)) or getattr(function, "name", None) \
+            or getattr(getattr(function, "fn", None), "__name__", None) or fallback
+
     def _after(self, *_, **kwargs):
         start = self._started.pop(kwargs.get("key"), None)
-        function = kwargs.get("fn")
-        name = (self.names.get(getattr(function, "jit_function", None)) or getattr(function, "name", None)
-                or str(kwargs.get("repr", "?")).split("[")[0])
+        name = self._name(kwargs.get("fn"), str(kwargs.get("repr", "?")).split("[")[0])
         self.events.append((name, time.perf_counter() - start if start is not None else float("nan")))
         return None
 
     def __enter__(self):
         try:
             from triton import knobs
+            from triton.runtime.autotuner import Autotuner
         except ImportError:
             return self
         self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        self._saved_bench = bench = Autotuner._bench
+        record = self
+
+        def timed_bench(autotuner, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return bench(autotuner, *args, **kwargs)
+            finally:
+                record.tunings.append((record._name(autotuner.fn), time.perf_counter() - start))
+
+        Autotuner._bench = timed_bench
         return self
 
     def __exit__(self, *_):
         if self._saved is not None:
             from triton import knobs
+            from triton.runtime.autotuner import Autotuner
 
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
-            self._saved = None
+            Autotuner._bench = self._saved_bench
+            self._saved = self._saved_bench = None
 
     def summary(self) -> dict:
+        """{"count", "seconds", "kernels": {name: compilations}, "tuned": {"configs", "seconds", "kernels"}}: the
+        compilations, and the configurations benchmarked by autotuners (their seconds include the compilations of
+        the configurations not yet built)."""
         kernels: dict[str, int] = {}
         for name, _ in self.events:
             kernels[name] = kernels.get(name, 0) + 1
-        return {"count": len(self.events), "seconds": sum(seconds for _, seconds in self.events), "kernels": kernels}
+        tuned: dict[str, int] = {}
+        for name, _ in self.tunings:
+            tuned[name] = tuned.get(name, 0) + 1
+        return {"count": len(self.events), "seconds": sum(seconds for _, seconds in self.events), "kernels": kernels,
+                "tuned": {"configs": len(self.tunings), "seconds": sum(seconds for _, seconds in self.tunings),
+                          "kernels": tuned}}
+
+
+class GcPauses:
+    """The pauses of Python's garbage collector while in a `with` block (``gc.callbacks``): how many, per
+    generation, and the longest. A full collection of a process holding many objects (a model, compiled kernels)
+    stops every Python thread for a noticeable time."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses.append((info.get("generation", -1), time.perf_counter() - self._start))
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_):
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        longest = max(self.pauses, key=lambda pause: pause[1], default=(None, 0.0))
+        return {"count": len(self.pauses), "seconds": sum(seconds for _, seconds in self.pauses),
+                "per_generation": {g: sum(1 for gen, _ in self.pauses if gen == g) for g in (0, 1, 2)},
+                "longest_s": longest[1], "longest_generation": longest[0]}
 
 
 class ClockSampler:

@@ -173,6 +173,7 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
     llama, kvffn = report["results"]
     assert [len(llama["rounds"]), len(kvffn["rounds"])] == [2, 2] and "x_baseline" not in llama
+    assert all(r["gc_pauses"]["count"] >= 0 and "tuned" in r["compilations"] for r in kvffn["rounds"])
     ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"]
               for r, b in zip(kvffn["rounds"], llama["rounds"])]
     assert kvffn["x_baseline"]["rounds"] == ratios
@@ -183,25 +184,51 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
         bench.main(["--rounds", "0", "--out", str(tmp_path)])
 
 
-def test_triton_compilations_are_recorded_through_the_jit_hooks():
+def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
     """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a
-    kernel and the post-compile hook after; the hooks in place before are restored."""
-    triton = pytest.importorskip("triton")
+    kernel and the post-compile hook after; an autotuner benchmarks each configuration through `Autotuner._bench`.
+    The hooks and the benchmark in place before are restored."""
+    pytest.importorskip("triton")
     from triton import knobs
+    from triton.runtime.autotuner import Autotuner
 
-    bench = _load_throughput_benchmark()  # puts kernels/ on the path
+    _load_throughput_benchmark()  # puts kernels/ on the path
     from harness import TritonCompilations
 
+    def bench(autotuner, *args, config, **kwargs):  # what Triton's would return: the timings of one configuration
+        return [float(config)]
+
+    monkeypatch.setattr(Autotuner, "_bench", bench)
     saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    tuner = type("Tuner", (), {"fn": type("Kernel", (), {"fn": lambda: None, "name": "_forward_kernel"})()})()
     with TritonCompilations() as compilations:
         function = type("Info", (), {"name": "_decode_kernel"})()
         assert knobs.runtime.jit_cache_hook(key="k", repr="_decode_kernel[num_warps=4]()", fn=function) is None
         knobs.runtime.jit_post_compile_hook(key="k", repr="_decode_kernel[num_warps=4]()", fn=function)
         knobs.runtime.jit_post_compile_hook(key="other", repr="_norm_kernel[num_warps=4]()")
+        assert [Autotuner._bench(tuner, 1, config=c) for c in (2, 3)] == [[2.0], [3.0]]
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == saved
+    assert Autotuner._bench is bench
     summary = compilations.summary()
     assert summary["count"] == 2 and summary["kernels"] == {"_decode_kernel": 1, "_norm_kernel": 1}
     assert compilations.events[0][1] >= 0
+    assert summary["tuned"]["configs"] == 2 and summary["tuned"]["kernels"] == {"_forward_kernel": 2}
+
+
+def test_gc_pauses_are_recorded_while_active():
+    """The benchmark's record of Python's garbage collector pauses (kernels/harness.py): each collection inside the
+    block, with its generation; the callback is removed after."""
+    import gc
+
+    _load_throughput_benchmark()  # puts kernels/ on the path
+    from harness import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect()
+    gc.collect()
+    summary = pauses.summary()
+    assert summary["count"] == 1 and summary["per_generation"][2] == 1 and summary["longest_generation"] == 2
+    assert summary["longest_s"] == summary["seconds"] >= 0 and pauses._callback not in gc.callbacks
 
 
 @pytest.mark.gpu
