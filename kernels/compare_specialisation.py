@@ -232,8 +232,8 @@ def to_markdown(results: dict) -> str:
 
     lines += markdown_table(["call", *SETS], [[call, *[cell(s, call) for s in SETS]] for call in calls])
     totals = {s: sum(sum(c.values()) for c in results["compilations"][s].values()) for s in SETS}
-    lines += ["", f"Compilations in all: specialised {totals['specialised']}, package {totals['package']} "
-              "(an autotuner's compile as they benchmark).", ""]
+    lines += ["", f"Compilations in all: specialised {totals['specialised']}, package {totals['package']} (an "
+              "autotuner compiles each configuration as it benchmarks it).", ""]
     if results.get("timing"):
         lines += ["## Time (median over the rounds; x = specialised / package, above 1: the package's is faster)", ""]
         lines += markdown_table(["case", "specialised ms", "package ms", "x (lowest-highest)", "outputs"], [
