@@ -82,11 +82,6 @@ _TUNE_BUCKET_MIN, _TUNE_BUCKET_MAX = 1 << 12, 1 << 18
 # Smaller problems skip autotuning (its compile and benchmark cost would dominate) and use one fixed configuration.
 _TUNE_MIN_WORK_ROWS = 1 << 14
 
-# Inference tunes once, for all its sizes: the tuning bucket of its forward launches (`triton_forward(inference=True)`).
-# A size class met for the first time while serving would otherwise stop every request in flight while the autotuner
-# benchmarks each configuration (about 0.1 s each).
-_INFERENCE_TUNE_BUCKET = 0
-
 
 def _tune_bucket(work_rows: int) -> int:
     bucket = 1 << max(work_rows - 1, 1).bit_length()
@@ -469,9 +464,11 @@ if TRITON_AVAILABLE:
     _forward_tuned = triton.autotune(
         _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
     )(_forward_kernel)
-    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`) and
-    # tuned once whatever the bucket (_INFERENCE_TUNE_BUCKET)
-    _forward_any_size = any_size(_forward_kernel, "total_rows", "seq_len", "num_splits", "tune_bucket")
+    # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`);
+    # tuned per size class as training's, whose picks they share. One pick for every size would spare a prompt of a
+    # new class the autotuner's benchmark, but the pick of the smallest class ran the larger ones up to 1.2x slower
+    # (kernels/compare_inference_tuning.py)
+    _forward_any_size = any_size(_forward_kernel, "total_rows", "seq_len", "num_splits")
     _forward_tuned_any_size = triton.autotune(
         _configs("forward"), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _pruner("forward")}
     )(_forward_any_size)
@@ -700,7 +697,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
     ``splits`` (tests only) forces the split-loop variant; ``descriptors`` (tests only) forces or forbids the
     tensor-descriptor reads of K, U, V (see ``_use_tensor_descriptors``); ``inference``: the kernels' builds for any
-    number of tokens (`triton_launch.any_size`), and one autotuning for all of them.
+    number of tokens (`triton_launch.any_size`).
     """
     q = _rows_dense(q)
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
@@ -722,7 +719,7 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
         splits = _auto_splits(row_blocks * p["kv_heads"], column_blocks, q.device)
 
     if splits == 1 and _autotuned(p):
-        bucket = _INFERENCE_TUNE_BUCKET if inference else _tune_bucket(p["total_rows"] * p["kv_heads"])
+        bucket = _tune_bucket(p["total_rows"] * p["kv_heads"])
 
         def grid(meta):
             return (cdiv(p["total_rows"], meta["BLOCK_L"]), p["kv_heads"], 1)

@@ -15,7 +15,8 @@ their modules. Two parts:
 - compilations: a decoding step's kernels (the decoder's RMSNorm and rotary kernels, the layer's decode kernel) at a
   sequence of token counts, the layer's inference forward of longer batches, and its training forward and backward
   at a few sequence lengths, from a cold in-memory cache: the kernels each set compiles (or loads from Triton's disk
-  cache), counted with Triton's JIT hooks;
+  cache), counted with Triton's JIT hooks, and the configurations the autotuned forward benchmarks (once per size
+  class: 2048 and 3000 tokens are two classes, 2500 the second again);
 - timing (on a GPU): the inference builds at the 370M and 1.3B presets' shapes, each case with both sets in turn over
   ``--rounds`` rounds (``harness.bench_ms``): decoding at 1 and 16 tokens (`compare_triton_builds.py`'s cases), the
   layer's forward of a training step's tokens without gradients (a prompt), and the decoder's RMSNorm and rotary
@@ -271,10 +272,11 @@ def main(argv=None) -> dict:
     # without a GPU each compilation takes seconds on the CPU: fewer calls; the autotuner's benchmark is the stand-in
     # driver's (each configuration compiled and launched once)
     decode_tokens = [1, 2, 3, 16, 17, 33, 64] if on_gpu else [1, 2, 16]
-    # 2048 and 3000 tokens of 8 heads: the autotuned Triton forward (2 ** 14 rows and more, too few row blocks for
-    # the Gluon one), two tuning buckets; 3168: 132 row blocks of the Gluon forward, no split; 4096: a last round split
-    forward_tokens = [100, 128, 1000, 2048, 3000, 3168, 4096, 4097] if on_gpu else [100, 128, 2048, 3000, 3168, 4096,
-                                                                                 4097]
+    # 2048, 3000 and 2500 tokens of 8 heads: the autotuned Triton forward (2 ** 14 rows and more, too few row blocks
+    # for the Gluon one) in two size classes, the second met twice; 3168: 132 row blocks of the Gluon forward, no
+    # split; 4096: a last round split
+    forward_tokens = [100, 128, 1000, 2048, 3000, 2500, 3168, 4096, 4097] if on_gpu else [
+        100, 128, 2048, 3000, 2500, 3168, 4096, 4097]
     train_lengths = [1000, 1024, 2048] if on_gpu else [496, 500]
     # a twin is named after the build it stands in for
     names = {**jit_functions(KERNEL_MODULES), **{twins[kernel]: name for (_, name), kernel in kernels.items()}}

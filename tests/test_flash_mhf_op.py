@@ -127,30 +127,6 @@ def test_triton_autotuned_launches_match_float64(head_dim, dtype):
     check_against_truth(run_op("triton"), inputs, dtype)
 
 
-@pytest.mark.skipif(not (ON_GPU and flash_mhf_triton.TRITON_AVAILABLE), reason="autotuned launches run on CUDA only")
-def test_triton_inference_tunes_once_for_every_size():
-    """Inference's forward (`inference=True`, what serving runs) goes through the autotuner once for all its sizes:
-    a prompt batch of a new size class benchmarks nothing (it would stop every request in flight), and its output is
-    the tuned launch's. Training's forward tunes per size class. float32, which the Gluon forward does not take, so
-    the autotuned Triton kernel runs at these sizes."""
-    tuned, training_tuned = flash_mhf_triton._forward_tuned_any_size, flash_mhf_triton._forward_tuned
-    outputs = []
-    for seq_len in (2048, 4096):  # work rows 2 * 4 * 2048 and twice that: two buckets
-        q, k, u, v, r = (t.float() for t in random_inputs(2, 4, seq_len, 64, 4, 4, 128, seed=seq_len))
-        assert flash_mhf_triton._autotuned(flash_mhf_triton._problem(q, k))
-        outputs.append((flash_mhf_triton.triton_forward(q, k, u, v, r, inference=True), (q, k, u, v, r)))
-        flash_mhf_triton.triton_forward(q, k, u, v, r)
-
-    def keys(autotuner):  # this test's: d_h 64, d_e 128, float32 queries
-        return [key for key in autotuner.cache if key[:2] == (64, 128) and key[3] == "torch.float32"]
-
-    assert [key[2] for key in keys(tuned)] == [flash_mhf_triton._INFERENCE_TUNE_BUCKET]
-    assert len(keys(training_tuned)) == 2
-    for out, inputs in outputs:
-        truth = flash_mhf_dense(*(t.double() for t in inputs))
-        assert ((out.double() - truth).norm() / truth.norm()).item() < 1e-2
-
-
 @needs_kernels
 def test_triton_reads_queries_unaligned_for_tensor_descriptors():
     """q whose first element is not 16-byte aligned (a view one element into a buffer) is copied for the bulk

@@ -23,7 +23,8 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
-           "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py"]
+           "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
+           "compare_inference_tuning.py"]
 
 
 def run_script(name, *args, hide_gpus=False):
@@ -677,31 +678,30 @@ def test_host_time_comparison_tables(tmp_path):
 
 def test_inference_kernels_compile_once_whatever_the_number_of_tokens(tmp_path):
     """`compare_specialisation.py --compile-only` compiles, for an H100 on the CPU, a decoding step's kernels at 1, 2
-    and 16 tokens, the layer's inference forward at 100, 128, 2048, 3000, 3168, 4096 and 4097 tokens and its training
-    step at two lengths, with the package's kernels and with their inference builds specialised on every argument
-    (Triton's default). Inference compiles each kernel once, at its first call, whatever the number of tokens (a
-    continuous-batching step or a prompt of a new length compiles nothing more), and its autotuned forward is tuned
-    once (a prompt of a new size class benchmarks nothing: it would stop every request in flight); the specialised
-    builds compile again for sizes that are 1, a multiple of 16, or neither. Training launches the kernels as they
-    are, specialised (its shapes are fixed), in both sets alike. The arguments that bound a mask along a contiguous
-    dimension stay specialised."""
+    and 16 tokens, the layer's inference forward at 100, 128, 2048, 3000, 2500, 3168, 4096 and 4097 tokens and its
+    training step at two lengths, with the package's kernels and with their inference builds specialised on every
+    argument (Triton's default). Inference compiles each kernel once, at its first call, whatever the number of tokens
+    (a continuous-batching step or a prompt of a new length compiles nothing more); the autotuned forward is tuned
+    once per size class (3000 tokens: the configurations benchmarked again, none compiled again; 2500, the same
+    class: nothing). The specialised builds compile again for sizes that are 1, a multiple of 16, or neither.
+    Training launches the kernels as they are, specialised (its shapes are fixed), in both sets alike. The arguments
+    that bound a mask along a contiguous dimension stay specialised."""
     pytest.importorskip("triton")
     result = run_script("compare_specialisation.py", "--compile-only", "--out", str(tmp_path), hide_gpus=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "specialisation.json").read_text())
     package, specialised = report["compilations"]["package"], report["compilations"]["specialised"]
     assert list(package) == ["decode 1", "decode 2", "decode 16", "forward 100", "forward 128", "forward 2048",
-                             "forward 3000", "forward 3168", "forward 4096", "forward 4097", "train 2 x 496",
-                             "train 2 x 500"]
+                             "forward 3000", "forward 2500", "forward 3168", "forward 4096", "forward 4097",
+                             "train 2 x 496", "train 2 x 500"]
     # 100 tokens: the Triton forward (too few rows for the Gluon one); 2048: the autotuned Triton forward, each of
-    # its configurations compiled as the autotuner benchmarks it; 3000: the same kernel, another tuning bucket;
-    # 3168: the Gluon forward with no row block split, which compiles the splits' sum too, for the first prompt
-    # whose last round is split (4096)
+    # its configurations compiled as the autotuner benchmarks it; 3168: the Gluon forward with no row block split,
+    # which compiles the splits' sum too, for the first prompt whose last round is split (4096)
     first_calls = ["decode 1", "forward 100", "forward 2048", "forward 3168"]
     assert "_add_forward_splits_any_size" in package["forward 3168"]
     tuned = report["tuned"]["package"]
-    assert tuned["forward 2048"] == package["forward 2048"]["_forward_any_size"] > 1
-    assert not any(configs for call, configs in tuned.items() if call != "forward 2048"), tuned
+    assert tuned["forward 2048"] == tuned["forward 3000"] == package["forward 2048"]["_forward_any_size"] > 1
+    assert not any(configs for call, configs in tuned.items() if call not in ("forward 2048", "forward 3000")), tuned
     for call in [name for name in package if not name.startswith("train")]:
         assert all(count == 1 for count in package[call].values()) or call == "forward 2048", (call, package[call])
         assert bool(package[call]) == (call in first_calls), (call, package[call])
@@ -718,6 +718,14 @@ def test_inference_kernels_compile_once_whatever_the_number_of_tokens(tmp_path):
     assert not any(name.startswith("stride") or name in ("num_cols", "num_elements", "hidden_size")
                    for names in unspecialised.values() for name in names)
     assert "Compilations in all" in (tmp_path / "specialisation.md").read_text()
+
+
+def test_inference_tuning_comparison_needs_a_gpu(tmp_path):
+    """`compare_inference_tuning.py` times the autotuned Triton forward, which runs on CUDA only: without a GPU it
+    says so and writes nothing."""
+    result = run_script("compare_inference_tuning.py", "--out", str(tmp_path), hide_gpus=True)
+    assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
+    assert not list(tmp_path.iterdir())
 
 
 def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path, monkeypatch):
