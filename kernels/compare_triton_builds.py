@@ -178,16 +178,20 @@ def jit_functions(modules=None) -> dict:
     return found
 
 
+def autotuners(modules=None) -> list:
+    """The autotuners of the layer's modules (or of ``modules``)."""
+    return [value for module in (KERNEL_MODULES if modules is None else modules) for value in vars(module).values()
+            if isinstance(value, triton.runtime.autotuner.Autotuner)]
+
+
 def forget_compiled(modules=None) -> None:
     """Empties every kernel's compiled-kernel cache (and the launch shortcuts that keep compiled kernels, the
     autotuners' picks, and the record of the splits' sum compiled for inference), so that what a case compiles and
     tunes is what it runs."""
     for fn in jit_functions(modules):
         fn.device_caches.clear()
-    for module in KERNEL_MODULES if modules is None else modules:
-        for value in vars(module).values():
-            if isinstance(value, triton.runtime.autotuner.Autotuner):
-                value.cache.clear()
+    for autotuner in autotuners(modules):
+        autotuner.cache.clear()
     triton_launch.clear()
     flash_mhf_triton._PICKED.clear()
     flash_mhf_gluon._ADD_SPLITS_COMPILED.clear()
@@ -309,10 +313,8 @@ def compiling_for_hopper():
         for module, name, value in saved:
             setattr(module, name, value)
         flash_mhf_triton._kernels_for.cache_clear()
-        for module in KERNEL_MODULES:  # an autotuner keeps the benchmarker it first asked the driver for
-            for value in vars(module).values():
-                if isinstance(value, triton.runtime.autotuner.Autotuner):
-                    vars(value).pop("do_bench", None)
+        for autotuner in autotuners():  # an autotuner keeps the benchmarker it first asked the driver for
+            vars(autotuner).pop("do_bench", None)
 
 
 def export(out: str, label: str | None, cases: list[str], package=None) -> None:
