@@ -21,7 +21,10 @@ written in Gluon so that the schedule is ours rather than the compiler's pipelin
 
 Two warp groups (8 warps) split every product by rows: the activation products by the block's 128 rows, the gradient
 products by ``d_h``. Each gradient product reads the activation tiles of both warp groups from shared memory, so every
-iteration has two CTA-wide barriers (tiles free, tiles written).
+iteration has two CTA-wide barriers (tiles free, tiles written). One program runs per multiprocessor, so when the
+tiles are not a multiple of the multiprocessors the last round of programs leaves some idle (at the 370M preset's
+layer shape, 336 tiles make two rounds of 132 and one of 72). The tiles of that round are split into row ranges
+(``weight_splits``), whose programs write float32 shares that ``_add_weight_splits_kernel`` adds up in a fixed order.
 
 **dq, dr** (``_rows_gradients_kernel``). Same work split as ``_backward_rows_kernel``: one program per block of
 ``BLOCK_L`` rows, the column blocks streamed through. It is warp-specialised: one loading warp streams the K|U and V
@@ -92,6 +95,12 @@ ROWS_WARPS = 4  # per partition of the dq/dr and forward kernels (each adds warp
 # commit b635f54, which still had the two-warp-group launch, and forward_kernels_one_launch.md).
 FORWARD_BLOCK_L, FORWARD_STAGES, FORWARD_REGISTERS = 192, 3, 160
 FORWARD_MIN_SPLIT_BLOCKS = 4  # column blocks in one range of a split row block (see `forward_splits`)
+# The weight kernel's split tiles (see `weight_splits`): at most WEIGHT_MAX_SPLITS row ranges per tile, and a range's
+# start and its float32 shares costed as WEIGHT_SPLIT_COST_ROW_BLOCKS row blocks of work (about 3 from an H100 sweep,
+# flash_mhf_notes.md v35).
+WEIGHT_MAX_SPLITS, WEIGHT_SPLIT_COST_ROW_BLOCKS = 16, 4
+# Whether `gluon_weight_gradients` splits tiles by default (benchmarks switch it off to time every tile whole).
+SPLIT_WEIGHT_TILES = True
 HEAD_DIM = 128
 
 
@@ -167,16 +176,50 @@ if GLUON_AVAILABLE:
         return gl.load(R + gate_row * num_subnetworks + subnetwork, mask=position < seq_len, other=0.0).to(gl.float32)
 
     @gluon.jit
+    def _weight_tile(program, split_from, splits):
+        """(tile, share) of weight-kernel program ``program``: share -1 for a whole tile, else the index of the
+        program's float32 share (its row range is share % splits)."""
+        if program < split_from:
+            tile = program
+            share = -1
+        else:
+            share = program - split_from
+            tile = split_from + share // splits
+        return tile, share
+
+    @gluon.jit
+    def _row_range(share, splits, all_row_blocks):
+        """(first, end) row block of a weight-kernel program. A split tile's ranges start at multiples of 4 row blocks
+        (the last takes the remainder), so that a row block's index gives its stage and barrier phase."""
+        if share < 0:
+            first_row_block = 0
+            end_row_block = all_row_blocks
+        else:
+            split = share % splits
+            fours = all_row_blocks // 4
+            first_row_block = 4 * (split * fours // splits)
+            end_row_block = gl.where(split == splits - 1, all_row_blocks, 4 * ((split + 1) * fours // splits))
+        return first_row_block, end_row_block
+
+    @gluon.jit
     def _weight_gradients_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV,
-        total_rows, seq_len, group_size, num_heads, num_subnetworks,
+        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV, SHARES,
+        total_rows, seq_len, group_size, num_heads, num_subnetworks, split_from, splits,
         D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):
         """q_desc, grad_out_desc: [B, H, L, d_h] with block [1, 1, BLOCK_L, d_h]; k/u/v_desc: [H_kv * E * d_e, d_h]
-        with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h]."""
+        with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h].
+
+        A tile is one column block of one weight group (tile = group * column blocks + column block, so tile *
+        BLOCK_N is its first weight row). Programs 0 .. split_from - 1 each own a tile and all its row blocks. The
+        tiles from ``split_from`` on (the last, partly filled round of programs) are each split into ``splits`` row
+        ranges, one program per range, which writes its float32 share of dK, dU and dV into SHARES
+        [(tiles - split_from) * splits, 3, BLOCK_N, d_h] for `_add_weight_splits_kernel`."""
         dtype: gl.constexpr = q_desc.dtype
-        col0 = gl.program_id(0) * BLOCK_N
-        group = gl.program_id(1)
+        tile, share = _weight_tile(gl.program_id(0), split_from, splits)
+        column_blocks = num_subnetworks * (D_E // BLOCK_N)
+        group = tile // column_blocks
+        col0 = (tile - group * column_blocks) * BLOCK_N
         subnetwork = col0 // D_E
 
         # accumulator layout of every product: rows split over the warps, BLOCK_N columns
@@ -211,10 +254,10 @@ if GLUON_AVAILABLE:
         _tma_load(v_desc, [weight_row, 0], weights_ready, v_tile)
 
         blocks_per_sequence = gl.cdiv(seq_len, BLOCK_L)
-        num_row_blocks = (total_rows // seq_len) * blocks_per_sequence
-        _load_row_block(q_desc, grad_out_desc, q_stages.index(0), grad_out_stages.index(0), ready.index(0), 0, group,
-                        blocks_per_sequence, group_size, BLOCK_L)
-        next_gate = _row_block_gates(R, 0, group, seq_len, blocks_per_sequence, group_size, num_heads,
+        first_row_block, end_row_block = _row_range(share, splits, (total_rows // seq_len) * blocks_per_sequence)
+        _load_row_block(q_desc, grad_out_desc, q_stages.index(0), grad_out_stages.index(0), ready.index(0),
+                        first_row_block, group, blocks_per_sequence, group_size, BLOCK_L)
+        next_gate = _row_block_gates(R, first_row_block, group, seq_len, blocks_per_sequence, group_size, num_heads,
                                      num_subnetworks, subnetwork, BLOCK_L, row_layout)
 
         zero_pre_activations = gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, ku_layout)
@@ -225,13 +268,14 @@ if GLUON_AVAILABLE:
         ku_t = ku_tile.permute([1, 0])
         v_t = v_tile.permute([1, 0])
 
-        for row_block in range(num_row_blocks):
+        # (first_row_block is a multiple of 4: the stage and the barrier phase follow from row_block alone)
+        for row_block in range(first_row_block, end_row_block):
             stage = row_block % 2
             mbarrier.wait(ready.index(stage), (row_block // 2) & 1)
             q = q_stages.index(stage).reshape([BLOCK_L, D_H])
             grad_out = grad_out_stages.index(stage).reshape([BLOCK_L, D_H])
             gate = next_gate
-            next_gate = _row_block_gates(R, gl.minimum(row_block + 1, num_row_blocks - 1), group, seq_len,
+            next_gate = _row_block_gates(R, gl.minimum(row_block + 1, end_row_block - 1), group, seq_len,
                                          blocks_per_sequence, group_size, num_heads, num_subnetworks, subnetwork,
                                          BLOCK_L, row_layout)
 
@@ -247,7 +291,7 @@ if GLUON_AVAILABLE:
             # both warp groups are past the previous gradient products: the other stage and the activation tiles
             # are free, so the next row block's copies go out now
             _cta_barrier()
-            if row_block + 1 < num_row_blocks:
+            if row_block + 1 < end_row_block:
                 _load_row_block(q_desc, grad_out_desc, q_stages.index(1 - stage), grad_out_stages.index(1 - stage),
                                 ready.index(1 - stage), row_block + 1, group, blocks_per_sequence, group_size,
                                 BLOCK_L)
@@ -275,16 +319,45 @@ if GLUON_AVAILABLE:
 
         dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        offsets = (group.to(gl.int64) * num_subnetworks * D_E + col0 + cols)[None, :] * D_H + dims[:, None]
-        gl.store(DV + offsets, grad_v.to(DV.dtype.element_ty))
         # columns [0, BLOCK_N) of the joint accumulator are dK^T, the others dU^T
         ku_dims = gl.arange(0, D_H, layout=gl.SliceLayout(1, ku_layout))
         ku_cols = gl.arange(0, 2 * BLOCK_N, layout=gl.SliceLayout(0, ku_layout))
         is_u = (ku_cols >= BLOCK_N)[None, :] & (ku_dims >= 0)[:, None]
-        ku_offsets = ((group.to(gl.int64) * num_subnetworks * D_E + col0 + ku_cols % BLOCK_N)[None, :] * D_H
-                      + ku_dims[:, None])
-        gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
-        gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
+        if share >= 0:  # one row range of a split tile: float32 [dK | dU | dV] rows for `_add_weight_splits_kernel`
+            base = share.to(gl.int64) * (3 * BLOCK_N * D_H)
+            gl.store(SHARES + base + ku_cols[None, :] * D_H + ku_dims[:, None], grad_ku)
+            gl.store(SHARES + base + (2 * BLOCK_N + cols)[None, :] * D_H + dims[:, None], grad_v)
+        else:
+            first_row = tile.to(gl.int64) * BLOCK_N
+            gl.store(DV + (first_row + cols)[None, :] * D_H + dims[:, None], grad_v.to(DV.dtype.element_ty))
+            ku_offsets = (first_row + ku_cols % BLOCK_N)[None, :] * D_H + ku_dims[:, None]
+            gl.store(DK + ku_offsets, grad_ku.to(DK.dtype.element_ty), mask=~is_u)
+            gl.store(DU + ku_offsets, grad_ku.to(DU.dtype.element_ty), mask=is_u)
+
+    @gluon.jit
+    def _add_weight_splits_kernel(SHARES, DK, DU, DV, split_from, splits, D_H: gl.constexpr,
+                                  BLOCK_N: gl.constexpr):
+        """One gradient's rows of one split tile of the weight kernel: its ``splits`` float32 shares added in order
+        (the result does not depend on which program finished first) and written in the gradient's dtype. Program
+        ``i`` takes dK (i % 3 == 0), dU (1) or dV (2) of split tile ``i // 3``."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        index = gl.program_id(0)
+        which = index % 3
+        split_tile = index // 3
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, layout))
+        offsets = rows.to(gl.int64)[:, None] * D_H + dims[None, :]
+        base = (split_tile.to(gl.int64) * splits * 3 + which) * (BLOCK_N * D_H)
+        total = gl.load(SHARES + base + offsets)
+        for split in range(1, splits):
+            total += gl.load(SHARES + base + split * (3 * BLOCK_N * D_H) + offsets)
+        weight_offsets = (split_from + split_tile).to(gl.int64) * (BLOCK_N * D_H) + offsets
+        if which == 0:
+            gl.store(DK + weight_offsets, total.to(DK.dtype.element_ty))
+        elif which == 1:
+            gl.store(DU + weight_offsets, total.to(DU.dtype.element_ty))
+        else:
+            gl.store(DV + weight_offsets, total.to(DV.dtype.element_ty))
 
 
     @gluon.jit
@@ -778,11 +851,14 @@ def weight_descriptors(k, u, v):
     return tuple(descriptor(w) for w in (k, u, v))
 
 
-def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
+def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, split: bool | None = None,
+                           splits: int | None = None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs``: three contiguous tensors to
     write instead of new ones (the fused layer passes the thirds of one gradient buffer); ``weights``: k, u, v's
-    `weight_descriptors`, when the caller has them. Returns the gradients and the compiled kernel."""
+    `weight_descriptors`, when the caller has them; ``split=False`` (tests and benchmarks): no tile split into row
+    ranges (see `weight_splits`; None: ``SPLIT_WEIGHT_TILES``); ``splits`` (benchmarks): the number of row ranges
+    instead of the one `weight_splits` picks. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
     sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
@@ -792,14 +868,66 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None):
         return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
-    compiled = _weight_gradients_kernel[(num_subnetworks * subnetwork_size // BLOCK_N, kv_heads)](
+    tiles = num_subnetworks * subnetwork_size // BLOCK_N * kv_heads
+    if SPLIT_WEIGHT_TILES if split is None else split:
+        row_blocks = batch * group_size * -(-seq_len // BLOCK_L)
+        split_from, splits = weight_splits(tiles, multiprocessor_count(q.device), row_blocks, splits)
+    else:
+        split_from, splits = tiles, 1
+    split_tiles = tiles - split_from
+    # float32 shares of the split tiles (a 4-byte placeholder when none is split)
+    shares = q.new_empty((max(1, split_tiles * splits * 3 * BLOCK_N * head_dim),), dtype=torch.float32)
+    compiled = _weight_gradients_kernel[(split_from + split_tiles * splits,)](
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
-        *(weights or weight_descriptors(k, u, v)), r, *grads,
-        batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks,
+        *(weights or weight_descriptors(k, u, v)), r, *grads, shares,
+        batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
         num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )
+    if split_tiles:
+        _add_weight_splits_kernel[(3 * split_tiles,)](shares, *grads, split_from, splits, D_H=head_dim,
+                                                      BLOCK_N=BLOCK_N, num_warps=4, **COMPILE_OPTIONS)
     return (*grads, compiled)
+
+
+def weight_row_ranges(splits: int, row_blocks: int) -> list[tuple[int, int]]:
+    """The (first, end) row blocks of each of a split tile's ``splits`` ranges, as `_row_range` computes them: starts
+    at multiples of 4 row blocks (the kernel's two stages and their barrier phases then follow from a row block's
+    index), the last range taking the remainder."""
+    fours = row_blocks // 4
+    starts = [4 * (split * fours // splits) for split in range(splits)]
+    return list(zip(starts, starts[1:] + [row_blocks]))
+
+
+def weight_splits(tiles: int, multiprocessors: int, row_blocks: int, splits: int | None = None) -> tuple[int, int]:
+    """(split_from, splits) of the weight kernel's launch for ``tiles`` programs (one per multiprocessor at a time)
+    of ``row_blocks`` row blocks each. When the tiles are not a multiple of the multiprocessors, the last round of
+    programs leaves some idle (at the 370M preset's layer shape 336 = 2 x 132 + 72: 72 programs run a third round
+    alone). The tiles of that round are then split into ``splits`` row ranges (`weight_row_ranges`), the number that
+    finishes the round soonest by a count of row blocks: rounds of ranges times (the longest range + what a range's
+    start and float32 shares cost, ``WEIGHT_SPLIT_COST_ROW_BLOCKS``). At 370M that is 3 ranges, 216 programs in two
+    rounds of 44 + 4 row blocks against one round of 128 + 4 (5 and 7 ranges cost the same; on an H100 3, 5 and 7 ran
+    within 0.5% of each other, 5.5-6% faster than no split; flash_mhf_notes.md, v35). No split unless that saves a
+    tenth of the round (at the 1.3B preset's shape the last round is 120 of 132 tiles, and none is split). ``splits``
+    (benchmarks): that many ranges instead, where a last round exists."""
+    last_round = tiles % multiprocessors
+    most = min(WEIGHT_MAX_SPLITS, row_blocks // 4)  # (each range at least 4 row blocks)
+    if splits is not None:
+        if not 1 <= splits <= max(1, most):
+            raise ValueError(f"splits={splits}: expected 1 to {max(1, most)} for {row_blocks} row blocks (at least "
+                             f"4 per range, at most WEIGHT_MAX_SPLITS={WEIGHT_MAX_SPLITS})")
+        return (tiles - last_round, splits) if last_round and splits > 1 else (tiles, 1)
+    if not last_round:
+        return tiles, 1
+
+    def round_cost(splits: int) -> float:
+        longest = max(end - first for first, end in weight_row_ranges(splits, row_blocks))
+        return -(-last_round * splits // multiprocessors) * (longest + WEIGHT_SPLIT_COST_ROW_BLOCKS)
+
+    splits = min(range(1, max(1, most) + 1), key=lambda n: (round_cost(n), n))
+    if splits < 2 or round_cost(splits) > 0.9 * round_cost(1):
+        return tiles, 1
+    return tiles - last_round, splits
 
 
 class FusedGates(NamedTuple):
@@ -946,8 +1074,9 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    kernels = {"weights": _weight_gradients_kernel, "rows": _rows_gradients_kernel,
-               "forward": _warp_specialised_forward_kernel, "add_forward_splits": _add_forward_splits_kernel}
+    kernels = {"weights": _weight_gradients_kernel, "add_weight_splits": _add_weight_splits_kernel,
+               "rows": _rows_gradients_kernel, "forward": _warp_specialised_forward_kernel,
+               "add_forward_splits": _add_forward_splits_kernel}
     if kernel not in kernels:
         raise ValueError(f"kernel={kernel!r}: expected one of {', '.join(kernels)}")
     element = _gl_dtype(dtype)
@@ -967,6 +1096,8 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
                          HAS_ROUTER=fused_gates)
     elif kernel == "forward":
         constants.update(STAGES=FORWARD_STAGES, CONSUMER_REGISTERS=FORWARD_REGISTERS)
+    elif kernel == "add_weight_splits":
+        constants = dict(D_H=HEAD_DIM, BLOCK_N=BLOCK_N)
     else:
         constants = dict(D_H=HEAD_DIM, ROWS=FORWARD_BLOCK_L // 3)
     pointer = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -978,7 +1109,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = mangle_type(sequence_desc)
         elif name.endswith("_desc"):
             signature[name] = mangle_type(weight_desc)
-        elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER", "O_SPLITS"):
+        elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER", "O_SPLITS", "SHARES"):
             signature[name] = "*fp32"
         elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O", "P"):
             signature[name] = pointer
@@ -988,7 +1119,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
             signature[name] = "i32"
     source = GluonASTSource(fn=fn, signature=signature,
                             constexprs={(fn.arg_names.index(name),): value for name, value in constants.items()})
-    warps = NUM_WARPS if kernel == "weights" else ROWS_WARPS
+    warps = NUM_WARPS if kernel == "weights" else ROWS_WARPS  # (4 for the splits' sums too)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **COMPILE_OPTIONS})
     return {"shared_memory": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
             "compiled": compiled}

@@ -119,6 +119,8 @@ EXTRA_INPUTS_PER_LAYER = 3
 # which inductor recomputes inside every layer's rotary kernel (`modeling_memffn.ROTARY_TABLES_OPERATOR` off)
 # "flash_mhf_separate_gates_backward": FlashMHFLlama with the norm/gate backward as a kernel of its own where the op's
 # Gluon dq/dr kernel would run it (`flash_mhf_op.GATES_IN_ROWS_KERNEL` off)
+# "flash_mhf_whole_weight_tiles": FlashMHFLlama with every tile of the op's Gluon weight-gradient kernel whole, none of
+# a last, partly filled round of programs split into row ranges (`flash_mhf_gluon.SPLIT_WEIGHT_TILES` off)
 # "memoryllm_lookup", "flex_memoryllm_lookup": decoding from the model's token lookup table, as a deployment of these
 # architectures does: the memory FFN exported as a bf16 table when the model is built, loaded onto the GPU, and the
 # memory FFN's weights dropped (`use_token_lookup_table`); decoding only. The table's `kernel="auto"`: its Triton add
@@ -136,7 +138,7 @@ DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
          "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward",
-         *LOOKUP_ARCHS)
+         "flash_mhf_whole_weight_tiles", *LOOKUP_ARCHS)
 ARCHS += tuple(f"{arch}{PLAIN_LAUNCH}" for arch in (*ARCHITECTURE_NAMES, *LOOKUP_ARCHS) if arch != "llama")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
@@ -149,6 +151,7 @@ DISPLAY["flash_mhf_triton_forward"] = "FlashMHFLlama, the op's forward on the Tr
 DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backward's previous launch"
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
 DISPLAY["flash_mhf_separate_gates_backward"] = "FlashMHFLlama, norm/gate backward as a kernel of its own"
+DISPLAY["flash_mhf_whole_weight_tiles"] = "FlashMHFLlama, the weight kernel's tiles whole"
 for _arch in ("memoryllm", "flex_memoryllm"):
     DISPLAY[f"{_arch}{LOOKUP}"] = f"{DISPLAY[_arch]}, token lookup table"
     DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table, PyTorch add"
@@ -319,13 +322,13 @@ def training_step(model, ids, mode: str):
 
 # FlashMHFLlama measured in a context of its own (op_kernels)
 KERNEL_VARIANTS = ("flash_mhf_triton_forward", "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables",
-                   "flash_mhf_separate_gates_backward")
+                   "flash_mhf_separate_gates_backward", "flash_mhf_whole_weight_tiles")
 
 
 def op_kernels(architecture: str):
     """The context a measurement of `architecture` runs in: which kernels FlashMHF's layer runs, and how our Triton
     kernels are launched."""
-    from hf_memffn import flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn
+    from hf_memffn import flash_mhf_gluon, flash_mhf_layer_triton, flash_mhf_op, flash_mhf_triton, modeling_memffn
 
     if architecture.endswith(PLAIN_LAUNCH):
         return tritons_own_launch()
@@ -341,6 +344,8 @@ def op_kernels(architecture: str):
         return switched_off(modeling_memffn, "ROTARY_TABLES_OPERATOR")
     if architecture == "flash_mhf_separate_gates_backward":  # the norm/gate backward as a kernel of its own
         return switched_off(flash_mhf_op, "GATES_IN_ROWS_KERNEL")
+    if architecture == "flash_mhf_whole_weight_tiles":  # no tile of the weight kernel split into row ranges
+        return switched_off(flash_mhf_gluon, "SPLIT_WEIGHT_TILES")
     return contextlib.nullcontext()
 
 
@@ -812,7 +817,8 @@ def ffn_layers(size: str, device: str) -> tuple[dict, int]:
 # the same module, timed in the op_kernels context of an architecture
 LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_triton_forward",
                  "FlashMHF, the norm/gate backward's previous launch": "flash_mhf_previous_gate_launch",
-                 "FlashMHF, norm/gate backward as a kernel of its own": "flash_mhf_separate_gates_backward"}
+                 "FlashMHF, norm/gate backward as a kernel of its own": "flash_mhf_separate_gates_backward",
+                 "FlashMHF, the weight kernel's tiles whole": "flash_mhf_whole_weight_tiles"}
 
 
 def layer_rows(size: str, device: str) -> list[dict]:

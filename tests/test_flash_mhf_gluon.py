@@ -94,6 +94,69 @@ def test_forward_splits_fill_the_last_round_of_programs():
     assert flash_mhf_gluon.forward_splits(2, 132, 7) == (2, 1)
 
 
+def test_weight_splits_fill_the_last_round_of_programs():
+    """(split_from, splits) for (tiles, multiprocessors, row blocks per tile): the 370M preset's 336 tiles on 132
+    multiprocessors leave 72 for a third round, which becomes 216 programs of a third of the rows; whole rounds, and
+    last rounds whose split would save less than a tenth (the 1.3B preset's and the paper's 1440 tiles: 120 in the
+    last round), are not split. The ranges cover a tile's row blocks, start at multiples of 4 and keep 4 or more."""
+    assert flash_mhf_gluon.weight_splits(336, 132, 128) == (264, 3)
+    assert flash_mhf_gluon.weight_splits(1440, 132, 64) == (1440, 1)
+    assert flash_mhf_gluon.weight_splits(1440, 132, 252) == (1440, 1)
+    assert flash_mhf_gluon.weight_splits(264, 132, 128) == (264, 1)
+    assert flash_mhf_gluon.weight_splits(6, 132, 16) == (0, 4)
+    assert flash_mhf_gluon.weight_splits(6, 132, 7) == (6, 1)
+    assert flash_mhf_gluon.weight_splits(336, 132, 128, splits=5) == (264, 5)
+    assert flash_mhf_gluon.weight_splits(264, 132, 128, splits=5) == (264, 1)
+    with pytest.raises(ValueError, match="splits=17: expected 1 to 16"):
+        flash_mhf_gluon.weight_splits(336, 132, 128, splits=17)
+    for tiles, row_blocks in ((336, 128), (140, 8), (6, 1000), (500, 41), (7, 13)):
+        split_from, splits = flash_mhf_gluon.weight_splits(tiles, 132, row_blocks)
+        assert splits == 1 or (split_from == tiles - tiles % 132 and splits <= flash_mhf_gluon.WEIGHT_MAX_SPLITS)
+        ranges = flash_mhf_gluon.weight_row_ranges(splits, row_blocks)
+        assert ranges[0][0] == 0 and ranges[-1][1] == row_blocks and len(ranges) == splits
+        assert all(first % 4 == 0 and end - first >= 4 for first, end in ranges) or splits == 1
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+# (batch, heads, seq_len, kv_heads, subnetworks, subnetwork_size): tiles of the weight kernel split into row ranges,
+# all of them (fewer than the SMs; ragged sequences and grouped heads) and those of a last round (1 x 1024 rows of a
+# head with 140 column blocks on 132 SMs, 8 split)
+WEIGHT_SPLIT_SHAPES = [
+    pytest.param(2, 2, 1000, 2, 3, 64, id="all_split"),
+    pytest.param(2, 4, 300, 2, 3, 192, id="all_split-ragged-grouped"),
+    pytest.param(1, 1, 1024, 1, 5, 1792, id="last_round_split"),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("batch,heads,seq_len,kv_heads,num_subnetworks,subnetwork_size", WEIGHT_SPLIT_SHAPES)
+def test_gluon_weight_gradients_split_tiles_match_float64(batch, heads, seq_len, kv_heads, num_subnetworks,
+                                                          subnetwork_size):
+    q, k, u, v, r, grad_out = gluon_inputs(batch, heads, seq_len, kv_heads, num_subnetworks, subnetwork_size,
+                                           torch.bfloat16, seed=seq_len + 7)
+    tiles = num_subnetworks * subnetwork_size // 64 * kv_heads
+    row_blocks = batch * (heads // kv_heads) * -(-seq_len // flash_mhf_gluon.BLOCK_L)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split_from, splits = flash_mhf_gluon.weight_splits(tiles, sms, row_blocks)
+    assert split_from < tiles and splits > 1
+    names = ("dk", "du", "dv")
+    assert_split_matches_whole(
+        lambda split: dict(zip(names, flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r, split=split))),
+        dict(zip(names, weight_gradient_truth(q, k, u, v, r, grad_out))))
+
+
+def assert_split_matches_whole(launch, expected: dict):
+    """The outputs {name: tensor} of ``launch(split)`` with split programs and without, against float64: both within
+    tolerance, close to each other (the same products; the shares' float32 sums round differently), and the split
+    ones equal to the bit from one call to the next (the shares are added in a fixed order)."""
+    split, whole, again = launch(True), launch(False), launch(True)
+    for name, truth in expected.items():
+        assert relative_error(split[name], truth) < TOLERANCE[torch.bfloat16], name
+        assert relative_error(whole[name], truth) < TOLERANCE[torch.bfloat16], name
+        assert relative_error(split[name], whole[name]) < 1e-2, name
+        assert torch.equal(split[name], again[name]), name
+
+
 # (batch, heads, seq_len, kv_heads, subnetworks, subnetwork_size): every row block split (fewer than the SMs, a ragged
 # last block, grouped heads), and more row blocks than SMs (1 x 26880 rows: 140 blocks of 192 on 132 SMs, 8 split)
 SPLIT_SHAPES = [
@@ -113,13 +176,8 @@ def test_gluon_forward_split_row_blocks_match_float64(batch, heads, seq_len, kv_
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     split_from, splits = flash_mhf_gluon.forward_splits(tiles, sms, num_subnetworks * subnetwork_size // 64)
     assert split_from < tiles and splits > 1
-    expected = flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))
-    split, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r)
-    whole, _ = flash_mhf_gluon.gluon_forward(q, k, u, v, r, split=False)
-    assert relative_error(split, expected) < TOLERANCE[torch.bfloat16]
-    assert relative_error(whole, expected) < TOLERANCE[torch.bfloat16]
-    assert relative_error(split, whole) < 1e-2  # the same products; the shares' float32 sums round differently
-    assert torch.equal(split, flash_mhf_gluon.gluon_forward(q, k, u, v, r)[0])  # shares added in a fixed order
+    assert_split_matches_whole(lambda split: {"out": flash_mhf_gluon.gluon_forward(q, k, u, v, r, split=split)[0]},
+                               {"out": flash_mhf_dense(*(t.double() for t in (q, k, u, v, r)))})
 
 
 @needs_hopper
@@ -210,10 +268,10 @@ def test_gluon_kernel_compiles_for_hopper():
     kernel 24 per column block in each of its two computing partitions ([gate | up] and dO V^T with 8 k-steps, dq
     from dM and from dN with 4 each), and 9 more in each with the fused layer's norm/gate backward after its loop (the
     router's gradient with 4 k-steps for each 64-row half of d_h, dq's share through the gates with 1); the forward
-    12 in each of its three ([gate | up] with 8 k-steps, the output with 4); the kernel that adds up the forward's
-    split row blocks none."""
-    for kernel, wgmmas, fused_gates in (("weights", 32, False), ("rows", 48, False), ("rows", 66, True),
-                                        ("forward", 36, False), ("add_forward_splits", 0, False)):
+    12 in each of its three ([gate | up] with 8 k-steps, the output with 4); the kernels that add up the weight
+    kernel's split tiles and the forward's split row blocks none."""
+    for kernel, wgmmas, fused_gates in (("weights", 32, False), ("add_weight_splits", 0, False), ("rows", 48, False),
+                                        ("rows", 66, True), ("forward", 36, False), ("add_forward_splits", 0, False)):
         report = flash_mhf_gluon.compile_for_hopper(kernel, torch.bfloat16, subnetwork_size=384,
                                                     fused_gates=fused_gates)
         assert report["shared_memory"] <= 227 * 1024, (kernel, report)

@@ -364,6 +364,11 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     with bench_models.op_kernels("flash_mhf_separate_gates_backward"):
         assert not flash_mhf_op.GATES_IN_ROWS_KERNEL
     assert flash_mhf_op.GATES_IN_ROWS_KERNEL
+    from hf_memffn import flash_mhf_gluon
+
+    with bench_models.op_kernels("flash_mhf_whole_weight_tiles"):
+        assert not flash_mhf_gluon.SPLIT_WEIGHT_TILES
+    assert flash_mhf_gluon.SPLIT_WEIGHT_TILES
     with pytest.raises(ValueError, match="expected some of forward, rows, weights"):
         with flash_mhf_triton.gluon_kernels("backward"):
             pass
@@ -770,7 +775,8 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
     Triton for exactly what a 1.3B training step launches (`compare_triton_builds.py export`: the launch's pointer
     alignment and integer specialisation, which `compile_for_hopper` leaves out): no spill instruction in the loops
     that issue their products (under Triton 3.9 the forward once reloaded a spilled value there every iteration,
-    notes v30)."""
+    notes v30). The same for the weight kernel of a 370M step, which splits its last round's tiles into row ranges
+    and so also launches the kernel that adds up their shares (at 1.3B it splits none)."""
     from hf_memffn import flash_mhf_gluon
 
     if not flash_mhf_gluon.GLUON_AVAILABLE:
@@ -781,14 +787,19 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
     finally:
         sys.path.remove(KERNELS)
     result = run_script("compare_triton_builds.py", "export", "--out", str(tmp_path), "--cases", "forward_op:1.3B",
-                        "backward:1.3B")
+                        "backward:1.3B", "backward:370M")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    cubins = {entry["function"]: entry["cubin"] for entries in manifest["cases"].values() for entry in entries}
-    for function, loops in (("_warp_specialised_forward_kernel", 3), ("_rows_gradients_kernel", 2),
-                            ("_weight_gradients_kernel", 1)):
-        listing = subprocess.run([ptxas_report.tritons_nvdisasm(), "-c", str(tmp_path / cubins[function])],
+    cubins = {case: {entry["function"]: entry["cubin"] for entry in entries}
+              for case, entries in manifest["cases"].items()}
+    assert "_add_weight_splits_kernel" in cubins["backward:370M"]
+    assert "_add_weight_splits_kernel" not in cubins["backward:1.3B"]
+    for case, function, loops in (("forward_op:1.3B", "_warp_specialised_forward_kernel", 3),
+                                  ("backward:1.3B", "_rows_gradients_kernel", 2),
+                                  ("backward:1.3B", "_weight_gradients_kernel", 1),
+                                  ("backward:370M", "_weight_gradients_kernel", 1)):
+        listing = subprocess.run([ptxas_report.tritons_nvdisasm(), "-c", str(tmp_path / cubins[case][function])],
                                  capture_output=True, text=True)
         assert listing.returncode == 0, listing.stderr[-2000:]
         where = ptxas_report.hot_loop_spills(listing.stdout)
-        assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (function, where)
+        assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (case, function, where)
