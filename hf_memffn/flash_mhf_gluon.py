@@ -1063,12 +1063,13 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
 
 def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
                        fused_gates: bool = False) -> dict:
-    """Compile ``kernel`` ("weights": dK/dU/dV, "rows": dq/dr, with ``fused_gates`` the fused layer's norm/gate
-    backward after it; "forward": the output; "add_forward_splits": the forward's split row blocks added up) for sm_90
-    without a GPU (tests and compile reports): its shared memory in bytes, the number of wgmma instructions in its
-    PTX, and the compiled kernel (``asm`` holds its PTX and cubin). It is compiled without a launch's specialisation
-    of its arguments (aligned pointers, integers that are multiples of 16), on which registers and spills can
-    depend; ``kernels/compare_triton_builds.py export`` compiles exactly what a launch compiles."""
+    """Compile ``kernel`` ("weights": dK/dU/dV; "add_weight_splits": its split tiles added up; "rows": dq/dr, with
+    ``fused_gates`` the fused layer's norm/gate backward after it; "forward": the output; "add_forward_splits": the
+    forward's split row blocks added up) for sm_90 without a GPU (tests and compile reports): its shared memory in
+    bytes, the number of wgmma instructions in its PTX, and the compiled kernel (``asm`` holds its PTX and cubin). It
+    is compiled without a launch's specialisation of its arguments (aligned pointers, integers that are multiples of
+    16), on which registers and spills can depend; ``kernels/compare_triton_builds.py export`` compiles exactly what a
+    launch compiles."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -20,9 +20,10 @@ separates what its lowering does from what the ptxas does (``kernels/flash_mhf_n
 
 A kernel is ``[PACKAGE:]NAME[:SETTING=VALUE,...]``: ``PACKAGE`` a folder holding ``hf_memffn/flash_mhf_gluon.py``
 (another commit's, from ``git archive COMMIT hf_memffn | tar -x -C PACKAGE``; default this checkout), ``NAME`` one of
-the kernels its ``compile_for_hopper`` knows (this checkout: weights, rows, forward, add_forward_splits, and
-``rows_fused_gates``, the dq/dr kernel with the fused layer's norm/gate backward), and the settings module-level
-constants of that file set before compiling (e.g. a schedule's stages). Writes ``DIR/<stem>.json`` and ``.md``.
+the kernels its ``compile_for_hopper`` knows (this checkout: weights, add_weight_splits, rows, forward,
+add_forward_splits, and ``rows_fused_gates``, the dq/dr kernel with the fused layer's norm/gate backward), and the
+settings module-level constants of that file set before compiling (e.g. a schedule's stages). Writes
+``DIR/<stem>.json`` and ``.md``.
 """
 
 from __future__ import annotations
