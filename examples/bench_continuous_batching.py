@@ -17,8 +17,10 @@ timed one. Measured: wall time from the first submission to the last result, req
 tokens/s, prompt + generated tokens/s, mean and p90 request latency and time to first token (from the submission of
 all requests), the device memory of the weights (and table), and the Triton kernels compiled (or loaded from
 Triton's disk cache) during the warm-up and during the timed workload, with the seconds they took, and the pauses of
-Python's garbage collector during the timed workload (JSON); the paged KV cache is sized by transformers from the free
-memory (`--num-blocks` / `--max-batch-tokens` to fix it).
+Python's garbage collector during the timed workload; in the JSON also the model's forward steps in the warm-up and
+each timed workload (`harness.ForwardSteps`: how many, their token counts met for the first time in the process, the
+slowest steps, with the garbage collection inside them). `--profile-round N` profiles each model's round N. The
+paged KV cache is sized by transformers from the free memory (`--num-blocks` / `--max-batch-tokens` to fix it).
 
 `--rounds N` (N > 1) builds and warms up every model first, then serves the timed workload N times, the models taking
 turns in an order rotated each round; each row then holds the medians over the rounds, and the ratio of the model's
@@ -30,6 +32,7 @@ Writes continuous_batching.json and continuous_batching.md (with the device) int
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -45,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 
-from harness import GcPauses, TritonCompilations, environment, median  # noqa: E402
+from harness import ForwardSteps, GcPauses, TritonCompilations, environment, median, write_text  # noqa: E402
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
@@ -80,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="timed workloads per model, the models taking turns "
                                                               "(default 1: each model built, warmed up and timed "
                                                               "in turn)")
+    parser.add_argument("--profile-round", type=int, default=None, metavar="N",
+                        help="with --rounds: profile each model's timed round N (torch.profiler, host and device) "
+                        "and write profile_<model>_round<N>.txt: its operations by host time, and the longest "
+                        "events")
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -171,7 +178,8 @@ def flash_mhf_kernel_path(model) -> str | None:
 
 
 def prepare_model(name: str, args, device, dtype, warmup_requests, table_dir: str | None):
-    """(the model, its row: sizes, FFN path, warm-up time and compilations)."""
+    """(the model, its row: sizes, FFN path, warm-up time, compilations and steps, the token counts of the steps it
+    has run)."""
     arch = "memoryllm" if name == "memoryllm_lookup" else name
     model = build_model(arch, args, device, dtype)
     counts = model.parameter_counts() if hasattr(model, "parameter_counts") else None
@@ -191,19 +199,44 @@ def prepare_model(name: str, args, device, dtype, warmup_requests, table_dir: st
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     row["weights_gib"] = (weight_bytes + (table.device_bytes() if table is not None else 0)) / 2**30
     start = time.perf_counter()
-    with TritonCompilations() as compilations:
+    seen = set()
+    with TritonCompilations() as compilations, ForwardSteps(model, seen) as steps:
         run_workload(model, warmup_requests, args, record=False)
     row["warmup_s"] = time.perf_counter() - start
     row["warmup_compilations"] = compilations.summary()
-    return model, row
+    row["warmup_steps"] = steps.summary()
+    return model, row, seen
 
 
-def timed_run(model, requests, args) -> dict:
-    with TritonCompilations() as compilations, GcPauses() as gc_pauses:
+def timed_run(model, requests, args, seen: set) -> dict:
+    """A timed workload; ``seen``: the token counts of the model's earlier steps."""
+    with TritonCompilations() as compilations, GcPauses() as gc_pauses, ForwardSteps(model, seen) as steps:
         result = run_workload(model, requests, args, record=True)
     result["compilations"] = compilations.summary()
     result["gc_pauses"] = gc_pauses.summary()
+    result["steps"] = steps.summary(gc_pauses=gc_pauses)
     return result
+
+
+@contextlib.contextmanager
+def profiled(path: str, device):
+    """torch.profiler over the block; writes to ``path`` the operations by host time and the 30 longest events, in
+    the order they started. The host's operations are those of the thread that runs the block (the serving loop's
+    thread is not among them); on CUDA, the CUDA runtime's calls and the kernels of every thread are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        yield
+    events = profiler.events()
+    duration = lambda e: max(e.cpu_time_total, e.device_time_total)  # noqa: E731
+    long = sorted(sorted(events, key=duration, reverse=True)[:30], key=lambda e: e.time_range.start)
+    lines = [profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), "",
+             "the 30 longest events (start ms from the profile's first event, host ms, device ms, thread, name):"]
+    first = min((e.time_range.start for e in events), default=0)
+    lines += [f"{(e.time_range.start - first) / 1e3:10.1f} {e.cpu_time_total / 1e3:9.1f} "
+              f"{e.device_time_total / 1e3:9.1f} {e.thread:>8} {e.name}" for e in long]
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def release(model, device) -> None:
@@ -214,8 +247,8 @@ def release(model, device) -> None:
 
 
 def bench_one(name: str, args, device, dtype, requests, warmup_requests, table_dir: str | None) -> dict:
-    model, row = prepare_model(name, args, device, dtype, warmup_requests, table_dir)
-    row.update(timed_run(model, requests, args))
+    model, row, seen = prepare_model(name, args, device, dtype, warmup_requests, table_dir)
+    row.update(timed_run(model, requests, args, seen))
     release(model, device)
     return row
 
@@ -318,6 +351,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.profile_round is not None and not (args.rounds > 1 and 1 <= args.profile_round <= args.rounds):
+        parser.error(f"--profile-round must be a round from 1 to --rounds (> 1), got {args.profile_round} of "
+                     f"{args.rounds}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -370,11 +406,12 @@ def main(argv=None) -> dict:
 
 def run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir, progress, record) -> str:
     """Every model built and warmed up, then ``args.rounds`` timed workloads each, the models taking turns."""
-    models, rows, failed = {}, {}, {}
+    models, rows, seen, failed = {}, {}, {}, {}
     for name in names:
         progress(f"{LABELS[name]}: build and warm up ...")
         try:
-            models[name], rows[name] = prepare_model(name, args, device, dtype, warmup_requests, table_dir)
+            models[name], rows[name], seen[name] = prepare_model(name, args, device, dtype, warmup_requests,
+                                                                 table_dir)
         except Exception as error:
             failed[name] = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
     rounds = {name: [] for name in models}
@@ -384,7 +421,11 @@ def run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir,
         for name in order:
             progress(f"round {index + 1}/{args.rounds}: {LABELS[name]} ...")
             try:
-                rounds[name].append(timed_run(models[name], requests, args))
+                if args.profile_round == index + 1:
+                    with profiled(os.path.join(args.out, f"profile_{name}_round{index + 1}.txt"), device):
+                        rounds[name].append(timed_run(models[name], requests, args, seen[name]))
+                else:
+                    rounds[name].append(timed_run(models[name], requests, args, seen[name]))
             except Exception as error:
                 failed[name] = {"model": LABELS[name], "error": f"{type(error).__name__}: {error}"[:300]}
                 release(models.pop(name), device)
@@ -396,8 +437,6 @@ def run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir,
         markdown = record([summaries.get(name) or failed.get(name) for name in names
                            if name in summaries or name in failed])
     return markdown
-    print(markdown)
-    return report
 
 
 if __name__ == "__main__":

@@ -229,14 +229,14 @@ class GcPauses:
     stops every Python thread for a noticeable time."""
 
     def __init__(self):
-        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self.pauses: list[tuple[int, float, float]] = []  # (generation, seconds, start on the host clock)
         self._start = None
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         elif self._start is not None:
-            self.pauses.append((info.get("generation", -1), time.perf_counter() - self._start))
+            self.pauses.append((info.get("generation", -1), time.perf_counter() - self._start, self._start))
             self._start = None
 
     def __enter__(self):
@@ -247,10 +247,57 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
     def summary(self) -> dict:
-        longest = max(self.pauses, key=lambda pause: pause[1], default=(None, 0.0))
-        return {"count": len(self.pauses), "seconds": sum(seconds for _, seconds in self.pauses),
-                "per_generation": {g: sum(1 for gen, _ in self.pauses if gen == g) for g in (0, 1, 2)},
+        longest = max(self.pauses, key=lambda pause: pause[1], default=(None, 0.0, None))
+        return {"count": len(self.pauses), "seconds": sum(seconds for _, seconds, _ in self.pauses),
+                "per_generation": {g: sum(1 for gen, _, _ in self.pauses if gen == g) for g in (0, 1, 2)},
                 "longest_s": longest[1], "longest_generation": longest[0]}
+
+
+class ForwardSteps:
+    """The forward calls of a module while in a `with` block: each call's number of tokens (its ``input_ids``'
+    elements, or ``inputs_embeds``' but the last dimension) and its start on the host clock. The time from one start
+    to the next is a whole step of a serving loop: the forward's launches, what the loop does between steps, and the
+    wait for the GPU where the loop reads the step's outputs. ``seen`` (shared between recorders) holds the token
+    counts met before, so a summary can say which ones this block met first."""
+
+    def __init__(self, module: torch.nn.Module, seen: set | None = None):
+        self.module, self.seen = module, seen if seen is not None else set()
+        self.steps: list[tuple[float, int]] = []  # (start, tokens)
+        self._handle = None
+
+    def _hook(self, _module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        tokens = ids.numel() if ids is not None else (embeds[..., 0].numel() if embeds is not None else 0)
+        self.steps.append((time.perf_counter(), tokens))
+
+    def __enter__(self):
+        self._handle = self.module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *_):
+        self._handle.remove()
+
+    def summary(self, slowest: int = 5, gc_pauses: GcPauses | None = None) -> dict:
+        """Steps, the distinct token counts, those not met before this block (and now added to ``seen``), and the
+        ``slowest`` steps as [seconds, tokens, first time this token count was met, seconds of garbage collection
+        that started within the step (with ``gc_pauses``, else None)]. The last step has no next one to end it
+        (what follows it is the loop's shutdown), so it has no time."""
+        steps, first_met = [], set()
+        for index, (start, tokens) in enumerate(self.steps):
+            new = tokens not in self.seen and tokens not in first_met
+            if new:
+                first_met.add(tokens)
+            if index + 1 < len(self.steps):
+                end = self.steps[index + 1][0]
+                collected = None if gc_pauses is None else sum(
+                    seconds for _, seconds, begun in gc_pauses.pauses if start <= begun < end)
+                steps.append((end - start, tokens, new, collected))
+        self.seen.update(first_met)
+        longest = sorted(steps, key=lambda step: -step[0])[:slowest]
+        return {"steps": len(self.steps), "token_counts": len({tokens for _, tokens in self.steps}),
+                "first_met": sorted(first_met), "seconds_in_first_met": sum(s for s, _, new, _ in steps if new),
+                "slowest": [list(step) for step in longest]}
 
 
 class ClockSampler:

@@ -174,6 +174,10 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     llama, kvffn = report["results"]
     assert [len(llama["rounds"]), len(kvffn["rounds"])] == [2, 2] and "x_baseline" not in llama
     assert all(r["gc_pauses"]["count"] >= 0 and "tuned" in r["compilations"] for r in kvffn["rounds"])
+    # the steps' token counts: a timed round counts as new only those the warm-up and earlier rounds did not meet
+    first_met = [kvffn["warmup_steps"]["first_met"]] + [r["steps"]["first_met"] for r in kvffn["rounds"]]
+    assert kvffn["warmup_steps"]["steps"] > 0 and all(r["steps"]["steps"] > 0 for r in kvffn["rounds"])
+    assert first_met[0] and all(not set(a) & set(b) for i, a in enumerate(first_met) for b in first_met[i + 1:])
     ratios = [r["generated_tokens_per_s"] / b["generated_tokens_per_s"]
               for r, b in zip(kvffn["rounds"], llama["rounds"])]
     assert kvffn["x_baseline"]["rounds"] == ratios
@@ -229,6 +233,39 @@ def test_gc_pauses_are_recorded_while_active():
     summary = pauses.summary()
     assert summary["count"] == 1 and summary["per_generation"][2] == 1 and summary["longest_generation"] == 2
     assert summary["longest_s"] == summary["seconds"] >= 0 and pauses._callback not in gc.callbacks
+
+
+def test_forward_steps_are_recorded_with_their_token_counts():
+    """The benchmark's record of a serving loop's steps (kernels/harness.py): every forward call's token count and
+    the time to the next call; the token counts met before (``seen``, shared) are not counted as new."""
+    _load_throughput_benchmark()  # puts kernels/ on the path
+    from harness import ForwardSteps
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, inputs_embeds=None):
+            return input_ids if input_ids is not None else inputs_embeds
+
+    module, seen = Model(), {3}
+    with ForwardSteps(module, seen) as steps:
+        for tokens in (3, 5, 5):
+            module(torch.zeros(1, tokens))  # (positionally)
+        module(input_ids=torch.zeros(1, 7))
+        module(inputs_embeds=torch.zeros(1, 2, 4))
+    summary = steps.summary(slowest=2)
+    assert summary["steps"] == 5 and summary["token_counts"] == 4 and summary["first_met"] == [2, 5, 7]
+    assert seen == {2, 3, 5, 7} and len(summary["slowest"]) == 2
+    assert all(seconds >= 0 and collected is None for seconds, _, _, collected in summary["slowest"])
+    assert not module._forward_pre_hooks
+    import gc
+
+    from harness import GcPauses
+
+    with GcPauses() as pauses, ForwardSteps(module) as steps:
+        module(torch.zeros(1, 4))
+        gc.collect()
+        module(torch.zeros(1, 4))
+    (seconds, tokens, new, collected), = steps.summary(gc_pauses=pauses)["slowest"]
+    assert tokens == 4 and new and 0 < collected <= seconds  # the collection fell within the first step
 
 
 @pytest.mark.gpu
