@@ -229,8 +229,8 @@ def profiled(path: str, device):
     with profile(activities=activities) as profiler:
         yield
     events = profiler.events()
-    duration = lambda e: max(e.cpu_time_total, e.device_time_total)  # noqa: E731
-    long = sorted(sorted(events, key=duration, reverse=True)[:30], key=lambda e: e.time_range.start)
+    longest = sorted(events, key=lambda e: max(e.cpu_time_total, e.device_time_total), reverse=True)[:30]
+    long = sorted(longest, key=lambda e: e.time_range.start)
     lines = [profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), "",
              "the 30 longest events (start ms from the profile's first event, host ms, device ms, thread, name):"]
     first = min((e.time_range.start for e in events), default=0)

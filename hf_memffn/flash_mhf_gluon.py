@@ -875,8 +875,8 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, 
     else:
         split_from, splits = tiles, 1
     split_tiles = tiles - split_from
-    # float32 shares of the split tiles (a 4-byte placeholder when none is split)
-    shares = q.new_empty((max(1, split_tiles * splits * 3 * BLOCK_N * head_dim),), dtype=torch.float32)
+    # float32 shares of the split tiles (when none is split, the float32 gates: a pointer the kernel does not read)
+    shares = q.new_empty((split_tiles * splits * 3 * BLOCK_N * head_dim,), dtype=torch.float32) if split_tiles else r
     compiled = _weight_gradients_kernel[(split_from + split_tiles * splits,)](
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads, shares,
