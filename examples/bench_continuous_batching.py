@@ -19,7 +19,11 @@ all requests), the device memory of the weights (and table), and the Triton kern
 Triton's disk cache) during the warm-up and during the timed workload, with the seconds they took, and the pauses of
 Python's garbage collector during the timed workload; in the JSON also the model's forward steps in the warm-up and
 each timed workload (`harness.ForwardSteps`: how many, their token counts met for the first time in the process, the
-slowest steps, with the garbage collection inside them). `--profile-round N` profiles each model's round N. The
+slowest steps, with the garbage collection inside them). `--profile-round N` profiles each model's round N.
+`--synchronised-steps N` takes apart the first N steps of every timed workload: each one's host part and the device's
+remainder, and the device blocks the caching allocator obtained within it (those steps then overlap nothing);
+`--profiled-steps N` runs the host part of the first N of them under cProfile in the serving thread; each
+timed workload also records the device memory allocated, reserved and free at its start. The
 paged KV cache is sized by transformers from the free memory (`--num-blocks` / `--max-batch-tokens` to fix it).
 
 `--rounds N` (N > 1) builds and warms up every model first, then serves the timed workload N times, the models taking
@@ -48,7 +52,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 
-from harness import ForwardSteps, GcPauses, TritonCompilations, environment, median, write_text  # noqa: E402
+from harness import (  # noqa: E402
+    ForwardSteps,
+    GcPauses,
+    TritonCompilations,
+    device_memory,
+    environment,
+    median,
+    write_text,
+)
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
@@ -87,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --rounds: profile each model's timed round N (torch.profiler, host and device) "
                         "and write profile_<model>_round<N>.txt: its operations by host time, and the longest "
                         "events")
+    parser.add_argument("--synchronised-steps", type=int, default=0, metavar="N",
+                        help="synchronise the device around the first N forward steps of every timed workload and "
+                        "record their host and device parts and allocator counters (default 0: none)")
+    parser.add_argument("--profiled-steps", type=int, default=0, metavar="N",
+                        help="of those, run the first N's host part under cProfile in the serving thread and keep "
+                        "the costliest functions (default 0)")
     parser.add_argument("--out", required=True, help="output directory")
     return parser
 
@@ -210,8 +228,11 @@ def prepare_model(name: str, args, device, dtype, warmup_requests, table_dir: st
 
 def timed_run(model, requests, args, seen: set) -> dict:
     """A timed workload; ``seen``: the token counts of the model's earlier steps."""
-    with TritonCompilations() as compilations, GcPauses() as gc_pauses, ForwardSteps(model, seen) as steps:
+    memory_at_start = device_memory()
+    with TritonCompilations() as compilations, GcPauses() as gc_pauses, \
+            ForwardSteps(model, seen, args.synchronised_steps, args.profiled_steps) as steps:
         result = run_workload(model, requests, args, record=True)
+    result["memory_at_start"] = memory_at_start
     result["compilations"] = compilations.summary()
     result["gc_pauses"] = gc_pauses.summary()
     result["steps"] = steps.summary(gc_pauses=gc_pauses)
@@ -351,6 +372,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.synchronised_steps < 0 or not 0 <= args.profiled_steps <= args.synchronised_steps:
+        parser.error(f"--synchronised-steps ({args.synchronised_steps}) must be 0 or more and --profiled-steps "
+                     f"({args.profiled_steps}) from 0 to --synchronised-steps")
     if args.profile_round is not None and not (args.rounds > 1 and 1 <= args.profile_round <= args.rounds):
         parser.error(f"--profile-round must be a round from 1 to --rounds (> 1), got {args.profile_round} of "
                      f"{args.rounds}")

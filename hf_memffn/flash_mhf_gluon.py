@@ -1017,6 +1017,18 @@ def forward_splits(row_blocks: int, multiprocessors: int, column_blocks: int) ->
 _ADD_SPLITS_COMPILED: set = set()  # (device, dtype, d_h) for which inference's build of the splits' sum is compiled
 
 
+def _load_now(compiled) -> None:
+    """Load a kernel compiled ahead of its first launch (``JITFunction.warmup``) onto the device now. Its first launch
+    would do it: load the module and build the launcher for its arguments, which Triton compiles from C source with
+    the host's compiler when its disk cache does not hold it (0.34 s on an H100 machine: the first split prompt
+    of a continuous-batching process was that much slower, `examples/results/continuous_batching_h100_rounds/
+    first_step/`). Indexing a compiled kernel with a grid loads it and launches nothing (Triton 3.6 to 3.9)."""
+    if hasattr(compiled, "result"):  # Triton's asynchronous compilation mode returns a future
+        compiled = compiled.result()
+    if compiled is not None:
+        compiled[(1, 1, 1)]
+
+
 def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inference: bool = False):
     """The FlashMHF output in q's dtype and layout; q [B, H, L, d_h] (any strides with a dense last dimension), k, u,
     v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``out`` (benchmarks): a tensor to write instead of a
@@ -1055,7 +1067,7 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
         if split_tiles:
             add_splits[(3 * split_tiles,)](*arguments, **options)
         else:
-            add_splits.warmup(*arguments, grid=(1,), **options)
+            _load_now(add_splits.warmup(*arguments, grid=(1,), **options))
         if first_inference:
             _ADD_SPLITS_COMPILED.add((q.device, q.dtype, head_dim))
     return out, compiled

@@ -15,8 +15,9 @@ their modules. Two parts:
 - compilations: a decoding step's kernels (the decoder's RMSNorm and rotary kernels, the layer's decode kernel) at a
   sequence of token counts, the layer's inference forward of longer batches, and its training forward and backward
   at a few sequence lengths, from a cold in-memory cache: the kernels each set compiles (or loads from Triton's disk
-  cache), counted with Triton's JIT hooks, and the configurations the autotuned forward benchmarks (once per size
-  class: 2048 and 3000 tokens are two classes, 2500 the second again);
+  cache), counted with Triton's JIT hooks, the configurations the autotuned forward benchmarks (once per size
+  class: 2048 and 3000 tokens are two classes, 2500 the second again), and the kernels launched for the first time
+  (each first launch loads the kernel and builds its launcher: a prompt in the middle of serving should meet none);
 - timing (on a GPU): the inference builds at the 370M and 1.3B presets' shapes, each case with both sets in turn over
   ``--rounds`` rounds (``harness.bench_ms``): decoding at 1 and 16 tokens (`compare_triton_builds.py`'s cases), the
   layer's forward of a training step's tokens without gradients (a prompt), and the decoder's RMSNorm and rotary
@@ -110,9 +111,9 @@ def compilation_sequence(device, decode_tokens, forward_tokens, train_lengths, n
     """The calls in order (a decoding step's kernels at each of ``decode_tokens`` tokens: the decoder's RMSNorm and
     rotary kernels and the layer's; the layer's inference forward of one sequence of each of ``forward_tokens``; its
     training forward + backward of two sequences of each of ``train_lengths``): ({call: kernels it compiled},
-    {call: configurations an autotuner benchmarked})."""
+    {call: configurations an autotuner benchmarked}, {call: kernels it launched for the first time})."""
     norm, router, weights, randn = layer_weights(device, heads)
-    compiled, tuned = {}, {}
+    compiled, tuned, loaded = {}, {}, {}
     for tokens in decode_tokens:
         width = heads * HEAD_DIM
         angles = randn(1, 1, HEAD_DIM).float()
@@ -122,25 +123,25 @@ def compilation_sequence(device, decode_tokens, forward_tokens, train_lengths, n
                 decoder_triton.rotate_pair(randn(tokens, 1, heads, HEAD_DIM), randn(tokens, 1, heads, HEAD_DIM),
                                            angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16))
             flash_mhf_op._layer_forward_impl(randn(tokens, 1, width), norm, router, weights, HEAD_DIM, EPS, GATE_EPS)
-        compiled[f"decode {tokens}"], tuned[f"decode {tokens}"] = _counts(record)
+        compiled[f"decode {tokens}"], tuned[f"decode {tokens}"], loaded[f"decode {tokens}"] = _counts(record)
     for tokens in forward_tokens:
         with TritonCompilations(names) as record:
             flash_mhf_op._layer_forward_impl(randn(1, tokens, heads * HEAD_DIM), norm, router, weights, HEAD_DIM, EPS,
                                              GATE_EPS)
-        compiled[f"forward {tokens}"], tuned[f"forward {tokens}"] = _counts(record)
+        compiled[f"forward {tokens}"], tuned[f"forward {tokens}"], loaded[f"forward {tokens}"] = _counts(record)
     for length in train_lengths:
         p = randn(2, length, heads * HEAD_DIM)
         with TritonCompilations(names) as record:
             saved = flash_mhf_op._layer_forward_keeping_queries(p, norm, router, weights, HEAD_DIM, EPS, GATE_EPS)
             flash_mhf_op._layer_backward_impl(randn(*p.shape), p, norm, router, weights, HEAD_DIM, EPS, GATE_EPS,
                                               saved=saved[1:])
-        compiled[f"train 2 x {length}"], tuned[f"train 2 x {length}"] = _counts(record)
-    return compiled, tuned
+        compiled[f"train 2 x {length}"], tuned[f"train 2 x {length}"], loaded[f"train 2 x {length}"] = _counts(record)
+    return compiled, tuned, loaded
 
 
-def _counts(record: TritonCompilations) -> tuple[dict, int]:
+def _counts(record: TritonCompilations) -> tuple[dict, int, dict]:
     summary = record.summary()
-    return summary["kernels"], summary["tuned"]["configs"]
+    return summary["kernels"], summary["tuned"]["configs"], summary["loaded"]["kernels"]
 
 
 class InferenceCase:
@@ -224,12 +225,18 @@ def to_markdown(results: dict) -> str:
              "## Kernels left unspecialised", ""]
     lines += markdown_table(["kernel", "arguments not specialised"],
                             [[name, ", ".join(args)] for name, args in results["unspecialised"].items()])
-    lines += ["", "## Kernels compiled by each call, from a cold in-memory cache", ""]
+    lines += ["", "## Kernels compiled by each call, from a cold in-memory cache", "",
+              "A kernel's first launch loads it and builds its launcher (compiled from C source when Triton's disk "
+              "cache lacks it); a kernel compiled ahead is loaded with its compilation, so no call should list one "
+              "as first launched there but compiled earlier.", ""]
     calls = list(results["compilations"]["package"])
     def cell(set_name, call):
         text = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in results["compilations"][set_name][call].items())
         configs = results.get("tuned", {}).get(set_name, {}).get(call)
-        return (text or "-") + (f"; {configs} configurations tuned" if configs else "")
+        late = [kernel for kernel in results.get("loaded", {}).get(set_name, {}).get(call, {})
+                if kernel not in results["compilations"][set_name][call]]
+        return (text or "-") + (f"; {configs} configurations tuned" if configs else "") + (
+            f"; first launched here, compiled earlier: {', '.join(late)}" if late else "")
 
     lines += markdown_table(["call", *SETS], [[call, *[cell(s, call) for s in SETS]] for call in calls])
     totals = {s: sum(sum(c.values()) for c in results["compilations"][s].values()) for s in SETS}
@@ -268,22 +275,24 @@ def main(argv=None) -> dict:
     results = {"environment": environment(), "command": "python kernels/compare_specialisation.py "
                + " ".join(sys.argv[1:] if argv is None else argv),
                "unspecialised": {name: unspecialised_arguments(k) for (_, name), k in kernels.items()},
-               "compiled_for": "this GPU" if on_gpu else "an H100, on the CPU", "compilations": {}, "tuned": {}}
+               "compiled_for": "this GPU" if on_gpu else "an H100, on the CPU", "compilations": {}, "tuned": {},
+               "loaded": {}}
     # without a GPU each compilation takes seconds on the CPU: fewer calls; the autotuner's benchmark is the stand-in
     # driver's (each configuration compiled and launched once)
     decode_tokens = [1, 2, 3, 16, 17, 33, 64] if on_gpu else [1, 2, 16]
     # 2048, 3000 and 2500 tokens of 8 heads: the autotuned Triton forward (2 ** 14 rows and more, too few row blocks
-    # for the Gluon one) in two size classes, the second met twice; 3168: 132 row blocks of the Gluon forward, no
-    # split; 4096: a last round split
-    forward_tokens = [100, 128, 1000, 2048, 3000, 2500, 3168, 4096, 4097] if on_gpu else [
-        100, 128, 2048, 3000, 2500, 3168, 4096, 4097]
+    # for the Gluon one) in two size classes, the second met twice; 4800: the Gluon forward's 25 row blocks of 192
+    # per head, 200 programs, whose last round (68 of 132) is not split; 4096: 176 programs, a last round of 44 split
+    forward_tokens = [100, 128, 1000, 2048, 3000, 2500, 4800, 4096, 4097] if on_gpu else [
+        100, 128, 2048, 3000, 2500, 4800, 4096, 4097]
     train_lengths = [1000, 1024, 2048] if on_gpu else [496, 500]
     # a twin is named after the build it stands in for
     names = {**jit_functions(KERNEL_MODULES), **{twins[kernel]: name for (_, name), kernel in kernels.items()}}
     for set_name in SETS:
         with kernel_set(set_name, twins), (contextlib.nullcontext() if on_gpu else compiling_for_hopper()):
             forget_compiled(KERNEL_MODULES)  # the set's kernels, from a cold in-memory cache
-            results["compilations"][set_name], results["tuned"][set_name] = compilation_sequence(
+            (results["compilations"][set_name], results["tuned"][set_name],
+             results["loaded"][set_name]) = compilation_sequence(
                 device, decode_tokens, forward_tokens, train_lengths, names)
         log(f"{set_name}: {results['compilations'][set_name]}")
     if not args.compile_only:

@@ -8,16 +8,19 @@ too long to repeat hundreds of times). Results are written atomically: a tempora
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import json
 import os
 import platform
+import pstats
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import torch
 
@@ -153,16 +156,25 @@ class TritonCompilations:
     kernel missing from the in-memory cache is built, the post-compile hook after. A kernel is named by its function,
     or by ``names`` ({kernel: name}) where that holds it (two builds of one function). It also records each
     configuration an autotuner benchmarks (``Autotuner._bench``, the same in Triton 3.6 to 3.9), with the seconds it
-    took: a tuning key met for the first time stops the caller for the benchmark of every configuration. Without
-    Triton it records nothing."""
+    took: a tuning key met for the first time stops the caller for the benchmark of every configuration. And it
+    records each compiled kernel's first launch ("loaded"; `CompiledKernel._init_handles`, the same in Triton 3.6 to
+    3.9), which loads its module onto the device and builds the launcher of its argument list: Triton compiles that
+    launcher from C source with the host's compiler unless its disk cache holds it, a few tenths of a second, so a
+    kernel compiled ahead (``JITFunction.warmup``) but first launched while serving stops that step. Without Triton
+    it records nothing."""
+
+    # the compiled kernels whose first launch a record has seen, in this process (a stand-in driver loads no module,
+    # so that a kernel is not counted again by the next record)
+    _first_launched: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, names: dict | None = None):
         self.events: list[tuple[str, float]] = []
         self.tunings: list[tuple[str, float]] = []  # (kernel, seconds) per configuration benchmarked
+        self.loads: list[tuple[str, float]] = []  # (kernel, seconds) per first launch of a compiled kernel
         self.names = names or {}
         self._started: dict = {}
         self._saved = None
-        self._saved_bench = None
+        self._saved_bench = self._saved_init = None
 
     def _before(self, *_, **kwargs):
         self._started[kwargs.get("key")] = time.perf_counter()
@@ -181,6 +193,7 @@ class TritonCompilations:
     def __enter__(self):
         try:
             from triton import knobs
+            from triton.compiler.compiler import CompiledKernel
             from triton.runtime.autotuner import Autotuner
         except ImportError:
             return self
@@ -197,30 +210,53 @@ class TritonCompilations:
                 record.tunings.append((record._name(autotuner.fn), time.perf_counter() - start))
 
         Autotuner._bench = timed_bench
+        self._saved_init = init_handles = CompiledKernel._init_handles
+
+        def timed_init(kernel):
+            # a first initialisation: no module loaded yet
+            if getattr(kernel, "module", None) is not None or kernel in TritonCompilations._first_launched:
+                return init_handles(kernel)
+            TritonCompilations._first_launched.add(kernel)
+            start = time.perf_counter()
+            try:
+                return init_handles(kernel)
+            finally:
+                function = getattr(getattr(kernel, "src", None), "fn", None)  # the JIT function it was compiled from
+                name = record.names.get(function) or getattr(function, "__name__", None) or getattr(kernel, "name", "?")
+                record.loads.append((name, time.perf_counter() - start))
+
+        CompiledKernel._init_handles = timed_init
         return self
 
     def __exit__(self, *_):
         if self._saved is not None:
             from triton import knobs
+            from triton.compiler.compiler import CompiledKernel
             from triton.runtime.autotuner import Autotuner
 
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
             Autotuner._bench = self._saved_bench
-            self._saved = self._saved_bench = None
+            CompiledKernel._init_handles = self._saved_init
+            self._saved = self._saved_bench = self._saved_init = None
 
     def summary(self) -> dict:
-        """{"count", "seconds", "kernels": {name: compilations}, "tuned": {"configs", "seconds", "kernels"}}: the
-        compilations, and the configurations benchmarked by autotuners (their seconds include the compilations of
-        the configurations not yet built)."""
+        """{"count", "seconds", "kernels": {name: compilations}, "tuned": {"configs", "seconds", "kernels"},
+        "loaded": {"count", "seconds", "kernels"}}: the compilations, the configurations benchmarked by autotuners
+        (their seconds include the compilations of the configurations not yet built), and the first launches."""
         kernels: dict[str, int] = {}
         for name, _ in self.events:
             kernels[name] = kernels.get(name, 0) + 1
         tuned: dict[str, int] = {}
         for name, _ in self.tunings:
             tuned[name] = tuned.get(name, 0) + 1
+        loaded: dict[str, int] = {}
+        for name, _ in self.loads:
+            loaded[name] = loaded.get(name, 0) + 1
         return {"count": len(self.events), "seconds": sum(seconds for _, seconds in self.events), "kernels": kernels,
                 "tuned": {"configs": len(self.tunings), "seconds": sum(seconds for _, seconds in self.tunings),
-                          "kernels": tuned}}
+                          "kernels": tuned},
+                "loaded": {"count": len(self.loads), "seconds": sum(seconds for _, seconds in self.loads),
+                           "kernels": loaded}}
 
 
 class GcPauses:
@@ -253,36 +289,118 @@ class GcPauses:
                 "longest_s": longest[1], "longest_generation": longest[0]}
 
 
+# The caching allocator's counters that `ForwardSteps` reads around a synchronised step: blocks obtained from and
+# returned to the device (cudaMalloc / cudaFree), and the retries after a failed cudaMalloc, each of which frees the
+# cached blocks and synchronises the device.
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_counters() -> dict:
+    """`ALLOCATOR_COUNTERS` of the current CUDA device (zeros without CUDA, or where this torch lacks a counter)."""
+    stats = torch.cuda.memory_stats() if on_cuda() else {}
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTERS}
+
+
+def device_memory() -> dict:
+    """GiB allocated and reserved by torch's caching allocator, and free on the device (None without CUDA)."""
+    if not on_cuda():
+        return {"allocated_gib": None, "reserved_gib": None, "free_gib": None}
+    return {"allocated_gib": torch.cuda.memory_allocated() / GIB, "reserved_gib": torch.cuda.memory_reserved() / GIB,
+            "free_gib": torch.cuda.mem_get_info()[0] / GIB}
+
+
+PROFILE_FUNCTIONS = 25  # functions kept from a profiled step, by their own time and by time including callees
+
+
+def costliest_functions(profiler: cProfile.Profile, count: int = PROFILE_FUNCTIONS) -> dict:
+    """A cProfile run's ``count`` costliest functions by their own time ("own") and by their time with what they
+    called ("cumulative"), each as [file:line(function), calls, own seconds, cumulative seconds], and the total."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own, cumulative, callers)}
+    rows = [[f"{os.path.basename(file)}:{line}({name})", calls, own, cumulative]
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    return {"total_s": sum(row[2] for row in rows),
+            "own": sorted(rows, key=lambda row: -row[2])[:count],
+            "cumulative": sorted(rows, key=lambda row: -row[3])[:count]}
+
+
 class ForwardSteps:
     """The forward calls of a module while in a `with` block: each call's number of tokens (its ``input_ids``'
     elements, or ``inputs_embeds``' but the last dimension) and its start on the host clock. The time from one start
     to the next is a whole step of a serving loop: the forward's launches, what the loop does between steps, and the
     wait for the GPU where the loop reads the step's outputs. ``seen`` (shared between recorders) holds the token
-    counts met before, so a summary can say which ones this block met first."""
+    counts met before, so a summary can say which ones this block met first.
 
-    def __init__(self, module: torch.nn.Module, seen: set | None = None):
+    With ``synchronised_steps`` = N, the first N calls are taken apart: the device is synchronised before the call
+    starts and again when it returns, so a call's time splits into its host part (until ``forward`` returns, the
+    launches) and the device's remainder (the wait at the second synchronisation), and the caching allocator's
+    counters (`ALLOCATOR_COUNTERS`) are read on both sides. That changes those steps' timing (nothing overlaps them),
+    so a benchmark asks for it only where it looks into a step. Calls made while a CUDA graph is being captured are
+    recorded but not synchronised. The first ``profiled_steps`` of them also run their host part under cProfile, in
+    the thread that calls the module (a serving loop's own), and keep its `PROFILE_FUNCTIONS` costliest functions."""
+
+    def __init__(self, module: torch.nn.Module, seen: set | None = None, synchronised_steps: int = 0,
+                 profiled_steps: int = 0):
+        if synchronised_steps < 0:
+            raise ValueError(f"synchronised_steps={synchronised_steps} must be 0 or more")
+        if not 0 <= profiled_steps <= synchronised_steps:
+            raise ValueError(f"profiled_steps={profiled_steps} must be from 0 to synchronised_steps="
+                             f"{synchronised_steps}")
         self.module, self.seen = module, seen if seen is not None else set()
+        self.synchronised_steps, self.profiled_steps = synchronised_steps, profiled_steps
+        self._profiler = None
         self.steps: list[tuple[float, int]] = []  # (start, tokens)
-        self._handle = None
+        self.details: list[dict] = []  # the synchronised steps, in order
+        self._handles, self._open = [], None  # (start, allocator counters) of a synchronised call in progress
 
     def _hook(self, _module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         tokens = ids.numel() if ids is not None else (embeds[..., 0].numel() if embeds is not None else 0)
+        capturing = on_cuda() and torch.cuda.is_current_stream_capturing()
+        if len(self.steps) < self.synchronised_steps and not capturing:
+            synchronize()
+            self._open = allocator_counters()
+            if len(self.details) < self.profiled_steps:
+                self._profiler = cProfile.Profile()
+                self._profiler.enable()
         self.steps.append((time.perf_counter(), tokens))
 
+    def _post_hook(self, _module, _args, _kwargs, _output) -> None:
+        if self._open is None:
+            return
+        returned = time.perf_counter()
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.disable()
+        synchronize()
+        finished = time.perf_counter()
+        start, tokens = self.steps[-1]
+        after = allocator_counters()
+        self.details.append({"step": len(self.steps) - 1, "tokens": tokens, "host_s": returned - start,
+                             "device_wait_s": finished - returned,
+                             **{name: after[name] - self._open[name] for name in ALLOCATOR_COUNTERS}})
+        if profiler is not None:
+            self.details[-1]["profile"] = costliest_functions(profiler)
+        self._open = None
+
     def __enter__(self):
-        self._handle = self.module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handles = [self.module.register_forward_pre_hook(self._hook, with_kwargs=True),
+                         self.module.register_forward_hook(self._post_hook, with_kwargs=True)]
         return self
 
     def __exit__(self, *_):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+        if self._profiler is not None:  # a call that raised
+            self._profiler.disable()
+        self._handles, self._open, self._profiler = [], None, None
 
     def summary(self, slowest: int = 5, gc_pauses: GcPauses | None = None) -> dict:
         """Steps, the distinct token counts, those not met before this block (and now added to ``seen``), and the
         ``slowest`` steps as [seconds, tokens, first time this token count was met, seconds of garbage collection
         that started within the step (with ``gc_pauses``, else None)]. The last step has no next one to end it
-        (what follows it is the loop's shutdown), so it has no time."""
+        (what follows it is the loop's shutdown), so it has no time. With synchronised steps, ``synchronised``
+        lists them: each one's host part, the device's remainder and the allocator counters' increase."""
         steps, first_met = [], set()
         for index, (start, tokens) in enumerate(self.steps):
             new = tokens not in self.seen and tokens not in first_met
@@ -295,9 +413,14 @@ class ForwardSteps:
                 steps.append((end - start, tokens, new, collected))
         self.seen.update(first_met)
         longest = sorted(steps, key=lambda step: -step[0])[:slowest]
-        return {"steps": len(self.steps), "token_counts": len({tokens for _, tokens in self.steps}),
-                "first_met": sorted(first_met), "seconds_in_first_met": sum(s for s, _, new, _ in steps if new),
-                "slowest": [list(step) for step in longest]}
+        summary = {"steps": len(self.steps), "token_counts": len({tokens for _, tokens in self.steps}),
+                   "first_met": sorted(first_met), "seconds_in_first_met": sum(s for s, _, new, _ in steps if new),
+                   "slowest": [list(step) for step in longest]}
+        if self.synchronised_steps:
+            summary["synchronised"] = [
+                dict(detail, step_s=steps[detail["step"]][0] if detail["step"] < len(steps) else None)
+                for detail in self.details]
+        return summary
 
 
 class ClockSampler:

@@ -169,9 +169,13 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     bench = _load_throughput_benchmark()
     bench.main(["--preset", "tiny", "--archs", "llama", "kvffn", "--no-token-lookup", "--requests", "3",
                 "--prompt-lengths", "3,12", "--new-tokens", "2,4", "--vocab-size", "300", "--num-blocks", "16",
-                "--max-batch-tokens", "32", "--device", "cpu", "--rounds", "2", "--out", str(tmp_path)])
+                "--max-batch-tokens", "32", "--device", "cpu", "--rounds", "2", "--synchronised-steps", "2",
+                "--profiled-steps", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
     llama, kvffn = report["results"]
+    # the first two steps of every timed round taken apart (host part and the device's remainder)
+    assert all([d["step"] for d in r["steps"]["synchronised"]] == [0, 1] and r["memory_at_start"]["free_gib"] is None
+               and "profile" in r["steps"]["synchronised"][0] for r in kvffn["rounds"] + llama["rounds"])
     assert [len(llama["rounds"]), len(kvffn["rounds"])] == [2, 2] and "x_baseline" not in llama
     assert all(r["gc_pauses"]["count"] >= 0 and "tuned" in r["compilations"] for r in kvffn["rounds"])
     # the steps' token counts: a timed round counts as new only those the warm-up and earlier rounds did not meet
@@ -184,16 +188,19 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     assert kvffn["x_baseline"]["low"] <= kvffn["x_baseline"]["median"] <= kvffn["x_baseline"]["high"]
     assert kvffn["compilations"]["per_round"] == [0, 0] and kvffn["warmup_compilations"]["count"] == 0  # CPU
     assert "| x Llama |" in (tmp_path / "continuous_batching.md").read_text()
-    with pytest.raises(SystemExit):
-        bench.main(["--rounds", "0", "--out", str(tmp_path)])
+    for wrong in (["--rounds", "0"], ["--synchronised-steps", "-1"], ["--profiled-steps", "1"]):
+        with pytest.raises(SystemExit):
+            bench.main([*wrong, "--out", str(tmp_path)])
 
 
 def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
     """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a
-    kernel and the post-compile hook after; an autotuner benchmarks each configuration through `Autotuner._bench`.
-    The hooks and the benchmark in place before are restored."""
+    kernel and the post-compile hook after; an autotuner benchmarks each configuration through `Autotuner._bench`;
+    a compiled kernel's first launch loads it (`CompiledKernel._init_handles`), later ones find it loaded. The hooks,
+    the benchmark and the loader in place before are restored."""
     pytest.importorskip("triton")
     from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
     from triton.runtime.autotuner import Autotuner
 
     _load_throughput_benchmark()  # puts kernels/ on the path
@@ -202,7 +209,16 @@ def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
     def bench(autotuner, *args, config, **kwargs):  # what Triton's would return: the timings of one configuration
         return [float(config)]
 
+    def init_handles(kernel):  # what Triton's does: load the module once
+        kernel.module = kernel.module or "module"
+
     monkeypatch.setattr(Autotuner, "_bench", bench)
+    monkeypatch.setattr(CompiledKernel, "_init_handles", init_handles)
+    # compiled kernels as the loader sees them: their JIT function (named by it) and whether a module is loaded
+    jit_function = type("JITFunction", (), {})()
+    jit_function.__name__ = "_add_forward_splits_kernel"
+    source = type("Source", (), {"fn": jit_function})()
+    compiled = [type("Compiled", (), {"src": source, "name": "?", "module": module})() for module in (None, "m")]
     saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
     tuner = type("Tuner", (), {"fn": type("Kernel", (), {"fn": lambda: None, "name": "_forward_kernel"})()})()
     with TritonCompilations() as compilations:
@@ -211,8 +227,11 @@ def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
         knobs.runtime.jit_post_compile_hook(key="k", repr="_decode_kernel[num_warps=4]()", fn=function)
         knobs.runtime.jit_post_compile_hook(key="other", repr="_norm_kernel[num_warps=4]()")
         assert [Autotuner._bench(tuner, 1, config=c) for c in (2, 3)] == [[2.0], [3.0]]
+        for kernel in (*compiled, compiled[0]):  # the first one loaded at its first launch only; the second was loaded
+            CompiledKernel._init_handles(kernel)
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == saved
-    assert Autotuner._bench is bench
+    assert Autotuner._bench is bench and CompiledKernel._init_handles is init_handles
+    assert compilations.summary()["loaded"]["kernels"] == {"_add_forward_splits_kernel": 1}
     summary = compilations.summary()
     assert summary["count"] == 2 and summary["kernels"] == {"_decode_kernel": 1, "_norm_kernel": 1}
     assert compilations.events[0][1] >= 0
@@ -266,6 +285,26 @@ def test_forward_steps_are_recorded_with_their_token_counts():
         module(torch.zeros(1, 4))
     (seconds, tokens, new, collected), = steps.summary(gc_pauses=pauses)["slowest"]
     assert tokens == 4 and new and 0 < collected <= seconds  # the collection fell within the first step
+
+    # the first two calls taken apart: host part, the device's remainder, the allocator's counters (zeros on a CPU)
+    with ForwardSteps(module, synchronised_steps=2) as steps:
+        for tokens in (6, 3, 9):
+            module(torch.zeros(1, tokens))
+    first, second = steps.summary()["synchronised"]
+    assert (first["step"], first["tokens"], second["step"], second["tokens"]) == (0, 6, 1, 3)
+    assert 0 <= first["host_s"] <= first["step_s"] and first["device_wait_s"] >= 0
+    assert first["num_device_alloc"] == first["num_alloc_retries"] == 0 and not module._forward_hooks
+    # the first of them profiled: the module's forward is among the costliest functions
+    with ForwardSteps(module, synchronised_steps=2, profiled_steps=1) as steps:
+        for tokens in (6, 3):
+            module(torch.zeros(1, tokens))
+    first, second = steps.summary()["synchronised"]
+    assert "profile" not in second and first["profile"]["total_s"] >= 0
+    assert any(name.endswith("(forward)") and calls == 1 for name, calls, _, _ in first["profile"]["cumulative"])
+    with pytest.raises(ValueError, match="synchronised_steps=-1"):
+        ForwardSteps(module, synchronised_steps=-1)
+    with pytest.raises(ValueError, match="profiled_steps=2"):
+        ForwardSteps(module, synchronised_steps=1, profiled_steps=2)
 
 
 @pytest.mark.gpu

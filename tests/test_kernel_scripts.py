@@ -683,7 +683,7 @@ def test_host_time_comparison_tables(tmp_path):
 
 def test_inference_kernels_compile_once_whatever_the_number_of_tokens(tmp_path):
     """`compare_specialisation.py --compile-only` compiles, for an H100 on the CPU, a decoding step's kernels at 1, 2
-    and 16 tokens, the layer's inference forward at 100, 128, 2048, 3000, 2500, 3168, 4096 and 4097 tokens and its
+    and 16 tokens, the layer's inference forward at 100, 128, 2048, 3000, 2500, 4800, 4096 and 4097 tokens and its
     training step at two lengths, with the package's kernels and with their inference builds specialised on every
     argument (Triton's default). Inference compiles each kernel once, at its first call, whatever the number of tokens
     (a continuous-batching step or a prompt of a new length compiles nothing more); the autotuned forward is tuned
@@ -697,13 +697,18 @@ def test_inference_kernels_compile_once_whatever_the_number_of_tokens(tmp_path):
     report = json.loads((tmp_path / "specialisation.json").read_text())
     package, specialised = report["compilations"]["package"], report["compilations"]["specialised"]
     assert list(package) == ["decode 1", "decode 2", "decode 16", "forward 100", "forward 128", "forward 2048",
-                             "forward 3000", "forward 2500", "forward 3168", "forward 4096", "forward 4097",
+                             "forward 3000", "forward 2500", "forward 4800", "forward 4096", "forward 4097",
                              "train 2 x 496", "train 2 x 500"]
     # 100 tokens: the Triton forward (too few rows for the Gluon one); 2048: the autotuned Triton forward, each of
-    # its configurations compiled as the autotuner benchmarks it; 3168: the Gluon forward with no row block split,
+    # its configurations compiled as the autotuner benchmarks it; 4800: the Gluon forward with no row block split,
     # which compiles the splits' sum too, for the first prompt whose last round is split (4096)
-    first_calls = ["decode 1", "forward 100", "forward 2048", "forward 3168"]
-    assert "_add_forward_splits_any_size" in package["forward 3168"]
+    first_calls = ["decode 1", "forward 100", "forward 2048", "forward 4800"]
+    assert "_add_forward_splits_any_size" in package["forward 4800"]
+    # every kernel a call launches for the first time was compiled by that call: the splits' sum, compiled ahead at
+    # 4800 tokens, is loaded there too, not at the first split prompt (4096), where loading it would stop serving
+    loaded = report["loaded"]["package"]
+    assert "_add_forward_splits_any_size" in loaded["forward 4800"] and not loaded["forward 4096"], loaded
+    assert all(set(loaded[call]) <= set(package[call]) for call in package), (loaded, package)
     tuned = report["tuned"]["package"]
     assert tuned["forward 2048"] == tuned["forward 3000"] == package["forward 2048"]["_forward_any_size"] > 1
     assert not any(configs for call, configs in tuned.items() if call not in ("forward 2048", "forward 3000")), tuned
