@@ -363,7 +363,8 @@ def flash_mhf(
     if chosen == "triton":
         reason = _triton_unsupported_reason(q, k)
         if reason is not None:
-            raise ValueError(f"flash_mhf(impl={impl!r}) cannot use the Triton kernels: {reason}")
+            raise ValueError(f"flash_mhf(impl={impl!r}) cannot use the Triton kernels: {reason}; impl='torch' (a "
+                             "FlashMHF model's ffn_kernel='torch') runs the PyTorch reference on any device")
     k, u, v = (w.to(q.dtype) for w in (k, u, v))
     return _forward_op(q, k, u, v, r, chosen)
 

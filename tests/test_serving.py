@@ -9,6 +9,9 @@ Two real servers run as subprocesses on loopback ports, started at once:
 Concurrent requests through the `openai` client (completions and chat completions, streamed and not) must return
 exactly the text of greedy `generate()` on the same models. The tiny random models only ever choose printable ASCII
 tokens (the other rows of their output layer are zero), so texts compare exactly, streamed or not.
+
+The servers and the reference `generate()` run on the CPU; `HF_MEMFFN_SERVE_DEVICE=cuda` runs the same checks on a
+GPU (the table then on the GPU too, its default placement there).
 """
 
 from __future__ import annotations
@@ -39,7 +42,17 @@ REQUEST_SECONDS = 60
 MAX_TOKENS = 8
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                 "{% if add_generation_prompt %}assistant:{% endif %}"
-CB_OPTIONS = ["--continuous-batching", "--device", "cpu", "--cb-num-blocks", "32", "--cb-block-size", "32",
+DEVICE = os.environ.get("HF_MEMFFN_SERVE_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"HF_MEMFFN_SERVE_DEVICE={DEVICE!r}: allowed values are cpu and cuda")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("HF_MEMFFN_SERVE_DEVICE=cuda needs a CUDA device", allow_module_level=True)
+TABLE_PLACEMENT = "disk" if DEVICE == "cpu" else "gpu"  # disk reads token ids on the host: no CUDA graph holds it
+# On a GPU the FlashMHF checkpoint has one FFN head of 64, the narrowest its fused kernels take (the tiny config's
+# heads of 16 stop it there, loudly), so that serving runs them.
+SHAPES = {"flash_mhf": dict(intermediate_size=128, ffn_num_heads=1, ffn_num_kv_heads=1, ffn_num_subnetworks=2)} \
+    if DEVICE == "cuda" else {}
+CB_OPTIONS = ["--continuous-batching", "--device", DEVICE, "--cb-num-blocks", "32", "--cb-block-size", "32",
               "--cb-max-batch-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1"]
 PROMPTS = ["the memory reads", "a key of the value head"]
 CHATS = [[{"role": "system", "content": "the value"}, {"role": "user", "content": "what does the memory store"}]]
@@ -62,8 +75,8 @@ def free_port() -> int:
 
 def greedy_text(model, tokenizer, input_ids: list[int]) -> str:
     with torch.no_grad():
-        output = model.generate(torch.tensor([input_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
+        output = model.generate(torch.tensor([input_ids], device=model.device), max_new_tokens=MAX_TOKENS,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
     new_tokens = output[0, len(input_ids):].tolist()
     assert len(new_tokens) == MAX_TOKENS
     return tokenizer.decode(new_tokens, skip_special_tokens=True)
@@ -114,9 +127,9 @@ def checkpoints(tmp_path_factory):
     directories, expected = {}, {}
     for arch in hf_memffn.ARCHITECTURES:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+        model = AutoModelForCausalLM.from_config(tiny_config(arch, **SHAPES.get(arch, {}))).eval()
         printable_only(model, tokenizer)
-        model.attach_tokenizer(tokenizer)
+        model.to(DEVICE).attach_tokenizer(tokenizer)
         directory = root / arch
         model.save_pretrained(directory)
         directories[arch] = str(directory)
@@ -151,7 +164,7 @@ def servers(checkpoints):
                               env, root / "remote_code_server.log", cwd=root))
         memoryllm = directories["memoryllm"]
         started.append(Server([sys.executable, "-m", "hf_memffn.cli", "serve", memoryllm, "--token-lookup", memoryllm,
-                               "--token-lookup-placement", "disk", "--drop-memory-ffn"],
+                               "--token-lookup-placement", TABLE_PLACEMENT, "--drop-memory-ffn"],
                               {**env, "HF_MODULES_CACHE": str(root / "modules_table")}, root / "table_server.log",
                               cwd=Path(__file__).resolve().parents[1]))
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -220,7 +233,8 @@ def test_memoryllm_served_from_its_token_lookup_table(checkpoints, servers):
     for job, text, (answer, _) in zip(jobs, texts, results):
         assert answer == text, (job, answer, text)
     log = server.log_text()
-    assert "reads the token lookup table" in log and "placement=disk" in log and "weights dropped" in log, log[-3000:]
+    assert "reads the token lookup table" in log and f"placement={TABLE_PLACEMENT}" in log, log[-3000:]
+    assert "weights dropped" in log, log[-3000:]
     assert log.count("CB: True") == len(jobs), log[-3000:]
 
 
