@@ -899,6 +899,7 @@ def weight_row_ranges(splits: int, row_blocks: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [row_blocks]))
 
 
+@functools.lru_cache(maxsize=256)  # asked at every backward call: the count of row blocks is Python loops
 def weight_splits(tiles: int, multiprocessors: int, row_blocks: int, splits: int | None = None) -> tuple[int, int]:
     """(split_from, splits) of the weight kernel's launch for ``tiles`` programs (one per multiprocessor at a time)
     of ``row_blocks`` row blocks each. When the tiles are not a multiple of the multiprocessors, the last round of

@@ -109,6 +109,10 @@ def test_weight_splits_fill_the_last_round_of_programs():
     assert flash_mhf_gluon.weight_splits(264, 132, 128, splits=5) == (264, 1)
     with pytest.raises(ValueError, match="splits=17: expected 1 to 16"):
         flash_mhf_gluon.weight_splits(336, 132, 128, splits=17)
+    # every backward asks: counted once per shape (the count is tens of microseconds of Python)
+    hits = flash_mhf_gluon.weight_splits.cache_info().hits
+    assert flash_mhf_gluon.weight_splits(336, 132, 128) == (264, 3)
+    assert flash_mhf_gluon.weight_splits.cache_info().hits == hits + 1
     for tiles, row_blocks in ((336, 128), (140, 8), (6, 1000), (500, 41), (7, 13)):
         split_from, splits = flash_mhf_gluon.weight_splits(tiles, 132, row_blocks)
         assert splits == 1 or (split_from == tiles - tiles % 132 and splits <= flash_mhf_gluon.WEIGHT_MAX_SPLITS)
