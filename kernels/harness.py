@@ -350,14 +350,13 @@ class ForwardSteps:
         self._profiler = None
         self.steps: list[tuple[float, int]] = []  # (start, tokens)
         self.details: list[dict] = []  # the synchronised steps, in order
-        self._handles, self._open = [], None  # (start, allocator counters) of a synchronised call in progress
+        self._handles, self._open = [], None  # the allocator counters before a synchronised call in progress
 
     def _hook(self, _module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         tokens = ids.numel() if ids is not None else (embeds[..., 0].numel() if embeds is not None else 0)
-        capturing = on_cuda() and torch.cuda.is_current_stream_capturing()
-        if len(self.steps) < self.synchronised_steps and not capturing:
+        if len(self.steps) < self.synchronised_steps and not (on_cuda() and torch.cuda.is_current_stream_capturing()):
             synchronize()
             self._open = allocator_counters()
             if len(self.details) < self.profiled_steps:
