@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_launch import COMPILE_OPTIONS, any_size
+from .triton_launch import COMPILE_OPTIONS, any_size, launch
 
 try:
     from triton.experimental import gluon
@@ -839,16 +839,39 @@ def _launch_sizes(q, k, kernel: str):
     return (*q.shape, *k.shape[:3], q.shape[1] // k.shape[0])
 
 
+_DESCRIPTORS: dict = {}  # (dtype, shape, strides, block shape) -> a checked descriptor without its base
+MAX_DESCRIPTORS = 1024
+
+
+def tensor_descriptor(t: torch.Tensor, block_shape: tuple) -> GluonTensorDescriptor:
+    """The tensor descriptor of ``t`` (16-byte aligned, from `descriptor_ready`) read in ``block_shape`` tiles, with
+    their shared-memory layout. Gluon's descriptor checks its fields when it is built (alignment, strides, layout),
+    about 10 µs of host time per descriptor and five per backward call; those checks depend only on the dtype, the
+    shape, the strides and the alignment, so they run once per such key, and later descriptors are copies of that
+    checked one with ``t`` as their base."""
+    aligned = t.data_ptr() % 16 == 0
+    key = (t.dtype, t.shape, t.stride(), block_shape, aligned)
+    checked = _DESCRIPTORS.get(key)
+    if checked is None:
+        checked = GluonTensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape),
+                                        _shared_layout(block_shape, t.dtype))
+        checked.base = None  # (the kept copy holds no tensor)
+        if len(_DESCRIPTORS) >= MAX_DESCRIPTORS:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = checked
+    descriptor = object.__new__(GluonTensorDescriptor)
+    descriptor.__dict__.update(checked.__dict__)
+    descriptor.base = t
+    # what a launch's compiled kernel may depend on, for `triton_launch.launch` (which otherwise reads every field)
+    descriptor.launch_key = (GluonTensorDescriptor, *key)
+    return descriptor
+
+
 def weight_descriptors(k, u, v):
     """The [BLOCK_N, d_h] tensor descriptors of contiguous [H_kv, E, d_e, d_h] weights, as both Gluon kernels read
     them: ``triton_backward`` builds them once for the two launches."""
-    layout = _shared_layout((BLOCK_N, k.shape[-1]), k.dtype)
-
-    def descriptor(w):
-        rows = descriptor_ready(w.reshape(-1, w.shape[-1]))
-        return GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), [BLOCK_N, w.shape[-1]], layout)
-
-    return tuple(descriptor(w) for w in (k, u, v))
+    return tuple(tensor_descriptor(descriptor_ready(w.reshape(-1, w.shape[-1])), (BLOCK_N, w.shape[-1]))
+                 for w in (k, u, v))
 
 
 def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, split: bool | None = None,
@@ -861,11 +884,9 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, 
     instead of the one `weight_splits` picks. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
-    sequence_layout = _shared_layout((1, 1, BLOCK_L, head_dim), q.dtype)
 
     def sequence_descriptor(t):
-        t = descriptor_ready(t)
-        return GluonTensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK_L, head_dim], sequence_layout)
+        return tensor_descriptor(descriptor_ready(t), (1, 1, BLOCK_L, head_dim))
 
     grads = outputs if outputs is not None else [torch.empty_like(w) for w in (k, u, v)]
     tiles = num_subnetworks * subnetwork_size // BLOCK_N * kv_heads
@@ -877,16 +898,16 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, 
     split_tiles = tiles - split_from
     # float32 shares of the split tiles (when none is split, the float32 gates: a pointer the kernel does not read)
     shares = q.new_empty((split_tiles * splits * 3 * BLOCK_N * head_dim,), dtype=torch.float32) if split_tiles else r
-    compiled = _weight_gradients_kernel[(split_from + split_tiles * splits,)](
+    compiled = launch(
+        _weight_gradients_kernel, (split_from + split_tiles * splits,),
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
         *(weights or weight_descriptors(k, u, v)), r, *grads, shares,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks, split_from, splits,
-        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS, **COMPILE_OPTIONS,
+        D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
     )
     if split_tiles:
-        _add_weight_splits_kernel[(3 * split_tiles,)](shares, *grads, split_from, splits, D_H=head_dim,
-                                                      BLOCK_N=BLOCK_N, num_warps=4, **COMPILE_OPTIONS)
+        launch(_add_weight_splits_kernel, (3 * split_tiles,), shares, *grads, split_from, splits, D_H=head_dim,
+               BLOCK_N=BLOCK_N, num_warps=4)
     return (*grads, compiled)
 
 
@@ -982,12 +1003,12 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
         e_dot = gates.router_parts.shape[2] if gates.router_parts is not None else 16
         flags = dict(E_DOT=e_dot, FUSED_GATES=True, HAS_NORM=gates.norm_weight is not None,
                      HAS_ROUTER=gates.router is not None)
-    compiled = _rows_gradients_kernel[(-(-total_rows // BLOCK_L), kv_heads)](
-        q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
+    compiled = launch(
+        _rows_gradients_kernel, (-(-total_rows // BLOCK_L), kv_heads), q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
         *q.stride()[:3], *grad_out.stride()[:3], *strides,
         total_rows, seq_len, group_size, num_heads, num_subnetworks, *extra,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
-        **flags, **COMPILE_OPTIONS,
+        **flags,
     )
     return grad_q, grad_r, compiled
 
@@ -1052,11 +1073,12 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
     sizes = (total_rows, seq_len, group_size)
     forward, add_splits = ((_warp_specialised_forward_any_size, _add_forward_splits_any_size) if inference
                            else (_warp_specialised_forward_kernel, _add_forward_splits_kernel))
-    compiled = forward[(split_from + split_tiles * splits,)](
+    compiled = launch(
+        forward, (split_from + split_tiles * splits,),
         q, *(weights or weight_descriptors(k, u, v)), r, out, shares, *q.stride()[:3], *out.stride()[:3],
         *sizes, num_heads, num_subnetworks, row_blocks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_N=BLOCK_N, STAGES=FORWARD_STAGES,
-        CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS, **COMPILE_OPTIONS,
+        CONSUMER_REGISTERS=FORWARD_REGISTERS, num_warps=ROWS_WARPS,
     )
     # inference compiles the splits' sum with the forward's first call rather than in the middle of serving, at the
     # first prompt whose last round of programs is split (its build for any size: these arguments compile what that
@@ -1064,11 +1086,11 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
     first_inference = inference and (q.device, q.dtype, head_dim) not in _ADD_SPLITS_COMPILED
     if split_tiles or first_inference:
         arguments = (shares, out, *out.stride()[:3], *sizes, row_blocks, split_from, splits)
-        options = dict(D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4, **COMPILE_OPTIONS)
+        options = dict(D_H=head_dim, ROWS=FORWARD_BLOCK_L // 3, num_warps=4)
         if split_tiles:
-            add_splits[(3 * split_tiles,)](*arguments, **options)
+            launch(add_splits, (3 * split_tiles,), *arguments, **options)
         else:
-            _load_now(add_splits.warmup(*arguments, grid=(1,), **options))
+            _load_now(add_splits.warmup(*arguments, grid=(1,), **options, **COMPILE_OPTIONS))
         if first_inference:
             _ADD_SPLITS_COMPILED.add((q.device, q.dtype, head_dim))
     return out, compiled

@@ -10,13 +10,15 @@ by the host, so that time is a share of the step.
 Triton returns, and launches it directly (``compiled[grid](*arguments)``, in Triton 3.6 to 3.9) for later calls of
 the same signature. The signature is finer than Triton's specialisation, so a kernel compiled for other arguments is
 never reused: for each tensor its dtype and whether its address is a multiple of 16 bytes (Triton's alignment rule
-for pointers), for every other argument its exact value (Triton specialises integers on being 1 or a multiple of
-16, and constexprs on their value), and the keyword arguments (constexprs and launch options such as
-``num_warps``) with their values, on the current device. The direct launch skips what Triton does before the
-compiled kernel on every call: the binder, the check that the kernel's globals have not changed since it was
-compiled, and the kernel's pre-run hooks (none of ours has either). Under ``TRITON_INTERPRET=1`` and while
-``torch.compile`` traces, every launch goes through Triton. ``CACHED = False`` sends every launch through Triton
-(the benchmarks compare both).
+for pointers); for each tensor descriptor (the Gluon kernels' arguments) its base's dtype and alignment and every
+other field (shape, strides, block shape, shared layout, padding); for every other argument its exact value (Triton
+specialises integers on being 1 or a multiple of 16, and constexprs on their value), except the integers of a build
+that leaves them unspecialised (`any_size`), whose value only sets their type (32-bit, 64-bit or unsigned 64-bit,
+as Triton types them); and the keyword arguments (constexprs and launch options such as ``num_warps``) with their
+values, on the current device. The direct launch skips what Triton does before the compiled kernel on every call:
+the binder, the check that the kernel's globals have not changed since it was compiled, and the kernel's pre-run
+hooks (none of ours has either). Under ``TRITON_INTERPRET=1`` and while ``torch.compile`` traces, every launch goes
+through Triton. ``CACHED = False`` sends every launch through Triton (the benchmarks compare both).
 """
 
 from __future__ import annotations
@@ -39,21 +41,58 @@ INTERPRET_REQUESTED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _compiled: dict = {}
 
 
-def _signature(args: tuple) -> tuple:
-    return tuple((arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else (type(arg), arg)
-                 for arg in args)
+_unspecialised: dict = {}  # kernel -> positions of the parameters it leaves unspecialised (`any_size`)
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` function whose arguments are tensors, numbers, booleans
-    or None. The parameters that ``args`` leaves out must all come as keyword arguments (defaults are not filled
-    in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them)."""
+def _integer_type(value: int) -> str:
+    """The type Triton gives an integer argument that it does not specialise (Triton 3.6 to 3.9)."""
+    return "i32" if -2**31 <= value < 2**31 else "u64" if value >= 2**63 else "i64"
+
+
+_PLAIN = frozenset({int, float, bool, type(None)})
+
+
+def _argument_key(arg, unspecialised: bool = False):
+    """What a launch's compiled kernel may depend on, of an argument that is not a tensor."""
+    if unspecialised and type(arg) is int:
+        return int, _integer_type(arg)
+    if type(arg) in _PLAIN:
+        return type(arg), arg
+    key = getattr(arg, "launch_key", None)  # a tensor descriptor that says what it was built from
+    if key is not None:
+        return key
+    if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # any other tensor descriptor: all its fields
+        return (type(arg), arg.base.dtype, arg.base.data_ptr() % 16 == 0,
+                *((name, tuple(value) if isinstance(value, list) else value)
+                  for name, value in vars(arg).items() if name != "base"))
+    return type(arg), arg
+
+
+def _signature(kernel, args: tuple) -> tuple:
+    positions = _unspecialised.get(kernel)
+    if positions is None:
+        positions = _unspecialised[kernel] = frozenset(
+            param.num for param in getattr(kernel, "params", ()) if getattr(param, "do_not_specialize", False))
+    tensor, plain = torch.Tensor, _PLAIN
+    if not positions:  # (the common case, kept to one pass without an index)
+        return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, tensor)
+                      else (type(arg), arg) if type(arg) in plain else _argument_key(arg) for arg in args])
+    return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, tensor)
+                  else _argument_key(arg, index in positions) for index, arg in enumerate(args)])
+
+
+def launch(kernel, grid: tuple, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function whose arguments are tensors, tensor
+    descriptors, numbers, booleans or None; returns the compiled kernel (None where Triton returns none, as under
+    its interpreter). The parameters that ``args`` leaves out must all come as keyword arguments (defaults are not
+    filled in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them)."""
     if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
-        kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
-        return
-    key = (kernel, torch.cuda.current_device(), tuple(kwargs.items()), _signature(args))
-    compiled = _compiled.get(key)
-    if compiled is None:
+        return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+    # (the kernel by its id: a Triton function hashes in Python, about a microsecond per launch; the kept entry holds
+    # the kernel, so its id is not reused while the entry exists)
+    key = (id(kernel), torch.cuda.current_device(), tuple(kwargs.items()), _signature(kernel, args))
+    kept = _compiled.get(key)
+    if kept is None:
         names = kernel.arg_names
         missing = [name for name in names[len(args):] if name not in kwargs]
         if missing:
@@ -63,11 +102,12 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         if compiled is not None:
             if len(_compiled) >= MAX_SIGNATURES:
                 _compiled.clear()
-            _compiled[key] = (compiled, names[len(args):])
-        return
-    compiled, keyword_names = compiled
+            _compiled[key] = (compiled, names[len(args):], kernel)
+        return compiled
+    compiled, keyword_names, _ = kept
     grid = (*grid, 1, 1)[:3] if len(grid) < 3 else grid
     compiled[grid](*args, *[kwargs[name] for name in keyword_names])
+    return compiled
 
 
 def cdiv(numerator: int, denominator: int) -> int:
@@ -106,6 +146,7 @@ def any_size(kernel, *arguments: str):
 def clear() -> None:
     """Forgets the compiled kernels kept (the next launch of each signature goes through Triton)."""
     _compiled.clear()
+    _unspecialised.clear()
 
 
 __all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "CACHED"]

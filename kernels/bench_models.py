@@ -127,10 +127,10 @@ EXTRA_INPUTS_PER_LAYER = 3
 # kernel in eager steps, PyTorch operations that inductor fuses under torch.compile. "..._lookup_torch": PyTorch in
 # eager steps too (`kernel="torch"`); "..._lookup_triton": the Triton kernel under torch.compile too (`kernel="triton"`)
 LOOKUP = "_lookup"
-# "<arch>_plain_launch" (our four architectures, any lookup variant too): our Triton kernels launched as before
-# `hf_memffn.triton_launch` (`tritons_own_launch`): through `kernel[grid](...)` on every call, Triton's binder and all,
-# instead of the compiled kernel kept per argument signature, and their grids computed by Triton's `cdiv` and
-# `next_power_of_2`; what that costs a step
+# "<arch>_plain_launch" (our four architectures, any lookup variant too): our Triton and Gluon kernels launched as
+# before `hf_memffn.triton_launch` (`tritons_own_launch`): through `kernel[grid](...)` on every call, Triton's binder
+# and all, instead of the compiled kernel kept per argument signature, and their grids computed by Triton's `cdiv`
+# and `next_power_of_2`; what that costs a step
 PLAIN_LAUNCH = "_plain_launch"
 LOOKUP_KERNELS = {"": "auto", "_torch": "torch", "_triton": "triton"}
 LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in LOOKUP_KERNELS)
@@ -351,8 +351,9 @@ def op_kernels(architecture: str):
 
 @contextlib.contextmanager
 def tritons_own_launch():
-    """Within the block, our Triton kernels launch as before `hf_memffn.triton_launch`: through `kernel[grid](...)` on
-    every call (`CACHED` off), their grids computed by `triton.cdiv` and `triton.next_power_of_2`."""
+    """Within the block, our Triton and Gluon kernels launch as before `hf_memffn.triton_launch`: through
+    `kernel[grid](...)` on every call (`CACHED` off), their grids computed by `triton.cdiv` and
+    `triton.next_power_of_2`."""
     import triton
 
     from hf_memffn import decoder_triton, ffn_triton, flash_mhf_layer_triton, flash_mhf_triton, token_lookup_triton

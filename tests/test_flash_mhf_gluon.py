@@ -249,6 +249,33 @@ def test_op_uses_the_gluon_kernel_where_it_applies_and_says_so():
         assert torch.equal(leaf.grad, alone.to(leaf.dtype))
 
 
+@pytest.mark.skipif(not flash_mhf_gluon.GLUON_AVAILABLE, reason="needs triton's Gluon API")
+def test_tensor_descriptors_are_copies_of_one_checked_descriptor_per_shape(monkeypatch):
+    """`tensor_descriptor`: the same fields as a descriptor Gluon builds and checks itself, on the tensor given; the
+    checked one it keeps holds no tensor; a new dtype, shape, strides, block shape or alignment is checked anew (a
+    misaligned base fails Gluon's check), and one shape is checked once."""
+    monkeypatch.setattr(flash_mhf_gluon, "_DESCRIPTORS", {})
+    rows = torch.randn(3 * 64, 128).bfloat16()
+    block = (64, 128)
+    built = flash_mhf_gluon.tensor_descriptor(rows, block)
+    again = flash_mhf_gluon.tensor_descriptor(rows.clone(), block)
+    reference = flash_mhf_gluon.GluonTensorDescriptor(rows, list(rows.shape), list(rows.stride()), list(block),
+                                                      flash_mhf_gluon._shared_layout(block, rows.dtype))
+    for descriptor, base in ((built, rows), (again, None)):
+        assert descriptor.base is base or base is None
+        assert {k: v for k, v in vars(descriptor).items() if k not in ("base", "launch_key")} == {
+            k: v for k, v in vars(reference).items() if k != "base"}
+    assert again.base is not rows and again.launch_key == built.launch_key
+    assert len(flash_mhf_gluon._DESCRIPTORS) == 1
+    assert all(kept.base is None for kept in flash_mhf_gluon._DESCRIPTORS.values())
+    for other in (rows.half(), rows[:64], torch.randn(64, 256).bfloat16()[:, :128]):
+        assert flash_mhf_gluon.tensor_descriptor(other, block).launch_key != built.launch_key
+    assert flash_mhf_gluon.tensor_descriptor(rows, (32, 128)).launch_key != built.launch_key
+    misaligned = torch.randn(3 * 64 * 128 + 1).bfloat16()[1:].view(3 * 64, 128)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        flash_mhf_gluon.tensor_descriptor(misaligned, block)
+
+
 def _ptxas() -> str | None:
     """The ptxas that triton itself uses for sm_90 (triton 3.6 and 3.9 ship different ones)."""
     try:

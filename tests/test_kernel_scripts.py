@@ -5,6 +5,7 @@ an H100 (sm_90) without one."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -25,6 +26,15 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
            "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
            "compare_inference_tuning.py"]
+
+
+def kernel_script(name: str):
+    """A script of ``kernels/`` imported as a module (its own imports of the other scripts resolve)."""
+    sys.path.insert(0, KERNELS)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(KERNELS)
 
 
 def run_script(name, *args, hide_gpus=False):
@@ -71,11 +81,7 @@ def test_script_help(script_help, name):
 
 
 def test_tune_candidates_parse():
-    sys.path.insert(0, KERNELS)
-    try:
-        import tune_flash_mhf
-    finally:
-        sys.path.remove(KERNELS)
+    tune_flash_mhf = kernel_script("tune_flash_mhf")
     for head_dim, specs in tune_flash_mhf.HEAD_DIM_CANDIDATES.items():
         candidates = tune_flash_mhf.explicit_candidates(specs)
         roles = [role for role, _, _ in candidates]
@@ -89,11 +95,7 @@ def test_decode_sweep_reads_another_package_and_reports():
     """`tune_flash_mhf_layer.py --decode`: another copy of the package is imported under its own name (here this
     checkout's, without running its registrations again), every launch it sweeps is a full DECODE_LAUNCH, and the
     report names the production, the other package's and the fastest launch of each shape."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import tune_flash_mhf_layer as tune
-    finally:
-        sys.path.remove(KERNELS)
+    tune = kernel_script("tune_flash_mhf_layer")
     from hf_memffn import flash_mhf_layer_triton
 
     other = tune.other_layer_module(ROOT)
@@ -200,11 +202,7 @@ def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
     """`memoryllm_lookup` and `flex_memoryllm_lookup[_torch]`: the model built as the plain architecture, its memory FFN
     exported as a table that it then reads, its weights dropped, the logits unchanged; training tasks refuse them.
     (`_lookup_triton` needs a GPU.)"""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     ids = torch.randint(3, 200, (2, 9))
     for architecture in ("memoryllm", "flex_memoryllm"):
         computed = bench_models.build_model(architecture, "tiny", "cpu").float().eval()
@@ -223,11 +221,7 @@ def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
 
 def test_model_benchmark_task_processes_get_the_options_given():
     """`--gpus`: each task's process gets every option that differs from its default, except those of the whole run."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     captured = {}
 
     def capture(tasks, args, parser):
@@ -280,11 +274,7 @@ def test_every_result_file_the_docs_name_exists():
 def test_compiled_step_host_report_and_idle_layer_ops():
     """`profile_compiled_step_host.py`: the table from a result (fixture numbers), and the stand-in operators that
     allocate the layer's outputs, launch nothing and are put back afterwards."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import profile_compiled_step_host as probe
-    finally:
-        sys.path.remove(KERNELS)
+    probe = kernel_script("profile_compiled_step_host")
     from hf_memffn import flash_mhf_op
 
     def line(step, host):
@@ -312,11 +302,7 @@ def test_compiled_step_host_report_and_idle_layer_ops():
 def test_model_benchmark_training_modes_and_bad_tasks():
     """A training task runs eager, compiled, or compiled and replayed from CUDA graphs (`cudagraphs`: inductor's
     reduce-overhead mode, which the GPU runs time); a task outside that grammar says what it expects."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     model = torch.nn.Linear(2, 2)
     assert bench_models.compiled_for_training(model, "eager") is model
     for mode in ("compiled", "cudagraphs"):  # torch.compile is lazy: nothing compiles here
@@ -335,11 +321,7 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
     `flash_mhf_triton_forward` row, which keeps the op's forward off the Gluon kernel for its measurement only."""
     from hf_memffn import flash_mhf_layer_triton, flash_mhf_triton
 
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     assert bench_models.kernel_family("_rms_norm_forward_kernel") == "decoder norm/rotary (Triton)"
     for name in ("_forward_kernel", "_warp_specialised_forward_kernel", "_rows_gradients_kernel"):
         assert bench_models.kernel_family(name) == "FlashMHF op"
@@ -425,11 +407,7 @@ def test_model_benchmark_decodes_another_package_beside_this_one(tmp_path):
 def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
     """A decode task without Llama (e.g. `flash_mhf_triton_forward+flash_mhf`) pairs every model's rounds with its
     first model's, and the report names that model beside the ratio."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
 
     class FixedSteps:  # a decoder whose steps take the given seconds, round after round
         def __init__(self, step_s):
@@ -455,11 +433,7 @@ def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monk
 def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):
     """`--decode-compile-mode default`: static-cache generate() compiles without CUDA graphs; the default leaves
     generate()'s own configuration (CUDA graphs) alone."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     model = bench_models.build_model("llama", "tiny", "cpu")
     default_config = model.generation_config.compile_config
     bench_models.decode_generator(model, 1, True, "cpu")
@@ -471,11 +445,7 @@ def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):
 
 def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path):
     """`--decode-cpus` reads Linux CPU lists and refuses to run without `--decode-processes` (nothing to pin)."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     assert bench_models.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert bench_models.decode_cpus(None) is None and bench_models.decode_cpus("2,5") == [2, 5]
     with pytest.raises(ValueError, match="--decode-cpus='fast'"):
@@ -489,11 +459,7 @@ def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path):
 def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
     """bench_models' `llama_causal_flag` row: transformers' Llama with sdpa's causal flag in place of the mask gives
     Llama's logits, also compiled, and refuses inputs the flag cannot stand for."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     flag, llama = (bench_models.build_model(arch, "tiny", "cpu").float() for arch in ("llama_causal_flag", "llama"))
     ids = torch.randint(3, 1000, (2, 16))
     with torch.no_grad():
@@ -507,11 +473,7 @@ def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
 def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
     """bench_models' `llama_extra_inputs` row: transformers' Llama with zero parameters added to each decoder layer's
     output, as many per layer as KVFFN's biases: the logits are Llama's, eager and compiled, with more parameters."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import bench_models
-    finally:
-        sys.path.remove(KERNELS)
+    bench_models = kernel_script("bench_models")
     extra, llama = (bench_models.build_model(arch, "tiny", "cpu").float() for arch in ("llama_extra_inputs", "llama"))
     layers = llama.config.num_hidden_layers
     assert len(list(extra.parameters())) - len(list(llama.parameters())) == bench_models.EXTRA_INPUTS_PER_LAYER * layers
@@ -559,11 +521,7 @@ def test_spill_instructions_are_placed_by_the_loops_that_issue_products():
     """`ptxas_report.hot_loop_spills` on made-up listings: a hot loop is one that issues HGMMA and holds no smaller
     such loop, nor straddles a shorter one; a spill inside it counts, one before or after it (or in a loop without
     products) does not."""
-    sys.path.insert(0, KERNELS)
-    try:
-        import ptxas_report
-    finally:
-        sys.path.remove(KERNELS)
+    ptxas_report = kernel_script("ptxas_report")
     sass = """
         /*0000*/   STL [R1], R3 ;
     .L_x_1:
@@ -747,11 +705,7 @@ def test_triton_build_export_compiles_what_a_launch_compiles(tmp_path, monkeypat
     same way; one whose PTX parameters differ does not."""
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
-    sys.path.insert(0, KERNELS)
-    try:
-        import compare_triton_builds as builds
-    finally:
-        sys.path.remove(KERNELS)
+    builds = kernel_script("compare_triton_builds")
     result = run_script("compare_triton_builds.py", "export", "--out", str(tmp_path), "--cases", "decode:370M:1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -786,11 +740,7 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
 
     if not flash_mhf_gluon.GLUON_AVAILABLE:
         pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
-    sys.path.insert(0, KERNELS)
-    try:
-        import ptxas_report
-    finally:
-        sys.path.remove(KERNELS)
+    ptxas_report = kernel_script("ptxas_report")
     result = run_script("compare_triton_builds.py", "export", "--out", str(tmp_path), "--cases", "forward_op:1.3B",
                         "backward:1.3B", "backward:370M")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -808,3 +758,60 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
         assert listing.returncode == 0, listing.stderr[-2000:]
         where = ptxas_report.hot_loop_spills(listing.stdout)
         assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (case, function, where)
+
+
+def _launcher_argument(value):
+    """A launcher argument as the comparison below sees it: a tensor or a descriptor's base by dtype, shape and
+    strides (the second call allocates its outputs anew), a descriptor by every other field, the rest as it is."""
+    if isinstance(value, torch.Tensor):
+        return "tensor", value.dtype, tuple(value.shape), value.stride()
+    if hasattr(value, "block_shape") and hasattr(value, "base"):
+        return ("descriptor", _launcher_argument(value.base),
+                *((name, field) for name, field in sorted(vars(value).items()) if name != "base"))
+    return value
+
+
+def test_gluon_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch):
+    """The layer's training forward and backward at the 370M preset's shape, on CPU tensors under a stand-in for
+    Triton's CUDA driver (`compare_triton_builds.compiling_for_hopper`): at the first call every kernel is launched
+    through Triton (`JITFunction.run`), at the second none is (`triton_launch.launch` launches the kept compiled
+    kernels: the three Gluon kernels, the two splits' sums and the norm/gate kernels), and Triton's launcher receives
+    the same arguments from both, in the same order (descriptors included)."""
+    from hf_memffn import flash_mhf_gluon, triton_launch
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    from triton.runtime.jit import JITFunction
+
+    builds = kernel_script("compare_triton_builds")
+    launched, through_triton = [], []
+
+    def recording_launcher(self, src, metadata):
+        def launcher(grid_x, grid_y, grid_z, stream, function, packed, launch_metadata, enter, exit_, *args):
+            launched.append((metadata.name, (grid_x, grid_y, grid_z), [_launcher_argument(a) for a in args]))
+        return launcher
+
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: through_triton.append(self.__name__) or run(
+        self, *a, **k))
+    monkeypatch.setattr(builds.StandInHopper, "launcher_cls", recording_launcher)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with builds.compiling_for_hopper():
+        monkeypatch.setattr(triton_launch, "CACHED", True)
+        builds.forget_compiled()
+        cases = [builds.Case(name, "cpu") for name in ("forward:370M", "backward:370M")]
+        triton_launch.clear()  # (the backward's case ran the forward to set up: its kernels are compiled, not kept)
+        calls = []
+        for _ in range(2):
+            launched.clear(), through_triton.clear()
+            for case in cases:
+                case.run()
+            calls.append((list(launched), list(through_triton)))
+        builds.forget_compiled()
+    (first, first_through_triton), (second, second_through_triton) = calls
+    names = [name for name, _, _ in first]
+    assert {"_warp_specialised_forward_kernel", "_add_forward_splits_kernel", "_rows_gradients_kernel",
+            "_weight_gradients_kernel", "_add_weight_splits_kernel", "_queries_and_gates_kernel",
+            "_gate_gradient_sums_kernel"} <= set(names), names
+    assert len(first_through_triton) == len(first) and not second_through_triton, second_through_triton
+    assert second == first

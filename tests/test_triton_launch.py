@@ -4,6 +4,9 @@ inputs whose addresses Triton specialises differently."""
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 
@@ -105,6 +108,79 @@ def test_the_kept_kernels_are_bounded(stand_in, monkeypatch):
     assert len(triton_launch._compiled) <= 3
 
 
+@dataclasses.dataclass
+class StandInDescriptor:
+    """A tensor descriptor's surface (Gluon's and Triton's host descriptors are dataclasses like this)."""
+
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    layout: str = "swizzled"
+    padding: str = "zero"
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "block_shape", "layout", "padding", "dtype", "alignment"])
+def test_a_descriptor_is_in_the_signature_with_every_field_but_its_base(stand_in, change):
+    """A descriptor of other data with the same fields launches the kept kernel; any other field (or the base's dtype
+    or alignment) goes through Triton."""
+    data = torch.zeros(64 * 64 + 8, dtype=torch.float16)
+
+    def descriptor(base=None, **fields):
+        base = data[:64 * 64].view(64, 64) if base is None else base
+        return StandInDescriptor(base, **{**dict(shape=[64, 64], strides=[64, 1], block_shape=[16, 64]), **fields})
+
+    changed = {
+        "shape": descriptor(shape=[32, 64]), "strides": descriptor(strides=[128, 1]),
+        "block_shape": descriptor(block_shape=[32, 64]), "layout": descriptor(layout="other"),
+        "padding": descriptor(padding="nan"), "dtype": descriptor(base=data[:64 * 64].float().view(64, 64)),
+        "alignment": descriptor(base=data[1:64 * 64 + 1].view(64, 64)),
+    }[change]
+    for desc in (descriptor(), descriptor(base=torch.ones(64, 64, dtype=torch.float16)), changed, changed):
+        triton_launch.launch(stand_in, (1,), desc, desc, 8, 1e-6, BLOCK=128)
+    assert len(stand_in.through_triton) == 2 and len(stand_in.direct) == 2
+
+
+def test_a_descriptor_that_names_its_launch_key_is_keyed_by_it(stand_in):
+    """`flash_mhf_gluon.tensor_descriptor`'s descriptors carry the key they were checked under (their fields'
+    source), which the signature takes instead of reading every field."""
+    base = torch.zeros(64, 64)
+    desc = StandInDescriptor(base, [64, 64], [64, 1], [16, 64])
+    desc.launch_key = ("a",)
+    assert triton_launch._argument_key(desc) == ("a",)
+    other = StandInDescriptor(base, [64, 64], [64, 1], [16, 64])
+    other.launch_key = ("b",)
+    for d in (desc, desc, other):
+        triton_launch.launch(stand_in, (1,), d, d, 8, 1e-6, BLOCK=128)
+    assert len(stand_in.through_triton) == 2 and len(stand_in.direct) == 1
+
+
+def test_an_unspecialised_integer_is_keyed_by_its_type_only(stand_in):
+    """The integers of a build that leaves them unspecialised (`any_size`) change nothing Triton compiles but their
+    type: another value launches the kept kernel, a value past 32 bits goes through Triton (a 64-bit parameter)."""
+    stand_in.params = [types.SimpleNamespace(num=index, do_not_specialize=name == "n")
+                       for index, name in enumerate(stand_in.arg_names)]
+    x = torch.zeros(8)
+    for n in (8, 1, 17, 2**31, 2**32):
+        triton_launch.launch(stand_in, (1,), x, x, n, 1e-6, BLOCK=128)
+    assert len(stand_in.through_triton) == 2 and len(stand_in.direct) == 3
+    assert [triton_launch._integer_type(n) for n in (0, -2**31, 2**31 - 1, 2**31, -2**31 - 1, 2**63)] == [
+        "i32", "i32", "i32", "i64", "i64", "u64"]
+
+
+def test_the_integer_types_are_tritons():
+    """`_integer_type` is how Triton types an integer it does not specialise (its launch would compile another
+    kernel for another type)."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    from triton.backends.compiler import BaseBackend
+
+    specialize = getattr(jit, "native_specialize_impl", None)
+    if specialize is None:
+        pytest.skip("this Triton has no native_specialize_impl")
+    for value in (0, 1, 16, 17, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, 2**64 - 1):
+        assert specialize(BaseBackend, value, False, False, True)[0] == triton_launch._integer_type(value), value
+
+
 def test_the_grid_arithmetic_agrees_with_tritons():
     triton = pytest.importorskip("triton")
     for n in range(0, 600):
@@ -159,6 +235,42 @@ def test_our_kernels_give_the_same_outputs_through_the_kept_kernel(name):
             triton_launch.CACHED = True
     # (every program writes its own outputs; the decode kernel's column splits are added in a fixed order)
     assert torch.equal(second, first) and torch.equal(plain, first)
+
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="launches the Gluon kernels on a Hopper GPU")
+def test_the_gluon_kernels_give_the_same_outputs_through_the_kept_kernel():
+    """The Gluon forward, dq/dr and dK/dU/dV kernels, at a shape whose forward row blocks and weight tiles are all
+    split (so the two splits' sums run too), through Triton, through the kept kernels and with `CACHED` off: equal
+    to the bit."""
+    from hf_memffn import flash_mhf_gluon
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, grad_out = (torch.randn(2, 4, 300, 128, device="cuda", generator=generator).bfloat16() for _ in range(2))
+    k, u, v = (torch.randn(2, 3, 192, 128, device="cuda", generator=generator).bfloat16() * 0.1 for _ in range(3))
+    r = torch.rand(2, 4, 300, 3, device="cuda", generator=generator)
+
+    def call():
+        return [*flash_mhf_gluon.gluon_forward(q, k, u, v, r)[:1], *flash_mhf_gluon.gluon_rows_gradients(
+            grad_out, q, k, u, v, r)[:2], *flash_mhf_gluon.gluon_weight_gradients(grad_out, q, k, u, v, r)[:3]]
+
+    triton_launch.clear()
+    first = call()
+    kept = len(triton_launch._compiled)
+    assert kept >= 5  # the three kernels and the two splits' sums
+    second = call()
+    assert len(triton_launch._compiled) == kept
+    triton_launch.CACHED = False
+    try:
+        plain = call()
+    finally:
+        triton_launch.CACHED = True
+    for a, b, c in zip(first, second, plain):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_any_size_builds_the_same_function_with_only_the_named_sizes_unspecialised():
