@@ -78,22 +78,32 @@ def timing_round(step, steps: int) -> dict:
 @contextlib.contextmanager
 def layer_ops_doing_nothing():
     """The fused FlashMHF layer's operators allocate their outputs and launch nothing (the compiled graph calls the
-    module-level implementations at run time, so no recompilation)."""
+    module-level implementations at run time, so no recompilation): inference's forward, training's forward (which
+    keeps q, r and the gates' totals) and the backward."""
     from hf_memffn import flash_mhf_op
 
     def forward(p, norm_weight, router, weights, head_dim, eps, gate_eps):
         return torch.empty_like(p)
 
-    def backward(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps):
+    def forward_keeping_queries(p, norm_weight, router, weights, head_dim, eps, gate_eps, totals=True):
+        batch, length, width = p.shape
+        gates = p.new_empty(batch, width // head_dim, length, weights.shape[1], dtype=torch.float32)
+        kept = gates.new_empty(gates.shape[:-1]) if totals and router is not None else None
+        return torch.empty_like(p), torch.empty_like(p), gates, kept
+
+    def backward(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps, saved=None):
         optional = [None if t is None else torch.empty_like(t) for t in (norm_weight, router)]
         return (torch.empty_like(p), *optional, torch.empty_like(weights))
 
-    saved = flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl
-    flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl = forward, backward
+    names = ("_layer_forward_impl", "_layer_forward_keeping_queries", "_layer_backward_impl")
+    saved = [getattr(flash_mhf_op, name) for name in names]
+    for name, stand_in in zip(names, (forward, forward_keeping_queries, backward)):
+        setattr(flash_mhf_op, name, stand_in)
     try:
         yield
     finally:
-        flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl = saved
+        for name, function in zip(names, saved):
+            setattr(flash_mhf_op, name, function)
 
 
 def fused_layers(model) -> list:

@@ -290,13 +290,19 @@ def test_compiled_step_host_report_and_idle_layer_ops():
     text = probe.report(results)
     assert "| FlashMHFLlama | layer ops doing nothing | 26.9 | 28.5 | 1.36 | 0.00 |" in text
     assert "14.8 ms of host time per step over 21 layers" in text
-    saved = flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl
-    p, weights = torch.randn(1, 4, 8), torch.randn(6, 3, 4, 4)
+    names = ("_layer_forward_impl", "_layer_forward_keeping_queries", "_layer_backward_impl")
+    saved = [getattr(flash_mhf_op, name) for name in names]
+    p, weights, router = torch.randn(1, 4, 8), torch.randn(6, 3, 4, 4), torch.randn(2, 4, 3)
     with probe.layer_ops_doing_nothing():
         assert flash_mhf_op._layer_forward_impl(p, None, None, weights, 4, 1e-6, 1e-6).shape == p.shape
-        grads = flash_mhf_op._layer_backward_impl(p, p, None, torch.randn(2, 4, 3), weights, 4, 1e-6, 1e-6)
+        # training's forward: the output, q, r [B, H, L, E] and the gates' totals [B, H, L], as the operator's fake
+        # promises them to the compiled graph
+        idle = flash_mhf_op._layer_forward_keeping_queries(p, None, router, weights, 4, 1e-6, 1e-6)
+        assert [(tuple(t.shape), t.dtype) for t in idle] == [
+            ((1, 4, 8), p.dtype), ((1, 4, 8), p.dtype), ((1, 2, 4, 3), torch.float32), ((1, 2, 4), torch.float32)]
+        grads = flash_mhf_op._layer_backward_impl(p, p, None, router, weights, 4, 1e-6, 1e-6, saved=idle[1:])
         assert [None if g is None else g.shape for g in grads] == [p.shape, None, (2, 4, 3), weights.shape]
-    assert (flash_mhf_op._layer_forward_impl, flash_mhf_op._layer_backward_impl) == saved
+    assert [getattr(flash_mhf_op, name) for name in names] == saved
 
 
 def test_model_benchmark_training_modes_and_bad_tasks():
