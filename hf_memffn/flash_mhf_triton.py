@@ -63,7 +63,7 @@ from .flash_mhf_gluon import (
     multiprocessor_count,
     weight_descriptors,
 )
-from .triton_launch import COMPILE_OPTIONS, INTERPRET_REQUESTED, any_size, cdiv, next_power_of_2
+from .triton_launch import COMPILE_OPTIONS, INTERPRET_REQUESTED, any_size, cdiv, launch, next_power_of_2
 
 # Triton decides at decoration time whether kernels run in its interpreter, so this module records it once.
 _INTERPRET = TRITON_AVAILABLE and INTERPRET_REQUESTED
@@ -608,8 +608,9 @@ def _autotuned(problem: dict) -> bool:
 
 # The configuration the autotuner picked for each launch key (the kernel, the tuning key, the dtypes and the reading
 # mode). The first launch of a key goes through the autotuner, which tunes or looks its pick up; later launches go
-# straight to the kernel with that configuration, without the autotuner's work per call (its key from the argument
-# dictionary, the pre-hook's dictionary), about a fifth of the forward's host time.
+# straight to the kernel with that configuration (through `triton_launch.launch`, which then launches the compiled
+# kernel it keeps), without the autotuner's work per call (its key from the argument dictionary, the pre-hook's
+# dictionary), about a fifth of the forward's host time.
 _PICKED: dict = {}
 
 
@@ -626,7 +627,8 @@ def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
         _set_descriptor_blocks({**dict(zip(tuned.arg_names, args)), **config_kwargs})
     # the keyword arguments in the order the autotuner passes them: Triton's in-memory cache key spells the options
     # in that order, so another order compiles the picked configuration again
-    tuned.fn[grid](*args, **kwargs, **COMPILE_OPTIONS, **config_kwargs)
+    options = {**kwargs, **COMPILE_OPTIONS, **config_kwargs}
+    launch(tuned.fn, grid(options), *args, **options)
 
 
 # The kernels that run as Gluon kernels where those apply (`gluon_kernels` narrows the set, for benchmarks that time
@@ -733,9 +735,10 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
     accumulate = splits > 1
     target = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if accumulate else out
-    (_forward_any_size if inference else _forward_kernel)[(row_blocks, p["kv_heads"], splits)](
+    launch(
+        _forward_any_size if inference else _forward_kernel, (row_blocks, p["kv_heads"], splits),
         q, k, u, v, r, target, *_row_strides(q), *_row_strides(target), *p["sizes"], splits, 0,
-        ACCUMULATE=accumulate, **fixed, **constants, **COMPILE_OPTIONS,
+        ACCUMULATE=accumulate, **fixed, **constants,
     )
     if accumulate:
         out.copy_(target)
@@ -784,9 +787,9 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
                              fused_gates=fused_gates)
     elif not _autotuned(p):
         fixed = _fixed_config("rows", p)
-        _backward_rows_kernel[(cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"])](
+        launch(
+            _backward_rows_kernel, (cdiv(p["total_rows"], fixed["BLOCK_L"]), p["kv_heads"]),
             q, k, u, v, r, grad_out, grad_q, grad_r, *strides, *p["sizes"], 0, E_POW2=e_pow2, **fixed, **constants,
-            **COMPILE_OPTIONS,
         )
     else:
 
@@ -832,9 +835,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
         targets = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(3)]
     else:
         targets = weight_grads
-    _backward_weights_kernel[(column_blocks, p["kv_heads"], splits)](
+    launch(
+        _backward_weights_kernel, (column_blocks, p["kv_heads"], splits),
         q_rows, k, u, v, r, grad_out_rows, *targets, *strides, *p["sizes"], splits, 0, ACCUMULATE=accumulate,
-        **fixed, **constants, **COMPILE_OPTIONS,
+        **fixed, **constants,
     )
     if accumulate:
         for grad, target in zip(weight_grads, targets):

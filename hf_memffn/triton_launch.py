@@ -85,9 +85,12 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function whose arguments are tensors, tensor
     descriptors, numbers, booleans or None; returns the compiled kernel (None where Triton returns none, as under
     its interpreter). The parameters that ``args`` leaves out must all come as keyword arguments (defaults are not
-    filled in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them)."""
+    filled in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them
+    where they do not name it: a caller that names it sets where it stands among them, which is part of Triton's
+    in-memory cache key)."""
+    options = {name: value for name, value in COMPILE_OPTIONS.items() if name not in kwargs}
     if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
-        return kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+        return kernel[grid](*args, **kwargs, **options)
     # (the kernel by its id: a Triton function hashes in Python, about a microsecond per launch; the kept entry holds
     # the kernel, so its id is not reused while the entry exists)
     key = (id(kernel), torch.cuda.current_device(), tuple(kwargs.items()), _signature(kernel, args))
@@ -98,7 +101,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         if missing:
             raise TypeError(f"launch({kernel.__name__}): parameters {missing} must be given (defaults are not "
                             "filled in by the direct launch)")
-        compiled = kernel[grid](*args, **kwargs, **COMPILE_OPTIONS)
+        compiled = kernel[grid](*args, **kwargs, **options)
         if compiled is not None:
             if len(_compiled) >= MAX_SIGNATURES:
                 _compiled.clear()

@@ -777,13 +777,16 @@ def _launcher_argument(value):
     return value
 
 
-def test_gluon_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch):
-    """The layer's training forward and backward at the 370M preset's shape, on CPU tensors under a stand-in for
-    Triton's CUDA driver (`compare_triton_builds.compiling_for_hopper`): at the first call every kernel is launched
-    through Triton (`JITFunction.run`), at the second none is (`triton_launch.launch` launches the kept compiled
-    kernels: the three Gluon kernels, the two splits' sums and the norm/gate kernels), and Triton's launcher receives
-    the same arguments from both, in the same order (descriptors included)."""
-    from hf_memffn import flash_mhf_gluon, triton_launch
+def test_kept_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch):
+    """The FlashMHF layer on CPU tensors under a stand-in for Triton's CUDA driver
+    (`compare_triton_builds.compiling_for_hopper`): training's forward and backward at the 370M preset's shape (the
+    three Gluon kernels, the two splits' sums, the norm/gate kernels), inference's forward at 200 tokens (the Triton
+    forward's build for any size, its fixed configuration) and 2048 (its autotuned configuration), and a training step
+    of 2 x 496 tokens (the Triton backward kernels). After a first call of each (which compiles and tunes) and with
+    the kept kernels forgotten, the next call launches each kernel through Triton (`JITFunction.run`), the one after
+    launches none through it (`triton_launch.launch` launches the kept compiled kernels), and Triton's launcher
+    receives the same arguments from both, in the same order (descriptors included)."""
+    from hf_memffn import flash_mhf_gluon, flash_mhf_op, triton_launch
 
     if not flash_mhf_gluon.GLUON_AVAILABLE:
         pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
@@ -802,22 +805,47 @@ def test_gluon_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch
         self, *a, **k))
     monkeypatch.setattr(builds.StandInHopper, "launcher_cls", recording_launcher)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    settings = (builds.HEAD_DIM, builds.EPS, builds.GATE_EPS)
+
+    def inference(tokens):
+        p, norm, router, (weights,), _ = builds.layer_inputs("370M", "cpu", tokens)
+        return lambda: flash_mhf_op._layer_forward_impl(p, norm, router, weights, *settings)
+
+    def training_step(batch, length):
+        p, norm, router, (weights,), grad = builds.layer_inputs("370M", "cpu", batch * length)
+        p, grad = p.view(batch, length, -1), grad.view(batch, length, -1)
+
+        def step():
+            saved = flash_mhf_op._layer_forward_keeping_queries(p, norm, router, weights, *settings)
+            flash_mhf_op._layer_backward_impl(grad, p, norm, router, weights, *settings, saved=saved[1:])
+        return step
+
     with builds.compiling_for_hopper():
         monkeypatch.setattr(triton_launch, "CACHED", True)
         builds.forget_compiled()
-        cases = [builds.Case(name, "cpu") for name in ("forward:370M", "backward:370M")]
-        triton_launch.clear()  # (the backward's case ran the forward to set up: its kernels are compiled, not kept)
-        calls = []
+        calls = [builds.Case(name, "cpu").run for name in ("forward:370M", "backward:370M")]
+        calls += [inference(200), inference(2048), training_step(2, 496)]
+        for call in calls:
+            call()
+        triton_launch.clear()
+        compiled = len(builds.compiled_kernels(0))
+        recorded = []
         for _ in range(2):
             launched.clear(), through_triton.clear()
-            for case in cases:
-                case.run()
-            calls.append((list(launched), list(through_triton)))
+            for call in calls:
+                call()
+            recorded.append((list(launched), list(through_triton)))
+        # nothing compiled again: the launches through Triton found what the first calls compiled (the autotuned
+        # forward's picked configuration too, its options passed in the autotuner's order)
+        assert len(builds.compiled_kernels(0)) == compiled
         builds.forget_compiled()
-    (first, first_through_triton), (second, second_through_triton) = calls
+    (first, first_through_triton), (second, second_through_triton) = recorded
     names = [name for name, _, _ in first]
     assert {"_warp_specialised_forward_kernel", "_add_forward_splits_kernel", "_rows_gradients_kernel",
             "_weight_gradients_kernel", "_add_weight_splits_kernel", "_queries_and_gates_kernel",
-            "_gate_gradient_sums_kernel"} <= set(names), names
-    assert len(first_through_triton) == len(first) and not second_through_triton, second_through_triton
+            "_gate_gradient_sums_kernel", "_forward_kernel", "_backward_rows_kernel",
+            "_backward_weights_kernel"} <= set(names), names
+    # every kernel went through Triton in the first of the two calls (a launch of inference's build for any size may
+    # already find the compiled kernel that an earlier launch of another size kept: its sizes are not in the key)
+    assert set(first_through_triton) == set(names) and not second_through_triton, second_through_triton
     assert second == first

@@ -192,6 +192,15 @@ def test_the_grid_arithmetic_agrees_with_tritons():
 # ----------------------------------------------------------------------------------------------------------------
 # On the GPU: our kernels, through the kept compiled kernel and through Triton's launch
 # ----------------------------------------------------------------------------------------------------------------
+def through_triton(call):
+    """``call()`` with every launch through Triton's own launch (`CACHED` off)."""
+    triton_launch.CACHED = False
+    try:
+        return call()
+    finally:
+        triton_launch.CACHED = True
+
+
 def _gpu_calls() -> dict:
     from hf_memffn.decoder_triton import rms_norm, rotate
     from hf_memffn.ffn_triton import paired_forward
@@ -228,11 +237,7 @@ def test_our_kernels_give_the_same_outputs_through_the_kept_kernel(name):
         assert kept >= 1
         second = call()  # the kept kernel
         assert len(triton_launch._compiled) == kept  # no new signature: the direct launch ran
-        triton_launch.CACHED = False
-        try:
-            plain = call()
-        finally:
-            triton_launch.CACHED = True
+        plain = through_triton(call)
     # (every program writes its own outputs; the decode kernel's column splits are added in a fixed order)
     assert torch.equal(second, first) and torch.equal(plain, first)
 
@@ -264,13 +269,49 @@ def test_the_gluon_kernels_give_the_same_outputs_through_the_kept_kernel():
     assert kept >= 5  # the three kernels and the two splits' sums
     second = call()
     assert len(triton_launch._compiled) == kept
-    triton_launch.CACHED = False
-    try:
-        plain = call()
-    finally:
-        triton_launch.CACHED = True
+    plain = through_triton(call)
     for a, b, c in zip(first, second, plain):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launches real kernels on CUDA")
+def test_the_layers_triton_kernels_give_the_same_outputs_through_the_kept_kernel():
+    """The FlashMHF layer's Triton kernels (where the Gluon ones do not apply): inference's forward with its fixed
+    configuration (200 tokens) and its autotuned one (8192 tokens), and a training step of 2 x 496 tokens (the Triton
+    dq/dr and dK/dU/dV kernels), through Triton, through the kept kernels and with `CACHED` off. The forwards are
+    equal to the bit; the backward's column splits add float32 shares atomically, so its gradients agree to rounding."""
+    from hf_memffn import flash_mhf_op
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=generator) * scale).bfloat16()
+
+    norm, router, weights = 1 + randn(128, scale=0.1), randn(2, 128, 2, scale=0.1), randn(6, 2, 128, 128, scale=0.1)
+    settings = (norm, router, weights, 128, 1e-6, 1e-6)
+
+    def step(p):
+        saved = flash_mhf_op._layer_forward_keeping_queries(p, *settings)
+        gradients = flash_mhf_op._layer_backward_impl(p, p, *settings, saved=saved[1:])
+        return [saved[0], *(g for g in gradients if g is not None)]
+
+    calls = {"forward, 200 tokens": lambda p=randn(1, 200, 256): [flash_mhf_op._layer_forward_impl(p, *settings)],
+             "forward, 8192 tokens": lambda p=randn(1, 8192, 256): [flash_mhf_op._layer_forward_impl(p, *settings)],
+             "training step, 2 x 496 tokens": lambda p=randn(2, 496, 256): step(p)}
+    triton_launch.clear()
+    with torch.no_grad():
+        for name, call in calls.items():
+            first = call()
+            kept = len(triton_launch._compiled)
+            second = call()
+            assert len(triton_launch._compiled) == kept, name
+            plain = through_triton(call)
+            for a, b, c in zip(first, second, plain):
+                if name.startswith("forward"):
+                    assert torch.equal(a, b) and torch.equal(a, c), name
+                else:
+                    assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), name
+                    assert torch.allclose(a.float(), c.float(), rtol=1e-2, atol=1e-3), name
 
 
 def test_any_size_builds_the_same_function_with_only_the_named_sizes_unspecialised():
