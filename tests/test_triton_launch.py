@@ -278,8 +278,9 @@ def test_the_gluon_kernels_give_the_same_outputs_through_the_kept_kernel():
 def test_the_layers_triton_kernels_give_the_same_outputs_through_the_kept_kernel():
     """The FlashMHF layer's Triton kernels (where the Gluon ones do not apply): inference's forward with its fixed
     configuration (200 tokens) and its autotuned one (8192 tokens), and a training step of 2 x 496 tokens (the Triton
-    dq/dr and dK/dU/dV kernels), through Triton, through the kept kernels and with `CACHED` off. The forwards are
-    equal to the bit; the backward's column splits add float32 shares atomically, so its gradients agree to rounding."""
+    dq/dr and dK/dU/dV kernels), through Triton, through the kept kernels and with `CACHED` off. Where a problem has
+    fewer programs than the GPU has multiprocessors these kernels split their loops and add float32 shares
+    atomically, so the outputs agree to rounding rather than to the bit."""
     from hf_memffn import flash_mhf_op
 
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -298,20 +299,18 @@ def test_the_layers_triton_kernels_give_the_same_outputs_through_the_kept_kernel
     calls = {"forward, 200 tokens": lambda p=randn(1, 200, 256): [flash_mhf_op._layer_forward_impl(p, *settings)],
              "forward, 8192 tokens": lambda p=randn(1, 8192, 256): [flash_mhf_op._layer_forward_impl(p, *settings)],
              "training step, 2 x 496 tokens": lambda p=randn(2, 496, 256): step(p)}
-    triton_launch.clear()
     with torch.no_grad():
         for name, call in calls.items():
+            call()  # (the autotuned forward's first call is the autotuner's, which keeps nothing)
+            triton_launch.clear()
             first = call()
             kept = len(triton_launch._compiled)
             second = call()
             assert len(triton_launch._compiled) == kept, name
             plain = through_triton(call)
             for a, b, c in zip(first, second, plain):
-                if name.startswith("forward"):
-                    assert torch.equal(a, b) and torch.equal(a, c), name
-                else:
-                    assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), name
-                    assert torch.allclose(a.float(), c.float(), rtol=1e-2, atol=1e-3), name
+                assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), name
+                assert torch.allclose(a.float(), c.float(), rtol=1e-2, atol=1e-3), name
 
 
 def test_any_size_builds_the_same_function_with_only_the_named_sizes_unspecialised():
