@@ -1004,7 +1004,8 @@ def gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, fu
         flags = dict(E_DOT=e_dot, FUSED_GATES=True, HAS_NORM=gates.norm_weight is not None,
                      HAS_ROUTER=gates.router is not None)
     compiled = launch(
-        _rows_gradients_kernel, (-(-total_rows // BLOCK_L), kv_heads), q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
+        _rows_gradients_kernel, (-(-total_rows // BLOCK_L), kv_heads),
+        q, grad_out, *(weights or weight_descriptors(k, u, v)), r, grad_q, grad_r,
         *q.stride()[:3], *grad_out.stride()[:3], *strides,
         total_rows, seq_len, group_size, num_heads, num_subnetworks, *extra,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, STAGES=ROWS_STAGES, num_warps=ROWS_WARPS,
