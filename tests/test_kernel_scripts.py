@@ -820,8 +820,8 @@ def test_kept_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch)
             flash_mhf_op._layer_backward_impl(grad, p, norm, router, weights, *settings, saved=saved[1:])
         return step
 
-    with builds.compiling_for_hopper():
-        monkeypatch.setattr(triton_launch, "CACHED", True)
+    with builds.compiling_for_hopper():  # (which switches the kept launches off, and puts them back after)
+        triton_launch.CACHED = True
         builds.forget_compiled()
         calls = [builds.Case(name, "cpu").run for name in ("forward:370M", "backward:370M")]
         calls += [inference(200), inference(2048), training_step(2, 496)]
