@@ -81,6 +81,12 @@ def _signature(kernel, args: tuple) -> tuple:
                   else _argument_key(arg, index in positions) for index, arg in enumerate(args)])
 
 
+def _through_triton(kernel, grid, args: tuple, kwargs: dict):
+    """Triton's own launch, with `COMPILE_OPTIONS` after the caller's options unless the caller names them."""
+    options = {name: value for name, value in COMPILE_OPTIONS.items() if name not in kwargs}
+    return kernel[grid](*args, **kwargs, **options)
+
+
 def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function whose arguments are tensors, tensor
     descriptors, numbers, booleans or None; returns the compiled kernel (None where Triton returns none, as under
@@ -88,9 +94,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     filled in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them
     where they do not name it: a caller that names it sets where it stands among them, which is part of Triton's
     in-memory cache key)."""
-    options = {name: value for name, value in COMPILE_OPTIONS.items() if name not in kwargs}
     if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
-        return kernel[grid](*args, **kwargs, **options)
+        return _through_triton(kernel, grid, args, kwargs)
     # (the kernel by its id: a Triton function hashes in Python, about a microsecond per launch; the kept entry holds
     # the kernel, so its id is not reused while the entry exists)
     key = (id(kernel), torch.cuda.current_device(), tuple(kwargs.items()), _signature(kernel, args))
@@ -101,7 +106,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         if missing:
             raise TypeError(f"launch({kernel.__name__}): parameters {missing} must be given (defaults are not "
                             "filled in by the direct launch)")
-        compiled = kernel[grid](*args, **kwargs, **options)
+        compiled = _through_triton(kernel, grid, args, kwargs)
         if compiled is not None:
             if len(_compiled) >= MAX_SIGNATURES:
                 _compiled.clear()

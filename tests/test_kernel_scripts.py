@@ -25,7 +25,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
            "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
-           "compare_inference_tuning.py"]
+           "compare_inference_tuning.py", "launch_host_cpu.py"]
 
 
 def kernel_script(name: str):
@@ -849,3 +849,19 @@ def test_kept_launches_pass_the_launcher_what_tritons_launch_passes(monkeypatch)
     # already find the compiled kernel that an earlier launch of another size kept: its sizes are not in the key)
     assert set(first_through_triton) == set(names) and not second_through_triton, second_through_triton
     assert second == first
+
+
+def test_launch_host_times_every_piece_on_the_cpu(tmp_path):
+    """`launch_host_cpu.py` (no GPU): each piece of the layer's launches timed under the stand-in driver, both ways,
+    written as a table and JSON; the kept launches are switched back on afterwards."""
+    from hf_memffn import flash_mhf_gluon, triton_launch
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    results = kernel_script("launch_host_cpu").main(["--out", str(tmp_path), "--number", "2", "--repeat", "1"])
+    assert [row["what"] for row in results["rows"]][:4] == [
+        "layer training forward, kept launches", "layer training forward, Triton's launch on every call",
+        "layer backward, kept launches", "layer backward, Triton's launch on every call"]
+    assert len(results["rows"]) == 9 and all(row["us_per_call"] > 0 for row in results["rows"])
+    assert triton_launch.CACHED
+    assert "compiled[grid]" in (tmp_path / "launch_host_cpu.md").read_text()
