@@ -25,7 +25,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
            "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
-           "compare_inference_tuning.py", "launch_host_cpu.py"]
+           "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py"]
 
 
 def kernel_script(name: str):
@@ -865,3 +865,17 @@ def test_launch_host_times_every_piece_on_the_cpu(tmp_path):
     assert len(results["rows"]) == 9 and all(row["us_per_call"] > 0 for row in results["rows"])
     assert triton_launch.CACHED
     assert "compiled[grid]" in (tmp_path / "launch_host_cpu.md").read_text()
+
+
+def test_dq_reduction_adds_every_share_on_the_cpu(tmp_path):
+    """`bench_dq_reduction.py --device cpu` (Triton's interpreter, no GPU): the element atomics add every column
+    block's share, the plain stores leave one of them; nothing is timed and the report says so."""
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, os.path.join(KERNELS, "bench_dq_reduction.py"), "--out", str(tmp_path),
+                             "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "dq_reduction.json").read_text())
+    checks = {row["way"]: row for row in results["checks"]}
+    assert checks["element atomics"]["values"] == [6.0] and checks["element atomics"]["ok"]
+    assert set(checks["plain stores"]["values"]) <= {1.0, 2.0, 3.0}
+    assert results["reductions"] == [] and "nothing was timed" in (tmp_path / "dq_reduction.md").read_text()
