@@ -203,10 +203,9 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _weight_gradients_kernel(
-        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV, SHARES, DQ, DR,
+        q_desc, grad_out_desc, k_desc, u_desc, v_desc, R, DK, DU, DV, SHARES,
         total_rows, seq_len, group_size, num_heads, num_subnetworks, split_from, splits,
         D_H: gl.constexpr, D_E: gl.constexpr, BLOCK_L: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr,
-        ROWS_TOO: gl.constexpr = False,
     ):
         """q_desc, grad_out_desc: [B, H, L, d_h] with block [1, 1, BLOCK_L, d_h]; k/u/v_desc: [H_kv * E * d_e, d_h]
         with block [BLOCK_N, d_h]; DK, DU, DV: contiguous [H_kv, E, d_e, d_h].
@@ -215,11 +214,7 @@ if GLUON_AVAILABLE:
         BLOCK_N is its first weight row). Programs 0 .. split_from - 1 each own a tile and all its row blocks. The
         tiles from ``split_from`` on (the last, partly filled round of programs) are each split into ``splits`` row
         ranges, one program per range, which writes its float32 share of dK, dU and dV into SHARES
-        [(tiles - split_from) * splits, 3, BLOCK_N, d_h] for `_add_weight_splits_kernel`.
-
-        ROWS_TOO (one kernel for the whole backward, an experiment: notes v38): each program also adds its column
-        block's share of dq (``[dM | dN] [K | U]``) into DQ (float32 [B, H, L, d_h], zeroed) and of dr into DR
-        (float32 like r, zeroed), atomically."""
+        [(tiles - split_from) * splits, 3, BLOCK_N, d_h] for `_add_weight_splits_kernel`."""
         dtype: gl.constexpr = q_desc.dtype
         tile, share = _weight_tile(gl.program_id(0), split_from, splits)
         column_blocks = num_subnetworks * (D_E // BLOCK_N)
@@ -265,13 +260,6 @@ if GLUON_AVAILABLE:
         next_gate = _row_block_gates(R, first_row_block, group, seq_len, blocks_per_sequence, group_size, num_heads,
                                      num_subnetworks, subnetwork, BLOCK_L, row_layout)
 
-        if ROWS_TOO:
-            dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                                instr_shape=[16, D_H, 16])
-            zero_dq = gl.zeros([BLOCK_L, D_H], gl.float32, dq_layout)
-            dq_rows = gl.arange(0, BLOCK_L, layout=gl.SliceLayout(1, dq_layout))
-            dq_dims = gl.arange(0, D_H, layout=gl.SliceLayout(0, dq_layout))
-            row_offsets = gl.arange(0, BLOCK_L, layout=row_layout)
         zero_pre_activations = gl.zeros([BLOCK_L, 2 * BLOCK_N], gl.float32, ku_layout)
         zero_activations = gl.zeros([BLOCK_L, BLOCK_N], gl.float32, acc_layout)
         grad_ku = warpgroup_mma_init(gl.zeros([D_H, 2 * BLOCK_N], gl.float32, ku_layout))  # [dK^T | dU^T]
@@ -314,29 +302,15 @@ if GLUON_AVAILABLE:
             gate_2d = gate[:, None]
             hidden_tile.store((silu * up * gate_2d).to(dtype))
             up_silu_derivative = up * silu_derivative
-            grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden])
-            if ROWS_TOO:  # this column block's share of dr: sum over its columns of dO V^T * SiLU(gate) * up
-                batch, head, position = _sequence_block(row_block, group, blocks_per_sequence, group_size, BLOCK_L)
-                sequence_row = (batch.to(gl.int64) * num_heads + head) * seq_len + position
-                gl.atomic_add(DR + (sequence_row + row_offsets) * num_subnetworks + subnetwork,
-                              gl.sum(grad_hidden * silu * up, axis=1), mask=position + row_offsets < seq_len,
-                              sem="relaxed")
-            grad_hidden = grad_hidden * gate_2d
+            grad_hidden = warpgroup_mma_wait(0, deps=[grad_hidden]) * gate_2d
             grad_ku_tile.slice(0, BLOCK_N, dim=1).store((grad_hidden * up_silu_derivative).to(dtype))
             grad_ku_tile.slice(BLOCK_N, BLOCK_N, dim=1).store((grad_hidden * silu).to(dtype))
             fence_async_shared()
             _cta_barrier()
 
-            if ROWS_TOO:  # this column block's share of dq: [dM | dN] [K | U]
-                grad_q = warpgroup_mma(grad_ku_tile, ku_tile, zero_dq, use_acc=False, is_async=True)
             # gradients, transposed: [D_H, width] += tile^T [D_H, BLOCK_L] @ activations [BLOCK_L, width]
             grad_v = warpgroup_mma(grad_out.permute([1, 0]), hidden_tile, grad_v, is_async=True)
             grad_ku = warpgroup_mma(q.permute([1, 0]), grad_ku_tile, grad_ku, is_async=True)
-            if ROWS_TOO:
-                grad_q = warpgroup_mma_wait(2, deps=[grad_q])
-                dq_pointers = DQ + ((sequence_row + dq_rows) * D_H)[:, None] + dq_dims[None, :]
-                in_sequence = (position + dq_rows < seq_len)[:, None] & (dq_dims < D_H)[None, :]
-                gl.atomic_add(dq_pointers, grad_q, mask=in_sequence, sem="relaxed")
 
         grad_ku, grad_v = warpgroup_mma_wait(0, deps=[grad_ku, grad_v])
         mbarrier.invalidate(ready.index(0))
@@ -901,15 +875,13 @@ def weight_descriptors(k, u, v):
 
 
 def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, split: bool | None = None,
-                           splits: int | None = None, rows_outputs=None):
+                           splits: int | None = None):
     """(dK, dU, dV) in the weights' dtype; q and grad_out [B, H, L, d_h] (any strides with a dense last dimension),
     k, u, v contiguous [H_kv, E, d_e, d_h], r contiguous [B, H, L, E]. ``outputs``: three contiguous tensors to
     write instead of new ones (the fused layer passes the thirds of one gradient buffer); ``weights``: k, u, v's
     `weight_descriptors`, when the caller has them; ``split=False`` (tests and benchmarks): no tile split into row
     ranges (see `weight_splits`; None: ``SPLIT_WEIGHT_TILES``); ``splits`` (benchmarks): the number of row ranges
-    instead of the one `weight_splits` picks; ``rows_outputs`` (an experiment, notes v38): zeroed float32 dq
-    [B, H, L, d_h] and dr (like r) to which the kernel adds its shares of the row gradients too. Returns the gradients
-    and the compiled kernel."""
+    instead of the one `weight_splits` picks. Returns the gradients and the compiled kernel."""
     batch, num_heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, group_size = _launch_sizes(
         q, k, "weight-gradient")
 
@@ -929,10 +901,9 @@ def gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=None, weights=None, 
     compiled = launch(
         _weight_gradients_kernel, (split_from + split_tiles * splits,),
         sequence_descriptor(q), sequence_descriptor(grad_out if grad_out.dtype == q.dtype else grad_out.to(q.dtype)),
-        *(weights or weight_descriptors(k, u, v)), r, *grads, shares, *(rows_outputs or (r, r)),
+        *(weights or weight_descriptors(k, u, v)), r, *grads, shares,
         batch * group_size * seq_len, seq_len, group_size, num_heads, num_subnetworks, split_from, splits,
         D_H=head_dim, D_E=subnetwork_size, BLOCK_L=BLOCK_L, BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS,
-        ROWS_TOO=rows_outputs is not None,
     )
     if split_tiles:
         launch(_add_weight_splits_kernel, (3 * split_tiles,), shares, *grads, split_from, splits, D_H=head_dim,
@@ -1127,7 +1098,7 @@ def gluon_forward(q, k, u, v, r, out=None, weights=None, split: bool = True, inf
 
 
 def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloat16, subnetwork_size: int = 384,
-                       fused_gates: bool = False, rows_too: bool = False) -> dict:
+                       fused_gates: bool = False) -> dict:
     """Compile ``kernel`` ("weights": dK/dU/dV; "add_weight_splits": its split tiles added up; "rows": dq/dr, with
     ``fused_gates`` the fused layer's norm/gate backward after it; "forward": the output; "add_forward_splits": the
     forward's split row blocks added up) for sm_90 without a GPU (tests and compile reports): its shared memory in
@@ -1156,7 +1127,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     fn = kernels[kernel]
     constants = dict(D_H=HEAD_DIM, D_E=subnetwork_size, BLOCK_N=BLOCK_N)
     if kernel == "weights":
-        constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS, ROWS_TOO=rows_too)
+        constants.update(BLOCK_L=BLOCK_L, NUM_WARPS=NUM_WARPS)
     elif kernel == "rows":
         constants.update(BLOCK_L=BLOCK_L, STAGES=ROWS_STAGES, E_DOT=16, FUSED_GATES=fused_gates, HAS_NORM=fused_gates,
                          HAS_ROUTER=fused_gates)
@@ -1178,7 +1149,7 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
         elif name in ("R", "DR", "TOTALS", "NORM_PARTS", "ROUTER_PARTS", "NORM_W", "ROUTER", "O_SPLITS", "SHARES"):
             signature[name] = "*fp32"
         elif name in ("Q", "DO", "DQ", "DK", "DU", "DV", "O", "P"):
-            signature[name] = "*fp32" if kernel == "weights" and name == "DQ" else pointer
+            signature[name] = pointer
         elif name == "eps":
             signature[name] = "fp32"
         else:

@@ -879,3 +879,13 @@ def test_dq_reduction_adds_every_share_on_the_cpu(tmp_path):
     assert checks["element atomics"]["values"] == [6.0] and checks["element atomics"]["ok"]
     assert set(checks["plain stores"]["values"]) <= {1.0, 2.0, 3.0}
     assert results["reductions"] == [] and "nothing was timed" in (tmp_path / "dq_reduction.md").read_text()
+
+
+def test_dq_reduction_report_rebuilds_the_committed_table():
+    """The committed H100 table (whose one-kernel columns came from the weight kernel's experiment at 65fa0a7) is what
+    the script's report makes of the committed JSON."""
+    results_dir = os.path.join(KERNELS, "results", "gluon")
+    with open(os.path.join(results_dir, "h100_dq_reduction_one_kernel.json"), encoding="utf-8") as handle:
+        results = json.load(handle)
+    with open(os.path.join(results_dir, "h100_dq_reduction_one_kernel.md"), encoding="utf-8") as handle:
+        assert kernel_script("bench_dq_reduction").report(results) == handle.read()
