@@ -58,6 +58,7 @@ from harness import (  # noqa: E402
     TritonCompilations,
     device_memory,
     environment,
+    measure_on,
     median,
     write_text,
 )
@@ -381,6 +382,7 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    measure_on(str(device))  # (a CPU run on a machine with a GPU: memory, clocks and timings of the CPU)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     os.makedirs(args.out, exist_ok=True)
     requests = workload(args, args.seed, args.requests)

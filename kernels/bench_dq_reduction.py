@@ -45,23 +45,24 @@ WAYS = ("element atomics", "bulk-copy reduction", "plain stores")
 
 
 @triton.jit
-def _add_shares_kernel(DQ, row_blocks, column_blocks, MODE: tl.constexpr, BLOCK_L: tl.constexpr,
+def _add_shares_kernel(DQ, ROW_BLOCKS: tl.constexpr, MODE: tl.constexpr, BLOCK_L: tl.constexpr,
                        D_H: tl.constexpr):
     """Program (column block, head): for each of the head's row blocks, one float32 [BLOCK_L, D_H] share (here the
-    value ``column block + 1``) added into DQ [heads * row_blocks * BLOCK_L, D_H]. MODE 0: element atomics, 1: the
-    bulk copy engine's reduction through a tensor descriptor, 2: plain stores (no addition)."""
+    value ``column block + 1``) added into DQ [heads * ROW_BLOCKS * BLOCK_L, D_H]. MODE 0: element atomics, 1: the
+    bulk copy engine's reduction through a tensor descriptor, 2: plain stores (no addition). (ROW_BLOCKS is a
+    constant: Triton 3.6's interpreter with NumPy 2.5 cannot loop up to an argument.)"""
     column_block = tl.program_id(0)
     head = tl.program_id(1)
     share = tl.full([BLOCK_L, D_H], 1.0, tl.float32) * (column_block + 1).to(tl.float32)
-    first_row = head.to(tl.int64) * row_blocks * BLOCK_L
+    first_row = head.to(tl.int64) * ROW_BLOCKS * BLOCK_L
     if MODE == 1:
-        desc = tl.make_tensor_descriptor(DQ, shape=[tl.num_programs(1) * row_blocks * BLOCK_L, D_H],
+        desc = tl.make_tensor_descriptor(DQ, shape=[tl.num_programs(1) * ROW_BLOCKS * BLOCK_L, D_H],
                                          strides=[D_H, 1], block_shape=[BLOCK_L, D_H])
-        for row_block in range(row_blocks):
-            desc.atomic_add([(head * row_blocks + row_block) * BLOCK_L, 0], share)
+        for row_block in range(ROW_BLOCKS):
+            desc.atomic_add([(head * ROW_BLOCKS + row_block) * BLOCK_L, 0], share)
     else:
         offsets = tl.arange(0, BLOCK_L)[:, None] * D_H + tl.arange(0, D_H)[None, :]
-        for row_block in range(row_blocks):
+        for row_block in range(ROW_BLOCKS):
             pointers = DQ + (first_row + row_block * BLOCK_L) * D_H + offsets
             if MODE == 0:
                 tl.atomic_add(pointers, share, sem="relaxed")
@@ -70,9 +71,9 @@ def _add_shares_kernel(DQ, row_blocks, column_blocks, MODE: tl.constexpr, BLOCK_
 
 
 def add_shares(dq: torch.Tensor, heads: int, column_blocks: int, way: str) -> None:
-    """Every column block's shares added into ``dq`` [heads * row_blocks * BLOCK_L, d_h] (float32) ``way``."""
+    """Every column block's shares added into ``dq`` [heads * ROW_BLOCKS * BLOCK_L, d_h] (float32) ``way``."""
     row_blocks = dq.shape[0] // (heads * BLOCK_L)
-    _add_shares_kernel[(column_blocks, heads)](dq, row_blocks, column_blocks, MODE=WAYS.index(way), BLOCK_L=BLOCK_L,
+    _add_shares_kernel[(column_blocks, heads)](dq, ROW_BLOCKS=row_blocks, MODE=WAYS.index(way), BLOCK_L=BLOCK_L,
                                                D_H=dq.shape[1], num_warps=8)
 
 
