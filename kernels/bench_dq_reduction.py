@@ -50,7 +50,7 @@ def _add_shares_kernel(DQ, ROW_BLOCKS: tl.constexpr, MODE: tl.constexpr, BLOCK_L
     """Program (column block, head): for each of the head's row blocks, one float32 [BLOCK_L, D_H] share (here the
     value ``column block + 1``) added into DQ [heads * ROW_BLOCKS * BLOCK_L, D_H]. MODE 0: element atomics, 1: the
     bulk copy engine's reduction through a tensor descriptor, 2: plain stores (no addition). (ROW_BLOCKS is a
-    constant: Triton 3.6's interpreter with NumPy 2.5 cannot loop up to an argument.)"""
+    constant: Triton 3.6's interpreter with NumPy 2.4 or later cannot loop up to an argument.)"""
     column_block = tl.program_id(0)
     head = tl.program_id(1)
     share = tl.full([BLOCK_L, D_H], 1.0, tl.float32) * (column_block + 1).to(tl.float32)
@@ -137,10 +137,10 @@ def report(results: dict) -> str:
     if not results["reductions"]:
         lines += ["", "No GPU: the sums were checked, nothing was timed."]
     if results["kernels"]:
-        lines += ["", "The production kernels on the same shapes (ms), and the one-kernel backward: at least its products "
-                  "at the weight kernel's rate (weights x 8 / 6), with its reduction hidden under them; \"share\": the "
-                  "reduction's time alone (BLOCK_N 64 / 128, bulk copies) over that bound, what it would have to "
-                  "overlap.", ""]
+        lines += ["", "The production kernels on the same shapes (ms), and the one-kernel backward: at least its "
+                  "products at the weight kernel's rate (weights x 8 / 6), with its reduction hidden under them; "
+                  "\"share\": the reduction's time alone (BLOCK_N 64 / 128, bulk copies) over that bound, what it "
+                  "would have to overlap.", ""]
         rows = []
         for preset, kernels in results["kernels"].items():
             bound = kernels["weights"] * 8 / 6
@@ -162,19 +162,37 @@ def report(results: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (the sums' check only)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda (the measurement) or cpu (the sums' check only, in Triton's interpreter)")
     parser.add_argument("--presets", default="370M,1.3B")
     parser.add_argument("--block-n", default="64,128", help="column block widths to time (64: the weight kernel's)")
     args = parser.parse_args(argv)
+    presets = args.presets.split(",")
+    unknown = [name for name in presets if name not in LAYERS]
+    if unknown:
+        parser.error(f"--presets: {unknown} unknown; allowed: {', '.join(LAYERS)}")
+    try:
+        block_ns = [int(b) for b in args.block_n.split(",")]
+    except ValueError:
+        parser.error(f"--block-n: expected comma-separated integers, got {args.block_n!r}")
+    for block_n in block_ns:
+        widths = {name: LAYERS[name][2] * LAYERS[name][3] for name in presets}
+        if block_n < 16 or block_n % 16 or any(width % block_n for width in widths.values()):
+            parser.error(f"--block-n: {block_n} must be a multiple of 16 dividing E * d_e of every preset {widths}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; --device cpu checks the sums in Triton's interpreter")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs the kernel in Triton's interpreter: set TRITON_INTERPRET=1")
     measure_on(args.device)
     triton.set_allocator(_allocator)  # (the device-side tensor descriptors' scratch)
     # (Triton's interpreter has no bulk-copy reduction: on the CPU the other two ways are checked)
     ways = WAYS if on_cuda() else tuple(way for way in WAYS if way != "bulk-copy reduction")
-    results = {"environment": environment(), "checks": check_sums(args.device, ways), "reductions": [], "kernels": {}}
+    results = {"environment": environment(), "checks": check_sums(args.device, ways), "reductions": [],
+               "kernels": {}}
     log("sums:", [(row["way"], row["ok"]) for row in results["checks"]])
     if on_cuda():
-        for preset in args.presets.split(","):
-            for block_n in (int(b) for b in args.block_n.split(",")):
+        for preset in presets:
+            for block_n in block_ns:
                 results["reductions"].append(measure(preset, block_n))
             results["kernels"][preset] = production_kernels(preset)
     write_report(args.out, "dq_reduction", results, report(results))

@@ -879,6 +879,11 @@ def test_dq_reduction_adds_every_share_on_the_cpu(tmp_path):
     assert checks["element atomics"]["values"] == [6.0] and checks["element atomics"]["ok"]
     assert set(checks["plain stores"]["values"]) <= {1.0, 2.0, 3.0}
     assert results["reductions"] == [] and "nothing was timed" in (tmp_path / "dq_reduction.md").read_text()
+    # bad input: the field and what it allows
+    refused = subprocess.run([sys.executable, os.path.join(KERNELS, "bench_dq_reduction.py"), "--out", str(tmp_path),
+                              "--device", "cpu", "--presets", "7B"], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert refused.returncode == 2 and "--presets: ['7B'] unknown; allowed: 370M, 1.3B" in refused.stderr
 
 
 def test_dq_reduction_report_rebuilds_the_committed_table():
