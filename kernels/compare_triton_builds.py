@@ -236,16 +236,20 @@ def ptxas_in_use() -> str:
 
 # --- export: compile on a machine without a GPU -------------------------------------------------------------------
 
+STAND_IN_HANDLE = "stand-in: nothing loaded"  # the module and function a kernel "loads" under `StandInHopper`
+
+
 class StandInHopper:
     """What Triton asks of its CUDA driver while it specialises and compiles, answered for an sm_90 GPU; a launch
-    does nothing."""
+    does nothing. A compiled kernel "loads" once (its module and function are `STAND_IN_HANDLE`, not None, so
+    Triton does not build its launcher again at every launch) until `compiling_for_hopper` ends."""
 
     def __init__(self):
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget("cuda", 90, 32)
         self.utils = types.SimpleNamespace(
-            load_binary=lambda name, kernel, shared, device: (None, 0, 0, 0, 1024),
+            load_binary=lambda name, kernel, shared, device: (STAND_IN_HANDLE, STAND_IN_HANDLE, 0, 0, 1024),
             get_device_properties=lambda device: {"max_shared_mem": 232448, "multiprocessor_count": MULTIPROCESSORS,
                                                   "max_num_regs": 65536, "warpSize": 32},
         )
@@ -310,11 +314,23 @@ def compiling_for_hopper():
         yield
     finally:
         driver.set_active(active)
+        unload_stand_in_handles()
         for module, name, value in saved:
             setattr(module, name, value)
         flash_mhf_triton._kernels_for.cache_clear()
         for autotuner in autotuners():  # an autotuner keeps the benchmarker it first asked the driver for
             vars(autotuner).pop("do_bench", None)
+
+
+def unload_stand_in_handles() -> None:
+    """Every compiled kernel that "loaded" under the stand-in (in a kernel's cache, or kept by `triton_launch`) loads
+    again at its next launch, from the driver active then: on a machine with a GPU, the kernel itself."""
+    kept = [entry[0] for entry in triton_launch._compiled.values()]
+    cached = [compiled for fn in jit_functions() for cache in fn.device_caches.values()
+              for compiled in cache[0].values()]
+    for compiled in kept + cached:
+        if getattr(compiled, "module", None) is STAND_IN_HANDLE:
+            compiled.module = compiled.function = compiled._run = None
 
 
 def export(out: str, label: str | None, cases: list[str], package=None) -> None:

@@ -766,6 +766,41 @@ def test_gluon_kernels_keep_spills_out_of_their_product_loops_at_their_launch(tm
         assert where["hot_loops"] == loops and where["spill_instructions_in_hot_loops"] == 0, (case, function, where)
 
 
+def test_stand_in_driver_loads_each_kernel_once_and_unloads_them_after(monkeypatch):
+    """Under `compare_triton_builds.compiling_for_hopper`, a compiled kernel builds its launcher at its first launch
+    only (its module and function are the stand-in's handle, not None, so host timings on the CPU do not count
+    Triton's launcher set-up on every launch); when the block ends, every kernel it loaded, those `triton_launch`
+    keeps among them, loads again at its next launch, from the driver then active (a GPU's, where there is one)."""
+    from hf_memffn import flash_mhf_gluon, triton_launch
+
+    if not flash_mhf_gluon.GLUON_AVAILABLE:
+        pytest.skip(f"no Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
+    builds = kernel_script("compare_triton_builds")
+    launchers = []
+
+    def counting_launcher(self, src, metadata):
+        launchers.append(metadata.name)
+        return lambda *args: None
+
+    monkeypatch.setattr(builds.StandInHopper, "launcher_cls", counting_launcher)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with builds.compiling_for_hopper():
+        triton_launch.CACHED = True
+        builds.forget_compiled()
+        case = builds.Case("forward:370M", "cpu")
+        case.run()
+        first = len(launchers)
+        for _ in range(3):
+            case.run()
+        assert first >= 2 and len(launchers) == first, launchers
+        kept = [entry[0] for entry in triton_launch._compiled.values()]
+        compiled = [kernel for _, kernel in builds.compiled_kernels(0)]
+        assert kept and all(kernel.module is builds.STAND_IN_HANDLE for kernel in kept + compiled)
+    assert triton_launch.CACHED  # (put back as it was before the block)
+    assert all(kernel.module is None and kernel._run is None for kernel in kept + compiled)
+    builds.forget_compiled()
+
+
 def _launcher_argument(value):
     """A launcher argument as the comparison below sees it: a tensor or a descriptor's base by dtype, shape and
     strides (the second call allocates its outputs anew), a descriptor by every other field, the rest as it is."""
