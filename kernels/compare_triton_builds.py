@@ -250,6 +250,7 @@ class StandInHopper:
         self.target = GPUTarget("cuda", 90, 32)
         self.utils = types.SimpleNamespace(
             load_binary=lambda name, kernel, shared, device: (STAND_IN_HANDLE, STAND_IN_HANDLE, 0, 0, 1024),
+            unload_module=lambda module: None,  # Triton 3.8 and later unload a kernel's module when it is collected
             get_device_properties=lambda device: {"max_shared_mem": 232448, "multiprocessor_count": MULTIPROCESSORS,
                                                   "max_num_regs": 65536, "warpSize": 32},
         )
