@@ -7,13 +7,16 @@
 #   bash kernels/carried_triton.sh unpack PART2 SITE   # on the GPU machine, next call (machine still warm)
 #   PYTHONPATH=SITE:$PWD python ...                    # runs with that Triton
 #
-# The pack leaves out what launching a kernel for an NVIDIA GPU does not use (the AMD backend, the profiler and its
-# CUPTI libraries, the Blackwell ptxas, cuobjdump, nvdisasm, FileCheck, the test plugins) and strips libtriton.so
-# of its debug information and local symbols (`strip --strip-unneeded`). It keeps the ptxas the wheel brings, so the
-# kernels are compiled as users of that Triton get them. The wheel must match the GPU machine's Python (cp312 there).
+# The pack leaves out what compiling and launching a kernel for an NVIDIA GPU does not use (the profiler and its CUPTI
+# libraries, the AMD code generator that Triton 3.9 loads only to compile for AMD, FileCheck, the test plugins) and
+# strips libtriton.so of its debug information and local symbols (`strip --strip-unneeded`). It keeps both ptxas the
+# wheel brings (Triton 3.9 compiles for Hopper with the one it names `ptxas-blackwell`), so the kernels are compiled
+# as users of that Triton get them; cuobjdump and nvdisasm, which `kernels/compile_check.py` and the ptxas report
+# read cubins with; and the AMD backend's Python: Triton imports every backend an installed Triton's entry points
+# name. The wheel must match the GPU machine's Python (cp312 there). Measured with it: notes v40.
 set -euo pipefail
 
-stage_dir=/tmp/carried-triton-part1
+stage_dir=${CARRIED_TRITON_STAGE:-/tmp/carried-triton-part1}  # where `stage` keeps part 1 until `unpack`
 
 case "${1:-}" in
 pack)
@@ -22,9 +25,8 @@ pack)
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     python3 -m zipfile -e "$wheel" "$work/site"
-    rm -rf "$work/site/triton/backends/amd" "$work/site/triton/backends/nvidia/lib/cupti" \
-        "$work/site/triton/backends/nvidia/bin/ptxas-blackwell" "$work/site/triton/backends/nvidia/bin/cuobjdump" \
-        "$work/site/triton/backends/nvidia/bin/nvdisasm" "$work/site/triton/instrumentation" \
+    rm -rf "$work/site/triton/backends/nvidia/lib/cupti" "$work/site/triton/backends/nvidia/lib/cupti-blackwell" \
+        "$work/site/triton/backends/amd/lib/libtriton_amd_codegen.so" "$work/site/triton/instrumentation" \
         "$work/site/triton/_C/libproton.so" "$work/site/triton/profiler" "$work/site/triton/plugins" \
         "$work/site/triton/FileCheck"
     strip --strip-unneeded "$work/site/triton/_C/libtriton.so"
@@ -53,10 +55,12 @@ unpack)
     rm -rf "$site.tmp"
     mkdir -p "$site.tmp"
     python3 -c "import lzma, shutil, sys, tarfile
-shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[3] + '/lib.tmp', 'wb'))
-tarfile.open(sys.argv[2]).extractall(sys.argv[3] + '/site', filter='data')" "$stage_dir/libtriton.so.xz" "$part2/site.tar.xz" "$site.tmp"
+with lzma.open(sys.argv[1]) as packed, open(sys.argv[3] + '/lib.tmp', 'wb') as lib:
+    shutil.copyfileobj(packed, lib)
+tarfile.open(sys.argv[2]).extractall(sys.argv[3] + '/site', filter='data')" \
+        "$stage_dir/libtriton.so.xz" "$part2/site.tar.xz" "$site.tmp"
     mv "$site.tmp/lib.tmp" "$site.tmp/site/triton/_C/libtriton.so"
-    chmod +x "$site.tmp/site/triton/_C/libtriton.so" "$site.tmp/site/triton/backends/nvidia/bin/ptxas"
+    chmod +x "$site.tmp/site/triton/_C/libtriton.so" "$site.tmp/site/triton/backends/nvidia/bin/"*  # zip keeps no modes
     rm -rf "$site"
     mv "$site.tmp/site" "$site"
     rm -rf "$site.tmp"

@@ -538,3 +538,38 @@ def test_inference_tuning_comparison_needs_a_gpu(tmp_path):
     result = run_script("compare_inference_tuning.py", "--out", str(tmp_path), hide_gpus=True)
     assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(not (shutil.which("strip") and shutil.which("xz")), reason="needs binutils' strip and xz")
+def test_carried_triton_packs_a_wheel_in_two_parts_and_unpacks_what_launching_needs(tmp_path):
+    """`kernels/carried_triton.sh` on a made-up wheel: the CUDA tools (both ptxas binaries: Triton 3.9 compiles sm_90
+    with `ptxas-blackwell`) stay with their execute bits back, and the AMD backend's Python stays (Triton imports every
+    backend its entry points name); the profiler, the CUPTI libraries and the AMD code generator are left out."""
+    import zipfile
+
+    tools = ["ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"]
+    kept = ["triton/__init__.py", *(f"triton/backends/nvidia/bin/{tool}" for tool in tools),
+            "triton/backends/nvidia/include/cuda.h", "triton/backends/amd/__init__.py",
+            "triton/backends/amd/lib/ocml.bc", "triton-0.0.1.dist-info/entry_points.txt"]
+    dropped = ["triton/backends/nvidia/lib/cupti/libcupti.so", "triton/backends/nvidia/lib/cupti-blackwell/libcupti.so",
+               "triton/backends/amd/lib/libtriton_amd_codegen.so", "triton/_C/libproton.so", "triton/profiler/__init__.py",
+               "triton/instrumentation/libGPUInstrumentationTestLib.so", "triton/plugins/libMLIRDialectPlugin.so",
+               "triton/FileCheck"]
+    wheel = tmp_path / "triton-0.0.1-cp312-cp312-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name in kept + dropped:
+            archive.writestr(name, "__version__ = '0.0.1'\n" if name == "triton/__init__.py" else name)
+        archive.write(shutil.which("true"), "triton/_C/libtriton.so")  # an ELF file that `strip` takes
+    script = os.path.join(KERNELS, "carried_triton.sh")
+    env = {**os.environ, "CARRIED_TRITON_STAGE": str(tmp_path / "stage")}
+    for args in (["pack", str(wheel), str(tmp_path / "packed")], ["stage", str(tmp_path / "packed" / "part1")],
+                 ["unpack", str(tmp_path / "packed" / "part2"), str(tmp_path / "site")]):
+        done = subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert "Triton 0.0.1 from" in done.stdout
+    site = tmp_path / "site"
+    assert all((site / name).is_file() for name in kept + ["triton/_C/libtriton.so"])
+    assert not any((site / name).exists() for name in dropped)
+    for tool in tools:
+        assert os.access(site / "triton/backends/nvidia/bin" / tool, os.X_OK)
+    assert sorted(p.name for p in (tmp_path / "packed").iterdir()) == ["part1", "part2"]  # no half-written parts
