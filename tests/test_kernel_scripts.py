@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -545,8 +546,6 @@ def test_carried_triton_packs_a_wheel_in_two_parts_and_unpacks_what_launching_ne
     """`kernels/carried_triton.sh` on a made-up wheel: the CUDA tools (both ptxas binaries: Triton 3.9 compiles sm_90
     with `ptxas-blackwell`) stay with their execute bits back, and the AMD backend's Python stays (Triton imports every
     backend its entry points name); the profiler, the CUPTI libraries and the AMD code generator are left out."""
-    import zipfile
-
     tools = ["ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"]
     kept = ["triton/__init__.py", *(f"triton/backends/nvidia/bin/{tool}" for tool in tools),
             "triton/backends/nvidia/include/cuda.h", "triton/backends/amd/__init__.py",
