@@ -359,7 +359,10 @@ def train(model: torch.nn.Module, corpus: Corpus, settings: DemoSettings, starts
     train_ids = corpus.train_ids
     losses: list[float] = []
     tokens_per_step = settings.batch_size * settings.seq_len
-    progress = tqdm(range(settings.steps), desc=f"{label:>17}", unit="step", dynamic_ncols=True, leave=True)
+    # A bar where a terminal shows it; written to a file or a pipe, one line per model when its training ends.
+    interactive = sys.stderr.isatty()
+    progress = tqdm(range(settings.steps), desc=f"{label:>17}", unit="step", dynamic_ncols=True, leave=True,
+                    disable=not interactive)
     _sync(device)
     start = time.perf_counter()
     for step in progress:
@@ -377,6 +380,9 @@ def train(model: torch.nn.Module, corpus: Corpus, settings: DemoSettings, starts
     _sync(device)
     seconds = time.perf_counter() - start
     progress.close()
+    if not interactive:
+        print(f"{label:>17}: {settings.steps} steps in {seconds:.1f} s, last loss {losses[-1]:.3f}, "
+              f"{settings.steps * tokens_per_step / seconds:,.0f} tokens/s", file=sys.stderr, flush=True)
     return losses, seconds
 
 
@@ -570,6 +576,20 @@ def plot_losses(results: list[ArchResult], settings: DemoSettings, path: Path) -
 
 # ---- the command ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    # Off a terminal (a log file, a pipe, CI) transformers' own bars (saving, loading) stay quiet too.
+    from transformers.utils import logging as transformers_logging
+
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        transformers_logging.disable_progress_bar()
+    try:
+        return _run(args)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
+
+
+def _run(args: argparse.Namespace) -> int:
     run_start = time.perf_counter()
     settings = _settings_from_args(args)
     archs = _parse_archs(args.archs)

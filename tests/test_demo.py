@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from transformers.utils import logging as transformers_logging
 
 from hf_memffn import cli
 from hf_memffn.architectures import ARCHITECTURE_NAMES, DISPLAY_NAMES
@@ -16,15 +17,25 @@ from hf_memffn.architectures import ARCHITECTURE_NAMES, DISPLAY_NAMES
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    stdout, stderr = io.StringIO(), io.StringIO()  # neither is a terminal, as in a log file or CI
+    bars_before = transformers_logging.is_progress_bar_enabled()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = cli.main(["demo", "--quick", "--out", str(out)])
     assert status == 0
-    return out, stdout.getvalue(), json.loads((out / "results.json").read_text())
+    assert transformers_logging.is_progress_bar_enabled() == bars_before  # the demo restores transformers' bars
+    return out, stdout.getvalue(), json.loads((out / "results.json").read_text()), stderr.getvalue()
+
+
+def test_off_a_terminal_each_model_reports_one_line_and_no_progress_bar(quick_demo):
+    *_, stderr = quick_demo
+    assert "\r" not in stderr and "it/s" not in stderr and "step/s" not in stderr  # no bar of ours or transformers'
+    lines = [line for line in stderr.splitlines() if " steps in " in line]
+    assert [line.split(":")[0].strip() for line in lines] == [DISPLAY_NAMES[a] for a in ARCHITECTURE_NAMES]
+    assert all("last loss" in line and "tokens/s" in line for line in lines)
 
 
 def test_quick_demo_writes_every_output(quick_demo):
-    out, _, summary = quick_demo
+    out, _, summary, _ = quick_demo
     for name in ("results.json", "results.md", "loss_curves.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -36,7 +47,7 @@ def test_quick_demo_writes_every_output(quick_demo):
 
 
 def test_quick_demo_table_has_every_arch_and_learns(quick_demo):
-    out, stdout, summary = quick_demo
+    out, stdout, summary, _ = quick_demo
     markdown = (out / "results.md").read_text()
     for arch, result in zip(ARCHITECTURE_NAMES, summary["results"]):
         assert result["arch"] == arch
@@ -54,7 +65,7 @@ def test_quick_demo_table_has_every_arch_and_learns(quick_demo):
 
 
 def test_quick_demo_reload_with_remote_code_matches(quick_demo):
-    _, stdout, summary = quick_demo
+    _, stdout, summary, _ = quick_demo
     reload = summary["reload"]
     assert reload["directory"].endswith("flash_mhf")
     assert not reload["class"].startswith("hf_memffn.")  # loaded from the code saved beside the weights
@@ -104,7 +115,7 @@ def test_text_files_switch_to_real_text(tmp_path):
 
 
 def test_quick_demo_exports_lookup_tables_and_lookup_mode_matches(quick_demo):
-    out, stdout, summary = quick_demo
+    out, stdout, summary, _ = quick_demo
     lookup = summary["token_lookup"]
     assert set(lookup["formats"]) == {"fp32", "int8"}
     exact = lookup["formats"]["fp32"]
