@@ -97,7 +97,7 @@ def test_token_shards_round_trip_and_refuse_ids_beyond_uint16(tmp_path):
         token_shards.read_tokens(tmp_path, "heldout")
 
 
-@pytest.mark.parametrize("size", ["small", "370M"])
+@pytest.mark.parametrize("size", ["small", "wide", "370M"])
 def test_every_compared_model_is_parameter_matched(size):
     shape = study_models.SHAPES[size]
     selected = study_models.study_models(shape)

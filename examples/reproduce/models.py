@@ -81,6 +81,9 @@ SHAPES = {
                    tokens=6_000_000),
         StudyShape("base", 512, 8, 8, 64, 1376, 128, block_size=1024, batch_size=32, kvffn_block_size=2048,
                    tokens=50_000_000),
+        # the width of the paper's 128M baseline (six FFN heads of 128) at base's depth and batch
+        StudyShape("wide", 768, 8, 12, 64, 2048, 128, block_size=1024, batch_size=32, kvffn_block_size=2048,
+                   tokens=50_000_000),
         # flash-mhf.md Table 4 baselines, to print the sizing rules at the paper's scale
         StudyShape("128M", 768, 12, 12, 64, 2048, 128, block_size=4096, batch_size=64, kvffn_block_size=2048,
                    tokens=60_000_000_000, vocab_size=50432, trainable=False),
