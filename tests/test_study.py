@@ -9,6 +9,7 @@ import io
 import json
 import math
 import pickle
+import statistics
 import sys
 from pathlib import Path
 
@@ -234,6 +235,29 @@ def test_paired_difference_decides_the_verdict_from_three_seeds():
     assert study.verdict(summary["a"], summary["b"])[1] == "same order, within seed noise"
     assert study.verdict(summary["a"], summary["b"], (seeds, delta, error))[1] == "reproduced"
     assert study.paired_difference(runs, "a", "c") == (0, None, None)
+
+
+def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_way():
+    """The paper calls SwiGLU and MH-FFN level (3.030 vs 3.031): the verdict says level within seed noise, or which
+    model is ahead when the paired difference is resolved, whatever its sign; one seed decides nothing."""
+    def claim(mh_ffn_losses):
+        runs = [{"model": m, "seed": s, "heldout_loss": loss}
+                for m, losses in [("llama", [5.00, 5.10, 5.05]), ("mh_ffn", mh_ffn_losses)]
+                for s, loss in enumerate(losses)]
+        summary = {m: {"heldout_loss_mean": statistics.fmean(v), "heldout_loss_std":
+                       statistics.stdev(v) if len(v) > 1 else None}
+                   for m, v in [("llama", [r["heldout_loss"] for r in runs if r["model"] == "llama"]),
+                                ("mh_ffn", mh_ffn_losses)]}
+        (row,) = study.claims_table(summary, {"llama": "SwiGLU", "mh_ffn": "MH-FFN"}, runs)
+        return row
+
+    behind = claim([5.06, 5.17, 5.10])
+    assert behind["claim"] == "SwiGLU level with MH-FFN" and behind["verdict"] == "not level: SwiGLU ahead"
+    assert claim([4.94, 5.05, 4.98])["verdict"] == "not level: MH-FFN ahead"
+    assert claim([5.01, 5.08, 5.07])["verdict"] == "level, within seed noise"
+    summary = {m: {"heldout_loss_mean": loss, "heldout_loss_std": None} for m, loss in [("a", 5.0), ("b", 5.3)]}
+    assert study.verdict(summary["a"], summary["b"], level=True)[1] == "undecided (one seed)"
+    assert study.verdict(summary["a"], summary["b"])[1] == "reproduced (one seed)"
 
 
 def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict():

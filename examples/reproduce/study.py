@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,27 +43,38 @@ from models import GROUPS, RECIPES, SHAPES  # noqa: E402
 
 MAIN_SEED_KEYS = ("llama", "flash_mhf")  # the main comparison: several seeds by default
 EVALS_PER_RUN = 8
-# (group, lower, higher, the paper's numbers): "lower has the lower held-out loss" as the paper reports it
+
+
+class Claim(NamedTuple):
+    """A paper's claim about two models: `lower` ends with the lower held-out loss, or with `level`, the two end level
+    (a difference the paper calls none). `paper` quotes the paper's numbers or words."""
+    group: str
+    lower: str
+    higher: str
+    paper: str
+    level: bool = False
+
+
 CLAIMS = (
-    ("flash-mhf", "flash_mhf", "llama", "3.014 < 3.030"),
-    ("flash-mhf", "flash_mhf", "flash_mhf_half_head_dim", "3.014 < 3.046 (d_h=128 better than 64)"),
-    ("flash-mhf", "llama", "flash_mhf_half_head_dim", "3.030 < 3.046 (d_h=64 underfits)"),
-    ("flash-mhf", "flash_mhf", "mh_ffn", "3.014 < 3.031"),
-    ("flash-mhf", "llama", "mh_ffn", "3.030 < 3.031 (MH-FFN near SwiGLU)"),
-    ("flash-mhf", "llama", "dense_moe", "3.030 < 3.062"),
-    ("flash-mhf", "dense_moe", "pkv", "3.062 < 3.334"),
-    ("memoryllm", "llama", "memoryllm_total", "dense better at equal total"),
-    ("memoryllm", "memoryllm_active", "llama", "MemoryLLM better at equal active"),
-    ("memoryllm", "flex_total", "memoryllm_total", "Flex closes most of the gap"),
-    ("memoryllm", "flex_active", "llama", "Flex matches or beats dense at equal active"),
-    ("kv-ffn", "kv_swiglu", "kvffn", "4.927 < 5.161"),
-    ("kv-ffn", "kvffn", "kv_glu", "5.161 < 5.287"),
-    ("kv-ffn", "kv_glu", "kv_densenet", "5.287 < 5.324"),
-    ("kv-ffn", "kv_densenet", "kv_relu", "5.324 < 5.432"),
-    ("kv-ffn", "kvffn", "kvffn_init_inv_d", "1/sqrt(d) init most stable"),
-    ("kv-ffn", "kvffn", "kvffn_init_inv_sqrt_h", "1/sqrt(d) init most stable"),
-    ("kv-ffn", "kvffn", "kvffn_gelu", "SiLU better than GELU by 0.03"),
-    ("kv-ffn", "kvffn", "kvffn_sum", "product better than sum by 0.12"),
+    Claim("flash-mhf", "flash_mhf", "llama", "3.014 < 3.030"),
+    Claim("flash-mhf", "flash_mhf", "flash_mhf_half_head_dim", "3.014 < 3.046 (d_h=128 better than 64)"),
+    Claim("flash-mhf", "llama", "flash_mhf_half_head_dim", "3.030 < 3.046 (d_h=64 underfits)"),
+    Claim("flash-mhf", "flash_mhf", "mh_ffn", "3.014 < 3.031"),
+    Claim("flash-mhf", "llama", "mh_ffn", "3.030 vs 3.031 (MH-FFN level with SwiGLU)", level=True),
+    Claim("flash-mhf", "llama", "dense_moe", "3.030 < 3.062"),
+    Claim("flash-mhf", "dense_moe", "pkv", "3.062 < 3.334"),
+    Claim("memoryllm", "llama", "memoryllm_total", "dense better at equal total"),
+    Claim("memoryllm", "memoryllm_active", "llama", "MemoryLLM better at equal active"),
+    Claim("memoryllm", "flex_total", "memoryllm_total", "Flex closes most of the gap"),
+    Claim("memoryllm", "flex_active", "llama", "Flex matches or beats dense at equal active"),
+    Claim("kv-ffn", "kv_swiglu", "kvffn", "4.927 < 5.161"),
+    Claim("kv-ffn", "kvffn", "kv_glu", "5.161 < 5.287"),
+    Claim("kv-ffn", "kv_glu", "kv_densenet", "5.287 < 5.324"),
+    Claim("kv-ffn", "kv_densenet", "kv_relu", "5.324 < 5.432"),
+    Claim("kv-ffn", "kvffn", "kvffn_init_inv_d", "1/sqrt(d) init most stable"),
+    Claim("kv-ffn", "kvffn", "kvffn_init_inv_sqrt_h", "1/sqrt(d) init most stable"),
+    Claim("kv-ffn", "kvffn", "kvffn_gelu", "SiLU better than GELU by 0.03"),
+    Claim("kv-ffn", "kvffn", "kvffn_sum", "product better than sum by 0.12"),
 )
 
 
@@ -352,35 +364,39 @@ def paired_difference(runs: list[dict], lower: str, higher: str,
 
 
 def verdict(lower: dict, higher: dict,
-            paired: tuple[int, float | None, float | None] = (0, None, None)) -> tuple[float, str]:
-    """How the paper's ordering (lower < higher) fares. With three or more common seeds, by the paired difference:
-    resolved when it exceeds twice its standard error. Otherwise by the difference of the means against twice the
-    larger seed standard deviation."""
+            paired: tuple[int, float | None, float | None] = (0, None, None), level: bool = False) -> tuple[float, str]:
+    """How the paper's ordering (lower < higher) fares, or with `level` its claim that the two end level (a resolved
+    difference names the model ahead as "{lower}" or "{higher}", for the caller to fill in). With three or more
+    common seeds, by the paired difference: resolved when it exceeds twice its standard error. Otherwise by the
+    difference of the means against twice the larger seed standard deviation."""
     delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
     seeds, paired_delta, error = paired
     if seeds >= 3 and error is not None:
-        if abs(paired_delta) > 2 * error:
-            return delta, "reproduced" if paired_delta > 0 else "not reproduced"
-        return delta, "same order, within seed noise" if paired_delta > 0 else "reversed, within seed noise"
-    spreads = [s for s in (lower["heldout_loss_std"], higher["heldout_loss_std"]) if s is not None]
-    noise = 2 * max(spreads) if spreads else None
-    if delta > 0:
-        text = "reproduced" if noise is None or delta > noise else "same order, within seed noise"
+        resolved, sign = abs(paired_delta) > 2 * error, paired_delta
     else:
-        text = "not reproduced" if noise is None or -delta > noise else "reversed, within seed noise"
-    if noise is None:
-        text += " (one seed)"
-    return delta, text
+        spreads = [s for s in (lower["heldout_loss_std"], higher["heldout_loss_std"]) if s is not None]
+        if not spreads:
+            return delta, "undecided (one seed)" if level else (
+                "reproduced (one seed)" if delta > 0 else "not reproduced (one seed)")
+        resolved, sign = abs(delta) > 2 * max(spreads), delta
+    if level:
+        ahead = "{lower}" if sign > 0 else "{higher}"
+        return delta, f"not level: {ahead} ahead" if resolved else "level, within seed noise"
+    if resolved:
+        return delta, "reproduced" if sign > 0 else "not reproduced"
+    return delta, "same order, within seed noise" if sign > 0 else "reversed, within seed noise"
 
 
 def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dict]:
     rows = []
-    for group, lower, higher, paper in CLAIMS:
+    for group, lower, higher, paper, level in CLAIMS:
         if lower in summary and higher in summary:
             paired = paired_difference(list(runs), lower, higher)
-            delta, text = verdict(summary[lower], summary[higher], paired)
-            row = {"group": group, "claim": f"{labels[lower]} < {labels[higher]}", "paper": paper,
-                   "delta": round(delta, 4), "verdict": text, "paired_seeds": paired[0]}
+            delta, text = verdict(summary[lower], summary[higher], paired, level=level)
+            if level:
+                text = text.format(lower=labels[lower], higher=labels[higher])
+            row = {"group": group, "claim": f"{labels[lower]} {'level with' if level else '<'} {labels[higher]}",
+                   "paper": paper, "delta": round(delta, 4), "verdict": text, "paired_seeds": paired[0]}
             if paired[1] is not None:
                 row["paired_delta"] = round(paired[1], 4)
             if paired[2] is not None:
@@ -468,7 +484,8 @@ def results_markdown(state: dict) -> str:
     claims = claims_table(summary, labels, state["runs"])
     if claims:
         lines += ["## The papers' orderings at this scale", "",
-                  "Δ = loss(right) - loss(left) of the means: positive when the paper's ordering holds. "
+                  "Δ = loss(right) - loss(left) of the means: positive when the paper's ordering holds; a claim "
+                  "that two models end 'level with' each other holds when their difference is within seed noise. "
                   "Paired Δ: the same difference over the seeds both models ran (a seed fixes the order of the "
                   "training batches), "
                   "± its standard error. 'Within seed noise': with three or more common seeds, |paired Δ| is at most "
