@@ -241,13 +241,10 @@ def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_wa
     """The paper calls SwiGLU and MH-FFN level (3.030 vs 3.031): the verdict says level within seed noise, or which
     model is ahead when the paired difference is resolved, whatever its sign; one seed decides nothing."""
     def claim(mh_ffn_losses):
-        runs = [{"model": m, "seed": s, "heldout_loss": loss}
-                for m, losses in [("llama", [5.00, 5.10, 5.05]), ("mh_ffn", mh_ffn_losses)]
-                for s, loss in enumerate(losses)]
-        summary = {m: {"heldout_loss_mean": statistics.fmean(v), "heldout_loss_std":
-                       statistics.stdev(v) if len(v) > 1 else None}
-                   for m, v in [("llama", [r["heldout_loss"] for r in runs if r["model"] == "llama"]),
-                                ("mh_ffn", mh_ffn_losses)]}
+        losses = {"llama": [5.00, 5.10, 5.05], "mh_ffn": mh_ffn_losses}
+        runs = [{"model": m, "seed": s, "heldout_loss": loss} for m, v in losses.items() for s, loss in enumerate(v)]
+        summary = {m: {"heldout_loss_mean": statistics.fmean(v), "heldout_loss_std": statistics.stdev(v)}
+                   for m, v in losses.items()}
         (row,) = study.claims_table(summary, {"llama": "SwiGLU", "mh_ffn": "MH-FFN"}, runs)
         return row
 
