@@ -199,6 +199,8 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
 
     with pytest.raises(ValueError, match=r"--resume: .* tokens=256, this call has tokens=512"):
         study.main([*common[:-4], "--tokens", "512", "--out", str(out), "--models", "llama", "--resume"])
+    with pytest.raises(ValueError, match=r"--resume: .* learning_rate=None, this call has learning_rate=0.001"):
+        study.main([*common, "--models", "llama", "--resume", "--learning-rate", "1e-3"])
     assert (out / "results.json").read_text() == before
 
     state = study.main([*common, "--models", "llama,memoryllm_total", "--seeds", "2", "--seeds-for", "all", "--resume"])
@@ -222,6 +224,23 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
     assert json.loads((out / "configs.json").read_text()) == configs
     with pytest.raises(ValueError, match="--report: no study in --out="):
         study.main(["--report", "--out", str(tmp_path / "nothing")])
+
+
+def test_study_at_another_learning_rate_says_so_and_resumes_only_at_it(tmp_path):
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
+                       "--max-heldout-tokens", "600", "--wiki", "no"])
+    out = tmp_path / "results"
+    common = ["--data", str(data), "--size", "toy", "--tokens", "256", "--out", str(out), "--models", "pkv"]
+    with pytest.raises(ValueError, match="--learning-rate must be a positive number, got 0.0"):
+        study.main([*common, "--learning-rate", "0"])
+    state = study.main([*common, "--seeds", "1", "--learning-rate", "1e-3"])
+    assert [run["learning_rate"] for run in state["runs"]] == [1e-3]
+    assert "--learning-rate 0.001" in (out / "log.txt").read_text()  # what examples/pretrain.py was given
+    assert "every run here at peak learning rate 0.001 instead of its recipe's" in (out / "results.md").read_text()
+    with pytest.raises(ValueError, match=r"learning_rate=0.001, this call has learning_rate=None"):
+        study.main([*common, "--resume"])
 
 
 def test_paired_difference_decides_the_verdict_from_three_seeds():

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=None, help="comma-separated model keys to run (default: all; see --print-configs)")
     p.add_argument("--no-ablations", action="store_true", help="skip the KV-FFN ablations")
     p.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens per evaluation (default: the size's)")
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help="peak learning rate of every run instead of its recipe's (a check of a model's learning rate; "
+                        "its results are not comparable with the recipes': write them to another --out)")
     p.add_argument("--deadline-minutes", type=float, default=None, help="start no run that would end after this")
     p.add_argument("--work", default=None, help="folder for the runs' checkpoints (default: a temporary folder)")
     p.add_argument("--keep-runs", action="store_true", help="keep every run's folder (final model, train log)")
@@ -197,14 +200,17 @@ def rewrite_report(out: Path) -> dict:
     return state
 
 
-def load_previous(out: Path, size: str, tokens: int, eval_tokens: int, data: dict) -> dict | None:
-    """The study already in `out` (for --resume), refused unless it was made with the same size, budget and data."""
+def load_previous(out: Path, size: str, tokens: int, eval_tokens: int, learning_rate: float | None,
+                  data: dict) -> dict | None:
+    """The study already in `out` (for --resume), refused unless it was made with the same size, budget, learning
+    rate and data."""
     path = out / "results.json"
     if not path.is_file():
         print(f"--resume: no {path} yet, starting the study there")
         return None
     previous = read_study(out)
-    for field, value in {"size": size, "tokens": tokens, "eval_tokens": eval_tokens}.items():
+    settings = {"size": size, "tokens": tokens, "eval_tokens": eval_tokens, "learning_rate": learning_rate}
+    for field, value in settings.items():
         if previous.get(field) != value:
             raise ValueError(f"--resume: {path} was made with {field}={previous.get(field)!r}, this call has "
                              f"{field}={value!r}; resume with the same value or choose another --out")
@@ -273,6 +279,7 @@ def read_curves(log_path: Path, tokens_per_step: int) -> tuple[list, list]:
 def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, args, data_dir: Path, work: Path,
               log_handle) -> dict:
     recipe = RECIPES[model.recipe]
+    learning_rate = args.learning_rate or recipe.learning_rate
     block = recipe.block_size(shape)
     batch = max(1, shape.tokens_per_step // block)
     tokens_per_step = batch * block
@@ -283,7 +290,7 @@ def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, arg
     argv = [
         "--arch", model.arch, "--preset", "tiny", "--config-overrides", config_overrides(model.config_fields(shape)),
         "--data-dir", str(data_dir), "--block-size", str(block), "--per-device-batch-size", str(batch),
-        "--max-steps", str(steps), "--learning-rate", str(recipe.learning_rate),
+        "--max-steps", str(steps), "--learning-rate", str(learning_rate),
         "--min-learning-rate", str(recipe.min_learning_rate), "--warmup-ratio", str(recipe.warmup_ratio),
         "--weight-decay", str(recipe.weight_decay), "--max-grad-norm", str(recipe.max_grad_norm),
         "--logging-steps", str(max(1, steps // 50)), "--eval-steps", str(eval_steps),
@@ -298,7 +305,8 @@ def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, arg
     train_curve, eval_curve = read_curves(run_dir / "train_log.jsonl", tokens_per_step)
     result = {
         "model": model.key, "seed": seed, "steps": summary["global_step"], "tokens": summary["global_step"] * tokens_per_step,
-        "tokens_per_step": tokens_per_step, "block_size": block, "heldout_loss": summary["eval_loss"],
+        "tokens_per_step": tokens_per_step, "block_size": block, "learning_rate": learning_rate,
+        "heldout_loss": summary["eval_loss"],
         "train_loss": summary["train_loss"], "tokens_per_second": summary.get("tokens_per_second"),
         "peak_memory_gib": summary.get("peak_memory_gib"), "train_seconds": summary["train_seconds"],
         "train_curve": train_curve, "eval_curve": eval_curve, "device": summary["device"], "bf16": summary["bf16"],
@@ -453,7 +461,9 @@ def results_markdown(state: dict) -> str:
         *(f"- {labels[k]}: {described[k]['ffn_path']}" for k in state["order"] if described[k].get("ffn_path")),
         f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
         f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
-        "- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES),
+        "- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES)
+        + (f"; **every run here at peak learning rate {state['learning_rate']:g} instead of its recipe's**"
+           if state.get("learning_rate") else ""),
         f"- runs done: {len(state['runs'])} of {len(state['plan'])}; wall time "
         f"{state['elapsed_seconds'] + sum(c['elapsed_seconds'] for c in state.get('earlier_calls', [])):.0f} s"
         + (f"; skipped (deadline): {', '.join(state['skipped'])}" if state["skipped"] else ""), "",
@@ -649,6 +659,8 @@ def main(argv=None) -> dict:
         return described
     if args.report:
         return rewrite_report(Path(args.out))
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        raise ValueError(f"--learning-rate must be a positive number, got {args.learning_rate}")
     if not shape.trainable:
         raise ValueError(f"--size={args.size!r} is a paper shape for --print-configs; trainable sizes: "
                          f"{[s for s, v in SHAPES.items() if v.trainable]}")
@@ -681,7 +693,8 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
     tokens = int(args.tokens or shape.tokens)
     args.eval_tokens = args.eval_tokens or shape.eval_tokens
     selected = select_models(args, shape)
-    previous = load_previous(out, shape.name, tokens, args.eval_tokens, data) if args.resume else None
+    previous = load_previous(out, shape.name, tokens, args.eval_tokens, args.learning_rate, data) \
+        if args.resume else None
     done = {(r["model"], r["seed"]) for r in previous["runs"]} if previous else set()
     # the models to describe and report: this call's and every model the study in --out already ran
     wanted = {m.key for m in selected} | {key for key, _ in done}
@@ -698,7 +711,7 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         "device": device, "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         "torch": f"torch {torch.__version__}", "transformers": f"transformers {transformers.__version__}",
         "size": shape.name, "shape": {**vars(shape), "tokens_per_step": shape.tokens_per_step}, "tokens": tokens,
-        "eval_tokens": args.eval_tokens, "data": data, "described": described,
+        "eval_tokens": args.eval_tokens, "learning_rate": args.learning_rate, "data": data, "described": described,
         "order": [m.key for m in reported], "labels": {m.key: m.label for m in reported},
         "groups": {m.key: m.group for m in reported}, "paper": {m.key: m.paper for m in reported},
         "ablations": [m.key for m in reported if m.ablation],
