@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+import learning_rates  # noqa: E402
 import models as study_models  # noqa: E402
 import prepare_data  # noqa: E402
 import study  # noqa: E402
@@ -292,3 +293,38 @@ def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict
     assert claim["paired_seeds"] == 4 and claim["wiki_paired_seeds"] == 3
     assert claim["wiki_paired_delta"] == pytest.approx(0.1)
     assert claim["verdict"] == "same order, within seed noise"  # the held-out text's, not the Wikipedia set's
+
+
+def write_study(folder: Path, losses: dict, learning_rate: float | None = None, tokens: int = 1000) -> Path:
+    """A study's results.json as study.py writes it, holding only what learning_rates.py reads."""
+    folder.mkdir(parents=True)
+    runs = [{"model": model, "seed": seed, "heldout_loss": loss, "device": "test device"}
+            for model, by_seed in losses.items() for seed, loss in enumerate(by_seed)]
+    study_state = {"size": "toy", "tokens": tokens, "eval_tokens": 512, "learning_rate": learning_rate, "runs": runs,
+                   "data": {"splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}}}
+    (folder / "results.json").write_text(json.dumps(study_state))
+    return folder
+
+
+def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies(tmp_path):
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2, 5.1], "pkv": [5.6, 5.9, 5.7], "kvffn": [4.0]})
+    low = write_study(tmp_path / "low", {"llama": [4.8, 4.9, 4.7], "pkv": [4.85, 5.0, 4.8]}, learning_rate=1e-3)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(recipe), str(low)])
+    assert list(report["models"]) == ["llama", "pkv"]  # kvffn ran at one rate only
+    pkv = report["models"]["pkv"]
+    assert report["models"]["llama"]["best_learning_rate"] == pkv["best_learning_rate"] == 1e-3
+    assert pkv["rates"]["3e-3"]["learning_rate"] == 3e-3  # the recipe's, for the study without --learning-rate
+    seeds, delta, error = pkv["vs_baseline_at_best"]
+    assert seeds == 3 and delta == pytest.approx(statistics.fmean([0.05, 0.1, 0.1]))
+    assert error == pytest.approx(statistics.stdev([0.05, 0.1, 0.1]) / math.sqrt(3))
+    markdown = (tmp_path / "out" / "learning_rates.md").read_text()
+    assert "| model | lr 1e-3 | lr 3e-3 |" in markdown and "**4.800 ± 0.100 (3)**" in markdown
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "learning_rates.json", "learning_rates.md", "learning_rates.png"]
+
+    other = write_study(tmp_path / "other", {"llama": [4.0]}, learning_rate=2e-3, tokens=2000)
+    with pytest.raises(ValueError, match="compare studies of one size, budget and data"):
+        learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(other)])
+    with pytest.raises(ValueError, match="llama seed 0 at learning rate 3e-3 is in both"):
+        learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(recipe)])
+    assert not (tmp_path / "out2").exists()

@@ -1,0 +1,229 @@
+"""Held-out loss against the peak learning rate, from studies of one size, budget and data that differ only in it
+(`study.py --learning-rate LR`; a study without the option ran every model at its recipe's rate).
+
+    python examples/reproduce/learning_rates.py --out DIR --studies STUDY_DIR [STUDY_DIR ...] [--models llama,pkv]
+
+Writes learning_rates.md, learning_rates.json and learning_rates.png to --out: per model and rate the held-out loss
+(mean ± standard deviation over seeds), each model's best rate, and every model's paired difference from the
+baseline (SwiGLU) at each rate and at each one's best rate. A seed fixes the order of the training batches whatever
+the rate, so runs of one seed are paired across rates too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import models as study_models  # noqa: E402
+from study import fmt, paired_difference, write_atomic  # noqa: E402
+
+BASELINE = "llama"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--studies", nargs="+", required=True, help="study.py --out folders (each with results.json)")
+    p.add_argument("--out", required=True, help="folder for learning_rates.{md,json,png}")
+    p.add_argument("--models", default=None,
+                   help="comma-separated model keys (default: every model run at two or more rates)")
+    return p
+
+
+def read_runs(folders: list[Path]) -> tuple[dict, list[dict]]:
+    """The first study's settings and every run of all of them, each with the peak learning rate it trained at.
+    Studies of another size, budget or data are refused."""
+    studies = []
+    for folder in folders:
+        path = folder / "results.json"
+        if not path.is_file():
+            raise ValueError(f"--studies: {str(folder)!r} holds no study (results.json is missing)")
+        studies.append((folder, json.loads(path.read_text(encoding="utf-8"))))
+    first_folder, first = studies[0]
+
+    def settings(study: dict) -> dict:
+        splits = {name: split.get("sha256") for name, split in study["data"]["splits"].items()}
+        return {"size": study["size"], "tokens": study["tokens"], "eval_tokens": study["eval_tokens"], "data": splits}
+
+    recipes = {m.key: m.recipe for m in study_models.study_models(study_models.SHAPES[first["size"]])}
+    runs = []
+    for folder, study in studies:
+        if settings(study) != settings(first):
+            raise ValueError(f"--studies: {str(folder)!r} was made with {settings(study)}, {str(first_folder)!r} "
+                             f"with {settings(first)}; compare studies of one size, budget and data")
+        for run in study["runs"]:
+            rate = run.get("learning_rate") or study.get("learning_rate") or \
+                study_models.RECIPES[recipes[run["model"]]].learning_rate
+            runs.append({**run, "learning_rate": rate, "study": str(folder)})
+    seen = {}
+    for run in runs:
+        key = (run["model"], run["learning_rate"], run["seed"])
+        if key in seen:
+            raise ValueError(f"--studies: {run['model']} seed {run['seed']} at learning rate "
+                             f"{rate_text(run['learning_rate'])} is in both {seen[key]!r} and {run['study']!r}")
+        seen[key] = run["study"]
+    return first, runs
+
+
+def summarize(runs: list[dict], keys: list[str]) -> dict:
+    """Per model: per rate the losses' mean, standard deviation and seeds; the best rate; the paired differences from
+    the baseline at each rate and at both models' best rates."""
+    tagged = [{**run, "model": f"{run['model']}@{rate_text(run['learning_rate'])}"} for run in runs]
+    table: dict = {}
+    for key in keys:
+        rates = sorted({r["learning_rate"] for r in runs if r["model"] == key})
+        per_rate = {}
+        for rate in rates:
+            chosen = [r for r in runs if r["model"] == key and r["learning_rate"] == rate]
+            losses = [r["heldout_loss"] for r in chosen]
+            per_rate[rate_text(rate)] = {
+                "learning_rate": rate, "seeds": sorted(r["seed"] for r in chosen),
+                "heldout_loss_mean": statistics.fmean(losses),
+                "heldout_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+            }
+        best = min(per_rate.values(), key=lambda entry: entry["heldout_loss_mean"])
+        table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"]}
+    if BASELINE in table:
+        for key in keys:
+            if key == BASELINE:
+                continue
+            entry = table[key]
+            entry["vs_baseline"] = {}
+            for label, rate_entry in entry["rates"].items():
+                if label in table[BASELINE]["rates"]:
+                    entry["vs_baseline"][label] = paired_difference(tagged, f"{BASELINE}@{label}", f"{key}@{label}")
+            best_base = f"{BASELINE}@{rate_text(table[BASELINE]['best_learning_rate'])}"
+            best_own = f"{key}@{rate_text(entry['best_learning_rate'])}"
+            entry["vs_baseline_at_best"] = paired_difference(tagged, best_base, best_own)
+    return table
+
+
+def rate_text(rate: float) -> str:
+    """3e-4, 1e-3, 2.5e-3: a learning rate as people write it."""
+    mantissa, exponent = f"{rate:.6e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def paired_text(paired) -> str:
+    seeds, delta, error = paired
+    if not seeds:
+        return "-"
+    return f"{delta:+.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" ({seeds})"
+
+
+def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str]) -> str:
+    rates = sorted({r["learning_rate"] for r in runs if r["model"] in table})
+    devices = sorted({r["device"] for r in runs if r["model"] in table})
+    lines = [
+        "# Held-out loss against the peak learning rate", "",
+        f"- device: {', '.join(devices)}; size `{first['size']}`, {first['tokens']:,} training tokens per model, "
+        f"held-out loss over {first['eval_tokens']:,} tokens; everything else as each model's recipe "
+        "(warmup, cosine decay to 1e-5, AdamW, weight decay, clipping)",
+        "- studies: " + ", ".join(f"`{s}`" for s in studies), "",
+        "Held-out loss, mean ± sample standard deviation (seeds); **bold**: the best of the rates the model ran.", "",
+        "| model | " + " | ".join(f"lr {rate_text(rate)}" for rate in rates) + " |",
+        "|---|" + "---:|" * len(rates),
+    ]
+    for key, entry in table.items():
+        cells = []
+        for rate in rates:
+            cell = entry["rates"].get(rate_text(rate))
+            if cell is None:
+                cells.append("-")
+                continue
+            text = fmt(cell["heldout_loss_mean"]) + (f" ± {fmt(cell['heldout_loss_std'])}"
+                                                     if cell["heldout_loss_std"] is not None else "")
+            text += f" ({len(cell['seeds'])})"
+            cells.append(f"**{text}**" if rate == entry["best_learning_rate"] else text)
+        lines.append(f"| {labels[key]} | " + " | ".join(cells) + " |")
+    if BASELINE in table:
+        lines += ["", f"Paired difference from {labels[BASELINE]} (loss(model) - loss(baseline) over the seeds both "
+                  "ran, ± its standard error; positive: the baseline is ahead), at each rate, and between the best "
+                  "rates each ran.", "",
+                  "| model | " + " | ".join(f"lr {rate_text(rate)}" for rate in rates) + " | each at its best rate |",
+                  "|---|" + "---:|" * (len(rates) + 1)]
+        for key, entry in table.items():
+            if key == BASELINE:
+                continue
+            cells = [paired_text(entry["vs_baseline"].get(rate_text(rate), (0, None, None))) for rate in rates]
+            best = (f"{paired_text(entry['vs_baseline_at_best'])} (lr {rate_text(entry['best_learning_rate'])} against "
+                    f"{rate_text(table[BASELINE]['best_learning_rate'])})")
+            lines.append(f"| {labels[key]} | " + " | ".join(cells) + f" | {best} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, labels: dict, runs: list[dict], title: str, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no learning_rates.png")
+        return False
+    figure, axis = plt.subplots(figsize=(7, 4.8))
+    for key, entry in table.items():
+        cells = sorted(entry["rates"].values(), key=lambda cell: cell["learning_rate"])
+        rates = [cell["learning_rate"] for cell in cells]
+        means = [cell["heldout_loss_mean"] for cell in cells]
+        spread = [[r["heldout_loss"] for r in runs if r["model"] == key and r["learning_rate"] == rate]
+                  for rate in rates]
+        errors = [[m - min(s) for m, s in zip(means, spread)], [max(s) - m for m, s in zip(means, spread)]]
+        axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=labels[key])
+    axis.set_xscale("log")
+    axis.set_xlabel("peak learning rate")
+    axis.set_ylabel("held-out loss (mean, bars: min-max over seeds)")
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=120)
+    plt.close(figure)
+    tmp.replace(path)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    folders = [Path(folder) for folder in args.studies]
+    first, runs = read_runs(folders)
+    labels = {m.key: m.label for m in study_models.study_models(study_models.SHAPES[first["size"]])}
+    rates_of = {}
+    for run in runs:
+        rates_of.setdefault(run["model"], set()).add(run["learning_rate"])
+    if args.models:
+        keys = [k.strip() for k in args.models.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in rates_of]
+        if unknown:
+            raise ValueError(f"--models: {unknown} not run in these studies; they ran {sorted(rates_of)}")
+    else:
+        keys = [k for k in labels if len(rates_of.get(k, ())) >= 2]
+        if not keys:
+            raise ValueError("--studies: no model was run at two or more learning rates")
+    keys.sort(key=lambda k: (k != BASELINE, list(labels).index(k)))
+    chosen = [r for r in runs if r["model"] in keys]
+    table = summarize(chosen, keys)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    studies = [str(folder) for folder in folders]
+    report = {"size": first["size"], "tokens": first["tokens"], "eval_tokens": first["eval_tokens"],
+              "studies": studies, "labels": {k: labels[k] for k in keys}, "models": table,
+              "runs": [{k: r[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
+                       for r in chosen]}
+    write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
+    text = markdown(first, chosen, table, labels, studies)
+    write_atomic(out / "learning_rates.md", text)
+    devices = ", ".join(sorted({r["device"] for r in chosen}))
+    plot(table, labels, chosen, f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}",
+         out / "learning_rates.png")
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
