@@ -11,8 +11,9 @@ Models and sizing rules: examples/reproduce/models.py. Runs go in priority order
 of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
 skips the runs that would not finish in time (they are listed as skipped); `--resume` continues a study in `--out`
 with the runs it lacks, so one study can span several calls (or more seeds and models added later); `--report`
-writes the report files again from `--out`'s results.json. Output (`--out`): results.json, results.md,
-loss_curves.png, configs.json, log.txt.
+writes the report files again from `--out`'s results.json; `--learning-rate` runs every model at one peak rate
+instead of its recipe's (learning_rates.py tabulates studies that differ only in it). Output (`--out`): results.json,
+results.md, loss_curves.png, configs.json, log.txt.
 """
 
 from __future__ import annotations
