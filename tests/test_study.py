@@ -298,7 +298,8 @@ def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict
 def write_study(folder: Path, losses: dict, learning_rate: float | None = None, tokens: int = 1000) -> Path:
     """A study's results.json as study.py writes it, holding only what learning_rates.py reads."""
     folder.mkdir(parents=True)
-    runs = [{"model": model, "seed": seed, "heldout_loss": loss, "device": "test device"}
+    runs = [{"model": model, "seed": seed, "heldout_loss": loss, "device": "test device", "tokens_per_second": 1.0,
+             "peak_memory_gib": 1.0, "train_seconds": 1.0, "wall_seconds": 1.0}
             for model, by_seed in losses.items() for seed, loss in enumerate(by_seed)]
     study_state = {"size": "toy", "tokens": tokens, "eval_tokens": 512, "learning_rate": learning_rate, "runs": runs,
                    "data": {"splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}}}

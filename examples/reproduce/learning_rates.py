@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import fmt, paired_difference, write_atomic  # noqa: E402
+from study import aggregate, fmt, paired_difference, write_atomic  # noqa: E402
 
 BASELINE = "llama"
 
@@ -73,18 +72,14 @@ def summarize(runs: list[dict], keys: list[str]) -> dict:
     """Per model: per rate the losses' mean, standard deviation and seeds; the best rate; the paired differences from
     the baseline at each rate and at both models' best rates."""
     tagged = [{**run, "model": f"{run['model']}@{rate_text(run['learning_rate'])}"} for run in runs]
+    by_model_and_rate = aggregate(tagged)
     table: dict = {}
     for key in keys:
-        rates = sorted({r["learning_rate"] for r in runs if r["model"] == key})
         per_rate = {}
-        for rate in rates:
-            chosen = [r for r in runs if r["model"] == key and r["learning_rate"] == rate]
-            losses = [r["heldout_loss"] for r in chosen]
-            per_rate[rate_text(rate)] = {
-                "learning_rate": rate, "seeds": sorted(r["seed"] for r in chosen),
-                "heldout_loss_mean": statistics.fmean(losses),
-                "heldout_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
-            }
+        for rate in sorted({r["learning_rate"] for r in runs if r["model"] == key}):
+            entry = by_model_and_rate[f"{key}@{rate_text(rate)}"]
+            per_rate[rate_text(rate)] = {"learning_rate": rate, "seeds": sorted(entry["seeds"]),
+                                         **{k: entry[k] for k in ("heldout_loss_mean", "heldout_loss_std")}}
         best = min(per_rate.values(), key=lambda entry: entry["heldout_loss_mean"])
         table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"]}
     if BASELINE in table:
@@ -93,7 +88,7 @@ def summarize(runs: list[dict], keys: list[str]) -> dict:
                 continue
             entry = table[key]
             entry["vs_baseline"] = {}
-            for label, rate_entry in entry["rates"].items():
+            for label in entry["rates"]:
                 if label in table[BASELINE]["rates"]:
                     entry["vs_baseline"][label] = paired_difference(tagged, f"{BASELINE}@{label}", f"{key}@{label}")
             best_base = f"{BASELINE}@{rate_text(table[BASELINE]['best_learning_rate'])}"
