@@ -8,8 +8,10 @@ import gzip
 import io
 import json
 import math
+import os
 import pickle
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -242,6 +244,81 @@ def test_study_at_another_learning_rate_says_so_and_resumes_only_at_it(tmp_path)
     assert "every run here at peak learning rate 0.001 instead of its recipe's" in (out / "results.md").read_text()
     with pytest.raises(ValueError, match=r"learning_rate=0.001, this call has learning_rate=None"):
         study.main([*common, "--resume"])
+
+
+def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_path):
+    """--merge: each model and seed keeps its first run, in the order the studies are named; a second run of one seed
+    is kept as a repeat beside it, and survives --report and --resume; studies of other settings are refused."""
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
+                       "--max-heldout-tokens", "600", "--wiki", "no"])
+    common = ["--data", str(data), "--size", "toy", "--tokens", "256", "--learning-rate", "1e-3"]
+    first_dir, second_dir, merged_dir = tmp_path / "first", tmp_path / "second", tmp_path / "merged"
+    first = study.main([*common, "--out", str(first_dir), "--models", "llama", "--seeds", "2", "--seeds-for", "all"])
+    second = study.main([*common, "--out", str(second_dir), "--models", "llama,pkv", "--seeds", "1"])
+
+    merged = study.main(["--merge", str(first_dir), str(second_dir), "--out", str(merged_dir)])
+    assert [(r["model"], r["seed"]) for r in merged["runs"]] == [("llama", 0), ("llama", 1), ("pkv", 0)]
+    assert merged["runs"][0]["heldout_loss"] == first["runs"][0]["heldout_loss"]
+    (repeat,) = merged["repeats"]
+    assert repeat["model"] == "llama" and repeat["seed"] == 0 and repeat["study"] == str(second_dir)
+    assert repeat["heldout_loss"] == second["runs"][0]["heldout_loss"]
+    results = json.loads((merged_dir / "results.json").read_text())
+    assert [call["command"] for call in results["earlier_calls"]] == [first["command"], second["command"]]
+    assert results["summary"]["llama"]["seeds"] == [0, 1] and results["learning_rate"] == 1e-3
+    markdown = (merged_dir / "results.md").read_text()
+    assert "- merged with `python examples/reproduce/study.py --merge" in markdown and "made in these 2 calls" in markdown
+    assert "## Runs repeated with the same seed" in markdown and "every run here at peak learning rate 0.001" in markdown
+    assert (merged_dir / "log.txt").read_text().count("===== merged from ") == 2
+    (merged_dir / "results.md").unlink()
+    study.main(["--report", "--out", str(merged_dir)])
+    assert (merged_dir / "results.md").read_text() == markdown
+
+    resumed = study.main([*common, "--out", str(merged_dir), "--models", "pkv", "--seeds", "2", "--seeds-for", "all",
+                          "--resume"])
+    assert [(r["model"], r["seed"]) for r in resumed["runs"]][-1] == ("pkv", 1) and resumed["repeats"] == [repeat]
+    assert "## Runs repeated with the same seed" in (merged_dir / "results.md").read_text()
+
+    other_rate = tmp_path / "other_rate"
+    other_rate.mkdir()
+    (other_rate / "results.json").write_text(json.dumps({**json.loads((second_dir / "results.json").read_text()),
+                                                         "learning_rate": 2e-3}))
+    with pytest.raises(ValueError, match=r"--merge: .*other_rate was made with learning_rate=0.002, .* with "
+                                         r"learning_rate=0.001; merge studies of one size"):
+        study.main(["--merge", str(first_dir), str(other_rate), "--out", str(tmp_path / "refused")])
+    with pytest.raises(ValueError, match="--merge: name two or more study folders"):
+        study.main(["--merge", str(first_dir), "--out", str(tmp_path / "refused")])
+    with pytest.raises(ValueError, match="already holds a study"):
+        study.main(["--merge", str(first_dir), str(second_dir), "--out", str(merged_dir)])
+    with pytest.raises(ValueError, match="without --report and --resume"):
+        study.main(["--merge", str(first_dir), str(second_dir), "--out", str(tmp_path / "refused"), "--resume"])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
+    """examples/reproduce/rate_sweep.sh: a study folder per rate, at that rate; a spec left less than a minute by
+    the ones before it is not started, and a malformed spec is refused before anything runs."""
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
+                       "--max-heldout-tokens", "600", "--wiki", "no"])
+    script = ROOT / "examples" / "reproduce" / "rate_sweep.sh"
+    env = {**os.environ, "STUDY_DATA": str(data), "STUDY_TOKENS": "256",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def sweep(*args):
+        return subprocess.run(["bash", str(script), "toy", str(tmp_path / "sweep"), *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    refused = sweep("600", "1e-3:llama:1", "2e-3:llama")
+    assert refused.returncode == 2 and "a spec is RATE:MODELS:SEEDS" in refused.stderr
+    assert not (tmp_path / "sweep").exists()
+    done = sweep("61", "1e-3:llama:1", "2e-3:llama:1")  # the first takes more than the 1 s the second could spare
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "sweep" / "lr1e-3" / "results.json").read_text())
+    assert results["learning_rate"] == 1e-3 and [r["learning_rate"] for r in results["runs"]] == [1e-3]
+    assert "not starting 2e-3:llama:1" in done.stdout and not (tmp_path / "sweep" / "lr2e-3").exists()
 
 
 def test_paired_difference_decides_the_verdict_from_three_seeds():

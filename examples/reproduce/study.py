@@ -11,9 +11,10 @@ Models and sizing rules: examples/reproduce/models.py. Runs go in priority order
 of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
 skips the runs that would not finish in time (they are listed as skipped); `--resume` continues a study in `--out`
 with the runs it lacks, so one study can span several calls (or more seeds and models added later); `--report`
-writes the report files again from `--out`'s results.json; `--learning-rate` runs every model at one peak rate
-instead of its recipe's (learning_rates.py tabulates studies that differ only in it). Output (`--out`): results.json,
-results.md, loss_curves.png, configs.json, log.txt.
+writes the report files again from `--out`'s results.json; `--merge` joins studies made apart (with one size,
+budget, learning rate and data) into one in `--out`; `--learning-rate` runs every model at one peak rate instead of
+its recipe's (learning_rates.py tabulates studies that differ only in it; rate_sweep.sh runs one per rate). Output
+(`--out`): results.json, results.md, loss_curves.png, configs.json, log.txt.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the study in --out: keep its runs, train only the planned runs it lacks (the size, "
                         "--tokens, --eval-tokens and data must match)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="STUDY",
+                   help="write one study to --out from these study folders, made apart (on several machines, say) "
+                        "with one size, budget, learning rate and data, without training")
     p.add_argument("--print-configs", action="store_true", help="print the matched configs and parameter counts, then exit")
     return p
 
@@ -211,16 +215,84 @@ def load_previous(out: Path, size: str, tokens: int, eval_tokens: int, learning_
         return None
     previous = read_study(out)
     settings = {"size": size, "tokens": tokens, "eval_tokens": eval_tokens, "learning_rate": learning_rate}
-    for field, value in settings.items():
-        if previous.get(field) != value:
-            raise ValueError(f"--resume: {path} was made with {field}={previous.get(field)!r}, this call has "
-                             f"{field}={value!r}; resume with the same value or choose another --out")
-    old_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in previous["data"]["splits"].items()}
-    new_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in data["splits"].items()}
-    if old_data != new_data or previous["data"]["tokenizer"] != data["tokenizer"]:
-        raise ValueError(f"--resume: {path} was made from other data (splits {old_data}, tokenizer "
-                         f"{previous['data']['tokenizer']}); resume with the same --data or choose another --out")
+    refuse_other_settings(previous, path, settings, data, "--resume", "this call has",
+                          "resume with the same value or choose another --out", "resume with the same --data")
     return previous
+
+
+def refuse_other_settings(study: dict, path: Path, settings: dict, data: dict, option: str, other: str,
+                          same_value: str, same_data: str) -> None:
+    """Refuses the study in `path` unless it was made with these settings (size, budget, learning rate) and data."""
+    for field, value in settings.items():
+        if study.get(field) != value:
+            raise ValueError(f"{option}: {path} was made with {field}={study.get(field)!r}, {other} "
+                             f"{field}={value!r}; {same_value}")
+    old_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in study["data"]["splits"].items()}
+    new_data = {k: (v.get("tokens"), v.get("sha256")) for k, v in data["splits"].items()}
+    if old_data != new_data or study["data"]["tokenizer"] != data["tokenizer"]:
+        raise ValueError(f"{option}: {path} was made from other data (splits {old_data}, tokenizer "
+                         f"{study['data']['tokenizer']}); {same_data}")
+
+
+def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
+    """--merge: one study in `out` from studies made apart with one size, budget, learning rate and data (each part
+    of a study on its own machine, say). Each model and seed keeps its first run, in the order of `sources`; a later
+    run of the same model and seed is kept as a repeat: the report lists it beside the kept run, which shows how far
+    two runs of one seed end apart (the GPU's kernels are not bitwise deterministic)."""
+    if len(sources) < 2:
+        raise ValueError(f"--merge: name two or more study folders, got {[str(s) for s in sources]}")
+    for source in sources:
+        if not (source / "results.json").is_file():
+            raise ValueError(f"--merge: {str(source)!r} holds no study (results.json is missing)")
+        if source.resolve() == out.resolve():
+            raise ValueError(f"--merge: --out={str(out)!r} is one of the studies merged; choose a new folder")
+    if (out / "results.json").exists():
+        raise ValueError(f"--merge: --out={str(out)!r} already holds a study; choose a new folder")
+    studies = [read_study(source) for source in sources]
+    first = studies[0]
+    settings = {field: first.get(field) for field in ("size", "tokens", "eval_tokens", "learning_rate")}
+    for source, study in zip(sources[1:], studies[1:]):
+        refuse_other_settings(study, source, settings, first["data"], "--merge", f"{sources[0]} with",
+                              "merge studies of one size, budget and learning rate", "merge studies of one data")
+
+    def unique(values) -> list:
+        return list(dict.fromkeys(values))
+
+    kept: dict[tuple[str, int], dict] = {}
+    repeats, calls = [], []
+    for source, study in zip(sources, studies):
+        calls += [*study.get("earlier_calls", []), {k: study[k] for k in ("command", "device", "elapsed_seconds")}]
+        repeats += study.get("repeats", [])
+        for run in study["runs"]:
+            if (run["model"], run["seed"]) in kept:
+                repeats.append({"model": run["model"], "seed": run["seed"], "heldout_loss": run["heldout_loss"],
+                                "wiki_loss": run.get("wiki_loss"), "device": run.get("device"), "study": str(source)})
+            else:
+                kept[(run["model"], run["seed"])] = run
+    known = {key: study for study in reversed(studies) for key in study["order"]}
+    order = [m.key for m in study_models.study_models(SHAPES[first["size"]]) if m.key in known]
+    state = {
+        **first, "command": command, "merged_from": [str(source) for source in sources], "earlier_calls": calls,
+        "device": ", ".join(unique(study["device"] for study in studies)),
+        "bf16": all(study["bf16"] for study in studies),
+        "torch": ", ".join(unique(study["torch"] for study in studies)),
+        "transformers": ", ".join(unique(study["transformers"] for study in studies)),
+        "order": order, **{field: {key: known[key][field][key] for key in order}
+                           for field in ("described", "labels", "groups", "paper")},
+        "ablations": [key for key in order if key in known[key]["ablations"]],
+        "plan": unique(label for study in studies for label in study["plan"]),
+        "runs": list(kept.values()), "repeats": repeats,
+        "skipped": unique(label for study in studies for label in study["skipped"]
+                          if tuple(label.split("/seed")) not in {(m, str(s)) for m, s in kept}),
+        "elapsed_seconds": 0.0,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_outputs(state, out)
+    logs = [f"===== merged from {source}: its log.txt\n" + (source / "log.txt").read_text(encoding="utf-8")
+            for source in sources if (source / "log.txt").is_file()]
+    write_atomic(out / "log.txt", "".join(logs))
+    print(f"merged {len(state['runs'])} runs ({len(repeats)} repeated) from {len(sources)} studies into {out}")
+    return state
 
 
 def run_plan(selected, seeds: int, seeds_for: str) -> list[tuple[study_models.StudyModel, int]]:
@@ -444,16 +516,50 @@ def panel_keys(state: dict, group: str) -> tuple[list[str], list[str]]:
     return keys, (["llama"] if group == "memoryllm" else [])
 
 
+def calls_markdown(state: dict) -> list[str]:
+    """The commands that made the study: one, several continuing it with --resume, or the calls of merged studies."""
+    def listed(calls):
+        return [f"  {i + 1}. on {call['device']}, {call['elapsed_seconds']:.0f} s: `{call['command']}`"
+                for i, call in enumerate(calls)]
+
+    if state.get("merged_from"):
+        return [f"- merged with `{state['command']}` from {len(state['merged_from'])} studies, made in these "
+                f"{len(state['earlier_calls'])} calls (in each study, each call after the first continuing it with "
+                "`--resume`):", *listed(state["earlier_calls"])]
+    if state.get("earlier_calls"):
+        return [f"- {len(state['earlier_calls']) + 1} calls, each after the first continuing the study with `--resume`:",
+                *listed([*state["earlier_calls"], state])]
+    return [f"- command: `{state['command']}`"]
+
+
+def repeats_markdown(state: dict) -> list[str]:
+    """The runs repeated with a seed already run (merged studies): both losses and their difference."""
+    if not state.get("repeats"):
+        return []
+    kept = {(run["model"], run["seed"]): run for run in state["runs"]}
+    lines = ["## Runs repeated with the same seed", "",
+             "The same model, seed and order of batches run again, in another of the studies merged here; the "
+             "tables above keep the first run. Where both ran on one device and software, their difference is the "
+             "run-to-run non-determinism of the GPU's kernels alone.", "",
+             "| model | seed | kept run | repeat | repeat - kept | Wikipedia: repeat - kept | repeat's study |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for repeat in state["repeats"]:
+        run = kept[(repeat["model"], repeat["seed"])]
+        wiki = "-" if repeat.get("wiki_loss") is None or run.get("wiki_loss") is None else \
+            f"{repeat['wiki_loss'] - run['wiki_loss']:+.3f}"
+        lines.append(f"| {state['labels'][repeat['model']]} | {repeat['seed']} | {run['heldout_loss']:.3f} | "
+                     f"{repeat['heldout_loss']:.3f} | {repeat['heldout_loss'] - run['heldout_loss']:+.3f} | "
+                     f"{wiki} | {repeat['study']} |")
+    return [*lines, ""]
+
+
 def results_markdown(state: dict) -> str:
     summary, described, labels = state["summary"], state["described"], state["labels"]
     lines = [
         "# Reproduction study: FFN-as-memory architectures on real text", "",
         f"- device: {state['device']}; precision: {'bf16 autocast' if state['bf16'] else 'fp32'}; "
         f"{state['torch']}; {state['transformers']}",
-        *([f"- command: `{state['command']}`"] if not state.get("earlier_calls") else
-          [f"- {len(state['earlier_calls']) + 1} calls, each after the first continuing the study with `--resume`:",
-           *(f"  {i + 1}. on {call['device']}, {call['elapsed_seconds']:.0f} s: `{call['command']}`"
-             for i, call in enumerate([*state["earlier_calls"], state]))]),
+        *calls_markdown(state),
         f"- data: {state['data']['source']['name']} ({state['data']['source']['licence']}); train stream "
         f"{state['data']['splits']['train']['tokens']:,} tokens, held-out {state['data']['splits']['heldout']['tokens']:,}"
         + (f", out-of-domain held-out (Wikipedia leads) {state['data']['splits']['heldout_wiki']['tokens']:,}"
@@ -517,6 +623,7 @@ def results_markdown(state: dict) -> str:
             lines.append(f"| {c['group']} | {c['claim']} | {c['paper']} | {c['delta']:+.3f} | {paired_text(c)} | "
                          f"{c['verdict']} | {paired_text(c, 'wiki_')} |")
         lines.append("")
+    lines += repeats_markdown(state)
     curves: dict[str, dict[int, list[float]]] = {}
     for key in state["order"]:
         for run in state["runs"]:
@@ -658,6 +765,12 @@ def main(argv=None) -> dict:
         described = describe_models(selected, shape, shape.vocab_size)
         print(f"size {shape.name} (vocabulary {shape.vocab_size}):\n" + counts_table(selected, described))
         return described
+    if args.merge:
+        if args.report or args.resume:
+            raise ValueError("--merge writes a new study to --out: give it without --report and --resume")
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return merge_studies([Path(p) for p in args.merge], Path(args.out),
+                             " ".join(["python", "examples/reproduce/study.py", *argv]))
     if args.report:
         return rewrite_report(Path(args.out))
     if args.learning_rate is not None and not args.learning_rate > 0:
@@ -718,6 +831,7 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         "ablations": [m.key for m in reported if m.ablation],
         "plan": earlier_plan + [f"{m.key}/seed{s}" for m, s in plan],
         "runs": list(previous["runs"]) if previous else [],
+        "repeats": previous.get("repeats", []) if previous else [],
         "skipped": [], "elapsed_seconds": 0.0,
     }
     print(f"study: size {shape.name}, {tokens:,} tokens per model, {len(plan)} runs on {device} ({state['torch']}, "

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs the real-text study at several peak learning rates inside one time budget: one study folder per rate,
+# OUT_ROOT/lrRATE, each continued with --resume, so a sweep can span several calls of this script.
+#
+#   bash examples/reproduce/rate_sweep.sh SIZE OUT_ROOT SECONDS RATE:MODELS:SEEDS [RATE:MODELS:SEEDS ...]
+#
+# e.g. `bash examples/reproduce/rate_sweep.sh small sweep 540 1e-3:llama,flash_mhf:3 2e-3:llama,flash_mhf:3`.
+# Every model trains on 15.99M tokens, the whole training split once (or $STUDY_TOKENS), on the shards in
+# .study-data (or $STUDY_DATA).
+# The specs run in the order given; each gets the seconds the earlier ones left as its --deadline-minutes, and one
+# is not started with less than a minute left. Tabulate the folders with learning_rates.py.
+set -euo pipefail
+if (( $# < 4 )); then
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+fi
+size=$1 root=$2 budget=$3
+shift 3
+here=$(cd "$(dirname "$0")" && pwd)
+for spec in "$@"; do
+    IFS=: read -r rate models seeds extra <<< "$spec"
+    if [[ -z $rate || -z $models || -z $seeds || -n ${extra:-} ]]; then
+        echo "rate_sweep: a spec is RATE:MODELS:SEEDS (e.g. 1e-3:llama,flash_mhf:3), not '$spec'" >&2
+        exit 2
+    fi
+done
+start=$(date +%s)
+for spec in "$@"; do
+    IFS=: read -r rate models seeds <<< "$spec"
+    left=$(( budget - ($(date +%s) - start) ))
+    if (( left < 60 )); then
+        echo "rate_sweep: $left s left, not starting $spec"
+        continue
+    fi
+    echo "rate_sweep: $spec with $left s left"
+    python "$here/study.py" --data "${STUDY_DATA:-.study-data}" --size "$size" --tokens "${STUDY_TOKENS:-15.99e6}" --seeds-for all \
+        --learning-rate "$rate" --models "$models" --seeds "$seeds" --out "$root/lr$rate" --resume \
+        --deadline-minutes "$(awk -v s="$left" 'BEGIN { printf "%.2f", s / 60 }')"
+done
