@@ -210,7 +210,7 @@ def test_triton_decode_is_the_same_from_run_to_run():
     p, norm, router, k, u, v = (t.to(torch.bfloat16) for t in layer_inputs(16, 1, 4, 128, 4, 8, 256, True, True,
                                                                             seed=6))
     first = flash_mhf_layer_triton.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS)
-    for _ in range(3 if DEVICE == "cpu" else 50):
+    for _ in range(1 if DEVICE == "cpu" else 50):  # (the interpreter runs the programs one after another, in order)
         assert torch.equal(flash_mhf_layer_triton.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS), first)
 
 
@@ -332,12 +332,14 @@ def test_triton_layer_opcheck():
 @pytest.mark.parametrize("arch_kwargs", [{}, {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}, {"ffn_num_kv_heads": 1}],
                          ids=["flash_mhf", "mh_ffn", "grouped"])
 def test_model_logits_fused_match_unfused(arch_kwargs):
-    """A tiny FlashMHFLlama in float32 gives the same logits and gradients on the fused and the unfused path."""
+    """A tiny FlashMHFLlama in float32 gives the same logits and gradients on the fused and the unfused path (one
+    decoder layer: its FFN's gradient flows on through attention to the embeddings; under the interpreter every
+    further layer only repeats the same kernels' programs in Python)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = tiny_config("flash_mhf", hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton",
-                         **arch_kwargs)
+                         num_hidden_layers=1, **arch_kwargs)
     fused = AutoModelForCausalLM.from_config(config).to(DEVICE)
     unfused = copy.deepcopy(fused)
     for module in unfused.modules():

@@ -5,6 +5,7 @@ CPU. The kernels as built for an H100 are tested in `test_kernel_builds.py`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -107,13 +108,13 @@ def test_decode_sweep_reads_another_package_and_reports():
     assert "error" in checked[2] and "us" not in checked[2]
 
 
-def test_ncu_summary_rebuilds_from_committed_csv(tmp_path):
+def test_ncu_summary_rebuilds_from_committed_csv(tmp_path, monkeypatch):
     source = os.path.join(KERNELS, "results", "ncu")
     for role in ("forward", "rows", "weights"):
         shutil.copy(os.path.join(source, f"ncu_raw_{role}_before_gate_prefetch.csv"), tmp_path / f"ncu_{role}.csv")
     shutil.copy(os.path.join(source, "ncu_summary_before_gate_prefetch.json"), tmp_path / "ncu_summary.json")
-    result = run_script("profile_flash_mhf_kernels.py", "--out", str(tmp_path), "--from-csv")
-    assert result.returncode == 0, result.stderr
+    monkeypatch.setattr(sys, "argv", ["profile_flash_mhf_kernels.py", "--out", str(tmp_path), "--from-csv"])
+    kernel_script("profile_flash_mhf_kernels").main()
     summary = json.loads((tmp_path / "ncu_summary.json").read_text())
     weights = summary["kernels"]["weights"]
     assert 40 < weights["tensor pipe active %"] < 60
@@ -126,7 +127,7 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
              "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny",
              "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "32",
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "16",
                         "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
@@ -149,17 +150,39 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert "| host ms |" in markdown
 
 
-def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices(tmp_path):
+# what bench_models.main() sets from its options: the module's settings and the harness's measured device (it also
+# raises dynamo's recompile limit to at least 64, which is left so)
+MAIN_SETS = {"bench_models": ("SEQ_LEN", "NEW_TOKENS", "BUILD_ON", "DECODE_REPEATS", "DECODE_COMPILE_MODE",
+                              "TRAIN_ROUNDS", "TRAIN_ROUND_STEPS", "OTHER_PACKAGE_DIR"),
+             "harness": ("_measured_device_type",)}
+
+
+@pytest.fixture
+def bench_models_main(monkeypatch):
+    """bench_models imported in this process, whose `main()` the test may call (its task processes are the only
+    processes started): what `main()` sets is put back after the test, and the processes it starts import this
+    checkout, as `run_script`'s."""
+    bench_models = kernel_script("bench_models")
+    for module_name, names in MAIN_SETS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setenv("PYTHONPATH", SCRIPT_PYTHONPATH)
+    return bench_models
+
+
+def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices(tmp_path, bench_models_main, capsys):
     """A training task naming several models times them in alternating rounds (`paired_train_rows`); `--gpus 2` runs
     each task in a process of its own on the next free device (here both are the CPU) and merges one report, each row
-    noting its device and task, a failed task's error kept; a decoding task runs with no other task beside it."""
+    noting its device and task, a failed task's error kept; a decoding task runs with no other task beside it.
+    (The run's own process is this one: only the task processes import torch and transformers again.)"""
     tasks = ["train:tiny:llama+kvffn:eager", "decode:tiny:llama:eager", "train:tiny:llama:eager", "bogus:tiny"]
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--seq-len", "16",
-                        "--train-rounds", "4", "--train-round-steps", "1", "--new-tokens", "2", "--decode-batches", "1",
-                        "--decode-repeats", "1", "--tasks", *tasks)
-    assert result.returncode == 0, result.stderr[-3000:]
+    bench_models_main.main(["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--seq-len", "16",
+                            "--train-rounds", "4", "--train-round-steps", "1", "--new-tokens", "2",
+                            "--decode-batches", "1", "--decode-repeats", "1", "--tasks", *tasks])
+    printed = capsys.readouterr().out
     events = [(kind, line.split(": ", 1)[1] if kind == "start" else line.split(" finished ")[1].split(": ")[0])
-              for line in result.stdout.splitlines() if line.startswith("[")
+              for line in printed.splitlines() if line.startswith("[")
               for kind in (("finish",) if " finished " in line else ("start",))]
     decode = events.index(("start", tasks[1]))
     assert events[decode - 1] == ("finish", tasks[0]) and events[decode + 1] == ("finish", tasks[1])
@@ -177,7 +200,7 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
     assert sorted(os.listdir(tmp_path / "tasks")) == [f"{i:02d}{suffix}" for i in range(4) for suffix in ("", ".log")]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
-    assert "plot failed" not in result.stdout and (tmp_path / "models_bench.png").stat().st_size > 0
+    assert "plot failed" not in printed and (tmp_path / "models_bench.png").stat().st_size > 0
 
 
 def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
@@ -201,9 +224,9 @@ def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
         bench_models.run_task("train:tiny:llama+memoryllm_lookup:eager", argparse.Namespace(device="cpu"), {})
 
 
-def test_model_benchmark_task_processes_get_the_options_given():
+def test_model_benchmark_task_processes_get_the_options_given(bench_models_main, monkeypatch):
     """`--gpus`: each task's process gets every option that differs from its default, except those of the whole run."""
-    bench_models = kernel_script("bench_models")
+    bench_models = bench_models_main
     captured = {}
 
     def capture(tasks, args, parser):
@@ -212,15 +235,8 @@ def test_model_benchmark_task_processes_get_the_options_given():
 
     given = ["--device", "cpu", "--seq-len", "16", "--decode-batches", "1", "4", "--decode-processes",
              "--train-rounds", "3"]
-    settings = ("run_on_gpus", "SEQ_LEN", "NEW_TOKENS", "BUILD_ON", "DECODE_REPEATS", "DECODE_COMPILE_MODE",
-                "TRAIN_ROUNDS", "TRAIN_ROUND_STEPS")  # (main sets the module's settings from its options)
-    saved = {name: getattr(bench_models, name) for name in settings}
-    bench_models.run_on_gpus = capture
-    try:
-        bench_models.main(["--out", "unused", "--gpus", "2", "--deadline-s", "9", "--tasks", "layer:tiny", *given])
-    finally:
-        for name, value in saved.items():
-            setattr(bench_models, name, value)
+    monkeypatch.setattr(bench_models, "run_on_gpus", capture)
+    bench_models.main(["--out", "unused", "--gpus", "2", "--deadline-s", "9", "--tasks", "layer:tiny", *given])
     assert captured["tasks"] == ["layer:tiny"]
     assert sorted(captured["options"]) == sorted(given)
     with pytest.raises(SystemExit):
@@ -344,16 +360,27 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
             pass
 
 
-def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
+def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_package_beside_them(tmp_path):
     """`--decode-processes`: the models of a decode task run in processes of their own and still take turns;
-    `--decode-cpus` pins each process to a CPU after its warm-up; `--decode-profile` profiles each where it ran."""
+    `--decode-cpus` pins each process to a CPU after its warm-up; `--decode-profile` profiles each where it ran.
+    `--other-package DIR`: the task's `<arch>@other` model is built from DIR's hf_memffn, in a process of its own, and
+    takes turns with this checkout's models; `<arch>_plain_launch` decodes too. (One run of the script for both.)"""
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(ROOT, "hf_memffn"), other / "hf_memffn",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "imported_from"
+    with open(other / "hf_memffn" / "__init__.py", "a", encoding="utf-8") as handle:
+        handle.write(f"\nopen({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
     cpu = min(os.sched_getaffinity(0))
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
+    architectures = ["llama", "kvffn", "kvffn_no_bias", "kvffn@other", "kvffn_plain_launch"]
+    out = tmp_path / "out"
+    result = run_script("bench_models.py", "--out", str(out), "--device", "cpu", "--new-tokens", "2",
                         "--decode-repeats", "4", "--decode-batches", "1", "--decode-processes", "--decode-profile",
-                        "--decode-cpus", str(cpu), "--tasks", "decode:tiny:llama+kvffn+kvffn_no_bias:eager")
+                        "--decode-cpus", str(cpu), "--other-package", str(other),
+                        "--tasks", f"decode:tiny:{'+'.join(architectures)}:eager")
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "models_bench.json").read_text())
-    assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == ["llama", "kvffn", "kvffn_no_bias"]
+    data = json.loads((out / "models_bench.json").read_text())
+    assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == architectures
     assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 4 for row in data["decode"])
     assert all(row["cpu"] == cpu for row in data["decode"])
     llama, kvffn = data["decode"][:2]
@@ -361,35 +388,18 @@ def test_model_benchmark_decodes_each_model_in_its_own_process(tmp_path):
     assert {row["round_paired_baseline"] for row in data["decode"]} == {"llama"}
     low, high = kvffn["round_paired_ratio_quartiles"]
     assert low <= kvffn["round_paired_ratio"] <= high
-    assert f"KVFFN, own process, CPU {cpu}" in (tmp_path / "models_bench.md").read_text()
+    markdown = (out / "models_bench.md").read_text()
+    assert f"KVFFN, own process, CPU {cpu}" in markdown and "KVFFN, the other package, own process" in markdown
     # --decode-profile: each model's tables, taken in its own process after the timed rounds
     profiles = {name: data["profile"][name] for name in data["profile"]}
-    assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in ("llama", "kvffn", "kvffn_no_bias")}
+    assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in architectures}
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
-
-
-def test_model_benchmark_decodes_another_package_beside_this_one(tmp_path):
-    """`--other-package DIR`: a decode task's `<arch>@other` model is built from DIR's hf_memffn, in a process of its
-    own, and takes turns with this checkout's models; `<arch>_plain_launch` decodes too."""
-    other = tmp_path / "other"
-    shutil.copytree(os.path.join(ROOT, "hf_memffn"), other / "hf_memffn",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    marker = tmp_path / "imported_from"
-    with open(other / "hf_memffn" / "__init__.py", "a", encoding="utf-8") as handle:
-        handle.write(f"\nopen({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
-    result = run_script("bench_models.py", "--out", str(tmp_path / "out"), "--device", "cpu", "--new-tokens", "2",
-                        "--decode-repeats", "2", "--decode-batches", "1", "--decode-processes",
-                        "--other-package", str(other), "--tasks",
-                        "decode:tiny:llama+kvffn+kvffn@other+kvffn_plain_launch:eager")
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "out" / "models_bench.json").read_text())
-    assert data["errors"] == []
-    assert [row["arch"] for row in data["decode"]] == ["llama", "kvffn", "kvffn@other", "kvffn_plain_launch"]
     assert marker.read_text().splitlines() == [str(other / "hf_memffn" / "__init__.py")]  # that one process alone
-    assert "KVFFN, the other package, own process" in (tmp_path / "out" / "models_bench.md").read_text()
-    refused = run_script("bench_models.py", "--out", str(tmp_path / "refused"), "--device", "cpu",
-                         "--tasks", "decode:tiny:llama+kvffn@other:eager")
-    assert "needs --decode-processes and --other-package" in refused.stderr
+    # without those two options, an `@other` model is refused
+    bench_models = kernel_script("bench_models")
+    with pytest.raises(ValueError, match="needs --decode-processes and --other-package"):
+        bench_models.run_task("decode:tiny:llama+kvffn@other:eager",
+                              argparse.Namespace(device="cpu", decode_processes=False), {})
 
 
 def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
@@ -431,16 +441,17 @@ def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):
     assert model.generation_config.compile_config.mode == "default"
 
 
-def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path):
+def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path, bench_models_main, capsys):
     """`--decode-cpus` reads Linux CPU lists and refuses to run without `--decode-processes` (nothing to pin)."""
-    bench_models = kernel_script("bench_models")
+    bench_models = bench_models_main
     assert bench_models.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert bench_models.decode_cpus(None) is None and bench_models.decode_cpus("2,5") == [2, 5]
     with pytest.raises(ValueError, match="--decode-cpus='fast'"):
         bench_models.decode_cpus("fast")
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--decode-cpus", "0",
-                        "--tasks", "decode:tiny:llama:eager")
-    assert result.returncode == 2 and "needs --decode-processes" in result.stderr
+    with pytest.raises(SystemExit) as refused:
+        bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--decode-cpus", "0",
+                           "--tasks", "decode:tiny:llama:eager"])
+    assert refused.value.code == 2 and "needs --decode-processes" in capsys.readouterr().err
     assert not (tmp_path / "models_bench.json").exists()
 
 
@@ -472,12 +483,13 @@ def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
         torch.testing.assert_close(torch.compile(extra)(input_ids=ids).logits, expected)
 
 
-def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
+def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path, monkeypatch):
     """`profile_decode_host.py`: the host time of a static-cache step, each model (and the variant whose forward
-    rebuilds its signature) measured in a process of its own."""
-    result = run_script("profile_decode_host.py", "--out", str(tmp_path), "--size", "tiny", "--rounds", "1",
-                        "--calls", "1", "--new-tokens", "3", "--archs", "llama", "kvffn", "--rebuilt-signature")
-    assert result.returncode == 0, result.stderr[-3000:]
+    rebuilds its signature) measured in a process of its own. (The run's own process is this one.)"""
+    monkeypatch.setenv("PYTHONPATH", SCRIPT_PYTHONPATH)  # (the measuring processes import this checkout)
+    kernel_script("profile_decode_host").main(["--out", str(tmp_path), "--size", "tiny", "--rounds", "1", "--calls",
+                                               "1", "--new-tokens", "3", "--archs", "llama", "kvffn",
+                                               "--rebuilt-signature"])
     data = json.loads((tmp_path / "decode_host.json").read_text())
     assert list(data["rounds"]) == ["llama", "kvffn", "kvffn:rebuilt_signature"]
     assert all(len(rounds) == 1 and rounds[0] > 0 for rounds in data["rounds"].values())
@@ -490,13 +502,15 @@ def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path):
     assert "host us per step" in markdown and "guard check" in markdown
 
 
-def test_token_lookup_format_sweep_on_the_cpu(tmp_path):
+def test_token_lookup_format_sweep_on_the_cpu(tmp_path, monkeypatch):
     """`bench_token_lookup.py --formats` runs without a GPU: every format's size, table error and loss change, in a
     JSON that names the device and versions and a markdown table (both written whole through the harness)."""
-    result = run_script("bench_token_lookup.py", "--formats", "--layers", "4", "--hidden", "64", "--heads", "2",
-                        "--kv-heads", "1", "--intermediate", "128", "--vocab", "500", "--out", str(tmp_path),
-                        hide_gpus=True)
-    assert result.returncode == 0, result.stderr[-3000:]
+    bench_token_lookup = kernel_script("bench_token_lookup")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as where no GPU is visible)
+    monkeypatch.setattr(sys, "argv", ["bench_token_lookup.py", "--formats", "--layers", "4", "--hidden", "64",
+                                      "--heads", "2", "--kv-heads", "1", "--intermediate", "128", "--vocab", "500",
+                                      "--out", str(tmp_path)])
+    bench_token_lookup.main()
     data = json.loads((tmp_path / "token_lookup_formats.json").read_text())
     assert data["device"] == "CPU" and data["torch"] == torch.__version__
     formats = {row["format"]: row for row in data["formats"]}
@@ -522,8 +536,7 @@ def test_host_time_comparison_tables(tmp_path):
                 folder = work / f"{kind}_{tree}_{round_}"
                 folder.mkdir(parents=True)
                 (folder / name).write_text(json.dumps(data))
-    result = run_script("compare_host_time.py", str(work), "2", str(tmp_path / "out"))
-    assert result.returncode == 0, result.stderr
+    assert kernel_script("compare_host_time").main([str(work), "2", str(tmp_path / "out")]) == 0
     data = json.loads((tmp_path / "out" / "host_time.json").read_text())
     assert data["device"] == "GPU X"
     assert data["parts_host_us"]["triton_forward"] == {"before": [100.0, 200.0], "after": [80.0, 160.0]}
@@ -533,11 +546,14 @@ def test_host_time_comparison_tables(tmp_path):
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
 
 
-def test_inference_tuning_comparison_needs_a_gpu(tmp_path):
+def test_inference_tuning_comparison_needs_a_gpu(tmp_path, monkeypatch):
     """`compare_inference_tuning.py` times the autotuned Triton forward, which runs on CUDA only: without a GPU it
-    says so and writes nothing."""
-    result = run_script("compare_inference_tuning.py", "--out", str(tmp_path), hide_gpus=True)
-    assert result.returncode == 1 and "needs a CUDA GPU" in result.stderr
+    says so (exit status 1, the message on stderr) and writes nothing."""
+    compare_inference_tuning = kernel_script("compare_inference_tuning")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as where no GPU is visible)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU") as refused:
+        compare_inference_tuning.main(["--out", str(tmp_path)])
+    assert isinstance(refused.value.code, str)  # (which Python prints to stderr, exiting with status 1)
     assert not list(tmp_path.iterdir())
 
 
