@@ -271,6 +271,7 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
                 kept[(run["model"], run["seed"])] = run
     known = {key: study for study in reversed(studies) for key in study["order"]}
     order = [m.key for m in study_models.study_models(SHAPES[first["size"]]) if m.key in known]
+    done = {f"{model}/seed{seed}" for model, seed in kept}
     state = {
         **first, "command": command, "merged_from": [str(source) for source in sources], "earlier_calls": calls,
         "device": ", ".join(unique(study["device"] for study in studies)),
@@ -282,8 +283,7 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
         "ablations": [key for key in order if key in known[key]["ablations"]],
         "plan": unique(label for study in studies for label in study["plan"]),
         "runs": list(kept.values()), "repeats": repeats,
-        "skipped": unique(label for study in studies for label in study["skipped"]
-                          if tuple(label.split("/seed")) not in {(m, str(s)) for m, s in kept}),
+        "skipped": unique(label for study in studies for label in study["skipped"] if label not in done),
         "elapsed_seconds": 0.0,
     }
     out.mkdir(parents=True, exist_ok=True)
