@@ -278,7 +278,19 @@ def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_pat
     resumed = study.main([*common, "--out", str(merged_dir), "--models", "pkv", "--seeds", "2", "--seeds-for", "all",
                           "--resume"])
     assert [(r["model"], r["seed"]) for r in resumed["runs"]][-1] == ("pkv", 1) and resumed["repeats"] == [repeat]
-    assert "## Runs repeated with the same seed" in (merged_dir / "results.md").read_text()
+    markdown = (merged_dir / "results.md").read_text()
+    assert "## Runs repeated with the same seed" in markdown
+    # the merge trained nothing: it is listed as a merge, not as one of the calls
+    assert [call["command"] for call in resumed["earlier_calls"]] == [first["command"], second["command"]]
+    assert resumed["earlier_merges"] == [merged["command"]]
+    assert "- 3 calls, in studies joined by the merges below" in markdown
+    assert f"- studies merged with `{merged['command']}`" in markdown
+    remerged = study.main(["--merge", str(merged_dir), str(first_dir), "--out", str(tmp_path / "remerged")])
+    assert [call["command"] for call in remerged["earlier_calls"]] == [
+        first["command"], second["command"], resumed["command"], first["command"]]
+    assert remerged["earlier_merges"] == [merged["command"]]
+    assert f"- of those, studies merged earlier with `{merged['command']}`" in \
+        (tmp_path / "remerged" / "results.md").read_text()
 
     other_rate = tmp_path / "other_rate"
     other_rate.mkdir()
@@ -384,6 +396,25 @@ def write_study(folder: Path, losses: dict, learning_rate: float | None = None, 
     return folder
 
 
+def test_learning_rate_table_pairs_each_model_with_its_groups_baseline(tmp_path):
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.1], "kv_swiglu": [5.5, 5.6], "kvffn": [5.6, 5.8],
+                                               "memoryllm_total": [4.9, 5.0]})
+    high = write_study(tmp_path / "high", {"llama": [4.7, 4.8], "kv_swiglu": [5.0, 5.2], "kvffn": [5.1, 5.2],
+                                           "memoryllm_total": [4.6, 4.6]}, learning_rate=1e-3)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(recipe), str(high)])
+    models = report["models"]
+    assert list(models) == ["llama", "memoryllm_total", "kv_swiglu", "kvffn"]
+    # the KV-FFN group's recipe rate (3e-4) for the study without --learning-rate, the flash-mhf recipe's for the rest
+    assert sorted(models["kvffn"]["rates"]) == ["1e-3", "3e-4"] and sorted(models["llama"]["rates"]) == ["1e-3", "3e-3"]
+    assert models["kvffn"]["baseline"] == "kv_swiglu" and models["memoryllm_total"]["baseline"] == "llama"
+    assert "baseline" not in models["kv_swiglu"] and "baseline" not in models["llama"]
+    seeds, delta, _ = models["kvffn"]["vs_baseline_at_best"]
+    assert seeds == 2 and delta == pytest.approx(0.05)
+    assert models["kvffn"]["vs_baseline"]["3e-4"][1] == pytest.approx(0.15)
+    markdown = (tmp_path / "out" / "learning_rates.md").read_text()
+    assert "| KV-FFN | SwiGLU (KV-FFN block without biases) | +0.150 ± 0.050 (2) | +0.050 ± 0.050 (2) | - |" in markdown
+
+
 def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies(tmp_path):
     recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2, 5.1], "pkv": [5.6, 5.9, 5.7], "kvffn": [4.0]})
     low = write_study(tmp_path / "low", {"llama": [4.8, 4.9, 4.7], "pkv": [4.85, 5.0, 4.8]}, learning_rate=1e-3)
@@ -399,6 +430,8 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     assert "| model | lr 1e-3 | lr 3e-3 |" in markdown and "**4.800 ± 0.100 (3)**" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "learning_rates.json", "learning_rates.md", "learning_rates.png"]
+
+    assert pkv["baseline"] == "llama" and "baseline" not in report["models"]["llama"]
 
     other = write_study(tmp_path / "other", {"llama": [4.0]}, learning_rate=2e-3, tokens=2000)
     with pytest.raises(ValueError, match="compare studies of one size, budget and data"):

@@ -4,9 +4,10 @@
     python examples/reproduce/learning_rates.py --out DIR --studies STUDY_DIR [STUDY_DIR ...] [--models llama,pkv]
 
 Writes learning_rates.md, learning_rates.json and learning_rates.png to --out: per model and rate the held-out loss
-(mean ± standard deviation over seeds), each model's best rate, and every model's paired difference from the
-baseline (SwiGLU) at each rate and at each one's best rate. A seed fixes the order of the training batches whatever
-the rate, so runs of one seed are paired across rates too.
+(mean ± standard deviation over seeds), each model's best rate, and every model's paired difference from its
+group's baseline (SwiGLU; for the KV-FFN group, SwiGLU with that group's recipe) at each rate and at each one's best
+rate. A seed fixes the order of the training batches whatever the rate, so runs of one seed are paired across rates
+too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
 from study import aggregate, fmt, paired_difference, write_atomic  # noqa: E402
-
-BASELINE = "llama"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +67,9 @@ def read_runs(folders: list[Path]) -> tuple[dict, list[dict]]:
     return first, runs
 
 
-def summarize(runs: list[dict], keys: list[str]) -> dict:
+def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> dict:
     """Per model: per rate the losses' mean, standard deviation and seeds; the best rate; the paired differences from
-    the baseline at each rate and at both models' best rates."""
+    its baseline (`baselines[key]`, where that model is among `keys`) at each rate and at both models' best rates."""
     tagged = [{**run, "model": f"{run['model']}@{rate_text(run['learning_rate'])}"} for run in runs]
     by_model_and_rate = aggregate(tagged)
     table: dict = {}
@@ -82,18 +81,19 @@ def summarize(runs: list[dict], keys: list[str]) -> dict:
                                          **{k: entry[k] for k in ("heldout_loss_mean", "heldout_loss_std")}}
         best = min(per_rate.values(), key=lambda entry: entry["heldout_loss_mean"])
         table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"]}
-    if BASELINE in table:
-        for key in keys:
-            if key == BASELINE:
-                continue
-            entry = table[key]
-            entry["vs_baseline"] = {}
-            for label in entry["rates"]:
-                if label in table[BASELINE]["rates"]:
-                    entry["vs_baseline"][label] = paired_difference(tagged, f"{BASELINE}@{label}", f"{key}@{label}")
-            best_base = f"{BASELINE}@{rate_text(table[BASELINE]['best_learning_rate'])}"
-            best_own = f"{key}@{rate_text(entry['best_learning_rate'])}"
-            entry["vs_baseline_at_best"] = paired_difference(tagged, best_base, best_own)
+    for key in keys:
+        base = baselines[key]
+        if base == key or base not in table:
+            continue
+        entry = table[key]
+        entry["baseline"] = base
+        entry["vs_baseline"] = {}
+        for label in entry["rates"]:
+            if label in table[base]["rates"]:
+                entry["vs_baseline"][label] = paired_difference(tagged, f"{base}@{label}", f"{key}@{label}")
+        best_base = f"{base}@{rate_text(table[base]['best_learning_rate'])}"
+        best_own = f"{key}@{rate_text(entry['best_learning_rate'])}"
+        entry["vs_baseline_at_best"] = paired_difference(tagged, best_base, best_own)
     return table
 
 
@@ -135,32 +135,37 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
             text += f" ({len(cell['seeds'])})"
             cells.append(f"**{text}**" if rate == entry["best_learning_rate"] else text)
         lines.append(f"| {labels[key]} | " + " | ".join(cells) + " |")
-    if BASELINE in table:
-        lines += ["", f"Paired difference from {labels[BASELINE]} (loss(model) - loss(baseline) over the seeds both "
-                  "ran, ± its standard error; positive: the baseline is ahead), at each rate, and between the best "
-                  "rates each ran.", "",
-                  "| model | " + " | ".join(f"lr {rate_text(rate)}" for rate in rates) + " | each at its best rate |",
-                  "|---|" + "---:|" * (len(rates) + 1)]
-        for key, entry in table.items():
-            if key == BASELINE:
-                continue
+    compared = [key for key, entry in table.items() if "baseline" in entry]
+    if compared:
+        lines += ["", "Paired difference from the baseline of each model's group (loss(model) - loss(baseline) over "
+                  "the seeds both ran, ± its standard error; positive: the baseline is ahead), at each rate, and "
+                  "between the best rates each ran.", "",
+                  "| model | baseline | " + " | ".join(f"lr {rate_text(rate)}" for rate in rates)
+                  + " | each at its best rate |",
+                  "|---|---|" + "---:|" * (len(rates) + 1)]
+        for key in compared:
+            entry = table[key]
+            base = entry["baseline"]
             cells = [paired_text(entry["vs_baseline"].get(rate_text(rate), (0, None, None))) for rate in rates]
             best = (f"{paired_text(entry['vs_baseline_at_best'])} (lr {rate_text(entry['best_learning_rate'])} against "
-                    f"{rate_text(table[BASELINE]['best_learning_rate'])})")
-            lines.append(f"| {labels[key]} | " + " | ".join(cells) + f" | {best} |")
+                    f"{rate_text(table[base]['best_learning_rate'])})")
+            lines.append(f"| {labels[key]} | {labels[base]} | " + " | ".join(cells) + f" | {best} |")
     return "\n".join(lines) + "\n"
 
 
-def plot(table: dict, labels: dict, runs: list[dict], title: str, path: Path) -> bool:
+def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str, path: Path) -> bool:
+    """Loss against rate, a line per model: dashed for the models of another recipe than the first model's."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
     except ImportError:
         print("matplotlib is not installed: no learning_rates.png")
         return False
-    figure, axis = plt.subplots(figsize=(7, 4.8))
+    figure, axis = plt.subplots(figsize=(10, 4.8))
+    first_recipe = recipes[next(iter(table))]
     for key, entry in table.items():
         cells = sorted(entry["rates"].values(), key=lambda cell: cell["learning_rate"])
         rates = [cell["learning_rate"] for cell in cells]
@@ -168,13 +173,17 @@ def plot(table: dict, labels: dict, runs: list[dict], title: str, path: Path) ->
         spread = [[r["heldout_loss"] for r in runs if r["model"] == key and r["learning_rate"] == rate]
                   for rate in rates]
         errors = [[m - min(s) for m, s in zip(means, spread)], [max(s) - m for m, s in zip(means, spread)]]
-        axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=labels[key])
+        axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=f"{labels[key]} ({recipes[key]} recipe)",
+                      linestyle="-" if recipes[key] == first_recipe else "--")
     axis.set_xscale("log")
+    every_rate = sorted({cell["learning_rate"] for entry in table.values() for cell in entry["rates"].values()})
+    axis.set_xticks(every_rate, [rate_text(rate) for rate in every_rate])
+    axis.xaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("peak learning rate")
     axis.set_ylabel("held-out loss (mean, bars: min-max over seeds)")
     axis.set_title(title, fontsize=9)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: never over a line
     figure.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     figure.savefig(tmp, dpi=120)
@@ -187,7 +196,9 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     folders = [Path(folder) for folder in args.studies]
     first, runs = read_runs(folders)
-    labels = {m.key: m.label for m in study_models.study_models(study_models.SHAPES[first["size"]])}
+    described = study_models.study_models(study_models.SHAPES[first["size"]])
+    labels = {m.key: m.label for m in described}
+    baselines = {m.key: study_models.GROUP_BASELINES[m.group] for m in described}
     rates_of = {}
     for run in runs:
         rates_of.setdefault(run["model"], set()).add(run["learning_rate"])
@@ -200,9 +211,9 @@ def main(argv=None) -> dict:
         keys = [k for k in labels if len(rates_of.get(k, ())) >= 2]
         if not keys:
             raise ValueError("--studies: no model was run at two or more learning rates")
-    keys.sort(key=lambda k: (k != BASELINE, list(labels).index(k)))
+    keys.sort(key=lambda k: list(labels).index(k))
     chosen = [r for r in runs if r["model"] in keys]
-    table = summarize(chosen, keys)
+    table = summarize(chosen, keys, baselines)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     studies = [str(folder) for folder in folders]
@@ -214,8 +225,9 @@ def main(argv=None) -> dict:
     text = markdown(first, chosen, table, labels, studies)
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
-    plot(table, labels, chosen, f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}",
-         out / "learning_rates.png")
+    recipes = {m.key: m.recipe for m in described}
+    title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}"
+    plot(table, labels, recipes, chosen, title, out / "learning_rates.png")
     print(text)
     return report
 

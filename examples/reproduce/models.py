@@ -42,6 +42,8 @@ GROUPS = {
     "memoryllm": "memoryllm.md: FFNs on the token embeddings, at equal total and at equal active parameters",
     "kv-ffn": "kv-ffn.md Table 1: KV-FFN and its baselines, with the paper's training settings",
 }
+# the model each group's models are compared with: the KV-FFN group trains with its own recipe and has its own SwiGLU
+GROUP_BASELINES = {"flash-mhf": "llama", "memoryllm": "llama", "kv-ffn": "kv_swiglu"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ SHAPES = {
         # for a machine without a GPU (2 cores: about an hour for the 15 models and two more seeds of the main pair)
         StudyShape("cpu", 192, 4, 3, 64, 512, 64, block_size=256, batch_size=16, kvffn_block_size=512,
                    tokens=400_000, eval_tokens=32_768),
+        # the `cpu` shape with `small`'s batch: one pass over the corpus gives 4.8 tokens per parameter, 4x `small`'s
+        StudyShape("narrow", 192, 4, 3, 64, 512, 64, block_size=1024, batch_size=16, kvffn_block_size=2048,
+                   tokens=15_990_000),
         StudyShape("small", 384, 6, 6, 64, 1024, 128, block_size=1024, batch_size=16, kvffn_block_size=2048,
                    tokens=6_000_000),
         StudyShape("base", 512, 8, 8, 64, 1376, 128, block_size=1024, batch_size=32, kvffn_block_size=2048,

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 import models as study_models  # noqa: E402
 import pretrain  # noqa: E402
 import token_shards  # noqa: E402
-from models import GROUPS, RECIPES, SHAPES  # noqa: E402
+from models import GROUP_BASELINES, GROUPS, RECIPES, SHAPES  # noqa: E402
 
 MAIN_SEED_KEYS = ("llama", "flash_mhf")  # the main comparison: several seeds by default
 EVALS_PER_RUN = 8
@@ -172,7 +172,7 @@ def counts_table(selected, described) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for model in selected:
         counts = described[model.key]["counts"]
-        base_key = "kv_swiglu" if model.group == "kv-ffn" else "llama"
+        base_key = GROUP_BASELINES[model.group]
         base = described.get(base_key, {}).get("counts")
         ratio = (lambda k: f"{100 * (counts[k] / base['total'] - 1):+.1f}%") if base else (lambda k: "")
         rows.append(f"| {model.label} | {model.group} | {counts['total']:,} | {ratio('total')} | {counts['active']:,} | "
@@ -259,9 +259,11 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
         return list(dict.fromkeys(values))
 
     kept: dict[tuple[str, int], dict] = {}
-    repeats, calls = [], []
+    repeats, calls, merges = [], [], []
     for source, study in zip(sources, studies):
-        calls += [*study.get("earlier_calls", []), {k: study[k] for k in ("command", "device", "elapsed_seconds")}]
+        study_calls, study_merges = provenance(study)
+        calls += study_calls
+        merges += study_merges
         repeats += study.get("repeats", [])
         for run in study["runs"]:
             if (run["model"], run["seed"]) in kept:
@@ -274,7 +276,7 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
     done = {f"{model}/seed{seed}" for model, seed in kept}
     state = {
         **first, "command": command, "merged_from": [str(source) for source in sources], "earlier_calls": calls,
-        "device": ", ".join(unique(study["device"] for study in studies)),
+        "earlier_merges": merges, "device": ", ".join(unique(study["device"] for study in studies)),
         "bf16": all(study["bf16"] for study in studies),
         "torch": ", ".join(unique(study["torch"] for study in studies)),
         "transformers": ", ".join(unique(study["transformers"] for study in studies)),
@@ -516,6 +518,17 @@ def panel_keys(state: dict, group: str) -> tuple[list[str], list[str]]:
     return keys, (["llama"] if group == "memoryllm" else [])
 
 
+def provenance(study: dict) -> tuple[list[dict], list[str]]:
+    """The calls that trained a study's runs (command, device, seconds) and the `--merge` commands that joined them: a
+    merged study's own command trained nothing, so it counts as a merge, not a call."""
+    calls, merges = list(study.get("earlier_calls", [])), list(study.get("earlier_merges", []))
+    if study.get("merged_from"):
+        merges.append(study["command"])
+    else:
+        calls.append({k: study[k] for k in ("command", "device", "elapsed_seconds")})
+    return calls, merges
+
+
 def calls_markdown(state: dict) -> list[str]:
     """The commands that made the study: one, several continuing it with --resume, or the calls of merged studies."""
     def listed(calls):
@@ -523,12 +536,16 @@ def calls_markdown(state: dict) -> list[str]:
                 for i, call in enumerate(calls)]
 
     if state.get("merged_from"):
+        earlier = [f"- of those, studies merged earlier with `{command}`" for command in state.get("earlier_merges", [])]
         return [f"- merged with `{state['command']}` from {len(state['merged_from'])} studies, made in these "
                 f"{len(state['earlier_calls'])} calls (in each study, each call after the first continuing it with "
-                "`--resume`):", *listed(state["earlier_calls"])]
+                "`--resume`):", *listed(state["earlier_calls"]), *earlier]
     if state.get("earlier_calls"):
-        return [f"- {len(state['earlier_calls']) + 1} calls, each after the first continuing the study with `--resume`:",
-                *listed([*state["earlier_calls"], state])]
+        how = "in studies joined by the merges below, each continued with `--resume`" if state.get("earlier_merges") \
+            else "each after the first continuing the study with `--resume`"
+        merges = [f"- studies merged with `{command}`" for command in state.get("earlier_merges", [])]
+        return [f"- {len(state['earlier_calls']) + 1} calls, {how}:", *listed([*state["earlier_calls"], state]),
+                *merges]
     return [f"- command: `{state['command']}`"]
 
 
@@ -581,7 +598,7 @@ def results_markdown(state: dict) -> str:
         keys = [k for k in state["order"] if state["groups"][k] == group and k in summary]
         if not keys:
             continue
-        base = "kv_swiglu" if group == "kv-ffn" else "llama"
+        base = GROUP_BASELINES[group]
         if base in summary and base not in keys:
             keys.insert(0, base)
         lines += [f"## {title}", "",
@@ -818,10 +835,10 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     earlier_plan = [label for label in (previous or {}).get("plan", [])
                     if label not in {f"{m.key}/seed{s}" for m, s in plan}]
+    earlier_calls, earlier_merges = provenance(previous) if previous else ([], [])
     state = {
         "command": " ".join(["python", "examples/reproduce/study.py", *argv]),
-        "earlier_calls": (previous.get("earlier_calls", []) + [{k: previous[k] for k in ("command", "device",
-                          "elapsed_seconds")}]) if previous else [],
+        "earlier_calls": earlier_calls, "earlier_merges": earlier_merges,
         "device": device, "bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         "torch": f"torch {torch.__version__}", "transformers": f"transformers {transformers.__version__}",
         "size": shape.name, "shape": {**vars(shape), "tokens_per_step": shape.tokens_per_step}, "tokens": tokens,
