@@ -305,6 +305,9 @@ def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_pat
         study.main(["--merge", str(first_dir), str(second_dir), "--out", str(merged_dir)])
     with pytest.raises(ValueError, match="without --report and --resume"):
         study.main(["--merge", str(first_dir), str(second_dir), "--out", str(tmp_path / "refused"), "--resume"])
+    with pytest.raises(ValueError, match="--merge takes only --out and the study folders; --seeds, --models would"):
+        study.main(["--merge", str(first_dir), str(second_dir), "--out", str(tmp_path / "refused"), "--models", "pkv",
+                    "--seeds", "2"])
     assert not (tmp_path / "refused").exists()
 
 

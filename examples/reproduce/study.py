@@ -775,7 +775,8 @@ def prepare_from_source(args, work: Path) -> Path:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     shape = SHAPES[args.size]
     if args.print_configs:
         selected = select_models(args, shape)
@@ -785,6 +786,12 @@ def main(argv=None) -> dict:
     if args.merge:
         if args.report or args.resume:
             raise ValueError("--merge writes a new study to --out: give it without --report and --resume")
+        # the merged study's settings are its sources': an option that would train or select differently is refused
+        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                 if name not in ("merge", "out") and value != parser.get_default(name)]
+        if given:
+            raise ValueError(f"--merge takes only --out and the study folders; {', '.join(given)} would change "
+                             "nothing: the merged study keeps its sources' runs and settings")
         argv = sys.argv[1:] if argv is None else list(argv)
         return merge_studies([Path(p) for p in args.merge], Path(args.out),
                              " ".join(["python", "examples/reproduce/study.py", *argv]))
