@@ -536,7 +536,8 @@ def calls_markdown(state: dict) -> list[str]:
                 for i, call in enumerate(calls)]
 
     if state.get("merged_from"):
-        earlier = [f"- of those, studies merged earlier with `{command}`" for command in state.get("earlier_merges", [])]
+        earlier = [f"- of those, studies merged earlier with `{command}`"
+                   for command in state.get("earlier_merges", [])]
         return [f"- merged with `{state['command']}` from {len(state['merged_from'])} studies, made in these "
                 f"{len(state['earlier_calls'])} calls (in each study, each call after the first continuing it with "
                 "`--resume`):", *listed(state["earlier_calls"]), *earlier]
