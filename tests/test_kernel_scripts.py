@@ -224,6 +224,18 @@ def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
         bench_models.run_task("train:tiny:llama+memoryllm_lookup:eager", argparse.Namespace(device="cpu"), {})
 
 
+def test_model_benchmark_builds_kvffn_without_its_biases():
+    """`kvffn_no_bias`: KVFFN built with `kvffn_bias=False`, the same parameters less the FFN's biases."""
+    bench_models = kernel_script("bench_models")
+    with_bias, without = (bench_models.build_model(arch, "tiny", "cpu") for arch in ("kvffn", "kvffn_no_bias"))
+    names = [{name for name, _ in model.named_parameters()} for model in (with_bias, without)]
+    dropped = names[0] - names[1]
+    assert without.config.kvffn_bias is False and names[1] < names[0]
+    assert all(".mlp." in name and name.endswith(".bias") for name in dropped)
+    layers = {f"model.layers.{i}" for i in range(len(without.model.layers))}
+    assert {name.split(".mlp.")[0] for name in dropped} == layers  # (every layer's FFN loses its biases)
+
+
 def test_model_benchmark_task_processes_get_the_options_given(bench_models_main, monkeypatch):
     """`--gpus`: each task's process gets every option that differs from its default, except those of the whole run."""
     bench_models = bench_models_main
@@ -372,7 +384,7 @@ def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_packa
     with open(other / "hf_memffn" / "__init__.py", "a", encoding="utf-8") as handle:
         handle.write(f"\nopen({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
     cpu = min(os.sched_getaffinity(0))
-    architectures = ["llama", "kvffn", "kvffn_no_bias", "kvffn@other", "kvffn_plain_launch"]
+    architectures = ["llama", "kvffn", "kvffn@other", "kvffn_plain_launch"]
     out = tmp_path / "out"
     result = run_script("bench_models.py", "--out", str(out), "--device", "cpu", "--new-tokens", "2",
                         "--decode-repeats", "4", "--decode-batches", "1", "--decode-processes", "--decode-profile",
