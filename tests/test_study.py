@@ -246,6 +246,20 @@ def test_study_at_another_learning_rate_says_so_and_resumes_only_at_it(tmp_path)
         study.main([*common, "--resume"])
 
 
+def test_repeated_runs_name_their_devices_where_a_repeat_ran_on_another():
+    run = {"model": "llama", "seed": 0, "heldout_loss": 4.5, "wiki_loss": 6.0, "device": "GPU A"}
+    repeat = {**run, "heldout_loss": 4.52, "wiki_loss": None, "study": "second"}
+    state = {"labels": {"llama": "SwiGLU"}, "runs": [run], "repeats": [repeat]}
+    same = study.repeats_markdown(state)
+    assert "| SwiGLU | 0 | 4.500 | 4.520 | +0.020 | - | second |" in same
+    assert not any("kept on" in line for line in same)
+    across = study.repeats_markdown({**state, "repeats": [{**repeat, "device": "GPU B"}]})
+    assert "| SwiGLU | 0 | 4.500 | 4.520 | +0.020 | - | second | GPU A / GPU B |" in across
+    header, separator = next((line, across[i + 1]) for i, line in enumerate(across) if line.startswith("| model"))
+    assert header.endswith("| kept on / repeat on |") and separator.count("|") == header.count("|")
+    assert "the two devices' differences are in it too" in "".join(across)
+
+
 def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_path):
     """--merge: each model and seed keeps its first run, in the order the studies are named; a second run of one seed
     is kept as a repeat beside it, and survives --report and --resume; studies of other settings are refused."""
