@@ -166,7 +166,9 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
         return False
     figure, axis = plt.subplots(figsize=(10, 4.8))
     first_recipe = recipes[next(iter(table))]
-    for key, entry in table.items():
+    # one colour per model (the default cycle repeats after ten; tab20 after twenty)
+    colours = plt.get_cmap("tab10" if len(table) <= 10 else "tab20").colors
+    for index, (key, entry) in enumerate(table.items()):
         cells = sorted(entry["rates"].values(), key=lambda cell: cell["learning_rate"])
         rates = [cell["learning_rate"] for cell in cells]
         means = [cell["heldout_loss_mean"] for cell in cells]
@@ -174,7 +176,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
                   for rate in rates]
         errors = [[m - min(s) for m, s in zip(means, spread)], [max(s) - m for m, s in zip(means, spread)]]
         axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=f"{labels[key]} ({recipes[key]} recipe)",
-                      linestyle="-" if recipes[key] == first_recipe else "--")
+                      color=colours[index % len(colours)], linestyle="-" if recipes[key] == first_recipe else "--")
     axis.set_xscale("log")
     every_rate = sorted({cell["learning_rate"] for entry in table.values() for cell in entry["rates"].values()})
     axis.set_xticks(every_rate, [rate_text(rate) for rate in every_rate])
