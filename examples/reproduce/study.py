@@ -566,7 +566,7 @@ def repeats_markdown(state: dict) -> list[str]:
     columns += [("kept on / repeat on", "---")] if across_devices else []
     lines = ["## Runs repeated with the same seed", "",
              "The same model, seed and order of batches run again, in another of the studies merged here; the "
-             f"tables above keep the first run. Where both ran on one device and software, their difference is the "
+             "tables above keep the first run. Where both ran on one device and software, their difference is the "
              f"{what}.", "", "| " + " | ".join(name for name, _ in columns) + " |",
              "|" + "|".join(align for _, align in columns) + "|"]
     for run, repeat in pairs:
