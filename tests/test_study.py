@@ -442,14 +442,13 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     assert report["models"]["llama"]["best_learning_rate"] == pkv["best_learning_rate"] == 1e-3
     assert pkv["rates"]["3e-3"]["learning_rate"] == 3e-3  # the recipe's, for the study without --learning-rate
     seeds, delta, error = pkv["vs_baseline_at_best"]
+    assert pkv["baseline"] == "llama" and "baseline" not in report["models"]["llama"]
     assert seeds == 3 and delta == pytest.approx(statistics.fmean([0.05, 0.1, 0.1]))
     assert error == pytest.approx(statistics.stdev([0.05, 0.1, 0.1]) / math.sqrt(3))
     markdown = (tmp_path / "out" / "learning_rates.md").read_text()
     assert "| model | lr 1e-3 | lr 3e-3 |" in markdown and "**4.800 ± 0.100 (3)**" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "learning_rates.json", "learning_rates.md", "learning_rates.png"]
-
-    assert pkv["baseline"] == "llama" and "baseline" not in report["models"]["llama"]
 
     other = write_study(tmp_path / "other", {"llama": [4.0]}, learning_rate=2e-3, tokens=2000)
     with pytest.raises(ValueError, match="compare studies of one size, budget and data"):

@@ -201,6 +201,7 @@ def main(argv=None) -> dict:
     described = study_models.study_models(study_models.SHAPES[first["size"]])
     labels = {m.key: m.label for m in described}
     baselines = {m.key: study_models.GROUP_BASELINES[m.group] for m in described}
+    recipes = {m.key: m.recipe for m in described}
     rates_of = {}
     for run in runs:
         rates_of.setdefault(run["model"], set()).add(run["learning_rate"])
@@ -227,7 +228,6 @@ def main(argv=None) -> dict:
     text = markdown(first, chosen, table, labels, studies)
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
-    recipes = {m.key: m.recipe for m in described}
     title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}"
     plot(table, labels, recipes, chosen, title, out / "learning_rates.png")
     print(text)
