@@ -5,6 +5,7 @@ CPU. The kernels as built for an H100 are tested in `test_kernel_builds.py`."""
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -279,6 +280,24 @@ def test_every_result_file_the_docs_name_exists():
                 if not any(re.fullmatch(pattern, file) for file in committed):
                     missing.append(f"{doc}: {cited}")
     assert not missing, missing
+
+
+def test_every_example_result_path_the_docs_name_exists():
+    """Each `examples/results/...` path the README, docs and kernel notes cite (a study folder, a file in it, with
+    bash's braces and `.*` for a file set) is committed."""
+    documents = ["README.md", "kernels/results/models/README.md", "kernels/flash_mhf_notes.md"]
+    documents += [os.path.join("docs", name) for name in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                  if name.endswith(".md")]
+    cited_paths, missing = 0, []
+    for doc in documents:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as handle:
+            text = handle.read()
+        for cited in set(re.findall(r"`(examples/results/[^`\s]*)`", text)):
+            for path in _brace_expansions(cited.rstrip("/")):
+                cited_paths += 1
+                if not glob.glob(os.path.join(ROOT, path)):  # `name.*` matches as a glob
+                    missing.append(f"{doc}: {cited}")
+    assert cited_paths > 20 and not missing, missing
 
 
 def test_compiled_step_host_report_and_idle_layer_ops():
