@@ -258,6 +258,21 @@ def test_repeated_runs_name_their_devices_where_a_repeat_ran_on_another():
     header, separator = next((line, across[i + 1]) for i, line in enumerate(across) if line.startswith("| model"))
     assert header.endswith("| kept on / repeat on |") and separator.count("|") == header.count("|")
     assert "the two devices' differences are in it too" in "".join(across)
+    assert not any(line.startswith("- ") for line in across), "one repeat per pair of devices gets no summary"
+
+
+def test_repeats_are_summarised_per_pair_of_devices():
+    runs = [{"model": "llama", "seed": seed, "heldout_loss": 4.5, "wiki_loss": 6.0, "device": "GPU A"}
+            for seed in range(4)]
+    gaps = [(0.02, 0.1), (-0.01, -0.2), (0.05, None), (0.03, 0.0)]
+    repeats = [{**run, "heldout_loss": 4.5 + held, "wiki_loss": None if wiki is None else 6.0 + wiki,
+                "study": "second", "device": "GPU B" if run["seed"] < 3 else "GPU A"}
+               for run, (held, wiki) in zip(runs, gaps)]
+    lines = study.repeats_markdown({"labels": {"llama": "SwiGLU"}, "runs": runs, "repeats": repeats})
+    summary = [line for line in lines if line.startswith("- ")]
+    assert summary == ["- 3 repeats kept on GPU A, repeated on GPU B: repeat - kept, mean ± sample standard "
+                       "deviation, held-out +0.020 ± 0.030 (largest 0.050); Wikipedia -0.050 ± 0.212 (largest "
+                       "0.200)."], "the repeat on GPU A alone is no pair of devices with two repeats"
 
 
 def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_path):

@@ -577,7 +577,31 @@ def repeats_markdown(state: dict) -> list[str]:
                  repeat["study"]]
         cells += [f"{run.get('device') or '?'} / {repeat.get('device') or '?'}"] if across_devices else []
         lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    return [*lines, "", *repeat_summary_lines(pairs), ""]
+
+
+def repeat_summary_lines(pairs: list[tuple[dict, dict]]) -> list[str]:
+    """One line per pair of devices with two or more repeats: how far the repeats moved from their kept runs (mean
+    and sample standard deviation of repeat - kept, the largest |repeat - kept|), on held-out and Wikipedia loss."""
+    by_devices: dict[tuple, list[tuple[dict, dict]]] = {}
+    for run, repeat in pairs:
+        by_devices.setdefault((run.get("device") or "?", repeat.get("device") or "?"), []).append((run, repeat))
+    lines = []
+    for (kept_on, repeat_on), group in by_devices.items():
+        if len(group) < 2:
+            continue
+        where = f"kept on {kept_on}, repeated on {repeat_on}" if kept_on != repeat_on else f"both on {kept_on}"
+        parts = []
+        for key, name in (("heldout_loss", "held-out"), ("wiki_loss", "Wikipedia")):
+            gaps = [repeat[key] - run[key] for run, repeat in group
+                    if repeat.get(key) is not None and run.get(key) is not None]
+            if len(gaps) >= 2:
+                parts.append(f"{name} {statistics.mean(gaps):+.3f} ± {statistics.stdev(gaps):.3f} "
+                             f"(largest {max(abs(gap) for gap in gaps):.3f})")
+        if parts:
+            lines.append(f"- {len(group)} repeats {where}: repeat - kept, mean ± sample standard deviation, "
+                         + "; ".join(parts) + ".")
+    return lines
 
 
 def results_markdown(state: dict) -> str:
