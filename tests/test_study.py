@@ -262,6 +262,8 @@ def test_repeated_runs_name_their_devices_where_a_repeat_ran_on_another():
 
 
 def test_repeats_are_summarised_per_pair_of_devices():
+    """The repeats table ends with a line per pair of devices that holds two or more repeats: the mean, sample
+    standard deviation and largest size of repeat - kept, a loss missing on either side left out."""
     runs = [{"model": "llama", "seed": seed, "heldout_loss": 4.5, "wiki_loss": 6.0, "device": "GPU A"}
             for seed in range(4)]
     gaps = [(0.02, 0.1), (-0.01, -0.2), (0.05, None), (0.03, 0.0)]
@@ -270,6 +272,7 @@ def test_repeats_are_summarised_per_pair_of_devices():
                for run, (held, wiki) in zip(runs, gaps)]
     lines = study.repeats_markdown({"labels": {"llama": "SwiGLU"}, "runs": runs, "repeats": repeats})
     summary = [line for line in lines if line.startswith("- ")]
+    assert lines[-1] == "" and lines[-2] == summary[-1]
     assert summary == ["- 3 repeats kept on GPU A, repeated on GPU B: repeat - kept, mean ± sample standard "
                        "deviation, held-out +0.020 ± 0.030 (largest 0.050); Wikipedia -0.050 ± 0.212 (largest "
                        "0.200)."], "the repeat on GPU A alone is no pair of devices with two repeats"

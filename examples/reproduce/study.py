@@ -577,7 +577,8 @@ def repeats_markdown(state: dict) -> list[str]:
                  repeat["study"]]
         cells += [f"{run.get('device') or '?'} / {repeat.get('device') or '?'}"] if across_devices else []
         lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, "", *repeat_summary_lines(pairs), ""]
+    summary = repeat_summary_lines(pairs)
+    return [*lines, "", *([*summary, ""] if summary else [])]
 
 
 def repeat_summary_lines(pairs: list[tuple[dict, dict]]) -> list[str]:
