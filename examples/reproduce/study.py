@@ -597,7 +597,7 @@ def repeat_summary_lines(pairs: list[tuple[dict, dict]]) -> list[str]:
             gaps = [repeat[key] - run[key] for run, repeat in group
                     if repeat.get(key) is not None and run.get(key) is not None]
             if len(gaps) >= 2:
-                parts.append(f"{name} {statistics.mean(gaps):+.3f} ± {statistics.stdev(gaps):.3f} "
+                parts.append(f"{name} {statistics.fmean(gaps):+.3f} ± {statistics.stdev(gaps):.3f} "
                              f"(largest {max(abs(gap) for gap in gaps):.3f})")
         if parts:
             lines.append(f"- {len(group)} repeats {where}: repeat - kept, mean ± sample standard deviation, "
