@@ -451,6 +451,22 @@ def test_learning_rate_table_pairs_each_model_with_its_groups_baseline(tmp_path)
     assert row in markdown
 
 
+def test_learning_rate_report_checks_the_papers_orderings_with_each_model_at_its_best_rate(tmp_path):
+    """study.py's orderings, each model's runs taken at its own best rate and paired by seed across the two rates; the
+    row names both rates, in the JSON and the markdown."""
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.1, 5.2], "flash_mhf": [4.9, 5.05, 5.1]})
+    high = write_study(tmp_path / "high", {"llama": [4.7, 4.8, 4.9], "flash_mhf": [5.1, 5.1, 5.1]}, learning_rate=1e-3)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(recipe), str(high)])
+    (claim,) = report["claims_at_best_rates"]
+    assert (claim["lower"], claim["higher"], claim["learning_rates"]) == ("flash_mhf", "llama", [3e-3, 1e-3])
+    assert claim["paired_seeds"] == 3 and claim["paired_delta"] == pytest.approx(-0.65 / 3, abs=1e-4)
+    assert claim["verdict"] == "not reproduced"  # FlashMHF at 3e-3 behind SwiGLU at 1e-3 on every seed
+    markdown = (tmp_path / "out" / "learning_rates.md").read_text()
+    labels = report["labels"]
+    assert (f"| flash-mhf | {labels['flash_mhf']} < {labels['llama']} | 3.014 < 3.030 | 3e-3 / 1e-3 | -0.217 | "
+            "-0.217 ± 0.017 (3) | not reproduced | - |") in markdown
+
+
 def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies(tmp_path):
     recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2, 5.1], "pkv": [5.6, 5.9, 5.7], "kvffn": [4.0]})
     low = write_study(tmp_path / "low", {"llama": [4.8, 4.9, 4.7], "pkv": [4.85, 5.0, 4.8]}, learning_rate=1e-3)

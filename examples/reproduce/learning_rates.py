@@ -6,8 +6,8 @@
 Writes learning_rates.md, learning_rates.json and learning_rates.png to --out: per model and rate the held-out loss
 (mean ± standard deviation over seeds), each model's best rate, and every model's paired difference from its
 group's baseline (SwiGLU; for the KV-FFN group, SwiGLU with that group's recipe) at each rate and at each one's best
-rate. A seed fixes the order of the training batches whatever the rate, so runs of one seed are paired across rates
-too.
+rate, and the papers' orderings that study.py checks (`study.CLAIMS`) with each model at its best rate. A seed fixes
+the order of the training batches whatever the rate, so runs of one seed are paired across rates too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import aggregate, fmt, paired_difference, write_atomic  # noqa: E402
+from study import aggregate, claims_rows, claims_table, fmt, paired_difference, write_atomic  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +97,18 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
     return table
 
 
+def claims_at_best_rates(runs: list[dict], table: dict, labels: dict) -> list[dict]:
+    """study.py's rows of the papers' orderings between the models of `table`, each model's runs taken at its best
+    rate (so two models may have run at different rates); every row names both rates."""
+    best = [run for run in runs
+            if run["model"] in table and run["learning_rate"] == table[run["model"]]["best_learning_rate"]]
+    rows = claims_table(aggregate(best), labels, best)
+    for row in rows:
+        if "lower" in row:
+            row["learning_rates"] = [table[row[side]]["best_learning_rate"] for side in ("lower", "higher")]
+    return rows
+
+
 def rate_text(rate: float) -> str:
     """3e-4, 1e-3, 2.5e-3: a learning rate as people write it."""
     mantissa, exponent = f"{rate:.6e}".split("e")
@@ -110,7 +122,7 @@ def paired_text(paired) -> str:
     return f"{delta:+.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" ({seeds})"
 
 
-def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str]) -> str:
+def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict]) -> str:
     rates = sorted({r["learning_rate"] for r in runs if r["model"] in table})
     devices = sorted({r["device"] for r in runs if r["model"] in table})
     lines = [
@@ -150,6 +162,13 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
             best = (f"{paired_text(entry['vs_baseline_at_best'])} (lr {rate_text(entry['best_learning_rate'])} against "
                     f"{rate_text(table[base]['best_learning_rate'])})")
             lines.append(f"| {labels[key]} | {labels[base]} | " + " | ".join(cells) + f" | {best} |")
+    if claims:
+        rates = {key: rate_text(entry["best_learning_rate"]) for key, entry in table.items()}
+        lines += ["", "The papers' orderings (study.py's table of them) with each model at its best rate: Δ = "
+                  "loss(right) - loss(left), positive when the paper's ordering holds; the verdict as study.py gives "
+                  "it (with three or more common seeds, resolved when |paired Δ| is more than twice its standard "
+                  "error). Only models of this table, run at two or more rates unless --models names them.", "",
+                  *claims_rows(claims, rates)]
     return "\n".join(lines) + "\n"
 
 
@@ -217,15 +236,17 @@ def main(argv=None) -> dict:
     keys.sort(key=lambda k: list(labels).index(k))
     chosen = [r for r in runs if r["model"] in keys]
     table = summarize(chosen, keys, baselines)
+    claims = claims_at_best_rates(chosen, table, labels)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     studies = [str(folder) for folder in folders]
     report = {"size": first["size"], "tokens": first["tokens"], "eval_tokens": first["eval_tokens"],
               "studies": studies, "labels": {k: labels[k] for k in keys}, "models": table,
+              "claims_at_best_rates": claims,
               "runs": [{k: r[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
                        for r in chosen]}
     write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
-    text = markdown(first, chosen, table, labels, studies)
+    text = markdown(first, chosen, table, labels, studies, claims)
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
     title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}"

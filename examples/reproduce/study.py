@@ -479,7 +479,8 @@ def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dic
             if level:
                 text = text.format(lower=labels[lower], higher=labels[higher])
             row = {"group": group, "claim": f"{labels[lower]} {'level with' if level else '<'} {labels[higher]}",
-                   "paper": paper, "delta": round(delta, 4), "verdict": text, "paired_seeds": paired[0]}
+                   "lower": lower, "higher": higher, "paper": paper, "delta": round(delta, 4), "verdict": text,
+                   "paired_seeds": paired[0]}
             if paired[1] is not None:
                 row["paired_delta"] = round(paired[1], 4)
             if paired[2] is not None:
@@ -499,6 +500,27 @@ def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dic
                          "paper": "most of it", "delta": round(closed, 3),
                          "verdict": "reproduced" if closed > 0.5 else "not reproduced"})
     return rows
+
+
+def claims_rows(claims: list[dict], rates: dict[str, str] | None = None) -> list[str]:
+    """The markdown table of `claims_table`'s rows; with `rates` (model key -> its learning rate as text), a column
+    saying at which rate each of the two models ran."""
+    def paired_text(claim: dict, prefix: str = "") -> str:
+        if claim.get(f"{prefix}paired_standard_error") is None:
+            return "-"
+        return (f"{claim[f'{prefix}paired_delta']:+.3f} ± {claim[f'{prefix}paired_standard_error']:.3f} "
+                f"({claim[f'{prefix}paired_seeds']})")
+
+    rate_header, rate_rule = ("lr (left / right) | ", "---:|") if rates else ("", "")
+    lines = [f"| group | paper's ordering | paper | {rate_header}Δ here | paired Δ ± s.e. (seeds) | verdict | "
+             "Wikipedia: paired Δ ± s.e. (seeds) |",
+             f"|---|---|---|{rate_rule}---:|---:|---|---:|"]
+    for c in claims:
+        rate_cell = f"{rates[c['lower']]} / {rates[c['higher']]} | " if rates and "lower" in c else \
+            ("- | " if rates else "")
+        lines.append(f"| {c['group']} | {c['claim']} | {c['paper']} | {rate_cell}{c['delta']:+.3f} | "
+                     f"{paired_text(c)} | {c['verdict']} | {paired_text(c, 'wiki_')} |")
+    return lines
 
 
 def fmt(value, digits=3):
@@ -661,20 +683,7 @@ def results_markdown(state: dict) -> str:
                   "twice its standard error; otherwise |Δ| is at most twice the larger seed standard deviation. "
                   "The verdict is the held-out text's; the last column is the same paired difference on the "
                   "out-of-domain held-out set (Wikipedia), where the runs measured it.", "",
-                  "| group | paper's ordering | paper | Δ here | paired Δ ± s.e. (seeds) | verdict | "
-                  "Wikipedia: paired Δ ± s.e. (seeds) |",
-                  "|---|---|---|---:|---:|---|---:|"]
-
-        def paired_text(claim: dict, prefix: str = "") -> str:
-            if claim.get(f"{prefix}paired_standard_error") is None:
-                return "-"
-            return (f"{claim[f'{prefix}paired_delta']:+.3f} ± {claim[f'{prefix}paired_standard_error']:.3f} "
-                    f"({claim[f'{prefix}paired_seeds']})")
-
-        for c in claims:
-            lines.append(f"| {c['group']} | {c['claim']} | {c['paper']} | {c['delta']:+.3f} | {paired_text(c)} | "
-                         f"{c['verdict']} | {paired_text(c, 'wiki_')} |")
-        lines.append("")
+                  *claims_rows(claims), ""]
     lines += repeats_markdown(state)
     curves: dict[str, dict[int, list[float]]] = {}
     for key in state["order"]:
