@@ -167,7 +167,8 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
         lines += ["", "The papers' orderings (study.py's table of them) with each model at its best rate: Δ = "
                   "loss(right) - loss(left), positive when the paper's ordering holds; the verdict as study.py gives "
                   "it (with three or more common seeds, resolved when |paired Δ| is more than twice its standard "
-                  "error). Only models of this table, run at two or more rates unless --models names them.", "",
+                  "error; with fewer, when |Δ| is more than twice the larger seed standard deviation). Only the "
+                  "models of the tables above: those run at two or more rates, unless --models names them.", "",
                   *claims_rows(claims, rates)]
     return "\n".join(lines) + "\n"
 
