@@ -516,8 +516,9 @@ def claims_rows(claims: list[dict], rates: dict[str, str] | None = None) -> list
              "Wikipedia: paired Δ ± s.e. (seeds) |",
              f"|---|---|---|{rate_rule}---:|---:|---|---:|"]
     for c in claims:
-        rate_cell = f"{rates[c['lower']]} / {rates[c['higher']]} | " if rates and "lower" in c else \
-            ("- | " if rates else "")
+        rate_cell = ""
+        if rates:  # (the row of the share of a gap compares three models, not two)
+            rate_cell = (f"{rates[c['lower']]} / {rates[c['higher']]}" if "lower" in c else "-") + " | "
         lines.append(f"| {c['group']} | {c['claim']} | {c['paper']} | {rate_cell}{c['delta']:+.3f} | "
                      f"{paired_text(c)} | {c['verdict']} | {paired_text(c, 'wiki_')} |")
     return lines
