@@ -401,6 +401,19 @@ def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_wa
     assert study.verdict(summary["a"], summary["b"])[1] == "reproduced (one seed)"
 
 
+def test_orderings_table_rounds_each_difference_once():
+    """A paired difference of -0.00148 prints -0.001 in the orderings table, as in the table of paired differences:
+    the claim keeps the value unrounded (rounded first to four places it would read -0.0015 and print -0.002)."""
+    losses = {"kv_swiglu": [4.7480, 4.7660, 4.7390], "kvffn": [4.7430, 4.7780, 4.72755]}
+    runs = [{"model": m, "seed": s, "heldout_loss": loss} for m, v in losses.items() for s, loss in enumerate(v)]
+    summary = {m: {"heldout_loss_mean": statistics.fmean(v), "heldout_loss_std": statistics.stdev(v)}
+               for m, v in losses.items()}
+    (claim,) = study.claims_table(summary, {"kv_swiglu": "SwiGLU", "kvffn": "KV-FFN"}, runs)
+    assert claim["paired_delta"] == pytest.approx(-0.0014833, abs=1e-7)
+    (row,) = study.claims_rows([claim])[2:]
+    assert "| -0.001 | -0.001 ± " in row
+
+
 def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict():
     """The verdict stays the held-out text's; the Wikipedia set's paired difference is reported beside it, over the
     seeds that measured it (a run without an out-of-domain loss is left out)."""

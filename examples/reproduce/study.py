@@ -479,17 +479,18 @@ def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dic
             if level:
                 text = text.format(lower=labels[lower], higher=labels[higher])
             row = {"group": group, "claim": f"{labels[lower]} {'level with' if level else '<'} {labels[higher]}",
-                   "lower": lower, "higher": higher, "paper": paper, "delta": round(delta, 4), "verdict": text,
+                   "lower": lower, "higher": higher, "paper": paper, "delta": delta, "verdict": text,
                    "paired_seeds": paired[0]}
+            # (unrounded: the tables print three places, and a value rounded here first could print one unit off)
             if paired[1] is not None:
-                row["paired_delta"] = round(paired[1], 4)
+                row["paired_delta"] = paired[1]
             if paired[2] is not None:
-                row["paired_standard_error"] = round(paired[2], 4)
+                row["paired_standard_error"] = paired[2]
             # the same ordering on the out-of-domain held-out set, reported beside the verdict (which is in-domain)
             wiki_seeds, wiki_delta, wiki_error = paired_difference(list(runs), lower, higher, loss="wiki_loss")
             if wiki_error is not None:
-                row.update(wiki_paired_seeds=wiki_seeds, wiki_paired_delta=round(wiki_delta, 4),
-                           wiki_paired_standard_error=round(wiki_error, 4))
+                row.update(wiki_paired_seeds=wiki_seeds, wiki_paired_delta=wiki_delta,
+                           wiki_paired_standard_error=wiki_error)
             rows.append(row)
     keys = ("llama", "memoryllm_total", "flex_total")
     if all(k in summary for k in keys):
