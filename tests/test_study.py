@@ -26,6 +26,7 @@ import models as study_models  # noqa: E402
 import prepare_data  # noqa: E402
 import study  # noqa: E402
 import token_shards  # noqa: E402
+import verdicts  # noqa: E402
 
 
 def old_pandas_pickle(lines: list[str]) -> bytes:
@@ -432,14 +433,16 @@ def test_orderings_report_the_out_of_domain_paired_difference_beside_the_verdict
     assert claim["verdict"] == "same order, within seed noise"  # the held-out text's, not the Wikipedia set's
 
 
-def write_study(folder: Path, losses: dict, learning_rate: float | None = None, tokens: int = 1000) -> Path:
-    """A study's results.json as study.py writes it, holding only what learning_rates.py reads."""
+def write_study(folder: Path, losses: dict, learning_rate: float | None = None, tokens: int = 1000,
+                size: str = "toy", baseline_parameters: int = 100) -> Path:
+    """A study's results.json as study.py writes it, holding only what learning_rates.py and verdicts.py read."""
     folder.mkdir(parents=True)
     runs = [{"model": model, "seed": seed, "heldout_loss": loss, "device": "test device", "tokens_per_second": 1.0,
              "peak_memory_gib": 1.0, "train_seconds": 1.0, "wall_seconds": 1.0}
             for model, by_seed in losses.items() for seed, loss in enumerate(by_seed)]
-    study_state = {"size": "toy", "tokens": tokens, "eval_tokens": 512, "learning_rate": learning_rate, "runs": runs,
-                   "data": {"splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}}}
+    parameters = {model: {"total": baseline_parameters} for model in losses}
+    study_state = {"size": size, "tokens": tokens, "eval_tokens": 512, "learning_rate": learning_rate, "runs": runs,
+                   "parameters": parameters, "data": {"splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}}}
     (folder / "results.json").write_text(json.dumps(study_state))
     return folder
 
@@ -503,3 +506,63 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     with pytest.raises(ValueError, match="llama seed 0 at learning rate 3e-3 is in both"):
         learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(recipe)])
     assert not (tmp_path / "out2").exists()
+
+
+def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(tmp_path):
+    """One column per sweep, most tokens per parameter first; a cell is the sweep's paired difference at the best
+    rates, bold where resolved, "-" where the sweep lacks the ordering; a bad --sweeps is refused, nothing written."""
+    def sweep(name, size, parameters, losses_by_rate):
+        studies = [write_study(tmp_path / f"{name}_{rate}", losses, learning_rate=rate, size=size,
+                               baseline_parameters=parameters) for rate, losses in losses_by_rate.items()]
+        learning_rates.main(["--out", str(tmp_path / name), "--studies", *map(str, studies)])
+        return str(tmp_path / name)
+
+    wide = sweep("wide", "toy", 1000, {1e-3: {"llama": [5.0, 5.1, 5.2], "flash_mhf": [5.01, 5.12, 5.2]},
+                                       2e-3: {"llama": [5.3, 5.3, 5.3], "flash_mhf": [5.3, 5.3, 5.3]}})
+    narrow = sweep("narrow", "cpu", 100, {1e-3: {"llama": [5.0, 5.1, 5.2], "flash_mhf": [5.1, 5.2, 5.31],
+                                                 "kv_swiglu": [5.0, 5.02], "kvffn": [5.1, 5.12]},
+                                          2e-3: {"llama": [5.3, 5.3, 5.3], "flash_mhf": [5.3, 5.3, 5.3],
+                                                 "kv_swiglu": [5.3, 5.3], "kvffn": [5.3, 5.3]}})
+    report = verdicts.main(["--out", str(tmp_path / "out"), "--sweeps", wide, narrow])
+    assert [s["size"] for s in report["sweeps"]] == ["cpu", "toy"]  # 10 tokens per parameter, then 1
+    assert [s["tokens_per_parameter"] for s in report["sweeps"]] == [10.0, 1.0]
+    first, kv = report["rows"]
+    assert (first["lower"], first["higher"]) == ("flash_mhf", "llama")
+    assert first["cells"]["cpu"]["resolved"] and not first["cells"]["toy"]["resolved"]
+    markdown = (tmp_path / "out" / "verdicts.md").read_text()
+    assert "| `cpu`, 10 tokens/param | `toy`, 1 tokens/param |" in markdown
+    assert "| 3.014 < 3.030 | **-0.103 ± 0.003 (3)** | -0.010 ± 0.006 (3) |" in markdown
+    assert "| 4.927 < 5.161 | **+0.100 ± 0.000 (2)** | - |" in markdown and kv["cells"]["cpu"]["paired_seeds"] == 2
+    assert "| 1e-3 / 1e-3 | 1e-3 / 1e-3 |" in markdown  # the best rates behind each cell
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["verdicts.json", "verdicts.md", "verdicts.png"]
+    with pytest.raises(ValueError, match="--sweeps: one sweep per size"):
+        verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", wide, wide])
+    with pytest.raises(ValueError, match="--sweeps: .* holds no sweep"):
+        verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", str(tmp_path / "wide_0.001")])
+    assert not (tmp_path / "out2").exists()
+
+
+def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeypatch):
+    """examples/results/verdicts/ rebuilds from the committed sweeps it names, and the README's table "The verdicts"
+    holds its cells, row by row (the README adds a verdict in words)."""
+    committed = ROOT / "examples" / "results" / "verdicts"
+    sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
+    monkeypatch.chdir(ROOT)  # (the sweeps name their studies relative to the checkout)
+    verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps])
+    rebuilt = (tmp_path / "verdicts.md").read_text()
+    assert rebuilt == (committed / "verdicts.md").read_text()
+
+    def table_cells(text, header_start, first_cell_column):
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+        rows = []
+        for line in lines[start + 2:]:
+            if not line.startswith("|"):
+                break
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows.append(cells[first_cell_column:first_cell_column + len(sweeps)])
+        return rows
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert table_cells(readme, "| paper's ordering (paper's numbers) |", 1) == \
+        table_cells(rebuilt, "| paper's ordering | paper |", 2)

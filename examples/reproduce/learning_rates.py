@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import aggregate, claims_rows, claims_table, fmt, paired_difference, write_atomic  # noqa: E402
+from study import aggregate, claims_rows, claims_table, fmt, paired_difference, save_figure, write_atomic  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,11 +206,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
     axis.set_title(title, fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: never over a line
-    figure.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=120)
-    plt.close(figure)
-    tmp.replace(path)
+    save_figure(figure, path, dpi=120)
     return True
 
 

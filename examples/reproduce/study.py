@@ -124,6 +124,17 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def save_figure(figure, path: Path, dpi: int) -> None:
+    """Lays a matplotlib figure out, writes it whole to `path` (through a temporary name) and closes it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=dpi)
+    plt.close(figure)
+    os.replace(tmp, path)
+
+
 def config_overrides(fields: dict) -> str:
     return ",".join(f"{key}={json.dumps(value)}" for key, value in fields.items())
 
@@ -747,11 +758,7 @@ def plot_curves(state: dict, path: Path) -> bool:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
     figure.suptitle(f"held-out loss (mean over seeds, band: min-max), {state['device']}, size {state['size']}")
-    figure.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    os.replace(tmp, path)
+    save_figure(figure, path, dpi=100)
     return True
 
 

@@ -1,0 +1,198 @@
+"""The papers' orderings across model sizes: one column per learning-rate sweep (a `learning_rates.py --out` folder),
+each cell the ordering's paired difference with both models at their best rate, as that sweep's last table gives it.
+
+    python examples/reproduce/verdicts.py --out DIR --sweeps SWEEP_DIR [SWEEP_DIR ...]
+
+Writes verdicts.md, verdicts.json and verdicts.png to --out. The columns run from most to fewest training tokens per
+parameter (of the sweep's SwiGLU baseline). A cell is loss(right) - loss(left) over the seeds both models ran, ± its
+standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's verdict calls the
+difference resolved either way. The plot has a panel per ordering: the difference against tokens per parameter,
+with bars of two standard errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from learning_rates import paired_text, rate_text  # noqa: E402
+from study import CLAIMS, save_figure, write_atomic  # noqa: E402
+
+# study.py's verdicts that call a difference resolved (a level claim's "not level: X ahead" too)
+RESOLVED = ("reproduced", "not reproduced")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweeps", nargs="+", required=True,
+                   help="learning_rates.py --out folders (each with learning_rates.json), one per size")
+    p.add_argument("--out", required=True, help="folder for verdicts.{md,json,png}")
+    return p
+
+
+def is_resolved(verdict: str) -> bool:
+    return verdict in RESOLVED or verdict.startswith("not level")
+
+
+def read_sweep(folder: Path) -> dict:
+    """A sweep's size, budget, the SwiGLU baseline's parameters (from the first of its studies that ran it) and its
+    orderings."""
+    path = folder / "learning_rates.json"
+    if not path.is_file():
+        raise ValueError(f"--sweeps: {str(folder)!r} holds no sweep (learning_rates.json is missing)")
+    sweep = json.loads(path.read_text(encoding="utf-8"))
+    total = None
+    for study in sweep["studies"]:
+        results = Path(study) / "results.json"
+        if not results.is_file():
+            raise ValueError(f"--sweeps: {str(folder)!r} names the study {study!r}, which holds no results.json here "
+                             "(run from the folder its paths are relative to)")
+        parameters = json.loads(results.read_text(encoding="utf-8"))["parameters"]
+        if "llama" in parameters:
+            total = parameters["llama"]["total"]
+            break
+    if total is None:
+        raise ValueError(f"--sweeps: no study of {str(folder)!r} ran the SwiGLU baseline (llama) to count")
+    return {"path": str(folder), "size": sweep["size"], "tokens": sweep["tokens"], "parameters": total,
+            "tokens_per_parameter": sweep["tokens"] / total,
+            "devices": sorted({run["device"] for run in sweep["runs"]}),
+            "claims": [c for c in sweep["claims_at_best_rates"] if "lower" in c]}
+
+
+def rows_of(sweeps: list[dict]) -> list[dict]:
+    """One row per ordering (a pair of model keys) that any sweep holds, in study.py's order of them; each sweep's
+    cell, and the ordering as the sweep with the fewest tokens per parameter words it."""
+    rows: dict[tuple[str, str], dict] = {}
+    for sweep in sweeps:
+        for claim in sweep["claims"]:
+            row = rows.setdefault((claim["lower"], claim["higher"]),
+                                  {"lower": claim["lower"], "higher": claim["higher"], "paper": claim["paper"],
+                                   "claims": {}, "cells": {}})
+            row["claims"][sweep["size"]] = claim["claim"]
+            row["cells"][sweep["size"]] = {
+                "paired_delta": claim.get("paired_delta"), "paired_standard_error": claim.get("paired_standard_error"),
+                "paired_seeds": claim["paired_seeds"], "delta": claim["delta"], "verdict": claim["verdict"],
+                "resolved": is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates")}
+    for row in rows.values():
+        row["claim"] = next(row["claims"][s["size"]] for s in reversed(sweeps) if s["size"] in row["claims"])
+    order = [(claim.lower, claim.higher) for claim in CLAIMS]
+    return sorted(rows.values(), key=lambda row: order.index((row["lower"], row["higher"])))
+
+
+def cell_text(cell: dict | None) -> str:
+    if cell is None:
+        return "-"
+    if cell["paired_delta"] is None:  # (no seed in common: the difference of the means)
+        text = f"{cell['delta']:+.3f} (means)"
+    else:
+        text = paired_text((cell["paired_seeds"], cell["paired_delta"], cell["paired_standard_error"]))
+    return f"**{text}**" if cell["resolved"] else text
+
+
+def markdown(sweeps: list[dict], rows: list[dict]) -> str:
+    devices = sorted({d for s in sweeps for d in s["devices"]})
+    header = " | ".join(f"`{s['size']}`, {s['tokens_per_parameter']:.2g} tokens/param" for s in sweeps)
+    lines = ["# The papers' orderings across sizes, each model at its best learning rate", "",
+             "- sweeps: " + ", ".join(f"`{s['path']}` (`{s['size']}`, {s['parameters']:,} parameters, "
+                                       f"{s['tokens']:,} tokens)" for s in sweeps),
+             f"- devices: {', '.join(devices)}", "",
+             "Each cell: loss(right) - loss(left) with both models at their best rate, paired over the seeds both "
+             "ran, ± its standard error (seeds); positive where the paper's ordering holds; **bold** where study.py's "
+             "verdict calls it resolved (with three or more seeds, more than twice its standard error; with fewer, a "
+             "difference of the means more than twice the larger seed deviation); \"-\": not in that sweep.", "",
+             f"| paper's ordering | paper | {header} |", "|---|---|" + "---:|" * len(sweeps)]
+    for row in rows:
+        cells = " | ".join(cell_text(row["cells"].get(s["size"])) for s in sweeps)
+        lines.append(f"| {row['claim']} | {row['paper']} | {cells} |")
+    worded = [(s["size"], row["claims"][s["size"]]) for row in rows for s in sweeps
+              if s["size"] in row["claims"] and row["claims"][s["size"]] != row["claim"]]
+    if worded:
+        lines += ["", "The models of a row differ in shape with the size; where a sweep names them otherwise:", ""]
+        lines += [f"- `{size}`: {claim}" for size, claim in worded]
+    if any(cell["learning_rates"] for row in rows for cell in row["cells"].values()):
+        lines += ["", "Best rates (left / right) behind each cell:", "",
+                  "| paper's ordering | " + " | ".join(f"`{s['size']}`" for s in sweeps) + " |",
+                  "|---|" + "---:|" * len(sweeps)]
+        for row in rows:
+            cells = []
+            for sweep in sweeps:
+                pair = row["cells"].get(sweep["size"], {}).get("learning_rates")
+                cells.append(" / ".join(rate_text(rate) for rate in pair) if pair else "-")
+            lines.append(f"| {row['claim']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
+    """A panel per ordering: its paired difference against tokens per parameter (log scale), bars of two standard
+    errors, filled markers where resolved; above zero the paper's ordering holds."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
+    except ImportError:
+        print("matplotlib is not installed: no verdicts.png")
+        return False
+    columns = 4
+    lines_of_panels = -(-len(rows) // columns)
+    figure, axes = plt.subplots(lines_of_panels, columns, figsize=(4.2 * columns, 3.0 * lines_of_panels),
+                                squeeze=False)
+    ratio = {s["size"]: s["tokens_per_parameter"] for s in sweeps}
+    ticks = sorted(ratio.values())
+    for axis, row in zip(axes.flat, rows):
+        trend = sorted((ratio[size], cell["paired_delta"]) for size, cell in row["cells"].items()
+                       if cell["paired_delta"] is not None)
+        axis.plot(*zip(*trend), color="tab:blue", linewidth=0.8, alpha=0.5)
+        for size, cell in row["cells"].items():
+            if cell["paired_delta"] is None:
+                continue
+            error = 2 * cell["paired_standard_error"] if cell["paired_standard_error"] is not None else None
+            axis.errorbar([ratio[size]], [cell["paired_delta"]], yerr=error, marker="o", capsize=3, color="tab:blue",
+                          markerfacecolor="tab:blue" if cell["resolved"] else "white")
+            axis.annotate(size, (ratio[size], cell["paired_delta"]), textcoords="offset points", xytext=(4, 4),
+                          fontsize=7)
+        axis.axhline(0.0, color="grey", linewidth=0.8)
+        axis.set_xscale("log")
+        axis.set_xticks(ticks, [f"{tick:.2g}" for tick in ticks])
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_title(row["claim"], fontsize=8)
+        axis.set_xlabel("training tokens per parameter", fontsize=7)
+        axis.set_ylabel("loss(right) - loss(left)", fontsize=7)
+        axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3)
+    for axis in list(axes.flat)[len(rows):]:
+        axis.set_visible(False)
+    devices = ", ".join(sorted({d for s in sweeps for d in s["devices"]}))
+    figure.suptitle(f"the papers' orderings, each model at its best rate ({devices}); above zero: the paper's order, "
+                    "filled: resolved, bars: 2 standard errors", fontsize=9)
+    save_figure(figure, path, dpi=110)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    sweeps = [read_sweep(Path(folder)) for folder in args.sweeps]
+    sizes = [s["size"] for s in sweeps]
+    repeated = sorted({size for size in sizes if sizes.count(size) > 1})
+    if repeated:
+        raise ValueError(f"--sweeps: one sweep per size; {repeated} given more than once")
+    sweeps.sort(key=lambda s: -s["tokens_per_parameter"])
+    rows = rows_of(sweeps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"sweeps": [{k: v for k, v in s.items() if k != "claims"} for s in sweeps], "rows": rows}
+    write_atomic(out / "verdicts.json", json.dumps(report, indent=1) + "\n")
+    text = markdown(sweeps, rows)
+    write_atomic(out / "verdicts.md", text)
+    plot(sweeps, rows, out / "verdicts.png")
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
