@@ -397,9 +397,12 @@ def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_wa
     assert behind["claim"] == "SwiGLU level with MH-FFN" and behind["verdict"] == "not level: SwiGLU ahead"
     assert claim([4.94, 5.05, 4.98])["verdict"] == "not level: MH-FFN ahead"
     assert claim([5.01, 5.08, 5.07])["verdict"] == "level, within seed noise"
+    # verdicts.py reads "resolved" from these texts
+    assert study.verdict_is_resolved(behind["verdict"]) and not study.verdict_is_resolved("level, within seed noise")
     summary = {m: {"heldout_loss_mean": loss, "heldout_loss_std": None} for m, loss in [("a", 5.0), ("b", 5.3)]}
     assert study.verdict(summary["a"], summary["b"], level=True)[1] == "undecided (one seed)"
     assert study.verdict(summary["a"], summary["b"])[1] == "reproduced (one seed)"
+    assert not study.verdict_is_resolved("reproduced (one seed)")
 
 
 def test_orderings_table_rounds_each_difference_once():

@@ -481,6 +481,12 @@ def verdict(lower: dict, higher: dict,
     return delta, "same order, within seed noise" if sign > 0 else "reversed, within seed noise"
 
 
+def verdict_is_resolved(text: str) -> bool:
+    """Whether a text of `verdict`'s calls the difference resolved, either way (a level claim's "not level: X ahead"
+    too; a verdict from one seed never)."""
+    return text in ("reproduced", "not reproduced") or text.startswith("not level")
+
+
 def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dict]:
     rows = []
     for group, lower, higher, paper, level in CLAIMS:

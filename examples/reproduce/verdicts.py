@@ -20,11 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from learning_rates import paired_text, rate_text  # noqa: E402
-from study import CLAIMS, save_figure, write_atomic  # noqa: E402
-
-# study.py's verdicts that call a difference resolved (a level claim's "not level: X ahead" too)
-RESOLVED = ("reproduced", "not reproduced")
-
+from study import CLAIMS, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,10 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning_rates.py --out folders (each with learning_rates.json), one per size")
     p.add_argument("--out", required=True, help="folder for verdicts.{md,json,png}")
     return p
-
-
-def is_resolved(verdict: str) -> bool:
-    return verdict in RESOLVED or verdict.startswith("not level")
 
 
 def read_sweep(folder: Path) -> dict:
@@ -76,7 +68,7 @@ def rows_of(sweeps: list[dict]) -> list[dict]:
             row["cells"][sweep["size"]] = {
                 "paired_delta": claim.get("paired_delta"), "paired_standard_error": claim.get("paired_standard_error"),
                 "paired_seeds": claim["paired_seeds"], "delta": claim["delta"], "verdict": claim["verdict"],
-                "resolved": is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates")}
+                "resolved": verdict_is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates")}
     for row in rows.values():
         row["claim"] = next(row["claims"][s["size"]] for s in reversed(sweeps) if s["size"] in row["claims"])
     order = [(claim.lower, claim.higher) for claim in CLAIMS]
