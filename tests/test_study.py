@@ -493,6 +493,7 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     assert list(report["models"]) == ["llama", "pkv"]  # kvffn ran at one rate only
     pkv = report["models"]["pkv"]
     assert report["models"]["llama"]["best_learning_rate"] == pkv["best_learning_rate"] == 1e-3
+    assert pkv["best_rate_edge"] == "lowest"  # of the two rates it ran: 1e-3 is bounded above only
     assert pkv["rates"]["3e-3"]["learning_rate"] == 3e-3  # the recipe's, for the study without --learning-rate
     seeds, delta, error = pkv["vs_baseline_at_best"]
     assert pkv["baseline"] == "llama" and "baseline" not in report["models"]["llama"]
@@ -500,6 +501,12 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     assert error == pytest.approx(statistics.stdev([0.05, 0.1, 0.1]) / math.sqrt(3))
     markdown = (tmp_path / "out" / "learning_rates.md").read_text()
     assert "| model | lr 1e-3 | lr 3e-3 |" in markdown and "**4.800 ± 0.100 (3)**" in markdown
+    assert ("Best rates not bounded on both sides (a rate beyond the ones run might do better): SwiGLU (transformers "
+            "Llama) (1e-3, the lowest it ran); PKV d_h=32 (1e-3, the lowest it ran).") in markdown
+    named = learning_rates.main(["--out", str(tmp_path / "named"), "--studies", str(recipe), str(low),
+                                 "--models", "llama,kvffn"])  # kvffn ran at its recipe's rate alone
+    assert named["models"]["kvffn"]["best_rate_edge"] == "only"
+    assert "KV-FFN (3e-4, the only rate it ran)." in (tmp_path / "named" / "learning_rates.md").read_text()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "learning_rates.json", "learning_rates.md", "learning_rates.png"]
 
@@ -509,6 +516,13 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     with pytest.raises(ValueError, match="llama seed 0 at learning rate 3e-3 is in both"):
         learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(recipe)])
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_best_rate_is_marked_where_no_rate_beyond_it_ran():
+    assert learning_rates.rate_edge([1e-3, 2e-3, 3e-3], 2e-3) is None
+    assert learning_rates.rate_edge([2e-3, 1e-3, 3e-3], 1e-3) == "lowest"
+    assert learning_rates.rate_edge([1e-3, 3e-3], 3e-3) == "highest"
+    assert learning_rates.rate_edge([1e-3], 1e-3) == "only"
 
 
 def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(tmp_path):
@@ -521,7 +535,8 @@ def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(
         return str(tmp_path / name)
 
     wide = sweep("wide", "toy", 1000, {1e-3: {"llama": [5.0, 5.1, 5.2], "flash_mhf": [5.01, 5.12, 5.2]},
-                                       2e-3: {"llama": [5.3, 5.3, 5.3], "flash_mhf": [5.3, 5.3, 5.3]}})
+                                       2e-3: {"llama": [5.3, 5.3, 5.3], "flash_mhf": [5.3, 5.3, 5.3]},
+                                       5e-4: {"llama": [5.4, 5.4, 5.4], "flash_mhf": [5.4, 5.4, 5.4]}})
     narrow = sweep("narrow", "cpu", 100, {1e-3: {"llama": [5.0, 5.1, 5.2], "flash_mhf": [5.1, 5.2, 5.31],
                                                  "kv_swiglu": [5.0, 5.02], "kvffn": [5.1, 5.12]},
                                           2e-3: {"llama": [5.3, 5.3, 5.3], "flash_mhf": [5.3, 5.3, 5.3],
@@ -536,7 +551,8 @@ def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(
     assert "| `cpu`, 10 tokens/param | `toy`, 1 tokens/param |" in markdown
     assert "| 3.014 < 3.030 | **-0.103 ± 0.003 (3)** | -0.010 ± 0.006 (3) |" in markdown
     assert "| 4.927 < 5.161 | **+0.100 ± 0.000 (2)** | - |" in markdown and kv["cells"]["cpu"]["paired_seeds"] == 2
-    assert "| 1e-3 / 1e-3 | 1e-3 / 1e-3 |" in markdown  # the best rates behind each cell
+    # the best rates behind each cell, marked where the sweep ran no rate below (or above) them
+    assert "| 1e-3 (lowest) / 1e-3 (lowest) | 1e-3 / 1e-3 |" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["verdicts.json", "verdicts.md", "verdicts.png"]
     with pytest.raises(ValueError, match="--sweeps: one sweep per size"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", wide, wide])

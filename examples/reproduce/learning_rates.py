@@ -80,7 +80,9 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
             per_rate[rate_text(rate)] = {"learning_rate": rate, "seeds": sorted(entry["seeds"]),
                                          **{k: entry[k] for k in ("heldout_loss_mean", "heldout_loss_std")}}
         best = min(per_rate.values(), key=lambda entry: entry["heldout_loss_mean"])
-        table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"]}
+        table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"],
+                      "best_rate_edge": rate_edge([entry["learning_rate"] for entry in per_rate.values()],
+                                                  best["learning_rate"])}
     for key in keys:
         base = baselines[key]
         if base == key or base not in table:
@@ -97,6 +99,18 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
     return table
 
 
+def rate_edge(rates: list[float], best: float) -> str | None:
+    """Where the best rate lies among the rates a model ran: "lowest" or "highest" of them (so a rate beyond might do
+    better: the best is bounded on one side only), "only" (one rate ran), or None (rates on both sides did worse)."""
+    if len(rates) == 1:
+        return "only"
+    if best == min(rates):
+        return "lowest"
+    if best == max(rates):
+        return "highest"
+    return None
+
+
 def claims_at_best_rates(runs: list[dict], table: dict, labels: dict) -> list[dict]:
     """study.py's rows of the papers' orderings between the models of `table`, each model's runs taken at its best
     rate (so two models may have run at different rates); every row names both rates."""
@@ -106,6 +120,7 @@ def claims_at_best_rates(runs: list[dict], table: dict, labels: dict) -> list[di
     for row in rows:
         if "lower" in row:
             row["learning_rates"] = [table[row[side]]["best_learning_rate"] for side in ("lower", "higher")]
+            row["learning_rate_edges"] = [table[row[side]]["best_rate_edge"] for side in ("lower", "higher")]
     return rows
 
 
@@ -147,6 +162,11 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
             text += f" ({len(cell['seeds'])})"
             cells.append(f"**{text}**" if rate == entry["best_learning_rate"] else text)
         lines.append(f"| {labels[key]} | " + " | ".join(cells) + " |")
+    where = {"lowest": "the lowest it ran", "highest": "the highest it ran", "only": "the only rate it ran"}
+    edges = [f"{labels[key]} ({rate_text(entry['best_learning_rate'])}, {where[entry['best_rate_edge']]})"
+             for key, entry in table.items() if entry["best_rate_edge"]]
+    lines += ["", "Best rates not bounded on both sides (a rate beyond the ones run might do better): "
+              + ("; ".join(edges) if edges else "none") + "."]
     compared = [key for key, entry in table.items() if "baseline" in entry]
     if compared:
         lines += ["", "Paired difference from the baseline of each model's group (loss(model) - loss(baseline) over "
@@ -194,7 +214,9 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
         means = [cell["heldout_loss_mean"] for cell in cells]
         spread = [[r["heldout_loss"] for r in runs if r["model"] == key and r["learning_rate"] == rate]
                   for rate in rates]
-        errors = [[m - min(s) for m, s in zip(means, spread)], [max(s) - m for m, s in zip(means, spread)]]
+        # (clamped at zero: the mean of equal losses can round a hair past them)
+        errors = [[max(0.0, m - min(s)) for m, s in zip(means, spread)],
+                  [max(0.0, max(s) - m) for m, s in zip(means, spread)]]
         axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=f"{labels[key]} ({recipes[key]} recipe)",
                       color=colours[index % len(colours)], linestyle="-" if recipes[key] == first_recipe else "--")
     axis.set_xscale("log")

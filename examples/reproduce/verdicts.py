@@ -68,7 +68,8 @@ def rows_of(sweeps: list[dict]) -> list[dict]:
             row["cells"][sweep["size"]] = {
                 "paired_delta": claim.get("paired_delta"), "paired_standard_error": claim.get("paired_standard_error"),
                 "paired_seeds": claim["paired_seeds"], "delta": claim["delta"], "verdict": claim["verdict"],
-                "resolved": verdict_is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates")}
+                "resolved": verdict_is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates"),
+                "learning_rate_edges": claim.get("learning_rate_edges")}
     for row in rows.values():
         row["claim"] = next(row["claims"][s["size"]] for s in reversed(sweeps) if s["size"] in row["claims"])
     order = [(claim.lower, claim.higher) for claim in CLAIMS]
@@ -106,14 +107,18 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
         lines += ["", "The models of a row differ in shape with the size; where a sweep names them otherwise:", ""]
         lines += [f"- `{size}`: {claim}" for size, claim in worded]
     if any(cell["learning_rates"] for row in rows for cell in row["cells"].values()):
-        lines += ["", "Best rates (left / right) behind each cell:", "",
+        lines += ["", "Best rates (left / right) behind each cell; \"(lowest)\" / \"(highest)\" / \"(only)\": the "
+                  "lowest, highest or only of the rates that model ran in that sweep, so a rate beyond might do "
+                  "better:", "",
                   "| paper's ordering | " + " | ".join(f"`{s['size']}`" for s in sweeps) + " |",
                   "|---|" + "---:|" * len(sweeps)]
         for row in rows:
             cells = []
             for sweep in sweeps:
-                pair = row["cells"].get(sweep["size"], {}).get("learning_rates")
-                cells.append(" / ".join(rate_text(rate) for rate in pair) if pair else "-")
+                cell = row["cells"].get(sweep["size"], {})
+                pair, edges = cell.get("learning_rates"), cell.get("learning_rate_edges") or [None, None]
+                cells.append(" / ".join(rate_text(rate) + (f" ({edge})" if edge else "")
+                                        for rate, edge in zip(pair, edges)) if pair else "-")
             lines.append(f"| {row['claim']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
