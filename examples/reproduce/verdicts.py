@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE))
 from learning_rates import paired_text, rate_text  # noqa: E402
 from study import CLAIMS, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweeps", nargs="+", required=True,
