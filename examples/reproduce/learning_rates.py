@@ -222,6 +222,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
     axis.set_xscale("log")
     every_rate = sorted({cell["learning_rate"] for entry in table.values() for cell in entry["rates"].values()})
     axis.set_xticks(every_rate, [rate_text(rate) for rate in every_rate])
+    axis.tick_params(axis="x", labelsize=8, labelrotation=30)  # (close rates, such as 5e-3 and 6e-3, stay apart)
     axis.xaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("peak learning rate")
     axis.set_ylabel("held-out loss (mean, bars: min-max over seeds)")
