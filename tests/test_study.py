@@ -513,9 +513,35 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
     other = write_study(tmp_path / "other", {"llama": [4.0]}, learning_rate=2e-3, tokens=2000)
     with pytest.raises(ValueError, match="compare studies of one size, budget and data"):
         learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(other)])
-    with pytest.raises(ValueError, match="llama seed 0 at learning rate 3e-3 is in both"):
-        learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(recipe)])
+    with pytest.raises(ValueError, match=r"--studies: \['.*recipe'\] named more than once"):
+        learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(recipe), str(low), str(recipe)])
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_run_in_two_learning_rate_studies_is_kept_once_and_listed_as_a_repeat(tmp_path):
+    """The same model, rate and seed in two studies (a recipe study and a --learning-rate study at the recipe's rate):
+    the tables keep the run of the first study named and the report lists the other beside it, in the JSON and the
+    markdown, with its rate; the table's seeds and means are those of the kept runs alone."""
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2], "memoryllm_active": [4.6, 4.7]})
+    again = write_study(tmp_path / "again", {"llama": [4.8, 4.9], "memoryllm_active": [4.5, 4.72]},
+                        learning_rate=3e-3)  # the flash-mhf recipe's rate: the recipe study's runs again
+    lower = write_study(tmp_path / "lower", {"llama": [4.7, 4.8], "memoryllm_active": [4.4, 4.4]}, learning_rate=2e-3)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(recipe), str(again), str(lower)])
+    memory = report["models"]["memoryllm_active"]["rates"]["3e-3"]
+    assert memory["seeds"] == [0, 1] and memory["heldout_loss_mean"] == pytest.approx(4.65)
+    assert len(report["runs"]) == 8 and {r["study"] for r in report["runs"] if r["learning_rate"] == 3e-3} == \
+        {str(recipe)}
+    repeats = {(r["model"], r["seed"]): r for r in report["repeats"]}
+    assert sorted(repeats) == [("llama", 0), ("llama", 1), ("memoryllm_active", 0), ("memoryllm_active", 1)]
+    assert repeats[("memoryllm_active", 0)] == {
+        "model": "memoryllm_active", "seed": 0, "learning_rate": 3e-3, "heldout_loss": 4.5, "device": "test device",
+        "study": str(again), "kept_heldout_loss": 4.6, "kept_study": str(recipe)}
+    markdown = (tmp_path / "out" / "learning_rates.md").read_text()
+    assert "## Runs repeated with the same seed" in markdown and "in a later study of --studies" in markdown
+    assert f"| MemoryLLM, equal active | 3e-3 | 0 | 4.600 | 4.500 | -0.100 | - | {again} |" in markdown
+    assert "- 4 repeats both on test device: repeat - kept, mean ± sample standard deviation, held-out -0.145 ± 0.137" \
+        in markdown
+    assert markdown.endswith("\n") and not markdown.endswith("\n\n")
 
 
 def test_a_best_rate_is_marked_where_no_rate_beyond_it_ran():

@@ -7,7 +7,9 @@ Writes learning_rates.md, learning_rates.json and learning_rates.png to --out: p
 (mean ± standard deviation over seeds), each model's best rate, and every model's paired difference from its
 group's baseline (SwiGLU; for the KV-FFN group, SwiGLU with that group's recipe) at each rate and at each one's best
 rate, and the papers' orderings that study.py checks (`study.CLAIMS`) with each model at its best rate. A seed fixes
-the order of the training batches whatever the rate, so runs of one seed are paired across rates too.
+the order of the training batches whatever the rate, so runs of one seed are paired across rates too. A model, rate
+and seed run in two studies keeps its run in the first of them, in the order of --studies; the later run is listed
+as a repeat beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import aggregate, claims_rows, claims_table, fmt, paired_difference, save_figure, write_atomic  # noqa: E402
+from study import (aggregate, claims_rows, claims_table, fmt, paired_difference, repeat_pairs_markdown,  # noqa: E402
+                   save_figure, write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,9 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_runs(folders: list[Path]) -> tuple[dict, list[dict]]:
-    """The first study's settings and every run of all of them, each with the peak learning rate it trained at.
-    Studies of another size, budget or data are refused."""
+def read_runs(folders: list[Path]) -> tuple[dict, list[dict], list[tuple[dict, dict]]]:
+    """The first study's settings, every run of all of them with the peak learning rate it trained at, and the runs
+    repeated with a model, rate and seed of an earlier study as (kept run, repeat) pairs, the repeat left out of the
+    runs. Studies of another size, budget or data, and a study named twice, are refused."""
+    named = [folder.resolve() for folder in folders]
+    twice = sorted({str(folder) for folder, path in zip(folders, named) if named.count(path) > 1})
+    if twice:
+        raise ValueError(f"--studies: {twice} named more than once; name each study once")
     studies = []
     for folder in folders:
         path = folder / "results.json"
@@ -48,7 +56,8 @@ def read_runs(folders: list[Path]) -> tuple[dict, list[dict]]:
         return {"size": study["size"], "tokens": study["tokens"], "eval_tokens": study["eval_tokens"], "data": splits}
 
     recipes = {m.key: m.recipe for m in study_models.study_models(study_models.SHAPES[first["size"]])}
-    runs = []
+    kept: dict[tuple, dict] = {}
+    repeats = []
     for folder, study in studies:
         if settings(study) != settings(first):
             raise ValueError(f"--studies: {str(folder)!r} was made with {settings(study)}, {str(first_folder)!r} "
@@ -56,15 +65,13 @@ def read_runs(folders: list[Path]) -> tuple[dict, list[dict]]:
         for run in study["runs"]:
             rate = run.get("learning_rate") or study.get("learning_rate") or \
                 study_models.RECIPES[recipes[run["model"]]].learning_rate
-            runs.append({**run, "learning_rate": rate, "study": str(folder)})
-    seen = {}
-    for run in runs:
-        key = (run["model"], run["learning_rate"], run["seed"])
-        if key in seen:
-            raise ValueError(f"--studies: {run['model']} seed {run['seed']} at learning rate "
-                             f"{rate_text(run['learning_rate'])} is in both {seen[key]!r} and {run['study']!r}")
-        seen[key] = run["study"]
-    return first, runs
+            run = {**run, "learning_rate": rate, "study": str(folder)}
+            key = (run["model"], rate, run["seed"])
+            if key in kept:
+                repeats.append((kept[key], run))
+            else:
+                kept[key] = run
+    return first, list(kept.values()), repeats
 
 
 def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> dict:
@@ -137,7 +144,8 @@ def paired_text(paired) -> str:
     return f"{delta:+.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" ({seeds})"
 
 
-def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict]) -> str:
+def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict],
+             repeats: list[tuple[dict, dict]]) -> str:
     rates = sorted({r["learning_rate"] for r in runs if r["model"] in table})
     devices = sorted({r["device"] for r in runs if r["model"] in table})
     lines = [
@@ -190,7 +198,9 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
                   "error; with fewer, when |Δ| is more than twice the larger seed standard deviation). Only the "
                   "models of the tables above: those run at two or more rates, unless --models names them.", "",
                   *claims_rows(claims, rates)]
-    return "\n".join(lines) + "\n"
+    if repeats:
+        lines += ["", *repeat_pairs_markdown(repeats, labels, "in a later study of --studies", rate_text)]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str, path: Path) -> bool:
@@ -236,7 +246,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     folders = [Path(folder) for folder in args.studies]
-    first, runs = read_runs(folders)
+    first, runs, repeats = read_runs(folders)
     described = study_models.study_models(study_models.SHAPES[first["size"]])
     labels = {m.key: m.label for m in described}
     baselines = {m.key: study_models.GROUP_BASELINES[m.group] for m in described}
@@ -255,6 +265,7 @@ def main(argv=None) -> dict:
             raise ValueError("--studies: no model was run at two or more learning rates")
     keys.sort(key=lambda k: list(labels).index(k))
     chosen = [r for r in runs if r["model"] in keys]
+    repeats = [(run, repeat) for run, repeat in repeats if run["model"] in keys]
     table = summarize(chosen, keys, baselines)
     claims = claims_at_best_rates(chosen, table, labels)
     out = Path(args.out)
@@ -264,9 +275,12 @@ def main(argv=None) -> dict:
               "studies": studies, "labels": {k: labels[k] for k in keys}, "models": table,
               "claims_at_best_rates": claims,
               "runs": [{k: r[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
-                       for r in chosen]}
+                       for r in chosen],
+              "repeats": [{k: repeat[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
+                          | {"kept_heldout_loss": run["heldout_loss"], "kept_study": run["study"]}
+                          for run, repeat in repeats]}
     write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
-    text = markdown(first, chosen, table, labels, studies, claims)
+    text = markdown(first, chosen, table, labels, studies, claims, repeats)
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
     title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}"

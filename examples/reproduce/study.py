@@ -592,30 +592,38 @@ def calls_markdown(state: dict) -> list[str]:
 
 
 def repeats_markdown(state: dict) -> list[str]:
-    """The runs repeated with a seed already run (merged studies): both losses and their difference, and both runs'
-    devices where any repeat ran on another device than its kept run."""
-    if not state.get("repeats"):
-        return []
+    """The runs repeated with a seed already run (merged studies), beside the runs the tables keep."""
     kept = {(run["model"], run["seed"]): run for run in state["runs"]}
-    pairs = [(kept[(repeat["model"], repeat["seed"])], repeat) for repeat in state["repeats"]]
+    pairs = [(kept[(repeat["model"], repeat["seed"])], repeat) for repeat in state.get("repeats", [])]
+    return repeat_pairs_markdown(pairs, state["labels"], "in another of the studies merged here")
+
+
+def repeat_pairs_markdown(pairs: list[tuple[dict, dict]], labels: dict, where: str, rate_text=None) -> list[str]:
+    """(kept run, repeat) pairs of one model and seed (and peak learning rate: a column, written by `rate_text`, where
+    that is given): both losses and their difference, and both runs' devices where any repeat ran on another device
+    than its kept run; `where` says where the repeats come from."""
+    with_rate = rate_text is not None
+    if not pairs:
+        return []
     across_devices = any(run.get("device") != repeat.get("device") for run, repeat in pairs)
     what = "run-to-run non-determinism of the GPU's kernels alone"
     if across_devices:
         what += "; where the devices differ (last column), the two devices' differences are in it too"
-    columns = [("model", "---"), ("seed", "---:"), ("kept run", "---:"), ("repeat", "---:"), ("repeat - kept", "---:"),
-               ("Wikipedia: repeat - kept", "---:"), ("repeat's study", "---")]
+    columns = [("model", "---"), *([("lr", "---:")] if with_rate else []), ("seed", "---:"), ("kept run", "---:"),
+               ("repeat", "---:"), ("repeat - kept", "---:"), ("Wikipedia: repeat - kept", "---:"),
+               ("repeat's study", "---")]
     columns += [("kept on / repeat on", "---")] if across_devices else []
+    same = "model, learning rate, seed" if with_rate else "model, seed"
     lines = ["## Runs repeated with the same seed", "",
-             "The same model, seed and order of batches run again, in another of the studies merged here; the "
-             "tables above keep the first run. Where both ran on one device and software, their difference is the "
-             f"{what}.", "", "| " + " | ".join(name for name, _ in columns) + " |",
-             "|" + "|".join(align for _, align in columns) + "|"]
+             f"The same {same} and order of batches run again, {where}; the tables above keep the first run. Where "
+             f"both ran on one device and software, their difference is the {what}.", "",
+             "| " + " | ".join(name for name, _ in columns) + " |", "|" + "|".join(align for _, align in columns) + "|"]
     for run, repeat in pairs:
         wiki = "-" if repeat.get("wiki_loss") is None or run.get("wiki_loss") is None else \
             f"{repeat['wiki_loss'] - run['wiki_loss']:+.3f}"
-        cells = [state["labels"][repeat["model"]], str(repeat["seed"]), f"{run['heldout_loss']:.3f}",
-                 f"{repeat['heldout_loss']:.3f}", f"{repeat['heldout_loss'] - run['heldout_loss']:+.3f}", wiki,
-                 repeat["study"]]
+        cells = [labels[repeat["model"]], *([rate_text(repeat["learning_rate"])] if with_rate else []),
+                 str(repeat["seed"]), f"{run['heldout_loss']:.3f}", f"{repeat['heldout_loss']:.3f}",
+                 f"{repeat['heldout_loss'] - run['heldout_loss']:+.3f}", wiki, repeat["study"]]
         cells += [f"{run.get('device') or '?'} / {repeat.get('device') or '?'}"] if across_devices else []
         lines.append("| " + " | ".join(cells) + " |")
     summary = repeat_summary_lines(pairs)
