@@ -602,9 +602,9 @@ def repeat_pairs_markdown(pairs: list[tuple[dict, dict]], labels: dict, where: s
     """(kept run, repeat) pairs of one model and seed (and peak learning rate: a column, written by `rate_text`, where
     that is given): both losses and their difference, and both runs' devices where any repeat ran on another device
     than its kept run; `where` says where the repeats come from."""
-    with_rate = rate_text is not None
     if not pairs:
         return []
+    with_rate = rate_text is not None
     across_devices = any(run.get("device") != repeat.get("device") for run, repeat in pairs)
     what = "run-to-run non-determinism of the GPU's kernels alone"
     if across_devices:
