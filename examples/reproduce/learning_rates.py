@@ -243,6 +243,11 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
     return True
 
 
+def run_fields(run: dict) -> dict:
+    """What the JSON report keeps of a run."""
+    return {k: run[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     folders = [Path(folder) for folder in args.studies]
@@ -274,10 +279,8 @@ def main(argv=None) -> dict:
     report = {"size": first["size"], "tokens": first["tokens"], "eval_tokens": first["eval_tokens"],
               "studies": studies, "labels": {k: labels[k] for k in keys}, "models": table,
               "claims_at_best_rates": claims,
-              "runs": [{k: r[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
-                       for r in chosen],
-              "repeats": [{k: repeat[k] for k in ("model", "seed", "learning_rate", "heldout_loss", "device", "study")}
-                          | {"kept_heldout_loss": run["heldout_loss"], "kept_study": run["study"]}
+              "runs": [run_fields(r) for r in chosen],
+              "repeats": [run_fields(repeat) | {"kept_heldout_loss": run["heldout_loss"], "kept_study": run["study"]}
                           for run, repeat in repeats]}
     write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
     text = markdown(first, chosen, table, labels, studies, claims, repeats)
