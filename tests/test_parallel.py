@@ -82,7 +82,10 @@ def checkpoints(tmp_path_factory):
 
 def run_workers(root, mode: str) -> dict:
     # gloo on the CPU, like the one-process reference (on a GPU machine, rank 1 would ask for a second GPU)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # the workers import the copy of hf_memffn this test imported, installed or not
+    package_root = os.path.dirname(os.path.dirname(hf_memffn.__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(root / "worker.py"), mode, str(root), ",".join(ARCHS)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def test_run_specs_name_the_allowed_values():
 @pytest.mark.slow
 def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the recipe's runs on the CPU, on a GPU machine too
+    # its runs import this checkout, installed or not
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     data = tmp_path / "data"
     prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
                        "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "20000",
