@@ -267,14 +267,15 @@ def _brace_expansions(name: str) -> list[str]:
 
 def test_every_result_file_the_docs_name_exists():
     """Each GPU result file that README.md, docs/speed.md, the results index and the kernel notes cite (`h100_*`,
-    `h100x4_*`, `h200x4_*`, with `.*` for a file set) is committed under kernels/results or examples/results."""
+    `h100x4_*`, `h200_*`, `h200x4_*`, with `.*` for a file set) is committed under kernels/results or
+    examples/results."""
     committed = {name for folder in ("kernels/results", "examples/results")
                  for _, _, names in os.walk(os.path.join(ROOT, folder)) for name in names}
     missing = []
     for doc in ("README.md", "docs/speed.md", "kernels/results/models/README.md", "kernels/flash_mhf_notes.md"):
         with open(os.path.join(ROOT, doc), encoding="utf-8") as handle:
             text = handle.read()
-        for cited in set(re.findall(r"`(?:[\w.]+/)*((?:h100|h200x4|h100x4)[A-Za-z0-9_.{},*\-]*)`", text)):
+        for cited in set(re.findall(r"`(?:[\w.]+/)*((?:h100|h200)[A-Za-z0-9_.{},*\-]*)`", text)):
             for name in _brace_expansions(cited):
                 pattern = re.escape(name[:-1]) + ".+" if name.endswith(".*") else re.escape(name).replace(r"\*", ".*")
                 if not any(re.fullmatch(pattern, file) for file in committed):
