@@ -97,6 +97,12 @@ def window_rates(train_log: Path) -> list[float]:
     return rates
 
 
+def run_environment() -> dict:
+    """The runs import the checkout this script imported (it puts the checkout first on its path), installed or not."""
+    pythonpath = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
+
+
 def measure(run: dict, args) -> dict:
     output_dir = args.work / run["name"]
     shutil.rmtree(output_dir, ignore_errors=True)  # a folder left by an earlier call would resume and add to its log
@@ -104,7 +110,7 @@ def measure(run: dict, args) -> dict:
     started = time.perf_counter()
     with log_path.open("w", encoding="utf-8") as log:
         completed = subprocess.run(recipe_command(run, args, output_dir), stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env=run_environment())
     row = {**run, "returncode": completed.returncode, "wall_s": round(time.perf_counter() - started, 1)}
     summary_path, train_log = output_dir / "summary.json", output_dir / "train_log.jsonl"
     if completed.returncode != 0 or not summary_path.is_file():

@@ -33,8 +33,6 @@ def test_run_specs_name_the_allowed_values():
 @pytest.mark.slow
 def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the recipe's runs on the CPU, on a GPU machine too
-    # its runs import this checkout, installed or not
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     data = tmp_path / "data"
     prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
                        "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "20000",
@@ -57,6 +55,8 @@ def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     assert "| flash_mhf_eager_b2 | flash_mhf | eager | 2 |" in table and "cpu" in table
     assert not list(out.glob(".*.tmp"))
     assert not list((tmp_path / "work").glob("*_eager_b2*"))  # each run's folder (its saved model) is gone once read
+    # the runs import the checkout the script imported, also where the package is not installed
+    assert recipe_speed.run_environment()["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
 def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_path, capsys):
