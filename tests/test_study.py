@@ -580,11 +580,48 @@ def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(
     # the best rates behind each cell, marked where the sweep ran no rate below (or above) them
     assert "| 1e-3 (lowest) / 1e-3 (lowest) | 1e-3 / 1e-3 |" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["verdicts.json", "verdicts.md", "verdicts.png"]
-    with pytest.raises(ValueError, match="--sweeps: one sweep per size"):
+    with pytest.raises(ValueError, match="--sweeps: one sweep per size and budget"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", wide, wide])
     with pytest.raises(ValueError, match="--sweeps: .* holds no sweep"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", str(tmp_path / "wide_0.001")])
     assert not (tmp_path / "out2").exists()
+
+
+def test_verdicts_of_one_size_at_several_budgets_name_each_column_by_its_budget(tmp_path):
+    """Sweeps of one size trained on different numbers of tokens: a column each, named by size and budget, most tokens
+    first; a budget longer than the training stream says how many passes it made; --shared-orderings-only keeps the
+    orderings that every sweep holds."""
+    def sweep(name, tokens, losses):
+        studies = []
+        for rate, by_model in losses.items():
+            folder = write_study(tmp_path / f"{name}_{rate}", by_model, learning_rate=rate, tokens=tokens, size="toy",
+                                 baseline_parameters=1000)
+            state = json.loads((folder / "results.json").read_text())
+            state["data"]["splits"]["train"]["tokens"] = 2000  # the training stream: 2,000 tokens
+            (folder / "results.json").write_text(json.dumps(state))
+            studies.append(str(folder))
+        learning_rates.main(["--out", str(tmp_path / name), "--studies", *studies])
+        return str(tmp_path / name)
+
+    short = sweep("short", 1000, {1e-3: {"llama": [5.2, 5.3, 5.4], "flash_mhf": [5.1, 5.2, 5.3],
+                                         "kv_swiglu": [5.0, 5.0], "kvffn": [5.1, 5.1]},
+                                  2e-3: {"llama": [5.5, 5.5, 5.5], "flash_mhf": [5.5, 5.5, 5.5],
+                                         "kv_swiglu": [5.5, 5.5], "kvffn": [5.5, 5.5]}})
+    long = sweep("long", 4000, {1e-3: {"llama": [4.0, 4.1, 4.2], "flash_mhf": [4.2, 4.3, 4.4]},
+                                2e-3: {"llama": [4.5, 4.5, 4.5], "flash_mhf": [4.5, 4.5, 4.5]}})
+    report = verdicts.main(["--out", str(tmp_path / "out"), "--sweeps", short, long, "--shared-orderings-only"])
+    assert [s["column"] for s in report["sweeps"]] == ["toy 4k", "toy 1k"]
+    assert [s["passes"] for s in report["sweeps"]] == [2.0, 0.5]
+    (row,) = report["rows"]  # the KV-FFN ordering is in the short sweep alone
+    assert (row["lower"], row["higher"]) == ("flash_mhf", "llama")
+    assert row["cells"]["toy 4k"]["paired_delta"] == pytest.approx(-0.2)
+    assert row["cells"]["toy 1k"]["paired_delta"] == pytest.approx(0.1)
+    markdown = (tmp_path / "out" / "verdicts.md").read_text()
+    assert markdown.startswith("# The papers' orderings across training budgets, each model at its best learning rate")
+    assert "| `toy 4k`, 4 tokens/param | `toy 1k`, 1 tokens/param |" in markdown
+    assert "4,000 tokens, 2 passes over the training stream)" in markdown and "1,000 tokens)" in markdown
+    everything = verdicts.main(["--out", str(tmp_path / "all"), "--sweeps", short, long])
+    assert len(everything["rows"]) == 2 and "toy 4k" not in everything["rows"][1]["cells"]
 
 
 def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeypatch):

@@ -1,12 +1,14 @@
-"""The papers' orderings across model sizes: one column per learning-rate sweep (a `learning_rates.py --out` folder),
-each cell the ordering's paired difference with both models at their best rate, as that sweep's last table gives it.
+"""The papers' orderings across model sizes and training budgets: one column per learning-rate sweep (a
+`learning_rates.py --out` folder), each cell the ordering's paired difference with both models at their best rate, as
+that sweep's last table gives it.
 
-    python examples/reproduce/verdicts.py --out DIR --sweeps SWEEP_DIR [SWEEP_DIR ...]
+    python examples/reproduce/verdicts.py --out DIR --sweeps SWEEP_DIR [SWEEP_DIR ...] [--shared-orderings-only]
 
 Writes verdicts.md, verdicts.json and verdicts.png to --out. The columns run from most to fewest training tokens per
-parameter (of the sweep's SwiGLU baseline). A cell is loss(right) - loss(left) over the seeds both models ran, ± its
-standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's verdict calls the
-difference resolved either way. The plot has a panel per ordering: the difference against tokens per parameter,
+parameter (of the sweep's SwiGLU baseline); a column is named by its size, and by its budget too where two sweeps
+share a size (one size trained on several numbers of tokens). A cell is loss(right) - loss(left) over the seeds both
+models ran, ± its standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's
+verdict calls the difference resolved either way. The plot has a panel per ordering: the difference against tokens per parameter,
 with bars of two standard errors.
 """
 
@@ -15,18 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from learning_rates import paired_text, rate_text  # noqa: E402
-from study import CLAIMS, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
+from study import CLAIMS, fmt_tokens, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweeps", nargs="+", required=True,
-                   help="learning_rates.py --out folders (each with learning_rates.json), one per size")
+                   help="learning_rates.py --out folders (each with learning_rates.json), one per size and budget")
+    p.add_argument("--shared-orderings-only", action="store_true",
+                   help="only the orderings that every sweep holds (by default, those that any sweep holds)")
     p.add_argument("--out", required=True, help="folder for verdicts.{md,json,png}")
     return p
 
@@ -38,43 +43,60 @@ def read_sweep(folder: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"--sweeps: {str(folder)!r} holds no sweep (learning_rates.json is missing)")
     sweep = json.loads(path.read_text(encoding="utf-8"))
-    total = None
+    total = stream = None
     for study in sweep["studies"]:
         results = Path(study) / "results.json"
         if not results.is_file():
             raise ValueError(f"--sweeps: {str(folder)!r} names the study {study!r}, which holds no results.json here "
                              "(run from the folder its paths are relative to)")
-        parameters = json.loads(results.read_text(encoding="utf-8"))["parameters"]
-        if "llama" in parameters:
-            total = parameters["llama"]["total"]
+        state = json.loads(results.read_text(encoding="utf-8"))
+        stream = stream or state["data"]["splits"]["train"].get("tokens")
+        if "llama" in state["parameters"]:
+            total = state["parameters"]["llama"]["total"]
             break
     if total is None:
         raise ValueError(f"--sweeps: no study of {str(folder)!r} ran the SwiGLU baseline (llama) to count")
     return {"path": str(folder), "size": sweep["size"], "tokens": sweep["tokens"], "parameters": total,
             "tokens_per_parameter": sweep["tokens"] / total,
+            "passes": round(sweep["tokens"] / stream, 2) if stream else None,
             "devices": sorted({run["device"] for run in sweep["runs"]}),
             "claims": [c for c in sweep["claims_at_best_rates"] if "lower" in c]}
 
 
-def rows_of(sweeps: list[dict]) -> list[dict]:
-    """One row per ordering (a pair of model keys) that any sweep holds, in study.py's order of them; each sweep's
-    cell, and the ordering as the sweep with the fewest tokens per parameter words it."""
+def name_columns(sweeps: list[dict]) -> None:
+    """Each sweep's column: its size, or its size and budget where another sweep has the same size. Two sweeps of one
+    size and budget are refused."""
+    sizes = [s["size"] for s in sweeps]
+    budgets = [(s["size"], s["tokens"]) for s in sweeps]
+    repeated = sorted({f"{size} at {tokens:,} tokens" for size, tokens in budgets if budgets.count((size, tokens)) > 1})
+    if repeated:
+        raise ValueError(f"--sweeps: one sweep per size and budget; {repeated} given more than once")
+    for sweep in sweeps:
+        several = sizes.count(sweep["size"]) > 1
+        sweep["column"] = f"{sweep['size']} {fmt_tokens(sweep['tokens'])}" if several else sweep["size"]
+
+
+def rows_of(sweeps: list[dict], shared_only: bool = False) -> list[dict]:
+    """One row per ordering (a pair of model keys) that any sweep holds (every sweep, with `shared_only`), in
+    study.py's order of them; each sweep's cell, and the ordering as the sweep with the fewest tokens per parameter
+    words it."""
     rows: dict[tuple[str, str], dict] = {}
     for sweep in sweeps:
         for claim in sweep["claims"]:
             row = rows.setdefault((claim["lower"], claim["higher"]),
                                   {"lower": claim["lower"], "higher": claim["higher"], "paper": claim["paper"],
                                    "claims": {}, "cells": {}})
-            row["claims"][sweep["size"]] = claim["claim"]
-            row["cells"][sweep["size"]] = {
+            row["claims"][sweep["column"]] = claim["claim"]
+            row["cells"][sweep["column"]] = {
                 "paired_delta": claim.get("paired_delta"), "paired_standard_error": claim.get("paired_standard_error"),
                 "paired_seeds": claim["paired_seeds"], "delta": claim["delta"], "verdict": claim["verdict"],
                 "resolved": verdict_is_resolved(claim["verdict"]), "learning_rates": claim.get("learning_rates"),
                 "learning_rate_edges": claim.get("learning_rate_edges")}
     for row in rows.values():
-        row["claim"] = next(row["claims"][s["size"]] for s in reversed(sweeps) if s["size"] in row["claims"])
+        row["claim"] = next(row["claims"][s["column"]] for s in reversed(sweeps) if s["column"] in row["claims"])
     order = [(claim.lower, claim.higher) for claim in CLAIMS]
-    return sorted(rows.values(), key=lambda row: order.index((row["lower"], row["higher"])))
+    kept = [row for row in rows.values() if not shared_only or len(row["cells"]) == len(sweeps)]
+    return sorted(kept, key=lambda row: order.index((row["lower"], row["higher"])))
 
 
 def cell_text(cell: dict | None) -> str:
@@ -87,12 +109,20 @@ def cell_text(cell: dict | None) -> str:
     return f"**{text}**" if cell["resolved"] else text
 
 
+def passes_text(sweep: dict) -> str:
+    """Said only of a budget longer than the training stream, which the runs then read more than once."""
+    return f", {sweep['passes']:g} passes over the training stream" if (sweep["passes"] or 0) > 1.01 else ""
+
+
 def markdown(sweeps: list[dict], rows: list[dict]) -> str:
     devices = sorted({d for s in sweeps for d in s["devices"]})
-    header = " | ".join(f"`{s['size']}`, {s['tokens_per_parameter']:.2g} tokens/param" for s in sweeps)
-    lines = ["# The papers' orderings across sizes, each model at its best learning rate", "",
+    header = " | ".join(f"`{s['column']}`, {s['tokens_per_parameter']:.2g} tokens/param" for s in sweeps)
+    sizes = {s["size"] for s in sweeps}
+    across = ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
+              else "sizes and training budgets")
+    lines = [f"# The papers' orderings across {across}, each model at its best learning rate", "",
              "- sweeps: " + ", ".join(f"`{s['path']}` (`{s['size']}`, {s['parameters']:,} parameters, "
-                                       f"{s['tokens']:,} tokens)" for s in sweeps),
+                                       f"{s['tokens']:,} tokens{passes_text(s)})" for s in sweeps),
              f"- devices: {', '.join(devices)}", "",
              "Each cell: loss(right) - loss(left) with both models at their best rate, paired over the seeds both "
              "ran, ± its standard error (seeds); positive where the paper's ordering holds; **bold** where study.py's "
@@ -100,23 +130,23 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
              "difference of the means more than twice the larger seed deviation); \"-\": not in that sweep.", "",
              f"| paper's ordering | paper | {header} |", "|---|---|" + "---:|" * len(sweeps)]
     for row in rows:
-        cells = " | ".join(cell_text(row["cells"].get(s["size"])) for s in sweeps)
+        cells = " | ".join(cell_text(row["cells"].get(s["column"])) for s in sweeps)
         lines.append(f"| {row['claim']} | {row['paper']} | {cells} |")
-    worded = [(s["size"], row["claims"][s["size"]]) for row in rows for s in sweeps
-              if s["size"] in row["claims"] and row["claims"][s["size"]] != row["claim"]]
+    worded = [(s["column"], row["claims"][s["column"]]) for row in rows for s in sweeps
+              if s["column"] in row["claims"] and row["claims"][s["column"]] != row["claim"]]
     if worded:
         lines += ["", "The models of a row differ in shape with the size; where a sweep names them otherwise:", ""]
-        lines += [f"- `{size}`: {claim}" for size, claim in worded]
+        lines += [f"- `{column}`: {claim}" for column, claim in worded]
     if any(cell["learning_rates"] for row in rows for cell in row["cells"].values()):
         lines += ["", "Best rates (left / right) behind each cell; \"(lowest)\" / \"(highest)\" / \"(only)\": the "
                   "lowest, highest or only of the rates that model ran in that sweep, so a rate beyond might do "
                   "better:", "",
-                  "| paper's ordering | " + " | ".join(f"`{s['size']}`" for s in sweeps) + " |",
+                  "| paper's ordering | " + " | ".join(f"`{s['column']}`" for s in sweeps) + " |",
                   "|---|" + "---:|" * len(sweeps)]
         for row in rows:
             cells = []
             for sweep in sweeps:
-                cell = row["cells"].get(sweep["size"], {})
+                cell = row["cells"].get(sweep["column"], {})
                 pair, edges = cell.get("learning_rates"), cell.get("learning_rate_edges") or [None, None]
                 cells.append(" / ".join(rate_text(rate) + (f" ({edge})" if edge else "")
                                         for rate, edge in zip(pair, edges)) if pair else "-")
@@ -136,23 +166,23 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no verdicts.png")
         return False
-    columns = 4
+    columns = min(4, len(rows))
     lines_of_panels = -(-len(rows) // columns)
     figure, axes = plt.subplots(lines_of_panels, columns, figsize=(4.2 * columns, 3.0 * lines_of_panels),
                                 squeeze=False)
-    ratio = {s["size"]: s["tokens_per_parameter"] for s in sweeps}
+    ratio = {s["column"]: s["tokens_per_parameter"] for s in sweeps}
     ticks = sorted(ratio.values())
     for axis, row in zip(axes.flat, rows):
-        trend = sorted((ratio[size], cell["paired_delta"]) for size, cell in row["cells"].items()
+        trend = sorted((ratio[column], cell["paired_delta"]) for column, cell in row["cells"].items()
                        if cell["paired_delta"] is not None)
         axis.plot(*zip(*trend), color="tab:blue", linewidth=0.8, alpha=0.5)
-        for size, cell in row["cells"].items():
+        for column, cell in row["cells"].items():
             if cell["paired_delta"] is None:
                 continue
             error = 2 * cell["paired_standard_error"] if cell["paired_standard_error"] is not None else None
-            axis.errorbar([ratio[size]], [cell["paired_delta"]], yerr=error, marker="o", capsize=3, color="tab:blue",
-                          markerfacecolor="tab:blue" if cell["resolved"] else "white")
-            axis.annotate(size, (ratio[size], cell["paired_delta"]), textcoords="offset points", xytext=(4, 4),
+            axis.errorbar([ratio[column]], [cell["paired_delta"]], yerr=error, marker="o", capsize=3,
+                          color="tab:blue", markerfacecolor="tab:blue" if cell["resolved"] else "white")
+            axis.annotate(column, (ratio[column], cell["paired_delta"]), textcoords="offset points", xytext=(4, 4),
                           fontsize=7)
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.set_xscale("log")
@@ -166,8 +196,9 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     for axis in list(axes.flat)[len(rows):]:
         axis.set_visible(False)
     devices = ", ".join(sorted({d for s in sweeps for d in s["devices"]}))
-    figure.suptitle(f"the papers' orderings, each model at its best rate ({devices}); above zero: the paper's order, "
-                    "filled: resolved, bars: 2 standard errors", fontsize=9)
+    title = (f"the papers' orderings, each model at its best rate ({devices}); above zero: the paper's order, "
+             "filled: resolved, bars: 2 standard errors")
+    figure.suptitle(textwrap.fill(title, width=int(14 * 4.2 * columns)), fontsize=9)  # ~14 characters per inch
     save_figure(figure, path, dpi=110)
     return True
 
@@ -175,12 +206,9 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     sweeps = [read_sweep(Path(folder)) for folder in args.sweeps]
-    sizes = [s["size"] for s in sweeps]
-    repeated = sorted({size for size in sizes if sizes.count(size) > 1})
-    if repeated:
-        raise ValueError(f"--sweeps: one sweep per size; {repeated} given more than once")
+    name_columns(sweeps)
     sweeps.sort(key=lambda s: -s["tokens_per_parameter"])
-    rows = rows_of(sweeps)
+    rows = rows_of(sweeps, args.shared_orderings_only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"sweeps": [{k: v for k, v in s.items() if k != "claims"} for s in sweeps], "rows": rows}
