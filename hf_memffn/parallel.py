@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism through transformers' own machinery (`from_pretrained(tp_plan="auto")`,
-`DistributedConfig(tp_size=..., pp_size=...)`).
+"""Tensor and pipeline parallelism through transformers' own machinery (`from_pretrained(distributed_config=
+DistributedConfig(tp_size=..., pp_size=...))`, or `DistributedConfig(tp_plan="auto")`).
 
 Tensor parallelism. Attention, SwiGLU and KV-FFN are Linear layers and use transformers' "colwise" / "rowwise"
 styles, as Llama does. The blocks with plain parameters split their hidden units instead, with one style of this file,

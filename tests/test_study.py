@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import re
 import statistics
 import subprocess
 import sys
@@ -648,3 +649,39 @@ def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeyp
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert table_cells(readme, "| paper's ordering (paper's numbers) |", 1) == \
         table_cells(rebuilt, "| paper's ordering | paper |", 2)
+
+
+def test_readmes_budget_table_is_the_committed_budget_sweeps(tmp_path, monkeypatch):
+    """examples/results/verdicts_base_budgets/ rebuilds from the sweeps it names, and the README's table under "One size,
+    four budgets" holds their numbers: each model's mean loss at each rate, and the verdict row's cells."""
+    committed = ROOT / "examples" / "results" / "verdicts_base_budgets"
+    sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
+    monkeypatch.chdir(ROOT)
+    report = verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps, "--shared-orderings-only"])
+    assert (tmp_path / "verdicts.md").read_text() == (committed / "verdicts.md").read_text()
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(readme) if line.startswith("| held-out loss, 3 seeds | 4M: lr"))
+    table = {cells[0]: cells[1:] for cells in
+             ([c.strip() for c in line.strip("|").split("|")] for line in readme[start + 2:start + 6])}
+    by_budget = sorted(report["sweeps"], key=lambda s: s["tokens"])  # the README's columns: 4M, 8M, 16M, 32M
+    rates = [cell.split(": ")[-1].replace("lr ", "").split(" / ") for cell in readme[start].strip("|").split("|")[1:]]
+    for row, key in (("SwiGLU", "llama"), ("FlashMHF d_h=128", "flash_mhf")):
+        for sweep, rates_of_column, cell in zip(by_budget, rates, table[row]):
+            models = json.loads((Path(sweep["path"]) / "learning_rates.json").read_text())["models"][key]
+            means = [f"{models['rates'][rate.strip()]['heldout_loss_mean']:.3f}" for rate in rates_of_column]
+            best = learning_rates.rate_text(models["best_learning_rate"])
+            written = [m.replace("**", "") for m in cell.split(" / ")]
+            assert written == means, (row, sweep["column"])
+            assert [m.startswith("**") for m in cell.split(" / ")] == [r.strip() == best for r in rates_of_column]
+    (row,) = report["rows"]
+    cells = [verdicts.cell_text(row["cells"][s["column"]]) for s in by_budget]
+    assert table["FlashMHF < SwiGLU, each at its best rate"] == [re.sub(r" \(\d+\)", "", c) for c in cells]
+    wiki = []  # out of domain, the same runs paired the same way; bold where more than twice its standard error
+    for sweep in by_budget:
+        (claim,) = [c for c in json.loads((Path(sweep["path"]) / "learning_rates.json").read_text())
+                    ["claims_at_best_rates"] if (c.get("lower"), c.get("higher")) == ("flash_mhf", "llama")]
+        delta, error = claim["wiki_paired_delta"], claim["wiki_paired_standard_error"]
+        text = f"{delta:+.3f} ± {error:.3f}"
+        wiki.append(f"**{text}**" if abs(delta) > 2 * error else text)
+    assert table["the same on Wikipedia (out of domain)"] == wiki
