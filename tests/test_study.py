@@ -652,8 +652,8 @@ def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeyp
 
 
 def test_readmes_budget_table_is_the_committed_budget_sweeps(tmp_path, monkeypatch):
-    """examples/results/verdicts_base_budgets/ rebuilds from the sweeps it names, and the README's table under "One size,
-    four budgets" holds their numbers: each model's mean loss at each rate, and the verdict row's cells."""
+    """examples/results/verdicts_base_budgets/ rebuilds from the sweeps it names, and the README's table under "One
+    size, four budgets" holds their numbers: each model's mean loss at each rate, and the verdict rows' cells."""
     committed = ROOT / "examples" / "results" / "verdicts_base_budgets"
     sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
     monkeypatch.chdir(ROOT)

@@ -8,8 +8,8 @@ Writes verdicts.md, verdicts.json and verdicts.png to --out. The columns run fro
 parameter (of the sweep's SwiGLU baseline); a column is named by its size, and by its budget too where two sweeps
 share a size (one size trained on several numbers of tokens). A cell is loss(right) - loss(left) over the seeds both
 models ran, ± its standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's
-verdict calls the difference resolved either way. The plot has a panel per ordering: the difference against tokens per parameter,
-with bars of two standard errors.
+verdict calls the difference resolved either way. The plot has a panel per ordering: the difference against tokens
+per parameter, with bars of two standard errors.
 """
 
 from __future__ import annotations
