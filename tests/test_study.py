@@ -625,6 +625,39 @@ def test_verdicts_of_one_size_at_several_budgets_name_each_column_by_its_budget(
     assert len(everything["rows"]) == 2 and "toy 4k" not in everything["rows"][1]["cells"]
 
 
+def test_verdicts_of_several_sizes_at_several_budgets_add_a_table_of_sizes_by_budgets(tmp_path):
+    """Two sizes, one at two budgets and one at a single budget: every sweep a column of the main table, and a second
+    table per ordering with a line per size (fewest parameters first) and a column per budget, "-" where that size
+    did not train on that budget."""
+    def sweep(name, size, parameters, tokens, flash_mhf):
+        folder = write_study(tmp_path / f"{name}_lr", {"llama": [5.0, 5.0, 5.0], "flash_mhf": flash_mhf},
+                             learning_rate=1e-3, tokens=tokens, size=size, baseline_parameters=parameters)
+        learning_rates.main(["--out", str(tmp_path / name), "--studies", str(folder),
+                             "--models", "llama,flash_mhf"])
+        return str(tmp_path / name)
+
+    sweeps = [sweep("base_short", "base", 4_000_000, 1_000_000, [4.9, 4.8, 4.9]),
+              sweep("small_short", "small", 1_000_000, 1_000_000, [4.95, 4.9, 4.95]),
+              sweep("small_long", "small", 1_000_000, 2_000_000, [5.1, 5.2, 5.1])]
+    report = verdicts.main(["--out", str(tmp_path / "out"), "--sweeps", *sweeps])
+    assert [s["column"] for s in report["sweeps"]] == ["small 2M", "small 1M", "base"]
+    markdown = (tmp_path / "out" / "verdicts.md").read_text()
+    assert markdown.startswith("# The papers' orderings across sizes and training budgets")
+    start = markdown.index("| FlashMHF d_h=128 < SwiGLU (transformers Llama) | 1M tokens | 2M tokens |")
+    table = markdown[start:].split("\n\n")[0].splitlines()
+    assert table[2] == "| `small`, 1.0M parameters | **+0.067 ± 0.017 (3)** | **-0.133 ± 0.033 (3)** |"
+    assert table[3] == "| `base`, 4.0M parameters | **+0.133 ± 0.033 (3)** | - |"
+    # one size at several budgets, or several sizes at one budget each: no second table
+    for alone in ([sweeps[1], sweeps[2]], [sweeps[0], sweeps[1]]):
+        assert "1M tokens |" not in verdicts.markdown(*_sweeps_and_rows(alone))
+
+
+def _sweeps_and_rows(folders: list[str]) -> tuple[list[dict], list[dict]]:
+    sweeps = [verdicts.read_sweep(Path(folder)) for folder in folders]
+    verdicts.name_columns(sweeps)
+    return sweeps, verdicts.rows_of(sweeps)
+
+
 def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeypatch):
     """examples/results/verdicts/ rebuilds from the committed sweeps it names, and the README's table "The verdicts"
     holds its cells, row by row (the README adds a verdict in words)."""
@@ -651,20 +684,29 @@ def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeyp
         table_cells(rebuilt, "| paper's ordering | paper |", 2)
 
 
-def test_readmes_budget_table_is_the_committed_budget_sweeps(tmp_path, monkeypatch):
-    """examples/results/verdicts_base_budgets/ rebuilds from the sweeps it names, and the README's table under "One
-    size, four budgets" holds their numbers: each model's mean loss at each rate, and the verdict rows' cells."""
-    committed = ROOT / "examples" / "results" / "verdicts_base_budgets"
+def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeypatch):
+    """examples/results/verdicts_budgets/ rebuilds from the sweeps it names; the README's table under "Three sizes,
+    three budgets" is its table of sizes by budgets, and the one under "One size, four budgets" holds the numbers of
+    `base`'s sweeps: each model's mean loss at each rate, and the verdict rows' cells."""
+    committed = ROOT / "examples" / "results" / "verdicts_budgets"
     sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
     monkeypatch.chdir(ROOT)
     report = verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps, "--shared-orderings-only"])
-    assert (tmp_path / "verdicts.md").read_text() == (committed / "verdicts.md").read_text()
+    rebuilt = (tmp_path / "verdicts.md").read_text()
+    assert rebuilt == (committed / "verdicts.md").read_text()
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    header = ("| FlashMHF < SwiGLU, each at its best rate, paired (seeds) | 4M tokens | 8M tokens | 16M tokens "
+              "| 32M tokens |")
+    start = readme.index(header)
+    grid = rebuilt.split("\n\n| FlashMHF d_h=128 < SwiGLU (transformers Llama) | 4M tokens |")[1].split("\n\n")[0]
+    assert readme[start + 2:start + 5] == grid.splitlines()[2:] and readme[start + 5] == ""
+
     start = next(i for i, line in enumerate(readme) if line.startswith("| held-out loss, 3 seeds | 4M: lr"))
     table = {cells[0]: cells[1:] for cells in
              ([c.strip() for c in line.strip("|").split("|")] for line in readme[start + 2:start + 6])}
-    by_budget = sorted(report["sweeps"], key=lambda s: s["tokens"])  # the README's columns: 4M, 8M, 16M, 32M
+    # the README's columns: 4M, 8M, 16M, 32M
+    by_budget = sorted((s for s in report["sweeps"] if s["size"] == "base"), key=lambda s: s["tokens"])
     rates = [cell.split(": ")[-1].replace("lr ", "").split(" / ") for cell in readme[start].strip("|").split("|")[1:]]
     for row, key in (("SwiGLU", "llama"), ("FlashMHF d_h=128", "flash_mhf")):
         for sweep, rates_of_column, cell in zip(by_budget, rates, table[row]):

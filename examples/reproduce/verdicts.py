@@ -8,8 +8,10 @@ Writes verdicts.md, verdicts.json and verdicts.png to --out. The columns run fro
 parameter (of the sweep's SwiGLU baseline); a column is named by its size, and by its budget too where two sweeps
 share a size (one size trained on several numbers of tokens). A cell is loss(right) - loss(left) over the seeds both
 models ran, ± its standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's
-verdict calls the difference resolved either way. The plot has a panel per ordering: the difference against tokens
-per parameter, with bars of two standard errors.
+verdict calls the difference resolved either way. Where several sizes each train on several budgets, each ordering
+gets a second table too, of sizes by budgets. The plot has a panel per ordering: the difference against tokens per
+parameter (or, for several sizes at several budgets, a line per size against the budget), with bars of two standard
+errors.
 """
 
 from __future__ import annotations
@@ -114,12 +116,37 @@ def passes_text(sweep: dict) -> str:
     return f", {sweep['passes']:g} passes over the training stream" if (sweep["passes"] or 0) > 1.01 else ""
 
 
+def spanned(sweeps: list[dict]) -> str:
+    """What the sweeps vary: "sizes", "training budgets", or "sizes and training budgets"."""
+    sizes = {s["size"] for s in sweeps}
+    return ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
+            else "sizes and training budgets")
+
+
+def by_size(sweeps: list[dict]) -> dict[str, list[dict]]:
+    """The sweeps of each size, the sizes from fewest parameters, each size's sweeps from fewest tokens."""
+    sizes: dict[str, list[dict]] = {}
+    for sweep in sorted(sweeps, key=lambda s: (s["parameters"], s["tokens"])):
+        sizes.setdefault(sweep["size"], []).append(sweep)
+    return sizes
+
+
+def grid(sweeps: list[dict], row: dict) -> list[str]:
+    """One ordering's cells as a table of sizes (lines) by training budgets (columns)."""
+    budgets = sorted({s["tokens"] for s in sweeps})
+    lines = [f"| {row['claim']} | " + " | ".join(fmt_tokens(b) + " tokens" for b in budgets) + " |",
+             "|---|" + "---:|" * len(budgets)]
+    for size, of_size in by_size(sweeps).items():
+        column = {s["tokens"]: s["column"] for s in of_size}
+        cells = [cell_text(row["cells"].get(column[b])) if b in column else "-" for b in budgets]
+        lines.append(f"| `{size}`, {of_size[0]['parameters'] / 1e6:.1f}M parameters | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(sweeps: list[dict], rows: list[dict]) -> str:
     devices = sorted({d for s in sweeps for d in s["devices"]})
     header = " | ".join(f"`{s['column']}`, {s['tokens_per_parameter']:.2g} tokens/param" for s in sweeps)
-    sizes = {s["size"] for s in sweeps}
-    across = ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
-              else "sizes and training budgets")
+    across = spanned(sweeps)
     lines = [f"# The papers' orderings across {across}, each model at its best learning rate", "",
              "- sweeps: " + ", ".join(f"`{s['path']}` (`{s['size']}`, {s['parameters']:,} parameters, "
                                        f"{s['tokens']:,} tokens{passes_text(s)})" for s in sweeps),
@@ -132,6 +159,10 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
     for row in rows:
         cells = " | ".join(cell_text(row["cells"].get(s["column"])) for s in sweeps)
         lines.append(f"| {row['claim']} | {row['paper']} | {cells} |")
+    if across == "sizes and training budgets":
+        lines += ["", "The same cells by size and training budget (each budget a whole schedule of its own):"]
+        for row in rows:
+            lines += [""] + grid(sweeps, row)
     worded = [(s["column"], row["claims"][s["column"]]) for row in rows for s in sweeps
               if s["column"] in row["claims"] and row["claims"][s["column"]] != row["claim"]]
     if worded:
@@ -156,7 +187,8 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
 
 def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     """A panel per ordering: its paired difference against tokens per parameter (log scale), bars of two standard
-    errors, filled markers where resolved; above zero the paper's ordering holds."""
+    errors, filled markers where resolved; above zero the paper's ordering holds. Where several sizes each train on
+    several budgets, a line per size against the number of training tokens instead."""
     try:
         import matplotlib
 
@@ -170,26 +202,40 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     lines_of_panels = -(-len(rows) // columns)
     figure, axes = plt.subplots(lines_of_panels, columns, figsize=(4.2 * columns, 3.0 * lines_of_panels),
                                 squeeze=False)
-    ratio = {s["column"]: s["tokens_per_parameter"] for s in sweeps}
-    ticks = sorted(ratio.values())
+    # sizes at several budgets: a line per size against the budget; otherwise one line against tokens per parameter
+    per_size = spanned(sweeps) == "sizes and training budgets"
+    if per_size:
+        x = {s["column"]: s["tokens"] for s in sweeps}
+        lines = {size: [s["column"] for s in of_size] for size, of_size in by_size(sweeps).items()}
+        ticks, tick_text, label = sorted(set(x.values())), fmt_tokens, "training tokens (each a whole schedule)"
+    else:
+        x = {s["column"]: s["tokens_per_parameter"] for s in sweeps}
+        lines = {None: [s["column"] for s in sweeps]}
+        ticks, tick_text, label = sorted(x.values()), "{:.2g}".format, "training tokens per parameter"
+    colours = dict(zip(lines, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"] * 9))
     for axis, row in zip(axes.flat, rows):
-        trend = sorted((ratio[column], cell["paired_delta"]) for column, cell in row["cells"].items()
-                       if cell["paired_delta"] is not None)
-        axis.plot(*zip(*trend), color="tab:blue", linewidth=0.8, alpha=0.5)
-        for column, cell in row["cells"].items():
-            if cell["paired_delta"] is None:
-                continue
-            error = 2 * cell["paired_standard_error"] if cell["paired_standard_error"] is not None else None
-            axis.errorbar([ratio[column]], [cell["paired_delta"]], yerr=error, marker="o", capsize=3,
-                          color="tab:blue", markerfacecolor="tab:blue" if cell["resolved"] else "white")
-            axis.annotate(column, (ratio[column], cell["paired_delta"]), textcoords="offset points", xytext=(4, 4),
-                          fontsize=7)
+        for size, columns_of_line in lines.items():
+            cells = {column: row["cells"][column] for column in columns_of_line
+                     if column in row["cells"] and row["cells"][column]["paired_delta"] is not None}
+            colour = colours[size]
+            trend = sorted((x[column], cell["paired_delta"]) for column, cell in cells.items())
+            if trend:
+                axis.plot(*zip(*trend), color=colour, linewidth=0.8, alpha=0.5, label=size)
+            for column, cell in cells.items():
+                error = 2 * cell["paired_standard_error"] if cell["paired_standard_error"] is not None else None
+                axis.errorbar([x[column]], [cell["paired_delta"]], yerr=error, marker="o", capsize=3,
+                              color=colour, markerfacecolor=colour if cell["resolved"] else "white")
+                if not per_size:
+                    axis.annotate(column, (x[column], cell["paired_delta"]), textcoords="offset points",
+                                  xytext=(4, 4), fontsize=7)
+        if per_size:
+            axis.legend(fontsize=7, title="size", title_fontsize=7)
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.set_xscale("log")
-        axis.set_xticks(ticks, [f"{tick:.2g}" for tick in ticks])
+        axis.set_xticks(ticks, [tick_text(tick) for tick in ticks])
         axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_title(row["claim"], fontsize=8)
-        axis.set_xlabel("training tokens per parameter", fontsize=7)
+        axis.set_xlabel(label, fontsize=7)
         axis.set_ylabel("loss(right) - loss(left)", fontsize=7)
         axis.tick_params(labelsize=7)
         axis.grid(alpha=0.3)
