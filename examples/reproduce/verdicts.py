@@ -212,7 +212,7 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
         x = {s["column"]: s["tokens_per_parameter"] for s in sweeps}
         lines = {None: [s["column"] for s in sweeps]}
         ticks, tick_text, label = sorted(x.values()), "{:.2g}".format, "training tokens per parameter"
-    colours = dict(zip(lines, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"] * 9))
+    colours = {size: f"C{i % 10}" for i, size in enumerate(lines)}  # matplotlib's default colour cycle
     for axis, row in zip(axes.flat, rows):
         for size, columns_of_line in lines.items():
             cells = {column: row["cells"][column] for column in columns_of_line
