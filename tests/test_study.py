@@ -658,15 +658,23 @@ def _sweeps_and_rows(folders: list[str]) -> tuple[list[dict], list[dict]]:
     return sweeps, verdicts.rows_of(sweeps)
 
 
+def _rebuild_committed_verdicts(folder: str, tmp_path, monkeypatch, *options) -> tuple[dict, str]:
+    """Rebuilds examples/results/`folder` from the sweeps its verdicts.json names, in tmp_path, checks that its
+    verdicts.md comes out as committed, and returns verdicts.py's report and that text."""
+    committed = ROOT / "examples" / "results" / folder
+    sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
+    monkeypatch.chdir(ROOT)  # (the sweeps name their studies relative to the checkout)
+    report = verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps, *options])
+    rebuilt = (tmp_path / "verdicts.md").read_text()
+    assert rebuilt == (committed / "verdicts.md").read_text()
+    return report, rebuilt
+
+
 def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeypatch):
     """examples/results/verdicts/ rebuilds from the committed sweeps it names, and the README's table "The verdicts"
     holds its cells, row by row (the README adds a verdict in words)."""
-    committed = ROOT / "examples" / "results" / "verdicts"
-    sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
-    monkeypatch.chdir(ROOT)  # (the sweeps name their studies relative to the checkout)
-    verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps])
-    rebuilt = (tmp_path / "verdicts.md").read_text()
-    assert rebuilt == (committed / "verdicts.md").read_text()
+    report, rebuilt = _rebuild_committed_verdicts("verdicts", tmp_path, monkeypatch)
+    sweeps = report["sweeps"]
 
     def table_cells(text, header_start, first_cell_column):
         lines = text.splitlines()
@@ -688,12 +696,7 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
     """examples/results/verdicts_budgets/ rebuilds from the sweeps it names; the README's table under "Three sizes,
     three budgets" is its table of sizes by budgets, and the one under "One size, four budgets" holds the numbers of
     `base`'s sweeps: each model's mean loss at each rate, and the verdict rows' cells."""
-    committed = ROOT / "examples" / "results" / "verdicts_budgets"
-    sweeps = [s["path"] for s in json.loads((committed / "verdicts.json").read_text())["sweeps"]]
-    monkeypatch.chdir(ROOT)
-    report = verdicts.main(["--out", str(tmp_path), "--sweeps", *sweeps, "--shared-orderings-only"])
-    rebuilt = (tmp_path / "verdicts.md").read_text()
-    assert rebuilt == (committed / "verdicts.md").read_text()
+    report, rebuilt = _rebuild_committed_verdicts("verdicts_budgets", tmp_path, monkeypatch, "--shared-orderings-only")
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     header = ("| FlashMHF < SwiGLU, each at its best rate, paired (seeds) | 4M tokens | 8M tokens | 16M tokens "
@@ -727,3 +730,36 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
         text = f"{delta:+.3f} ± {error:.3f}"
         wiki.append(f"**{text}**" if abs(delta) > 2 * error else text)
     assert table["the same on Wikipedia (out of domain)"] == wiki
+
+
+def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monkeypatch):
+    """examples/results/verdicts_memoryllm_budgets/ rebuilds from the sweeps it names; under "The memory models on more
+    tokens per parameter" the README's first table is its table of sizes by budgets, and the second holds each model's
+    mean loss at its best rate, that rate and its number of seeds in `narrow`'s sweeps."""
+    report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch, "--shared-orderings-only")
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(readme)
+                 if line.startswith("| SwiGLU < MemoryLLM, equal total, each at its best rate, paired (seeds) |"))
+    lines = rebuilt.splitlines()
+    grid = lines.index(next(line for line in lines
+                            if line.startswith("| SwiGLU (transformers Llama) < MemoryLLM, equal total | 4M tokens |")))
+    assert readme[start].split("|")[2:] == lines[grid].split("|")[2:]
+    assert readme[start + 2:start + 6] == lines[grid + 2:grid + 6] and lines[grid + 6] == readme[start + 6] == ""
+
+    start = next(i for i, line in enumerate(readme) if line.startswith("| `narrow`, held-out loss at each model's best"))
+    narrow = sorted((s for s in report["sweeps"] if s["size"] == "narrow"), key=lambda s: s["tokens"])
+    assert [c.strip() for c in readme[start].strip("|").split("|")[1:]] == \
+        [f"{round(s['tokens'] / 1e6)}M tokens" for s in narrow]
+    rows = {"SwiGLU": "llama", "MemoryLLM, equal total": "memoryllm_total",
+            "FlexMemoryLLM beta=3, equal total": "flex_total"}
+    for line in readme[start + 2:start + 2 + len(rows)]:
+        label, *cells = [c.strip() for c in line.strip("|").split("|")]
+        expected = []
+        for sweep in narrow:
+            model = json.loads((Path(sweep["path"]) / "learning_rates.json").read_text())["models"][rows[label]]
+            best = learning_rates.rate_text(model["best_learning_rate"])
+            at_best = model["rates"][best]
+            expected.append(f"{at_best['heldout_loss_mean']:.3f} ({best}, {len(at_best['seeds'])})")
+        assert cells == expected, label
+    assert readme[start + 2 + len(rows)] == ""
