@@ -736,7 +736,8 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
     """examples/results/verdicts_memoryllm_budgets/ rebuilds from the sweeps it names; under "The memory models on more
     tokens per parameter" the README's first table is its table of sizes by budgets, and the second holds each model's
     mean loss at its best rate, that rate and its number of seeds in `narrow`'s sweeps."""
-    report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch, "--shared-orderings-only")
+    report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch,
+                                                  "--shared-orderings-only")
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(readme)
@@ -747,7 +748,8 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
     assert readme[start].split("|")[2:] == lines[grid].split("|")[2:]
     assert readme[start + 2:start + 6] == lines[grid + 2:grid + 6] and lines[grid + 6] == readme[start + 6] == ""
 
-    start = next(i for i, line in enumerate(readme) if line.startswith("| `narrow`, held-out loss at each model's best"))
+    start = next(i for i, line in enumerate(readme)
+                 if line.startswith("| `narrow`, held-out loss at each model's best"))
     narrow = sorted((s for s in report["sweeps"] if s["size"] == "narrow"), key=lambda s: s["tokens"])
     assert [c.strip() for c in readme[start].strip("|").split("|")[1:]] == \
         [f"{round(s['tokens'] / 1e6)}M tokens" for s in narrow]
