@@ -404,6 +404,10 @@ def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_wa
     assert study.verdict(summary["a"], summary["b"], level=True)[1] == "undecided (one seed)"
     assert study.verdict(summary["a"], summary["b"])[1] == "reproduced (one seed)"
     assert not study.verdict_is_resolved("reproduced (one seed)")
+    # one seed of one model: its spread is unknown, so the other's does not resolve the difference either
+    summary["b"]["heldout_loss_std"] = 0.01
+    assert study.verdict(summary["a"], summary["b"])[1] == "reproduced (one seed)"
+    assert study.verdict(summary["b"], summary["a"], level=True)[1] == "undecided (one seed)"
 
 
 def test_orderings_table_rounds_each_difference_once():

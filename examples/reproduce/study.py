@@ -462,14 +462,15 @@ def verdict(lower: dict, higher: dict,
     """How the paper's ordering (lower < higher) fares, or with `level` its claim that the two end level (a resolved
     difference names the model ahead as "{lower}" or "{higher}", for the caller to fill in). With three or more
     common seeds, by the paired difference: resolved when it exceeds twice its standard error. Otherwise by the
-    difference of the means against twice the larger seed standard deviation."""
+    difference of the means against twice the larger seed standard deviation; where either model ran one seed, whose
+    spread is unknown, never resolved."""
     delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
     seeds, paired_delta, error = paired
     if seeds >= 3 and error is not None:
         resolved, sign = abs(paired_delta) > 2 * error, paired_delta
     else:
-        spreads = [s for s in (lower["heldout_loss_std"], higher["heldout_loss_std"]) if s is not None]
-        if not spreads:
+        spreads = (lower["heldout_loss_std"], higher["heldout_loss_std"])
+        if None in spreads:
             return delta, "undecided (one seed)" if level else (
                 "reproduced (one seed)" if delta > 0 else "not reproduced (one seed)")
         resolved, sign = abs(delta) > 2 * max(spreads), delta
