@@ -585,7 +585,7 @@ def test_verdicts_put_each_sweeps_orderings_in_a_column_by_tokens_per_parameter(
     # the best rates behind each cell, marked where the sweep ran no rate below (or above) them
     assert "| 1e-3 (lowest) / 1e-3 (lowest) | 1e-3 / 1e-3 |" in markdown
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["verdicts.json", "verdicts.md", "verdicts.png"]
-    with pytest.raises(ValueError, match="--sweeps: one sweep per size and budget"):
+    with pytest.raises(ValueError, match="--sweeps: one sweep per size, budget and training stream"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", wide, wide])
     with pytest.raises(ValueError, match="--sweeps: .* holds no sweep"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", str(tmp_path / "wide_0.001")])
@@ -625,6 +625,10 @@ def test_verdicts_of_one_size_at_several_budgets_name_each_column_by_its_budget(
     assert markdown.startswith("# The papers' orderings across training budgets, each model at its best learning rate")
     assert "| `toy 4k`, 4 tokens/param | `toy 1k`, 1 tokens/param |" in markdown
     assert "4,000 tokens, 2 passes over the training stream)" in markdown and "1,000 tokens)" in markdown
+    # each sweep's own table says so too, of the longer budget only
+    assert "4,000 training tokens per model (2 passes over a training stream of 2,000 tokens), held-out" in \
+        (tmp_path / "long" / "learning_rates.md").read_text()
+    assert "1,000 training tokens per model, held-out" in (tmp_path / "short" / "learning_rates.md").read_text()
     everything = verdicts.main(["--out", str(tmp_path / "all"), "--sweeps", short, long])
     assert len(everything["rows"]) == 2 and "toy 4k" not in everything["rows"][1]["cells"]
 
@@ -654,6 +658,39 @@ def test_verdicts_of_several_sizes_at_several_budgets_add_a_table_of_sizes_by_bu
     # one size at several budgets, or several sizes at one budget each: no second table
     for alone in ([sweeps[1], sweeps[2]], [sweeps[0], sweeps[1]]):
         assert "1M tokens |" not in verdicts.markdown(*_sweeps_and_rows(alone))
+
+
+def test_verdicts_of_one_size_on_several_training_streams_name_each_stream(tmp_path):
+    """Sweeps of one size and budget that read training streams of different lengths (the shorter one repeated more
+    often): a column each, named by its stream too, the longer stream first among equal tokens per parameter, and a
+    line per stream in the table by budgets; two sweeps of one size, budget and stream are refused."""
+    def sweep(name, tokens, stream, flash_mhf):
+        folder = write_study(tmp_path / f"{name}_lr", {"llama": [5.0, 5.0, 5.0], "flash_mhf": flash_mhf},
+                             learning_rate=1e-3, tokens=tokens, size="toy", baseline_parameters=1_000_000)
+        state = json.loads((folder / "results.json").read_text())
+        state["data"]["splits"]["train"] = {"tokens": stream, "sha256": f"the first {stream} tokens"}
+        (folder / "results.json").write_text(json.dumps(state))
+        learning_rates.main(["--out", str(tmp_path / name), "--studies", str(folder), "--models", "llama,flash_mhf"])
+        return str(tmp_path / name)
+
+    once = sweep("once", 2_000_000, 2_000_000, [4.9, 4.8, 4.9])
+    twice = sweep("twice", 2_000_000, 1_000_000, [4.95, 4.9, 4.95])
+    longer = sweep("longer", 4_000_000, 2_000_000, [5.1, 5.2, 5.1])
+    report = verdicts.main(["--out", str(tmp_path / "out"), "--sweeps", twice, longer, once])
+    assert [s["column"] for s in report["sweeps"]] == ["toy 4M, 2M stream", "toy 2M, 2M stream", "toy 2M, 1M stream"]
+    markdown = (tmp_path / "out" / "verdicts.md").read_text()
+    assert markdown.startswith("# The papers' orderings across training budgets and training streams")
+    assert "15,990,000" not in markdown and "2,000,000 tokens, 2 passes over the training stream)" in markdown
+    start = markdown.index("| FlashMHF d_h=32 < SwiGLU (transformers Llama) | 2M tokens | 4M tokens |")
+    table = markdown[start:].split("\n\n")[0].splitlines()
+    assert table[2:] == ["| `toy`, 1.0M parameters, a training stream of 2M tokens | **+0.133 ± 0.033 (3)** "
+                         "| **-0.133 ± 0.033 (3)** |",
+                         "| `toy`, 1.0M parameters, a training stream of 1M tokens | **+0.067 ± 0.017 (3)** | - |"]
+    assert "(2 passes over a training stream of 1,000,000 tokens)" in (tmp_path / "twice" / "learning_rates.md").read_text()
+    with pytest.raises(ValueError, match="one sweep per size, budget and training stream; .*toy at 2,000,000 tokens of "
+                                         "a 1,000,000-token stream"):
+        verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", twice, twice])
+    assert not (tmp_path / "out2").exists()
 
 
 def _sweeps_and_rows(folders: list[str]) -> tuple[list[dict], list[dict]]:
@@ -698,13 +735,13 @@ def test_readmes_verdict_table_is_the_committed_verdicts_table(tmp_path, monkeyp
 
 def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeypatch):
     """examples/results/verdicts_budgets/ rebuilds from the sweeps it names; the README's table under "Three sizes,
-    three budgets" is its table of sizes by budgets, and the one under "One size, four budgets" holds the numbers of
-    `base`'s sweeps: each model's mean loss at each rate, and the verdict rows' cells."""
+    four budgets" is its table of sizes by budgets, and the one under "One size, four budgets" holds the numbers of
+    `base`'s sweeps at its four budgets: each model's mean loss at each rate, and the verdict rows' cells."""
     report, rebuilt = _rebuild_committed_verdicts("verdicts_budgets", tmp_path, monkeypatch, "--shared-orderings-only")
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    header = ("| FlashMHF < SwiGLU, each at its best rate, paired (seeds) | 4M tokens | 8M tokens | 16M tokens "
-              "| 32M tokens |")
+    header = ("| FlashMHF < SwiGLU, each at its best rate, paired (seeds) | 4M tokens | 8M tokens | 12M tokens "
+              "| 16M tokens | 32M tokens |")
     start = readme.index(header)
     grid = rebuilt.split("\n\n| FlashMHF d_h=128 < SwiGLU (transformers Llama) | 4M tokens |")[1].split("\n\n")[0]
     assert readme[start + 2:start + 5] == grid.splitlines()[2:] and readme[start + 5] == ""
@@ -712,8 +749,11 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
     start = next(i for i, line in enumerate(readme) if line.startswith("| held-out loss, 3 seeds | 4M: lr"))
     table = {cells[0]: cells[1:] for cells in
              ([c.strip() for c in line.strip("|").split("|")] for line in readme[start + 2:start + 6])}
-    # the README's columns: 4M, 8M, 16M, 32M
-    by_budget = sorted((s for s in report["sweeps"] if s["size"] == "base"), key=lambda s: s["tokens"])
+    # the README's columns: 4M, 8M, 16M, 32M (base's 12M sweep is in the table above)
+    budgets = [cell.split(":")[0].strip() for cell in readme[start].strip("|").split("|")[1:]]
+    assert budgets == ["4M", "8M", "16M", "32M"]
+    by_budget = sorted((s for s in report["sweeps"] if s["size"] == "base" and study.fmt_tokens(s["tokens"]) in budgets),
+                       key=lambda s: s["tokens"])
     rates = [cell.split(": ")[-1].replace("lr ", "").split(" / ") for cell in readme[start].strip("|").split("|")[1:]]
     for row, key in (("SwiGLU", "llama"), ("FlashMHF d_h=128", "flash_mhf")):
         for sweep, rates_of_column, cell in zip(by_budget, rates, table[row]):
@@ -734,6 +774,23 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
         text = f"{delta:+.3f} ± {error:.3f}"
         wiki.append(f"**{text}**" if abs(delta) > 2 * error else text)
     assert table["the same on Wikipedia (out of domain)"] == wiki
+
+
+def test_readmes_passes_table_is_the_committed_sweeps(tmp_path, monkeypatch):
+    """examples/results/verdicts_memoryllm_passes/ rebuilds from the sweeps it names (`narrow` on 16M, 32M and 64M
+    tokens of the whole corpus, and on 16M of its first 8M and 4M tokens); under "Repeated text or more tokens?" the
+    README's table is its table of training streams by budgets."""
+    report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_passes", tmp_path, monkeypatch,
+                                                  "--shared-orderings-only")
+    assert sorted((s["tokens"], s["stream"]) for s in report["sweeps"]) == \
+        [(15_990_000, 4_000_000), (15_990_000, 8_000_000), (15_990_000, 16_000_000), (32_000_000, 16_000_000),
+         (64_000_000, 16_000_000)]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = readme.index("| SwiGLU < MemoryLLM, equal total, each at its best rate, paired (seeds) | 16M tokens "
+                         "| 32M tokens | 64M tokens |")
+    lines = rebuilt.splitlines()
+    grid = lines.index("| SwiGLU (transformers Llama) < MemoryLLM, equal total | 16M tokens | 32M tokens | 64M tokens |")
+    assert readme[start + 1:start + 5] == lines[grid + 1:grid + 5] and lines[grid + 5] == readme[start + 5] == ""
 
 
 def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monkeypatch):

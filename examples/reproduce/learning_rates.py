@@ -144,13 +144,22 @@ def paired_text(paired) -> str:
     return f"{delta:+.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" ({seeds})"
 
 
+def passes_text(study: dict) -> str:
+    """Said only of a budget longer than the study's training stream, which its runs then read more than once."""
+    stream = study["data"]["splits"]["train"].get("tokens")
+    if not stream or study["tokens"] <= 1.01 * stream:
+        return ""
+    return f" ({study['tokens'] / stream:.2g} passes over a training stream of {stream:,} tokens)"
+
+
 def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict],
              repeats: list[tuple[dict, dict]]) -> str:
     rates = sorted({r["learning_rate"] for r in runs if r["model"] in table})
     devices = sorted({r["device"] for r in runs if r["model"] in table})
     lines = [
         "# Held-out loss against the peak learning rate", "",
-        f"- device: {', '.join(devices)}; size `{first['size']}`, {first['tokens']:,} training tokens per model, "
+        f"- device: {', '.join(devices)}; size `{first['size']}`, {first['tokens']:,} training tokens per model"
+        f"{passes_text(first)}, "
         f"held-out loss over {first['eval_tokens']:,} tokens; everything else as each model's recipe "
         "(warmup, cosine decay to 1e-5, AdamW, weight decay, clipping)",
         "- studies: " + ", ".join(f"`{s}`" for s in studies), "",
@@ -286,7 +295,7 @@ def main(argv=None) -> dict:
     text = markdown(first, chosen, table, labels, studies, claims, repeats)
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
-    title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model, {devices}"
+    title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model{passes_text(first)}, {devices}"
     plot(table, labels, recipes, chosen, title, out / "learning_rates.png")
     print(text)
     return report

@@ -58,24 +58,34 @@ def read_sweep(folder: Path) -> dict:
             break
     if total is None:
         raise ValueError(f"--sweeps: no study of {str(folder)!r} ran the SwiGLU baseline (llama) to count")
-    return {"path": str(folder), "size": sweep["size"], "tokens": sweep["tokens"], "parameters": total,
+    return {"path": str(folder), "size": sweep["size"], "tokens": sweep["tokens"], "stream": stream,
+            "parameters": total,
             "tokens_per_parameter": sweep["tokens"] / total,
             "passes": round(sweep["tokens"] / stream, 2) if stream else None,
             "devices": sorted({run["device"] for run in sweep["runs"]}),
             "claims": [c for c in sweep["claims_at_best_rates"] if "lower" in c]}
 
 
+def streams_of(sweeps: list[dict], size: str) -> set:
+    """The training streams (numbers of tokens in the training split) that the sweeps of one size read."""
+    return {s["stream"] for s in sweeps if s["size"] == size}
+
+
 def name_columns(sweeps: list[dict]) -> None:
-    """Each sweep's column: its size, or its size and budget where another sweep has the same size. Two sweeps of one
-    size and budget are refused."""
+    """Each sweep's column: its size, with its budget where another sweep has the same size, and with its training
+    stream where another sweep of that size reads another one (the same budget then repeats a shorter stream more
+    often). Two sweeps of one size, budget and stream are refused."""
     sizes = [s["size"] for s in sweeps]
-    budgets = [(s["size"], s["tokens"]) for s in sweeps]
-    repeated = sorted({f"{size} at {tokens:,} tokens" for size, tokens in budgets if budgets.count((size, tokens)) > 1})
+    budgets = [(s["size"], s["tokens"], s["stream"]) for s in sweeps]
+    repeated = sorted({f"{size} at {tokens:,} tokens" + (f" of a {stream:,}-token stream" if stream else "")
+                       for size, tokens, stream in budgets if budgets.count((size, tokens, stream)) > 1})
     if repeated:
-        raise ValueError(f"--sweeps: one sweep per size and budget; {repeated} given more than once")
+        raise ValueError(f"--sweeps: one sweep per size, budget and training stream; {repeated} given more than once")
     for sweep in sweeps:
         several = sizes.count(sweep["size"]) > 1
         sweep["column"] = f"{sweep['size']} {fmt_tokens(sweep['tokens'])}" if several else sweep["size"]
+        if len(streams_of(sweeps, sweep["size"])) > 1:
+            sweep["column"] += f", {fmt_tokens(sweep['stream'])} stream"
 
 
 def rows_of(sweeps: list[dict], shared_only: bool = False) -> list[dict]:
@@ -117,29 +127,47 @@ def passes_text(sweep: dict) -> str:
 
 
 def spanned(sweeps: list[dict]) -> str:
-    """What the sweeps vary: "sizes", "training budgets", or "sizes and training budgets"."""
+    """What the sweeps vary: "sizes", "training budgets", or "sizes and training budgets", and "training streams" as
+    well where sweeps of one size read streams of several lengths."""
     sizes = {s["size"] for s in sweeps}
-    return ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
+    what = ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
             else "sizes and training budgets")
+    if any(len(streams_of(sweeps, size)) > 1 for size in sizes):
+        what = what.replace(" and ", ", ") + " and training streams"
+    return what
 
 
-def by_size(sweeps: list[dict]) -> dict[str, list[dict]]:
-    """The sweeps of each size, the sizes from fewest parameters, each size's sweeps from fewest tokens."""
-    sizes: dict[str, list[dict]] = {}
-    for sweep in sorted(sweeps, key=lambda s: (s["parameters"], s["tokens"])):
-        sizes.setdefault(sweep["size"], []).append(sweep)
-    return sizes
+def by_line(sweeps: list[dict]) -> dict[str, list[dict]]:
+    """The sweeps of each size (and, where a size reads several, of each of its training streams): the lines of the
+    grid and of the plot, from fewest parameters and longest stream, each line's sweeps from fewest tokens."""
+    lines: dict[str, list[dict]] = {}
+    for sweep in sorted(sweeps, key=lambda s: (s["parameters"], -(s["stream"] or 0), s["tokens"])):
+        several = len(streams_of(sweeps, sweep["size"])) > 1
+        label = f"{sweep['size']}, {fmt_tokens(sweep['stream'])} stream" if several else sweep["size"]
+        lines.setdefault(label, []).append(sweep)
+    return lines
+
+
+def in_grid(sweeps: list[dict]) -> bool:
+    """Several lines (sizes, or streams of one size), one of them trained on several budgets."""
+    lines = by_line(sweeps)
+    return 1 < len(lines) < len(sweeps)
 
 
 def grid(sweeps: list[dict], row: dict) -> list[str]:
-    """One ordering's cells as a table of sizes (lines) by training budgets (columns)."""
+    """One ordering's cells as a table of sizes, or of a size's training streams, (lines) by training budgets
+    (columns)."""
     budgets = sorted({s["tokens"] for s in sweeps})
     lines = [f"| {row['claim']} | " + " | ".join(fmt_tokens(b) + " tokens" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
-    for size, of_size in by_size(sweeps).items():
-        column = {s["tokens"]: s["column"] for s in of_size}
+    for of_line in by_line(sweeps).values():
+        first = of_line[0]
+        column = {s["tokens"]: s["column"] for s in of_line}
         cells = [cell_text(row["cells"].get(column[b])) if b in column else "-" for b in budgets]
-        lines.append(f"| `{size}`, {of_size[0]['parameters'] / 1e6:.1f}M parameters | " + " | ".join(cells) + " |")
+        stream = (f", a training stream of {fmt_tokens(first['stream'])} tokens"
+                  if len(streams_of(sweeps, first["size"])) > 1 else "")
+        lines.append(f"| `{first['size']}`, {first['parameters'] / 1e6:.1f}M parameters{stream} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 
@@ -159,8 +187,9 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
     for row in rows:
         cells = " | ".join(cell_text(row["cells"].get(s["column"])) for s in sweeps)
         lines.append(f"| {row['claim']} | {row['paper']} | {cells} |")
-    if across == "sizes and training budgets":
-        lines += ["", "The same cells by size and training budget (each budget a whole schedule of its own):"]
+    if in_grid(sweeps):
+        by_what = "size, training stream" if "streams" in across else "size"
+        lines += ["", f"The same cells by {by_what} and training budget (each budget a whole schedule of its own):"]
         for row in rows:
             lines += [""] + grid(sweeps, row)
     worded = [(s["column"], row["claims"][s["column"]]) for row in rows for s in sweeps
@@ -203,11 +232,14 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     figure, axes = plt.subplots(lines_of_panels, columns, figsize=(4.2 * columns, 3.0 * lines_of_panels),
                                 squeeze=False)
     # sizes at several budgets: a line per size against the budget; otherwise one line against tokens per parameter
-    per_size = spanned(sweeps) == "sizes and training budgets"
+    per_size = in_grid(sweeps)
     if per_size:
         x = {s["column"]: s["tokens"] for s in sweeps}
-        lines = {size: [s["column"] for s in of_size] for size, of_size in by_size(sweeps).items()}
+        lines = {label: [s["column"] for s in of_line] for label, of_line in by_line(sweeps).items()}
         ticks, tick_text, label = sorted(set(x.values())), fmt_tokens, "training tokens (each a whole schedule)"
+        if "streams" in spanned(sweeps):  # the streams of one size share budgets: each line a little to the right
+            x = {column: x[column] * 1.04 ** index
+                 for index, columns in enumerate(lines.values()) for column in columns}
     else:
         x = {s["column"]: s["tokens_per_parameter"] for s in sweeps}
         lines = {None: [s["column"] for s in sweeps]}
@@ -229,7 +261,7 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
                     axis.annotate(column, (x[column], cell["paired_delta"]), textcoords="offset points",
                                   xytext=(4, 4), fontsize=7)
         if per_size:
-            axis.legend(fontsize=7, title="size", title_fontsize=7)
+            axis.legend(fontsize=7, title="size, stream" if "streams" in spanned(sweeps) else "size", title_fontsize=7)
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.set_xscale("log")
         axis.set_xticks(ticks, [tick_text(tick) for tick in ticks])
@@ -253,7 +285,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     sweeps = [read_sweep(Path(folder)) for folder in args.sweeps]
     name_columns(sweeps)
-    sweeps.sort(key=lambda s: -s["tokens_per_parameter"])
+    sweeps.sort(key=lambda s: (-s["tokens_per_parameter"], -(s["stream"] or 0)))
     rows = rows_of(sweeps, args.shared_orderings_only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
