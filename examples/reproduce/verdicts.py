@@ -5,13 +5,14 @@ that sweep's last table gives it.
     python examples/reproduce/verdicts.py --out DIR --sweeps SWEEP_DIR [SWEEP_DIR ...] [--shared-orderings-only]
 
 Writes verdicts.md, verdicts.json and verdicts.png to --out. The columns run from most to fewest training tokens per
-parameter (of the sweep's SwiGLU baseline); a column is named by its size, and by its budget too where two sweeps
-share a size (one size trained on several numbers of tokens). A cell is loss(right) - loss(left) over the seeds both
-models ran, ± its standard error (seeds): positive where the paper's ordering holds, **bold** where study.py's
-verdict calls the difference resolved either way. Where several sizes each train on several budgets, each ordering
-gets a second table too, of sizes by budgets. The plot has a panel per ordering: the difference against tokens per
-parameter (or, for several sizes at several budgets, a line per size against the budget), with bars of two standard
-errors.
+parameter (of the sweep's SwiGLU baseline); a column is named by its size, by its budget too where two sweeps
+share a size (one size trained on several numbers of tokens), and by its training stream too where sweeps of one size
+read streams of different lengths (`prepare_data.py --max-train-tokens`: one budget then repeats a shorter stream more
+often). A cell is loss(right) - loss(left) over the seeds both models ran, ± its standard error (seeds): positive where
+the paper's ordering holds, **bold** where study.py's verdict calls the difference resolved either way. Where several
+sizes (or streams) each train on several budgets, each ordering gets a second table too, of sizes (or streams) by
+budgets. The plot has a panel per ordering: the difference against tokens per parameter (or, for several sizes at
+several budgets, a line per size, or per stream, against the budget), with bars of two standard errors.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def streams_of(sweeps: list[dict], size: str) -> set:
     return {s["stream"] for s in sweeps if s["size"] == size}
 
 
+def stream_text(stream: int | None) -> str:
+    return fmt_tokens(stream) if stream else "unknown"
+
+
 def name_columns(sweeps: list[dict]) -> None:
     """Each sweep's column: its size, with its budget where another sweep has the same size, and with its training
     stream where another sweep of that size reads another one (the same budget then repeats a shorter stream more
@@ -85,7 +90,7 @@ def name_columns(sweeps: list[dict]) -> None:
         several = sizes.count(sweep["size"]) > 1
         sweep["column"] = f"{sweep['size']} {fmt_tokens(sweep['tokens'])}" if several else sweep["size"]
         if len(streams_of(sweeps, sweep["size"])) > 1:
-            sweep["column"] += f", {fmt_tokens(sweep['stream'])} stream"
+            sweep["column"] += f", {stream_text(sweep['stream'])} stream"
 
 
 def rows_of(sweeps: list[dict], shared_only: bool = False) -> list[dict]:
@@ -143,7 +148,7 @@ def by_line(sweeps: list[dict]) -> dict[str, list[dict]]:
     lines: dict[str, list[dict]] = {}
     for sweep in sorted(sweeps, key=lambda s: (s["parameters"], -(s["stream"] or 0), s["tokens"])):
         several = len(streams_of(sweeps, sweep["size"])) > 1
-        label = f"{sweep['size']}, {fmt_tokens(sweep['stream'])} stream" if several else sweep["size"]
+        label = f"{sweep['size']}, {stream_text(sweep['stream'])} stream" if several else sweep["size"]
         lines.setdefault(label, []).append(sweep)
     return lines
 
@@ -155,8 +160,8 @@ def in_grid(sweeps: list[dict]) -> bool:
 
 
 def grid(sweeps: list[dict], row: dict) -> list[str]:
-    """One ordering's cells as a table of sizes, or of a size's training streams, (lines) by training budgets
-    (columns)."""
+    """One ordering's cells as a table: a line per size (per training stream of a size that read several), a column
+    per training budget."""
     budgets = sorted({s["tokens"] for s in sweeps})
     lines = [f"| {row['claim']} | " + " | ".join(fmt_tokens(b) + " tokens" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
@@ -164,7 +169,7 @@ def grid(sweeps: list[dict], row: dict) -> list[str]:
         first = of_line[0]
         column = {s["tokens"]: s["column"] for s in of_line}
         cells = [cell_text(row["cells"].get(column[b])) if b in column else "-" for b in budgets]
-        stream = (f", a training stream of {fmt_tokens(first['stream'])} tokens"
+        stream = (f", a training stream of {stream_text(first['stream'])} tokens"
                   if len(streams_of(sweeps, first["size"])) > 1 else "")
         lines.append(f"| `{first['size']}`, {first['parameters'] / 1e6:.1f}M parameters{stream} | "
                      + " | ".join(cells) + " |")
@@ -231,7 +236,8 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     lines_of_panels = -(-len(rows) // columns)
     figure, axes = plt.subplots(lines_of_panels, columns, figsize=(4.2 * columns, 3.0 * lines_of_panels),
                                 squeeze=False)
-    # sizes at several budgets: a line per size against the budget; otherwise one line against tokens per parameter
+    # sizes (or streams) at several budgets: a line each against the budget; otherwise one line against tokens per
+    # parameter
     per_size = in_grid(sweeps)
     if per_size:
         x = {s["column"]: s["tokens"] for s in sweeps}
