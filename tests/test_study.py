@@ -686,7 +686,8 @@ def test_verdicts_of_one_size_on_several_training_streams_name_each_stream(tmp_p
     assert table[2:] == ["| `toy`, 1.0M parameters, a training stream of 2M tokens | **+0.133 ± 0.033 (3)** "
                          "| **-0.133 ± 0.033 (3)** |",
                          "| `toy`, 1.0M parameters, a training stream of 1M tokens | **+0.067 ± 0.017 (3)** | - |"]
-    assert "(2 passes over a training stream of 1,000,000 tokens)" in (tmp_path / "twice" / "learning_rates.md").read_text()
+    twice_table = (tmp_path / "twice" / "learning_rates.md").read_text()
+    assert "(2 passes over a training stream of 1,000,000 tokens)" in twice_table
     with pytest.raises(ValueError, match="one sweep per size, budget and training stream; .*toy at 2,000,000 tokens of "
                                          "a 1,000,000-token stream"):
         verdicts.main(["--out", str(tmp_path / "out2"), "--sweeps", twice, twice])
@@ -752,8 +753,8 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
     # the README's columns: 4M, 8M, 16M, 32M (base's 12M sweep is in the table above)
     budgets = [cell.split(":")[0].strip() for cell in readme[start].strip("|").split("|")[1:]]
     assert budgets == ["4M", "8M", "16M", "32M"]
-    by_budget = sorted((s for s in report["sweeps"] if s["size"] == "base" and study.fmt_tokens(s["tokens"]) in budgets),
-                       key=lambda s: s["tokens"])
+    by_budget = sorted((s for s in report["sweeps"]
+                        if s["size"] == "base" and study.fmt_tokens(s["tokens"]) in budgets), key=lambda s: s["tokens"])
     rates = [cell.split(": ")[-1].replace("lr ", "").split(" / ") for cell in readme[start].strip("|").split("|")[1:]]
     for row, key in (("SwiGLU", "llama"), ("FlashMHF d_h=128", "flash_mhf")):
         for sweep, rates_of_column, cell in zip(by_budget, rates, table[row]):
@@ -789,7 +790,8 @@ def test_readmes_passes_table_is_the_committed_sweeps(tmp_path, monkeypatch):
     start = readme.index("| SwiGLU < MemoryLLM, equal total, each at its best rate, paired (seeds) | 16M tokens "
                          "| 32M tokens | 64M tokens |")
     lines = rebuilt.splitlines()
-    grid = lines.index("| SwiGLU (transformers Llama) < MemoryLLM, equal total | 16M tokens | 32M tokens | 64M tokens |")
+    grid = lines.index("| SwiGLU (transformers Llama) < MemoryLLM, equal total | 16M tokens | 32M tokens "
+                       "| 64M tokens |")
     assert readme[start + 1:start + 5] == lines[grid + 1:grid + 5] and lines[grid + 5] == readme[start + 5] == ""
 
 
