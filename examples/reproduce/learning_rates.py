@@ -144,12 +144,17 @@ def paired_text(paired) -> str:
     return f"{delta:+.3f}" + (f" ± {error:.3f}" if error is not None else "") + f" ({seeds})"
 
 
+def passes_over(tokens: int, stream: int | None) -> float | None:
+    """How many times a budget of `tokens` reads a training stream of `stream` tokens, where it reads it more than
+    once (None where once or less, or the stream's length is unknown)."""
+    return tokens / stream if stream and tokens > 1.01 * stream else None
+
+
 def passes_text(study: dict) -> str:
     """Said only of a budget longer than the study's training stream, which its runs then read more than once."""
     stream = study["data"]["splits"]["train"].get("tokens")
-    if not stream or study["tokens"] <= 1.01 * stream:
-        return ""
-    return f" ({study['tokens'] / stream:.2g} passes over a training stream of {stream:,} tokens)"
+    passes = passes_over(study["tokens"], stream)
+    return f" ({passes:.2g} passes over a training stream of {stream:,} tokens)" if passes else ""
 
 
 def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict],

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from learning_rates import paired_text, rate_text  # noqa: E402
+from learning_rates import paired_text, passes_over, rate_text  # noqa: E402
 from study import CLAIMS, fmt_tokens, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
 
 
@@ -128,7 +128,8 @@ def cell_text(cell: dict | None) -> str:
 
 def passes_text(sweep: dict) -> str:
     """Said only of a budget longer than the training stream, which the runs then read more than once."""
-    return f", {sweep['passes']:g} passes over the training stream" if (sweep["passes"] or 0) > 1.01 else ""
+    return f", {sweep['passes']:g} passes over the training stream" if passes_over(sweep["tokens"], sweep["stream"]) \
+        else ""
 
 
 def spanned(sweeps: list[dict]) -> str:
