@@ -797,8 +797,8 @@ def test_readmes_passes_table_is_the_committed_sweeps(tmp_path, monkeypatch):
 
 def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monkeypatch):
     """examples/results/verdicts_memoryllm_budgets/ rebuilds from the sweeps it names; under "The memory models on more
-    tokens per parameter" the README's first table is its table of sizes by budgets, and the second holds each model's
-    mean loss at its best rate, that rate and its number of seeds in `narrow`'s sweeps."""
+    tokens per parameter" the README's first table is its table of sizes by budgets, and the next two hold each model's
+    mean loss at its best rate, that rate and its number of seeds in the sweeps of `narrow` and of `small`."""
     report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch,
                                                   "--shared-orderings-only")
 
@@ -811,20 +811,21 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
     assert readme[start].split("|")[2:] == lines[grid].split("|")[2:]
     assert readme[start + 2:start + 6] == lines[grid + 2:grid + 6] and lines[grid + 6] == readme[start + 6] == ""
 
-    start = next(i for i, line in enumerate(readme)
-                 if line.startswith("| `narrow`, held-out loss at each model's best"))
-    narrow = sorted((s for s in report["sweeps"] if s["size"] == "narrow"), key=lambda s: s["tokens"])
-    assert [c.strip() for c in readme[start].strip("|").split("|")[1:]] == \
-        [f"{round(s['tokens'] / 1e6)}M tokens" for s in narrow]
     rows = {"SwiGLU": "llama", "MemoryLLM, equal total": "memoryllm_total",
             "FlexMemoryLLM beta=3, equal total": "flex_total"}
-    for line in readme[start + 2:start + 2 + len(rows)]:
-        label, *cells = [c.strip() for c in line.strip("|").split("|")]
-        expected = []
-        for sweep in narrow:
-            model = json.loads((Path(sweep["path"]) / "learning_rates.json").read_text())["models"][rows[label]]
-            best = learning_rates.rate_text(model["best_learning_rate"])
-            at_best = model["rates"][best]
-            expected.append(f"{at_best['heldout_loss_mean']:.3f} ({best}, {len(at_best['seeds'])})")
-        assert cells == expected, label
-    assert readme[start + 2 + len(rows)] == ""
+    for size in ("narrow", "small"):
+        start = next(i for i, line in enumerate(readme)
+                     if line.startswith(f"| `{size}`, held-out loss at each model's best"))
+        sweeps = sorted((s for s in report["sweeps"] if s["size"] == size), key=lambda s: s["tokens"])
+        assert [c.strip() for c in readme[start].strip("|").split("|")[1:]] == \
+            [f"{round(s['tokens'] / 1e6)}M tokens" for s in sweeps]
+        for line in readme[start + 2:start + 2 + len(rows)]:
+            label, *cells = [c.strip() for c in line.strip("|").split("|")]
+            expected = []
+            for sweep in sweeps:
+                model = json.loads((Path(sweep["path"]) / "learning_rates.json").read_text())["models"][rows[label]]
+                best = learning_rates.rate_text(model["best_learning_rate"])
+                at_best = model["rates"][best]
+                expected.append(f"{at_best['heldout_loss_mean']:.3f} ({best}, {len(at_best['seeds'])})")
+            assert cells == expected, (size, label)
+        assert readme[start + 2 + len(rows)] == ""
