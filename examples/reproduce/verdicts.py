@@ -72,6 +72,11 @@ def streams_of(sweeps: list[dict], size: str) -> set:
     return {s["stream"] for s in sweeps if s["size"] == size}
 
 
+def several_streams(sweeps: list[dict]) -> bool:
+    """Whether sweeps of one size read training streams of several lengths."""
+    return any(len(streams_of(sweeps, size)) > 1 for size in {s["size"] for s in sweeps})
+
+
 def stream_text(stream: int | None) -> str:
     return fmt_tokens(stream) if stream else "unknown"
 
@@ -138,7 +143,7 @@ def spanned(sweeps: list[dict]) -> str:
     sizes = {s["size"] for s in sweeps}
     what = ("sizes" if len(sizes) == len(sweeps) else "training budgets" if len(sizes) == 1
             else "sizes and training budgets")
-    if any(len(streams_of(sweeps, size)) > 1 for size in sizes):
+    if several_streams(sweeps):
         what = what.replace(" and ", ", ") + " and training streams"
     return what
 
@@ -194,7 +199,7 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
         cells = " | ".join(cell_text(row["cells"].get(s["column"])) for s in sweeps)
         lines.append(f"| {row['claim']} | {row['paper']} | {cells} |")
     if in_grid(sweeps):
-        by_what = "size, training stream" if "streams" in across else "size"
+        by_what = "size, training stream" if several_streams(sweeps) else "size"
         lines += ["", f"The same cells by {by_what} and training budget (each budget a whole schedule of its own):"]
         for row in rows:
             lines += [""] + grid(sweeps, row)
@@ -244,7 +249,7 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
         x = {s["column"]: s["tokens"] for s in sweeps}
         lines = {label: [s["column"] for s in of_line] for label, of_line in by_line(sweeps).items()}
         ticks, tick_text, label = sorted(set(x.values())), fmt_tokens, "training tokens (each a whole schedule)"
-        if "streams" in spanned(sweeps):  # the streams of one size share budgets: each line a little to the right
+        if several_streams(sweeps):  # the streams of one size share budgets: each line a little to the right
             x = {column: x[column] * 1.04 ** index
                  for index, columns in enumerate(lines.values()) for column in columns}
     else:
@@ -268,7 +273,7 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
                     axis.annotate(column, (x[column], cell["paired_delta"]), textcoords="offset points",
                                   xytext=(4, 4), fontsize=7)
         if per_size:
-            axis.legend(fontsize=7, title="size, stream" if "streams" in spanned(sweeps) else "size", title_fontsize=7)
+            axis.legend(fontsize=7, title="size, stream" if several_streams(sweeps) else "size", title_fontsize=7)
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.set_xscale("log")
         axis.set_xticks(ticks, [tick_text(tick) for tick in ticks])
