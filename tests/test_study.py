@@ -319,9 +319,11 @@ def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_pat
     assert resumed["earlier_merges"] == [merged["command"]]
     assert "- 3 calls, in studies joined by the merges below" in markdown
     assert f"- studies merged with `{merged['command']}`" in markdown
+    # a study merged again with one it already holds: its runs and calls are the same ones, kept once
     remerged = study.main(["--merge", str(merged_dir), str(first_dir), "--out", str(tmp_path / "remerged")])
     assert [call["command"] for call in remerged["earlier_calls"]] == [
-        first["command"], second["command"], resumed["command"], first["command"]]
+        first["command"], second["command"], resumed["command"]]
+    assert remerged["runs"] == resumed["runs"] and remerged["repeats"] == [repeat]
     assert remerged["earlier_merges"] == [merged["command"]]
     assert f"- of those, studies merged earlier with `{merged['command']}`" in \
         (tmp_path / "remerged" / "results.md").read_text()
@@ -798,7 +800,7 @@ def test_readmes_passes_table_is_the_committed_sweeps(tmp_path, monkeypatch):
 def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monkeypatch):
     """examples/results/verdicts_memoryllm_budgets/ rebuilds from the sweeps it names; under "The memory models on more
     tokens per parameter" the README's first table is its table of sizes by budgets, and the next two hold each model's
-    mean loss at its best rate, that rate and its number of seeds in the sweeps of `narrow` and of `small`."""
+    mean loss at its best rate, that rate and its number of seeds in the sweeps of `narrow`, `small` and `base`."""
     report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch,
                                                   "--shared-orderings-only")
 
@@ -813,7 +815,7 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
 
     rows = {"SwiGLU": "llama", "MemoryLLM, equal total": "memoryllm_total",
             "FlexMemoryLLM beta=3, equal total": "flex_total"}
-    for size in ("narrow", "small"):
+    for size in ("narrow", "small", "base"):
         start = next(i for i, line in enumerate(readme)
                      if line.startswith(f"| `{size}`, held-out loss at each model's best"))
         sweeps = sorted((s for s in report["sweeps"] if s["size"] == size), key=lambda s: s["tokens"])

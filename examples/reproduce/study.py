@@ -249,7 +249,8 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
     """--merge: one study in `out` from studies made apart with one size, budget, learning rate and data (each part
     of a study on its own machine, say). Each model and seed keeps its first run, in the order of `sources`; a later
     run of the same model and seed is kept as a repeat: the report lists it beside the kept run, which shows how far
-    two runs of one seed end apart (the GPU's kernels are not bitwise deterministic)."""
+    two runs of one seed end apart (the GPU's kernels are not bitwise deterministic). A run or call found in two of
+    the studies (one continued from a copy of the other) is the same one, kept once."""
     if len(sources) < 2:
         raise ValueError(f"--merge: name two or more study folders, got {[str(s) for s in sources]}")
     for source in sources:
@@ -269,19 +270,22 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
     def unique(values) -> list:
         return list(dict.fromkeys(values))
 
+    def add_new(items: list, new: list) -> None:
+        items += [item for item in new if item not in items]
+
     kept: dict[tuple[str, int], dict] = {}
     repeats, calls, merges = [], [], []
     for source, study in zip(sources, studies):
         study_calls, study_merges = provenance(study)
-        calls += study_calls
-        merges += study_merges
-        repeats += study.get("repeats", [])
+        add_new(calls, study_calls)
+        add_new(merges, study_merges)
+        add_new(repeats, study.get("repeats", []))
         for run in study["runs"]:
-            if (run["model"], run["seed"]) in kept:
-                repeats.append({"model": run["model"], "seed": run["seed"], "heldout_loss": run["heldout_loss"],
-                                "wiki_loss": run.get("wiki_loss"), "device": run.get("device"), "study": str(source)})
-            else:
-                kept[(run["model"], run["seed"])] = run
+            first_run = kept.setdefault((run["model"], run["seed"]), run)
+            if run != first_run:
+                add_new(repeats, [{"model": run["model"], "seed": run["seed"], "heldout_loss": run["heldout_loss"],
+                                   "wiki_loss": run.get("wiki_loss"), "device": run.get("device"),
+                                   "study": str(source)}])
     known = {key: study for study in reversed(studies) for key in study["order"]}
     order = [m.key for m in study_models.study_models(SHAPES[first["size"]]) if m.key in known]
     done = {f"{model}/seed{seed}" for model, seed in kept}
