@@ -799,8 +799,9 @@ def test_readmes_passes_table_is_the_committed_sweeps(tmp_path, monkeypatch):
 
 def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monkeypatch):
     """examples/results/verdicts_memoryllm_budgets/ rebuilds from the sweeps it names; under "The memory models on more
-    tokens per parameter" the README's first table is its table of sizes by budgets, and the next two hold each model's
-    mean loss at its best rate, that rate and its number of seeds in the sweeps of `narrow`, `small` and `base`."""
+    tokens per parameter" the README's first table is its table of sizes by budgets, and the next three hold each
+    model's mean loss at its best rate, that rate and its number of seeds in the sweeps of `narrow`, `small` and
+    `base`."""
     report, rebuilt = _rebuild_committed_verdicts("verdicts_memoryllm_budgets", tmp_path, monkeypatch,
                                                   "--shared-orderings-only")
 

@@ -67,14 +67,11 @@ def read_sweep(folder: Path) -> dict:
             "claims": [c for c in sweep["claims_at_best_rates"] if "lower" in c]}
 
 
-def streams_of(sweeps: list[dict], size: str) -> set:
-    """The training streams (numbers of tokens in the training split) that the sweeps of one size read."""
-    return {s["stream"] for s in sweeps if s["size"] == size}
-
-
-def several_streams(sweeps: list[dict]) -> bool:
-    """Whether sweeps of one size read training streams of several lengths."""
-    return any(len(streams_of(sweeps, size)) > 1 for size in {s["size"] for s in sweeps})
+def several_streams(sweeps: list[dict], size: str | None = None) -> bool:
+    """Whether the sweeps of `size` (of any one size, without it) read training streams (numbers of tokens in the
+    training split) of several lengths."""
+    sizes = [size] if size else {s["size"] for s in sweeps}
+    return any(len({s["stream"] for s in sweeps if s["size"] == one}) > 1 for one in sizes)
 
 
 def stream_text(stream: int | None) -> str:
@@ -94,7 +91,7 @@ def name_columns(sweeps: list[dict]) -> None:
     for sweep in sweeps:
         several = sizes.count(sweep["size"]) > 1
         sweep["column"] = f"{sweep['size']} {fmt_tokens(sweep['tokens'])}" if several else sweep["size"]
-        if len(streams_of(sweeps, sweep["size"])) > 1:
+        if several_streams(sweeps, sweep["size"]):
             sweep["column"] += f", {stream_text(sweep['stream'])} stream"
 
 
@@ -153,7 +150,7 @@ def by_line(sweeps: list[dict]) -> dict[str, list[dict]]:
     grid and of the plot, from fewest parameters and longest stream, each line's sweeps from fewest tokens."""
     lines: dict[str, list[dict]] = {}
     for sweep in sorted(sweeps, key=lambda s: (s["parameters"], -(s["stream"] or 0), s["tokens"])):
-        several = len(streams_of(sweeps, sweep["size"])) > 1
+        several = several_streams(sweeps, sweep["size"])
         label = f"{sweep['size']}, {stream_text(sweep['stream'])} stream" if several else sweep["size"]
         lines.setdefault(label, []).append(sweep)
     return lines
@@ -176,7 +173,7 @@ def grid(sweeps: list[dict], row: dict) -> list[str]:
         column = {s["tokens"]: s["column"] for s in of_line}
         cells = [cell_text(row["cells"].get(column[b])) if b in column else "-" for b in budgets]
         stream = (f", a training stream of {stream_text(first['stream'])} tokens"
-                  if len(streams_of(sweeps, first["size"])) > 1 else "")
+                  if several_streams(sweeps, first["size"]) else "")
         lines.append(f"| `{first['size']}`, {first['parameters'] / 1e6:.1f}M parameters{stream} | "
                      + " | ".join(cells) + " |")
     return lines
