@@ -514,6 +514,12 @@ def test_learning_rate_table_finds_each_best_rate_and_pairs_seeds_across_studies
                                  "--models", "llama,kvffn"])  # kvffn ran at its recipe's rate alone
     assert named["models"]["kvffn"]["best_rate_edge"] == "only"
     assert "KV-FFN (3e-4, the only rate it ran)." in (tmp_path / "named" / "learning_rates.md").read_text()
+    # the models left out of the tables are named, with their rates and why, never dropped silently
+    assert report["left_out"] == {"kvffn": [3e-4]} and named["left_out"] == {"pkv": [1e-3, 3e-3]}
+    assert ("Run in these studies but not tabulated (run at one rate only; --models names the models to tabulate): "
+            "KV-FFN (3e-4).") in markdown
+    assert ("Run in these studies but not tabulated (not named in --models): PKV d_h=32 (1e-3, 3e-3)."
+            in (tmp_path / "named" / "learning_rates.md").read_text())
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "learning_rates.json", "learning_rates.md", "learning_rates.png"]
 

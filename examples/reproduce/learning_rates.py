@@ -158,7 +158,7 @@ def passes_text(study: dict) -> str:
 
 
 def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: list[str], claims: list[dict],
-             repeats: list[tuple[dict, dict]]) -> str:
+             repeats: list[tuple[dict, dict]], left_out: dict, named: bool) -> str:
     rates = sorted({r["learning_rate"] for r in runs if r["model"] in table})
     devices = sorted({r["device"] for r in runs if r["model"] in table})
     lines = [
@@ -189,6 +189,11 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
              for key, entry in table.items() if entry["best_rate_edge"]]
     lines += ["", "Best rates not bounded on both sides (a rate beyond the ones run might do better): "
               + ("; ".join(edges) if edges else "none") + "."]
+    if left_out:
+        why = "not named in --models" if named else "run at one rate only; --models names the models to tabulate"
+        lines += ["", f"Run in these studies but not tabulated ({why}): "
+                  + "; ".join(f"{labels[key]} ({', '.join(rate_text(rate) for rate in rates)})"
+                              for key, rates in left_out.items()) + "."]
     compared = [key for key, entry in table.items() if "baseline" in entry]
     if compared:
         lines += ["", "Paired difference from the baseline of each model's group (loss(model) - loss(baseline) over "
@@ -283,6 +288,8 @@ def main(argv=None) -> dict:
         if not keys:
             raise ValueError("--studies: no model was run at two or more learning rates")
     keys.sort(key=lambda k: list(labels).index(k))
+    # the models these studies ran that the tables leave out, with their rates: said in the report, not dropped silently
+    left_out = {k: sorted(rates_of[k]) for k in labels if k in rates_of and k not in keys}
     chosen = [r for r in runs if r["model"] in keys]
     repeats = [(run, repeat) for run, repeat in repeats if run["model"] in keys]
     table = summarize(chosen, keys, baselines)
@@ -292,12 +299,12 @@ def main(argv=None) -> dict:
     studies = [str(folder) for folder in folders]
     report = {"size": first["size"], "tokens": first["tokens"], "eval_tokens": first["eval_tokens"],
               "studies": studies, "labels": {k: labels[k] for k in keys}, "models": table,
-              "claims_at_best_rates": claims,
+              "claims_at_best_rates": claims, "left_out": left_out,
               "runs": [run_fields(r) for r in chosen],
               "repeats": [run_fields(repeat) | {"kept_heldout_loss": run["heldout_loss"], "kept_study": run["study"]}
                           for run, repeat in repeats]}
     write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
-    text = markdown(first, chosen, table, labels, studies, claims, repeats)
+    text = markdown(first, chosen, table, labels, studies, claims, repeats, left_out, bool(args.models))
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))
     title = f"size {first['size']}, {first['tokens'] / 1e6:.0f}M tokens per model{passes_text(first)}, {devices}"
