@@ -355,7 +355,7 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
                        "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
                        "--max-heldout-tokens", "600", "--wiki", "no"])
     script = ROOT / "examples" / "reproduce" / "rate_sweep.sh"
-    env = {**os.environ, "STUDY_DATA": str(data), "STUDY_TOKENS": "256",
+    env = {**os.environ, "STUDY_DATA": str(data), "STUDY_TOKENS": "256", "STUDY_DEADLINE_MARGIN": "0.05",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
     def sweep(*args):
@@ -369,7 +369,22 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads((tmp_path / "sweep" / "lr1e-3" / "results.json").read_text())
     assert results["learning_rate"] == 1e-3 and [r["learning_rate"] for r in results["runs"]] == [1e-3]
+    assert "--deadline-margin 0.05 --deadline-minutes" in results["command"]
     assert "not starting 2e-3:llama:1" in done.stdout and not (tmp_path / "sweep" / "lr2e-3").exists()
+
+
+def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(tmp_path):
+    """A model already run on this device is taken to need its last run's time, another the runs' median time per
+    FLOP, each times (1 + --deadline-margin); with no run to go by there is no estimate (the run starts)."""
+    last = {"llama": 500.0}
+    per_flop = [1e-9, 3e-9, 2e-9]
+    assert study.estimated_run_seconds("llama", 1e12, last, per_flop, 0.15) == pytest.approx(575.0)
+    assert study.estimated_run_seconds("llama", 1e12, last, per_flop, 0.0) == pytest.approx(500.0)
+    assert study.estimated_run_seconds("pkv", 1e11, last, per_flop, 0.1) == pytest.approx(220.0)
+    assert study.estimated_run_seconds("pkv", 1e11, {}, [], 0.15) is None
+    with pytest.raises(ValueError, match=r"--deadline-margin must be 0 or more .* got -0.1"):
+        study.main(["--size", "toy", "--deadline-margin", "-0.1", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
 
 
 def test_paired_difference_decides_the_verdict_from_three_seeds():

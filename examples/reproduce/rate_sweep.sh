@@ -7,11 +7,13 @@
 # e.g. `bash examples/reproduce/rate_sweep.sh small sweep 540 1e-3:llama,flash_mhf:3 2e-3:llama,flash_mhf:3`.
 # Every model trains on 15.99M tokens, the whole training split once (or $STUDY_TOKENS), on the shards in
 # .study-data (or $STUDY_DATA).
+# A run starts only if 1.15 x its estimated time fits in what is left ($STUDY_DEADLINE_MARGIN sets the 0.15; study.py's
+# --deadline-margin).
 # The specs run in the order given; each gets the seconds the earlier ones left as its --deadline-minutes, and one
 # is not started with less than a minute left. Tabulate the folders with learning_rates.py.
 set -euo pipefail
 if (( $# < 4 )); then
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 size=$1 root=$2 budget=$3
@@ -35,5 +37,6 @@ for spec in "$@"; do
     echo "rate_sweep: $spec with $left s left"
     python "$here/study.py" --data "${STUDY_DATA:-.study-data}" --size "$size" --tokens "${STUDY_TOKENS:-15.99e6}" --seeds-for all \
         --learning-rate "$rate" --models "$models" --seeds "$seeds" --out "$root/lr$rate" --resume \
+        ${STUDY_DEADLINE_MARGIN:+--deadline-margin "$STUDY_DEADLINE_MARGIN"} \
         --deadline-minutes "$(awk -v s="$left" 'BEGIN { printf "%.2f", s / 60 }')"
 done

@@ -9,8 +9,9 @@ token counts, results as markdown + JSON, loss curves, exact configs.
 
 Models and sizing rules: examples/reproduce/models.py. Runs go in priority order (every model once, then more seeds
 of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
-skips the runs that would not finish in time (they are listed as skipped); `--resume` continues a study in `--out`
-with the runs it lacks, so one study can span several calls (or more seeds and models added later); `--report`
+skips the runs that would not finish in time with `--deadline-margin` to spare (they are listed as skipped);
+`--resume` continues a study in `--out` with the runs it lacks, so one study can span several calls (or more seeds and
+models added later); `--report`
 writes the report files again from `--out`'s results.json; `--merge` joins studies made apart (with one size,
 budget, learning rate and data) into one in `--out`; `--learning-rate` runs every model at one peak rate instead of
 its recipe's (learning_rates.py tabulates studies that differ only in it; rate_sweep.sh runs one per rate). Output
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak learning rate of every run instead of its recipe's (a check of a model's learning rate; "
                         "its results are not comparable with the recipes': write them to another --out)")
     p.add_argument("--deadline-minutes", type=float, default=None, help="start no run that would end after this")
+    p.add_argument("--deadline-margin", type=float, default=0.15,
+                   help="a run starts before the deadline only if (1 + this) x its estimated time fits (default 0.15; "
+                        "the estimate is the model's last run on this device, else the runs' median time per FLOP)")
     p.add_argument("--work", default=None, help="folder for the runs' checkpoints (default: a temporary folder)")
     p.add_argument("--keep-runs", action="store_true", help="keep every run's folder (final model, train log)")
     p.add_argument("--report", action="store_true",
@@ -310,6 +314,18 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
     write_atomic(out / "log.txt", "".join(logs))
     print(f"merged {len(state['runs'])} runs ({len(repeats)} repeated) from {len(sources)} studies into {out}")
     return state
+
+
+def estimated_run_seconds(model_key: str, cost: float, last_seconds: dict[str, float],
+                          seconds_per_flop: list[float], margin: float) -> float | None:
+    """How long a run of `cost` FLOPs is taken to need before the deadline: (1 + margin) x the model's last run on this
+    device (its first run includes compilation and autotuning, so this errs long), else x the median time per FLOP of
+    the runs so far; None with no run to go by."""
+    if model_key in last_seconds:
+        return (1 + margin) * last_seconds[model_key]
+    if seconds_per_flop:
+        return (1 + margin) * statistics.median(seconds_per_flop) * cost
+    return None
 
 
 def run_plan(selected, seeds: int, seeds_for: str) -> list[tuple[study_models.StudyModel, int]]:
@@ -869,6 +885,9 @@ def main(argv=None) -> dict:
                              " ".join(["python", "examples/reproduce/study.py", *argv]))
     if args.report:
         return rewrite_report(Path(args.out))
+    if not args.deadline_margin >= 0:
+        raise ValueError(f"--deadline-margin must be 0 or more (0.15: 15% over a run's estimated time), "
+                         f"got {args.deadline_margin}")
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise ValueError(f"--learning-rate must be a positive number, got {args.learning_rate}")
     if not shape.trainable:
@@ -952,15 +971,12 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
             continue
         elapsed = time.perf_counter() - started
         cost = described[model.key]["flops_per_token"] * tokens
-        if args.deadline_minutes and seconds_per_flop:
-            # a model already run: its own time (the first run includes compilation and autotuning, so this errs
-            # long); otherwise the median time per FLOP of the runs so far; 15% margin
-            estimate = 1.15 * last_seconds.get(model.key, statistics.median(seconds_per_flop) * cost)
-            if elapsed + estimate > 60 * args.deadline_minutes:
-                state["skipped"].append(f"{model.key}/seed{seed}")
-                print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: skipped (would end at about "
-                      f"{(elapsed + estimate) / 60:.1f} min, deadline {args.deadline_minutes} min)")
-                continue
+        estimate = estimated_run_seconds(model.key, cost, last_seconds, seconds_per_flop, args.deadline_margin)
+        if args.deadline_minutes and estimate is not None and elapsed + estimate > 60 * args.deadline_minutes:
+            state["skipped"].append(f"{model.key}/seed{seed}")
+            print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: skipped (would end at about "
+                  f"{(elapsed + estimate) / 60:.1f} min, deadline {args.deadline_minutes} min)")
+            continue
         result = train_one(model, seed, shape, tokens, args, data_dir, work, log_handle)
         seconds_per_flop.append(result["wall_seconds"] / cost)
         last_seconds[model.key] = result["wall_seconds"]
