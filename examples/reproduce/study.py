@@ -10,12 +10,11 @@ token counts, results as markdown + JSON, loss curves, exact configs.
 Models and sizing rules: examples/reproduce/models.py. Runs go in priority order (every model once, then more seeds
 of the main comparison, then the KV-FFN ablations); results are rewritten after every run, and `--deadline-minutes`
 skips the runs that would not finish in time with `--deadline-margin` to spare (they are listed as skipped);
-`--resume` continues a study in `--out` with the runs it lacks, so one study can span several calls (or more seeds and
-models added later); `--report`
-writes the report files again from `--out`'s results.json; `--merge` joins studies made apart (with one size,
-budget, learning rate and data) into one in `--out`; `--learning-rate` runs every model at one peak rate instead of
-its recipe's (learning_rates.py tabulates studies that differ only in it; rate_sweep.sh runs one per rate). Output
-(`--out`): results.json, results.md, loss_curves.png, configs.json, log.txt.
+`--resume` continues a study in `--out` with the runs it lacks, so one study can span several calls (or more seeds
+and models added later); `--report` writes the report files again from `--out`'s results.json; `--merge` joins
+studies made apart (with one size, budget, learning rate and data) into one in `--out`; `--learning-rate` runs every
+model at one peak rate instead of its recipe's (learning_rates.py tabulates studies that differ only in it;
+rate_sweep.sh runs one per rate). Output (`--out`): results.json, results.md, loss_curves.png, configs.json, log.txt.
 """
 
 from __future__ import annotations
