@@ -159,9 +159,32 @@ def test_study_end_to_end_at_toy_size(tmp_path):
     assert configs["models"]["flex_total"]["config"]["memory_intermediate_size"] > 0
     assert configs["models"]["llama"]["config"]["architectures"] == ["LlamaForCausalLM"]
     markdown = (out / "results.md").read_text()
-    for heading in ("flash-mhf.md Table 1", "memoryllm.md", "kv-ffn.md Table 1", "orderings at this scale"):
+    for heading in ("flash-mhf.md Table 1", "memoryllm.md", "kv-ffn.md Table 1", "orderings at this scale",
+                    "Held-out loss at fixed token counts", "Training loss at the same token counts"):
         assert heading in markdown
     assert "FlashMHF d_h=32 < SwiGLU" in markdown
+
+
+def test_the_report_sets_the_training_loss_since_each_evaluation_beside_the_held_out_loss():
+    """Each evaluation's cell is the mean of the training losses logged since the evaluation before (since the start
+    at the first), then the mean over seeds; an evaluation with none logged since the one before gets '-'."""
+    def run(model, seed, train, evals):
+        return {"model": model, "seed": seed, "train_curve": train, "eval_curve": evals}
+
+    first = run("llama", 0, [[10_000, 6.0], [20_000, 5.0], [30_000, 4.0], [40_000, 3.0]],
+                [[20_000, 5.5], [40_000, 4.5], [41_000, 4.4]])
+    second = run("llama", 1, [[10_000, 7.0], [20_000, 6.0], [30_000, 5.0], [40_000, 4.0]],
+                 [[20_000, 5.7], [40_000, 4.7], [41_000, 4.6]])
+    assert study.training_loss_at_evaluations(first) == {20_000: 5.5, 40_000: 3.5}
+    state = {"order": ["llama"], "labels": {"llama": "SwiGLU"}, "runs": [first, second]}
+    lines = study.curves_markdown(state, {"llama": {"seeds": [0, 1]}})
+    held_out = lines.index("## Held-out loss at fixed token counts (mean over seeds)")
+    training = lines.index("## Training loss at the same token counts (mean over seeds)")
+    assert lines[held_out + 2:held_out + 5] == ["| model | n | 20k | 40k | 41k |", "|---|---:|---:|---:|---:|",
+                                                "| SwiGLU | 2 | 5.600 | 4.600 | 4.500 |"]
+    assert lines[training + 4:] == ["| model | n | 20k | 40k | 41k |", "|---|---:|---:|---:|---:|",
+                                    "| SwiGLU | 2 | 6.000 | 4.000 | - |"]
+    assert study.curves_markdown({**state, "runs": []}, {"llama": {"seeds": []}}) == []
 
 
 def test_study_refuses_unknown_models_and_paper_shapes(tmp_path):

@@ -1,6 +1,6 @@
 """The papers' comparisons on real text, in one command: every architecture and paper baseline trained from the same
 seed on the same tokens with the recipe of examples/pretrain.py (the transformers Trainer), held-out loss at fixed
-token counts, results as markdown + JSON, loss curves, exact configs.
+token counts (the training loss beside it), results as markdown + JSON, loss curves, exact configs.
 
     python examples/reproduce/prepare_data.py --out .study-data          # once (see its docstring)
     python examples/reproduce/study.py --data .study-data --out study-results
@@ -732,21 +732,52 @@ def results_markdown(state: dict) -> str:
                   "out-of-domain held-out set (Wikipedia), where the runs measured it.", "",
                   *claims_rows(claims), ""]
     lines += repeats_markdown(state)
-    curves: dict[str, dict[int, list[float]]] = {}
+    lines += curves_markdown(state, summary)
+    return "\n".join(lines) + "\n"
+
+
+def training_loss_at_evaluations(run: dict) -> dict[int, float]:
+    """The mean of a run's logged training losses since its evaluation before, at each of its evaluations (since the
+    start at the first); an evaluation with no training loss logged since the one before is left out."""
+    means, start = {}, 0
+    for point, _ in run["eval_curve"]:
+        window = [loss for tokens, loss in run["train_curve"] if start < tokens <= point]
+        if window:
+            means[point] = statistics.fmean(window)
+        start = point
+    return means
+
+
+def curves_markdown(state: dict, summary: dict) -> list[str]:
+    """The held-out loss at each evaluation, and beside it the training loss over the stretch of training before it,
+    each a mean over seeds: where the training loss falls below the held-out loss, a model has begun to learn the
+    training text by heart (a stream read several times)."""
+    held_out: dict[str, dict[int, list[float]]] = {}
+    training: dict[str, dict[int, list[float]]] = {}
     for key in state["order"]:
         for run in state["runs"]:
             if run["model"] == key and run["eval_curve"]:
                 for tokens, loss in run["eval_curve"]:
-                    curves.setdefault(key, {}).setdefault(tokens, []).append(loss)
-    if curves:
-        points = sorted({tokens for curve in curves.values() for tokens in curve})
-        lines += ["## Held-out loss at fixed token counts (mean over seeds)", "",
-                  "| model | n | " + " | ".join(fmt_tokens(t) for t in points) + " |",
-                  "|---|---:|" + "---:|" * len(points)]
-        for key, curve in curves.items():
-            means = [fmt(statistics.fmean(curve[t])) if t in curve else "-" for t in points]
-            lines.append(f"| {labels[key]} | {len(summary[key]['seeds'])} | " + " | ".join(means) + " |")
-    return "\n".join(lines) + "\n"
+                    held_out.setdefault(key, {}).setdefault(tokens, []).append(loss)
+                for tokens, loss in training_loss_at_evaluations(run).items():
+                    training.setdefault(key, {}).setdefault(tokens, []).append(loss)
+    if not held_out:
+        return []
+    points = sorted({tokens for curve in held_out.values() for tokens in curve})
+    header = ["| model | n | " + " | ".join(fmt_tokens(t) for t in points) + " |", "|---|---:|" + "---:|" * len(points)]
+
+    def rows(curves: dict[str, dict[int, list[float]]]) -> list[str]:
+        return [f"| {state['labels'][key]} | {len(summary[key]['seeds'])} | "
+                + " | ".join(fmt(statistics.fmean(curve[t])) if t in curve else "-" for t in points) + " |"
+                for key, curve in curves.items()]
+
+    lines = ["## Held-out loss at fixed token counts (mean over seeds)", "", *header, *rows(held_out)]
+    if training:
+        lines += ["", "## Training loss at the same token counts (mean over seeds)", "",
+                  "Each cell: the mean of the training losses logged since the evaluation before (since the start at "
+                  "the first). Below the held-out loss above, the model has begun to learn the training text by heart.",
+                  "", *header, *rows(training)]
+    return lines
 
 
 def plot_curves(state: dict, path: Path) -> bool:
