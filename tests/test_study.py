@@ -318,6 +318,8 @@ def test_studies_made_apart_merge_into_one_and_keep_repeated_seeds_aside(tmp_pat
     merged = study.main(["--merge", str(first_dir), str(second_dir), "--out", str(merged_dir)])
     assert [(r["model"], r["seed"]) for r in merged["runs"]] == [("llama", 0), ("llama", 1), ("pkv", 0)]
     assert merged["runs"][0]["heldout_loss"] == first["runs"][0]["heldout_loss"]
+    # two runs of one seed are two runs even where every loss and timing matches (CPU runs are deterministic)
+    assert first["runs"][0]["run_id"] != second["runs"][0]["run_id"]
     (repeat,) = merged["repeats"]
     assert repeat["model"] == "llama" and repeat["seed"] == 0 and repeat["study"] == str(second_dir)
     assert repeat["heldout_loss"] == second["runs"][0]["heldout_loss"]

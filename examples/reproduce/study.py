@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
@@ -253,7 +254,8 @@ def merge_studies(sources: list[Path], out: Path, command: str) -> dict:
     of a study on its own machine, say). Each model and seed keeps its first run, in the order of `sources`; a later
     run of the same model and seed is kept as a repeat: the report lists it beside the kept run, which shows how far
     two runs of one seed end apart (the GPU's kernels are not bitwise deterministic). A run or call found in two of
-    the studies (one continued from a copy of the other) is the same one, kept once."""
+    the studies (one continued from a copy of the other) is the same one, kept once: a run is told from another by its
+    run_id (and, in studies made before runs had one, by all its fields, its timings too)."""
     if len(sources) < 2:
         raise ValueError(f"--merge: name two or more study folders, got {[str(s) for s in sources]}")
     for source in sources:
@@ -409,7 +411,8 @@ def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, arg
         wiki_loss = out_of_domain_loss(Path(summary["final_model"]), data_dir, block, batch, args.eval_tokens)
     train_curve, eval_curve = read_curves(run_dir / "train_log.jsonl", tokens_per_step)
     result = {
-        "model": model.key, "seed": seed, "steps": summary["global_step"], "tokens": summary["global_step"] * tokens_per_step,
+        "model": model.key, "seed": seed, "run_id": uuid.uuid4().hex, "steps": summary["global_step"],
+        "tokens": summary["global_step"] * tokens_per_step,
         "tokens_per_step": tokens_per_step, "block_size": block, "learning_rate": learning_rate,
         "heldout_loss": summary["eval_loss"],
         "train_loss": summary["train_loss"], "tokens_per_second": summary.get("tokens_per_second"),
