@@ -790,7 +790,7 @@ def test_readmes_budget_tables_are_the_committed_budget_sweeps(tmp_path, monkeyp
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     header = ("| FlashMHF < SwiGLU, each at its best rate, paired (seeds) | 4M tokens | 8M tokens | 12M tokens "
-              "| 16M tokens | 32M tokens | 128M tokens |")
+              "| 16M tokens | 32M tokens | 64M tokens | 128M tokens |")
     start = readme.index(header)
     grid = rebuilt.split("\n\n| FlashMHF d_h=128 < SwiGLU (transformers Llama) | 4M tokens |")[1].split("\n\n")[0]
     assert readme[start + 2:start + 5] == grid.splitlines()[2:] and readme[start + 5] == ""
