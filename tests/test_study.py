@@ -398,6 +398,43 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
     assert "not starting 2e-3:llama:1" in done.stdout and not (tmp_path / "sweep" / "lr2e-3").exists()
 
 
+def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_turn(tmp_path):
+    """examples/reproduce/parallel_sweeps.sh: every stream's sweeps land in their folders at their token budgets, the
+    output lines carry their stream's number, and a malformed stream is refused before anything runs."""
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
+                       "--max-heldout-tokens", "600", "--wiki", "no"])
+    script = ROOT / "examples" / "reproduce" / "parallel_sweeps.sh"
+    env = {**os.environ, "STUDY_DATA": str(data), "STUDY_DEADLINE_MARGIN": "0.05",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def sweeps(*args):
+        return subprocess.run(["bash", str(script), "toy", *args], env=env, capture_output=True, text=True,
+                              timeout=600)
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for bad, message in [(["600", f"256 {first} 1e-3:llama:1", f"@x 256 {second} 1e-3:llama:1"], "@N with N a number"),
+                         (["600", f"256 {first} 1e-3:llama:1; {second} 1e-3:llama:1"], "a sweep is 'TOKENS ROOT"),
+                         (["600", f"256 {first} 1e-3:llama"], "a spec is RATE:MODELS:SEEDS"),
+                         (["ten", f"256 {first} 1e-3:llama:1"], "SECONDS is a whole number")]:
+        refused = sweeps(*bad)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    assert not first.exists() and not second.exists()
+    done = sweeps("600", f"@0 256 {first} 1e-3:llama:1", f"256 {second} 1e-3:llama:1; 384 {second} 2e-3:llama:1")
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert "[stream 1] on GPU 0" in done.stdout and "[stream 2] rate_sweep: 2e-3:llama:1" in done.stdout
+    tokens = {folder: json.loads((folder / "results.json").read_text())["tokens"]
+              for folder in (first / "lr1e-3", second / "lr1e-3", second / "lr2e-3")}
+    assert list(tokens.values()) == [256, 256, 384]
+    late = sweeps("59", f"256 {first} 3e-3:llama:1")
+    assert late.returncode == 0 and "[stream 1] parallel_sweeps: 59 s left, not starting" in late.stdout
+    assert not (first / "lr3e-3").exists()
+    failed = sweeps("600", f"256 {first} 3e-3:no_such_model:1", f"256 {second} 3e-3:llama:1")
+    assert failed.returncode == 1 and "parallel_sweeps: stream 1 failed" in failed.stderr
+    assert "stream 2 failed" not in failed.stderr and (second / "lr3e-3" / "results.json").exists()
+
+
 def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(tmp_path):
     """A model already run on this device is taken to need its last run's time, another the runs' median time per
     FLOP, each times (1 + --deadline-margin); with no run to go by there is no estimate (the run starts)."""

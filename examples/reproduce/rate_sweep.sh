@@ -11,21 +11,31 @@
 # --deadline-margin).
 # The specs run in the order given; each gets the seconds the earlier ones left as its --deadline-minutes, and one
 # is not started with less than a minute left. Tabulate the folders with learning_rates.py.
+# (`rate_sweep.sh --check SPEC...` only checks the specs: exit status 2, with the reason, if one is malformed.)
 set -euo pipefail
+check_specs() {
+    local spec rate models seeds extra
+    for spec in "$@"; do
+        IFS=: read -r rate models seeds extra <<< "$spec"
+        if [[ -z $rate || -z $models || -z $seeds || -n ${extra:-} ]]; then
+            echo "rate_sweep: a spec is RATE:MODELS:SEEDS (e.g. 1e-3:llama,flash_mhf:3), not '$spec'" >&2
+            exit 2
+        fi
+    done
+}
+if [[ ${1:-} == --check ]]; then
+    shift
+    check_specs "$@"
+    exit 0
+fi
 if (( $# < 4 )); then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 size=$1 root=$2 budget=$3
 shift 3
 here=$(cd "$(dirname "$0")" && pwd)
-for spec in "$@"; do
-    IFS=: read -r rate models seeds extra <<< "$spec"
-    if [[ -z $rate || -z $models || -z $seeds || -n ${extra:-} ]]; then
-        echo "rate_sweep: a spec is RATE:MODELS:SEEDS (e.g. 1e-3:llama,flash_mhf:3), not '$spec'" >&2
-        exit 2
-    fi
-done
+check_specs "$@"
 start=$(date +%s)
 for spec in "$@"; do
     IFS=: read -r rate models seeds <<< "$spec"

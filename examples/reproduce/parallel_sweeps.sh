@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Runs several rate_sweep.sh streams at the same time, so that one call on a machine keeps its GPUs busy:
+#
+#   bash examples/reproduce/parallel_sweeps.sh SIZE SECONDS STREAM [STREAM ...]
+#
+# A STREAM is one or more sweeps run one after another, separated by ';'. A sweep is "TOKENS ROOT SPEC [SPEC ...]":
+# rate_sweep.sh's arguments, with TOKENS as its $STUDY_TOKENS and SPEC as RATE:MODELS:SEEDS. A leading "@N" runs the
+# stream on GPU N alone (CUDA_VISIBLE_DEVICES=N). e.g. two streams on one GPU, the second running two sweeps:
+#   bash examples/reproduce/parallel_sweeps.sh base 565 '128e6 sweep-128M 2e-3:mh_ffn:1' \
+#       '64e6 sweep-64M 3e-3:flex_total:3; 64e6 sweep-64M 1e-3:mh_ffn:1'
+# Each sweep gets the seconds its stream's earlier sweeps left of SECONDS, and is not started with under a minute left.
+# Every output line starts with its stream's number; the exit status is 1 if any stream failed.
+set -euo pipefail
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+(( $# >= 3 )) || usage
+size=$1 budget=$2
+shift 2
+[[ $budget =~ ^[0-9]+$ ]] || { echo "parallel_sweeps: SECONDS is a whole number of seconds, not '$budget'" >&2; exit 2; }
+here=$(cd "$(dirname "$0")" && pwd)
+
+# Check every stream before anything starts.
+for stream in "$@"; do
+    body=$stream
+    if [[ $body =~ ^[[:space:]]*@([^[:space:]]*)[[:space:]]+(.*)$ ]]; then
+        gpu=${BASH_REMATCH[1]} body=${BASH_REMATCH[2]}
+        [[ $gpu =~ ^[0-9]+$ ]] || { echo "parallel_sweeps: a stream's GPU is @N with N a number, not '@$gpu'" >&2; exit 2; }
+    fi
+    IFS=';' read -r -a sweeps <<< "$body"
+    for sweep in "${sweeps[@]}"; do
+        read -r -a fields <<< "$sweep"
+        if (( ${#fields[@]} < 3 )) || ! [[ ${fields[0]} =~ ^[0-9]+(\.[0-9]+)?(e[0-9]+)?$ ]]; then
+            echo "parallel_sweeps: a sweep is 'TOKENS ROOT RATE:MODELS:SEEDS [...]' (e.g. 64e6 sweep 1e-3:llama:3)," \
+                 "not '$sweep'" >&2
+            exit 2
+        fi
+        bash "$here/rate_sweep.sh" --check "${fields[@]:2}"
+    done
+done
+
+start=$(date +%s)
+run_stream() {
+    local body=$1 sweep left
+    local -a sweeps fields
+    if [[ $body =~ ^[[:space:]]*@([0-9]+)[[:space:]]+(.*)$ ]]; then
+        export CUDA_VISIBLE_DEVICES=${BASH_REMATCH[1]}
+        body=${BASH_REMATCH[2]}
+        echo "on GPU $CUDA_VISIBLE_DEVICES"
+    fi
+    IFS=';' read -r -a sweeps <<< "$body"
+    for sweep in "${sweeps[@]}"; do
+        read -r -a fields <<< "$sweep"
+        left=$(( budget - ($(date +%s) - start) ))
+        if (( left < 60 )); then
+            echo "parallel_sweeps: $left s left, not starting '${fields[*]}'"
+            continue
+        fi
+        STUDY_TOKENS=${fields[0]} bash "$here/rate_sweep.sh" "$size" "${fields[1]}" "$left" "${fields[@]:2}"
+    done
+}
+
+pids=()
+index=0
+for stream in "$@"; do
+    index=$(( index + 1 ))
+    ( run_stream "$stream" 2>&1 | sed -u "s/^/[stream $index] /" ) &
+    pids+=("$!")
+done
+status=0
+for index in "${!pids[@]}"; do
+    if ! wait "${pids[$index]}"; then
+        echo "parallel_sweeps: stream $(( index + 1 )) failed" >&2
+        status=1
+    fi
+done
+exit $status
