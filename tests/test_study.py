@@ -400,7 +400,8 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
 
 def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_turn(tmp_path):
     """examples/reproduce/parallel_sweeps.sh: every stream's sweeps land in their folders at their token budgets, the
-    output lines carry their stream's number, and a malformed stream is refused before anything runs."""
+    output lines carry their stream's number, a failed stream fails the whole, and a malformed stream is refused
+    before anything runs."""
     data = tmp_path / "data"
     prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
                        "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
@@ -421,18 +422,19 @@ def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_tur
         refused = sweeps(*bad)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
     assert not first.exists() and not second.exists()
-    done = sweeps("600", f"@0 256 {first} 1e-3:llama:1", f"256 {second} 1e-3:llama:1; 384 {second} 2e-3:llama:1")
-    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    # the third stream fails (no such model): the exit status says so, and the other two still finish
+    done = sweeps("600", f"@0 256 {first} 1e-3:llama:1", f"256 {second} 1e-3:llama:1; 384 {second} 2e-3:llama:1",
+                  f"256 {first} 3e-3:no_such_model:1")
+    assert done.returncode == 1, done.stderr[-2000:] + done.stdout[-2000:]
+    assert "parallel_sweeps: stream 3 failed" in done.stderr and "stream 1 failed" not in done.stderr
+    assert "stream 2 failed" not in done.stderr
     assert "[stream 1] on GPU 0" in done.stdout and "[stream 2] rate_sweep: 2e-3:llama:1" in done.stdout
     tokens = {folder: json.loads((folder / "results.json").read_text())["tokens"]
               for folder in (first / "lr1e-3", second / "lr1e-3", second / "lr2e-3")}
     assert list(tokens.values()) == [256, 256, 384]
     late = sweeps("59", f"256 {first} 3e-3:llama:1")
     assert late.returncode == 0 and "[stream 1] parallel_sweeps: 59 s left, not starting" in late.stdout
-    assert not (first / "lr3e-3").exists()
-    failed = sweeps("600", f"256 {first} 3e-3:no_such_model:1", f"256 {second} 3e-3:llama:1")
-    assert failed.returncode == 1 and "parallel_sweeps: stream 1 failed" in failed.stderr
-    assert "stream 2 failed" not in failed.stderr and (second / "lr3e-3" / "results.json").exists()
+    assert not (first / "lr3e-3").exists()  # neither the failed stream's study nor the late one made it
 
 
 def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(tmp_path):
@@ -446,6 +448,14 @@ def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(t
     assert study.estimated_run_seconds("pkv", 1e11, {}, [], 0.15) is None
     with pytest.raises(ValueError, match=r"--deadline-margin must be 0 or more .* got -0.1"):
         study.main(["--size", "toy", "--deadline-margin", "-0.1", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
+    with pytest.raises(ValueError, match=r"--models: \['no_such_model'\] not among \['llama'"):
+        study.main(["--size", "toy", "--models", "llama,no_such_model", "--out", str(tmp_path / "refused")])
+    with pytest.raises(ValueError, match="has no meta.json: prepare it with examples/reproduce/prepare_data.py"):
+        study.main(["--size", "toy", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
 
 

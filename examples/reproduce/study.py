@@ -926,6 +926,10 @@ def main(argv=None) -> dict:
     if not shape.trainable:
         raise ValueError(f"--size={args.size!r} is a paper shape for --print-configs; trainable sizes: "
                          f"{[s for s, v in SHAPES.items() if v.trainable]}")
+    # what can be checked without training is checked before --out is made, so a refused call leaves no folder
+    select_models(args, shape)
+    if not (args.dataset or args.text_files):
+        token_shards.read_meta(Path(args.data or ".study-data"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memffn-study-"))
