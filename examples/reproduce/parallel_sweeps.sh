@@ -15,16 +15,24 @@ usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 (( $# >= 3 )) || usage
 size=$1 budget=$2
 shift 2
-[[ $budget =~ ^[0-9]+$ ]] || { echo "parallel_sweeps: SECONDS is a whole number of seconds, not '$budget'" >&2; exit 2; }
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "parallel_sweeps: SECONDS is a whole number of seconds, not '$budget'" >&2
+    exit 2
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 
-# Check every stream before anything starts.
+# Split each stream into its GPU (empty: all of them) and its sweeps, and check every one before anything starts.
+gpus=() bodies=()
 for stream in "$@"; do
-    body=$stream
+    gpu='' body=$stream
     if [[ $body =~ ^[[:space:]]*@([^[:space:]]*)[[:space:]]+(.*)$ ]]; then
         gpu=${BASH_REMATCH[1]} body=${BASH_REMATCH[2]}
-        [[ $gpu =~ ^[0-9]+$ ]] || { echo "parallel_sweeps: a stream's GPU is @N with N a number, not '@$gpu'" >&2; exit 2; }
+        if ! [[ $gpu =~ ^[0-9]+$ ]]; then
+            echo "parallel_sweeps: a stream's GPU is @N with N a number, not '@$gpu'" >&2
+            exit 2
+        fi
     fi
+    gpus+=("$gpu") bodies+=("$body")
     IFS=';' read -r -a sweeps <<< "$body"
     for sweep in "${sweeps[@]}"; do
         read -r -a fields <<< "$sweep"
@@ -38,13 +46,12 @@ for stream in "$@"; do
 done
 
 start=$(date +%s)
-run_stream() {
-    local body=$1 sweep left
+run_stream() {  # GPU (or empty) and sweeps, as split above
+    local gpu=$1 body=$2 sweep left
     local -a sweeps fields
-    if [[ $body =~ ^[[:space:]]*@([0-9]+)[[:space:]]+(.*)$ ]]; then
-        export CUDA_VISIBLE_DEVICES=${BASH_REMATCH[1]}
-        body=${BASH_REMATCH[2]}
-        echo "on GPU $CUDA_VISIBLE_DEVICES"
+    if [[ -n $gpu ]]; then
+        export CUDA_VISIBLE_DEVICES=$gpu
+        echo "on GPU $gpu"
     fi
     IFS=';' read -r -a sweeps <<< "$body"
     for sweep in "${sweeps[@]}"; do
@@ -59,10 +66,8 @@ run_stream() {
 }
 
 pids=()
-index=0
-for stream in "$@"; do
-    index=$(( index + 1 ))
-    ( run_stream "$stream" 2>&1 | sed -u "s/^/[stream $index] /" ) &
+for index in "${!bodies[@]}"; do
+    ( run_stream "${gpus[$index]}" "${bodies[$index]}" 2>&1 | sed -u "s/^/[stream $(( index + 1 ))] /" ) &
     pids+=("$!")
 done
 status=0
