@@ -132,6 +132,24 @@ def test_every_compared_model_is_parameter_matched(size):
         assert (half["ffn_num_subnetworks"], half["intermediate_size"] // half["ffn_num_subnetworks"]) == (4, 192)
 
 
+def test_head_width_ablation_from_the_wide_side_follows_the_papers_sizing_rule():
+    """FlashMHF d_h=256 exists where the width divides into heads of 256; where the sizing rule leaves one sub-network
+    per head it is an MH-FFN (no router to train towards a constant gate), and says so in its label."""
+    def double(size):
+        models = {m.key: m for m in study_models.study_models(study_models.SHAPES[size])}
+        model = models.get("flash_mhf_double_head_dim")
+        return model and (model.label, model.config_fields(study_models.SHAPES[size]))
+
+    label, fields = double("base")
+    assert label == "FlashMHF d_h=256 (E=1: MH-FFN)" and fields["ffn_variant"] == "mh_ffn"
+    assert (fields["ffn_num_heads"], fields["ffn_num_subnetworks"], fields["intermediate_size"]) == (2, 1, 1040)
+    label, fields = double("370M")
+    assert label == "FlashMHF d_h=256" and fields["ffn_variant"] == "flash_mhf"
+    assert (fields["ffn_num_heads"], fields["ffn_num_subnetworks"]) == (4, 3)
+    assert "ffn_kernel" not in fields  # heads of 256: the fused kernels run
+    assert double("small") is None  # 384 does not divide into heads of 256
+
+
 @pytest.mark.slow
 def test_study_end_to_end_at_toy_size(tmp_path):
     """prepare_data on a text that ships with the repository, then the whole study (every model, two seeds of the

@@ -201,6 +201,15 @@ def study_models(shape: StudyShape) -> list[StudyModel]:
     # the paper's head-width ablation (Table 1: d_h = 64 against 128): twice the heads, each half as wide
     half_head_dim = shape.ffn_head_dim // 2
     half_subnetworks, half_subnetwork_size = multi_head_ffn_widths(shape, half_head_dim)
+    # and from the other side (d_h = 256), where the width divides into such heads; the paper's sizing rule may leave
+    # one sub-network per head (at `base`), which is MH-FFN: no router, no gates
+    double_head_dim = 2 * shape.ffn_head_dim
+    double_subnetworks, double_subnetwork_size = multi_head_ffn_widths(shape, double_head_dim)
+    double_fields = {"ffn_variant": "flash_mhf" if double_subnetworks > 1 else "mh_ffn",
+                     "intermediate_size": double_subnetworks * double_subnetwork_size,
+                     "ffn_num_subnetworks": double_subnetworks,
+                     "ffn_num_heads": d // double_head_dim, "ffn_num_kv_heads": d // double_head_dim}
+    double_label = f"FlashMHF d_h={double_head_dim}" + ("" if double_subnetworks > 1 else " (E=1: MH-FFN)")
     models = [
         StudyModel("llama", "SwiGLU (transformers Llama)", "flash-mhf", "llama", "flash-mhf", paper="3.030"),
         StudyModel("flash_mhf", f"FlashMHF d_h={shape.ffn_head_dim}", "flash-mhf", "flash_mhf", "flash-mhf",
@@ -210,6 +219,8 @@ def study_models(shape: StudyShape) -> list[StudyModel]:
                    {"ffn_variant": "flash_mhf", "intermediate_size": half_subnetworks * half_subnetwork_size,
                     "ffn_num_subnetworks": half_subnetworks, "ffn_num_heads": 2 * heads, "ffn_num_kv_heads": 2 * heads},
                    paper="3.046 (d_h=64)"),
+        *([StudyModel("flash_mhf_double_head_dim", double_label, "flash-mhf", "flash_mhf", "flash-mhf", double_fields,
+                      paper="3.029 (d_h=256)")] if d % double_head_dim == 0 else []),
         StudyModel("mh_ffn", f"MH-FFN d_h={shape.ffn_head_dim}", "flash-mhf", "flash_mhf", "flash-mhf",
                    {"ffn_variant": "mh_ffn", "intermediate_size": head_width, "ffn_num_subnetworks": 1, **multi_head},
                    paper="3.031"),

@@ -62,6 +62,7 @@ CLAIMS = (
     Claim("flash-mhf", "flash_mhf", "llama", "3.014 < 3.030"),
     Claim("flash-mhf", "flash_mhf", "flash_mhf_half_head_dim", "3.014 < 3.046 (d_h=128 better than 64)"),
     Claim("flash-mhf", "llama", "flash_mhf_half_head_dim", "3.030 < 3.046 (d_h=64 underfits)"),
+    Claim("flash-mhf", "flash_mhf", "flash_mhf_double_head_dim", "3.014 < 3.029 (d_h=128 better than 256)"),
     Claim("flash-mhf", "flash_mhf", "mh_ffn", "3.014 < 3.031"),
     Claim("flash-mhf", "llama", "mh_ffn", "3.030 vs 3.031 (MH-FFN level with SwiGLU)", level=True),
     Claim("flash-mhf", "llama", "dense_moe", "3.030 < 3.062"),
