@@ -57,10 +57,12 @@ def write_meta(folder: str | os.PathLike, meta: dict) -> None:
     os.replace(tmp_path, path)
 
 
-def read_meta(folder: str | os.PathLike) -> dict:
+def read_meta(folder: str | os.PathLike, option: str = "--data-dir") -> dict:
+    """The shards' meta.json; `option` names the command-line flag that gave `folder`, for the error."""
     path = Path(folder) / META_FILE
     if not path.is_file():
-        raise ValueError(f"--data-dir={str(folder)!r} has no {META_FILE}: prepare it with examples/reproduce/prepare_data.py")
+        raise ValueError(f"{option}={str(folder)!r} has no {META_FILE}: "
+                         "prepare it with examples/reproduce/prepare_data.py")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

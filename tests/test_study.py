@@ -416,21 +416,41 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
     assert "not starting 2e-3:llama:1" in done.stdout and not (tmp_path / "sweep" / "lr2e-3").exists()
 
 
+# stands in for rate_sweep.sh beside a copy of parallel_sweeps.sh: `--check` is the real script's; a sweep notes how it
+# was called and when each spec ran, fails for a model named no_such_model, and otherwise leaves the spec's folder
+STAND_IN_RATE_SWEEP = r"""#!/usr/bin/env bash
+set -euo pipefail
+if [[ $1 == --check ]]; then exec bash "$REAL_RATE_SWEEP" "$@"; fi
+size=$1 root=$2 left=$3
+shift 3
+for spec in "$@"; do
+    IFS=: read -r rate models seeds <<< "$spec"
+    echo "rate_sweep: $spec with $left s left"
+    if [[ $models == *no_such_model* ]]; then echo "no such model" >&2; exit 1; fi
+    started=$(date +%s.%N)
+    sleep 1
+    mkdir -p "$root/lr$rate"
+    printf '{"size": "%s", "tokens": %s, "left": %s, "gpu": "%s", "started": %s, "ended": %s}' "$size" \
+        "$STUDY_TOKENS" "$left" "${CUDA_VISIBLE_DEVICES:-}" "$started" "$(date +%s.%N)" > "$root/lr$rate/call.json"
+done
+"""
+
+
 def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_turn(tmp_path):
-    """examples/reproduce/parallel_sweeps.sh: every stream's sweeps land in their folders at their token budgets, the
-    output lines carry their stream's number, a failed stream fails the whole, and a malformed stream is refused
-    before anything runs."""
-    data = tmp_path / "data"
-    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
-                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
-                       "--max-heldout-tokens", "600", "--wiki", "no"])
-    script = ROOT / "examples" / "reproduce" / "parallel_sweeps.sh"
-    env = {**os.environ, "STUDY_DATA": str(data), "STUDY_DEADLINE_MARGIN": "0.05",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """examples/reproduce/parallel_sweeps.sh (beside a stand-in for rate_sweep.sh, whose own test trains): the streams
+    run at the same time and each stream's sweeps one after another, each given its tokens, root, seconds left and
+    GPU; the output lines carry their stream's number, a failed stream fails the whole while the others finish, a
+    sweep is not started with under a minute left, and a malformed stream is refused before anything runs."""
+    scripts = tmp_path / "reproduce"
+    scripts.mkdir()
+    (scripts / "parallel_sweeps.sh").write_text((ROOT / "examples" / "reproduce" / "parallel_sweeps.sh").read_text())
+    (scripts / "rate_sweep.sh").write_text(STAND_IN_RATE_SWEEP)
+    env = {**os.environ, "REAL_RATE_SWEEP": str(ROOT / "examples" / "reproduce" / "rate_sweep.sh")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
 
     def sweeps(*args):
-        return subprocess.run(["bash", str(script), "toy", *args], env=env, capture_output=True, text=True,
-                              timeout=600)
+        return subprocess.run(["bash", str(scripts / "parallel_sweeps.sh"), "toy", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
 
     first, second = tmp_path / "first", tmp_path / "second"
     for bad, message in [(["600", f"256 {first} 1e-3:llama:1", f"@x 256 {second} 1e-3:llama:1"], "@N with N a number"),
@@ -446,13 +466,18 @@ def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_tur
     assert done.returncode == 1, done.stderr[-2000:] + done.stdout[-2000:]
     assert "parallel_sweeps: stream 3 failed" in done.stderr and "stream 1 failed" not in done.stderr
     assert "stream 2 failed" not in done.stderr
-    assert "[stream 1] on GPU 0" in done.stdout and "[stream 2] rate_sweep: 2e-3:llama:1" in done.stdout
-    tokens = {folder: json.loads((folder / "results.json").read_text())["tokens"]
-              for folder in (first / "lr1e-3", second / "lr1e-3", second / "lr2e-3")}
-    assert list(tokens.values()) == [256, 256, 384]
+    assert "[stream 1] on GPU 0" in done.stdout and "[stream 2] rate_sweep: 2e-3:llama:1 with" in done.stdout
+    calls = [json.loads((folder / "call.json").read_text())
+             for folder in (first / "lr1e-3", second / "lr1e-3", second / "lr2e-3")]
+    assert [(c["size"], c["tokens"], c["gpu"]) for c in calls] == [("toy", 256, "0"), ("toy", 256, ""), ("toy", 384, "")]
+    assert calls[0]["left"] >= 598 and calls[1]["left"] >= 598  # each stream's first sweep starts at once
+    assert calls[2]["left"] < calls[1]["left"]  # the stream's second sweep gets what its first left
+    one, two, three = calls
+    assert one["started"] < two["ended"] and two["started"] < one["ended"]  # two streams at the same time
+    assert three["started"] >= two["ended"]  # a stream's sweeps in turn
     late = sweeps("59", f"256 {first} 3e-3:llama:1")
     assert late.returncode == 0 and "[stream 1] parallel_sweeps: 59 s left, not starting" in late.stdout
-    assert not (first / "lr3e-3").exists()  # neither the failed stream's study nor the late one made it
+    assert not (first / "lr3e-3").exists()  # neither the failed stream's sweep nor the late one made a folder
 
 
 def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(tmp_path):
@@ -472,7 +497,7 @@ def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(t
 def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
     with pytest.raises(ValueError, match=r"--models: \['no_such_model'\] not among \['llama'"):
         study.main(["--size", "toy", "--models", "llama,no_such_model", "--out", str(tmp_path / "refused")])
-    with pytest.raises(ValueError, match="has no meta.json: prepare it with examples/reproduce/prepare_data.py"):
+    with pytest.raises(ValueError, match="--data=.* has no meta.json: prepare it with examples/reproduce/prepare_data"):
         study.main(["--size", "toy", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
 

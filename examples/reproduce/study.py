@@ -930,7 +930,7 @@ def main(argv=None) -> dict:
     # what can be checked without training is checked before --out is made, so a refused call leaves no folder
     select_models(args, shape)
     if not (args.dataset or args.text_files):
-        token_shards.read_meta(Path(args.data or ".study-data"))
+        token_shards.read_meta(Path(args.data or ".study-data"), option="--data")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memffn-study-"))
@@ -955,7 +955,7 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         data_dir = prepare_from_source(args, work)
     else:
         data_dir = Path(args.data or ".study-data")
-    data = token_shards.read_meta(data_dir)
+    data = token_shards.read_meta(data_dir, option="--data")
     vocab_size = 64 * math.ceil(data["tokenizer"]["vocab_size"] / 64)
     tokens = int(args.tokens or shape.tokens)
     args.eval_tokens = args.eval_tokens or shape.eval_tokens
