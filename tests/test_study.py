@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
 import learning_rates  # noqa: E402
 import models as study_models  # noqa: E402
+import paired  # noqa: E402
 import prepare_data  # noqa: E402
 import study  # noqa: E402
 import token_shards  # noqa: E402
@@ -968,3 +969,19 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
                 expected.append(f"{at_best['heldout_loss_mean']:.3f} ({best}, {len(at_best['seeds'])})")
             assert cells == expected, (size, label)
         assert readme[start + 2 + len(rows)] == ""
+
+
+def test_paired_differences_between_models_at_rates_of_their_own(capsys):
+    """paired.py pairs two models' runs seed by seed, each at its own rate (the numbers README and the notes quote
+    beside the report tables), and refuses a model or rate the studies did not run, naming the ones they did."""
+    sweep = ROOT / "examples" / "results" / "study_h200_base_64M_learning_rates"
+    studies = [str(sweep / rate) for rate in ("lr1e-3", "lr2e-3", "lr6e-4")]
+    rows = paired.main(["--studies", *studies, "--pair", "flash_mhf_double_head_dim@1e-3", "mh_ffn@2e-3",
+                        "--pair", "kv_swiglu@2e-3", "kv_swiglu@1e-3"])
+    seeds, mean, error = rows[0]["heldout"]
+    assert (seeds, round(mean, 3), round(error, 3)) == (3, -0.038, 0.009)
+    assert rows[1]["heldout"][0] == 1 and rows[1]["heldout"][2] is None and round(rows[1]["heldout"][1], 3) == 0.057
+    assert "flash_mhf_double_head_dim@1e-3 - mh_ffn@2e-3: held-out -0.038 ± 0.009 (3)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"--pair: \['mh_ffn@1e-3'\] not run in these studies; they ran"):
+        paired.main(["--studies", *studies, "--pair", "mh_ffn@1e-3", "llama@1e-3"])
+
