@@ -982,6 +982,6 @@ def test_paired_differences_between_models_at_rates_of_their_own(capsys):
     assert (seeds, round(mean, 3), round(error, 3)) == (3, -0.038, 0.009)
     assert rows[1]["heldout"][0] == 1 and rows[1]["heldout"][2] is None and round(rows[1]["heldout"][1], 3) == 0.057
     assert "flash_mhf_double_head_dim@1e-3 - mh_ffn@2e-3: held-out -0.038 ± 0.009 (3)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"--pair: \['mh_ffn@1e-3'\] not run in these studies; they ran"):
-        paired.main(["--studies", *studies, "--pair", "mh_ffn@1e-3", "llama@1e-3"])
+    with pytest.raises(ValueError, match=r"--pair: \['flex_total@6e-4'\] not run in these studies; they ran"):
+        paired.main(["--studies", *studies, "--pair", "flex_total@6e-4", "llama@1e-3"])
 
