@@ -984,4 +984,3 @@ def test_paired_differences_between_models_at_rates_of_their_own(capsys):
     assert "flash_mhf_double_head_dim@1e-3 - mh_ffn@2e-3: held-out -0.038 ± 0.009 (3)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--pair: \['flex_total@6e-4'\] not run in these studies; they ran"):
         paired.main(["--studies", *studies, "--pair", "flex_total@6e-4", "llama@1e-3"])
-
