@@ -974,13 +974,16 @@ def test_readmes_memoryllm_budget_tables_are_the_committed_sweeps(tmp_path, monk
 def test_paired_differences_between_models_at_rates_of_their_own(capsys):
     """paired.py pairs two models' runs seed by seed, each at its own rate (the numbers README and the notes quote
     beside the report tables), and refuses a model or rate the studies did not run, naming the ones they did."""
-    sweep = ROOT / "examples" / "results" / "study_h200_base_64M_learning_rates"
-    studies = [str(sweep / rate) for rate in ("lr1e-3", "lr2e-3", "lr6e-4")]
-    rows = paired.main(["--studies", *studies, "--pair", "flash_mhf_double_head_dim@1e-3", "mh_ffn@2e-3",
-                        "--pair", "kvffn@2e-3", "kvffn@1e-3"])
+    results = ROOT / "examples" / "results"
+    studies = [str(results / "study_h200_base_64M_learning_rates" / rate) for rate in ("lr1e-3", "lr2e-3", "lr6e-4")]
+    rows = paired.main(["--studies", *studies, "--pair", "flash_mhf_double_head_dim@1e-3", "mh_ffn@2e-3"])
     seeds, mean, error = rows[0]["heldout"]
     assert (seeds, round(mean, 3), round(error, 3)) == (3, -0.038, 0.009)
-    assert rows[1]["heldout"][0] == 1 and rows[1]["heldout"][2] is None and round(rows[1]["heldout"][1], 3) == 0.040
     assert "flash_mhf_double_head_dim@1e-3 - mh_ffn@2e-3: held-out -0.038 ± 0.009 (3)" in capsys.readouterr().out
+    # one seed at 1e-3 (FlashMHF d_h=64 on 128M tokens, whose best rate is bounded): the difference alone, no error
+    sweep_128m = results / "study_h200_base_128M_learning_rates"
+    (row,) = paired.main(["--studies", str(sweep_128m / "lr1e-3"), str(sweep_128m / "lr2e-3"),
+                          "--pair", "flash_mhf_half_head_dim@1e-3", "flash_mhf_half_head_dim@2e-3"])
+    assert row["heldout"][0] == 1 and row["heldout"][2] is None and round(row["heldout"][1], 3) == 0.026
     with pytest.raises(ValueError, match=r"--pair: \['flex_total@6e-4'\] not run in these studies; they ran"):
         paired.main(["--studies", *studies, "--pair", "flex_total@6e-4", "llama@1e-3"])
