@@ -688,6 +688,31 @@ def test_a_run_in_two_learning_rate_studies_is_kept_once_and_listed_as_a_repeat(
     assert markdown.endswith("\n") and not markdown.endswith("\n\n")
 
 
+def test_learning_rate_plot_draws_a_diverged_mean_at_its_top_edge_with_its_value(tmp_path, monkeypatch):
+    """A mean more than OFF_SCALE above the lowest (a run that diverged) would squeeze every other line into a sliver:
+    the axis stops just above the highest loss on the scale, the mean is a triangle at that edge and its value is in
+    the model's legend entry. With no such mean the axis is matplotlib's own."""
+    pytest.importorskip("matplotlib")
+    assert learning_rates.off_scale_cut([4.0, 4.2, 5.4]) is None
+    assert learning_rates.off_scale_cut([4.0, 4.2, 6.8]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
+    figures = []
+    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
+    low = write_study(tmp_path / "low", {"llama": [4.0, 4.1], "kvffn": [4.2, 4.3]}, learning_rate=1e-3)
+    high = write_study(tmp_path / "high", {"llama": [4.1, 4.2], "kvffn": [6.7, 6.9]}, learning_rate=3e-3)
+    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(low), str(high)])
+    (axis,) = figures[-1].axes
+    assert 4.3 < axis.get_ylim()[1] < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
+    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert legend == ["SwiGLU (transformers Llama) (flash-mhf recipe)",
+                      "KV-FFN (kv-ffn recipe); ▲ off scale, 3e-3: 6.80"]
+    figures.clear()
+    write_study(tmp_path / "mild", {"llama": [4.1, 4.2], "kvffn": [5.0, 5.2]}, learning_rate=3e-3)
+    learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(low), str(tmp_path / "mild")])
+    (axis,) = figures[-1].axes
+    legend = " ".join(text.get_text() for text in axis.get_legend().get_texts())
+    assert axis.get_ylim()[1] > 5.2 and "off scale" not in legend
+
+
 def test_a_best_rate_is_marked_where_no_rate_beyond_it_ran():
     assert learning_rates.rate_edge([1e-3, 2e-3, 3e-3], 2e-3) is None
     assert learning_rates.rate_edge([2e-3, 1e-3, 3e-3], 1e-3) == "lowest"

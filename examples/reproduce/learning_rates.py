@@ -222,8 +222,20 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+# A mean this far above the plot's lowest (a run that diverged) is drawn at the top edge, its value in the legend, so
+# that it does not squeeze the rest of the plot into a sliver.
+OFF_SCALE = 1.5
+
+
+def off_scale_cut(means: list[float]) -> float | None:
+    """The loss above which a mean is off the plot's scale (None if every mean is on it)."""
+    cut = min(means) + OFF_SCALE
+    return cut if max(means) > cut else None
+
+
 def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str, path: Path) -> bool:
-    """Loss against rate, a line per model: dashed for the models of another recipe than the first model's."""
+    """Loss against rate, a line per model: dashed for the models of another recipe than the first model's; a mean
+    more than OFF_SCALE above the lowest drawn as a triangle at the top edge, its value in the model's legend entry."""
     try:
         import matplotlib
 
@@ -237,6 +249,11 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
     first_recipe = recipes[next(iter(table))]
     # one colour per model (the default cycle repeats after ten; tab20 after twenty)
     colours = plt.get_cmap("tab10" if len(table) <= 10 else "tab20").colors
+    cut = off_scale_cut([cell["heldout_loss_mean"] for entry in table.values() for cell in entry["rates"].values()])
+    edge = None
+    if cut is not None:  # the top edge: a little above the highest seed's loss still on the scale
+        on_scale = [r["heldout_loss"] for r in runs if r["heldout_loss"] <= cut]
+        edge = max(on_scale) + 0.1 * (max(on_scale) - min(on_scale))
     for index, (key, entry) in enumerate(table.items()):
         cells = sorted(entry["rates"].values(), key=lambda cell: cell["learning_rate"])
         rates = [cell["learning_rate"] for cell in cells]
@@ -246,8 +263,20 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
         # (clamped at zero: the mean of equal losses can round a hair past them)
         errors = [[max(0.0, m - min(s)) for m, s in zip(means, spread)],
                   [max(0.0, max(s) - m) for m, s in zip(means, spread)]]
-        axis.errorbar(rates, means, yerr=errors, marker="o", capsize=3, label=f"{labels[key]} ({recipes[key]} recipe)",
-                      color=colours[index % len(colours)], linestyle="-" if recipes[key] == first_recipe else "--")
+        colour = colours[index % len(colours)]
+        off = [cut is not None and m > cut for m in means]
+        shown = [edge if is_off else m for m, is_off in zip(means, off)]
+        errors = [[0.0 if is_off else e for e, is_off in zip(side, off)] for side in errors]
+        beyond = "".join(f"; ▲ off scale, {rate_text(rate)}: {mean:.2f}"
+                         for rate, mean, is_off in zip(rates, means, off) if is_off)
+        axis.errorbar(rates, shown, yerr=errors, marker="o", markevery=[not is_off for is_off in off], capsize=3,
+                      label=f"{labels[key]} ({recipes[key]} recipe){beyond}", color=colour,
+                      linestyle="-" if recipes[key] == first_recipe else "--")
+        if any(off):
+            axis.plot([r for r, is_off in zip(rates, off) if is_off], [edge] * sum(off), marker="^", linestyle="",
+                      color=colour, clip_on=False)
+    if edge is not None:
+        axis.set_ylim(top=edge)
     axis.set_xscale("log")
     every_rate = sorted({cell["learning_rate"] for entry in table.values() for cell in entry["rates"].values()})
     axis.set_xticks(every_rate, [rate_text(rate) for rate in every_rate])
