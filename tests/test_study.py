@@ -713,6 +713,25 @@ def test_learning_rate_plot_draws_a_diverged_mean_at_its_top_edge_with_its_value
     assert axis.get_ylim()[1] > 5.2 and "off scale" not in legend
 
 
+def test_learning_rate_plot_keeps_a_long_title_inside_the_figure(tmp_path, monkeypatch):
+    """A sweep of several passes has a title longer than the axes are wide (the 64M sweep's: size, tokens, passes,
+    stream and device, beside a legend widened by off-scale entries); laid out as save_figure lays it out, every line
+    of it stays inside the figure."""
+    pytest.importorskip("matplotlib")
+    figures = []
+    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
+    sweep = ROOT / "examples" / "results" / "study_h200_base_64M_learning_rates"
+    rates = ("lr6e-4", "lr1e-3", "lr2e-3", "lr3e-3")
+    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", *(str(sweep / rate) for rate in rates)])
+    (figure,) = figures
+    (axis,) = figure.axes
+    assert "passes" in axis.get_title() and len(axis.get_title().splitlines()) == 2
+    figure.tight_layout()
+    figure.canvas.draw()
+    title = axis.title.get_window_extent(figure.canvas.get_renderer())
+    assert 0 <= title.x0 and title.x1 <= figure.bbox.x1 and title.y1 <= figure.bbox.y1
+
+
 def test_a_best_rate_is_marked_where_no_rate_beyond_it_ran():
     assert learning_rates.rate_edge([1e-3, 2e-3, 3e-3], 2e-3) is None
     assert learning_rates.rate_edge([2e-3, 1e-3, 3e-3], 1e-3) == "lowest"

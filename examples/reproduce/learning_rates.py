@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -225,6 +226,8 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
 # A mean this far above the plot's lowest (a run that diverged) is drawn at the top edge, its value in the legend, so
 # that it does not squeeze the rest of the plot into a sliver.
 OFF_SCALE = 1.5
+# The title's characters per line: a longer title, centred over the axes, would run off the figure's left edge.
+TITLE_WIDTH = 80
 
 
 def off_scale_cut(means: list[float]) -> float | None:
@@ -284,7 +287,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
     axis.xaxis.set_minor_formatter(NullFormatter())
     axis.set_xlabel("peak learning rate")
     axis.set_ylabel("held-out loss (mean, bars: min-max over seeds)")
-    axis.set_title(title, fontsize=9)
+    axis.set_title(textwrap.fill(title, TITLE_WIDTH), fontsize=9)  # centred over the axes, so it wraps to stay whole
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: never over a line
     save_figure(figure, path, dpi=120)
