@@ -265,6 +265,11 @@ class MemFFNConfig(PretrainedConfig):
                 validate_rope()
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{name}: `rope_parameters`={self.rope_parameters!r} is invalid: {exc}") from exc
+        # transformers only logs a warning for a scaling factor below 1; 0 gives infinite frequencies, negative ones
+        # reversed rotations
+        factor = self.rope_parameters.get("factor")
+        _check(name, factor is None or (_is_number(factor) and factor >= 1), "rope_parameters['factor']", factor,
+               "a number >= 1 (the context's scaling)")
         _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 

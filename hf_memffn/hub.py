@@ -45,7 +45,7 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"folder={str(folder)!r} is not a directory")
     files = staged_files(root)
     missing = [name for name in REQUIRED_FILES if name not in files]
-    if not any(name.endswith(WEIGHT_SUFFIXES) for name in files):
+    if not any(name.endswith(WEIGHT_SUFFIXES) and not name.startswith(TABLE_FILE_PREFIX) for name in files):
         missing.append("*.safetensors (weights)")
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")

@@ -94,7 +94,7 @@ def write_model_card(model, save_directory: str | os.PathLike) -> None:
     """Write the model card as README.md into `save_directory`, unless a README.md is already there."""
     path = Path(save_directory) / "README.md"
     if not path.exists():
-        write_atomic(path, render_model_card(model))
+        write_atomic(path, render_model_card(model, save_directory=save_directory))
 
 
 def check_card_metadata(fields: dict) -> dict:
@@ -229,14 +229,12 @@ def _usage_section(model, location: str) -> str:
 def _lookup_section(model, location: str, save_directory) -> str:
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     table = getattr(base, "token_lookup", None)
-    memory_dropped = getattr(base, "memory", "absent") is None
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
     if table is not None:
         fmt = getattr(getattr(getattr(table, "index", None), "fmt", None), "name", "unknown")
         status = (
             f"**Token lookup tables: attached.** When this checkpoint was saved the model read its FFNs on X0 from a "
-            f"`{fmt}` table instead of computing them"
-            + (" (the FFN weights on X0 had been dropped)." if memory_dropped else ".")
+            f"`{fmt}` table instead of computing them."
         )
     else:
         status = "**Token lookup tables: not attached.** The model computes its FFNs on X0 (exact, no table needed)."

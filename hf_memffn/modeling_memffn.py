@@ -369,6 +369,9 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
+            # the padding row gets no gradient (`padding_idx`): it starts at zero, as in transformers' own models
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, MemFFNRMSNorm):
             init.ones_(module.weight)
         elif isinstance(module, MemFFNRotaryEmbedding):
@@ -410,7 +413,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
-        a model card (README.md; see `model_card.py`)."""
+        a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
+        token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
+        would start them at random."""
+        base = getattr(self, self.base_model_prefix, self)
+        if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
+            raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
+                             "a checkpoint saved now would lack their weights; save the model before dropping them, "
+                             "or load it again and save that")
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             if self.attached_tokenizer is not None:
@@ -497,15 +507,17 @@ class MemFFNModel(MemFFNPreTrainedModel):
         probe = hidden_states if hidden_states is not None else self.embed_tokens.weight[:1]
         return decoder_kernels_path(probe, self.config.decoder_kernels)
 
-    def plain_causal_mask(self, past_seen) -> bool:
+    def plain_causal_mask(self, past_seen, query_length: int) -> bool:
         """Whether sdpa's `is_causal` flag can stand for the mask of a sequence without padding or packing that starts
         an empty cache (`past_seen` tokens cached, an int): training steps and the first forward of a prompt.
         transformers' `create_causal_mask` returns no mask there too, except while torch.compile traces (it cannot
         read the padding mask then; transformers 5.23 skips the mask under compile only from torch 2.14): the
         compiled graph then carries a [B, 1, L, L] mask, with which cuDNN's attention ran 2.8x slower than with the
         flag (H100, 370M preset). With a static cache, the unwritten positions after the prompt lie in every query's
-        future, which the flag masks."""
-        return self.config._attn_implementation == "sdpa" and isinstance(past_seen, int) and past_seen == 0
+        future, which the flag masks. transformers' sdpa drops the flag for a single query, so a one-token forward
+        into an empty static cache needs the mask that hides the unwritten positions."""
+        return (self.config._attn_implementation == "sdpa" and isinstance(past_seen, int) and past_seen == 0
+                and query_length > 1)
 
     def memory_readout(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor):
         """Where each layer's FFN on X0 comes from: a token lookup table if one is loaded, else `TokenMemory`."""
@@ -565,7 +577,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
                     "positions beyond it were never trained, expect degraded outputs"
                 )
 
-        if causal_only and self.plain_causal_mask(past_seen):
+        if causal_only and self.plain_causal_mask(past_seen, inputs_embeds.shape[1]):
             causal_mask = None
         else:
             # (the cache positionally: transformers 5.24 renamed that argument)
@@ -593,6 +605,20 @@ class MemFFNModel(MemFFNPreTrainedModel):
             )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_KWARG: cache})
+
+
+def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits are asked for (generation needs the last one only), as transformers' models take
+    `logits_to_keep`: an int keeps the last that many positions (0: all); a 1-D tensor the same positions of every
+    row; a 2-D integer tensor [batch, k] each row's own positions; a 2-D boolean mask [batch, length] the positions
+    it marks, flattened to [marked, hidden]."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    if logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden_states[logits_to_keep]
+        return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)
+    return hidden_states[:, logits_to_keep, :]
 
 
 class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
@@ -661,9 +687,7 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        # Only compute the logits that are asked for (generation needs the last position only).
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = self.lm_head(positions_to_keep(hidden_states, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

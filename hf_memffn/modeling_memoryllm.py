@@ -19,7 +19,7 @@ class _KeepsTokenMemoryWhole:
     _no_split_modules = ["MemFFNDecoderLayer", "TokenMemory"]
 
 
-class MemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
+class MemoryLLMModel(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNModel):
     config_class = MemoryLLMConfig
 
 
@@ -28,7 +28,7 @@ class MemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForCa
     base_model_class = MemoryLLMModel
 
 
-class FlexMemoryLLMModel(_KeepsTokenMemoryWhole, MemFFNModel):
+class FlexMemoryLLMModel(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNModel):
     config_class = FlexMemoryLLMConfig
 
 

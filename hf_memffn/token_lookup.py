@@ -203,8 +203,8 @@ def _memory_base(model: nn.Module) -> nn.Module:
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "embed_tokens"):
         return inner
-    raise TypeError(f"{type(model).__name__} has no embed_tokens / model.embed_tokens; token lookup tables need a "
-                    "MemoryLLM or FlexMemoryLLM model")
+    raise ValueError(f"{type(model).__name__} has no embed_tokens / model.embed_tokens; token lookup tables need a "
+                     "MemoryLLM or FlexMemoryLLM model")
 
 
 # config fields that change what the memory FFN computes from the same weights

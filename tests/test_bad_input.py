@@ -49,6 +49,10 @@ def build_world(root: Path) -> World:
     llama = LlamaForCausalLM(tiny_config("llama"))
     llama.save_pretrained(root / "llama")
     tokenizer.save_pretrained(root / "llama")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=64,
+                               bos_token_id=1, eos_token_id=2)).save_pretrained(root / "gpt2")
     from hf_memffn.conversion import export_tols
 
     export_tols(str(root / "memoryllm"), root / "table", format="fp32", progress=False)
@@ -61,6 +65,11 @@ def build_world(root: Path) -> World:
     broken_code = root / "damaged_code"
     shutil.copytree(root / "memoryllm", broken_code)
     (broken_code / "modeling_memffn.py").write_text("this is not python (\n")
+    table_only = root / "table_only"  # a checkpoint folder whose weights were replaced by a lookup table
+    shutil.copytree(root / "memoryllm", table_only)
+    (table_only / "model.safetensors").unlink()
+    for path in (root / "table").iterdir():
+        shutil.copy2(path, table_only / path.name)
     return World(root)
 
 
@@ -103,6 +112,12 @@ config_case("max_position_embeddings-0", "memoryllm", ("max_position_embeddings"
 config_case("rms_norm_eps-negative", "memoryllm", ("rms_norm_eps", "> 0"), rms_norm_eps=-1e-5)
 config_case("rms_norm_eps-str", "memoryllm", ("rms_norm_eps", "number"), rms_norm_eps="1e-5")
 config_case("rope_theta-0", "kvffn", ("rope_theta", "> 0"), rope_theta=0)
+config_case("rope-factor-0", "kvffn", ("rope_parameters['factor']", ">= 1"),
+            rope_parameters={"rope_type": "linear", "factor": 0.0})
+config_case("rope-factor-below-1", "memoryllm", ("rope_parameters['factor']", ">= 1"),
+            rope_parameters={"rope_type": "dynamic", "factor": 0.5})
+config_case("rope-factor-negative", "flash_mhf", ("rope_parameters['factor']", ">= 1"),
+            rope_parameters={"rope_type": "yarn", "factor": -4.0})
 config_case("initializer_range-negative", "kvffn", ("initializer_range", ">= 0"), initializer_range=-0.02)
 config_case("attention_dropout-str", "kvffn", ("attention_dropout", "number"), attention_dropout="0.1")
 config_case("attention_dropout-1", "kvffn", ("attention_dropout", "[0, 1)"), attention_dropout=1.0)
@@ -188,6 +203,16 @@ CASES.append(Case("load_tols-other-weights", ("weights",),
 CASES.append(Case("load_tols-kvffn", ("load_tols", "MemoryLLM"), api=lambda w: _model(w, "kvffn").load_tols(w.table)))
 
 
+def _save_after_dropping(world: World):
+    model = _model(world)
+    model.load_tols(world.table, placement="cpu", drop_memory_ffn=True)
+    model.save_pretrained(world.root / "saved_dropped")
+
+
+CASES.append(Case("save_pretrained-memory-dropped", ("save_pretrained", "drop_memory_ffn"), api=_save_after_dropping,
+                  no_output="saved_dropped"))
+
+
 def cli_case(name, expect, argv, keep=("memoryllm", "llama", "table"), no_output=None):
     CASES.append(Case(f"cli-{name}", expect, cli=argv, keep=keep, no_output=no_output))
 
@@ -214,8 +239,17 @@ cli_case("export-drop-layers-str", ("--drop-layers", "integers"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o7"), "--drop-layers", "a,b"], no_output="o7")
 cli_case("export-drop-layers-range", ("drop_layers", "0..1"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o8"), "--drop-layers", "7"], no_output="o8")
-cli_case("export-max-shard-size", ("max_shard_size", "2GB"),
+cli_case("export-max-shard-size", ("--max-shard-size", "2GB"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o9"), "--max-shard-size", "lots"], no_output="o9")
+cli_case("export-max-shard-size-0", ("--max-shard-size", "positive"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o15"), "--max-shard-size", "0MB"], no_output="o15")
+cli_case("export-max-shard-size-negative", ("--max-shard-size", "positive"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o16"), "--max-shard-size=-5MB"], no_output="o16")
+cli_case("export-gpt2", ("export-tols", "GPT2LMHeadModel", "MemoryLLM"),
+         lambda w: ["export-tols", S(w.gpt2), S(w.root / "o17")], no_output="o17")
+cli_case("export-eval-text-no-tokenizer", ("--eval-text", "tokenizer", "no_tokenizer"),
+         lambda w: ["export-tols", S(w.no_tokenizer), S(w.root / "o18"), "--eval-text", S(w.texts)],
+         no_output="o18")
 cli_case("export-energy", ("energy", "(0, 1]"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o10"), "--format", "lowrank", "--energy", "2"],
          no_output="o10")
@@ -282,6 +316,8 @@ cli_case("demo-device", ("--device", "cpu"), lambda w: ["demo", "--device", "tpu
 # push (nothing may be sent: these fail before any network access)
 cli_case("push-missing-dir", ("does-not-exist",), lambda w: ["push", S(w.root / "does-not-exist"), "user/repo"])
 cli_case("push-a-file", ("a_file",), lambda w: ["push", S(w.a_file), "user/repo"], keep=("a_file",))
+cli_case("push-table-but-no-weights", ("table_only", "weights"), lambda w: ["push", S(w.table_only), "user/repo"],
+         keep=("table_only",))
 cli_case("unknown-command", ("invalid choice", "analyze"), lambda w: ["analyse"])
 
 

@@ -140,6 +140,18 @@ def test_memoryllm_card_says_whether_lookup_tables_are_attached(tmp_path):
     assert "is included in this folder" in card
 
 
+def test_saving_into_a_folder_that_holds_a_table_says_so_in_the_card(tmp_path):
+    """`save_pretrained` into the folder a table was exported to (a checkpoint saved again after `export-tols
+    MODEL_DIR MODEL_DIR`): the card says the folder holds the table."""
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "**Token lookup tables: not attached.**" in card and "is included in this folder" in card
+
+
 def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
     from hf_memffn.conversion.export import export_tols
 

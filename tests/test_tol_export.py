@@ -62,10 +62,15 @@ def test_index_metadata_and_shards(model, tmp_path):
     assert all(name.startswith("token_lookup-") and name.endswith(f"-of-{len(shards):05d}.safetensors") for name in shards)
     assert set(index["weight_map"].values()) == set(shards)
     assert report["size_bytes"] == sum(os.path.getsize(tmp_path / name) for name in shards)
-    assert report["max_relative_error"] == 0.0
-    # one contiguous row per token holding all its layers: rows.<start> is [rows, N * d]
     from safetensors import safe_open
 
+    tensor_bytes = 0
+    for name in shards:
+        with safe_open(tmp_path / name, "pt") as handle:
+            tensor_bytes += sum(handle.get_tensor(key).nbytes for key in handle.keys())
+    assert index["metadata"]["total_size"] == tensor_bytes  # as transformers and huggingface_hub count it
+    assert report["max_relative_error"] == 0.0
+    # one contiguous row per token holding all its layers: rows.<start> is [rows, N * d]
     with safe_open(tmp_path / index["weight_map"]["rows.000000064"], "pt") as handle:
         block = handle.get_tensor("rows.000000064")
     assert block.shape == (64, config.num_hidden_layers * config.hidden_size)
@@ -240,6 +245,33 @@ def test_interrupted_export_never_loads_and_resumes(model, tmp_path, monkeypatch
     assert again["already_complete"]
 
 
+def test_running_the_export_again_repairs_a_shard_cut_short(model, tmp_path):
+    """A shard cut short after a complete export (the exporter does not fsync: a power cut) is written again by the
+    same export, and the shards that are whole are kept."""
+    options = dict(format="bf16", batch_size=64, max_shard_size="30KB", progress=False)
+    export_tols(model, tmp_path, **options)
+    shards = sorted(n for n in os.listdir(tmp_path) if n.startswith("token_lookup-"))
+    whole = {name: (tmp_path / name).read_bytes() for name in shards}
+    (tmp_path / shards[1]).write_bytes(whole[shards[1]][: len(whole[shards[1]]) // 2])
+    report = export_tols(model, tmp_path, **options)
+    assert not report["already_complete"] and report["resumed"]
+    assert {name: (tmp_path / name).read_bytes() for name in shards} == whole
+    model.load_tols(tmp_path, placement="cpu")
+    model.unload_tols()
+
+
+def test_the_base_model_loads_a_table(model, exported):
+    """`load_tols` on the base model (`AutoModel`), as on the causal LM: the same hidden states."""
+    base = model.model
+    tokens = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        computed = base(tokens).last_hidden_state
+        base.load_tols(exported, placement="cpu")
+        looked_up = base(tokens).last_hidden_state
+    base.unload_tols()
+    torch.testing.assert_close(looked_up, computed, rtol=2e-2, atol=2e-2)  # (a bf16 table)
+
+
 def test_reexport_with_other_settings_replaces_the_table(model, tmp_path):
     export_tols(model, tmp_path, format="fp32", batch_size=64, max_shard_size="20KB", progress=False)
     many = own_files(tmp_path)
@@ -283,6 +315,16 @@ def test_cli_exports_with_heldout_loss(tmp_path, capsys):
     assert abs(report["loss_delta"]) < 0.05 and report["eval_tokens"] > 100
 
 
+@pytest.mark.parametrize("size", ["50000", "50KB", "0.05MB"])
+def test_cli_shard_size_in_bytes_or_with_a_unit(model, tmp_path, size):
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    assert cli.main(["export-tols", str(model_dir), str(tmp_path / "tol"), "--format", "fp32", "--batch-size", "64",
+                     "--max-shard-size", size, "--device", "cpu", "--no-progress"]) == 0
+    api = export_tols(model, tmp_path / "api", format="fp32", batch_size=64, max_shard_size=50_000, progress=False)
+    assert own_files(tmp_path / "tol") == own_files(tmp_path / "api") and api["num_shards"] > 1
+
+
 def test_push_to_hub_uploads_the_table(model, tmp_path, monkeypatch):
     calls = []
 
@@ -302,7 +344,14 @@ def test_push_to_hub_uploads_the_table(model, tmp_path, monkeypatch):
     assert calls[0][:2] == ("create_repo", "user/tols")
     upload = calls[1][1]
     assert upload["repo_id"] == "user/tols" and upload["folder_path"] == str(tmp_path)
-    assert upload["allow_patterns"] == ["token_lookup*"]
+    from fnmatch import fnmatch
+
+    def sent(name):
+        return any(fnmatch(name, pattern) for pattern in upload["allow_patterns"])
+
+    assert all(sent(name) for name in own_files(tmp_path))
+    # a table exported into a checkpoint folder: its remote code (`token_lookup.py`) is not the table's
+    assert not sent("token_lookup.py") and not sent("token_lookup_triton.py")
 
 
 def test_demo_step_matches_compute_mode(tmp_path):

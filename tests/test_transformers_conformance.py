@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
 
 from hf_memffn.testing import tiny_config
 
@@ -63,6 +63,50 @@ def test_cache_continuation_equals_one_forward(arch):
         first = model(sequence[:, :5], past_key_values=cache, use_cache=True)
         rest = model(sequence[:, 5:], past_key_values=first.past_key_values, use_cache=True).logits
     torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_token_at_a_time_into_a_static_cache_equals_one_forward(arch):
+    """A hand-written decoding loop: the first token goes into an empty static cache with no attention mask. sdpa
+    ignores the causal flag for a single query, so that step needs a mask over the cache's unwritten positions."""
+    model = build(arch)
+    sequence = ids(batch=2, length=6)
+    with torch.no_grad():
+        full = model(sequence).logits
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        steps = [model(sequence[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(6)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_to_keep_as_positions_or_a_mask(arch):
+    """`logits_to_keep`: an int, a 1-D tensor of positions, a [batch, k] tensor of each row's positions, or a boolean
+    [batch, length] mask (flattened), as transformers' models take it."""
+    model = build(arch)
+    sequence = ids(batch=2, length=7)
+    positions = torch.tensor([[1, 4], [6, 0]])
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[0, 2], mask[1, 3], mask[1, 5] = True, True, True
+    with torch.no_grad():
+        full = model(sequence).logits
+        last_two = model(sequence, logits_to_keep=2).logits
+        shared = model(sequence, logits_to_keep=torch.tensor([0, 3])).logits
+        per_row = model(sequence, logits_to_keep=positions).logits
+        masked = model(sequence, logits_to_keep=mask).logits
+    torch.testing.assert_close(last_two, full[:, -2:])
+    torch.testing.assert_close(shared, full[:, [0, 3]])
+    torch.testing.assert_close(per_row, torch.stack([full[0, [1, 4]], full[1, [6, 0]]]))
+    torch.testing.assert_close(masked, full[mask])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_padding_embedding_row_starts_at_zero(arch):
+    """The padding row gets no gradient (`padding_idx`), so it keeps its initial value: zero, as in Llama."""
+    model = build(arch)
+    embedding = model.get_input_embeddings()
+    assert embedding.padding_idx == 0
+    assert embedding.weight[0].abs().max().item() == 0.0
+    assert embedding.weight[1:].abs().max().item() > 0.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

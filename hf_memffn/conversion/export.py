@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -30,12 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
-from hf_memffn.cli_args import (existing_file, int_list, load_causal_lm, model_source, output_dir, positive_int,
-                                 torch_device)
+from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
+                                 model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
-                                    TABLE_FORMAT_VERSION, TokenLookupFormat, _memory_base, basis_key, block_keys,
-                                    dequantize_rows, quantize_rows, row_relative_errors, shard_sha256,
-                                    weights_fingerprint)
+                                    TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _memory_base,
+                                    basis_key, block_keys, dequantize_rows, quantize_rows, read_safetensors_header,
+                                    row_relative_errors, shard_sha256, weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -100,7 +101,7 @@ class _Exporter:
                                  "exported from MemoryLLM / FlexMemoryLLM models")
             raise ValueError("the model's memory FFN weights were dropped (model.model.memory is None): export needs "
                              "them; load the checkpoint again")
-        _check_shard_size(max_shard_size)
+        max_shard_size = shard_size_bytes(max_shard_size)
         config = self.base.config
         self.vocab = config.vocab_size
         self.num_layers = config.num_hidden_layers
@@ -239,7 +240,7 @@ class _Exporter:
                         old = json.load(handle)["metadata"]["token_lookup"]
                     except (ValueError, KeyError, TypeError):
                         old = {}
-                if old.get("plan_id") == plan_id and all(os.path.isfile(os.path.join(self.out_dir, f)) for f in files):
+                if old.get("plan_id") == plan_id and self._complete_as_recorded(files, old.get("shards", {})):
                     bar.close()
                     return self._report(old, time.perf_counter() - started, reused=True)
                 os.remove(index_path)  # never leave an index over shards being replaced
@@ -295,7 +296,9 @@ class _Exporter:
                 "exporter": {"model_class": type(self.base).__name__, "torch": torch.__version__},
             }
             weight_map = {key: filename for filename, keys in files.items() for key in keys}
-            index = {"metadata": {"total_size": sum(s["size"] for s in shards.values()), "token_lookup": meta},
+            # total_size: the tensors' bytes, as transformers and huggingface_hub count it (the files' sizes, headers
+            # included, are in `token_lookup.shards`)
+            index = {"metadata": {"total_size": _tensor_bytes(self.out_dir, files), "token_lookup": meta},
                      "weight_map": weight_map}
             _write_json_atomic(index_path, index)
         return self._report(meta, time.perf_counter() - started, reused=False, resumed=resumed)
@@ -306,9 +309,22 @@ class _Exporter:
         start = int(key.split(".")[1])
         return min(self.batch_size, self.vocab - start)
 
+    def _complete_as_recorded(self, files, recorded: dict) -> bool:
+        """Whether every planned shard is on disk with the size an existing index records (else the export runs again:
+        shards of this plan that are whole are kept, the others written anew)."""
+        for name in files:
+            path = os.path.join(self.out_dir, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != recorded.get(name, {}).get("size"):
+                return False
+        return True
+
     def _existing_shard(self, path: str, plan_id: str) -> _ErrorStats | None:
         """The error stats of a complete shard of this plan already on disk (resume), else None."""
         if not os.path.isfile(path):
+            return None
+        try:
+            read_safetensors_header(path)  # a shard cut short (its header needs more bytes than the file holds)
+        except TokenLookupError:
             return None
         try:
             with safe_open(path, "pt") as handle:
@@ -340,17 +356,40 @@ def _shard_record(handle) -> dict:
     return json.loads((handle.metadata() or {}).get(SHARD_RECORD_KEY, "{}"))
 
 
-def _check_shard_size(max_shard_size) -> None:
-    """The shard size huggingface_hub's planner takes: bytes (int) or a size such as "2GB" / "500MB"."""
-    try:
-        split_state_dict_into_shards_factory({}, get_storage_size=len, filename_pattern=SHARD_PATTERN,
-                                             max_shard_size=max_shard_size)
-        valid = not isinstance(max_shard_size, (int, float)) or max_shard_size > 0
-    except (ValueError, TypeError, AttributeError):
-        valid = False
-    if not valid:
+def _tensor_bytes(directory: str, files) -> int:
+    """The bytes of every tensor in the shards `files` of `directory` (from their headers)."""
+    total = 0
+    for name in files:
+        _, header = read_safetensors_header(os.path.join(directory, name))
+        total += sum(end - begin for key, info in header.items() if key != "__metadata__"
+                     for begin, end in [info["data_offsets"]])
+    return total
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's units
+
+
+def shard_size_bytes(max_shard_size) -> int:
+    """A shard size in bytes: a positive integer, or a string of a positive number with an optional unit (B, KB, MB,
+    GB, TB, decimal as in huggingface_hub and transformers): 500000, "500000", "2GB", "1.5 MB"."""
+    nbytes = None
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        nbytes = max_shard_size
+    elif isinstance(max_shard_size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]?B)?\s*", max_shard_size, flags=re.IGNORECASE)
+        if match:
+            nbytes = int(float(match.group(1)) * SIZE_UNITS[(match.group(2) or "").upper()])
+    if nbytes is None or nbytes < 1:
         raise ValueError(f"max_shard_size={max_shard_size!r} is invalid; allowed: a positive number of bytes or a "
                          "size such as '2GB', '500MB', '64KB'")
+    return nbytes
+
+
+def _shard_size_argument(text: str) -> int:
+    try:
+        return shard_size_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("max_shard_size=", "")) from None
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
@@ -455,6 +494,7 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     """
     fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
                             drop_layers=tuple(drop_layers))
+    max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
     if isinstance(model, (str, os.PathLike)):
         model_dir = os.fspath(model)
         model = _load_model(model_dir, device, model_dtype)
@@ -483,7 +523,9 @@ def push_table_to_hub(out_dir: str, repo_id: str, private: bool | None = None) -
 
     api = HfApi()
     api.create_repo(repo_id, exist_ok=True, private=private)
-    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id, allow_patterns=[f"{OWN_FILE_PREFIX}*"],
+    # the table's files only: not `token_lookup.py` / `token_lookup_triton.py`, the remote code of a checkpoint folder
+    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id,
+                               allow_patterns=[f"{OWN_FILE_PREFIX}*.safetensors", f"{OWN_FILE_PREFIX}*.json"],
                                ignore_patterns=["*.tmp"], commit_message="Add token lookup table")
     return str(getattr(commit, "commit_url", commit))
 
@@ -510,7 +552,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--factor-dtype", default="bf16", choices=list(FLOAT_DTYPES), help="lowrank: stored dtype")
     parser.add_argument("--drop-layers", type=int_list, default=[], help="comma-separated layers not stored, e.g. 8,9,10")
     parser.add_argument("--batch-size", type=positive_int, default=1024, help="tokens per batch (= rows per block)")
-    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("--max-shard-size", default="2GB", type=_shard_size_argument,
+                        help="bytes per shard file: a number of bytes or a size such as 2GB, 500MB (default 2GB)")
     parser.add_argument("--device", default=None, type=torch_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
     parser.add_argument("--model-dtype", default=None, choices=list(FLOAT_DTYPES),
                         help="dtype to load the model in (default: the checkpoint's)")
@@ -524,6 +567,9 @@ def run(args: argparse.Namespace) -> int:
     device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     eval_text = None
     if args.eval_text:
+        if os.path.isdir(args.model_dir) and not has_tokenizer(args.model_dir):
+            raise UsageError(f"--eval-text needs a tokenizer, and MODEL_DIR {args.model_dir} has none (none of "
+                             f"{', '.join(TOKENIZER_FILES)}): save the tokenizer with the model")
         with open(args.eval_text) as handle:
             eval_text = handle.read()
     report = export_tols(args.model_dir, args.out_dir, format=args.format, group_size=args.group_size, rank=args.rank,
