@@ -81,6 +81,8 @@ def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, ch
     backward pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the
     activation memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of the module."""
     batch, length, width = hidden_states.shape
+    if batch * length == 0:
+        return module._forward(hidden_states)
     tokens = hidden_states.reshape(1, batch * length, width)
     output = _TokenChunkedRecompute.apply(module, chunk_tokens, tokens, *module.parameters())
     return output.view(batch, length, -1)
@@ -234,11 +236,14 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
-        the parameters' device and dtype)."""
+        the parameters' device and dtype), with gradients recorded or not as they are now."""
         key = self.key
         if hidden_states is None:
             hidden_states = key.new_empty(1, 1, self.num_heads * self.head_dim)
-        return flash_mhf_layer_path(hidden_states, key, impl=self.kernel, fused=self.fused_layer)
+        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad
+                                                  or any(p.requires_grad for p in self.parameters()))
+        return flash_mhf_layer_path(hidden_states, key, impl=self.kernel, fused=self.fused_layer,
+                                    needs_grad=needs_grad)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.recompute_chunk_tokens and torch.is_grad_enabled():

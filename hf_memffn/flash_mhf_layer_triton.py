@@ -509,26 +509,27 @@ def decode_forward(p, norm_weight, router, k, u, v, eps: float, gate_eps: float,
     num_tokens = batch * length
     rows = p.reshape(num_tokens, width)
     out = torch.empty(num_tokens, width, device=p.device, dtype=p.dtype)
+    if not num_tokens:
+        return out.view(batch, length, width)
     block_n = decode_block_n(subnetwork_size, head_dim, k.element_size(), launch["block_n"])
     num_blocks = num_subnetworks * subnetwork_size // block_n
     token_blocks = cdiv(num_tokens, DECODE_BLOCK_T)
     per_split = _decode_splits(num_heads, token_blocks, num_blocks, _num_sms(p.device), launch["programs_per_sm"])
     splits = cdiv(num_blocks, per_split)
     parts = torch.empty(splits, num_tokens, width, device=p.device, dtype=torch.float32) if splits > 1 else out
-    if num_tokens:
+    launch_kernel(
+        _decode_kernel, (num_heads, splits, token_blocks),
+        rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, parts,
+        num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
+        D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
+        WEIGHTS_FIRST=launch["weights_first"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
+    )
+    if splits > 1:
         launch_kernel(
-            _decode_kernel, (num_heads, splits, token_blocks),
-            rows, _pointer_or(norm_weight, rows), _pointer_or(router, rows), k, u, v, parts,
-            num_tokens, num_heads // kv_heads, num_subnetworks, rows.stride(0), eps, gate_eps, per_split,
-            D_H=head_dim, D_E=subnetwork_size, E_DOT=e_dot(num_subnetworks), BLOCK_T=DECODE_BLOCK_T, BLOCK_N=block_n,
-            WEIGHTS_FIRST=launch["weights_first"], num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-            **_flags(norm_weight, router, p.dtype), **_kernel_flags(k.dtype),
+            _split_sum_kernel, (cdiv(out.numel(), DECODE_SUM_BLOCK),), parts, out, splits, out.numel(),
+            BLOCK_S=DECODE_SUM_BLOCK_S, BLOCK=DECODE_SUM_BLOCK, num_warps=4,
         )
-        if splits > 1:
-            launch_kernel(
-                _split_sum_kernel, (cdiv(out.numel(), DECODE_SUM_BLOCK),), parts, out, splits, out.numel(),
-                BLOCK_S=DECODE_SUM_BLOCK_S, BLOCK=DECODE_SUM_BLOCK, num_warps=4,
-            )
     return out.view(batch, length, width)
 
 

@@ -637,15 +637,19 @@ def _fused_layer_reason_for(device, dtype, head_dim: int, subnetwork_size: int, 
     return _triton_unsupported_reason(probe, probe.new_empty(1, 1, subnetwork_size, head_dim))
 
 
-def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True) -> str:
+def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True,
+                         needs_grad: bool | None = None) -> str:
     """What :func:`flash_mhf_layer` runs for ``p`` [B, L, H * d_h] and the key ``k`` [H_kv, E, d_e, d_h], as one
-    line."""
+    line. ``needs_grad``: whether autograd records the forward (training runs the decode kernel for no size); by
+    default, whether it would for ``p`` and ``k`` now."""
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and (p.requires_grad or k.requires_grad)
     reason = _fused_layer_unsupported_reason(p, k, impl) if fused else "fusion switched off"
     queries = p.new_empty(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
     if reason is not None:
         return f"unfused layer (PyTorch norm and gates, {reason}); op: {flash_mhf_path(queries, k, impl=impl)}"
     tokens = p.shape[0] * p.shape[1]
-    if tokens <= DECODE_MAX_TOKENS:
+    if tokens <= DECODE_MAX_TOKENS and not needs_grad:
         return (f"fused layer: the Triton decode kernel (norm, gates and op for {tokens} <= {DECODE_MAX_TOKENS} "
                 "tokens) and the sum of its column splits")
     if _gates_in_rows_kernel(queries, k):
@@ -684,7 +688,10 @@ def flash_mhf_layer(
     if not fused or _fused_layer_unsupported_reason(p, weights, impl) is not None:
         return flash_mhf_layer_reference(p, norm_weight, router, *weights.chunk(3), head_dim, eps, gate_eps,
                                          impl=_resolve_impl(p, impl))
+    # (the kernels read p as rows, the norm weight [d_h] and the router [H, d_h, E] as dense tensors)
     p = p.contiguous()
+    norm_weight = norm_weight.contiguous() if norm_weight is not None else None
+    router = router.contiguous() if router is not None else None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (p, norm_weight, router, weights))
     if torch.compiler.is_compiling():

@@ -522,8 +522,21 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _rows_dense(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read [B, H, L, d_h] tensors through (batch, head, position) strides; only d_h must be dense."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """The kernels read [B, H, L, d_h] tensors through (batch, head, position) strides and write dq in q's layout,
+    which `torch.empty_like` keeps for a dense tensor in any order of its dimensions (the [B, L, H, d_h] layout the
+    input projection gives, seen as [B, H, L, d_h]); a view with gaps (a slice of a longer buffer) or d_h not dense
+    is copied."""
+    return t if t.stride(-1) == 1 and _dense(t) else t.contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its storage span without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _weight_descriptor(w: torch.Tensor, block_n: int):

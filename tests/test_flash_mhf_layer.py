@@ -129,7 +129,48 @@ def test_triton_layer_matches_float64(case, dtype):
     path = flash_mhf_layer_path(p.to(dtype), k.to(dtype), impl="triton")
     assert path.startswith("fused layer"), path
     assert ("decode kernel" in path) == (tokens <= flash_mhf_op.DECODE_MAX_TOKENS), path
+    training = flash_mhf_layer_path(p.to(dtype).requires_grad_(True), k.to(dtype), impl="triton")
+    assert training.startswith("fused layer") and "decode kernel" not in training, training  # (check_layer's path)
     check_layer(inputs, dtype, impl="triton")
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[1]])
+def test_triton_layer_reads_router_and_norm_weight_views(case):
+    """The norm weight and the router as views that are not contiguous (what a tied or sliced parameter gives): the
+    fused layer reads their values, not their storage in order, for inference and training."""
+    p, norm_weight, router, k, u, v = (None if t is None else t.float() for t in layer_inputs(*case))
+    weights = torch.cat([k, u, v])
+    norm_view = torch.stack([norm_weight, torch.zeros_like(norm_weight)], -1)[:, 0]
+    router_view = router.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not norm_view.is_contiguous() and not router_view.is_contiguous()
+    for grad in (False, True):
+        outputs, gradients = [], []
+        for norm_arg, router_arg, fused in ((norm_view, router_view, True), (norm_weight, router, False)):
+            leaves = [t.clone().requires_grad_(grad) for t in (p, norm_arg, router_arg)]
+            with torch.set_grad_enabled(grad):
+                out = flash_mhf_layer(*leaves, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton", fused=fused)
+            outputs.append(out.detach())
+            if grad:
+                out.backward(torch.ones_like(out))
+                gradients.append([leaf.grad for leaf in leaves])
+        assert relative_error(outputs[0], outputs[1]) < 1e-5
+        for fused_grad, unfused_grad in zip(*gradients):
+            assert relative_error(fused_grad, unfused_grad) < 1e-4
+
+
+@needs_kernels
+def test_triton_layer_with_no_tokens():
+    p, norm_weight, router, k, u, v = (t.float() for t in layer_inputs(*LAYER_CASES[0].values[0]))
+    weights = torch.cat([k, u, v])
+    empty = p[:0]
+    with torch.no_grad():
+        assert flash_mhf_layer(empty, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS,
+                               impl="triton").shape == empty.shape
+    empty = empty.clone().requires_grad_(True)
+    out = flash_mhf_layer(empty, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    out.sum().backward()
+    assert out.shape == empty.shape and empty.grad.shape == empty.shape
 
 
 @needs_kernels

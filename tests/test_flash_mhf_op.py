@@ -164,6 +164,31 @@ def test_triton_reads_strided_queries_and_writes_their_layout():
 
 
 @needs_kernels
+@pytest.mark.parametrize("view", ["slice_of_a_longer_buffer", "every_other_position"])
+def test_triton_takes_query_views_with_gaps(view):
+    """A query view whose rows leave gaps in its storage (not dense: `empty_like` gives it a contiguous layout): the
+    gradient is not written through the view's strides into a buffer of another layout."""
+    inputs = random_inputs(2, 2, 9, 64, 1, 2, 32, seed=4)
+
+    def run(leaves, grad_out):
+        if view == "slice_of_a_longer_buffer":
+            buffer = torch.zeros(2, 2, 16, 64, dtype=leaves[0].dtype, device=DEVICE)
+            buffer[:, :, :9] = leaves[0].detach()
+            gapped = buffer[:, :, :9]
+        else:
+            buffer = torch.zeros(2, 2, 18, 64, dtype=leaves[0].dtype, device=DEVICE)
+            buffer[:, :, ::2] = leaves[0].detach()
+            gapped = buffer[:, :, ::2]
+        gapped.requires_grad_(True)
+        out = flash_mhf(gapped, *leaves[1:], impl="triton")
+        out.backward(grad_out)
+        leaves[0].grad = gapped.grad
+        return out
+
+    check_against_truth(run, inputs, torch.float32)
+
+
+@needs_kernels
 def test_triton_opcheck():
     # Under the interpreter the (slow) aot_dispatch check is left to test_reference_opcheck: registrations are shared.
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")

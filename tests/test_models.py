@@ -717,6 +717,10 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     assert len(dtypes) == 2 * 8 and set(dtypes) == {torch.bfloat16}  # 8 chunks of 16 tokens, forward + recompute
     with pytest.raises(ValueError, match="ffn_recompute_chunk_tokens"):
         hf_memffn.FlashMHFLlamaConfig(ffn_recompute_chunk_tokens=-1)
+    empty = x[:0].detach().requires_grad_(True)  # no tokens: no chunk runs, the output is empty all the same
+    out_empty = chunked(empty)
+    out_empty.sum().backward()
+    assert out_empty.shape == (0, 40, 64) and empty.grad.shape == empty.shape
 
 
 @pytest.mark.gpu
