@@ -164,6 +164,17 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         self.dropout = nn.Dropout(config.kvffn_dropout)
         self._path_logged = False
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A state dict in the checkpoint's names (`key_proj` and `value_proj`, as the HF Trainer reads a saved
+        checkpoint back to resume or to load the best one) fills `key_value_proj`, interleaved as loading does."""
+        if self.key_value_proj is not None:
+            for name in ("weight", "bias"):
+                key, value = f"{prefix}key_proj.{name}", f"{prefix}value_proj.{name}"
+                if key in state_dict and value in state_dict and f"{prefix}key_value_proj.{name}" not in state_dict:
+                    pair = torch.stack([state_dict.pop(key), state_dict.pop(value)], dim=1).flatten(0, 1)
+                    state_dict[f"{prefix}key_value_proj.{name}"] = pair
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def memory_readout(self) -> nn.Linear:
         return self.out_proj

@@ -213,6 +213,14 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self.fused_layer = True
         self._path_logged = False
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A state dict in the checkpoint's names (`key`, `up`, `value`, as the HF Trainer reads a saved checkpoint
+        back to resume or to load the best one) fills `key_up_value`, concatenated as loading does."""
+        names = [f"{prefix}{name}" for name in ("key", "up", "value")]
+        if all(name in state_dict for name in names) and f"{prefix}key_up_value" not in state_dict:
+            state_dict[f"{prefix}key_up_value"] = torch.cat([state_dict.pop(name) for name in names])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def subnetwork_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(key, up, value), contiguous views of `key_up_value` (the layer itself takes `key_up_value` whole, and its
         backward writes the three gradients into one tensor)."""
@@ -237,13 +245,16 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
         the parameters' device and dtype), with gradients recorded or not as they are now."""
-        key = self.key
-        if hidden_states is None:
-            hidden_states = key.new_empty(1, 1, self.num_heads * self.head_dim)
-        needs_grad = torch.is_grad_enabled() and (hidden_states.requires_grad
-                                                  or any(p.requires_grad for p in self.parameters()))
-        return flash_mhf_layer_path(hidden_states, key, impl=self.kernel, fused=self.fused_layer,
-                                    needs_grad=needs_grad)
+        needs_grad = torch.is_grad_enabled() and (
+            (hidden_states is not None and hidden_states.requires_grad) or any(p.requires_grad for p in self.parameters()))
+        # (no autograd record: a weight parametrization (LoRA on the weights) computes `key` here, and a forward under
+        # activation checkpointing must save the same tensors when it is recomputed, where nothing is logged)
+        with torch.no_grad():
+            key = self.key
+            if hidden_states is None:
+                hidden_states = key.new_empty(1, 1, self.num_heads * self.head_dim)
+            return flash_mhf_layer_path(hidden_states, key, impl=self.kernel, fused=self.fused_layer,
+                                        needs_grad=needs_grad)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.recompute_chunk_tokens and torch.is_grad_enabled():

@@ -48,6 +48,15 @@ def local_table_dir(token_lookup: str, revision: str | None = None) -> str:
     return snapshot_download(token_lookup, revision=revision, allow_patterns=["token_lookup*"])
 
 
+def split_revision(model: str) -> tuple[str, str | None]:
+    """`"org/model@dev"` -> `("org/model", "dev")`, as `transformers serve` names a model; an existing local path keeps
+    an `@` as part of the path (`"/ckpt@1000"` -> `("/ckpt@1000", None)`)."""
+    if os.path.exists(model):
+        return model, None
+    model_id, _, revision = model.partition("@")
+    return model_id, revision or None
+
+
 class TokenLookupSettings:
     """Which model reads which token lookup table, and how (the `--token-lookup*` options)."""
 
@@ -56,13 +65,17 @@ class TokenLookupSettings:
             raise ValueError(f"--token-lookup-placement={placement!r} is not supported; allowed values: "
                              f"{', '.join(PLACEMENTS)}")
         self.model = model
+        self.model_id, self.revision = split_revision(model)
         self.table = table
         self.placement = placement
         self.drop_memory_ffn = drop_memory_ffn
 
-    def applies_to(self, model_id: str) -> bool:
-        same_path = os.path.exists(model_id) and os.path.exists(self.model) and os.path.samefile(model_id, self.model)
-        return same_path or model_id == self.model
+    def applies_to(self, model_id: str, revision: str | None = None) -> bool:
+        """Whether `transformers serve` loading `model_id` at `revision` loads the served model (it asks for a Hub
+        repo's `main` when the model was named without a revision)."""
+        if os.path.exists(model_id) and os.path.exists(self.model_id):
+            return os.path.samefile(model_id, self.model_id)
+        return model_id == self.model_id and (revision or "main") == (self.revision or "main")
 
     def apply(self, model) -> None:
         if getattr(model.config, "token_memory_size", None) is None:
@@ -71,7 +84,10 @@ class TokenLookupSettings:
         import torch
 
         placement = self.placement or ("gpu" if torch.cuda.is_available() else "cpu")
-        table = model.load_tols(local_table_dir(self.table), placement=placement, drop_memory_ffn=self.drop_memory_ffn)
+        # (a table in the served Hub repo itself is read at the served revision)
+        revision = self.revision if self.table == self.model_id else None
+        table = model.load_tols(local_table_dir(self.table, revision), placement=placement,
+                                drop_memory_ffn=self.drop_memory_ffn)
         dropped = "memory FFN weights dropped" if self.drop_memory_ffn else "memory FFN weights kept"
         print(f"hf-memffn serve: {self.model} reads the token lookup table in {self.table} ({table.extra_repr()}); "
               f"{dropped}", file=sys.stderr, flush=True)
@@ -82,7 +98,8 @@ def auto_map_loader(architecture: str, token_lookup: TokenLookupSettings | None 
 
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        if token_lookup is not None and token_lookup.applies_to(str(pretrained_model_name_or_path)):
+        if token_lookup is not None and token_lookup.applies_to(str(pretrained_model_name_or_path),
+                                                                kwargs.get("revision")):
             token_lookup.apply(model)
         return model
 
@@ -147,8 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            options.drop_memory_ffn)
     names = list(ARCHITECTURE_NAMES)
     if model is not None:
-        model_id, _, revision = model.partition("@")
-        names += remote_code_architectures(model_id, revision or None)
+        names += remote_code_architectures(*split_revision(model))
     make_architectures_resolvable(names, token_lookup)
 
     from transformers.cli.transformers import app

@@ -124,3 +124,16 @@ def test_int8_weights_stay_close_and_take_lora_on_top(arch):
     assert lora_grads and all(g is not None for g in lora_grads)
     assert adapters.merge_weight_lora(model) == len(names)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_weight_lora_trains_under_activation_checkpointing():
+    """The module logs its path once, inside its first forward; with LoRA on the FlashMHF weights (a
+    parametrization) that must not record autograd work, or the checkpointed forward and its recomputation save
+    different tensors."""
+    torch.manual_seed(0)
+    model = tiny_model("flash_mhf").train()
+    adapters.add_weight_lora(model, r=2, alpha=4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    assert any(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -276,3 +276,24 @@ def test_bridge_options_name_what_is_wrong(capsys):
     assert "invalid choice: 'ram'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="KVFFNForCausalLM has no token lookup tables"):
         serving.TokenLookupSettings("m", "t").apply(AutoModelForCausalLM.from_config(tiny_config("kvffn")))
+
+
+def test_the_served_model_and_its_revision_decide_which_load_reads_the_table(tmp_path):
+    """`transformers serve` names a Hub model `id@revision` (`main` when none was given) and keeps a local path whole,
+    an `@` in it included: the table goes to the served model's loads only, at the served revision."""
+    from hf_memffn import serving
+
+    folder = tmp_path / "ckpt@1000"
+    folder.mkdir()
+    assert serving.split_revision(str(folder)) == (str(folder), None)
+    assert serving.split_revision("org/memllm@dev") == ("org/memllm", "dev")
+    assert serving.split_revision("org/memllm") == ("org/memllm", None)
+    local = serving.TokenLookupSettings(str(folder), "table")
+    assert local.applies_to(str(folder)) and local.applies_to(str(tmp_path / "." / "ckpt@1000"))
+    assert not local.applies_to(str(tmp_path))
+    pinned = serving.TokenLookupSettings("org/memllm@dev", "table")
+    assert pinned.applies_to("org/memllm", "dev")
+    assert not pinned.applies_to("org/memllm", "main") and not pinned.applies_to("org/memllm")
+    unpinned = serving.TokenLookupSettings("org/memllm", "table")
+    assert unpinned.applies_to("org/memllm", "main") and unpinned.applies_to("org/memllm")
+    assert not unpinned.applies_to("org/memllm", "dev") and not unpinned.applies_to("org/other", "main")

@@ -117,3 +117,39 @@ def test_peft_lora_with_documented_targets(arch):
         adapted_logits = peft_model(input_ids=batch).logits
         merged = peft_model.merge_and_unload()
         torch.testing.assert_close(merged(input_ids=batch).logits, adapted_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "kvffn", "memoryllm"])
+def test_a_saved_checkpoint_loads_back_through_load_state_dict(arch, tmp_path):
+    """The HF Trainer resumes (and loads the best checkpoint at the end) with `model.load_state_dict` of the saved
+    file, in the checkpoint's tensor names (FlashMHF's `key`/`up`/`value`, KV-FFN's `key_proj`/`value_proj`), not
+    through `from_pretrained`: every weight must come back, none left at its initial value."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    trained = AutoModelForCausalLM.from_config(tiny_config(arch))
+    trained.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    fresh = AutoModelForCausalLM.from_config(tiny_config(arch))
+    result = fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= {"lm_head.weight"}  # (tied to the embedding, which is saved)
+    for (name, expected), got in zip(trained.state_dict().items(), fresh.state_dict().values()):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["llama", *hf_memffn.ARCHITECTURES])
+def test_trainer_label_smoothing_shifts_the_labels(arch, tmp_path):
+    """`label_smoothing_factor`: the Trainer computes the loss itself and shifts the labels only for the causal LMs
+    transformers lists, which `import hf_memffn` extends by the four architectures."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, use_cpu=True, report_to=[])
+    ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
+        logits = model(ids).logits
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
