@@ -69,7 +69,7 @@ class DataArguments:
     text_column: str = "text"
     train_split: str = "train"
     validation_split: str = field(default="validation", metadata={"help": "used when the dataset has it"})
-    validation_fraction: float = field(default=0.01, metadata={"help": "packed blocks held out otherwise"})
+    validation_fraction: float = field(default=0.01, metadata={"help": "the last documents held out otherwise"})
     block_size: int = 1024
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name (default: --init-from's)"})
     train_tokenizer: int | None = field(default=None, metadata={"help": "train a byte-level BPE of this vocabulary size on the training text"})
@@ -248,7 +248,9 @@ def _batches(dataset, column: str, batch_size: int = 1000):
 
 
 def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_proc=None):
-    """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks (the tail is dropped)."""
+    """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks. The stream is cut per
+    batch of 1000 documents (`datasets`' batched map, as transformers' language-modelling examples pack), so each
+    batch drops its own tail of fewer than `block_size` tokens."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
@@ -549,16 +551,36 @@ def load_and_pack(args, training_args):
     """(train blocks, held-out blocks, tokenizer) from a `datasets` dataset (--dataset / --data-files)."""
     with training_args.main_process_first(local=False, desc="load dataset"):
         raw_train, raw_validation = load_raw_splits(args)
+    if raw_validation is None:
+        # the last documents, held out before a tokenizer is trained on the rest: no held-out text shapes the
+        # vocabulary, and no document is cut between the two splits
+        held_out = max(int(len(raw_train) * args.validation_fraction), _documents_for_one_block(raw_train, args))
+        if held_out >= len(raw_train):
+            raise ValueError(f"--validation-fraction={args.validation_fraction} holds out {held_out} of the "
+                             f"{len(raw_train)} documents, leaving none to train on")
+        split = raw_train.train_test_split(test_size=held_out, shuffle=False)
+        raw_train, raw_validation = split["train"], split["test"]
     tokenizer = load_tokenizer(args, raw_train, training_args)
     with training_args.main_process_first(local=False, desc="pack"):
         train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
-        if raw_validation is not None:
-            eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
-        else:
-            held_out = max(1, int(len(train_blocks) * args.validation_fraction))
-            split = train_blocks.train_test_split(test_size=held_out, shuffle=False)
-            train_blocks, eval_blocks = split["train"], split["test"]
+        eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
+    if len(eval_blocks) == 0:
+        raise ValueError(f"the held-out documents give fewer than --block-size={args.block_size} tokens, so no "
+                         "evaluation block; raise --validation-fraction or give a validation split")
     return train_blocks, eval_blocks, tokenizer
+
+
+def _documents_for_one_block(raw_train, args) -> int:
+    """How many of the last documents hold at least `--block-size` + 1 words: as many tokens or more (a tokenizer
+    gives every word a token at least), so one held-out block at least."""
+    words, count = 0, 0
+    for start in range(len(raw_train), 0, -1000):
+        texts = raw_train[max(0, start - 1000):start][args.text_column]
+        for text in reversed(texts):
+            words, count = words + len(text.split()), count + 1
+            if words > args.block_size:
+                return count
+    return count
 
 
 def load_data(args, training_args):

@@ -377,7 +377,21 @@ def test_bad_input_is_refused_with_the_field_named(tmp_path):
         read_texts(bad)
 
 
-def test_report_json_has_every_section(tmp_path):
+def test_texts_end_at_line_feeds_only(tmp_path):
+    """A Unicode line separator (which `json.dumps(..., ensure_ascii=False)` leaves in a string) or a form feed is
+    part of a text, not the end of one; CR LF line ends are read as line feeds."""
+    import json
+
+    records = tmp_path / "texts.jsonl"
+    records.write_text(json.dumps({"text": "first\u2028part"}, ensure_ascii=False) + "\n" + '{"text": "second"}\n',
+                       encoding="utf-8")
+    assert read_texts(records) == ["first\u2028part", "second"]
+    lines = tmp_path / "texts.txt"
+    lines.write_bytes("one\x0cpage\r\n\r\ntwo\n".encode())
+    assert read_texts(lines) == ["one\x0cpage", "two"]
+
+
+def test_report_json_has_every_section(tmp_path, monkeypatch):
     from hf_memffn.analysis import analyze, write_report
     from hf_memffn.testing import tiny_tokenizer
 
@@ -399,6 +413,25 @@ def test_report_json_has_every_section(tmp_path):
         "report.json", "index.html", "memory_statistics.png", "contributions.png", "text0_coefficients.png",
         "flash_mhf_heads.png",
     }
+
+    # the folder again, for a model without heads: the FlashMHF plot goes; a write cut short leaves no index.html
+    from hf_memffn.analysis import report as report_module
+
+    other = analyze(build("kvffn"), tokenizer, texts[:1], top_triggers=1, cells_per_bank=1, agreement_cells=8,
+                    edits=[])
+    write_report(other, tmp_path / "report")
+    assert "flash_mhf_heads.png" not in {p.name for p in (tmp_path / "report").iterdir()}
+    real_write = report_module.write_atomic
+
+    def interrupted(path, data):
+        if str(path).endswith(".png"):
+            raise KeyboardInterrupt
+        real_write(path, data)
+
+    monkeypatch.setattr(report_module, "write_atomic", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_report(report, tmp_path / "report")
+    assert not (tmp_path / "report" / "index.html").exists()
 
 
 def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):

@@ -100,6 +100,32 @@ def test_packing_joins_documents_with_eos_into_full_blocks():
     assert blocks["input_ids"] == expected
 
 
+def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_path, monkeypatch):
+    """Without a validation split the last documents are held out whole, and `--train-tokenizer` learns its
+    vocabulary from the others only: a word found only in held-out text is not one of its tokens."""
+    import types
+
+    import datasets
+    from transformers import TrainingArguments
+
+    documents = [f"the key reads value {i % 7} of the memory" for i in range(400)] + ["zyxquvol " * 20] * 20
+    raw = datasets.Dataset.from_dict({"text": documents})
+    monkeypatch.setattr(pretrain, "load_raw_splits", lambda args: (raw, None))
+    args = types.SimpleNamespace(train_tokenizer=300, output_dir=str(tmp_path), text_column="text", block_size=64,
+                                 num_proc=None, validation_fraction=0.048)  # 20 of 420
+    train_blocks, eval_blocks, tokenizer = pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path),
+                                                                                           report_to="none"))
+    held_out_word = tokenizer(" zyxquvol", add_special_tokens=False)["input_ids"]
+    assert len(held_out_word) > 1  # not a learned token: the tokenizer never saw it
+    eval_text = tokenizer.decode([t for block in eval_blocks["input_ids"] for t in block])
+    train_text = tokenizer.decode([t for block in train_blocks["input_ids"] for t in block])
+    assert "zyxquvol" in eval_text and "zyxquvol" not in train_text and "memory" not in eval_text
+    # a held-out fraction too small for one block holds out enough documents for one
+    args.validation_fraction = 0.0001
+    _, eval_blocks, _ = pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+    assert len(eval_blocks) >= 1
+
+
 def test_flops_per_token_counts_matmul_weights_and_attention():
     from transformers import AutoModelForCausalLM
 

@@ -1031,3 +1031,34 @@ def test_paired_differences_between_models_at_rates_of_their_own(capsys):
     assert row["heldout"][0] == 1 and row["heldout"][2] is None and round(row["heldout"][1], 3) == 0.026
     with pytest.raises(ValueError, match=r"--pair: \['flex_total@6e-4'\] not run in these studies; they ran"):
         paired.main(["--studies", *studies, "--pair", "flex_total@6e-4", "llama@1e-3"])
+
+
+def test_heldout_overlap_counts_repeated_lines_windows_and_documents(tmp_path, capsys):
+    """`heldout_overlap.py`: held-out lines (long ones), windows of consecutive lines and documents found verbatim in
+    the training documents; the command reads a prepared data folder and writes the JSON and the table."""
+    import heldout_overlap
+
+    poem = "\n".join(f"line {i} of a poem that an anthology prints again" for i in range(6))
+    train = [poem, "something else entirely\nand more of it\nthird\nfourth"]
+    heldout = ["a new opening line\n" + poem, "never seen anywhere before this\nshort\nalso new\nand new"]
+    result = heldout_overlap.overlap(train, heldout, min_chars=20, window=4)
+    assert (result["long_lines"], result["long_lines_in_train"]) == (7, 6)
+    assert (result["windows"], result["windows_in_train"]) == (4 + 1, 3)
+    assert result["documents_with_a_window_in_train"] == 1
+    assert heldout_overlap.documents(np.array([5, 6, 2, 7, 2, 8]), 2) == [[5, 6], [7], [8]]
+
+    from hf_memffn.testing import tiny_tokenizer
+    from token_shards import write_meta, write_split
+
+    tokenizer = tiny_tokenizer()
+    data = tmp_path / "data"
+    data.mkdir()
+    tokenizer.save_pretrained(data)
+    eos = tokenizer.eos_token_id
+    for split, texts in (("train", train), ("heldout", heldout)):
+        write_split(data, split, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], eos)
+    write_meta(data, {"tokenizer": {"eos_id": eos}, "splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}})
+    assert heldout_overlap.main(["--data", str(data), "--out", str(tmp_path / "out"), "--min-chars", "20"]) == 0
+    written = json.loads((tmp_path / "out" / "overlap.json").read_text())
+    assert written["documents_with_a_window_in_train"] == 1 and written["heldout_documents"] == 2
+    assert "| windows of 4 consecutive lines |" in (tmp_path / "out" / "overlap.md").read_text()

@@ -33,12 +33,15 @@ from .vocabulary import key_value_agreement, project_values
 
 
 def read_texts(path: str | Path) -> list[str]:
-    """Texts from a file: one per line, or a `.jsonl` file with a "text" field per line. Blank lines are skipped."""
+    """Texts from a file: one per line, or a `.jsonl` file with a "text" field per line. Blank lines are skipped.
+    Lines end at a line feed (or CR LF) only: a form feed or a Unicode line separator inside a text stays in it."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
     texts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    with open(path, encoding="utf-8", newline="") as handle:
+        lines = [line.removesuffix("\r") for line in handle.read().split("\n")]
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":

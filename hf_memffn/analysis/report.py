@@ -140,7 +140,11 @@ def plot_text_coefficients(report: dict, text_index: int = 0) -> bytes:
     return _png(figure)
 
 
+PLOT_NAMES = ("memory_statistics.png", "contributions.png", "text0_coefficients.png", "flash_mhf_heads.png")
+
+
 def render_plots(report: dict) -> dict[str, bytes]:
+    """The report's plots by file name (of `PLOT_NAMES`; the heads' plot for FlashMHF models only)."""
     plots = {
         "memory_statistics.png": plot_memory_statistics(report),
         "contributions.png": plot_contributions(report),
@@ -345,13 +349,20 @@ def render_html(report: dict, plots: dict[str, bytes], title: str) -> str:
 
 
 def write_report(report: dict, out_dir: str | Path, title: str = "FFN memory analysis") -> Path:
-    """Writes `report.json`, the PNG plots and `index.html` into `out_dir`; returns the HTML path."""
+    """Writes `report.json`, the PNG plots and `index.html` into `out_dir`; returns the HTML path. Everything is
+    rendered first; an earlier report's `index.html` goes before the new files are written and the new one comes
+    last, so a folder with an `index.html` holds one report's files (an earlier report's plots that this one does
+    not draw are removed)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = render_plots(report)
+    html = render_html(report, plots, title).encode()
+    html_path = out_dir / "index.html"
+    html_path.unlink(missing_ok=True)
+    for name in set(PLOT_NAMES) - set(plots):
+        (out_dir / name).unlink(missing_ok=True)
     write_atomic(out_dir / "report.json", json.dumps(report, indent=1).encode())
     for name, png in plots.items():
         write_atomic(out_dir / name, png)
-    html_path = out_dir / "index.html"
-    write_atomic(html_path, render_html(report, plots, title).encode())
+    write_atomic(html_path, html)
     return html_path
