@@ -245,8 +245,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
         the parameters' device and dtype), with gradients recorded or not as they are now."""
-        needs_grad = torch.is_grad_enabled() and (
-            (hidden_states is not None and hidden_states.requires_grad) or any(p.requires_grad for p in self.parameters()))
+        records_input = hidden_states is not None and hidden_states.requires_grad
+        needs_grad = torch.is_grad_enabled() and (records_input or any(p.requires_grad for p in self.parameters()))
         # (no autograd record: a weight parametrization (LoRA on the weights) computes `key` here, and a forward under
         # activation checkpointing must save the same tensors when it is recomputed, where nothing is logged)
         with torch.no_grad():
