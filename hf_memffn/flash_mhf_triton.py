@@ -522,11 +522,8 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _rows_dense(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read [B, H, L, d_h] tensors through (batch, head, position) strides and write dq in q's layout,
-    which `torch.empty_like` keeps for a dense tensor in any order of its dimensions (the [B, L, H, d_h] layout the
-    input projection gives, seen as [B, H, L, d_h]); a view with gaps (a slice of a longer buffer) or d_h not dense
-    is copied."""
-    return t if t.stride(-1) == 1 and _dense(t) else t.contiguous()
+    """The kernels read [B, H, L, d_h] tensors through (batch, head, position) strides; only d_h must be dense."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -770,7 +767,10 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     variant of the weight-gradient kernel; ``descriptors`` (tests only) forces or forbids its tensor-descriptor reads
     of q and dO.
     """
-    q = _rows_dense(q)
+    # dq is written in q's layout into `torch.empty_like(q)`, which keeps that layout for a dense q in any order of
+    # its dimensions (the [B, L, H, d_h] layout the input projection gives, seen as [B, H, L, d_h]), not for a view
+    # with gaps (a slice of a longer buffer): such a q is copied
+    q = _rows_dense(q) if _dense(q) else q.contiguous()
     grad_out = _rows_dense(grad_out.to(q.dtype))
     k, u, v, r = (t.contiguous() for t in (k, u, v, r))
     p = _problem(q, k)

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
+from hf_memffn.hub import TABLE_FILE_PREFIX, TABLE_FILE_SUFFIXES
 from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
                                  model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
@@ -524,8 +525,8 @@ def push_table_to_hub(out_dir: str, repo_id: str, private: bool | None = None) -
     api = HfApi()
     api.create_repo(repo_id, exist_ok=True, private=private)
     # the table's files only: not `token_lookup.py` / `token_lookup_triton.py`, the remote code of a checkpoint folder
-    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id,
-                               allow_patterns=[f"{OWN_FILE_PREFIX}*.safetensors", f"{OWN_FILE_PREFIX}*.json"],
+    patterns = [f"{TABLE_FILE_PREFIX}*{suffix}" for suffix in TABLE_FILE_SUFFIXES]
+    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id, allow_patterns=patterns,
                                ignore_patterns=["*.tmp"], commit_message="Add token lookup table")
     return str(getattr(commit, "commit_url", commit))
 
