@@ -11,7 +11,9 @@ modules' forward (FlashMHF's fused kernel call included) change: the module read
 - `add_weight_lora(model, r, alpha)`: W + (alpha / r) B A on the last two dims of every such weight, one (A, B)
   pair per leading index (per weight group and sub-network, per head, per layer), B = 0 at the start. Only the
   adapter weights are trainable afterwards unless `freeze_base=False`. Combine it with PEFT's LoRA on the Linear
-  layers (`hf_memffn.LORA_TARGET_MODULES`) to adapt every FFN weight.
+  layers (`hf_memffn.LORA_TARGET_MODULES`) to adapt every FFN weight; PEFT's adapters stay trainable.
+- A checkpoint saved while adapters (or int8) are attached holds the parametrized tensors, as the Trainer's
+  checkpoints need to resume; `from_pretrained` refuses it. Merge first for a checkpoint in the original format.
 - `merge_weight_lora(model)`: folds the adapters into the weights (float again if they were int8); the model
   saves in the original format again.
 - `weight_lora_state_dict(model)` / `load_weight_lora(model, state_dict)`: the adapter weights alone.
@@ -74,9 +76,33 @@ def _check_rank(r, alpha) -> None:
         raise ValueError(f"alpha={alpha!r} is invalid: must be > 0")
 
 
+def _has_lora(module: nn.Module, name: str) -> bool:
+    return parametrize.is_parametrized(module, name) and any(
+        isinstance(item, LowRankDelta) for item in module.parametrizations[name])
+
+
+def _adapter_parameters(model: nn.Module) -> set[int]:
+    """ids of the adapters' parameters: ours (`LowRankDelta`) and PEFT's (each PEFT layer names the attributes that
+    hold its adapters in `adapter_layer_names`: LoRA's lora_A / lora_B, `modules_to_save` copies, ...)."""
+    ids = set()
+    for module in model.modules():
+        if isinstance(module, LowRankDelta):
+            ids.update(id(param) for param in module.parameters())
+        for attribute in getattr(module, "adapter_layer_names", ()):
+            part = getattr(module, attribute, None)
+            if isinstance(part, nn.Module):
+                ids.update(id(param) for param in part.parameters())
+            elif isinstance(part, nn.Parameter):
+                ids.add(id(part))
+    return ids
+
+
 def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=None, freeze_base: bool = True) -> list[str]:
     """Add a LoRA adapter to every FFN weight that is a plain parameter (or to those named in `targets`, qualified
-    names as `parameter_weights` gives them). Returns the adapted names."""
+    names as `parameter_weights` gives them). Returns the adapted names.
+
+    `freeze_base` freezes every parameter that is not an adapter's: adapters added before (these, or PEFT's on a
+    `get_peft_model` model) stay as they were. A weight that has an adapter already is refused (merge it first)."""
     _check_rank(r, alpha)
     found = parameter_weights(model)
     if targets is not None:
@@ -85,9 +111,15 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
         if unknown:
             raise ValueError(f"targets={unknown} are not FFN parameter weights of this model; allowed: {sorted(known)}")
         found = [entry for entry in found if entry[0] in set(targets)]
+    adapted = sorted(qualified for qualified, module, name in found if _has_lora(module, name))
+    if adapted:
+        raise ValueError(f"add_weight_lora: {adapted} have a LoRA adapter already; merge it first "
+                         f"(adapters.merge_weight_lora), or pass targets= without them")
     if freeze_base:
+        adapter_ids = _adapter_parameters(model)
         for param in model.parameters():
-            param.requires_grad_(False)
+            if id(param) not in adapter_ids:
+                param.requires_grad_(False)
     for _, module, name in found:
         parametrize.register_parametrization(module, name, LowRankDelta(getattr(module, name), r, alpha))
     return [name for name, _, _ in found]

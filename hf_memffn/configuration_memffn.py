@@ -9,6 +9,8 @@ This file is copied next to saved checkpoints for `trust_remote_code`: it import
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -52,9 +54,10 @@ def _check_bools(config, fields) -> None:
 def _check_number(config, field: str, low: float, low_inclusive: bool, high: float | None = None) -> None:
     value = getattr(config, field)
     interval = f"{'[' if low_inclusive else '('}{low:g}, {'inf)' if high is None else f'{high:g})'}"
-    within = _is_number(value) and (value >= low if low_inclusive else value > low) and (high is None or value < high)
+    within = (_is_number(value) and math.isfinite(value) and (value >= low if low_inclusive else value > low)
+              and (high is None or value < high))
     requirement = f"must be a number in {interval}" if high is not None else (
-        f"must be a number {'>=' if low_inclusive else '>'} {low:g}")
+        f"must be a finite number {'>=' if low_inclusive else '>'} {low:g}")
     _check(type(config).__name__, within, field, value, requirement)
 
 
@@ -171,6 +174,8 @@ class MemFFNConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
         # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
+        _check(type(self).__name__, rope_parameters is None or isinstance(rope_parameters, dict), "rope_parameters",
+               rope_parameters, "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}")
         self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act
@@ -185,6 +190,7 @@ class MemFFNConfig(PretrainedConfig):
             # The package's classes always point at its current files (a config.json written by an older version
             # may name another modeling file).
             kwargs["auto_map"] = {**(kwargs.get("auto_map") or {}), **self.default_auto_map()}
+        _check_positive_ints(self, ("vocab_size",))  # (transformers compares the token ids with it first)
         try:
             super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
@@ -199,6 +205,18 @@ class MemFFNConfig(PretrainedConfig):
         self.base_model_tp_plan = tensor_parallel_plan(self)
         self.base_model_pp_plan = pipeline_parallel_plan(self)
         self.validate_fields()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """`PreTrainedConfig.from_dict`. Fields given as keyword arguments (`from_pretrained(path, ffn_kernel=...)`)
+        are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
+        which depend on the FFN's fields."""
+        result = super().from_dict(config_dict, **kwargs)
+        config = result[0] if isinstance(result, tuple) else result
+        config.base_model_tp_plan = tensor_parallel_plan(config)
+        config.base_model_pp_plan = pipeline_parallel_plan(config)
+        config.validate_fields()
+        return result
 
     def _standardize_rope(self) -> None:
         """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
@@ -268,8 +286,8 @@ class MemFFNConfig(PretrainedConfig):
         # transformers only logs a warning for a scaling factor below 1; 0 gives infinite frequencies, negative ones
         # reversed rotations
         factor = self.rope_parameters.get("factor")
-        _check(name, factor is None or (_is_number(factor) and factor >= 1), "rope_parameters['factor']", factor,
-               "a number >= 1 (the context's scaling)")
+        _check(name, factor is None or (_is_number(factor) and math.isfinite(factor) and factor >= 1),
+               "rope_parameters['factor']", factor, "a finite number >= 1 (the context's scaling)")
         _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 
@@ -282,8 +300,10 @@ class FlashMHFLlamaConfig(MemFFNConfig):
 
     `ffn_variant` selects the paper's baselines: "swiglu" (plain Llama MLP), "mh_ffn" (naive multi-head FFN: one
     sub-network per head, no gates), "dense_moe" (a single head: d_h = hidden_size), "pkv" (per-head softmax
-    attention over `intermediate_size` learned key/value slots). `ffn_num_heads` defaults to 16 (1 for dense_moe),
-    `ffn_num_subnetworks` to 8 (1 for mh_ffn).
+    attention over `intermediate_size` learned key/value slots; every head has its own, so it ignores
+    `ffn_num_kv_heads`, and it keeps its activations whatever `ffn_recompute_chunk_tokens`). `ffn_num_heads` defaults
+    to 16 (1 for dense_moe), `ffn_num_subnetworks` to 8 (1 for mh_ffn). `hidden_act` applies to the "swiglu"
+    variant only: the sub-networks are SwiGLU (SiLU) as in the paper.
 
     `ffn_kernel` chooses how the fused op runs: "auto" (Triton on CUDA, the memory-bounded PyTorch reference on CPU),
     "triton" or "torch" (forced). `ffn_recompute_chunk_tokens` > 0 makes the FFN keep only its input for the backward

@@ -687,7 +687,7 @@ def flash_mhf_layer(
     weights = weights.to(p.dtype) if weights.dtype != p.dtype else weights.contiguous()
     if not fused or _fused_layer_unsupported_reason(p, weights, impl) is not None:
         return flash_mhf_layer_reference(p, norm_weight, router, *weights.chunk(3), head_dim, eps, gate_eps,
-                                         impl=_resolve_impl(p, impl))
+                                         impl=impl)
     # (the kernels read p as rows, the norm weight [d_h] and the router [H, d_h, E] as dense tensors)
     p = p.contiguous()
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None

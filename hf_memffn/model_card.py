@@ -13,12 +13,14 @@ transformers' `Trainer.create_model_card` writes (see `hub.keep_model_card`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from .atomic_write import write_atomic
 
 CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
 TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
+LOOKUP_HEADING = "## Token lookup tables"
 
 ARCHITECTURE_SUMMARIES = {
     "memffn_flash_mhf": (
@@ -44,9 +46,48 @@ ARCHITECTURE_SUMMARIES = {
     "memffn_kvffn": (
         "KVFFN",
         "A Llama-style decoder whose feed-forward block is the KV-FFN block "
-        "`y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o + x`: keys select, values carry, and the block keeps "
-        "its own inner residual connection.",
+        "`y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o`: keys select, values carry; the `+ x` of the paper's "
+        "equation is the decoder's residual connection.",
     ),
+}
+
+# The baselines and ablations a config option selects, described in place of the architecture's own block.
+VARIANT_SUMMARIES = {
+    ("memffn_flash_mhf", "swiglu"): (
+        "A Llama decoder with Llama's SwiGLU MLP as its feed-forward block: the FlashMHF paper's SwiGLU baseline "
+        "(`ffn_variant=\"swiglu\"`)."),
+    ("memffn_flash_mhf", "mh_ffn"): (
+        "A Llama-style decoder whose feed-forward block is the FlashMHF paper's naive multi-head FFN baseline "
+        "(`ffn_variant=\"mh_ffn\"`): the hidden state is projected to `ffn_num_heads` heads and each head's query "
+        "goes through one SwiGLU sub-network, with no gates. On CUDA it runs as FlashMHF's fused Triton kernel."),
+    ("memffn_flash_mhf", "dense_moe"): (
+        "A Llama-style decoder whose feed-forward block is the FlashMHF paper's Dense-MoE baseline "
+        "(`ffn_variant=\"dense_moe\"`): a single head, in which `ffn_num_subnetworks` SwiGLU sub-networks read the "
+        "whole projected hidden state and are mixed by sigmoid gates normalised over the sub-networks. On CUDA it "
+        "runs as FlashMHF's fused Triton kernel."),
+    ("memffn_flash_mhf", "pkv"): (
+        "A Llama-style decoder whose feed-forward block is the FlashMHF paper's parametric key-value baseline "
+        "(`ffn_variant=\"pkv\"`): the hidden state is projected to `ffn_num_heads` heads and each head attends, "
+        "with a softmax, over `intermediate_size` learned key/value slots of its own."),
+    ("memffn_kvffn", "relu"): (
+        "A Llama-style decoder whose feed-forward block is the KV-FFN paper's ReLU FFN baseline "
+        "(`ffn_variant=\"relu\"`): `y = W_o relu(W_k x + b_k) + b_o`, keys without values."),
+    ("memffn_kvffn", "glu"): (
+        "A Llama-style decoder whose feed-forward block is the KV-FFN paper's GLU baseline (`ffn_variant=\"glu\"`): "
+        "`y = W_o(sigmoid(W_k x + b_k) * (W_v x + b_v)) + b_o`."),
+    ("memffn_kvffn", "densenet"): (
+        "A Llama-style decoder whose feed-forward block is the KV-FFN paper's DenseNet baseline "
+        "(`ffn_variant=\"densenet\"`): the output layer reads the hidden features and the block input "
+        "concatenated, `y = W_o [relu(W_k x + b_k); x] + b_o`."),
+}
+# The fields of each variant's card (those a variant ignores are left out); the architecture's list otherwise.
+VARIANT_FIELDS = {
+    ("memffn_flash_mhf", "swiglu"): ("ffn_variant", "hidden_act"),
+    ("memffn_flash_mhf", "pkv"): ("ffn_variant", "ffn_num_heads", "ffn_head_dim", "ffn_query_norm",
+                                  "ffn_io_projections"),
+    ("memffn_kvffn", "relu"): ("ffn_variant", "kvffn_bias", "kvffn_init", "kvffn_dropout"),
+    ("memffn_kvffn", "glu"): ("ffn_variant", "kvffn_bias", "kvffn_init", "kvffn_dropout"),
+    ("memffn_kvffn", "densenet"): ("ffn_variant", "kvffn_bias", "kvffn_init", "kvffn_dropout"),
 }
 
 SHARED_FIELDS = (
@@ -97,6 +138,32 @@ def write_model_card(model, save_directory: str | os.PathLike) -> None:
         write_atomic(path, render_model_card(model, save_directory=save_directory))
 
 
+def refresh_lookup_section(folder: str | os.PathLike) -> bool:
+    """Rewrite the "Token lookup tables" section of the card in `folder` (README.md, as `save_pretrained` wrote it)
+    for what the folder holds now: after `hf-memffn export-tols MODEL_DIR MODEL_DIR` it says that the table is
+    included and how to load it from the folder. The rest of the card (metadata, a training section, edits) is kept;
+    a README.md without that section is left alone. Returns whether the card changed."""
+    path = Path(folder) / "README.md"
+    if not path.is_file():
+        return False
+    card = path.read_text(encoding="utf-8")
+    start = card.find(f"\n{LOOKUP_HEADING}\n")
+    if start < 0:
+        return False
+    start += 1
+    end = card.find("\n## ", start)
+    end = len(card) if end < 0 else end
+    old_section = card[start:end].rstrip("\n")
+    location = re.search(r'^checkpoint = "(.*)"$', card, re.MULTILINE)
+    attached = re.search(r"read its FFNs on X0 from a `([^`]*)` table", old_section)
+    section = _lookup_section(attached.group(1) if attached else None,
+                              location.group(1) if location else CARD_PLACEHOLDER_PATH, folder)
+    if section == old_section:
+        return False
+    write_atomic(path, card[:start] + section + card[start + len(old_section):])
+    return True
+
+
 def check_card_metadata(fields: dict) -> dict:
     """The card metadata fields, checked: a clear error for a field the card does not carry."""
     unknown = sorted(set(fields) - set(CARD_METADATA_FIELDS))
@@ -141,6 +208,7 @@ def render_model_card(
     config = model.config
     model_type = getattr(config, "model_type", "")
     name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))
+    summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
     sections = [
         _front_matter(card_metadata(model, **metadata)),
@@ -151,7 +219,7 @@ def render_model_card(
         _usage_section(model, location),
     ]
     if model_type in MEMORY_MODEL_TYPES:
-        sections.append(_lookup_section(model, location, save_directory))
+        sections.append(_lookup_section(_attached_table_format(model), location, save_directory))
     sections.append(_evaluation_section(location))
     if training_summary:
         sections.append("## Training\n\n" + training_summary.strip())
@@ -186,9 +254,26 @@ def _short(count: int) -> str:
     return str(count)
 
 
+def _summary(config, model_type: str, summary: str) -> str:
+    """The architecture's summary, or its baseline's (`ffn_variant`), with KV-FFN's composition and inner residual."""
+    variant = getattr(config, "ffn_variant", None)
+    summary = VARIANT_SUMMARIES.get((model_type, variant), summary)
+    if model_type == "memffn_kvffn" and variant == "kvffn":
+        activation = getattr(config, "kvffn_activation", "silu")
+        if getattr(config, "kvffn_composition", "product") == "sum":
+            summary = summary.replace("act(W_k x + b_k) * (W_v x + b_v)", "act(W_k x + b_k) + (W_v x + b_v)")
+        summary = summary.replace("act(", f"{activation}(")
+        if getattr(config, "kvffn_inner_residual", False):
+            summary += (" The block also adds its own (normalised) input again, an inner residual connection "
+                        "(`kvffn_inner_residual`, an ablation).")
+    return summary
+
+
 def _config_section(config, model_type: str) -> str:
     rows = ["| field | value |", "| --- | --- |"]
-    for field in SHARED_FIELDS + ARCHITECTURE_FIELDS.get(model_type, ()):
+    variant = getattr(config, "ffn_variant", None)
+    fields = VARIANT_FIELDS.get((model_type, variant), ARCHITECTURE_FIELDS.get(model_type, ()))
+    for field in SHARED_FIELDS + fields:
         value = getattr(config, field, None)
         if value is not None:
             rows.append(f"| `{field}` | `{value}` |")
@@ -226,12 +311,19 @@ def _usage_section(model, location: str) -> str:
     )
 
 
-def _lookup_section(model, location: str, save_directory) -> str:
+def _attached_table_format(model) -> str | None:
+    """The format's name of the token lookup table `model` reads (`load_tols`), or None when it computes its FFNs."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     table = getattr(base, "token_lookup", None)
+    if table is None:
+        return None
+    return getattr(getattr(getattr(table, "index", None), "fmt", None), "name", "unknown")
+
+
+def _lookup_section(attached_format: str | None, location: str, save_directory) -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
-    if table is not None:
-        fmt = getattr(getattr(getattr(table, "index", None), "fmt", None), "name", "unknown")
+    if attached_format is not None:
+        fmt = attached_format
         status = (
             f"**Token lookup tables: attached.** When this checkpoint was saved the model read its FFNs on X0 from a "
             f"`{fmt}` table instead of computing them."
@@ -257,7 +349,7 @@ def _lookup_section(model, location: str, save_directory) -> str:
             "```python\n"
         )
     return (
-        "## Token lookup tables\n\n"
+        f"{LOOKUP_HEADING}\n\n"
         f"{status}\n\n{how}"
         f'model.load_tols({table_dir}, placement="gpu")  # or "cpu" / "disk" (host or mapped table, GPU row cache)\n'
         "model.drop_memory_ffn()  # optional: free the FFN weights on X0\n"

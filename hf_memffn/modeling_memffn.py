@@ -17,11 +17,13 @@ architecture runs. These files import only torch, transformers, safetensors and 
 
 import importlib
 import inspect
+import re
 import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -411,6 +413,39 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             raise RuntimeError("attach_card_metadata needs the hf-memffn package (the model card is written by it)")
         self.card_metadata = {**(getattr(self, "card_metadata", None) or {}), **model_card.check_card_metadata(fields)}
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`, refusing a checkpoint saved while FFN weights had adapters or int8
+        attached (`hf_memffn.adapters`, e.g. the Trainer's checkpoints of such a model): their tensors are stored
+        under `parametrizations.*` names that a fresh model lacks, so those weights would start at random."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        parametrized = sorted({before + "." + after.split(".")[0] for before, _, after in
+                               (key.partition(".parametrizations.") for key in loading_info.get("unexpected_keys", ()))
+                               if after})
+        if parametrized:
+            raise ValueError(
+                f"from_pretrained: the checkpoint stores {len(parametrized)} weights ({', '.join(parametrized[:3])}"
+                f"{', ...' if len(parametrized) > 3 else ''}) with adapters or int8 attached (hf_memffn.adapters), "
+                "which a loaded model does not have: they would start at random. Load the model the adapters were "
+                "added to, add the same adapters (add_weight_lora / quantize_weights_int8) and load the checkpoint's "
+                "tensors with load_state_dict, as Trainer(resume_from_checkpoint=...) does; or merge the adapters "
+                "(adapters.merge_weight_lora) before saving, for a checkpoint in the original format")
+        # The checkpoint conversions that join FlashMHF's key/up/value and KV-FFN's key_proj/value_proj also match
+        # the PKV baseline's key/value and KV-FFN's relu/densenet key_proj; loaded across the base model's prefix
+        # (AutoModel from a causal LM's checkpoint, or the reverse), transformers then drops those tensors.
+        dropped = sorted(key for key in loading_info.get("missing_keys", ())
+                         if re.search(r"\.mlp\.(key|value|key_proj\.weight|key_proj\.bias)$", key))
+        if dropped:
+            raise ValueError(
+                f"from_pretrained: {len(dropped)} FFN weights of the checkpoint ({', '.join(dropped[:3])}"
+                f"{', ...' if len(dropped) > 3 else ''}) did not load into {cls.__name__}, so they would start at "
+                "random. This happens for the ffn_variant pkv, relu and densenet baselines when the checkpoint was "
+                "saved from the other class (a *ForCausalLM's checkpoint loaded as a base model, or the reverse): "
+                "load it with the class it was saved from (`AutoModelForCausalLM.from_pretrained(path).model` for "
+                "the base model)")
+        return (model, loading_info) if output_loading_info else model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
@@ -421,6 +456,11 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
                              "a checkpoint saved now would lack their weights; save the model before dropping them, "
                              "or load it again and save that")
+        if any(parametrize.is_parametrized(module) for module in self.modules()):
+            logger.warning_once(
+                "save_pretrained: FFN weights have adapters or int8 attached (hf_memffn.adapters); the checkpoint "
+                "stores them as such, which from_pretrained refuses (a Trainer's resume loads it). Merge them "
+                "(adapters.merge_weight_lora) before saving for a checkpoint in the original format.")
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             if self.attached_tokenizer is not None:

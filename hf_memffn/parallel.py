@@ -77,6 +77,11 @@ if TensorParallelLayer is not None:
             return True
 
         def install_forward(self, module, mesh):
+            if getattr(module, "recompute_chunk_tokens", 0):
+                raise ValueError(
+                    f"ffn_recompute_chunk_tokens={module.recompute_chunk_tokens} does not work under tensor "
+                    "parallelism (its backward pass recomputes the block outside the sharded forward); set it to 0: "
+                    "each rank keeps a 1/tp_size share of the FFN's activations anyway")
             group = _tp_group(mesh)
             hooked: dict[str, torch.nn.Parameter] = {}
 

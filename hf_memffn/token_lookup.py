@@ -316,7 +316,9 @@ class TableIndex:
     def read(cls, directory: str) -> "TableIndex":
         path = os.path.join(directory, INDEX_NAME)
         if not os.path.isfile(path):
-            partial = [n for n in os.listdir(directory) if n.startswith("token_lookup")] if os.path.isdir(directory) else []
+            # (a checkpoint folder also holds the remote code token_lookup*.py: not a sign of an export)
+            partial = [n for n in os.listdir(directory) if n.startswith("token_lookup")
+                       and n.endswith((".safetensors", ".tmp"))] if os.path.isdir(directory) else []
             hint = " (shards without an index: an export was interrupted; run it again)" if partial else ""
             raise TokenLookupError(f"no token lookup table in {directory}: {INDEX_NAME} is missing{hint}")
         with open(path) as handle:
@@ -509,6 +511,13 @@ class TokenLookupTable(nn.Module):
     def _check_device(self, device: torch.device) -> None:
         """Refuse a device this placement cannot use."""
 
+    def _apply(self, fn, recurse=True):
+        """The table stays as `load_tols` placed it: casting the model (`.to(torch.bfloat16)`, `.half()`) leaves its
+        storage dtypes alone; moving it to another device is refused (the model refuses first, before anything
+        moves: see `TokenLookupMixin._apply`)."""
+        refuse_device_change(self, fn)
+        return self
+
     def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
@@ -536,7 +545,8 @@ class TokenLookupTable(nn.Module):
         """The memory outputs of `input_ids` ([B, L]) for every layer, ready for `add_into`."""
         if input_ids is None:
             raise ValueError("lookup mode needs input_ids (the table is indexed by token id); got inputs_embeds only")
-        return self._readout(input_ids.reshape(-1).to(self.device))
+        # (int64 ids: the cache's index_copy_ takes no others, and continuous batching passes int32 ones)
+        return self._readout(input_ids.reshape(-1).to(self.device, torch.long))
 
     def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
         raise NotImplementedError
@@ -828,8 +838,26 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
                                f"{fingerprint[:12]}...); export the table again from this model")
 
 
+def refuse_device_change(table: TokenLookupTable, fn) -> None:
+    """A clear error if `fn` (what `Module._apply` applies to every tensor) moves tensors off the table's device."""
+    probe = torch.empty(0, device=table.device)
+    target = fn(probe).device
+    if target != probe.device:
+        raise ValueError(f"the token lookup table was placed for {table.device} by load_tols, and the model is being "
+                         f"moved to {target}: call unload_tols() (or load the model again, once its memory FFN is "
+                         f"dropped), move the model, then load_tols again")
+
+
 class TokenLookupMixin:
     """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models and *ForCausalLM)."""
+
+    def _apply(self, fn, *args, **kwargs):
+        # refuse a move of a model reading a table before any parameter moves (nothing is left half-moved)
+        base = self.__dict__.get("_modules", {}).get("model", self)  # (no lookup that can fail mid-construction)
+        table = getattr(base, "token_lookup", None)
+        if table is not None:
+            refuse_device_change(table, fn)
+        return super()._apply(fn, *args, **kwargs)
 
     def load_tols(self, path: str | os.PathLike, placement: str = "gpu", *, device=None, cache_rows: int = 1024,
                   frequent_tokens=None, kernel: str = "auto", verify: str = "full",
@@ -848,6 +876,10 @@ class TokenLookupMixin:
         base = _memory_base(self)
         check_choice("placement", placement, PLACEMENTS)
         check_choice("verify", verify, VERIFY_MODES)
+        if getattr(self, "_pp_stage", None) is not None or not isinstance(
+                getattr(base.embed_tokens, "weight", None), torch.Tensor):
+            raise ValueError("load_tols: token lookup tables do not work under pipeline parallelism: the stages after "
+                             "the first have neither the token embeddings nor the token ids that index the table")
         index = TableIndex.read(os.fspath(path))
         check_table_matches(index, base)
         index.verify(verify)
@@ -859,6 +891,14 @@ class TokenLookupMixin:
         if drop_memory_ffn:
             self.drop_memory_ffn()
         return table
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        """`PreTrainedModel.resize_token_embeddings`, refused while a token lookup table is loaded: the table holds
+        rows for the vocabulary it was exported from, and a new token would have none."""
+        if getattr(_memory_base(self), "token_lookup", None) is not None:
+            raise ValueError("resize_token_embeddings: a token lookup table is loaded, with rows for the current "
+                             "vocabulary only; unload_tols() first, resize, train, then export a new table")
+        return super().resize_token_embeddings(*args, **kwargs)
 
     def unload_tols(self) -> None:
         """Back to computing the memory FFN (needs its weights)."""

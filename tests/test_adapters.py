@@ -137,3 +137,67 @@ def test_weight_lora_trains_under_activation_checkpointing():
     ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     assert any(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_add_weight_lora_after_get_peft_model_keeps_pefts_adapters_trainable():
+    """README's order (PEFT on the Linear layers, then ours on the plain parameters), with `freeze_base` left at its
+    default: PEFT's adapters stay trainable, the base weights (the adapted ones included) are frozen."""
+    model = peft.get_peft_model(tiny_model("flash_mhf"),
+                                peft.LoraConfig(r=4, target_modules=hf_memffn.LORA_TARGET_MODULES["flash_mhf"]))
+    peft_trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert peft_trainable and all(".lora_" in name for name in peft_trainable)
+    adapters.add_weight_lora(model, r=2)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    ours = {name for name in trainable if ".parametrizations." in name}
+    assert trainable - ours == peft_trainable
+    assert ours and all(name.endswith((".lora_A", ".lora_B")) for name in ours)
+    # a second call on other weights keeps the first call's adapters trainable too
+    model = tiny_model("flash_mhf")
+    names = [name for name, _, _ in adapters.parameter_weights(model)]
+    adapters.add_weight_lora(model, r=2, targets=names[:1])
+    adapters.add_weight_lora(model, r=2, targets=names[1:])
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert len(trainable) == 2 * len(names) and all(name.endswith((".lora_A", ".lora_B")) for name in trainable)
+
+
+def test_a_weight_with_an_adapter_is_refused_a_second_one():
+    model = tiny_model("memoryllm")
+    adapters.add_weight_lora(model, r=2)
+    before = {name: param.requires_grad for name, param in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"model\.memory\.gate_proj.*LoRA adapter already.*merge_weight_lora"):
+        adapters.add_weight_lora(model, r=2, freeze_base=False)
+    assert {name: param.requires_grad for name, param in model.named_parameters()} == before  # nothing changed
+    assert adapters.merge_weight_lora(model) == 3
+
+
+@pytest.mark.parametrize("attach", ["lora", "int8"])
+def test_a_checkpoint_saved_with_adapters_attached_is_refused_by_from_pretrained(attach, tmp_path):
+    """Saved with adapters or int8 attached (a Trainer checkpoint of such a model), the FFN weights are stored as
+    parametrizations that a loaded model lacks. `from_pretrained` refuses the folder instead of starting those
+    weights at random; the model it was saved from loads it back with `load_state_dict`, as the Trainer resumes."""
+    from safetensors.torch import load_file
+
+    model = tiny_model("memoryllm")
+    attach_adapters = adapters.quantize_weights_int8 if attach == "int8" else (
+        lambda m: adapters.add_weight_lora(m, r=2))
+    attach_adapters(model)
+    if attach == "lora":
+        with torch.no_grad():
+            for _, _, _, item in adapters._lora_parametrizations(model):
+                item.lora_B.normal_()
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.memory\.down_proj, model\.memory\.gate_proj.*adapters or int8"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+    resumed = tiny_model("memoryllm")
+    torch.manual_seed(1)
+    attach_adapters(resumed)
+    resumed.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    ids = torch.randint(3, 320, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids).logits, model(ids).logits, rtol=0, atol=0)
+        if attach == "lora":
+            adapters.merge_weight_lora(model)
+            model.save_pretrained(tmp_path / "merged")
+            loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+            torch.testing.assert_close(loaded(ids).logits, resumed(ids).logits)

@@ -212,6 +212,58 @@ def _save_after_dropping(world: World):
 CASES.append(Case("save_pretrained-memory-dropped", ("save_pretrained", "drop_memory_ffn"), api=_save_after_dropping,
                   no_output="saved_dropped"))
 
+# fields given to from_pretrained are set after the config is built: they are checked too
+CASES.append(Case("from_pretrained-override-negative", ("ffn_recompute_chunk_tokens", ">= 0"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_recompute_chunk_tokens=-3)))
+CASES.append(Case("from_pretrained-override-str-bool", ("ffn_query_norm", "True or False"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_query_norm="no")))
+config_case("vocab_size-str", "memoryllm", ("vocab_size", "positive integer"), vocab_size="320")
+config_case("rope_parameters-str", "memoryllm", ("rope_parameters", "dict"), rope_parameters="linear")
+config_case("rms_norm_eps-inf", "memoryllm", ("rms_norm_eps", "finite"), rms_norm_eps=float("inf"))
+config_case("rope-factor-inf", "kvffn", ("rope_parameters['factor']", "finite"),
+            rope_parameters={"rope_type": "linear", "factor": float("inf")})
+
+
+# adapters (hf_memffn.adapters) and resizing
+def _lora_twice(world: World):
+    from hf_memffn import adapters
+
+    model = _model(world)
+    adapters.add_weight_lora(model, r=2)
+    adapters.add_weight_lora(model, r=2)
+
+
+def _load_saved_with_adapters(world: World):
+    from hf_memffn import adapters
+
+    model = _model(world)
+    adapters.add_weight_lora(model, r=2)
+    model.save_pretrained(world.root / "saved_with_adapters")
+    AutoModelForCausalLM.from_pretrained(world.root / "saved_with_adapters")
+
+
+def _resize_with_table(world: World):
+    model = _model(world)
+    model.load_tols(world.table, placement="cpu")
+    model.resize_token_embeddings(336)
+
+
+def _base_model_from_causal_lm(world: World):
+    from transformers import AutoModel
+
+    target = world.root / "pkv"
+    if not target.exists():
+        AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_variant="pkv")).save_pretrained(target)
+    AutoModel.from_pretrained(target)
+
+
+CASES.append(Case("add_weight_lora-twice", ("LoRA adapter already", "merge_weight_lora"), api=_lora_twice))
+CASES.append(Case("from_pretrained-saved-with-adapters", ("adapters or int8", "merge_weight_lora"),
+                  api=_load_saved_with_adapters))
+CASES.append(Case("resize-with-table-loaded", ("resize_token_embeddings", "unload_tols"), api=_resize_with_table))
+CASES.append(Case("AutoModel-of-a-pkv-causal-lm", ("layers.0.mlp.key", "AutoModelForCausalLM.from_pretrained"),
+                  api=_base_model_from_causal_lm))
+
 
 def cli_case(name, expect, argv, keep=("memoryllm", "llama", "table"), no_output=None):
     CASES.append(Case(f"cli-{name}", expect, cli=argv, keep=keep, no_output=no_output))

@@ -292,6 +292,22 @@ def test_triton_on_cpu_fails_loudly():
         flash_mhf(*inputs, impl="triton")
 
 
+@pytest.mark.skipif(not ON_GPU, reason="ffn_kernel='auto' picks the Triton kernels on CUDA only")
+def test_a_model_whose_head_width_the_kernels_lack_fails_loudly_under_auto():
+    """`ffn_kernel='auto'` (the default) on CUDA with FFN heads of 16 (tiny_config's): the error names the setting
+    the user has, 'auto', and the one that runs the model, ffn_kernel='torch'."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.testing import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf")).to(DEVICE)
+    ids = torch.randint(3, 320, (1, 8), device=DEVICE)
+    with pytest.raises(ValueError, match=r"impl='auto'\) cannot use the Triton kernels: head_dim=16.*ffn_kernel='tor"):
+        model(ids)
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_kernel="torch")).to(DEVICE)
+    assert torch.isfinite(model(ids).logits).all()
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

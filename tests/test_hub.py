@@ -124,6 +124,32 @@ def test_model_card_describes_architecture_config_and_parameters():
     assert "trust_remote_code=True" in card and "Token lookup tables" not in card
 
 
+@pytest.mark.parametrize("arch, fields, says, lists, omits", [
+    ("flash_mhf", {"ffn_variant": "pkv"}, "parametric key-value baseline", ["ffn_num_heads"],
+     ["ffn_num_subnetworks", "subnetwork_size", "ffn_num_kv_heads"]),
+    ("flash_mhf", {"ffn_variant": "swiglu"}, "Llama's SwiGLU MLP", ["hidden_act"], ["ffn_num_heads"]),
+    ("flash_mhf", {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}, "one SwiGLU sub-network, with no gates",
+     ["ffn_num_heads", "ffn_num_subnetworks"], []),
+    ("kvffn", {}, "`y = W_o(silu(W_k x + b_k) * (W_v x + b_v)) + b_o`: keys select", ["kvffn_inner_residual"],
+     []),
+    ("kvffn", {"kvffn_composition": "sum", "kvffn_activation": "gelu", "kvffn_inner_residual": True},
+     "`y = W_o(gelu(W_k x + b_k) + (W_v x + b_v)) + b_o`", ["kvffn_composition"], []),
+    ("kvffn", {"ffn_variant": "relu"}, "`y = W_o relu(W_k x + b_k) + b_o`", ["kvffn_bias"],
+     ["kvffn_activation", "kvffn_composition", "kvffn_inner_residual"]),
+    ("kvffn", {"ffn_variant": "densenet"}, "`y = W_o [relu(W_k x + b_k); x] + b_o`", ["kvffn_init"],
+     ["kvffn_activation"]),
+])
+def test_the_card_describes_the_baseline_a_config_selects(arch, fields, says, lists, omits):
+    """A baseline's card describes the baseline's block and lists the fields it reads, not the architecture's."""
+    card = render_model_card(AutoModelForCausalLM.from_config(tiny_config(arch, **fields)))
+    assert says in card
+    assert ("inner residual" in card) == bool(fields.get("kvffn_inner_residual"))
+    for field in lists:
+        assert f"| `{field}` |" in card
+    for field in omits:
+        assert f"| `{field}` |" not in card
+
+
 def test_memoryllm_card_says_whether_lookup_tables_are_attached(tmp_path):
     from hf_memffn.conversion.export import export_tols
 
@@ -150,6 +176,50 @@ def test_saving_into_a_folder_that_holds_a_table_says_so_in_the_card(tmp_path):
     model.save_pretrained(tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert "**Token lookup tables: not attached.**" in card and "is included in this folder" in card
+
+
+def test_exporting_into_a_saved_checkpoint_rewrites_the_cards_lookup_section(tmp_path):
+    """`export-tols MODEL_DIR MODEL_DIR` after `save_pretrained`: the card written at save time said that no table
+    was included. The export rewrites that section alone (metadata and a section the user added are kept), and a
+    second export changes nothing."""
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    model.attach_card_metadata(license="apache-2.0")
+    model.save_pretrained(tmp_path)
+    card = tmp_path / "README.md"
+    assert "is included in this folder" not in card.read_text()
+    card.write_text(card.read_text() + "\n## Notes\n\nA note of the user's.\n")
+
+    report = export_tols(tmp_path, tmp_path, format="int8", progress=False)
+    assert report["model_card"] == str(card)
+    expected = render_model_card(model, save_directory=tmp_path) + "\n## Notes\n\nA note of the user's.\n"
+    assert "is included in this folder" in expected and card.read_text() == expected
+    assert "model_card" not in export_tols(tmp_path, tmp_path, format="int8", progress=False)
+    assert card.read_text() == expected
+
+
+def test_the_rewritten_lookup_section_keeps_the_attached_tables_format(tmp_path):
+    """A checkpoint saved while the model read a table (not in the folder): exporting a table into the folder keeps
+    the card's "attached" status and format, adds that the folder holds a table, and leaves a card without the
+    section alone."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.model_card import refresh_lookup_section
+
+    model = tiny_model("memoryllm").eval()
+    export_tols(model, tmp_path / "table", format="fp32", progress=False)
+    model.load_tols(tmp_path / "table", placement="cpu")
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "README.md").write_text(render_model_card(model, repo_id="someone/tiny"))
+    assert refresh_lookup_section(folder) is False  # no table in the folder yet: the section is already right
+    export_tols(tiny_model("memoryllm").eval(), folder, format="int8", progress=False)
+    card = (folder / "README.md").read_text()
+    assert card == render_model_card(model, repo_id="someone/tiny", save_directory=folder)
+    assert "**Token lookup tables: attached.**" in card and "`fp32` table" in card and "someone/tiny" in card
+
+    (folder / "README.md").write_text("# My own card\n")
+    assert refresh_lookup_section(folder) is False and (folder / "README.md").read_text() == "# My own card\n"
 
 
 def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):

@@ -49,6 +49,18 @@ for arch in archs:
         results[arch]["grads"] = grads
         results[arch]["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "placements")
                                           and any(type(pl).__name__ == "Shard" for pl in p.placements))
+# refused, with a clear error: FlashMHF's chunked recompute under TP, token lookup tables under PP
+try:
+    if mode == "tp":
+        AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf_recompute",
+                                             distributed_config=DistributedConfig(tp_size=2))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm",
+                                                     distributed_config=DistributedConfig(pp_size=2))
+        model.load_tols(f"{root}/memoryllm_table", placement="cpu")
+    results["refused"] = None
+except ValueError as error:
+    results["refused"] = str(error)
 if dist.get_rank() == 0:
     with open(f"{root}/{mode}.json", "w") as handle:
         json.dump(results, handle)
@@ -76,6 +88,12 @@ def checkpoints(tmp_path_factory):
         logits = model(ids).logits
         logits.float().square().mean().backward()
         expected[arch] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=8)).save_pretrained(
+        root / "flash_mhf_recompute")
+    from hf_memffn.conversion.export import export_tols
+
+    export_tols(root / "memoryllm", root / "memoryllm_table", format="fp32", progress=False)
     (root / "worker.py").write_text(WORKER)
     return root, expected
 
@@ -109,6 +127,8 @@ def test_tensor_parallel_matches_one_process(checkpoints):
     assert {"model.memory.gate_proj", "model.memory.down_proj"} <= set(sharded["memoryllm"])
     assert "model.layers.0.mlp.gate_proj.weight" in sharded["flex_memoryllm"]
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
+    # its backward would recompute the block outside the sharded forward
+    assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
 
 
 @pytest.mark.slow
@@ -118,6 +138,8 @@ def test_pipeline_parallel_matches_one_process(checkpoints):
     results = run_workers(root, "pp")
     for arch in ARCHS:
         torch.testing.assert_close(torch.tensor(results[arch]["logits"]), expected[arch][0], rtol=1e-4, atol=1e-5)
+    # later stages have neither the embeddings nor the token ids a table is indexed by
+    assert "token lookup tables do not work under pipeline parallelism" in results["refused"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -154,6 +154,25 @@ def test_bad_export_options_name_the_field(model, tmp_path, options, field):
     assert not own_files(tmp_path)
 
 
+@pytest.mark.parametrize("fmt", ["fp16"])
+def test_outputs_beyond_the_formats_range_are_refused(tmp_path, fmt):
+    """Memory outputs above fp16's largest value (65504): an fp16 table would hold inf (NaN logits once loaded). The
+    export stops with an error naming the formats that hold them (int8's scales are bf16); bf16 does. Non-finite
+    outputs (damaged weights) are refused in any format."""
+    model = build()
+    with torch.no_grad():
+        model.model.memory.down_proj.mul_(2e7)
+    with pytest.raises(ValueError, match=f"format '{fmt}' cannot hold.*'bf16' or 'fp32'"):
+        export_tols(model, tmp_path / fmt, format=fmt, progress=False)
+    assert not (tmp_path / fmt / INDEX_NAME).exists()
+    report = export_tols(model, tmp_path / "bf16", format="bf16", progress=False)
+    assert report["max_relative_error"] < 1e-2
+    with torch.no_grad():
+        model.model.memory.down_proj.fill_(float("nan"))
+    with pytest.raises(ValueError, match="not finite.*diverged"):
+        export_tols(model, tmp_path / "nan", format="fp32", progress=False)
+
+
 def test_non_memory_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="KVFFNForCausalLM has no FFNs on the token embeddings"):
         export_tols(build("kvffn"), tmp_path, progress=False)

@@ -130,6 +130,41 @@ def test_bad_runtime_options_name_the_field(exported):
     assert model.model.token_lookup is None
 
 
+def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_path):
+    """`.to(torch.bfloat16)` after `load_tols` leaves the table's dtypes as stored (the same model as casting first,
+    then loading); a move to another device is refused before any parameter moves."""
+    model, directory = exported
+    cast_after = build(model.config.model_type.replace("memffn_", ""))
+    table = cast_after.load_tols(directory, placement="cpu")
+    dtypes = {name: buffer.dtype for name, buffer in table.named_buffers()}
+    cast_after.to(torch.bfloat16)
+    assert {name: buffer.dtype for name, buffer in table.named_buffers()} == dtypes == {"rows": torch.float32}
+    cast_first = build(model.config.model_type.replace("memffn_", "")).to(torch.bfloat16)
+    cast_first.load_tols(directory, placement="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(cast_after(input_ids=ids).logits, cast_first(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="placed for cpu by load_tols.*moved to meta.*unload_tols"):
+        cast_after.to("meta")
+    assert all(param.device.type == "cpu" for param in cast_after.parameters())
+    cast_after.unload_tols()
+    assert cast_after.to("meta").lm_head.weight.device.type == "meta"
+
+
+def test_a_checkpoint_folder_without_a_table_is_not_called_an_interrupted_export(tmp_path):
+    """The folder holds the remote code `token_lookup*.py`, not a table's shards."""
+    from hf_memffn.token_lookup import TokenLookupError
+
+    model = build("memoryllm")
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "token_lookup.py").is_file()
+    with pytest.raises(TokenLookupError, match=r"token_lookup.safetensors.index.json is missing$"):
+        model.load_tols(tmp_path, placement="cpu")
+    (tmp_path / "token_lookup-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(TokenLookupError, match="an export was interrupted"):
+        model.load_tols(tmp_path, placement="cpu")
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_quantized_rows_round_trip(name):
     values = torch.randn(7, 4 * 64) * torch.logspace(-3, 2, 7).unsqueeze(1)
@@ -182,8 +217,8 @@ def test_gpu_placements_equal_compute(exported, placement, cache_rows):
         table = model.load_tols(directory, placement=placement, cache_rows=cache_rows,
                                 frequent_tokens=torch.arange(model.config.vocab_size).flip(0))
         assert table.kernel == "triton"
-        for _ in range(2):  # second pass: the disk cache is warm
-            assert relative(model(input_ids=ids).logits, logits) < 1e-5
+        for dtype in (torch.int32, torch.long):  # int32 first (continuous batching's), the disk cache cold; then warm
+            assert relative(model(input_ids=ids.to(dtype)).logits, logits) < 1e-5
         assert torch.equal(model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
     if placement == "disk":
         assert 0 < table.cache_hits < table.cache_lookups

@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.hub import TABLE_FILE_PREFIX, TABLE_FILE_SUFFIXES
+from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
                                  model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
@@ -211,6 +212,13 @@ class _Exporter:
             tensors = {rows_key: encoded["rows"]}
             if "scales" in encoded:
                 tensors[scales_key] = encoded["scales"]
+        if not torch.isfinite(flat).all():
+            raise ValueError(f"export-tols: the model's FFNs on X0 give values that are not finite for tokens "
+                             f"{ids[0].item()}..{ids[-1].item()}: the weights are damaged or the training diverged")
+        if not torch.isfinite(approx).all():  # (a value past the storage dtype's range, e.g. above 65504 in fp16)
+            raise ValueError(f"export-tols: format {self.fmt.name!r} cannot hold the FFNs' outputs of tokens "
+                             f"{ids[0].item()}..{ids[-1].item()} (largest magnitude {flat.abs().max().item():.4g}): "
+                             f"export in 'bf16' or 'fp32'")
         stats = _ErrorStats()
         stats.add(row_relative_errors(flat, approx, self.hidden))
         return {k: v.cpu().contiguous() for k, v in tensors.items()}, stats
@@ -492,6 +500,8 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
 
     Returns a report (also written to `token_lookup_report.json`): size on disk, max / mean relative error of the
     table per (token, layer) vector, and, given eval text or ids, the held-out loss in compute and lookup mode.
+    Exported into a checkpoint folder, the "Token lookup tables" section of the folder's model card is rewritten to
+    say the folder holds the table (`model_card.refresh_lookup_section`; the report's `model_card` names the card).
     """
     fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
                             drop_layers=tuple(drop_layers))
@@ -513,6 +523,9 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     if eval_input_ids is not None:
         report.update(lookup_loss_delta(model, out_dir, eval_input_ids))
     _write_json_atomic(os.path.join(out_dir, REPORT_NAME), report)
+    # Exported into a checkpoint folder: its model card (written at save time) now says the folder holds the table.
+    if refresh_lookup_section(out_dir):
+        report["model_card"] = os.path.join(out_dir, "README.md")
     if push_to_hub:
         report["hub_commit"] = push_table_to_hub(out_dir, push_to_hub)
     return report
@@ -582,6 +595,8 @@ def run(args: argparse.Namespace) -> int:
           f"{format_size(report['size_bytes'])} in {report['num_shards']} shard(s), {report['seconds']:.1f} s")
     print(f"relative error per (token, layer): max {report['max_relative_error']:.3e}, "
           f"mean {report['mean_relative_error']:.3e}")
+    if "model_card" in report:
+        print(f"model card {report['model_card']}: says the folder holds the table")
     if "loss_delta" in report:
         print(f"held-out loss: compute {report['loss_compute']:.4f}, lookup {report['loss_lookup']:.4f}, "
               f"delta {report['loss_delta']:+.4f} ({report['eval_tokens']} tokens)")
