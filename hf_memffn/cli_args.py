@@ -29,6 +29,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: a finite number > 0") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{value} is invalid; allowed: a finite number > 0")
+    return value
+
+
 def int_list(text: str) -> list[int]:
     """Comma-separated integers, e.g. `0,11,23`."""
     try:

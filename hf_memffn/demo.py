@@ -136,21 +136,27 @@ def _settings_from_args(args: argparse.Namespace) -> DemoSettings:
         "hidden_size": args.hidden_size, "num_layers": args.num_layers, "intermediate_size": args.intermediate_size,
         "num_entities": args.num_entities,
     }
+    flags = {"learning_rate": "--lr"}  # the settings' fields whose option has another name
     values = asdict(base)
     for name, value in overrides.items():
         if value is None:
             continue
         if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={value!r} is invalid; allowed: a positive number")
+            flag = flags.get(name, f"--{name.replace('_', '-')}")
+            raise ValueError(f"{flag}={value!r} is invalid; allowed: a positive number")
         values[name] = value
     if args.vocab_size is not None:
         values["vocab_size"] = args.vocab_size
     elif args.text_files or args.dataset:
         values["vocab_size"] = REAL_TEXT_VOCAB_SIZE
     settings = DemoSettings(**values)
-    if settings.hidden_size % settings.num_heads:
+    if settings.hidden_size % (2 * settings.num_heads):
         raise ValueError(f"--hidden-size={settings.hidden_size!r} is invalid; allowed: a multiple of "
-                         f"{settings.num_heads} (the number of attention heads)")
+                         f"{2 * settings.num_heads} (the {settings.num_heads} attention heads, each of an even width "
+                         f"for the rotary embeddings)")
+    if settings.seq_len < 2:
+        raise ValueError(f"--seq-len={settings.seq_len!r} is invalid; allowed: 2 or more (a window predicts its "
+                         f"tokens after the first)")
     return settings
 
 
@@ -226,6 +232,9 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
         if os.path.isdir(args.dataset) and any((Path(args.dataset) / m).exists() for m in saved_markers):
             dataset = datasets.load_from_disk(args.dataset)
             if isinstance(dataset, datasets.DatasetDict):
+                if args.dataset_split not in dataset:
+                    raise ValueError(f"--dataset-split={args.dataset_split!r} is not a split of {args.dataset!r}; "
+                                     f"allowed: {', '.join(dataset)}")
                 dataset = dataset[args.dataset_split]
         else:
             dataset = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split)
@@ -279,6 +288,12 @@ def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.devi
     architectures get the baseline's FFN parameters (`Architecture.ffn_fields_at_width`; FlashMHF below)."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_config(model_config(arch, settings, tokenizer, device))
+
+
+def model_config(arch: str, settings: DemoSettings, tokenizer, device: torch.device | None = None):
+    """The config `build_model` builds `arch` from (a `ValueError` naming the field where the settings give an
+    invalid one)."""
     overrides = dict(
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
@@ -296,7 +311,7 @@ def build_model(arch: str, settings: DemoSettings, tokenizer, device: torch.devi
         overrides.update(_flash_mhf_fields(settings, device))
     else:
         overrides.update(REGISTRY[arch].ffn_fields_at_width(settings.hidden_size, settings.intermediate_size))
-    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    return tiny_config(arch, **overrides)
 
 
 def _flash_mhf_fields(settings: DemoSettings, device: torch.device | None) -> dict:
@@ -598,6 +613,12 @@ def _run(args: argparse.Namespace) -> int:
         corpus = build_real_text_corpus(args, settings)
     else:
         corpus = build_fact_world_corpus(settings, args.seed)
+    for arch in archs:  # every model's config is checked before anything trains or is written
+        try:
+            model_config(arch, settings, corpus.tokenizer, device)
+        except ValueError as error:
+            raise ValueError(f"the settings give {arch} an invalid config: {error} (set by --hidden-size, "
+                             f"--intermediate-size, --num-layers, --seq-len and --vocab-size)") from error
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"data: {corpus.description}")

@@ -212,13 +212,19 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     files = check_checkpoint_folder(args.folder)
-    info = push_folder(
-        args.folder,
-        args.repo_id,
-        private=args.private or None,
-        revision=args.revision,
-        commit_message=args.commit_message,
-        create_pr=args.create_pr,
-    )
+    try:
+        info = push_folder(
+            args.folder,
+            args.repo_id,
+            private=args.private or None,
+            revision=args.revision,
+            commit_message=args.commit_message,
+            create_pr=args.create_pr,
+        )
+    except Exception as error:  # the Hub's and the network's own errors (httpx's are not OSErrors): one line
+        if type(error).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "huggingface_hub"):
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"push to {args.repo_id} failed: {type(error).__name__}: {reason}") from error
     print(f"pushed {len(files)} files to {args.repo_id}: {getattr(info, 'commit_url', info)}")
     return 0

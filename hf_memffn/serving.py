@@ -37,6 +37,8 @@ ARCHITECTURE_NAMES = (
     "KVFFNForCausalLM",
 )
 PLACEMENTS = ("gpu", "cpu", "disk")  # token_lookup.PLACEMENTS (this file imports nothing of the package)
+# cli_args.TOKENIZER_FILES: a folder holding none of them has no tokenizer for the server
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def local_table_dir(token_lookup: str, revision: str | None = None) -> str:
@@ -163,8 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         token_lookup = TokenLookupSettings(model, options.token_lookup, options.token_lookup_placement,
                                            options.drop_memory_ffn)
     names = list(ARCHITECTURE_NAMES)
-    if model is not None:
-        names += remote_code_architectures(*split_revision(model))
+    if model is not None:  # (read here, so that a wrong MODEL ends in one line, not in the server's traceback)
+        model_id, revision = split_revision(model)
+        tokenizer_files = [os.path.join(model_id, name) for name in TOKENIZER_FILES]
+        if os.path.isdir(model_id) and not any(os.path.isfile(path) for path in tokenizer_files):
+            parser.error(f"{model_id} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which the server "
+                         "needs: save it with the model (model.attach_tokenizer(tokenizer) before save_pretrained)")
+        try:
+            names += remote_code_architectures(model_id, revision)
+        except (OSError, ValueError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            parser.error(f"MODEL {model}: cannot read its config.json: {reason}")
     make_architectures_resolvable(names, token_lookup)
 
     from transformers.cli.transformers import app

@@ -365,6 +365,43 @@ cli_case("demo-hidden-size-0", ("--hidden-size", "positive"),
          lambda w: ["demo", "--hidden-size", "0", "--out", S(w.root / "d5")], no_output="d5")
 cli_case("demo-device", ("--device", "cpu"), lambda w: ["demo", "--device", "tpu", "--out", S(w.root / "d6")],
          no_output="d6")
+cli_case("demo-seq-len-1", ("--seq-len", "2 or more"),
+         lambda w: ["demo", "--quick", "--seq-len", "1", "--out", S(w.root / "d7")], no_output="d7")
+cli_case("demo-odd-head-width", ("--hidden-size", "multiple of"),
+         lambda w: ["demo", "--quick", "--archs", "llama", "--hidden-size", "30", "--out", S(w.root / "d8")],
+         no_output="d8")
+cli_case("demo-lr-negative", ("--lr", "positive"),
+         lambda w: ["demo", "--quick", "--lr", "-1", "--out", S(w.root / "d9")], no_output="d9")
+cli_case("demo-config-invalid-for-one-arch", ("flex_memoryllm", "intermediate_size", "--intermediate-size"),
+         lambda w: ["demo", "--quick", "--steps", "1", "--intermediate-size", "1", "--out", S(w.root / "d10")],
+         no_output="d10")
+cli_case("demo-dataset-split-missing", ("--dataset-split", "validation"),
+         lambda w: ["demo", "--quick", "--dataset", S(_dataset_dict(w)), "--out", S(w.root / "d11")],
+         no_output="d11")
+cli_case("analyze-override-derived", ("--override", "token_memory_size", "derives"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r11"),
+                    "--override", "token_memory_size=64", *ANALYZE_FAST], no_output="r11")
+cli_case("analyze-override-shape", ("--override", "intermediate_size", "shapes"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r12"),
+                    "--override", "intermediate_size=64", *ANALYZE_FAST], no_output="r12")
+cli_case("analyze-edit-strength-negative", ("--edit-strength", "> 0"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r13"),
+                    "--edit-strength", "-1", *ANALYZE_FAST], no_output="r13")
+cli_case("serve-missing-model", ("MODEL", "does-not-exist"), lambda w: ["serve", S(w.root / "does-not-exist")])
+cli_case("serve-no-tokenizer", ("no_tokenizer", "no tokenizer"), lambda w: ["serve", S(w.no_tokenizer)])
+
+
+def _dataset_dict(world: World) -> Path:
+    """A saved DatasetDict with a validation split only (the demo reads `train` unless told otherwise)."""
+    import datasets
+
+    target = world.root / "dataset_dict"
+    if not target.exists():
+        rows = datasets.Dataset.from_dict({"text": ["the memory stores a key and its value"] * 20})
+        datasets.DatasetDict({"validation": rows}).save_to_disk(str(target))
+    return target
+
+
 # push (nothing may be sent: these fail before any network access)
 cli_case("push-missing-dir", ("does-not-exist",), lambda w: ["push", S(w.root / "does-not-exist"), "user/repo"])
 cli_case("push-a-file", ("a_file",), lambda w: ["push", S(w.a_file), "user/repo"], keep=("a_file",))

@@ -245,3 +245,27 @@ def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_push_command_ends_a_network_failure_in_one_line(fake_hub, tmp_path, monkeypatch, capsys):
+    """The HTTP client's transport errors (httpx2 under huggingface_hub 2, httpx under 1) are not OSErrors:
+    `hf-memffn push` still ends in one line."""
+    import importlib.util
+
+    from hf_memffn.cli import main as cli_main
+
+    name = next((name for name in ("httpx2", "httpx") if importlib.util.find_spec(name)), None)
+    if name is None:
+        pytest.skip("huggingface_hub's HTTP client (httpx2 or httpx) is not installed")
+    client = importlib.import_module(name)
+
+    def offline(**kwargs):
+        raise client.ConnectError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(fake_hub, "upload_folder", offline)
+    tiny_model("kvffn").save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["push", str(tmp_path), "someone/tiny"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1
+    assert "push to someone/tiny failed: ConnectError: [Errno -3]" in errors[0]

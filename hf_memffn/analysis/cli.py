@@ -13,7 +13,7 @@ import os
 import time
 
 from ..cli_args import (TOKENIZER_FILES, UsageError, existing_file, first_line, has_tokenizer, int_list,
-                        load_causal_lm, model_source, output_dir, positive_int, torch_device)
+                        load_causal_lm, model_source, output_dir, positive_float, positive_int, torch_device)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cells-per-bank", type=positive_int, default=4, help="cells shown per memory bank")
     parser.add_argument("--top-tokens", type=positive_int, default=10, help="tokens shown per value projection")
     parser.add_argument("--clusters", type=positive_int, default=12, help="token clusters per token-memory layer")
-    parser.add_argument("--edit-strength", type=float, default=2.0,
+    parser.add_argument("--edit-strength", type=positive_float, default=2.0,
                         help="residual move of an edit, in units of the final residual norm (default 2)")
     parser.add_argument("--cluster-vocabulary", action="store_true",
                         help="cluster the whole vocabulary, not only the tokens that occur in the texts")
@@ -88,6 +88,9 @@ def _config_with_overrides(model_dir: str, overrides: dict):
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise UsageError(f"--override {key}: {type(config).__name__} has no field {key!r} (see config.json)")
+        if isinstance(getattr(type(config), key, None), property):
+            raise UsageError(f"--override {key}: a field {type(config).__name__} derives from others; allowed: the "
+                             f"fields of config.json that keep the weights' shapes, e.g. ffn_kernel=torch")
         setattr(config, key, value)
     if hasattr(config, "validate_fields"):
         config.validate_fields()
@@ -112,7 +115,14 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     dtype = getattr(torch, dtype_name)
     config = _config_with_overrides(args.model_dir, dict(args.override))
-    model = load_causal_lm(args.model_dir, config=config, trust_remote_code=True, dtype=dtype)
+    try:
+        model = load_causal_lm(args.model_dir, config=config, trust_remote_code=True, dtype=dtype)
+    except RuntimeError as error:
+        if not args.override or "mismatched" not in str(error):
+            raise
+        keys = ", ".join(key for key, _ in args.override)
+        raise UsageError(f"--override {keys}: the checkpoint's weights do not fit the config it gives (their shapes "
+                         f"change); allowed: fields that keep the shapes, e.g. ffn_kernel=torch") from error
     model.to(device).eval()
     banks = memory_banks(model)
     if layers is not None:
