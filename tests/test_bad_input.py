@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import shutil
@@ -91,6 +92,7 @@ class Case:
     cli: object = None        # callable(world) -> argv that must exit 2 with one error line
     keep: tuple[str, ...] = ("memoryllm", "llama", "table")  # world entries that must not change
     no_output: str | None = None  # world entry that must not be created
+    needs: str | None = None  # a module the case needs (skipped without it)
 
 
 CASES: list[Case] = []
@@ -265,8 +267,8 @@ CASES.append(Case("AutoModel-of-a-pkv-causal-lm", ("layers.0.mlp.key", "AutoMode
                   api=_base_model_from_causal_lm))
 
 
-def cli_case(name, expect, argv, keep=("memoryllm", "llama", "table"), no_output=None):
-    CASES.append(Case(f"cli-{name}", expect, cli=argv, keep=keep, no_output=no_output))
+def cli_case(name, expect, argv, keep=("memoryllm", "llama", "table"), no_output=None, needs=None):
+    CASES.append(Case(f"cli-{name}", expect, cli=argv, keep=keep, no_output=no_output, needs=needs))
 
 
 S = str
@@ -377,7 +379,7 @@ cli_case("demo-config-invalid-for-one-arch", ("flex_memoryllm", "intermediate_si
          no_output="d10")
 cli_case("demo-dataset-split-missing", ("--dataset-split", "validation"),
          lambda w: ["demo", "--quick", "--dataset", S(_dataset_dict(w)), "--out", S(w.root / "d11")],
-         no_output="d11")
+         no_output="d11", needs="datasets")
 cli_case("analyze-override-derived", ("--override", "token_memory_size", "derives"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r11"),
                     "--override", "token_memory_size=64", *ANALYZE_FAST], no_output="r11")
@@ -472,6 +474,8 @@ def world(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_gets_a_one_line_error(case, world):
+    if case.needs:
+        pytest.importorskip(case.needs)
     outcome, detail = run_case(case, world)
     assert outcome == CLEAR, detail
 
@@ -479,7 +483,8 @@ def test_bad_input_gets_a_one_line_error(case, world):
 def survey() -> int:
     with tempfile.TemporaryDirectory() as root:
         world = build_world(Path(root))
-        results = [(case, *run_case(case, world)) for case in CASES]
+        results = [(case, *run_case(case, world)) for case in CASES
+                   if not case.needs or importlib.util.find_spec(case.needs)]
     counts = {kind: sum(1 for _, outcome, _ in results if outcome == kind) for kind in (CLEAR, TRACEBACK, SILENT, LOST)}
     print(f"inputs tried: {len(results)}; " + "; ".join(f"{kind}: {n}" for kind, n in counts.items()))
     for case, outcome, detail in results:
