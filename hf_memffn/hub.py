@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .atomic_write import write_atomic
+from .cli_args import first_line
 from .model_card import render_model_card
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
@@ -224,7 +225,6 @@ def run(args) -> int:
     except Exception as error:  # the Hub's and the network's own errors (httpx's are not OSErrors): one line
         if type(error).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "huggingface_hub"):
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"push to {args.repo_id} failed: {type(error).__name__}: {reason}") from error
+        raise ValueError(f"push to {args.repo_id} failed: {type(error).__name__}: {first_line(error)}") from error
     print(f"pushed {len(files)} files to {args.repo_id}: {getattr(info, 'commit_url', info)}")
     return 0

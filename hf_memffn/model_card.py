@@ -46,8 +46,8 @@ ARCHITECTURE_SUMMARIES = {
     "memffn_kvffn": (
         "KVFFN",
         "A Llama-style decoder whose feed-forward block is the KV-FFN block "
-        "`y = W_o(act(W_k x + b_k) * (W_v x + b_v)) + b_o`: keys select, values carry; the `+ x` of the paper's "
-        "equation is the decoder's residual connection.",
+        "`y = W_o({activation}(W_k x + b_k) {composition} (W_v x + b_v)) + b_o`: keys select, values carry; the `+ x` "
+        "of the paper's equation is the decoder's residual connection.{inner_residual}",
     ),
 }
 
@@ -257,15 +257,15 @@ def _short(count: int) -> str:
 def _summary(config, model_type: str, summary: str) -> str:
     """The architecture's summary, or its baseline's (`ffn_variant`), with KV-FFN's composition and inner residual."""
     variant = getattr(config, "ffn_variant", None)
-    summary = VARIANT_SUMMARIES.get((model_type, variant), summary)
-    if model_type == "memffn_kvffn" and variant == "kvffn":
-        activation = getattr(config, "kvffn_activation", "silu")
-        if getattr(config, "kvffn_composition", "product") == "sum":
-            summary = summary.replace("act(W_k x + b_k) * (W_v x + b_v)", "act(W_k x + b_k) + (W_v x + b_v)")
-        summary = summary.replace("act(", f"{activation}(")
-        if getattr(config, "kvffn_inner_residual", False):
-            summary += (" The block also adds its own (normalised) input again, an inner residual connection "
-                        "(`kvffn_inner_residual`, an ablation).")
+    if (model_type, variant) in VARIANT_SUMMARIES:
+        return VARIANT_SUMMARIES[model_type, variant]
+    if model_type == "memffn_kvffn":  # the block itself: its formula from its fields
+        summary = summary.format(
+            activation=config.kvffn_activation,
+            composition="+" if config.kvffn_composition == "sum" else "*",
+            inner_residual=(" The block also adds its own (normalised) input again, an inner residual connection "
+                            "(`kvffn_inner_residual`, an ablation).") if config.kvffn_inner_residual else "",
+        )
     return summary
 
 
