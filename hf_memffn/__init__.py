@@ -24,19 +24,15 @@ __version__ = "0.1.0"
 
 
 def register_auto_classes() -> None:
-    """Register the four architectures with the transformers Auto classes (idempotent), and name their causal LM
-    classes among transformers' causal LMs: the HF Trainer shifts the labels for its label smoothing only for the
-    classes named there (and the text-generation pipeline and `transformers serve` look there too)."""
-    from transformers.models.auto import modeling_auto
-
+    """Register the four architectures with the transformers Auto classes (idempotent). Importing their modeling
+    files has already named their causal LM classes among transformers' causal LMs
+    (`modeling_memffn.register_for_auto_classes`)."""
     for name, entry in REGISTRY.items():
         if name == BASELINE:
             continue
         AutoConfig.register(entry.config_class.model_type, entry.config_class, exist_ok=True)
         AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
         AutoModelForCausalLM.register(entry.config_class, entry.causal_lm_class, exist_ok=True)
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(entry.config_class.model_type,
-                                                                   entry.causal_lm_class.__name__)
 
 
 register_auto_classes()

@@ -514,6 +514,7 @@ def lookup_table_step(directory: Path, corpus: Corpus, device: torch.device) -> 
     """Export the MemoryLLM's FFNs on X0 as token lookup tables (fp32 and int8) next to its checkpoint and check
     that lookup mode gives the logits and the greedy `generate()` of compute mode (`hf_memffn.conversion.demo_step`)."""
     from .conversion import demo_step
+    from .model_card import refresh_lookup_section
 
     if corpus.world is not None:
         prompt = corpus.world.recall_questions()[0].prompt
@@ -522,6 +523,7 @@ def lookup_table_step(directory: Path, corpus: Corpus, device: torch.device) -> 
     prompt_ids = corpus.tokenizer(prompt, return_tensors="pt").input_ids
     formats = demo_step(directory, directory / "token_lookup", prompt_ids=prompt_ids, max_new_tokens=12,
                         device=device)
+    refresh_lookup_section(directory)  # the checkpoint's card now lists the tables in its subfolders
     return {"directory": str(directory / "token_lookup"), "prompt": prompt, "formats": formats}
 
 

@@ -9,6 +9,7 @@ The Hub client is created in one place, `_hub_client`, so tests replace exactly 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from .atomic_write import write_atomic
 from .cli_args import first_line
-from .model_card import render_model_card
+from .model_card import card_for_repository, render_model_card
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
@@ -121,21 +122,44 @@ def push_folder(
     create_pr: bool = False,
     commit_description: str | None = None,
 ):
-    """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info."""
+    """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info.
+
+    The uploaded model card names `repo_id` in its usage snippets and lists the token lookup tables the folder holds
+    (`model_card.card_for_repository`); the card in `folder` itself is left as it is."""
     check_checkpoint_folder(folder)
     client = _hub_client(token)
     repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     if revision is not None:
         client.create_branch(repo_id, branch=revision, exist_ok=True)
-    return client.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(folder),
-        repo_type="model",
-        revision=revision,
-        commit_message=commit_message or "Upload model",
-        commit_description=commit_description,
-        create_pr=create_pr,
-    )
+    with _as_the_repository_receives_it(folder, repo_id) as upload:
+        return client.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(upload),
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or "Upload model",
+            commit_description=commit_description,
+            create_pr=create_pr,
+        )
+
+
+@contextlib.contextmanager
+def _as_the_repository_receives_it(folder: str | os.PathLike, repo_id: str):
+    """`folder` itself when its card is already the one `repo_id` should show; otherwise a temporary folder of
+    links to its files, with that card as README.md (the weights are not copied)."""
+    card = (Path(folder) / "README.md").read_text(encoding="utf-8")
+    card_for_repo = card_for_repository(card, repo_id, folder)
+    if card_for_repo == card:
+        yield Path(folder)
+        return
+    with tempfile.TemporaryDirectory(prefix="memffn-push-") as staged:
+        for name in staged_files(folder):
+            if name != "README.md":
+                link = Path(staged) / name
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink((Path(folder) / name).resolve(), link)
+        (Path(staged) / "README.md").write_text(card_for_repo, encoding="utf-8")
+        yield Path(staged)
 
 
 def push_checkpoint(

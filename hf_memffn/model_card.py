@@ -147,9 +147,19 @@ def refresh_lookup_section(folder: str | os.PathLike) -> bool:
     if not path.is_file():
         return False
     card = path.read_text(encoding="utf-8")
+    refreshed = with_current_lookup_section(card, folder)
+    if refreshed == card:
+        return False
+    write_atomic(path, refreshed)
+    return True
+
+
+def with_current_lookup_section(card: str, folder: str | os.PathLike) -> str:
+    """`card` (a model card's text) with its "Token lookup tables" section rewritten for the tables `folder` holds
+    now; a card without that section is returned unchanged."""
     start = card.find(f"\n{LOOKUP_HEADING}\n")
     if start < 0:
-        return False
+        return card
     start += 1
     end = card.find("\n## ", start)
     end = len(card) if end < 0 else end
@@ -158,10 +168,14 @@ def refresh_lookup_section(folder: str | os.PathLike) -> bool:
     attached = re.search(r"read its FFNs on X0 from a `([^`]*)` table", old_section)
     section = _lookup_section(attached.group(1) if attached else None,
                               location.group(1) if location else CARD_PLACEHOLDER_PATH, folder)
-    if section == old_section:
-        return False
-    write_atomic(path, card[:start] + section + card[start + len(old_section):])
-    return True
+    return card[:start] + section + card[start + len(old_section):]
+
+
+def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> str:
+    """The card of the checkpoint `folder` as the Hub repository `repo_id` should show it: the usage snippets name
+    `repo_id` where `save_pretrained` (which knows no repository) wrote the placeholder path, and the "Token lookup
+    tables" section lists the tables the folder holds."""
+    return with_current_lookup_section(card.replace(CARD_PLACEHOLDER_PATH, repo_id), folder)
 
 
 def check_card_metadata(fields: dict) -> dict:
@@ -320,8 +334,19 @@ def _attached_table_format(model) -> str | None:
     return getattr(getattr(getattr(table, "index", None), "fmt", None), "name", "unknown")
 
 
+def tables_in_subfolders(folder: str | os.PathLike | None) -> list[str]:
+    """The subfolders of `folder` (POSIX paths relative to it, sorted) that hold a token lookup table, such as the
+    demo's `token_lookup/fp32` and `token_lookup/int8`; a table at the top of `folder` is not listed."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    root = Path(folder)
+    return sorted(index.parent.relative_to(root).as_posix() for index in root.rglob(TABLE_INDEX_NAME)
+                  if index.parent != root)
+
+
 def _lookup_section(attached_format: str | None, location: str, save_directory) -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
+    subfolders = [] if in_folder else tables_in_subfolders(save_directory)
     if attached_format is not None:
         fmt = attached_format
         status = (
@@ -330,9 +355,14 @@ def _lookup_section(attached_format: str | None, location: str, save_directory) 
         )
     else:
         status = "**Token lookup tables: not attached.** The model computes its FFNs on X0 (exact, no table needed)."
-    if in_folder:
-        status += f" A table (`{TABLE_INDEX_NAME}` and its shards) is included in this folder."
-        table_dir = "checkpoint_dir"
+    if in_folder or subfolders:
+        if in_folder:
+            status += f" A table (`{TABLE_INDEX_NAME}` and its shards) is included in this folder."
+            table_dir, lm_eval_table = "checkpoint_dir", location
+        else:
+            status += (" Tables exported from these weights are included in this folder, one subfolder each: "
+                       + ", ".join(f"`{name}`" for name in subfolders) + ".")
+            table_dir, lm_eval_table = f'f"{{checkpoint_dir}}/{subfolders[0]}"', f"CHECKPOINT_DIR/{subfolders[0]}"
         how = (
             "Load it from a local copy of this folder:\n\n"
             "```python\n"
@@ -341,7 +371,7 @@ def _lookup_section(attached_format: str | None, location: str, save_directory) 
             "model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype=torch.bfloat16)\n"
         )
     else:
-        table_dir = '"TABLE_DIR"'
+        table_dir, lm_eval_table = '"TABLE_DIR"', "TABLE_DIR"
         how = (
             "Export a table from these weights with the `hf-memffn` package (formats: fp32, fp16, bf16, int8, int4, "
             "lowrank), then load it:\n\n"
@@ -358,7 +388,7 @@ def _lookup_section(attached_format: str | None, location: str, save_directory) 
         "Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"
         "```bash\n"
         f"python -m hf_memffn.lm_eval_model --model memffn --model_args pretrained={location},"
-        f"token_lookup={'TABLE_DIR' if not in_folder else location} --tasks hellaswag,piqa\n"
+        f"token_lookup={lm_eval_table} --tasks hellaswag,piqa\n"
         "```"
     )
 

@@ -32,6 +32,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -751,10 +752,15 @@ _undecorated_forward.__signature__ = inspect.signature(_undecorated_forward)
 
 def register_for_auto_classes(config_class, model_class, causal_lm_class) -> None:
     """Mark an architecture's classes so that `save_pretrained` copies their modeling file and its sibling imports
-    next to the weights; config.json's `auto_map` points the Auto classes at them (`MemFFNConfig.default_auto_map`)."""
+    next to the weights; config.json's `auto_map` points the Auto classes at them (`MemFFNConfig.default_auto_map`).
+
+    The causal LM class is also named among transformers' causal LMs. The HF Trainer shifts the labels for its label
+    smoothing only for the classes named there (the text-generation pipeline and `transformers serve` look there
+    too). Done here, it also happens when the code is loaded with `trust_remote_code` and this package is absent."""
     config_class.register_for_auto_class("AutoConfig")
     model_class.register_for_auto_class("AutoModel")
     causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, causal_lm_class.__name__)
 
 
 __all__ = ["MemFFNPreTrainedModel", "MemFFNModel", "MemFFNForCausalLM", "MemFFNDecoderLayer"]

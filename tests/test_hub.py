@@ -112,6 +112,70 @@ def test_cli_push(fake_hub, tmp_path, capsys):
     assert set(fake_hub.uploaded) == NON_CODE_FILES | REMOTE_CODE_FILES["memoryllm"]
 
 
+def test_pushing_a_saved_folder_names_the_repository_in_the_uploaded_card(fake_hub, tmp_path):
+    """`save_pretrained` knows no repository, so its card's usage snippets show a placeholder path; the card that
+    `push_folder` uploads names the repository, and the folder's own card and every other file are left as they are."""
+    from hf_memffn.model_card import CARD_PLACEHOLDER_PATH
+
+    tiny_model("kvffn").save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert CARD_PLACEHOLDER_PATH in card
+    hub.push_folder(tmp_path, "someone/tiny-kvffn")
+
+    uploaded = fake_hub.uploaded["README.md"].decode()
+    assert uploaded == card.replace(CARD_PLACEHOLDER_PATH, "someone/tiny-kvffn") != card
+    assert 'checkpoint = "someone/tiny-kvffn"' in uploaded and "pretrained=someone/tiny-kvffn," in uploaded
+    assert (tmp_path / "README.md").read_text() == card
+    assert fake_hub.uploaded.keys() == set(hub.staged_files(tmp_path))
+    for name in fake_hub.uploaded.keys() - {"README.md"}:
+        assert fake_hub.uploaded[name] == (tmp_path / name).read_bytes(), name
+
+
+def test_a_card_already_naming_the_repository_is_uploaded_from_the_folder_itself(fake_hub, tmp_path, monkeypatch):
+    folder_paths = []
+    upload = fake_hub.upload_folder
+    monkeypatch.setattr(fake_hub, "upload_folder",
+                        lambda **kwargs: folder_paths.append(kwargs["folder_path"]) or upload(**kwargs))
+    model = tiny_model("flash_mhf")
+    model.save_pretrained(tmp_path)
+    (tmp_path / "README.md").write_text(render_model_card(model, repo_id="someone/tiny"))
+    hub.push_folder(tmp_path, "someone/tiny")
+    assert folder_paths == [str(tmp_path)]
+
+
+def test_the_pushed_card_lists_the_tables_in_subfolders(fake_hub, tmp_path):
+    """The demo exports one table per format into `token_lookup/<format>/` of the MemoryLLM's checkpoint. The card
+    (refreshed locally, and the one pushed) lists those subfolders and loads the first; the pushed files load so."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.model_card import refresh_lookup_section
+
+    model = tiny_model("memoryllm").eval()
+    model.save_pretrained(tmp_path)
+    for name in ("fp32", "int8"):
+        export_tols(model, tmp_path / "token_lookup" / name, format=name, progress=False)
+    assert "one subfolder each" not in (tmp_path / "README.md").read_text()
+    hub.push_folder(tmp_path, "someone/tiny-memoryllm")
+    card = fake_hub.uploaded["README.md"].decode()
+    assert ("Tables exported from these weights are included in this folder, one subfolder each: "
+            "`token_lookup/fp32`, `token_lookup/int8`.") in card
+    assert 'model.load_tols(f"{checkpoint_dir}/token_lookup/fp32", placement="gpu")' in card
+    assert 'snapshot_download("someone/tiny-memoryllm")' in card
+    assert "token_lookup/int8/token_lookup.safetensors.index.json" in fake_hub.uploaded
+
+    assert refresh_lookup_section(tmp_path)
+    assert (tmp_path / "README.md").read_text() == card.replace("someone/tiny-memoryllm", "path/to/this/folder")
+
+    folder = tmp_path.parent / "download"
+    for name, data in fake_hub.uploaded.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    loaded.load_tols(f"{folder}/token_lookup/fp32", placement="cpu")
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
 def test_model_card_describes_architecture_config_and_parameters():
     model = tiny_model("flash_mhf")
     card = render_model_card(model)

@@ -40,12 +40,23 @@ LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
             logits = model(expected["input_ids"]).logits
         prompt = tokenizer("the memory reads", return_tensors="pt")
         generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+        # label smoothing: the Trainer computes the loss itself and shifts the labels only for the classes transformers
+        # names as causal LMs, which the remote code's import extends
+        from transformers import Trainer, TrainingArguments
+        args = TrainingArguments(output_dir=directory + "-trainer", label_smoothing_factor=0.1, use_cpu=True,
+                                 report_to=[])
+        ids = expected["input_ids"]
+        with torch.no_grad():
+            smoothed = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
+            shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                        label_smoothing=0.1)
         resaved = directory + "-resaved"
         model.save_pretrained(resaved)
         results[directory] = {
             "module": type(model).__module__,
             "base_class": type(base).__name__,
             "max_abs_diff": (logits - expected["logits"]).abs().max().item(),
+            "label_smoothing_diff": (smoothed - shifted).abs().item(),
             "generated": generated[0].tolist(),
             "resaved": sorted(os.listdir(resaved)),
             "has_lookup_tables": any(c.__name__ == "TokenLookupMixin" for c in type(model).__mro__),
@@ -104,6 +115,7 @@ def test_trust_remote_code_without_the_package(tmp_path):
         assert result["base_class"].endswith("Model")
         assert result["max_abs_diff"] < 1e-5, (directory, result["max_abs_diff"])
         assert result["generated"] == generated[directory]
+        assert result["label_smoothing_diff"] < 1e-5, (directory, result["label_smoothing_diff"])
         # saved again without the package: the same code, and no model card (the package writes that)
         arch = os.path.basename(directory)
         assert {name for name in result["resaved"] if name.endswith(".py")} == REMOTE_CODE_FILES[arch]
