@@ -272,6 +272,11 @@ class FlashMHFFeedForward(_MultiHeadQueries):
             self._path_logged = True
         norm_weight = self.query_norm.weight if self.query_norm is not None else None
         eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
+        if norm_weight is not None and norm_weight.is_meta and not projected.is_meta:
+            # Offloaded by accelerate (a device_map with "cpu" or "disk" entries): the norm's weight is loaded only
+            # while the norm's own forward runs, so the query norm runs as that module, in float32 as the layer's.
+            queries = self.query_norm(projected.float().unflatten(-1, (self.num_heads, self.head_dim)))
+            projected, norm_weight, eps = queries.flatten(-2).to(projected.dtype), None, 0.0
         heads = flash_mhf_layer(projected, norm_weight, self.router, self.key_up_value, eps=eps,
                                 gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
         return self.out_proj(heads) if self.out_proj is not None else heads

@@ -8,6 +8,9 @@ Every checkpoint of this package already works with the stock model
 * `token_lookup_placement=gpu|cpu|disk` (default: gpu on CUDA, else cpu);
 * `drop_memory_ffn=True`: free the FFN weights on X0 once the table is loaded.
 
+Its `loglikelihood_rolling` (perplexity tasks) scores each document after exactly one `<s>`: the stock model puts
+`<s>` in front of the first window on top of the one the tokenizer adds.
+
 From the command line (registers the model, then runs the lm-eval CLI with the same arguments):
 
     python -m hf_memffn.lm_eval_model --model memffn \
@@ -51,6 +54,20 @@ class MemFFNLM(HFLM):
                 "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
             )
         model.load_tols(local_table_dir(str(token_lookup)), placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """`HFLM.loglikelihood_rolling` with the documents encoded without special tokens.
+
+        `HFLM` puts `prefix_token_id` (`<s>`) in front of the first window itself, and its `tok_encode` keeps the
+        tokenizer's default of adding `<s>` (these checkpoints' tokenizers do, as Llama's do): the stock model scores
+        `<s> <s> text`. With `add_bos_token=False` for this call only, the windows start with exactly one `<s>`, and
+        `loglikelihood` / `generate_until` keep the tokenizer's `<s>`.
+        """
+        add_bos_token, self.add_bos_token = self.add_bos_token, False
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.add_bos_token = add_bos_token
 
 
 def main() -> None:

@@ -78,7 +78,11 @@ def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict,
     if past_key_values is None:
         return cache
     if cache is not None and cache is not past_key_values:
-        raise ValueError("pass the key/value cache once: as `cache` (or the older name `past_key_values`), not both")
+        raise ValueError(
+            "pass the key/value cache once: as `cache` (or the older name `past_key_values`), not both. PEFT's prefix "
+            "tuning does this in generate() on transformers >= 5.24 (its prefix as `past_key_values` beside "
+            "generate()'s own `cache`; transformers' Llama drops the prefix there): decode with the PEFT model's "
+            "forward, which passes the prefix alone, token by token")
     if warn and not is_torchdynamo_compiling():
         warnings.warn("`past_key_values` is deprecated since transformers 5.24: pass the key/value cache as `cache`",
                       FutureWarning, stacklevel=3)
@@ -564,7 +568,10 @@ class MemFFNModel(MemFFNPreTrainedModel):
         """Where each layer's FFN on X0 comes from: a token lookup table if one is loaded, else `TokenMemory`."""
         if self.token_lookup is not None:
             if input_ids is None:
-                raise ValueError("token lookup tables are loaded: pass `input_ids` (not `inputs_embeds`)")
+                raise ValueError(
+                    "token lookup tables are loaded: the FFNs on the token embeddings are read from them by token "
+                    "id, so pass `input_ids` (not `inputs_embeds`; `generate()` given both feeds the prompt as "
+                    "`inputs_embeds`), or call `unload_tols()` first")
             return self.token_lookup.readout(input_ids)
         if self.memory is None:
             if self.config.token_memory_size is None:
@@ -603,8 +610,6 @@ class MemFFNModel(MemFFNPreTrainedModel):
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
         cache = take_cache(past_key_values, cache, kwargs)
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
         if position_ids is None:
@@ -624,6 +629,10 @@ class MemFFNModel(MemFFNPreTrainedModel):
             # (the cache positionally: transformers 5.24 renamed that argument)
             causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache,
                                              position_ids=position_ids)
+        if use_cache and cache is None:
+            # (made after the mask: given no cache, the mask keeps sequences packed into one row, which restart their
+            # `position_ids` at 0, apart, as `DataCollatorWithFlattening` needs; an empty cache adds nothing to it)
+            cache = DynamicCache(config=self.config)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         token_embeddings = inputs_embeds
         if self.token_embedding_relay is not None and self.config.token_memory_size is not None:

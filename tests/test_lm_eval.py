@@ -187,6 +187,114 @@ def test_memffn_model_refuses_lookup_for_architectures_without_memory(checkpoint
         MemFFNLM(pretrained=str(checkpoints["kvffn"]), token_lookup=str(tmp_path), device="cpu", dtype="float32")
 
 
+LL_PAIRS = [("the key reads", " the value"), ("memory of the layer is ", "a token"), ("", "the head stores"),
+            ("a", " key of the memory reads the value")]
+DOCUMENTS = ["the key reads the value of memory", "memory", "a layer stores the token of the head " * 3]
+PROMPTS = ["the key reads", "memory of the layer", "a", "value is the head of a token"]
+
+
+def load_lm(cls, folder: Path, **kwargs):
+    return cls(pretrained=str(folder), trust_remote_code=True, device="cpu", dtype="float32", **kwargs)
+
+
+def requests(kind: str, args: list[tuple]) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, arg, i) for i, arg in enumerate(args)]
+
+
+def log_probs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def hand_loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
+    """`<s>` + context, then the continuation (with the context's trailing spaces) scored token by token."""
+    stripped = context.rstrip()
+    context_ids = [tokenizer.bos_token_id] + tokenizer.encode(stripped, add_special_tokens=False)
+    continuation_ids = tokenizer.encode(context[len(stripped):] + continuation, add_special_tokens=False)
+    ids = context_ids + continuation_ids
+    rows = log_probs(model, ids)[len(context_ids) - 1 : -1]
+    score = sum(row[token].item() for row, token in zip(rows, continuation_ids))
+    return score, rows.argmax(-1).tolist() == continuation_ids
+
+
+def hand_rolling(model, tokenizer, document: str) -> float:
+    """Every token of the document scored after exactly one `<s>` (one window: the document is short)."""
+    ids = [tokenizer.bos_token_id] + tokenizer.encode(document, add_special_tokens=False)
+    rows = log_probs(model, ids)[:-1]
+    return sum(row[token].item() for row, token in zip(rows, ids[1:]))
+
+
+def hand_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    ids, new = tokenizer.encode(prompt), []
+    for _ in range(max_new_tokens):
+        token = log_probs(model, ids + new)[-1].argmax().item()
+        if token == tokenizer.eos_token_id:
+            break
+        new.append(token)
+    return new
+
+
+def hand_generations(model, tokenizer) -> tuple[list[tuple], list[str]]:
+    """`generate_until` requests in two groups (a newline stop and 3 tokens / a stop word taken from the greedy output
+    and 6 tokens) and the greedy texts cut before the first stop string."""
+    args, expected = [], []
+    for prompt in PROMPTS:
+        greedy = hand_greedy(model, tokenizer, prompt, 6)
+        words = [w for w in (tokenizer.decode([t]) for t in greedy[2:]) if w.strip() and w.isascii()]
+        for until, max_gen_toks in ((["\n"], 3), (words[:1] or ["\n"], 6)):
+            args.append((prompt, {"until": until, "max_gen_toks": max_gen_toks, "do_sample": False}))
+            text = tokenizer.decode(greedy[:max_gen_toks], skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            expected.append(text)
+    return args, expected
+
+
+@pytest.mark.parametrize("arch,lookup", [("flash_mhf", False), ("memoryllm", False), ("memoryllm", True)])
+def test_memffn_requests_match_hand_computation(arch, lookup, checkpoints, tmp_path):
+    """loglikelihood, loglikelihood_rolling (exactly one `<s>`) and generate_until, at batch sizes 1 and 4."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    folder = checkpoints[arch]
+    extra = {}
+    if lookup:
+        from hf_memffn.conversion.export import export_tols
+
+        export_tols(str(folder), tmp_path / "table", format="fp32", progress=False)
+        extra = {"token_lookup": str(tmp_path / "table"), "token_lookup_placement": "cpu"}
+    reference = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected_ll = [hand_loglikelihood(reference, tokenizer, *pair) for pair in LL_PAIRS]
+    expected_rolling = [hand_rolling(reference, tokenizer, document) for document in DOCUMENTS]
+    generation_args, expected_generations = hand_generations(reference, tokenizer)
+    for batch_size in (1, 4):
+        lm = load_lm(MemFFNLM, folder, batch_size=batch_size, **extra)
+        rolling = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(d,) for d in DOCUMENTS]))
+        assert rolling == pytest.approx(expected_rolling, abs=1e-4), batch_size
+        ll = lm.loglikelihood(requests("loglikelihood", LL_PAIRS))
+        assert [s for s, _ in ll] == pytest.approx([s for s, _ in expected_ll], abs=1e-4), batch_size
+        assert [g for _, g in ll] == [g for _, g in expected_ll], batch_size
+        assert lm.generate_until(requests("generate_until", generation_args)) == expected_generations, batch_size
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_stock_hf_model_rolling_workaround(arch, checkpoints):
+    """The stock `hf` model scores rolling documents after one `<s>` with `add_bos_token=False` (README)."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm = load_lm(HFLM, checkpoints[arch], batch_size=2, add_bos_token=False)
+    expected = [hand_rolling(lm.model, lm.tokenizer, document) for document in DOCUMENTS]
+    rolling = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(d,) for d in DOCUMENTS]))
+    assert rolling == pytest.approx(expected, abs=1e-4)
+
+
 def test_cli(checkpoints, task_dir, tmp_path):
     """The `lm_eval` command (it indexes every built-in task first, so one architecture and one task only)."""
     out = tmp_path / "out"

@@ -1,0 +1,222 @@
+"""Generation and loading features a user reaches for beyond plain `generate()`: prompts as `inputs_embeds`, prompt
+lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache,
+sampling several sequences, dtype round trips, sharded and tied checkpoints, device maps that offload weights to the
+disk, and the task heads these configs do not have. Each runs on the four architectures and on transformers'
+`LlamaForCausalLM` (the control, which must pass the same assertion).
+
+Beam search, assisted decoding, static caches, left-padded batches and `device_map="auto"` without offloading are in
+tests/test_models.py and tests/test_transformers_conformance.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    LlamaForCausalLM,
+)
+
+from hf_memffn.modeling_memffn import CACHE_KWARG
+from hf_memffn.testing import tiny_config
+
+ARCHS = ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama"]
+GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def build(arch: str, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(arch, pad_token_id=0, **overrides)
+    model = LlamaForCausalLM(config) if arch == "llama" else AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def loader(arch: str):
+    return LlamaForCausalLM if arch == "llama" else AutoModelForCausalLM
+
+
+def prompt(batch=2, length=6, seed=1):
+    return torch.randint(3, 320, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_weights(loaded, expected):
+    got, want = loaded.state_dict(), expected.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_from_inputs_embeds_with_and_without_input_ids(arch):
+    """A prompt given as embeddings decodes as the same prompt given as ids (the new tokens only without ids), and
+    the FFNs on the token embeddings read the embeddings given, also when they are no rows of the embedding table."""
+    model = build(arch)
+    ids = prompt()
+    embeds = model.get_input_embeddings()(ids).detach()
+    expected = model.generate(ids, **GREEDY)
+    assert torch.equal(model.generate(inputs_embeds=embeds, **GREEDY), expected[:, ids.shape[1]:])
+    assert torch.equal(model.generate(ids, inputs_embeds=embeds, **GREEDY), expected)
+    assert torch.equal(model.generate(inputs_embeds=embeds, cache_implementation="static", **GREEDY),
+                       expected[:, ids.shape[1]:])
+
+    soft = embeds + 0.05 * torch.randn(embeds.shape, generator=torch.Generator().manual_seed(2))
+    seen = []
+    memory = getattr(getattr(model, "model", None), "memory", None)
+    if memory is not None:
+        memory.register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    with torch.no_grad():
+        last = model(inputs_embeds=soft).logits[:, -1]
+    assert torch.equal(model.generate(inputs_embeds=soft, **{**GREEDY, "max_new_tokens": 1})[:, 0], last.argmax(-1))
+    if memory is not None:
+        assert torch.equal(seen[0], soft)
+
+
+def test_generate_from_inputs_embeds_with_a_token_lookup_table_says_to_pass_input_ids(tmp_path):
+    """A token lookup table is read by token id: embeddings alone, or ids with embeddings (which `generate()` feeds as
+    embeddings), are refused with what to pass instead."""
+    from hf_memffn.conversion import export_tols
+
+    model = build("memoryllm")
+    export_tols(model, tmp_path, format="fp32", batch_size=96, max_shard_size="40KB", progress=False)
+    ids = prompt()
+    embeds = model.get_input_embeddings()(ids).detach()
+    expected = model.generate(ids, **GREEDY)
+    model.load_tols(tmp_path, placement="cpu")
+    assert torch.equal(model.generate(ids, **GREEDY), expected)
+    for kwargs in ({"inputs_embeds": embeds}, {"input_ids": ids, "inputs_embeds": embeds}):
+        with pytest.raises(ValueError, match=r"pass `input_ids`.*generate\(\)` given both.*unload_tols\(\)"):
+            model.generate(**kwargs, **GREEDY)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_lookup_decoding_equals_greedy(arch):
+    model = build(arch)
+    ids = torch.cat([prompt(batch=1), prompt(batch=1)], dim=1)  # a repeated prompt, for the lookup to find n-grams
+    expected = model.generate(ids, **GREEDY)
+    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=2, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_returns_scores_and_logits_of_each_step(arch):
+    model = build(arch)
+    ids = prompt()
+    out = model.generate(ids, output_scores=True, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    assert len(out.scores) == len(out.logits) == 4
+    assert out.scores[0].shape == out.logits[0].shape == (2, 320)
+    with torch.no_grad():
+        full = model(out.sequences).logits[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.stack(out.scores, dim=1).argmax(-1), out.sequences[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_implementations_and_continuing_from_a_returned_cache(arch):
+    model = build(arch)
+    ids = prompt()
+    expected = model.generate(ids, **GREEDY)
+    for implementation in ("dynamic", "static"):
+        assert torch.equal(model.generate(ids, cache_implementation=implementation, **GREEDY), expected)
+        first = model.generate(ids, cache_implementation=implementation, return_dict_in_generate=True,
+                               **{**GREEDY, "max_new_tokens": 2})
+        cache = {CACHE_KWARG: getattr(first, CACHE_KWARG)}  # (`cache` since transformers 5.24)
+        rest = model.generate(first.sequences, **cache, **{**GREEDY, "max_new_tokens": 2})
+        assert torch.equal(rest, expected), implementation
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_several_sequences_per_prompt(arch):
+    model = build(arch)
+    ids = prompt()
+    torch.manual_seed(0)
+    out = model.generate(ids, do_sample=True, num_return_sequences=3, max_new_tokens=4, pad_token_id=0)
+    assert out.shape == (6, 10)
+    assert torch.equal(out[:, :6], ids.repeat_interleave(3, dim=0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_checkpoint_keeps_its_dtype(arch, tmp_path):
+    """Saved in bf16, every stored tensor is bf16; `dtype="auto"` and `dtype=torch.bfloat16` load it bit for bit, and
+    only the rotary frequencies (non-persistent buffers, as in Llama) stay float32."""
+    model = build(arch).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        assert {stored.get_tensor(key).dtype for key in stored.keys()} == {torch.bfloat16}
+    for dtype in ("auto", torch.bfloat16):
+        loaded = loader(arch).from_pretrained(tmp_path, dtype=dtype)
+        assert loaded.dtype == torch.bfloat16
+        assert_same_weights(loaded, model)
+        assert {name for name, buffer in loaded.named_buffers() if buffer.dtype == torch.float32} == {
+            "model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sharded_and_tied_checkpoints_reload_bit_identical(arch, tmp_path):
+    model = build(arch)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    loaded = loader(arch).from_pretrained(tmp_path / "sharded")
+    assert_same_weights(loaded, model)
+
+    tied = build(arch, tie_word_embeddings=True)
+    tied.save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as stored:
+        assert "lm_head.weight" not in stored.keys()
+    loaded = loader(arch).from_pretrained(tmp_path / "tied")
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    with torch.no_grad():
+        assert torch.equal(loaded(prompt()).logits, tied(prompt()).logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_device_map_offloading_to_the_disk(arch, tmp_path):
+    """accelerate loads an offloaded module's weights only around that module's own forward: a module must not read a
+    submodule's weights itself (FlashMHF's query norm)."""
+    model = build(arch)
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+                  "model.layers.1": "cpu", "model.norm": "disk", "lm_head": "disk"}
+    if arch in ("memoryllm", "flex_memoryllm"):
+        device_map["model.memory"] = "disk"
+    loaded = loader(arch).from_pretrained(tmp_path / "model", device_map=device_map,
+                                          offload_folder=tmp_path / "offload")
+    assert "disk" in loaded.hf_device_map.values()
+    ids = prompt()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert torch.equal(loaded.generate(ids, **GREEDY), model.generate(ids, **GREEDY))
+    for device_map in ("cpu", {"": "cpu"}):
+        loaded = loader(arch).from_pretrained(tmp_path / "model", device_map=device_map)
+        assert_same_weights(loaded, model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parameter_counts_and_half_precision_forward(arch):
+    model = build(arch)
+    embedding = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    assert model.num_parameters() == total
+    assert model.num_parameters(exclude_embeddings=True) == total - embedding
+    assert model.get_memory_footprint(return_buffers=False) == total * 4
+    ids = prompt()
+    with torch.no_grad():
+        expected = model(ids).logits
+        half = model.to(torch.float16)(ids).logits
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), expected, rtol=0, atol=0.01)
+
+
+@pytest.mark.parametrize("head", [AutoModelForSequenceClassification, AutoModelForTokenClassification])
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"])
+def test_no_classification_heads(arch, head):
+    """These architectures have causal LM heads only: the classification Auto classes refuse their configs."""
+    with pytest.raises(ValueError, match=f"Unrecognized configuration class .*{type(tiny_config(arch)).__name__}"):
+        head.from_config(tiny_config(arch))
