@@ -198,6 +198,30 @@ def test_device_map_offloading_to_the_disk(arch, tmp_path):
         assert_same_weights(loaded, model)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mhf_offloaded_query_norm_on_cuda_runs_the_fused_layer(tmp_path):
+    """On a GPU with layer 0 offloaded to the CPU and layer 1 to the disk, FlashMHF's fused Triton layer gets the
+    queries normalised by the norm module and gives the logits and tokens of the model on the GPU alone."""
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    config = tiny_config("flash_mhf", hidden_size=256, num_attention_heads=4, ffn_num_heads=4, ffn_num_kv_heads=2,
+                         intermediate_size=128, ffn_num_subnetworks=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    model = model.cuda()
+    assert flash_mhf_path(torch.empty(1, 4, 1, 64, device="cuda")).startswith("triton")
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": 0, "lm_head": 0}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                  offload_folder=tmp_path / "offload")
+    ids = prompt().cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(loaded.generate(ids, **GREEDY), model.generate(ids, **GREEDY))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parameter_counts_and_half_precision_forward(arch):
     model = build(arch)
