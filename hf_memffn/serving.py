@@ -37,6 +37,8 @@ ARCHITECTURE_NAMES = (
     "KVFFNForCausalLM",
 )
 PLACEMENTS = ("gpu", "cpu", "disk")  # token_lookup.PLACEMENTS (this file imports nothing of the package)
+# the `model_type`s with FFNs on the token embeddings, which `--token-lookup` can read from a table
+MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
 # cli_args.TOKENIZER_FILES: a folder holding none of them has no tokenizer for the server
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
@@ -71,6 +73,26 @@ class TokenLookupSettings:
         self.table = table
         self.placement = placement
         self.drop_memory_ffn = drop_memory_ffn
+
+    def problem(self, config: dict) -> str | None:
+        """What `apply` would refuse only once the server loads the model (`config`: the served model's config.json),
+        said before the server starts; None if nothing."""
+        if config.get("model_type") not in MEMORY_MODEL_TYPES:
+            return (f"--token-lookup: {self.model} is a {config.get('model_type')!r} model, which has no token lookup "
+                    "tables (only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)")
+        if not os.path.isdir(self.table):
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.table)
+            except HFValidationError:
+                return f"--token-lookup {self.table}: no such folder, and not a Hub repo id"
+        if self.placement == "gpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                return "--token-lookup-placement gpu needs a CUDA device; use cpu or disk"
+        return None
 
     def applies_to(self, model_id: str, revision: str | None = None) -> bool:
         """Whether `transformers serve` loading `model_id` at `revision` loads the served model (it asks for a Hub
@@ -124,11 +146,16 @@ def make_architectures_resolvable(names: Sequence[str], token_lookup: TokenLooku
     return added
 
 
-def remote_code_architectures(model_id: str, revision: str | None = None) -> list[str]:
-    """The `architectures` of a checkpoint whose config maps `AutoModelForCausalLM` to its own code (else [])."""
+def read_config(model_id: str, revision: str | None = None) -> dict:
+    """A checkpoint's config.json, as a dict."""
     from transformers import PretrainedConfig
 
-    config, _ = PretrainedConfig.get_config_dict(model_id, revision=revision)
+    return PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
+
+
+def remote_code_architectures(model_id: str, revision: str | None = None, config: dict | None = None) -> list[str]:
+    """The `architectures` of a checkpoint whose config maps `AutoModelForCausalLM` to its own code (else [])."""
+    config = read_config(model_id, revision) if config is None else config
     if "AutoModelForCausalLM" not in (config.get("auto_map") or {}):
         return []
     return list(config.get("architectures") or [])
@@ -172,10 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{model_id} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which the server "
                          "needs: save it with the model (model.attach_tokenizer(tokenizer) before save_pretrained)")
         try:
-            names += remote_code_architectures(model_id, revision)
+            config = read_config(model_id, revision)
         except (OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             parser.error(f"MODEL {model}: cannot read its config.json: {reason}")
+        names += remote_code_architectures(model_id, revision, config)
+        problem = token_lookup.problem(config) if token_lookup is not None else None
+        if problem is not None:
+            parser.error(problem)
     make_architectures_resolvable(names, token_lookup)
 
     from transformers.cli.transformers import app

@@ -17,10 +17,10 @@ import torch
 # The files that take longest on a 2-core machine, longest first (per-file time of a whole run); every other file
 # follows them in the order collected. Only the order changes: a file missing here still runs.
 LONGEST_FILES = (
-    "test_kernel_scripts.py", "test_flash_mhf_layer.py", "test_export_robustness.py", "test_study.py",
-    "test_kernel_builds.py", "test_packaging.py", "test_recipe_speed.py", "test_parallel.py", "test_lm_eval.py",
-    "test_decoder_kernels.py", "test_onnx_export.py", "test_demo.py", "test_serving.py", "test_flash_mhf_op.py",
-    "test_continuous_batching.py",
+    "test_kernel_scripts.py", "test_flash_mhf_layer.py", "test_packaging.py", "test_kernel_builds.py", "test_study.py",
+    "test_export_robustness.py", "test_recipe_speed.py", "test_continuous_batching.py", "test_parallel.py",
+    "test_onnx_export.py", "test_lm_eval.py", "test_decoder_kernels.py", "test_recipe.py", "test_serving.py",
+    "test_recipe_args.py", "test_demo.py", "test_flash_mhf_op.py", "test_trainer_features.py", "test_ffn_kernels.py",
 )
 
 

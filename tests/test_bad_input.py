@@ -391,6 +391,14 @@ cli_case("analyze-edit-strength-negative", ("--edit-strength", "> 0"),
                     "--edit-strength", "-1", *ANALYZE_FAST], no_output="r13")
 cli_case("serve-missing-model", ("MODEL", "does-not-exist"), lambda w: ["serve", S(w.root / "does-not-exist")])
 cli_case("serve-no-tokenizer", ("no_tokenizer", "no tokenizer"), lambda w: ["serve", S(w.no_tokenizer)])
+# --token-lookup problems that the server would meet only while loading the model, in a traceback
+cli_case("serve-token-lookup-not-memory", ("--token-lookup", "memffn_kvffn", "MemoryLLM"),
+         lambda w: ["serve", S(w.kvffn), "--token-lookup", S(w.table)])
+cli_case("serve-token-lookup-missing-table", ("no-table", "no such folder"),
+         lambda w: ["serve", S(w.memoryllm), "--token-lookup", S(w.root / "no-table")])
+if not torch.cuda.is_available():  # (with CUDA the server would start)
+    cli_case("serve-token-lookup-gpu-without-cuda", ("--token-lookup-placement gpu", "CUDA", "cpu"),
+             lambda w: ["serve", S(w.memoryllm), "--token-lookup", S(w.table), "--token-lookup-placement", "gpu"])
 
 
 def _dataset_dict(world: World) -> Path:

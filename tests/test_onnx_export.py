@@ -1,7 +1,12 @@
-"""ONNX export: FlashMHF's custom operator exports through its ONNX translation (the reference decomposition), and
-the ONNX model's logits equal the PyTorch model's (evaluated with onnx's reference evaluator)."""
+"""ONNX export of every architecture and baseline (by default the four architectures and MH-FFN): FlashMHF's custom
+operator exports through its ONNX translation (the reference decomposition), the graph passes onnx's full checker, and
+the ONNX model's logits equal the PyTorch model's at other batch sizes and lengths than the export's, evaluated with
+onnx's reference evaluator and, when it is installed, with onnxruntime's CPU provider (the runtime models are deployed
+with)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -16,18 +21,64 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 from hf_memffn.onnx_export import export_onnx  # noqa: E402
 
+# id -> (architecture, config overrides): each architecture and every baseline its `ffn_variant` selects.
+CASES = {
+    "flash_mhf": ("flash_mhf", {}),
+    "flash_mhf-mh_ffn": ("flash_mhf", {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}),
+    "flash_mhf-dense_moe": ("flash_mhf", {"ffn_variant": "dense_moe", "ffn_num_heads": 1, "ffn_num_kv_heads": 1}),
+    "flash_mhf-pkv": ("flash_mhf", {"ffn_variant": "pkv"}),
+    "flash_mhf-swiglu": ("flash_mhf", {"ffn_variant": "swiglu"}),
+    "kvffn": ("kvffn", {}),
+    "kvffn-relu": ("kvffn", {"ffn_variant": "relu"}),
+    "kvffn-glu": ("kvffn", {"ffn_variant": "glu"}),
+    "kvffn-densenet": ("kvffn", {"ffn_variant": "densenet"}),
+    "memoryllm": ("memoryllm", {}),
+    "flex_memoryllm": ("flex_memoryllm", {}),
+}
+# By default the four architectures and MH-FFN (the fused op's translation without a router); each export takes 5 to
+# 15 s on a 2-core CPU. HF_MEMFFN_ONNX_VARIANTS=all checks every entry of CASES.
+DEFAULT_CASES = ("flash_mhf", "flash_mhf-mh_ffn", "kvffn", "memoryllm", "flex_memoryllm")
+SELECTED = list(CASES) if os.environ.get("HF_MEMFFN_ONNX_VARIANTS") == "all" else list(DEFAULT_CASES)
+# Batch sizes and lengths other than the export's (2, 8), one token and 200 among them.
+SHAPES = [(3, 11), (1, 1), (1, 200)]
 
-@pytest.mark.parametrize("overrides", [{}, {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}])
-def test_flash_mhf_exports_to_onnx_and_matches(overrides, tmp_path):
+
+@pytest.fixture(scope="module", params=SELECTED)
+def exported(request, tmp_path_factory):
+    """(PyTorch model, path of its ONNX export), exported once for the tests of this module."""
+    arch, overrides = CASES[request.param]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", **overrides)).eval()
-    path = tmp_path / "model.onnx"
+    # (weights 5x the default initialisation's: at std 0.02 the FFN moves these logits so little that a 1% error in
+    # its translation would stay within the tolerance; one layer keeps the export short)
+    config = tiny_config(arch, num_hidden_layers=1, initializer_range=0.1, **overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path_factory.mktemp(request.param) / "model.onnx"
     export_onnx(model, torch.randint(3, 320, (2, 8)), path)  # torch.export specializes a size of 1
+    return model, path
+
+
+def _check_logits(model, run):
+    """`run(input_ids)` (numpy in, logits out) gives the PyTorch model's logits at every shape of `SHAPES`."""
+    generator = torch.Generator().manual_seed(1)
+    for shape in SHAPES:
+        ids = torch.randint(3, 320, shape, generator=generator)
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits.numpy()
+        np.testing.assert_allclose(run(ids.numpy()), expected, rtol=1e-4, atol=1e-4, err_msg=f"shape {shape}")
+
+
+def test_export_matches_pytorch_in_reference_evaluator(exported):
+    model, path = exported
     graph = onnx.load(path)
+    onnx.checker.check_model(graph, full_check=True)  # strict type and shape inference, as runtimes apply it
     assert not any(node.domain.startswith("memffn") for node in graph.graph.node)
+    assert [value.name for value in graph.graph.input] == ["input_ids"]
     session = ReferenceEvaluator(graph)
-    ids = torch.randint(3, 320, (3, 11))  # another batch size and length than at export time
-    (logits,) = session.run(None, {"input_ids": ids.numpy()})
-    with torch.no_grad():
-        expected = model(ids, use_cache=False).logits.numpy()
-    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    _check_logits(model, lambda ids: session.run(None, {"input_ids": ids})[0])
+
+
+def test_export_matches_pytorch_in_onnxruntime(exported):
+    ort = pytest.importorskip("onnxruntime")
+    model, path = exported
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    _check_logits(model, lambda ids: session.run(None, {"input_ids": ids})[0])
