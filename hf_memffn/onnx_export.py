@@ -8,8 +8,9 @@ dtype). Unlike the fused kernel it materialises the [B, H, L, E, d_e] activation
     torch.onnx.export(model, (input_ids,), dynamo=True, custom_translation_table=onnx_translation_table())
 
 or call `export_onnx(model, input_ids, path)`, which exports the logits of `model(input_ids)` (give an example batch
-of at least 2 sequences: torch.export fixes a dynamic size seen as 1). The other
-architectures export without a table (it does no harm to pass it). Needs `pip install onnx onnxscript`.
+of at least 2 sequences of at least 2 tokens: torch.export fixes a dynamic size seen as 1), and with
+`with_attention_mask=True` takes an attention mask too, for left-padded batches. The other architectures export
+without a table (it does no harm to pass it). Needs `pip install onnx onnxscript`.
 """
 
 from __future__ import annotations
@@ -45,25 +46,47 @@ def onnx_translation_table() -> dict:
 
 
 class _Logits(torch.nn.Module):
+    """`input_ids -> logits`, or `(input_ids, attention_mask) -> logits` with each row's positions counted from its
+    first unmasked token (as `generate()` counts them), so a left-padded row gets the logits of its sequence alone."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).logits
 
 
-def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic: bool = True, **export_kwargs):
+def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic: bool = True,
+                with_attention_mask: bool = False, **export_kwargs):
     """Export `input_ids -> logits` of a causal LM of this package to an ONNX file at `path` (written to a temporary
-    name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. Returns the ONNX program."""
+    name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. With `with_attention_mask`
+    the graph takes a second input, `attention_mask` ([batch, length], 1 for a token, 0 for left padding), and gives
+    every row the logits of its unpadded sequence. Returns the ONNX program."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as exc:
         raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
+    if input_ids.dim() != 2:
+        raise ValueError(f"export_onnx: input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+    if dynamic and min(input_ids.shape) < 2:
+        raise ValueError(f"export_onnx: with dynamic shapes input_ids needs batch and length of at least 2 "
+                         f"(torch.export fixes a size seen as 1), got shape {list(input_ids.shape)}; or pass "
+                         "dynamic=False")
+    inputs, names = (input_ids,), ["input_ids"]
+    if with_attention_mask:
+        # (a padded example row, so that tracing keeps the masking that an all-ones mask would let it drop)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[0, 0] = 0
+        inputs, names = (input_ids, attention_mask), ["input_ids", "attention_mask"]
     if dynamic:
         batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
-        export_kwargs.setdefault("dynamic_shapes", ({0: batch, 1: length},))
-    program = torch.onnx.export(_Logits(model).eval(), (input_ids,), dynamo=True, input_names=["input_ids"],
+        export_kwargs.setdefault("dynamic_shapes", tuple({0: batch, 1: length} for _ in inputs))
+    program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
                                 output_names=["logits"], custom_translation_table=onnx_translation_table(),
                                 **export_kwargs)
     tmp = f"{os.fspath(path)}.tmp"

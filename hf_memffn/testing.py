@@ -72,6 +72,20 @@ _sys.meta_path.insert(0, _BlockPackage())
 """
 
 
+def left_padded(rows, pad_token_id: int = 0):
+    """1-D token tensors of different lengths -> (input_ids, attention_mask) of one batch, each row padded on the
+    left to the longest (mask 0 on the padding)."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, width - len(row):] = row
+        attention_mask[i, width - len(row):] = 1
+    return input_ids, attention_mask
+
+
 def train_losses(model, input_ids, parameters, lr: float, steps: int) -> list[float]:
     """Trains `parameters` of `model` on `input_ids` (labels = inputs) with AdamW for `steps` steps; the losses."""
     import torch

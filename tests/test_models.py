@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import tiny_config, tiny_tokenizer
+from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 ALL_VARIANTS = [
@@ -418,12 +418,8 @@ def test_left_padded_batch_generation_equals_per_row(arch):
     model = build(arch)
     rows = [torch.randint(3, 320, (n,)) for n in (9, 5, 2)]
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    width = max(len(r) for r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):
-        input_ids[i, width - len(row):] = row
-        attention_mask[i, width - len(row):] = 1
+    input_ids, attention_mask = left_padded(rows)
+    width = input_ids.shape[1]
     batched = model.generate(input_ids, attention_mask=attention_mask, **kwargs)[:, width:]
     for i, row in enumerate(rows):
         alone = model.generate(row[None], attention_mask=torch.ones(1, len(row), dtype=torch.long), **kwargs)

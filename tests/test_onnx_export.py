@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import left_padded, tiny_config
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
@@ -38,7 +38,10 @@ CASES = {
 # By default the four architectures and MH-FFN (the fused op's translation without a router); each export takes 5 to
 # 15 s on a 2-core CPU. HF_MEMFFN_ONNX_VARIANTS=all checks every entry of CASES.
 DEFAULT_CASES = ("flash_mhf", "flash_mhf-mh_ffn", "kvffn", "memoryllm", "flex_memoryllm")
-SELECTED = list(CASES) if os.environ.get("HF_MEMFFN_ONNX_VARIANTS") == "all" else list(DEFAULT_CASES)
+ALL = os.environ.get("HF_MEMFFN_ONNX_VARIANTS") == "all"
+SELECTED = list(CASES) if ALL else list(DEFAULT_CASES)
+# The attention mask is the shared decoder's: one architecture by default, the four with HF_MEMFFN_ONNX_VARIANTS=all.
+MASKED = ["flash_mhf", "kvffn", "memoryllm", "flex_memoryllm"] if ALL else ["kvffn"]
 # Batch sizes and lengths other than the export's (2, 8), one token and 200 among them.
 SHAPES = [(3, 11), (1, 1), (1, 200)]
 
@@ -82,3 +85,42 @@ def test_export_matches_pytorch_in_onnxruntime(exported):
     model, path = exported
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     _check_logits(model, lambda ids: session.run(None, {"input_ids": ids})[0])
+
+
+@pytest.mark.parametrize("arch", MASKED)
+def test_export_with_attention_mask_gives_each_left_padded_row_its_own_logits(arch, tmp_path):
+    """`with_attention_mask=True`: a left-padded batch of sequences of different lengths (one token among them) gets,
+    at each row's tokens, the logits of that sequence alone; in both evaluators where they are installed."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_hidden_layers=1, initializer_range=0.1)).eval()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, torch.randint(3, 320, (2, 8)), path, with_attention_mask=True)
+    graph = onnx.load(path)
+    onnx.checker.check_model(graph, full_check=True)
+    assert [value.name for value in graph.graph.input] == ["input_ids", "attention_mask"]
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, 320, (n,), generator=generator) for n in (5, 11, 1)]
+    ids, mask = left_padded(sequences)
+    length = ids.shape[1]
+    feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    runs = {"reference evaluator": ReferenceEvaluator(graph).run(None, feeds)[0]}
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        pass
+    else:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        runs["onnxruntime"] = session.run(None, feeds)[0]
+    for name, logits in runs.items():
+        for row, sequence in enumerate(sequences):
+            with torch.no_grad():
+                expected = model(sequence[None], use_cache=False).logits[0].numpy()
+            np.testing.assert_allclose(logits[row, length - len(sequence):], expected, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{name}, row {row}")
+
+
+def test_a_dynamic_export_refuses_an_example_of_one_sequence(tmp_path):
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match="batch and length of at least 2"):
+        export_onnx(model, torch.randint(3, 320, (1, 8)), tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
