@@ -1,10 +1,10 @@
 """hf-memffn: FFN-as-key-value-memory architectures for Hugging Face Transformers.
 
-Importing the package registers FlashMHFLlama, MemoryLLM, FlexMemoryLLM and KVFFN with `AutoConfig`, `AutoModel`
-and `AutoModelForCausalLM`.
+Importing the package registers FlashMHFLlama, MemoryLLM, FlexMemoryLLM and KVFFN with `AutoConfig`, `AutoModel`,
+`AutoModelForCausalLM` and `AutoModelForSequenceClassification`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from .architectures import ARCHITECTURES, BASELINE, LORA_TARGET_MODULES, REGISTRY
 from .configuration_memffn import (
@@ -15,10 +15,22 @@ from .configuration_memffn import (
     MemoryLLMConfig,
 )
 from .flash_mhf_op import flash_mhf
-from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaModel
-from .modeling_kvffn import KVFFNForCausalLM, KVFFNModel
-from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, MemFFNPreTrainedModel
-from .modeling_memoryllm import FlexMemoryLLMForCausalLM, FlexMemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMModel
+from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaForSequenceClassification, FlashMHFLlamaModel
+from .modeling_kvffn import KVFFNForCausalLM, KVFFNForSequenceClassification, KVFFNModel
+from .modeling_memffn import (
+    MemFFNForCausalLM,
+    MemFFNForSequenceClassification,
+    MemFFNModel,
+    MemFFNPreTrainedModel,
+)
+from .modeling_memoryllm import (
+    FlexMemoryLLMForCausalLM,
+    FlexMemoryLLMForSequenceClassification,
+    FlexMemoryLLMModel,
+    MemoryLLMForCausalLM,
+    MemoryLLMForSequenceClassification,
+    MemoryLLMModel,
+)
 
 __version__ = "0.1.0"
 
@@ -33,6 +45,8 @@ def register_auto_classes() -> None:
         AutoConfig.register(entry.config_class.model_type, entry.config_class, exist_ok=True)
         AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
         AutoModelForCausalLM.register(entry.config_class, entry.causal_lm_class, exist_ok=True)
+        AutoModelForSequenceClassification.register(entry.config_class, entry.sequence_classification_class,
+                                                    exist_ok=True)
 
 
 register_auto_classes()
@@ -42,19 +56,24 @@ __all__ = [
     "LORA_TARGET_MODULES",
     "FlashMHFLlamaConfig",
     "FlashMHFLlamaForCausalLM",
+    "FlashMHFLlamaForSequenceClassification",
     "FlashMHFLlamaModel",
     "FlexMemoryLLMConfig",
     "FlexMemoryLLMForCausalLM",
+    "FlexMemoryLLMForSequenceClassification",
     "FlexMemoryLLMModel",
     "KVFFNConfig",
     "KVFFNForCausalLM",
+    "KVFFNForSequenceClassification",
     "KVFFNModel",
     "MemFFNConfig",
     "MemFFNForCausalLM",
+    "MemFFNForSequenceClassification",
     "MemFFNModel",
     "MemFFNPreTrainedModel",
     "MemoryLLMConfig",
     "MemoryLLMForCausalLM",
+    "MemoryLLMForSequenceClassification",
     "MemoryLLMModel",
     "flash_mhf",
     "register_auto_classes",

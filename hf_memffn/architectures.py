@@ -10,12 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
 
 from .configuration_memffn import FlashMHFLlamaConfig, FlexMemoryLLMConfig, KVFFNConfig, MemoryLLMConfig, check_choice
-from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaModel
-from .modeling_kvffn import KVFFNForCausalLM, KVFFNModel
-from .modeling_memoryllm import FlexMemoryLLMForCausalLM, FlexMemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMModel
+from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaForSequenceClassification, FlashMHFLlamaModel
+from .modeling_kvffn import KVFFNForCausalLM, KVFFNForSequenceClassification, KVFFNModel
+from .modeling_memoryllm import (
+    FlexMemoryLLMForCausalLM,
+    FlexMemoryLLMForSequenceClassification,
+    FlexMemoryLLMModel,
+    MemoryLLMForCausalLM,
+    MemoryLLMForSequenceClassification,
+    MemoryLLMModel,
+)
 
 BASELINE = "llama"
 
@@ -55,6 +62,7 @@ class Architecture:
     # FFN width fields (given the hidden size) that give this architecture the FFN parameters of one SwiGLU `width`
     # wide (the baseline's); FlashMHFLlama's equal-size shape depends on its heads, so its users size it themselves.
     ffn_fields_at_width: Callable[[int, int], dict[str, int]] = _whole_width
+    sequence_classification_class: type | None = None  # (set for every entry)
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -62,26 +70,28 @@ REGISTRY: dict[str, Architecture] = {
     for entry in (
         Architecture(
             BASELINE, "Llama (baseline)", LlamaConfig, LlamaModel, LlamaForCausalLM, _ATTENTION + _SWIGLU,
-            tiny_ffn=dict(intermediate_size=128),
+            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=LlamaForSequenceClassification,
         ),
         Architecture(
             "flash_mhf", "FlashMHFLlama", FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
             _ATTENTION + ("in_proj", "out_proj"),
             tiny_ffn=dict(intermediate_size=96, ffn_num_heads=4, ffn_num_subnetworks=2, ffn_num_kv_heads=2),
+            sequence_classification_class=FlashMHFLlamaForSequenceClassification,
         ),
         Architecture(
             "memoryllm", "MemoryLLM", MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, _ATTENTION,
-            tiny_ffn=dict(intermediate_size=128),
+            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=MemoryLLMForSequenceClassification,
         ),
         Architecture(
             "flex_memoryllm", "FlexMemoryLLM", FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
             _ATTENTION + _SWIGLU,  # FFN-C
             tiny_ffn=dict(intermediate_size=64, memory_intermediate_size=64),
             ffn_fields_at_width=flex_memoryllm_split,
+            sequence_classification_class=FlexMemoryLLMForSequenceClassification,
         ),
         Architecture(
             "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_value_proj", "out_proj"),
-            tiny_ffn=dict(intermediate_size=128),
+            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=KVFFNForSequenceClassification,
         ),
     )
 }

@@ -14,7 +14,6 @@ import math
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-_AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 # Activations of the SwiGLU FFNs (`hidden_act`), by their transformers names.
 HIDDEN_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "tanh", "sigmoid")
 
@@ -235,6 +234,7 @@ class MemFFNConfig(PretrainedConfig):
             "AutoConfig": f"configuration_memffn.{prefix}Config",
             "AutoModel": f"{modeling}.{prefix}Model",
             "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
+            "AutoModelForSequenceClassification": f"{modeling}.{prefix}ForSequenceClassification",
         }
 
     # -- wiring of the decoder (overridden by subclasses) --------------------------------------------------------

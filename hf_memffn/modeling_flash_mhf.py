@@ -12,7 +12,12 @@ from transformers.generation import GenerationMixin  # named in each causal LM's
 
 from .configuration_memffn import FlashMHFLlamaConfig
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
-from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
+from .modeling_memffn import (
+    MemFFNForCausalLM,
+    MemFFNForSequenceClassification,
+    MemFFNModel,
+    register_for_auto_classes,
+)
 
 
 class FlashMHFLlamaModel(MemFFNModel):
@@ -29,7 +34,13 @@ class FlashMHFLlamaForCausalLM(MemFFNForCausalLM, GenerationMixin):
     base_model_class = FlashMHFLlamaModel
 
 
-register_for_auto_classes(FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM)
+class FlashMHFLlamaForSequenceClassification(MemFFNForSequenceClassification):
+    config_class = FlashMHFLlamaConfig
+    base_model_class = FlashMHFLlamaModel
+
+
+register_for_auto_classes(FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
+                          FlashMHFLlamaForSequenceClassification)
 
 # Checkpoints store each FlashMHF layer's sub-network weights as three tensors, `mlp.key`, `mlp.up` and `mlp.value`;
 # the module holds them as one parameter `mlp.key_up_value`. Loading concatenates them, saving splits it again.
@@ -40,4 +51,4 @@ SUBNETWORK_WEIGHTS_CONVERSION = [
 ]
 register_checkpoint_conversion_mapping(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION, overwrite=True)
 
-__all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM"]
+__all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM", "FlashMHFLlamaForSequenceClassification"]

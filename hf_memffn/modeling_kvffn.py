@@ -11,7 +11,12 @@ from transformers.generation import GenerationMixin  # named in each causal LM's
 
 from .configuration_memffn import KVFFNConfig
 from .ffn import KVFeedForward
-from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
+from .modeling_memffn import (
+    MemFFNForCausalLM,
+    MemFFNForSequenceClassification,
+    MemFFNModel,
+    register_for_auto_classes,
+)
 
 
 class KVFFNModel(MemFFNModel):
@@ -24,7 +29,12 @@ class KVFFNForCausalLM(MemFFNForCausalLM, GenerationMixin):
     base_model_class = KVFFNModel
 
 
-register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM)
+class KVFFNForSequenceClassification(MemFFNForSequenceClassification):
+    config_class = KVFFNConfig
+    base_model_class = KVFFNModel
+
+
+register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM, KVFFNForSequenceClassification)
 
 # Checkpoints store each KV-FFN layer's key and value projections as two linear layers, `mlp.key_proj` and
 # `mlp.value_proj`; the module holds them as one, `mlp.key_value_proj`, whose output features interleave them (key 0,
@@ -61,4 +71,4 @@ KEY_VALUE_CONVERSION = [
 ]
 register_checkpoint_conversion_mapping(KVFFNConfig.model_type, KEY_VALUE_CONVERSION, overwrite=True)
 
-__all__ = ["KVFFNModel", "KVFFNForCausalLM"]
+__all__ = ["KVFFNModel", "KVFFNForCausalLM", "KVFFNForSequenceClassification"]

@@ -29,10 +29,17 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
 from transformers.utils.generic import merge_with_config_defaults
@@ -66,11 +73,12 @@ logger = logging.get_logger(__name__)
 CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict, warn: bool = True) -> Cache | None:
+def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict, warn: bool = True,
+               stacklevel: int = 3) -> Cache | None:
     """The key/value cache a forward was given, under either name. Before transformers 5.24 it is `past_key_values`,
     and a `cache` is continuous batching's paged cache, which the attention function updates itself: it goes back
     into `kwargs`, for that function. Since 5.24 it is `cache`; `past_key_values` still works, with transformers'
-    deprecation warning (``warn``)."""
+    deprecation warning (``warn``; `stacklevel` as `warnings.warn`'s, counted from this function)."""
     if CACHE_KWARG == "past_key_values":
         if cache is not None:
             kwargs["cache"] = cache
@@ -85,7 +93,7 @@ def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict,
             "forward, which passes the prefix alone, token by token")
     if warn and not is_torchdynamo_compiling():
         warnings.warn("`past_key_values` is deprecated since transformers 5.24: pass the key/value cache as `cache`",
-                      FutureWarning, stacklevel=3)
+                      FutureWarning, stacklevel=stacklevel)
     return past_key_values
 
 
@@ -671,8 +679,40 @@ def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.T
     return hidden_states[:, logits_to_keep, :]
 
 
-class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
+class MemFFNHeadModel(MemFFNPreTrainedModel):
+    """The decoder (`self.model`, a `base_model_class`) under a task head: what the causal LM and the sequence
+    classifier share."""
+
     base_model_class = MemFFNModel
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def load_tols(self, *args, **kwargs):
+        """Token lookup tables replace FFNs on the token embeddings: MemoryLLM and FlexMemoryLLM override this."""
+        raise ValueError(f"{type(self).__name__} has no FFNs on the token embeddings: load_tols applies to "
+                         "MemoryLLM and FlexMemoryLLM models")
+
+    def run_decoder(self, input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds, use_cache,
+                    kwargs: dict) -> BaseModelOutputWithPast:
+        """The decoder's outputs for a head's forward arguments (the key/value cache: `cache` on transformers 5.24
+        and later, else `past_key_values`; see `take_cache`)."""
+        cache = take_cache(past_key_values, cache, kwargs, stacklevel=4)  # (a head's forward calls this method)
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **{CACHE_KWARG: cache},
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+class MemFFNForCausalLM(MemFFNHeadModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -695,19 +735,8 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
     def get_output_embeddings(self):
         return self.lm_head
-
-    def load_tols(self, *args, **kwargs):
-        """Token lookup tables replace FFNs on the token embeddings: MemoryLLM and FlexMemoryLLM override this."""
-        raise ValueError(f"{type(self).__name__} has no FFNs on the token embeddings: load_tols applies to "
-                         "MemoryLLM and FlexMemoryLLM models")
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
@@ -727,15 +756,8 @@ class MemFFNForCausalLM(MemFFNPreTrainedModel, GenerationMixin):
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{CACHE_KWARG: take_cache(past_key_values, cache, kwargs)},
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            **kwargs,
-        )
+        outputs = self.run_decoder(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
+                                   use_cache, kwargs)
         hidden_states = outputs.last_hidden_state
         logits = self.lm_head(positions_to_keep(hidden_states, logits_to_keep))
         loss = None
@@ -759,17 +781,88 @@ _undecorated_forward = inspect.unwrap(MemFFNForCausalLM.forward)
 _undecorated_forward.__signature__ = inspect.signature(_undecorated_forward)
 
 
-def register_for_auto_classes(config_class, model_class, causal_lm_class) -> None:
+class MemFFNForSequenceClassification(MemFFNHeadModel):
+    """The decoder with a linear head (`score`, `config.num_labels` outputs) read at each sequence's last token, as
+    transformers' Llama does. `AutoModelForSequenceClassification.from_pretrained` of a causal LM's checkpoint loads
+    its decoder and starts the head at random. The loss follows `config.problem_type` (regression, single-label or
+    multi-label classification; guessed from the labels when unset).
+
+    The last token of each row: the last position that `attention_mask` (2-D) keeps, else the last token that is not
+    `config.pad_token_id` (padding on either side), else the last position, which needs one sequence per batch or no
+    padding."""
+
+    def __init__(self, config: MemFFNConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = self.base_model_class(config)
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self.post_init()
+
+    def last_token_positions(self, input_ids, attention_mask, batch_size: int, length: int, device) -> torch.Tensor:
+        """[batch] index of each row's last token (see the class's docstring)."""
+        positions = torch.arange(length, device=device)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            return (positions * attention_mask.to(device=device, dtype=torch.long)).argmax(-1)
+        if input_ids is not None and self.config.pad_token_id is not None:
+            return (positions * (input_ids != self.config.pad_token_id).to(device=device, dtype=torch.long)).argmax(-1)
+        if batch_size > 1 and input_ids is not None:
+            raise ValueError(f"{type(self).__name__}: a batch of {batch_size} sequences needs `attention_mask` or "
+                             "`config.pad_token_id` to find each sequence's last token")
+        return torch.full((batch_size,), length - 1, device=device, dtype=torch.long)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> SequenceClassifierOutputWithPast:
+        outputs = self.run_decoder(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
+                                   use_cache, kwargs)
+        logits = self.score(outputs.last_hidden_state)
+        batch_size, length = logits.shape[:2]
+        last = self.last_token_positions(input_ids, attention_mask, batch_size, length, logits.device)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+        return SequenceClassifierOutputWithPast(
+            loss=loss,
+            logits=pooled_logits,
+            **{CACHE_KWARG: getattr(outputs, CACHE_KWARG)},
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+def register_for_auto_classes(config_class, model_class, causal_lm_class, sequence_classification_class) -> None:
     """Mark an architecture's classes so that `save_pretrained` copies their modeling file and its sibling imports
     next to the weights; config.json's `auto_map` points the Auto classes at them (`MemFFNConfig.default_auto_map`).
 
-    The causal LM class is also named among transformers' causal LMs. The HF Trainer shifts the labels for its label
-    smoothing only for the classes named there (the text-generation pipeline and `transformers serve` look there
-    too). Done here, it also happens when the code is loaded with `trust_remote_code` and this package is absent."""
+    The causal LM class is also named among transformers' causal LMs, and the classifier among its sequence
+    classifiers. The HF Trainer shifts the labels for its label smoothing only for the classes named there (the
+    text-generation pipeline and `transformers serve` look there too; the text-classification pipeline in the other
+    table). Done here, it also happens when the code is loaded with `trust_remote_code` and this package is absent."""
     config_class.register_for_auto_class("AutoConfig")
     model_class.register_for_auto_class("AutoModel")
     causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
+    sequence_classification_class.register_for_auto_class("AutoModelForSequenceClassification")
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, causal_lm_class.__name__)
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault(config_class.model_type,
+                                                               sequence_classification_class.__name__)
 
 
-__all__ = ["MemFFNPreTrainedModel", "MemFFNModel", "MemFFNForCausalLM", "MemFFNDecoderLayer"]
+__all__ = [
+    "MemFFNPreTrainedModel",
+    "MemFFNModel",
+    "MemFFNHeadModel",
+    "MemFFNForCausalLM",
+    "MemFFNForSequenceClassification",
+    "MemFFNDecoderLayer",
+]

@@ -10,7 +10,12 @@ from __future__ import annotations
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
-from .modeling_memffn import MemFFNForCausalLM, MemFFNModel, register_for_auto_classes
+from .modeling_memffn import (
+    MemFFNForCausalLM,
+    MemFFNForSequenceClassification,
+    MemFFNModel,
+    register_for_auto_classes,
+)
 from .token_lookup import TokenLookupMixin
 
 class _KeepsTokenMemoryWhole:
@@ -37,7 +42,26 @@ class FlexMemoryLLMForCausalLM(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNF
     base_model_class = FlexMemoryLLMModel
 
 
-register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM)
-register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM)
+class MemoryLLMForSequenceClassification(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForSequenceClassification):
+    config_class = MemoryLLMConfig
+    base_model_class = MemoryLLMModel
 
-__all__ = ["MemoryLLMModel", "MemoryLLMForCausalLM", "FlexMemoryLLMModel", "FlexMemoryLLMForCausalLM"]
+
+class FlexMemoryLLMForSequenceClassification(_KeepsTokenMemoryWhole, TokenLookupMixin,
+                                             MemFFNForSequenceClassification):
+    config_class = FlexMemoryLLMConfig
+    base_model_class = FlexMemoryLLMModel
+
+
+register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMForSequenceClassification)
+register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
+                          FlexMemoryLLMForSequenceClassification)
+
+__all__ = [
+    "MemoryLLMModel",
+    "MemoryLLMForCausalLM",
+    "MemoryLLMForSequenceClassification",
+    "FlexMemoryLLMModel",
+    "FlexMemoryLLMForCausalLM",
+    "FlexMemoryLLMForSequenceClassification",
+]

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hf_memffn
 from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
@@ -57,9 +57,13 @@ def test_auto_classes_build_each_architecture(arch):
     assert type(AutoModel.from_config(config)).__name__ == f"{prefix}Model"
     assert type(model).__name__ == f"{prefix}ForCausalLM"
     assert type(model).__module__ == f"hf_memffn.{modeling}"
+    classifier = AutoModelForSequenceClassification.from_config(config)
+    assert type(classifier).__name__ == f"{prefix}ForSequenceClassification"
+    assert type(classifier).__module__ == f"hf_memffn.{modeling}"
     assert config.auto_map == {"AutoConfig": f"configuration_memffn.{prefix}Config",
                                "AutoModel": f"{modeling}.{prefix}Model",
-                               "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM"}
+                               "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
+                               "AutoModelForSequenceClassification": f"{modeling}.{prefix}ForSequenceClassification"}
 
 
 @pytest.mark.parametrize(
