@@ -138,3 +138,31 @@ def test_token_lookup_tables_serve_the_classifier(arch, tmp_path):
         assert model.model.token_lookup is not None
         looked_up = model(ids).logits
     torch.testing.assert_close(looked_up, computed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_mhf_classifier_on_the_fused_layer_matches_the_reference():
+    """On a GPU the FlashMHF classifier runs the fused Triton layer; its scores, loss and every gradient match the
+    PyTorch reference's (`ffn_kernel="torch"`) on a left-padded batch."""
+    from hf_memffn.flash_mhf_op import flash_mhf_path
+
+    assert flash_mhf_path(torch.empty(1, 4, 1, 64, device="cuda")).startswith("triton")
+    fields = dict(hidden_size=256, num_attention_heads=4, ffn_num_heads=4, ffn_num_kv_heads=2, intermediate_size=128,
+                  ffn_num_subnetworks=2, initializer_range=0.1)
+    generator = torch.Generator().manual_seed(1)
+    ids, mask = left_padded([torch.randint(3, 320, (n,), generator=generator) for n in (5, 9, 1)])
+    labels = torch.tensor([0, 2, 1])
+    runs = {}
+    for kernel in ("auto", "torch"):
+        model = classifier("flash_mhf", ffn_kernel=kernel, **fields).cuda().train()
+        output = model(ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
+        output.loss.backward()
+        runs[kernel] = output, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    (fused, fused_grads), (reference, reference_grads) = runs["auto"], runs["torch"]
+    torch.testing.assert_close(fused.logits, reference.logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused.loss, reference.loss, rtol=1e-3, atol=1e-3)
+    assert fused_grads.keys() == reference_grads.keys() and any("mlp" in name for name in fused_grads)
+    for name, grad in fused_grads.items():
+        error = (grad - reference_grads[name]).norm() / reference_grads[name].norm().clamp_min(1e-12)
+        assert error < 1e-2, (name, error.item())
