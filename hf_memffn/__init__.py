@@ -1,10 +1,12 @@
 """hf-memffn: FFN-as-key-value-memory architectures for Hugging Face Transformers.
 
 Importing the package registers FlashMHFLlama, MemoryLLM, FlexMemoryLLM and KVFFN with `AutoConfig`, `AutoModel`,
-`AutoModelForCausalLM` and `AutoModelForSequenceClassification`.
+`AutoModelForCausalLM` and the task heads' Auto classes: `AutoModelForSequenceClassification`,
+`AutoModelForTokenClassification` and `AutoModelForQuestionAnswering`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .architectures import ARCHITECTURES, BASELINE, LORA_TARGET_MODULES, REGISTRY
 from .configuration_memffn import (
@@ -15,20 +17,38 @@ from .configuration_memffn import (
     MemoryLLMConfig,
 )
 from .flash_mhf_op import flash_mhf
-from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaForSequenceClassification, FlashMHFLlamaModel
-from .modeling_kvffn import KVFFNForCausalLM, KVFFNForSequenceClassification, KVFFNModel
+from .modeling_flash_mhf import (
+    FlashMHFLlamaForCausalLM,
+    FlashMHFLlamaForQuestionAnswering,
+    FlashMHFLlamaForSequenceClassification,
+    FlashMHFLlamaForTokenClassification,
+    FlashMHFLlamaModel,
+)
+from .modeling_kvffn import (
+    KVFFNForCausalLM,
+    KVFFNForQuestionAnswering,
+    KVFFNForSequenceClassification,
+    KVFFNForTokenClassification,
+    KVFFNModel,
+)
 from .modeling_memffn import (
     MemFFNForCausalLM,
+    MemFFNForQuestionAnswering,
     MemFFNForSequenceClassification,
+    MemFFNForTokenClassification,
     MemFFNModel,
     MemFFNPreTrainedModel,
 )
 from .modeling_memoryllm import (
     FlexMemoryLLMForCausalLM,
+    FlexMemoryLLMForQuestionAnswering,
     FlexMemoryLLMForSequenceClassification,
+    FlexMemoryLLMForTokenClassification,
     FlexMemoryLLMModel,
     MemoryLLMForCausalLM,
+    MemoryLLMForQuestionAnswering,
     MemoryLLMForSequenceClassification,
+    MemoryLLMForTokenClassification,
     MemoryLLMModel,
 )
 
@@ -37,7 +57,7 @@ __version__ = "0.1.0"
 
 def register_auto_classes() -> None:
     """Register the four architectures with the transformers Auto classes (idempotent). Importing their modeling
-    files has already named their causal LM classes among transformers' causal LMs
+    files has already named their head classes in transformers' tables of each task's models
     (`modeling_memffn.register_for_auto_classes`)."""
     for name, entry in REGISTRY.items():
         if name == BASELINE:
@@ -45,35 +65,45 @@ def register_auto_classes() -> None:
         AutoConfig.register(entry.config_class.model_type, entry.config_class, exist_ok=True)
         AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
         AutoModelForCausalLM.register(entry.config_class, entry.causal_lm_class, exist_ok=True)
-        AutoModelForSequenceClassification.register(entry.config_class, entry.sequence_classification_class,
-                                                    exist_ok=True)
+        for auto_class, head_class in entry.task_heads.items():
+            getattr(transformers, auto_class).register(entry.config_class, head_class, exist_ok=True)
 
 
 register_auto_classes()
 
 __all__ = [
     "ARCHITECTURES",
-    "LORA_TARGET_MODULES",
     "FlashMHFLlamaConfig",
     "FlashMHFLlamaForCausalLM",
+    "FlashMHFLlamaForQuestionAnswering",
     "FlashMHFLlamaForSequenceClassification",
+    "FlashMHFLlamaForTokenClassification",
     "FlashMHFLlamaModel",
     "FlexMemoryLLMConfig",
     "FlexMemoryLLMForCausalLM",
+    "FlexMemoryLLMForQuestionAnswering",
     "FlexMemoryLLMForSequenceClassification",
+    "FlexMemoryLLMForTokenClassification",
     "FlexMemoryLLMModel",
     "KVFFNConfig",
     "KVFFNForCausalLM",
+    "KVFFNForQuestionAnswering",
     "KVFFNForSequenceClassification",
+    "KVFFNForTokenClassification",
     "KVFFNModel",
+    "LORA_TARGET_MODULES",
     "MemFFNConfig",
     "MemFFNForCausalLM",
+    "MemFFNForQuestionAnswering",
     "MemFFNForSequenceClassification",
+    "MemFFNForTokenClassification",
     "MemFFNModel",
     "MemFFNPreTrainedModel",
     "MemoryLLMConfig",
     "MemoryLLMForCausalLM",
+    "MemoryLLMForQuestionAnswering",
     "MemoryLLMForSequenceClassification",
+    "MemoryLLMForTokenClassification",
     "MemoryLLMModel",
     "flash_mhf",
     "register_auto_classes",

@@ -10,19 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, LlamaModel
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+from . import modeling_flash_mhf, modeling_kvffn, modeling_memoryllm
 from .configuration_memffn import FlashMHFLlamaConfig, FlexMemoryLLMConfig, KVFFNConfig, MemoryLLMConfig, check_choice
-from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaForSequenceClassification, FlashMHFLlamaModel
-from .modeling_kvffn import KVFFNForCausalLM, KVFFNForSequenceClassification, KVFFNModel
-from .modeling_memoryllm import (
-    FlexMemoryLLMForCausalLM,
-    FlexMemoryLLMForSequenceClassification,
-    FlexMemoryLLMModel,
-    MemoryLLMForCausalLM,
-    MemoryLLMForSequenceClassification,
-    MemoryLLMModel,
-)
+from .modeling_flash_mhf import FlashMHFLlamaForCausalLM, FlashMHFLlamaModel
+from .modeling_kvffn import KVFFNForCausalLM, KVFFNModel
+from .modeling_memoryllm import FlexMemoryLLMForCausalLM, FlexMemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMModel
 
 BASELINE = "llama"
 
@@ -62,7 +57,21 @@ class Architecture:
     # FFN width fields (given the hidden size) that give this architecture the FFN parameters of one SwiGLU `width`
     # wide (the baseline's); FlashMHFLlama's equal-size shape depends on its heads, so its users size it themselves.
     ffn_fields_at_width: Callable[[int, int], dict[str, int]] = _whole_width
-    sequence_classification_class: type | None = None  # (set for every entry)
+    # the task heads beside the causal LM: Auto class name -> class (`task_heads_of`)
+    task_heads: dict[str, type] = field(default_factory=dict)
+
+
+# The Auto classes of the task heads beside the causal LM, and the suffix of each head's class name.
+TASK_HEADS = {
+    "AutoModelForSequenceClassification": "ForSequenceClassification",
+    "AutoModelForTokenClassification": "ForTokenClassification",
+    "AutoModelForQuestionAnswering": "ForQuestionAnswering",
+}
+
+
+def task_heads_of(module, prefix: str) -> dict[str, type]:
+    """An architecture's task heads: the `<prefix><suffix>` classes of `module` (transformers or a modeling file)."""
+    return {auto_class: getattr(module, prefix + suffix) for auto_class, suffix in TASK_HEADS.items()}
 
 
 REGISTRY: dict[str, Architecture] = {
@@ -70,28 +79,28 @@ REGISTRY: dict[str, Architecture] = {
     for entry in (
         Architecture(
             BASELINE, "Llama (baseline)", LlamaConfig, LlamaModel, LlamaForCausalLM, _ATTENTION + _SWIGLU,
-            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=LlamaForSequenceClassification,
+            tiny_ffn=dict(intermediate_size=128), task_heads=task_heads_of(transformers, "Llama"),
         ),
         Architecture(
             "flash_mhf", "FlashMHFLlama", FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
             _ATTENTION + ("in_proj", "out_proj"),
             tiny_ffn=dict(intermediate_size=96, ffn_num_heads=4, ffn_num_subnetworks=2, ffn_num_kv_heads=2),
-            sequence_classification_class=FlashMHFLlamaForSequenceClassification,
+            task_heads=task_heads_of(modeling_flash_mhf, "FlashMHFLlama"),
         ),
         Architecture(
             "memoryllm", "MemoryLLM", MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, _ATTENTION,
-            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=MemoryLLMForSequenceClassification,
+            tiny_ffn=dict(intermediate_size=128), task_heads=task_heads_of(modeling_memoryllm, "MemoryLLM"),
         ),
         Architecture(
             "flex_memoryllm", "FlexMemoryLLM", FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
             _ATTENTION + _SWIGLU,  # FFN-C
             tiny_ffn=dict(intermediate_size=64, memory_intermediate_size=64),
             ffn_fields_at_width=flex_memoryllm_split,
-            sequence_classification_class=FlexMemoryLLMForSequenceClassification,
+            task_heads=task_heads_of(modeling_memoryllm, "FlexMemoryLLM"),
         ),
         Architecture(
             "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_value_proj", "out_proj"),
-            tiny_ffn=dict(intermediate_size=128), sequence_classification_class=KVFFNForSequenceClassification,
+            tiny_ffn=dict(intermediate_size=128), task_heads=task_heads_of(modeling_kvffn, "KVFFN"),
         ),
     )
 }

@@ -235,6 +235,8 @@ class MemFFNConfig(PretrainedConfig):
             "AutoModel": f"{modeling}.{prefix}Model",
             "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
             "AutoModelForSequenceClassification": f"{modeling}.{prefix}ForSequenceClassification",
+            "AutoModelForTokenClassification": f"{modeling}.{prefix}ForTokenClassification",
+            "AutoModelForQuestionAnswering": f"{modeling}.{prefix}ForQuestionAnswering",
         }
 
     # -- wiring of the decoder (overridden by subclasses) --------------------------------------------------------

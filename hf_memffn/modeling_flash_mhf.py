@@ -14,7 +14,9 @@ from .configuration_memffn import FlashMHFLlamaConfig
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
 from .modeling_memffn import (
     MemFFNForCausalLM,
+    MemFFNForQuestionAnswering,
     MemFFNForSequenceClassification,
+    MemFFNForTokenClassification,
     MemFFNModel,
     register_for_auto_classes,
 )
@@ -39,8 +41,19 @@ class FlashMHFLlamaForSequenceClassification(MemFFNForSequenceClassification):
     base_model_class = FlashMHFLlamaModel
 
 
+class FlashMHFLlamaForTokenClassification(MemFFNForTokenClassification):
+    config_class = FlashMHFLlamaConfig
+    base_model_class = FlashMHFLlamaModel
+
+
+class FlashMHFLlamaForQuestionAnswering(MemFFNForQuestionAnswering):
+    config_class = FlashMHFLlamaConfig
+    base_model_class = FlashMHFLlamaModel
+
+
 register_for_auto_classes(FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
-                          FlashMHFLlamaForSequenceClassification)
+                          FlashMHFLlamaForSequenceClassification, FlashMHFLlamaForTokenClassification,
+                          FlashMHFLlamaForQuestionAnswering)
 
 # Checkpoints store each FlashMHF layer's sub-network weights as three tensors, `mlp.key`, `mlp.up` and `mlp.value`;
 # the module holds them as one parameter `mlp.key_up_value`. Loading concatenates them, saving splits it again.
@@ -51,4 +64,5 @@ SUBNETWORK_WEIGHTS_CONVERSION = [
 ]
 register_checkpoint_conversion_mapping(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION, overwrite=True)
 
-__all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM", "FlashMHFLlamaForSequenceClassification"]
+__all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM", "FlashMHFLlamaForSequenceClassification",
+           "FlashMHFLlamaForTokenClassification", "FlashMHFLlamaForQuestionAnswering"]

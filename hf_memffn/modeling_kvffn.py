@@ -13,7 +13,9 @@ from .configuration_memffn import KVFFNConfig
 from .ffn import KVFeedForward
 from .modeling_memffn import (
     MemFFNForCausalLM,
+    MemFFNForQuestionAnswering,
     MemFFNForSequenceClassification,
+    MemFFNForTokenClassification,
     MemFFNModel,
     register_for_auto_classes,
 )
@@ -34,7 +36,18 @@ class KVFFNForSequenceClassification(MemFFNForSequenceClassification):
     base_model_class = KVFFNModel
 
 
-register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM, KVFFNForSequenceClassification)
+class KVFFNForTokenClassification(MemFFNForTokenClassification):
+    config_class = KVFFNConfig
+    base_model_class = KVFFNModel
+
+
+class KVFFNForQuestionAnswering(MemFFNForQuestionAnswering):
+    config_class = KVFFNConfig
+    base_model_class = KVFFNModel
+
+
+register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM, KVFFNForSequenceClassification,
+                          KVFFNForTokenClassification, KVFFNForQuestionAnswering)
 
 # Checkpoints store each KV-FFN layer's key and value projections as two linear layers, `mlp.key_proj` and
 # `mlp.value_proj`; the module holds them as one, `mlp.key_value_proj`, whose output features interleave them (key 0,
@@ -71,4 +84,5 @@ KEY_VALUE_CONVERSION = [
 ]
 register_checkpoint_conversion_mapping(KVFFNConfig.model_type, KEY_VALUE_CONVERSION, overwrite=True)
 
-__all__ = ["KVFFNModel", "KVFFNForCausalLM", "KVFFNForSequenceClassification"]
+__all__ = ["KVFFNModel", "KVFFNForCausalLM", "KVFFNForSequenceClassification",
+           "KVFFNForTokenClassification", "KVFFNForQuestionAnswering"]

@@ -32,13 +32,17 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
+    QuestionAnsweringModelOutput,
     SequenceClassifierOutputWithPast,
+    TokenClassifierOutput,
 )
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
@@ -680,10 +684,15 @@ def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.T
 
 
 class MemFFNHeadModel(MemFFNPreTrainedModel):
-    """The decoder (`self.model`, a `base_model_class`) under a task head: what the causal LM and the sequence
-    classifier share."""
+    """The decoder (`self.model`, a `base_model_class`) under a task head: what the causal LM, the sequence and token
+    classifiers and the question-answering model share.
+
+    Each head names the Auto class it is registered with (`auto_class_name`) and transformers' table of the model
+    classes of its task (`task_class_names`; see `register_for_auto_classes`)."""
 
     base_model_class = MemFFNModel
+    auto_class_name: str
+    task_class_names: dict[str, str]
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -713,6 +722,7 @@ class MemFFNHeadModel(MemFFNPreTrainedModel):
 
 
 class MemFFNForCausalLM(MemFFNHeadModel, GenerationMixin):
+    auto_class_name, task_class_names = "AutoModelForCausalLM", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -791,6 +801,9 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
     `config.pad_token_id` (padding on either side), else the last position, which needs one sequence per batch or no
     padding."""
 
+    auto_class_name = "AutoModelForSequenceClassification"
+    task_class_names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -841,21 +854,105 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
         )
 
 
-def register_for_auto_classes(config_class, model_class, causal_lm_class, sequence_classification_class) -> None:
+class MemFFNForTokenClassification(MemFFNHeadModel):
+    """The decoder with a linear head (`score`, `config.num_labels` outputs, with a bias) on every token, after dropout
+    (`config.classifier_dropout`; 0.1 when the config has none), as transformers' Llama does. The loss is the
+    cross-entropy over the tokens whose label is not -100 (padding, and the sub-words a labelling leaves out)."""
+
+    auto_class_name = "AutoModelForTokenClassification"
+    task_class_names = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    def __init__(self, config: MemFFNConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = self.base_model_class(config)
+        dropout = getattr(config, "classifier_dropout", None)
+        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> TokenClassifierOutput:
+        # (no key/value cache unless asked for: the output carries none)
+        outputs = self.run_decoder(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
+                                   bool(use_cache), kwargs)
+        logits = self.score(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
+        return TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+class MemFFNForQuestionAnswering(MemFFNHeadModel):
+    """Extractive question answering, as transformers' Llama does it: a linear head (`qa_outputs`, with a bias) scores
+    every token as the start and as the end of the answer span. The loss is the mean of the start's and the end's
+    cross-entropies; a position outside the sequence counts as its length and is ignored."""
+
+    auto_class_name = "AutoModelForQuestionAnswering"
+    task_class_names = MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES
+
+    def __init__(self, config: MemFFNConfig):
+        super().__init__(config)
+        self.model = self.base_model_class(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        start_positions: torch.LongTensor | None = None,
+        end_positions: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> QuestionAnsweringModelOutput:
+        outputs = self.run_decoder(input_ids, attention_mask, position_ids, past_key_values, cache, inputs_embeds,
+                                   bool(use_cache), kwargs)  # (no cache unless asked for, as above)
+        start_logits, end_logits = (scores.squeeze(-1).contiguous()
+                                    for scores in self.qa_outputs(outputs.last_hidden_state).split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
+        return QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+def register_for_auto_classes(config_class, model_class, *head_classes) -> None:
     """Mark an architecture's classes so that `save_pretrained` copies their modeling file and its sibling imports
     next to the weights; config.json's `auto_map` points the Auto classes at them (`MemFFNConfig.default_auto_map`).
 
-    The causal LM class is also named among transformers' causal LMs, and the classifier among its sequence
-    classifiers. The HF Trainer shifts the labels for its label smoothing only for the classes named there (the
-    text-generation pipeline and `transformers serve` look there too; the text-classification pipeline in the other
-    table). Done here, it also happens when the code is loaded with `trust_remote_code` and this package is absent."""
+    Each head class is also named in transformers' table of its task's model classes (`task_class_names`). The HF
+    Trainer shifts the labels for its label smoothing only for the classes named among the causal LMs (the
+    text-generation pipeline and `transformers serve` look there too; each other pipeline in its task's table). Done
+    here, it also happens when the code is loaded with `trust_remote_code` and this package is absent."""
     config_class.register_for_auto_class("AutoConfig")
     model_class.register_for_auto_class("AutoModel")
-    causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
-    sequence_classification_class.register_for_auto_class("AutoModelForSequenceClassification")
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_class.model_type, causal_lm_class.__name__)
-    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.setdefault(config_class.model_type,
-                                                               sequence_classification_class.__name__)
+    for head_class in head_classes:
+        head_class.register_for_auto_class(head_class.auto_class_name)
+        head_class.task_class_names.setdefault(config_class.model_type, head_class.__name__)
 
 
 __all__ = [
@@ -864,5 +961,7 @@ __all__ = [
     "MemFFNHeadModel",
     "MemFFNForCausalLM",
     "MemFFNForSequenceClassification",
+    "MemFFNForTokenClassification",
+    "MemFFNForQuestionAnswering",
     "MemFFNDecoderLayer",
 ]

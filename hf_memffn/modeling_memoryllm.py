@@ -12,7 +12,9 @@ from transformers.generation import GenerationMixin  # named in each causal LM's
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
 from .modeling_memffn import (
     MemFFNForCausalLM,
+    MemFFNForQuestionAnswering,
     MemFFNForSequenceClassification,
+    MemFFNForTokenClassification,
     MemFFNModel,
     register_for_auto_classes,
 )
@@ -47,21 +49,47 @@ class MemoryLLMForSequenceClassification(_KeepsTokenMemoryWhole, TokenLookupMixi
     base_model_class = MemoryLLMModel
 
 
+class MemoryLLMForTokenClassification(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForTokenClassification):
+    config_class = MemoryLLMConfig
+    base_model_class = MemoryLLMModel
+
+
+class MemoryLLMForQuestionAnswering(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForQuestionAnswering):
+    config_class = MemoryLLMConfig
+    base_model_class = MemoryLLMModel
+
+
 class FlexMemoryLLMForSequenceClassification(_KeepsTokenMemoryWhole, TokenLookupMixin,
                                              MemFFNForSequenceClassification):
     config_class = FlexMemoryLLMConfig
     base_model_class = FlexMemoryLLMModel
 
 
-register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMForSequenceClassification)
+class FlexMemoryLLMForTokenClassification(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForTokenClassification):
+    config_class = FlexMemoryLLMConfig
+    base_model_class = FlexMemoryLLMModel
+
+
+class FlexMemoryLLMForQuestionAnswering(_KeepsTokenMemoryWhole, TokenLookupMixin, MemFFNForQuestionAnswering):
+    config_class = FlexMemoryLLMConfig
+    base_model_class = FlexMemoryLLMModel
+
+
+register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM, MemoryLLMForSequenceClassification,
+                          MemoryLLMForTokenClassification, MemoryLLMForQuestionAnswering)
 register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
-                          FlexMemoryLLMForSequenceClassification)
+                          FlexMemoryLLMForSequenceClassification, FlexMemoryLLMForTokenClassification,
+                          FlexMemoryLLMForQuestionAnswering)
 
 __all__ = [
     "MemoryLLMModel",
     "MemoryLLMForCausalLM",
     "MemoryLLMForSequenceClassification",
+    "MemoryLLMForTokenClassification",
+    "MemoryLLMForQuestionAnswering",
     "FlexMemoryLLMModel",
     "FlexMemoryLLMForCausalLM",
     "FlexMemoryLLMForSequenceClassification",
+    "FlexMemoryLLMForTokenClassification",
+    "FlexMemoryLLMForQuestionAnswering",
 ]

@@ -1,8 +1,8 @@
 """Generation and loading features a user reaches for beyond plain `generate()`: prompts as `inputs_embeds`, prompt
-lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache,
-sampling several sequences, dtype round trips, sharded and tied checkpoints, device maps that offload weights to the
-disk, and the task heads these configs do not have. Each runs on the four architectures and on transformers'
-`LlamaForCausalLM` (the control, which must pass the same assertion).
+lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache, sampling
+several sequences, dtype round trips, sharded and tied checkpoints, device maps that offload weights to the disk. Each
+runs on the four architectures and on transformers' `LlamaForCausalLM` (the control, which must pass the same
+assertion).
 
 Beam search, assisted decoding, static caches, left-padded batches and `device_map="auto"` without offloading are in
 tests/test_models.py and tests/test_transformers_conformance.py."""
@@ -12,11 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    LlamaForCausalLM,
-)
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_memffn.modeling_memffn import CACHE_KWARG
 from hf_memffn.testing import tiny_config
@@ -235,11 +231,3 @@ def test_parameter_counts_and_half_precision_forward(arch):
         half = model.to(torch.float16)(ids).logits
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), expected, rtol=0, atol=0.01)
-
-
-@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"])
-def test_no_token_classification_heads(arch):
-    """These architectures have causal LM and sequence classification heads (`tests/test_sequence_classification.py`),
-    no token classification head: its Auto class refuses their configs."""
-    with pytest.raises(ValueError, match=f"Unrecognized configuration class .*{type(tiny_config(arch)).__name__}"):
-        AutoModelForTokenClassification.from_config(tiny_config(arch))

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_memffn
 from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
@@ -57,13 +58,15 @@ def test_auto_classes_build_each_architecture(arch):
     assert type(AutoModel.from_config(config)).__name__ == f"{prefix}Model"
     assert type(model).__name__ == f"{prefix}ForCausalLM"
     assert type(model).__module__ == f"hf_memffn.{modeling}"
-    classifier = AutoModelForSequenceClassification.from_config(config)
-    assert type(classifier).__name__ == f"{prefix}ForSequenceClassification"
-    assert type(classifier).__module__ == f"hf_memffn.{modeling}"
+    heads = {f"AutoModel{task}": f"{prefix}{task}"
+             for task in ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")}
+    for auto_class, name in heads.items():
+        head = getattr(transformers, auto_class).from_config(config)
+        assert (type(head).__name__, type(head).__module__) == (name, f"hf_memffn.{modeling}")
     assert config.auto_map == {"AutoConfig": f"configuration_memffn.{prefix}Config",
                                "AutoModel": f"{modeling}.{prefix}Model",
                                "AutoModelForCausalLM": f"{modeling}.{prefix}ForCausalLM",
-                               "AutoModelForSequenceClassification": f"{modeling}.{prefix}ForSequenceClassification"}
+                               **{auto_class: f"{modeling}.{name}" for auto_class, name in heads.items()}}
 
 
 @pytest.mark.parametrize(

@@ -28,8 +28,9 @@ LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
         raise SystemExit("hf_memffn is importable: the test would prove nothing")
 
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto import modeling_auto
 
     results = {}
     for directory in sys.argv[2:]:
@@ -51,13 +52,22 @@ LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
             smoothed = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
             shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
                                                         label_smoothing=0.1)
-        # the causal LM's checkpoint as a sequence classifier: its decoder's weights, a new head
-        classifier = AutoModelForSequenceClassification.from_pretrained(directory, trust_remote_code=True,
-                                                                        num_labels=3).eval()
+        # the causal LM's checkpoint under each task head: its decoder's weights, a new head
         with torch.no_grad():
-            scores = classifier(ids, attention_mask=torch.ones_like(ids)).logits
             hidden = base(ids).last_hidden_state
-        decoder_diff = (classifier.model(ids).last_hidden_state - hidden).abs().max().item()
+        heads = {}
+        for auto_class, table in (("AutoModelForSequenceClassification", "SEQUENCE_CLASSIFICATION"),
+                                  ("AutoModelForTokenClassification", "TOKEN_CLASSIFICATION"),
+                                  ("AutoModelForQuestionAnswering", "QUESTION_ANSWERING")):
+            head = getattr(transformers, auto_class).from_pretrained(directory, trust_remote_code=True,
+                                                                     num_labels=3).eval()
+            with torch.no_grad():
+                output = head(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                decoder_diff = (head.model(ids).last_hidden_state - hidden).abs().max().item()
+            shapes = [list(value.shape) for value in output.values()]
+            # (each pipeline looks for the class in its task's table)
+            named = getattr(modeling_auto, f"MODEL_FOR_{table}_MAPPING_NAMES").get(model.config.model_type)
+            heads[auto_class] = [type(head).__module__, type(head).__name__, shapes, decoder_diff, named]
         resaved = directory + "-resaved"
         model.save_pretrained(resaved)
         results[directory] = {
@@ -68,8 +78,7 @@ LOADER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
             "generated": generated[0].tolist(),
             "resaved": sorted(os.listdir(resaved)),
             "has_lookup_tables": any(c.__name__ == "TokenLookupMixin" for c in type(model).__mro__),
-            "classifier": [type(classifier).__module__, type(classifier).__name__, list(scores.shape), decoder_diff],
-            "classifiers_named": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model.config.model_type),
+            "heads": heads,
         }
     with open(sys.argv[1], "w") as handle:
         json.dump(results, handle)
@@ -131,7 +140,9 @@ def test_trust_remote_code_without_the_package(tmp_path):
         assert {name for name in result["resaved"] if name.endswith(".py")} == REMOTE_CODE_FILES[arch]
         assert "README.md" not in result["resaved"]
         assert result["has_lookup_tables"] == (arch in ("memoryllm", "flex_memoryllm"))
-        module, name, shape, decoder_diff = result["classifier"]
-        assert module.startswith("transformers_modules.") and name.endswith("ForSequenceClassification"), result
-        assert shape == [2, 3] and decoder_diff < 1e-5, result
-        assert result["classifiers_named"] == name  # (the text-classification pipeline looks there)
+        shapes = {"AutoModelForSequenceClassification": [[2, 3]], "AutoModelForTokenClassification": [[2, 11, 3]],
+                  "AutoModelForQuestionAnswering": [[2, 11], [2, 11]]}
+        assert result["heads"].keys() == shapes.keys()
+        for auto_class, (module, name, shape, decoder_diff, named) in result["heads"].items():
+            assert module.startswith("transformers_modules.") and name.endswith(auto_class[len("AutoModel"):]), result
+            assert shape == shapes[auto_class] and decoder_diff < 1e-5 and named == name, result

@@ -1,15 +1,20 @@
-"""Sequence classification: every architecture has a `*ForSequenceClassification` class behind
-`AutoModelForSequenceClassification`, which scores each sequence at its last token as transformers' Llama does, loads
-the decoder of a causal LM's checkpoint, round-trips through `save_pretrained`, and trains in the HF Trainer and with
-PEFT's LoRA. (Loading it through remote code without the package: `tests/test_remote_code.py`.)"""
+"""The task heads beside the causal LM, as transformers' Llama has them: every architecture has a
+`*ForSequenceClassification`, a `*ForTokenClassification` and a `*ForQuestionAnswering` class behind their Auto classes.
+Each loads the decoder of a causal LM's checkpoint, round-trips through `save_pretrained`, gives each row of a padded
+batch what the row alone gets, trains in the HF Trainer and with PEFT's LoRA, and runs in its pipeline. (Loading them
+through remote code without the package: `tests/test_remote_code.py`.)"""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     Trainer,
     TrainingArguments,
     pipeline,
@@ -19,12 +24,17 @@ import hf_memffn
 from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
 
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
+HEADS = [AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoModelForQuestionAnswering]
+
+
+def head_model(auto_class, arch: str, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(arch, **{"num_labels": 3, "pad_token_id": 0, **overrides})
+    return auto_class.from_config(config).eval()
 
 
 def classifier(arch: str, **overrides):
-    torch.manual_seed(0)
-    config = tiny_config(arch, **{"num_labels": 3, "pad_token_id": 0, **overrides})
-    return AutoModelForSequenceClassification.from_config(config).eval()
+    return head_model(AutoModelForSequenceClassification, arch, **overrides)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,20 +82,60 @@ def test_regression_with_one_label():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_causal_lms_checkpoint_loads_as_a_classifier_and_round_trips(arch, tmp_path):
+def test_each_token_is_labelled_and_each_answer_span_scored_as_in_its_row_alone(arch):
+    """The token classifier and the question-answering model score every token: in a left-padded batch each row's
+    tokens get what the row alone gets."""
+    rows = [torch.randint(3, 320, (n,)) for n in (5, 9, 1)]
+    ids, mask = left_padded(rows)
+    for auto_class in (AutoModelForTokenClassification, AutoModelForQuestionAnswering):
+        model = head_model(auto_class, arch)
+        assert type(model).__name__ == type(model.model).__name__.replace("Model", auto_class.__name__[9:])
+        with torch.no_grad():
+            batch = model(ids, attention_mask=mask).to_tuple()  # (logits,) or (start_logits, end_logits)
+            assert [tuple(scores.shape) for scores in batch] in ([(3, 9, 3)], [(3, 9), (3, 9)])
+            for index, row in enumerate(rows):
+                for batched, alone in zip(batch, model(row[None]).to_tuple()):
+                    torch.testing.assert_close(batched[index, -len(row):], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_token_labels_of_minus_100_are_left_out_of_the_loss():
+    """Cross-entropy over the labelled tokens; dropout before the head, `config.classifier_dropout` (0.1 unset)."""
+    model = head_model(AutoModelForTokenClassification, "kvffn")
+    assert model.dropout.p == 0.1
+    assert head_model(AutoModelForTokenClassification, "kvffn", classifier_dropout=0.0).dropout.p == 0.0
+    ids, labels = torch.randint(3, 320, (2, 6)), torch.randint(0, 3, (2, 6))
+    labels[0, :2] = labels[1, 4:] = -100
+    output = model(ids, labels=labels)
+    expected = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(output.loss, expected)
+
+
+def test_the_answer_span_loss_averages_start_and_end_and_ignores_positions_past_the_end():
+    model = head_model(AutoModelForQuestionAnswering, "flash_mhf")
+    ids, start, end = torch.randint(3, 320, (2, 6)), torch.tensor([1, 4]), torch.tensor([2, 9])
+    output = model(ids, start_positions=start, end_positions=end)
+    cross_entropy = torch.nn.functional.cross_entropy
+    expected = (cross_entropy(output.start_logits, start) + cross_entropy(output.end_logits[:1], end[:1])) / 2
+    torch.testing.assert_close(output.loss, expected)
+
+
+@pytest.mark.parametrize("head", HEADS, ids=lambda auto_class: auto_class.__name__[len("AutoModelFor"):])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_causal_lms_checkpoint_loads_under_each_head_and_round_trips(arch, head, tmp_path):
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(tiny_config(arch, pad_token_id=0)).eval()
     lm.save_pretrained(tmp_path / "lm")
-    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3).eval()
+    model = head.from_pretrained(tmp_path / "lm", num_labels=3).eval()
     ids = torch.randint(3, 320, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(model.model(ids).last_hidden_state, lm.model(ids).last_hidden_state,
                                    rtol=0, atol=0)
-        logits = model(ids).logits
-    model.save_pretrained(tmp_path / "classifier")
-    again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "classifier").eval()
+        outputs = model(ids, use_cache=False).to_tuple()  # (the scores alone)
+    model.save_pretrained(tmp_path / "head")
+    again = head.from_pretrained(tmp_path / "head").eval()
+    assert type(again) is type(model)
     with torch.no_grad():
-        torch.testing.assert_close(again(ids).logits, logits, rtol=0, atol=0)
+        torch.testing.assert_close(again(ids, use_cache=False).to_tuple(), outputs, rtol=0, atol=0)
 
 
 def _task(count: int = 32, length: int = 8):
@@ -96,18 +146,35 @@ def _task(count: int = 32, length: int = 8):
     return [{"input_ids": row, "labels": label} for row, label in zip(ids, labels)]
 
 
-@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
-def test_trainer_and_lora_train_the_classifier(arch, tmp_path):
+def _token_task(count: int = 32, length: int = 8):
+    """Each token labelled by the range its id falls in (three ranges); the answer span: from the token of the largest
+    id to the end of the row."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 320, (count, length), generator=generator)
+    starts = ids.argmax(-1)
+    return [{"input_ids": row, "labels": (row - 3) * 3 // 317, "start_positions": start,
+             "end_positions": torch.tensor(length - 1)} for row, start in zip(ids, starts)]
+
+
+@pytest.mark.parametrize("arch, auto_class, task_type, head, task", [
+    ("flash_mhf", AutoModelForSequenceClassification, "SEQ_CLS", "score", _task),
+    ("memoryllm", AutoModelForSequenceClassification, "SEQ_CLS", "score", _task),
+    ("kvffn", AutoModelForTokenClassification, "TOKEN_CLS", "score", _token_task),
+    ("flex_memoryllm", AutoModelForQuestionAnswering, "QUESTION_ANS", "qa_outputs", _token_task),
+], ids=["flash_mhf-sequence", "memoryllm-sequence", "kvffn-token", "flex_memoryllm-question_answering"])
+def test_trainer_and_lora_train_each_head(arch, auto_class, task_type, head, task, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    model = classifier(arch)
-    peft_model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=4,
+    model = head_model(auto_class, arch)
+    peft_model = get_peft_model(model, LoraConfig(task_type=task_type, r=4,
                                                   target_modules=hf_memffn.LORA_TARGET_MODULES[arch]))
     trainable = {name for name, parameter in peft_model.named_parameters() if parameter.requires_grad}
-    assert any("score" in name for name in trainable) and any("lora_" in name for name in trainable)
+    assert any(head in name for name in trainable) and any("lora_" in name for name in trainable)
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=8, learning_rate=1e-2, num_train_epochs=4,
                              logging_steps=1, report_to=[], use_cpu=True, save_strategy="no")
-    trainer = Trainer(model=peft_model, args=args, train_dataset=_task())
+    inputs = inspect.signature(model.forward).parameters  # (the token task's labels, or its answer spans)
+    dataset = [{key: value for key, value in row.items() if key in inputs} for row in task()]
+    trainer = Trainer(model=peft_model, args=args, train_dataset=dataset)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert sum(losses[-4:]) < sum(losses[:4]), losses
@@ -122,21 +189,35 @@ def test_text_classification_pipeline(tmp_path):
     assert {result["label"] for result in results} <= {"LABEL_0", "LABEL_1", "LABEL_2"}
 
 
-@pytest.mark.parametrize("arch", ["memoryllm", "flex_memoryllm"])
-def test_token_lookup_tables_serve_the_classifier(arch, tmp_path):
-    """A table exported from the causal LM replaces the classifier's FFNs on X0: the same scores."""
+def test_token_classification_pipeline():
+    """(transformers 5 has no extractive question-answering pipeline: the heads are used directly.)"""
+    tokenizer = tiny_tokenizer()
+    model = head_model(AutoModelForTokenClassification, "flash_mhf", pad_token_id=tokenizer.pad_token_id)
+    tag = pipeline("token-classification", model=model, tokenizer=tokenizer)
+    tagged = tag(["the memory reads a key", "a value"])
+    assert all(row and all({"entity", "score", "index", "word", "start", "end"} <= set(token) for token in row)
+               for row in tagged)
+    assert {token["entity"] for row in tagged for token in row} <= {"LABEL_0", "LABEL_1", "LABEL_2"}
+
+
+@pytest.mark.parametrize("arch, head", [("memoryllm", AutoModelForSequenceClassification),
+                                        ("flex_memoryllm", AutoModelForSequenceClassification),
+                                        ("flex_memoryllm", AutoModelForTokenClassification),
+                                        ("memoryllm", AutoModelForQuestionAnswering)])
+def test_token_lookup_tables_serve_the_heads(arch, head, tmp_path):
+    """A table exported from the causal LM replaces the head model's FFNs on X0: the same scores."""
     from hf_memffn.conversion import export_tols
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config(arch, pad_token_id=0)).save_pretrained(tmp_path / "lm")
     export_tols(str(tmp_path / "lm"), tmp_path / "table", format="fp32", progress=False)
-    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3).eval()
+    model = head.from_pretrained(tmp_path / "lm", num_labels=3).eval()
     ids = torch.randint(3, 320, (2, 7))
     with torch.no_grad():
-        computed = model(ids).logits
+        computed = model(ids, use_cache=False).to_tuple()
         model.load_tols(tmp_path / "table", placement="cpu")
         assert model.model.token_lookup is not None
-        looked_up = model(ids).logits
+        looked_up = model(ids, use_cache=False).to_tuple()
     torch.testing.assert_close(looked_up, computed, rtol=1e-5, atol=1e-5)
 
 
