@@ -23,7 +23,7 @@ EPS, GATE_EPS = 1e-5, 1e-6
 
 # (batch, seq_len, heads, head_dim, kv_heads, num_subnetworks, subnetwork_size, norm, router)
 LAYER_CASES = [
-    pytest.param((2, 37, 4, 64, 2, 3, 48, True, True), id="ragged-grouped-prologue_path"),
+    pytest.param((2, 37, 2, 64, 1, 3, 48, True, True), id="ragged-grouped-prologue_path"),
     pytest.param((3, 1, 2, 64, 2, 4, 32, True, True), id="L1-decode_kernel"),
     pytest.param((1, 70, 2, 128, 1, 1, 64, True, False), id="E1-no_router-mh_ffn"),
     pytest.param((2, 9, 2, 64, 1, 2, 32, False, True), id="no_norm-decode_kernel"),
@@ -227,9 +227,10 @@ def test_triton_decode_launches_match_float64(launch, dtype):
                                                 v.to(dtype), EPS, GATE_EPS, launch=launch)
     assert out.dtype == dtype and out.shape == p.shape
     assert relative_error(out, expected) < TOLERANCE[dtype]
-    again = flash_mhf_layer_triton.decode_forward(p.to(dtype), norm.float(), router.float(), k.to(dtype),
-                                                  u.to(dtype), v.to(dtype), EPS, GATE_EPS, launch=launch)
-    assert torch.equal(again, out)  # the splits are added in a fixed order
+    if ON_GPU:  # (the interpreter runs the programs one after another, in order)
+        again = flash_mhf_layer_triton.decode_forward(p.to(dtype), norm.float(), router.float(), k.to(dtype),
+                                                      u.to(dtype), v.to(dtype), EPS, GATE_EPS, launch=launch)
+        assert torch.equal(again, out)  # the splits are added in a fixed order
 
 
 @needs_kernels
@@ -245,13 +246,14 @@ def test_triton_decode_adds_more_splits_than_one_load_takes():
 
 
 @needs_kernels
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter runs the programs one after another, in order")
 def test_triton_decode_is_the_same_from_run_to_run():
     """Decoding with the fused layer gives bit-identical outputs from call to call (no atomics: on a GPU, programs
     finish in a different order every time), at a shape where many programs split each head's columns."""
     p, norm, router, k, u, v = (t.to(torch.bfloat16) for t in layer_inputs(16, 1, 4, 128, 4, 8, 256, True, True,
                                                                             seed=6))
     first = flash_mhf_layer_triton.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS)
-    for _ in range(1 if DEVICE == "cpu" else 50):  # (the interpreter runs the programs one after another, in order)
+    for _ in range(50):
         assert torch.equal(flash_mhf_layer_triton.decode_forward(p, norm, router, k, u, v, EPS, GATE_EPS), first)
 
 

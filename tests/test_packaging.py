@@ -17,6 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PROBE = ("import hf_memffn.conversion.export as export, hf_memffn.cli_args, hf_memffn.analysis.cli; "
          "print(export.__file__)")
+# which copy of the package an import would take, found without importing it (torch and transformers): where the
+# probe above has already shown that copy's imports to work
+FIND = ("import importlib.util, os; spec = importlib.util.find_spec('hf_memffn'); "
+        "print(os.path.join(os.path.dirname(spec.origin), 'conversion', 'export.py'))")
 
 pytestmark = pytest.mark.slow  # builds wheels (seconds each)
 
@@ -54,15 +58,15 @@ def test_wheel_holds_the_export_code_and_works_with_and_without_the_checkout_sha
     _install(wheel, tmp_path / "site")
     outside = _python(PROBE, cwd=tmp_path, pythonpath=str(tmp_path / "site"))
     assert Path(outside).is_relative_to(tmp_path / "site")
-    shadowed = _python(PROBE, cwd=REPO, pythonpath=str(tmp_path / "site"))  # the checkout comes first
-    assert Path(shadowed).is_relative_to(REPO)
+    shadowed = _python(FIND, cwd=REPO, pythonpath=str(tmp_path / "site"))  # the checkout comes first
+    assert Path(shadowed).is_relative_to(REPO) and Path(shadowed).is_file()
 
 
 def test_editable_install_points_at_the_checkout(tmp_path):
     wheel = _build("editable", tmp_path / "dist")
     _install(wheel, tmp_path / "site")
-    for cwd in (tmp_path, REPO):
-        assert Path(_python(PROBE, cwd=cwd, site_dir=tmp_path / "site")).is_relative_to(REPO)
+    for cwd, probe in ((tmp_path, PROBE), (REPO, FIND)):
+        assert Path(_python(probe, cwd=cwd, site_dir=tmp_path / "site")).is_relative_to(REPO)
 
 
 def test_checkout_on_pythonpath_runs_the_commands_and_scripts(tmp_path):
