@@ -13,7 +13,6 @@ import os
 import unittest
 
 import torch
-from transformers import LlamaForCausalLM, LlamaModel
 from transformers.models.auto import modeling_auto
 
 import hf_memffn
@@ -23,19 +22,20 @@ from .generation.test_utils import GenerationTesterMixin
 from .test_configuration_common import ConfigTester
 from .test_modeling_common import ModelTesterMixin, ids_tensor
 
+# Each architecture's base model, causal LM and task heads (sequence and token classification, question answering),
+# as transformers' Llama tests list theirs.
 MODEL_CLASSES = {
-    "flash_mhf": (hf_memffn.FlashMHFLlamaModel, hf_memffn.FlashMHFLlamaForCausalLM),
-    "memoryllm": (hf_memffn.MemoryLLMModel, hf_memffn.MemoryLLMForCausalLM),
-    "flex_memoryllm": (hf_memffn.FlexMemoryLLMModel, hf_memffn.FlexMemoryLLMForCausalLM),
-    "kvffn": (hf_memffn.KVFFNModel, hf_memffn.KVFFNForCausalLM),
-    "llama": (LlamaModel, LlamaForCausalLM),
+    name: (entry.model_class, entry.causal_lm_class, *entry.task_heads.values())
+    for name, entry in hf_memffn.REGISTRY.items()
 }
 # A model that ships inside transformers is listed in the auto-class name tables, and several tests read them (which
-# class is a base model, which takes causal-LM labels). Ours are registered at run time (`AutoModel.register`), which
-# does not touch those tables: list them there as an in-library model would be.
-for _base, _causal_lm in list(MODEL_CLASSES.values())[:4]:
-    modeling_auto.MODEL_MAPPING_NAMES.setdefault(_base.config_class.model_type, _base.__name__)
-    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(_base.config_class.model_type, _causal_lm.__name__)
+# class is a base model, which takes which labels). Ours are registered at run time (`AutoModel.register`), which
+# does not touch the base models' table (importing the modeling files lists the heads in theirs): list them there as
+# an in-library model would be.
+for _name, (_base, _causal_lm, *_heads) in MODEL_CLASSES.items():
+    if _name != hf_memffn.BASELINE:
+        modeling_auto.MODEL_MAPPING_NAMES.setdefault(_base.config_class.model_type, _base.__name__)
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(_base.config_class.model_type, _causal_lm.__name__)
 
 SELECTED = [a for a in os.environ.get("MEMFFN_SUITE_ARCHS", ",".join(MODEL_CLASSES)).split(",") if a]
 
@@ -52,7 +52,7 @@ class TinyModelTester:
     def __init__(self, parent, arch: str):
         self.parent = parent
         self.arch = arch
-        self.base_model_class, self.causal_lm_class = MODEL_CLASSES[arch]
+        self.base_model_class, self.causal_lm_class = MODEL_CLASSES[arch][:2]
         config = self.get_config()
         self.hidden_size = config.hidden_size
         self.num_hidden_layers = config.num_hidden_layers
