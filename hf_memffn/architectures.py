@@ -61,17 +61,13 @@ class Architecture:
     task_heads: dict[str, type] = field(default_factory=dict)
 
 
-# The Auto classes of the task heads beside the causal LM, and the suffix of each head's class name.
-TASK_HEADS = {
-    "AutoModelForSequenceClassification": "ForSequenceClassification",
-    "AutoModelForTokenClassification": "ForTokenClassification",
-    "AutoModelForQuestionAnswering": "ForQuestionAnswering",
-}
+# The Auto classes of the task heads beside the causal LM; `AutoModel<Task>` builds the classes named `<prefix><Task>`.
+TASK_HEADS = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 
 
 def task_heads_of(module, prefix: str) -> dict[str, type]:
-    """An architecture's task heads: the `<prefix><suffix>` classes of `module` (transformers or a modeling file)."""
-    return {auto_class: getattr(module, prefix + suffix) for auto_class, suffix in TASK_HEADS.items()}
+    """An architecture's task heads: the `<prefix><Task>` classes of `module` (transformers or a modeling file)."""
+    return {auto_class: getattr(module, prefix + auto_class[len("AutoModel"):]) for auto_class in TASK_HEADS}
 
 
 REGISTRY: dict[str, Architecture] = {
