@@ -43,6 +43,15 @@ from hf_memffn.atomic_write import atomic_output  # noqa: E402
 MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def name_repeated_runs(runs: list[dict]) -> None:
+    """A run named twice (to see the drift between runs) gets a second folder and row: `NAME_2`, then `NAME_3`."""
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run["name"]] = seen.get(run["name"], 0) + 1
+        if seen[run["name"]] > 1:
+            run["name"] = f"{run['name']}_{seen[run['name']]}"
+
+
 def parse_run(text: str) -> dict:
     """`ARCH:MODE[:BATCH]` -> {"arch", "mode", "batch", "name"}, with errors that name the allowed values."""
     parts = text.split(":")
@@ -212,11 +221,7 @@ def main(argv=None) -> dict:
         tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
         args.data_dir = standard_library_shards(args.work / f"shards_vocab{args.vocab_size}", args.vocab_size,
                                                 tokens)
-    seen: dict[str, int] = {}
-    for run in args.runs:  # a run named twice (to see the drift between runs) gets a second folder and row
-        seen[run["name"]] = seen.get(run["name"], 0) + 1
-        if seen[run["name"]] > 1:
-            run["name"] = f"{run['name']}_{seen[run['name']]}"
+    name_repeated_runs(args.runs)
     rows = []
     for run in args.runs:
         rows.append(measure(run, args))

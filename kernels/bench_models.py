@@ -1144,7 +1144,47 @@ def default_tasks(args) -> list[str]:
     return tasks
 
 
+TASK_FORMS = {  # each kind of task and what follows its kind
+    "layer": "layer:<size>", "profile": "profile:<size>",
+    "profile_decode": "profile_decode:<size>:<arch>[:<batch>]",
+    "profile_train": f"profile_train:<size>:<arch>[:{'|'.join(TRAIN_MODES)}[:<batch>]]",
+    "train": f"train:<size>:<arch>[+<arch>...]:{'|'.join(TRAIN_MODES)}[:<batch>]",
+    "decode": "decode:<size>:<arch>[+<arch>...]:eager|static",
+}
+
+
+def check_task(task: str) -> None:
+    """Raises a ValueError naming the task and the form it breaks; `main` checks every task before any runs, so that
+    a mistyped last task does not end a long run."""
+    part, *fields = task.split(":")
+    if part not in TASK_FORMS:
+        raise ValueError(f"unknown task {task!r}: a task is one of {', '.join(TASK_FORMS.values())}")
+    form = TASK_FORMS[part]
+    size, *rest = fields or [""]
+    mode_at = {"train": 1, "profile_train": 1}.get(part)
+    arity_ok = {"layer": not rest, "profile": not rest, "profile_decode": len(rest) in (1, 2),
+                "profile_train": len(rest) in (1, 2, 3), "train": len(rest) in (2, 3), "decode": len(rest) == 2}[part]
+    batch = rest[2:] if part in ("train", "profile_train") else rest[1:] if part == "profile_decode" else []
+    if (not arity_ok or (mode_at is not None and len(rest) > mode_at and rest[mode_at] not in TRAIN_MODES)
+            or (part == "decode" and rest[1] not in ("eager", "static")) or not all(b.isdigit() for b in batch)):
+        raise ValueError(f"task {task!r}: expected {form}")
+    try:
+        get_preset(size)
+    except ValueError as error:
+        raise ValueError(f"task {task!r}: {error}") from None
+    for architecture in (rest[0].split("+") if rest else []):
+        if architecture.removesuffix(OTHER_PACKAGE) not in ARCHS:
+            raise ValueError(f"task {task!r}: architecture {architecture!r} is not one of {', '.join(ARCHS)} (a "
+                             f"decode task's {OTHER_PACKAGE} suffix aside)")
+        if architecture.endswith(OTHER_PACKAGE) and part != "decode":
+            raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model decodes only")
+    if part == "train" and LOOKUP in rest[0]:
+        raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
+                         "FFN's weights are dropped")
+
+
 def run_task(task: str, args, results: dict) -> None:
+    check_task(task)
     part, size, *rest = task.split(":")
     device = args.device
     if part == "layer":
@@ -1157,17 +1197,9 @@ def run_task(task: str, args, results: dict) -> None:
     elif part == "profile_train":
         architecture, *mode = rest
         mode, batch = (mode + [None])[:2] if mode else ("eager", None)
-        if mode not in TRAIN_MODES or len(rest) > 3 or (batch is not None and not batch.isdigit()):
-            raise ValueError(f"task {task!r}: expected profile_train:<size>:<arch>[:{'|'.join(TRAIN_MODES)}"
-                             "[:<batch>]]")
         results["profile"].update(profile_train_rows(size, device, architecture, mode, int(batch) if batch else None))
     elif part == "train":
         architecture, mode, *batch = rest
-        if LOOKUP in architecture:
-            raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
-                             "FFN's weights are dropped")
-        if mode not in TRAIN_MODES or len(batch) > 1 or (batch and not batch[0].isdigit()):
-            raise ValueError(f"task {task!r}: expected train:<size>:<arch>:{'|'.join(TRAIN_MODES)}[:<batch>]")
         architectures = architecture.split("+")
         batch = int(batch[0]) if batch else None
         rows = (paired_train_rows(architectures, size, mode, device, batch) if len(architectures) > 1
@@ -1202,8 +1234,6 @@ def run_task(task: str, args, results: dict) -> None:
                 decoder.close()
             del decoders
             release()
-    else:
-        raise ValueError(f"unknown task {task!r}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -1334,7 +1364,7 @@ def main(argv=None) -> dict:
                         "decode:370M:llama+flash_mhf:static (models joined by + decode in turn) profile:370M "
                         "profile_train:370M:flash_mhf[:compiled|cudagraphs[:1]] (one training step by kernel family) "
                         "profile_decode:370M:flash_mhf[:16] (one static-cache generate() call at batch 1 [16]) "
-                        "(default: all of the above options)")
+                        "(default: all of the above options); every task is checked before the first runs")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
     parser.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
     parser.add_argument("--new-tokens", type=int, default=64, help="decoded tokens per generate() call")
@@ -1393,6 +1423,11 @@ def main(argv=None) -> dict:
     DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS = (args.decode_compile_mode, args.train_rounds,
                                                             args.train_round_steps)
     tasks = args.tasks or default_tasks(args)
+    for task in tasks:
+        try:
+            check_task(task)
+        except ValueError as error:
+            parser.error(f"--tasks: {error}")
     if args.gpus > 1:
         return run_on_gpus(tasks, args, parser)
     results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],

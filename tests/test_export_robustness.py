@@ -135,9 +135,9 @@ def test_processes_loading_one_remote_code_checkpoint_at_once(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_MODULES_CACHE=str(tmp_path / "modules"))
     env.pop("PYTHONPATH", None)
     processes = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"logits{i}.pt")], env=env,
-                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(3)]
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     for process in processes:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr.decode()[-2000:]
-    for i in range(3):
+    for i in range(2):
         torch.testing.assert_close(torch.load(tmp_path / f"logits{i}.pt"), expected)

@@ -175,9 +175,15 @@ def bench_models_main(monkeypatch):
 def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices(tmp_path, bench_models_main, capsys):
     """A training task naming several models times them in alternating rounds (`paired_train_rows`); `--gpus 2` runs
     each task in a process of its own on the next free device (here both are the CPU) and merges one report, each row
-    noting its device and task, a failed task's error kept; a decoding task runs with no other task beside it.
+    noting its device and task; a decoding task runs with no other task beside it. A mistyped task ends the run before
+    any starts, and a task that fails in its process is an error in the report.
     (The run's own process is this one: only the task processes import torch and transformers again.)"""
-    tasks = ["train:tiny:llama+kvffn:eager", "decode:tiny:llama:eager", "train:tiny:llama:eager", "bogus:tiny"]
+    with pytest.raises(SystemExit):
+        bench_models_main.main(["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--tasks", "layer:tiny",
+                                "bogus:tiny"])
+    assert "--tasks: unknown task 'bogus:tiny': a task is one of layer:<size>" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+    tasks = ["train:tiny:llama+kvffn:eager", "train:tiny:llama:eager", "decode:tiny:llama:eager"]
     bench_models_main.main(["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--seq-len", "16",
                             "--train-rounds", "4", "--train-round-steps", "1", "--new-tokens", "2",
                             "--decode-batches", "1", "--decode-repeats", "1", "--tasks", *tasks])
@@ -185,23 +191,31 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
     events = [(kind, line.split(": ", 1)[1] if kind == "start" else line.split(" finished ")[1].split(": ")[0])
               for line in printed.splitlines() if line.startswith("[")
               for kind in (("finish",) if " finished " in line else ("start",))]
-    decode = events.index(("start", tasks[1]))
-    assert events[decode - 1] == ("finish", tasks[0]) and events[decode + 1] == ("finish", tasks[1])
+    # both training tasks at once, then the decoding task once neither runs
+    assert events[:2] == [("start", tasks[0]), ("start", tasks[1])] and sorted(events[2:4]) == [
+        ("finish", tasks[0]), ("finish", tasks[1])] and events[4:] == [("start", tasks[2]), ("finish", tasks[2])]
     data = json.loads((tmp_path / "models_bench.json").read_text())
-    assert data["errors"] == ["bogus:tiny: ValueError(\"unknown task 'bogus:tiny'\")"] and data["tasks"] == tasks
-    assert [row["task"] for row in data["decode"]] == [tasks[1]]
+    assert data["errors"] == [] and data["tasks"] == tasks
+    assert [row["task"] for row in data["decode"]] == [tasks[2]]
     assert [(row["arch"], row["task"]) for row in data["train"]] == [
-        ("llama", tasks[0]), ("kvffn", tasks[0]), ("llama", tasks[2])]
-    assert {row["gpu"] for row in data["train"]} <= {0, 1} and set(data["gpus"]) <= {"0", "1"}
+        ("llama", tasks[0]), ("kvffn", tasks[0]), ("llama", tasks[1])]
+    assert {row["gpu"] for row in data["train"]} == {0, 1} and set(data["gpus"]) == {"0", "1"}
     llama, kvffn, alone = data["train"]
     assert llama["round_paired_ratio"] == 1.0 and kvffn["interleaved_with"] == ["llama"]
     assert len(kvffn["round_median_step_ms"]) == 4 and "round_paired_ratio" not in alone
     low, high = kvffn["round_paired_ratio_quartiles"]
     assert low <= kvffn["round_paired_ratio"] <= high
-    assert sorted(os.listdir(tmp_path / "tasks")) == [f"{i:02d}{suffix}" for i in range(4) for suffix in ("", ".log")]
+    assert sorted(os.listdir(tmp_path / "tasks")) == [f"{i:02d}{suffix}" for i in range(3) for suffix in ("", ".log")]
     markdown = (tmp_path / "models_bench.md").read_text()
     assert "| x Llama by round pairs |" in markdown and "| GPU |" in markdown and "on one of 2 GPUs" in markdown
     assert "plot failed" not in printed and (tmp_path / "models_bench.png").stat().st_size > 0
+    # a task whose process ended without results, and one whose process caught an error of its own
+    child = json.loads((tmp_path / "tasks" / "01" / "models_bench.json").read_text())
+    finished = {0: (tasks[0], 0, None, "exit code 1: Traceback | RuntimeError('boom')"),
+                1: (tasks[1], 1, {**child, "errors": [f"{tasks[1]}: OSError()"]}, "ok")}
+    merged = bench_models_main.merge_task_results(tasks, finished, argparse.Namespace(out=str(tmp_path)))
+    assert merged["errors"] == [f"{tasks[0]}: exit code 1: Traceback | RuntimeError('boom')", f"{tasks[1]}: OSError()"]
+    assert [(row["task"], row["gpu"]) for row in merged["train"]] == [(tasks[1], 1)]
 
 
 def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
@@ -337,7 +351,8 @@ def test_compiled_step_host_report_and_idle_layer_ops():
 
 def test_model_benchmark_training_modes_and_bad_tasks():
     """A training task runs eager, compiled, or compiled and replayed from CUDA graphs (`cudagraphs`: inductor's
-    reduce-overhead mode, which the GPU runs time); a task outside that grammar says what it expects."""
+    reduce-overhead mode, which the GPU runs time); a task outside the grammar, or naming a preset or model that does
+    not exist, says what it expects (`check_task`, which `main` runs on every task first)."""
     bench_models = kernel_script("bench_models")
     model = torch.nn.Linear(2, 2)
     assert bench_models.compiled_for_training(model, "eager") is model
@@ -347,7 +362,11 @@ def test_model_benchmark_training_modes_and_bad_tasks():
     for task, expected in (("train:tiny:llama:graphs", "eager|compiled|cudagraphs[:<batch>]"),
                            ("train:tiny:llama:eager:x", "eager|compiled|cudagraphs[:<batch>]"),
                            ("profile_train:tiny:llama:eager:1:2",
-                            "profile_train:<size>:<arch>[:eager|compiled|cudagraphs")):
+                            "profile_train:<size>:<arch>[:eager|compiled|cudagraphs"),
+                           ("decode:tiny:llama:compiled", "decode:<size>:<arch>[+<arch>...]:eager|static"),
+                           ("train:tiny:llama+lama:eager", "architecture 'lama' is not one of llama, flash_mhf"),
+                           ("train:tiny:kvffn@other:eager", "an @other model decodes only"),
+                           ("layer:huge", "task 'layer:huge': preset='huge' is not one of")):
         with pytest.raises(ValueError, match=re.escape(expected)):
             bench_models.run_task(task, args, {"train": [], "profile": {}})
 
@@ -404,7 +423,7 @@ def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_packa
     with open(other / "hf_memffn" / "__init__.py", "a", encoding="utf-8") as handle:
         handle.write(f"\nopen({str(marker)!r}, 'a').write(__file__ + '\\n')\n")
     cpu = min(os.sched_getaffinity(0))
-    architectures = ["llama", "kvffn", "kvffn@other", "kvffn_plain_launch"]
+    architectures = ["llama", "kvffn@other", "kvffn_plain_launch"]
     out = tmp_path / "out"
     result = run_script("bench_models.py", "--out", str(out), "--device", "cpu", "--new-tokens", "2",
                         "--decode-repeats", "4", "--decode-batches", "1", "--decode-processes", "--decode-profile",
@@ -415,13 +434,14 @@ def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_packa
     assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == architectures
     assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 4 for row in data["decode"])
     assert all(row["cpu"] == cpu for row in data["decode"])
-    llama, kvffn = data["decode"][:2]
+    llama, kvffn = data["decode"][:2]  # (kvffn from the other package)
     assert llama["round_paired_ratio"] == 1.0 and llama["p10_ms_per_step"] <= llama["ms_per_step"]
     assert {row["round_paired_baseline"] for row in data["decode"]} == {"llama"}
     low, high = kvffn["round_paired_ratio_quartiles"]
     assert low <= kvffn["round_paired_ratio"] <= high
     markdown = (out / "models_bench.md").read_text()
-    assert f"KVFFN, own process, CPU {cpu}" in markdown and "KVFFN, the other package, own process" in markdown
+    assert f"KVFFN, the other package, own process, CPU {cpu}" in markdown
+    assert "KVFFN, Triton's launch on every call, own process" in markdown
     # --decode-profile: each model's tables, taken in its own process after the timed rounds
     profiles = {name: data["profile"][name] for name in data["profile"]}
     assert set(profiles) == {f"decode_tiny_{arch}_eager_b1_in_task" for arch in architectures}
@@ -520,14 +540,14 @@ def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path, monkey
     rebuilds its signature) measured in a process of its own. (The run's own process is this one.)"""
     monkeypatch.setenv("PYTHONPATH", SCRIPT_PYTHONPATH)  # (the measuring processes import this checkout)
     kernel_script("profile_decode_host").main(["--out", str(tmp_path), "--size", "tiny", "--rounds", "1", "--calls",
-                                               "1", "--new-tokens", "3", "--archs", "llama", "kvffn",
-                                               "--rebuilt-signature"])
+                                               "1", "--new-tokens", "3", "--archs", "kvffn", "--rebuilt-signature"])
     data = json.loads((tmp_path / "decode_host.json").read_text())
-    assert list(data["rounds"]) == ["llama", "kvffn", "kvffn:rebuilt_signature"]
+    assert list(data["rounds"]) == ["kvffn", "kvffn:rebuilt_signature"]
     assert all(len(rounds) == 1 and rounds[0] > 0 for rounds in data["rounds"].values())
-    assert data["parameters"]["kvffn"] > data["parameters"]["llama"]  # (its biases)
-    assert data["graph_inputs"]["kvffn"][0] - data["graph_inputs"]["llama"][0] == (
-        data["parameters"]["kvffn"] - data["parameters"]["llama"])  # (one compiled graph; each parameter an input)
+    # one compiled graph, whose inputs are every parameter, the cache's tensors and the step's own inputs
+    assert [len(data["graph_inputs"][variant]) for variant in data["rounds"]] == [1, 1]
+    assert data["graph_inputs"]["kvffn"] == data["graph_inputs"]["kvffn:rebuilt_signature"]
+    assert data["graph_inputs"]["kvffn"][0] > data["parameters"]["kvffn"]
     # dynamo's guard check of the compiled forward, timed alone on a recorded step's inputs (which must pass it)
     assert all(len(times) == 1 and 0 < times[0] < 1e5 for times in data["guard_check_us"].values())
     markdown = (tmp_path / "decode_host.md").read_text()

@@ -27,42 +27,48 @@ import hf_memffn
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-mode, root, archs = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+
+def run(mode, root, archs, ids):
+    results = {}
+    for arch in archs:
+        sizes = {"tp_size": 2} if mode == "tp" else {"pp_size": 2}
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", distributed_config=DistributedConfig(**sizes))
+        logits = model(ids).logits
+        results[arch] = {"logits": logits.detach().tolist()}
+        if mode == "tp":
+            logits.float().square().mean().backward()
+            grads = {}
+            for name, param in model.named_parameters():
+                grad = param.grad
+                if grad is not None and hasattr(grad, "full_tensor"):
+                    grad = grad.full_tensor()
+                if grad is not None:
+                    grads[name] = grad.tolist()
+            results[arch]["grads"] = grads
+            results[arch]["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "placements")
+                                              and any(type(pl).__name__ == "Shard" for pl in p.placements))
+    # refused, with a clear error: FlashMHF's chunked recompute under TP, token lookup tables under PP
+    try:
+        if mode == "tp":
+            AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf_recompute",
+                                                 distributed_config=DistributedConfig(tp_size=2))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm",
+                                                         distributed_config=DistributedConfig(pp_size=2))
+            model.load_tols(f"{root}/memoryllm_table", placement="cpu")
+        results["refused"] = None
+    except ValueError as error:
+        results["refused"] = str(error)
+    return results
+
+
+modes, root, archs = sys.argv[1].split(","), sys.argv[2], sys.argv[3].split(",")
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 ids = torch.load(f"{root}/ids.pt")
-results = {}
-for arch in archs:
-    sizes = {"tp_size": 2} if mode == "tp" else {"pp_size": 2}
-    model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", distributed_config=DistributedConfig(**sizes))
-    logits = model(ids).logits
-    results[arch] = {"logits": logits.detach().tolist()}
-    if mode == "tp":
-        logits.float().square().mean().backward()
-        grads = {}
-        for name, param in model.named_parameters():
-            grad = param.grad
-            if grad is not None and hasattr(grad, "full_tensor"):
-                grad = grad.full_tensor()
-            if grad is not None:
-                grads[name] = grad.tolist()
-        results[arch]["grads"] = grads
-        results[arch]["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "placements")
-                                          and any(type(pl).__name__ == "Shard" for pl in p.placements))
-# refused, with a clear error: FlashMHF's chunked recompute under TP, token lookup tables under PP
-try:
-    if mode == "tp":
-        AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf_recompute",
-                                             distributed_config=DistributedConfig(tp_size=2))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm",
-                                                     distributed_config=DistributedConfig(pp_size=2))
-        model.load_tols(f"{root}/memoryllm_table", placement="cpu")
-    results["refused"] = None
-except ValueError as error:
-    results["refused"] = str(error)
+results = {mode: run(mode, root, archs, ids) for mode in modes}  # (one launch of the two processes for both)
 if dist.get_rank() == 0:
-    with open(f"{root}/{mode}.json", "w") as handle:
+    with open(f"{root}/results.json", "w") as handle:
         json.dump(results, handle)
 dist.destroy_process_group()
 """
@@ -98,23 +104,30 @@ def checkpoints(tmp_path_factory):
     return root, expected
 
 
-def run_workers(root, mode: str) -> dict:
+@pytest.fixture(scope="module")
+def parallel_results(checkpoints) -> dict:
+    """What the two processes computed under tensor parallelism ("tp") and under pipeline parallelism ("pp")."""
+    root, _ = checkpoints
+    return run_workers(root, "tp,pp")
+
+
+def run_workers(root, modes: str) -> dict:
     # gloo on the CPU, like the one-process reference (on a GPU machine, rank 1 would ask for a second GPU)
     # the workers import the copy of hf_memffn this test imported, installed or not
     package_root = os.path.dirname(os.path.dirname(hf_memffn.__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(root / "worker.py"), mode, str(root), ",".join(ARCHS)]
+               str(free_port()), str(root / "worker.py"), modes, str(root), ",".join(ARCHS)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((root / f"{mode}.json").read_text())
+    return json.loads((root / "results.json").read_text())
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process(checkpoints):
-    root, expected = checkpoints
-    results = run_workers(root, "tp")
+def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
+    _, expected = checkpoints
+    results = parallel_results["tp"]
     for arch in ARCHS:
         logits, grads = expected[arch]
         torch.testing.assert_close(torch.tensor(results[arch]["logits"]), logits, rtol=1e-4, atol=1e-5,
@@ -132,10 +145,10 @@ def test_tensor_parallel_matches_one_process(checkpoints):
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_matches_one_process(checkpoints):
+def test_pipeline_parallel_matches_one_process(checkpoints, parallel_results):
     """transformers' pipeline passes only hidden states between stages; MemoryLLM and FlexMemoryLLM get X0 too."""
-    root, expected = checkpoints
-    results = run_workers(root, "pp")
+    _, expected = checkpoints
+    results = parallel_results["pp"]
     for arch in ARCHS:
         torch.testing.assert_close(torch.tensor(results[arch]["logits"]), expected[arch][0], rtol=1e-4, atol=1e-5)
     # later stages have neither the embeddings nor the token ids a table is indexed by

@@ -30,6 +30,18 @@ def test_run_specs_name_the_allowed_values():
             recipe_speed.parse_run(spec)
 
 
+def test_a_run_named_again_gets_a_row_of_its_own_and_each_row_a_ratio_to_the_first_at_its_batch():
+    runs = [recipe_speed.parse_run(spec) for spec in ("llama:eager:2", "flash_mhf:eager:2", "llama:eager:2",
+                                                      "llama:eager:2", "flash_mhf:eager:4")]
+    recipe_speed.name_repeated_runs(runs)
+    names = [run["name"] for run in runs]
+    assert names == ["llama_eager_b2", "flash_mhf_eager_b2", "llama_eager_b2_2", "llama_eager_b2_3", "flash_mhf_eager_b4"]
+    rows = [{**run, "tokens_per_second": speed} for run, speed in zip(runs, (100.0, 80.0, 110.0, 90.0, 50.0))]
+    recipe_speed.add_ratios(rows)
+    assert [(row["ratio"], row["ratio_to"]) for row in rows] == [
+        (1.0, names[0]), (0.8, names[0]), (1.1, names[0]), (0.9, names[0]), (1.0, names[4])]
+
+
 @pytest.mark.slow
 def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the recipe's runs on the CPU, on a GPU machine too
@@ -41,15 +53,15 @@ def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     result = recipe_speed.main(["--out", str(out), "--data-dir", str(data), "--work", str(tmp_path / "work"),
                                 "--preset", "tiny", "--block-size", "32", "--steps", "6", "--logging-steps", "2",
                                 "--skip-windows", "1", "--precision", "fp32",
-                                "--runs", "llama:eager:2", "flash_mhf:eager:2", "llama:eager:2"])
+                                "--runs", "llama:eager:2", "flash_mhf:eager:2"])
     rows = result["rows"]
-    assert [row["name"] for row in rows] == ["llama_eager_b2", "flash_mhf_eager_b2", "llama_eager_b2_2"]
+    assert [row["name"] for row in rows] == ["llama_eager_b2", "flash_mhf_eager_b2"]
     for row in rows:
         assert row["returncode"] == 0 and "error" not in row, row
         assert row["tokens_per_second"] > 0 and len(row["windows"]) == 2  # windows 2 and 3 of 3
         assert row["ms_per_step"] == pytest.approx(1000 * 64 / row["tokens_per_second"], rel=0.01)
         assert (out / f"{row['name']}.log").is_file() and (out / f"{row['name']}_train_log.jsonl").is_file()
-    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio_to"] == rows[2]["ratio_to"] == "llama_eager_b2"
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio_to"] == "llama_eager_b2"
     assert json.loads((out / "recipe_speed.json").read_text())["rows"][1]["arch"] == "flash_mhf"
     table = (out / "recipe_speed.md").read_text()
     assert "| flash_mhf_eager_b2 | flash_mhf | eager | 2 |" in table and "cpu" in table
@@ -59,7 +71,7 @@ def test_two_recipe_runs_side_by_side(tmp_path, monkeypatch):
     assert recipe_speed.run_environment()["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
 
 
-def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_path, capsys):
+def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         recipe_speed.main(["--out", str(tmp_path / "results"), "--data-dir", str(tmp_path / "missing"),
                            "--runs", "llama:eager"])
@@ -67,11 +79,14 @@ def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_p
 
     data = tmp_path / "data"
     data.mkdir()
-    (data / "train.bin").write_bytes(b"")  # shards without a tokenizer: the recipe itself fails
+    (data / "train.bin").write_bytes(b"")
+    # a run whose process fails (a stand-in for the recipe, which would take seconds to import torch first)
+    monkeypatch.setattr(recipe_speed, "recipe_command", lambda run, args, output_dir: [
+        sys.executable, "-c", "import sys; print('the recipe failed'); sys.exit(3)"])
     result = recipe_speed.main(["--out", str(tmp_path / "results"), "--data-dir", str(data),
                                 "--work", str(tmp_path / "work"), "--preset", "tiny", "--runs", "llama:eager"])
     (row,) = result["rows"]
-    assert row["returncode"] != 0 and row["error"]
+    assert row["returncode"] == 3 and "the recipe failed" in " ".join(row["error"])
     assert "| llama_eager_b1 | llama | eager | 1 | failed: " in (tmp_path / "results" / "recipe_speed.md").read_text()
 
 
