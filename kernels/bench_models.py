@@ -54,6 +54,7 @@ import copy
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -1144,43 +1145,45 @@ def default_tasks(args) -> list[str]:
     return tasks
 
 
-TASK_FORMS = {  # each kind of task and what follows its kind
-    "layer": "layer:<size>", "profile": "profile:<size>",
-    "profile_decode": "profile_decode:<size>:<arch>[:<batch>]",
-    "profile_train": f"profile_train:<size>:<arch>[:{'|'.join(TRAIN_MODES)}[:<batch>]]",
-    "train": f"train:<size>:<arch>[+<arch>...]:{'|'.join(TRAIN_MODES)}[:<batch>]",
-    "decode": "decode:<size>:<arch>[+<arch>...]:eager|static",
+_MODES = "|".join(TRAIN_MODES)
+TASK_FORMS = {  # each kind of task: its form as the help and errors write it, and as a pattern of the whole task
+    "layer": ("layer:<size>", r"layer:(?P<size>[^:]+)"),
+    "profile": ("profile:<size>", r"profile:(?P<size>[^:]+)"),
+    "profile_decode": ("profile_decode:<size>:<arch>[:<batch>]",
+                       r"profile_decode:(?P<size>[^:]+):(?P<archs>[^:+]+)(:\d+)?"),
+    "profile_train": (f"profile_train:<size>:<arch>[:{_MODES}[:<batch>]]",
+                      rf"profile_train:(?P<size>[^:]+):(?P<archs>[^:+]+)(:({_MODES})(:\d+)?)?"),
+    "train": (f"train:<size>:<arch>[+<arch>...]:{_MODES}[:<batch>]",
+              rf"train:(?P<size>[^:]+):(?P<archs>[^:]+):({_MODES})(:\d+)?"),
+    "decode": ("decode:<size>:<arch>[+<arch>...]:eager|static",
+               r"decode:(?P<size>[^:]+):(?P<archs>[^:]+):(eager|static)"),
 }
 
 
 def check_task(task: str) -> None:
     """Raises a ValueError naming the task and the form it breaks; `main` checks every task before any runs, so that
     a mistyped last task does not end a long run."""
-    part, *fields = task.split(":")
-    if part not in TASK_FORMS:
-        raise ValueError(f"unknown task {task!r}: a task is one of {', '.join(TASK_FORMS.values())}")
-    form = TASK_FORMS[part]
-    size, *rest = fields or [""]
-    mode_at = {"train": 1, "profile_train": 1}.get(part)
-    arity_ok = {"layer": not rest, "profile": not rest, "profile_decode": len(rest) in (1, 2),
-                "profile_train": len(rest) in (1, 2, 3), "train": len(rest) in (2, 3), "decode": len(rest) == 2}[part]
-    batch = rest[2:] if part in ("train", "profile_train") else rest[1:] if part == "profile_decode" else []
-    if (not arity_ok or (mode_at is not None and len(rest) > mode_at and rest[mode_at] not in TRAIN_MODES)
-            or (part == "decode" and rest[1] not in ("eager", "static")) or not all(b.isdigit() for b in batch)):
+    kind = task.split(":")[0]
+    if kind not in TASK_FORMS:
+        raise ValueError(f"unknown task {task!r}: a task is one of {', '.join(f for f, _ in TASK_FORMS.values())}")
+    form, pattern = TASK_FORMS[kind]
+    match = re.fullmatch(pattern, task)
+    if match is None:
         raise ValueError(f"task {task!r}: expected {form}")
     try:
-        get_preset(size)
+        get_preset(match["size"])
     except ValueError as error:
         raise ValueError(f"task {task!r}: {error}") from None
-    for architecture in (rest[0].split("+") if rest else []):
+    architectures = match.groupdict().get("archs")
+    for architecture in architectures.split("+") if architectures else []:
         if architecture.removesuffix(OTHER_PACKAGE) not in ARCHS:
             raise ValueError(f"task {task!r}: architecture {architecture!r} is not one of {', '.join(ARCHS)} (a "
                              f"decode task's {OTHER_PACKAGE} suffix aside)")
-        if architecture.endswith(OTHER_PACKAGE) and part != "decode":
+        if architecture.endswith(OTHER_PACKAGE) and kind != "decode":
             raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model decodes only")
-    if part == "train" and LOOKUP in rest[0]:
-        raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
-                         "FFN's weights are dropped")
+        if LOOKUP in architecture and kind == "train":
+            raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
+                             "FFN's weights are dropped")
 
 
 def run_task(task: str, args, results: dict) -> None:

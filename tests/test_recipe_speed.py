@@ -35,7 +35,8 @@ def test_a_run_named_again_gets_a_row_of_its_own_and_each_row_a_ratio_to_the_fir
                                                       "llama:eager:2", "flash_mhf:eager:4")]
     recipe_speed.name_repeated_runs(runs)
     names = [run["name"] for run in runs]
-    assert names == ["llama_eager_b2", "flash_mhf_eager_b2", "llama_eager_b2_2", "llama_eager_b2_3", "flash_mhf_eager_b4"]
+    assert names == ["llama_eager_b2", "flash_mhf_eager_b2", "llama_eager_b2_2", "llama_eager_b2_3",
+                     "flash_mhf_eager_b4"]
     rows = [{**run, "tokens_per_second": speed} for run, speed in zip(runs, (100.0, 80.0, 110.0, 90.0, 50.0))]
     recipe_speed.add_ratios(rows)
     assert [(row["ratio"], row["ratio_to"]) for row in rows] == [
