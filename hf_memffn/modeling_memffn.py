@@ -693,6 +693,27 @@ class MemFFNHeadModel(MemFFNPreTrainedModel):
     base_model_class = MemFFNModel
     auto_class_name: str
     task_class_names: dict[str, str]
+    # transformers' pipeline parallelism (`pp_size`) runs a causal LM's forward only: the last stage's output must have
+    # `logits` of [batch, length, vocab] and a cache, which it broadcasts to every stage; the other heads are refused
+    runs_in_pipeline = False
+
+    @property
+    def _pp_stage(self):
+        """The pipeline stage transformers' pipeline parallelism sets on the model (None without it)."""
+        return self.__dict__.get("_memffn_pp_stage")
+
+    @_pp_stage.setter
+    def _pp_stage(self, stage) -> None:
+        if stage is not None and not self.runs_in_pipeline:
+            # set while the model is built, on every stage, before any weight is loaded: without this the last stage
+            # fails in transformers' broadcast of the logits and the other stages wait for it forever
+            raise ValueError(
+                f"{type(self).__name__} does not work under pipeline parallelism (pp_size > 1): transformers' "
+                "pipeline passes on a causal LM's logits only. Use tensor parallelism (tp_size), FSDP or DeepSpeed for "
+                "this head, or pipeline parallelism with AutoModelForCausalLM")
+        self.__dict__["_memffn_pp_stage"] = stage
+        if stage is not None and self.config.token_memory_size is not None:
+            self.model.token_embedding_relay = TokenEmbeddingRelay(stage)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -726,17 +747,7 @@ class MemFFNForCausalLM(MemFFNHeadModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-
-    @property
-    def _pp_stage(self):
-        """The pipeline stage transformers' pipeline parallelism sets on the model (None without it)."""
-        return self.__dict__.get("_memffn_pp_stage")
-
-    @_pp_stage.setter
-    def _pp_stage(self, stage) -> None:
-        self.__dict__["_memffn_pp_stage"] = stage
-        if stage is not None and self.config.token_memory_size is not None:
-            self.model.token_embedding_relay = TokenEmbeddingRelay(stage)
+    runs_in_pipeline = True
 
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)

@@ -2,12 +2,14 @@
 
 It does not install from `.[test]`: its source distribution imports torch while building, so pip's isolated build
 would fetch a CUDA torch. Install it next to the CPU torch with
-`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed` (ops are then built on first use; none is used here).
+`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed` (ops are then built on first use; none is used here), as
+CI does for its transformers 5.17 job.
 
 In a child Python (DeepSpeed keeps process-wide state):
-* ZeRO-3 `zero.Init` through transformers (`HfDeepSpeedConfig`): loading a checkpoint of every architecture shards
-  every parameter, MemoryLLM's stacked `TokenMemory` and FlashMHF's sub-network tensors included; gathering them gives
-  back the saved tensors; one training step of the DeepSpeed engine equals a plain PyTorch step;
+* ZeRO-3 `zero.Init` through transformers (`HfDeepSpeedConfig`): loading a checkpoint of every architecture's causal LM
+  and task heads (sequence and token classifiers, question answering) shards every parameter, MemoryLLM's stacked
+  `TokenMemory` and FlashMHF's sub-network tensors included; gathering them gives back the saved tensors; one training
+  step of the DeepSpeed engine equals a plain PyTorch step;
 * the committed `examples/accelerate/ds_zero2.json` / `ds_zero3.json`, their "auto" values filled by the Trainer,
   train a MemoryLLM and a FlashMHFLlama for three steps with the losses of the same Trainer run without DeepSpeed.
 And the README's command, `accelerate launch --config_file examples/accelerate/deepspeed_zero{2,3}.yaml
@@ -39,7 +41,8 @@ CHILD = textwrap.dedent(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     import deepspeed
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification, Trainer, TrainingArguments)
     from transformers.integrations import HfDeepSpeedConfig
 
     import hf_memffn
@@ -47,40 +50,50 @@ CHILD = textwrap.dedent(
 
     work, root = sys.argv[1], sys.argv[2]
     results = {"zero3": {}, "trainer": {}}
+    # every architecture's causal LM and task heads, each with its labels
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
+    heads = {"causal_lm": (AutoModelForCausalLM, {"labels": ids}),
+             "sequence_classification": (AutoModelForSequenceClassification, {"labels": torch.tensor([0, 2])}),
+             "token_classification": (AutoModelForTokenClassification, {"labels": torch.randint(0, 3, (2, 9))}),
+             "question_answering": (AutoModelForQuestionAnswering, {"start_positions": torch.tensor([1, 4]),
+                                                                   "end_positions": torch.tensor([3, 8])})}
+    # (no dropout before the token classifier: the engine's step and the plain one see the same model)
+    head_fields = {"num_labels": 3, "pad_token_id": 0, "classifier_dropout": 0.0}
     checkpoints = {}
     for arch in hf_memffn.ARCHITECTURES:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config(arch))
-        checkpoints[arch] = f"{work}/{arch}"
-        model.save_pretrained(checkpoints[arch])
+        for head, (auto_class, _) in heads.items():
+            torch.manual_seed(0)
+            config = tiny_config(arch, **(head_fields if head != "causal_lm" else {}))
+            checkpoints[arch, head] = f"{work}/{arch}_{head}"
+            auto_class.from_config(config).save_pretrained(checkpoints[arch, head])
 
     # ZeRO-3 through transformers' zero.Init, then one engine step against plain PyTorch
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True}
-    for arch, path in checkpoints.items():
-        reference = AutoModelForCausalLM.from_pretrained(path)
+    for (arch, head), path in checkpoints.items():
+        auto_class, labels = heads[head]
+        reference = auto_class.from_pretrained(path)
         keep_alive = HfDeepSpeedConfig(config)
-        model = AutoModelForCausalLM.from_pretrained(path)
+        model = auto_class.from_pretrained(path)
         sharded = {name: list(p.ds_shape) for name, p in model.named_parameters() if hasattr(p, "ds_id") and p.numel() == 0}
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             gathered = {name: (p.detach() - reference.state_dict()[name]).abs().max().item()
                         for name, p in model.named_parameters()}
-        ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                           config=config)
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = engine(input_ids=ids, **labels).loss
         engine.backward(loss)
         engine.step()
         optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        reference_loss = reference(input_ids=ids, labels=ids).loss
+        reference_loss = reference(input_ids=ids, **labels).loss
         reference_loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         optimizer.step()
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             stepped = max((p.detach() - reference.state_dict()[name]).abs().max().item()
                           for name, p in engine.module.named_parameters())
-        results["zero3"][arch] = {
+        results["zero3"][f"{arch}/{head}"] = {
             "parameters": [name for name, _ in reference.named_parameters()], "sharded": sharded,
             "gather_max_diff": max(gathered.values()), "loss": loss.item(), "reference_loss": reference_loss.item(),
             "step_max_diff": stepped, "repr": repr(engine.module)[:80],
@@ -96,7 +109,7 @@ CHILD = textwrap.dedent(
             args = TrainingArguments(f"{work}/run-{arch}-{name}", deepspeed=deepspeed_config, use_cpu=True,
                                      per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
                                      save_strategy="no", report_to=[], disable_tqdm=True)
-            model = AutoModelForCausalLM.from_pretrained(checkpoints[arch])
+            model = AutoModelForCausalLM.from_pretrained(checkpoints[arch, "causal_lm"])
             trainer = Trainer(model=model, args=args, train_dataset=data)
             trainer.train()
             results["trainer"][f"{arch}/{name}"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -118,9 +131,10 @@ def results(tmp_path_factory):
     return json.loads((work / "results.json").read_text())
 
 
+@pytest.mark.parametrize("head", ["causal_lm", "sequence_classification", "token_classification", "question_answering"])
 @pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"])
-def test_zero3_shards_gathers_and_steps_every_parameter(results, arch):
-    result = results["zero3"][arch]
+def test_zero3_shards_gathers_and_steps_every_parameter(results, arch, head):
+    result = results["zero3"][f"{arch}/{head}"]
     assert sorted(result["sharded"]) == sorted(result["parameters"])  # every parameter sharded, none left whole
     if arch in ("memoryllm", "flex_memoryllm"):
         assert len(result["sharded"]["model.memory.gate_proj"]) == 3  # the stacked [layers, I, d] memory FFN

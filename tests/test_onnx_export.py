@@ -2,10 +2,11 @@
 operator exports through its ONNX translation (the reference decomposition), the graph passes onnx's full checker, and
 the ONNX model's logits equal the PyTorch model's at other batch sizes and lengths than the export's, evaluated with
 onnx's reference evaluator and, when it is installed, with onnxruntime's CPU provider (the runtime models are deployed
-with)."""
+with), also for float16 models there."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -42,6 +43,8 @@ ALL = os.environ.get("HF_MEMFFN_ONNX_VARIANTS") == "all"
 SELECTED = list(CASES) if ALL else list(DEFAULT_CASES)
 # The attention mask is the shared decoder's: one architecture by default, the four with HF_MEMFFN_ONNX_VARIANTS=all.
 MASKED = ["flash_mhf", "kvffn", "memoryllm", "flex_memoryllm"] if ALL else ["kvffn"]
+# float16 in onnxruntime: FlashMHF's translation and MemoryLLM's Einsum by default, the four with all.
+FLOAT16 = ["flash_mhf", "kvffn", "memoryllm", "flex_memoryllm"] if ALL else ["flash_mhf", "memoryllm"]
 # Batch sizes and lengths other than the export's (2, 8), one token and 200 among them.
 SHAPES = [(3, 11), (1, 1), (1, 200)]
 
@@ -117,6 +120,31 @@ def test_export_with_attention_mask_gives_each_left_padded_row_its_own_logits(ar
                 expected = model(sequence[None], use_cache=False).logits[0].numpy()
             np.testing.assert_allclose(logits[row, length - len(sequence):], expected, rtol=1e-4, atol=1e-4,
                                        err_msg=f"{name}, row {row}")
+
+
+@pytest.mark.parametrize("arch", FLOAT16)
+def test_float16_export_runs_in_onnxruntime(arch, tmp_path):
+    """A float16 model exports and runs in onnxruntime's CPU provider (where onnxruntime is installed) at other shapes
+    than the export's, and its logits are no further from the same weights computed in float32 than PyTorch's own
+    float16 logits are (allowing 1.5x: the two round differently)."""
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    config = tiny_config(arch, num_hidden_layers=1, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float16).eval()
+    in_float32 = copy.deepcopy(model).float()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    generator = torch.Generator().manual_seed(1)
+    for shape in SHAPES:
+        ids = torch.randint(3, 320, shape, generator=generator)
+        with torch.no_grad():
+            exact = in_float32(ids, use_cache=False).logits.numpy()
+            pytorch_error = np.abs(model(ids, use_cache=False).logits.float().numpy() - exact).max()
+        logits = session.run(None, {"input_ids": ids.numpy()})[0]
+        assert logits.dtype == np.float16
+        onnx_error = np.abs(logits.astype(np.float32) - exact).max()
+        assert 0 < pytorch_error < 1e-2 and onnx_error <= 1.5 * pytorch_error, (shape, onnx_error, pytorch_error)
 
 
 def test_a_dynamic_export_refuses_an_example_of_one_sequence(tmp_path):

@@ -1,5 +1,8 @@
-"""Tensor and pipeline parallelism through transformers' own machinery, on 2 gloo processes on the CPU: every
-architecture's logits (and FlashMHF's and MemoryLLM's gradients under TP) match the single-process model's."""
+"""Tensor and pipeline parallelism through transformers' own machinery and FSDP2 (`fully_shard`, wrapped as
+examples/accelerate/fsdp2.yaml wraps), on 2 gloo processes on the CPU, for every architecture and every task head:
+under TP the causal LM's logits and gradients and each head's outputs match the single-process model's; under PP the
+causal LM's logits do, and the other heads are refused; under FSDP2 one training step of each head updates the
+weights as one process does on the whole batch."""
 
 from __future__ import annotations
 
@@ -11,7 +14,12 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 import hf_memffn
 from hf_memffn.testing import tiny_config
@@ -20,56 +28,117 @@ pytest.importorskip("transformers.distributed")
 
 # tiny configs whose split dims divide by 2: attention/KV heads, FFN widths, FlashMHF's sub-network width
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
+HEADS = {"sequence_classification": AutoModelForSequenceClassification,
+         "token_classification": AutoModelForTokenClassification,
+         "question_answering": AutoModelForQuestionAnswering}
 WORKER = r"""
-import json, sys
+import sys
 import torch, torch.distributed as dist
 import hf_memffn
-from transformers import AutoModelForCausalLM
+from torch.distributed.fsdp import fully_shard
+from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification)
 from transformers.distributed import DistributedConfig
 
+HEADS = {"causal_lm": AutoModelForCausalLM, "sequence_classification": AutoModelForSequenceClassification,
+         "token_classification": AutoModelForTokenClassification, "question_answering": AutoModelForQuestionAnswering}
 
-def run(mode, root, archs, ids):
+
+def tp(root, archs, inputs):
     results = {}
     for arch in archs:
-        sizes = {"tp_size": 2} if mode == "tp" else {"pp_size": 2}
-        model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", distributed_config=DistributedConfig(**sizes))
-        logits = model(ids).logits
-        results[arch] = {"logits": logits.detach().tolist()}
-        if mode == "tp":
-            logits.float().square().mean().backward()
-            grads = {}
-            for name, param in model.named_parameters():
-                grad = param.grad
-                if grad is not None and hasattr(grad, "full_tensor"):
-                    grad = grad.full_tensor()
-                if grad is not None:
-                    grads[name] = grad.tolist()
-            results[arch]["grads"] = grads
-            results[arch]["sharded"] = sorted(n for n, p in model.named_parameters() if hasattr(p, "placements")
-                                              and any(type(pl).__name__ == "Shard" for pl in p.placements))
-    # refused, with a clear error: FlashMHF's chunked recompute under TP, token lookup tables under PP
-    try:
-        if mode == "tp":
-            AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf_recompute",
-                                                 distributed_config=DistributedConfig(tp_size=2))
-        else:
-            model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm",
-                                                         distributed_config=DistributedConfig(pp_size=2))
-            model.load_tols(f"{root}/memoryllm_table", placement="cpu")
-        results["refused"] = None
-    except ValueError as error:
-        results["refused"] = str(error)
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", distributed_config=DistributedConfig(tp_size=2))
+        logits = model(inputs["ids"]).logits
+        logits.float().square().mean().backward()
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is not None and hasattr(grad, "full_tensor"):
+                grad = grad.full_tensor()
+            if grad is not None:
+                grads[name] = grad
+        sharded = sorted(n for n, p in model.named_parameters() if hasattr(p, "placements")
+                         and any(type(pl).__name__ == "Shard" for pl in p.placements))
+        results[arch] = {"logits": logits.detach(), "grads": grads, "sharded": sharded}
+        for head in HEADS:
+            if head != "causal_lm":
+                model = HEADS[head].from_pretrained(f"{root}/{arch}_{head}",
+                                                    distributed_config=DistributedConfig(tp_size=2))
+                with torch.no_grad():
+                    output = model(inputs["ids"])
+                results[f"{arch}_{head}"] = {key: value for key, value in output.items() if torch.is_tensor(value)}
+    # refused, with a clear error: FlashMHF's chunked recompute (its backward would recompute the block outside
+    # the sharded forward)
+    results["refused"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
+        f"{root}/flash_mhf_recompute", distributed_config=DistributedConfig(tp_size=2)))
     return results
+
+
+def pp(root, archs, inputs):
+    results = {}
+    for arch in archs:
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/{arch}", distributed_config=DistributedConfig(pp_size=2))
+        results[arch] = {"logits": model(inputs["ids"]).logits.detach()}
+
+    def load_tols():
+        model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm",
+                                                     distributed_config=DistributedConfig(pp_size=2))
+        model.load_tols(f"{root}/memoryllm_table", placement="cpu")
+
+    # refused, with a clear error: token lookup tables, and the heads whose outputs the pipeline cannot pass on
+    results["refused"] = refusal(load_tols)
+    for arch, head in zip(archs, [head for head in HEADS if head != "causal_lm"] * len(archs)):
+        results[f"refused {arch}_{head}"] = refusal(lambda: HEADS[head].from_pretrained(
+            f"{root}/{arch}_{head}", distributed_config=DistributedConfig(pp_size=2)))
+    return results
+
+
+def fsdp2(root, archs, inputs):
+    # wrap units as accelerate's FSDP2 plugin picks them for examples/accelerate/fsdp2.yaml (the model's
+    # `_no_split_modules`), then the root; each rank takes one of the batch's two rows
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    rank, results = dist.get_rank(), {}
+    for arch in archs:
+        for head, auto_class in HEADS.items():
+            name = arch if head == "causal_lm" else f"{arch}_{head}"
+            model = auto_class.from_pretrained(f"{root}/{name}")
+            present = {type(module).__name__ for module in model.modules()}
+            model._no_split_modules = [unit for unit in model._no_split_modules if unit in present]
+            plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+            policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+            units = [module for module in model.modules() if policy(module)]
+            for unit in units:
+                fully_shard(unit)
+            fully_shard(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss = model(inputs["ids"][rank:rank + 1], **{key: value[rank:rank + 1]
+                                                          for key, value in inputs[head].items()}).loss
+            loss.backward()
+            optimizer.step()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            results[name] = {"loss": mean_loss / 2, "units": len(units),
+                             "weights": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+    return results
+
+
+def refusal(load):
+    try:
+        load()
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 modes, root, archs = sys.argv[1].split(","), sys.argv[2], sys.argv[3].split(",")
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-ids = torch.load(f"{root}/ids.pt")
-results = {mode: run(mode, root, archs, ids) for mode in modes}  # (one launch of the two processes for both)
+inputs = torch.load(f"{root}/inputs.pt")
+results = {mode: globals()[mode](root, archs, inputs) for mode in modes}  # (one launch of the two processes)
 if dist.get_rank() == 0:
-    with open(f"{root}/results.json", "w") as handle:
-        json.dump(results, handle)
+    torch.save(results, f"{root}/results.pt")
 dist.destroy_process_group()
 """
 
@@ -80,12 +149,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def one_training_step(model, inputs: dict, labels: dict) -> tuple[torch.Tensor, dict]:
+    """The loss and the weights after one SGD step on the whole batch, in this process."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(inputs["ids"], **labels).loss
+    loss.backward()
+    optimizer.step()
+    return loss.detach(), {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """Each architecture's causal LM and task heads saved, and what one process computes with them."""
     root = tmp_path_factory.mktemp("parallel")
     torch.manual_seed(0)
     ids = torch.randint(3, 320, (2, 12))
-    torch.save(ids, root / "ids.pt")
+    inputs = {"ids": ids, "causal_lm": {"labels": ids},
+              "sequence_classification": {"labels": torch.tensor([0, 2])},
+              "token_classification": {"labels": torch.randint(0, 3, (2, 12))},
+              "question_answering": {"start_positions": torch.tensor([1, 4]), "end_positions": torch.tensor([3, 9])}}
+    torch.save(inputs, root / "inputs.pt")
     expected = {}
     for arch in ARCHS:
         overrides = {"tie_word_embeddings": True} if arch == "kvffn" else {}
@@ -93,7 +176,19 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(root / arch)
         logits = model(ids).logits
         logits.float().square().mean().backward()
-        expected[arch] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        expected[arch] = {"logits": logits.detach(),
+                          "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+        model.zero_grad()
+        expected[arch]["step"] = one_training_step(model, inputs, inputs["causal_lm"])
+        for head, auto_class in HEADS.items():
+            torch.manual_seed(0)
+            # in eval mode, as from_pretrained leaves the processes' models (no dropout before the token classifier)
+            model = auto_class.from_config(tiny_config(arch, num_labels=3, pad_token_id=0)).eval()
+            model.save_pretrained(root / f"{arch}_{head}")
+            with torch.no_grad():
+                output = model(ids)
+            expected[f"{arch}_{head}"] = {"outputs": {k: v for k, v in output.items() if torch.is_tensor(v)},
+                                          "step": one_training_step(model, inputs, inputs[head])}
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=8)).save_pretrained(
         root / "flash_mhf_recompute")
@@ -106,9 +201,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parallel_results(checkpoints) -> dict:
-    """What the two processes computed under tensor parallelism ("tp") and under pipeline parallelism ("pp")."""
+    """What the two processes computed under tensor parallelism, pipeline parallelism and FSDP2."""
     root, _ = checkpoints
-    return run_workers(root, "tp,pp")
+    return run_workers(root, "tp,pp,fsdp2")
 
 
 def run_workers(root, modes: str) -> dict:
@@ -121,7 +216,7 @@ def run_workers(root, modes: str) -> dict:
                str(free_port()), str(root / "worker.py"), modes, str(root), ",".join(ARCHS)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads((root / "results.json").read_text())
+    return torch.load(root / "results.pt", weights_only=True)
 
 
 @pytest.mark.slow
@@ -129,18 +224,22 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     _, expected = checkpoints
     results = parallel_results["tp"]
     for arch in ARCHS:
-        logits, grads = expected[arch]
-        torch.testing.assert_close(torch.tensor(results[arch]["logits"]), logits, rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(results[arch]["logits"], expected[arch]["logits"], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{arch}: {m}")
-        for name, grad in grads.items():
-            torch.testing.assert_close(torch.tensor(results[arch]["grads"][name]), grad, rtol=1e-3, atol=1e-6,
+        for name, grad in expected[arch]["grads"].items():
+            torch.testing.assert_close(results[arch]["grads"][name], grad, rtol=1e-3, atol=1e-6,
                                        msg=lambda m: f"{arch} {name}: {m}")
+        for head in HEADS:
+            outputs = expected[f"{arch}_{head}"]["outputs"]
+            assert set(results[f"{arch}_{head}"]) == set(outputs)
+            for key, value in outputs.items():
+                torch.testing.assert_close(results[f"{arch}_{head}"][key], value, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"{arch} {head} {key}: {m}")
     sharded = {arch: results[arch]["sharded"] for arch in ARCHS}
     assert {"model.layers.0.mlp.key_up_value", "model.layers.1.mlp.key_up_value"} <= set(sharded["flash_mhf"])
     assert {"model.memory.gate_proj", "model.memory.down_proj"} <= set(sharded["memoryllm"])
     assert "model.layers.0.mlp.gate_proj.weight" in sharded["flex_memoryllm"]
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
-    # its backward would recompute the block outside the sharded forward
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
 
 
@@ -150,9 +249,36 @@ def test_pipeline_parallel_matches_one_process(checkpoints, parallel_results):
     _, expected = checkpoints
     results = parallel_results["pp"]
     for arch in ARCHS:
-        torch.testing.assert_close(torch.tensor(results[arch]["logits"]), expected[arch][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(results[arch]["logits"], expected[arch]["logits"], rtol=1e-4, atol=1e-5)
     # later stages have neither the embeddings nor the token ids a table is indexed by
     assert "token lookup tables do not work under pipeline parallelism" in results["refused"]
+    # its last stage broadcasts [batch, length, vocab] logits; a classifier's would fail there, the others waiting
+    refused = {key.removeprefix("refused "): error for key, error in results.items() if key.startswith("refused ")}
+    assert {name.split("_", 1)[0] for name in refused} == {arch.split("_", 1)[0] for arch in ARCHS}
+    assert {head for head in HEADS if any(name.endswith(head) for name in refused)} == set(HEADS)
+    for name, error in refused.items():
+        head_class = HEADS[next(head for head in HEADS if name.endswith(head))].__name__.removeprefix("AutoModel")
+        assert error and error.split(" ")[0].endswith(head_class), (name, error)
+        assert "does not work under pipeline parallelism" in error, name
+
+
+@pytest.mark.slow
+def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
+    """FSDP2 shards each wrap unit's weights over the two processes, each of which computes one row of the batch;
+    after one step every weight equals the one-process step on both rows (the gradients averaged over the ranks)."""
+    _, expected = checkpoints
+    results = parallel_results["fsdp2"]
+    for arch in ARCHS:
+        for name in [arch] + [f"{arch}_{head}" for head in HEADS]:
+            loss, weights = expected[name]["step"]
+            torch.testing.assert_close(results[name]["loss"], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            assert results[name]["weights"].keys() == weights.keys()
+            for key, weight in weights.items():
+                torch.testing.assert_close(results[name]["weights"][key], weight, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m: f"{name} {key}: {m}")
+            # every decoder layer, and MemoryLLM's stacked token memory, is a unit of its own
+            units = 2 + (arch in ("memoryllm", "flex_memoryllm"))
+            assert results[name]["units"] == units, name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
