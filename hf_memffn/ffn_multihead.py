@@ -195,6 +195,10 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     activations chunk by chunk (see `recompute_in_token_chunks`).
     """
 
+    # loading joins the checkpoint's `key`, `up` and `value` along dim 0 into this parameter (the model refuses
+    # transformers' FSDP sharding at load time for it: `MemFFNPreTrainedModel._device_mesh`)
+    parameters_joined_on_load = ("key_up_value",)
+
     def __init__(self, config):
         super().__init__(config)
         self.num_subnetworks = config.ffn_num_subnetworks

@@ -398,6 +398,28 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         elif hasattr(module, "init_own_parameters"):  # FFN blocks holding plain parameters (FlashMHF, PKV, TokenMemory)
             module.init_own_parameters(std)
 
+    @property
+    def _device_mesh(self):
+        """The device mesh `from_pretrained(distributed_config=...)` sets on the model (None without one)."""
+        return self.__dict__.get("_memffn_device_mesh")
+
+    @_device_mesh.setter
+    def _device_mesh(self, mesh) -> None:
+        # set right after the config's `distributed_config`, before transformers shards the model and loads the
+        # weights. Its FSDP shards dim 0 of every parameter and reads each checkpoint tensor's share of that dim, so a
+        # parameter that loading joins from several checkpoint tensors along dim 0 would get its rows in another
+        # order than its shards say, and train wrong without an error
+        fsdp_size = getattr(getattr(self.config, "distributed_config", None), "fsdp_size", None) or 1
+        joined = sorted({name for module in self.modules()
+                         for name in getattr(module, "parameters_joined_on_load", ())})
+        if mesh is not None and fsdp_size > 1 and joined:
+            raise ValueError(
+                f"{type(self).__name__} does not load under transformers' FSDP (distributed_config with fsdp_size="
+                f"{fsdp_size}): loading joins {', '.join(joined)} from several checkpoint tensors, which that FSDP "
+                "would shard in another order. Load the model whole and shard it after loading (accelerate's FSDP2, "
+                "examples/accelerate/fsdp2.yaml, or torch's fully_shard), or use tensor parallelism (tp_size)")
+        self.__dict__["_memffn_device_mesh"] = mesh
+
     def _token_memory(self) -> TokenMemory | None:
         base = getattr(self, self.base_model_prefix, self)
         return getattr(base, "memory", None)

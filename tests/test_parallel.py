@@ -1,8 +1,9 @@
-"""Tensor and pipeline parallelism through transformers' own machinery and FSDP2 (`fully_shard`, wrapped as
-examples/accelerate/fsdp2.yaml wraps), on 2 gloo processes on the CPU, for every architecture and every task head:
-under TP the causal LM's logits and gradients and each head's outputs match the single-process model's; under PP the
-causal LM's logits do, and the other heads are refused; under FSDP2 one training step of each head updates the
-weights as one process does on the whole batch."""
+"""Tensor and pipeline parallelism through transformers' own machinery, and FSDP2 (`fully_shard`, wrapped as
+examples/accelerate/fsdp2.yaml wraps, and transformers' own `DistributedConfig(fsdp_size=2)`), on 2 gloo processes on
+the CPU, for every architecture and task head: under TP the causal LM's logits and gradients and each head's outputs
+match the single-process model's; under PP the causal LM's logits do, and the other heads are refused; under FSDP2 one
+training step updates the weights as one process does on the whole batch (FlashMHF under transformers' FSDP, which
+shards while loading, is refused)."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def fsdp2(root, archs, inputs):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
-    rank, results = dist.get_rank(), {}
+    results = {}
     for arch in archs:
         for head, auto_class in HEADS.items():
             name = arch if head == "causal_lm" else f"{arch}_{head}"
@@ -112,16 +113,30 @@ def fsdp2(root, archs, inputs):
             for unit in units:
                 fully_shard(unit)
             fully_shard(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            loss = model(inputs["ids"][rank:rank + 1], **{key: value[rank:rank + 1]
-                                                          for key, value in inputs[head].items()}).loss
-            loss.backward()
-            optimizer.step()
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            results[name] = {"loss": mean_loss / 2, "units": len(units),
-                             "weights": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
+            results[name] = {**training_step_on_one_row(model, inputs, head), "units": len(units)}
+        # transformers' own FSDP, sharding while it loads: FlashMHF's joined sub-network weights are refused
+        load = lambda: AutoModelForCausalLM.from_pretrained(f"{root}/{arch}",
+                                                            distributed_config=DistributedConfig(fsdp_size=2))
+        if arch == "flash_mhf":
+            results["refused flash_mhf fsdp_size"] = refusal(load)
+        else:
+            results[f"{arch} fsdp_size"] = training_step_on_one_row(load(), inputs, "causal_lm")
     return results
+
+
+def training_step_on_one_row(model, inputs, head):
+    # one SGD step of a sharded model on this rank's row of the batch: the mean loss over the ranks, the weights
+    rank = dist.get_rank()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = {key: value[rank:rank + 1] for key, value in inputs[head].items()}
+    loss = model(inputs["ids"][rank:rank + 1], **labels).loss
+    loss.backward()
+    optimizer.step()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    weights = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+               for n, p in model.named_parameters()}
+    return {"loss": mean_loss / 2, "weights": weights}
 
 
 def refusal(load):
@@ -265,20 +280,26 @@ def test_pipeline_parallel_matches_one_process(checkpoints, parallel_results):
 @pytest.mark.slow
 def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
     """FSDP2 shards each wrap unit's weights over the two processes, each of which computes one row of the batch;
-    after one step every weight equals the one-process step on both rows (the gradients averaged over the ranks)."""
+    after one step every weight equals the one-process step on both rows (the gradients averaged over the ranks).
+    Sharded after loading, as accelerate does, for every architecture and head; sharded while loading, as
+    transformers' `DistributedConfig(fsdp_size=2)` does, for the causal LMs but FlashMHF's, which is refused."""
     _, expected = checkpoints
     results = parallel_results["fsdp2"]
-    for arch in ARCHS:
-        for name in [arch] + [f"{arch}_{head}" for head in HEADS]:
-            loss, weights = expected[name]["step"]
-            torch.testing.assert_close(results[name]["loss"], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-            assert results[name]["weights"].keys() == weights.keys()
-            for key, weight in weights.items():
-                torch.testing.assert_close(results[name]["weights"][key], weight, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"{name} {key}: {m}")
+    runs = {name: name for arch in ARCHS for name in [arch] + [f"{arch}_{head}" for head in HEADS]}
+    runs.update({f"{arch} fsdp_size": arch for arch in ARCHS if arch != "flash_mhf"})
+    for run, name in runs.items():
+        loss, weights = expected[name]["step"]
+        torch.testing.assert_close(results[run]["loss"], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{run}: {m}")
+        assert results[run]["weights"].keys() == weights.keys()
+        for key, weight in weights.items():
+            torch.testing.assert_close(results[run]["weights"][key], weight, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{run} {key}: {m}")
+        if "fsdp_size" not in run:
             # every decoder layer, and MemoryLLM's stacked token memory, is a unit of its own
-            units = 2 + (arch in ("memoryllm", "flex_memoryllm"))
-            assert results[name]["units"] == units, name
+            assert results[run]["units"] == 2 + run.startswith(("memoryllm", "flex_memoryllm")), run
+    # its checkpoint's key, up and value are joined into one parameter while loading: sharded first, out of order
+    assert "does not load under transformers' FSDP (distributed_config with fsdp_size=2)" in \
+        results["refused flash_mhf fsdp_size"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
