@@ -164,6 +164,18 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         self.dropout = nn.Dropout(config.kvffn_dropout)
         self._path_logged = False
 
+    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+        """Tensor parallelism shards `key_value_proj`'s rows, interleaved key and value: each rank needs whole
+        key/value pairs, so `intermediate_size` must divide by `tp_size` (loading would otherwise stop at a size
+        mismatch of the shards)."""
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        if self.key_value_proj is not None and self.width % tp_size:
+            multiple = max(self.width // tp_size, 1) * tp_size
+            raise ValueError(
+                f"{model_name}: intermediate_size={self.width} must divide by tp_size={tp_size} under tensor "
+                "parallelism (key_value_proj interleaves key and value rows, and each rank takes whole pairs), e.g. "
+                f"intermediate_size={multiple}")
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A state dict in the checkpoint's names (`key_proj` and `value_proj`, as the HF Trainer reads a saved
         checkpoint back to resume or to load the best one) fills `key_value_proj`, interleaved as loading does."""

@@ -195,10 +195,6 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     activations chunk by chunk (see `recompute_in_token_chunks`).
     """
 
-    # loading joins the checkpoint's `key`, `up` and `value` along dim 0 into this parameter (the model refuses
-    # transformers' FSDP sharding at load time for it: `MemFFNPreTrainedModel._device_mesh`)
-    parameters_joined_on_load = ("key_up_value",)
-
     def __init__(self, config):
         super().__init__(config)
         self.num_subnetworks = config.ffn_num_subnetworks
@@ -224,6 +220,19 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         if all(name in state_dict for name in names) and f"{prefix}key_up_value" not in state_dict:
             state_dict[f"{prefix}key_up_value"] = torch.cat([state_dict.pop(name) for name in names])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+        """Refuses transformers' own FSDP (`fsdp_size` > 1), which shards dim 0 of every parameter before loading and
+        reads each checkpoint tensor's share of that dim: `key_up_value` is joined from three checkpoint tensors along
+        dim 0, so each rank would get its share of each, not its block of rows of the joined tensor, and train wrong
+        without an error. (Tensor parallelism splits `subnetwork_size`, which commutes with the join.)"""
+        fsdp_size = getattr(distributed_config, "fsdp_size", None) or 1
+        if fsdp_size > 1:
+            raise ValueError(
+                f"{model_name} does not load under transformers' FSDP (distributed_config with fsdp_size={fsdp_size}): "
+                "loading joins key_up_value from several checkpoint tensors, which that FSDP would shard in another "
+                "order. Load the model whole and shard it after loading (accelerate's FSDP2, "
+                "examples/accelerate/fsdp2.yaml, or torch's fully_shard), or use tensor parallelism (tp_size)")
 
     def subnetwork_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(key, up, value), contiguous views of `key_up_value` (the layer itself takes `key_up_value` whole, and its

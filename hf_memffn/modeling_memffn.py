@@ -406,18 +406,12 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     @_device_mesh.setter
     def _device_mesh(self, mesh) -> None:
         # set right after the config's `distributed_config`, before transformers shards the model and loads the
-        # weights. Its FSDP shards dim 0 of every parameter and reads each checkpoint tensor's share of that dim, so a
-        # parameter that loading joins from several checkpoint tensors along dim 0 would get its rows in another
-        # order than its shards say, and train wrong without an error
-        fsdp_size = getattr(getattr(self.config, "distributed_config", None), "fsdp_size", None) or 1
-        joined = sorted({name for module in self.modules()
-                         for name in getattr(module, "parameters_joined_on_load", ())})
-        if mesh is not None and fsdp_size > 1 and joined:
-            raise ValueError(
-                f"{type(self).__name__} does not load under transformers' FSDP (distributed_config with fsdp_size="
-                f"{fsdp_size}): loading joins {', '.join(joined)} from several checkpoint tensors, which that FSDP "
-                "would shard in another order. Load the model whole and shard it after loading (accelerate's FSDP2, "
-                "examples/accelerate/fsdp2.yaml, or torch's fully_shard), or use tensor parallelism (tp_size)")
+        # weights: a block that this sharding would load wrong says so here (`check_distributed_loading`)
+        distributed_config = getattr(self.config, "distributed_config", None)
+        if mesh is not None and distributed_config is not None:
+            for module in self.modules():
+                if hasattr(module, "check_distributed_loading"):
+                    module.check_distributed_loading(distributed_config, type(self).__name__)
         self.__dict__["_memffn_device_mesh"] = mesh
 
     def _token_memory(self) -> TokenMemory | None:

@@ -69,9 +69,11 @@ def tp(root, archs, inputs):
                     output = model(inputs["ids"])
                 results[f"{arch}_{head}"] = {key: value for key, value in output.items() if torch.is_tensor(value)}
     # refused, with a clear error: FlashMHF's chunked recompute (its backward would recompute the block outside
-    # the sharded forward)
+    # the sharded forward), a KV-FFN width that leaves a rank half a key/value pair
     results["refused"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
         f"{root}/flash_mhf_recompute", distributed_config=DistributedConfig(tp_size=2)))
+    results["refused kvffn width"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
+        f"{root}/kvffn_odd_width", distributed_config=DistributedConfig(tp_size=2)))
     return results
 
 
@@ -207,6 +209,8 @@ def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=8)).save_pretrained(
         root / "flash_mhf_recompute")
+    AutoModelForCausalLM.from_config(tiny_config("kvffn", intermediate_size=127)).save_pretrained(
+        root / "kvffn_odd_width")
     from hf_memffn.conversion.export import export_tols
 
     export_tols(root / "memoryllm", root / "memoryllm_table", format="fp32", progress=False)
@@ -256,6 +260,7 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     assert "model.layers.0.mlp.gate_proj.weight" in sharded["flex_memoryllm"]
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
+    assert "intermediate_size=127 must divide by tp_size=2" in results["refused kvffn width"]
 
 
 @pytest.mark.slow
