@@ -7,6 +7,7 @@ shards while loading, is refused)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ import hf_memffn
 from hf_memffn.testing import tiny_config
 
 pytest.importorskip("transformers.distributed")
+from transformers.distributed import DistributedConfig  # noqa: E402
 
 # tiny configs whose split dims divide by 2: attention/KV heads, FFN widths, FlashMHF's sub-network width
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
@@ -33,6 +35,7 @@ HEADS = {"sequence_classification": AutoModelForSequenceClassification,
          "token_classification": AutoModelForTokenClassification,
          "question_answering": AutoModelForQuestionAnswering}
 WORKER = r"""
+import inspect
 import sys
 import torch, torch.distributed as dist
 import hf_memffn
@@ -121,6 +124,11 @@ def fsdp2(root, archs, inputs):
                                                             distributed_config=DistributedConfig(fsdp_size=2))
         if arch == "flash_mhf":
             results["refused flash_mhf fsdp_size"] = refusal(load)
+            # replicas only (HSDP's outer dim, where transformers has it): every rank loads whole tensors
+            if "dp_replicate_size" in inspect.signature(DistributedConfig).parameters:
+                model = AutoModelForCausalLM.from_pretrained(
+                    f"{root}/{arch}", distributed_config=DistributedConfig(dp_replicate_size=2))
+                results[f"{arch} dp_replicate_size"] = training_step_on_one_row(model, inputs, "causal_lm")
         else:
             results[f"{arch} fsdp_size"] = training_step_on_one_row(load(), inputs, "causal_lm")
     return results
@@ -287,11 +295,14 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
     """FSDP2 shards each wrap unit's weights over the two processes, each of which computes one row of the batch;
     after one step every weight equals the one-process step on both rows (the gradients averaged over the ranks).
     Sharded after loading, as accelerate does, for every architecture and head; sharded while loading, as
-    transformers' `DistributedConfig(fsdp_size=2)` does, for the causal LMs but FlashMHF's, which is refused."""
+    transformers' `DistributedConfig(fsdp_size=2)` does, for the causal LMs but FlashMHF's, which is refused there
+    and steps replicated (`dp_replicate_size=2`) where transformers has that."""
     _, expected = checkpoints
     results = parallel_results["fsdp2"]
     runs = {name: name for arch in ARCHS for name in [arch] + [f"{arch}_{head}" for head in HEADS]}
     runs.update({f"{arch} fsdp_size": arch for arch in ARCHS if arch != "flash_mhf"})
+    if "dp_replicate_size" in inspect.signature(DistributedConfig).parameters:
+        runs["flash_mhf dp_replicate_size"] = "flash_mhf"
     for run, name in runs.items():
         loss, weights = expected[name]["step"]
         torch.testing.assert_close(results[run]["loss"], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{run}: {m}")
@@ -299,7 +310,7 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
         for key, weight in weights.items():
             torch.testing.assert_close(results[run]["weights"][key], weight, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{run} {key}: {m}")
-        if "fsdp_size" not in run:
+        if " " not in run:
             # every decoder layer, and MemoryLLM's stacked token memory, is a unit of its own
             assert results[run]["units"] == 2 + run.startswith(("memoryllm", "flex_memoryllm")), run
     # its checkpoint's key, up and value are joined into one parameter while loading: sharded first, out of order
