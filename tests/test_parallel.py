@@ -3,7 +3,8 @@ examples/accelerate/fsdp2.yaml wraps, and transformers' own `DistributedConfig(f
 the CPU, for every architecture and task head: under TP the causal LM's logits and gradients and each head's outputs
 match the single-process model's; under PP the causal LM's logits do, and the other heads are refused; under FSDP2 one
 training step updates the weights as one process does on the whole batch (FlashMHF under transformers' FSDP, which
-shards while loading, is refused)."""
+shards while loading, is refused). Where the machine has four cores, transformers' FSDP beside TP and beside
+replicas (HSDP) on 4 processes too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
@@ -36,6 +38,7 @@ HEADS = {"sequence_classification": AutoModelForSequenceClassification,
          "question_answering": AutoModelForQuestionAnswering}
 WORKER = r"""
 import inspect
+import json
 import sys
 import torch, torch.distributed as dist
 import hf_memffn
@@ -134,12 +137,30 @@ def fsdp2(root, archs, inputs):
     return results
 
 
-def training_step_on_one_row(model, inputs, head):
-    # one SGD step of a sharded model on this rank's row of the batch: the mean loss over the ranks, the weights
-    rank = dist.get_rank()
+def fsdp_with_tp_or_replicas(root, archs, inputs):
+    # 4 processes, transformers' mesh (pp, dp_replicate, fsdp, tp) with tp the fastest dim: rank // 2 is the fsdp
+    # coordinate beside tp, the replica beside fsdp; either way each row goes to two of the four ranks
+    results = {}
+    for layout in fsdp_layouts:
+        name = ",".join(f"{key}=2" for key in layout)
+        for arch in archs:
+            load = lambda: AutoModelForCausalLM.from_pretrained(f"{root}/{arch}",
+                                                                distributed_config=DistributedConfig(**layout))
+            if arch == "flash_mhf":
+                results[f"refused {arch} {name}"] = refusal(load)
+            else:
+                results[f"{arch} {name}"] = training_step_on_one_row(load(), inputs, "causal_lm",
+                                                                     row=dist.get_rank() // 2)
+    return results
+
+
+def training_step_on_one_row(model, inputs, head, row=None):
+    # one SGD step of a sharded model on one row of the batch (this rank's, unless given): the mean loss over the
+    # ranks, the weights
+    row = dist.get_rank() if row is None else row
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    labels = {key: value[rank:rank + 1] for key, value in inputs[head].items()}
-    loss = model(inputs["ids"][rank:rank + 1], **labels).loss
+    labels = {key: value[row:row + 1] for key, value in inputs[head].items()}
+    loss = model(inputs["ids"][row:row + 1], **labels).loss
     loss.backward()
     optimizer.step()
     mean_loss = loss.detach().clone()
@@ -158,6 +179,7 @@ def refusal(load):
 
 
 modes, root, archs = sys.argv[1].split(","), sys.argv[2], sys.argv[3].split(",")
+fsdp_layouts = json.loads(sys.argv[4])  # for fsdp_with_tp_or_replicas
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 inputs = torch.load(f"{root}/inputs.pt")
@@ -233,14 +255,14 @@ def parallel_results(checkpoints) -> dict:
     return run_workers(root, "tp,pp,fsdp2")
 
 
-def run_workers(root, modes: str) -> dict:
+def run_workers(root, modes: str, processes: int = 2, layouts: tuple = ()) -> dict:
     # gloo on the CPU, like the one-process reference (on a GPU machine, rank 1 would ask for a second GPU)
     # the workers import the copy of hf_memffn this test imported, installed or not
     package_root = os.path.dirname(os.path.dirname(hf_memffn.__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(root / "worker.py"), modes, str(root), ",".join(ARCHS)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+               str(free_port()), str(root / "worker.py"), modes, str(root), ",".join(ARCHS), json.dumps(layouts)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(root / "results.pt", weights_only=True)
@@ -314,6 +336,39 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
     # its checkpoint's key, up and value are joined into one parameter while loading: sharded first, out of order
     assert "does not load under transformers' FSDP (distributed_config with fsdp_size=2)" in \
         results["refused flash_mhf fsdp_size"]
+
+
+# transformers' two-dimensional meshes with FSDP: TP beside it from 5.18 (5.17 meshes the first tp_size ranks only,
+# and the others fail on their first TP layer, its own Llama's too), replicas beside it (HSDP) where it has them
+FSDP_LAYOUTS = tuple(
+    layout for layout, available in (
+        ({"tp_size": 2, "fsdp_size": 2}, tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 18)),
+        ({"dp_replicate_size": 2, "fsdp_size": 2},
+         "dp_replicate_size" in inspect.signature(DistributedConfig).parameters))
+    if available)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FSDP_LAYOUTS, reason="this transformers has no FSDP beside TP or replicas")
+@pytest.mark.skipif((os.cpu_count() or 1) < 4, reason="four gloo processes need four cores (the GPU machine has them)")
+def test_fsdp_beside_tensor_parallelism_or_replicas_matches_one_process(checkpoints):
+    """transformers' FSDP on a two-dimensional mesh of four processes, `DistributedConfig(tp_size=2, fsdp_size=2)` and
+    HSDP's `DistributedConfig(dp_replicate_size=2, fsdp_size=2)`: one training step of each causal LM equals the
+    one-process step on the whole batch; FlashMHF is refused as under `fsdp_size=2` alone."""
+    root, expected = checkpoints
+    results = run_workers(root, "fsdp_with_tp_or_replicas", processes=4, layouts=FSDP_LAYOUTS)
+    results = results["fsdp_with_tp_or_replicas"]
+    assert len(results) == len(FSDP_LAYOUTS) * len(ARCHS)
+    for run, result in results.items():
+        if run.startswith("refused"):
+            assert "does not load under transformers' FSDP" in result, (run, result)
+            continue
+        loss, weights = expected[run.split()[0]]["step"]
+        torch.testing.assert_close(result["loss"], loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{run}: {m}")
+        assert result["weights"].keys() == weights.keys()
+        for key, weight in weights.items():
+            torch.testing.assert_close(result["weights"][key], weight, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{run} {key}: {m}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
