@@ -76,7 +76,9 @@ if TensorParallelLayer is not None:
         def should_use_local_tensors(self, module):
             return True
 
-        def install_forward(self, module, mesh):
+        # (transformers 5.25 passes `config` and `mesh_manager` by keyword to install_forward and `config` to
+        # transform_output_post_forward; earlier versions pass neither: whatever comes goes on to the base class)
+        def install_forward(self, module, mesh, **options):
             if getattr(module, "recompute_chunk_tokens", 0):
                 raise ValueError(
                     f"ffn_recompute_chunk_tokens={module.recompute_chunk_tokens} does not work under tensor "
@@ -97,7 +99,7 @@ if TensorParallelLayer is not None:
                         param.register_hook(sum_gradient)
                         hooked[name] = param
 
-            super().install_forward(module, mesh)
+            super().install_forward(module, mesh, **options)
             sharded_forward = module.forward  # swaps in the local shards: hook the parameters before that
 
             def forward(*args, **kwargs):
@@ -114,7 +116,7 @@ if TensorParallelLayer is not None:
                 hidden_states = _SumGradientsOverRanks.apply(hidden_states, _tp_group(mesh))
             return (hidden_states, *args[1:]), kwargs
 
-        def transform_output_post_forward(self, module, output, mesh):
+        def transform_output_post_forward(self, module, output, mesh, **options):
             return _SumOverRanks.apply(output, _tp_group(mesh))
 
     if PARTIAL_SUM_STYLE not in ALL_PARALLEL_STYLES:

@@ -1,13 +1,14 @@
 """`hf-memffn serve`: transformers' own OpenAI-compatible server (`transformers serve`) for checkpoints of this package.
 
-transformers 5.17-5.24 cannot serve a checkpoint whose modeling code lives next to its weights: the server's
-`ModelManager._load_model` (cli/serving/model_manager.py) looks `config.architectures[0]` up as an attribute of the
+transformers 5.17-5.25 cannot serve a checkpoint whose modeling code lives next to its weights: the server's
+model loader (`_load_model` in cli/serving/model_manager.py) looks `config.architectures[0]` up as an attribute of the
 `transformers` module and never reads `auto_map`, so it stops with `AttributeError: module transformers has no
 attribute KVFFNForCausalLM` before serving anything (docs/serving-remote-code.md has the reproduction and the fix
 proposed upstream). This module is the bridge until then: it makes those names resolve to a loader that goes through
 `AutoModelForCausalLM` (which follows `auto_map` and honours `--trust-remote-code`), optionally switches a MemoryLLM /
 FlexMemoryLLM to its token lookup table, and runs transformers' `serve` command unchanged: same options, same
-endpoints, continuous batching included.
+endpoints, continuous batching included. From 5.25 the server loads each model in a process it spawns, where the
+names are made resolvable again (`SpawnedProcessBridge`).
 
     hf-memffn serve MODEL_DIR --trust-remote-code --continuous-batching [transformers serve options]
     hf-memffn serve MODEL_DIR --token-lookup TABLE_DIR --drop-memory-ffn --continuous-batching
@@ -22,7 +23,9 @@ it runs as a plain script next to the checkpoint's own code: `python serving.py 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import runpy
 import sys
 from collections.abc import Sequence
 
@@ -68,6 +71,7 @@ class TokenLookupSettings:
         if placement is not None and placement not in PLACEMENTS:
             raise ValueError(f"--token-lookup-placement={placement!r} is not supported; allowed values: "
                              f"{', '.join(PLACEMENTS)}")
+        self.arguments = (model, table, placement, drop_memory_ffn)
         self.model = model
         self.model_id, self.revision = split_revision(model)
         self.table = table
@@ -134,8 +138,8 @@ def auto_map_loader(architecture: str, token_lookup: TokenLookupSettings | None 
 
 
 def make_architectures_resolvable(names: Sequence[str], token_lookup: TokenLookupSettings | None = None) -> list[str]:
-    """Let `getattr(transformers, name)` find each architecture transformers does not have itself; returns those
-    names. transformers' own classes are never replaced."""
+    """Let `getattr(transformers, name)` find each architecture transformers does not have itself, in this process
+    and in those the server spawns; returns those names. transformers' own classes are never replaced."""
     added = []
     for name in dict.fromkeys(names):
         try:
@@ -143,7 +147,43 @@ def make_architectures_resolvable(names: Sequence[str], token_lookup: TokenLooku
         except AttributeError:
             setattr(transformers, name, auto_map_loader(name, token_lookup))
             added.append(name)
+    SpawnedProcessBridge(list(dict.fromkeys(names)), token_lookup).install()
     return added
+
+
+# the module name under which this file runs again in a process the server spawns (see SpawnedProcessBridge)
+SPAWNED_RUN_NAME = "hf_memffn_serving_in_spawned_process"
+
+
+class SpawnedProcessBridge:
+    """transformers 5.25 and later load each model in a process of the server's own (multiprocessing's "spawn"),
+    into which the server's model loader is pickled; a fresh `transformers` there has none of the names above.
+    `install` adds this object to the state the loader pickles; unpickling it runs this file again in that process
+    (`runpy.run_path`, standard library only, so it works as a plain script too) with the same names and
+    `--token-lookup*` settings, after importing hf_memffn there if this process had, as its models register there."""
+
+    def __init__(self, names: Sequence[str], token_lookup: TokenLookupSettings | None = None):
+        self.names = list(names)
+        self.token_lookup = None if token_lookup is None else token_lookup.arguments
+        self.import_package = "hf_memffn" in sys.modules
+
+    def __reduce__(self):
+        settings = {"SPAWNED_WITH": (self.names, self.token_lookup, self.import_package)}
+        return runpy.run_path, (os.path.abspath(__file__), settings, SPAWNED_RUN_NAME)
+
+    def install(self) -> bool:
+        """Whether the server has a model loader to pickle (5.25 and later; earlier ones load in their own process)."""
+        try:
+            from transformers.cli.serving.model_manager import ModelLoader
+        except ImportError:
+            return False
+        bridge = self
+
+        def __getstate__(loader):
+            return {**loader.__dict__, "hf_memffn_serving": bridge}
+
+        ModelLoader.__getstate__ = __getstate__
+        return True
 
 
 def read_config(model_id: str, revision: str | None = None) -> dict:
@@ -219,3 +259,8 @@ PASS_THROUGH_ARGUMENTS = True
 
 if __name__ == "__main__":
     raise SystemExit(main())
+if __name__ == SPAWNED_RUN_NAME:  # in a model process of the server (SpawnedProcessBridge)
+    spawned_names, spawned_token_lookup, spawned_import_package = globals()["SPAWNED_WITH"]
+    if spawned_import_package:
+        importlib.import_module("hf_memffn")
+    make_architectures_resolvable(spawned_names, spawned_token_lookup and TokenLookupSettings(*spawned_token_lookup))

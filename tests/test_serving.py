@@ -16,7 +16,10 @@ GPU (the table then on the GPU too, its default placement there).
 
 from __future__ import annotations
 
+import inspect
 import os
+import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.cli.serve import Serve
 
 import hf_memffn
 from hf_memffn import serving
@@ -52,8 +56,19 @@ TABLE_PLACEMENT = "disk" if DEVICE == "cpu" else "gpu"  # disk reads token ids o
 # heads of 16 stop it there, loudly), so that serving runs them.
 SHAPES = {"flash_mhf": dict(intermediate_size=128, ffn_num_heads=1, ffn_num_kv_heads=1, ffn_num_subnetworks=2)} \
     if DEVICE == "cuda" else {}
+# How the server says that a request went through continuous batching: a warning per request up to transformers 5.24;
+# from 5.25 a request line at info, which `--enable-log-requests` turns on
+LOGS_REQUESTS = "enable_log_requests" in inspect.signature(Serve.__init__).parameters
 CB_OPTIONS = ["--continuous-batching", "--device", DEVICE, "--cb-num-blocks", "32", "--cb-block-size", "32",
-              "--cb-max-batch-tokens", "256", "--log-level", "warning", "--host", "127.0.0.1"]
+              "--cb-max-batch-tokens", "256", "--host", "127.0.0.1"] + (
+    ["--log-level", "info", "--enable-log-requests"] if LOGS_REQUESTS else ["--log-level", "warning"])
+
+
+def continuous_batching_requests(log: str) -> int:
+    """The requests the server's log says went through continuous batching."""
+    if LOGS_REQUESTS:
+        return len(re.findall(r"Request \S+: model .*, continuous batching, stream ", log))
+    return log.count("CB: True")
 PROMPTS = ["the memory reads", "a key of the value head"]
 CHATS = [[{"role": "system", "content": "the value"}, {"role": "user", "content": "what does the memory store"}]]
 
@@ -221,7 +236,7 @@ def test_four_architectures_served_from_remote_code_with_continuous_batching(che
         assert info["finish"] == "length", (job, info)
         assert info["usage"] in (None, MAX_TOKENS), (job, info)
     log = server.log_text()
-    assert log.count("CB: True") == len(jobs), log[-3000:]  # every request went through continuous batching
+    assert continuous_batching_requests(log) == len(jobs), log[-3000:]  # every request went through it
     assert "hf_memffn" not in log.replace("hf_memffn is importable", ""), log[-3000:]
 
 
@@ -235,7 +250,7 @@ def test_memoryllm_served_from_its_token_lookup_table(checkpoints, servers):
     log = server.log_text()
     assert "reads the token lookup table" in log and f"placement={TABLE_PLACEMENT}" in log, log[-3000:]
     assert "weights dropped" in log, log[-3000:]
-    assert log.count("CB: True") == len(jobs), log[-3000:]
+    assert continuous_batching_requests(log) == len(jobs), log[-3000:]
 
 
 def test_bridge_names_every_architecture_of_the_package():
@@ -246,7 +261,54 @@ def test_bridge_names_every_architecture_of_the_package():
     assert serving.PLACEMENTS == PLACEMENTS
 
 
-def test_bridge_resolves_names_through_auto_map_and_keeps_transformers_classes(tmp_path, monkeypatch):
+@pytest.fixture
+def model_loader_pickling_restored():
+    """transformers' server model loader (5.25 and later; else None), which pickles as before once the test ends,
+    whatever the bridge installed on it."""
+    try:
+        from transformers.cli.serving.model_manager import ModelLoader
+    except ImportError:
+        yield None
+        return
+    own = vars(ModelLoader).get("__getstate__")
+    yield ModelLoader
+    if own is not None:
+        ModelLoader.__getstate__ = own
+    elif "__getstate__" in vars(ModelLoader):
+        del ModelLoader.__getstate__
+
+
+def test_bridge_follows_the_server_into_the_processes_it_spawns(tmp_path, model_loader_pickling_restored):
+    """From transformers 5.25 the server loads each model in a process it spawns, into which it pickles its model
+    loader: unpickled in a fresh Python where the package cannot be imported, the loader brings the bridge along, and
+    the names resolve there through `auto_map`. (The bridge alone, on every transformers.)"""
+    from functools import partial
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(tmp_path / "kvffn")
+    bridge = serving.SpawnedProcessBridge(["KVFFNForCausalLM", "LlamaForCausalLM"])
+    bridge.import_package = False  # (as where the server runs serving.py as a plain script)
+    payloads = [pickle.dumps(bridge)]
+    ModelLoader = model_loader_pickling_restored
+    assert bridge.install() == (ModelLoader is not None)
+    if ModelLoader is not None:
+        payloads.append(pickle.dumps(partial(ModelLoader(device="cpu").load_model_and_processor, "model")))
+    code = BLOCK_PACKAGE_IMPORT + (
+        "\nimport pickle, sys, transformers\n"
+        "pickle.loads(sys.stdin.buffer.read())\n"
+        "model = transformers.KVFFNForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "print(type(model).__module__, transformers.LlamaForCausalLM.__module__)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    for payload in payloads:
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "kvffn")], input=payload, env=env,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        loaded_from, llama_from = done.stdout.decode().split()
+        assert loaded_from.startswith("transformers_modules.") and llama_from.startswith("transformers.models.llama")
+
+
+def test_bridge_resolves_names_through_auto_map_and_keeps_transformers_classes(tmp_path, monkeypatch,
+                                                                               model_loader_pickling_restored):
     import transformers
 
     torch.manual_seed(0)
