@@ -24,6 +24,12 @@ LONGEST_FILES = (
 )
 
 
+# transformers 5.25 and later fetch kernels from the Hub for the layers they know (SiLU, RMSNorm) whenever a model loads
+# onto a GPU (`use_kernels` defaults to True there): the tests run offline, as any machine without a network must, with
+# that off (the worker processes and the processes their tests start inherit it)
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
+
 def _share_cores_between_workers() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers <= 1:
