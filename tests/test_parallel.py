@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
@@ -342,7 +343,7 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
 # and the others fail on their first TP layer, its own Llama's too), replicas beside it (HSDP) where it has them
 FSDP_LAYOUTS = tuple(
     layout for layout, available in (
-        ({"tp_size": 2, "fsdp_size": 2}, tuple(map(int, transformers.__version__.split(".")[:2])) >= (5, 18)),
+        ({"tp_size": 2, "fsdp_size": 2}, Version(transformers.__version__).release >= (5, 18)),
         ({"dp_replicate_size": 2, "fsdp_size": 2},
          "dp_replicate_size" in inspect.signature(DistributedConfig).parameters))
     if available)

@@ -62,6 +62,8 @@ LOGS_REQUESTS = "enable_log_requests" in inspect.signature(Serve.__init__).param
 CB_OPTIONS = ["--continuous-batching", "--device", DEVICE, "--cb-num-blocks", "32", "--cb-block-size", "32",
               "--cb-max-batch-tokens", "256", "--host", "127.0.0.1"] + (
     ["--log-level", "info", "--enable-log-requests"] if LOGS_REQUESTS else ["--log-level", "warning"])
+PROMPTS = ["the memory reads", "a key of the value head"]
+CHATS = [[{"role": "system", "content": "the value"}, {"role": "user", "content": "what does the memory store"}]]
 
 
 def continuous_batching_requests(log: str) -> int:
@@ -69,8 +71,6 @@ def continuous_batching_requests(log: str) -> int:
     if LOGS_REQUESTS:
         return len(re.findall(r"Request \S+: model .*, continuous batching, stream ", log))
     return log.count("CB: True")
-PROMPTS = ["the memory reads", "a key of the value head"]
-CHATS = [[{"role": "system", "content": "the value"}, {"role": "user", "content": "what does the memory store"}]]
 
 
 def printable_only(model, tokenizer) -> None:
