@@ -640,3 +640,30 @@ def test_carried_triton_packs_a_wheel_in_two_parts_and_unpacks_what_launching_ne
     for tool in tools:
         assert os.access(site / "triton/backends/nvidia/bin" / tool, os.X_OK)
     assert sorted(p.name for p in (tmp_path / "packed").iterdir()) == ["part1", "part2"]  # no half-written parts
+
+
+@pytest.mark.skipif(not shutil.which("xz"), reason="needs xz")
+def test_carried_packages_travel_as_wheels_or_compressed_trees_and_install_into_a_site(tmp_path):
+    """`kernels/carried_packages.sh` on two made-up pure-Python wheels: the one above the size limit travels as an xz
+    tree, the other as its wheel; `install` puts both where `PYTHONPATH` finds them, metadata included."""
+    wheels = {}
+    for name, size in (("smallpkg", 100), ("largepkg", 50_000)):
+        wheel = tmp_path / f"{name}-1.0-py3-none-any.whl"
+        info = f"{name}-1.0.dist-info"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"{name}/__init__.py", f"NAME = '{name}'\n" + "#" * size + "\n")
+            archive.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+            archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            archive.writestr(f"{info}/RECORD", "")
+        wheels[name] = wheel
+    script = os.path.join(KERNELS, "carried_packages.sh")
+    env = {**os.environ, "CARRIED_COMPRESS_ABOVE_BYTES": "10000"}
+    packed, site = tmp_path / "packed", tmp_path / "site"
+    for args in (["pack", str(packed), *map(str, wheels.values())], ["install", str(packed), str(site)]):
+        done = subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in packed.iterdir()) == ["largepkg-1.0.tar.xz", "smallpkg-1.0-py3-none-any.whl"]
+    code = "import importlib.metadata as m, largepkg, smallpkg; print(largepkg.NAME, smallpkg.NAME, m.version('largepkg'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(site)})
+    assert done.stdout.split() == ["largepkg", "smallpkg", "1.0"], done.stderr
