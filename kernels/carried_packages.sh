@@ -9,7 +9,7 @@
 #
 # transformers 5.25 over the image's 5.17, as measured in notes v83 and v84:
 #   bash kernels/carried_packages.sh pack .whl525 transformers==5.25.0 kernels==0.19.1 huggingface_hub==2.4.0 \
-#       httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 tomlkit==0.15.3 click==8.5.1 idna==3.20 regex==2026.11.19
+#       httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 tomlkit==0.15.3 click==8.5.1 idna==3.20
 set -euo pipefail
 
 # Pure-Python wheels above this size are carried as a tar.xz of their tree
