@@ -119,16 +119,31 @@ RENAMED_FLAGS = {
     "--grad-accum": ("--gradient_accumulation_steps",),
     "--num-epochs": ("--num_train_epochs",),
     "--warmup-ratio": ("--warmup_steps",),
-    "--gradient-checkpointing": ("--gradient_checkpointing",),
+    "--gradient-checkpointing": ("--gradient_checkpointing",),  # see _renamed_flags
 }
 RECIPE_DATACLASSES = (ModelArguments, DataArguments, RecipeArguments)
 
 
+def _training_argument_names() -> set[str]:
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _renamed_flags() -> dict[str, tuple[str, ...]]:
+    """`RENAMED_FLAGS` for the installed transformers: from 5.25 on, `gradient_checkpointing` is a deprecated alias
+    of `activation_checkpointing` (a FutureWarning), so `--gradient-checkpointing` becomes the new name there."""
+    if "activation_checkpointing" not in _training_argument_names():
+        return RENAMED_FLAGS
+    return {**RENAMED_FLAGS, "--gradient-checkpointing": ("--activation_checkpointing",)}
+
+
 def _renamed(argv: list[str]) -> list[str]:
+    renamed_flags = _renamed_flags()
     out = []
     for i, token in enumerate(argv):
         flag, eq, value = token.partition("=")
-        names = RENAMED_FLAGS.get(flag)
+        names = renamed_flags.get(flag)
         if names is None:
             out.append(token)
             continue
@@ -148,7 +163,7 @@ def build_parser(preset: str = "tiny"):
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((*RECIPE_DATACLASSES, TrainingArguments), description=__doc__.split("\n\n")[0])
-    known = {f.name for f in dataclasses.fields(TrainingArguments)}
+    known = _training_argument_names()
     parser.set_defaults(**{key: value for key, value in TRAINING_DEFAULTS.items() if key in known},
                         learning_rate=get_preset(preset).learning_rate)
     return parser

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -32,6 +33,18 @@ def test_every_training_argument_parses_with_the_preset_defaults(tmp_path):
         pretrain.parse_arguments(["--output-dir", str(tmp_path), "--precision", "fp8"])
     with pytest.raises(ValueError, match="preset='7B'"):
         pretrain.parse_arguments(["--output-dir", str(tmp_path), "--preset", "7B"])
+
+
+def test_gradient_checkpointing_flag_uses_the_installed_transformers_name(tmp_path):
+    """`--gradient-checkpointing` turns activation checkpointing on under the name the installed TrainingArguments has
+    (`activation_checkpointing` from transformers 5.25 on, whose old name warns), without a deprecation warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _, training = pretrain.parse_arguments(["--output-dir", str(tmp_path), "--gradient-checkpointing"])
+        _, plain = pretrain.parse_arguments(["--output-dir", str(tmp_path)])
+    assert training.gradient_checkpointing is True and getattr(training, "activation_checkpointing", True) is True
+    assert training.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert plain.gradient_checkpointing is False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
