@@ -667,3 +667,19 @@ def test_carried_packages_travel_as_wheels_or_compressed_trees_and_install_into_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(site)})
     assert done.stdout.split() == ["largepkg", "smallpkg", "1.0"], done.stderr
+
+
+def test_llama_mask_under_compile_follows_the_installed_transformers_and_torch(tmp_path):
+    """`kernels/llama_mask_under_compile.py` reads from the compiled graph whether transformers' Llama hands sdpa its
+    causal flag: from transformers 5.18 with torch 2.12 or later it does (then the benchmark's flagged-Llama ratios
+    are the ones a user sees), before either it builds a mask (`results/models/llama_mask_under_compile/`)."""
+    import transformers
+    from packaging.version import Version
+
+    script = kernel_script("llama_mask_under_compile")
+    expected = (Version(transformers.__version__).release >= (5, 18)
+                and Version(torch.__version__.split("+")[0]).release >= (2, 12))
+    assert script.llama_gets_the_causal_flag() is expected
+    assert script.main(["--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "llama_mask_under_compile.json").read_text())
+    assert result["llama_gets_the_causal_flag"] is expected
