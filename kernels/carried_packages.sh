@@ -43,7 +43,7 @@ pack)
             cp "$wheel" "$work/out/"
         fi
     done
-    rm -rf "$out.tmp" "$out"
+    rm -rf "$out"
     mv "$work/out" "$out"
     du -b "$out"/*
     ;;

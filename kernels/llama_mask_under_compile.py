@@ -4,7 +4,7 @@
 
 The whole-model benchmark's compiled ratios to transformers' Llama depend on it: our decoder passes sdpa no mask
 and `is_causal=True` for a batch without padding, which runs the faster attention kernel, where a Llama that builds
-an explicit causal mask does not (`docs/speed.md`, "the attention under torch.compile"). The benchmark's
+an explicit causal mask does not (`docs/speed.md`, "Compiled training: the causal flag"). The benchmark's
 `llama_causal_flag` row gives Llama the flag by hand. Which one a user's Llama does is a matter of the installed
 transformers and torch, not of the device, so this runs anywhere: a tiny Llama's step (input ids and labels, no
 attention mask) is traced by dynamo, and the captured graph's sdpa call says what it was given.

@@ -679,7 +679,6 @@ def test_llama_mask_under_compile_follows_the_installed_transformers_and_torch(t
     script = kernel_script("llama_mask_under_compile")
     expected = (Version(transformers.__version__).release >= (5, 18)
                 and Version(torch.__version__.split("+")[0]).release >= (2, 12))
-    assert script.llama_gets_the_causal_flag() is expected
     assert script.main(["--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "llama_mask_under_compile.json").read_text())
     assert result["llama_gets_the_causal_flag"] is expected
