@@ -28,7 +28,8 @@ Measurements (all of them by default, or the `--tasks` named):
   hf_memffn package in DIR (an earlier commit's) and decode in turn with this checkout's: a change's effect, paired
   round by round.
 - `layer`: the FFN block alone at the 370M shape against the SwiGLU MLP of equal parameters and FLOPs: forward +
-  backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches).
+  backward at 8 x 2048 tokens, and one decoding step (L=1) at batch 1 and 16 (CUDA-graph replay and plain launches);
+  `layer:<size>:compiled` times the layers under `torch.compile`, as a compiled model runs them (no decoding step).
 - `profile`: torch profiler tables (kernels by CUDA time) of the FlashMHF FFN layer's forward + backward and of one
   eager decoding step of every model, to see where the time goes; the task
   `profile_train:<size>:<arch>[:eager|compiled|cudagraphs[:<batch>]]` profiles one training step of a whole model
@@ -823,33 +824,44 @@ LAYER_KERNELS = {"FlashMHF, the op's forward on the Triton kernel": "flash_mhf_t
                  "FlashMHF, the weight kernel's tiles whole": "flash_mhf_whole_weight_tiles"}
 
 
-def layer_rows(size: str, device: str) -> list[dict]:
+def layer_rows(size: str, device: str, compiled: bool = False) -> list[dict]:
+    """Each FFN layer of `ffn_layers` timed alone: forward, forward + backward, and one decoding step. `compiled`
+    (the task `layer:<size>:compiled`): the layers as a compiled model runs them, each under `torch.compile` (the
+    SwiGLU MLPs' SiLU and product fused by inductor; FlashMHF's custom operators as they are), forward and
+    forward + backward only, and without the kernel variants of `LAYER_KERNELS`."""
     rows = []
     layers, hidden = ffn_layers(size, device)
     tokens = TRAIN_BATCH[size] * SEQ_LEN
     x = torch.randn(TRAIN_BATCH[size], SEQ_LEN, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     for name, module in layers.items():
+        if compiled and name in LAYER_KERNELS:
+            continue
         params = list(module.parameters())
+        call = torch.compile(module) if compiled else module
 
         def train():
-            module(x).backward(grad)
+            call(x).backward(grad)
 
         with op_kernels(LAYER_KERNELS.get(name, "flash_mhf")):
             with torch.no_grad():
-                forward_ms = bench_ms(lambda: module(x))
+                forward_ms = bench_ms(lambda: call(x))
             train_ms = bench_ms(train, grad_to_none=[x, *params])
-        row = {"layer": name, "size": size, "tokens": tokens, "params": sum(p.numel() for p in params),
-               "forward_ms": forward_ms, "train_ms": train_ms}
+        row = {"layer": name, "size": size, "mode": "compiled" if compiled else "eager", "tokens": tokens,
+               "params": sum(p.numel() for p in params), "forward_ms": forward_ms, "train_ms": train_ms}
         for batch in DECODE_BATCHES:
+            if compiled:
+                row[f"decode_b{batch}_graph_us"] = row[f"decode_b{batch}_launch_us"] = None
+                continue
             step = torch.randn(batch, 1, hidden, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 graph = graph_ms(lambda: module(step))
                 row[f"decode_b{batch}_graph_us"] = None if graph is None else graph * 1e3
                 row[f"decode_b{batch}_launch_us"] = bench_ms(lambda: module(step)) * 1e3
-        log(f"layer {name}: fwd {forward_ms:.3f} ms, fwd+bwd {train_ms:.3f} ms, decode b1 "
-            f"{fmt(row['decode_b1_graph_us'])} us (graph) {fmt(row['decode_b1_launch_us'])} us (launches)")
+        log(f"layer {name}{', compiled' if compiled else ''}: fwd {forward_ms:.3f} ms, fwd+bwd {train_ms:.3f} ms, "
+            f"decode b1 {fmt(row['decode_b1_graph_us'])} us (graph) {fmt(row['decode_b1_launch_us'])} us (launches)")
         rows.append(row)
+        call = None  # (a compiled module holds its graphs)
     return rows
 
 
@@ -1038,11 +1050,13 @@ def report(results: dict) -> str:
         lines.append("")
     layer = results.get("layer", [])
     if layer:
-        lines += ["## One FFN layer", "", f"Forward + backward over {layer[0]['tokens']} tokens; decoding one token "
-                  "(CUDA-graph replay / plain launches).", ""]
+        lines += ["## One FFN layer", "", "Forward + backward over the preset's training tokens; decoding one token "
+                  "(CUDA-graph replay / plain launches; not timed for a compiled layer).", ""]
         lines += markdown_table(
-            ["layer", "params (M)", "fwd ms", "fwd+bwd ms", "decode b1 us", "decode b16 us", "b1 launches us"],
-            [[r["layer"], f"{r['params'] / 1e6:.2f}", f"{r['forward_ms']:.3f}", f"{r['train_ms']:.3f}",
+            ["size", "tokens", "layer", "params (M)", "fwd ms", "fwd+bwd ms", "decode b1 us", "decode b16 us",
+             "b1 launches us"],
+            [[r["size"], r["tokens"], r["layer"] + (", `torch.compile`" if r.get("mode") == "compiled" else ""),
+              f"{r['params'] / 1e6:.2f}", f"{r['forward_ms']:.3f}", f"{r['train_ms']:.3f}",
               fmt(r["decode_b1_graph_us"]), fmt(r["decode_b16_graph_us"]), fmt(r["decode_b1_launch_us"])]
              for r in layer])
         lines.append("")
@@ -1147,7 +1161,7 @@ def default_tasks(args) -> list[str]:
 
 _MODES = "|".join(TRAIN_MODES)
 TASK_FORMS = {  # each kind of task: its form as the help and errors write it, and as a pattern of the whole task
-    "layer": ("layer:<size>", r"layer:(?P<size>[^:]+)"),
+    "layer": ("layer:<size>[:compiled]", r"layer:(?P<size>[^:]+)(:compiled)?"),
     "profile": ("profile:<size>", r"profile:(?P<size>[^:]+)"),
     "profile_decode": ("profile_decode:<size>:<arch>[:<batch>]",
                        r"profile_decode:(?P<size>[^:]+):(?P<archs>[^:+]+)(:\d+)?"),
@@ -1191,7 +1205,7 @@ def run_task(task: str, args, results: dict) -> None:
     part, size, *rest = task.split(":")
     device = args.device
     if part == "layer":
-        results["layer"] += layer_rows(size, device)
+        results["layer"] += layer_rows(size, device, compiled=rest == ["compiled"])
     elif part == "profile":
         results["profile"].update(profile_rows(size, device, args.archs))
     elif part == "profile_decode":

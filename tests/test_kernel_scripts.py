@@ -151,6 +151,58 @@ def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert "| host ms |" in markdown
 
 
+def test_compiled_layer_task_times_each_layer_under_torch_compile(monkeypatch):
+    """`layer:<size>:compiled`: each layer but FlashMHF's kernel variants goes through `torch.compile` once, its rows
+    say so and time no decoding step; the task's form is checked like the others'."""
+    bench_models = kernel_script("bench_models")
+    compiled = []
+
+    def recording_compile(module, **kwargs):
+        compiled.append(module)
+        return module
+
+    monkeypatch.setattr(bench_models, "SEQ_LEN", 8)
+    monkeypatch.setattr(bench_models.torch, "compile", recording_compile)
+    bench_models.check_task("layer:tiny:compiled")
+    with pytest.raises(ValueError, match=r"expected layer:<size>\[:compiled\]"):
+        bench_models.check_task("layer:tiny:eager")
+    results = {"layer": []}
+    args = argparse.Namespace(device="cpu")
+    bench_models.run_task("layer:tiny:compiled", args, results)
+    rows = results["layer"]
+    assert [row["layer"] for row in rows] == [name for name in bench_models.ffn_layers("tiny", "cpu")[0]
+                                              if name not in bench_models.LAYER_KERNELS]
+    assert len(compiled) == len(rows) and all(row["mode"] == "compiled" for row in rows)
+    assert all(row["decode_b1_graph_us"] is None and row["train_ms"] > 0 for row in rows)
+    environment = {"device": "cpu", "torch": "-", "triton": "-", "transformers": "-"}
+    assert "| tiny | 16 | FlashMHF, `torch.compile` |" in bench_models.report({"layer": rows, "environment": environment})
+
+
+BREAKDOWN_SOURCE = "kernels/results/models/h200_compiled_step_breakdown_run.json"
+
+
+def test_compiled_step_breakdown_reproduces_its_committed_table(tmp_path):
+    """`compiled_step_breakdown.py` on the committed whole-model result gives the committed breakdown, and its parts
+    add up: the FFN layers and everything else make the profiled kernel time."""
+    result = run_script("compiled_step_breakdown.py", os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    made = json.loads((tmp_path / "compiled_step_breakdown.json").read_text())
+    committed_path = os.path.join(ROOT, "kernels/results/models/h200_compiled_step_breakdown.json")
+    with open(committed_path) as handle:
+        assert made == json.load(handle)
+    assert [part["size"] for part in made["breakdown"]] == ["370M", "1.3B"]
+    for part in made["breakdown"]:
+        for column in part["columns"].values():
+            assert column["ffn_layers_ms"] + column["rest_ms"] == pytest.approx(column["kernel_ms"])
+            assert column["ffn_layer_mode"] == "compiled"
+        base = part["columns"][part["baseline"]]["kernel_ms"]
+        assert [p["baseline_over_model"] for p in part["projections"]] == pytest.approx(
+            [base / p["kernel_ms"] for p in part["projections"]])
+    missing = run_script("compiled_step_breakdown.py", os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path),
+                         "--sizes", "tiny")
+    assert missing.returncode == 2 and "run the task layer:tiny:compiled" in missing.stderr
+
+
 # what bench_models.main() sets from its options: the module's settings and the harness's measured device (it also
 # raises dynamo's recompile limit to at least 64, which is left so)
 MAIN_SETS = {"bench_models": ("SEQ_LEN", "NEW_TOKENS", "BUILD_ON", "DECODE_REPEATS", "DECODE_COMPILE_MODE",
