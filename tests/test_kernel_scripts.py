@@ -175,7 +175,8 @@ def test_compiled_layer_task_times_each_layer_under_torch_compile(monkeypatch):
     assert len(compiled) == len(rows) and all(row["mode"] == "compiled" for row in rows)
     assert all(row["decode_b1_graph_us"] is None and row["train_ms"] > 0 for row in rows)
     environment = {"device": "cpu", "torch": "-", "triton": "-", "transformers": "-"}
-    assert "| tiny | 16 | FlashMHF, `torch.compile` |" in bench_models.report({"layer": rows, "environment": environment})
+    markdown = bench_models.report({"layer": rows, "environment": environment})
+    assert "| tiny | 16 | FlashMHF, `torch.compile` |" in markdown
 
 
 BREAKDOWN_SOURCE = "kernels/results/models/h200_compiled_step_breakdown_run.json"
