@@ -3,7 +3,8 @@ architectures of this package and on transformers' `LlamaForCausalLM` (the contr
 pass / fail / not-applicable table.
 
 transformers' test modules are not part of this repository. This script copies the ones the testers import from a
-transformers source into a cache outside the tree (default `~/.cache/hf-memffn/transformers-tests/<version>`):
+transformers source into a cache outside the tree (default `~/.cache/hf-memffn/transformers-tests/<version>`, the
+source's version):
 
     python scripts/transformers_suite.py --source ~/src/transformers          # a checkout (its working tree)
     python scripts/transformers_suite.py --source ~/src/transformers --ref v5.23.0   # a checkout or bare git dir, at a tag
@@ -14,7 +15,10 @@ The source distribution (`pip download --no-deps --no-binary :all: transformers=
 `tests/test_*.py` files: `ModelTesterMixin` and `ConfigTester` run from it, but `tests/generation/test_utils.py`
 (`GenerationTesterMixin`) and `tests/exporters/test_export.py` (`ExportTesterMixin`) are not in it; the script then
 puts an empty mixin in their place and says so in the table (use a git checkout for those). The source should match
-the installed transformers version (a warning says when it does not).
+the installed transformers version: the script reads the source's version from its `src/transformers/__init__.py`,
+warns when it differs (transformers' test modules import helpers of their own release, so a mismatch usually stops
+pytest before any test runs; the end of pytest's log is printed then) and keeps each source version's files in a
+cache of their own.
 
 Output (`--out`, default `./transformers-suite`): `junit.xml`, `pytest.log`, `results.json` and `results.md` (one
 row per test, one column per architecture: pass, FAIL, n/a with the reason). Needs `pip install parameterized`
@@ -40,6 +44,7 @@ import transformers
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 TESTERS_MODULE = HERE / "transformers_suite_models.py"
+DEFAULT_CACHE = Path.home() / ".cache" / "hf-memffn" / "transformers-tests"  # one folder per source version
 
 ARCHS = ("flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama")
 
@@ -93,13 +98,33 @@ def _read_from_git(path: Path, ref: str, names: list[str]) -> dict[str, bytes]:
         )
         if result.returncode == 0:
             found[name] = result.stdout
-    if not found:
+    if not found and names != [VERSION_FILE]:
         raise SourceError(f"--source {path}: `git show {ref}:tests/test_modeling_common.py` found nothing (is --ref a tag?)")
     return found
 
 
-def read_test_files(source: Path, ref: str | None) -> dict[str, bytes]:
-    names = list(TEST_FILES)
+def source_version(source: Path, ref: str | None) -> str | None:
+    """The transformers version a source holds (its `__version__`), or None where it names none."""
+    text = read_test_files(source, ref, [VERSION_FILE]).get(VERSION_FILE, b"").decode("utf-8", "replace")
+    for line in text.splitlines():
+        if line.startswith("__version__"):
+            return line.split("=", 1)[1].strip().strip("\"'")
+    return None
+
+
+def warn_if_other_version(version: str | None, where: str) -> None:
+    if version is not None and version != transformers.__version__:
+        print(f"warning: {where} holds transformers {version}'s tests, but transformers {transformers.__version__} is "
+              "installed: their test modules import helpers of their own release, so pytest may stop before any test "
+              f"runs. Use the source of {transformers.__version__} (`pip download --no-deps --no-binary :all: "
+              f"transformers=={transformers.__version__}`) or install {version}.", file=sys.stderr)
+
+
+VERSION_FILE = "src/transformers/__init__.py"  # where a transformers source names its version
+
+
+def read_test_files(source: Path, ref: str | None, names: list[str] | None = None) -> dict[str, bytes]:
+    names = list(TEST_FILES) if names is None else names
     if source.is_file() and tarfile.is_tarfile(source):
         return _read_from_tarball(source, names)
     if source.is_dir():
@@ -123,7 +148,11 @@ def fill_cache(cache: Path, source: Path | None, ref: str | None) -> dict[str, s
                 f"no transformers tests cached in {cache}: pass --source (a transformers checkout, git dir or the "
                 f"sdist from `pip download --no-deps --no-binary :all: transformers=={transformers.__version__}`)"
             )
-        return json.loads(provenance_path.read_text())["files"]
+        cached = json.loads(provenance_path.read_text())
+        warn_if_other_version(cached.get("source_version"), f"the cache {cache}")
+        return cached["files"]
+    version = source_version(source, ref)
+    warn_if_other_version(version, f"--source {source}")
     found = read_test_files(source, ref)
     if "tests/test_modeling_common.py" not in found:
         raise SourceError(f"--source {source}: no tests/test_modeling_common.py in it")
@@ -144,8 +173,8 @@ def fill_cache(cache: Path, source: Path | None, ref: str | None) -> dict[str, s
     for folder in {p.parent for p in tmp.rglob("*.py")}:
         (folder / "__init__.py").touch()
     (tmp / "provenance.json").write_text(
-        json.dumps({"source": str(source), "ref": ref, "transformers": transformers.__version__, "files": provenance},
-                   indent=1)
+        json.dumps({"source": str(source), "ref": ref, "source_version": version,
+                    "transformers": transformers.__version__, "files": provenance}, indent=1)
     )
     shutil.rmtree(cache, ignore_errors=True)
     os.replace(tmp, cache)
@@ -241,13 +270,19 @@ def main(argv: list[str] | None = None) -> int:
         import parameterized  # noqa: F401
     except ImportError:
         parser.error("transformers' test modules import `parameterized`: pip install parameterized")
-    cache = args.cache or Path.home() / ".cache" / "hf-memffn" / "transformers-tests" / transformers.__version__
     try:
+        version = source_version(args.source, args.ref) if args.source is not None else None
+        cache = args.cache or DEFAULT_CACHE / (version or transformers.__version__)
         provenance = fill_cache(cache, args.source, args.ref)
     except SourceError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
     status = run_pytest(cache, args.out, archs, args.select, args.pytest_args, args.cpu)
+    if status not in (0, 1):  # pytest stopped before or outside the tests (an import error, a bad option)
+        log = (args.out / "pytest.log").read_text(errors="replace").splitlines()
+        print("\n".join(["pytest stopped; the end of its log:", *log[-15:]]), file=sys.stderr)
+        if not (args.out / "junit.xml").exists():
+            return status
     result = collect(args.out, provenance)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     write_markdown(result, archs, args.out / "results.md")

@@ -98,6 +98,25 @@ def test_checkpoint_carries_exactly_the_code_of_its_architecture(arch, tmp_path)
     assert {reference.split(".")[0] + ".py" for reference in auto_map.values()} <= carried
 
 
+README_CARRIED_ROW = {"flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM, FlexMemoryLLM", "kvffn": "KVFFN"}
+
+
+def test_readme_counts_the_files_and_lines_each_checkpoint_carries():
+    """README.md's table "Python files (lines)" under "Hub-ready checkpoints" counts what a saved checkpoint carries."""
+    package = os.path.dirname(hf_memffn.__file__)
+    with open(os.path.join(package, "..", "README.md"), encoding="utf-8") as handle:
+        section = handle.read().split("\n## Hub-ready checkpoints\n")[1].split("\n## ")[0]
+    rows = {cells[0]: cells[-1] for cells in (line.strip("| ").split(" | ") for line in section.splitlines()
+                                              if line.startswith("| "))}
+    for arch, row in README_CARRIED_ROW.items():
+        files = REMOTE_CODE_FILES[arch]
+        lines = 0
+        for name in files:
+            with open(os.path.join(package, name), encoding="utf-8") as handle:
+                lines += sum(1 for _ in handle)
+        assert rows[row] == f"{len(files)} ({lines:,})", f"README.md's row {row!r}: {len(files)} files, {lines:,} lines"
+
+
 def test_trust_remote_code_without_the_package(tmp_path):
     tokenizer = tiny_tokenizer()
     directories, generated = [], {}

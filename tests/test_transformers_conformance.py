@@ -210,3 +210,53 @@ def test_causal_lm_lists_generation_mixin_among_its_own_bases(arch):
     model = build(arch)
     assert "GenerationMixin" in str(type(model).__bases__)
     assert model.can_generate()
+
+
+def test_transformers_suite_reads_the_sources_version_and_keeps_a_cache_per_version(tmp_path, monkeypatch, capsys):
+    """`scripts/transformers_suite.py`: the test files of a transformers source whose version is not the installed one
+    go to a cache named after the source's version, with a warning naming both versions and the source to use."""
+    import importlib.util
+    import io
+    import sys
+    import tarfile
+    import types
+    from pathlib import Path
+
+    import transformers
+
+    spec = importlib.util.spec_from_file_location(
+        "transformers_suite", Path(__file__).resolve().parent.parent / "scripts" / "transformers_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    other = "0.0.1"
+    sdist = tmp_path / f"transformers-{other}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as archive:
+        for name, text in ((suite.VERSION_FILE, f'import os\n__version__ = "{other}"\n'),
+                           ("tests/test_modeling_common.py", "class ModelTesterMixin:\n    pass\n"),
+                           ("tests/test_configuration_common.py", "class ConfigTester:\n    pass\n")):
+            data = text.encode()
+            member = tarfile.TarInfo(f"transformers-{other}/{name}")
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    assert suite.source_version(sdist, None) == other
+    monkeypatch.setattr(suite, "DEFAULT_CACHE", tmp_path / "cache")
+    # (main() checks that transformers' test modules could import `parameterized`)
+    monkeypatch.setitem(sys.modules, "parameterized", types.ModuleType("parameterized"))
+    ran = []
+
+    def run_pytest(cache, out, *args):
+        ran.append(cache)
+        (out / "pytest.log").write_text("ImportError: cannot import name 'a_helper' from 'transformers.testing_utils'")
+        return 2  # as pytest does when collection stops, writing no junit.xml
+
+    monkeypatch.setattr(suite, "run_pytest", run_pytest)
+    assert suite.main(["--source", str(sdist), "--out", str(tmp_path / "out"), "--archs", "llama"]) == 2
+    assert ran == [tmp_path / "cache" / other]
+    provenance = (tmp_path / "cache" / other / "provenance.json").read_text()
+    assert f'"source_version": "{other}"' in provenance
+    err = capsys.readouterr().err
+    assert f"holds transformers {other}'s tests, but transformers {transformers.__version__} is installed" in err
+    assert f"transformers=={transformers.__version__}" in err and "cannot import name 'a_helper'" in err
+    # a later run from that cache alone warns again
+    suite.fill_cache(tmp_path / "cache" / other, None, None)
+    assert f"holds transformers {other}'s tests" in capsys.readouterr().err
