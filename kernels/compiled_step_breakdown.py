@@ -31,9 +31,12 @@ from harness import ROOT, markdown_table, write_json, write_text  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from presets import get_preset  # noqa: E402
 
-# the FFN layer row of `bench_models.layer_rows` that each model's decoder layers run, by the start of its name
-FFN_LAYER = {"llama": "Llama MLP", "llama_causal_flag": "Llama MLP", "flash_mhf": "FlashMHF", "kvffn": "KV-FFN"}
-EQUAL_PARAMETERS_SWIGLU = "SwiGLU d_ff="  # the SwiGLU MLP of FlashMHF's parameters (`bench_models.ffn_layers`)
+# the FFN layer row of `bench_models.layer_rows` that each model's decoder layers run: its name, or the start of its
+# name where that ends in "d_ff=" (the width follows)
+FFN_LAYER = {"llama": "Llama MLP d_ff=", "llama_causal_flag": "Llama MLP d_ff=", "flash_mhf": "FlashMHF",
+             "kvffn": "KV-FFN"}
+# the SwiGLU MLP of the model's FFN parameters (`bench_models.ffn_layers`): FlashMHF's own, KV-FFN's is Llama's MLP
+EQUAL_PARAMETERS_SWIGLU = {"flash_mhf": "SwiGLU d_ff=", "kvffn": "Llama MLP d_ff="}
 NAMES = {"llama": "Llama (transformers)", "llama_causal_flag": "Llama (transformers) given sdpa's causal flag",
          "flash_mhf": "FlashMHFLlama", "kvffn": "KVFFN"}
 SHORT_NAMES = {"llama": "Llama", "llama_causal_flag": "Llama", "flash_mhf": "FlashMHFLlama", "kvffn": "KVFFN"}
@@ -44,16 +47,16 @@ def decoder_layers(architecture: str, size: str) -> int:
     return get_preset(size).config_fields(base)["num_hidden_layers"]
 
 
-def layer_row(results: dict, size: str, name_start: str) -> dict:
-    """The layer row of `size` whose name starts with `name_start`: its compiled timing where there is one, else its
-    eager one (the row says which)."""
-    rows = [r for r in results.get("layer", []) if r["size"] == size and r["layer"].startswith(name_start)
-            and (name_start != "FlashMHF" or r["layer"] == "FlashMHF")]  # (not FlashMHF's variants)
+def layer_row(results: dict, size: str, name: str) -> dict:
+    """The layer row of `size` named `name` (see FFN_LAYER): its compiled timing where there is one, else its eager
+    one (the row says which)."""
+    rows = [r for r in results.get("layer", []) if r["size"] == size
+            and (r["layer"] == name or (name.endswith("d_ff=") and r["layer"].startswith(name)))]
     for mode in ("compiled", "eager"):
         for row in rows:
             if row.get("mode", "eager") == mode:
                 return row
-    raise ValueError(f"no layer row of size {size} named {name_start}...: run the task layer:{size}:compiled")
+    raise ValueError(f"no layer row of size {size} named {name!r}: run the task layer:{size}:compiled")
 
 
 def step_profile(results: dict, size: str, architecture: str) -> dict:
@@ -82,7 +85,7 @@ def breakdown(results: dict, size: str, baseline: str, model: str, layer_ratios=
     base_ms = columns[baseline]["kernel_ms"]
     for column in columns.values():
         column["baseline_over_model"] = base_ms / column["kernel_ms"]
-    swiglu = layer_row(results, size, EQUAL_PARAMETERS_SWIGLU)
+    swiglu = layer_row(results, size, EQUAL_PARAMETERS_SWIGLU[model])
     target = columns[model]
     projections = []
     for ratio in layer_ratios:
