@@ -80,8 +80,7 @@ def breakdown(results: dict, size: str, baseline: str, model: str, layer_ratios=
         ffn_ms = layers * layer["train_ms"]
         columns[architecture] = {"decoder_layers": layers, "ffn_layer": layer["layer"],
                                  "ffn_layer_mode": layer.get("mode", "eager"), "ffn_layer_ms": layer["train_ms"],
-                                 "ffn_layers_ms": ffn_ms, "rest_ms": kernel_ms - ffn_ms, "kernel_ms": kernel_ms,
-                                 "baseline_over_model": None}
+                                 "ffn_layers_ms": ffn_ms, "rest_ms": kernel_ms - ffn_ms, "kernel_ms": kernel_ms}
     base_ms = columns[baseline]["kernel_ms"]
     for column in columns.values():
         column["baseline_over_model"] = base_ms / column["kernel_ms"]

@@ -74,6 +74,7 @@ TEST_FILES = {
 }
 # Files whose stand-in means whole groups of tests did not run (reported in the table).
 MIXIN_FILES = {"tests/generation/test_utils.py": "GenerationTesterMixin", "tests/exporters/test_export.py": "ExportTesterMixin"}
+VERSION_FILE = "src/transformers/__init__.py"  # where a transformers source names its version
 
 
 class SourceError(ValueError):
@@ -98,8 +99,6 @@ def _read_from_git(path: Path, ref: str, names: list[str]) -> dict[str, bytes]:
         )
         if result.returncode == 0:
             found[name] = result.stdout
-    if not found and names != [VERSION_FILE]:
-        raise SourceError(f"--source {path}: `git show {ref}:tests/test_modeling_common.py` found nothing (is --ref a tag?)")
     return found
 
 
@@ -120,9 +119,6 @@ def warn_if_other_version(version: str | None, where: str) -> None:
               f"transformers=={transformers.__version__}`) or install {version}.", file=sys.stderr)
 
 
-VERSION_FILE = "src/transformers/__init__.py"  # where a transformers source names its version
-
-
 def read_test_files(source: Path, ref: str | None, names: list[str] | None = None) -> dict[str, bytes]:
     names = list(TEST_FILES) if names is None else names
     if source.is_file() and tarfile.is_tarfile(source):
@@ -139,8 +135,9 @@ def read_test_files(source: Path, ref: str | None, names: list[str] | None = Non
     raise SourceError(f"--source {source}: not a transformers checkout, git directory or source tarball")
 
 
-def fill_cache(cache: Path, source: Path | None, ref: str | None) -> dict[str, str]:
-    """Copy the test files into `cache/tests`; returns {file: "source" | "stand-in"}."""
+def fill_cache(cache: Path, source: Path | None, ref: str | None, version: str | None = None) -> dict[str, str]:
+    """Copy the test files into `cache/tests`; returns {file: "source" | "stand-in"}. `version`: the source's
+    transformers version (`source_version`)."""
     provenance_path = cache / "provenance.json"
     if source is None:
         if not provenance_path.exists():
@@ -151,11 +148,11 @@ def fill_cache(cache: Path, source: Path | None, ref: str | None) -> dict[str, s
         cached = json.loads(provenance_path.read_text())
         warn_if_other_version(cached.get("source_version"), f"the cache {cache}")
         return cached["files"]
-    version = source_version(source, ref)
     warn_if_other_version(version, f"--source {source}")
     found = read_test_files(source, ref)
     if "tests/test_modeling_common.py" not in found:
-        raise SourceError(f"--source {source}: no tests/test_modeling_common.py in it")
+        at = f" at {ref} (is --ref a tag?)" if ref is not None else ""
+        raise SourceError(f"--source {source}: no tests/test_modeling_common.py in it{at}")
     tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     provenance = {}
@@ -273,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         version = source_version(args.source, args.ref) if args.source is not None else None
         cache = args.cache or DEFAULT_CACHE / (version or transformers.__version__)
-        provenance = fill_cache(cache, args.source, args.ref)
+        provenance = fill_cache(cache, args.source, args.ref, version)
     except SourceError as error:
         parser.error(str(error))
     args.out.mkdir(parents=True, exist_ok=True)
