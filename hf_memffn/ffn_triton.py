@@ -9,10 +9,17 @@ the backward stacks the two gradients into the interleaved layout with one more 
 * ``_paired_forward_kernel``: ``hidden[i] = act(y[2i]) * y[2i + 1]`` (``+`` for the "sum" composition);
 * ``_paired_backward_kernel``: ``dy[2i]`` and ``dy[2i + 1]`` from ``y`` and ``d hidden``, written interleaved.
 
+Each program reads and writes the interleaved tensor as one contiguous block, split into keys and values (and joined
+again) in registers, so that its loads and stores are 16-byte vectors wherever Triton specialises the launch on
+aligned tensors and a number of pairs divisible by 16 (the presets' shapes).
+
 The activations are KV-FFN's choices: SiLU, GELU (exact, erf), ReLU, and the sigmoid of the GLU baseline. Maths in
 float32, outputs rounded once to the input dtype. ``decoder_kernels`` (the config field that also governs the decoder's
 norm and rotary kernels) decides the path, by ``decoder_kernels_unavailable``; ``KVFeedForward.path_description`` says
-which runs.
+which runs. Under ``torch.compile`` the PyTorch operations run and inductor fuses them: its kernels for the interleaved
+layout take about 1.5x (forward) and 2x (backward) these kernels' time, but called as custom operators from a compiled
+graph these cost more host time than they save on the GPU at small batches (`kernels/profile_kvffn_layer.py`;
+`kernels/flash_mhf_notes.md`, v86).
 """
 
 from __future__ import annotations
@@ -49,31 +56,38 @@ if TRITON_AVAILABLE:
             return sig, sig * (1.0 - sig)
 
     @triton.jit
+    def _load_pairs(Y, first_pair, num_pairs, BLOCK: tl.constexpr):
+        """(keys, values) of pairs first_pair .. first_pair + BLOCK - 1 in float32, read as 2 * BLOCK contiguous
+        elements (pairs past num_pairs read as zeros)."""
+        elements = 2 * first_pair + tl.arange(0, 2 * BLOCK)
+        y = tl.load(Y + elements, mask=elements < 2 * num_pairs, other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(y, (BLOCK, 2)))
+
+    @triton.jit
     def _paired_forward_kernel(Y, H, num_pairs, ACTIVATION: tl.constexpr, PRODUCT: tl.constexpr,
                                BLOCK: tl.constexpr):
-        pairs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = pairs < num_pairs
-        key = tl.load(Y + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-        value = tl.load(Y + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
+        first_pair = tl.program_id(0).to(tl.int64) * BLOCK
+        key, value = _load_pairs(Y, first_pair, num_pairs, BLOCK)
         act, _ = _activation_and_derivative(key, ACTIVATION)
         hidden = act * value if PRODUCT else act + value
-        tl.store(H + pairs, hidden.to(H.dtype.element_ty), mask=mask)
+        pairs = first_pair + tl.arange(0, BLOCK)
+        tl.store(H + pairs, hidden.to(H.dtype.element_ty), mask=pairs < num_pairs)
 
     @triton.jit
     def _paired_backward_kernel(Y, DH, DY, num_pairs, ACTIVATION: tl.constexpr, PRODUCT: tl.constexpr,
                                 BLOCK: tl.constexpr):
-        pairs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = pairs < num_pairs
-        key = tl.load(Y + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
-        value = tl.load(Y + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
-        grad_hidden = tl.load(DH + pairs, mask=mask, other=0.0).to(tl.float32)
+        first_pair = tl.program_id(0).to(tl.int64) * BLOCK
+        key, value = _load_pairs(Y, first_pair, num_pairs, BLOCK)
+        pairs = first_pair + tl.arange(0, BLOCK)
+        grad_hidden = tl.load(DH + pairs, mask=pairs < num_pairs, other=0.0).to(tl.float32)
         act, act_derivative = _activation_and_derivative(key, ACTIVATION)
         if PRODUCT:
             grad_key, grad_value = grad_hidden * value * act_derivative, grad_hidden * act
         else:
             grad_key, grad_value = grad_hidden * act_derivative, grad_hidden
-        tl.store(DY + 2 * pairs, grad_key.to(DY.dtype.element_ty), mask=mask)
-        tl.store(DY + 2 * pairs + 1, grad_value.to(DY.dtype.element_ty), mask=mask)
+        grad_y = tl.reshape(tl.join(grad_key, grad_value), (2 * BLOCK,))  # key i's gradient at 2i, value i's at 2i + 1
+        elements = 2 * first_pair + tl.arange(0, 2 * BLOCK)
+        tl.store(DY + elements, grad_y.to(DY.dtype.element_ty), mask=elements < 2 * num_pairs)
 
 
 def _launch(kernel, pairs: int, *tensors, activation: str, product: bool) -> None:

@@ -570,7 +570,8 @@ def plot(results, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.environ.get("OUT", "kernels/results"))
+    parser.add_argument("--out", required=True, help="folder for flash_mhf_bench.{json,md,png} (kernels/results holds "
+                        "the committed run)")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--skip", nargs="*", default=[], choices=["modules", "compile", "decode", "train_step"])
     args = parser.parse_args()

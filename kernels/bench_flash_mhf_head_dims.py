@@ -63,14 +63,14 @@ def measure(head_dim: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="kernels/results")
+    parser.add_argument("--out", required=True, help="folder for flash_mhf_head_dims.{json,md}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_flash_mhf_head_dims.py needs a CUDA GPU")
     import triton
 
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "command": "python kernels/bench_flash_mhf_head_dims.py",
+               "python": platform.python_version(), "command": " ".join(["python", *sys.argv]),
                "shape": SHAPE, "rows": []}
     for head_dim in HEAD_DIMS:
         errors = check(head_dim)

@@ -289,7 +289,7 @@ MODES = {"dense": "dense Llama", "compute": "MemoryLLM, compute", "gpu": "Memory
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="kernels/results")
+    parser.add_argument("--out", required=True, help="folder for token_lookup{,_formats}.{json,md}")
     parser.add_argument("--small", action="store_true", help="4 layers, hidden 512, vocab 8k (smoke run)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=2048)

@@ -31,7 +31,7 @@ def peak(fn):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "kernels/results"))
+    parser.add_argument("--out", required=True, help="folder for flash_mhf_memory_profile.json")
     parser.add_argument("--length", type=int, default=16128)
     args = parser.parse_args()
     config = FlashMHFLlamaConfig(hidden_size=2048, intermediate_size=15 * 384, num_attention_heads=16,

@@ -116,7 +116,7 @@ def measure(seq_len: int, rounds: int, steps: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="kernels/results")
+    parser.add_argument("--out", required=True, help="folder for flash_mhf_step_profile.json")
     parser.add_argument("--seq-lens", type=int, nargs="*", default=[4032, 8064])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="profiled steps")

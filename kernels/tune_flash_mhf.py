@@ -300,7 +300,7 @@ def profile(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="kernels/results")
+    parser.add_argument("--out", help="folder for the sweep's flash_mhf_tune*.json (needed unless --profile)")
     parser.add_argument("--seq-len", type=int, default=4032)
     parser.add_argument("--roles", nargs="*", help="only these kernels (forward rows weights weights_v backward ...)")
     parser.add_argument("--variants", nargs="*", help="only these variants (production gluon pointers ...)")
@@ -309,6 +309,8 @@ def main():
     parser.add_argument("--configs", nargs="*", help="role:BLOCK_L,BLOCK_N,warps,stages of the production kernels, "
                         "timed instead of the built-in list (the first of each role is the reference)")
     args = parser.parse_args()
+    if args.out is None and args.profile is None:
+        parser.error("--out is required for the sweep (only --profile runs without it)")
     SHAPE["head_dim"] = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("tune_flash_mhf.py needs a CUDA GPU")

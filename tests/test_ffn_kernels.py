@@ -7,6 +7,8 @@ The kernel tests run on CUDA in this process, and on CPU in a child pytest under
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,29 @@ def test_kvffn_block_on_the_kernels_matches_its_pytorch_operations(overrides):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert blocks["triton"].path_description(x).startswith("Triton kernels")
     assert blocks["torch"].path_description(x) == "PyTorch operations for the activation (decoder_kernels='torch')"
+
+
+@pytest.mark.parametrize("kernel_name", ["_paired_forward_kernel", "_paired_backward_kernel"])
+def test_paired_kernels_move_16_byte_vectors_on_hopper(kernel_name):
+    """Compiled for sm_90 (no GPU needed) as Triton specialises a launch at the presets' shapes (16-byte aligned
+    tensors, a number of pairs divisible by 16), every global load and store of the kernel is a 16-byte vector: the
+    interleaved keys and values are read and written as one contiguous block, not element by element."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_memffn.triton_launch import COMPILE_OPTIONS
+
+    kernel = getattr(ffn_triton, kernel_name)
+    constants = {"ACTIVATION": ffn_triton.PAIRED_ACTIVATIONS["silu"], "PRODUCT": True, "BLOCK": ffn_triton.PAIRED_BLOCK}
+    signature = {name: "constexpr" if name in constants else "i32" if name == "num_pairs" else "*bf16"
+                 for name in kernel.arg_names}
+    attributes = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+                  if name not in constants}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, **COMPILE_OPTIONS})
+    accesses = re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"])
+    assert accesses and all(".v4.b32" in access for access in accesses), sorted(set(accesses))
 
 
 def test_baselines_with_keys_only_run_pytorch_operations():

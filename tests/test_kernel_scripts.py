@@ -24,7 +24,7 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
            "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
-           "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py"]
+           "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py", "profile_kvffn_layer.py"]
 
 
 # Runs each script's `--help` in one Python process (one import of torch and transformers for all of them) and prints
@@ -73,6 +73,48 @@ def test_tune_candidates_parse():
         assert all(len(config) == 4 for _, _, config in candidates)
     with pytest.raises(SystemExit, match="role must be one of"):
         tune_flash_mhf.explicit_candidates(["backward:128,64,8,2"])
+
+
+# Runs each script's main with the arguments given (its first argument: the script's path) in one Python process and
+# prints {script: [exit code or error, what it wrote to stderr]} as JSON.
+NO_OUT_RUNNER = """
+import contextlib, io, json, os, runpy, sys
+runs = json.loads(sys.argv[1])
+results = {}
+for path, args in runs:
+    written, code = io.StringIO(), 0
+    sys.argv = [path, *args]
+    try:
+        with contextlib.redirect_stderr(written):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else str(stop.code)
+    results[" ".join([os.path.basename(path), *args])] = [code, written.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def test_no_script_writes_into_the_committed_results_unasked():
+    """A benchmark run writes where `--out` says: no script of kernels/ has a default for it (so a rerun cannot
+    replace a committed result in `kernels/results/`), and those that used to stop, naming `--out`, before any work.
+    `tune_flash_mhf.py --profile` (one launch for a profiler, nothing written) still runs without it."""
+    defaults = [path for path in glob.glob(os.path.join(KERNELS, "*.py"))
+                if re.search(r"""add_argument\(\s*["']--out["'][^)]*default""", open(path).read())]
+    assert defaults == []
+    scripts = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "bench_token_lookup.py",
+               "profile_flash_mhf_memory.py", "profile_flash_mhf_step.py", "tune_flash_mhf.py"]
+    runs = [[os.path.join(KERNELS, name), []] for name in scripts]
+    runs.append([os.path.join(KERNELS, "tune_flash_mhf.py"), ["--profile", "weights:gluon:128,64,8,2"]])
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    for name in scripts:
+        code, written = outcomes[name]
+        assert code == 2 and "--out" in written.splitlines()[-1], (name, code, written)
+    code, _ = outcomes["tune_flash_mhf.py --profile weights:gluon:128,64,8,2"]
+    assert code == "tune_flash_mhf.py needs a CUDA GPU"  # past the arguments, stopped only for want of a GPU
 
 
 def test_decode_sweep_reads_another_package_and_reports():
@@ -181,6 +223,29 @@ def test_compiled_layer_task_times_each_layer_under_torch_compile(monkeypatch):
 
 
 BREAKDOWN_SOURCE = "kernels/results/models/h200_compiled_step_breakdown_run.json"
+
+
+def test_kvffn_layer_profile_runs_on_the_cpu(tmp_path, monkeypatch):
+    """`profile_kvffn_layer.py` at the tiny preset: the other layouts compute the block's function from its weights; a
+    row per layer and mode (torch.compile stood in by the module itself), each with its kernels, in JSON and markdown."""
+    script = kernel_script("profile_kvffn_layer")
+    layers = script.layers("tiny", "cpu")
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    names = list(layers)
+    plain = layers["KV-FFN, no biases"](x)
+    for name in ("KV-FFN, no biases, keys then values", "KV-FFN, no biases, two projections"):
+        torch.testing.assert_close(layers[name](x), plain, rtol=2e-2, atol=1e-3, msg=name)
+    monkeypatch.setattr(script.torch, "compile", lambda module, **kwargs: module)
+    monkeypatch.setattr(script.bench_models, "SEQ_LEN", 8)
+    monkeypatch.setattr(sys, "argv", ["profile_kvffn_layer.py", "--out", str(tmp_path), "--device", "cpu", "--sizes",
+                                      "tiny", "--seq-len", "8"])
+    script.main()
+    data = json.loads((tmp_path / "kvffn_layer_profile.json").read_text())
+    assert [(row["mode"], row["layer"]) for row in data["rows"]] == [
+        (mode, name) for mode in ("eager", "compiled") for name in names]
+    assert all(row["train_ms"] > 0 and row["top"] and row["tokens"] == 2 * 8 for row in data["rows"])
+    markdown = (tmp_path / "kvffn_layer_profile.md").read_text()
+    assert "| tiny | compiled | KV-FFN, no biases, two projections |" in markdown
 
 
 def test_compiled_step_breakdown_reproduces_its_committed_table(tmp_path):
