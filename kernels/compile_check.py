@@ -53,14 +53,15 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": int(found.group(1)), "local": int(found.group(2))}
 
 
-def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: dict, num_warps: int = 4,
-                   num_stages: int | None = None) -> dict:
-    """Shared memory (bytes), registers and local memory (bytes per thread) of ``kernel`` compiled for sm_<arch>;
-    pointers map argument names to Triton types.
+def build(kernel, arch: int, pointers: dict, scalars: dict, constants: dict, num_warps: int = 4,
+          num_stages: int | None = None, divisible_scalars: tuple = ()):
+    """``kernel`` compiled for sm_<arch> (Triton's compiled kernel: its PTX, cubin and metadata); pointers map
+    argument names to Triton types, scalars to example values (a float is fp32, anything else i32).
 
     Pointers are compiled as 16-byte aligned, as Triton specialises the launches of aligned tensors (all of ours at
     the presets' shapes): without that the loads are not vectorised, loops are not software-pipelined through shared
-    memory, and the shared memory reported is far below what the GPU launch needs."""
+    memory, and the shared memory reported is far below what the GPU launch needs. The integers named in
+    ``divisible_scalars`` are compiled as multiples of 16, as Triton specialises such a value at launch."""
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in pointers:
@@ -70,9 +71,18 @@ def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: 
             signature[name] = "constexpr"
         else:
             signature[name] = "fp32" if isinstance(scalars[name], float) else "i32"
+            if name in divisible_scalars:
+                attributes[(index,)] = [["tt.divisibility", 16]]
     options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **COMPILE_OPTIONS}
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", arch, 32),
-                              options=options)
+    return triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+def compile_kernel(kernel, arch: int, pointers: dict, scalars: dict, constants: dict, num_warps: int = 4,
+                   num_stages: int | None = None) -> dict:
+    """Shared memory (bytes), registers and local memory (bytes per thread) of ``kernel`` compiled for sm_<arch>
+    (see `build`)."""
+    compiled = build(kernel, arch, pointers, scalars, constants, num_warps, num_stages)
     return {"shared": compiled.metadata.shared, **resource_usage(compiled.asm["cubin"])}
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hf_memffn import ffn_triton
 from hf_memffn.ffn import KVFeedForward
 from hf_memffn.testing import tiny_config
+from kernel_scripts_support import kernel_script
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -77,20 +78,12 @@ def test_paired_kernels_move_16_byte_vectors_on_hopper(kernel_name):
     """Compiled for sm_90 (no GPU needed) as Triton specialises a launch at the presets' shapes (16-byte aligned
     tensors, a number of pairs divisible by 16), every global load and store of the kernel is a 16-byte vector: the
     interleaved keys and values are read and written as one contiguous block, not element by element."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from hf_memffn.triton_launch import COMPILE_OPTIONS
-
+    pytest.importorskip("triton")
+    compile_check = kernel_script("compile_check")
     kernel = getattr(ffn_triton, kernel_name)
     constants = {"ACTIVATION": ffn_triton.PAIRED_ACTIVATIONS["silu"], "PRODUCT": True, "BLOCK": ffn_triton.PAIRED_BLOCK}
-    signature = {name: "constexpr" if name in constants else "i32" if name == "num_pairs" else "*bf16"
-                 for name in kernel.arg_names}
-    attributes = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
-                  if name not in constants}
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, **COMPILE_OPTIONS})
+    pointers = {name: "*bf16" for name in kernel.arg_names if name not in constants and name != "num_pairs"}
+    compiled = compile_check.build(kernel, 90, pointers, {"num_pairs": 1}, constants, divisible_scalars=("num_pairs",))
     accesses = re.findall(r"\b(?:ld|st)\.global[\w.]*", compiled.asm["ptx"])
     assert accesses and all(".v4.b32" in access for access in accesses), sorted(set(accesses))
 
