@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from .triton_launch import registered_operator
+
 try:
     from .flash_mhf_triton import (
         TRITON_AVAILABLE,
@@ -259,10 +261,7 @@ def flash_mhf_dense(q, k, u, v, r) -> torch.Tensor:
 # Custom operators (registered once per process, whichever copy of this file is imported first)
 # ----------------------------------------------------------------------------------------------------------
 def _registered(name: str):
-    try:
-        return getattr(getattr(torch.ops, OP_NAMESPACE), name)
-    except (AttributeError, RuntimeError):
-        return None
+    return registered_operator(OP_NAMESPACE, name)
 
 
 def _in_layout_of(template: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, r
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
+from .triton_launch import registered_operator
 
 
 def _package_sibling(name: str):
@@ -186,11 +187,9 @@ ROTARY_TABLES_OPERATOR = True  # False: compiled graphs keep the tables' PyTorch
 
 
 def _register_rotary_tables():
-    namespace, name = ROTARY_TABLES_OP.split("::")
-    try:
-        return getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        pass
+    registered = registered_operator(*ROTARY_TABLES_OP.split("::"))
+    if registered is not None:
+        return registered
 
     @torch.library.custom_op(ROTARY_TABLES_OP, mutates_args=())
     def rotary_tables_op(position_ids: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype

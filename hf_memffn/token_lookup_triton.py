@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .triton_launch import cdiv, launch, next_power_of_2
+from .triton_launch import cdiv, launch, next_power_of_2, registered_operator
 
 try:
     import triton
@@ -135,13 +135,6 @@ def _launch_gather_rows(token_ids, slot_of_token, cache, table):
 # Custom operators (registered once per process, whichever copy of this file is imported first)
 
 
-def _registered(name: str):
-    try:
-        return getattr(getattr(torch.ops, OP_NAMESPACE), name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
 def _register_ops():
     @torch.library.custom_op(f"{OP_NAMESPACE}::token_lookup_add", mutates_args=())
     def lookup_add_op(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: Optional[torch.Tensor],
@@ -162,5 +155,5 @@ def _register_ops():
         return table.new_empty(token_ids.shape[0], table.shape[1])
 
 
-if HAS_TRITON and _registered("token_lookup_add") is None:
+if HAS_TRITON and registered_operator(OP_NAMESPACE, "token_lookup_add") is None:
     _register_ops()

@@ -151,10 +151,20 @@ def any_size(kernel, *arguments: str):
     return type(kernel)(kernel.fn, do_not_specialize=list(arguments))
 
 
+def registered_operator(namespace: str, name: str):
+    """The operator ``namespace::name`` if this process has registered it, else None. Each file that registers
+    operators does so once per process, whichever copy of it is imported first: a checkpoint's remote code brings
+    another copy, under another module name."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def clear() -> None:
     """Forgets the compiled kernels kept (the next launch of each signature goes through Triton)."""
     _compiled.clear()
     _unspecialised.clear()
 
 
-__all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "CACHED"]
+__all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "registered_operator", "CACHED"]

@@ -264,7 +264,7 @@ def test_second_copy_of_the_op_file_reuses_the_registration(tmp_path):
     package = tmp_path / "copied_checkpoint_code"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in ("flash_mhf_op.py", "flash_mhf_triton.py", "flash_mhf_gluon.py"):
+    for name in ("flash_mhf_op.py", "flash_mhf_triton.py", "flash_mhf_gluon.py", "triton_launch.py"):
         shutil.copy(Path(flash_mhf_op.__file__).with_name(name), package / name)
     sys.path.insert(0, str(tmp_path))
     try:
