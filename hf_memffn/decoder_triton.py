@@ -232,7 +232,11 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension by the Triton kernels."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.shape[-1]}: it must be "
+                         f"[{x.shape[-1]}]")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps)
     return rms_norm_forward(x, weight, eps, keep_rstd=False)[0]  # inference: no autograd node, one launch
@@ -291,9 +295,10 @@ class _RotaryFunction(torch.autograd.Function):
 
 def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """(x, cos, sin) with dense last dimensions, after checking that the tables fit ``x`` [B, L, H, D]."""
-    if cos.shape[-1] != x.shape[-1] or sin.shape != cos.shape or cos.shape[-2] != x.shape[1]:
+    if (x.dim() != 4 or x.shape[-1] % 2 or cos.dim() != 3 or sin.shape != cos.shape
+            or cos.shape[0] not in (1, x.shape[0]) or tuple(cos.shape[1:]) != (x.shape[1], x.shape[-1])):
         raise ValueError(f"rotary tables of shape {tuple(cos.shape)} / {tuple(sin.shape)} do not match heads of shape "
-                         f"{tuple(x.shape)} ([B, L, H, D]): they must be [B or 1, L, D]")
+                         f"{tuple(x.shape)} ([B, L, H, D], D even): they must be [B or 1, L, D]")
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
 
 

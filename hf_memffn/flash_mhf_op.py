@@ -682,6 +682,15 @@ def flash_mhf_layer(
     head_dim = weights.shape[-1]
     if p.shape[-1] % head_dim:
         raise ValueError(f"p's last dimension {p.shape[-1]} must be a multiple of head_dim={head_dim}")
+    heads, kv_heads, num_subnetworks = p.shape[-1] // head_dim, weights.shape[0] // 3, weights.shape[1]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"weights' kv_heads={kv_heads} (its first dimension / 3) must divide the heads of p "
+                         f"({p.shape[-1]} // head_dim {head_dim} = {heads})")
+    if norm_weight is not None and tuple(norm_weight.shape) != (head_dim,):
+        raise ValueError(f"norm_weight must be [head_dim] = ({head_dim},); got shape {tuple(norm_weight.shape)}")
+    if router is not None and tuple(router.shape) != (heads, head_dim, num_subnetworks):
+        raise ValueError(f"router must be [heads, head_dim, num_subnetworks] = {(heads, head_dim, num_subnetworks)}; "
+                         f"got shape {tuple(router.shape)}")
     # (a cast or copy that changes nothing still costs a call per layer)
     weights = weights.to(p.dtype) if weights.dtype != p.dtype else weights.contiguous()
     if not fused or _fused_layer_unsupported_reason(p, weights, impl) is not None:

@@ -81,11 +81,25 @@ def _block(n: int) -> int:
     return min(1024, next_power_of_2(n))
 
 
+def _require_dense(**tensors: torch.Tensor | None) -> None:
+    """The kernels index rows as ``row * width`` (tokens, cache slots) or ``row * stride(0)`` (tables) with dense
+    rows: refuse any other layout rather than read the wrong values."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.dim() == 2 and tensor.stride(-1) == 1 and (
+                name in ("rows", "scales") or tensor.is_contiguous()):
+            continue
+        if tensor is not None:
+            raise ValueError(f"{name} must be a 2-D tensor with dense rows"
+                             f"{'' if name in ('rows', 'scales') else ', contiguous'}; got shape "
+                             f"{tuple(tensor.shape)}, strides {tensor.stride()}")
+
+
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                       layer_position: int, hidden_size: int, format_name: str, group_size: int) -> torch.Tensor:
     """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype)."""
     if not HAS_TRITON:
         raise RuntimeError("lookup_add_triton needs triton")
+    _require_dense(hidden=hidden, rows=rows, scales=scales)
     if torch.compiler.is_compiling():
         return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(hidden, row_ids, rows, scales, layer_position,
                                                                  hidden_size, FORMAT_CODES[format_name], group_size)
@@ -113,6 +127,7 @@ def gather_rows_triton(token_ids: torch.Tensor, slot_of_token: torch.Tensor | No
     """Rows of `token_ids` [T] -> [T, width]: cache[slot_of_token[id]] when >= 0, else table[id]."""
     if not HAS_TRITON:
         raise RuntimeError("gather_rows_triton needs triton")
+    _require_dense(table=table, cache=cache)
     if torch.compiler.is_compiling():
         return getattr(torch.ops, OP_NAMESPACE).token_lookup_gather_rows(token_ids, slot_of_token, cache, table)
     return _launch_gather_rows(token_ids, slot_of_token, cache, table)

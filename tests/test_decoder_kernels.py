@@ -209,9 +209,30 @@ def test_decoder_kernels_under_interpreter_in_subprocess():
         __file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects or no_rows or compiled_model")
 
 
+def test_rotary_rejects_tables_that_do_not_fit_the_heads():
+    """Checked before any launch: the kernel would read past tables of another batch, take [L, D] tables' L as the
+    batch, or leave the last column of an odd head width unwritten."""
+    x = randn(3, 4, 2, 16, seed=0)
+    cases = {"another width": rotary_tables(1, 4, 8, seed=1), "another batch": rotary_tables(2, 4, 16, seed=1),
+             "[L, D]": tuple(t[0] for t in rotary_tables(1, 4, 16, seed=1))}
+    for name, (cos, sin) in cases.items():
+        with pytest.raises(ValueError, match="rotary tables of shape"):
+            decoder_triton.rotate(x, cos, sin)
+        with pytest.raises(ValueError, match="rotary tables of shape"):
+            decoder_triton.rotate_pair(x, x, cos, sin)
+    odd = randn(1, 4, 2, 15, seed=0)
+    with pytest.raises(ValueError, match=r"D even"):
+        decoder_triton.rotate(odd, *(t[..., :15] for t in rotary_tables(1, 4, 16, seed=1)))
+
+
+def test_rms_norm_rejects_a_weight_of_another_width():
+    with pytest.raises(ValueError, match=r"weight of shape \(24,\) does not match rows of width 48"):
+        decoder_triton.rms_norm(randn(2, 48, seed=0), randn(24, seed=1), 1e-5)
+
+
 @needs_kernels
-def test_rotary_rejects_tables_of_another_width():
-    x = randn(1, 4, 2, 16, seed=0)
-    cos, sin = rotary_tables(1, 4, 8, seed=1)
-    with pytest.raises(ValueError, match="rotary tables of shape"):
-        decoder_triton.rotate(x, cos, sin)
+def test_rms_norm_matches_float64_with_a_strided_weight():
+    x, wide = randn(3, 48, seed=0), 1 + randn(96, seed=1, scale=0.2)
+    weight = wide[::2]
+    expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert relative_error(decoder_triton.rms_norm(x.float(), weight.float(), 1e-5), expected) < 1e-5

@@ -116,6 +116,26 @@ def test_layer_rejects_bad_shapes():
         flash_mhf_layer(p, norm, router, k, eps=EPS, gate_eps=GATE_EPS)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_layer_rejects_weights_that_do_not_fit_the_heads(fused):
+    """Checked before either path runs: the kernels would read past the router or the norm weight, or leave a head
+    unwritten, where the reference would broadcast or raise."""
+    p, norm, router, k, u, v = layer_inputs(1, 3, 3, 64, 1, 2, 32, True, True)
+    weights = torch.cat([k, u, v])
+    cases = [
+        ("kv_heads=2 .* must divide the heads of p", dict(weights=torch.cat([k, k, u, u, v, v]))),
+        (r"norm_weight must be \[head_dim\] = \(64,\); got shape \(32,\)", dict(norm_weight=norm[:32])),
+        (r"router must be \[heads, head_dim, num_subnetworks\] = \(3, 64, 2\); got shape \(1, 64, 2\)",
+         dict(router=router[:1])),
+        (r"router must be .*got shape \(3, 64, 3\)", dict(router=torch.cat([router, router[..., :1]], -1))),
+    ]
+    for message, change in cases:
+        arguments = dict(norm_weight=norm, router=router, weights=weights) | change
+        with pytest.raises(ValueError, match=message):
+            flash_mhf_layer(p, arguments["norm_weight"], arguments["router"], arguments["weights"], eps=EPS,
+                            gate_eps=GATE_EPS, fused=fused)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Triton (CUDA, or the interpreter)
 # ------------------------------------------------------------------------------------------------------------
