@@ -212,10 +212,23 @@ class MemFFNConfig(PretrainedConfig):
         which depend on the FFN's fields."""
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
+        if "rope_parameters" in kwargs or "rope_scaling" in kwargs:
+            if "rope_scaling" in kwargs:
+                config.rope_parameters = kwargs["rope_scaling"]
+            config._standardize_rope()
         config.base_model_tp_plan = tensor_parallel_plan(config)
         config.base_model_pp_plan = pipeline_parallel_plan(config)
         config.validate_fields()
         return result
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        # `rope_theta` mirrors `rope_parameters["rope_theta"]`, which the rotary embedding reads: a new theta
+        # (`config.rope_theta = ...`, `from_pretrained(path, rope_theta=...)`) goes into it
+        if name == "rope_theta":
+            params = self.__dict__.get("rope_parameters")
+            if isinstance(params, dict) and params.get("rope_theta") != value:
+                self.rope_parameters = {**params, "rope_theta": value}
 
     def _standardize_rope(self) -> None:
         """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
@@ -265,6 +278,9 @@ class MemFFNConfig(PretrainedConfig):
         check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS, name)
         check_choice("decoder_kernels", self.decoder_kernels, DECODER_KERNELS, name)
         _check_bools(self, ("attention_bias", "tie_word_embeddings", "use_cache"))
+        # (Llama's field: a Llama config's MLP biases would be dropped by the FFNs here, which have none or their own)
+        _check(name, not getattr(self, "mlp_bias", False), "mlp_bias", getattr(self, "mlp_bias", False),
+               "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)
             ids = value if isinstance(value, (list, tuple)) else [value]

@@ -102,15 +102,27 @@ def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict,
     return past_key_values
 
 
-def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
+def embedding_rows(embedding: nn.Module) -> int | None:
+    """How many token ids ``embedding`` looks up: an ``nn.Embedding``'s rows, or the rows of the weight of a module
+    that replaces it (PEFT's LoRA and trainable-token wrappers, a user's own); None where no 2-D weight tells."""
+    if isinstance(embedding, nn.Embedding):
+        return embedding.num_embeddings
+    weight = getattr(embedding, "weight", None)
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def check_token_ids(input_ids: torch.Tensor, num_embeddings: int | None) -> None:
     """One-line errors for token ids the embedding cannot look up (instead of an index error from inside it, or a
-    device-side assert on a GPU). Skipped while compiling (the check reads the tensor back)."""
+    device-side assert on a GPU). Skipped while compiling (the check reads the tensor back); without
+    ``num_embeddings`` (an embedding of unknown size), only the ids' presence and dtype are checked."""
     if is_torchdynamo_compiling():
         return
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per sequence")
     if input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids must be integers (torch.long)")
+    if num_embeddings is None:
+        return
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device-to-host copy
     if low < 0 or high >= num_embeddings:
         bad = low if low < 0 else high
@@ -630,7 +642,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
             raise ValueError("pass exactly one of `input_ids` or `inputs_embeds`")
         if input_ids is not None and not (self.training and input_ids.device.type != "cpu"):
             # (not in accelerator training steps: the check reads the ids back, a sync per step that Llama does not pay)
-            check_token_ids(input_ids, self.embed_tokens.num_embeddings)
+            check_token_ids(input_ids, embedding_rows(self.embed_tokens))
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if not self._decoder_path_logged and not is_torchdynamo_compiling():

@@ -201,3 +201,21 @@ def test_a_checkpoint_saved_with_adapters_attached_is_refused_by_from_pretrained
             model.save_pretrained(tmp_path / "merged")
             loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
             torch.testing.assert_close(loaded(ids).logits, resumed(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("embedding_adapter", [dict(target_modules=["q_proj", "embed_tokens"]),
+                                               dict(target_modules=["q_proj"], trainable_token_indices=[5, 6])],
+                         ids=["lora", "trainable_tokens"])
+def test_adapters_on_the_token_embedding_train_and_generate(arch, embedding_adapter):
+    """PEFT replaces `embed_tokens` with a wrapper that is not an `nn.Embedding`: the token-id check reads the rows
+    of its weight, as Llama's forward needs nothing of it."""
+    model = peft.get_peft_model(tiny_model(arch), peft.LoraConfig(task_type="CAUSAL_LM", r=4, **embedding_adapter))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert any(param.grad is not None for name, param in model.named_parameters() if "embed_tokens" in name)
+    model.eval()
+    assert model.generate(input_ids=ids, max_new_tokens=2, do_sample=False).shape == (2, 9)
+    with pytest.raises(ValueError, match=f"allowed ids are 0..{model.config.vocab_size - 1}"):
+        model(input_ids=ids + model.config.vocab_size)

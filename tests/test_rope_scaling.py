@@ -98,3 +98,21 @@ def test_compiled_model_computes_the_rotary_tables_once(rope_type):
     code = "\n".join(codes)
     assert "rotary_tables" in code
     assert not re.search(r"\b(cos|sin)\(", code), "a generated kernel computes cos or sin"
+
+
+def test_a_new_rope_theta_reaches_the_rotary_tables(tmp_path):
+    """`config.rope_theta = ...` and `from_pretrained(path, rope_theta=...)` change what the rotary embedding reads
+    (`rope_parameters["rope_theta"]`), and config.json then says one theta; a new `rope_parameters` is standardized."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(tmp_path)
+    config = tiny_config("kvffn")
+    config.rope_theta = 500000.0
+    models = {"set": AutoModelForCausalLM.from_config(config),
+              "loaded": AutoModelForCausalLM.from_pretrained(tmp_path, rope_theta=500000.0)}
+    head_dim = config.head_dim
+    expected = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    for name, model in models.items():
+        assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}, name
+        torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, msg=name)
+    scaled = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0})
+    assert scaled.config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}

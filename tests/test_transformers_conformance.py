@@ -260,3 +260,12 @@ def test_transformers_suite_reads_the_sources_version_and_keeps_a_cache_per_vers
     # a later run from that cache alone warns again
     suite.fill_cache(tmp_path / "cache" / other, None, None)
     assert f"holds transformers {other}'s tests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_llamas_mlp_bias_is_refused_rather_than_dropped(arch):
+    """Llama's `mlp_bias=True` adds biases to its MLP; these FFNs have none (or KV-FFN's own, `kvffn_bias`), so a
+    config asking for them is refused instead of loading a checkpoint's MLP biases as unexpected keys."""
+    with pytest.raises(ValueError, match=r"`mlp_bias`=True is invalid: must be False"):
+        tiny_config(arch, mlp_bias=True)
+    assert not tiny_config(arch, mlp_bias=False).mlp_bias
