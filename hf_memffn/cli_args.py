@@ -40,11 +40,19 @@ def positive_float(text: str) -> float:
 
 
 def int_list(text: str) -> list[int]:
-    """Comma-separated integers, e.g. `0,11,23`."""
+    """Comma-separated integers, e.g. `0,11,23`; an empty text is an empty list."""
     try:
         return sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: comma-separated integers, e.g. 0,11,23") from None
+
+
+def nonempty_int_list(text: str) -> list[int]:
+    """Comma-separated integers, at least one."""
+    values = int_list(text)
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: comma-separated integers, e.g. 0,11,23")
+    return values
 
 
 def model_source(text: str) -> str:

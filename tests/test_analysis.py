@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -452,3 +453,150 @@ def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):
             assert int(next_token_probabilities(model, input_ids).argmax()) == EDIT_TOKEN
     finally:
         model.unload_tols()
+
+
+def test_a_value_edit_of_the_memory_on_x0_is_refused_while_a_lookup_table_is_loaded(tmp_path):
+    """The model reads that memory from the table, so editing its values would change nothing."""
+    export = pytest.importorskip("hf_memffn.conversion.export")
+    model = build("memoryllm")
+    export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
+    model.load_tols(tmp_path / "tols", placement="cpu")
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"method='value' cannot edit layers\.1\.memory: .*method='token_memory'"):
+        edit_next_token(model, PROMPT, EDIT_TOKEN, method="value")
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    model.unload_tols()  # computed again: the value edit acts
+    result = edit_next_token(model, PROMPT, EDIT_TOKEN, method="value")
+    assert result.target_probability_after > result.target_probability_before
+    result.edit.revert()
+
+
+@pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
+def test_layer_contributions_measure_a_lookup_table_after_the_memory_ffn_is_dropped(case, tmp_path):
+    export = pytest.importorskip("hf_memffn.conversion.export")
+    texts = [[5, 9, 13, 200], [7, 7, 8]]
+    model = build(case)
+    computed = layer_contributions(model, texts)
+    export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
+    model.load_tols(tmp_path / "tols", placement="cpu", drop_memory_ffn=True)
+    assert model.model.memory is None
+    from_table = layer_contributions(model, texts)
+    assert all(m > 0 for m in from_table.memory)
+    assert from_table.memory == pytest.approx(computed.memory, rel=1e-4)
+
+
+@pytest.mark.parametrize("case,method", [("llama", "value"), ("memoryllm", "token_memory")])
+def test_an_edit_leaves_no_gradient_on_the_model_parameters(case, method):
+    model = build(case)
+    result = edit_next_token(model, PROMPT, EDIT_TOKEN, method=method)
+    result.edit.revert()
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+
+
+@pytest.mark.parametrize("case,method", [("llama", "value"), ("memoryllm", "token_memory")])
+def test_an_edit_works_under_inference_mode(case, method):
+    model = build(case)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.inference_mode():
+        result = edit_next_token(model, PROMPT, EDIT_TOKEN, method=method)
+    assert result.target_probability_after > result.target_probability_before
+    result.edit.revert()  # outside inference mode
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+
+
+def test_value_edits_of_banks_sharing_one_parameter_revert_in_any_order():
+    model = build("memoryllm")  # the memory on X0: every layer's bank is a slice of one stacked parameter
+    first, second = memory_banks(model)[:2]
+    assert first.value_parameter() is second.value_parameter()
+    original = first.value_parameter().detach().clone()
+    delta = torch.ones(model.config.hidden_size)
+    first_edit, second_edit = ValueEdit(first, 3, delta).apply(), ValueEdit(second, 5, delta).apply()
+    first_edit.revert()  # not the last one applied
+    torch.testing.assert_close(first.value_vectors()[3], original[0, :, 3])
+    torch.testing.assert_close(second.value_vectors()[5], original[1, :, 5] + delta)
+    second_edit.revert()
+    assert torch.equal(first.value_parameter(), original)
+    # edits of the same cell: reverted last applied first, or refused
+    first_edit, second_edit = ValueEdit(first, 3, delta).apply(), ValueEdit(first, 3, delta).apply()
+    with pytest.raises(RuntimeError, match="last applied, first reverted"):
+        first_edit.revert()
+    second_edit.revert()
+    first_edit.revert()
+    assert torch.equal(first.value_parameter(), original)
+
+
+def test_token_memory_edits_applied_together_revert_in_any_order():
+    model = build("memoryllm")
+    prompts = [PROMPT, torch.tensor([11, 42, 7, 99, 24])]
+    before = [next_token_probabilities(model, prompt) for prompt in prompts]
+    rows = torch.zeros(model.config.num_hidden_layers, model.config.hidden_size)
+    rows[-1] = 50 * promotion_direction(model, EDIT_TOKEN)
+    edits = [TokenMemoryEdit(model, int(prompt[-1]), rows).apply() for prompt in prompts]
+    assert [int(next_token_probabilities(model, prompt).argmax()) for prompt in prompts] == [EDIT_TOKEN] * 2
+    edits[0].revert()  # the first one applied: the second stays
+    torch.testing.assert_close(next_token_probabilities(model, prompts[0]), before[0])
+    assert int(next_token_probabilities(model, prompts[1]).argmax()) == EDIT_TOKEN
+    edits[1].revert()
+    torch.testing.assert_close(next_token_probabilities(model, prompts[1]), before[1])
+    assert "memory_readout" not in vars(model.model)  # the decoder's own method again
+
+
+def test_absolute_triggers_are_ranked_by_magnitude_and_keep_their_sign():
+    model = build("llama")
+    bank = memory_banks(model)[1]
+    texts = [[5, 9, 13, 200, 17, 40], [7, 7, 8, 90, 91]]
+    index = top_triggering_prefixes(model, texts, [bank], k=3, absolute=True)
+    everything = torch.cat([coefficients_for_ids(model, torch.tensor(ids), [bank])[bank.name] for ids in texts])
+    for cell, triggers in enumerate(index.triggers[bank.name]):
+        expected = everything[everything[:, cell].abs().topk(3).indices, cell]
+        assert [t.coefficient for t in triggers] == pytest.approx(expected.tolist(), rel=1e-4, abs=1e-6)
+    assert any(t.coefficient < 0 for cell in index.triggers[bank.name] for t in cell)
+
+
+def test_token_clusters_of_no_tokens_are_none():
+    assert token_clusters(build("memoryllm"), layer=0, token_ids=torch.tensor([], dtype=torch.long)) == []
+
+
+def test_analyze_leaves_the_model_in_the_mode_it_found_it_in():
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    model = build("kvffn").train()
+    model.model.layers[0].eval()  # a mixed state is kept too
+    analyze(model, tiny_tokenizer(), ["the memory stores a key"], top_triggers=1, cells_per_bank=1, agreement_cells=8,
+            edits=[])
+    assert model.training and model.model.layers[1].training and not model.model.layers[0].training
+
+
+def test_analyze_reports_no_clusters_when_every_token_is_special():
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    report = analyze(build("memoryllm"), tiny_tokenizer(), ["the memory stores a key"], max_length=1, top_triggers=1,
+                     cells_per_bank=1, agreement_cells=8, num_clusters=2, edits=[])
+    assert report["token_memory_clustered"] == "none: every token is a special one"
+    assert all(section["clusters"] == [] for section in report["token_memory"].values())
+
+
+def test_texts_files_name_the_file_and_line_of_bad_json_or_bytes(tmp_path):
+    records = tmp_path / "texts.jsonl"
+    records.write_text('{"text": "the memory"}\n{"text": "oops"\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(records))}:2: invalid JSON: Expecting ',' delimiter"):
+        read_texts(records)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("a key\ncaf\xe9 memory\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(latin1))}:2: not UTF-8 text .*allowed: a UTF-8 encoded"):
+        read_texts(latin1)
+
+
+def test_scale_check_takes_any_multiple_of_64_and_names_the_flag_below(tmp_path, capsys):
+    from hf_memffn.analysis import scale_check
+
+    with pytest.raises(SystemExit) as stop:
+        scale_check.main(["--device", "cpu", "--hidden-size", "32"])
+    assert stop.value.code == 2 and "--hidden-size 32 is invalid; allowed: a multiple of 64" in capsys.readouterr().err
+    out = tmp_path / "scale.json"
+    argv = ["--device", "cpu", "--hidden-size", "192", "--intermediate-size", "64", "--num-layers", "1",
+            "--vocab-size", "320", "--num-texts", "1", "--dataset-texts", "2", "--text-words", "5", "--out", str(out)]
+    assert scale_check.main(argv) == 0  # 3 heads: 1 key-value head
+    assert json.loads(out.read_text())["layers"] == 1

@@ -94,3 +94,45 @@ def test_analyze_command_works_on_a_plain_llama_and_takes_a_tokenizer_option(tmp
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["model"]["class"] == "LlamaForCausalLM"
     assert [bank["name"] for bank in report["model"]["banks"]] == ["layers.0.mlp", "layers.1.mlp"]
+
+
+def test_analyze_command_refuses_overrides_that_leave_checkpoint_weights_unused(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn"))
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path / "kvffn")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    argv = ["analyze", str(tmp_path / "kvffn"), "--texts", str(texts), "--out", str(tmp_path / "r"), "--device", "cpu"]
+    _exits_with_error(capsys, [*argv, "--override", "ffn_variant=relu"],
+                      "--override ffn_variant: the config it gives does not use the checkpoint's weights")
+    _exits_with_error(capsys, [*argv, "--override", "num_hidden_layers=1", "--override", "rms_norm_eps=1e-6"],
+                      "--override num_hidden_layers, rms_norm_eps: the config it gives does not use")
+    assert not (tmp_path / "r").exists()
+
+
+def test_analyze_command_names_the_texts_file_and_line_and_refuses_empty_layers(saved_model, tmp_path, capsys):
+    argv = ["analyze", str(saved_model), "--out", str(tmp_path / "r"), "--device", "cpu"]
+    records = tmp_path / "texts.jsonl"
+    records.write_text('{"text": "the memory"}\n{"text": "oops"\n')
+    _exits_with_error(capsys, [*argv, "--texts", str(records)], f"error: {records}:2: invalid JSON: Expecting ','")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 memory\n".encode("latin-1"))
+    _exits_with_error(capsys, [*argv, "--texts", str(latin1)], f"error: {latin1}:1: not UTF-8 text")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory\n")
+    _exits_with_error(capsys, [*argv, "--texts", str(texts), "--layers", ""],
+                      "argument --layers: '' is invalid; allowed: comma-separated integers")
+    assert not (tmp_path / "r").exists()
+
+
+def test_analyze_command_reports_a_memoryllm_read_one_token_a_text(saved_model, tmp_path):
+    """`--max-length 1` leaves the start token alone: a special token, so the token memory has no clusters."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\nhead reads the memory of a token\n")
+    out = tmp_path / "report"
+    assert main(["analyze", str(saved_model), "--texts", str(texts), "--out", str(out), "--device", "cpu",
+                 "--max-length", "1", "--top-triggers", "1", "--cells-per-bank", "1", "--clusters", "2"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["token_memory_clustered"] == "none: every token is a special one"
+    assert all(section["clusters"] == [] for section in report["token_memory"].values())

@@ -58,6 +58,8 @@ def build_world(root: Path) -> World:
 
     export_tols(str(root / "memoryllm"), root / "table", format="fp32", progress=False)
     (root / "texts").write_text("the memory stores a key\nthe value of a token\n")
+    (root / "bad.jsonl").write_text('{"text": "the memory"}\n{"text": "a key"\n')
+    (root / "latin1.txt").write_bytes("caf\xe9 memory\n".encode("latin-1"))
     (root / "a_file").write_text("not a directory\n")
     damaged = root / "damaged_weights"
     shutil.copytree(root / "memoryllm", damaged)
@@ -389,6 +391,18 @@ cli_case("analyze-override-shape", ("--override", "intermediate_size", "shapes")
 cli_case("analyze-edit-strength-negative", ("--edit-strength", "> 0"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r13"),
                     "--edit-strength", "-1", *ANALYZE_FAST], no_output="r13")
+cli_case("analyze-override-unused-weights", ("--override", "ffn_variant", "weights"),
+         lambda w: ["analyze", S(w.kvffn), "--texts", S(w.texts), "--out", S(w.root / "r14"),
+                    "--override", "ffn_variant=relu", *ANALYZE_FAST], keep=("kvffn",), no_output="r14")
+cli_case("analyze-texts-bad-json", ("bad.jsonl:2", "invalid JSON"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.root / "bad.jsonl"), "--out", S(w.root / "r15"),
+                    *ANALYZE_FAST], no_output="r15")
+cli_case("analyze-texts-not-utf8", ("latin1.txt", "UTF-8"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.root / "latin1.txt"), "--out", S(w.root / "r16"),
+                    *ANALYZE_FAST], no_output="r16")
+cli_case("analyze-layers-empty", ("--layers", "integers"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r17"), "--layers", "",
+                    *ANALYZE_FAST], no_output="r17")
 cli_case("serve-missing-model", ("MODEL", "does-not-exist"), lambda w: ["serve", S(w.root / "does-not-exist")])
 cli_case("serve-no-tokenizer", ("no_tokenizer", "no tokenizer"), lambda w: ["serve", S(w.no_tokenizer)])
 # --token-lookup problems that the server would meet only while loading the model, in a traceback

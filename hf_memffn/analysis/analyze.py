@@ -17,6 +17,7 @@ The report (a plain dict) has these sections:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -39,13 +40,21 @@ def read_texts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
     texts = []
-    with open(path, encoding="utf-8", newline="") as handle:
-        lines = [line.removesuffix("\r") for line in handle.read().split("\n")]
+    data = path.read_bytes()
+    try:
+        lines = [line.removesuffix("\r") for line in data.decode("utf-8").split("\n")]
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: a UTF-8 "
+                         "encoded file") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         if path.suffix == ".jsonl":
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: invalid JSON: {error.msg} (column {error.colno})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{path}:{number}: each .jsonl line must be an object with a string field 'text'")
             texts.append(record["text"])
@@ -238,6 +247,22 @@ def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, targe
     raise ValueError("no token of the vocabulary can serve as the demonstration edit's target")
 
 
+def _restores_training_mode(function):
+    """`function(model, ...)` leaves every module of `model` in the mode it found it in (it may switch to eval)."""
+
+    @functools.wraps(function)
+    def wrapper(model: torch.nn.Module, *args, **kwargs):
+        modes = [(module, module.training) for module in model.modules()]
+        try:
+            return function(model, *args, **kwargs)
+        finally:
+            for module, training in modes:
+                module.training = training
+
+    return wrapper
+
+
+@_restores_training_mode
 def analyze(
     model: torch.nn.Module,
     tokenizer,
@@ -257,7 +282,8 @@ def analyze(
     edit_strength: float = 2.0,
     banks: Sequence[MemoryBank] | None = None,
 ) -> dict:
-    """Runs every instrument on `model` and returns the report dict (see the module docstring).
+    """Runs every instrument on `model` (in eval mode; its mode is restored) and returns the report dict (see the
+    module docstring).
 
     `texts` are analysed token by token; `dataset` (default: `texts`) is streamed for the top-triggering prefixes.
     `edits`: (prompt, target) pairs; default: one demonstration edit on the first text (see `default_edit`);
@@ -322,11 +348,12 @@ def analyze(
             ends = (0, len(token_memory_layers) // 2, -1)
             memory_layers = sorted({token_memory_layers[i] for i in ends})
         if cluster_vocabulary:
-            cluster_tokens = None
+            cluster_tokens, clustered = None, "vocabulary"
         else:
             cluster_tokens = torch.tensor(sorted(seen_tokens - set(tokenizer.all_special_ids)), dtype=torch.long)
+            clustered = "tokens seen in the texts" if len(cluster_tokens) else "none: every token is a special one"
         report["token_memory"] = _token_memory_section(model, names, list(memory_layers), num_clusters, cluster_tokens)
-        report["token_memory_clustered"] = "vocabulary" if cluster_vocabulary else "tokens seen in the texts"
+        report["token_memory_clustered"] = clustered
     if edits is None:
         edits = [default_edit(model, tokenizer, texts[0])]
     report["edits"] = _edit_section(model, tokenizer, names, edits, edit_strength)

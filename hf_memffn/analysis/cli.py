@@ -12,8 +12,8 @@ import json
 import os
 import time
 
-from ..cli_args import (TOKENIZER_FILES, UsageError, existing_file, first_line, has_tokenizer, int_list,
-                        load_causal_lm, model_source, output_dir, positive_float, positive_int, torch_device)
+from ..cli_args import (TOKENIZER_FILES, UsageError, existing_file, first_line, has_tokenizer, load_causal_lm,
+                        model_source, nonempty_int_list, output_dir, positive_float, positive_int, torch_device)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", type=existing_file, help="texts streamed for the top-triggering prefixes (default: --texts)")
     parser.add_argument("--device", default="auto", type=torch_device,
                         help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--layers", type=int_list, help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
+    parser.add_argument("--layers", type=nonempty_int_list, help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                         help="config field set when loading (repeatable), e.g. ffn_kernel=torch")
@@ -115,14 +115,21 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     dtype = getattr(torch, dtype_name)
     config = _config_with_overrides(args.model_dir, dict(args.override))
+    keys = ", ".join(key for key, _ in args.override)
     try:
-        model = load_causal_lm(args.model_dir, config=config, trust_remote_code=True, dtype=dtype)
+        model, loading = load_causal_lm(args.model_dir, config=config, trust_remote_code=True, dtype=dtype,
+                                        output_loading_info=True)
     except RuntimeError as error:
         if not args.override or "mismatched" not in str(error):
             raise
-        keys = ", ".join(key for key, _ in args.override)
         raise UsageError(f"--override {keys}: the checkpoint's weights do not fit the config it gives (their shapes "
                          f"change); allowed: fields that keep the shapes, e.g. ffn_kernel=torch") from error
+    unused, missing = sorted(loading["unexpected_keys"]), sorted(loading["missing_keys"])
+    if args.override and (unused or missing):
+        example = f"{unused[0]} unused" if unused else f"{missing[0]} missing"
+        raise UsageError(f"--override {keys}: the config it gives does not use the checkpoint's weights "
+                         f"({len(unused)} unused, {len(missing)} missing, e.g. {example}); allowed: fields that keep "
+                         f"the weights, e.g. ffn_kernel=torch")
     model.to(device).eval()
     banks = memory_banks(model)
     if layers is not None:

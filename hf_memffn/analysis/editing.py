@@ -5,6 +5,8 @@ Two edits, both reversible (`apply()` / `revert()`, or use them as context manag
 * `ValueEdit` (every architecture): add a model-space vector to the value of one memory cell. `edit_next_token`
   picks the cell that the prompt's last token triggers most in the edited layer (largest |c_j| * ||v_j||) and moves
   its value so that, at that position, the FFN output makes the move that most raises the target's probability.
+  A value of the memory on X0 acts only while the memory is computed: a loaded lookup table holds its outputs as
+  they were exported, so `edit_next_token` refuses value edits of that memory then.
 * `TokenMemoryEdit` (MemoryLLM / FlexMemoryLLM): rewrite one token's memory output rows, i.e. its lookup-table row,
   by adding a `[num_layers, hidden]` delta to the memory's output wherever that token occurs. It is held by a small
   wrapper around the decoder's memory readout, so it works with the computed memory and with loaded lookup tables
@@ -63,18 +65,19 @@ def promotion_move(
     Moving along `promotion_direction` alone can raise tokens whose output embeddings resemble the target's (other
     cities, say) even more; ascending on log p(target) itself pushes the target above them.
     """
-    residual = final_residual(model, input_ids).float()
-    budget = strength * float(residual.norm())
-    norm, head = decoder_of(model).norm, model.get_output_embeddings()
-    dtype = head.weight.dtype
-    move = (0.5 * budget * promotion_direction(model, target_id)).requires_grad_(True)
-    optimizer = torch.optim.Adam([move], lr=0.05 * budget)
-    with torch.enable_grad():
+    # (out of inference mode, where a caller's `torch.inference_mode()` would make every tensor here one autograd
+    # cannot differentiate; the gradient is taken for `move` alone, so the model's parameters get no `.grad`)
+    with torch.inference_mode(False), torch.enable_grad():
+        residual = final_residual(model, input_ids).float()
+        budget = strength * float(residual.norm())
+        norm, head = decoder_of(model).norm, model.get_output_embeddings()
+        dtype = head.weight.dtype
+        move = (0.5 * budget * promotion_direction(model, target_id)).requires_grad_(True)
+        optimizer = torch.optim.Adam([move], lr=0.05 * budget)
         for _ in range(steps):
             logits = head(norm((residual + move).to(dtype))).float()
             loss = -torch.log_softmax(logits, dim=-1)[target_id]
-            optimizer.zero_grad()
-            loss.backward()
+            (move.grad,) = torch.autograd.grad(loss, [move])
             optimizer.step()
             with torch.no_grad():
                 move.mul_(min(1.0, budget / max(float(move.norm()), 1e-30)))
@@ -83,25 +86,37 @@ def promotion_move(
 
 @dataclass
 class ValueEdit:
-    """Adds `delta` (model space) to the value vector of `cell` in `bank`; `revert()` restores the exact weights."""
+    """Adds `delta` (model space) to the value vector of `cell` in `bank`; `revert()` restores the exact weights.
+
+    Only the weights the edit changed are saved and restored, so edits of other cells or banks (MemoryLLM's banks
+    share one stacked parameter) may be reverted in any order; edits of the same weights, last applied first.
+    """
 
     bank: MemoryBank
     cell: int
     delta: torch.Tensor
-    _saved: torch.Tensor | None = field(default=None, repr=False)
+    # (index of the changed weights, their values before, their values after the edit)
+    _saved: tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def apply(self) -> "ValueEdit":
         if self._saved is not None:
             raise RuntimeError("edit already applied")
-        self._saved = self.bank.value_parameter().detach().clone()
+        weights = self.bank.value_parameter().detach()
+        before = weights.clone()
         self.bank.add_to_value(self.cell, self.delta)
+        changed = torch.nonzero(weights != before, as_tuple=True)
+        self._saved = (changed, before[changed], weights[changed].clone())
         return self
 
     def revert(self) -> None:
         if self._saved is None:
             raise RuntimeError("edit is not applied")
-        with torch.no_grad():
-            self.bank.value_parameter().copy_(self._saved)
+        changed, before, after = self._saved
+        weights = self.bank.value_parameter().detach()
+        if not torch.equal(weights[changed], after):
+            raise RuntimeError(f"{self.bank.name} cell {self.bank.cell_label(self.cell)} was changed again after this "
+                               "edit: revert the later edits of the same weights first (last applied, first reverted)")
+        weights[changed] = before
         self._saved = None
 
     def __enter__(self) -> "ValueEdit":
@@ -119,7 +134,7 @@ def has_token_memory(model: torch.nn.Module) -> bool:
 
 
 class _EditedReadout:
-    """Wraps the decoder's memory readout: adds `row_delta[layer]` wherever the token occurs."""
+    """Wraps the decoder's memory readout of one forward: adds `row_delta[layer]` wherever the token occurs."""
 
     def __init__(self, readout, token_mask: torch.Tensor, row_delta: torch.Tensor):
         self.readout = readout
@@ -132,12 +147,31 @@ class _EditedReadout:
         return hidden + self.token_mask.to(hidden.dtype) * delta
 
 
+class _EditedMemory:
+    """Set as the decoder's `memory_readout` (an instance attribute: it shadows the method) while token memory edits
+    are applied: the readout that `original` gives, with every applied edit added."""
+
+    def __init__(self, original, previous):
+        self.original = original  # what `decoder.memory_readout` was
+        self.previous = previous  # the instance attribute it was (None: the method)
+        self.edits: list[TokenMemoryEdit] = []
+
+    def __call__(self, input_ids, inputs_embeds):
+        if input_ids is None:
+            raise ValueError("a TokenMemoryEdit needs `input_ids` (the edited token is found by its id)")
+        readout = self.original(input_ids, inputs_embeds)
+        for edit in self.edits:
+            readout = _EditedReadout(readout, (input_ids == edit.token_id).unsqueeze(-1), edit.row_delta)
+        return readout
+
+
 @dataclass
 class TokenMemoryEdit:
     """Adds `row_delta` (`[num_layers, hidden]`) to the memory output of every occurrence of `token_id`.
 
     It wraps the decoder's `memory_readout` (the seam where the memory enters the layers) on this model instance,
-    so it works the same whether the memory is computed or read from a loaded lookup table.
+    so it works the same whether the memory is computed or read from a loaded lookup table. Several edits may be
+    applied at once and reverted in any order.
     """
 
     model: torch.nn.Module
@@ -153,22 +187,24 @@ class TokenMemoryEdit:
         decoder = decoder_of(self.model)
         if self.row_delta.shape != (len(decoder.layers), decoder.embed_tokens.weight.shape[1]):
             raise ValueError(f"row_delta has shape {tuple(self.row_delta.shape)}, expected [num_layers, hidden_size]")
-        original = decoder.memory_readout
-
-        def edited_readout(input_ids, inputs_embeds):
-            if input_ids is None:
-                raise ValueError("a TokenMemoryEdit needs `input_ids` (the edited token is found by its id)")
-            mask = (input_ids == self.token_id).unsqueeze(-1)
-            return _EditedReadout(original(input_ids, inputs_embeds), mask, self.row_delta)
-
-        decoder.memory_readout = edited_readout  # instance attribute: shadows the method until revert
+        edited = vars(decoder).get("memory_readout")
+        if not isinstance(edited, _EditedMemory):
+            edited = _EditedMemory(decoder.memory_readout, previous=edited)
+            decoder.memory_readout = edited
+        edited.edits.append(self)
         self._decoder = decoder
         return self
 
     def revert(self) -> None:
         if self._decoder is None:
             raise RuntimeError("edit is not applied")
-        del self._decoder.memory_readout
+        edited = vars(self._decoder)["memory_readout"]
+        edited.edits = [edit for edit in edited.edits if edit is not self]
+        if not edited.edits:  # the last edit: the readout the decoder had before the first one
+            if edited.previous is None:
+                del self._decoder.memory_readout
+            else:
+                self._decoder.memory_readout = edited.previous
         self._decoder = None
 
     def __enter__(self) -> "TokenMemoryEdit":
@@ -240,7 +276,8 @@ def edit_next_token(
     `strength`: largest residual-stream move at the prompt's last position, in units of the final residual's norm;
     the move itself is the one that most raises log p(target) (see `promotion_move`).
     `layer`: the layer edited (default: the last, whose output reaches the prediction directly); a value edit
-    searches the cell among that layer's `banks` (default: all of the model's banks).
+    searches the cell among that layer's `banks` (default: all of the model's banks); the memory on X0 is refused
+    while a lookup table is loaded (the model reads the table, not the values).
     Call `result.edit.revert()` to undo.
     """
     methods = ("auto", "value", "token_memory")
@@ -254,13 +291,21 @@ def edit_next_token(
     layer = num_layers - 1 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer} must be in [0, {num_layers})")
-    before = next_token_probabilities(model, input_ids)
-    move = promotion_move(model, input_ids, target_id, strength)
-    edit: ValueEdit | TokenMemoryEdit
     if method == "value":
         candidates = [bank for bank in (memory_banks(model) if banks is None else banks) if bank.layer == layer]
         if not candidates:
             raise ValueError(f"layer={layer} has no memory bank to edit")
+        read_from_table = [bank.name for bank in candidates if bank.context_free]
+        if read_from_table and getattr(decoder_of(model), "token_lookup", None) is not None:
+            raise ValueError(f"method='value' cannot edit {', '.join(read_from_table)}: a lookup table is loaded and "
+                             "the model reads that memory from it; use method='token_memory' (or banks without it, "
+                             "or unload_tols() first)")
+    elif method == "token_memory" and not has_memory:
+        raise ValueError(f"method='token_memory' needs a MemoryLLM/FlexMemoryLLM model, got {type(model).__name__}")
+    before = next_token_probabilities(model, input_ids)
+    move = promotion_move(model, input_ids, target_id, strength)
+    edit: ValueEdit | TokenMemoryEdit
+    if method == "value":
         bank, cell, last = _trigger_cell(model, input_ids, candidates)
         coefficient = float(last[cell])
         if coefficient == 0.0:
@@ -268,8 +313,6 @@ def edit_next_token(
         edit = ValueEdit(bank, cell, bank.value_delta_for_output(cell, last, move)).apply()
         location = f"{bank.name} cell {bank.cell_label(cell)} (coefficient {coefficient:.3g})"
     else:
-        if not has_memory:
-            raise ValueError(f"method='token_memory' needs a MemoryLLM/FlexMemoryLLM model, got {type(model).__name__}")
         rows = torch.zeros(num_layers, move.numel())
         rows[layer] = move
         token_id = int(input_ids[-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
@@ -20,6 +21,8 @@ from hf_memffn.testing import tiny_tokenizer
 
 from .analyze import analyze
 from .report import write_report
+
+HEAD_DIM = 64  # attention heads of 64 dimensions; 4 key-value heads (fewer where the heads are not a multiple of 4)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,11 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="analysis-scale.json")
     parser.add_argument("--report-dir", help="also write the HTML report here")
     args = parser.parse_args(argv)
+    if args.hidden_size < HEAD_DIM or args.hidden_size % HEAD_DIM:
+        parser.error(f"--hidden-size {args.hidden_size} is invalid; allowed: a multiple of {HEAD_DIM} (heads of "
+                     f"{HEAD_DIM} dimensions), e.g. 2048")
 
     torch.manual_seed(0)
+    num_heads = args.hidden_size // HEAD_DIM
     config = LlamaConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.hidden_size // 64, num_key_value_heads=4,
+        num_hidden_layers=args.num_layers, num_attention_heads=num_heads, num_key_value_heads=math.gcd(num_heads, 4),
         max_position_embeddings=2048,
     )
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

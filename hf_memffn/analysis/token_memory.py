@@ -4,7 +4,7 @@
 * `token_clusters`: groups of tokens that share memory cells (spherical k-means on the coefficient vectors), each
   listed with its tokens and the cells its members share.
 * `layer_contributions` (every architecture): per layer, the norm of what attention, the residual FFN and the token
-  memory (the lookup table) add to the residual stream, and the memory's share.
+  memory (computed, or read from a loaded lookup table) add to the residual stream, and the memory's share.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def token_clusters(
 ) -> list[TokenCluster]:
     """Clusters of tokens that activate the same memory cells of `layer` (cosine k-means on coefficient vectors).
 
-    `token_ids` defaults to the first `max_tokens` ids of the vocabulary. Clusters are returned largest first.
+    `token_ids` defaults to the first `max_tokens` ids of the vocabulary. Clusters are returned largest first; no
+    tokens give no clusters.
     """
     bank = next((b for b in token_memory_banks(model) if b.layer == layer), None)
     if bank is None:
@@ -102,6 +103,8 @@ def token_clusters(
     if token_ids is None:
         vocab_size = decoder_of(model).embed_tokens.weight.shape[0]
         token_ids = torch.arange(min(vocab_size, max_tokens))
+    if len(token_ids) == 0:
+        return []
     coefficients = vocabulary_coefficients(model, bank, token_ids)
     points = torch.nn.functional.normalize(coefficients, dim=-1)
     num_clusters = min(num_clusters, len(token_ids))
@@ -157,8 +160,8 @@ class LayerContributions:
 def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]) -> LayerContributions:
     """Norms of the attention, FFN and token-memory outputs per layer, averaged over all tokens of `token_lists`.
 
-    The token-memory output of layer l is recomputed from its coefficients and values (no bias, exact for the
-    SwiGLU memory), so it does not depend on how the model reads its memory (compute or lookup tables).
+    The token-memory output of layer l is what the decoder's memory readout adds to the layer (`add_into`), so it is
+    measured whatever serves the memory: the memory FFN, or a loaded lookup table (also after `drop_memory_ffn`).
     """
     decoder = decoder_of(model)
     num_layers = len(decoder.layers)
@@ -178,7 +181,6 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
         if getattr(block, "mlp", None) is not None:
             handles.append(block.mlp.register_forward_hook(accumulate("ffn", layer)))
     num_tokens = 0
-    memory_banks_ = [bank for bank in memory_banks(model) if bank.context_free]
     try:
         for ids in token_lists:
             if not ids:
@@ -186,11 +188,12 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
             input_ids = torch.as_tensor(ids).reshape(1, -1).to(device)
             model(input_ids=input_ids)
             num_tokens += len(ids)
-            if memory_banks_:
-                x0 = decoder.embed_tokens(input_ids)[0]
-                for bank in memory_banks_:
-                    output = bank.output_from_coefficients(bank.coefficients_from_input(x0))
-                    sums["memory"][bank.layer] += float(output.norm(dim=-1).sum())
+            x0 = decoder.embed_tokens(input_ids)
+            readout = decoder.memory_readout(input_ids, x0) if hasattr(decoder, "memory_readout") else None
+            if readout is not None:  # (None: no memory on X0)
+                for layer in range(num_layers):
+                    output = readout.add_into(torch.zeros_like(x0), layer)
+                    sums["memory"][layer] += float(output.float().norm(dim=-1).sum())
     finally:
         for handle in handles:
             handle.remove()

@@ -18,24 +18,34 @@ from .memory_banks import MemoryBank
 
 
 class TopKPerCell:
-    """Keeps, for each of `num_cells` cells, the `k` largest scores seen so far and an integer key for each."""
+    """Keeps, for each of `num_cells` cells, the `k` largest scores seen so far and an integer key for each.
 
-    def __init__(self, num_cells: int, k: int, device: torch.device | str = "cpu"):
+    `absolute=True`: the `k` scores of largest magnitude, kept with their sign (`values` are then ordered by |score|).
+    """
+
+    def __init__(self, num_cells: int, k: int, device: torch.device | str = "cpu", absolute: bool = False):
         if k < 1:
             raise ValueError(f"k={k} must be >= 1")
         self.k = k
+        self.absolute = absolute
         self.values = torch.full((num_cells, k), float("-inf"), device=device)
         self.keys = torch.full((num_cells, k), -1, dtype=torch.long, device=device)
+
+    def _rank(self, values: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """What the heap orders by: the scores, or their magnitudes (an empty slot, key -1, last)."""
+        return torch.where(keys < 0, float("-inf"), values.abs()) if self.absolute else values
 
     def update(self, scores: torch.Tensor, keys: torch.Tensor) -> None:
         """`scores`: [num_positions, num_cells]; `keys`: [num_positions] integer id of each position."""
         if scores.shape[0] == 0:
             return
         batch_k = min(self.k, scores.shape[0])
-        batch_values, batch_index = scores.float().topk(batch_k, dim=0)  # [batch_k, num_cells]
-        candidate_values = torch.cat([self.values, batch_values.t()], dim=1)
+        scores = scores.float()
+        _, batch_index = (scores.abs() if self.absolute else scores).topk(batch_k, dim=0)  # [batch_k, num_cells]
+        candidate_values = torch.cat([self.values, scores.gather(0, batch_index).t()], dim=1)
         candidate_keys = torch.cat([self.keys, keys.to(self.keys.device)[batch_index].t()], dim=1)
-        self.values, chosen = candidate_values.topk(self.k, dim=1)
+        _, chosen = self._rank(candidate_values, candidate_keys).topk(self.k, dim=1)
+        self.values = candidate_values.gather(1, chosen)
         self.keys = candidate_keys.gather(1, chosen)
 
 
@@ -94,14 +104,15 @@ def top_triggering_prefixes(
     """Streams `token_lists` (an iterable of token-id lists, e.g. a generator over a dataset) through the model.
 
     Returns, for each bank and each tracked cell (all cells unless `cells[bank.name]` lists some), the `k` positions
-    with the largest coefficient (largest |coefficient| with `absolute=True`) and their prefixes.
+    with the largest coefficient (largest |coefficient| with `absolute=True`; `Trigger.coefficient` keeps its sign)
+    and their prefixes.
     """
     device = next(model.parameters()).device
     tracked = {
         bank.name: torch.as_tensor(list(cells[bank.name]) if cells and bank.name in cells else range(bank.num_cells))
         for bank in banks
     }
-    heaps = {name: TopKPerCell(len(index), k, device) for name, index in tracked.items()}
+    heaps = {name: TopKPerCell(len(index), k, device, absolute=absolute) for name, index in tracked.items()}
     windows: dict[int, tuple[list[int], int | None]] = {}
     stride = 1 << 32  # key = text_index * stride + position
     batch_keys = torch.empty(0)
@@ -109,8 +120,6 @@ def top_triggering_prefixes(
 
     def on_coefficients(bank: MemoryBank, coefficients: torch.Tensor) -> None:
         scores = coefficients[..., tracked[bank.name].to(coefficients.device)]
-        if absolute:
-            scores = scores.abs()
         flat = scores.reshape(-1, scores.shape[-1])[batch_mask]
         heaps[bank.name].update(flat, batch_keys)
 
