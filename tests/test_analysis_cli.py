@@ -12,14 +12,18 @@ from hf_memffn.cli import main
 from hf_memffn.testing import tiny_config, tiny_tokenizer
 
 
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
+def save_tiny_model(arch: str, directory):
+    """A tiny random `arch` model with its tokenizer saved in `directory`, which is returned."""
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("memoryllm")
-    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm"))
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
     model.attach_tokenizer(tiny_tokenizer())
     model.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return save_tiny_model("memoryllm", tmp_path_factory.mktemp("memoryllm"))
 
 
 def test_analyze_command_writes_json_and_html(saved_model, tmp_path):
@@ -60,10 +64,7 @@ def test_analyze_command_refuses_bad_arguments(saved_model, tmp_path, capsys):
 
 
 def test_analyze_command_takes_layers_and_config_overrides(tmp_path, capsys):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf"))
-    model.attach_tokenizer(tiny_tokenizer())
-    model.save_pretrained(tmp_path / "flash_mhf")
+    save_tiny_model("flash_mhf", tmp_path / "flash_mhf")
     texts = tmp_path / "texts.jsonl"
     texts.write_text('{"text": "the memory stores a key"}\n{"text": "head reads the memory"}\n')
     out = tmp_path / "report"
@@ -97,10 +98,7 @@ def test_analyze_command_works_on_a_plain_llama_and_takes_a_tokenizer_option(tmp
 
 
 def test_analyze_command_refuses_overrides_that_leave_checkpoint_weights_unused(tmp_path, capsys):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("kvffn"))
-    model.attach_tokenizer(tiny_tokenizer())
-    model.save_pretrained(tmp_path / "kvffn")
+    save_tiny_model("kvffn", tmp_path / "kvffn")
     texts = tmp_path / "texts.txt"
     texts.write_text("the memory stores a key\n")
     argv = ["analyze", str(tmp_path / "kvffn"), "--texts", str(texts), "--out", str(tmp_path / "r"), "--device", "cpu"]
