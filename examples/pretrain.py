@@ -618,6 +618,18 @@ def load_data(args, training_args):
     return train_blocks, eval_blocks, tokenizer
 
 
+def refuse_a_used_output_dir(args, output_dir: Path) -> None:
+    """A fresh run (no --resume) into a folder that holds another run's log, checkpoints or results would append to
+    its log and keep its checkpoints, which a later `--resume latest` would then take."""
+    if args.resume or not output_dir.is_dir():
+        return
+    found = sorted(path.name for pattern in ("checkpoint-*", "train_log.jsonl", "summary.json", "final")
+                   for path in output_dir.glob(pattern))
+    if found:
+        raise ValueError(f"--output-dir={str(output_dir)!r} holds a run ({', '.join(found[:4])}): pass --resume latest "
+                         "to go on with it, or choose another folder")
+
+
 def resume_checkpoint(args, output_dir: Path) -> str | None:
     if args.resume != "latest":
         return args.resume
@@ -627,6 +639,31 @@ def resume_checkpoint(args, output_dir: Path) -> str | None:
     if checkpoint is None:
         raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
     return checkpoint
+
+
+def finished_training(checkpoint: str | None, training_args) -> bool:
+    """Whether ``checkpoint`` is at ``--max-steps`` already (a run stopped after its last checkpoint, before its final
+    evaluation): transformers' Trainer would resume it with one step more than the schedule has."""
+    if checkpoint is None or training_args.max_steps <= 0:
+        return False
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
+    return state["global_step"] >= training_args.max_steps
+
+
+def run_training_loss(log_history: list[dict], global_step: int, session_loss: float | None,
+                      session_first_step: int) -> dict:
+    """The mean training loss of the run. The Trainer's own mean covers the steps since this session started, which
+    for a resumed run is not the run's: then the logged windows' losses are averaged, weighted by their steps, where
+    they cover every step; otherwise the session's mean is kept and the field says from which step it counts."""
+    if session_first_step == 1:
+        return {"train_loss": session_loss}
+    total, last = 0.0, 0
+    for record in log_history:
+        if "loss" in record and record["step"] > last:
+            total, last = total + record["loss"] * (record["step"] - last), record["step"]
+    if last == global_step:
+        return {"train_loss": total / global_step}
+    return {"train_loss": session_loss, "train_loss_from_step": session_first_step}
 
 
 def write_summary(summary: dict, output_dir: Path) -> None:
@@ -640,7 +677,7 @@ def write_summary(summary: dict, output_dir: Path) -> None:
 
 def main(argv=None) -> dict:
     args, training_args = parse_arguments(argv)
-    from transformers import Trainer, set_seed
+    from transformers import Trainer, TrainerState, set_seed
 
     from hf_memffn.hub import keep_model_card
 
@@ -651,6 +688,8 @@ def main(argv=None) -> dict:
         # do not have
         min_lr_rate = args.min_learning_rate / training_args.learning_rate
         training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
+    refuse_a_used_output_dir(args, output_dir)
+    checkpoint = resume_checkpoint(args, output_dir)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
@@ -688,7 +727,15 @@ def main(argv=None) -> dict:
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
     ))
     started = time.perf_counter()
-    train_result = trainer.train(resume_from_checkpoint=resume_checkpoint(args, output_dir))
+    if finished_training(checkpoint, training_args):
+        print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
+        trainer._load_from_checkpoint(checkpoint)
+        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
+        session_loss, session_first_step = None, trainer.state.global_step + 1
+    else:
+        session_first_step = 1 + (TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step
+                                  if checkpoint else 0)
+        session_loss = trainer.train(resume_from_checkpoint=checkpoint).training_loss
     train_seconds = time.perf_counter() - started
     eval_metrics = trainer.evaluate()
     final_dir = output_dir / "final"
@@ -704,7 +751,7 @@ def main(argv=None) -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "bf16": training_args.bf16,
         "global_step": trainer.state.global_step,
-        "train_loss": train_result.training_loss,
+        **run_training_loss(trainer.state.log_history, trainer.state.global_step, session_loss, session_first_step),
         "eval_loss": eval_metrics["eval_loss"],
         "train_seconds": round(train_seconds, 2),
         "tokens_per_step": tokens_per_step,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -157,10 +158,26 @@ def test_train_evaluate_save_and_resume(tmp_path):
     log = out / "train_log.jsonl"
     first_run_records = len(log.read_text().splitlines())
 
+    with pytest.raises(ValueError, match=r"--output-dir=.* holds a run \(checkpoint-2, checkpoint-4, final, "
+                                         r"summary.json\): pass --resume latest"):
+        pretrain.main(common + ["--max-steps", "4"])  # a fresh run would append to this run's log
     second = pretrain.main(common + ["--max-steps", "6", "--resume", "latest"])
     assert second["global_step"] == 6
-    resumed = [json.loads(line) for line in log.read_text().splitlines()[first_run_records:]]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    resumed = records[first_run_records:]
     assert [r["step"] for r in resumed if "loss" in r] == [6]  # training went on from step 4, not from scratch
+    # the run's mean training loss, not the mean of the steps since the resume (the Trainer's)
+    windows = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert second["train_loss"] == pytest.approx(sum(2 * windows[step] for step in (2, 4, 6)) / 6)
+
+    # Stopped after its last checkpoint, before the final evaluation: resuming trains no step beyond --max-steps.
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    records_before = len(log.read_text().splitlines())
+    third = pretrain.main(common + ["--max-steps", "6", "--resume", "latest"])
+    assert third["global_step"] == 6 and third["eval_loss"] == pytest.approx(second["eval_loss"])
+    assert third["train_loss"] == pytest.approx(second["train_loss"])
+    assert not any("loss" in json.loads(line) for line in log.read_text().splitlines()[records_before:])
     model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
     assert type(model).__name__ == "FlashMHFLlamaForCausalLM"
 

@@ -243,6 +243,8 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
     first = study.main([*common, "--models", "llama", "--seeds", "1"])
     assert [(r["model"], r["seed"]) for r in first["runs"]] == [("llama", 0)]
     before = (out / "results.json").read_text()
+    with pytest.raises(ValueError, match=r"--out=.* holds a study \(results.json\): pass --resume"):
+        study.main([*common, "--models", "memoryllm_total", "--seeds", "1"])
 
     with pytest.raises(ValueError, match=r"--resume: .* tokens=256, this call has tokens=512"):
         study.main([*common[:-4], "--tokens", "512", "--out", str(out), "--models", "llama", "--resume"])

@@ -932,6 +932,9 @@ def main(argv=None) -> dict:
     if not (args.dataset or args.text_files):
         token_shards.read_meta(Path(args.data or ".study-data"), option="--data")
     out = Path(args.out)
+    if not args.resume and (out / "results.json").exists():
+        raise ValueError(f"--out={str(out)!r} holds a study (results.json): pass --resume to add to it, --report to "
+                         "write its report again, or choose another folder")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="memffn-study-"))
     work.mkdir(parents=True, exist_ok=True)
