@@ -101,6 +101,7 @@ COMMON+=("${EXTRA[@]}")
 declare -A CONFIG=([ddp]=ddp [fsdp2]=fsdp2 [zero2]=deepspeed_zero2 [zero3]=deepspeed_zero3)
 for run in $RUNS; do
     echo "=== $run ==="
+    rm -rf "${WORK:?}/$run"  # a run left by an earlier call: pretrain.py refuses a folder that holds one
     if [ "$run" = single ]; then
         CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size "$BATCH" \
             --output-dir "$WORK/single" || echo "$run FAILED"

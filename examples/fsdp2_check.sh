@@ -15,6 +15,7 @@ STEPS=${2:-200}
 COMPILE_STEPS=${COMPILE_STEPS:-60}
 WORK=${WORK:-/tmp/fsdp2-check}
 mkdir -p "$RESULTS" "$WORK"
+rm -rf "${WORK:?}/single" "$WORK/fsdp2" "$WORK/fsdp2-compile"  # runs of an earlier call: pretrain.py refuses them
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
