@@ -10,6 +10,7 @@ The Hub client is created in one place, `_hub_client`, so tests replace exactly 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -25,6 +26,9 @@ REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeli
 WEIGHT_SUFFIXES = (".safetensors",)
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
 TABLE_FILE_SUFFIXES = (".safetensors", ".json")
+# Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
+# (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`).
+UPLOAD_IGNORE_PATTERNS = ["*.tmp", ".cache/*", "*/.cache/*"]
 
 
 def _hub_client(token: str | bool | None = None):
@@ -35,9 +39,12 @@ def _hub_client(token: str | bool | None = None):
 
 
 def staged_files(folder: str | os.PathLike) -> list[str]:
-    """Every file under `folder`, as sorted POSIX paths relative to it (what an upload of the folder sends)."""
+    """The files under `folder` that an upload of the folder sends (all but `UPLOAD_IGNORE_PATTERNS`), as sorted
+    POSIX paths relative to it."""
     root = Path(folder)
-    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+    names = (path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+    return sorted(name for name in names
+                  if not any(fnmatch.fnmatch(name, pattern) for pattern in UPLOAD_IGNORE_PATTERNS))
 
 
 def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
@@ -125,7 +132,8 @@ def push_folder(
     """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info.
 
     The uploaded model card names `repo_id` in its usage snippets and lists the token lookup tables the folder holds
-    (`model_card.card_for_repository`); the card in `folder` itself is left as it is."""
+    (`model_card.card_for_repository`); the card in `folder` itself is left as it is. Leftover temporary files and
+    caches are not uploaded (`UPLOAD_IGNORE_PATTERNS`)."""
     check_checkpoint_folder(folder)
     client = _hub_client(token)
     repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
@@ -140,6 +148,7 @@ def push_folder(
             commit_message=commit_message or "Upload model",
             commit_description=commit_description,
             create_pr=create_pr,
+            ignore_patterns=UPLOAD_IGNORE_PATTERNS,
         )
 
 
@@ -186,8 +195,8 @@ TRAINER_CARD_MARKER = "This model card has been generated automatically accordin
 def keep_model_card(trainer):
     """Make `trainer.create_model_card` (which `Trainer.push_to_hub` calls after saving) write this package's model
     card instead of transformers' generic one: the Trainer's summary (data, results, hyperparameters, versions)
-    becomes its "Training" section and the metadata it knows (license, datasets, base model, tags) its metadata.
-    Returns the trainer."""
+    becomes its "Training" section and the metadata it knows (license, datasets, base model, tags) its metadata,
+    on top of (tags: next to) the metadata attached to the model. Returns the trainer."""
     generic_card = trainer.create_model_card
 
     def create_model_card(**kwargs):
@@ -205,9 +214,7 @@ def keep_model_card(trainer):
         model = trainer.accelerator.unwrap_model(trainer.model)
         card = render_model_card(model, repo_id=trainer.hub_model_id, save_directory=path.parent,
                                  training_summary=_training_summary(generic.text), **metadata)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(card, encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, card)
 
     trainer.create_model_card = create_model_card
     return trainer

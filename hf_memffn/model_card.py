@@ -3,11 +3,16 @@
 `render_model_card(model)` describes the architecture, the config fields that define it, the parameter counts and
 how to load the folder with `trust_remote_code`; for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
 are attached and how to export and load them. `save_pretrained` writes it through `write_model_card` when the
-package is installed; checkpoints do not carry this file.
+package is installed; checkpoints do not carry this file. The sections generated from the model lie between
+two markers (HTML comments, hidden on the Hub); saving again into the folder rewrites them and the metadata, and
+keeps what the user wrote outside them (and the "Training" section). A README.md without the markers is not this
+package's and is left alone.
 
 The card's metadata (license, base_model, datasets, tags) is built with `huggingface_hub.ModelCardData`; set it
-with `model.attach_card_metadata(...)` or pass it here. `with_training_summary` appends the training summary that
-transformers' `Trainer.create_model_card` writes (see `hub.keep_model_card`).
+with `model.attach_card_metadata(...)` or pass it here; the metadata of this package's card in the folder written
+to (else in the local folder the model was loaded from) is kept under those fields, and tags are merged.
+`render_model_card(training_summary=...)` appends the training summary that transformers'
+`Trainer.create_model_card` writes (see `hub.keep_model_card`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from .atomic_write import write_atomic
 CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
 TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
 LOOKUP_HEADING = "## Token lookup tables"
+GENERATED_START = "<!-- hf-memffn: generated on every save, up to the end marker; write your own text outside -->"
+GENERATED_END = "<!-- hf-memffn: end of the generated sections -->"
 
 ARCHITECTURE_SUMMARIES = {
     "memffn_flash_mhf": (
@@ -132,10 +139,34 @@ BASE_TAGS = ("hf-memffn", "custom_code")
 
 
 def write_model_card(model, save_directory: str | os.PathLike) -> None:
-    """Write the model card as README.md into `save_directory`, unless a README.md is already there."""
+    """Write the model card as README.md into `save_directory`. A card this package wrote there before is written
+    again for `model`: its metadata fields are kept (under the model's own) and so is the text outside its generated
+    sections; a README.md without the markers of those sections is left alone."""
     path = Path(save_directory) / "README.md"
-    if not path.exists():
-        write_atomic(path, render_model_card(model, save_directory=save_directory))
+    card = render_model_card(model, save_directory=save_directory)
+    if path.exists():
+        old_card = path.read_text(encoding="utf-8")
+        if not is_package_card(old_card):
+            return
+        card = _with_text_outside_generated_sections(card, old_card)
+    write_atomic(path, card)
+
+
+def is_package_card(card: str) -> bool:
+    """Whether `card` (a README.md's text) is one this package wrote: it marks its generated sections."""
+    start = card.find(GENERATED_START)
+    return 0 <= start < card.find(GENERATED_END, start)
+
+
+def _with_text_outside_generated_sections(card: str, old_card: str) -> str:
+    """`card`'s front matter and generated sections, with the text `old_card` holds outside them."""
+    front_matter = re.compile(r"\A---\n.*?\n---\n", re.DOTALL)
+    new_front = front_matter.match(card)
+    old_front = front_matter.match(old_card)
+    start, end = card.index(GENERATED_START), card.index(GENERATED_END) + len(GENERATED_END)
+    old_start, old_end = old_card.index(GENERATED_START), old_card.index(GENERATED_END) + len(GENERATED_END)
+    return ((new_front.group(0) if new_front else "") + old_card[old_front.end() if old_front else 0:old_start]
+            + card[start:end] + old_card[old_end:])
 
 
 def refresh_lookup_section(folder: str | os.PathLike) -> bool:
@@ -173,9 +204,14 @@ def with_current_lookup_section(card: str, folder: str | os.PathLike) -> str:
 
 def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> str:
     """The card of the checkpoint `folder` as the Hub repository `repo_id` should show it: the usage snippets name
-    `repo_id` where `save_pretrained` (which knows no repository) wrote the placeholder path, and the "Token lookup
-    tables" section lists the tables the folder holds."""
-    return with_current_lookup_section(card.replace(CARD_PLACEHOLDER_PATH, repo_id), folder)
+    `repo_id` where they named another location (the placeholder path of `save_pretrained`, which knows no
+    repository, or another repository), and the "Token lookup tables" section lists the tables the folder holds.
+    Only the generated sections change (the whole card if it has no markers)."""
+    start, end = (card.find(GENERATED_START), card.find(GENERATED_END)) if is_package_card(card) else (0, len(card))
+    location = re.search(r'^checkpoint = "(.+)"$', card[start:end], re.MULTILINE)
+    named = location.group(1) if location else CARD_PLACEHOLDER_PATH
+    card = card[:start] + card[start:end].replace(named, repo_id) + card[end:]
+    return with_current_lookup_section(card, folder)
 
 
 def check_card_metadata(fields: dict) -> dict:
@@ -186,21 +222,47 @@ def check_card_metadata(fields: dict) -> dict:
     return {key: value for key, value in fields.items() if value is not None}
 
 
-def card_metadata(model, **overrides) -> dict:
-    """The card's metadata: the model's attached fields, `overrides` on top; `base_model` defaults to the Hub
-    repository the weights were loaded from; tags always include this package's."""
-    fields = dict(getattr(model, "card_metadata", None) or {})
-    fields.update(check_card_metadata(overrides))
+def card_metadata(model, save_directory: str | os.PathLike | None = None, **overrides) -> dict:
+    """The card's metadata: the fields of this package's card in `save_directory` (else in the local folder the
+    model was loaded from), the model's attached fields on top, `overrides` on top of those; `base_model` defaults
+    to the Hub repository the weights were loaded from; tags are merged from all of them and always include this
+    package's."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    kept = _package_card_metadata(save_directory) or _package_card_metadata(source if os.path.isdir(source) else None)
+    attached = dict(getattr(model, "card_metadata", None) or {})
+    overrides = check_card_metadata(overrides)
+    fields = {**kept, **attached, **overrides}
     if "base_model" not in fields and source.count("/") == 1 and not os.path.exists(source):
         fields["base_model"] = source
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     tags = [*BASE_TAGS[:1], model_type, *BASE_TAGS[1:], *_as_list(getattr(model, "model_tags", None)),
-            *_as_list(fields.get("tags"))]
+            *(tag for source_fields in (kept, attached, overrides) for tag in _as_list(source_fields.get("tags")))]
     fields["tags"] = list(dict.fromkeys(tag for tag in tags if tag))
     for key in ("datasets", "language"):
         if key in fields:
             fields[key] = _as_list(fields[key])
+    return fields
+
+
+def _package_card_metadata(folder: str | os.PathLike | None) -> dict:
+    """The metadata fields of the card this package wrote in `folder` (its tags without the package's own), or {}
+    (also when its front matter was edited into invalid YAML: the card written next replaces it)."""
+    path = Path(folder) / "README.md" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    card = path.read_text(encoding="utf-8")
+    if not is_package_card(card):
+        return {}
+    import yaml
+    from huggingface_hub import ModelCard
+
+    try:
+        data = ModelCard(card, ignore_metadata_errors=True).data.to_dict()
+    except (yaml.YAMLError, ValueError):
+        return {}
+    fields = {key: data[key] for key in CARD_METADATA_FIELDS if data.get(key) is not None}
+    own_tags = {*BASE_TAGS, *ARCHITECTURE_SUMMARIES}
+    fields["tags"] = [tag for tag in _as_list(fields.get("tags")) if tag not in own_tags]
     return fields
 
 
@@ -217,15 +279,17 @@ def render_model_card(
     training_summary: str | None = None,
     **metadata,
 ) -> str:
-    """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table,
-    `training_summary` (markdown) becomes a "Training" section, `metadata` overrides the card metadata fields."""
+    """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table
+    (and its card's metadata is kept, see `card_metadata`), `training_summary` (markdown) becomes a "Training"
+    section after the generated ones, `metadata` overrides the card metadata fields."""
     config = model.config
     model_type = getattr(config, "model_type", "")
     name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))
     summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
     sections = [
-        _front_matter(card_metadata(model, **metadata)),
+        _front_matter(card_metadata(model, save_directory, **metadata)),
+        GENERATED_START,
         f"# {name} ({model_type})",
         summary,
         _parameters_section(model, model_type),
@@ -235,6 +299,7 @@ def render_model_card(
     if model_type in MEMORY_MODEL_TYPES:
         sections.append(_lookup_section(_attached_table_format(model), location, save_directory))
     sections.append(_evaluation_section(location))
+    sections.append(GENERATED_END)
     if training_summary:
         sections.append("## Training\n\n" + training_summary.strip())
     return "\n\n".join(section for section in sections if section) + "\n"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub.utils import filter_repo_objects
 from transformers import AutoModelForCausalLM
 
 import hf_memffn
@@ -34,9 +35,14 @@ class FakeHubClient:
         self.calls.append(("create_branch", repo_id, kwargs))
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
+        """Keeps every file under `folder_path` that huggingface_hub's `upload_folder` would send: those its
+        `allow_patterns` / `ignore_patterns` (matched against the relative path) let through."""
         self.calls.append(("upload_folder", repo_id, kwargs))
-        for name in hub.staged_files(folder_path):
-            self.uploaded[name] = (Path(folder_path) / name).read_bytes()
+        root = Path(folder_path)
+        names = [path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=kwargs.get("allow_patterns"),
+                                        ignore_patterns=kwargs.get("ignore_patterns")):
+            self.uploaded[name] = (root / name).read_bytes()
         return type("CommitInfo", (), {"commit_url": f"https://hub.invalid/{repo_id}/commit/1"})()
 
 
@@ -141,6 +147,73 @@ def test_a_card_already_naming_the_repository_is_uploaded_from_the_folder_itself
     (tmp_path / "README.md").write_text(render_model_card(model, repo_id="someone/tiny"))
     hub.push_folder(tmp_path, "someone/tiny")
     assert folder_paths == [str(tmp_path)]
+
+
+def test_pushing_a_folder_whose_card_names_another_repository_names_the_one_pushed_to(fake_hub, tmp_path):
+    """A folder whose card names a repository (a Trainer's output_dir with `hub_model_id`, a folder staged for
+    another repository) pushed to a second one: the uploaded card's snippets name the second; text outside the
+    generated sections is left as it is."""
+    model = tiny_model("memoryllm")
+    model.save_pretrained(tmp_path)
+    card = render_model_card(model, repo_id="alice/first", save_directory=tmp_path) + "\nAbout alice/first.\n"
+    (tmp_path / "README.md").write_text(card)
+    hub.push_folder(tmp_path, "bob/second")
+
+    uploaded = fake_hub.uploaded["README.md"].decode()
+    expected = render_model_card(model, repo_id="bob/second", save_directory=tmp_path) + "\nAbout alice/first.\n"
+    assert uploaded == expected
+    for snippet in ('checkpoint = "bob/second"', "export-tols bob/second TABLE_DIR", "pretrained=bob/second,"):
+        assert snippet in uploaded, snippet
+
+
+@pytest.mark.parametrize("card_names_the_repository", [False, True])
+def test_push_folder_uploads_no_leftover_temporaries_or_caches(card_names_the_repository, fake_hub, tmp_path):
+    """Files an interrupted write left (`atomic_write`'s hidden `*.tmp`) and caches (`.cache/`, which the Hub refuses
+    in a commit) are not uploaded, whether the folder itself is uploaded or a staged copy with another card."""
+    model = tiny_model("kvffn")
+    model.save_pretrained(tmp_path)
+    if card_names_the_repository:
+        (tmp_path / "README.md").write_text(render_model_card(model, repo_id="someone/tiny"))
+    checkpoint_files = set(hub.staged_files(tmp_path))
+    for leftover in (".model.safetensors.4242.0a1b2c3d.tmp", ".README.md.4242.0a1b2c3d.tmp",
+                     ".cache/huggingface/download/model.safetensors.metadata", ".cache/notes.txt",
+                     "token_lookup/int8/.token_lookup-00001-of-00001.safetensors.4242.0a1b2c3d.tmp"):
+        (tmp_path / leftover).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / leftover).write_text("left over")
+    assert set(hub.staged_files(tmp_path)) == checkpoint_files
+    hub.push_folder(tmp_path, "someone/tiny")
+    assert set(fake_hub.uploaded) == checkpoint_files
+
+
+def test_saving_again_rewrites_the_generated_sections_and_keeps_the_rest_of_the_card(tmp_path):
+    """`save_pretrained` over an earlier save (another config): the card's generated sections and metadata describe
+    the model saved now; the metadata attached before, the text the user wrote outside the generated sections and a
+    Trainer's "Training" section are kept. A README.md the package did not write is left alone."""
+    from huggingface_hub import ModelCard
+
+    torch.manual_seed(0)
+    small = AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_hidden_layers=2))
+    small.attach_card_metadata(license="apache-2.0", tags=["mine"])
+    small.save_pretrained(tmp_path)
+    card = tmp_path / "README.md"
+    front_matter, body = card.read_text().split("\n---\n", 1)
+    card.write_text(front_matter + "\n---\n\nAn introduction of the user's.\n" + body
+                    + "\n## Training\n\nThe Trainer's summary.\n\n## Notes\n\nA note of the user's.\n")
+
+    large = AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_hidden_layers=4, hidden_size=128))
+    large.save_pretrained(tmp_path)
+    text = card.read_text()
+    assert "| `num_hidden_layers` | `4` |" in text and "| `hidden_size` | `128` |" in text
+    assert f"| total | {large.parameter_counts()['total']:,} " in text and "| `num_hidden_layers` | `2` |" not in text
+    expected = render_model_card(large, save_directory=tmp_path).split("\n---\n", 1)
+    assert text == (expected[0] + "\n---\n\nAn introduction of the user's.\n" + expected[1]
+                    + "\n## Training\n\nThe Trainer's summary.\n\n## Notes\n\nA note of the user's.\n")
+    data = ModelCard(text).data
+    assert data.license == "apache-2.0" and "mine" in data.tags
+
+    card.write_text("# My own card\n")
+    large.save_pretrained(tmp_path)
+    assert card.read_text() == "# My own card\n"
 
 
 def test_the_pushed_card_lists_the_tables_in_subfolders(fake_hub, tmp_path):

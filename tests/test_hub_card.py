@@ -82,6 +82,41 @@ def test_trainer_push_to_hub_keeps_our_card(tmp_path, monkeypatch):
     assert "hf-memffn" in card.data.tags and "generated_from_trainer" not in card.data.tags
 
 
+def test_trainer_push_to_hub_keeps_the_tags_attached_to_the_model(tmp_path, monkeypatch):
+    """A push without tags: the Trainer's generic card has none of the model's card's tags (it merges them only into
+    tags passed to it), and the card written in its place keeps those attached to the model."""
+    import transformers.trainer
+    from transformers import Trainer, TrainingArguments
+
+    client = FakeHubClient()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda *args, **kwargs: client)
+    model = tiny_model("kvffn")
+    model.attach_card_metadata(tags=["mine"], license="mit")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", hub_model_id="someone/tiny-kvffn",
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = hub.keep_model_card(Trainer(model=model, args=args))
+    trainer.push_to_hub()
+
+    data = ModelCard(client.uploaded["README.md"].decode()).data
+    assert {"mine", "hf-memffn"} <= set(data.tags) and data.license == "mit"
+
+
+def test_card_metadata_survives_save_reload_and_push(tmp_path, fake_hub):
+    """The metadata attached before `save_pretrained` is in the card that `push_to_hub` of the reloaded model
+    uploads (read from the card in the folder it was loaded from), and the tags passed to the push join it."""
+    model = tiny_model("kvffn")
+    model.attach_card_metadata(license="apache-2.0", datasets="HuggingFaceFW/fineweb-edu", base_model="someone/base",
+                               tags=["memory"])
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    reloaded.push_to_hub("someone/tiny", tags=["pushed"])
+
+    data = ModelCard(fake_hub.uploaded["README.md"].decode()).data
+    assert (data.license, data.base_model) == ("apache-2.0", "someone/base")
+    assert data.datasets == ["HuggingFaceFW/fineweb-edu"]
+    assert {"memory", "pushed", "hf-memffn", "memffn_kvffn"} <= set(data.tags)
+
+
 def test_saved_tokenizer_loads_without_package_and_without_prompt(tmp_path):
     model = tiny_model("kvffn")
     model.attach_tokenizer(tiny_tokenizer())
