@@ -38,6 +38,15 @@ def own_files(directory):
     return sorted(name for name in os.listdir(directory) if name.startswith("token_lookup"))
 
 
+def file_bytes(directory, suffix=""):
+    """name -> bytes of the files in `directory` whose names end with `suffix`."""
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory)) if name.endswith(suffix)}
+
+
+def shard_bytes(directory):
+    return file_bytes(directory, ".safetensors")
+
+
 @pytest.fixture(scope="module")
 def model():
     return build()
@@ -173,6 +182,35 @@ def test_outputs_beyond_the_formats_range_are_refused(tmp_path, fmt):
         export_tols(model, tmp_path / "nan", format="fp32", progress=False)
 
 
+def test_a_refused_export_leaves_the_table_in_the_folder_as_it_was(tmp_path):
+    """An export refused for its values (here outputs past fp16's range) over a valid table of another format: every
+    value is checked before the old index or a shard is removed or rewritten, so the table still loads."""
+    model = build()
+    with torch.no_grad():
+        model.model.memory.down_proj.mul_(2e7)
+    export_tols(model, tmp_path, format="bf16", batch_size=100, max_shard_size="30KB", progress=False)
+    before = file_bytes(tmp_path)
+    assert len(before) > 3
+    with pytest.raises(ValueError, match="format 'fp16' cannot hold"):
+        export_tols(model, tmp_path, format="fp16", batch_size=100, max_shard_size="30KB", progress=False)
+    assert file_bytes(tmp_path) == before
+    model.load_tols(tmp_path, placement="cpu")
+    model.unload_tols()
+
+
+def test_a_refused_export_into_an_empty_folder_leaves_it_empty(tmp_path):
+    """Refused at a later block (tokens 250.. give NaN): the shards of the blocks before it are removed too, so no
+    half-export is left that `load_tols` would call interrupted."""
+    model = build()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[250:] = float("nan")
+    for fmt in ("bf16", "lowrank"):
+        with pytest.raises(ValueError, match="not finite for tokens 200..299"):
+            export_tols(model, tmp_path, format=fmt, rank=4 if fmt == "lowrank" else None, batch_size=100,
+                        max_shard_size="30KB", progress=False)
+        assert os.listdir(tmp_path) == []
+
+
 def test_non_memory_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="KVFFNForCausalLM has no FFNs on the token embeddings"):
         export_tols(build("kvffn"), tmp_path, progress=False)
@@ -277,6 +315,94 @@ def test_running_the_export_again_repairs_a_shard_cut_short(model, tmp_path):
     assert {name: (tmp_path / name).read_bytes() for name in shards} == whole
     model.load_tols(tmp_path, placement="cpu")
     model.unload_tols()
+
+
+def test_running_the_export_again_repairs_a_shard_altered_in_place(model, tmp_path):
+    """A byte of a shard changed after the export (bit rot, a bad copy; the size is the same): `load_tols` names the
+    shard, and the same export compares every shard's sha256 with the index and writes that shard again."""
+    options = dict(format="bf16", batch_size=64, max_shard_size="30KB", progress=False)
+    export_tols(model, tmp_path, **options)
+    whole = shard_bytes(tmp_path)
+    altered = sorted(whole)[1]
+    data = bytearray(whole[altered])
+    data[-10] ^= 0xFF
+    (tmp_path / altered).write_bytes(bytes(data))
+    with pytest.raises(TokenLookupError, match=altered):
+        model.load_tols(tmp_path, placement="cpu")
+    report = export_tols(model, tmp_path, **options)
+    assert not report["already_complete"] and report["resumed"]
+    assert shard_bytes(tmp_path) == whole
+    model.load_tols(tmp_path, placement="cpu")
+    model.unload_tols()
+
+
+def test_the_model_in_another_dtype_gets_its_own_table_and_never_shares_shards(tmp_path):
+    """The same weights loaded in bf16 give other values than in fp32 (the fingerprint is the same): exporting the
+    bf16 model over the fp32 model's table writes it anew, and an interrupted export resumed in the other dtype keeps
+    none of its shards; each ends byte-identical to an uninterrupted export of the model it was run with."""
+    fp32_model, bf16_model = build(), build().to(torch.bfloat16)
+    options = dict(format="fp32", batch_size=100, max_shard_size="30KB", progress=False)
+    export_tols(fp32_model, tmp_path / "fp32", **options)
+    export_tols(bf16_model, tmp_path / "bf16", **options)
+    assert shard_bytes(tmp_path / "fp32") != shard_bytes(tmp_path / "bf16")
+    table = tmp_path / "table"
+    export_tols(fp32_model, table, **options)
+    report = export_tols(bf16_model, table, **options)
+    assert not report["already_complete"] and not report["resumed"]
+    assert shard_bytes(table) == shard_bytes(tmp_path / "bf16")
+    os.remove(table / INDEX_NAME)  # interrupted before its last shard
+    os.remove(table / sorted(shard_bytes(table))[-1])
+    report = export_tols(fp32_model, table, **options)
+    assert not report["resumed"]
+    assert shard_bytes(table) == shard_bytes(tmp_path / "fp32")
+
+
+def test_a_lowrank_rerun_that_fits_other_bases_writes_every_shard_again(model, tmp_path, monkeypatch):
+    """The first shard (holding the bases) cut short, and the bases fitted again come out otherwise (eigenvectors'
+    signs depend on the eigensolver's threads): the coefficients in the other shards fit the old bases only, so they
+    are written again, and the table's error is the one the index reports."""
+    options = dict(format="lowrank", rank=64, factor_dtype="fp32", batch_size=64, max_shard_size="20KB",
+                   progress=False)
+    export_tols(model, tmp_path, **options)
+    first = sorted(shard_bytes(tmp_path))[0]
+    os.truncate(tmp_path / first, os.path.getsize(tmp_path / first) - 100)
+    real_eigh = torch.linalg.eigh
+
+    def eigh_other_signs(matrix):
+        eigenvalues, eigenvectors = real_eigh(matrix)
+        return eigenvalues, -eigenvectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh_other_signs)
+    report = export_tols(model, tmp_path, **options)
+    assert not report["resumed"] and report["max_relative_error"] < 1e-5
+    model.load_tols(tmp_path, placement="cpu")
+    try:
+        tokens = torch.arange(model.config.vocab_size)
+        got, exact = lookup_values(model, tokens), exact_values(model, tokens)
+        errors = (got - exact).norm(dim=-1) / exact.norm(dim=-1)
+        assert float(errors.max()) <= report["max_relative_error"] * (1 + 1e-4) + 1e-7
+    finally:
+        model.unload_tols()
+
+
+def test_a_lowrank_rerun_over_a_damaged_basis_fits_the_bases_again(model, tmp_path):
+    """A basis damaged in place in the first shard is not reused (the shards record the bases' sha256): the bases
+    are fitted again, and the table is byte-identical to the one exported before the damage."""
+    from hf_memffn.token_lookup import basis_key, read_safetensors_header
+
+    options = dict(format="lowrank", rank=8, batch_size=64, max_shard_size="4KB", progress=False)
+    export_tols(model, tmp_path, **options)
+    whole = shard_bytes(tmp_path)
+    assert len(whole) > 2
+    first = tmp_path / sorted(whole)[0]
+    data_start, header = read_safetensors_header(str(first))
+    begin, _ = header[basis_key(0)]["data_offsets"]
+    data = bytearray(whole[first.name])
+    data[data_start + begin + 1] ^= 0x01  # the lowest exponent bit of the first value of layer 0's basis
+    first.write_bytes(bytes(data))
+    report = export_tols(model, tmp_path, **options)
+    assert not report["already_complete"] and report["resumed"]
+    assert shard_bytes(tmp_path) == whole
 
 
 def test_the_base_model_loads_a_table(model, exported):

@@ -9,10 +9,16 @@ shapes, the weights' fingerprint, every shard's size and sha256, and the table's
 Memory: one batch plus the shard being filled (low-rank adds the per-layer Gram matrices, layers x hidden^2).
 
 Crash safety: a shard is written under `<name>.tmp` and renamed when complete, the index last. A shard records the
-export plan it belongs to (format, fingerprint, block size, shard layout), so a re-run keeps the shards of the same
-plan (resume) and rewrites everything else; an old index is removed before any shard is rewritten, so a directory
-never holds an index over shards of another export. Only files named `token_lookup*` are ever touched. Files are
-not fsync'ed: the index records every shard's size and sha256, so a shard damaged by a power cut is caught at load.
+export plan it belongs to (format, fingerprint, block size, the model's dtype and device type, the low-rank bases'
+sha256, shard layout), so a re-run keeps the shards of the same plan (resume) and rewrites everything else; a shard
+an index of the same plan records is kept only with the recorded size and sha256, so a re-run repairs a damaged
+shard. Every value to be written is checked (finite, within the format's range) before anything in the directory is
+removed or rewritten (one more pass over the tokens to be written, where there is something to replace), so a refused
+export leaves the directory's files as they were; an old index is removed before any shard is rewritten, so a
+directory never holds an index over shards of another export; a refused export into a directory with nothing to
+replace removes the shards it wrote. Only files named `token_lookup*` are ever touched. Files are not fsync'ed: the
+index records every shard's size and sha256, so a shard damaged by a power cut is caught at load (and written again by
+the same export).
 """
 
 from __future__ import annotations
@@ -83,6 +89,20 @@ def _memory_outputs(base, token_ids: torch.Tensor, layers: list[int]) -> torch.T
     return out[0].float()
 
 
+def _refuse_non_finite(values: torch.Tensor, ids: torch.Tensor) -> None:
+    if not torch.isfinite(values).all():
+        raise ValueError(f"export-tols: the model's FFNs on X0 give values that are not finite for tokens "
+                         f"{ids[0].item()}..{ids[-1].item()}: the weights are damaged or the training diverged")
+
+
+def _bases_sha256(bases: dict[int, torch.Tensor], layers: list[int]) -> str:
+    """sha256 of the low-rank bases' bytes, layer by layer."""
+    digest = hashlib.sha256()
+    for layer in layers:
+        digest.update(bases[layer].cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _rank_from_energy(eigenvalues_desc: torch.Tensor, energy: float) -> int:
     total = float(eigenvalues_desc.clamp_min(0).sum())
     if total == 0.0:
@@ -117,8 +137,12 @@ class _Exporter:
         self.device = torch.device(device) if device is not None else self.base.embed_tokens.weight.device
         self.progress = progress
         self.fingerprint = weights_fingerprint(self.base)
+        # the dtypes the values are computed in (bf16-loaded weights give other values than fp32 ones)
+        parameters = [self.base.embed_tokens.weight, *self.base.memory.parameters()]
+        self.model_dtypes = sorted({str(p.dtype).replace("torch.", "") for p in parameters})
         self.ranks: list[int] | None = None
         self.bases: dict[int, torch.Tensor] = {}
+        self.bases_sha256: str | None = None  # of the low-rank bases' bytes: coefficients only fit these bases
 
     # -- plan ----------------------------------------------------------------------------------------------------------
 
@@ -148,8 +172,8 @@ class _Exporter:
         for filename, keys in split.filename_to_tensors.items():
             files[filename] = [k for key in keys for k in ((key, key.replace("rows.", "scales.")) if quantized and key.startswith("rows.") else (key,))]
         plan_id = hashlib.sha256(json.dumps({
-            "version": TABLE_FORMAT_VERSION, "format": self.fmt.to_dict(), "fingerprint": self.fingerprint,
-            "batch_size": self.batch_size, "files": files, "ranks": self.ranks,
+            "version": TABLE_FORMAT_VERSION, "inputs": self._plan_inputs(), "files": files, "ranks": self.ranks,
+            "bases_sha256": self.bases_sha256,
         }, sort_keys=True).encode()).hexdigest()
         return files, plan_id
 
@@ -161,6 +185,7 @@ class _Exporter:
         for start in range(0, self.vocab, self.batch_size):
             ids = torch.arange(start, min(start + self.batch_size, self.vocab), device=self.device)
             values = _memory_outputs(self.base, ids, self.layers).double()  # [T, K, d]
+            _refuse_non_finite(values, ids)
             grams += torch.einsum("tki,tkj->kij", values, values)
             bar(ids.numel(), "fitting low-rank bases")
         self.ranks, self.bases = [], {}
@@ -170,6 +195,7 @@ class _Exporter:
             rank = self.fmt.rank if self.fmt.rank is not None else _rank_from_energy(eigenvalues.cpu(), self.fmt.energy)
             self.ranks.append(int(rank))
             self.bases[layer] = eigenvectors[:, :rank].T.contiguous().to(self.fmt.storage_dtype)  # [r, d]
+        self.bases_sha256 = _bases_sha256(self.bases, self.layers)
 
     def _load_lowrank(self, first_shard: str) -> bool:
         """Resume: reuse the bases stored in an existing first shard (coefficients already written depend on them)."""
@@ -178,17 +204,23 @@ class _Exporter:
             return False
         try:
             with safe_open(path, "pt") as handle:
-                plan = _shard_record(handle).get("plan_inputs")
-                if plan != self._plan_inputs():
+                record = _shard_record(handle)
+                if record.get("plan_inputs") != self._plan_inputs():
                     return False
-                self.bases = {layer: handle.get_tensor(basis_key(layer)).to(self.device) for layer in self.layers}
+                bases = {layer: handle.get_tensor(basis_key(layer)) for layer in self.layers}
         except Exception:  # unreadable: restart
             return False
+        if _bases_sha256(bases, self.layers) != record.get("bases_sha256"):  # damaged since it was written: fit again
+            return False
+        self.bases = {layer: basis.to(self.device) for layer, basis in bases.items()}
+        self.bases_sha256 = record["bases_sha256"]
         self.ranks = [self.bases[layer].shape[0] for layer in self.layers]
         return True
 
     def _plan_inputs(self) -> dict:
-        return {"format": self.fmt.to_dict(), "fingerprint": self.fingerprint, "batch_size": self.batch_size}
+        """What the values depend on besides the low-rank bases and the shard layout."""
+        return {"format": self.fmt.to_dict(), "fingerprint": self.fingerprint, "batch_size": self.batch_size,
+                "model_dtypes": self.model_dtypes, "device_type": self.device.type}
 
     # -- blocks --------------------------------------------------------------------------------------------------------
 
@@ -212,9 +244,7 @@ class _Exporter:
             tensors = {rows_key: encoded["rows"]}
             if "scales" in encoded:
                 tensors[scales_key] = encoded["scales"]
-        if not torch.isfinite(flat).all():
-            raise ValueError(f"export-tols: the model's FFNs on X0 give values that are not finite for tokens "
-                             f"{ids[0].item()}..{ids[-1].item()}: the weights are damaged or the training diverged")
+        _refuse_non_finite(flat, ids)
         if not torch.isfinite(approx).all():  # (a value past the storage dtype's range, e.g. above 65504 in fp16)
             raise ValueError(f"export-tols: format {self.fmt.name!r} cannot hold the FFNs' outputs of tokens "
                              f"{ids[0].item()}..{ids[-1].item()} (largest magnitude {flat.abs().max().item():.4g}): "
@@ -243,54 +273,45 @@ class _Exporter:
                     bar(self.vocab, "low-rank bases reused")
             files, plan_id = self.plan()
             index_path = os.path.join(self.out_dir, INDEX_NAME)
-            if os.path.isfile(index_path):
-                with open(index_path) as handle:
-                    try:
-                        old = json.load(handle)["metadata"]["token_lookup"]
-                    except (ValueError, KeyError, TypeError):
-                        old = {}
-                if old.get("plan_id") == plan_id and self._complete_as_recorded(files, old.get("shards", {})):
-                    bar.close()
-                    return self._report(old, time.perf_counter() - started, reused=True)
-                os.remove(index_path)  # never leave an index over shards being replaced
-            self._remove_stale(set(files))
+            old = _index_metadata(index_path)
+            recorded = old.get("shards", {}) if old.get("plan_id") == plan_id else {}
+            kept: dict[str, _ErrorStats] = {}
+            for filename in files:
+                stats = self._existing_shard(os.path.join(self.out_dir, filename), plan_id, recorded.get(filename))
+                if stats is not None:
+                    kept[filename] = stats
+            if recorded and len(kept) == len(files):
+                bar.close()
+                return self._report(old, time.perf_counter() - started, reused=True)
+            to_write = {filename: keys for filename, keys in files.items() if filename not in kept}
+            stale = self._stale_shards(set(files))
+            if os.path.isfile(index_path) or stale or any(os.path.isfile(os.path.join(self.out_dir, name))
+                                                          for name in to_write):
+                # a refused export leaves the folder as it was: every value is checked before anything is replaced
+                self._check_blocks(to_write, bar)
+                if os.path.isfile(index_path):
+                    os.remove(index_path)  # never leave an index over shards being replaced
+                for name in stale:
+                    os.remove(os.path.join(self.out_dir, name))
             shards: dict[str, dict] = {}
             table_stats = _ErrorStats()
-            pending: dict[str, torch.Tensor] = {}
+            written: list[str] = []
             for filename, keys in files.items():
                 path = os.path.join(self.out_dir, filename)
-                kept = self._existing_shard(path, plan_id)
-                if kept is not None:
+                if filename in kept:
                     resumed = True
-                    table_stats.merge(kept)
+                    table_stats.merge(kept[filename])
                     bar(sum(self._block_rows(k) for k in keys), f"kept {filename}")
                 else:
-                    shard: dict[str, torch.Tensor] = {}
-                    stats = _ErrorStats()
-                    for key in keys:
-                        if key.startswith("basis."):
-                            shard[key] = self.bases[int(key.split(".")[1])].cpu().contiguous()
-                            continue
-                        if key not in pending:
-                            start = int(key.split(".")[1])
-                            pending, block_stats = self._block(start)
-                            stats.merge(block_stats)
-                            bar(self._block_rows(key), filename)
-                        shard[key] = pending.pop(key)
-                    # One metadata entry: safetensors writes a header's entries in an order that changes from one
-                    # process to the next, and a resumed export must give the same bytes as an uninterrupted one.
-                    record = {"plan": plan_id, "errors": stats.to_json(), "plan_inputs": self._plan_inputs()}
-                    metadata = {SHARD_RECORD_KEY: json.dumps(record, sort_keys=True)}
-                    with atomic_output(path) as temporary:  # full disk, interrupt: no half-written file stays
-                        try:
-                            save_file(shard, str(temporary), metadata=metadata)
-                        except Exception as error:
-                            if type(error).__name__ == "SafetensorError":  # safetensors reports I/O errors this way
-                                raise OSError(f"cannot write {path}: {error}") from error
-                            raise
-                    del shard
-                    table_stats.merge(stats)
+                    try:
+                        table_stats.merge(self._write_shard(path, keys, plan_id, bar))
+                    except ValueError:  # refused (nothing was replaced): the shards written so far go too
+                        for name in written:
+                            os.remove(name)
+                        raise
+                    written.append(path)
                 shards[filename] = {"sha256": shard_sha256(path), "size": os.path.getsize(path)}
+            self._remove_temporaries()
             bar.close()
             dropped = len(self.fmt.drop_layers) * self.vocab  # a dropped layer's vector is entirely missing
             mean = (table_stats.total + dropped) / max(table_stats.count + dropped, 1)
@@ -312,24 +333,59 @@ class _Exporter:
             _write_json_atomic(index_path, index)
         return self._report(meta, time.perf_counter() - started, reused=False, resumed=resumed)
 
+    def _write_shard(self, path: str, keys: list[str], plan_id: str, bar) -> _ErrorStats:
+        """Compute the blocks of one shard and write it; returns their error stats."""
+        shard: dict[str, torch.Tensor] = {}
+        stats = _ErrorStats()
+        pending: dict[str, torch.Tensor] = {}
+        for key in keys:
+            if key.startswith("basis."):
+                shard[key] = self.bases[int(key.split(".")[1])].cpu().contiguous()
+                continue
+            if key not in pending:
+                pending, block_stats = self._block(int(key.split(".")[1]))
+                stats.merge(block_stats)
+                bar(self._block_rows(key), os.path.basename(path))
+            shard[key] = pending.pop(key)
+        # One metadata entry: safetensors writes a header's entries in an order that changes from one process to the
+        # next, and a resumed export must give the same bytes as an uninterrupted one.
+        record = {"plan": plan_id, "errors": stats.to_json(), "plan_inputs": self._plan_inputs()}
+        if self.bases_sha256 is not None:
+            record["bases_sha256"] = self.bases_sha256
+        metadata = {SHARD_RECORD_KEY: json.dumps(record, sort_keys=True)}
+        with atomic_output(path) as temporary:  # full disk, interrupt: no half-written file stays
+            try:
+                save_file(shard, str(temporary), metadata=metadata)
+            except Exception as error:
+                if type(error).__name__ == "SafetensorError":  # safetensors reports I/O errors this way
+                    raise OSError(f"cannot write {path}: {error}") from error
+                raise
+        return stats
+
+    def _check_blocks(self, files: dict[str, list[str]], bar) -> None:
+        """Compute the blocks of `files` without writing them: raises where `_block` refuses a value."""
+        rows = [self._block_rows(key) for keys in files.values() for key in keys]
+        bar.extend(sum(rows))
+        for keys in files.values():
+            for key in keys:
+                if key.startswith("rows."):
+                    self._block(int(key.split(".")[1]))
+                    bar(self._block_rows(key), "checking values")
+
     def _block_rows(self, key: str) -> int:
         if not key.startswith("rows."):
             return 0
         start = int(key.split(".")[1])
         return min(self.batch_size, self.vocab - start)
 
-    def _complete_as_recorded(self, files, recorded: dict) -> bool:
-        """Whether every planned shard is on disk with the size an existing index records (else the export runs again:
-        shards of this plan that are whole are kept, the others written anew)."""
-        for name in files:
-            path = os.path.join(self.out_dir, name)
-            if not os.path.isfile(path) or os.path.getsize(path) != recorded.get(name, {}).get("size"):
-                return False
-        return True
-
-    def _existing_shard(self, path: str, plan_id: str) -> _ErrorStats | None:
-        """The error stats of a complete shard of this plan already on disk (resume), else None."""
+    def _existing_shard(self, path: str, plan_id: str, recorded: dict | None) -> _ErrorStats | None:
+        """The error stats of a complete shard of this plan already on disk (resume), else None. A shard that an index
+        of this plan records (`recorded`) is kept only with the size and sha256 recorded there (else it was damaged
+        after the export, and is written again)."""
         if not os.path.isfile(path):
+            return None
+        if recorded is not None and (os.path.getsize(path) != recorded.get("size")
+                                     or shard_sha256(path) != recorded.get("sha256")):
             return None
         try:
             read_safetensors_header(path)  # a shard cut short (its header needs more bytes than the file holds)
@@ -344,11 +400,15 @@ class _Exporter:
         except Exception:  # damaged: rewrite it
             return None
 
-    def _remove_stale(self, planned: set[str]) -> None:
+    def _stale_shards(self, planned: set[str]) -> list[str]:
+        """The shards in the folder that are not in the plan (of another export)."""
+        return [name for name in os.listdir(self.out_dir)
+                if name.startswith(OWN_FILE_PREFIX) and name.endswith(".safetensors") and name not in planned]
+
+    def _remove_temporaries(self) -> None:
+        """The temporary files a killed export left (`.token_lookup*.tmp`)."""
         for name in os.listdir(self.out_dir):
-            shard = name.startswith(OWN_FILE_PREFIX) and name.endswith(".safetensors")
-            ours = shard or (name.startswith("." + OWN_FILE_PREFIX) and name.endswith(".tmp"))  # left by a kill
-            if ours and name not in planned:
+            if name.startswith("." + OWN_FILE_PREFIX) and name.endswith(".tmp"):
                 os.remove(os.path.join(self.out_dir, name))
 
     def _report(self, meta: dict, seconds: float, reused: bool, resumed: bool = False) -> dict:
@@ -358,6 +418,18 @@ class _Exporter:
                 "max_relative_error_kept_layers": meta["error"]["max_relative_kept_layers"],
                 "ranks": meta.get("ranks"), "layers": meta["layers"], "seconds": seconds,
                 "already_complete": reused, "resumed": resumed}
+
+
+def _index_metadata(path: str) -> dict:
+    """The `token_lookup` metadata of the index at `path`; {} when there is none or it is not an index."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as handle:
+        try:
+            meta = json.load(handle)["metadata"]["token_lookup"]
+        except (ValueError, KeyError, TypeError):
+            return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _shard_record(handle) -> dict:
@@ -417,6 +489,12 @@ class _progress:
                 self.bar = tqdm(total=total, unit="tok", desc="export-tols")
             except ImportError:  # pragma: no cover
                 pass
+
+    def extend(self, n: int) -> None:
+        """`n` more units of work than planned."""
+        if self.bar is not None and n:
+            self.bar.total += n
+            self.bar.refresh()
 
     def __call__(self, n: int, what: str) -> None:
         if self.bar is not None:
