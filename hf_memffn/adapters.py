@@ -14,8 +14,8 @@ modules' forward (FlashMHF's fused kernel call included) change: the module read
   layers (`hf_memffn.LORA_TARGET_MODULES`) to adapt every FFN weight; PEFT's adapters stay trainable.
 - A checkpoint saved while adapters (or int8) are attached holds the parametrized tensors, as the Trainer's
   checkpoints need to resume; `from_pretrained` refuses it. Merge first for a checkpoint in the original format.
-- `merge_weight_lora(model)`: folds the adapters into the weights (float again if they were int8); the model
-  saves in the original format again.
+- `merge_weight_lora(model)`: folds the adapters into the weights (every int8 weight is float again, with an
+  adapter or not); the model saves in the original format again.
 - `weight_lora_state_dict(model)` / `load_weight_lora(model, state_dict)`: the adapter weights alone.
 - `quantize_weights_int8(model)`: keeps each such weight as int8 with a float scale per row of its last dim
   (about a quarter of float32's memory, half of bfloat16's) and dequantizes it when the module reads it. Compute
@@ -111,6 +111,7 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
         if unknown:
             raise ValueError(f"targets={unknown} are not FFN parameter weights of this model; allowed: {sorted(known)}")
         found = [entry for entry in found if entry[0] in set(targets)]
+    _refuse_sharded_weights("add_weight_lora", found)
     adapted = sorted(qualified for qualified, module, name in found if _has_lora(module, name))
     if adapted:
         raise ValueError(f"add_weight_lora: {adapted} have a LoRA adapter already; merge it first "
@@ -125,6 +126,16 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
     return [name for name, _, _ in found]
 
 
+def _refuse_sharded_weights(function: str, found) -> None:
+    """The parametrizations act on whole tensors: a weight sharded by tensor parallelism (a DTensor) would be mixed
+    with its local shard."""
+    sharded = [qualified for qualified, module, name in found if hasattr(getattr(module, name), "placements")]
+    if sharded:
+        raise ValueError(f"{function}: {sharded[:3]}{' ...' if len(sharded) > 3 else ''} are sharded by tensor "
+                         "parallelism (DTensors); add adapters or int8 before sharding the model, or load it without "
+                         "tp_plan")
+
+
 def _lora_parametrizations(model: nn.Module):
     for _, module, name in parameter_weights(model):
         if parametrize.is_parametrized(module, name):
@@ -134,17 +145,20 @@ def _lora_parametrizations(model: nn.Module):
 
 
 def merge_weight_lora(model: nn.Module) -> int:
-    """Fold the LoRA adapters into their weights (an int8 weight becomes a float one again); return how many were
-    merged. Afterwards the weights are plain parameters with their original names and shapes."""
+    """Fold the LoRA adapters into their weights; every int8 weight, with an adapter or not, becomes a float one
+    again. Returns how many adapters were merged. Afterwards the weights are plain parameters with their original
+    names and shapes, and the model saves in the original format."""
     merged = 0
-    for module, name, _, _ in list(_lora_parametrizations(model)):
+    for _, module, name in parameter_weights(model):
+        if not parametrize.is_parametrized(module, name):
+            continue
         with torch.no_grad():
             effective = getattr(module, name).detach().clone()
         chain = module.parametrizations[name]
         requires_grad = (chain.original if chain.is_tensor else chain.original0).requires_grad
+        merged += sum(isinstance(item, LowRankDelta) for item in chain)
         parametrize.remove_parametrizations(module, name, leave_parametrized=True)
         setattr(module, name, nn.Parameter(effective, requires_grad=requires_grad))
-        merged += 1
     return merged
 
 
@@ -207,8 +221,10 @@ class Int8Weight(nn.Module):
         return values.to(scale.dtype) * scale
 
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = weight.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-        values = torch.round(weight.detach() / scale).clamp_(-127, 127).to(torch.int8)
+        # (in float32: a 16-bit quotient would round before its rounding to an integer)
+        weight32 = weight.detach().float()
+        scale = weight32.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+        values = torch.round(weight32 / scale).clamp_(-127, 127).to(torch.int8)
         return values, scale.to(weight.dtype)
 
 
@@ -216,6 +232,7 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     """Store every FFN weight that is a plain parameter as int8 (see `Int8Weight`); the weights are frozen.
     Returns the quantized names."""
     found = parameter_weights(model)
+    _refuse_sharded_weights("quantize_weights_int8", found)
     for _, module, name in found:
         if parametrize.is_parametrized(module, name):
             raise ValueError(f"{name}: quantize before adding adapters (add_weight_lora), not after")

@@ -79,7 +79,7 @@ REGISTRY: dict[str, Architecture] = {
         ),
         Architecture(
             "flash_mhf", "FlashMHFLlama", FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlamaForCausalLM,
-            _ATTENTION + ("in_proj", "out_proj"),
+            _ATTENTION + ("in_proj", "out_proj") + _SWIGLU,  # (the `swiglu` baseline's FFN)
             tiny_ffn=dict(intermediate_size=96, ffn_num_heads=4, ffn_num_subnetworks=2, ffn_num_kv_heads=2),
             task_heads=task_heads_of(modeling_flash_mhf, "FlashMHFLlama"),
         ),
@@ -95,7 +95,8 @@ REGISTRY: dict[str, Architecture] = {
             task_heads=task_heads_of(modeling_memoryllm, "FlexMemoryLLM"),
         ),
         Architecture(
-            "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM, _ATTENTION + ("key_value_proj", "out_proj"),
+            "kvffn", "KVFFN", KVFFNConfig, KVFFNModel, KVFFNForCausalLM,
+            _ATTENTION + ("key_value_proj", "out_proj", "key_proj"),  # (key_proj: the `relu` / `densenet` baselines)
             tiny_ffn=dict(intermediate_size=128), task_heads=task_heads_of(modeling_kvffn, "KVFFN"),
         ),
     )

@@ -835,9 +835,10 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
     its decoder and starts the head at random. The loss follows `config.problem_type` (regression, single-label or
     multi-label classification; guessed from the labels when unset).
 
-    The last token of each row: the last position that `attention_mask` (2-D) keeps, else the last token that is not
-    `config.pad_token_id` (padding on either side), else the last position, which needs one sequence per batch or no
-    padding."""
+    The last token of each row: the last position that `attention_mask` (2-D; with a cache, its columns of the new
+    tokens) keeps, else the last token that is not `config.pad_token_id` (padding on either side), else the last
+    position, which needs one sequence per batch or no padding (a batch of embeddings without a mask needs
+    `config.pad_token_id` set, as Llama's)."""
 
     auto_class_name = "AutoModelForSequenceClassification"
     task_class_names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -853,10 +854,12 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
         """[batch] index of each row's last token (see the class's docstring)."""
         positions = torch.arange(length, device=device)
         if attention_mask is not None and attention_mask.dim() == 2:
-            return (positions * attention_mask.to(device=device, dtype=torch.long)).argmax(-1)
+            # (with a key/value cache the mask covers the cached tokens too: its last `length` columns are these)
+            current = attention_mask[:, -length:]
+            return (positions * current.to(device=device, dtype=torch.long)).argmax(-1)
         if input_ids is not None and self.config.pad_token_id is not None:
             return (positions * (input_ids != self.config.pad_token_id).to(device=device, dtype=torch.long)).argmax(-1)
-        if batch_size > 1 and input_ids is not None:
+        if batch_size > 1 and (input_ids is not None or self.config.pad_token_id is None):
             raise ValueError(f"{type(self).__name__}: a batch of {batch_size} sequences needs `attention_mask` or "
                              "`config.pad_token_id` to find each sequence's last token")
         return torch.full((batch_size,), length - 1, device=device, dtype=torch.long)

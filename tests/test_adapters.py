@@ -26,6 +26,25 @@ def ffn_weight_names(model) -> list[str]:
             if (".mlp." in name or ".memory." in name) and "norm" not in name and not name.endswith(".bias")]
 
 
+def adapted_weights(model, adapted_parameters: list[str]) -> set[str]:
+    """The weights with an adapter: PEFT's on Linear layers (`<module>.weight`) and `adapters`' on parameters."""
+    linear = {name.rsplit(".lora_A", 1)[0].replace("base_model.model.", "") + ".weight"
+              for name, _ in model.named_parameters() if ".lora_A." in name}
+    return linear | {name.replace("base_model.model.", "") for name in adapted_parameters}
+
+
+@pytest.mark.parametrize("arch, ffn_variant", [("flash_mhf", "swiglu"), ("kvffn", "relu"), ("kvffn", "densenet")])
+def test_lora_targets_cover_the_ffn_of_every_baseline(arch, ffn_variant):
+    """`LORA_TARGET_MODULES[arch]` names the Linear layers of the architecture's baselines too: PEFT would leave a
+    baseline's FFN frozen without a word where one name of the list matched elsewhere."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, ffn_variant=ffn_variant))
+    ffn_weights = ffn_weight_names(model)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=hf_memffn.LORA_TARGET_MODULES[arch]))
+    adapted = adapters.add_weight_lora(model, r=4, alpha=8, freeze_base=False)
+    assert ffn_weights and set(ffn_weights) <= adapted_weights(model, adapted)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format(arch, tmp_path):
     model = tiny_model(arch)
@@ -38,11 +57,8 @@ def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format
     targets = hf_memffn.LORA_TARGET_MODULES[arch]
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     adapted = adapters.add_weight_lora(model, r=4, alpha=8, freeze_base=False)
-    linear_adapted = {name.rsplit(".lora_A", 1)[0].replace("base_model.model.", "") for name, _ in model.named_parameters()
-                      if ".lora_A." in name}
-    plain_adapted = {name.replace("base_model.model.", "") for name in adapted}
-    for weight in ffn_weights:  # every FFN weight has an adapter, through PEFT or through adapters
-        assert weight in plain_adapted or weight.rsplit(".weight", 1)[0] in linear_adapted, weight
+    # every FFN weight has an adapter, through PEFT or through adapters
+    assert set(ffn_weights) <= adapted_weights(model, adapted), set(ffn_weights) - adapted_weights(model, adapted)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.numel() < 5000 for p in trainable)
@@ -219,3 +235,18 @@ def test_adapters_on_the_token_embedding_train_and_generate(arch, embedding_adap
     assert model.generate(input_ids=ids, max_new_tokens=2, do_sample=False).shape == (2, 9)
     with pytest.raises(ValueError, match=f"allowed ids are 0..{model.config.vocab_size - 1}"):
         model(input_ids=ids + model.config.vocab_size)
+
+
+def test_merging_gives_float_weights_back_for_int8_weights_without_an_adapter_too(tmp_path):
+    model = tiny_model("memoryllm")
+    ids = torch.randint(3, 320, (2, 9))
+    adapters.quantize_weights_int8(model)
+    targets = ["model.memory.down_proj"]
+    assert adapters.add_weight_lora(model, r=4, alpha=8, targets=targets) == targets
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert adapters.merge_weight_lora(model) == 1
+    assert not any("parametrizations" in name for name in model.state_dict())
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, logits)

@@ -81,6 +81,11 @@ def tp(root, archs, inputs):
         f"{root}/flash_mhf_recompute", distributed_config=DistributedConfig(tp_size=2)))
     results["refused kvffn width"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
         f"{root}/kvffn_odd_width", distributed_config=DistributedConfig(tp_size=2)))
+    # and the parametrizations of `hf_memffn.adapters` on sharded weights (they would mix a DTensor with its shard)
+    from hf_memffn import adapters
+    sharded = AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf", distributed_config=DistributedConfig(tp_size=2))
+    results["refused lora"] = refusal(lambda: adapters.add_weight_lora(sharded))
+    results["refused int8"] = refusal(lambda: adapters.quantize_weights_int8(sharded))
     return results
 
 
@@ -292,6 +297,10 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
     assert "intermediate_size=127 must divide by tp_size=2" in results["refused kvffn width"]
+    for function in ("add_weight_lora", "quantize_weights_int8"):
+        message = results["refused " + ("lora" if function == "add_weight_lora" else "int8")]
+        assert message and message.startswith(f"{function}: ['model.layers.0.mlp.key_up_value'")
+        assert "are sharded by tensor parallelism" in message
 
 
 @pytest.mark.slow

@@ -59,6 +59,21 @@ def test_a_batch_without_mask_or_pad_token_is_refused():
     with pytest.raises(ValueError, match="attention_mask.*pad_token_id"):
         model(torch.randint(3, 320, (2, 6)))
     assert model(torch.randint(3, 320, (1, 6))).logits.shape == (1, 3)  # one sequence: its last position
+    with pytest.raises(ValueError, match="attention_mask.*pad_token_id"):  # as Llama's, for embeddings too
+        model(inputs_embeds=torch.randn(2, 6, model.config.hidden_size))
+
+
+def test_a_row_continued_from_a_cache_is_scored_as_in_one_forward():
+    """With a key/value cache the 2-D mask covers the cached tokens too; the new tokens are its last columns."""
+    model = classifier("kvffn")
+    ids = torch.randint(3, 320, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask).logits
+        first = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        continued = model(ids[:, 4:], attention_mask=mask, past_key_values=first.past_key_values).logits
+    torch.testing.assert_close(continued, whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("problem_type, labels, loss", [
