@@ -641,13 +641,11 @@ def resume_checkpoint(args, output_dir: Path) -> str | None:
     return checkpoint
 
 
-def finished_training(checkpoint: str | None, training_args) -> bool:
-    """Whether ``checkpoint`` is at ``--max-steps`` already (a run stopped after its last checkpoint, before its final
-    evaluation): transformers' Trainer would resume it with one step more than the schedule has."""
-    if checkpoint is None or training_args.max_steps <= 0:
-        return False
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text(encoding="utf-8"))
-    return state["global_step"] >= training_args.max_steps
+def checkpoint_state(checkpoint: str | None):
+    """The Trainer's state saved with ``checkpoint`` (its step, its log), or None without a checkpoint."""
+    from transformers import TrainerState
+
+    return TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")) if checkpoint else None
 
 
 def run_training_loss(log_history: list[dict], global_step: int, session_loss: float | None,
@@ -677,7 +675,7 @@ def write_summary(summary: dict, output_dir: Path) -> None:
 
 def main(argv=None) -> dict:
     args, training_args = parse_arguments(argv)
-    from transformers import Trainer, TrainerState, set_seed
+    from transformers import Trainer, set_seed
 
     from hf_memffn.hub import keep_model_card
 
@@ -727,14 +725,15 @@ def main(argv=None) -> dict:
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
     ))
     started = time.perf_counter()
-    if finished_training(checkpoint, training_args):
+    resumed_state = checkpoint_state(checkpoint)
+    session_first_step = 1 + (resumed_state.global_step if resumed_state else 0)
+    if resumed_state and 0 < training_args.max_steps <= resumed_state.global_step:
+        # stopped after its last checkpoint, before its final evaluation: transformers' Trainer would resume it with
+        # one step more than the schedule has
         print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
         trainer._load_from_checkpoint(checkpoint)
-        trainer.state = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json"))
-        session_loss, session_first_step = None, trainer.state.global_step + 1
+        trainer.state, session_loss = resumed_state, None
     else:
-        session_first_step = 1 + (TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step
-                                  if checkpoint else 0)
         session_loss = trainer.train(resume_from_checkpoint=checkpoint).training_loss
     train_seconds = time.perf_counter() - started
     eval_metrics = trainer.evaluate()

@@ -233,8 +233,8 @@ class _RMSNormFunction(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension by the Triton kernels."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.shape[-1]}: it must be "
-                         f"[{x.shape[-1]}]")
+        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.shape[-1]}: it "
+                         f"must be [{x.shape[-1]}]")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

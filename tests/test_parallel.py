@@ -297,8 +297,8 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
     assert "intermediate_size=127 must divide by tp_size=2" in results["refused kvffn width"]
-    for function in ("add_weight_lora", "quantize_weights_int8"):
-        message = results["refused " + ("lora" if function == "add_weight_lora" else "int8")]
+    for key, function in (("refused lora", "add_weight_lora"), ("refused int8", "quantize_weights_int8")):
+        message = results[key]
         assert message and message.startswith(f"{function}: ['model.layers.0.mlp.key_up_value'")
         assert "are sharded by tensor parallelism" in message
 

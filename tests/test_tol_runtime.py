@@ -131,28 +131,12 @@ def test_bad_runtime_options_name_the_field(exported):
     assert model.model.token_lookup is None
 
 
-@pytest.mark.parametrize("placement", ["cpu", "disk"])
-def test_ids_outside_the_tables_vocabulary_are_refused(exported, placement):
-    """The PyTorch path's gather would raise IndexError, the Triton kernels would read past the table."""
-    model, directory = exported
-    model.load_tols(directory, placement=placement)
-    try:
-        vocab = model.config.vocab_size
-        for bad in (vocab, -1):
-            with pytest.raises(ValueError, match=rf"input_ids must lie in 0..{vocab - 1}, the table's vocabulary"):
-                model.model.token_lookup.readout(torch.tensor([[1, bad, 2]]))
-    finally:
-        model.unload_tols()
-
-
 @pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
-def test_triton_lookup_launchers_refuse_tensors_without_dense_rows():
+def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous():
     ids, hidden, table = torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(4, 24)
-    with pytest.raises(ValueError, match=r"hidden must be a 2-D tensor with dense rows, contiguous"):
+    with pytest.raises(ValueError, match=r"hidden must be contiguous \[tokens, hidden_size\]; got strides \(1, 2\)"):
         token_lookup_triton.lookup_add_triton(hidden.t().contiguous().t(), ids, table, None, 0, 8, "fp32", 1)
-    with pytest.raises(ValueError, match=r"rows must be a 2-D tensor with dense rows; got shape \(4, 12\)"):
-        token_lookup_triton.lookup_add_triton(hidden, ids, table[:, ::2], None, 0, 8, "fp32", 1)
-    with pytest.raises(ValueError, match=r"table must be a 2-D tensor with dense rows, contiguous"):
+    with pytest.raises(ValueError, match=r"table must be a contiguous 2-D tensor; got shape \(4, 8\)"):
         token_lookup_triton.gather_rows_triton(ids, None, None, table[:, :8])
 
 

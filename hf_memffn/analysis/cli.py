@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", type=existing_file, help="texts streamed for the top-triggering prefixes (default: --texts)")
     parser.add_argument("--device", default="auto", type=torch_device,
                         help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--layers", type=nonempty_int_list, help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
+    parser.add_argument("--layers", type=nonempty_int_list,
+                        help="comma-separated layers to analyse (default: all), e.g. 0,11,23")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--override", action="append", type=_override, default=[], metavar="KEY=VALUE",
                         help="config field set when loading (repeatable), e.g. ffn_kernel=torch")

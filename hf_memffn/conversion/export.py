@@ -310,7 +310,10 @@ class _Exporter:
                             os.remove(name)
                         raise
                     written.append(path)
-                shards[filename] = {"sha256": shard_sha256(path), "size": os.path.getsize(path)}
+                # (a kept shard that the index records was hashed by `_existing_shard` already)
+                checked = filename in kept and filename in recorded
+                shards[filename] = {"sha256": recorded[filename]["sha256"] if checked else shard_sha256(path),
+                                    "size": os.path.getsize(path)}
             self._remove_temporaries()
             bar.close()
             dropped = len(self.fmt.drop_layers) * self.vocab  # a dropped layer's vector is entirely missing
