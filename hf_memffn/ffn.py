@@ -20,8 +20,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.utils import logging
 
-from .decoder_triton import decoder_kernels_unavailable
-from .ffn_triton import paired_activation
+from .ffn_triton import paired_activation, paired_kernels_unavailable
 from .rms_norm import rms_normalize
 
 logger = logging.get_logger(__name__)
@@ -132,8 +131,9 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
 
     Keys and values come from one linear layer `key_value_proj` (output 2i is key i, output 2i + 1 value i: one GEMM
     and one weight tensor instead of two), the output projection is `out_proj`. Between them, `act(keys) * values`
-    is one Triton kernel per direction on CUDA in eager mode (`ffn_triton.py`; `decoder_kernels` decides, as for the
-    decoder's norms; `path_description` says which runs), PyTorch operations otherwise. Checkpoints store
+    is one Triton kernel per direction on CUDA, in eager mode and under `torch.compile` (`ffn_triton.py`;
+    `decoder_kernels` decides, as for the decoder's norms; `path_description` says which runs), PyTorch operations
+    otherwise. Checkpoints store
     the key and value projections as `key_proj` and `value_proj` (see `KEY_VALUE_CONVERSION` in
     `modeling_kvffn.py`). The ReLU and DenseNet baselines have keys only, `key_proj`; the DenseNet baseline's
     `out_proj` reads [hidden; x]. Memory cells are the hidden units, values the columns of `out_proj` (the DenseNet
@@ -200,7 +200,7 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         Triton kernels run)."""
         if self.key_value_proj is None:
             return f"the {self.variant} baseline has keys only"
-        return decoder_kernels_unavailable(pairs, self.kernels)
+        return paired_kernels_unavailable(pairs, self.kernels)
 
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:
         """What computes the activation between the projections for `hidden_states` (by default one token on the

@@ -15,19 +15,20 @@ aligned tensors and a number of pairs divisible by 16 (the presets' shapes).
 
 The activations are KV-FFN's choices: SiLU, GELU (exact, erf), ReLU, and the sigmoid of the GLU baseline. Maths in
 float32, outputs rounded once to the input dtype. ``decoder_kernels`` (the config field that also governs the decoder's
-norm and rotary kernels) decides the path, by ``decoder_kernels_unavailable``; ``KVFeedForward.path_description`` says
-which runs. Under ``torch.compile`` the PyTorch operations run and inductor fuses them: its kernels for the interleaved
-layout take about 1.5x (forward) and 2x (backward) these kernels' time, but called as custom operators from a compiled
-graph these cost more host time than they save on the GPU at small batches (`kernels/profile_kvffn_layer.py`;
-`kernels/flash_mhf_notes.md`, v86).
+norm and rotary kernels) decides the path, by ``paired_kernels_unavailable``; ``KVFeedForward.path_description`` says
+which runs. Under ``torch.compile`` the same kernels run as Triton operators (``torch.library.triton_op``), which
+inductor launches from its generated code like its own kernels: its kernels for the interleaved layout take about
+1.5x (forward) and 2x (backward) these kernels' time, and an opaque custom operator would cost more host time than
+these save on the GPU at small batches (`kernels/profile_kvffn_layer.py`; `kernels/flash_mhf_notes.md`, v86-v87).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .decoder_triton import TRITON_AVAILABLE
-from .triton_launch import cdiv, launch
+from .configuration_memffn import DECODER_KERNELS
+from .decoder_triton import TRITON_AVAILABLE, decoder_kernels_unavailable
+from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, registered_operator
 
 if TRITON_AVAILABLE:
     import triton
@@ -125,17 +126,82 @@ class _PairedActivation(torch.autograd.Function):
         return paired_backward(y, grad_hidden, *ctx.settings), None, None
 
 
-def paired_activation(y: torch.Tensor, activation: str, product: bool = True) -> torch.Tensor:
-    """KV-FFN's hidden activation from its interleaved key/value projection ``y [..., 2W]`` by the Triton kernels:
-    ``act(y[..., 0::2]) * y[..., 1::2]`` (``+`` with ``product=False``), ``[..., W]``."""
+# ----------------------------------------------------------------------------------------------------------------------
+# The same kernels as Triton operators, for compiled graphs: inductor launches a Triton operator's kernels from its own
+# generated code, as it launches the kernels it writes, so a compiled step pays no dispatch or Python for them (an
+# opaque custom operator would; `kernels/flash_mhf_notes.md`, v86). Registered once per process, whichever copy of
+# this file is imported first (a checkpoint's remote code may bring another).
+OP_NAMESPACE = "memffn_v2"  # shared with flash_mhf_op.py and token_lookup_triton.py; the op names differ
+
+
+def _wrapped_launch(kernel, pairs: int, *tensors, activation: int, product: bool) -> None:
+    if pairs:  # (torch 2.11 does not wrap the interpreter's kernels, which no compiled graph calls)
+        runner = kernel if INTERPRET_REQUESTED else torch.library.wrap_triton(kernel)
+        runner[(cdiv(pairs, PAIRED_BLOCK),)](*tensors, pairs, ACTIVATION=activation, PRODUCT=product,
+                                             BLOCK=PAIRED_BLOCK, num_warps=4)
+
+
+def _register_paired_operators():
+    @torch.library.triton_op(f"{OP_NAMESPACE}::kvffn_paired_forward", mutates_args=())
+    def paired_forward_op(y: torch.Tensor, activation: int, product: bool) -> torch.Tensor:
+        hidden = y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
+        _wrapped_launch(_paired_forward_kernel, hidden.numel(), y, hidden, activation=activation, product=product)
+        return hidden
+
+    @torch.library.triton_op(f"{OP_NAMESPACE}::kvffn_paired_backward", mutates_args=())
+    def paired_backward_op(y: torch.Tensor, grad_hidden: torch.Tensor, activation: int, product: bool
+                           ) -> torch.Tensor:
+        grad_y = torch.empty_like(y)
+        _wrapped_launch(_paired_backward_kernel, grad_hidden.numel(), y, grad_hidden, grad_y, activation=activation,
+                        product=product)
+        return grad_y
+
+    def setup_context(ctx, inputs, output):
+        y, activation, product = inputs
+        ctx.save_for_backward(y)
+        ctx.settings = (activation, product)
+
+    def backward(ctx, grad_hidden):
+        (y,) = ctx.saved_tensors
+        return paired_backward_op(y, grad_hidden.contiguous(), *ctx.settings), None, None
+
+    paired_forward_op.register_autograd(backward, setup_context=setup_context)
+
+
+if TRITON_AVAILABLE and registered_operator(OP_NAMESPACE, "kvffn_paired_forward") is None:
+    _register_paired_operators()
+
+
+def paired_kernels_unavailable(y: torch.Tensor, kernels: str) -> str | None:
+    """Why KV-FFN's activation runs as PyTorch operations for the projection output ``y`` under ``decoder_kernels``
+    ``kernels``, or None when these kernels run: as the decoder's kernels do in eager mode, and on CUDA while Dynamo
+    traces (``torch.compile``, strict ``torch.export``) as the Triton operators that inductor launches itself.
+    Non-strict export (which ONNX export tries first) keeps the PyTorch operations, and so does a compiled graph on
+    the CPU (the interpreter's kernels cannot be traced)."""
+    if (kernels in DECODER_KERNELS and kernels != "torch" and TRITON_AVAILABLE and y.device.type == "cuda"
+            and torch.compiler.is_dynamo_compiling()):
+        return None
+    return decoder_kernels_unavailable(y, kernels)
+
+
+def _check(y: torch.Tensor, activation: str) -> None:
     if activation not in PAIRED_ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {tuple(PAIRED_ACTIVATIONS)}")
     if y.shape[-1] % 2:
         raise ValueError(f"y's last dimension {y.shape[-1]} must be even (key i at 2i, value i at 2i + 1)")
+
+
+def paired_activation(y: torch.Tensor, activation: str, product: bool = True) -> torch.Tensor:
+    """KV-FFN's hidden activation from its interleaved key/value projection ``y [..., 2W]`` by the Triton kernels:
+    ``act(y[..., 0::2]) * y[..., 1::2]`` (``+`` with ``product=False``), ``[..., W]``. While Dynamo traces (under
+    ``torch.compile``), the Triton operator, which inductor launches itself."""
+    _check(y, activation)
     y = y.contiguous()
+    if torch.compiler.is_dynamo_compiling():
+        return getattr(torch.ops, OP_NAMESPACE).kvffn_paired_forward(y, PAIRED_ACTIVATIONS[activation], product)
     if torch.is_grad_enabled() and y.requires_grad:
         return _PairedActivation.apply(y, activation, product)
     return paired_forward(y, activation, product)  # inference: no autograd node
 
 
-__all__ = ["PAIRED_ACTIVATIONS", "paired_activation"]
+__all__ = ["PAIRED_ACTIVATIONS", "paired_activation", "paired_kernels_unavailable"]

@@ -5,14 +5,15 @@ its key/value projection costs.
     PYTHONPATH=. python kernels/profile_kvffn_layer.py --out DIR --device cpu --sizes tiny --seq-len 16   # smoke run
 
 KV-FFN's block (`hf_memffn.ffn.KVFeedForward`) computes its keys and values with one projection whose outputs interleave
-them (key i at 2i, value i at 2i + 1) and `act(keys) * values` with a Triton kernel per direction in eager mode, as
-PyTorch operations that inductor fuses under torch.compile. Llama's MLP projects gate and up separately, and inductor
-fuses its SiLU and product. This script times each layer's forward + backward (the model benchmark's training shapes: 8
-x 2048 tokens at 370M, 4 x 2048 at 1.3B; bf16, as `bench_models.py` builds them), eager and compiled, and lists the
-kernels of one forward + backward. Beside the block as the model builds it, the same weights in other arrangements:
+them (key i at 2i, value i at 2i + 1) and `act(keys) * values` with a Triton kernel per direction, in eager mode and,
+under torch.compile, as Triton operators that inductor launches. Llama's MLP projects gate and up separately, and
+inductor fuses its SiLU and product. This script times each layer's forward + backward (the model benchmark's training
+shapes: 8 x 2048 tokens at 370M, 4 x 2048 at 1.3B; bf16, as `bench_models.py` builds them), eager and compiled, and
+lists the kernels of one forward + backward. Beside the block as the model builds it, the same weights in other
+arrangements:
 
-* ``biases, PyTorch activation``: the block with ``decoder_kernels="torch"``: the activation as PyTorch operations
-  in eager mode too;
+* ``biases, PyTorch activation``: the block with ``decoder_kernels="torch"``: the activation as PyTorch operations,
+  which inductor fuses under torch.compile;
 * ``no biases``: the block built with ``kvffn_bias=False`` (Llama's MLP in KV-FFN's layout);
 * ``no biases, keys then values``: its weights in one projection whose outputs are all keys, then all values;
 * ``no biases, two projections``: its weights as two projections, keys and values, as Llama's gate and up.

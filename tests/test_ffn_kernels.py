@@ -102,5 +102,88 @@ def test_paired_activation_rejects_what_it_cannot_compute():
         ffn_triton.paired_activation(y[:, :5], "silu")
 
 
+@needs_kernels
+@pytest.mark.parametrize("activation,product", [("silu", True), ("gelu", False)])
+def test_triton_operators_compute_what_the_kernels_compute(activation, product):
+    """The Triton operators that compiled graphs call: the eager path's output and gradient, to the bit."""
+    operator = getattr(torch.ops, ffn_triton.OP_NAMESPACE).kvffn_paired_forward
+    y = torch.randn(3, 7, 2 * 40, device=DEVICE, dtype=torch.bfloat16)
+    grad_hidden = torch.randn(3, 7, 40, device=DEVICE, dtype=torch.bfloat16)
+    results = []
+    for run in (lambda y: ffn_triton.paired_activation(y, activation, product),
+                lambda y: operator(y, ffn_triton.PAIRED_ACTIVATIONS[activation], product)):
+        leaf = y.clone().requires_grad_(True)
+        out = run(leaf)
+        out.backward(grad_hidden)
+        results.append((out.detach(), leaf.grad))
+    for eager, operator_result in zip(*results):
+        torch.testing.assert_close(operator_result, eager, rtol=0, atol=0)
+
+
+def test_compiled_block_traces_its_activation_to_the_two_kernels(monkeypatch):
+    """Dynamo and AOT autograd (no GPU needed: Triton's driver is the stand-in sm_90 of
+    `compare_triton_builds.compiling_for_hopper`, the block's tensors on the CPU taken for CUDA ones) trace the
+    block's activation to the forward kernel and its gradient to the backward kernel, each writing only its output."""
+    pytest.importorskip("triton")
+    if ffn_triton.INTERPRET_REQUESTED:
+        pytest.skip("the interpreter's kernels are not traced")
+    from hf_memffn import ffn
+    from torch._dynamo.backends.common import aot_autograd
+
+    builds = kernel_script("compare_triton_builds")
+    unavailable = ffn_triton.paired_kernels_unavailable
+    monkeypatch.setattr(ffn, "paired_kernels_unavailable", lambda y, kernels: (
+        None if torch.compiler.is_dynamo_compiling() and kernels != "torch" else unavailable(y, kernels)))
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    block = KVFeedForward(tiny_config("kvffn", hidden_size=128, intermediate_size=256))
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    torch._dynamo.reset()
+    with builds.compiling_for_hopper():  # (a launch does nothing: only the traced graphs are checked)
+        compiled = torch.compile(block, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+        compiled(x).sum().backward()
+    torch._dynamo.reset()
+    wrapper = torch.ops.higher_order.triton_kernel_wrapper_functional
+    calls = [node.kwargs for graph in graphs for node in graph.graph.nodes if node.target is wrapper]
+    launched = [(sorted(name for name, value in call["kwargs"].items() if isinstance(value, torch.fx.Node)),
+                 call["tensors_to_clone"]) for call in calls]
+    # the forward kernel's arguments (Y, H) and the backward's (Y, DH, DY), each writing its output only
+    assert launched == [(["H", "Y"], ["H"]), (["DH", "DY", "Y"], ["DY"])], launched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor launches the Triton operators on CUDA")
+def test_compiled_kvffn_block_launches_the_paired_kernels():
+    """Under torch.compile (inductor, one graph) the block's activation is these kernels, forward and backward, and
+    the block computes what it computes in eager mode; with decoder_kernels='torch' inductor's own kernels run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 64, 128, device="cuda")
+    for kernels, expected in (("auto", True), ("torch", False)):
+        torch.manual_seed(0)
+        block = KVFeedForward(tiny_config("kvffn", decoder_kernels=kernels, hidden_size=128,
+                                          intermediate_size=256)).cuda()
+        eager_out = block(x)
+        eager_out.square().sum().backward()
+        eager_grads = [parameter.grad.clone() for parameter in block.parameters()]
+        block.zero_grad()
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True)
+        compiled(x).square().sum().backward()  # compiles
+        block.zero_grad()
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            out = compiled(x)
+            out.square().sum().backward()
+            torch.cuda.synchronize()
+        names = {event.name for event in trace.events()}
+        assert {"_paired_forward_kernel" in names, "_paired_backward_kernel" in names} == {expected}, kernels
+        torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+        for (name, parameter), eager_grad in zip(block.named_parameters(), eager_grads):
+            torch.testing.assert_close(parameter.grad, eager_grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_ffn_kernels_under_interpreter_in_subprocess():
-    run_under_interpreter(__file__, "matches_float64 or matches_its_pytorch or rejects")
+    run_under_interpreter(__file__, "matches_float64 or matches_its_pytorch or rejects or compute_what")
