@@ -100,3 +100,14 @@ def train_losses(model, input_ids, parameters, lr: float, steps: int) -> list[fl
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def torchrun_command(processes: int, script, *args) -> list[str]:
+    """The command that runs `script` in `processes` local processes with `torch.distributed.run`, on a port that
+    nothing else can take first: the launcher's own rendezvous store binds a free port and keeps it, and the processes
+    join their process group through that store (a port found free and released before the launch can be taken by
+    another program in between)."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
+            "--nproc_per_node", str(processes), str(script), *map(str, args)]

@@ -11,9 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from transformers import (
 )
 
 import hf_memffn
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import tiny_config, torchrun_command
 
 pytest.importorskip("transformers.distributed")
 from transformers.distributed import DistributedConfig  # noqa: E402
@@ -196,12 +194,6 @@ dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def one_training_step(model, inputs: dict, labels: dict) -> tuple[torch.Tensor, dict]:
     """The loss and the weights after one SGD step on the whole batch, in this process."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -267,10 +259,9 @@ def run_workers(root, modes: str, processes: int = 2, layouts: tuple = ()) -> di
     package_root = os.path.dirname(os.path.dirname(hf_memffn.__file__))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-               str(free_port()), str(root / "worker.py"), modes, str(root), ",".join(ARCHS), json.dumps(layouts)]
+    command = torchrun_command(processes, root / "worker.py", modes, root, ",".join(ARCHS), json.dumps(layouts))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return torch.load(root / "results.pt", weights_only=True)
 
 

@@ -248,25 +248,20 @@ sys.stdout.flush()
 def test_two_processes_load_remote_code_main_process_first(tmp_path):
     """Two processes start together on a fresh module cache: both load the checkpoint's own (remote) code."""
     import os
-    import socket
     import subprocess
 
     from transformers import AutoModelForCausalLM
 
-    from hf_memffn.testing import tiny_config
+    from hf_memffn.testing import tiny_config, torchrun_command
 
     folder = tmp_path / "checkpoint"
     AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(folder)
     script = tmp_path / "load.py"
     script.write_text(LOAD_SCRIPT.format(examples=str(EXAMPLES), folder=str(folder)))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}  # two gloo processes on the CPU, on a one-GPU machine too
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), str(script)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run(torchrun_command(2, script), env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
 
 
