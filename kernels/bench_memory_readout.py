@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench_ms, environment, log  # noqa: E402
+from harness import bench_ms, environment, log, measure_on  # noqa: E402
 
 from hf_memffn.modeling_memffn import ComputedMemoryReadout  # noqa: E402
 
@@ -29,11 +29,12 @@ def backward_ms(layer_outputs_of, shape, device, dtype) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=2048, help="B * L")
     parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args(argv)
+    measure_on(args.device)  # (timed and named as the device the tensors are on, a GPU or not)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     shape = (1, args.tokens, args.layers, args.hidden)  # [B, L, N, d] as TokenMemory.forward returns it
     mib = torch.finfo(dtype).bits // 8 * args.tokens * args.layers * args.hidden / 2**20

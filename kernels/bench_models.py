@@ -44,7 +44,7 @@ decoding task, bound by the host, runs with no other task beside it, so list tho
         train:1.3B:llama+flash_mhf+memoryllm+flex_memoryllm+kvffn:compiled layer:370M ...
 
 Everything is written to <out>/models_bench.json (after every measurement, so a run cut short keeps what it
-measured), <out>/models_bench.md and <out>/models_bench.png.
+measured, and names the tasks it has not finished), <out>/models_bench.md and <out>/models_bench.png.
 """
 
 from __future__ import annotations
@@ -574,18 +574,18 @@ class LocalDecoder:
 
 def paired_ratio_cell(row: dict) -> str:
     """A decode or training row's paired-round ratio for the report: "1.03 (0.93-1.16)", with " x <model>" when the
-    rounds were paired with a model other than Llama (a task without Llama pairs with its first model). Reads results
-    files written before the baseline was recorded (`round_paired_ratio_to_llama`) too."""
+    rounds were paired with a model other than Llama (a task without Llama pairs with its first model), and "-" for a
+    model other than Llama that decoded alone. Reads results files written before the baseline was recorded
+    (`round_paired_ratio_to_llama`) too."""
     ratio = row.get("round_paired_ratio", row.get("round_paired_ratio_to_llama"))
     baseline = row.get("round_paired_baseline", "llama")
-    if ratio is None:
-        return "-"
+    if ratio is None or (baseline != "llama" and not row.get("interleaved_with", True)):
+        return "-"  # (a model decoding alone, paired with itself)
     cell = f"{ratio:.2f}"
-    if row["arch"] != baseline:
-        if row.get("round_paired_ratio_quartiles"):
-            cell += " ({:.2f}-{:.2f})".format(*row["round_paired_ratio_quartiles"])
-        if baseline != "llama":
-            cell += f" x {DISPLAY.get(baseline, baseline)}"
+    if row["arch"] != baseline and row.get("round_paired_ratio_quartiles"):
+        cell += " ({:.2f}-{:.2f})".format(*row["round_paired_ratio_quartiles"])
+    if baseline != "llama":
+        cell += f" x {DISPLAY.get(baseline, baseline)}"
     return cell
 
 
@@ -1042,7 +1042,7 @@ def report(results: dict) -> str:
             [[r["size"], r["mode"], r["batch"], DISPLAY[r["arch"]] + (", own process" if r.get("own_process") else "")
               + (f", CPU {r['cpu']}" if r.get("cpu") is not None else ""),
               f"{r['decode_tokens_per_s']:.0f}",
-              f"{r['ms_per_step']:.2f}", f"{ratios.get(id(r), float('nan')):.2f}",
+              f"{r['ms_per_step']:.2f}", fmt(ratios.get(id(r)), ".2f"),
               paired_ratio_cell(r),
               fmt(r.get("p10_ms_per_step"), ".2f"),
               " / ".join(f"{t:.2f}" for t in r.get("round_median_ms_per_step", [])) or "-",
@@ -1079,7 +1079,11 @@ def report(results: dict) -> str:
                                     [[f"`{k}`", f"{c:.0f}", f"{t:.1f}"] for k, c, t in table["host_top"]])
             lines.append("")
     if results.get("errors"):
-        lines += ["## Errors", ""] + [f"- {e}" for e in results["errors"]]
+        lines += ["## Errors", ""] + [f"- {e}" for e in results["errors"]] + [""]
+    if results.get("skipped") or results.get("unfinished"):
+        lines += ["## Tasks not measured", ""]
+        lines += [f"- {task}: skipped, past `--deadline-s`" for task in results.get("skipped", [])]
+        lines += [f"- {task}: not finished when this was written" for task in results.get("unfinished", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -1089,19 +1093,22 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # (label, model, ratio to Llama): the paired rounds' median where the rows have one, else the ratio of the
-    # throughputs to the Llama row of the same task's GPU (`ratio_to_llama`)
+    # (label, model, ratio to Llama): the paired rounds' median where the rows were paired with Llama, else the ratio
+    # of the throughputs to the Llama row of the same task's GPU (`ratio_to_llama`)
     groups = []
     train, decode = results.get("train", []), results.get("decode", [])
     ratios = {**ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"])),
               **ratio_to_llama(decode, "decode_tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))}
+
+    def to_llama(r):  # (rounds paired with another model give no ratio to Llama)
+        paired = r.get("round_paired_ratio") if r.get("round_paired_baseline", "llama") == "llama" else None
+        return ratios.get(id(r)) if paired is None else paired
+
     for r in train:
         batch = "" if r["batch"] == TRAIN_BATCH.get(r["size"]) else f" b{r['batch']}"
-        groups.append((f"train {r['size']}{batch} {r['mode']}", r["arch"],
-                       r.get("round_paired_ratio", ratios.get(id(r)))))
+        groups.append((f"train {r['size']}{batch} {r['mode']}", r["arch"], to_llama(r)))
     for r in decode:
-        groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"],
-                       r.get("round_paired_ratio", ratios.get(id(r)))))
+        groups.append((f"decode {r['size']} b{r['batch']} {r['mode']}", r["arch"], to_llama(r)))
     groups = [group for group in groups if group[2] is not None]
     if not groups:
         return
@@ -1164,11 +1171,11 @@ TASK_FORMS = {  # each kind of task: its form as the help and errors write it, a
     "layer": ("layer:<size>[:compiled]", r"layer:(?P<size>[^:]+)(:compiled)?"),
     "profile": ("profile:<size>", r"profile:(?P<size>[^:]+)"),
     "profile_decode": ("profile_decode:<size>:<arch>[:<batch>]",
-                       r"profile_decode:(?P<size>[^:]+):(?P<archs>[^:+]+)(:\d+)?"),
+                       r"profile_decode:(?P<size>[^:]+):(?P<archs>[^:+]+)(:[1-9]\d*)?"),
     "profile_train": (f"profile_train:<size>:<arch>[:{_MODES}[:<batch>]]",
-                      rf"profile_train:(?P<size>[^:]+):(?P<archs>[^:+]+)(:({_MODES})(:\d+)?)?"),
+                      rf"profile_train:(?P<size>[^:]+):(?P<archs>[^:+]+)(:({_MODES})(:[1-9]\d*)?)?"),
     "train": (f"train:<size>:<arch>[+<arch>...]:{_MODES}[:<batch>]",
-              rf"train:(?P<size>[^:]+):(?P<archs>[^:]+):({_MODES})(:\d+)?"),
+              rf"train:(?P<size>[^:]+):(?P<archs>[^:]+):({_MODES})(:[1-9]\d*)?"),
     "decode": ("decode:<size>:<arch>[+<arch>...]:eager|static",
                r"decode:(?P<size>[^:]+):(?P<archs>[^:]+):(eager|static)"),
 }
@@ -1312,6 +1319,8 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
                 break
             index, task = pending.pop(0)
             out = os.path.join(work, f"{index:02d}")
+            with contextlib.suppress(FileNotFoundError):  # an earlier run's, which a failed process would leave
+                os.remove(os.path.join(out, "models_bench.json"))
             log_file = open(out + ".log", "w")  # noqa: SIM115 - closed when the process ends
             command = [sys.executable, os.path.abspath(__file__), "--out", out, "--tasks", task, *options]
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(gpu)}
@@ -1345,7 +1354,8 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
 def merge_task_results(tasks: list[str], finished: dict, args) -> dict:
     """One results dict from the task processes' ({index: (task, gpu, results or None, status)}), in task order."""
     merged = {"environment": None, "args": {**vars(args), "tasks": tasks}, "tasks": tasks, "train": [], "decode": [],
-              "layer": [], "profile": {}, "errors": [], "skipped": [], "gpus": {}}
+              "layer": [], "profile": {}, "errors": [], "skipped": [], "gpus": {},
+              "unfinished": [task for index, task in enumerate(tasks) if index not in finished]}
     for index in sorted(finished):
         task, gpu, child, status = finished[index]
         if status == "skipped":
@@ -1420,9 +1430,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a smoke run of the script itself (wall-clock times; the tests use it)")
     args = parser.parse_args(argv)
-    for name in ("train_rounds", "train_round_steps", "gpus", "decode_repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    # (--new-tokens: a decoding step is the time between two tokens)
+    for name, least in (("train_rounds", 1), ("train_round_steps", 1), ("gpus", 1), ("decode_repeats", 1),
+                        ("seq_len", 1), ("new_tokens", 2), ("decode_batches", 1)):
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.device == "cuda" and torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1447,10 +1460,12 @@ def main(argv=None) -> dict:
             parser.error(f"--tasks: {error}")
     if args.gpus > 1:
         return run_on_gpus(tasks, args, parser)
+    # "unfinished": the tasks not yet measured nor skipped, so that the files of a run cut short say what they lack
     results = {"environment": environment(), "args": vars(args), "tasks": tasks, "train": [], "decode": [],
-               "layer": [], "profile": {}, "errors": [], "skipped": []}
+               "layer": [], "profile": {}, "errors": [], "skipped": [], "unfinished": list(tasks)}
     started = time.perf_counter()
     for task in tasks:
+        results["unfinished"].remove(task)
         elapsed = time.perf_counter() - started
         if args.deadline_s is not None and elapsed > args.deadline_s:
             results["skipped"].append(task)

@@ -301,8 +301,9 @@ def main():
     parser.add_argument("--new-tokens-short", type=int, default=8)
     parser.add_argument("--new-tokens-long", type=int, default=72)
     parser.add_argument("--cache-rows", type=int, default=1024)
-    parser.add_argument("--table-dir", default=None, help="where to export the table (default: a temp dir)")
-    parser.add_argument("--modes", default="dense,compute,gpu,cpu,disk")
+    parser.add_argument("--table-dir", default=None,
+                        help="where to export the table, kept there (default: a temp dir, removed at the end)")
+    parser.add_argument("--modes", default="dense,compute,gpu,cpu,disk", help=f"some of {','.join(MODES)}")
     parser.add_argument("--formats", action="store_true",
                         help="only the format sweep (size / error / loss change of every format; runs on CPU too)")
     args = parser.parse_args()
@@ -312,6 +313,9 @@ def main():
         format_sweep(args)
         return
     modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"--modes {args.modes!r}: {', '.join(map(repr, unknown))} not among {', '.join(MODES)}")
     results = {**environment(),
                "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")},
                "decode": {}, "notes": {"cache_rows": args.cache_rows,
@@ -356,7 +360,8 @@ def main():
         results["notes"][f"load_{placement}_s"] = round(time.perf_counter() - start, 2)
         results["notes"][f"table_device_gib_{placement}"] = round(table.device_bytes() / GIB, 3)
         bench_mode(results, placement, model, args)
-    shutil.rmtree(table_dir, ignore_errors=True)
+    if args.table_dir is None:  # (a folder given is the user's, the table kept in it)
+        shutil.rmtree(table_dir, ignore_errors=True)
     save(results, args)
     print(open(os.path.join(args.out, "token_lookup.md")).read())
 

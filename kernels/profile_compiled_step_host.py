@@ -38,6 +38,7 @@ from harness import (  # noqa: E402
     host_issue_ms,
     log,
     markdown_table,
+    measure_on,
     median,
     synchronize,
     write_json,
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of a compiled step's GPU launches")
+    measure_on("cpu" if args.cpu else "cuda")  # (--cpu: timed and named as the CPU on a machine with a GPU too)
     results = {"environment": environment(), "args": vars(args), "models": []}
     for architecture in args.archs:
         results["models"].append(measure(architecture, args.size, args.batch, args.rounds, args.steps,

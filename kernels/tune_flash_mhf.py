@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 
 import torch
@@ -197,9 +198,11 @@ def explicit_candidates(specs):
     """``role:BLOCK_L,BLOCK_N,warps,stages`` (production variant) -> CANDIDATES entries, ordered by role."""
     candidates = []
     for spec in specs:
-        role, config = spec.split(":")
+        role, _, config = spec.partition(":")
         if (role, "production") not in VARIANTS:
             sys.exit(f"--configs: role must be one of forward, rows, weights, got {role!r}")
+        if not re.fullmatch(r"\d+,\d+,\d+,\d+", config):
+            sys.exit(f"--configs: expected role:BLOCK_L,BLOCK_N,warps,stages (four integers), got {spec!r}")
         candidates.append((role, "production", tuple(int(x) for x in config.split(","))))
     order = ["forward", "rows", "weights"]
     return sorted(candidates, key=lambda c: order.index(c[0]))
@@ -311,6 +314,12 @@ def main():
     args = parser.parse_args()
     if args.out is None and args.profile is None:
         parser.error("--out is required for the sweep (only --profile runs without it)")
+    for option, allowed in (("roles", {role for role, _ in VARIANTS}), ("variants", {name for _, name in VARIANTS})):
+        unknown = sorted(set(getattr(args, option) or ()) - allowed)
+        if unknown:
+            parser.error(f"--{option}: {', '.join(unknown)} not among {', '.join(sorted(allowed))}")
+    if args.configs:
+        explicit_candidates(args.configs)  # (its errors before any GPU work)
     SHAPE["head_dim"] = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("tune_flash_mhf.py needs a CUDA GPU")

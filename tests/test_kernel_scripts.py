@@ -801,3 +801,174 @@ def test_llama_mask_under_compile_follows_the_installed_transformers_and_torch(t
     assert script.main(["--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "llama_mask_under_compile.json").read_text())
     assert result["llama_gets_the_causal_flag"] is expected
+
+
+def test_task_processes_do_not_merge_an_earlier_runs_results(tmp_path, bench_models_main, monkeypatch):
+    """`--gpus`: a task whose process ends without writing results is an error, not the rows that an earlier run left
+    in the same task folder (another task's, from another device)."""
+    bench_models = bench_models_main
+    stale = {"environment": {"device": "an earlier run's GPU"}, "train": [{"arch": "llama", "size": "tiny"}],
+             "decode": [], "layer": [], "profile": {}, "errors": []}
+    (tmp_path / "tasks" / "00").mkdir(parents=True)
+    (tmp_path / "tasks" / "00" / "models_bench.json").write_text(json.dumps(stale))
+    popen = subprocess.Popen
+    monkeypatch.setattr(bench_models.subprocess, "Popen",  # (a task process that fails before it writes anything)
+                        lambda command, **kwargs: popen([sys.executable, "-c", "raise SystemExit(3)"], **kwargs))
+    monkeypatch.setattr(bench_models, "finish", lambda results, out: results)
+    monkeypatch.setattr(bench_models, "forwarded_options", lambda parser, args: [])
+    args = argparse.Namespace(out=str(tmp_path), gpus=2, deadline_s=None, device="cpu")
+    merged = bench_models.run_on_gpus(["train:tiny:flash_mhf:eager"], args, None)
+    assert merged["train"] == [] and merged["gpus"] == {}
+    assert merged["errors"] == ["train:tiny:flash_mhf:eager: exit code 3: "]
+
+
+def test_model_benchmark_plot_and_report_name_the_model_each_ratio_is_to(tmp_path, monkeypatch):
+    """Rounds paired with a model other than Llama (a task without Llama), or a model decoding alone (paired with
+    itself), give no ratio to Llama: the plot of ratios to Llama takes the ratio of throughputs to Llama's row where
+    there is one, and the report names the model a paired ratio is to, or has none."""
+    bench_models = kernel_script("bench_models")
+    from matplotlib.axes import Axes
+
+    plotted, bar = {}, Axes.bar
+
+    def recording_bar(self, xs, heights, *args, label=None, **kwargs):
+        plotted[label] = list(heights)
+        return bar(self, xs, heights, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", recording_bar)
+
+    def row(arch, task, tokens_per_s, baseline, ratio, others):
+        return {"arch": arch, "size": "370M", "batch": 1, "mode": "eager", "decode_tokens_per_s": tokens_per_s,
+                "ms_per_step": 1e3 / tokens_per_s, "round_paired_baseline": baseline, "round_paired_ratio": ratio,
+                "round_paired_ratio_quartiles": None, "interleaved_with": others, "task": task}
+
+    decode = [row("llama", "decode:370M:llama:eager", 100.0, "llama", 1.0, []),
+              row("flash_mhf", "decode:370M:flash_mhf:eager", 50.0, "flash_mhf", 1.0, []),
+              row("flash_mhf_triton_forward", "pair", 60.0, "flash_mhf_triton_forward", 1.0, ["kvffn"]),
+              row("kvffn", "pair", 90.0, "flash_mhf_triton_forward", 1.5, ["flash_mhf_triton_forward"])]
+    results = {"environment": {"device": "cpu", "torch": "-", "triton": "-", "transformers": "-"}, "decode": decode}
+    bench_models.plot(results, str(tmp_path / "models_bench.png"))
+    assert plotted == {"Llama (transformers)": [1.0], "FlashMHFLlama": [0.5]}
+    text = bench_models.report(results)
+    assert "| FlashMHFLlama | 50 | 20.00 | 0.50 | - |" in text
+    assert "| KVFFN | 90 | 11.11 | - | 1.50 x FlashMHFLlama, the op's forward on the Triton kernel |" in text
+    assert "| 60 | 16.67 | - | 1.00 x FlashMHFLlama, the op's forward on the Triton kernel |" in text
+
+
+def test_model_benchmark_report_says_which_tasks_it_lacks(tmp_path, bench_models_main):
+    """The tasks that `--deadline-s` skipped are listed in the report; the files written after each task list the tasks
+    still to come, so those of a run cut short do not read as a whole run."""
+    bench_models = bench_models_main
+    tasks = ["layer:tiny", "train:tiny:llama:eager"]
+    bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--deadline-s", "0", "--tasks", *tasks])
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert data["skipped"] == tasks and data["unfinished"] == []
+    markdown = (tmp_path / "models_bench.md").read_text()
+    assert "- train:tiny:llama:eager: skipped, past `--deadline-s`" in markdown
+    environment = {"device": "cpu", "torch": "-", "triton": "-", "transformers": "-"}
+    text = bench_models.report({"environment": environment, "unfinished": ["train:tiny:llama:eager"]})
+    assert "- train:tiny:llama:eager: not finished when this was written" in text
+    merged = bench_models.merge_task_results(tasks, {1: (tasks[1], None, None, "skipped")},
+                                             argparse.Namespace(out=str(tmp_path)))
+    assert merged["unfinished"] == ["layer:tiny"] and merged["skipped"] == ["train:tiny:llama:eager"]
+
+
+def test_model_benchmark_refuses_options_and_batches_it_cannot_measure(tmp_path, bench_models_main, capsys):
+    """A decoding step is the time between two tokens: `--new-tokens` below 2 is refused before any model is built,
+    as are empty sequences and batches; a task's batch of 0 is refused rather than read as the preset's."""
+    bench_models = bench_models_main
+    for option, value in (("--new-tokens", "1"), ("--seq-len", "0"), ("--decode-batches", "0")):
+        with pytest.raises(SystemExit) as refused:
+            bench_models.main(["--out", str(tmp_path), "--device", "cpu", option, value, "--tasks", "layer:tiny"])
+        assert refused.value.code == 2 and f"{option} must be at least" in capsys.readouterr().err
+    for task in ("train:tiny:llama:eager:0", "profile_train:tiny:llama:eager:0", "profile_decode:tiny:llama:0"):
+        with pytest.raises(ValueError, match="expected"):
+            bench_models.check_task(task)
+    bench_models.check_task("train:tiny:llama:eager:10")
+    assert not list(tmp_path.iterdir())
+
+
+def test_memory_readout_benchmark_times_and_names_the_device_asked_for(monkeypatch, capsys):
+    """`bench_memory_readout.py --device cpu` (its default) times wall-clock and names the CPU on a machine that has a
+    GPU too (here one pretended), as the tensors it times are on the CPU."""
+    script = kernel_script("bench_memory_readout")
+    harness = importlib.import_module("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", harness._measured_device_type)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA pretended")
+    script.main(["--device", "cpu", "--layers", "2", "--tokens", "8", "--hidden", "4"])
+    printed = capsys.readouterr().out
+    assert "readout backward over 2 layers" in printed and "NVIDIA" not in printed
+
+
+def test_token_lookup_benchmark_checks_its_modes_and_keeps_the_table_folder_given(tmp_path, monkeypatch, capsys):
+    """`bench_token_lookup.py --modes` names modes of MODES (a typo is refused before any work, not skipped), and a
+    `--table-dir` given keeps the table exported into it (only a folder of the script's own is removed)."""
+    script = kernel_script("bench_token_lookup")
+    monkeypatch.setattr(sys, "argv", ["bench_token_lookup.py", "--out", str(tmp_path), "--modes", "dense,gpus"])
+    with pytest.raises(SystemExit) as refused:
+        script.main()
+    assert refused.value.code == 2 and "'gpus' not among dense, compute, gpu" in capsys.readouterr().err
+
+    class Model:  # what main() asks of the MemoryLLM it builds (no GPU here)
+        model = argparse.Namespace(token_lookup=None)
+
+        def parameter_counts(self):
+            return {}
+
+        def load_tols(self, *args, **kwargs):
+            return argparse.Namespace(device_bytes=lambda: 0)
+
+    def export(model, directory, **kwargs):
+        open(os.path.join(directory, "table.bin"), "w").close()
+        return {"size_bytes": 0, "num_shards": 1}
+
+    monkeypatch.setattr(script, "check_kernels", lambda: {})
+    monkeypatch.setattr(script, "build_models", lambda args, which: Model())
+    monkeypatch.setattr(script, "bench_mode", lambda results, label, model, args: None)
+    monkeypatch.setattr(importlib.import_module("hf_memffn.conversion"), "export_tols", export)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    table = tmp_path / "table"
+    table.mkdir()
+    monkeypatch.setattr(sys, "argv", ["bench_token_lookup.py", "--out", str(tmp_path), "--modes", "gpu",
+                                      "--table-dir", str(table)])
+    script.main()
+    assert (table / "table.bin").exists()
+
+
+def test_tune_sweep_refuses_roles_variants_and_configs_it_does_not_have(tmp_path, monkeypatch, capsys):
+    """`tune_flash_mhf.py`: `--roles` and `--variants` name those of VARIANTS, and `--configs` four integers; a typo
+    is refused (before the GPU is looked for) rather than sweeping nothing or failing in the middle."""
+    script = kernel_script("tune_flash_mhf")
+    for given, expected in ((["--roles", "forwrd"], "--roles: forwrd not among backward, forward"),
+                            (["--variants", "glun"], "--variants: glun not among"),
+                            (["--configs", "forward:128,64,8"], "expected role:BLOCK_L,BLOCK_N,warps,stages")):
+        monkeypatch.setattr(sys, "argv", ["tune_flash_mhf.py", "--out", str(tmp_path), *given])
+        with pytest.raises(SystemExit) as refused:
+            script.main()
+        assert expected in f"{refused.value.code}{capsys.readouterr().err}", given
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["tune_flash_mhf.py", "--out", str(tmp_path), "--roles", "forward", "weights_v",
+                                      "--variants", "gluon", "--configs", "rows:128,64,8,2"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        script.main()
+
+
+def test_compiled_step_host_smoke_run_names_the_cpu(tmp_path, monkeypatch):
+    """`profile_compiled_step_host.py --cpu` measures on the CPU, and its results name the CPU, on a machine that has a
+    GPU too (here one pretended; the measurement itself stood in)."""
+    script = kernel_script("profile_compiled_step_host")
+    harness = importlib.import_module("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", harness._measured_device_type)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA pretended")
+    measured_on_cuda = []
+
+    def measure(architecture, size, batch, rounds, steps, profile_steps, device):
+        measured_on_cuda.append(harness.on_cuda())
+        return {"name": architecture, "layers": 1, "summary": {}}
+
+    monkeypatch.setattr(script, "measure", measure)
+    script.main(["--out", str(tmp_path), "--cpu", "--archs", "llama"])
+    data = json.loads((tmp_path / "compiled_step_host.json").read_text())
+    assert measured_on_cuda == [False] and "NVIDIA" not in data["environment"]["device"]
