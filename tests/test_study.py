@@ -231,6 +231,15 @@ def test_prepare_data_streams_a_datasets_dataset(tmp_path):
         prepare_data.main(["--out", str(tmp_path / "other"), "--source", "hub", "--dataset", str(folder), "--wiki", "no"])
 
 
+def test_prepare_data_refuses_a_held_out_share_of_every_document_or_none(tmp_path):
+    """--heldout-every 0 divided by zero; 1 held every document out and the error named no option."""
+    for every in ("0", "1", "-5"):
+        with pytest.raises(ValueError, match=f"--heldout-every must be 2 or more .*, got {every}"):
+            prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files",
+                               str(ROOT / "README.md"), "--heldout-every", every, "--wiki", "no"])
+    assert not (tmp_path / "shards").exists()
+
+
 def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
     """--resume keeps the runs already in --out and trains only the planned runs it lacks; the reported models are
     the union of both calls'; a different budget is refused before anything is written."""
@@ -419,6 +428,17 @@ def test_rate_sweep_runs_one_study_per_rate_within_its_budget(tmp_path):
     assert "not starting 2e-3:llama:1" in done.stdout and not (tmp_path / "sweep" / "lr2e-3").exists()
 
 
+def test_rate_sweep_refuses_seconds_that_are_not_a_whole_number(tmp_path):
+    """SECONDS left out (a spec in its place), or given with a unit or a fraction: refused, naming SECONDS, before
+    anything runs (bash's arithmetic said "value too great for base" or "unbound variable")."""
+    script = ROOT / "examples" / "reproduce" / "rate_sweep.sh"
+    for seconds in ("1e-3:llama:1", "600s", "90.5", "abc"):
+        refused = subprocess.run(["bash", str(script), "toy", str(tmp_path / "sweep"), seconds, "2e-3:llama:1"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and f"SECONDS is a whole number of seconds, not '{seconds}'" in refused.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 # stands in for rate_sweep.sh beside a copy of parallel_sweeps.sh: `--check` is the real script's; a sweep notes how it
 # was called and when each spec ran, fails for a model named no_such_model, and otherwise leaves the spec's folder
 STAND_IN_RATE_SWEEP = r"""#!/usr/bin/env bash
@@ -483,6 +503,32 @@ def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_tur
     assert not (first / "lr3e-3").exists()  # neither the failed stream's sweep nor the late one made a folder
 
 
+def test_parallel_sweeps_refuses_two_streams_that_would_write_one_study_folder(tmp_path):
+    """Two streams at once in one ROOT/lrRATE: each study.py would rewrite results.json with its own runs, losing the
+    other's (or trip over its temporary files). Refused before anything runs, however ROOT is spelled; one ROOT at two
+    rates in two streams, and one folder in a stream's sweeps in turn, still run."""
+    scripts = tmp_path / "reproduce"
+    scripts.mkdir()
+    (scripts / "parallel_sweeps.sh").write_text((ROOT / "examples" / "reproduce" / "parallel_sweeps.sh").read_text())
+    (scripts / "rate_sweep.sh").write_text(STAND_IN_RATE_SWEEP)
+    env = {**os.environ, "REAL_RATE_SWEEP": str(ROOT / "examples" / "reproduce" / "rate_sweep.sh")}
+
+    def sweeps(*streams):
+        return subprocess.run(["bash", str(scripts / "parallel_sweeps.sh"), "toy", "600", *streams], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    for streams in [("256 sweep 1e-3:llama:1", "256 sweep 1e-3:pkv:1"),
+                    ("256 sweep 1e-3:llama:1 2e-3:llama:1", "@0 384 ./sweep/ 2e-3:pkv:1"),
+                    ("256 other 1e-3:llama:1; 256 sweep 1e-3:llama:1", f"256 {tmp_path / 'sweep'} 1e-3:pkv:1")]:
+        refused = sweeps(*streams)
+        assert refused.returncode == 2, refused.stderr
+        assert "parallel_sweeps: streams 1 and 2 both write " in refused.stderr and "own ROOT" in refused.stderr
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "other").exists()
+    done = sweeps("256 sweep 1e-3:llama:1; 256 sweep 1e-3:pkv:1", "256 sweep 2e-3:llama:1")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "sweep" / "lr1e-3").is_dir() and (tmp_path / "sweep" / "lr2e-3").is_dir()
+
+
 def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(tmp_path):
     """A model already run on this device is taken to need its last run's time, another the runs' median time per
     FLOP, each times (1 + --deadline-margin); with no run to go by there is no estimate (the run starts)."""
@@ -502,6 +548,22 @@ def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
         study.main(["--size", "toy", "--models", "llama,no_such_model", "--out", str(tmp_path / "refused")])
     with pytest.raises(ValueError, match="--data=.* has no meta.json: prepare it with examples/reproduce/prepare_data"):
         study.main(["--size", "toy", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_a_study_refuses_two_sources_of_data_and_counts_below_one(tmp_path, capsys):
+    """--data, --dataset and --text-files each name the data: given two, the study would train on one and drop the
+    other without a word. --seeds, --tokens and --eval-tokens below one would plan one seed or the size's default."""
+    with pytest.raises(SystemExit):
+        study.main(["--size", "toy", "--data", str(tmp_path / "shards"), "--text-files", str(ROOT / "README.md"),
+                    "--out", str(tmp_path / "refused")])
+    assert "argument --text-files: not allowed with argument --data" in capsys.readouterr().err
+    for option, value, message in [("--seeds", "0", "--seeds must be 1 or more, got 0"),
+                                   ("--tokens", "0", "--tokens must be 1 or more training tokens per model, got 0.0"),
+                                   ("--tokens", "-256", "--tokens must be 1 or more"),
+                                   ("--eval-tokens", "0", "--eval-tokens must be 1 or more held-out tokens")]:
+        with pytest.raises(ValueError, match=message):
+            study.main(["--size", "toy", option, value, "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
 
 
@@ -818,6 +880,27 @@ def test_verdicts_of_one_size_at_several_budgets_name_each_column_by_its_budget(
     assert len(everything["rows"]) == 2 and "toy 4k" not in everything["rows"][1]["cells"]
 
 
+def test_verdicts_of_one_size_at_budgets_that_print_alike_keep_a_column_each(tmp_path):
+    """15.99M and 16M tokens both print as "16M": named so, the two sweeps shared one column and the later one's
+    cell replaced the earlier one's. Each is named by its exact number of tokens instead."""
+    def sweep(name, tokens, flash_mhf):
+        studies = [str(write_study(tmp_path / f"{name}_{rate}", by_model, learning_rate=rate, tokens=tokens,
+                                   baseline_parameters=1000))
+                   for rate, by_model in {1e-3: {"llama": [5.0, 5.1, 5.2], "flash_mhf": flash_mhf},
+                                          2e-3: {"llama": [6.0] * 3, "flash_mhf": [6.0] * 3}}.items()]
+        learning_rates.main(["--out", str(tmp_path / name), "--studies", *studies])
+        return str(tmp_path / name)
+
+    one_pass = sweep("one_pass", 15_990_000, [5.5, 5.6, 5.7])
+    rounded = sweep("rounded", 16_000_000, [4.5, 4.6, 4.7])
+    other = sweep("other", 32_000_000, [5.0, 5.1, 5.2])
+    report = verdicts.main(["--out", str(tmp_path / "out"), "--sweeps", one_pass, rounded, other])
+    assert [s["column"] for s in report["sweeps"]] == ["toy 32M", "toy 16,000,000", "toy 15,990,000"]
+    (row,) = report["rows"]
+    assert {column: round(cell["paired_delta"], 3) for column, cell in row["cells"].items()} == {
+        "toy 32M": 0.0, "toy 16,000,000": 0.5, "toy 15,990,000": -0.5}
+
+
 def test_verdicts_of_several_sizes_at_several_budgets_add_a_table_of_sizes_by_budgets(tmp_path):
     """Two sizes, one at two budgets and one at a single budget: every sweep a column of the main table, and a second
     table per ordering with a line per size (fewest parameters first) and a column per budget, "-" where that size
@@ -1064,3 +1147,13 @@ def test_heldout_overlap_counts_repeated_lines_windows_and_documents(tmp_path, c
     written = json.loads((tmp_path / "out" / "overlap.json").read_text())
     assert written["documents_with_a_window_in_train"] == 1 and written["heldout_documents"] == 2
     assert "| windows of 4 consecutive lines |" in (tmp_path / "out" / "overlap.md").read_text()
+
+
+def test_heldout_overlap_refuses_a_window_of_no_lines(tmp_path):
+    """--window 0 counted every held-out document as found in training (its empty window is in every document)."""
+    import heldout_overlap
+
+    for option, value in (("--window", "0"), ("--window", "-1"), ("--min-chars", "-1")):
+        with pytest.raises(ValueError, match=f"{option} must be"):
+            heldout_overlap.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), option, value])
+    assert not (tmp_path / "out").exists()

@@ -88,6 +88,10 @@ def main(argv=None) -> int:
     parser.add_argument("--min-chars", type=int, default=40)
     parser.add_argument("--window", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.window < 1:
+        raise ValueError(f"--window must be 1 or more consecutive lines, got {args.window}")
+    if args.min_chars < 0:
+        raise ValueError(f"--min-chars must be 0 or more, got {args.min_chars}")
     from transformers import AutoTokenizer
 
     meta = read_meta(args.data, "--data")

@@ -10,8 +10,9 @@
 #       '64e6 sweep-64M 3e-3:flex_total:3; 64e6 sweep-64M 1e-3:mh_ffn:1'
 # Each sweep gets the seconds its stream's earlier sweeps left of SECONDS, and is not started with under a minute left.
 # Every output line starts with its stream's number; the exit status is 1 if any stream failed.
+# Two streams may not write one study folder (ROOT/lrRATE): give each its own ROOT and join them with study.py --merge.
 set -euo pipefail
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 (( $# >= 3 )) || usage
 size=$1 budget=$2
 shift 2
@@ -22,8 +23,11 @@ fi
 here=$(cd "$(dirname "$0")" && pwd)
 
 # Split each stream into its GPU (empty: all of them) and its sweeps, and check every one before anything starts.
-gpus=() bodies=()
+# (A study folder written by two streams at once would keep the runs of whichever wrote its results.json last.)
+gpus=() bodies=() folders=() owners=()
+stream_number=0
 for stream in "$@"; do
+    stream_number=$(( stream_number + 1 ))
     gpu='' body=$stream
     if [[ $body =~ ^[[:space:]]*@([^[:space:]]*)[[:space:]]+(.*)$ ]]; then
         gpu=${BASH_REMATCH[1]} body=${BASH_REMATCH[2]}
@@ -42,6 +46,18 @@ for stream in "$@"; do
             exit 2
         fi
         bash "$here/rate_sweep.sh" --check "${fields[@]:2}"
+        for spec in "${fields[@]:2}"; do
+            folder=${fields[1]%/}/lr${spec%%:*}
+            folder=$(realpath -m -- "$folder" 2>/dev/null || echo "$folder")
+            for (( index = 0; index < ${#folders[@]}; index++ )); do
+                if [[ ${folders[$index]} == "$folder" ]] && (( owners[index] != stream_number )); then
+                    echo "parallel_sweeps: streams ${owners[$index]} and $stream_number both write $folder; give" \
+                         "each stream its own ROOT (study.py --merge joins the folders after)" >&2
+                    exit 2
+                fi
+            done
+            folders+=("$folder") owners+=("$stream_number")
+        done
     done
 done
 

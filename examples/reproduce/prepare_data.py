@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.heldout_every < 2:
+        raise ValueError(f"--heldout-every must be 2 or more (every N-th document held out), got {args.heldout_every}")
     max_train_chars = args.max_train_tokens * CHARS_PER_TOKEN_BOUND
     max_heldout_chars = args.max_heldout_tokens * CHARS_PER_TOKEN_BOUND
     if args.source == "gutenberg-poetry":

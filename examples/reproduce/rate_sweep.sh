@@ -34,6 +34,10 @@ if (( $# < 4 )); then
 fi
 size=$1 root=$2 budget=$3
 shift 3
+if ! [[ $budget =~ ^[0-9]+$ ]]; then
+    echo "rate_sweep: SECONDS is a whole number of seconds, not '$budget'" >&2
+    exit 2
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 check_specs "$@"
 start=$(date +%s)

@@ -85,11 +85,13 @@ CLAIMS = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data (one of)")
-    data.add_argument("--data", default=None, help="token shards from prepare_data.py (default .study-data)")
-    data.add_argument("--dataset", default=None, help="a `datasets` Hub name: shards are prepared into OUT's work folder")
+    source = data.add_mutually_exclusive_group()
+    source.add_argument("--data", default=None, help="token shards from prepare_data.py (default .study-data)")
+    source.add_argument("--dataset", default=None,
+                        help="a `datasets` Hub name: shards are prepared into OUT's work folder")
     data.add_argument("--dataset-config", default=None)
     data.add_argument("--text-column", default="text")
-    data.add_argument("--text-files", nargs="+", default=None, help="local text files: shards prepared likewise")
+    source.add_argument("--text-files", nargs="+", default=None, help="local text files: shards prepared likewise")
     p.add_argument("--out", default="study-results", help="output folder")
     p.add_argument("--size", choices=sorted(SHAPES), default="small", help="model shape and default budget (models.py)")
     p.add_argument("--tokens", type=float, default=None, help="training tokens per model (default: the size's)")
@@ -924,6 +926,12 @@ def main(argv=None) -> dict:
                          f"got {args.deadline_margin}")
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise ValueError(f"--learning-rate must be a positive number, got {args.learning_rate}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be 1 or more, got {args.seeds}")
+    if args.tokens is not None and not args.tokens >= 1:
+        raise ValueError(f"--tokens must be 1 or more training tokens per model, got {args.tokens}")
+    if args.eval_tokens is not None and args.eval_tokens < 1:
+        raise ValueError(f"--eval-tokens must be 1 or more held-out tokens per evaluation, got {args.eval_tokens}")
     if not shape.trainable:
         raise ValueError(f"--size={args.size!r} is a paper shape for --print-configs; trainable sizes: "
                          f"{[s for s, v in SHAPES.items() if v.trainable]}")

@@ -90,7 +90,11 @@ def name_columns(sweeps: list[dict]) -> None:
         raise ValueError(f"--sweeps: one sweep per size, budget and training stream; {repeated} given more than once")
     for sweep in sweeps:
         several = sizes.count(sweep["size"]) > 1
-        sweep["column"] = f"{sweep['size']} {fmt_tokens(sweep['tokens'])}" if several else sweep["size"]
+        # budgets of one size that print alike (15.99M and 16M: "16M") are named by their exact numbers of tokens
+        alike = {s["tokens"] for s in sweeps
+                 if s["size"] == sweep["size"] and fmt_tokens(s["tokens"]) == fmt_tokens(sweep["tokens"])}
+        budget = f"{sweep['tokens']:,}" if len(alike) > 1 else fmt_tokens(sweep["tokens"])
+        sweep["column"] = f"{sweep['size']} {budget}" if several else sweep["size"]
         if several_streams(sweeps, sweep["size"]):
             sweep["column"] += f", {stream_text(sweep['stream'])} stream"
 
