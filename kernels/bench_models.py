@@ -1196,7 +1196,11 @@ def check_task(task: str) -> None:
     except ValueError as error:
         raise ValueError(f"task {task!r}: {error}") from None
     architectures = match.groupdict().get("archs")
-    for architecture in architectures.split("+") if architectures else []:
+    named = architectures.split("+") if architectures else []
+    repeated = sorted({architecture for architecture in named if named.count(architecture) > 1})
+    if repeated:  # (decoding would keep one row of it, training would time it twice a round)
+        raise ValueError(f"task {task!r}: {', '.join(repeated)} named more than once")
+    for architecture in named:
         if architecture.removesuffix(OTHER_PACKAGE) not in ARCHS:
             raise ValueError(f"task {task!r}: architecture {architecture!r} is not one of {', '.join(ARCHS)} (a "
                              f"decode task's {OTHER_PACKAGE} suffix aside)")

@@ -12,8 +12,8 @@ shapes: 8 x 2048 tokens at 370M, 4 x 2048 at 1.3B; bf16, as `bench_models.py` bu
 lists the kernels of one forward + backward. Beside the block as the model builds it, the same weights in other
 arrangements:
 
-* ``biases, PyTorch activation``: the block with ``decoder_kernels="torch"``: the activation as PyTorch operations,
-  which inductor fuses under torch.compile;
+* ``biases, PyTorch activation``: the same block with its ``kernels`` set to ``"torch"`` (as ``decoder_kernels="torch"``
+  builds it): the activation as PyTorch operations, which inductor fuses under torch.compile;
 * ``no biases``: the block built with ``kvffn_bias=False`` (Llama's MLP in KV-FFN's layout);
 * ``no biases, keys then values``: its weights in one projection whose outputs are all keys, then all values;
 * ``no biases, two projections``: its weights as two projections, keys and values, as Llama's gate and up.

@@ -485,6 +485,7 @@ def test_model_benchmark_training_modes_and_bad_tasks():
                            ("decode:tiny:llama:compiled", "decode:<size>:<arch>[+<arch>...]:eager|static"),
                            ("train:tiny:llama+lama:eager", "architecture 'lama' is not one of llama, flash_mhf"),
                            ("train:tiny:kvffn@other:eager", "an @other model decodes only"),
+                           ("decode:tiny:llama+kvffn+llama:eager", "llama named more than once"),
                            ("layer:huge", "task 'layer:huge': preset='huge' is not one of")):
         with pytest.raises(ValueError, match=re.escape(expected)):
             bench_models.run_task(task, args, {"train": [], "profile": {}})

@@ -551,7 +551,7 @@ def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
-def test_a_study_refuses_two_sources_of_data_and_counts_below_one(tmp_path, capsys):
+def test_a_study_refuses_two_sources_of_data_counts_below_one_and_options_it_would_ignore(tmp_path, capsys):
     """--data, --dataset and --text-files each name the data: given two, the study would train on one and drop the
     other without a word. --seeds, --tokens and --eval-tokens below one would plan one seed or the size's default."""
     with pytest.raises(SystemExit):
@@ -564,6 +564,12 @@ def test_a_study_refuses_two_sources_of_data_and_counts_below_one(tmp_path, caps
                                    ("--eval-tokens", "0", "--eval-tokens must be 1 or more held-out tokens")]:
         with pytest.raises(ValueError, match=message):
             study.main(["--size", "toy", option, value, "--out", str(tmp_path / "refused")])
+    # options that only another mode reads: --report rewrites a study's report from its own settings
+    with pytest.raises(ValueError, match="--report takes only --out; --size, --seeds would change nothing"):
+        study.main(["--report", "--size", "toy", "--seeds", "2", "--out", str(tmp_path / "refused")])
+    for option in ("--dataset-config", "--text-column"):
+        with pytest.raises(ValueError, match=f"{option} applies to --dataset only"):
+            study.main(["--size", "toy", option, "x", "--out", str(tmp_path / "refused")])
     assert not (tmp_path / "refused").exists()
 
 
@@ -1157,3 +1163,20 @@ def test_heldout_overlap_refuses_a_window_of_no_lines(tmp_path):
         with pytest.raises(ValueError, match=f"{option} must be"):
             heldout_overlap.main(["--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"), option, value])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_whose_loss_diverged_to_nan_is_summarised_and_never_the_best_rate(tmp_path):
+    """A run at too high a rate can end with a NaN held-out loss: the study's summary and the rate table take it (a
+    NaN mean and spread, where `statistics.stdev` raised), and the best rate is one whose runs all ended finite."""
+    runs = [{"model": "llama", "seed": seed, "heldout_loss": loss, "tokens_per_second": 1.0, "peak_memory_gib": None,
+             "train_seconds": 1.0, "wall_seconds": 1.0} for seed, loss in enumerate([5.0, math.nan])]
+    summary = study.aggregate(runs)["llama"]
+    assert math.isnan(summary["heldout_loss_mean"]) and math.isnan(summary["heldout_loss_std"])
+    assert study.sample_stdev([1.0]) is None and study.sample_stdev([1.0, 3.0]) == pytest.approx(math.sqrt(2))
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2], "pkv": [5.6, 5.9]})
+    high = write_study(tmp_path / "high", {"llama": [math.nan, 4.0], "pkv": [4.5, 4.6]}, learning_rate=3e-2)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(high), str(recipe)])
+    assert report["models"]["llama"]["best_learning_rate"] != 3e-2
+    assert report["models"]["pkv"]["best_learning_rate"] == 3e-2
+    seeds, delta, error = report["models"]["pkv"]["vs_baseline_at_best"]
+    assert seeds == 2 and math.isfinite(delta)

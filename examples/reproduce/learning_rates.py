@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -87,7 +88,9 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
             entry = by_model_and_rate[f"{key}@{rate_text(rate)}"]
             per_rate[rate_text(rate)] = {"learning_rate": rate, "seeds": sorted(entry["seeds"]),
                                          **{k: entry[k] for k in ("heldout_loss_mean", "heldout_loss_std")}}
-        best = min(per_rate.values(), key=lambda entry: entry["heldout_loss_mean"])
+        # (a rate whose mean is NaN, a run diverged, is never the best)
+        best = min(per_rate.values(), key=lambda entry: (math.isnan(entry["heldout_loss_mean"]),
+                                                         entry["heldout_loss_mean"]))
         table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"],
                       "best_rate_edge": rate_edge([entry["learning_rate"] for entry in per_rate.values()],
                                                   best["learning_rate"])}

@@ -439,6 +439,14 @@ def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, arg
 # --- results ------------------------------------------------------------------------------------------------------
 
 
+def sample_stdev(values: list[float]) -> float | None:
+    """The sample standard deviation: None under two values, NaN where one is not finite (a run whose loss diverged
+    to NaN or infinity; `statistics.stdev` raises on those)."""
+    if len(values) < 2:
+        return None
+    return statistics.stdev(values) if all(math.isfinite(value) for value in values) else math.nan
+
+
 def aggregate(runs: list[dict]) -> dict:
     by_model: dict[str, list[dict]] = {}
     for run in runs:
@@ -449,7 +457,7 @@ def aggregate(runs: list[dict]) -> dict:
         entry = {
             "seeds": [r["seed"] for r in model_runs],
             "heldout_loss_mean": statistics.fmean(losses),
-            "heldout_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+            "heldout_loss_std": sample_stdev(losses),
             "heldout_loss_min": min(losses), "heldout_loss_max": max(losses),
             "perplexity": math.exp(statistics.fmean(losses)),
             "tokens_per_second": statistics.fmean([r["tokens_per_second"] for r in model_runs if r["tokens_per_second"]] or [0]),
@@ -460,7 +468,7 @@ def aggregate(runs: list[dict]) -> dict:
         wiki = [r["wiki_loss"] for r in model_runs if "wiki_loss" in r]
         if wiki:
             entry["wiki_loss_mean"] = statistics.fmean(wiki)
-            entry["wiki_loss_std"] = statistics.stdev(wiki) if len(wiki) > 1 else None
+            entry["wiki_loss_std"] = sample_stdev(wiki)
         summary[key] = entry
     return summary
 
@@ -478,7 +486,8 @@ def paired_difference(runs: list[dict], lower: str, higher: str,
     differences = [losses[higher][s] - losses[lower][s] for s in seeds]
     if not differences:
         return 0, None, None
-    error = statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) > 1 else None
+    spread = sample_stdev(differences)
+    error = spread / math.sqrt(len(differences)) if spread is not None else None
     return len(differences), statistics.fmean(differences), error
 
 
@@ -672,7 +681,7 @@ def repeat_summary_lines(pairs: list[tuple[dict, dict]]) -> list[str]:
             gaps = [repeat[key] - run[key] for run, repeat in group
                     if repeat.get(key) is not None and run.get(key) is not None]
             if len(gaps) >= 2:
-                parts.append(f"{name} {statistics.fmean(gaps):+.3f} ± {statistics.stdev(gaps):.3f} "
+                parts.append(f"{name} {statistics.fmean(gaps):+.3f} ± {sample_stdev(gaps):.3f} "
                              f"(largest {max(abs(gap) for gap in gaps):.3f})")
         if parts:
             lines.append(f"- {len(group)} repeats {where}: repeat - kept, mean ± sample standard deviation, "
@@ -907,12 +916,15 @@ def main(argv=None) -> dict:
         described = describe_models(selected, shape, shape.vocab_size)
         print(f"size {shape.name} (vocabulary {shape.vocab_size}):\n" + counts_table(selected, described))
         return described
+    def options_given(*taken: str) -> list[str]:
+        return [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                if name not in taken and value != parser.get_default(name)]
+
     if args.merge:
         if args.report or args.resume:
             raise ValueError("--merge writes a new study to --out: give it without --report and --resume")
         # the merged study's settings are its sources': an option that would train or select differently is refused
-        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                 if name not in ("merge", "out") and value != parser.get_default(name)]
+        given = options_given("merge", "out")
         if given:
             raise ValueError(f"--merge takes only --out and the study folders; {', '.join(given)} would change "
                              "nothing: the merged study keeps its sources' runs and settings")
@@ -920,7 +932,15 @@ def main(argv=None) -> dict:
         return merge_studies([Path(p) for p in args.merge], Path(args.out),
                              " ".join(["python", "examples/reproduce/study.py", *argv]))
     if args.report:
+        given = options_given("report", "out")
+        if given:
+            raise ValueError(f"--report takes only --out; {', '.join(given)} would change nothing: the report is "
+                             "written from the study's own runs and settings")
         return rewrite_report(Path(args.out))
+    for name in ("dataset_config", "text_column"):
+        if getattr(args, name) != parser.get_default(name) and not args.dataset:
+            raise ValueError(f"--{name.replace('_', '-')} applies to --dataset only (a `datasets` Hub name), "
+                             "which is not given")
     if not args.deadline_margin >= 0:
         raise ValueError(f"--deadline-margin must be 0 or more (0.15: 15% over a run's estimated time), "
                          f"got {args.deadline_margin}")
