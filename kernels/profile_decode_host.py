@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import environment, log, markdown_table, median, write_json, write_text  # noqa: E402
-from bench_models import ARCHS  # noqa: E402
+from bench_models import ARCHS, get_preset  # noqa: E402
 
 REBUILT = ":rebuilt_signature"  # a variant's suffix: the forward without its stored signature
 TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -179,6 +179,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        get_preset(args.size)
+    except ValueError as error:
+        parser.error(f"--size: {error}")
+    for name, least in (("rounds", 1), ("calls", 1), ("new_tokens", 2)):  # (a step is the time between two tokens)
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, args.calls, args.new_tokens)))
         return {}

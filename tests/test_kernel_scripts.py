@@ -655,7 +655,7 @@ def test_llama_with_extra_inputs_has_more_parameters_and_the_same_logits():
         torch.testing.assert_close(torch.compile(extra)(input_ids=ids).logits, expected)
 
 
-def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path, monkeypatch):
+def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path, monkeypatch, capsys):
     """`profile_decode_host.py`: the host time of a static-cache step, each model (and the variant whose forward
     rebuilds its signature) measured in a process of its own. (The run's own process is this one.)"""
     monkeypatch.setenv("PYTHONPATH", SCRIPT_PYTHONPATH)  # (the measuring processes import this checkout)
@@ -672,6 +672,13 @@ def test_decode_host_profile_runs_each_model_in_its_own_process(tmp_path, monkey
     assert all(len(times) == 1 and 0 < times[0] < 1e5 for times in data["guard_check_us"].values())
     markdown = (tmp_path / "decode_host.md").read_text()
     assert "host us per step" in markdown and "guard check" in markdown
+    for option, value, message in (("--size", "huge", "--size: preset='huge' is not one of"),
+                                   ("--new-tokens", "1", "--new-tokens must be at least 2, got 1"),
+                                   ("--rounds", "0", "--rounds must be at least 1, got 0")):
+        with pytest.raises(SystemExit) as refused:
+            kernel_script("profile_decode_host").main(["--out", str(tmp_path / "refused"), option, value])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_token_lookup_format_sweep_on_the_cpu(tmp_path, monkeypatch):
