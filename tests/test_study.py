@@ -905,6 +905,11 @@ def test_verdicts_of_one_size_at_budgets_that_print_alike_keep_a_column_each(tmp
     (row,) = report["rows"]
     assert {column: round(cell["paired_delta"], 3) for column, cell in row["cells"].items()} == {
         "toy 32M": 0.0, "toy 16,000,000": 0.5, "toy 15,990,000": -0.5}
+    # the table of sizes by budgets heads its columns so too
+    sweeps = [{"size": size, "parameters": parameters, "stream": None, "tokens": tokens, "column": f"{size} {tokens}"}
+              for size, parameters, tokens in (("toy", 1e6, 15_990_000), ("toy", 1e6, 16_000_000),
+                                               ("small", 2e6, 16_000_000))]
+    assert verdicts.grid(sweeps, {"claim": "x", "cells": {}})[0] == "| x | 15,990,000 tokens | 16,000,000 tokens |"
 
 
 def test_verdicts_of_several_sizes_at_several_budgets_add_a_table_of_sizes_by_budgets(tmp_path):

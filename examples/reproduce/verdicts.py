@@ -78,6 +78,13 @@ def stream_text(stream: int | None) -> str:
     return fmt_tokens(stream) if stream else "unknown"
 
 
+def budget_text(tokens: int, budgets: list[int]) -> str:
+    """A budget as the tables print it, "16M"; its exact number of tokens where another of `budgets` prints alike
+    (15.99M and 16M)."""
+    alike = {other for other in budgets if fmt_tokens(other) == fmt_tokens(tokens)}
+    return f"{tokens:,}" if len(alike) > 1 else fmt_tokens(tokens)
+
+
 def name_columns(sweeps: list[dict]) -> None:
     """Each sweep's column: its size, with its budget where another sweep has the same size, and with its training
     stream where another sweep of that size reads another one (the same budget then repeats a shorter stream more
@@ -90,10 +97,7 @@ def name_columns(sweeps: list[dict]) -> None:
         raise ValueError(f"--sweeps: one sweep per size, budget and training stream; {repeated} given more than once")
     for sweep in sweeps:
         several = sizes.count(sweep["size"]) > 1
-        # budgets of one size that print alike (15.99M and 16M: "16M") are named by their exact numbers of tokens
-        alike = {s["tokens"] for s in sweeps
-                 if s["size"] == sweep["size"] and fmt_tokens(s["tokens"]) == fmt_tokens(sweep["tokens"])}
-        budget = f"{sweep['tokens']:,}" if len(alike) > 1 else fmt_tokens(sweep["tokens"])
+        budget = budget_text(sweep["tokens"], [s["tokens"] for s in sweeps if s["size"] == sweep["size"]])
         sweep["column"] = f"{sweep['size']} {budget}" if several else sweep["size"]
         if several_streams(sweeps, sweep["size"]):
             sweep["column"] += f", {stream_text(sweep['stream'])} stream"
@@ -170,7 +174,7 @@ def grid(sweeps: list[dict], row: dict) -> list[str]:
     """One ordering's cells as a table: a line per size (per training stream of a size that read several), a column
     per training budget."""
     budgets = sorted({s["tokens"] for s in sweeps})
-    lines = [f"| {row['claim']} | " + " | ".join(fmt_tokens(b) + " tokens" for b in budgets) + " |",
+    lines = [f"| {row['claim']} | " + " | ".join(budget_text(b, budgets) + " tokens" for b in budgets) + " |",
              "|---|" + "---:|" * len(budgets)]
     for of_line in by_line(sweeps).values():
         first = of_line[0]
