@@ -380,6 +380,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     def validate_fields(self) -> None:
         super().validate_fields()
         name = type(self).__name__
+        check_choice("ffn_variant", self.ffn_variant, self.variants, name)
         check_choice("ffn_kernel", self.ffn_kernel, self.kernels, name)
         _check(name, _is_int(self.ffn_recompute_chunk_tokens) and self.ffn_recompute_chunk_tokens >= 0,
                "ffn_recompute_chunk_tokens", self.ffn_recompute_chunk_tokens, "must be an integer >= 0")

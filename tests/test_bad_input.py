@@ -221,6 +221,8 @@ CASES.append(Case("from_pretrained-override-negative", ("ffn_recompute_chunk_tok
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_recompute_chunk_tokens=-3)))
 CASES.append(Case("from_pretrained-override-str-bool", ("ffn_query_norm", "True or False"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_query_norm="no")))
+CASES.append(Case("from_pretrained-override-variant", ("ffn_variant", "'pkv'"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_variant="moe")))
 config_case("vocab_size-str", "memoryllm", ("vocab_size", "positive integer"), vocab_size="320")
 config_case("rope_parameters-str", "memoryllm", ("rope_parameters", "dict"), rope_parameters="linear")
 config_case("rms_norm_eps-inf", "memoryllm", ("rms_norm_eps", "finite"), rms_norm_eps=float("inf"))
