@@ -552,6 +552,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
     residual_ffn_blocks: dict[str, Callable[[MemFFNConfig], nn.Module]] = {"swiglu": SwiGLUFeedForward.from_config}
 
     def __init__(self, config: MemFFNConfig):
+        config.validate_fields()  # (fields set by hand after the config was built, `config.ffn_variant = ...`)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size

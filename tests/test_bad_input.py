@@ -223,6 +223,15 @@ CASES.append(Case("from_pretrained-override-str-bool", ("ffn_query_norm", "True 
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_query_norm="no")))
 CASES.append(Case("from_pretrained-override-variant", ("ffn_variant", "'pkv'"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.flash_mhf, ffn_variant="moe")))
+
+
+def _model_from_config_edited_by_hand(world: World):
+    config = tiny_config("flash_mhf")
+    config.ffn_variant = "moe"  # (an attribute set on a built config: no check runs until a model is built from it)
+    AutoModelForCausalLM.from_config(config)
+
+
+CASES.append(Case("from_config-field-set-by-hand", ("ffn_variant", "'pkv'"), api=_model_from_config_edited_by_hand))
 config_case("vocab_size-str", "memoryllm", ("vocab_size", "positive integer"), vocab_size="320")
 config_case("rope_parameters-str", "memoryllm", ("rope_parameters", "dict"), rope_parameters="linear")
 config_case("rms_norm_eps-inf", "memoryllm", ("rms_norm_eps", "finite"), rms_norm_eps=float("inf"))
