@@ -94,6 +94,9 @@ def torch_device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N, mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device on this machine; allowed here: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                                         f"allowed here: cpu, cuda, cuda:0..{torch.cuda.device_count() - 1}")
     return text
 
 

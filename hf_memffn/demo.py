@@ -36,7 +36,7 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
-from .cli_args import output_dir
+from .cli_args import output_dir, positive_int
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--dataset-config", help="configuration name of --dataset")
     data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")
-    data.add_argument("--max-chars", type=int, default=5_000_000,
+    data.add_argument("--max-chars", type=positive_int, default=5_000_000,
                       help="read at most this many characters of real text (default 5,000,000)")
 
 
@@ -141,7 +141,7 @@ def _settings_from_args(args: argparse.Namespace) -> DemoSettings:
     for name, value in overrides.items():
         if value is None:
             continue
-        if value <= 0:
+        if not 0 < value < math.inf:  # (nan and inf too)
             flag = flags.get(name, f"--{name.replace('_', '-')}")
             raise ValueError(f"{flag}={value!r} is invalid; allowed: a positive number")
         values[name] = value
@@ -182,6 +182,9 @@ def _parse_device(value: str) -> torch.device:
         raise ValueError(f"--device={value!r} is not supported; allowed: {', '.join(DEVICE_KINDS)}, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={value!r} but torch sees no CUDA device; allowed here: cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device={value!r} but torch sees {torch.cuda.device_count()} CUDA device(s); allowed here: "
+                         f"cpu, cuda, cuda:0..{torch.cuda.device_count() - 1}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device={value!r} but torch sees no MPS device; allowed here: cpu")
     return device

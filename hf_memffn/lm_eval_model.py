@@ -5,7 +5,7 @@ Every checkpoint of this package already works with the stock model
 
 * `token_lookup=TABLE_DIR`: after loading, read the FFNs on X0 from the table exported to TABLE_DIR
   (`hf-memffn export-tols`; a Hub repo id holding the table works too) instead of computing them;
-* `token_lookup_placement=gpu|cpu|disk` (default: gpu on CUDA, else cpu);
+* `token_lookup_placement=gpu|cpu|disk` (default: gpu when the model runs on CUDA, else cpu);
 * `drop_memory_ffn=True`: free the FFN weights on X0 once the table is loaded.
 
 Its `loglikelihood_rolling` (perplexity tasks) scores each document after exactly one `<s>`: the stock model puts
@@ -21,7 +21,6 @@ From Python: `import hf_memffn.lm_eval_model` and pass `model="memffn"` to `lm_e
 
 from __future__ import annotations
 
-import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -45,9 +44,11 @@ class MemFFNLM(HFLM):
             if token_lookup_placement is not None or drop_memory_ffn:
                 raise ValueError("token_lookup_placement / drop_memory_ffn need token_lookup=TABLE_DIR")
             return
-        placement = token_lookup_placement or ("gpu" if torch.cuda.is_available() else "cpu")
-        check_choice("token_lookup_placement", placement, PLACEMENTS)
         model = self._model
+        # (by default on the GPU where the model runs: `device=cpu` on a machine with CUDA keeps the table on the host)
+        placement = token_lookup_placement or (
+            "gpu" if model.get_input_embeddings().weight.device.type == "cuda" else "cpu")
+        check_choice("token_lookup_placement", placement, PLACEMENTS)
         if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(
                 f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "

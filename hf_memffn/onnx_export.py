@@ -16,9 +16,12 @@ without a table (it does no harm to pass it). Needs `pip install onnx onnxscript
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import torch
 
+from .atomic_write import temporary_name
 from .flash_mhf_op import OP_NAMESPACE
 
 
@@ -89,7 +92,20 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
                                 output_names=["logits"], custom_translation_table=onnx_translation_table(),
                                 **export_kwargs)
-    tmp = f"{os.fspath(path)}.tmp"
-    program.save(tmp)
-    os.replace(tmp, path)
+    _save_atomic(program, Path(path))
     return program
+
+
+def _save_atomic(program, path: Path) -> None:
+    """`program.save(path)` through a temporary folder next to `path`, so that the weights of a model saved with
+    external data (over 1.5 GB) land in `<name>.data`, the file the graph names, and a failed save leaves nothing."""
+    staging = temporary_name(path)
+    staging.mkdir()
+    try:
+        program.save(staging / path.name)
+        data = staging / f"{path.name}.data"
+        if data.exists():  # (first: the graph is put in place once its weights are)
+            os.replace(data, path.with_name(data.name))
+        os.replace(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

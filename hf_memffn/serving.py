@@ -40,6 +40,7 @@ ARCHITECTURE_NAMES = (
     "KVFFNForCausalLM",
 )
 PLACEMENTS = ("gpu", "cpu", "disk")  # token_lookup.PLACEMENTS (this file imports nothing of the package)
+TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # token_lookup.INDEX_NAME: the file every table has
 # the `model_type`s with FFNs on the token embeddings, which `--token-lookup` can read from a table
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
 # cli_args.TOKENIZER_FILES: a folder holding none of them has no tokenizer for the server
@@ -91,6 +92,9 @@ class TokenLookupSettings:
                 validate_repo_id(self.table)
             except HFValidationError:
                 return f"--token-lookup {self.table}: no such folder, and not a Hub repo id"
+        elif not os.path.isfile(os.path.join(self.table, TABLE_INDEX_NAME)):
+            return (f"--token-lookup {self.table}: no token lookup table in this folder ({TABLE_INDEX_NAME} is "
+                    "missing); export one first: hf-memffn export-tols MODEL_DIR TABLE_DIR")
         if self.placement == "gpu":
             import torch
 
@@ -109,9 +113,8 @@ class TokenLookupSettings:
         if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(f"--token-lookup: {type(model).__name__} has no token lookup tables (only MemoryLLM and "
                              "FlexMemoryLLM have FFNs on the token embeddings)")
-        import torch
-
-        placement = self.placement or ("gpu" if torch.cuda.is_available() else "cpu")
+        # (by default on the GPU where the model runs: `--device cpu` on a machine with CUDA keeps it on the host)
+        placement = self.placement or ("gpu" if model.get_input_embeddings().weight.device.type == "cuda" else "cpu")
         # (a table in the served Hub repo itself is read at the served revision)
         revision = self.revision if self.table == self.model_id else None
         table = model.load_tols(local_table_dir(self.table, revision), placement=placement,
@@ -212,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "to TABLE_DIR (`hf-memffn export-tols`; the model folder itself if the table is saved "
                              "there, or a Hub repo id); needs MODEL")
     parser.add_argument("--token-lookup-placement", choices=PLACEMENTS,
-                        help="where the table lives (default: gpu on CUDA, else cpu)")
+                        help="where the table lives (default: gpu when the model runs on CUDA, else cpu)")
     parser.add_argument("--drop-memory-ffn", action="store_true",
                         help="free the memory FFN weights once the table is loaded")
     return parser

@@ -393,6 +393,13 @@ cli_case("demo-config-invalid-for-one-arch", ("flex_memoryllm", "intermediate_si
 cli_case("demo-dataset-split-missing", ("--dataset-split", "validation"),
          lambda w: ["demo", "--quick", "--dataset", S(_dataset_dict(w)), "--out", S(w.root / "d11")],
          no_output="d11", needs="datasets")
+cli_case("demo-lr-nan", ("--lr", "positive"),
+         lambda w: ["demo", "--quick", "--lr", "nan", "--out", S(w.root / "d13")], no_output="d13")
+cli_case("demo-lr-inf", ("--lr", "positive"),
+         lambda w: ["demo", "--quick", "--lr", "inf", "--out", S(w.root / "d14")], no_output="d14")
+cli_case("demo-max-chars-0", ("--max-chars", ">= 1"),
+         lambda w: ["demo", "--quick", "--text-files", S(w.texts), "--max-chars", "0", "--out", S(w.root / "d12")],
+         no_output="d12")
 cli_case("analyze-override-derived", ("--override", "token_memory_size", "derives"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r11"),
                     "--override", "token_memory_size=64", *ANALYZE_FAST], no_output="r11")
@@ -511,6 +518,23 @@ def test_bad_input_gets_a_one_line_error(case, world):
         pytest.importorskip(case.needs)
     outcome, detail = run_case(case, world)
     assert outcome == CLEAR, detail
+
+
+@pytest.mark.parametrize("command", ["export-tols", "analyze", "demo"])
+def test_a_cuda_device_the_machine_lacks_gets_a_one_line_error(command, world, monkeypatch, capsys):
+    """`--device cuda:1` on a machine with one GPU: refused when parsed, not in a traceback once the model moves."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    out = world.root / f"cuda1-{command}"
+    argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
+            "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)],
+            "demo": ["demo", "--quick", "--steps", "1", "--archs", "llama", "--out", S(out)]}[command]
+    with pytest.raises(SystemExit) as stop:
+        cli_main([*argv, "--device", "cuda:1"])
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "cuda:1" in errors[0] and "cuda:0..0" in errors[0], errors
+    assert not out.exists()
 
 
 def survey() -> int:

@@ -187,6 +187,20 @@ def test_memffn_model_refuses_lookup_for_architectures_without_memory(checkpoint
         MemFFNLM(pretrained=str(checkpoints["kvffn"]), token_lookup=str(tmp_path), device="cpu", dtype="float32")
 
 
+def test_memffn_model_default_table_placement_follows_the_models_device(checkpoints, tmp_path, monkeypatch):
+    """`device=cpu` on a machine with CUDA: without `token_lookup_placement` the table stays on the host."""
+    import torch
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    export_tols(str(checkpoints["memoryllm"]), tmp_path / "table", format="fp32", progress=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lm = MemFFNLM(pretrained=str(checkpoints["memoryllm"]), token_lookup=str(tmp_path / "table"), device="cpu",
+                  dtype="float32")
+    assert lm.model.model.token_lookup.placement == "cpu"
+
+
 LL_PAIRS = [("the key reads", " the value"), ("memory of the layer is ", "a token"), ("", "the head stores"),
             ("a", " key of the memory reads the value")]
 DOCUMENTS = ["the key reads the value of memory", "memory", "a layer stores the token of the head " * 3]

@@ -152,3 +152,24 @@ def test_a_dynamic_export_refuses_an_example_of_one_sequence(tmp_path):
     with pytest.raises(ValueError, match="batch and length of at least 2"):
         export_onnx(model, torch.randint(3, 320, (1, 8)), tmp_path / "model.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_saved_with_external_data_names_the_data_file_beside_it(tmp_path, monkeypatch):
+    """Over 1.5 GB of weights torch saves them in `<name>.data`, which the graph names: `model.onnx.data`, not the
+    temporary name the export wrote the graph under."""
+    from torch.onnx._internal.exporter import _onnx_program
+
+    monkeypatch.setattr(_onnx_program, "_LARGE_MODEL_THRESHOLD", 0)  # (as for a model over the threshold)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert {entry.value for tensor in graph.initializer for entry in tensor.external_data
+            if entry.key == "location"} == {"model.onnx.data"}
+    ids = torch.randint(3, 320, (1, 5))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.numpy()
+    logits = ReferenceEvaluator(onnx.load(str(path))).run(None, {"input_ids": ids.numpy()})[0]
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)

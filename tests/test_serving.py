@@ -256,9 +256,10 @@ def test_memoryllm_served_from_its_token_lookup_table(checkpoints, servers):
 def test_bridge_names_every_architecture_of_the_package():
     assert set(serving.ARCHITECTURE_NAMES) == {entry.causal_lm_class.__name__ for name, entry in hf_memffn.REGISTRY.items()
                                              if name != hf_memffn.BASELINE}
-    from hf_memffn.token_lookup import PLACEMENTS
+    from hf_memffn.token_lookup import INDEX_NAME, PLACEMENTS
 
     assert serving.PLACEMENTS == PLACEMENTS
+    assert serving.TABLE_INDEX_NAME == INDEX_NAME
 
 
 @pytest.fixture
@@ -359,3 +360,40 @@ def test_the_served_model_and_its_revision_decide_which_load_reads_the_table(tmp
     unpinned = serving.TokenLookupSettings("org/memllm", "table")
     assert unpinned.applies_to("org/memllm", "main") and unpinned.applies_to("org/memllm")
     assert not unpinned.applies_to("org/memllm", "dev") and not unpinned.applies_to("org/other", "main")
+
+
+@pytest.fixture
+def memoryllm_and_table(tmp_path):
+    """A saved MemoryLLM with its tokenizer and its fp32 table exported to another folder."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm"))
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path / "memoryllm")
+    export_tols(str(tmp_path / "memoryllm"), tmp_path / "table", format="fp32", progress=False)
+    return tmp_path / "memoryllm", tmp_path / "table"
+
+
+def test_a_token_lookup_folder_without_a_table_is_refused_before_the_server_starts(memoryllm_and_table, monkeypatch,
+                                                                                   capsys):
+    """`--token-lookup MODEL_DIR` before the table was exported there: one line, not the server's traceback."""
+    import transformers.cli.transformers
+
+    folder, _ = memoryllm_and_table
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    with pytest.raises(SystemExit) as stop:
+        serving.main([str(folder), "--token-lookup", str(folder)])
+    assert stop.value.code == 2
+    assert "no token lookup table" in capsys.readouterr().err
+
+
+def test_the_default_table_placement_follows_the_models_device(memoryllm_and_table, monkeypatch):
+    """`--device cpu` on a machine with CUDA: without `--token-lookup-placement` the table stays on the host."""
+    folder, table = memoryllm_and_table
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    serving.TokenLookupSettings(str(folder), str(table)).apply(model)
+    assert model.model.token_lookup.placement == "cpu"
