@@ -373,6 +373,13 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.requests < 1:
+        parser.error(f"--requests must be at least 1, got {args.requests}")
+    if args.vocab_size < 4:  # the prompts' ids are drawn from 3 to --vocab-size - 1
+        parser.error(f"--vocab-size must be at least 4, got {args.vocab_size}")
+    for option, value in (("--num-blocks", args.num_blocks), ("--max-batch-tokens", args.max_batch_tokens)):
+        if value is not None and value < 1:
+            parser.error(f"{option} must be at least 1 (or left out: transformers sizes it), got {value}")
     if args.synchronised_steps < 0 or not 0 <= args.profiled_steps <= args.synchronised_steps:
         parser.error(f"--synchronised-steps ({args.synchronised_steps}) must be 0 or more and --profiled-steps "
                      f"({args.profiled_steps}) from 0 to --synchronised-steps")

@@ -5,7 +5,8 @@
 The first run is the reference. For every other run it reports, over the steps both logged, the largest and mean
 absolute difference of the training loss and of the evaluation loss, next to the noise of the reference curve
 (the standard deviation of its training loss around a 5-point moving average): runs that agree "within noise"
-have a mean difference below that noise.
+have a mean difference below that noise. Steps are compared as such, so every run whose summary.json is there must
+have trained on as many tokens per step as the reference (the script refuses runs that did not).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def compare(run_dirs: list[Path]) -> dict:
     runs = {str(d): read_curves(d) for d in run_dirs}
     reference_name = str(run_dirs[0])
     reference = runs[reference_name]
+    per_step = {name: run["summary"].get("tokens_per_step") for name, run in runs.items()}
+    if len({tokens for tokens in per_step.values() if tokens is not None}) > 1:
+        raise ValueError(f"the runs trained on different tokens per step, so their curves do not match step for step: "
+                         f"{per_step}")
     result = {"reference": reference_name, "reference_train_noise": curve_noise(reference["train"]), "runs": {}}
     for name, run in runs.items():
         summary = run["summary"]
@@ -90,13 +95,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = compare(args.runs)
+    try:
+        result = compare(args.runs)
+    except ValueError as error:
+        parser.error(str(error))
     table = markdown(result)
     print(table)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if args.markdown:
-        args.markdown.write_text(table, encoding="utf-8")
+    for path, text in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, table)):
+        if path is not None:  # under a temporary name, renamed when whole
+            temporary = path.with_name(path.name + ".tmp")
+            temporary.write_text(text, encoding="utf-8")
+            temporary.replace(path)
     return result
 
 

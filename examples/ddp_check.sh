@@ -12,7 +12,9 @@
 #   bash examples/ddp_check.sh --wheels [DIR]               # on a machine with the package index: DeepSpeed wheels
 #
 # Environment: RUNS (default "single ddp fsdp2 zero2 zero3"; later runs reuse WORK's initial weights and one-GPU
-# run, so the list can be split over several calls), ARCH (flash_mhf), PRESET (small; also the learning rate),
+# run, so the list can be split over several calls with the same settings; a call with other settings (ARCH, PRESET,
+# KERNEL, BATCH, BLOCK, STEPS, EXTRA_ARGS) starts WORK's weights and runs afresh), ARCH (flash_mhf), PRESET (small;
+# also the learning rate),
 # KERNEL (triton), BATCH (global batch in blocks, 16; even), BLOCK (tokens per block, 512), WORK (/tmp/ddp-check),
 # WHEELS (.whl/deepspeed), EXTRA_ARGS (more examples/pretrain.py arguments for every run, e.g.
 # "--profile-steps 21:25", whose profile_steps.{json,txt} are copied to RESULTS_DIR as RUN_profile_steps.*).
@@ -20,7 +22,8 @@
 # as a pure-Python wheel with no prebuilt ops, plus einops, hjson, msgpack, ninja, py-cpuinfo and pydantic with its
 # own dependencies; also `datasets` with dill and multiprocess, installed the same way where it is missing). The
 # recipe's optimizer is torch's AdamW, so no DeepSpeed op is compiled. If DeepSpeed cannot be imported, the ZeRO runs are
-# skipped and RESULTS_DIR/deepspeed_status.txt says why.
+# skipped and RESULTS_DIR/deepspeed_status.txt says why. A run that fails leaves the others to run and the script
+# exits 1 at the end.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 
@@ -52,6 +55,12 @@ PRESET=${PRESET:-small}
 BATCH=${BATCH:-16}
 BLOCK=${BLOCK:-512}
 if (( BATCH % 2 )); then echo "BATCH=$BATCH: the global batch must be even (two GPUs share it)" >&2; exit 2; fi
+for run in $RUNS; do
+    case $run in
+        single|ddp|fsdp2|zero2|zero3) ;;
+        *) echo "RUNS: unknown run $run (allowed: single ddp fsdp2 zero2 zero3)" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$RESULTS" "$WORK"
 RESULTS=$(cd "$RESULTS" && pwd)
 
@@ -88,10 +97,15 @@ if [ ! -f "$WORK/corpus.jsonl" ]; then
 python3 "$HERE/write_code_corpus.py" "$WORK/corpus.jsonl"
 fi
 
-# The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset.
-if [ ! -f "$WORK/init/config.json" ]; then
-python3 "$HERE/save_initial_weights.py" "$WORK/corpus.jsonl" "$WORK/init" --arch "$ARCH" --preset "$PRESET" \
-    --config-overrides "ffn_kernel=${KERNEL:-triton}"
+# The shared initial weights and tokenizer: a byte-level BPE of 8192 on the corpus, the model from the preset. They
+# and the runs of an earlier call are reused only with the same settings (written once the weights are saved whole).
+SETTINGS="arch=$ARCH preset=$PRESET kernel=${KERNEL:-triton} batch=$BATCH block=$BLOCK steps=$STEPS"
+SETTINGS+=" extra=${EXTRA_ARGS:-}"
+if [ "$(cat "$WORK/settings.txt" 2>/dev/null)" != "$SETTINGS" ]; then
+    rm -rf "${WORK:?}/settings.txt" "$WORK/init" "$WORK/single" "$WORK/ddp" "$WORK/fsdp2" "$WORK/zero2" "$WORK/zero3"
+    python3 "$HERE/save_initial_weights.py" "$WORK/corpus.jsonl" "$WORK/init" --arch "$ARCH" --preset "$PRESET" \
+        --config-overrides "ffn_kernel=${KERNEL:-triton}"
+    echo "$SETTINGS" > "$WORK/settings.txt"
 fi
 
 COMMON=(--init-from "$WORK/init" --arch "$ARCH" --preset "$PRESET" --data-files "$WORK/corpus.jsonl" --block-size "$BLOCK" --num-proc 8
@@ -99,15 +113,18 @@ COMMON=(--init-from "$WORK/init" --arch "$ARCH" --preset "$PRESET" --data-files 
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 COMMON+=("${EXTRA[@]}")
 declare -A CONFIG=([ddp]=ddp [fsdp2]=fsdp2 [zero2]=deepspeed_zero2 [zero3]=deepspeed_zero3)
+FAILED=()
 for run in $RUNS; do
     echo "=== $run ==="
     rm -rf "${WORK:?}/$run"  # a run left by an earlier call: pretrain.py refuses a folder that holds one
+    rm -f "$RESULTS/${run}_train_log.jsonl" "$RESULTS/${run}_profile_steps.json" "$RESULTS/${run}_profile_steps.txt"
     if [ "$run" = single ]; then
         CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size "$BATCH" \
-            --output-dir "$WORK/single" || echo "$run FAILED"
+            --output-dir "$WORK/single" || { echo "$run FAILED"; FAILED+=("$run"); }
     else
         python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/${CONFIG[$run]}.yaml" --num_processes 2 \
-            "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size $((BATCH / 2)) --output-dir "$WORK/$run" || echo "$run FAILED"
+            "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size $((BATCH / 2)) --output-dir "$WORK/$run" \
+            || { echo "$run FAILED"; FAILED+=("$run"); }
     fi
     if [ -f "$WORK/$run/train_log.jsonl" ]; then cp "$WORK/$run/train_log.jsonl" "$RESULTS/${run}_train_log.jsonl"; fi
     for kind in json txt; do
@@ -119,6 +136,7 @@ COMPARED=()
 for run in single ddp fsdp2 zero2 zero3; do
     if [ -f "$WORK/$run/summary.json" ]; then COMPARED+=("$WORK/$run"); fi
 done
+rm -f "$RESULTS/comparison.json" "$RESULTS/comparison.md"  # an earlier call's, of runs that may be gone
 if [ -f "$WORK/single/summary.json" ] && [ ${#COMPARED[@]} -gt 1 ]; then
     python3 "$HERE/compare_loss_curves.py" "${COMPARED[@]}" --json "$RESULTS/comparison.json" --markdown "$RESULTS/comparison.md"
 fi
@@ -129,3 +147,4 @@ work = Path(sys.argv[1])
 summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(work.iterdir()) if (d / "summary.json").is_file()}
 Path(sys.argv[2]).write_text(json.dumps(summaries, indent=2) + "\n")
 EOF
+if [ ${#FAILED[@]} -gt 0 ]; then echo "failed runs: ${FAILED[*]}" >&2; exit 1; fi

@@ -8,6 +8,7 @@
 #   3. as 2, under torch.compile, stopped early (same schedule): it checks the kernel compiles and trains alike.
 # then compares the curves (examples/compare_loss_curves.py). Text: the Python standard library's sources
 # (available offline on any machine). Usage: bash examples/fsdp2_check.sh RESULTS_DIR [STEPS]
+# A failed torch.compile run leaves the summaries to be written, then the script exits 1.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RESULTS=${1:?results dir}
@@ -37,9 +38,11 @@ cp "$WORK/fsdp2/train_log.jsonl" "$RESULTS/fsdp2_train_log.jsonl"
 python3 "$HERE/compare_loss_curves.py" "$WORK/single" "$WORK/fsdp2" --json "$RESULTS/comparison.json" --markdown "$RESULTS/comparison.md"
 
 echo "=== 2 GPUs, FSDP2 + torch.compile ==="
+rm -f "$RESULTS/fsdp2_compile_train_log.jsonl" "$RESULTS/comparison_compile.json"  # an earlier call's
+compile_failed=0
 python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/fsdp2.yaml" --num_processes 2 "$HERE/pretrain.py" "${COMMON[@]}" \
     --tokenizer "$WORK/single/tokenizer" --per-device-batch-size 8 --max-steps "$STEPS" --stop-after-steps "$COMPILE_STEPS" --torch-compile \
-    --output-dir "$WORK/fsdp2-compile" || echo "FSDP2 + torch.compile run FAILED"
+    --output-dir "$WORK/fsdp2-compile" || { echo "FSDP2 + torch.compile run FAILED"; compile_failed=1; }
 if [ -f "$WORK/fsdp2-compile/train_log.jsonl" ]; then
     cp "$WORK/fsdp2-compile/train_log.jsonl" "$RESULTS/fsdp2_compile_train_log.jsonl"
     python3 "$HERE/compare_loss_curves.py" "$WORK/fsdp2" "$WORK/fsdp2-compile" --json "$RESULTS/comparison_compile.json"
@@ -51,3 +54,4 @@ work = Path(sys.argv[1])
 summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(work.iterdir()) if (d / "summary.json").is_file()}
 Path(sys.argv[2]).write_text(json.dumps(summaries, indent=2) + "\n")
 EOF
+exit $compile_failed

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from presets import ARCHITECTURE_NAMES  # noqa: E402
+from presets import ARCHITECTURE_NAMES, PRESETS  # noqa: E402
 
 from hf_memffn.atomic_write import atomic_output  # noqa: E402
 
@@ -201,7 +201,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--data-dir", type=Path, default=None, help="token shards (default: built from the stdlib)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "recipe_speed",
                         help="run folders, each with the run's saved model (default: TMPDIR/recipe_speed)")
-    parser.add_argument("--preset", default="370M")
+    parser.add_argument("--preset", default="370M", choices=sorted(PRESETS))
     parser.add_argument("--block-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logging-steps", type=int, default=5)
@@ -212,6 +212,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab-size", type=int, default=32000, help="of the shards built without --data-dir")
     parser.add_argument("--extra-args", nargs=argparse.REMAINDER, default=[], help="more pretrain.py arguments")
     args = parser.parse_args(argv)
+    for option, value, least in (("--block-size", args.block_size, 1), ("--steps", args.steps, 1),
+                                 ("--logging-steps", args.logging_steps, 1), ("--skip-windows", args.skip_windows, 0)):
+        if value < least:
+            parser.error(f"{option} must be at least {least}, got {value}")
     if args.data_dir is not None and not (args.data_dir / "train.bin").is_file():
         parser.error(f"--data-dir {args.data_dir}: no train.bin there (a folder of token shards, "
                      "examples/token_shards.py; leave --data-dir out to build one from the standard library)")

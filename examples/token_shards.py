@@ -35,17 +35,23 @@ def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[
     path = split_path(folder, split)
     tmp_path = path.with_suffix(".bin.tmp")
     written = 0
-    with tmp_path.open("wb") as handle:
-        for ids in documents:
-            chunk = np.asarray(list(ids) + [eos_id], dtype=np.int64)
-            if chunk.size and (chunk.max() > np.iinfo(TOKEN_DTYPE).max or chunk.min() < 0):
-                raise ValueError(f"token id {int(chunk.max())} does not fit uint16: use a vocabulary below 65536")
-            if max_tokens is not None:
-                chunk = chunk[: max_tokens - written]
-            handle.write(chunk.astype(TOKEN_DTYPE).tobytes())
-            written += chunk.size
-            if max_tokens is not None and written >= max_tokens:
-                break
+    try:
+        with tmp_path.open("wb") as handle:
+            for ids in documents:
+                chunk = np.asarray(list(ids) + [eos_id], dtype=np.int64)
+                outside = chunk[(chunk < 0) | (chunk > np.iinfo(TOKEN_DTYPE).max)]
+                if outside.size:
+                    raise ValueError(f"token id {int(outside[0])} does not fit uint16 (0 to 65535): use a vocabulary "
+                                     "below 65536")
+                if max_tokens is not None:
+                    chunk = chunk[: max_tokens - written]
+                handle.write(chunk.astype(TOKEN_DTYPE).tobytes())
+                written += chunk.size
+                if max_tokens is not None and written >= max_tokens:
+                    break
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
     os.replace(tmp_path, path)
     return written
 
@@ -71,6 +77,8 @@ def read_tokens(folder: str | os.PathLike, split: str) -> np.ndarray:
     if not path.is_file():
         available = sorted(p.stem for p in Path(folder).glob("*.bin"))
         raise ValueError(f"split={split!r} is not in {str(folder)!r}; available splits: {available}")
+    if path.stat().st_size == 0:  # numpy cannot map an empty file
+        raise ValueError(f"split={split!r} of {str(folder)!r} holds no tokens ({path.name} is empty)")
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
 

@@ -5,6 +5,7 @@ offline training text of the multi-GPU checks (`fsdp2_check.sh`, `ddp_check.sh`)
 """
 
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -13,8 +14,10 @@ BUDGET = 8_000_000  # characters
 
 
 def main(path: str) -> None:
+    """Written under a temporary name and renamed when whole: ddp_check.sh reuses a corpus it finds."""
     written = 0
-    with open(path, "w") as out:
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as out:
         for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
             if "test" in source.parts:
                 continue
@@ -23,6 +26,7 @@ def main(path: str) -> None:
             written += len(text)
             if written > BUDGET:
                 break
+    os.replace(temporary, path)
     print(f"corpus: {written / 1e6:.1f} MB of Python source")
 
 

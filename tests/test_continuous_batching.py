@@ -193,6 +193,20 @@ def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
             bench.main([*wrong, "--out", str(tmp_path)])
 
 
+
+def test_throughput_benchmark_refuses_an_empty_workload_before_building_a_model(tmp_path, capsys):
+    """--requests 0 made every model a row "failed: max() arg is an empty sequence", after building it."""
+    bench = _load_throughput_benchmark()
+    toy = ["--preset", "tiny", "--archs", "llama", "--no-token-lookup", "--device", "cpu", "--out", str(tmp_path)]
+    for wrong, message in ((["--requests", "0"], "--requests must be at least 1"),
+                           (["--vocab-size", "3"], "--vocab-size must be at least 4"),
+                           (["--num-blocks", "0"], "--num-blocks must be at least 1"),
+                           (["--max-batch-tokens", "-1"], "--max-batch-tokens must be at least 1")):
+        with pytest.raises(SystemExit):
+            bench.main([*toy, "--requests", "2", "--new-tokens", "2", *wrong])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "continuous_batching.json").exists()
+
 def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
     """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a
     kernel and the post-compile hook after; an autotuner benchmarks each configuration through `Autotuner._bench`;

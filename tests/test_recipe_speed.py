@@ -91,6 +91,30 @@ def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_p
     assert "| llama_eager_b1 | llama | eager | 1 | failed: " in (tmp_path / "results" / "recipe_speed.md").read_text()
 
 
+
+def test_counts_that_would_skew_the_measure_are_refused(tmp_path, capsys, monkeypatch):
+    """--skip-windows -1 made the last window alone the speed; --steps 0 would have the recipe train epochs."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"")
+    script = ("import json, pathlib, sys; out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True); "
+              "(out / 'train_log.jsonl').write_text(''.join(json.dumps({'tokens_per_second': 10.0 * i}) + chr(10) "
+              "for i in range(1, 5))); (out / 'summary.json').write_text(json.dumps({'tokens_per_step': 100, "
+              "'parameters': {'total': 1}}))")
+    monkeypatch.setattr(recipe_speed, "recipe_command", lambda run, args, output_dir: [
+        sys.executable, "-c", script, str(output_dir)])
+    common = ["--out", str(tmp_path / "results"), "--data-dir", str(data), "--work", str(tmp_path / "work"),
+              "--preset", "tiny", "--runs", "llama:eager"]
+    assert recipe_speed.main(common)["rows"][0]["windows"] == [30.0, 40.0]  # after the first 2 of 4
+    for option, value, message in (("--skip-windows", "-1", "--skip-windows must be at least 0"),
+                                   ("--steps", "0", "--steps must be at least 1"),
+                                   ("--logging-steps", "0", "--logging-steps must be at least 1"),
+                                   ("--block-size", "0", "--block-size must be at least 1"),
+                                   ("--preset", "big", "invalid choice: 'big'")):
+        with pytest.raises(SystemExit):
+            recipe_speed.main([*common, option, value])
+        assert message in capsys.readouterr().err
+
 def test_default_shards_come_from_the_standard_library_once_per_vocabulary(tmp_path):
     folder = recipe_speed.standard_library_shards(tmp_path / "shards_vocab300", 300, 20_000)
     meta = json.loads((folder / "meta.json").read_text())

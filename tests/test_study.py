@@ -104,6 +104,16 @@ def test_token_shards_round_trip_and_refuse_ids_beyond_uint16(tmp_path):
         token_shards.read_tokens(tmp_path, "heldout")
 
 
+def test_token_shards_name_the_id_out_of_range_and_an_empty_split(tmp_path):
+    """A negative id was reported as the largest id of its document; an empty split failed in numpy's memmap."""
+    with pytest.raises(ValueError, match=r"token id -1 does not fit uint16 \(0 to 65535\)"):
+        token_shards.write_split(tmp_path, "train", [[5, -1]], eos_id=2)
+    assert not list(tmp_path.iterdir())  # neither the split nor its temporary file
+    assert token_shards.write_split(tmp_path, "heldout", [], eos_id=2) == 0
+    with pytest.raises(ValueError, match=r"split='heldout' of .* holds no tokens \(heldout.bin is empty\)"):
+        token_shards.load_blocks(tmp_path, 4, "heldout")
+
+
 @pytest.mark.parametrize("size", ["small", "wide", "370M"])
 def test_every_compared_model_is_parameter_matched(size):
     shape = study_models.SHAPES[size]

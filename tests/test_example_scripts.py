@@ -1,0 +1,185 @@
+"""The multi-GPU and benchmark shell scripts of examples/ and the scripts they call, on the CPU: the GPU work (the
+recipe's runs, the benchmark's processes) is replaced by a stand-in `python3` / `python` on PATH that records its
+calls and writes what the real one would leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import compare_loss_curves  # noqa: E402
+import write_code_corpus  # noqa: E402
+
+STAND_IN = """#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({{"argv": args, "triton_cache": os.environ.get("TRITON_CACHE_DIR")}}) + "\\n")
+if args[:1] == ["-c"]:  # the imports checked: no datasets wheels to install, no DeepSpeed
+    sys.exit(1 if args[1] == "import datasets" or args[1].startswith("import deepspeed") else 0)
+if any(a.endswith("write_code_corpus.py") for a in args):
+    Path(args[-1]).write_text(json.dumps({{"text": "x"}}) + "\\n")
+    sys.exit(0)
+if any(a.endswith("save_initial_weights.py") for a in args):
+    out = Path(args[2])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({{"made_with": args[3:]}}))
+    sys.exit(0)
+if any(a.endswith("pretrain.py") for a in args):
+    out = Path(args[args.index("--output-dir") + 1])
+    if out.name == os.environ.get("FAKE_FAIL"):
+        sys.exit(1)
+    init = Path(args[args.index("--init-from") + 1]) if "--init-from" in args else None
+    out.mkdir(parents=True)
+    (out / "train_log.jsonl").write_text('{{"step": 5, "loss": 1.0}}\\n{{"step": 5, "eval_loss": 1.0}}\\n')
+    made_with = json.loads((init / "config.json").read_text())["made_with"] if init else None
+    (out / "summary.json").write_text(json.dumps({{"init": made_with, "argv": args, "tokens_per_step": 8192}}))
+    sys.exit(0)
+if any(a.endswith("bench_continuous_batching.py") for a in args):
+    sys.exit(3 if Path(args[args.index("--out") + 1]).name == os.environ.get("FAKE_FAIL") else 0)
+os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+def run_script(tmp_path: Path, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`bash examples/SCRIPT ARGS` with the stand-in as `python3` and `python`; its calls go to tmp_path/calls."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.is_dir():
+        bin_dir.mkdir()
+        for name in ("python3", "python"):
+            (bin_dir / name).write_text(STAND_IN.format(python=sys.executable))
+            (bin_dir / name).chmod(0o755)
+    environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                   "FAKE_LOG": str(tmp_path / "calls"), **env}
+    return subprocess.run(["bash", str(ROOT / "examples" / script), *args], env=environment, capture_output=True,
+                          text=True, timeout=120)
+
+
+def calls(tmp_path: Path, script_name: str) -> list[dict]:
+    lines = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").is_file() else []
+    return [call for call in map(json.loads, lines) if any(a.endswith(script_name) for a in call["argv"])]
+
+
+def test_ddp_check_starts_afresh_with_other_settings_and_exits_1_after_a_failed_run(tmp_path):
+    """The README's two calls (small preset, then PRESET=370M) with the default WORK: the second trains from 370M
+    initial weights, not the first call's; a later call with the same settings reuses them and the one-GPU run."""
+    work = str(tmp_path / "the work")  # a space in the paths
+    first = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "small results"), "2", RUNS="single ddp", WORK=work)
+    assert first.returncode == 0, first.stderr
+    second = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "370M results"), "2", RUNS="single ddp", WORK=work,
+                        PRESET="370M")
+    assert second.returncode == 0, second.stderr
+    summaries = json.loads((tmp_path / "370M results" / "summaries.json").read_text())
+    assert sorted(summaries) == ["ddp", "single"]
+    for summary in summaries.values():
+        assert summary["init"][summary["init"].index("--preset") + 1] == "370M"
+    assert len(calls(tmp_path, "save_initial_weights.py")) == 2
+    again = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "370M results"), "2", RUNS="ddp", WORK=work,
+                       PRESET="370M")
+    assert again.returncode == 0, again.stderr
+    assert len(calls(tmp_path, "save_initial_weights.py")) == 2 and len(calls(tmp_path, "pretrain.py")) == 5
+    assert "`" + work + "/single`" in (tmp_path / "370M results" / "comparison.md").read_text()
+
+    # a run that fails: exit 1 at the end, and none of its (or the comparison's) files of the earlier call is left
+    failed = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "370M results"), "2", RUNS="ddp", WORK=work,
+                        PRESET="370M", FAKE_FAIL="ddp")
+    assert failed.returncode == 1 and "ddp FAILED" in failed.stdout and "failed runs: ddp" in failed.stderr
+    left = {p.name for p in (tmp_path / "370M results").iterdir()}
+    assert "ddp_train_log.jsonl" not in left and "comparison.md" not in left and "single_train_log.jsonl" in left
+    assert sorted(json.loads((tmp_path / "370M results" / "summaries.json").read_text())) == ["single"]
+
+
+def test_ddp_check_refuses_an_unknown_run_before_any_run(tmp_path):
+    result = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "results"), "2", RUNS="single fsdp",
+                        WORK=str(tmp_path / "work"))
+    assert result.returncode == 2 and "unknown run fsdp (allowed: single ddp fsdp2 zero2 zero3)" in result.stderr
+    assert not calls(tmp_path, "pretrain.py")
+
+
+def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_compile_results(tmp_path):
+    results, work = tmp_path / "results", str(tmp_path / "work")
+    assert run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work).returncode == 0
+    assert (results / "comparison_compile.json").is_file()
+    failed = run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work, FAKE_FAIL="fsdp2-compile")
+    assert failed.returncode == 1 and "torch.compile run FAILED" in failed.stdout
+    left = {p.name for p in results.iterdir()}
+    assert "comparison_compile.json" not in left and "fsdp2_compile_train_log.jsonl" not in left
+    assert {"comparison.md", "summaries.json"} <= left
+
+
+def test_cold_cache_first_step_exits_1_after_a_failed_process_and_warm_needs_cold(tmp_path):
+    out = tmp_path / "out dir"
+    result = run_script(tmp_path, "cold_cache_first_step.sh", str(out), "3", FAKE_FAIL="cold_eager")
+    assert result.returncode == 1 and "cold_eager failed" in result.stdout
+    caches = {call["argv"][call["argv"].index("--out") + 1]: call["triton_cache"]
+              for call in calls(tmp_path, "bench_continuous_batching.py")}
+    assert list(caches) == [str(out / name) for name in ("cold", "warm", "cold_again", "cold_eager")]
+    assert caches[str(out / "warm")] == caches[str(out / "cold")] != caches[str(out / "cold_again")]
+    for runs, message in (("warm", "name cold before it"), ("warm cold", "name cold before it"),
+                          ("cold wram", "unknown run wram")):
+        refused = run_script(tmp_path, "cold_cache_first_step.sh", str(tmp_path / "other"), "3", RUNS=runs)
+        assert refused.returncode == 2 and message in refused.stdout
+    assert len(calls(tmp_path, "bench_continuous_batching.py")) == 4  # the refused calls ran nothing
+
+
+def write_run(folder: Path, losses: dict[int, float], tokens_per_step: int) -> Path:
+    folder.mkdir()
+    (folder / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n"
+                                                    for s, v in losses.items()))
+    (folder / "summary.json").write_text(json.dumps({"tokens_per_step": tokens_per_step}))
+    return folder
+
+
+def test_compare_loss_curves_refuses_runs_of_other_tokens_per_step(tmp_path, capsys):
+    losses = {5: 3.0, 10: 2.5, 15: 2.2, 20: 2.1}
+    reference = write_run(tmp_path / "single", losses, 8192)
+    same = write_run(tmp_path / "ddp", losses, 8192)
+    larger = write_run(tmp_path / "batch32", losses, 16384)
+    assert compare_loss_curves.main([str(reference), str(same)])["runs"][str(same)]["within_noise"]
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(larger), "--json", str(tmp_path / "out.json")])
+    assert "different tokens per step" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_compare_loss_curves_writes_its_files_whole_or_not_at_all(tmp_path, monkeypatch):
+    reference = write_run(tmp_path / "single", {5: 3.0, 10: 2.5}, 8192)
+    other = write_run(tmp_path / "ddp", {5: 3.1, 10: 2.4}, 8192)
+    out = tmp_path / "comparison.md"
+    compare_loss_curves.main([str(reference), str(other), "--markdown", str(out)])
+    before = out.read_text()
+    real_write_text = Path.write_text
+
+    def disk_full(path, text, *args, **kwargs):  # half the text reaches the disk, then the write fails
+        real_write_text(path, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError):
+        compare_loss_curves.main([str(reference), str(other), "--markdown", str(out)])
+    monkeypatch.undo()
+    assert out.read_text() == before
+
+
+def test_write_code_corpus_interrupted_leaves_no_corpus(tmp_path, monkeypatch):
+    """ddp_check.sh reuses a corpus it finds, so an interrupted write must not leave one."""
+    real_read_text = Path.read_text
+    read = []
+
+    def interrupted(path, *args, **kwargs):
+        read.append(path)
+        if len(read) == 3:
+            raise KeyboardInterrupt
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_code_corpus.main(str(tmp_path / "corpus.jsonl"))
+    assert not (tmp_path / "corpus.jsonl").exists()
