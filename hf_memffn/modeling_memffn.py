@@ -612,6 +612,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
                     "token lookup tables are loaded: the FFNs on the token embeddings are read from them by token "
                     "id, so pass `input_ids` (not `inputs_embeds`; `generate()` given both feeds the prompt as "
                     "`inputs_embeds`), or call `unload_tols()` first")
+            if self.training and torch.is_grad_enabled():
+                self._refuse_training_the_table_inputs()
             return self.token_lookup.readout(input_ids)
         if self.memory is None:
             if self.config.token_memory_size is None:
@@ -624,6 +626,19 @@ class MemFFNModel(MemFFNPreTrainedModel):
         else:
             outputs = self.memory(inputs_embeds)
         return ComputedMemoryReadout(outputs)
+
+    def _refuse_training_the_table_inputs(self) -> None:
+        """A table holds the FFNs on X0 of fixed weights: no gradient reaches those FFNs (or X0 through them), and a
+        step that changed the weights would leave the table out of date."""
+        trained = ["embed_tokens"] if self.embed_tokens.weight.requires_grad else []
+        if self.memory is not None and any(param.requires_grad for param in self.memory.parameters()):
+            trained.append("memory")
+        if trained:
+            names, freeze = " and ".join(trained), ", ".join(f"{name}.requires_grad_(False)" for name in trained)
+            raise ValueError(
+                f"a token lookup table is loaded and the parameters of {names} require gradients: the table replaces "
+                "the FFNs on the token embeddings, so training would silently skip them; call unload_tols() before "
+                f"training them, or freeze them ({freeze}) to train the rest")
 
     @merge_with_config_defaults
     @capture_outputs

@@ -212,13 +212,15 @@ _FINGERPRINT_CONFIG_FIELDS = ("rms_norm_eps", "hidden_act", "vocab_size", "hidde
                               "token_memory_size")
 
 
-def weights_fingerprint(model: nn.Module) -> str:
+def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) -> str:
     """sha256 of everything a table row depends on: embedding rows, every memory FFN tensor, the FFN's config.
 
     The whole tensors are hashed (not samples), so any change (a fine-tuned embedding row, another checkpoint) is
     seen. Tensors are hashed after rounding to bf16, so a table exported from the fp32 weights is accepted by the same
-    checkpoint loaded in bf16. Cost: about one second per GB of bf16 weights, once at export and once at load,
-    less than reading the table itself (vocab x layers x hidden values against vocab x hidden + layers x 3 x I x hidden).
+    checkpoint loaded in bf16. `through=torch.float16` rounds them to fp16 first: the fingerprint of the same weights
+    loaded in fp16 (whose range and precision differ from bf16's, so bf16 rounding alone does not match them). Cost:
+    about one second per GB of bf16 weights, once at export and once at load, less than reading the table itself
+    (vocab x layers x hidden values against vocab x hidden + layers x 3 x I x hidden).
     """
     base = _memory_base(model)
     memory = getattr(base, "memory", None)
@@ -240,7 +242,8 @@ def weights_fingerprint(model: nn.Module) -> str:
         flat = tensor.reshape(-1)
         chunk = 1 << 26  # elements per device->host copy
         for start in range(0, flat.numel(), chunk):
-            part = flat[start:start + chunk].to(torch.bfloat16).cpu().contiguous()
+            part = flat[start:start + chunk]
+            part = (part.to(through) if through is not None else part).to(torch.bfloat16).cpu().contiguous()
             digest.update(part.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -832,7 +835,8 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
             raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
                                    f"model has {key}={value}")
     fingerprint = weights_fingerprint(base)
-    if fingerprint != index.fingerprint:
+    # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
+    if fingerprint not in (index.fingerprint, index.metadata.get("fingerprint_fp16")):
         raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
                                f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
                                f"{fingerprint[:12]}...); export the table again from this model")

@@ -117,6 +117,32 @@ def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
         fresh(input_ids=ids)
 
 
+def test_training_the_weights_a_table_replaces_is_refused(exported):
+    """In training, a loaded table would leave the FFNs on X0 (and X0 through them) without gradients: refused while
+    the embedding or the memory FFN requires gradients; with both frozen the rest trains (LoRA, heads)."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    fresh.load_tols(directory, placement="cpu")
+    fresh.train()
+    try:
+        with pytest.raises(ValueError, match=r"embed_tokens and memory require gradients.*unload_tols\(\)"):
+            fresh(input_ids=ids, labels=ids)
+        fresh.model.memory.requires_grad_(False)
+        with pytest.raises(ValueError, match=r"parameters of embed_tokens require gradients"):
+            fresh(input_ids=ids, labels=ids)
+        fresh.model.embed_tokens.requires_grad_(False)
+        fresh(input_ids=ids, labels=ids).loss.backward()
+        assert fresh.lm_head.weight.grad is not None
+        fresh.model.embed_tokens.requires_grad_(True)
+        fresh.eval()  # inference with gradients enabled (attributions) reads the table as before
+        fresh(input_ids=ids).logits.sum().backward()
+    finally:
+        fresh.unload_tols()
+    fresh.train()
+    fresh(input_ids=ids, labels=ids).loss.backward()  # computing the memory FFN again, it trains
+
+
 def test_bad_runtime_options_name_the_field(exported):
     model, directory = exported
     with pytest.raises(ValueError, match="placement"):

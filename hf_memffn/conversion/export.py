@@ -137,6 +137,7 @@ class _Exporter:
         self.device = torch.device(device) if device is not None else self.base.embed_tokens.weight.device
         self.progress = progress
         self.fingerprint = weights_fingerprint(self.base)
+        self.fingerprint_fp16 = weights_fingerprint(self.base, through=torch.float16)
         # the dtypes the values are computed in (bf16-loaded weights give other values than fp32 ones)
         parameters = [self.base.embed_tokens.weight, *self.base.memory.parameters()]
         self.model_dtypes = sorted({str(p.dtype).replace("torch.", "") for p in parameters})
@@ -323,7 +324,7 @@ class _Exporter:
                 "dtype": str(self.fmt.storage_dtype).replace("torch.", ""),
                 "vocab_size": self.vocab, "num_hidden_layers": self.num_layers, "hidden_size": self.hidden,
                 "layers": self.layers, "ranks": self.ranks, "rows_per_block": self.batch_size,
-                "fingerprint": self.fingerprint, "shards": shards,
+                "fingerprint": self.fingerprint, "fingerprint_fp16": self.fingerprint_fp16, "shards": shards,
                 "error": {"max_relative": 1.0 if dropped else table_stats.max, "mean_relative": mean,
                           "max_relative_kept_layers": table_stats.max},
                 "exporter": {"model_class": type(self.base).__name__, "torch": torch.__version__},
