@@ -98,6 +98,9 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     # caller's, checked in one call rather than by `_require_dense`)
     if not hidden.is_contiguous():
         raise ValueError(f"hidden must be contiguous [tokens, hidden_size]; got strides {hidden.stride()}")
+    if hidden.device != rows.device:  # (the kernel would read the table's memory through the hidden state's device)
+        raise ValueError(f"hidden is on {hidden.device} but the table's rows are on {rows.device}: a model whose "
+                         "layers are spread over several devices (device_map) cannot add from one table")
     if torch.compiler.is_compiling():
         return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(hidden, row_ids, rows, scales, layer_position,
                                                                  hidden_size, FORMAT_CODES[format_name], group_size)

@@ -158,12 +158,14 @@ def test_bad_runtime_options_name_the_field(exported):
 
 
 @pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
-def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous():
+def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous_or_on_another_device():
     ids, hidden, table = torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(4, 24)
     with pytest.raises(ValueError, match=r"hidden must be contiguous \[tokens, hidden_size\]; got strides \(1, 2\)"):
         token_lookup_triton.lookup_add_triton(hidden.t().contiguous().t(), ids, table, None, 0, 8, "fp32", 1)
     with pytest.raises(ValueError, match=r"table must be a contiguous 2-D tensor; got shape \(4, 8\)"):
         token_lookup_triton.gather_rows_triton(ids, None, None, table[:, :8])
+    with pytest.raises(ValueError, match="hidden is on meta but the table's rows are on cpu"):
+        token_lookup_triton.lookup_add_triton(hidden.to("meta"), ids, table, None, 0, 8, "fp32", 1)
 
 
 def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_path):
