@@ -858,6 +858,9 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
 
     auto_class_name = "AutoModelForSequenceClassification"
     task_class_names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    # The loss is the batch's mean whatever the problem type, never divided by the HF Trainer's `num_items_in_batch`:
+    # without this the Trainer, seeing `**kwargs` in forward, would leave it undivided by the accumulation steps
+    accepts_loss_kwargs = False
 
     def __init__(self, config: MemFFNConfig):
         super().__init__(config)

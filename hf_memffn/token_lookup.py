@@ -238,6 +238,8 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
     tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
         tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):  # sharded by tensor parallelism or FSDP (a DTensor): hash the whole tensor
+            tensor = tensor.full_tensor()
         digest.update(f"{name}:{tuple(tensor.shape)};".encode())
         flat = tensor.reshape(-1)
         chunk = 1 << 26  # elements per device->host copy

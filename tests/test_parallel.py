@@ -73,6 +73,11 @@ def tp(root, archs, inputs):
                 with torch.no_grad():
                     output = model(inputs["ids"])
                 results[f"{arch}_{head}"] = {key: value for key, value in output.items() if torch.is_tensor(value)}
+    # a token lookup table beside sharded weights: loading it checks the fingerprint of the whole tensors
+    model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm", distributed_config=DistributedConfig(tp_size=2))
+    model.load_tols(f"{root}/memoryllm_table", placement="cpu")
+    with torch.no_grad():
+        results["memoryllm table"] = {"logits": model(inputs["ids"]).logits}
     # refused, with a clear error: FlashMHF's chunked recompute (its backward would recompute the block outside
     # the sharded forward), a KV-FFN width that leaves a rank half a key/value pair
     results["refused"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
@@ -281,6 +286,8 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
             for key, value in outputs.items():
                 torch.testing.assert_close(results[f"{arch}_{head}"][key], value, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"{arch} {head} {key}: {m}")
+    torch.testing.assert_close(results["memoryllm table"]["logits"], expected["memoryllm"]["logits"], rtol=1e-4,
+                               atol=1e-5)
     sharded = {arch: results[arch]["sharded"] for arch in ARCHS}
     assert {"model.layers.0.mlp.key_up_value", "model.layers.1.mlp.key_up_value"} <= set(sharded["flash_mhf"])
     assert {"model.memory.gate_proj", "model.memory.down_proj"} <= set(sharded["memoryllm"])

@@ -1,6 +1,6 @@
 """HF Trainer features and PEFT methods beyond LoRA, each architecture against transformers' Llama or a hand
-computation: gradient accumulation, NEFTune, padding-free packing, evaluation and prediction, resuming, prefix tuning,
-prompt tuning, IA3, gradient checkpointing with LoRA."""
+computation: gradient accumulation (causal LM and sequence classifier), NEFTune, padding-free packing, evaluation and
+prediction, resuming, prefix tuning, prompt tuning, IA3, gradient checkpointing with LoRA."""
 
 from __future__ import annotations
 
@@ -78,6 +78,42 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(arch, tmp_path):
         trainer.train()
         states.append(trainable_state(model))
     assert_same_state(states[1], states[0], atol=1e-6)
+
+
+class LabelledLengths(VariedLengths):
+    """`VariedLengths` with a class label per sequence (`label`) or a score (`score`)."""
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "label": index % 3, "score": index / 4}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("problem_type", ["single_label_classification", "regression"])
+def test_gradient_accumulation_of_a_sequence_classifier_gives_the_update_of_one_batch(arch, problem_type, tmp_path):
+    """The sequence classifier's loss is each batch's mean, whatever `num_items_in_batch` says: the Trainer must
+    divide it by the accumulation steps itself (transformers' Llama takes the count and drops it, and its four
+    accumulated steps update the weights four times as much as one step on the four sequences)."""
+    from transformers import AutoModelForSequenceClassification
+
+    num_labels = 3 if problem_type == "single_label_classification" else 1
+
+    def collate(features):
+        batch = pad_right(features)
+        key = "label" if num_labels > 1 else "score"
+        batch["labels"] = torch.tensor([feature[key] for feature in features])
+        return batch
+
+    updates = []
+    for batch, accumulation in ((4, 1), (1, 4)):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(
+            tiny_config(arch, num_labels=num_labels, problem_type=problem_type, pad_token_id=0))
+        initial = trainable_state(model)
+        args = arguments(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                         max_grad_norm=0.0, remove_unused_columns=False)
+        Trainer(model=model, args=args, train_dataset=LabelledLengths(), data_collator=collate).train()
+        updates.append({name: value - initial[name] for name, value in trainable_state(model).items()})
+    assert_same_state(updates[1], updates[0], atol=1e-6)
 
 
 def test_evaluate_and_predict(tmp_path):
