@@ -34,7 +34,7 @@ def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 37, 64), (3, 100), (1, 5, 1024), (2, 3, 96)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 37, 64), (3, 100), (1, 5, 1024), (2, 3, 96), (3, 4100)], ids=str)
 def test_rms_norm_matches_float64(shape, dtype):
     eps = 1e-5
     x, weight, grad_y = randn(*shape, seed=0), 1 + randn(shape[-1], seed=1, scale=0.2), randn(*shape, seed=2)
@@ -50,6 +50,27 @@ def test_rms_norm_matches_float64(shape, dtype):
     assert max(errors.values()) < TOLERANCE[dtype], errors
     with torch.no_grad():  # inference: one launch, no autograd node, the same values
         torch.testing.assert_close(decoder_triton.rms_norm(x_k, w_k, eps), out.detach(), rtol=0, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_of_row_views_with_a_float32_weight_matches_float64(dtype):
+    """16-bit rows that are a view with gaps (the first 64 of 128 columns) and a float32 weight (mixed precision):
+    float32 output as PyTorch promotes it, the input's gradient only in the view's columns, the weight's in float32."""
+    eps = 1e-5
+    buffer, weight, grad_y = randn(2, 5, 128, seed=0), 1 + randn(64, seed=1, scale=0.2), randn(2, 5, 64, seed=2)
+    x64, w64 = buffer[..., :64].clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    expected = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    expected.backward(grad_y)
+    buffer_k, w_k = buffer.to(dtype).requires_grad_(True), weight.float().requires_grad_(True)
+    out = decoder_triton.rms_norm(buffer_k[..., :64], w_k, eps)
+    assert out.dtype == torch.float32 and out.shape == x64.shape
+    out.backward(grad_y.float())
+    assert buffer_k.grad.dtype == dtype and w_k.grad.dtype == torch.float32
+    assert torch.equal(buffer_k.grad[..., 64:], torch.zeros_like(buffer_k.grad[..., 64:]))
+    errors = {"out": relative_error(out, expected), "x": relative_error(buffer_k.grad[..., :64], x64.grad),
+              "weight": relative_error(w_k.grad, w64.grad)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
 @needs_kernels

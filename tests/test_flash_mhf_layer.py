@@ -28,6 +28,9 @@ LAYER_CASES = [
     pytest.param((1, 70, 2, 128, 1, 1, 64, True, False), id="E1-no_router-mh_ffn"),
     pytest.param((2, 9, 2, 64, 1, 2, 32, False, True), id="no_norm-decode_kernel"),
     pytest.param((1, 80, 2, 256, 2, 2, 32, True, True), id="dh256"),
+    pytest.param((1, 5, 2, 128, 1, 1, 64, True, False), id="E1-no_router-decode_kernel"),
+    pytest.param((2, 3, 2, 256, 2, 2, 32, True, True), id="dh256-decode_kernel"),
+    pytest.param((1, 37, 3, 64, 3, 1, 48, False, False), id="no_norm-no_router-ragged_token_blocks"),
 ]
 
 
@@ -65,14 +68,14 @@ def layer_truth(p, norm_weight, router, k, u, v):
     return flash_mhf_dense(q, k, u, v, gates).transpose(1, 2).reshape(batch, length, width)
 
 
-def check_layer(inputs, dtype, **layer_kwargs):
-    """Runs flash_mhf_layer in `dtype` (norm and router weights stay float32) and compares its output and every
+def check_layer(inputs, dtype, parameter_dtype=torch.float32, **layer_kwargs):
+    """Runs flash_mhf_layer in `dtype` (norm and router weights in `parameter_dtype`) and compares its output and every
     gradient with the float64 truth; returns the errors."""
     grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     truth_leaves = [None if t is None else t.clone().requires_grad_(True) for t in inputs]
     expected = layer_truth(*truth_leaves)
     expected.backward(grad_out)
-    p, norm_weight, router = (None if t is None else t.to(dtype if i == 0 else torch.float32).requires_grad_(True)
+    p, norm_weight, router = (None if t is None else t.to(dtype if i == 0 else parameter_dtype).requires_grad_(True)
                               for i, t in enumerate(inputs[:3]))
     weights = torch.cat(inputs[3:]).to(dtype).requires_grad_(True)  # k, u, v stacked, as the module holds them
     out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, **layer_kwargs)
@@ -152,6 +155,40 @@ def test_triton_layer_matches_float64(case, dtype):
     training = flash_mhf_layer_path(p.to(dtype).requires_grad_(True), k.to(dtype), impl="triton")
     assert training.startswith("fused layer") and "decode kernel" not in training, training  # (check_layer's path)
     check_layer(inputs, dtype, impl="triton")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_triton_layer_inference_matches_float64(case, dtype):
+    """Without gradients the layer runs other kernels than training: the decode kernel (norm, gates and op in one) for
+    up to DECODE_MAX_TOKENS tokens, the kernels' builds for any number of tokens above; their output against float64
+    for every variant (no norm, no router, grouped weights, each head width, ragged token blocks)."""
+    inputs = layer_inputs(*case)
+    expected = layer_truth(*inputs)
+    p = inputs[0].to(dtype)
+    norm_weight, router = (None if t is None else t.float() for t in inputs[1:3])
+    weights = torch.cat(inputs[3:]).to(dtype)
+    with torch.no_grad():
+        out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    assert out.dtype == dtype and out.shape == p.shape
+    error = relative_error(out, expected)
+    assert error < TOLERANCE[dtype], error
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[1], LAYER_CASES[3]])
+def test_triton_layer_with_16_bit_norm_and_router_matches_float64(case, dtype):
+    """A model cast to 16 bits holds its norm weight and router in that dtype too: training (their gradients in that
+    dtype) and inference (the decode kernel at L1) against float64."""
+    check_layer(layer_inputs(*case), dtype, parameter_dtype=dtype, impl="triton")
+    inputs = layer_inputs(*case)
+    p, norm_weight, router = (None if t is None else t.to(dtype) for t in inputs[:3])
+    with torch.no_grad():
+        out = flash_mhf_layer(p, norm_weight, router, torch.cat(inputs[3:]).to(dtype), eps=EPS, gate_eps=GATE_EPS,
+                              impl="triton")
+    assert relative_error(out, layer_truth(*inputs)) < TOLERANCE[dtype]
 
 
 @needs_kernels

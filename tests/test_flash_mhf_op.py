@@ -31,6 +31,12 @@ KERNEL_CASES = [
     pytest.param(1, 2, 13, 256, 1, 2, 32, torch.float32, id="dh256-fp32"),
     pytest.param(2, 4, 21, 64, 1, 2, 48, torch.bfloat16, id="four_heads_per_group-bf16"),
 ]
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# each case above in the two dtypes it does not name
+OTHER_DTYPE_CASES = [
+    pytest.param(*case.values[:-1], dtype, id=f"{case.id}-as_{name}")
+    for case in KERNEL_CASES for dtype, name in DTYPE_NAMES.items() if dtype != case.values[-1]
+]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -87,7 +93,8 @@ def run_op(impl):
 # Triton kernels
 # ------------------------------------------------------------------------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("batch,heads,seq_len,head_dim,kv_heads,num_subnetworks,subnetwork_size,dtype", KERNEL_CASES)
+@pytest.mark.parametrize("batch,heads,seq_len,head_dim,kv_heads,num_subnetworks,subnetwork_size,dtype",
+                         KERNEL_CASES + OTHER_DTYPE_CASES)
 def test_triton_matches_float64(batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, dtype):
     inputs = random_inputs(batch, heads, seq_len, head_dim, kv_heads, num_subnetworks, subnetwork_size, seed=seq_len)
     check_against_truth(run_op("triton"), inputs, dtype)
@@ -110,6 +117,14 @@ def test_triton_split_loops_and_read_paths_match_float64(splits, descriptors):
         return out
 
     check_against_truth(run, inputs, torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_takes_gates_in_the_queries_dtype(dtype):
+    """Gates r in 16 bits (any float dtype is accepted): read as they are, dr returned in their dtype."""
+    inputs = random_inputs(2, 4, 11, 64, 2, 3, 32, seed=6)
+    check_against_truth(run_op("triton"), inputs, dtype, gate_dtype=dtype)
 
 
 @pytest.mark.skipif(not (ON_GPU and flash_mhf_triton.TRITON_AVAILABLE), reason="autotuned launches run on CUDA only")

@@ -1,5 +1,6 @@
-"""Token lookup runtime: lookup mode equals compute mode (fp32), every placement, dropping the memory FFN; GPU
-kernels and the device cache (GPU tests are skipped without CUDA)."""
+"""Token lookup runtime: lookup mode equals compute mode (fp32), every placement, dropping the memory FFN; the Triton
+kernels against a float64 ground truth (on CUDA in this process, on CPU in a child pytest under TRITON_INTERPRET=1:
+`test_lookup_kernels_under_interpreter_in_subprocess`); GPU placements and the device cache (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hf_memffn import token_lookup_triton
 from hf_memffn.conversion import export_tols
 from hf_memffn.testing import tiny_config
 from hf_memffn.token_lookup import TokenLookupFormat, dequantize_rows, quantize_rows
+from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -216,32 +218,80 @@ def test_quantized_rows_round_trip(name):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# GPU
+# Triton kernels (CUDA, or the interpreter)
 # ---------------------------------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("name", ["fp32", "bf16", "int8", "int4"])
-def test_triton_lookup_add_matches_float64(name):
+LOOKUP_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("d, tokens", [(384, 53), (1056, 1)], ids=["ragged_block", "two_blocks-one_token"])
+def test_triton_lookup_add_matches_float64(name, d, tokens):
+    """Every stored format into every hidden dtype, each layer's slice of the rows: a hidden size that is not a power of
+    two (the last block masked), one over a block's 1024 columns, and a single token."""
     from hf_memffn.token_lookup_triton import lookup_add_triton
 
-    torch.manual_seed(0)
-    d, layers, vocab = 384, 3, 500
+    generator = torch.Generator().manual_seed(d + tokens)
+    layers, vocab = 3, 97
     fmt = TokenLookupFormat(name=name, group_size=32 if name in ("int8", "int4") else None)
-    encoded = quantize_rows(torch.randn(vocab, layers * d, device="cuda"), fmt)
+    encoded = quantize_rows(torch.randn(vocab, layers * d, generator=generator).to(DEVICE), fmt)
     rows, scales = encoded["rows"], encoded.get("scales")
-    ids = torch.randint(0, vocab, (53,), device="cuda")
-    for dtype in (torch.float32, torch.bfloat16):
-        hidden = torch.randn(53, d, device="cuda").to(dtype)
+    ids = torch.randint(0, vocab, (tokens,), generator=generator).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = torch.randn(tokens, d, generator=generator).to(DEVICE, dtype)
         for k in range(layers):
             out = lookup_add_triton(hidden, ids, rows, scales, k, d, name, fmt.group_size or 1)
+            assert out.dtype == dtype and out.shape == hidden.shape
             width = d // 2 if name == "int4" else d
             sl = rows[ids][:, k * width:(k + 1) * width]
             sc = scales[ids][:, k * d // 32:(k + 1) * d // 32] if scales is not None else None
             reference = hidden.double() + dequantize_rows(sl, sc, fmt).double()
             error = float((out.double() - reference).norm() / reference.norm())
-            assert error < (1e-6 if dtype == torch.float32 else 1e-2), (name, dtype, k, error)
+            assert error < LOOKUP_TOLERANCE[dtype], (name, dtype, k, error)
+    empty = hidden[:0]
+    assert lookup_add_triton(empty, ids[:0], rows, scales, 0, d, name, fmt.group_size or 1).shape == empty.shape
 
 
+@needs_kernels
+@pytest.mark.parametrize("cached", [False, True], ids=["table_only", "cache_and_table"])
+def test_triton_lookup_gather_matches_indexing(cached):
+    """Whole rows of repeated token ids, each from the device cache where its slot is set, otherwise from the table:
+    the stored bytes unchanged, for every stored dtype, a row width that is not a power of two and one over 1024."""
+    from hf_memffn.token_lookup_triton import gather_rows_triton
+
+    generator = torch.Generator().manual_seed(int(cached))
+    vocab, slots = 41, 6
+    ids = torch.randint(0, vocab, (37,), generator=generator).to(DEVICE)
+    slot_of_token = None
+    if cached:
+        slot_of_token = torch.full((vocab,), -1, dtype=torch.int32)
+        slot_of_token[ids[:slots * 2:2].cpu()] = torch.arange(slots, dtype=torch.int32)
+        slot_of_token = slot_of_token.to(DEVICE)
+
+    def stored(count, width, dtype):
+        values = torch.randn(count, width, generator=generator) * 40
+        return (values.to(torch.int16) & 255).to(torch.uint8) if dtype == torch.uint8 else values.to(dtype)
+
+    for dtype, width in ((torch.float32, 200), (torch.bfloat16, 1100), (torch.float16, 96), (torch.uint8, 150)):
+        table = stored(vocab, width, dtype).to(DEVICE)
+        cache = stored(slots, width, dtype).to(DEVICE) if cached else None
+        out = gather_rows_triton(ids, slot_of_token, cache, table)
+        expected = table[ids]
+        if cached:
+            hit = slot_of_token[ids] >= 0
+            assert hit.any() and not hit.all()
+            expected[hit] = cache[slot_of_token[ids][hit].long()]
+        assert out.dtype == dtype and torch.equal(out, expected), dtype
+    assert gather_rows_triton(ids[:0], slot_of_token, cache, table).shape == (0, width)
+
+
+def test_lookup_kernels_under_interpreter_in_subprocess():
+    run_under_interpreter(__file__, "triton_lookup")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("placement, cache_rows", [("gpu", 0), ("cpu", 64), ("cpu", 0), ("disk", 80)])
