@@ -30,13 +30,14 @@ def read_curves(run_dir: Path) -> dict:
     return {"train": train, "eval": evaluation, "summary": summary}
 
 
-def curve_noise(curve: dict[int, float], window: int = 5) -> float:
+def curve_noise(curve: dict[int, float], window: int = 5) -> float | None:
+    """The spread of the losses around their moving average (None under two logged losses: no spread to compare)."""
     values = [curve[step] for step in sorted(curve)]
     residuals = []
     for i in range(len(values)):
         lo, hi = max(0, i - window // 2), min(len(values), i + window // 2 + 1)
         residuals.append(values[i] - statistics.fmean(values[lo:hi]))
-    return statistics.pstdev(residuals) if len(residuals) > 1 else float("nan")
+    return statistics.pstdev(residuals) if len(residuals) > 1 else None
 
 
 def differences(reference: dict[int, float], other: dict[int, float]) -> dict:
@@ -63,15 +64,18 @@ def compare(run_dirs: list[Path]) -> dict:
         if name != reference_name:
             entry["train_loss_difference"] = differences(reference["train"], run["train"])
             entry["eval_loss_difference"] = differences(reference["eval"], run["eval"])
-            entry["within_noise"] = entry["train_loss_difference"].get("mean_abs", float("inf")) < result["reference_train_noise"]
+            mean_abs, noise = entry["train_loss_difference"].get("mean_abs"), result["reference_train_noise"]
+            # (None: no common step, or too few of the reference's losses to know its noise)
+            entry["within_noise"] = None if mean_abs is None or noise is None else mean_abs < noise
         result["runs"][name] = entry
     return result
 
 
 def markdown(result: dict) -> str:
+    noise = result["reference_train_noise"]
     lines = [
         f"Reference: `{result['reference']}`; noise of its training loss (std around a 5-point moving average): "
-        f"{result['reference_train_noise']:.4f}",
+        + (f"{noise:.4f}" if noise is not None else "- (under two logged losses)"),
         "",
         "| run | GPUs | steps | final eval loss | tokens/s | MFU | mean abs Δ train loss | max abs Δ train loss | max abs Δ eval loss | within noise |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -80,11 +84,12 @@ def markdown(result: dict) -> str:
         train = entry.get("train_loss_difference", {})
         evaluation = entry.get("eval_loss_difference", {})
         fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
+        mfu = f"{entry['mfu'] * 100:.1f}%" if entry.get("mfu") is not None else "-"
         lines.append(
             f"| `{name}` | {entry.get('world_size')} | {entry.get('global_step')} | {fmt(entry.get('eval_loss'), '.4f')} | "
-            f"{fmt(entry.get('tokens_per_second'), ',.0f')} | {fmt((entry.get('mfu') or 0) * 100, '.1f')}% | "
+            f"{fmt(entry.get('tokens_per_second'), ',.0f')} | {mfu} | "
             f"{fmt(train.get('mean_abs'), '.4f')} | {fmt(train.get('max_abs'), '.4f')} | {fmt(evaluation.get('max_abs'), '.4f')} | "
-            f"{entry.get('within_noise', 'reference')} |"
+            f"{'-' if entry.get('within_noise', '') is None else entry.get('within_noise', 'reference')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -95,6 +100,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
+    resolved = [run.resolve() for run in args.runs]
+    repeated = sorted({str(run) for run, path in zip(args.runs, resolved) if resolved.count(path) > 1})
+    if repeated:
+        parser.error(f"runs {repeated} given more than once (each run is a row of the comparison)")
     try:
         result = compare(args.runs)
     except ValueError as error:

@@ -149,6 +149,21 @@ def test_compare_loss_curves_refuses_runs_of_other_tokens_per_step(tmp_path, cap
     assert "different tokens per step" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
 
 
+def test_compare_loss_curves_says_when_it_cannot_tell_the_noise_and_refuses_a_run_twice(tmp_path, capsys):
+    """With one logged loss the reference's noise is unknown: no verdict (null in the JSON, which stays strict JSON,
+    "-" in the table), where a NaN noise had called every run outside it. A run given twice is refused."""
+    reference = write_run(tmp_path / "single", {5: 3.0}, 8192)
+    other = write_run(tmp_path / "ddp", {5: 3.0}, 8192)
+    compare_loss_curves.main([str(reference), str(other), "--json", str(tmp_path / "out.json"),
+                              "--markdown", str(tmp_path / "out.md")])
+    result = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert result["reference_train_noise"] is None and result["runs"][str(other)]["within_noise"] is None
+    assert "(under two logged losses)" in (tmp_path / "out.md").read_text()
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(tmp_path / "single" / ".." / "single")])
+    assert "given more than once" in capsys.readouterr().err
+
+
 def test_compare_loss_curves_writes_its_files_whole_or_not_at_all(tmp_path, monkeypatch):
     reference = write_run(tmp_path / "single", {5: 3.0, 10: 2.5}, 8192)
     other = write_run(tmp_path / "ddp", {5: 3.1, 10: 2.4}, 8192)
