@@ -19,6 +19,8 @@ import re
 import sys
 from pathlib import Path
 
+from hf_memffn.atomic_write import write_atomic
+
 RUNS = ("single", "ddp", "fsdp2", "zero2", "zero3")
 RUN_NAMES = {"single": "1 GPU", "ddp": "DDP", "fsdp2": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
@@ -84,9 +86,7 @@ def main(argv=None) -> list[dict]:
     print(table, end="")
     for path, text in ((args.markdown, table), (args.json, json.dumps(rows, indent=2) + "\n")):
         if path is not None:
-            temporary = path.with_name(path.name + ".tmp")
-            temporary.write_text(text)
-            temporary.replace(path)
+            write_atomic(path, text)
     return rows
 
 

@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+from hf_memffn.atomic_write import write_atomic
+
 
 def read_curves(run_dir: Path) -> dict:
     train, evaluation, summary = {}, {}, {}
@@ -111,10 +113,8 @@ def main(argv=None) -> dict:
     table = markdown(result)
     print(table)
     for path, text in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, table)):
-        if path is not None:  # under a temporary name, renamed when whole
-            temporary = path.with_name(path.name + ".tmp")
-            temporary.write_text(text, encoding="utf-8")
-            temporary.replace(path)
+        if path is not None:
+            write_atomic(path, text)
     return result
 
 

@@ -5,10 +5,11 @@ offline training text of the multi-GPU checks (`fsdp2_check.sh`, `ddp_check.sh`)
 """
 
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
+
+from hf_memffn.atomic_write import atomic_output
 
 BUDGET = 8_000_000  # characters
 
@@ -16,8 +17,7 @@ BUDGET = 8_000_000  # characters
 def main(path: str) -> None:
     """Written under a temporary name and renamed when whole: ddp_check.sh reuses a corpus it finds."""
     written = 0
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as out:
+    with atomic_output(path) as temporary, open(temporary, "w") as out:
         for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
             if "test" in source.parts:
                 continue
@@ -26,7 +26,6 @@ def main(path: str) -> None:
             written += len(text)
             if written > BUDGET:
                 break
-    os.replace(temporary, path)
     print(f"corpus: {written / 1e6:.1f} MB of Python source")
 
 

@@ -94,10 +94,22 @@ def torch_device(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N, mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device on this machine; allowed here: cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                                         f"allowed here: cpu, cuda, cuda:0..{torch.cuda.device_count() - 1}")
+    problem = missing_gpu(device)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
+
+
+def missing_gpu(device) -> str | None:
+    """What is wrong with a `cuda:N` (a `torch.device`) this machine does not have; None for any other device."""
+    if device.type != "cuda" or device.index is None:
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    if device.index < count:
+        return None
+    return f"this machine has {count} CUDA device(s); allowed here: cpu, cuda, cuda:0..{count - 1}"
 
 
 def has_tokenizer(directory: str) -> bool:

@@ -36,7 +36,7 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
-from .cli_args import output_dir, positive_int
+from .cli_args import missing_gpu, output_dir, positive_int
 from .fact_world import ATTRIBUTES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
@@ -182,9 +182,9 @@ def _parse_device(value: str) -> torch.device:
         raise ValueError(f"--device={value!r} is not supported; allowed: {', '.join(DEVICE_KINDS)}, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device={value!r} but torch sees no CUDA device; allowed here: cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device={value!r} but torch sees {torch.cuda.device_count()} CUDA device(s); allowed here: "
-                         f"cpu, cuda, cuda:0..{torch.cuda.device_count() - 1}")
+    problem = missing_gpu(device)
+    if problem:
+        raise ValueError(f"--device={value!r}: {problem}")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"--device={value!r} but torch sees no MPS device; allowed here: cpu")
     return device

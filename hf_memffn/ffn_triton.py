@@ -91,26 +91,43 @@ if TRITON_AVAILABLE:
         tl.store(DY + elements, grad_y.to(DY.dtype.element_ty), mask=elements < 2 * num_pairs)
 
 
-def _launch(kernel, pairs: int, *tensors, activation: str, product: bool) -> None:
-    if pairs:
-        launch(kernel, (cdiv(pairs, PAIRED_BLOCK),), *tensors, pairs, ACTIVATION=PAIRED_ACTIVATIONS[activation],
-               PRODUCT=product, BLOCK=PAIRED_BLOCK, num_warps=4)
+def _launch(kernel, pairs: int, *tensors, activation: int, product: bool, traced: bool) -> None:
+    """One launch over ``pairs`` pairs; ``traced``: as a Triton operator's body, through ``torch.library.wrap_triton``
+    so that inductor launches the kernel from its own code (torch 2.11 does not wrap the interpreter's kernels, which
+    no compiled graph calls)."""
+    if not pairs:
+        return
+    grid = (cdiv(pairs, PAIRED_BLOCK),)
+    settings = dict(ACTIVATION=activation, PRODUCT=product, BLOCK=PAIRED_BLOCK, num_warps=4)
+    if traced and not INTERPRET_REQUESTED:
+        torch.library.wrap_triton(kernel)[grid](*tensors, pairs, **settings)
+    else:
+        launch(kernel, grid, *tensors, pairs, **settings)
+
+
+def _forward(y: torch.Tensor, activation: int, product: bool, traced: bool = False) -> torch.Tensor:
+    hidden = y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
+    _launch(_paired_forward_kernel, hidden.numel(), y, hidden, activation=activation, product=product, traced=traced)
+    return hidden
+
+
+def _backward(y: torch.Tensor, grad_hidden: torch.Tensor, activation: int, product: bool, traced: bool = False
+              ) -> torch.Tensor:
+    grad_y = torch.empty_like(y)
+    _launch(_paired_backward_kernel, grad_hidden.numel(), y, grad_hidden, grad_y, activation=activation,
+            product=product, traced=traced)
+    return grad_y
 
 
 def paired_forward(y: torch.Tensor, activation: str, product: bool) -> torch.Tensor:
     """``act(keys) * values`` (``+`` unless ``product``) of a contiguous ``y [..., 2W]`` holding key i at 2i and value
     i at 2i + 1: a new ``[..., W]`` tensor in y's dtype."""
-    hidden = torch.empty(*y.shape[:-1], y.shape[-1] // 2, device=y.device, dtype=y.dtype)
-    _launch(_paired_forward_kernel, hidden.numel(), y, hidden, activation=activation, product=product)
-    return hidden
+    return _forward(y, PAIRED_ACTIVATIONS[activation], product)
 
 
 def paired_backward(y: torch.Tensor, grad_hidden: torch.Tensor, activation: str, product: bool) -> torch.Tensor:
     """The gradient of :func:`paired_forward` with respect to ``y``, interleaved like ``y``."""
-    grad_y = torch.empty_like(y)
-    _launch(_paired_backward_kernel, grad_hidden.numel(), y, grad_hidden.contiguous(), grad_y,
-            activation=activation, product=product)
-    return grad_y
+    return _backward(y, grad_hidden.contiguous(), PAIRED_ACTIVATIONS[activation], product)
 
 
 class _PairedActivation(torch.autograd.Function):
@@ -134,27 +151,15 @@ class _PairedActivation(torch.autograd.Function):
 OP_NAMESPACE = "memffn_v2"  # shared with flash_mhf_op.py and token_lookup_triton.py; the op names differ
 
 
-def _wrapped_launch(kernel, pairs: int, *tensors, activation: int, product: bool) -> None:
-    if pairs:  # (torch 2.11 does not wrap the interpreter's kernels, which no compiled graph calls)
-        runner = kernel if INTERPRET_REQUESTED else torch.library.wrap_triton(kernel)
-        runner[(cdiv(pairs, PAIRED_BLOCK),)](*tensors, pairs, ACTIVATION=activation, PRODUCT=product,
-                                             BLOCK=PAIRED_BLOCK, num_warps=4)
-
-
 def _register_paired_operators():
     @torch.library.triton_op(f"{OP_NAMESPACE}::kvffn_paired_forward", mutates_args=())
     def paired_forward_op(y: torch.Tensor, activation: int, product: bool) -> torch.Tensor:
-        hidden = y.new_empty(*y.shape[:-1], y.shape[-1] // 2)
-        _wrapped_launch(_paired_forward_kernel, hidden.numel(), y, hidden, activation=activation, product=product)
-        return hidden
+        return _forward(y, activation, product, traced=True)
 
     @torch.library.triton_op(f"{OP_NAMESPACE}::kvffn_paired_backward", mutates_args=())
     def paired_backward_op(y: torch.Tensor, grad_hidden: torch.Tensor, activation: int, product: bool
                            ) -> torch.Tensor:
-        grad_y = torch.empty_like(y)
-        _wrapped_launch(_paired_backward_kernel, grad_hidden.numel(), y, grad_hidden, grad_y, activation=activation,
-                        product=product)
-        return grad_y
+        return _backward(y, grad_hidden, activation, product, traced=True)
 
     def setup_context(ctx, inputs, output):
         y, activation, product = inputs

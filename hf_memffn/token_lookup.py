@@ -219,8 +219,8 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
     seen. Tensors are hashed after rounding to bf16, so a table exported from the fp32 weights is accepted by the same
     checkpoint loaded in bf16. `through=torch.float16` rounds them to fp16 first: the fingerprint of the same weights
     loaded in fp16 (whose range and precision differ from bf16's, so bf16 rounding alone does not match them). Cost:
-    about one second per GB of bf16 weights, once at export and once at load, less than reading the table itself
-    (vocab x layers x hidden values against vocab x hidden + layers x 3 x I x hidden).
+    about one second per GB of bf16 weights, twice at export (both fingerprints) and once at load, less than reading
+    the table itself (vocab x layers x hidden values against vocab x hidden + layers x 3 x I x hidden).
     """
     base = _memory_base(model)
     memory = getattr(base, "memory", None)

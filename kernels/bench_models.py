@@ -79,6 +79,7 @@ from harness import (  # noqa: E402
     on_cuda,
     peak_memory,
     peak_memory_gib,
+    refuse_counts_below,
     reset_peak_memory,
     synchronize,
     write_json,
@@ -1435,11 +1436,8 @@ def main(argv=None) -> dict:
                         help="cpu: a smoke run of the script itself (wall-clock times; the tests use it)")
     args = parser.parse_args(argv)
     # (--new-tokens: a decoding step is the time between two tokens)
-    for name, least in (("train_rounds", 1), ("train_round_steps", 1), ("gpus", 1), ("decode_repeats", 1),
-                        ("seq_len", 1), ("new_tokens", 2), ("decode_batches", 1)):
-        value = getattr(args, name)
-        if min(value if isinstance(value, list) else [value]) < least:
-            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    refuse_counts_below(parser, args, train_rounds=1, train_round_steps=1, gpus=1, decode_repeats=1, seq_len=1,
+                        new_tokens=2, decode_batches=1)
     if args.device == "cuda" and torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     if args.device == "cuda" and not torch.cuda.is_available():

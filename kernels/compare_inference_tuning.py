@@ -24,7 +24,9 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import torch  # noqa: E402
 
-from harness import bench_ms, environment, log, markdown_table, median, rel_err, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    bench_ms, environment, log, markdown_table, median, refuse_counts_below, rel_err, write_report,
+)
 
 from hf_memffn import flash_mhf_triton  # noqa: E402
 
@@ -123,8 +125,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    refuse_counts_below(parser, args, rounds=1)
     if not torch.cuda.is_available() or flash_mhf_triton.triton_interpreting():
         raise SystemExit("compare_inference_tuning.py times the autotuned Triton forward: it needs a CUDA GPU")
     results = {"environment": environment(), "command": "python kernels/compare_inference_tuning.py "

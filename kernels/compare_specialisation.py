@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from harness import (  # noqa: E402
-    TritonCompilations, bench_ms, environment, log, markdown_table, median, rel_err, write_report,
+    TritonCompilations, bench_ms, environment, log, markdown_table, median, refuse_counts_below, rel_err, write_report,
 )
 
 from compare_triton_builds import (  # noqa: E402
@@ -259,8 +259,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-only", action="store_true",
                         help="count the compilations, time nothing (without a GPU: compiled for an H100 on the CPU)")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    refuse_counts_below(parser, args, rounds=1)
     known = [*[case for case in CASES if case.startswith("decode:")], *INFERENCE_CASES]
     cases = args.cases or known
     unknown = sorted(set(cases) - set(known))

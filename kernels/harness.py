@@ -146,6 +146,15 @@ def peak_memory_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / GIB if on_cuda() else None
 
 
+def refuse_counts_below(parser, args, **least: int) -> None:
+    """`parser.error` for the first option (`name=least`, its dest) whose value, or any of its values, is under
+    `least`: counts a measurement cannot run with (no round, no step), refused before any work."""
+    for name, minimum in least.items():
+        value = getattr(args, name)
+        if min(value if isinstance(value, list) else [value]) < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+
+
 def median(values) -> float:
     return float(statistics.median(values))
 

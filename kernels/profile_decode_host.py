@@ -35,7 +35,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import environment, log, markdown_table, median, write_json, write_text  # noqa: E402
+from harness import (  # noqa: E402
+    environment, log, markdown_table, median, refuse_counts_below, write_json, write_text,
+)
 from bench_models import ARCHS, get_preset  # noqa: E402
 
 REBUILT = ":rebuilt_signature"  # a variant's suffix: the forward without its stored signature
@@ -183,9 +185,7 @@ def main(argv=None) -> dict:
         get_preset(args.size)
     except ValueError as error:
         parser.error(f"--size: {error}")
-    for name, least in (("rounds", 1), ("calls", 1), ("new_tokens", 2)):  # (a step is the time between two tokens)
-        if getattr(args, name) < least:
-            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
+    refuse_counts_below(parser, args, rounds=1, calls=1, new_tokens=2)  # (a step: the time between two tokens)
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, args.calls, args.new_tokens)))
         return {}

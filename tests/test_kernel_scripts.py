@@ -980,3 +980,12 @@ def test_compiled_step_host_smoke_run_names_the_cpu(tmp_path, monkeypatch):
     script.main(["--out", str(tmp_path), "--cpu", "--archs", "llama"])
     data = json.loads((tmp_path / "compiled_step_host.json").read_text())
     assert measured_on_cuda == [False] and "NVIDIA" not in data["environment"]["device"]
+
+
+@pytest.mark.parametrize("name", ["compare_inference_tuning", "compare_specialisation"])
+def test_comparison_scripts_refuse_no_rounds_before_any_work(name, tmp_path, capsys):
+    """`--rounds 0` would time nothing: refused by the harness's shared check, naming the option, before any work."""
+    with pytest.raises(SystemExit) as refused:
+        kernel_script(name).main(["--out", str(tmp_path / "out"), "--rounds", "0"])
+    assert refused.value.code == 2 and "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
