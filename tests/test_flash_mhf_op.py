@@ -65,12 +65,15 @@ def float64_truth(inputs, grad_out):
     return out.detach(), [t.grad for t in leaves]
 
 
-def check_against_truth(run, inputs, dtype, gate_dtype=torch.float32):
-    """run(leaves, grad) -> out; compares the output and all five gradients with the float64 ground truth."""
-    grad_out = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    expected_out, expected_grads = float64_truth(inputs, grad_out)
+def check_against_truth(run, inputs, dtype, gate_dtype=torch.float32, broadcast_dims=()):
+    """run(leaves, grad) -> out; compares the output and all five gradients with the float64 ground truth. With
+    `broadcast_dims` the output's gradient is one value expanded over those dimensions (stride 0 there, as the
+    gradient of a sum over them arrives), in `dtype` as it reaches the op."""
+    grad_shape = [1 if dim in broadcast_dims else size for dim, size in enumerate(inputs[0].shape)]
+    grad_out = torch.randn(grad_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected_out, expected_grads = float64_truth(inputs, grad_out.expand(inputs[0].shape))
     leaves = [t.to(dtype).requires_grad_(True) for t in inputs[:4]] + [inputs[4].to(gate_dtype).requires_grad_(True)]
-    out = run(leaves, grad_out.to(dtype))
+    out = run(leaves, grad_out.to(dtype).expand(inputs[0].shape))
     assert out.dtype == dtype and out.shape == inputs[0].shape
     errors = {"out": relative_error(out, expected_out)}
     for name, leaf, expected in zip(("q", "k", "u", "v", "r"), leaves, expected_grads):
@@ -140,6 +143,17 @@ def test_triton_autotuned_launches_match_float64(head_dim, dtype):
     check_against_truth(run_op("triton"), inputs, dtype)
     assert any(key[0] == "forward" and key[1] == head_dim and key[4] == dtype for key in flash_mhf_triton._PICKED)
     check_against_truth(run_op("triton"), inputs, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("broadcast_dims", [(2,), (1,), (0, 1, 2), (3,)],
+                         ids=["over_positions", "over_heads", "over_all_but_features", "over_features"])
+def test_triton_takes_an_output_gradient_of_stride_zero(broadcast_dims):
+    """The gradient of a sum over positions (or heads, ...) reaches the backward expanded, stride 0 in those
+    dimensions: the row kernels and the tensor descriptors of the weight kernel read it as it is (a stride of 0 is a
+    multiple of 16 bytes) or through a copy, and either way compute the gradient of the expanded values."""
+    inputs = random_inputs(2, 4, 37, 64, 2, 3, 32, seed=8)
+    check_against_truth(run_op("triton"), inputs, torch.bfloat16, broadcast_dims=broadcast_dims)
 
 
 @needs_kernels
