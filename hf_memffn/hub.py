@@ -31,6 +31,33 @@ TABLE_FILE_SUFFIXES = (".safetensors", ".json")
 UPLOAD_IGNORE_PATTERNS = ["*.tmp", ".cache/*", "*/.cache/*"]
 
 
+HUB_ERROR_MODULES = ("httpx", "httpx2", "requests", "huggingface_hub")  # where the Hub's and the network's errors live
+
+
+@contextlib.contextmanager
+def hub_errors_in_one_line(what: str):
+    """The Hub's and the network's own errors raised in the block (httpx's are not OSErrors) as one ValueError,
+    `<what>: <error class>: <its first line>`, which the command line prints in one line; other errors pass."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__module__.split(".")[0] not in HUB_ERROR_MODULES:
+            raise
+        raise ValueError(f"{what}: {type(error).__name__}: {first_line(error)}") from error
+
+
+def check_repo_id(repo_id, field: str = "repo_id") -> str:
+    """`repo_id` if it is a valid Hub repository id, else a ValueError naming `field` and what is allowed."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as error:
+        raise ValueError(f"{field}={repo_id!r} is not a Hub repository id ({first_line(error)}); allowed: "
+                         "'name' or 'namespace/name', e.g. user/my-model-tols") from None
+    return repo_id
+
+
 def _hub_client(token: str | bool | None = None):
     """The huggingface_hub client every push goes through."""
     from huggingface_hub import HfApi
@@ -244,7 +271,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     files = check_checkpoint_folder(args.folder)
-    try:
+    with hub_errors_in_one_line(f"push to {args.repo_id} failed"):
         info = push_folder(
             args.folder,
             args.repo_id,
@@ -253,9 +280,5 @@ def run(args) -> int:
             commit_message=args.commit_message,
             create_pr=args.create_pr,
         )
-    except Exception as error:  # the Hub's and the network's own errors (httpx's are not OSErrors): one line
-        if type(error).__module__.split(".")[0] not in ("httpx", "httpx2", "requests", "huggingface_hub"):
-            raise
-        raise ValueError(f"push to {args.repo_id} failed: {type(error).__name__}: {first_line(error)}") from error
     print(f"pushed {len(files)} files to {args.repo_id}: {getattr(info, 'commit_url', info)}")
     return 0

@@ -57,7 +57,10 @@ def run_script(tmp_path: Path, script: str, *args: str, **env: str) -> subproces
         for name in ("python3", "python"):
             (bin_dir / name).write_text(STAND_IN.format(python=sys.executable))
             (bin_dir / name).chmod(0o755)
-    environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    # (the package importable as an install makes it, for the scripts the stand-in runs: the tests may run from a
+    # checkout that is not installed)
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": python_path,
                    "FAKE_LOG": str(tmp_path / "calls"), **env}
     return subprocess.run(["bash", str(ROOT / "examples" / script), *args], env=environment, capture_output=True,
                           text=True, timeout=120)

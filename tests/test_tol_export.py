@@ -474,33 +474,118 @@ def test_cli_shard_size_in_bytes_or_with_a_unit(model, tmp_path, size):
     assert own_files(tmp_path / "tol") == own_files(tmp_path / "api") and api["num_shards"] > 1
 
 
+class FakeHubApi:
+    """huggingface_hub's `HfApi` for a repository holding `remote` (file names): `upload_folder` sends the files its
+    `allow_patterns` / `ignore_patterns` let through and removes the remote files its `delete_patterns` match (those
+    not sent again), as huggingface_hub does; `fail` is raised instead of uploading."""
+
+    def __init__(self, remote=(), fail=None):
+        self.calls = []
+        self.remote = set(remote)
+        self.fail = fail
+
+    def __call__(self, *args, **kwargs):  # stands for the class: `HfApi()` gives this client
+        return self
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        return type("RepoUrl", (), {"repo_id": repo_id if "/" in repo_id else f"user/{repo_id}"})()
+
+    def upload_folder(self, *, folder_path, repo_id, allow_patterns=None, ignore_patterns=None, delete_patterns=None,
+                      **kwargs):
+        from pathlib import Path
+
+        from huggingface_hub.utils import filter_repo_objects
+
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(("upload_folder", {"folder_path": folder_path, "repo_id": repo_id, **kwargs}))
+        root = Path(folder_path)
+        names = [path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file()]
+        sent = set(filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        deleted = set(filter_repo_objects(sorted(self.remote), allow_patterns=delete_patterns or []))
+        self.remote = (self.remote - deleted) | sent
+        self.sent = sent
+        return type("Commit", (), {"commit_url": "https://hub.example/commit/1"})()
+
+
 def test_push_to_hub_uploads_the_table(model, tmp_path, monkeypatch):
-    calls = []
+    import huggingface_hub
 
-    class FakeApi:
-        def create_repo(self, repo_id, **kwargs):
-            calls.append(("create_repo", repo_id, kwargs))
+    api = FakeHubApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", api)
+    report = export_tols(model, tmp_path, format="bf16", progress=False, push_to_hub="user/tols")
+    assert report["hub_commit"] == "https://hub.example/commit/1"
+    assert api.calls[0][:2] == ("create_repo", "user/tols")
+    upload = api.calls[1][1]
+    assert upload["repo_id"] == "user/tols" and upload["folder_path"] == str(tmp_path)
+    assert api.sent == set(own_files(tmp_path))
+    export_tols(model, tmp_path, format="bf16", progress=False, push_to_hub="tols")  # the user's namespace
+    assert api.calls[-1][1]["repo_id"] == "user/tols"
 
-        def upload_folder(self, **kwargs):
-            calls.append(("upload_folder", kwargs))
-            return type("Commit", (), {"commit_url": "https://hub.example/commit/1"})()
+
+def test_push_to_hub_sends_the_tables_files_only_and_replaces_a_table_pushed_before(model, tmp_path, monkeypatch):
+    """Exported next to the weights of a checkpoint that holds the demo's tables in subfolders: neither those tables
+    nor the remote code `token_lookup.py` go up, and the shards of a table pushed before (other names) are removed
+    in the same commit, where the repository's other files (weights, the subfolders' tables) stay."""
+    import huggingface_hub
+
+    model.save_pretrained(tmp_path)
+    export_tols(model, tmp_path / "token_lookup" / "fp32", format="fp32", progress=False)
+    old_table = {f"token_lookup-0000{i}-of-00003.safetensors" for i in (1, 2, 3)} | {INDEX_NAME, REPORT_NAME}
+    others = {"model.safetensors", "config.json", "token_lookup.py", "token_lookup/fp32/token_lookup.safetensors",
+              f"token_lookup/fp32/{INDEX_NAME}"}
+    api = FakeHubApi(remote=old_table | others)
+    monkeypatch.setattr(huggingface_hub, "HfApi", api)
+    export_tols(model, tmp_path, format="int8", progress=False, push_to_hub="user/model")
+    table = {name for name in own_files(tmp_path) if name.endswith((".safetensors", ".json"))}
+    assert api.sent == table == {"token_lookup.safetensors", INDEX_NAME, REPORT_NAME}
+    assert api.remote == table | others
+
+
+def test_a_malformed_push_to_hub_repo_id_is_refused_before_anything_is_written(model, tmp_path, capsys):
+    with pytest.raises(ValueError, match="push_to_hub='user/my tols' is not a Hub repository id.*namespace/name"):
+        export_tols(model, tmp_path / "api", format="bf16", progress=False, push_to_hub="user/my tols")
+    assert not (tmp_path / "api").exists()
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / "tol"), "--device", "cpu", "--no-progress",
+                  "--push-to-hub", "user/my tols"])
+    assert stop.value.code == 2 and "argument --push-to-hub: 'user/my tols' is not" in capsys.readouterr().err
+    assert not (tmp_path / "tol").exists()
+
+
+def test_export_push_ends_a_network_failure_in_one_line(model, tmp_path, monkeypatch, capsys):
+    """The HTTP client's transport errors (httpx2 under huggingface_hub 2, httpx under 1) are not OSErrors:
+    `export-tols --push-to-hub` ends in one line that says where the table is."""
+    import importlib
+    import importlib.util
 
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    report = export_tols(model, tmp_path, format="bf16", progress=False, push_to_hub="user/tols")
-    assert report["hub_commit"] == "https://hub.example/commit/1"
-    assert calls[0][:2] == ("create_repo", "user/tols")
-    upload = calls[1][1]
-    assert upload["repo_id"] == "user/tols" and upload["folder_path"] == str(tmp_path)
-    from fnmatch import fnmatch
+    name = next((name for name in ("httpx2", "httpx") if importlib.util.find_spec(name)), None)
+    if name is None:
+        pytest.skip("huggingface_hub's HTTP client (httpx2 or httpx) is not installed")
+    offline = importlib.import_module(name).ConnectError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHubApi(fail=offline))
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / "tol"), "--device", "cpu", "--no-progress",
+                  "--push-to-hub", "user/tols"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1
+    assert f"push to user/tols failed (the table is in {tmp_path / 'tol'}): ConnectError: [Errno -3]" in errors[0]
+    model.load_tols(tmp_path / "tol", placement="cpu")
+    model.unload_tols()
 
-    def sent(name):
-        return any(fnmatch(name, pattern) for pattern in upload["allow_patterns"])
 
-    assert all(sent(name) for name in own_files(tmp_path))
-    # a table exported into a checkpoint folder: its remote code (`token_lookup.py`) is not the table's
-    assert not sent("token_lookup.py") and not sent("token_lookup_triton.py")
+def test_eval_text_without_a_tokenizer_is_refused_before_anything_is_written(model, tmp_path):
+    with pytest.raises(ValueError, match="eval_text needs a tokenizer"):
+        export_tols(model, tmp_path / "tol", format="bf16", progress=False, eval_text="the memory stores a value")
+    assert not (tmp_path / "tol").exists()
+    with pytest.raises(ValueError, match="eval text gives 0 tokens"):
+        export_tols(model, tmp_path / "tol", format="bf16", progress=False, eval_text="", tokenizer=tiny_tokenizer())
+    assert not (tmp_path / "tol").exists()
 
 
 def test_demo_step_matches_compute_mode(tmp_path):

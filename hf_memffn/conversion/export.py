@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
-from hf_memffn.hub import TABLE_FILE_PREFIX, TABLE_FILE_SUFFIXES
+from hf_memffn.hub import check_repo_id, hub_errors_in_one_line
 from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
                                  model_source, output_dir, positive_int, torch_device)
@@ -477,6 +477,13 @@ def _shard_size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error).replace("max_shard_size=", "")) from None
 
 
+def _repo_id_argument(text: str) -> str:
+    try:
+        return check_repo_id(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("repo_id=", "")) from None
+
+
 def _write_json_atomic(path: str, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
@@ -588,6 +595,8 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
                             drop_layers=tuple(drop_layers))
     max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
+    if push_to_hub is not None:
+        check_repo_id(push_to_hub, "push_to_hub")
     if isinstance(model, (str, os.PathLike)):
         model_dir = os.fspath(model)
         model = _load_model(model_dir, device, model_dtype)
@@ -597,11 +606,11 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out_dir = os.fspath(out_dir)
     model.eval()
-    report = _Exporter(model, out_dir, fmt, batch_size, max_shard_size, device, progress).run()
-    if eval_text is not None:
+    if eval_text is not None:  # (refused before anything is written)
         if tokenizer is None:
             raise ValueError("eval_text needs a tokenizer (pass tokenizer=, or a model directory that has one)")
         eval_input_ids = text_to_input_ids(tokenizer, eval_text)
+    report = _Exporter(model, out_dir, fmt, batch_size, max_shard_size, device, progress).run()
     if eval_input_ids is not None:
         report.update(lookup_loss_delta(model, out_dir, eval_input_ids))
     _write_json_atomic(os.path.join(out_dir, REPORT_NAME), report)
@@ -613,16 +622,34 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     return report
 
 
+# The files of a table at the top of a Hub repository (any export's shards, index and report), which a pushed table
+# replaces; none of them matches the tables in a `token_lookup/` subfolder (the demo's `token_lookup/fp32/`).
+HUB_TABLE_FILE_PATTERNS = [SHARD_PATTERN.format(suffix=""), SHARD_PATTERN.format(suffix="-*-of-*"), INDEX_NAME,
+                           REPORT_NAME]
+
+
+def table_files(out_dir: str) -> list[str]:
+    """The files of the table exported into `out_dir`: its index, the shards the index lists, the report."""
+    shards = _index_metadata(os.path.join(out_dir, INDEX_NAME)).get("shards")
+    if not shards:
+        raise TokenLookupError(f"no token lookup table in {out_dir}: {INDEX_NAME} is missing or not a table's index")
+    extra = [REPORT_NAME] if os.path.isfile(os.path.join(out_dir, REPORT_NAME)) else []
+    return sorted([INDEX_NAME, *shards, *extra])
+
+
 def push_table_to_hub(out_dir: str, repo_id: str, private: bool | None = None) -> str:
-    """Upload the table files of `out_dir` (index, shards, report) to the Hub repo `repo_id`; returns the commit url."""
+    """Upload the table of `out_dir` (index, shards, report) to the Hub repo `repo_id` in one commit, which also
+    removes the files of a table pushed there before; returns the commit url. Only the table's own files go: not the
+    remote code of a checkpoint folder (`token_lookup.py`), nor the tables in its subfolders."""
     from huggingface_hub import HfApi
 
+    check_repo_id(repo_id)
+    names = table_files(out_dir)
     api = HfApi()
-    api.create_repo(repo_id, exist_ok=True, private=private)
-    # the table's files only: not `token_lookup.py` / `token_lookup_triton.py`, the remote code of a checkpoint folder
-    patterns = [f"{TABLE_FILE_PREFIX}*{suffix}" for suffix in TABLE_FILE_SUFFIXES]
-    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id, allow_patterns=patterns,
-                               ignore_patterns=["*.tmp"], commit_message="Add token lookup table")
+    # (`create_repo` names the repository in full: "my-tols" becomes "<user>/my-tols")
+    repo_id = getattr(api.create_repo(repo_id, exist_ok=True, private=private), "repo_id", repo_id)
+    commit = api.upload_folder(folder_path=out_dir, repo_id=repo_id, allow_patterns=names,
+                               delete_patterns=HUB_TABLE_FILE_PATTERNS, commit_message="Add token lookup table")
     return str(getattr(commit, "commit_url", commit))
 
 
@@ -654,7 +681,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dtype", default=None, choices=list(FLOAT_DTYPES),
                         help="dtype to load the model in (default: the checkpoint's)")
     parser.add_argument("--eval-text", default=None, type=existing_file, help="text file for the held-out loss in compute vs lookup mode")
-    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the table to this Hub repo")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID", type=_repo_id_argument,
+                        help="upload the table to this Hub repo")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -671,8 +699,7 @@ def run(args: argparse.Namespace) -> int:
     report = export_tols(args.model_dir, args.out_dir, format=args.format, group_size=args.group_size, rank=args.rank,
                          energy=args.energy, factor_dtype=args.factor_dtype, drop_layers=drop,
                          batch_size=args.batch_size, max_shard_size=args.max_shard_size, device=device,
-                         eval_text=eval_text, progress=not args.no_progress, push_to_hub=args.push_to_hub,
-                         model_dtype=args.model_dtype)
+                         eval_text=eval_text, progress=not args.no_progress, model_dtype=args.model_dtype)
     print(f"token lookup table ({report['format']['name']}) in {report['out_dir']}: "
           f"{format_size(report['size_bytes'])} in {report['num_shards']} shard(s), {report['seconds']:.1f} s")
     print(f"relative error per (token, layer): max {report['max_relative_error']:.3e}, "
@@ -682,4 +709,8 @@ def run(args: argparse.Namespace) -> int:
     if "loss_delta" in report:
         print(f"held-out loss: compute {report['loss_compute']:.4f}, lookup {report['loss_lookup']:.4f}, "
               f"delta {report['loss_delta']:+.4f} ({report['eval_tokens']} tokens)")
+    if args.push_to_hub:
+        with hub_errors_in_one_line(f"push to {args.push_to_hub} failed (the table is in {report['out_dir']})"):
+            commit = push_table_to_hub(report["out_dir"], args.push_to_hub)
+        print(f"pushed the table to {args.push_to_hub}: {commit}")
     return 0
