@@ -494,12 +494,18 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
-        would start them at random."""
+        would start them at random; and while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
+        the checkpoint would lack the edit."""
         base = getattr(self, self.base_model_prefix, self)
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
                              "a checkpoint saved now would lack their weights; save the model before dropping them, "
                              "or load it again and save that")
+        if "memory_readout" in vars(base):
+            raise ValueError("save_pretrained: a token memory edit is applied (hf_memffn.analysis.TokenMemoryEdit): "
+                             "it is held by this model instance, not by the weights, so a checkpoint saved now would "
+                             "not hold it; revert it first (edit.revert()), or edit with method='value', which "
+                             "changes the weights")
         if any(parametrize.is_parametrized(module) for module in self.modules()):
             logger.warning_once(
                 "save_pretrained: FFN weights have adapters or int8 attached (hf_memffn.adapters); the checkpoint "

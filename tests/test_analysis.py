@@ -541,6 +541,21 @@ def test_token_memory_edits_applied_together_revert_in_any_order():
     assert "memory_readout" not in vars(model.model)  # the decoder's own method again
 
 
+@pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
+def test_save_pretrained_refuses_while_a_token_memory_edit_is_applied(case, tmp_path):
+    """No weight holds a token memory edit: a checkpoint saved with one applied would silently lack it."""
+    model = build(case)
+    result = edit_next_token(model, PROMPT, EDIT_TOKEN)
+    assert result.method == "token_memory"
+    with pytest.raises(ValueError, match="token memory edit is applied.*revert it first"):
+        model.save_pretrained(tmp_path / "edited")
+    assert not (tmp_path / "edited").exists()
+    result.edit.revert()
+    model.save_pretrained(tmp_path / "reverted")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "reverted").eval()
+    torch.testing.assert_close(next_token_probabilities(reloaded, PROMPT), next_token_probabilities(model, PROMPT))
+
+
 def test_absolute_triggers_are_ranked_by_magnitude_and_keep_their_sign():
     model = build("llama")
     bank = memory_banks(model)[1]

@@ -134,3 +134,19 @@ def test_analyze_command_reports_a_memoryllm_read_one_token_a_text(saved_model, 
     report = json.loads((out / "report.json").read_text())
     assert report["token_memory_clustered"] == "none: every token is a special one"
     assert all(section["clusters"] == [] for section in report["token_memory"].values())
+
+
+def test_analyze_command_names_token_ids_outside_a_plain_llamas_embedding(tmp_path, capsys):
+    """A tokenizer with more tokens than the model's embedding: one line naming the id, not an IndexError from
+    inside transformers' embedding (the memffn models check their ids themselves)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_config("llama", vocab_size=260)).save_pretrained(tmp_path / "llama")
+    tiny_tokenizer().save_pretrained(tmp_path / "llama")  # 320 tokens
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    _exits_with_error(capsys, ["analyze", str(tmp_path / "llama"), "--texts", str(texts), "--out",
+                               str(tmp_path / "r"), "--device", "cpu"],
+                      "error: text 0 has token id 279: allowed ids are 0..259")
+    assert not (tmp_path / "r").exists()

@@ -50,6 +50,8 @@ def build_world(root: Path) -> World:
     llama = LlamaForCausalLM(tiny_config("llama"))
     llama.save_pretrained(root / "llama")
     tokenizer.save_pretrained(root / "llama")
+    LlamaForCausalLM(tiny_config("llama", vocab_size=260)).save_pretrained(root / "llama_260")  # fewer rows than
+    tokenizer.save_pretrained(root / "llama_260")  # the tokenizer has tokens
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=64,
@@ -424,6 +426,9 @@ cli_case("analyze-texts-not-utf8", ("latin1.txt", "UTF-8"),
 cli_case("analyze-layers-empty", ("--layers", "integers"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r17"), "--layers", "",
                     *ANALYZE_FAST], no_output="r17")
+cli_case("analyze-tokenizer-not-the-models", ("token id", "0..259", "tokenizer"),
+         lambda w: ["analyze", S(w.llama_260), "--texts", S(w.texts), "--out", S(w.root / "r18"), *ANALYZE_FAST],
+         no_output="r18")
 cli_case("serve-missing-model", ("MODEL", "does-not-exist"), lambda w: ["serve", S(w.root / "does-not-exist")])
 cli_case("serve-no-tokenizer", ("no_tokenizer", "no tokenizer"), lambda w: ["serve", S(w.no_tokenizer)])
 # --token-lookup problems that the server would meet only while loading the model, in a traceback

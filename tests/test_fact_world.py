@@ -145,3 +145,21 @@ def test_score_recall_on_stubs(world, tokenizer):
 
     with pytest.raises(ValueError, match="answer"):
         score_recall(oracle, tokenizer, [RecallQuestion("Q: x? A:", "pet", "dragon", "x")], candidates)
+
+
+def test_the_readme_edits_a_person_of_the_default_demos_world():
+    """The README's `hf-memffn analyze` example runs on the models `hf-memffn demo` trains by default: the person
+    asked about lives in that world, and the target is another of its cities."""
+    from pathlib import Path
+
+    from hf_memffn.demo import DEFAULT
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert "hf-memffn demo --out memffn-demo  " in readme
+    edits = re.findall(r'--edit "Q: What is the home city of ([A-Z][a-z]+ [A-Z][a-z]+)\? A:=> (\w+)"', readme)
+    assert edits
+    default_world = FactWorld(seed=0, num_entities=DEFAULT.num_entities)
+    cities = {entity.name: entity.facts["home_city"] for entity in default_world.entities}
+    for name, target in edits:
+        assert name in cities
+        assert target in default_world.values["home_city"] and target != cities[name]

@@ -84,9 +84,20 @@ class TokenNames:
         return [self(i) for i in ids]
 
 
-def encode(tokenizer, texts: Iterable[str], max_length: int) -> Iterable[list[int]]:
-    for text in texts:
-        yield tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+def check_ids(ids: list[int], num_embeddings: int, what: str) -> list[int]:
+    """`ids`, or a one-line error where one is outside the model's embedding (a tokenizer that is not the model's
+    own), before the model fails inside its embedding."""
+    bad = [token for token in ids if not 0 <= token < num_embeddings]
+    if bad:
+        raise ValueError(f"{what} has token id {bad[0]}: allowed ids are 0..{num_embeddings - 1} (the model's "
+                         f"embedding has {num_embeddings} rows; is the tokenizer the model's own?)")
+    return ids
+
+
+def encode(tokenizer, texts: Iterable[str], max_length: int, num_embeddings: int, what: str) -> Iterable[list[int]]:
+    for index, text in enumerate(texts):
+        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+        yield check_ids(ids, num_embeddings, f"{what} {index}")
 
 
 def _text_section(model, banks, token_lists, names: TokenNames, top_cells: int) -> tuple[list[dict], dict]:
@@ -209,9 +220,11 @@ def _edit_section(
     model, tokenizer, names: TokenNames, edits: Sequence[tuple[str, str]], strength: float
 ) -> list[dict]:
     results = []
+    num_embeddings = decoder_of(model).embed_tokens.weight.shape[0]
     for prompt, target in edits:
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+        prompt_ids = check_ids(tokenizer(prompt)["input_ids"], num_embeddings, f"edit prompt {prompt!r}")
+        target_ids = check_ids(tokenizer(target, add_special_tokens=False)["input_ids"], num_embeddings,
+                               f"edit target {target!r}")
         if not prompt_ids or not target_ids:
             raise ValueError(f"edit ({prompt!r}, {target!r}): prompt and target must both contain tokens")
         result = edit_next_token(model, torch.as_tensor(prompt_ids), target_ids[0], strength=strength)
@@ -298,7 +311,8 @@ def analyze(
     model.eval()
     banks = memory_banks(model) if banks is None else list(banks)
     names = TokenNames(tokenizer)
-    token_lists = [ids for ids in encode(tokenizer, texts, max_length) if ids]
+    num_embeddings = decoder_of(model).embed_tokens.weight.shape[0]
+    token_lists = [ids for ids in encode(tokenizer, texts, max_length, num_embeddings, "text") if ids]
     if not token_lists:
         raise ValueError("texts give no tokens: every text is empty after tokenization")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -328,7 +342,8 @@ def analyze(
             seen_tokens.update(ids)
             yield ids
 
-    dataset_ids = remember_tokens(encode(tokenizer, texts if dataset is None else dataset, max_length))
+    dataset_ids = remember_tokens(encode(tokenizer, texts if dataset is None else dataset, max_length, num_embeddings,
+                                         "text" if dataset is None else "dataset text"))
     report["cells"] = _cells_section(
         model, banks, dataset_ids, names, top_triggers, cells_per_bank, top_tokens, agreement_cells, batch_size,
         pad_token_id, stats,

@@ -10,7 +10,7 @@ Two edits, both reversible (`apply()` / `revert()`, or use them as context manag
 * `TokenMemoryEdit` (MemoryLLM / FlexMemoryLLM): rewrite one token's memory output rows, i.e. its lookup-table row,
   by adding a `[num_layers, hidden]` delta to the memory's output wherever that token occurs. It is held by a small
   wrapper around the decoder's memory readout, so it works with the computed memory and with loaded lookup tables
-  alike; no weight changes.
+  alike; no weight changes, so nothing a checkpoint would hold: `save_pretrained` is refused while one is applied.
 """
 
 from __future__ import annotations
