@@ -838,10 +838,18 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
                                    f"model has {key}={value}")
     fingerprint = weights_fingerprint(base)
     # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
-    if fingerprint not in (index.fingerprint, index.metadata.get("fingerprint_fp16")):
-        raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
-                               f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
-                               f"{fingerprint[:12]}...); export the table again from this model")
+    fingerprint_fp16 = index.metadata.get("fingerprint_fp16")
+    if fingerprint in (index.fingerprint, fingerprint_fp16):
+        return
+    # A table exported from the weights loaded in fp16 holds fingerprints of fp16 weights only: this model's weights
+    # rounded to fp16 are those weights when it holds them in fp32 (in bf16 they were rounded once already).
+    if fingerprint_fp16 is not None and weights_fingerprint(base, through=torch.float16) == fingerprint_fp16:
+        return
+    raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
+                           f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
+                           f"{fingerprint[:12]}...); export the table again from this model (a table exported from "
+                           "the weights in fp32 is taken by the checkpoint loaded in fp32, bf16 or fp16; one exported "
+                           "from them in bf16 or fp16 only by the checkpoint in that dtype or in fp32)")
 
 
 def refuse_device_change(table: TokenLookupTable, fn) -> None:

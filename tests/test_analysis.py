@@ -392,6 +392,21 @@ def test_texts_end_at_line_feeds_only(tmp_path):
     assert read_texts(lines) == ["one\x0cpage", "two"]
 
 
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_texts_saved_with_a_byte_order_mark_read_without_it(tmp_path, suffix):
+    """UTF-8 with a byte order mark, as some Windows editors save it: the mark is not text (a .jsonl file's first
+    line was refused as invalid JSON), and a bad byte after it is named at its offset in the file."""
+    import codecs
+
+    path = tmp_path / f"texts{suffix}"
+    first, second = ('{"text": "one"}', '{"text": "two"}') if suffix == ".jsonl" else ("one", "two")
+    path.write_bytes(codecs.BOM_UTF8 + f"{first}\n{second}\n".encode())
+    assert read_texts(path) == ["one", "two"]
+    path.write_bytes(codecs.BOM_UTF8 + b"ab\n\xff\n")
+    with pytest.raises(ValueError, match=r":2: not UTF-8 text .* at byte 6\)"):
+        read_texts(path)
+
+
 def test_report_json_has_every_section(tmp_path, monkeypatch):
     from hf_memffn.analysis import analyze, write_report
     from hf_memffn.testing import tiny_tokenizer

@@ -248,6 +248,19 @@ def test_same_weights_in_another_dtype_are_accepted(model, exported):
     fp16_copy.load_tols(exported, placement="cpu")  # (the fingerprint kept at drop time)
 
 
+@pytest.mark.parametrize("export_dtype,refused_by", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_a_table_exported_from_16_bit_weights_is_taken_by_them_and_by_fp32(tmp_path, export_dtype, refused_by):
+    """`export-tols --model-dtype fp16` (or bf16): both fingerprints of the table are of 16-bit weights. The
+    checkpoint loaded in fp32 rounds to those weights, so it takes the table; loaded in the other 16-bit dtype it does
+    not (rounded twice), and the error says which table every dtype takes."""
+    export_model = build(seed=0).to(export_dtype)
+    export_tols(export_model, tmp_path, format="bf16", batch_size=100, progress=False)
+    export_model.load_tols(tmp_path, placement="cpu")
+    build(seed=0).load_tols(tmp_path, placement="cpu")
+    with pytest.raises(TokenLookupError, match="other weights.*exported from the weights in fp32 is taken"):
+        build(seed=0).to(refused_by).load_tols(tmp_path, placement="cpu")
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_damaged_shard_is_named(model, exported, damage):
     shard = sorted(n for n in os.listdir(exported) if n.startswith("token_lookup-"))[1]

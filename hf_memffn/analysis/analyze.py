@@ -17,6 +17,7 @@ The report (a plain dict) has these sections:
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 from collections.abc import Iterable, Sequence
@@ -35,17 +36,20 @@ from .vocabulary import key_value_agreement, project_values
 
 def read_texts(path: str | Path) -> list[str]:
     """Texts from a file: one per line, or a `.jsonl` file with a "text" field per line. Blank lines are skipped.
-    Lines end at a line feed (or CR LF) only: a form feed or a Unicode line separator inside a text stays in it."""
+    Lines end at a line feed (or CR LF) only: a form feed or a Unicode line separator inside a text stays in it. A
+    byte order mark at the start (as some Windows editors save UTF-8) is not part of the first text."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
     texts = []
     data = path.read_bytes()
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        lines = [line.removesuffix("\r") for line in data.decode("utf-8").split("\n")]
+        lines = [line.removesuffix("\r") for line in data[start:].decode("utf-8").split("\n")]
     except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start}); allowed: a UTF-8 "
+        byte = start + error.start
+        line = data[:byte].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {byte}); allowed: a UTF-8 "
                          "encoded file") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
