@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -234,18 +235,23 @@ def _builder_for(path: str) -> str:
 
 
 def load_tokenizer(args, train_text, training_args):
-    """The tokenizer: trained here (once, by the main process, then reused on resume) or loaded."""
+    """The tokenizer: trained here (by the main process; a resumed run reuses its own, while a fresh run trains anew
+    over one that a run stopped before its first checkpoint left, whose settings may differ) or loaded."""
     from transformers import AutoTokenizer
 
     if args.train_tokenizer:
         folder = Path(args.output_dir) / TOKENIZER_DIR
         with training_args.main_process_first(local=False, desc="train tokenizer"):
-            if training_args.process_index == 0 and not (folder / "tokenizer_config.json").exists():
+            if training_args.process_index == 0 and not (args.resume and (folder / "tokenizer_config.json").exists()):
                 from hf_memffn.tokenization import train_tokenizer
 
                 texts = (text for batch in _batches(train_text, args.text_column) for text in batch)
                 tokenizer = train_tokenizer(texts, vocab_size=args.train_tokenizer)
-                tokenizer.save_pretrained(folder)
+                partial = folder.with_name(TOKENIZER_DIR + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)
+                tokenizer.save_pretrained(partial)
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(partial, folder)
         return AutoTokenizer.from_pretrained(folder)
     source = args.tokenizer or args.init_from
     if source is None:
@@ -307,22 +313,35 @@ def build_config(architecture: str, preset_name: str, vocab_size: int, tokenizer
     fields["vocab_size"] = vocab_size
     if tokenizer is not None:
         fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    fields.update(overrides)
     if architecture == "llama":  # the baseline: transformers' own Llama
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig as config_class
+    else:
+        import hf_memffn
 
+        config_class = hf_memffn.ARCHITECTURES[architecture]
+    if overrides:
+        refuse_unknown_overrides(overrides, set(fields) | set(config_class().to_dict()), config_class.__name__)
+    fields.update(overrides)
+    if architecture == "llama":
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
-        return LlamaConfig(**fields)
-    import hf_memffn
+    return config_class(**fields)
 
-    return hf_memffn.ARCHITECTURES[architecture](**fields)
+
+def refuse_unknown_overrides(overrides: dict, known: set[str], config_name: str) -> None:
+    """A key that is not a field of the config would be kept on it and read by nothing."""
+    unknown = sorted(key for key in overrides if key not in known)
+    if unknown:
+        fields = ", ".join(sorted(key for key in known if not key.startswith("_")))
+        raise ValueError(f"--config-overrides: {', '.join(map(repr, unknown))} not a field of {config_name}; "
+                         f"its fields: {fields}")
 
 
 def build_model(args, tokenizer):
     from transformers import AutoModelForCausalLM
 
     if args.init_from:
-        model = from_pretrained_main_process_first(args.init_from, dtype=torch.float32)
+        model = from_pretrained_main_process_first(args.init_from, parse_overrides(args.config_overrides),
+                                                   dtype=torch.float32)
     else:
         vocab_size = 64 * math.ceil(len(tokenizer) / 64)  # padded for tensor-core friendly shapes
         config = build_config(args.arch, args.preset, vocab_size, tokenizer, **parse_overrides(args.config_overrides))
@@ -340,19 +359,31 @@ def keep_present_wrap_units(model) -> None:
     model._no_split_modules = {name for name in (model._no_split_modules or ()) if name in present}
 
 
-def from_pretrained_main_process_first(path: str, **kwargs):
+def from_pretrained_main_process_first(path: str, overrides: dict | None = None, **kwargs):
     """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`, safe when many processes start at once.
 
     The main process resolves the config first, which copies the checkpoint's modeling code into the transformers
     module cache; the other processes wait at a barrier, then find the cache populated instead of writing the same
     files at the same time. (Fine-tuning does not import `hf_memffn`, so the checkpoint's own code is what runs.)
+    `overrides` (--config-overrides) are set on the saved config; one that leaves a saved weight unused, or a weight
+    of the model without its saved value, is refused.
     """
     from accelerate import PartialState
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with PartialState().main_process_first():
-        AutoConfig.from_pretrained(path, trust_remote_code=True)
-    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    if not overrides:
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs)
+    refuse_unknown_overrides(overrides, set(config.to_dict()), type(config).__name__)
+    model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, output_loading_info=True,
+                                                       **kwargs, **overrides)
+    left_out = sorted(info.get("missing_keys", ())) + sorted(info.get("unexpected_keys", ()))
+    if left_out:
+        raise ValueError(f"--config-overrides of {', '.join(overrides)}: the model of "
+                         f"--init-from={path!r} would load without some of its saved weights ({left_out[0]}, "
+                         f"{len(left_out)} in all); override only fields that keep the weights")
+    return model
 
 
 def full_numel(param) -> int:
@@ -609,6 +640,9 @@ def load_data(args, training_args):
         tokenizer = load_tokenizer(args, None, training_args)
         train_blocks = load_blocks(args.data_dir, args.block_size, "train")
         eval_blocks = load_blocks(args.data_dir, args.block_size, "heldout")
+        if len(eval_blocks) == 0:
+            raise ValueError(f"--data-dir={args.data_dir!r}: heldout.bin holds {len(eval_blocks.tokens)} tokens, fewer "
+                             f"than --block-size={args.block_size}, so no evaluation block; use smaller blocks")
     else:
         train_blocks, eval_blocks, tokenizer = load_and_pack(args, training_args)
     if args.max_eval_blocks:
@@ -616,6 +650,23 @@ def load_data(args, training_args):
     if len(train_blocks) == 0:
         raise ValueError(f"--block-size={args.block_size}: the training text gives no full block; use more text or smaller blocks")
     return train_blocks, eval_blocks, tokenizer
+
+
+def refuse_conflicting_arguments(args) -> None:
+    """Options out of range, or that another option given with them would leave unused, refused before any work."""
+    if args.block_size < 1:
+        raise ValueError(f"--block-size={args.block_size}: expected a positive number of tokens")
+    if args.max_eval_blocks is not None and args.max_eval_blocks < 1:
+        raise ValueError(f"--max-eval-blocks={args.max_eval_blocks}: expected a positive number of blocks (leave it "
+                         "out to evaluate every held-out block)")
+    if args.data_dir and (args.data_files or args.dataset):
+        given = "--data-files" if args.data_files else "--dataset"
+        raise ValueError(f"--data-dir reads token shards, so {given} would be left unused: give one of the two")
+    if args.init_from and args.train_tokenizer:
+        raise ValueError(f"--train-tokenizer: the model of --init-from={args.init_from!r} reads the token ids of its "
+                         "own tokenizer, which a new one would not keep; drop --train-tokenizer")
+    if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
+        build_config(args.arch, args.preset, 64 * 1024, **parse_overrides(args.config_overrides))
 
 
 def refuse_a_used_output_dir(args, output_dir: Path) -> None:
@@ -631,11 +682,16 @@ def refuse_a_used_output_dir(args, output_dir: Path) -> None:
 
 
 def resume_checkpoint(args, output_dir: Path) -> str | None:
+    if args.resume is None:
+        return None
     if args.resume != "latest":
+        if not (Path(args.resume) / "trainer_state.json").is_file():
+            raise ValueError(f"--resume={args.resume!r} is not a checkpoint folder (it holds no trainer_state.json): "
+                             "give a checkpoint-* folder of a run, or 'latest'")
         return args.resume
     from transformers.trainer_utils import get_last_checkpoint
 
-    checkpoint = get_last_checkpoint(str(output_dir))
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
     if checkpoint is None:
         raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
     return checkpoint
@@ -686,6 +742,7 @@ def main(argv=None) -> dict:
         # do not have
         min_lr_rate = args.min_learning_rate / training_args.learning_rate
         training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
+    refuse_conflicting_arguments(args)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir)
     set_seed(args.seed)

@@ -113,7 +113,7 @@ def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_pa
     raw = datasets.Dataset.from_dict({"text": documents})
     monkeypatch.setattr(pretrain, "load_raw_splits", lambda args: (raw, None))
     args = types.SimpleNamespace(train_tokenizer=300, output_dir=str(tmp_path), text_column="text", block_size=64,
-                                 num_proc=None, validation_fraction=0.048)  # 20 of 420
+                                 num_proc=None, validation_fraction=0.048, resume=None)  # 20 of 420
     train_blocks, eval_blocks, tokenizer = pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path),
                                                                                            report_to="none"))
     held_out_word = tokenizer(" zyxquvol", add_special_tokens=False)["input_ids"]
@@ -281,3 +281,23 @@ def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arc
     ])
     expected_type = "llama" if arch == "llama" else "memffn_flash_mhf"
     assert summary["model_type"] == expected_type and summary["global_step"] == 2
+
+
+def test_fresh_run_trains_its_tokenizer_over_one_a_stopped_run_left(tmp_path):
+    """A run stopped before its first checkpoint leaves OUTPUT_DIR/tokenizer, which is no run the folder holds: a
+    fresh run there with another --train-tokenizer size trains its own (it took the old one), a resumed run keeps it."""
+    from transformers import AutoTokenizer
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    train_tokenizer(texts, vocab_size=300).save_pretrained(out / pretrain.TOKENIZER_DIR)
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "270", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "1", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    pretrain.main(common + ["--max-steps", "1"])
+    assert len(AutoTokenizer.from_pretrained(out / "final")) == 270
+    assert not (out / (pretrain.TOKENIZER_DIR + ".partial")).exists()
+    resumed = pretrain.main(common[:5] + ["290"] + common[6:] + ["--max-steps", "2", "--resume", "latest"])
+    assert resumed["global_step"] == 2 and len(AutoTokenizer.from_pretrained(out / "final")) == 270

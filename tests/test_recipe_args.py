@@ -85,3 +85,69 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--block-size", "0"], r"--block-size=0: expected a positive number of tokens"),
+    (["--max-eval-blocks", "-1"], r"--max-eval-blocks=-1: expected a positive number"),
+    (["--data-dir", "shards"], r"--data-dir reads token shards, so --data-files would be left unused"),
+    (["--init-from", "saved"], r"--train-tokenizer: the model of --init-from='saved' reads the token ids"),
+    (["--config-overrides", "ffn_kernal=torch"], r"'ffn_kernal' not a field of FlashMHFLlamaConfig; its fields:"),
+    (["--resume", "no_such_checkpoint"], r"--resume='no_such_checkpoint' is not a checkpoint folder"),
+    (["--resume", "latest"], r"--resume latest: no checkpoint-\* folder"),
+])
+def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_path, monkeypatch, extra, message):
+    """Each of these trained and failed late (a `ZeroDivisionError`, a `KeyError` after the last step, a traceback
+    after the data was packed), or trained while ignoring an option: a typo in --config-overrides, --data-files beside
+    --data-dir, a tokenizer trained anew for an --init-from model that reads another's token ids."""
+    monkeypatch.chdir(tmp_path)
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        pretrain.main(["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+                       "--max-steps", "1", "--output-dir", str(out), *extra])
+    assert not out.exists()
+
+
+def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):
+    """A heldout.bin of fewer tokens than --block-size gave no evaluation block: the run trained to the end, then
+    failed with `KeyError: 'eval_loss'` before saving the final model."""
+    import token_shards
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    tokenizer = train_tokenizer(["the key reads a value from memory"] * 10, vocab_size=300)
+    tokenizer.save_pretrained(shards)
+    document = tokenizer("the key reads a value from memory", add_special_tokens=False)["input_ids"]
+    token_shards.write_split(shards, "train", [document] * 40, tokenizer.eos_token_id)
+    held_out = token_shards.write_split(shards, "heldout", [document] * 2, tokenizer.eos_token_id)
+    assert held_out < 32
+    with pytest.raises(ValueError, match=rf"--data-dir=.*: heldout.bin holds {held_out} tokens, fewer than "
+                                         r"--block-size=32, so no evaluation block"):
+        pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "32", "--max-steps", "2",
+                       "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
+
+
+def test_config_overrides_apply_to_an_init_from_model(tmp_path):
+    """--config-overrides with --init-from set the saved config's fields (they were ignored); one that would load the
+    model without some of its saved weights is refused."""
+    from hf_memffn.tokenization import train_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
+    saved = tmp_path / "saved"
+    tokenizer = train_tokenizer([json.loads(line)["text"] for line in corpus.read_text().splitlines()], vocab_size=300)
+    config = pretrain.build_config("flash_mhf", "tiny", 320, tokenizer, ffn_kernel="torch")
+    AutoModelForCausalLM.from_config(config).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    common = ["--init-from", str(saved), "--data-files", str(corpus), "--block-size", "32",
+              "--per-device-batch-size", "2", "--max-steps", "1", "--save-steps", "100", "--max-eval-blocks", "1"]
+    summary = pretrain.main(common + ["--config-overrides", "attention_dropout=0.25,rms_norm_eps=0.001",
+                                      "--output-dir", str(tmp_path / "run")])
+    final = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert (final["attention_dropout"], final["rms_norm_eps"]) == (0.25, 0.001) and summary["global_step"] == 1
+    with pytest.raises(ValueError, match=r"--config-overrides of ffn_io_projections: the model of --init-from=.* would "
+                                         r"load without some of its saved weights \(model.layers.0.mlp.in_proj.weight"):
+        pretrain.main(common + ["--config-overrides", "ffn_io_projections=false",
+                                "--output-dir", str(tmp_path / "run2")])
