@@ -652,6 +652,15 @@ def load_data(args, training_args):
     return train_blocks, eval_blocks, tokenizer
 
 
+def evaluation_at_the_last_step(state) -> dict | None:
+    """The evaluation the Trainer logged at the run's last step (when --eval-steps divides it), which the final
+    evaluation would repeat on the same weights (logged twice, and its time spent twice); None if there is none."""
+    for record in reversed(state.log_history):
+        if "eval_loss" in record:
+            return record if record.get("step") == state.global_step else None
+    return None
+
+
 def refuse_conflicting_arguments(args) -> None:
     """Options out of range, or that another option given with them would leave unused, refused before any work."""
     if args.block_size < 1:
@@ -793,7 +802,7 @@ def main(argv=None) -> dict:
     else:
         session_loss = trainer.train(resume_from_checkpoint=checkpoint).training_loss
     train_seconds = time.perf_counter() - started
-    eval_metrics = trainer.evaluate()
+    eval_metrics = evaluation_at_the_last_step(trainer.state) or trainer.evaluate()
     final_dir = output_dir / "final"
     trainer.save_model(str(final_dir))
 

@@ -157,6 +157,8 @@ def test_train_evaluate_save_and_resume(tmp_path):
     assert (out / "checkpoint-4").is_dir()
     log = out / "train_log.jsonl"
     first_run_records = len(log.read_text().splitlines())
+    # --eval-steps divides the last step: the final evaluation is the one logged there, not run a second time
+    assert [r["step"] for r in map(json.loads, log.read_text().splitlines()) if "eval_loss" in r] == [2, 4]
 
     with pytest.raises(ValueError, match=r"--output-dir=.* holds a run \(checkpoint-2, checkpoint-4, final, "
                                          r"summary.json\): pass --resume latest"):
