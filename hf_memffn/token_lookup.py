@@ -225,7 +225,7 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
     base = _memory_base(model)
     memory = getattr(base, "memory", None)
     if memory is None:
-        stored = getattr(base, "_token_lookup_fingerprint", None)
+        stored = getattr(base, "_token_lookup_fingerprints", {}).get(through)
         if stored is None:
             raise TokenLookupError("the memory FFN weights are not on this model and no fingerprint was kept; "
                                    "load the model again to compute or check a token lookup table")
@@ -331,14 +331,12 @@ class TableIndex:
                 raw = json.load(handle)
             except ValueError as error:
                 raise TokenLookupError(f"{path} is not valid JSON: {error}") from None
-        meta = raw.get("metadata", {}).get("token_lookup")
-        if not meta or meta.get("format_version") != TABLE_FORMAT_VERSION:
+        metadata = raw.get("metadata") if isinstance(raw, dict) else None
+        meta = metadata.get("token_lookup") if isinstance(metadata, dict) else None
+        if not isinstance(meta, dict) or meta.get("format_version") != TABLE_FORMAT_VERSION:
             raise TokenLookupError(f"{path} is not a token lookup index of format version {TABLE_FORMAT_VERSION}")
-        return cls(directory=directory, fmt=TokenLookupFormat.from_dict(meta["format"]),
-                   vocab_size=meta["vocab_size"], num_hidden_layers=meta["num_hidden_layers"],
-                   hidden_size=meta["hidden_size"], layers=meta["layers"], ranks=meta.get("ranks"),
-                   rows_per_block=meta["rows_per_block"], fingerprint=meta["fingerprint"], shards=meta["shards"],
-                   weight_map=raw["weight_map"], metadata=meta)
+        fields = _checked_index_fields(path, raw, meta)
+        return cls(directory=directory, ranks=meta.get("ranks"), metadata=meta, **fields)
 
     def verify(self, mode: str = "full") -> None:
         """Check every shard: present, of the recorded size, (mode 'full') of the recorded sha256."""
@@ -374,7 +372,71 @@ class TableIndex:
         missing = sorted(set(self.weight_map) - set(tensors))
         if missing:
             raise TokenLookupError(f"tensors {missing[:3]} listed in the index are not in the shards")
+        for key, shape in self.tensor_shapes().items():
+            if key not in tensors:
+                raise TokenLookupError(f"tensor {key} of the token lookup table in {self.directory} is not in its "
+                                       "shards")
+            if tuple(tensors[key].shape) != shape:
+                raise TokenLookupError(f"tensor {key} of the token lookup table in {self.directory} has shape "
+                                       f"{tuple(tensors[key].shape)} but its index describes {shape}")
         return tensors
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the runtime reads, by name, with the shape the index describes."""
+        shapes = {}
+        for start in self.block_starts:
+            rows = min(self.rows_per_block, self.vocab_size - start)
+            shapes[block_keys(start)[0]] = (rows, self.row_width)
+            if self.fmt.group_size:
+                shapes[block_keys(start)[1]] = (rows, self.scale_width)
+        for layer, rank in zip(self.layers, self.ranks if self.fmt.name == "lowrank" else []):
+            shapes[basis_key(layer)] = (rank, self.hidden_size)
+        return shapes
+
+
+def _checked_index_fields(path: str, raw: dict, meta: dict) -> dict:
+    """The fields of a token lookup index, each of the type and value the runtime reads (TokenLookupError if not)."""
+
+    def damaged(field: str, requirement: str):
+        value = repr(raw.get("weight_map") if field == "weight_map" else meta.get(field.rpartition(".")[2]))
+        value = value if len(value) <= 60 else value[:60] + "..."
+        return TokenLookupError(f"{path} is damaged: `{field}`={value} {requirement}; export the table again")
+
+    def is_count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    fields = {}
+    for key in ("vocab_size", "num_hidden_layers", "hidden_size", "rows_per_block"):
+        if not is_count(meta.get(key)):
+            raise damaged(f"token_lookup.{key}", "must be a positive integer")
+        fields[key] = meta[key]
+    if not isinstance(meta.get("format"), dict):
+        raise damaged("token_lookup.format", "must be an object")
+    try:
+        fmt = TokenLookupFormat.from_dict(meta["format"])
+        fmt.check_model(fields["num_hidden_layers"], fields["hidden_size"])
+    except (TypeError, ValueError) as error:
+        raise damaged("token_lookup.format", f"is not a valid format ({error})") from None
+    layers = fmt.kept_layers(fields["num_hidden_layers"])
+    if meta.get("layers") != layers:
+        raise damaged("token_lookup.layers", f"must be the layers its format keeps, {layers}")
+    ranks = meta.get("ranks")
+    if fmt.name == "lowrank" and not (isinstance(ranks, list) and len(ranks) == len(layers)
+                                      and all(is_count(rank) and rank <= fields["hidden_size"] for rank in ranks)):
+        raise damaged("token_lookup.ranks", f"must be {len(layers)} ranks in 1..{fields['hidden_size']}, one per kept "
+                      "layer")
+    if not isinstance(meta.get("fingerprint"), str):
+        raise damaged("token_lookup.fingerprint", "must be a string")
+    shards = meta.get("shards")
+    if not isinstance(shards, dict) or not shards or not all(
+            isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("size"), int)
+            for info in shards.values()):
+        raise damaged("token_lookup.shards", 'must map each shard file name to {"sha256": str, "size": int}')
+    weight_map = raw.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(file in shards for file in weight_map.values()):
+        raise damaged("weight_map", "must map tensor names to the shard files of token_lookup.shards")
+    return {**fields, "fmt": fmt, "layers": layers, "fingerprint": meta["fingerprint"], "shards": shards,
+            "weight_map": weight_map}
 
 
 def block_keys(start: int) -> tuple[str, str]:
@@ -929,7 +991,9 @@ class TokenLookupMixin:
         memory = getattr(base, "memory", None)
         if memory is None:
             return 0
-        base._token_lookup_fingerprint = weights_fingerprint(base)
+        # both fingerprints `check_table_matches` compares, so every table this model takes is still taken
+        base._token_lookup_fingerprints = {through: weights_fingerprint(base, through=through)
+                                           for through in (None, torch.float16)}
         freed = sum(p.numel() for p in memory.parameters())
         on_cuda = any(p.is_cuda for p in memory.parameters())
         base.memory = None

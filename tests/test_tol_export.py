@@ -261,6 +261,51 @@ def test_a_table_exported_from_16_bit_weights_is_taken_by_them_and_by_fp32(tmp_p
         build(seed=0).to(refused_by).load_tols(tmp_path, placement="cpu")
 
 
+def test_a_table_taken_through_fp16_rounding_is_still_taken_once_the_memory_ffn_is_dropped(tmp_path):
+    """The fp32 checkpoint takes a table exported from its weights in fp16 by their fp16 fingerprint; with the memory
+    FFN dropped, the fingerprints kept then still take it (e.g. loaded again in another placement)."""
+    export_tols(build(seed=0).to(torch.float16), tmp_path, format="fp16", batch_size=100, progress=False)
+    fp32_model = build(seed=0)
+    fp32_model.load_tols(tmp_path, placement="cpu", drop_memory_ffn=True)
+    fp32_model.load_tols(tmp_path, placement="disk")
+    assert fp32_model.model.token_lookup.placement == "disk"
+    with pytest.raises(TokenLookupError, match="other weights"):
+        build(seed=1).load_tols(tmp_path, placement="cpu")
+
+
+def _edit_index(directory, edit):
+    with open(directory / INDEX_NAME) as handle:
+        index = json.load(handle)
+    edit(index, index["metadata"]["token_lookup"])
+    with open(directory / INDEX_NAME, "w") as handle:
+        json.dump(index, handle)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda index, meta: index.pop("weight_map"), "`weight_map`=None must map tensor names"),
+    (lambda index, meta: meta.pop("rows_per_block"), "`token_lookup.rows_per_block`=None must be a positive integer"),
+    (lambda index, meta: meta.update(rows_per_block=0), "`token_lookup.rows_per_block`=0 must be a positive"),
+    (lambda index, meta: meta.update(vocab_size="320"), "`token_lookup.vocab_size`='320' must be a positive"),
+    (lambda index, meta: meta.update(format="int8"), "`token_lookup.format`='int8' must be an object"),
+    (lambda index, meta: meta["format"].update(bits=4), r"`token_lookup.format`=.* is not a valid format"),
+    (lambda index, meta: meta.update(layers=[0]), r"`token_lookup.layers`=\[0\] must be the layers its format keeps"),
+    (lambda index, meta: meta.update(shards=list(meta["shards"])), "`token_lookup.shards`=.* must map each shard"),
+    (lambda index, meta: meta.update(fingerprint=None), "`token_lookup.fingerprint`=None must be a string"),
+    (lambda index, meta: meta["format"].update(group_size=8), r"scales.000000000 .* has shape \(100, 8\) but its "
+                                                              r"index describes \(100, 16\)"),
+], ids=["no-weight_map", "no-rows_per_block", "rows_per_block-0", "vocab_size-str", "format-str", "format-unknown-key",
+        "layers-wrong", "shards-list", "fingerprint-null", "group_size-wrong"])
+def test_an_index_with_fields_of_the_wrong_type_or_value_is_named(model, tmp_path, edit, message):
+    """The index (valid JSON, not covered by the shards' sha256) is checked field by field, and the stored tensors'
+    shapes against it: the error names the field, where a KeyError, a TypeError or a shape mismatch in the first
+    forward came before."""
+    export_tols(model, tmp_path, format="int8", group_size=16, batch_size=100, progress=False)
+    _edit_index(tmp_path, edit)
+    with pytest.raises(TokenLookupError, match=message):
+        model.load_tols(tmp_path, placement="cpu")
+    assert model.model.token_lookup is None
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_damaged_shard_is_named(model, exported, damage):
     shard = sorted(n for n in os.listdir(exported) if n.startswith("token_lookup-"))[1]
