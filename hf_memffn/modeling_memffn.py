@@ -636,7 +636,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
     def _refuse_training_the_table_inputs(self) -> None:
         """A table holds the FFNs on X0 of fixed weights: no gradient reaches those FFNs (or X0 through them), and a
         step that changed the weights would leave the table out of date."""
-        trained = ["embed_tokens"] if self.embed_tokens.weight.requires_grad else []
+        # (every parameter of the embedding module: an adapter on it, such as PEFT's LoRA, changes X0 too)
+        trained = ["embed_tokens"] if any(param.requires_grad for param in self.embed_tokens.parameters()) else []
         if self.memory is not None and any(param.requires_grad for param in self.memory.parameters()):
             trained.append("memory")
         if trained:

@@ -888,6 +888,14 @@ def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: in
                       kernel=kernel)
 
 
+def embedding_adapters(embedding: nn.Module) -> list[str]:
+    """Names of the token embedding's parameters that its `weight` does not hold (an adapter, e.g. PEFT's LoRA
+    embedding with its `lora_embedding_A`), whose change to X0 a table of the weight's FFNs does not have."""
+    own = ("weight", "base_layer.weight")
+    return [name for name, _ in embedding.named_parameters()
+            if name not in own and not name.startswith("parametrizations.weight.")]
+
+
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     """Refuse a table computed from other weights (or another shape) than `model`'s."""
     base = _memory_base(model)
@@ -898,6 +906,12 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
         if getattr(index, key) != value:
             raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
                                    f"model has {key}={value}")
+    adapters = embedding_adapters(base.embed_tokens)
+    if adapters:
+        raise TokenLookupError(f"the token embedding has parameters that its weight does not hold ({adapters[0]}: an "
+                               "adapter such as PEFT's LoRA), which change X0 but not a table computed from the weight; "
+                               "merge the adapter into the weight (merge_and_unload) and export the table from the "
+                               "merged model, or leave the embedding out of the adapter's target modules")
     fingerprint = weights_fingerprint(base)
     # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
     fingerprint_fp16 = index.metadata.get("fingerprint_fp16")

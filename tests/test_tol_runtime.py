@@ -12,7 +12,7 @@ import hf_memffn  # noqa: F401
 from hf_memffn import token_lookup_triton
 from hf_memffn.conversion import export_tols
 from hf_memffn.testing import tiny_config
-from hf_memffn.token_lookup import TokenLookupFormat, dequantize_rows, quantize_rows
+from hf_memffn.token_lookup import TokenLookupError, TokenLookupFormat, dequantize_rows, quantize_rows
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,6 +143,31 @@ def test_training_the_weights_a_table_replaces_is_refused(exported):
         fresh.unload_tols()
     fresh.train()
     fresh(input_ids=ids, labels=ids).loss.backward()  # computing the memory FFN again, it trains
+
+
+def test_an_adapter_on_the_token_embedding_is_refused_with_a_table(exported):
+    """PEFT's LoRA on `embed_tokens` changes X0, which a table computed from the embedding's weight does not see: a
+    table is refused while the adapter is on the embedding (it was taken, and its logits differed from the computed
+    model's without a word), and training that adapter with a table loaded is refused like training the weight."""
+    from peft import LoraConfig, get_peft_model
+
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    adapted = get_peft_model(build(model.config.model_type.replace("memffn_", "")),
+                             LoraConfig(target_modules=["embed_tokens"], r=4, init_lora_weights=False))
+    with pytest.raises(TokenLookupError, match=r"lora_embedding_A.*merge_and_unload"):
+        adapted.load_tols(directory, placement="cpu")
+    assert adapted.base_model.model.model.token_lookup is None
+    frozen_embedding = build(model.config.model_type.replace("memffn_", ""))
+    frozen_embedding.load_tols(directory, placement="cpu")
+    frozen_embedding.requires_grad_(False)
+    adapted = get_peft_model(frozen_embedding, LoraConfig(target_modules=["embed_tokens"], r=4))
+    adapted.train()
+    with pytest.raises(ValueError, match=r"parameters of embed_tokens require gradients"):
+        adapted(input_ids=ids, labels=ids)
+    merged = get_peft_model(build(model.config.model_type.replace("memffn_", "")),
+                            LoraConfig(target_modules=["embed_tokens"], r=4)).merge_and_unload()
+    merged.load_tols(directory, placement="cpu")  # the adapter starts at zero: the merged weight is the exported one
 
 
 def test_bad_runtime_options_name_the_field(exported):
