@@ -54,7 +54,10 @@ class MemFFNLM(HFLM):
                 f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "
                 "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
             )
-        model.load_tols(local_table_dir(str(token_lookup)), placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
+        # (a table in the evaluated Hub repo itself is read at the evaluated revision)
+        revision = kwargs.get("revision") if str(token_lookup) == str(kwargs.get("pretrained")) else None
+        model.load_tols(local_table_dir(str(token_lookup), revision), placement=placement,
+                        drop_memory_ffn=bool(drop_memory_ffn))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """`HFLM.loglikelihood_rolling` with the documents encoded without special tokens.

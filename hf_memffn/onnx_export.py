@@ -76,6 +76,12 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
     if input_ids.dim() != 2:
         raise ValueError(f"export_onnx: input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+    table = getattr(getattr(model, "model", model), "token_lookup", None)
+    if table is not None and table.placement == "disk":
+        raise ValueError("export_onnx: the model reads its token lookup table from the disk (placement='disk'), whose "
+                         "rows an ONNX graph cannot hold; load the table with placement='cpu' (its rows become the "
+                         "graph's weights), or export the computed memory FFN (unload_tols(), if its weights were "
+                         "kept)")
     if dynamic and min(input_ids.shape) < 2:
         raise ValueError(f"export_onnx: with dynamic shapes input_ids needs batch and length of at least 2 "
                          f"(torch.export fixes a size seen as 1), got shape {list(input_ids.shape)}; or pass "
@@ -89,9 +95,14 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     if dynamic:
         batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
         export_kwargs.setdefault("dynamic_shapes", tuple({0: batch, 1: length} for _ in inputs))
-    program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
-                                output_names=["logits"], custom_translation_table=onnx_translation_table(),
-                                **export_kwargs)
+    modes = [(module, module.training) for module in model.modules()]  # (put back after the export)
+    try:
+        program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
+                                    output_names=["logits"], custom_translation_table=onnx_translation_table(),
+                                    **export_kwargs)
+    finally:
+        for module, training in modes:
+            module.training = training
     _save_atomic(program, Path(path))
     return program
 

@@ -201,6 +201,28 @@ def test_memffn_model_default_table_placement_follows_the_models_device(checkpoi
     assert lm.model.model.token_lookup.placement == "cpu"
 
 
+def test_memffn_model_reads_a_table_in_the_evaluated_repo_at_the_evaluated_revision(checkpoints, tmp_path,
+                                                                                     monkeypatch):
+    """`pretrained=org/m,revision=step1000,token_lookup=org/m` reads the table saved at step1000, not at `main` (whose
+    table is from other weights); a table elsewhere is read at its own default revision. (A local folder stands in
+    for the Hub repo; the download call is recorded.)"""
+    import shutil
+
+    import hf_memffn.lm_eval_model as lm_eval_model
+    from hf_memffn.conversion.export import export_tols
+
+    folder = tmp_path / "memoryllm"
+    shutil.copytree(checkpoints["memoryllm"], folder)
+    export_tols(str(folder), folder, format="fp32", progress=False)
+    calls = []
+    download = lm_eval_model.local_table_dir
+    monkeypatch.setattr(lm_eval_model, "local_table_dir",
+                        lambda path, revision=None: (calls.append((path, revision)), download(path, revision))[1])
+    load_lm(lm_eval_model.MemFFNLM, folder, revision="step1000", token_lookup=str(folder))
+    load_lm(lm_eval_model.MemFFNLM, checkpoints["memoryllm"], revision="step1000", token_lookup=str(folder))
+    assert calls == [(str(folder), "step1000"), (str(folder), None)]
+
+
 LL_PAIRS = [("the key reads", " the value"), ("memory of the layer is ", "a token"), ("", "the head stores"),
             ("a", " key of the memory reads the value")]
 DOCUMENTS = ["the key reads the value of memory", "memory", "a layer stores the token of the head " * 3]

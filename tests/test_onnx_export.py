@@ -173,3 +173,39 @@ def test_a_model_saved_with_external_data_names_the_data_file_beside_it(tmp_path
         expected = model(ids, use_cache=False).logits.numpy()
     logits = ReferenceEvaluator(onnx.load(str(path))).run(None, {"input_ids": ids.numpy()})[0]
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_reading_its_token_lookup_table_exports_from_the_host_and_refuses_the_disk(tmp_path):
+    """A MemoryLLM reading its table exports with the table's rows as the graph's weights in cpu placement (memory FFN
+    dropped); disk placement, whose rows the graph cannot hold, is refused with a line naming it, writing nothing."""
+    from hf_memffn.conversion.export import export_tols
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_hidden_layers=1, initializer_range=0.1))
+    export_tols(model.eval(), tmp_path / "table", format="int8", progress=False)
+    model.load_tols(tmp_path / "table", placement="disk")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match="placement='disk'.*placement='cpu'"):
+        export_onnx(model, torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    assert list(out.iterdir()) == []
+    model.unload_tols()
+    model.load_tols(tmp_path / "table", placement="cpu", drop_memory_ffn=True)
+    export_onnx(model, torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    ids = torch.randint(3, 320, (3, 5))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.numpy()
+    logits = ReferenceEvaluator(onnx.load(str(out / "model.onnx"))).run(None, {"input_ids": ids.numpy()})[0]
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_export_leaves_a_training_model_in_training_mode(tmp_path):
+    """Exporting in the middle of training (a checkpoint callback) keeps dropout on afterwards, and a module the user
+    had put in eval mode stays there."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1, kvffn_dropout=0.1)).train()
+    model.model.embed_tokens.eval()
+    export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx")
+    assert model.training and not model.model.embed_tokens.training
+    dropouts = [module for module in model.modules() if isinstance(module, torch.nn.Dropout)]
+    assert dropouts and all(module.training for module in dropouts)
