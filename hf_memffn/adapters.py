@@ -14,6 +14,8 @@ modules' forward (FlashMHF's fused kernel call included) change: the module read
   layers (`hf_memffn.LORA_TARGET_MODULES`) to adapt every FFN weight; PEFT's adapters stay trainable.
 - A checkpoint saved while adapters (or int8) are attached holds the parametrized tensors, as the Trainer's
   checkpoints need to resume; `from_pretrained` refuses it. Merge first for a checkpoint in the original format.
+  On a PEFT model, PEFT's `save_pretrained` (the Trainer's checkpoints of it too) holds PEFT's adapters only: save
+  these with `weight_lora_state_dict`.
 - `merge_weight_lora(model)`: folds the adapters into the weights (every int8 weight is float again, with an
   adapter or not); the model saves in the original format again.
 - `weight_lora_state_dict(model)` / `load_weight_lora(model, state_dict)`: the adapter weights alone.
@@ -25,6 +27,8 @@ modules' forward (FlashMHF's fused kernel call included) change: the module read
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 
 import torch
 from torch import nn
@@ -70,10 +74,10 @@ class LowRankDelta(nn.Module):
 
 
 def _check_rank(r, alpha) -> None:
-    if not isinstance(r, int) or r <= 0:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"r={r!r} is invalid: must be a positive integer")
-    if not alpha > 0:
-        raise ValueError(f"alpha={alpha!r} is invalid: must be > 0")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"alpha={alpha!r} is invalid: must be a finite number > 0")
 
 
 def _has_lora(module: nn.Module, name: str) -> bool:
@@ -105,6 +109,9 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
     `get_peft_model` model) stay as they were. A weight that has an adapter already is refused (merge it first)."""
     _check_rank(r, alpha)
     found = parameter_weights(model)
+    if isinstance(targets, str):
+        raise ValueError(f"targets={targets!r} is invalid: must be a list of qualified weight names "
+                         f"(adapters.parameter_weights), e.g. targets=[{targets!r}]")
     if targets is not None:
         known = {name for name, _, _ in found}
         unknown = sorted(set(targets) - known)
@@ -123,6 +130,10 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
                 param.requires_grad_(False)
     for _, module, name in found:
         parametrize.register_parametrization(module, name, LowRankDelta(getattr(module, name), r, alpha))
+    if found and getattr(model, "peft_config", None):
+        warnings.warn("add_weight_lora on a PEFT model: PEFT's save_pretrained, and so the Trainer's checkpoints, "
+                      "hold PEFT's adapters only, not these; save them with adapters.weight_lora_state_dict(model) "
+                      "(adapters.load_weight_lora loads them back), or merge both before saving", stacklevel=2)
     return [name for name, _, _ in found]
 
 
@@ -199,18 +210,23 @@ def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> N
     saved when FlashMHF's banks were three parameters `key`, `up`, `value`)."""
     state_dict = _with_merged_bank_adapters(state_dict)
     names = {id(module): module_name for module_name, module in model.named_modules()}
-    expected = set()
+    adapter_params = {}
     for module, name, _, item in _lora_parametrizations(model):
         prefix = f"{names[id(module)]}.{name}".lstrip(".")
         for part in ("lora_A", "lora_B"):
             key = f"{prefix}.{part}"
-            expected.add(key)
+            adapter_params[key] = getattr(item, part)
             if key not in state_dict:
                 raise ValueError(f"state_dict is missing {key!r}; add the same adapters with add_weight_lora first")
-            getattr(item, part).data.copy_(state_dict[key])
-    unexpected = sorted(set(state_dict) - expected)
+            if tuple(state_dict[key].shape) != tuple(adapter_params[key].shape):
+                raise ValueError(f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)}, this model's "
+                                 f"adapter {tuple(adapter_params[key].shape)}: add the adapters with the r they were "
+                                 "saved with")
+    unexpected = sorted(set(state_dict) - set(adapter_params))
     if unexpected:
         raise ValueError(f"state_dict has adapter weights this model has no adapter for: {unexpected}")
+    for key, param in adapter_params.items():
+        param.data.copy_(state_dict[key])
 
 
 class Int8Weight(nn.Module):
@@ -233,9 +249,15 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     Returns the quantized names."""
     found = parameter_weights(model)
     _refuse_sharded_weights("quantize_weights_int8", found)
+    quantized = [qualified for qualified, module, name in found if parametrize.is_parametrized(module, name) and any(
+        isinstance(item, Int8Weight) for item in module.parametrizations[name])]
+    if quantized:
+        raise ValueError(f"quantize_weights_int8: {quantized} are int8 already")
+    adapted = [qualified for qualified, module, name in found if parametrize.is_parametrized(module, name)]
+    if adapted:
+        raise ValueError(f"quantize_weights_int8: {adapted} have adapters; quantize before adding adapters "
+                         "(add_weight_lora), not after, or merge them first (adapters.merge_weight_lora)")
     for _, module, name in found:
-        if parametrize.is_parametrized(module, name):
-            raise ValueError(f"{name}: quantize before adding adapters (add_weight_lora), not after")
         getattr(module, name).requires_grad_(False)  # an int8 parameter cannot require gradients
         parametrize.register_parametrization(module, name, Int8Weight())
     return [name for name, _, _ in found]

@@ -250,3 +250,59 @@ def test_merging_gives_float_weights_back_for_int8_weights_without_an_adapter_to
     model.save_pretrained(tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, logits)
+
+
+def test_adapters_saved_with_another_rank_are_refused_before_any_is_loaded():
+    """Adapters of rank 1 broadcast into rank-2 ones without an error; other ranks failed with a RuntimeError that
+    named no weight."""
+    saved = tiny_model("memoryllm")
+    adapters.add_weight_lora(saved, r=1, alpha=2)
+    state = adapters.weight_lora_state_dict(saved)
+    model = tiny_model("memoryllm")
+    adapters.add_weight_lora(model, r=2, alpha=4)
+    before = adapters.weight_lora_state_dict(model)
+    with pytest.raises(ValueError, match=r"model\.memory\.gate_proj\.lora_A'\] has shape \(2, 1, 64\).*\(2, 2, 64\)"):
+        adapters.load_weight_lora(model, state)
+    same_shapes = {**state, "model.memory.gate_proj.lora_A": before["model.memory.gate_proj.lora_A"] + 1}
+    with pytest.raises(ValueError, match="has shape"):  # (another entry is refused: nothing was copied)
+        adapters.load_weight_lora(model, same_shapes)
+    for key, value in adapters.weight_lora_state_dict(model).items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_quantize_weights_int8_refused_changes_nothing_and_names_why():
+    """Refused for one weight with an adapter, it had quantized the weights before that one; called twice, it
+    blamed adapters the model did not have."""
+    model = tiny_model("memoryllm")
+    adapters.add_weight_lora(model, r=2, targets=["model.memory.up_proj"])
+    with pytest.raises(ValueError, match=r"\['model\.memory\.up_proj'\] have adapters"):
+        adapters.quantize_weights_int8(model)
+    assert not any(param.dtype == torch.int8 for param in model.parameters())
+    model = tiny_model("memoryllm")
+    adapters.quantize_weights_int8(model)
+    with pytest.raises(ValueError, match=r"model\.memory\.gate_proj.*are int8 already"):
+        adapters.quantize_weights_int8(model)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(alpha=None), "alpha=None is invalid"), (dict(alpha=float("inf")), "alpha=inf is invalid"),
+    (dict(alpha="16"), "alpha='16' is invalid"), (dict(r=True), "r=True is invalid"),
+    (dict(targets="model.memory.up_proj"), r"targets='model\.memory\.up_proj' is invalid: must be a list"),
+])
+def test_add_weight_lora_refuses_bad_arguments_naming_them(kwargs, message):
+    model = tiny_model("memoryllm")
+    with pytest.raises(ValueError, match=message):
+        adapters.add_weight_lora(model, **kwargs)
+    assert not any(".parametrizations." in name for name, _ in model.named_parameters())
+
+
+def test_add_weight_lora_on_a_peft_model_warns_that_pefts_checkpoints_leave_its_adapters_out(tmp_path):
+    """PEFT's save_pretrained (the Trainer's checkpoints of a PEFT model) keeps PEFT's adapters only."""
+    from safetensors.torch import load_file
+
+    model = peft.get_peft_model(tiny_model("memoryllm"),
+                                peft.LoraConfig(r=2, target_modules=hf_memffn.LORA_TARGET_MODULES["memoryllm"]))
+    with pytest.warns(UserWarning, match="weight_lora_state_dict"):
+        adapters.add_weight_lora(model, r=2)
+    model.save_pretrained(tmp_path)
+    assert not any(".parametrizations." in key for key in load_file(tmp_path / "adapter_model.safetensors"))
