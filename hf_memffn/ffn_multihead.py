@@ -26,9 +26,18 @@ from .rms_norm import MemFFNRMSNorm
 logger = logging.getLogger(__name__)
 
 
+def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU random state and that of `device` (None for a CPU device)."""
+    if device.type == "cpu":
+        return torch.get_rng_state(), None
+    return torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device)
+
+
 class _TokenChunkedRecompute(torch.autograd.Function):
     """Runs a position-wise module over [1, n, d] tokens chunk by chunk without keeping any activation: the backward
-    pass recomputes each chunk and writes its input gradient straight into one preallocated tensor."""
+    pass recomputes each chunk and writes its input gradient straight into one preallocated tensor. The recompute
+    starts from the random state of the forward pass, so dropout inside the module (an adapter's) draws the same
+    masks as in the forward pass."""
 
     @staticmethod
     def forward(ctx, module, chunk_tokens, tokens, *params):
@@ -36,6 +45,7 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         device_type = tokens.device.type  # the recompute runs under the same autocast as this forward
         ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
                             dtype=torch.get_autocast_dtype(device_type))
+        ctx.rng_states = _rng_states(tokens.device)
         ctx.save_for_backward(tokens)
         output = None
         for start in range(0, tokens.shape[1], chunk_tokens):
@@ -52,16 +62,22 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         params = [p for p, needed in zip(ctx.params, ctx.needs_input_grad[3:]) if needed]
         grad_tokens = torch.empty_like(tokens) if needs_tokens else None
         grad_params = [None] * len(params)
-        for start in range(0, tokens.shape[1], ctx.chunk_tokens):
-            stop = start + ctx.chunk_tokens
-            grads = _TokenChunkedRecompute._chunk_gradients(
-                ctx, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
-            )
-            if needs_tokens:
-                grad_tokens[:, start:stop] = grads.pop(0)
-            for i, grad in enumerate(grads):
-                grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
-            del grads
+        cpu_state, device_state = ctx.rng_states
+        devices = [tokens.device] if device_state is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=tokens.device.type):
+            torch.set_rng_state(cpu_state)
+            if device_state is not None:
+                torch.get_device_module(tokens.device).set_rng_state(device_state, tokens.device)
+            for start in range(0, tokens.shape[1], ctx.chunk_tokens):
+                stop = start + ctx.chunk_tokens
+                grads = _TokenChunkedRecompute._chunk_gradients(
+                    ctx, tokens[:, start:stop], grad_output[:, start:stop], params, needs_tokens
+                )
+                if needs_tokens:
+                    grad_tokens[:, start:stop] = grads.pop(0)
+                for i, grad in enumerate(grads):
+                    grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+                del grads
         grads_by_param = iter(grad_params)
         all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
         return None, None, grad_tokens, *all_param_grads

@@ -726,6 +726,25 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     assert out_empty.shape == (0, 40, 64) and empty.grad.shape == empty.shape
 
 
+def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks():
+    """A LoRA adapter with dropout on `in_proj`: the recompute of the backward pass draws the masks of the forward
+    pass, so the gradients are those of the plain module for the same random state."""
+    peft = pytest.importorskip("peft")
+    grads = []
+    for chunk_tokens in (0, 4):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["in_proj"], lora_dropout=0.5,
+                                                           init_lora_weights=False)).train()
+        ids = torch.randint(0, 64, (2, 9))
+        torch.manual_seed(1)
+        model(ids, labels=ids).loss.backward()
+        grads.append([p.grad for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for recomputed, plain in zip(grads[1], grads[0]):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_mhf_model_trains_on_cuda_under_autocast_with_the_triton_kernels():
