@@ -118,6 +118,10 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
         if unknown:
             raise ValueError(f"targets={unknown} are not FFN parameter weights of this model; allowed: {sorted(known)}")
         found = [entry for entry in found if entry[0] in set(targets)]
+    if not found and freeze_base:
+        raise ValueError("add_weight_lora: no FFN weight of this model is a plain parameter to adapt"
+                         f"{' among targets=[]' if targets is not None else ''} (the FFNs of Linear layers take PEFT's "
+                         "LoRA: hf_memffn.LORA_TARGET_MODULES), and freeze_base=True would freeze the whole model")
     _refuse_sharded_weights("add_weight_lora", found)
     adapted = sorted(qualified for qualified, module, name in found if _has_lora(module, name))
     if adapted:

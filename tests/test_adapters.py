@@ -45,6 +45,16 @@ def test_lora_targets_cover_the_ffn_of_every_baseline(arch, ffn_variant):
     assert ffn_weights and set(ffn_weights) <= adapted_weights(model, adapted)
 
 
+@pytest.mark.parametrize("arch, targets", [("kvffn", None), ("memoryllm", [])])
+def test_add_weight_lora_with_nothing_to_adapt_is_refused_before_freezing_the_model(arch, targets):
+    """KV-FFN's FFN is Linear layers (PEFT's LoRA adapts them), and `targets=[]` names nothing: with freeze_base the
+    call froze every parameter and returned [], so nothing would train."""
+    model = tiny_model(arch)
+    with pytest.raises(ValueError, match="no FFN weight of this model is a plain parameter.*LORA_TARGET_MODULES"):
+        adapters.add_weight_lora(model, r=2, targets=targets)
+    assert all(param.requires_grad for param in model.parameters())
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format(arch, tmp_path):
     model = tiny_model(arch)
