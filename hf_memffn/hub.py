@@ -24,11 +24,13 @@ from .model_card import card_for_repository, render_model_card
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
 WEIGHT_SUFFIXES = (".safetensors",)
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # names the shards of a sharded checkpoint
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
 TABLE_FILE_SUFFIXES = (".safetensors", ".json")
 # Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
-# (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`).
-UPLOAD_IGNORE_PATTERNS = ["*.tmp", ".cache/*", "*/.cache/*"]
+# (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`), and the
+# Trainer's `checkpoint-*/` folders (with optimizer states) in its output_dir, which `Trainer.push_to_hub` skips too.
+UPLOAD_IGNORE_PATTERNS = ["*.tmp", ".cache/*", "*/.cache/*", "checkpoint-*/*"]
 
 
 HUB_ERROR_MODULES = ("httpx", "httpx2", "requests", "huggingface_hub")  # where the Hub's and the network's errors live
@@ -83,6 +85,9 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
     missing = [name for name in REQUIRED_FILES if name not in files]
     if not any(name.endswith(WEIGHT_SUFFIXES) and not name.startswith(TABLE_FILE_PREFIX) for name in files):
         missing.append("*.safetensors (weights)")
+    if WEIGHTS_INDEX_NAME in files:
+        index = json.loads((root / WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
+        missing += sorted(set(index.get("weight_map", {}).values()) - set(files))
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
@@ -93,7 +98,27 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
     for module_file in _remote_code_files(config):
         if module_file not in files:
             raise ValueError(f"folder={str(folder)!r}: config.json's auto_map needs {module_file!r}, which is missing")
+    missing_imports = _missing_relative_imports(root, files, _remote_code_files(config))
+    if missing_imports:
+        raise ValueError(f"folder={str(folder)!r} is missing {missing_imports}, imported by its modeling code, so "
+                         "trust_remote_code loading would fail; write it with model.save_pretrained(folder)")
     return files
+
+
+def _missing_relative_imports(root: Path, files: list[str], module_files: set[str]) -> list[str]:
+    """The Python files that `module_files` import relatively (`from .name import ...`, also through each other)
+    and that are not among `files`."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    needed, pending = set(), sorted(module_files)
+    while pending:
+        name = pending.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if name in files:
+            pending.extend(module.replace(".", "/") + ".py" for module in get_relative_imports(root / name))
+    return sorted(needed - set(files))
 
 
 def _remote_code_files(config: dict) -> set[str]:

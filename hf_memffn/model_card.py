@@ -209,8 +209,10 @@ def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> s
     Only the generated sections change (the whole card if it has no markers)."""
     start, end = (card.find(GENERATED_START), card.find(GENERATED_END)) if is_package_card(card) else (0, len(card))
     location = re.search(r'^checkpoint = "(.+)"$', card[start:end], re.MULTILINE)
-    named = location.group(1) if location else CARD_PLACEHOLDER_PATH
-    card = card[:start] + card[start:end].replace(named, repo_id) + card[end:]
+    named = re.escape(location.group(1) if location else CARD_PLACEHOLDER_PATH)
+    # only where the snippets name the location: `"LOC"`, `pretrained=LOC,`, `token_lookup=LOC `, `export-tols LOC `
+    in_snippets = re.compile(f'(?<="){named}(?=")|(?<==){named}(?=[, ])|(?<=export-tols ){named}(?= )')
+    card = card[:start] + in_snippets.sub(lambda _: repo_id, card[start:end]) + card[end:]
     return with_current_lookup_section(card, folder)
 
 

@@ -102,6 +102,23 @@ def test_push_folder_refuses_an_incomplete_folder_and_uploads_nothing(fake_hub, 
     assert fake_hub.calls == []
 
 
+
+def test_push_folder_refuses_a_folder_missing_a_file_the_modeling_code_imports(fake_hub, tmp_path):
+    tiny_model("flash_mhf").save_pretrained(tmp_path)
+    (tmp_path / "ffn_multihead.py").unlink()  # imported by modeling_flash_mhf.py, which auto_map names
+    with pytest.raises(ValueError, match=r"missing \['ffn_multihead.py'\], imported by its modeling code"):
+        hub.push_folder(tmp_path, "someone/broken")
+    assert fake_hub.calls == []
+
+
+def test_push_folder_refuses_a_sharded_checkpoint_missing_a_shard(fake_hub, tmp_path):
+    tiny_model("kvffn").save_pretrained(tmp_path, max_shard_size="40KB")
+    last_shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    last_shard.unlink()
+    with pytest.raises(ValueError, match=f"is missing \\['{last_shard.name}'\\]"):
+        hub.push_folder(tmp_path, "someone/broken")
+    assert fake_hub.calls == []
+
 def test_push_folder_to_a_branch(fake_hub, tmp_path):
     tiny_model("flash_mhf").save_pretrained(tmp_path)
     hub.push_folder(tmp_path, "someone/tiny", revision="step-100", commit_message="step 100")
@@ -166,6 +183,20 @@ def test_pushing_a_folder_whose_card_names_another_repository_names_the_one_push
         assert snippet in uploaded, snippet
 
 
+
+def test_pushing_to_a_repo_id_without_namespace_changes_only_the_snippets(fake_hub, monkeypatch):
+    """The Hub puts `memoryllm` under the user's namespace; the card's snippets name the full id, and the rest of the
+    card (the heading's `memffn_memoryllm`) is left as it is."""
+    create_repo = fake_hub.create_repo
+    monkeypatch.setattr(fake_hub, "create_repo", lambda repo_id, **kwargs: type(
+        "RepoUrl", (), {"repo_id": "someone/" + create_repo(repo_id, **kwargs).repo_id})())
+    model = tiny_model("memoryllm")
+    hub.push_checkpoint(model, "memoryllm")
+
+    card = fake_hub.uploaded["README.md"].decode()
+    assert fake_hub.calls[-1][1] == "someone/memoryllm"
+    assert card == render_model_card(model, repo_id="someone/memoryllm")
+
 @pytest.mark.parametrize("card_names_the_repository", [False, True])
 def test_push_folder_uploads_no_leftover_temporaries_or_caches(card_names_the_repository, fake_hub, tmp_path):
     """Files an interrupted write left (`atomic_write`'s hidden `*.tmp`) and caches (`.cache/`, which the Hub refuses
@@ -184,6 +215,17 @@ def test_push_folder_uploads_no_leftover_temporaries_or_caches(card_names_the_re
     hub.push_folder(tmp_path, "someone/tiny")
     assert set(fake_hub.uploaded) == checkpoint_files
 
+
+
+def test_pushing_a_trainers_output_dir_leaves_out_its_checkpoint_folders(fake_hub, tmp_path):
+    """The final model saved into the Trainer's output_dir next to its `checkpoint-*/` folders (weights and optimizer
+    states): only the final model is uploaded, as `Trainer.push_to_hub` would."""
+    model = tiny_model("kvffn")
+    model.save_pretrained(tmp_path / "checkpoint-500")
+    (tmp_path / "checkpoint-500" / "optimizer.pt").write_bytes(b"optimizer state")
+    model.save_pretrained(tmp_path)
+    hub.push_folder(tmp_path, "someone/tiny")
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | REMOTE_CODE_FILES["kvffn"]
 
 def test_saving_again_rewrites_the_generated_sections_and_keeps_the_rest_of_the_card(tmp_path):
     """`save_pretrained` over an earlier save (another config): the card's generated sections and metadata describe
