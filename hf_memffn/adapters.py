@@ -80,9 +80,10 @@ def _check_rank(r, alpha) -> None:
         raise ValueError(f"alpha={alpha!r} is invalid: must be a finite number > 0")
 
 
-def _has_lora(module: nn.Module, name: str) -> bool:
+def _parametrized_with(module: nn.Module, name: str, kind: type) -> bool:
+    """Whether the weight `module.name` carries a parametrization of class `kind` (LowRankDelta or Int8Weight)."""
     return parametrize.is_parametrized(module, name) and any(
-        isinstance(item, LowRankDelta) for item in module.parametrizations[name])
+        isinstance(item, kind) for item in module.parametrizations[name])
 
 
 def _adapter_parameters(model: nn.Module) -> set[int]:
@@ -123,7 +124,7 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
                          f"{' among targets=[]' if targets is not None else ''} (the FFNs of Linear layers take PEFT's "
                          "LoRA: hf_memffn.LORA_TARGET_MODULES), and freeze_base=True would freeze the whole model")
     _refuse_sharded_weights("add_weight_lora", found)
-    adapted = sorted(qualified for qualified, module, name in found if _has_lora(module, name))
+    adapted = sorted(qualified for qualified, module, name in found if _parametrized_with(module, name, LowRankDelta))
     if adapted:
         raise ValueError(f"add_weight_lora: {adapted} have a LoRA adapter already; merge it first "
                          f"(adapters.merge_weight_lora), or pass targets= without them")
@@ -253,8 +254,7 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     Returns the quantized names."""
     found = parameter_weights(model)
     _refuse_sharded_weights("quantize_weights_int8", found)
-    quantized = [qualified for qualified, module, name in found if parametrize.is_parametrized(module, name) and any(
-        isinstance(item, Int8Weight) for item in module.parametrizations[name])]
+    quantized = [qualified for qualified, module, name in found if _parametrized_with(module, name, Int8Weight)]
     if quantized:
         raise ValueError(f"quantize_weights_int8: {quantized} are int8 already")
     adapted = [qualified for qualified, module, name in found if parametrize.is_parametrized(module, name)]
