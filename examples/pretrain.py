@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,15 +242,13 @@ def load_tokenizer(args, train_text, training_args):
         folder = Path(args.output_dir) / TOKENIZER_DIR
         with training_args.main_process_first(local=False, desc="train tokenizer"):
             if training_args.process_index == 0 and not (args.resume and (folder / "tokenizer_config.json").exists()):
+                from hf_memffn.atomic_write import atomic_output
                 from hf_memffn.tokenization import train_tokenizer
 
                 texts = (text for batch in _batches(train_text, args.text_column) for text in batch)
                 tokenizer = train_tokenizer(texts, vocab_size=args.train_tokenizer)
-                partial = folder.with_name(TOKENIZER_DIR + ".partial")
-                shutil.rmtree(partial, ignore_errors=True)
-                tokenizer.save_pretrained(partial)
-                shutil.rmtree(folder, ignore_errors=True)
-                os.replace(partial, folder)
+                with atomic_output(folder) as temporary:
+                    tokenizer.save_pretrained(temporary)
         return AutoTokenizer.from_pretrained(folder)
     source = args.tokenizer or args.init_from
     if source is None:
