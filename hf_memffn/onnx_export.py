@@ -82,6 +82,11 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
                          "rows an ONNX graph cannot hold; load the table with placement='cpu' (its rows become the "
                          "graph's weights), or export the computed memory FFN (unload_tols(), if its weights were "
                          "kept)")
+    if table is not None and table.placement != "gpu" and table.device.type == "cuda":
+        raise ValueError(f"export_onnx: the model reads its token lookup table from host memory on {table.device} "
+                         f"(placement={table.placement!r}: a device cache and a Triton gather of host rows, which an "
+                         "ONNX graph cannot hold); load the table with placement='gpu', or export the model on the "
+                         "CPU with placement='cpu'")
     if dynamic and min(input_ids.shape) < 2:
         raise ValueError(f"export_onnx: with dynamic shapes input_ids needs batch and length of at least 2 "
                          f"(torch.export fixes a size seen as 1), got shape {list(input_ids.shape)}; or pass "

@@ -726,23 +726,28 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     assert out_empty.shape == (0, 40, 64) and empty.grad.shape == empty.shape
 
 
-def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(device):
     """A LoRA adapter with dropout on `in_proj`: the recompute of the backward pass draws the masks of the forward
-    pass, so the gradients are those of the plain module for the same random state."""
+    pass (from the CPU's random state, or the CUDA device's), so the gradients are those of the plain module for the
+    same random state. (On CUDA the op's Triton kernels sum in another order chunked: a looser tolerance, far below
+    the gradients' own size that other masks would differ by.)"""
     peft = pytest.importorskip("peft")
     grads = []
     for chunk_tokens in (0, 4):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["in_proj"], lora_dropout=0.5,
-                                                           init_lora_weights=False)).train()
-        ids = torch.randint(0, 64, (2, 9))
+                                                           init_lora_weights=False)).to(device).train()
+        ids = torch.randint(0, 64, (2, 9), device=device)
         torch.manual_seed(1)
         model(ids, labels=ids).loss.backward()
         grads.append([p.grad for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 0
+    tolerance = dict(rtol=1e-4, atol=1e-6) if device == "cpu" else dict(rtol=1e-2, atol=1e-4)
     for recomputed, plain in zip(grads[1], grads[0]):
-        torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(recomputed, plain, **tolerance)
 
 
 @pytest.mark.gpu

@@ -199,6 +199,33 @@ def test_a_model_reading_its_token_lookup_table_exports_from_the_host_and_refuse
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_model_on_cuda_exports_its_device_table_and_refuses_one_in_host_memory(tmp_path):
+    """On CUDA, gpu placement exports (the table's add traced as PyTorch operations, its rows the graph's weights);
+    cpu placement, whose rows a Triton kernel gathers from host memory, is refused with a line naming it."""
+    from hf_memffn.conversion.export import export_tols
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_hidden_layers=1, initializer_range=0.1))
+    export_tols(model.eval(), tmp_path / "table", format="int8", progress=False)
+    model = model.cuda()
+    out = tmp_path / "out"
+    out.mkdir()
+    model.load_tols(tmp_path / "table", placement="cpu")
+    with pytest.raises(ValueError, match="placement='cpu'.*placement='gpu'"):
+        export_onnx(model, torch.randint(3, 320, (2, 8), device="cuda"), out / "model.onnx")
+    assert list(out.iterdir()) == []
+    model.unload_tols()
+    model.load_tols(tmp_path / "table", placement="gpu", drop_memory_ffn=True)
+    export_onnx(model, torch.randint(3, 320, (2, 8), device="cuda"), out / "model.onnx")
+    ids = torch.randint(3, 320, (3, 5), device="cuda")
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.cpu().numpy()
+    logits = ReferenceEvaluator(onnx.load(str(out / "model.onnx"))).run(None, {"input_ids": ids.cpu().numpy()})[0]
+    np.testing.assert_allclose(logits, expected, rtol=1e-3, atol=1e-3)
+
+
 def test_export_leaves_a_training_model_in_training_mode(tmp_path):
     """Exporting in the middle of training (a checkpoint callback) keeps dropout on afterwards, and a module the user
     had put in eval mode stays there."""
