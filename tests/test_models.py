@@ -731,13 +731,16 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
 def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(device):
     """A LoRA adapter with dropout on `in_proj`: the recompute of the backward pass draws the masks of the forward
     pass (from the CPU's random state, or the CUDA device's), so the gradients are those of the plain module for the
-    same random state. (On CUDA the op's Triton kernels sum in another order chunked: a looser tolerance, far below
-    the gradients' own size that other masks would differ by.)"""
+    same random state. (On CUDA the op's Triton kernels, whose head sizes start at 64, sum in another order chunked:
+    a looser tolerance, far below the gradients' own size that other masks would differ by.)"""
     peft = pytest.importorskip("peft")
+    shapes = {} if device == "cpu" else dict(hidden_size=256, num_attention_heads=4, ffn_num_heads=4,
+                                             ffn_num_kv_heads=2, intermediate_size=128, ffn_num_subnetworks=2)
     grads = []
     for chunk_tokens in (0, 4):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
+        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens,
+                                                             **shapes))
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["in_proj"], lora_dropout=0.5,
                                                            init_lora_weights=False)).to(device).train()
         ids = torch.randint(0, 64, (2, 9), device=device)
