@@ -135,6 +135,7 @@ ARCHITECTURE_FIELDS = {
 }
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
 CARD_METADATA_FIELDS = ("license", "base_model", "datasets", "tags", "language")
+GENERATED_CARD_FIELDS = ("library_name", "pipeline_tag")  # the front matter's fields that every save writes anew
 BASE_TAGS = ("hf-memffn", "custom_code")
 
 
@@ -226,7 +227,7 @@ def check_card_metadata(fields: dict) -> dict:
 
 def card_metadata(model, save_directory: str | os.PathLike | None = None, **overrides) -> dict:
     """The card's metadata: the fields of this package's card in `save_directory` (else in the local folder the
-    model was loaded from), the model's attached fields on top, `overrides` on top of those; `base_model` defaults
+    model was loaded from; any field, see `_package_card_metadata`), the model's attached fields on top, `overrides` on top of those; `base_model` defaults
     to the Hub repository the weights were loaded from; tags are merged from all of them and always include this
     package's."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
@@ -247,8 +248,9 @@ def card_metadata(model, save_directory: str | os.PathLike | None = None, **over
 
 
 def _package_card_metadata(folder: str | os.PathLike | None) -> dict:
-    """The metadata fields of the card this package wrote in `folder` (its tags without the package's own), or {}
-    (also when its front matter was edited into invalid YAML: the card written next replaces it)."""
+    """The metadata fields of the card this package wrote in `folder`, or {} (also when its front matter was edited
+    into invalid YAML: the card written next replaces it): every field but `GENERATED_CARD_FIELDS`, those the user
+    added by editing it (`model-index`, `widget`, `inference`, ...) among them; its tags without the package's own."""
     path = Path(folder) / "README.md" if folder is not None else None
     if path is None or not path.is_file():
         return {}
@@ -262,7 +264,7 @@ def _package_card_metadata(folder: str | os.PathLike | None) -> dict:
         data = ModelCard(card, ignore_metadata_errors=True).data.to_dict()
     except (yaml.YAMLError, ValueError):
         return {}
-    fields = {key: data[key] for key in CARD_METADATA_FIELDS if data.get(key) is not None}
+    fields = {key: value for key, value in data.items() if value is not None and key not in GENERATED_CARD_FIELDS}
     own_tags = {*BASE_TAGS, *ARCHITECTURE_SUMMARIES}
     fields["tags"] = [tag for tag in _as_list(fields.get("tags")) if tag not in own_tags]
     return fields

@@ -253,6 +253,16 @@ def test_saving_again_rewrites_the_generated_sections_and_keeps_the_rest_of_the_
     data = ModelCard(text).data
     assert data.license == "apache-2.0" and "mine" in data.tags
 
+    # fields the user added to the front matter stay; those the package generates are written anew
+    front_matter, body = text.split("\n---\n", 1)
+    card.write_text(front_matter.replace("library_name: transformers", "library_name: other")
+                    + "\ninference: false\nwidget:\n- text: The capital of\n---\n" + body)
+    large.save_pretrained(tmp_path)
+    data = ModelCard(card.read_text()).data
+    assert (data.inference, data.widget, data.library_name) == (False, [{"text": "The capital of"}], "transformers")
+    assert data.license == "apache-2.0" and "mine" in data.tags
+    assert card.read_text().count("An introduction of the user's.") == 1
+
     card.write_text("# My own card\n")
     large.save_pretrained(tmp_path)
     assert card.read_text() == "# My own card\n"
