@@ -37,10 +37,10 @@ import torch
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
 from .cli_args import missing_gpu, output_dir, positive_int
-from .fact_world import ATTRIBUTES, FactWorld, score_recall
+from .fact_world import ATTRIBUTES, MAX_ENTITIES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
-from .tokenization import train_tokenizer
+from .tokenization import MIN_VOCAB_SIZE, train_tokenizer
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
 
@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run with tiny models")
     data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")
     data.add_argument("--text-files", nargs="+", metavar="FILE", help="local UTF-8 text files")
-    data.add_argument("--dataset", help="a `datasets` Hub name or a local dataset path (needs `pip install datasets`)")
+    data.add_argument("--dataset", help="a `datasets` Hub name or a local folder (needs `pip install datasets`)")
     data.add_argument("--dataset-config", help="configuration name of --dataset")
     data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")
@@ -157,6 +157,11 @@ def _settings_from_args(args: argparse.Namespace) -> DemoSettings:
     if settings.seq_len < 2:
         raise ValueError(f"--seq-len={settings.seq_len!r} is invalid; allowed: 2 or more (a window predicts its "
                          f"tokens after the first)")
+    if settings.vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size={settings.vocab_size!r} is too small; allowed: an integer >= {MIN_VOCAB_SIZE} "
+                         "(256 bytes + 3 special tokens)")
+    if not (args.text_files or args.dataset) and not 2 <= settings.num_entities <= MAX_ENTITIES:
+        raise ValueError(f"--num-entities={settings.num_entities!r} is invalid; allowed: 2..{MAX_ENTITIES}")
     return settings
 
 
@@ -231,6 +236,9 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
         except ImportError as error:
             raise ImportError("--dataset needs the `datasets` package, which is not installed: "
                               "pip install datasets") from error
+        if os.path.isfile(args.dataset):  # `datasets` reads data files through a folder or a builder, not one file
+            raise ValueError(f"--dataset={args.dataset!r} is a file; allowed: a Hub dataset name, a folder saved by "
+                             "save_to_disk or a folder of data files (json, csv, parquet, txt)")
         saved_markers = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
         if os.path.isdir(args.dataset) and any((Path(args.dataset) / m).exists() for m in saved_markers):
             dataset = datasets.load_from_disk(args.dataset)
@@ -244,9 +252,18 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
         if args.text_column not in dataset.column_names:
             raise ValueError(f"--text-column={args.text_column!r} is not a column of {args.dataset!r}; "
                              f"allowed: {dataset.column_names}")
+        features = dataset.features or {}
+        text_columns = [name for name, feature in features.items()
+                        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")]
+        if args.text_column in features and args.text_column not in text_columns:
+            raise ValueError(f"--text-column={args.text_column!r} of {args.dataset!r} holds "
+                             f"{features[args.text_column]}, not text; allowed: a column of strings: {text_columns}")
         total = 0
         for row in dataset:
             text = row[args.text_column] or ""
+            if not isinstance(text, str):  # (a dataset that declares no column types)
+                raise ValueError(f"--text-column={args.text_column!r} of {args.dataset!r} holds "
+                                 f"{type(text).__name__} values, not text; allowed: a column of strings")
             texts.append(text)
             total += len(text)
             if total >= args.max_chars:
@@ -328,12 +345,16 @@ def _flash_mhf_fields(settings: DemoSettings, device: torch.device | None) -> di
     subnetwork_size = max(16, round(width / num_subnetworks / 16) * 16)
     fields = dict(intermediate_size=num_subnetworks * subnetwork_size, ffn_num_subnetworks=num_subnetworks,
                   ffn_num_heads=settings.num_heads, ffn_num_kv_heads=settings.num_heads)
-    if device is not None and device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS:
+    if _flash_mhf_runs_torch_op(settings, device):
         fields["ffn_kernel"] = "torch"
-        print(f"note: FlashMHFLlama's FFN heads are {head_dim} wide; the Triton kernels take {SUPPORTED_HEAD_DIMS}, "
-              f"so it runs the PyTorch reference op (--hidden-size {SUPPORTED_HEAD_DIMS[0] * settings.num_heads} "
-              "runs the kernels)")
     return fields
+
+
+def _flash_mhf_runs_torch_op(settings: DemoSettings, device: torch.device | None) -> bool:
+    """Whether FlashMHF's FFN runs the PyTorch reference op on a GPU: its heads are a width the Triton kernels
+    do not take."""
+    head_dim = settings.hidden_size // settings.num_heads
+    return device is not None and device.type == "cuda" and head_dim not in SUPPORTED_HEAD_DIMS
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -612,6 +633,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     run_start = time.perf_counter()
     settings = _settings_from_args(args)
+    if not -2**63 <= args.seed < 2**64:  # torch's seeds (the initial weights, the batches)
+        raise ValueError(f"--seed={args.seed} is out of range; allowed: an integer from -2**63 to 2**64 - 1")
     archs = _parse_archs(args.archs)
     device = _parse_device(args.device)
     if args.text_files or args.dataset:
@@ -624,6 +647,10 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise ValueError(f"the settings give {arch} an invalid config: {error} (set by --hidden-size, "
                              f"--intermediate-size, --num-layers, --seq-len and --vocab-size)") from error
+    if "flash_mhf" in archs and _flash_mhf_runs_torch_op(settings, device):
+        print(f"note: FlashMHFLlama's FFN heads are {settings.hidden_size // settings.num_heads} wide; the Triton "
+              f"kernels take {SUPPORTED_HEAD_DIMS}, so it runs the PyTorch reference op "
+              f"(--hidden-size {SUPPORTED_HEAD_DIMS[0] * settings.num_heads} runs the kernels)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"data: {corpus.description}")

@@ -179,6 +179,7 @@ _FAMILY_SYLLABLES = ("Tel", "Vorn", "Kass", "Ondri", "Mirel", "Strab", "Yuvo", "
 _CITY_SUFFIXES = ("mere", "hold", "port", "ford", "dell", "wick")
 _NUM_CITIES = 10
 _NUM_BIRTH_YEARS = 10
+MAX_ENTITIES = len(_NAME_SYLLABLES) * (len(_NAME_SYLLABLES) - 1)  # first names: two different syllables
 
 
 @dataclass(frozen=True)
@@ -215,9 +216,8 @@ class FactWorld:
     def __init__(self, seed: int = 0, num_entities: int = 32):
         if num_entities < 2:
             raise ValueError(f"num_entities={num_entities!r} is too small; allowed: an integer >= 2")
-        max_entities = len(_NAME_SYLLABLES) * (len(_NAME_SYLLABLES) - 1)
-        if num_entities > max_entities:
-            raise ValueError(f"num_entities={num_entities!r} is too large; allowed: 2..{max_entities}")
+        if num_entities > MAX_ENTITIES:
+            raise ValueError(f"num_entities={num_entities!r} is too large; allowed: 2..{MAX_ENTITIES}")
         self.seed = seed
         rng = random.Random(seed)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
@@ -19,9 +20,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    min_vocab = 256 + 3
-    if vocab_size < min_vocab:
-        raise ValueError(f"vocab_size={vocab_size!r} is too small; allowed: an integer >= {min_vocab} "
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size!r} is too small; allowed: an integer >= {MIN_VOCAB_SIZE} "
                          "(256 bytes + 3 special tokens)")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)

@@ -405,6 +405,19 @@ cli_case("demo-lr-inf", ("--lr", "positive"),
 cli_case("demo-max-chars-0", ("--max-chars", ">= 1"),
          lambda w: ["demo", "--quick", "--text-files", S(w.texts), "--max-chars", "0", "--out", S(w.root / "d12")],
          no_output="d12")
+cli_case("demo-dataset-text-column-not-text", ("--text-column", "label", "strings", "text"),
+         lambda w: ["demo", "--quick", "--dataset", S(_dataset_with_labels(w)), "--text-column", "label",
+                    "--out", S(w.root / "d15")], no_output="d15", needs="datasets")
+cli_case("demo-dataset-is-a-file", ("--dataset", "bad.jsonl", "is a file", "folder"),
+         lambda w: ["demo", "--quick", "--dataset", S(w.root / "bad.jsonl"), "--out", S(w.root / "d16")],
+         keep=("bad.jsonl",), no_output="d16", needs="datasets")
+cli_case("demo-seed-out-of-range", ("--seed", "2**64 - 1"),
+         lambda w: ["demo", "--quick", "--steps", "1", "--archs", "llama", "--seed", S(2**64),
+                    "--out", S(w.root / "d17")], no_output="d17")
+cli_case("demo-vocab-size-too-small", ("--vocab-size", "259"),
+         lambda w: ["demo", "--quick", "--vocab-size", "100", "--out", S(w.root / "d18")], no_output="d18")
+cli_case("demo-num-entities-1", ("--num-entities", "2..870"),
+         lambda w: ["demo", "--quick", "--num-entities", "1", "--out", S(w.root / "d19")], no_output="d19")
 cli_case("analyze-override-derived", ("--override", "token_memory_size", "derives"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r11"),
                     "--override", "token_memory_size=64", *ANALYZE_FAST], no_output="r11")
@@ -449,6 +462,17 @@ def _dataset_dict(world: World) -> Path:
     if not target.exists():
         rows = datasets.Dataset.from_dict({"text": ["the memory stores a key and its value"] * 20})
         datasets.DatasetDict({"validation": rows}).save_to_disk(str(target))
+    return target
+
+
+def _dataset_with_labels(world: World) -> Path:
+    """A saved dataset with a text column and an integer one."""
+    import datasets
+
+    target = world.root / "dataset_with_labels"
+    if not target.exists():
+        rows = datasets.Dataset.from_dict({"text": ["the memory stores a key and its value"] * 20, "label": [1] * 20})
+        rows.save_to_disk(str(target))
     return target
 
 

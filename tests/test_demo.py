@@ -125,3 +125,25 @@ def test_quick_demo_exports_lookup_tables_and_lookup_mode_matches(quick_demo):
     assert (out / "memoryllm" / "token_lookup" / "fp32" / "token_lookup.safetensors.index.json").is_file()
     assert "token lookup tables" in stdout
     assert (out / "facts.txt").read_text().count("\n") > 10  # texts for `hf-memffn analyze`
+
+
+def test_flash_mhf_torch_op_note_is_printed_once_on_a_gpu(tmp_path, monkeypatch):
+    """On CUDA, FFN heads of a width the Triton kernels do not take (the default 32) run the PyTorch op, and the demo
+    says so once (CUDA pretended: the run stops where the first model would start training)."""
+    import torch
+
+    from hf_memffn import demo
+
+    class Stop(Exception):
+        pass
+
+    def stop_training(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(demo, "_parse_device", lambda value: torch.device("cuda"))
+    monkeypatch.setattr(demo, "train", stop_training)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()), pytest.raises(Stop):
+        cli.main(["demo", "--quick", "--archs", "flash_mhf", "--device", "cuda", "--out", str(tmp_path / "out")])
+    notes = [line for line in stdout.getvalue().splitlines() if line.startswith("note: FlashMHFLlama")]
+    assert len(notes) == 1 and "32 wide" in notes[0] and "--hidden-size 128" in notes[0], notes
