@@ -744,6 +744,10 @@ def main(argv=None) -> dict:
     output_dir = Path(args.output_dir)
     profile_steps = parse_profile_steps(args.profile_steps) if args.profile_steps else None
     if training_args.lr_scheduler_type == "cosine_with_min_lr":
+        if not 0 <= args.min_learning_rate <= training_args.learning_rate:
+            # (above the peak, the cosine "decay" would climb from the peak to it)
+            raise ValueError(f"--min-learning-rate={args.min_learning_rate:g}: expected 0 to --learning-rate="
+                             f"{training_args.learning_rate:g}, the rate the cosine decay falls from")
         # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
         # do not have
         min_lr_rate = args.min_learning_rate / training_args.learning_rate

@@ -216,6 +216,23 @@ def test_the_report_sets_the_training_loss_since_each_evaluation_beside_the_held
     assert study.curves_markdown({**state, "runs": []}, {"llama": {"seeds": []}}) == []
 
 
+def test_the_loss_curves_plot_takes_a_run_whose_loss_diverged_to_nan(tmp_path):
+    """A SwiGLU run that ended with a NaN held-out loss (too high a rate) stopped the study at its plot, matplotlib
+    refusing NaN axis limits: after that run, after each run of a --resume and at --report. The plot's scale is the
+    finite losses'."""
+    pytest.importorskip("matplotlib")
+
+    def run(model, losses):
+        return {"model": model, "seed": 0, "eval_curve": [[256 * (i + 1), loss] for i, loss in enumerate(losses)]}
+
+    keys = {"llama": "flash-mhf", "flash_mhf": "flash-mhf", "memoryllm_total": "memoryllm"}
+    state = {"order": list(keys), "labels": {key: key for key in keys}, "groups": keys, "ablations": [],
+             "device": "cpu", "size": "toy",
+             "runs": [run("llama", [6.0, math.nan]), run("flash_mhf", [6.1, 5.9]), run("memoryllm_total", [6.2, 5.8])]}
+    assert study.plot_curves(state, tmp_path / "loss_curves.png")
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
+
+
 def test_study_refuses_unknown_models_and_paper_shapes(tmp_path):
     with pytest.raises(ValueError, match="--models"):
         study.main(["--print-configs", "--size", "toy", "--models", "llama,gpt"])
@@ -248,6 +265,30 @@ def test_prepare_data_refuses_a_held_out_share_of_every_document_or_none(tmp_pat
             prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files",
                                str(ROOT / "README.md"), "--heldout-every", every, "--wiki", "no"])
     assert not (tmp_path / "shards").exists()
+
+
+def test_prepare_data_refuses_sizes_out_of_range_and_leaves_no_half_built_folder(tmp_path, monkeypatch):
+    """--vocab-size 0 failed after the corpus was read, naming `vocab_size`, and left OUT.tmp behind; --tokenizer-chars
+    0 trained a tokenizer of bytes alone without a word; a vocabulary beyond uint16 failed only once the tokenizer was
+    trained. A failure while the shards are written leaves neither --out nor its temporary folder."""
+    common = ["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+              "--wiki", "no"]
+    for option, value, message in [("--vocab-size", "0", "--vocab-size must be 259 to 65536 .*, got 0"),
+                                   ("--vocab-size", "70000", "--vocab-size must be 259 to 65536"),
+                                   ("--max-train-tokens", "0", "--max-train-tokens must be 1 or more, got 0"),
+                                   ("--max-heldout-tokens", "-1", "--max-heldout-tokens must be 1 or more, got -1"),
+                                   ("--tokenizer-chars", "0", "--tokenizer-chars must be 1 or more, got 0")]:
+        with pytest.raises(ValueError, match=message):
+            prepare_data.main([*common, option, value])
+    assert not list(tmp_path.iterdir())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(token_shards, "write_split", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.main([*common, "--vocab-size", "300", "--max-train-tokens", "2000", "--max-heldout-tokens", "500"])
+    assert not list(tmp_path.iterdir())
 
 
 def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
@@ -553,6 +594,19 @@ def test_the_deadline_estimates_a_run_from_the_models_last_run_with_its_margin(t
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_study_refuses_a_rate_below_its_recipes_final_rate_and_a_deadline_of_no_time(tmp_path):
+    """--learning-rate 5e-6, below the 1e-5 the recipes' cosine decay ends at, trained on a rate that climbed from 5e-6
+    to 1e-5 while the report gave 5e-6 as its peak; --deadline-minutes 0 was taken as no deadline at all."""
+    for option, value, message in [("--learning-rate", "5e-6", r"--learning-rate must be at least 1e-05, the rate the "
+                                     r"recipes' cosine decay ends at .*got 5e-06"),
+                                    ("--deadline-minutes", "0", "--deadline-minutes must be a positive number of "
+                                     "minutes, got 0.0"),
+                                    ("--deadline-minutes", "-5", "--deadline-minutes must be a positive number")]:
+        with pytest.raises(ValueError, match=message):
+            study.main(["--size", "toy", option, value, "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
     with pytest.raises(ValueError, match=r"--models: \['no_such_model'\] not among \['llama'"):
         study.main(["--size", "toy", "--models", "llama,no_such_model", "--out", str(tmp_path / "refused")])
@@ -791,6 +845,26 @@ def test_learning_rate_plot_draws_a_diverged_mean_at_its_top_edge_with_its_value
     (axis,) = figures[-1].axes
     legend = " ".join(text.get_text() for text in axis.get_legend().get_texts())
     assert axis.get_ylim()[1] > 5.2 and "off scale" not in legend
+
+
+def test_learning_rate_plot_marks_a_mean_that_diverged_to_nan_off_scale(tmp_path, monkeypatch):
+    """A NaN mean (a run that diverged to NaN) left the plot without a mark or a word in the legend, and where it came
+    first it turned the off-scale cut off for every other mean: it is off the scale, at the top edge, "nan" in its
+    model's legend entry."""
+    pytest.importorskip("matplotlib")
+    assert learning_rates.off_scale_cut([math.nan, 4.0, 6.8]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
+    assert learning_rates.off_scale_cut([4.0, 4.2, math.nan]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
+    assert learning_rates.off_scale_cut([math.nan]) is None
+    figures = []
+    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
+    low = write_study(tmp_path / "low", {"llama": [math.nan, 4.1], "kvffn": [4.2, 4.3]}, learning_rate=1e-3)
+    high = write_study(tmp_path / "high", {"llama": [4.0, 4.2], "kvffn": [6.7, 6.9]}, learning_rate=3e-3)
+    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(low), str(high)])
+    (axis,) = figures[-1].axes
+    assert 4.3 < axis.get_ylim()[1] < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
+    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert legend == ["SwiGLU (transformers Llama) (flash-mhf recipe); ▲ off scale, 1e-3: nan",
+                      "KV-FFN (kv-ffn recipe); ▲ off scale, 3e-3: 6.80"]
 
 
 def test_learning_rate_plot_keeps_a_long_title_inside_the_figure(tmp_path, monkeypatch):

