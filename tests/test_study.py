@@ -822,6 +822,17 @@ def test_a_run_in_two_learning_rate_studies_is_kept_once_and_listed_as_a_repeat(
     assert markdown.endswith("\n") and not markdown.endswith("\n\n")
 
 
+def _rate_plot_legend(tmp_path, monkeypatch, low_means: dict, high_means: dict) -> tuple[float, list[str]]:
+    """The top of the learning-rate plot's loss axis and its legend, for two studies at 1e-3 and 3e-3."""
+    figures = []
+    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
+    low = write_study(tmp_path / "low", low_means, learning_rate=1e-3)
+    high = write_study(tmp_path / "high", high_means, learning_rate=3e-3)
+    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(low), str(high)])
+    (axis,) = figures[-1].axes
+    return axis.get_ylim()[1], [text.get_text() for text in axis.get_legend().get_texts()]
+
+
 def test_learning_rate_plot_draws_a_diverged_mean_at_its_top_edge_with_its_value(tmp_path, monkeypatch):
     """A mean more than OFF_SCALE above the lowest (a run that diverged) would squeeze every other line into a sliver:
     the axis stops just above the highest loss on the scale, the mean is a triangle at that edge and its value is in
@@ -829,22 +840,14 @@ def test_learning_rate_plot_draws_a_diverged_mean_at_its_top_edge_with_its_value
     pytest.importorskip("matplotlib")
     assert learning_rates.off_scale_cut([4.0, 4.2, 5.4]) is None
     assert learning_rates.off_scale_cut([4.0, 4.2, 6.8]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
-    figures = []
-    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
-    low = write_study(tmp_path / "low", {"llama": [4.0, 4.1], "kvffn": [4.2, 4.3]}, learning_rate=1e-3)
-    high = write_study(tmp_path / "high", {"llama": [4.1, 4.2], "kvffn": [6.7, 6.9]}, learning_rate=3e-3)
-    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(low), str(high)])
-    (axis,) = figures[-1].axes
-    assert 4.3 < axis.get_ylim()[1] < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
-    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    top, legend = _rate_plot_legend(tmp_path, monkeypatch, {"llama": [4.0, 4.1], "kvffn": [4.2, 4.3]},
+                                    {"llama": [4.1, 4.2], "kvffn": [6.7, 6.9]})
+    assert 4.3 < top < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
     assert legend == ["SwiGLU (transformers Llama) (flash-mhf recipe)",
                       "KV-FFN (kv-ffn recipe); ▲ off scale, 3e-3: 6.80"]
-    figures.clear()
-    write_study(tmp_path / "mild", {"llama": [4.1, 4.2], "kvffn": [5.0, 5.2]}, learning_rate=3e-3)
-    learning_rates.main(["--out", str(tmp_path / "out2"), "--studies", str(low), str(tmp_path / "mild")])
-    (axis,) = figures[-1].axes
-    legend = " ".join(text.get_text() for text in axis.get_legend().get_texts())
-    assert axis.get_ylim()[1] > 5.2 and "off scale" not in legend
+    top, legend = _rate_plot_legend(tmp_path / "mild", monkeypatch, {"llama": [4.0, 4.1], "kvffn": [4.2, 4.3]},
+                                    {"llama": [4.1, 4.2], "kvffn": [5.0, 5.2]})
+    assert top > 5.2 and "off scale" not in " ".join(legend)
 
 
 def test_learning_rate_plot_marks_a_mean_that_diverged_to_nan_off_scale(tmp_path, monkeypatch):
@@ -855,14 +858,9 @@ def test_learning_rate_plot_marks_a_mean_that_diverged_to_nan_off_scale(tmp_path
     assert learning_rates.off_scale_cut([math.nan, 4.0, 6.8]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
     assert learning_rates.off_scale_cut([4.0, 4.2, math.nan]) == pytest.approx(4.0 + learning_rates.OFF_SCALE)
     assert learning_rates.off_scale_cut([math.nan]) is None
-    figures = []
-    monkeypatch.setattr(learning_rates, "save_figure", lambda figure, path, dpi: figures.append(figure))
-    low = write_study(tmp_path / "low", {"llama": [math.nan, 4.1], "kvffn": [4.2, 4.3]}, learning_rate=1e-3)
-    high = write_study(tmp_path / "high", {"llama": [4.0, 4.2], "kvffn": [6.7, 6.9]}, learning_rate=3e-3)
-    learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(low), str(high)])
-    (axis,) = figures[-1].axes
-    assert 4.3 < axis.get_ylim()[1] < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
-    legend = [text.get_text() for text in axis.get_legend().get_texts()]
+    top, legend = _rate_plot_legend(tmp_path, monkeypatch, {"llama": [math.nan, 4.1], "kvffn": [4.2, 4.3]},
+                                    {"llama": [4.0, 4.2], "kvffn": [6.7, 6.9]})
+    assert 4.3 < top < 4.4  # 4.3 plus a tenth of the on-scale spread (4.0-4.3)
     assert legend == ["SwiGLU (transformers Llama) (flash-mhf recipe); ▲ off scale, 1e-3: nan",
                       "KV-FFN (kv-ffn recipe); ▲ off scale, 3e-3: 6.80"]
 
