@@ -114,14 +114,16 @@ def embedding_rows(embedding: nn.Module) -> int | None:
 def check_token_ids(input_ids: torch.Tensor, num_embeddings: int | None) -> None:
     """One-line errors for token ids the embedding cannot look up (instead of an index error from inside it, or a
     device-side assert on a GPU). Skipped while compiling (the check reads the tensor back); without
-    ``num_embeddings`` (an embedding of unknown size), only the ids' presence and dtype are checked."""
+    ``num_embeddings`` (an embedding of unknown size), and while a CUDA graph is captured (continuous batching's
+    `use_cuda_graph`: the host cannot read a tensor back then, and a replay runs no Python), only the ids' presence
+    and dtype are checked."""
     if is_torchdynamo_compiling():
         return
     if input_ids.numel() == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): pass at least one token per sequence")
     if input_ids.is_floating_point() or input_ids.is_complex():
         raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids must be integers (torch.long)")
-    if num_embeddings is None:
+    if num_embeddings is None or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device-to-host copy
     if low < 0 or high >= num_embeddings:

@@ -131,6 +131,48 @@ def test_token_lookup_table_reads_the_flattened_batch(exported, placement):
         assert (step["logits"] - reference["logits"]).abs().max() <= 1e-5 * scale
 
 
+def test_token_id_check_reads_nothing_back_while_a_cuda_graph_is_captured(monkeypatch):
+    """Continuous batching with CUDA graphs (`ContinuousBatchingConfig(use_cuda_graph=True)`; transformers' default
+    with an attention kernel that needs no mask, such as flash attention) captures the model's forward: the range
+    check of the token ids, which copies them to the host, failed every request with "Cannot copy between CPU and
+    CUDA tensors during CUDA graph capture". (CUDA ids and a capturing stream stood in for on the CPU; the GPU test
+    below runs the real capture.)"""
+    from hf_memffn.modeling_memffn import check_token_ids
+
+    out_of_range = torch.tensor([[5, 400]])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(ValueError, match="token id 400"):
+        check_token_ids(out_of_range, 320)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    check_token_ids(out_of_range, 320)
+    with pytest.raises(ValueError, match="input_ids is empty"):  # what needs no read-back is still checked
+        check_token_ids(torch.zeros(1, 0, dtype=torch.long), 320)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", *hf_memffn.ARCHITECTURES, "memoryllm_table"])
+def test_generate_batch_with_cuda_graphs_equals_greedy_generate(arch, tmp_path):
+    """Every forward captured in CUDA graphs and replayed: greedy `generate()`'s tokens, also from a GPU table."""
+    overrides = {"ffn_kernel": "torch"} if arch == "flash_mhf" else {}  # (tiny heads: no Triton kernel takes them)
+    torch.manual_seed(0)
+    config = tiny_config(arch.removesuffix("_table"), **overrides)
+    model = (LlamaForCausalLM(config) if arch == "llama" else AutoModelForCausalLM.from_config(config)).cuda().eval()
+    inputs = prompts()
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([ids], device="cuda"), generation_config=generation_config())
+                    [0, len(ids):].tolist() for ids in inputs]
+    if arch == "memoryllm_table":
+        export_tols(model, tmp_path, format="fp32", progress=False)
+        model.load_tols(tmp_path, placement="gpu", drop_memory_ffn=True)
+    graphs = ContinuousBatchingConfig(**CB_CONFIG, use_cuda_graph=True)
+    results = model.generate_batch(inputs, generation_config=generation_config(), progress_bar=False,
+                                   continuous_batching_config=graphs)
+    assert [results[f"req_{i}"].error for i in range(len(inputs))] == [None] * len(inputs)
+    assert [results[f"req_{i}"].generated_tokens for i in range(len(inputs))] == expected
+
+
 def _load_throughput_benchmark():
     import importlib.util
     from pathlib import Path
