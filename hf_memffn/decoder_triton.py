@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .configuration_memffn import DECODER_KERNELS
 from .triton_launch import INTERPRET_REQUESTED, any_size, cdiv, launch, next_power_of_2
@@ -217,6 +218,9 @@ def rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
 
 
 class _RMSNormFunction(torch.autograd.Function):
+    """The kernels' autograd; their backward is not differentiable again: a second derivative through it (a gradient
+    of a gradient, `create_graph=True`) raises instead of leaving this function's share out."""
+
     @staticmethod
     def forward(ctx, x, weight, eps):
         y, rstd = rms_norm_forward(x, weight, eps)
@@ -224,6 +228,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y):
         x, weight, rstd = ctx.saved_tensors
         grad_x, grad_weight = rms_norm_backward(grad_y.contiguous(), x, weight, rstd)
@@ -275,6 +280,8 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 class _RotaryFunction(torch.autograd.Function):
+    """The kernel's autograd; once differentiable, as `_RMSNormFunction`."""
+
     @staticmethod
     def forward(ctx, x, cos, sin):
         out = _heads_first(x)
@@ -283,6 +290,7 @@ class _RotaryFunction(torch.autograd.Function):
         return out.transpose(1, 2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         cos, sin = ctx.saved_tensors
         grad = grad_out.transpose(1, 2)  # [B, L, H, D] view

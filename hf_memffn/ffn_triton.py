@@ -25,6 +25,7 @@ these save on the GPU at small batches (`kernels/profile_kvffn_layer.py`; `kerne
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .configuration_memffn import DECODER_KERNELS
 from .decoder_triton import TRITON_AVAILABLE, decoder_kernels_unavailable
@@ -131,6 +132,9 @@ def paired_backward(y: torch.Tensor, grad_hidden: torch.Tensor, activation: str,
 
 
 class _PairedActivation(torch.autograd.Function):
+    """The kernels' autograd; their backward is not differentiable again: a second derivative through it (a gradient
+    of a gradient, `create_graph=True`) raises instead of leaving this function's share out."""
+
     @staticmethod
     def forward(ctx, y, activation, product):
         ctx.save_for_backward(y)
@@ -138,6 +142,7 @@ class _PairedActivation(torch.autograd.Function):
         return paired_forward(y, activation, product)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_hidden):
         (y,) = ctx.saved_tensors
         return paired_backward(y, grad_hidden, *ctx.settings), None, None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .triton_launch import registered_operator
 
@@ -602,7 +603,8 @@ _training_layer_op = _registered("flash_mhf_layer_keeping_queries")
 class _EagerLayer(torch.autograd.Function):
     """The fused layer's autograd outside torch.compile: the same forward and backward as the custom operator (which
     torch.compile needs), without its dispatch, whose Python costs about as much host time per training step as the
-    layer's GPU work at the 370M shape."""
+    layer's GPU work at the 370M shape. Its backward, like the operator's, is not differentiable again: a second
+    derivative through it (`create_graph=True`) raises instead of leaving the layer's share out."""
 
     @staticmethod
     def forward(ctx, p, norm_weight, router, weights, head_dim, eps, gate_eps):
@@ -612,6 +614,7 @@ class _EagerLayer(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         p, norm_weight, router, weights, *saved = ctx.saved_tensors
         grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings, saved=saved)
@@ -691,8 +694,10 @@ def flash_mhf_layer(
     if router is not None and tuple(router.shape) != (heads, head_dim, num_subnetworks):
         raise ValueError(f"router must be [heads, head_dim, num_subnetworks] = {(heads, head_dim, num_subnetworks)}; "
                          f"got shape {tuple(router.shape)}")
-    # (a cast or copy that changes nothing still costs a call per layer)
-    weights = weights.to(p.dtype) if weights.dtype != p.dtype else weights.contiguous()
+    # (a cast or copy that changes nothing still costs a call per layer; a cast keeps the weights' layout unless told,
+    # and the kernels read them contiguous)
+    weights = (weights.to(p.dtype, memory_format=torch.contiguous_format) if weights.dtype != p.dtype
+               else weights.contiguous())
     if not fused or _fused_layer_unsupported_reason(p, weights, impl) is not None:
         return flash_mhf_layer_reference(p, norm_weight, router, *weights.chunk(3), head_dim, eps, gate_eps,
                                          impl=impl)

@@ -113,6 +113,8 @@ def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_siz
     tokens = hidden.shape[0]
     if tokens == 0:
         return out
+    # (the kernel reads token t's row id at index t: a batch's `input_ids[:, -1:]`, flattened, is a strided view)
+    row_ids = row_ids.contiguous()
     column_offset = layer_position * (hidden_size // 2 if fmt == 2 else hidden_size)
     scale_offset = layer_position * (hidden_size // group_size) if fmt else 0
     block = _block(hidden_size)
@@ -141,6 +143,7 @@ def _launch_gather_rows(token_ids, slot_of_token, cache, table):
         return out
     block = _block(width)
     grid = (token_ids.shape[0], cdiv(width, block))
+    token_ids = token_ids.contiguous()  # (read at their index, as the lookup-add kernel reads its row ids)
     has_cache = slot_of_token is not None
     launch(_gather_rows_kernel, grid, token_ids, slot_of_token if has_cache else token_ids,
            cache if has_cache else table, table, out, width, HAS_CACHE=has_cache, BLOCK=block)

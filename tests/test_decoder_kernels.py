@@ -159,6 +159,23 @@ def test_rotary_of_queries_and_keys_in_one_launch_matches_float64(case, dtype):
     torch.testing.assert_close(k_k, singles[1], rtol=0, atol=0)
 
 
+@needs_kernels
+def test_kernels_refuse_a_second_derivative():
+    """The norm's and the rotation's backward kernels are not differentiable again: a gradient of their gradient (a
+    gradient penalty added to the loss) raises instead of leaving their share out of it."""
+    x, weight = randn(3, 48, seed=0).float().requires_grad_(True), 1 + randn(48, seed=1, scale=0.2).float()
+    cos, sin = (t.float() for t in rotary_tables(1, 5, 16, seed=2))
+    heads = randn(2, 5, 3, 16, seed=3).float().requires_grad_(True)
+    for leaf, run in ((x, lambda: decoder_triton.rms_norm(x, weight, 1e-5)),
+                      (heads, lambda: decoder_triton.rotate(heads, cos, sin))):
+        out = run()
+        (grad,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
+        penalty = grad.square().sum()
+        assert penalty.requires_grad
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (out.sum() + penalty).backward()
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Whole models, and the choice of path
 # ------------------------------------------------------------------------------------------------------------
@@ -227,7 +244,8 @@ def test_compiled_model_traces_pytorch_operations_under_auto():
 
 def test_decoder_kernels_under_interpreter_in_subprocess():
     run_under_interpreter(
-        __file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects or no_rows or compiled_model")
+        __file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects or no_rows or compiled_model "
+        "or second_derivative")
 
 
 def test_rotary_rejects_tables_that_do_not_fit_the_heads():

@@ -103,6 +103,19 @@ def test_paired_activation_rejects_what_it_cannot_compute():
 
 
 @needs_kernels
+def test_paired_activation_refuses_a_second_derivative():
+    """The backward kernel is not differentiable again: a gradient of its gradient (a gradient penalty added to the
+    loss) raises instead of leaving the activation's share out of it."""
+    y = torch.randn(3, 2 * 40, device=DEVICE, requires_grad=True)
+    out = ffn_triton.paired_activation(y, "silu")
+    (grad,) = torch.autograd.grad(out.square().sum(), y, create_graph=True)
+    penalty = grad.square().sum()
+    assert penalty.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + penalty).backward()
+
+
+@needs_kernels
 @pytest.mark.parametrize("activation,product", [("silu", True), ("gelu", False)])
 def test_triton_operators_compute_what_the_kernels_compute(activation, product):
     """The Triton operators that compiled graphs call: the eager path's output and gradient, to the bit."""
@@ -186,4 +199,5 @@ def test_compiled_kvffn_block_launches_the_paired_kernels():
 
 
 def test_ffn_kernels_under_interpreter_in_subprocess():
-    run_under_interpreter(__file__, "matches_float64 or matches_its_pytorch or rejects or compute_what")
+    run_under_interpreter(
+        __file__, "matches_float64 or matches_its_pytorch or rejects or compute_what or second_derivative")

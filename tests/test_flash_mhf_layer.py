@@ -217,6 +217,45 @@ def test_triton_layer_reads_router_and_norm_weight_views(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[1]])
+def test_triton_layer_takes_weights_of_another_dtype_in_another_layout(case):
+    """Stacked weights in another dtype than p and not contiguous (the sub-network axis outermost in memory): cast to
+    p's dtype, the kernels read their values, not their storage in order, in inference (the decode kernel at L1) and
+    training (their gradient in their own dtype)."""
+    inputs = layer_inputs(*case)
+    expected = layer_truth(*inputs)
+    grad_out = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    truth_weights = torch.cat(inputs[3:]).requires_grad_(True)
+    (expected_grad,) = torch.autograd.grad(layer_truth(*inputs[:3], *truth_weights.chunk(3)), truth_weights, grad_out)
+    p, norm_weight, router = (t.float() for t in inputs[:3])
+    weights = torch.cat(inputs[3:]).transpose(0, 1).contiguous().transpose(0, 1)  # float64, [3 * H_kv, E, ...] view
+    assert not weights.is_contiguous()
+    with torch.no_grad():
+        out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    assert relative_error(out, expected) < TOLERANCE[torch.float32]
+    weights.requires_grad_(True)
+    out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    out.backward(grad_out.float())
+    assert weights.grad.dtype == torch.float64
+    errors = {"out": relative_error(out, expected), "weights": relative_error(weights.grad, expected_grad)}
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
+
+
+@needs_kernels
+def test_fused_layer_refuses_a_second_derivative():
+    """The fused layer's backward is not differentiable again: a gradient of its gradient (a gradient penalty added to
+    the loss) raises instead of leaving the layer's share out of it."""
+    p, norm_weight, router, k, u, v = (t.float() for t in layer_inputs(*LAYER_CASES[0].values[0]))
+    p.requires_grad_(True)
+    out = flash_mhf_layer(p, norm_weight, router, torch.cat([k, u, v]), eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    (grad,) = torch.autograd.grad(out.square().sum(), p, create_graph=True)
+    penalty = grad.square().sum()
+    assert penalty.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + penalty).backward()
+
+
+@needs_kernels
 def test_triton_layer_with_no_tokens():
     p, norm_weight, router, k, u, v = (t.float() for t in layer_inputs(*LAYER_CASES[0].values[0]))
     weights = torch.cat([k, u, v])

@@ -310,6 +310,24 @@ def test_triton_lookup_gather_matches_indexing(cached):
     assert gather_rows_triton(ids[:0], slot_of_token, cache, table).shape == (0, width)
 
 
+@needs_kernels
+def test_triton_lookup_kernels_read_token_ids_of_a_strided_view():
+    """The ids of a decoding step taken as `input_ids[:, -1:]` from a batch are a strided view once flattened (the
+    runtime's `input_ids.reshape(-1)`): both kernels read each token's own id, not the storage in order."""
+    from hf_memffn.token_lookup_triton import gather_rows_triton, lookup_add_triton
+
+    generator = torch.Generator().manual_seed(7)
+    vocab, d = 23, 96
+    table = torch.randn(vocab, 2 * d, generator=generator).to(DEVICE)
+    input_ids = torch.randint(0, vocab, (3, 5), generator=generator).to(DEVICE)
+    ids = input_ids[:, -1:].reshape(-1)
+    assert ids.stride() == (5,)
+    hidden = torch.randn(3, d, generator=generator).to(DEVICE)
+    out = lookup_add_triton(hidden, ids, table, None, 1, d, "fp32", 1)
+    torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=0)
+    assert torch.equal(gather_rows_triton(ids, None, None, table), table[ids])
+
+
 def test_lookup_kernels_under_interpreter_in_subprocess():
     run_under_interpreter(__file__, "triton_lookup")
 
