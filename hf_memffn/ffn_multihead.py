@@ -16,6 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from transformers import initialization as init
 
@@ -37,7 +38,8 @@ class _TokenChunkedRecompute(torch.autograd.Function):
     """Runs a position-wise module over [1, n, d] tokens chunk by chunk without keeping any activation: the backward
     pass recomputes each chunk and writes its input gradient straight into one preallocated tensor. The recompute
     starts from the random state of the forward pass, so dropout inside the module (an adapter's) draws the same
-    masks as in the forward pass."""
+    masks as in the forward pass. The backward is not differentiable again: a second derivative through it (a gradient
+    penalty, `create_graph=True`) raises instead of leaving the module's share out."""
 
     @staticmethod
     def forward(ctx, module, chunk_tokens, tokens, *params):
@@ -56,6 +58,7 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output):
         (tokens,) = ctx.saved_tensors
         needs_tokens = ctx.needs_input_grad[2]

@@ -726,6 +726,21 @@ def test_flash_mhf_token_chunked_recompute_keeps_only_the_input(monkeypatch):
     assert out_empty.shape == (0, 40, 64) and empty.grad.shape == empty.shape
 
 
+def test_flash_mhf_token_chunked_recompute_refuses_a_second_derivative():
+    """The recompute's gradients carry no graph: a gradient of them (a gradient penalty added to the loss) raises
+    instead of leaving the FFN's share out of it."""
+    torch.manual_seed(0)
+    module = AutoModelForCausalLM.from_config(tiny_config("flash_mhf")).model.layers[0].mlp
+    module.recompute_chunk_tokens = 16
+    x = torch.randn(2, 20, 64, requires_grad=True)
+    out = module(x)
+    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    penalty = grad.square().sum()
+    assert penalty.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + penalty).backward()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(device, monkeypatch):
