@@ -1,7 +1,8 @@
 """The model card (README.md) written next to a saved checkpoint.
 
 `render_model_card(model)` describes the architecture, the config fields that define it, the parameter counts and
-how to load the folder with `trust_remote_code`; for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
+how to load the folder with `trust_remote_code`, as the class it was saved from (base model, causal LM or task head,
+whose task gives the card's pipeline tag); for MemoryLLM / FlexMemoryLLM it says whether token lookup tables
 are attached and how to export and load them. `save_pretrained` writes it through `write_model_card` when the
 package is installed; checkpoints do not carry this file. The sections generated from the model lie between
 two markers (HTML comments, hidden on the Hub); saving again into the folder rewrites them and the metadata, and
@@ -136,6 +137,21 @@ ARCHITECTURE_FIELDS = {
 MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
 CARD_METADATA_FIELDS = ("license", "base_model", "datasets", "tags", "language")
 GENERATED_CARD_FIELDS = ("library_name", "pipeline_tag")  # the front matter's fields that every save writes anew
+# The Auto class that loads a checkpoint as the class it was saved from (the base model, the causal LM or a task head;
+# a class's `auto_class_name`), with the Hub's pipeline tag of that task and the usage snippet's line that reads the
+# model's outputs (`{inputs}`: `**inputs` from the tokenizer, or `input_ids`).
+AUTO_CLASS_USES = {
+    "AutoModel": ("feature-extraction", "hidden_states = model({inputs}).last_hidden_state  # [batch, length, hidden]"),
+    "AutoModelForCausalLM": ("text-generation", "logits = model({inputs}).logits"),
+    "AutoModelForSequenceClassification": (
+        "text-classification", "logits = model({inputs}).logits  # [batch, num_labels]; names: model.config.id2label"),
+    "AutoModelForTokenClassification": (
+        "token-classification",
+        "logits = model({inputs}).logits  # [batch, length, num_labels]; names: model.config.id2label"),
+    "AutoModelForQuestionAnswering": (
+        "question-answering",
+        "outputs = model({inputs})  # start_logits and end_logits of the answer span, [batch, length]"),
+}
 BASE_TAGS = ("hf-memffn", "custom_code")
 
 
@@ -193,13 +209,16 @@ def with_current_lookup_section(card: str, folder: str | os.PathLike) -> str:
     if start < 0:
         return card
     start += 1
-    end = card.find("\n## ", start)
-    end = len(card) if end < 0 else end
+    # (up to the next section, or the end of the generated ones, where a head's card has no evaluation section)
+    end = min((index for index in (card.find("\n## ", start), card.find(f"\n{GENERATED_END}", start)) if index >= 0),
+              default=len(card))
     old_section = card[start:end].rstrip("\n")
     location = re.search(r'^checkpoint = "(.*)"$', card, re.MULTILINE)
+    loaded_as = re.search(r"^model = (\w+)\.from_pretrained\(checkpoint", card, re.MULTILINE)
     attached = re.search(r"read its FFNs on X0 from a `([^`]*)` table", old_section)
     section = _lookup_section(attached.group(1) if attached else None,
-                              location.group(1) if location else CARD_PLACEHOLDER_PATH, folder)
+                              location.group(1) if location else CARD_PLACEHOLDER_PATH, folder,
+                              loaded_as.group(1) if loaded_as else "AutoModelForCausalLM")
     return card[:start] + section + card[start + len(old_section):]
 
 
@@ -291,8 +310,9 @@ def render_model_card(
     name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))
     summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
+    auto_class = auto_class_of(model)
     sections = [
-        _front_matter(card_metadata(model, save_directory, **metadata)),
+        _front_matter(card_metadata(model, save_directory, **metadata), AUTO_CLASS_USES[auto_class][0]),
         GENERATED_START,
         f"# {name} ({model_type})",
         summary,
@@ -301,18 +321,28 @@ def render_model_card(
         _usage_section(model, location),
     ]
     if model_type in MEMORY_MODEL_TYPES:
-        sections.append(_lookup_section(_attached_table_format(model), location, save_directory))
-    sections.append(_evaluation_section(location))
+        sections.append(_lookup_section(_attached_table_format(model), location, save_directory, auto_class))
+    if auto_class == "AutoModelForCausalLM":  # (lm-eval scores language models)
+        sections.append(_evaluation_section(location))
     sections.append(GENERATED_END)
     if training_summary:
         sections.append("## Training\n\n" + training_summary.strip())
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
-def _front_matter(fields: dict) -> str:
+def auto_class_of(model) -> str:
+    """The Auto class (a key of `AUTO_CLASS_USES`) that loads `model`'s checkpoint as `model`'s class: a causal LM's
+    or a task head's own (`auto_class_name`), `AutoModel` for a base model, else that of a causal LM."""
+    name = getattr(model, "auto_class_name", None)
+    if name in AUTO_CLASS_USES:
+        return name
+    return "AutoModel" if getattr(model, "base_model", None) is model else "AutoModelForCausalLM"
+
+
+def _front_matter(fields: dict, pipeline_tag: str) -> str:
     from huggingface_hub import ModelCardData
 
-    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation", **fields)
+    data = ModelCardData(library_name="transformers", pipeline_tag=pipeline_tag, **fields)
     return f"---\n{data.to_yaml()}\n---"
 
 
@@ -368,23 +398,26 @@ def _has_tokenizer(model) -> bool:
 
 
 def _usage_section(model, location: str) -> str:
+    auto_class = auto_class_of(model)
+    load = f"model = {auto_class}.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
     if _has_tokenizer(model):
+        if auto_class == "AutoModelForCausalLM":
+            outputs = ("output = model.generate(**inputs, max_new_tokens=20)\n"
+                       "print(tokenizer.decode(output[0], skip_special_tokens=True))")
+        else:
+            outputs = AUTO_CLASS_USES[auto_class][1].format(inputs="**inputs")
         body = (
             "tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)  # reads config.json too\n"
-            "model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
+            f"{load}"
             'inputs = tokenizer("The capital of France is", return_tensors="pt")\n'
-            "output = model.generate(**inputs, max_new_tokens=20)\n"
-            "print(tokenizer.decode(output[0], skip_special_tokens=True))"
+            f"{outputs}"
         )
-        imports = "import torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer"
+        imports = f"import torch\nfrom transformers import {auto_class}, AutoTokenizer"
         note = ""
     else:
-        body = (
-            "model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
-            "input_ids = torch.tensor([[1, 2, 3]])\n"
-            "logits = model(input_ids).logits"
-        )
-        imports = "import torch\nfrom transformers import AutoModelForCausalLM"
+        outputs = AUTO_CLASS_USES[auto_class][1].format(inputs="input_ids")
+        body = f"{load}input_ids = torch.tensor([[1, 2, 3]])\n{outputs}"
+        imports = f"import torch\nfrom transformers import {auto_class}"
         note = "\n\nNo tokenizer was saved with this model: pair it with the tokenizer it was trained with."
     return (
         "## Usage\n\n"
@@ -413,7 +446,8 @@ def tables_in_subfolders(folder: str | os.PathLike | None) -> list[str]:
                   if index.parent != root)
 
 
-def _lookup_section(attached_format: str | None, location: str, save_directory) -> str:
+def _lookup_section(attached_format: str | None, location: str, save_directory,
+                    auto_class: str = "AutoModelForCausalLM") -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
     subfolders = [] if in_folder else tables_in_subfolders(save_directory)
     if attached_format is not None:
@@ -437,7 +471,7 @@ def _lookup_section(attached_format: str | None, location: str, save_directory) 
             "```python\n"
             "from huggingface_hub import snapshot_download\n\n"
             f'checkpoint_dir = snapshot_download("{location}")  # or the local folder itself\n'
-            "model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype=torch.bfloat16)\n"
+            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype=torch.bfloat16)\n"
         )
     else:
         table_dir, lm_eval_table = '"TABLE_DIR"', "TABLE_DIR"
@@ -447,14 +481,18 @@ def _lookup_section(attached_format: str | None, location: str, save_directory) 
             f"```bash\nhf-memffn export-tols {location} TABLE_DIR --format bf16\n```\n\n"
             "```python\n"
         )
-    return (
+    section = (
         f"{LOOKUP_HEADING}\n\n"
         f"{status}\n\n{how}"
         f'model.load_tols({table_dir}, placement="gpu")  # or "cpu" / "disk" (host or mapped table, GPU row cache)\n'
         "model.drop_memory_ffn()  # optional: free the FFN weights on X0\n"
         "```\n\n"
-        "A table is tied to the weights it was computed from; loading one from other weights raises an error. "
-        "Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"
+        "A table is tied to the weights it was computed from; loading one from other weights raises an error."
+    )
+    if auto_class != "AutoModelForCausalLM":  # (lm-eval scores language models)
+        return section
+    return (
+        f"{section} Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"
         "```bash\n"
         f"python -m hf_memffn.lm_eval_model --model memffn --model_args pretrained={location},"
         f"token_lookup={lm_eval_table} --tasks hellaswag,piqa\n"

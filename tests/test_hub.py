@@ -411,6 +411,37 @@ def test_the_rewritten_lookup_section_keeps_the_attached_tables_format(tmp_path)
     assert refresh_lookup_section(folder) is False and (folder / "README.md").read_text() == "# My own card\n"
 
 
+@pytest.mark.parametrize("auto_class, pipeline_tag", [
+    ("AutoModelForSequenceClassification", "text-classification"),
+    ("AutoModelForTokenClassification", "token-classification"),
+    ("AutoModelForQuestionAnswering", "question-answering"),
+    ("AutoModel", "feature-extraction"),
+])
+def test_a_task_heads_card_names_its_task_and_loads_it_with_its_auto_class(auto_class, pipeline_tag, tmp_path):
+    """The card of a task head (or a base model) is not a causal LM's: its pipeline tag is its task's, its snippets
+    load it with its own Auto class (AutoModelForCausalLM would start an lm_head at random and drop the head), and
+    lm-eval, which scores causal LMs, is left out. Exporting a table into the folder keeps all that, and the text the
+    user wrote after the generated sections."""
+    import transformers
+    from huggingface_hub import ModelCard
+
+    from hf_memffn.conversion.export import export_tols
+
+    torch.manual_seed(0)
+    model = getattr(transformers, auto_class).from_config(tiny_config("memoryllm", num_labels=3)).eval()
+    model.save_pretrained(tmp_path)
+    card = tmp_path / "README.md"
+    card.write_text(card.read_text() + "\nA note of the user's.\n")
+    export_tols(tmp_path, tmp_path, format="fp32", progress=False)
+    text = card.read_text()
+    assert text == render_model_card(model, save_directory=tmp_path) + "\nA note of the user's.\n"
+    assert ModelCard(text).data.pipeline_tag == pipeline_tag
+    assert f"model = {auto_class}.from_pretrained(checkpoint, trust_remote_code=True" in text
+    assert f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True" in text
+    assert "is included in this folder" in text
+    assert "AutoModelForCausalLM" not in text and "lm_eval" not in text
+
+
 def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
     from hf_memffn.conversion.export import export_tols
 
