@@ -113,6 +113,9 @@ COMMON=(--init-from "$WORK/init" --arch "$ARCH" --preset "$PRESET" --data-files 
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 COMMON+=("${EXTRA[@]}")
 declare -A CONFIG=([ddp]=ddp [fsdp2]=fsdp2 [zero2]=deepspeed_zero2 [zero3]=deepspeed_zero3)
+# the ZeRO configs name their DeepSpeed JSON relative to the repository root; given by its own path here, so that
+# the script runs from any directory
+declare -A DEEPSPEED_JSON=([zero2]="$HERE/accelerate/ds_zero2.json" [zero3]="$HERE/accelerate/ds_zero3.json")
 FAILED=()
 for run in $RUNS; do
     echo "=== $run ==="
@@ -122,7 +125,9 @@ for run in $RUNS; do
         CUDA_VISIBLE_DEVICES=0 python3 "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size "$BATCH" \
             --output-dir "$WORK/single" || { echo "$run FAILED"; FAILED+=("$run"); }
     else
-        python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/${CONFIG[$run]}.yaml" --num_processes 2 \
+        LAUNCH=(--config_file "$HERE/accelerate/${CONFIG[$run]}.yaml" --num_processes 2)
+        if [ -n "${DEEPSPEED_JSON[$run]:-}" ]; then LAUNCH+=(--deepspeed_config_file "${DEEPSPEED_JSON[$run]}"); fi
+        python3 -m accelerate.commands.launch "${LAUNCH[@]}" \
             "$HERE/pretrain.py" "${COMMON[@]}" --per-device-batch-size $((BATCH / 2)) --output-dir "$WORK/$run" \
             || { echo "$run FAILED"; FAILED+=("$run"); }
     fi

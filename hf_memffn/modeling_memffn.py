@@ -279,6 +279,20 @@ class MemFFNAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
+    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+        """Tensor parallelism shards the projections by whole heads (each rank views its share as heads of
+        `head_dim`): the attention and key/value heads must divide by `tp_size` (the forward would otherwise stop
+        at a reshape)."""
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        heads = {field: getattr(self.config, field) for field in ("num_attention_heads", "num_key_value_heads")}
+        for field, count in heads.items():
+            if count % tp_size:
+                allowed = [size for size in range(1, min(heads.values()) + 1)
+                           if all(value % size == 0 for value in heads.values())]
+                raise ValueError(
+                    f"{model_name}: {field}={count} must divide by tp_size={tp_size} under tensor parallelism (each "
+                    f"rank takes whole attention heads); allowed tp_size: {', '.join(map(str, allowed))}")
+
     def forward(self, hidden_states, position_embeddings, attention_mask, kv_cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -513,7 +527,19 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 "save_pretrained: FFN weights have adapters or int8 attached (hf_memffn.adapters); the checkpoint "
                 "stores them as such, which from_pretrained refuses (a Trainer's resume loads it). Merge them "
                 "(adapters.merge_weight_lora) before saving for a checkpoint in the original format.")
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        # FSDP2's `fully_shard` (accelerate's FSDP2, transformers' `fsdp_size`) swaps the model's class for one that
+        # torch defines, `FSDP<name>(FSDPModule, <name>)`: transformers would copy torch's file as the modeling code
+        # and name that class in `auto_map`. While saving, that class carries the name and module of the one it wraps.
+        wrapper = type(self)
+        wrapped = wrapper.__bases__[-1] if wrapper.__module__.startswith("torch.") else wrapper
+        names = wrapper.__module__, wrapper.__name__, wrapper.__qualname__
+        if wrapped is not wrapper:
+            wrapper.__module__, wrapper.__name__, wrapper.__qualname__ = (
+                wrapped.__module__, wrapped.__name__, wrapped.__qualname__)
+        try:
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            wrapper.__module__, wrapper.__name__, wrapper.__qualname__ = names
         if kwargs.get("is_main_process", True):
             if self.attached_tokenizer is not None:
                 self.attached_tokenizer.save_pretrained(save_directory)

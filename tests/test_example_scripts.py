@@ -23,8 +23,9 @@ from pathlib import Path
 args = sys.argv[1:]
 with open(os.environ["FAKE_LOG"], "a") as log:
     log.write(json.dumps({{"argv": args, "triton_cache": os.environ.get("TRITON_CACHE_DIR")}}) + "\\n")
-if args[:1] == ["-c"]:  # the imports checked: no datasets wheels to install, no DeepSpeed
-    sys.exit(1 if args[1] == "import datasets" or args[1].startswith("import deepspeed") else 0)
+if args[:1] == ["-c"]:  # the imports checked: no datasets wheels to install, no DeepSpeed (unless FAKE_DEEPSPEED)
+    no_deepspeed = args[1].startswith("import deepspeed") and not os.environ.get("FAKE_DEEPSPEED")
+    sys.exit(1 if args[1] == "import datasets" or no_deepspeed else 0)
 if any(a.endswith("write_code_corpus.py") for a in args):
     Path(args[-1]).write_text(json.dumps({{"text": "x"}}) + "\\n")
     sys.exit(0)
@@ -49,8 +50,10 @@ os.execv(sys.executable, [sys.executable, *args])
 """
 
 
-def run_script(tmp_path: Path, script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """`bash examples/SCRIPT ARGS` with the stand-in as `python3` and `python`; its calls go to tmp_path/calls."""
+def run_script(tmp_path: Path, script: str, *args: str, cwd: Path | None = None,
+               **env: str) -> subprocess.CompletedProcess:
+    """`bash examples/SCRIPT ARGS` (in `cwd`, by default this process's) with the stand-in as `python3` and `python`;
+    its calls go to tmp_path/calls."""
     bin_dir = tmp_path / "bin"
     if not bin_dir.is_dir():
         bin_dir.mkdir()
@@ -63,7 +66,7 @@ def run_script(tmp_path: Path, script: str, *args: str, **env: str) -> subproces
     environment = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": python_path,
                    "FAKE_LOG": str(tmp_path / "calls"), **env}
     return subprocess.run(["bash", str(ROOT / "examples" / script), *args], env=environment, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=cwd)
 
 
 def calls(tmp_path: Path, script_name: str) -> list[dict]:
@@ -105,6 +108,20 @@ def test_ddp_check_refuses_an_unknown_run_before_any_run(tmp_path):
                         WORK=str(tmp_path / "work"))
     assert result.returncode == 2 and "unknown run fsdp (allowed: single ddp fsdp2 zero2 zero3)" in result.stderr
     assert not calls(tmp_path, "pretrain.py")
+
+
+def test_ddp_check_gives_the_zero_runs_their_deepspeed_json_from_any_directory(tmp_path):
+    """The ZeRO configs name their DeepSpeed JSON relative to the repository root (accelerate reads it from the
+    current directory): run from another directory, each ZeRO run is given its JSON by the script's own path."""
+    result = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "results"), "2", RUNS="zero2 zero3 ddp",
+                        WORK=str(tmp_path / "work"), FAKE_DEEPSPEED="1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    launches = [call["argv"] for call in calls(tmp_path, "pretrain.py")]
+    assert len(launches) == 3
+    for argv, stage in zip(launches, ("2", "3")):
+        json_file = Path(argv[argv.index("--deepspeed_config_file") + 1])
+        assert json_file.is_absolute() and json_file.samefile(ROOT / "examples" / "accelerate" / f"ds_zero{stage}.json")
+    assert "--deepspeed_config_file" not in launches[2]
 
 
 def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_compile_results(tmp_path):

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 import hf_memffn
-from hf_memffn.testing import tiny_config, torchrun_command
+from hf_memffn.testing import REMOTE_CODE_FILES, tiny_config, torchrun_command
 
 pytest.importorskip("transformers.distributed")
 from transformers.distributed import DistributedConfig  # noqa: E402
@@ -79,11 +79,14 @@ def tp(root, archs, inputs):
     with torch.no_grad():
         results["memoryllm table"] = {"logits": model(inputs["ids"]).logits}
     # refused, with a clear error: FlashMHF's chunked recompute (its backward would recompute the block outside
-    # the sharded forward), a KV-FFN width that leaves a rank half a key/value pair
+    # the sharded forward), a KV-FFN width that leaves a rank half a key/value pair, attention heads that do not
+    # split over the ranks
     results["refused"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
         f"{root}/flash_mhf_recompute", distributed_config=DistributedConfig(tp_size=2)))
     results["refused kvffn width"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
         f"{root}/kvffn_odd_width", distributed_config=DistributedConfig(tp_size=2)))
+    results["refused attention heads"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
+        f"{root}/memoryllm_one_kv_head", tp_plan="auto"))
     # and the parametrizations of `hf_memffn.adapters` on sharded weights (they would mix a DTensor with its shard)
     from hf_memffn import adapters
     sharded = AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf", distributed_config=DistributedConfig(tp_size=2))
@@ -131,6 +134,8 @@ def fsdp2(root, archs, inputs):
                 fully_shard(unit)
             fully_shard(model)
             results[name] = {**training_step_on_one_row(model, inputs, head), "units": len(units)}
+            if head == "causal_lm":
+                save_full_state_dict(model, f"{root}/{arch}_fsdp2_saved")
         # transformers' own FSDP, sharding while it loads: FlashMHF's joined sub-network weights are refused
         load = lambda: AutoModelForCausalLM.from_pretrained(f"{root}/{arch}",
                                                             distributed_config=DistributedConfig(fsdp_size=2))
@@ -144,6 +149,17 @@ def fsdp2(root, archs, inputs):
         else:
             results[f"{arch} fsdp_size"] = training_step_on_one_row(load(), inputs, "causal_lm")
     return results
+
+
+def save_full_state_dict(model, folder):
+    # as accelerate saves with fsdp2.yaml's FULL_STATE_DICT (the Trainer's checkpoints, final/): the weights gathered
+    # to rank 0, written by the sharded model's save_pretrained
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder, state_dict=state_dict)
+    dist.barrier()
 
 
 def fsdp_with_tp_or_replicas(root, archs, inputs):
@@ -244,6 +260,8 @@ def checkpoints(tmp_path_factory):
         root / "flash_mhf_recompute")
     AutoModelForCausalLM.from_config(tiny_config("kvffn", intermediate_size=127)).save_pretrained(
         root / "kvffn_odd_width")
+    AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_key_value_heads=1)).save_pretrained(
+        root / "memoryllm_one_kv_head")
     from hf_memffn.conversion.export import export_tols
 
     export_tols(root / "memoryllm", root / "memoryllm_table", format="fp32", progress=False)
@@ -295,6 +313,7 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     assert "model.layers.0.mlp.key_value_proj.weight" in sharded["kvffn"]
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
     assert "intermediate_size=127 must divide by tp_size=2" in results["refused kvffn width"]
+    assert "num_key_value_heads=1 must divide by tp_size=2" in results["refused attention heads"]
     for key, function in (("refused lora", "add_weight_lora"), ("refused int8", "quantize_weights_int8")):
         message = results[key]
         assert message and message.startswith(f"{function}: ['model.layers.0.mlp.key_up_value'")
@@ -324,7 +343,8 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
     after one step every weight equals the one-process step on both rows (the gradients averaged over the ranks).
     Sharded after loading, as accelerate does, for every architecture and head; sharded while loading, as
     transformers' `DistributedConfig(fsdp_size=2)` does, for the causal LMs but FlashMHF's, which is refused there
-    and steps replicated (`dp_replicate_size=2`) where transformers has that."""
+    and steps replicated (`dp_replicate_size=2`) where transformers has that. Each causal LM's gathered weights,
+    saved by the sharded model as accelerate saves them, carry the model's own code and load back."""
     _, expected = checkpoints
     results = parallel_results["fsdp2"]
     runs = {name: name for arch in ARCHS for name in [arch] + [f"{arch}_{head}" for head in HEADS]}
@@ -341,6 +361,17 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
         if " " not in run:
             # every decoder layer, and MemoryLLM's stacked token memory, is a unit of its own
             assert results[run]["units"] == 2 + run.startswith(("memoryllm", "flex_memoryllm")), run
+    # each causal LM saved after its step: its own modeling code and auto_map (not torch's FSDP2 class and file), and
+    # the stepped weights load back
+    root, _ = checkpoints
+    for arch in ARCHS:
+        folder = root / f"{arch}_fsdp2_saved"
+        assert {p.name for p in folder.glob("*.py")} == REMOTE_CODE_FILES[arch], arch
+        auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+        assert auto_map == type(tiny_config(arch)).default_auto_map(), arch
+        loaded = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
+        for key, weight in expected[arch]["step"][1].items():
+            torch.testing.assert_close(loaded[key], weight, rtol=1e-5, atol=1e-7, msg=lambda m: f"{arch} {key}: {m}")
     # its checkpoint's key, up and value are joined into one parameter while loading: sharded first, out of order
     assert "does not load under transformers' FSDP (distributed_config with fsdp_size=2)" in \
         results["refused flash_mhf fsdp_size"]
