@@ -307,6 +307,26 @@ class MemFFNConfig(PretrainedConfig):
         factor = self.rope_parameters.get("factor")
         _check(name, factor is None or (_is_number(factor) and math.isfinite(factor) and factor >= 1),
                "rope_parameters['factor']", factor, "a finite number >= 1 (the context's scaling)")
+        # the rotations cover every dimension of a head: a partial factor would go unused ("default") or give
+        # frequency tables narrower than the heads (the scaled types)
+        partial = self.rope_parameters.get("partial_rotary_factor", 1.0)
+        _check(name, partial == 1.0, "rope_parameters['partial_rotary_factor']", partial,
+               "must be 1.0: the decoder rotates all head_dim dimensions of each head")
+        if self.rope_parameters["rope_type"] == "longrope":  # (transformers only logs a warning for a wrong length)
+            for key in ("short_factor", "long_factor"):
+                factors = self.rope_parameters.get(key)
+                _check(name, isinstance(factors, (list, tuple)) and len(factors) == self.head_dim // 2,
+                       f"rope_parameters['{key}']", factors,
+                       f"must be a list of head_dim // 2 = {self.head_dim // 2} numbers, one per frequency")
+        # transformers' caches read these fields: a sliding-window or chunked cache keeps only the last tokens' keys,
+        # which this decoder's full causal attention still reads (decoding with the cache would drift from a forward)
+        for field in ("sliding_window", "attention_chunk_size"):
+            value = getattr(self, field, None)
+            _check(name, value is None, field, value,
+                   "must be None: the decoder's attention is full causal (every token attends to all earlier ones)")
+        layer_types = getattr(self, "layer_types", None)
+        _check(name, layer_types is None or all(kind == "full_attention" for kind in layer_types), "layer_types",
+               layer_types, "must be None or 'full_attention' for every layer: the decoder's attention is full causal")
         _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 

@@ -407,7 +407,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": MemFFNDecoderLayer, "attentions": MemFFNAttention}
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
+        std = self.config.initializer_range or 0.02  # (0 stands for transformers' default, as in its own models)
         if isinstance(module, nn.Linear):
             # Blocks that follow their paper's init (KV-FFN: N(0, kvffn_init_std)) tag their layers with `init_std`.
             init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))

@@ -116,3 +116,23 @@ def test_a_new_rope_theta_reaches_the_rotary_tables(tmp_path):
         torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected, msg=name)
     scaled = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0})
     assert scaled.config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "partial_rotary_factor": 0.5},
+                                  {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}])
+def test_a_partial_rotary_factor_is_refused_rather_than_ignored(rope):
+    """The decoder rotates every dimension of each head: with "default" a partial factor went unused, with the scaled
+    types the frequency tables were narrower than the heads (a shape error in the first forward)."""
+    with pytest.raises(ValueError, match=r"`rope_parameters\['partial_rotary_factor'\]`=0.5 is invalid: must be 1.0"):
+        tiny_config("flash_mhf", rope_parameters=rope)
+    assert tiny_config("flash_mhf", partial_rotary_factor=1.0).rope_parameters["partial_rotary_factor"] == 1.0
+
+
+def test_longrope_factors_must_have_one_number_per_frequency():
+    """transformers only warns about factor lists of the wrong length; the model then failed while it was built."""
+    wrong_length = r"`rope_parameters\['{}'\]`=.* is invalid: must be a list of head_dim // 2 = 12 numbers"
+    with pytest.raises(ValueError, match=wrong_length.format("short_factor")):
+        tiny_config("flash_mhf", ffn_variant="swiglu", head_dim=24, rope_parameters=ROPE_SCALINGS["longrope"])
+    long_only = {**ROPE_SCALINGS["longrope"], "short_factor": [1.0] * 12}
+    with pytest.raises(ValueError, match=wrong_length.format("long_factor")):
+        tiny_config("flash_mhf", ffn_variant="swiglu", head_dim=24, rope_parameters=long_only)

@@ -10,6 +10,7 @@ sdpa vs eager attention, gradient checkpointing (non-reentrant) and inputs_embed
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -269,3 +270,24 @@ def test_llamas_mlp_bias_is_refused_rather_than_dropped(arch):
     with pytest.raises(ValueError, match=r"`mlp_bias`=True is invalid: must be False"):
         tiny_config(arch, mlp_bias=True)
     assert not tiny_config(arch, mlp_bias=False).mlp_bias
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
+@pytest.mark.parametrize("fields", [{"sliding_window": 4}, {"attention_chunk_size": 4},
+                                    {"layer_types": ["sliding_attention", "full_attention"]}])
+def test_a_sliding_window_or_chunked_cache_is_refused(arch, fields):
+    """transformers' caches read these fields and keep only the last tokens' keys, while the decoder's attention (like
+    Llama's) is full causal: decoding with such a cache would drift from a forward over the whole sequence."""
+    (field, value), = fields.items()
+    with pytest.raises(ValueError, match=re.escape(f"`{field}`={value!r} is invalid: must be None")):
+        tiny_config(arch, **fields)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_initializer_range_of_zero_initializes_with_the_default_std(arch):
+    """transformers' models read `initializer_range=0` as unset and draw their weights with std 0.02 (an all-zero
+    decoder would pass no gradient)."""
+    model = build(arch, initializer_range=0.0)
+    layer = model.model.layers[0]
+    for weight in (model.model.embed_tokens.weight, layer.self_attn.q_proj.weight, model.lm_head.weight):
+        assert weight.std().item() == pytest.approx(0.02, rel=0.1)
