@@ -621,19 +621,29 @@ def decode_cpus(spec: str | None) -> list[int] | None:
     visible GPU, as the kernel lists them for its PCI device), or a list such as "8-13" or "8,9,10"."""
     if spec is None:
         return None
+    allowed = os.sched_getaffinity(0)
     if spec != "gpu":
         try:
-            return parse_cpu_list(spec)
+            cpus = parse_cpu_list(spec)
         except ValueError:
-            raise ValueError(f"--decode-cpus={spec!r} is not 'gpu' or a CPU list such as '8-13' or '8,9,10'") from None
+            cpus = []
+        if not cpus:
+            raise ValueError(f"--decode-cpus={spec!r} is not 'gpu' or a CPU list such as '8-13' or '8,9,10'")
+        unavailable = [cpu for cpu in cpus if cpu not in allowed]
+        if unavailable:
+            raise ValueError(f"--decode-cpus={spec!r}: CPU {', '.join(map(str, unavailable))} not among the CPUs "
+                             f"available to this process ({', '.join(map(str, sorted(allowed)))})")
+        return cpus
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()  # (nvidia-smi does not read it)
-    bus_id = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        bus_id = subprocess.run(["nvidia-smi", f"--id={gpu}", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise RuntimeError(f"--decode-cpus=gpu: nvidia-smi did not name GPU {gpu}'s PCI device: {error}") from None
     domain, rest = bus_id.split(":", 1)  # nvidia-smi writes an 8-digit domain, sysfs a 4-digit one
     path = f"/sys/bus/pci/devices/{int(domain, 16):04x}:{rest.lower()}/local_cpulist"
     with open(path, encoding="utf-8") as handle:
         cpus = parse_cpu_list(handle.read())
-    allowed = os.sched_getaffinity(0)
     cpus = [cpu for cpu in cpus if cpu in allowed]
     if not cpus:
         raise RuntimeError(f"--decode-cpus=gpu: none of the CPUs in {path} is available to this process")
@@ -1207,7 +1217,7 @@ def check_task(task: str) -> None:
                              f"decode task's {OTHER_PACKAGE} suffix aside)")
         if architecture.endswith(OTHER_PACKAGE) and kind != "decode":
             raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model decodes only")
-        if LOOKUP in architecture and kind == "train":
+        if LOOKUP in architecture and kind in ("train", "profile_train"):
             raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
                              "FFN's weights are dropped")
 
@@ -1444,7 +1454,10 @@ def main(argv=None) -> dict:
         parser.error("no CUDA device: this benchmark measures GPUs (--device cpu only smoke-tests the script)")
     if args.decode_cpus is not None and not args.decode_processes:
         parser.error("--decode-cpus pins the decoding processes: it needs --decode-processes")
-    args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
+    try:
+        args.decode_cpu_list = decode_cpus(args.decode_cpus)  # (checked before any model is built)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
     if args.other_package is not None:
         if not os.path.isfile(os.path.join(args.other_package, "hf_memffn", "__init__.py")):
             parser.error(f"--other-package {args.other_package!r} holds no hf_memffn/__init__.py")

@@ -25,7 +25,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import back_to_back_us, environment, log, markdown_table, median, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    back_to_back_us, environment, log, markdown_table, median, refuse_counts_below, write_report,
+)
 from bench_models import build_config, tritons_own_launch  # noqa: E402
 
 DECODE_BATCHES = (1, 16)
@@ -84,6 +86,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=200, help="calls per part, mode and round")
     args = parser.parse_args(argv)
+    refuse_counts_below(parser, args, rounds=1, calls=1)  # (no round or call: no time per call, no median)
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton_launch.py times launches on a CUDA GPU; none is visible")
     results = {"environment": environment(), "args": vars(args), "rows": []}

@@ -431,6 +431,14 @@ class ForwardSteps:
         return summary
 
 
+def nvidia_smi_id() -> str:
+    """The current CUDA device as `nvidia-smi -i` names it: its entry of CUDA_VISIBLE_DEVICES where that is set
+    (nvidia-smi does not read it, so index 0 of a process that sees only GPU 3 is GPU 0 to nvidia-smi)."""
+    index = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
 class ClockSampler:
     """SM clock (MHz) and board power (W) from `nvidia-smi` every 50 ms while in a `with` block: an H100 at its power
     limit changes its clock by 15% within seconds, so timings record the clock they ran at."""
@@ -448,7 +456,7 @@ class ClockSampler:
     def _run(self):
         while not self.stop.is_set():
             line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                   "-i", str(torch.cuda.current_device())], capture_output=True, text=True).stdout
+                                   "-i", nvidia_smi_id()], capture_output=True, text=True).stdout
             try:
                 clock, power = (float(x) for x in line.strip().split(","))
                 self.samples.append((clock, power))

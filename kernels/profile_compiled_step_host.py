@@ -40,6 +40,7 @@ from harness import (  # noqa: E402
     markdown_table,
     measure_on,
     median,
+    refuse_counts_below,
     synchronize,
     write_json,
     write_report,
@@ -240,12 +241,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--size", default="370M")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--archs", nargs="+", default=["llama_causal_flag", "flash_mhf"])
+    parser.add_argument("--archs", nargs="+", default=["llama_causal_flag", "flash_mhf"], choices=bench_models.ARCHS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per timing round")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps under each profiler (0: no profiles)")
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (the fused layer does not run)")
     args = parser.parse_args(argv)
+    refuse_counts_below(parser, args, batch=1, rounds=1, steps=1, profile_steps=0)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of a compiled step's GPU launches")
     measure_on("cpu" if args.cpu else "cuda")  # (--cpu: timed and named as the CPU on a machine with a GPU too)

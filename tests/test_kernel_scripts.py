@@ -358,6 +358,22 @@ def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
         bench_models.run_task("train:tiny:llama+memoryllm_lookup:eager", argparse.Namespace(device="cpu"), {})
 
 
+def test_model_benchmark_refuses_a_profiled_training_step_of_a_lookup_variant(tmp_path, bench_models_main, capsys):
+    """A lookup variant cannot train (its memory FFN's weights are dropped and the table refuses gradients), so
+    `profile_train:<size>:<lookup variant>` is refused with the other tasks before the first runs, as a `train` task
+    is, rather than failing when its turn comes."""
+    bench_models = bench_models_main
+    for task in ("profile_train:tiny:memoryllm_lookup", "profile_train:tiny:flex_memoryllm_lookup_torch:eager:1"):
+        with pytest.raises(ValueError, match="decodes only"):
+            bench_models.check_task(task)
+    with pytest.raises(SystemExit) as refused:
+        bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--tasks", "layer:tiny",
+                           "profile_train:tiny:memoryllm_lookup"])
+    assert refused.value.code == 2 and "decodes only" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    bench_models.check_task("profile_decode:tiny:memoryllm_lookup")
+
+
 def test_model_benchmark_builds_kvffn_without_its_biases():
     """`kvffn_no_bias`: KVFFN built with `kvffn_bias=False`, the same parameters less the FFN's biases."""
     bench_models = kernel_script("bench_models")
@@ -613,9 +629,10 @@ def test_decode_compile_mode_sets_the_static_cache_compile_config(monkeypatch):
     assert model.generation_config.compile_config.mode == "default"
 
 
-def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path, bench_models_main, capsys):
+def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path, bench_models_main, capsys, monkeypatch):
     """`--decode-cpus` reads Linux CPU lists and refuses to run without `--decode-processes` (nothing to pin)."""
     bench_models = bench_models_main
+    monkeypatch.setattr(bench_models.os, "sched_getaffinity", lambda pid: set(range(8)))  # (CPUs 0-7 available)
     assert bench_models.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
     assert bench_models.decode_cpus(None) is None and bench_models.decode_cpus("2,5") == [2, 5]
     with pytest.raises(ValueError, match="--decode-cpus='fast'"):
@@ -625,6 +642,25 @@ def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path, bench_
                            "--tasks", "decode:tiny:llama:eager"])
     assert refused.value.code == 2 and "needs --decode-processes" in capsys.readouterr().err
     assert not (tmp_path / "models_bench.json").exists()
+
+
+def test_decode_cpus_refuses_lists_it_cannot_pin_before_any_model_is_built(tmp_path, bench_models_main, capsys,
+                                                                         monkeypatch):
+    """A `--decode-cpus` list that is no CPU list, names no CPU (a range from high to low) or names a CPU this process
+    may not run on is a one-line usage error before any work, not a traceback, a run left unpinned, or a task that
+    fails once its models have been built and compiled."""
+    bench_models = bench_models_main
+    monkeypatch.setattr(bench_models.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for spec, expected in (("fast", "--decode-cpus='fast' is not 'gpu' or a CPU list"),
+                           ("5-2", "--decode-cpus='5-2' is not 'gpu' or a CPU list"),
+                           ("2,9", "--decode-cpus='2,9': CPU 9 not among the CPUs available to this process (0, 1, 2, "
+                                   "3)")):
+        with pytest.raises(SystemExit) as refused:
+            bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--decode-processes", "--decode-cpus", spec,
+                               "--tasks", "decode:tiny:llama:eager"])
+        assert refused.value.code == 2 and expected in capsys.readouterr().err, spec
+    assert not list(tmp_path.iterdir())
+    assert bench_models.decode_cpus("1-3") == [1, 2, 3]
 
 
 def test_llama_with_the_causal_flag_matches_llama_and_refuses_padding():
@@ -988,4 +1024,45 @@ def test_comparison_scripts_refuse_no_rounds_before_any_work(name, tmp_path, cap
     with pytest.raises(SystemExit) as refused:
         kernel_script(name).main(["--out", str(tmp_path / "out"), "--rounds", "0"])
     assert refused.value.code == 2 and "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_clock_sampler_reads_the_gpu_the_process_sees(monkeypatch):
+    """`harness.ClockSampler` asks nvidia-smi about the process's own GPU: nvidia-smi does not read
+    CUDA_VISIBLE_DEVICES, so a task process of `bench_models.py --gpus` that sees only GPUs 2 and 3 samples GPU 2 (its
+    device 0), not nvidia-smi's GPU 0."""
+    harness = kernel_script("harness")
+    sampler, asked = harness.ClockSampler(), []
+
+    def run(command, **kwargs):
+        asked.append(command[command.index("-i") + 1])
+        sampler.stop.set()
+        return subprocess.CompletedProcess(command, 0, stdout="1755, 690.5\n")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setattr(harness.subprocess, "run", run)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    sampler.available = True
+    with sampler:
+        sampler.thread.join()
+    assert asked == ["2"] and sampler.summary()["sm_clock_mhz"] == 1755.0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert harness.nvidia_smi_id() == "0"
+
+
+@pytest.mark.parametrize("name, given, expected", [
+    ("bench_triton_launch", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("bench_triton_launch", ["--calls", "0"], "--calls must be at least 1, got 0"),
+    ("profile_compiled_step_host", ["--cpu", "--size", "tiny", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("profile_compiled_step_host", ["--cpu", "--size", "tiny", "--steps", "0"], "--steps must be at least 1, got 0"),
+    ("profile_compiled_step_host", ["--cpu", "--size", "tiny", "--archs", "llama", "lama"],
+     "argument --archs: invalid choice: 'lama'"),
+])
+def test_host_time_scripts_refuse_counts_and_models_they_cannot_measure(name, given, expected, tmp_path, capsys):
+    """`bench_triton_launch.py` and `profile_compiled_step_host.py` refuse no round, no call or step per round (no
+    median to report) and a model `bench_models.py` does not build, naming the option, before any work: not a
+    statistics error once the first model has been compiled and measured."""
+    with pytest.raises(SystemExit) as refused:
+        kernel_script(name).main(["--out", str(tmp_path / "out"), *given])
+    assert refused.value.code == 2 and expected in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
