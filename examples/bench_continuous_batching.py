@@ -8,8 +8,8 @@ its own equal-size column) with random weights in `--dtype`, and serves the same
 continuous batching (`init_continuous_batching`: paged KV cache, one flattened batch per step, new requests joining
 as others finish): `--requests` requests submitted at once, prompt and generation lengths drawn uniformly from
 `--prompt-lengths` and `--new-tokens` (seeded, identical for every model; EOS disabled, so each request generates
-exactly its length). `--token-lookup` (default on) adds a MemoryLLM reading a bf16 token lookup table (`gpu`
-placement on CUDA, else `cpu`) with its memory FFN weights dropped.
+exactly its length). `--token-lookup` (default on when `--archs` has memoryllm, which it needs) adds a MemoryLLM
+reading a bf16 token lookup table (`gpu` placement on CUDA, else `cpu`) with its memory FFN weights dropped.
 
 Each model first runs a warm-up workload: as many requests, prompts drawn from the same range (another seed), an
 eighth of the new tokens (kernel compilation, Triton autotuning, CUDA graph capture happen there), then the
@@ -30,7 +30,8 @@ paged KV cache is sized by transformers from the free memory (`--num-blocks` / `
 turns in an order rotated each round; each row then holds the medians over the rounds, and the ratio of the model's
 generated tokens/s to Llama's in the same round (median, lowest and highest), which cancels what drifts between rounds.
 Rows are written after every model (every round with --rounds), so a run cut short keeps what it measured.
-Writes continuous_batching.json and continuous_batching.md (with the device) into --out, and prints the table.
+Writes continuous_batching.json and continuous_batching.md (with the device) into --out, and prints the table; exits
+1 when a model failed (its row holds the error).
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="370M", help="model size from examples/presets.py (default 370M)")
     parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURE_NAMES), choices=ARCHITECTURE_NAMES)
-    parser.add_argument("--token-lookup", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run a MemoryLLM reading a bf16 token lookup table (memory FFN dropped)")
+    parser.add_argument("--token-lookup", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run a MemoryLLM reading a bf16 token lookup table (memory FFN dropped); needs "
+                        "memoryllm in --archs (default: on when it is there)")
     parser.add_argument("--requests", type=int, default=64, help="requests submitted at once (default 64)")
     parser.add_argument("--prompt-lengths", type=length_range, default=(32, 512), metavar="MIN,MAX")
     parser.add_argument("--new-tokens", type=length_range, default=(32, 256), metavar="MIN,MAX")
@@ -383,6 +385,11 @@ def main(argv=None) -> dict:
     if args.synchronised_steps < 0 or not 0 <= args.profiled_steps <= args.synchronised_steps:
         parser.error(f"--synchronised-steps ({args.synchronised_steps}) must be 0 or more and --profiled-steps "
                      f"({args.profiled_steps}) from 0 to --synchronised-steps")
+    if args.token_lookup and "memoryllm" not in args.archs:
+        parser.error(f"--token-lookup runs a MemoryLLM reading a lookup table: it needs memoryllm in --archs, got "
+                     f"{' '.join(args.archs)}")
+    if args.token_lookup is None:
+        args.token_lookup = "memoryllm" in args.archs
     if args.profile_round is not None and not (args.rounds > 1 and 1 <= args.profile_round <= args.rounds):
         parser.error(f"--profile-round must be a round from 1 to --rounds (> 1), got {args.profile_round} of "
                      f"{args.rounds}")
@@ -396,7 +403,7 @@ def main(argv=None) -> dict:
     # the warm-up submits as many requests with prompts of the same lengths (short generations), so that the batch
     # shapes of the timed run, which Triton compiles and autotunes for, were seen before the clock starts
     warmup_requests = workload(args, args.seed + 1, args.requests, new_token_scale=0.125)
-    names = list(args.archs) + (["memoryllm_lookup"] if args.token_lookup and "memoryllm" in args.archs else [])
+    names = list(args.archs) + (["memoryllm_lookup"] if args.token_lookup else [])
     import transformers
 
     report = {
@@ -473,4 +480,5 @@ def run_rounds(names, args, device, dtype, requests, warmup_requests, table_dir,
 
 
 if __name__ == "__main__":
-    main()
+    # a model that failed leaves its error in its row and the others their numbers; the exit status says it failed
+    raise SystemExit(1 if any("error" in row for row in main()["results"]) else 0)

@@ -630,3 +630,56 @@ def test_scale_check_takes_any_multiple_of_64_and_names_the_flag_below(tmp_path,
             "--vocab-size", "320", "--num-texts", "1", "--dataset-texts", "2", "--text-words", "5", "--out", str(out)]
     assert scale_check.main(argv) == 0  # 3 heads: 1 key-value head
     assert json.loads(out.read_text())["layers"] == 1
+
+
+def test_a_batch_of_several_sequences_is_refused_not_read_as_one():
+    """`[2, length]` ids were flattened into one sequence: the second row's coefficients read the first as context."""
+    model = build("llama")
+    batch = torch.stack([PROMPT, PROMPT.flip(0)])
+    for call in (lambda: coefficients_for_ids(model, batch), lambda: next_token_probabilities(model, batch),
+                 lambda: edit_next_token(model, batch, EDIT_TOKEN), lambda: find_trigger_cell(model, batch)):
+        with pytest.raises(ValueError, match=r"input_ids has shape \(2, 5\): expected one sequence"):
+            call()
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        edit_next_token(model, torch.tensor([], dtype=torch.long), EDIT_TOKEN)
+    one = coefficients_for_ids(model, PROMPT[None])  # [1, length] is one sequence
+    assert all(torch.equal(one[name], rows) for name, rows in coefficients_for_ids(model, PROMPT).items())
+
+
+def test_edit_strength_must_be_a_positive_number():
+    model = build("llama")
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for strength in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"strength={strength} must be a positive number"):
+            edit_next_token(model, PROMPT, EDIT_TOKEN, strength=strength)
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+
+
+def test_top_triggers_refuse_cells_of_unknown_banks_and_cells_outside_the_bank():
+    """A misspelt bank name in `cells` tracked every cell of every bank; a cell outside the bank failed inside a
+    forward hook (or, negative, was read from the end)."""
+    model = build("llama")
+    banks = memory_banks(model)
+    with pytest.raises(ValueError, match=r"cells names banks \['layers.9.mlp'\] that are not among `banks`"):
+        top_triggering_prefixes(model, [[5, 9]], banks, cells={"layers.9.mlp": [0]})
+    for cell in (-1, banks[0].num_cells):
+        with pytest.raises(ValueError, match=rf"cells\['layers.0.mlp'\] has cell {cell}: allowed cells are 0..127"):
+            top_triggering_prefixes(model, [[5, 9]], banks, cells={"layers.0.mlp": [3, cell]})
+    index = top_triggering_prefixes(model, [[5, 9]], banks, k=1, cells={"layers.0.mlp": []})
+    assert index.triggers["layers.0.mlp"] == [] and len(index.triggers["layers.1.mlp"]) == banks[1].num_cells
+
+
+def test_token_memory_map_refuses_layers_without_token_memory():
+    """`layers=[5]` of a 2-layer MemoryLLM returned no map at all."""
+    with pytest.raises(ValueError, match=r"layers=\[5\] have no token memory; allowed: \[0, 1\]"):
+        token_memory_map(build("memoryllm"), layers=[1, 5])
+
+
+def test_token_memory_edit_refuses_a_token_outside_the_vocabulary():
+    """An edit of token id 5000 (vocabulary of 320) was applied and changed nothing."""
+    model = build("memoryllm")
+    rows = torch.zeros(model.config.num_hidden_layers, model.config.hidden_size)
+    for token_id in (-1, model.config.vocab_size):
+        with pytest.raises(ValueError, match=rf"token_id={token_id} is outside the vocabulary \[0, 320\)"):
+            TokenMemoryEdit(model, token_id, rows).apply()
+    assert "memory_readout" not in vars(model.model)

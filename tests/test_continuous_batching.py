@@ -249,6 +249,42 @@ def test_throughput_benchmark_refuses_an_empty_workload_before_building_a_model(
         assert message in capsys.readouterr().err
     assert not (tmp_path / "continuous_batching.json").exists()
 
+
+def test_throughput_benchmark_refuses_token_lookup_without_a_memoryllm(tmp_path, capsys):
+    """--token-lookup given with --archs lacking memoryllm ran no lookup-table model and said nothing."""
+    bench = _load_throughput_benchmark()
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--archs", "llama", "--token-lookup", "--device", "cpu",
+                    "--out", str(tmp_path)])
+    assert "--token-lookup runs a MemoryLLM reading a lookup table: it needs memoryllm in --archs, got llama" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "continuous_batching.json").exists()
+    args = bench.build_parser().parse_args(["--archs", "llama", "--out", str(tmp_path)])
+    assert args.token_lookup is None  # left out: on exactly when memoryllm is among --archs
+
+
+def test_throughput_benchmark_exits_1_when_a_model_failed(tmp_path, monkeypatch):
+    """A model that failed left its error in its row, and the process exited 0 (cold_cache_first_step.sh then
+    reported the run as a success)."""
+    import json
+    import runpy
+    import sys
+
+    bench = _load_throughput_benchmark()  # puts examples/ on the path
+    import presets
+
+    def broken(name):
+        raise RuntimeError("no such preset today")
+
+    monkeypatch.setattr(presets, "get_preset", broken)
+    monkeypatch.setattr(sys, "argv", [bench.__file__, "--preset", "tiny", "--archs", "llama", "--requests", "1",
+                                      "--device", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(bench.__file__, run_name="__main__")
+    assert stop.value.code == 1
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    assert report["results"] == [{"model": "Llama (transformers)", "error": "RuntimeError: no such preset today"}]
+
 def test_triton_compilations_are_recorded_through_the_jit_hooks(monkeypatch):
     """The benchmarks' record of compilations (kernels/harness.py): Triton calls the cache hook before building a
     kernel and the post-compile hook after; an autotuner benchmarks each configuration through `Autotuner._bench`;

@@ -52,11 +52,24 @@ def record_coefficients(
             handle.remove()
 
 
+def one_sequence(input_ids) -> torch.Tensor:
+    """`input_ids` as one `[length]` sequence; `[1, length]` is taken too. A batch of several sequences is refused:
+    flattened, its rows would read as one sequence, each row the context of the next."""
+    input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() > 2 or input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected one sequence, [length] or "
+                         "[1, length] (give the sequences of a batch one at a time)")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: expected one sequence of at least one token")
+    return input_ids.reshape(-1)
+
+
 @torch.no_grad()
 def coefficients_for_ids(
     model: torch.nn.Module, input_ids: torch.Tensor, banks: Sequence[MemoryBank] | None = None
 ) -> dict[str, torch.Tensor]:
     """`{bank name: [length, num_cells]}`: the memory coefficients of one token sequence (`input_ids`: `[length]`)."""
+    input_ids = one_sequence(input_ids)
     banks = memory_banks(model) if banks is None else list(banks)
     device = next(model.parameters()).device
     with record_coefficients(model, banks) as stored:

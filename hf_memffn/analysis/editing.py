@@ -15,12 +15,13 @@ Two edits, both reversible (`apply()` / `revert()`, or use them as context manag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .coefficients import coefficients_for_ids
+from .coefficients import coefficients_for_ids, one_sequence
 from .memory_banks import MemoryBank, decoder_of, memory_banks
 
 
@@ -40,7 +41,7 @@ def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
 def next_token_probabilities(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """`[vocab]` next-token distribution after the sequence `input_ids` (`[length]`)."""
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.reshape(1, -1).to(device)).logits[0, -1]
+    logits = model(input_ids=one_sequence(input_ids).reshape(1, -1).to(device)).logits[0, -1]
     return logits.float().softmax(-1).cpu()
 
 
@@ -185,6 +186,9 @@ class TokenMemoryEdit:
         if not has_token_memory(self.model):
             raise ValueError(f"model of class {type(self.model).__name__} has no memory on the token embeddings")
         decoder = decoder_of(self.model)
+        vocab_size = decoder.embed_tokens.weight.shape[0]
+        if not 0 <= self.token_id < vocab_size:
+            raise ValueError(f"token_id={self.token_id} is outside the vocabulary [0, {vocab_size})")
         if self.row_delta.shape != (len(decoder.layers), decoder.embed_tokens.weight.shape[1]):
             raise ValueError(f"row_delta has shape {tuple(self.row_delta.shape)}, expected [num_layers, hidden_size]")
         edited = vars(decoder).get("memory_readout")
@@ -283,7 +287,10 @@ def edit_next_token(
     methods = ("auto", "value", "token_memory")
     if method not in methods:
         raise ValueError(f"method={method!r} is not one of {methods}")
-    input_ids = torch.as_tensor(input_ids).reshape(-1)
+    if not (math.isfinite(strength) and strength > 0):
+        raise ValueError(f"strength={strength} must be a positive number (the largest move, in units of the "
+                         "residual's norm)")
+    input_ids = one_sequence(input_ids)
     has_memory = has_token_memory(model)
     if method == "auto":
         method = "token_memory" if has_memory else "value"

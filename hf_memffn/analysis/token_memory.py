@@ -58,6 +58,10 @@ def token_memory_map(
     """The token-to-memory map over the whole vocabulary: per layer, each token's `top_k` cells by coefficient."""
     banks = token_memory_banks(model)
     if layers is not None:
+        available = [bank.layer for bank in banks]
+        unknown = [layer for layer in layers if layer not in available]
+        if unknown:
+            raise ValueError(f"layers={unknown} have no token memory; allowed: {available}")
         banks = [bank for bank in banks if bank.layer in set(layers)]
     vocab_size = decoder_of(model).embed_tokens.weight.shape[0]
     token_ids = torch.arange(vocab_size)

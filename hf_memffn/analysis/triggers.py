@@ -108,10 +108,20 @@ def top_triggering_prefixes(
     and their prefixes.
     """
     device = next(model.parameters()).device
+    unknown = sorted(set(cells or {}) - {bank.name for bank in banks})
+    if unknown:
+        raise ValueError(f"cells names banks {unknown} that are not among `banks`; allowed: "
+                         f"{[bank.name for bank in banks]}")
     tracked = {
-        bank.name: torch.as_tensor(list(cells[bank.name]) if cells and bank.name in cells else range(bank.num_cells))
+        bank.name: torch.as_tensor(list(cells[bank.name]) if cells and bank.name in cells else range(bank.num_cells),
+                                   dtype=torch.long)
         for bank in banks
     }
+    for bank in banks:
+        outside = tracked[bank.name][(tracked[bank.name] < 0) | (tracked[bank.name] >= bank.num_cells)]
+        if outside.numel():
+            raise ValueError(f"cells[{bank.name!r}] has cell {int(outside[0])}: allowed cells are "
+                             f"0..{bank.num_cells - 1}")
     heaps = {name: TopKPerCell(len(index), k, device, absolute=absolute) for name, index in tracked.items()}
     windows: dict[int, tuple[list[int], int | None]] = {}
     stride = 1 << 32  # key = text_index * stride + position
@@ -120,7 +130,7 @@ def top_triggering_prefixes(
 
     def on_coefficients(bank: MemoryBank, coefficients: torch.Tensor) -> None:
         scores = coefficients[..., tracked[bank.name].to(coefficients.device)]
-        flat = scores.reshape(-1, scores.shape[-1])[batch_mask]
+        flat = scores.flatten(0, -2)[batch_mask]
         heaps[bank.name].update(flat, batch_keys)
 
     num_tokens = 0
