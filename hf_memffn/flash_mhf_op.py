@@ -279,7 +279,10 @@ def _forward_impl(q, k, u, v, r, impl):
     if impl == "triton":
         out = triton_forward(q, k, u, v, r)
     else:
-        out = _reference_forward(q, k, u, v, r)
+        # (float32 products also under autocast, which an operator's implementation would otherwise run under in
+        # eager mode only: a compiled graph runs it with autocast off)
+        with torch.autocast(q.device.type, enabled=False):
+            out = _reference_forward(q, k, u, v, r)
     return _in_layout_of(q, out)
 
 
@@ -287,7 +290,8 @@ def _backward_impl(grad_out, q, k, u, v, r, impl):
     if impl == "triton":
         grads = triton_backward(grad_out, q, k, u, v, r)
     else:
-        grads = _reference_backward(grad_out, q, k, u, v, r)
+        with torch.autocast(q.device.type, enabled=False):  # (as in the forward)
+            grads = _reference_backward(grad_out, q, k, u, v, r)
     return tuple(_in_layout_of(t, g) for t, g in zip((q, k, u, v, r), grads))
 
 

@@ -288,6 +288,30 @@ def test_compile_fullgraph_forward_and_backward():
         assert relative_error(compiled_leaf.grad, eager.grad) < 1e-4
 
 
+def test_reference_computes_in_float32_under_autocast_as_compiled():
+    """Under autocast (Trainer(bf16=True)) the reference keeps its float32 products, in eager mode as in a compiled
+    graph (which runs with autocast off): the same output, forward and backward, as without autocast."""
+    q, k, u, v, r = (t.float() for t in random_inputs(2, 4, 9, 64, 2, 2, 32, seed=3))
+    q, k, u, v = (t.bfloat16().requires_grad_(True) for t in (q, k, u, v))
+    r = r.requires_grad_(True)
+    leaves = (q, k, u, v, r)
+
+    def run(autocast: bool, compiled: bool):
+        fn = lambda *args: flash_mhf(*args, impl="torch")  # noqa: E731
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(*leaves)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
+        return out, grads
+
+    expected, expected_grads = run(autocast=False, compiled=False)
+    for compiled in (False, True):
+        out, grads = run(autocast=True, compiled=compiled)
+        assert torch.equal(out, expected), compiled
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert torch.equal(grad, expected_grad), compiled
+
+
 def test_second_copy_of_the_op_file_reuses_the_registration(tmp_path):
     """transformers imports remote code as another module (transformers_modules.*); that copy must not fail."""
     package = tmp_path / "copied_checkpoint_code"
