@@ -17,6 +17,8 @@
 # `warm` needs `cold` before it (the cache it reuses). A process that fails leaves the others to run; the script then
 # exits 1.
 set -euo pipefail
+[ $# -ge 1 ] || { echo "usage: bash examples/cold_cache_first_step.sh OUT_DIR" \
+                       "[SYNCHRONISED_STEPS [BENCHMARK ARGUMENTS...]]"; exit 2; }
 seen=""
 for name in ${RUNS:-cold warm cold_again cold_eager}; do
   case $name in

@@ -30,4 +30,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python examples/write_code_corpus.py OUT.jsonl (one path: the corpus to write)")
     main(sys.argv[1])

@@ -203,6 +203,15 @@ def test_compare_loss_curves_writes_its_files_whole_or_not_at_all(tmp_path, monk
     assert out.read_text() == before
 
 
+def test_scripts_without_their_output_argument_print_their_usage(tmp_path):
+    """Run without the path they write to, the scripts name what they take instead of a shell or Python error."""
+    result = run_script(tmp_path, "cold_cache_first_step.sh")
+    assert result.returncode == 2 and "usage: bash examples/cold_cache_first_step.sh OUT_DIR" in result.stdout
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "write_code_corpus.py")], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and "usage: python examples/write_code_corpus.py OUT.jsonl" in done.stderr
+
+
 def test_write_code_corpus_interrupted_leaves_no_corpus(tmp_path, monkeypatch):
     """ddp_check.sh reuses a corpus it finds, so an interrupted write must not leave one."""
     real_read_text = Path.read_text
