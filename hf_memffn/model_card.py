@@ -246,9 +246,9 @@ def check_card_metadata(fields: dict) -> dict:
 
 def card_metadata(model, save_directory: str | os.PathLike | None = None, **overrides) -> dict:
     """The card's metadata: the fields of this package's card in `save_directory` (else in the local folder the
-    model was loaded from; any field, see `_package_card_metadata`), the model's attached fields on top, `overrides` on top of those; `base_model` defaults
-    to the Hub repository the weights were loaded from; tags are merged from all of them and always include this
-    package's."""
+    model was loaded from; any field, see `_package_card_metadata`), the model's attached fields on top, `overrides`
+    on top of those; `base_model` defaults to the Hub repository the weights were loaded from; tags are merged from
+    all of them and always include this package's."""
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     kept = _package_card_metadata(save_directory) or _package_card_metadata(source if os.path.isdir(source) else None)
     attached = dict(getattr(model, "card_metadata", None) or {})

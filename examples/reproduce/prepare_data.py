@@ -181,11 +181,11 @@ def tokenized(tokenizer, documents: list[str], batch_size: int = 512) -> Iterato
 
 def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], extra_heldout: dict[str, tuple[list[str], dict]],
           vocab_size: int, max_train_tokens: int, max_heldout_tokens: int, tokenizer_chars: int, seed: int,
-          overwrite: bool, log=print) -> dict:
+          log=print) -> dict:
+    """The folder `out` (replacing one that exists: `main` refuses that without --overwrite), built under a
+    temporary name and renamed when whole."""
     if not train or not heldout:
         raise ValueError(f"the source gave {len(train)} training and {len(heldout)} held-out documents; both must be > 0")
-    if out.exists() and not overwrite:
-        raise ValueError(f"--out={str(out)!r} exists; pass --overwrite to replace it")
     random.Random(seed).shuffle(train)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -308,7 +308,7 @@ def main(argv=None) -> dict:
     if wiki_path is not None:
         extra["heldout_wiki"] = (wiki_documents(wiki_path), WIKI_SOURCE)
     meta = build(Path(args.out), source_meta, train, heldout, extra, args.vocab_size, args.max_train_tokens,
-                 args.max_heldout_tokens, args.tokenizer_chars, args.seed, args.overwrite)
+                 args.max_heldout_tokens, args.tokenizer_chars, args.seed)
     print(f"wrote {args.out}: {meta['size_mib']} MiB, " + ", ".join(f"{k} {v['tokens']:,} tokens" for k, v in meta["splits"].items()))
     return meta
 
