@@ -18,7 +18,9 @@ as Triton types them); and the keyword arguments (constexprs and launch options 
 values, on the current device. The direct launch skips what Triton does before the compiled kernel on every call:
 the binder, the check that the kernel's globals have not changed since it was compiled, and the kernel's pre-run
 hooks (none of ours has either). Under ``TRITON_INTERPRET=1`` and while ``torch.compile`` traces, every launch goes
-through Triton. ``CACHED = False`` sends every launch through Triton (the benchmarks compare both).
+through Triton. ``CACHED = False`` sends every launch through Triton (the benchmarks compare both). Every launch
+runs on the CUDA device of its first tensor, made current for the call where another device is (a model split over
+GPUs with ``device_map``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ def _signature(kernel, args: tuple) -> tuple:
                   else _argument_key(arg, index in positions) for index, arg in enumerate(args)])
 
 
+def _device_index(args: tuple) -> int:
+    """The CUDA device of a launch's first tensor (or tensor descriptor's base) argument, -1 for a host tensor."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.get_device()
+        base = getattr(arg, "base", None)
+        if isinstance(base, torch.Tensor):
+            return base.get_device()
+    raise TypeError("launch: no tensor among the arguments to say which CUDA device runs the kernel")
+
+
 def _through_triton(kernel, grid, args: tuple, kwargs: dict):
     """Triton's own launch, with `COMPILE_OPTIONS` after the caller's options unless the caller names them."""
     options = {name: value for name, value in COMPILE_OPTIONS.items() if name not in kwargs}
@@ -94,7 +107,15 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     filled in); keyword arguments that are not parameters are launch options (`COMPILE_OPTIONS` is added to them
     where they do not name it: a caller that names it sets where it stands among them, which is part of Triton's
     in-memory cache key)."""
-    if not CACHED or INTERPRET_REQUESTED or torch.compiler.is_compiling():
+    if INTERPRET_REQUESTED:
+        return _through_triton(kernel, grid, args, kwargs)
+    # Triton launches on the current device (and its current stream); a model split over GPUs (`device_map`) calls
+    # a layer on cuda:1 while cuda:0 is current, so the launch moves to the device of the tensors it reads
+    device = _device_index(args)
+    if device >= 0 and device != torch.cuda.current_device():  # (-1: a host tensor, which Triton refuses itself)
+        with torch.cuda.device(device):
+            return launch(kernel, grid, *args, **kwargs)
+    if not CACHED or torch.compiler.is_compiling():
         return _through_triton(kernel, grid, args, kwargs)
     # (the kernel by its id: a Triton function hashes in Python, about a microsecond per launch; the kept entry holds
     # the kernel, so its id is not reused while the entry exists)

@@ -596,6 +596,28 @@ def test_device_map_auto(tmp_path):
         torch.testing.assert_close(loaded(ids.to(loaded.device)).logits.cpu(), model(ids).logits)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_model_split_over_two_gpus_equals_it_on_one(arch, tmp_path):
+    """`device_map` with the second layer, the final norm and the head on cuda:1 while cuda:0 is current: every
+    kernel launches on the device of its tensors (`triton_launch.launch`), so logits and greedy tokens equal the
+    model's on cuda:0 alone."""
+    build(arch).save_pretrained(tmp_path)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": 0})
+    split_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                 "model.norm": 1, "lm_head": 1}
+    if hasattr(whole.model, "memory"):
+        split_map["model.memory"] = 0
+    split = AutoModelForCausalLM.from_pretrained(tmp_path, device_map=split_map)
+    assert next(split.model.layers[1].parameters()).device == torch.device("cuda", 1)
+    torch.cuda.set_device(0)
+    ids = torch.randint(3, 320, (2, 7), device="cuda:0")
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids).logits.to("cuda:0"), whole(ids).logits)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(split.generate(ids, **kwargs).to("cuda:0"), whole.generate(ids, **kwargs))
+
+
 def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
     model = build("flash_mhf")
     model.attach_tokenizer(tiny_tokenizer())

@@ -94,6 +94,46 @@ def test_switched_off_or_interpreted_every_launch_goes_through_triton(stand_in, 
     assert len(stand_in.through_triton) == 5 and not stand_in.direct
 
 
+def test_a_launch_runs_on_the_device_of_its_tensors(stand_in, monkeypatch):
+    """A model split over GPUs calls a layer on cuda:1 while cuda:0 is current: the launch, through Triton and
+    direct, runs with the tensors' device current, and the current device is put back after."""
+    current = [0]
+    seen = []
+
+    class Guard:  # torch.cuda.device's surface: makes `index` current inside the block
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(triton_launch, "_device_index", lambda args: 1)
+    run_through_triton = StandInKernel.__getitem__
+    monkeypatch.setattr(StandInKernel, "__getitem__",
+                        lambda self, grid: seen.append(current[0]) or run_through_triton(self, grid))
+    monkeypatch.setattr(StandInCompiled, "__getitem__",
+                        lambda self, grid: seen.append(current[0]) or (lambda *args: self.kernel.direct.append(args)))
+    x = torch.zeros(8)
+    for _ in range(2):
+        triton_launch.launch(stand_in, (1,), x, x, 8, 1e-6, BLOCK=128)
+    assert len(stand_in.through_triton) == 1 and len(stand_in.direct) == 1
+    assert seen == [1, 1] and current == [0]
+    assert all(key[1] == 1 for key in triton_launch._compiled)  # kept per device
+
+
+def test_the_device_of_a_launch_is_its_first_tensor_or_descriptor_base():
+    x = torch.zeros(8)
+    assert triton_launch._device_index((3, None, x)) == -1  # a host tensor (Triton refuses it itself)
+    assert triton_launch._device_index((2, StandInDescriptor(x, [8], [1], [8]))) == -1
+    with pytest.raises(TypeError, match="no tensor among the arguments"):
+        triton_launch._device_index((1, 2.0))
+
+
 def test_a_parameter_left_to_its_default_is_refused(stand_in):
     with pytest.raises(TypeError, match=r"parameters \['BLOCK'\] must be given"):
         triton_launch.launch(stand_in, (1,), torch.zeros(8), torch.zeros(8), 8, 1e-6)
