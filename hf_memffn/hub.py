@@ -13,13 +13,14 @@ import contextlib
 import fnmatch
 import json
 import os
+import posixpath
 import shutil
 import tempfile
 from pathlib import Path
 
 from .atomic_write import write_atomic
 from .cli_args import first_line
-from .model_card import card_for_repository, render_model_card
+from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
@@ -90,6 +91,10 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         missing += sorted(set(index.get("weight_map", {}).values()) - set(files))
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
+    incomplete = _incomplete_tables(root, files)
+    if incomplete:
+        raise ValueError(f"folder={str(folder)!r} holds an incomplete token lookup table: {'; '.join(incomplete)}; "
+                         "run `hf-memffn export-tols` into its folder again, or remove the table's token_lookup* files")
     config = json.loads((root / "config.json").read_text(encoding="utf-8"))
     if "auto_map" not in config:
         raise ValueError(
@@ -103,6 +108,32 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"folder={str(folder)!r} is missing {missing_imports}, imported by its modeling code, so "
                          "trust_remote_code loading would fail; write it with model.save_pretrained(folder)")
     return files
+
+
+def _incomplete_tables(root: Path, files: list[str]) -> list[str]:
+    """What the token lookup tables among `files` (at the top of `root` or in a subfolder) lack: a shard that their
+    index names and that is not there, an index for the shards of a folder that has none (an interrupted export)."""
+    problems = []
+    folders = {posixpath.dirname(name) for name in files
+               if posixpath.basename(name).startswith(TABLE_FILE_PREFIX) and name.endswith(".safetensors")}
+    for name in files:
+        if posixpath.basename(name) == TABLE_INDEX_NAME:
+            folders.add(posixpath.dirname(name))
+    for table in sorted(folders):
+        index = posixpath.join(table, TABLE_INDEX_NAME)
+        if index not in files:
+            problems.append(f"{table or '.'} holds token_lookup shards without {TABLE_INDEX_NAME} (an interrupted "
+                            "export)")
+            continue
+        try:
+            shards = json.loads((root / index).read_text(encoding="utf-8"))["metadata"]["token_lookup"]["shards"]
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"{index} is not a token lookup table's index")
+            continue
+        missing = sorted(posixpath.join(table, shard) for shard in shards if posixpath.join(table, shard) not in files)
+        if missing:
+            problems.append(f"{index} names {missing}, which are missing")
+    return problems
 
 
 def _missing_relative_imports(root: Path, files: list[str], module_files: set[str]) -> list[str]:

@@ -190,11 +190,14 @@ def refresh_lookup_section(folder: str | os.PathLike) -> bool:
     """Rewrite the "Token lookup tables" section of the card in `folder` (README.md, as `save_pretrained` wrote it)
     for what the folder holds now: after `hf-memffn export-tols MODEL_DIR MODEL_DIR` it says that the table is
     included and how to load it from the folder. The rest of the card (metadata, a training section, edits) is kept;
-    a README.md without that section is left alone. Returns whether the card changed."""
+    a README.md without that section, or without the markers of this package's card (the user's own), is left alone.
+    Returns whether the card changed."""
     path = Path(folder) / "README.md"
     if not path.is_file():
         return False
     card = path.read_text(encoding="utf-8")
+    if not is_package_card(card):
+        return False
     refreshed = with_current_lookup_section(card, folder)
     if refreshed == card:
         return False

@@ -86,11 +86,10 @@ class TokenLookupFormat:
         check_choice("format", self.name, FORMATS)
         self.drop_layers = tuple(sorted({int(layer) for layer in self.drop_layers}))
         if self.name in QUANT_MAX:
-            if self.group_size is None:
-                return  # chosen by check_model from the hidden size
-            if int(self.group_size) < 2 or int(self.group_size) % 2:
-                raise ValueError(f"group_size={self.group_size!r} must be an even integer >= 2")
-            self.group_size = int(self.group_size)
+            if self.group_size is not None:  # (None: chosen by check_model from the hidden size)
+                if int(self.group_size) < 2 or int(self.group_size) % 2:
+                    raise ValueError(f"group_size={self.group_size!r} must be an even integer >= 2")
+                self.group_size = int(self.group_size)
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size!r} applies only to formats int8 and int4, not {self.name!r}")
         if self.name == "lowrank":
@@ -321,8 +320,9 @@ class TableIndex:
     def read(cls, directory: str) -> "TableIndex":
         path = os.path.join(directory, INDEX_NAME)
         if not os.path.isfile(path):
-            # (a checkpoint folder also holds the remote code token_lookup*.py: not a sign of an export)
-            partial = [n for n in os.listdir(directory) if n.startswith("token_lookup")
+            # (a checkpoint folder also holds the remote code token_lookup*.py: not a sign of an export; a shard being
+            # written is a hidden `.token_lookup*.tmp`)
+            partial = [n for n in os.listdir(directory) if n.lstrip(".").startswith("token_lookup")
                        and n.endswith((".safetensors", ".tmp"))] if os.path.isdir(directory) else []
             hint = " (shards without an index: an export was interrupted; run it again)" if partial else ""
             raise TokenLookupError(f"no token lookup table in {directory}: {INDEX_NAME} is missing{hint}")

@@ -332,6 +332,9 @@ cli_case("export-eval-text-missing", ("--eval-text", "nope.txt"),
          no_output="o13")
 cli_case("export-device", ("--device", "cpu"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o14"), "--device", "tpu"], no_output="o14")
+cli_case("export-rank-with-int8", ("rank/energy", "lowrank", "'int8'"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o20"), "--format", "int8", "--rank", "4"],
+         no_output="o20")
 cli_case("export-push-to-hub-repo-id", ("--push-to-hub", "user/my tols", "namespace/name"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o19"), "--push-to-hub", "user/my tols"],
          no_output="o19")

@@ -119,6 +119,34 @@ def test_push_folder_refuses_a_sharded_checkpoint_missing_a_shard(fake_hub, tmp_
         hub.push_folder(tmp_path, "someone/broken")
     assert fake_hub.calls == []
 
+@pytest.mark.parametrize("damage", ["shard-missing", "index-missing"])
+def test_push_folder_refuses_an_incomplete_token_lookup_table(damage, fake_hub, tmp_path, capsys):
+    """A table exported next to the weights that lost a shard its index names (the card would say the table is
+    included, and loading it from the repository fails), or shards without an index (an interrupted export, uploaded
+    for nothing): the push is refused, naming what is missing, and nothing is sent."""
+    from hf_memffn.cli import main as cli_main
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    model.save_pretrained(tmp_path)
+    export_tols(model, tmp_path, format="bf16", batch_size=100, max_shard_size="30KB", progress=False)
+    shard = sorted(path.name for path in tmp_path.glob("token_lookup-*.safetensors"))[1]
+    if damage == "shard-missing":
+        (tmp_path / shard).unlink()
+        expected = f"token_lookup.safetensors.index.json names ['{shard}'], which are missing"
+    else:
+        (tmp_path / "token_lookup.safetensors.index.json").unlink()
+        expected = "holds token_lookup shards without token_lookup.safetensors.index.json (an interrupted export)"
+    with pytest.raises(ValueError, match="incomplete token lookup table") as refused:
+        hub.push_folder(tmp_path, "someone/tiny-memoryllm")
+    assert expected in str(refused.value)
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["push", str(tmp_path), "someone/tiny-memoryllm"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and expected in errors[0]
+    assert fake_hub.calls == []
+
+
 def test_push_folder_to_a_branch(fake_hub, tmp_path):
     tiny_model("flash_mhf").save_pretrained(tmp_path)
     hub.push_folder(tmp_path, "someone/tiny", revision="step-100", commit_message="step 100")
@@ -409,6 +437,19 @@ def test_the_rewritten_lookup_section_keeps_the_attached_tables_format(tmp_path)
 
     (folder / "README.md").write_text("# My own card\n")
     assert refresh_lookup_section(folder) is False and (folder / "README.md").read_text() == "# My own card\n"
+
+
+def test_exporting_into_a_folder_leaves_a_readme_of_the_users_own_alone(tmp_path):
+    """A README.md without the markers of this package's card is the user's (as `save_pretrained` leaves it alone):
+    exporting a table into its folder keeps it byte for byte, even where it has a "Token lookup tables" section."""
+    from hf_memffn.conversion.export import export_tols
+
+    tiny_model("memoryllm").save_pretrained(tmp_path)
+    own = ("# My model\n\n## Token lookup tables\n\nOur int8 tables live in the `tols-int8` repository.\n\n"
+           "## License\n\nMIT\n")
+    (tmp_path / "README.md").write_text(own)
+    report = export_tols(tmp_path, tmp_path, format="int8", progress=False)
+    assert "model_card" not in report and (tmp_path / "README.md").read_text() == own
 
 
 @pytest.mark.parametrize("auto_class, pipeline_tag", [

@@ -154,6 +154,8 @@ def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fm
     ({"format": "lowrank", "rank": 4, "energy": 0.5}, "rank or energy"),
     ({"format": "lowrank", "energy": 1.5}, "energy"),
     ({"format": "bf16", "rank": 4}, "rank"),
+    ({"format": "int8", "rank": 4}, "rank/energy apply only to format 'lowrank', not 'int8'"),
+    ({"format": "int4", "energy": 0.5}, "rank/energy apply only to format 'lowrank', not 'int4'"),
     ({"format": "bf16", "drop_layers": [0, 1]}, "drop_layers"),
     ({"format": "bf16", "drop_layers": [7]}, "drop_layers"),
 ])
@@ -214,6 +216,29 @@ def test_a_refused_export_into_an_empty_folder_leaves_it_empty(tmp_path):
 def test_non_memory_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match="KVFFNForCausalLM has no FFNs on the token embeddings"):
         export_tols(build("kvffn"), tmp_path, progress=False)
+
+
+def test_an_adapter_on_the_token_embedding_is_refused_before_anything_is_written(tmp_path):
+    """PEFT's LoRA on `embed_tokens` changes X0: a table exported through it would hold the adapter's values under
+    the fingerprint of the embedding's weight, which the model without the adapter takes (other logits, no word)."""
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(build(), LoraConfig(target_modules=["embed_tokens"], r=4, init_lora_weights=False))
+    with pytest.raises(ValueError, match=r"lora_embedding_A.*merge_and_unload"):
+        export_tols(adapted.get_base_model(), tmp_path / "tol", format="fp32", progress=False)
+    assert not (tmp_path / "tol").exists()
+    merged = adapted.merge_and_unload()
+    export_tols(merged, tmp_path / "tol", format="fp32", progress=False)
+    merged.load_tols(tmp_path / "tol", placement="cpu")
+    with pytest.raises(TokenLookupError, match="other weights"):
+        build().load_tols(tmp_path / "tol", placement="cpu")
+
+
+def test_an_out_dir_that_is_a_file_is_refused_naming_it(model, tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(ValueError, match=r"out_dir=.*a_file'? is a file; allowed: a directory"):
+        export_tols(model, tmp_path / "a_file", format="bf16", progress=False)
+    assert (tmp_path / "a_file").read_text() == "not a directory"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,6 +387,18 @@ def test_interrupted_export_never_loads_and_resumes(model, tmp_path, monkeypatch
     again = export_tols(model, target, format="int4", group_size=16, batch_size=32, max_shard_size="6KB",
                         progress=False)
     assert again["already_complete"]
+
+
+def test_an_export_killed_while_writing_its_first_shard_is_named_interrupted(model, tmp_path):
+    """Killed (no exception handler runs) while the first shard was written: the folder holds only that shard's
+    hidden temporary (`atomic_write`'s `.<name>.<pid>.<random>.tmp`), and `load_tols` says the export was
+    interrupted; running it again writes the table and removes the temporary."""
+    (tmp_path / ".token_lookup.safetensors.4242.0a1b2c3d.tmp").write_bytes(b"partial")
+    with pytest.raises(TokenLookupError, match="an export was interrupted; run it again"):
+        model.load_tols(tmp_path, placement="cpu")
+    export_tols(model, tmp_path, format="bf16", progress=False)
+    assert own_files(tmp_path) == sorted([INDEX_NAME, REPORT_NAME, "token_lookup.safetensors"])
+    assert sorted(os.listdir(tmp_path)) == own_files(tmp_path)
 
 
 def test_running_the_export_again_repairs_a_shard_cut_short(model, tmp_path):
@@ -599,6 +636,39 @@ def test_push_to_hub_sends_the_tables_files_only_and_replaces_a_table_pushed_bef
     table = {name for name in own_files(tmp_path) if name.endswith((".safetensors", ".json"))}
     assert api.sent == table == {"token_lookup.safetensors", INDEX_NAME, REPORT_NAME}
     assert api.remote == table | others
+
+
+def test_push_to_hub_leaves_a_table_in_a_subfolder_whose_name_starts_like_a_shard(model, tmp_path, monkeypatch):
+    """The Hub's patterns are fnmatch's, whose `*` crosses "/": the pattern that removes the shards of a table pushed
+    before must not match those of a table in a subfolder such as `token_lookup-int8/`."""
+    import huggingface_hub
+
+    in_subfolders = {"token_lookup-int8/token_lookup-00001-of-00002.safetensors",
+                     "token_lookup-int8/token_lookup-00002-of-00002.safetensors",
+                     f"token_lookup-int8/{INDEX_NAME}", "token_lookup-v2/token_lookup.safetensors"}
+    old_table = {"token_lookup-00001-of-00002.safetensors", "token_lookup-00002-of-00002.safetensors", INDEX_NAME}
+    api = FakeHubApi(remote=in_subfolders | old_table)
+    monkeypatch.setattr(huggingface_hub, "HfApi", api)
+    export_tols(model, tmp_path, format="int8", progress=False, push_to_hub="user/model")
+    assert api.remote == in_subfolders | {"token_lookup.safetensors", INDEX_NAME, REPORT_NAME}
+
+
+def test_push_table_to_hub_refuses_a_table_missing_a_shard_and_sends_nothing(model, tmp_path, monkeypatch):
+    """A shard the index names is gone (deleted, a copy cut short): pushing would replace the table on the Hub by an
+    index over shards that are not there; the push is refused, naming the shard, and the repository is left alone."""
+    import huggingface_hub
+
+    from hf_memffn.conversion import push_table_to_hub
+
+    export_tols(model, tmp_path, format="bf16", batch_size=100, max_shard_size="30KB", progress=False)
+    shard = sorted(n for n in os.listdir(tmp_path) if n.startswith("token_lookup-"))[1]
+    os.remove(tmp_path / shard)
+    old_table = {"token_lookup.safetensors", INDEX_NAME}
+    api = FakeHubApi(remote=old_table)
+    monkeypatch.setattr(huggingface_hub, "HfApi", api)
+    with pytest.raises(TokenLookupError, match=f"incomplete.*{shard}"):
+        push_table_to_hub(str(tmp_path), "user/tols")
+    assert api.calls == [] and api.remote == old_table
 
 
 def test_a_malformed_push_to_hub_repo_id_is_refused_before_anything_is_written(model, tmp_path, capsys):

@@ -43,8 +43,8 @@ from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_
                                  model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _memory_base,
-                                    basis_key, block_keys, dequantize_rows, quantize_rows, read_safetensors_header,
-                                    row_relative_errors, shard_sha256, weights_fingerprint)
+                                    basis_key, block_keys, dequantize_rows, embedding_adapters, quantize_rows,
+                                    read_safetensors_header, row_relative_errors, shard_sha256, weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -123,6 +123,13 @@ class _Exporter:
                                  "exported from MemoryLLM / FlexMemoryLLM models")
             raise ValueError("the model's memory FFN weights were dropped (model.model.memory is None): export needs "
                              "them; load the checkpoint again")
+        # An adapter on the embedding: the table's values would hold its X0 and the fingerprint the weight alone, so
+        # the model without the adapter would take the table.
+        adapters = embedding_adapters(self.base.embed_tokens)
+        if adapters:
+            raise ValueError(f"export-tols: the token embedding has parameters that its weight does not hold "
+                             f"({adapters[0]}: an adapter such as PEFT's LoRA); merge the adapter into the weight "
+                             "(merge_and_unload) and export the table from the merged model")
         max_shard_size = shard_size_bytes(max_shard_size)
         config = self.base.config
         self.vocab = config.vocab_size
@@ -597,6 +604,8 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
     if push_to_hub is not None:
         check_repo_id(push_to_hub, "push_to_hub")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir={os.fspath(out_dir)!r} is a file; allowed: a directory (created if missing)")
     if isinstance(model, (str, os.PathLike)):
         model_dir = os.fspath(model)
         model = _load_model(model_dir, device, model_dtype)
@@ -623,16 +632,24 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
 
 
 # The files of a table at the top of a Hub repository (any export's shards, index and report), which a pushed table
-# replaces; none of them matches the tables in a `token_lookup/` subfolder (the demo's `token_lookup/fp32/`).
-HUB_TABLE_FILE_PATTERNS = [SHARD_PATTERN.format(suffix=""), SHARD_PATTERN.format(suffix="-*-of-*"), INDEX_NAME,
-                           REPORT_NAME]
+# replaces; none of them matches a file in a subfolder (the demo's `token_lookup/fp32/`, a `token_lookup-int8/`):
+# the Hub's patterns are fnmatch's, whose `*` also matches "/", so the shard numbers are digits (5 each, as
+# huggingface_hub's sharding writes them).
+SHARD_NUMBER = "[0-9]" * 5
+HUB_TABLE_FILE_PATTERNS = [SHARD_PATTERN.format(suffix=""),
+                           SHARD_PATTERN.format(suffix=f"-{SHARD_NUMBER}-of-{SHARD_NUMBER}"), INDEX_NAME, REPORT_NAME]
 
 
 def table_files(out_dir: str) -> list[str]:
-    """The files of the table exported into `out_dir`: its index, the shards the index lists, the report."""
+    """The files of the table exported into `out_dir`: its index, the shards the index lists, the report (a
+    TokenLookupError where a shard the index lists is missing)."""
     shards = _index_metadata(os.path.join(out_dir, INDEX_NAME)).get("shards")
     if not shards:
         raise TokenLookupError(f"no token lookup table in {out_dir}: {INDEX_NAME} is missing or not a table's index")
+    missing = sorted(name for name in shards if not os.path.isfile(os.path.join(out_dir, name)))
+    if missing:
+        raise TokenLookupError(f"the token lookup table in {out_dir} is incomplete: {INDEX_NAME} names {missing}, "
+                               "which are missing; run the export again")
     extra = [REPORT_NAME] if os.path.isfile(os.path.join(out_dir, REPORT_NAME)) else []
     return sorted([INDEX_NAME, *shards, *extra])
 
