@@ -43,17 +43,31 @@ PARAMETER_WEIGHTS = {
     ParametricKVFeedForward: ("key", "value"),
     TokenMemory: ("gate_proj", "up_proj", "down_proj"),
 }
+# (class name, file without .py) -> the same weights. A model loaded with `trust_remote_code` runs the copy of these
+# files saved with its checkpoint (transformers_modules.<...>.ffn.TokenMemory), whose classes are not the package's.
+_PARAMETER_WEIGHTS_BY_NAME = {
+    (module_class.__name__, module_class.__module__.rpartition(".")[2]): names
+    for module_class, names in PARAMETER_WEIGHTS.items()
+}
+
+
+def _parameter_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """The weight names of `PARAMETER_WEIGHTS` for `module`'s class (the package's, a checkpoint's copy of it, or the
+    subclass a parametrization makes of either), else ()."""
+    for module_class in type(module).__mro__:
+        names = _PARAMETER_WEIGHTS_BY_NAME.get((module_class.__name__, module_class.__module__.rpartition(".")[2]))
+        if names is not None:
+            return names
+    return ()
 
 
 def parameter_weights(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(qualified name, owning module, attribute) of every FFN weight that is a plain parameter."""
     found = []
     for module_name, module in model.named_modules():
-        for module_class, names in PARAMETER_WEIGHTS.items():
-            if isinstance(module, module_class):
-                for name in names:
-                    if getattr(module, name, None) is not None:
-                        found.append((f"{module_name}.{name}" if module_name else name, module, name))
+        for name in _parameter_weight_names(module):
+            if getattr(module, name, None) is not None:
+                found.append((f"{module_name}.{name}" if module_name else name, module, name))
     return found
 
 
@@ -114,11 +128,12 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
         raise ValueError(f"targets={targets!r} is invalid: must be a list of qualified weight names "
                          f"(adapters.parameter_weights), e.g. targets=[{targets!r}]")
     if targets is not None:
+        targets = set(targets)  # (any iterable of names: a generator is read once)
         known = {name for name, _, _ in found}
-        unknown = sorted(set(targets) - known)
+        unknown = sorted(targets - known)
         if unknown:
             raise ValueError(f"targets={unknown} are not FFN parameter weights of this model; allowed: {sorted(known)}")
-        found = [entry for entry in found if entry[0] in set(targets)]
+        found = [entry for entry in found if entry[0] in targets]
     if not found and freeze_base:
         raise ValueError("add_weight_lora: no FFN weight of this model is a plain parameter to adapt"
                          f"{' among targets=[]' if targets is not None else ''} (the FFNs of Linear layers take PEFT's "

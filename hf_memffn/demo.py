@@ -7,7 +7,8 @@ What it does, in order:
 2. trains the baseline (transformers' own `LlamaForCausalLM`) and each memffn architecture from the same
    initial seed on exactly the same batches (same token budget), with a progress bar per model;
 3. measures the final train loss, the held-out loss and, on the fact world, fact recall on held-out
-   question forms; prints a table and saves it as `results.json` and `results.md` in `--out`;
+   question forms; prints a table and saves it as `results.json` and `results.md` in `--out` (in `results.json` a
+   number that is not finite, e.g. the loss of a diverged run, is `null`);
 4. saves every model with its tokenizer in `--out/<arch>`, reloads one with
    `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`, checks its logits against the
    trained model and generates an answer to a held-out question;
@@ -684,11 +685,29 @@ def _run(args: argparse.Namespace) -> int:
         "token_lookup": lookup,
         "total_seconds": total_seconds,
     }
-    write_atomic(out / "results.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / "results.json", results_json(summary))
     _print_report(rows, notes, sample, lookup, corpus)
     print(f"saved: {', '.join(str(out / a) for a in archs)}, {out / 'results.json'}, {out / 'results.md'}, "
           f"{out / 'loss_curves.png'}  ({total_seconds:.0f} s in all)")
     return 0
+
+
+def finite_or_null(value):
+    """`value` (nested dicts, lists and tuples) with every float that is not finite (nan, inf: the losses of a
+    diverged run) made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def results_json(summary: dict) -> str:
+    """The text of `results.json`: strict JSON, a number that is not finite written as `null` (Python's json would
+    write `NaN` or `Infinity`, which strict readers refuse)."""
+    return json.dumps(finite_or_null(summary), indent=2, allow_nan=False) + "\n"
 
 
 def train_architectures(archs: list[str], corpus: Corpus, settings: DemoSettings, seed: int, device: torch.device,

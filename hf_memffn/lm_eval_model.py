@@ -31,6 +31,21 @@ from .token_lookup import PLACEMENTS
 MODEL_NAME = "memffn"
 
 
+def pretrained_config(kwargs: dict):
+    """The config of the model `HFLM` is about to load from `kwargs` (read alone, without the weights), or the config
+    of a model given already loaded; None without `pretrained`."""
+    pretrained = kwargs.get("pretrained")
+    if pretrained is None:
+        return None
+    if not isinstance(pretrained, str):
+        return pretrained.config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(pretrained, revision=str(kwargs.get("revision") or "main"),
+                                      subfolder=kwargs.get("subfolder") or "", gguf_file=kwargs.get("gguf_file"),
+                                      trust_remote_code=kwargs["trust_remote_code"])
+
+
 @register_model(MODEL_NAME)
 class MemFFNLM(HFLM):
     """`HFLM` that can switch a MemoryLLM / FlexMemoryLLM to its token lookup table after loading."""
@@ -38,26 +53,32 @@ class MemFFNLM(HFLM):
     def __init__(self, token_lookup: str | None = None, token_lookup_placement: str | None = None,
                  drop_memory_ffn: bool = False, **kwargs):
         kwargs.setdefault("trust_remote_code", True)
-        super().__init__(**kwargs)
-        self.token_lookup_path = token_lookup
+        # (the lookup arguments are checked, and the table found, before the model is loaded)
         if token_lookup is None:
             if token_lookup_placement is not None or drop_memory_ffn:
                 raise ValueError("token_lookup_placement / drop_memory_ffn need token_lookup=TABLE_DIR")
+        else:
+            if token_lookup_placement is not None:
+                check_choice("token_lookup_placement", token_lookup_placement, PLACEMENTS)
+            config = pretrained_config(kwargs)
+            if config is not None and getattr(config, "token_memory_size", None) is None:
+                name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+                raise ValueError(
+                    f"token_lookup={token_lookup!r}: {name} has no token lookup tables "
+                    "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
+                )
+            # (a table in the evaluated Hub repo itself is read at the evaluated revision)
+            revision = kwargs.get("revision") if str(token_lookup) == str(kwargs.get("pretrained")) else None
+            table_dir = local_table_dir(str(token_lookup), revision)
+        super().__init__(**kwargs)
+        self.token_lookup_path = token_lookup
+        if token_lookup is None:
             return
         model = self._model
         # (by default on the GPU where the model runs: `device=cpu` on a machine with CUDA keeps the table on the host)
         placement = token_lookup_placement or (
             "gpu" if model.get_input_embeddings().weight.device.type == "cuda" else "cpu")
-        check_choice("token_lookup_placement", placement, PLACEMENTS)
-        if getattr(model.config, "token_memory_size", None) is None:
-            raise ValueError(
-                f"token_lookup={token_lookup!r}: {type(model).__name__} has no token lookup tables "
-                "(only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)"
-            )
-        # (a table in the evaluated Hub repo itself is read at the evaluated revision)
-        revision = kwargs.get("revision") if str(token_lookup) == str(kwargs.get("pretrained")) else None
-        model.load_tols(local_table_dir(str(token_lookup), revision), placement=placement,
-                        drop_memory_ffn=bool(drop_memory_ffn))
+        model.load_tols(table_dir, placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """`HFLM.loglikelihood_rolling` with the documents encoded without special tokens.

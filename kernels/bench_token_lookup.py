@@ -34,7 +34,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import GIB, environment, peak_memory_gib, reset_peak_memory, write_json, write_text  # noqa: E402
+from harness import (  # noqa: E402
+    GIB, environment, peak_memory_gib, refuse_counts_below, reset_peak_memory, write_json, write_text,
+)
 
 
 def check_kernels() -> dict:
@@ -287,7 +289,7 @@ MODES = {"dense": "dense Llama", "compute": "MemoryLLM, compute", "gpu": "Memory
          "cpu": "MemoryLLM, lookup cpu + cache", "disk": "MemoryLLM, lookup disk + cache"}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for token_lookup{,_formats}.{json,md}")
     parser.add_argument("--small", action="store_true", help="4 layers, hidden 512, vocab 8k (smoke run)")
@@ -306,12 +308,17 @@ def main():
     parser.add_argument("--modes", default="dense,compute,gpu,cpu,disk", help=f"some of {','.join(MODES)}")
     parser.add_argument("--formats", action="store_true",
                         help="only the format sweep (size / error / loss change of every format; runs on CPU too)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.small:
         args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab = 4, 512, 8, 4, 1408, 8000
     if args.formats:
         format_sweep(args)
         return
+    # (the graphed decode takes 3 warm-up steps, the captured one and 2 warm replays before timing any replay)
+    refuse_counts_below(parser, args, new_tokens_short=1, new_tokens_long=7)
+    if args.new_tokens_long <= args.new_tokens_short:  # (tokens/s is over the extra tokens of the longer run)
+        parser.error(f"--new-tokens-long must be greater than --new-tokens-short ({args.new_tokens_short}), "
+                     f"got {args.new_tokens_long}")
     modes = args.modes.split(",")
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:

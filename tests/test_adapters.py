@@ -316,3 +316,54 @@ def test_add_weight_lora_on_a_peft_model_warns_that_pefts_checkpoints_leave_its_
         adapters.add_weight_lora(model, r=2)
     model.save_pretrained(tmp_path)
     assert not any(".parametrizations." in key for key in load_file(tmp_path / "adapter_model.safetensors"))
+
+
+def checkpoints_own_model(folder):
+    """The model of `folder` built from the code saved with it (`transformers_modules.<...>`), as
+    `from_pretrained(folder, trust_remote_code=True)` builds it where hf_memffn was not imported first."""
+    import json
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    model_class = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(folder))
+    assert model_class.__module__.startswith("transformers_modules.")
+    return model_class.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_adapters_and_int8_find_the_weights_of_a_model_running_its_checkpoints_code(arch, tmp_path):
+    """A model loaded with `trust_remote_code` before hf_memffn is imported runs the code saved with its checkpoint,
+    whose FFN classes are not the package's: `add_weight_lora` said the model had no FFN weight that is a plain
+    parameter, and `quantize_weights_int8` returned [] having quantized nothing."""
+    tiny_model(arch).save_pretrained(tmp_path / "saved")
+    package_model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    expected = [name for name, _, _ in adapters.parameter_weights(package_model)]
+    assert expected
+    ids = torch.randint(3, 320, (2, 9))
+
+    model = checkpoints_own_model(tmp_path / "saved")
+    assert adapters.add_weight_lora(model, r=2, alpha=4) == expected
+    with torch.no_grad():
+        for _, _, _, item in adapters._lora_parametrizations(model):
+            item.lora_B.normal_()
+        adapted = model(ids).logits
+    assert adapters.merge_weight_lora(model) == len(expected)
+    model.save_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits,
+                                   adapted)
+
+    model = checkpoints_own_model(tmp_path / "saved")
+    assert adapters.quantize_weights_int8(model) == expected
+    assert any(param.dtype == torch.int8 for param in model.parameters())
+
+
+def test_add_weight_lora_takes_targets_from_a_generator():
+    """`targets` was read twice (the unknown names, then the selection): a generator was empty the second time, so
+    the call adapted nothing and returned [] (or, with freeze_base, said the model had nothing to adapt)."""
+    model = tiny_model("flash_mhf")
+    first_layer = [name for name, _, _ in adapters.parameter_weights(model) if ".layers.0." in name]
+    assert adapters.add_weight_lora(model, r=2, targets=(name for name in first_layer)) == first_layer
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert len(trainable) == 2 * len(first_layer) and all(".layers.0." in name for name in trainable)

@@ -683,3 +683,51 @@ def test_token_memory_edit_refuses_a_token_outside_the_vocabulary():
         with pytest.raises(ValueError, match=rf"token_id={token_id} is outside the vocabulary \[0, 320\)"):
             TokenMemoryEdit(model, token_id, rows).apply()
     assert "memory_readout" not in vars(model.model)
+
+
+def test_out_of_range_arguments_are_refused_with_the_argument_and_its_range_named():
+    """A layer, cell, token id or count out of range failed inside torch (IndexError, `selected index k out of
+    range`, argmax of an empty dimension) or, a negative cell, was read from the end; now a ValueError names it."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    model = build("memoryllm")
+    banks = memory_banks(model)
+    bank = banks[0]
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    refused = [
+        (lambda: project_values(model, bank, [3, bank.num_cells]), r"cells has cell 128: allowed cells are 0\.\.127"),
+        (lambda: project_values(model, bank, [-1]), r"cells has cell -1: allowed cells are 0\.\.127"),
+        (lambda: project_values(model, bank, top_n=0), r"top_n=0 must be >= 1"),
+        (lambda: project_values(model, bank, chunk_size=0), r"chunk_size=0 must be >= 1"),
+        (lambda: token_clusters(model, layer=5), r"layer=5 has no token memory; allowed: \[0, 1\]"),
+        (lambda: token_clusters(model, layer=0, num_clusters=0), r"num_clusters=0 must be >= 1"),
+        (lambda: token_clusters(model, layer=0, max_tokens=-1), r"max_tokens=-1 must be >= 1"),
+        (lambda: token_clusters(model, layer=0, iterations=-1), r"iterations=-1 must be >= 0"),
+        (lambda: token_clusters(model, layer=0, num_shared_cells=-1), r"num_shared_cells=-1 must be >= 1"),
+        (lambda: token_clusters(model, layer=0, token_ids=torch.tensor([5, 320])),
+         r"token_ids has token id 320: allowed ids are 0\.\.319"),
+        (lambda: token_memory_map(model, top_k=-1), r"top_k=-1 must be >= 1"),
+        (lambda: token_memory_map(model, chunk_size=0), r"chunk_size=0 must be >= 1"),
+        (lambda: summarize_coefficients(torch.zeros(2, bank.num_cells), bank, top_k=-1), r"top_k=-1 must be >= 1"),
+        (lambda: coefficients_for_ids(build("llama"), torch.tensor([5, 320])),
+         r"input_ids has token id 320: allowed ids are 0\.\.319"),
+        (lambda: layer_contributions(build("llama"), [[5], [9, 320]]),
+         r"token_lists\[1\] has token id 320: allowed ids are 0\.\.319"),
+        (lambda: top_triggering_prefixes(model, [[5, 9]], banks, batch_size=0), r"batch_size=0 must be >= 1"),
+        (lambda: top_triggering_prefixes(model, [[5, 9]], banks, prefix_length=0), r"prefix_length=0 must be >= 1"),
+        (lambda: ValueEdit(bank, bank.num_cells, torch.zeros(model.config.hidden_size)).apply(),
+         r"cell=128 is outside layers\.0\.memory: allowed cells are 0\.\.127"),
+        (lambda: edit_next_token(model, PROMPT, EDIT_TOKEN, top_n=-1), r"top_n=-1 must be >= 1"),
+        (lambda: edit_next_token(model, PROMPT, 320), r"target_id=320 is outside the vocabulary \[0, 320\)"),
+        (lambda: analyze(model, tiny_tokenizer(), ["the memory"], num_clusters=0), r"num_clusters=0 must be >= 1"),
+        (lambda: analyze(model, tiny_tokenizer(), ["the memory"], edit_strength=0.0),
+         r"edit_strength=0.0 must be a positive number"),
+        (lambda: analyze(model, tiny_tokenizer(), ["the memory"], memory_layers=[2]),
+         r"memory_layers=\[2\] have no token memory; allowed: \[0, 1\]"),
+    ]
+    for call, message in refused:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            call()
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    assert "memory_readout" not in vars(model.model)

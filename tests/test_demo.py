@@ -147,3 +147,25 @@ def test_flash_mhf_torch_op_note_is_printed_once_on_a_gpu(tmp_path, monkeypatch)
         cli.main(["demo", "--quick", "--archs", "flash_mhf", "--device", "cuda", "--out", str(tmp_path / "out")])
     notes = [line for line in stdout.getvalue().splitlines() if line.startswith("note: FlashMHFLlama")]
     assert len(notes) == 1 and "32 wide" in notes[0] and "--hidden-size 128" in notes[0], notes
+
+
+def test_results_json_writes_null_for_a_diverged_runs_losses():
+    """A diverged run's nan (or inf) loss was written as `NaN`, which strict JSON readers refuse: now `null`, the
+    other numbers unchanged."""
+    from dataclasses import asdict
+
+    from hf_memffn.demo import ArchResult, results_json
+
+    diverged = ArchResult(arch="kvffn", name="KVFFN", total_params=10, active_params=10, train_loss=math.nan,
+                          held_out_loss=math.inf, recall=0.25, recall_greedy=None, tokens_per_second=100.0,
+                          train_seconds=1.5, losses=[2.5, -math.inf, math.nan])
+    text = results_json({"results": [asdict(diverged)], "recall_chance": None, "formats": {"int8": (0.0, math.nan)}})
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not strict JSON")
+
+    summary = json.loads(text, parse_constant=refuse)
+    result = summary["results"][0]
+    assert result["train_loss"] is None and result["held_out_loss"] is None and result["losses"] == [2.5, None, None]
+    assert result["recall"] == 0.25 and result["tokens_per_second"] == 100.0 and result["total_params"] == 10
+    assert summary["recall_chance"] is None and summary["formats"] == {"int8": [0.0, None]}

@@ -1057,11 +1057,17 @@ def test_clock_sampler_reads_the_gpu_the_process_sees(monkeypatch):
     ("profile_compiled_step_host", ["--cpu", "--size", "tiny", "--steps", "0"], "--steps must be at least 1, got 0"),
     ("profile_compiled_step_host", ["--cpu", "--size", "tiny", "--archs", "llama", "lama"],
      "argument --archs: invalid choice: 'lama'"),
+    ("bench_token_lookup", ["--new-tokens-short", "8", "--new-tokens-long", "8"],
+     "--new-tokens-long must be greater than --new-tokens-short (8), got 8"),
+    ("bench_token_lookup", ["--new-tokens-short", "0"], "--new-tokens-short must be at least 1, got 0"),
+    ("bench_token_lookup", ["--new-tokens-short", "2", "--new-tokens-long", "6"],
+     "--new-tokens-long must be at least 7, got 6"),
 ])
 def test_host_time_scripts_refuse_counts_and_models_they_cannot_measure(name, given, expected, tmp_path, capsys):
     """`bench_triton_launch.py` and `profile_compiled_step_host.py` refuse no round, no call or step per round (no
     median to report) and a model `bench_models.py` does not build, naming the option, before any work: not a
-    statistics error once the first model has been compiled and measured."""
+    statistics error once the first model has been compiled and measured. `bench_token_lookup.py` refuses a long
+    decode no longer than the short one (its tokens/s is over the extra tokens) or too short to time a graph replay."""
     with pytest.raises(SystemExit) as refused:
         kernel_script(name).main(["--out", str(tmp_path / "out"), *given])
     assert refused.value.code == 2 and expected in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,29 @@ def test_memffn_model_refuses_lookup_for_architectures_without_memory(checkpoint
 
     with pytest.raises(ValueError, match="token_lookup"):
         MemFFNLM(pretrained=str(checkpoints["kvffn"]), token_lookup=str(tmp_path), device="cpu", dtype="float32")
+
+
+def test_memffn_model_checks_its_lookup_arguments_before_loading_the_model(checkpoints, tmp_path, monkeypatch):
+    """A placement typo, a lookup option without `token_lookup`, an architecture without lookup tables or a table
+    that cannot be found were refused only once the model had been loaded (minutes for a large one): now before."""
+    import transformers
+
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before its lookup arguments were checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    for folder, arguments, message in (
+            (checkpoints["memoryllm"], {"token_lookup": str(tmp_path), "token_lookup_placement": "gpus"},
+             "`token_lookup_placement`='gpus' is not supported; allowed values: 'gpu', 'cpu', 'disk'"),
+            (checkpoints["memoryllm"], {"drop_memory_ffn": True}, "drop_memory_ffn need token_lookup=TABLE_DIR"),
+            (checkpoints["kvffn"], {"token_lookup": str(tmp_path)}, "KVFFNForCausalLM has no token lookup tables")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_lm(MemFFNLM, folder, **arguments)
+    with pytest.raises(Exception, match="missing") as refused:  # (neither a folder nor a Hub repo id)
+        load_lm(MemFFNLM, checkpoints["memoryllm"], token_lookup=str(tmp_path / "missing"))
+    assert not isinstance(refused.value, AssertionError)
 
 
 def test_memffn_model_default_table_placement_follows_the_models_device(checkpoints, tmp_path, monkeypatch):

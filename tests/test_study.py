@@ -335,6 +335,30 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
         study.main(["--report", "--out", str(tmp_path / "nothing")])
 
 
+def test_eval_tokens_beyond_the_held_out_split_are_reported_as_the_tokens_evaluated(tmp_path, capsys):
+    """`--eval-tokens` larger than the held-out split evaluated the whole split but the report gave the count asked:
+    now each run records the tokens its evaluations read (whole blocks, at most the split), the report gives that
+    count and the study says so when it starts."""
+    data = tmp_path / "data"
+    meta = prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                              "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "6000",
+                              "--max-heldout-tokens", "1000", "--wiki", "no"])
+    capsys.readouterr()
+    state = study.main(["--data", str(data), "--size", "toy", "--tokens", "256", "--models", "llama", "--seeds", "1",
+                        "--eval-tokens", "100000", "--out", str(tmp_path / "out")])
+    (run,) = state["runs"]
+    split, block = meta["splits"]["heldout"]["tokens"], run["block_size"]
+    assert split == 1000 and run["eval_tokens"] == split // block * block < split
+    assert state["eval_tokens"] == 100000  # (the setting, which --resume compares, is kept as given)
+    assert f"held-out loss over {run['eval_tokens']:,} tokens at" in (tmp_path / "out" / "results.md").read_text()
+    assert "note: 100,000 held-out tokens per evaluation (--eval-tokens) is more than the 1,000 of the held-out " \
+           "split" in capsys.readouterr().out
+    assert study.evaluated_tokens(split, block, 130) == 2 * block  # (whole blocks, at least one)
+    assert study.evaluated_tokens(split, block, 10) == block
+    assert study.evaluated_tokens_text([{"eval_tokens": 960}, {"eval_tokens": 896}, {}], 5000) == "960 or 896"
+    assert study.evaluated_tokens_text([{}], 5000) == "5,000"
+
+
 def test_study_at_another_learning_rate_says_so_and_resumes_only_at_it(tmp_path):
     data = tmp_path / "data"
     prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),

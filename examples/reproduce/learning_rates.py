@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import (aggregate, claims_rows, claims_table, fmt, paired_difference, repeat_pairs_markdown,  # noqa: E402
-                   save_figure, write_atomic)
+from study import (aggregate, claims_rows, claims_table, evaluated_tokens_text, fmt, paired_difference,  # noqa: E402
+                   repeat_pairs_markdown, save_figure, write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,8 +169,8 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
         "# Held-out loss against the peak learning rate", "",
         f"- device: {', '.join(devices)}; size `{first['size']}`, {first['tokens']:,} training tokens per model"
         f"{passes_text(first)}, "
-        f"held-out loss over {first['eval_tokens']:,} tokens; everything else as each model's recipe "
-        "(warmup, cosine decay to 1e-5, AdamW, weight decay, clipping)",
+        f"held-out loss over {evaluated_tokens_text(runs, first['eval_tokens'])} tokens; everything else as each "
+        "model's recipe (warmup, cosine decay to 1e-5, AdamW, weight decay, clipping)",
         "- studies: " + ", ".join(f"`{s}`" for s in studies), "",
         "Held-out loss, mean ± sample standard deviation (seeds); **bold**: the best of the rates the model ran.", "",
         "| model | " + " | ".join(f"lr {rate_text(rate)}" for rate in rates) + " |",

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds-for", choices=("main", "all"), default="main", help="'all': every model gets --seeds seeds")
     p.add_argument("--models", default=None, help="comma-separated model keys to run (default: all; see --print-configs)")
     p.add_argument("--no-ablations", action="store_true", help="skip the KV-FFN ablations")
-    p.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens per evaluation (default: the size's)")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="held-out tokens per evaluation, in whole blocks, at most the held-out split (default: the "
+                        "size's)")
     p.add_argument("--learning-rate", type=float, default=None,
                    help="peak learning rate of every run instead of its recipe's (a check of a model's learning rate; "
                         "its results are not comparable with the recipes': write them to another --out)")
@@ -359,6 +361,19 @@ def heldout_loss(model, blocks, batch_size: int, device) -> float:
     return total / count
 
 
+def evaluated_tokens(split_tokens: int, block: int, eval_tokens: int) -> int:
+    """The held-out tokens one evaluation reads (examples/pretrain.py's `--max-eval-blocks`): `eval_tokens` in whole
+    blocks, at least one, and no more blocks than the split holds (its tail shorter than a block is never read)."""
+    return min(max(1, eval_tokens // block), split_tokens // block) * block
+
+
+def evaluated_tokens_text(runs: list[dict], eval_tokens: int) -> str:
+    """The held-out tokens the runs' evaluations read (one count per sequence length), for a report; `eval_tokens`
+    (the setting) where no run records its count (studies written before the runs did)."""
+    counts = sorted({run["eval_tokens"] for run in runs if "eval_tokens" in run}, reverse=True) or [eval_tokens]
+    return " or ".join(f"{count:,}" for count in counts)
+
+
 def out_of_domain_loss(final: Path, data_dir: Path, block: int, batch: int, eval_tokens: int) -> float | None:
     """Loss of the saved model (reloaded from disk) on the Wikipedia held-out split, when the data has one."""
     if not token_shards.split_path(data_dir, "heldout_wiki").is_file():
@@ -418,6 +433,8 @@ def train_one(model: study_models.StudyModel, seed: int, shape, tokens: int, arg
         "tokens": summary["global_step"] * tokens_per_step,
         "tokens_per_step": tokens_per_step, "block_size": block, "learning_rate": learning_rate,
         "heldout_loss": summary["eval_loss"],
+        "eval_tokens": evaluated_tokens(token_shards.read_meta(data_dir)["splits"]["heldout"]["tokens"], block,
+                                        args.eval_tokens),
         "train_loss": summary["train_loss"], "tokens_per_second": summary.get("tokens_per_second"),
         "peak_memory_gib": summary.get("peak_memory_gib"), "train_seconds": summary["train_seconds"],
         "train_curve": train_curve, "eval_curve": eval_curve, "device": summary["device"], "bf16": summary["bf16"],
@@ -703,7 +720,8 @@ def results_markdown(state: dict) -> str:
         + f"; tokenizer: byte-level BPE of {state['data']['tokenizer']['vocab_size']} trained on the training split",
         *(f"- {labels[k]}: {described[k]['ffn_path']}" for k in state["order"] if described[k].get("ffn_path")),
         f"- size `{state['size']}`: {state['tokens']:,} training tokens per model, {state['shape']['tokens_per_step']:,} "
-        f"tokens per step, held-out loss over {state['eval_tokens']:,} tokens at {EVALS_PER_RUN} points and at the end",
+        f"tokens per step, held-out loss over {evaluated_tokens_text(state['runs'], state['eval_tokens'])} tokens at "
+        f"{EVALS_PER_RUN} points and at the end",
         "- recipes: " + "; ".join(f"**{name}**: {RECIPES[name].source}" for name in RECIPES)
         + (f"; **every run here at peak learning rate {state['learning_rate']:g} instead of its recipe's**"
            if state.get("learning_rate") else ""),
@@ -1034,6 +1052,10 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
     if tokens > data["splits"]["train"]["tokens"]:
         print(f"note: {tokens:,} tokens per model is more than the {data['splits']['train']['tokens']:,} of the "
               "training stream: it repeats")
+    if args.eval_tokens > data["splits"]["heldout"]["tokens"]:
+        print(f"note: {args.eval_tokens:,} held-out tokens per evaluation (--eval-tokens) is more than the "
+              f"{data['splits']['heldout']['tokens']:,} of the held-out split: each evaluation reads the whole split "
+              "(in whole blocks), and the report gives the count read")
     print(counts_table(selected, described), flush=True)
     if previous:
         print(f"--resume: {len(done)} runs already in {out / 'results.json'}; "

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .arguments import check_at_least, check_ids, check_strength, check_token_memory_layers
 from .coefficients import coefficients_for_ids, summarize_coefficients
 from .editing import edit_next_token
 from .memory_banks import MemoryBank, decoder_of, memory_banks
@@ -86,16 +87,6 @@ class TokenNames:
 
     def many(self, ids: Iterable[int]) -> list[str]:
         return [self(i) for i in ids]
-
-
-def check_ids(ids: list[int], num_embeddings: int, what: str) -> list[int]:
-    """`ids`, or a one-line error where one is outside the model's embedding (a tokenizer that is not the model's
-    own), before the model fails inside its embedding."""
-    bad = [token for token in ids if not 0 <= token < num_embeddings]
-    if bad:
-        raise ValueError(f"{what} has token id {bad[0]}: allowed ids are 0..{num_embeddings - 1} (the model's "
-                         f"embedding has {num_embeddings} rows; is the tokenizer the model's own?)")
-    return ids
 
 
 def encode(tokenizer, texts: Iterable[str], max_length: int, num_embeddings: int, what: str) -> Iterable[list[int]]:
@@ -312,6 +303,13 @@ def analyze(
     """
     if not texts:
         raise ValueError("texts is empty: give at least one text to analyse")
+    check_at_least(1, max_length=max_length, batch_size=batch_size, top_cells=top_cells, top_triggers=top_triggers,
+                   cells_per_bank=cells_per_bank, top_tokens=top_tokens, num_clusters=num_clusters)
+    check_at_least(0, agreement_cells=agreement_cells)
+    check_strength(edit_strength, "edit_strength")
+    if memory_layers is not None:
+        check_token_memory_layers(memory_layers, [bank.layer for bank in memory_banks(model) if bank.context_free],
+                                  "memory_layers")
     model.eval()
     banks = memory_banks(model) if banks is None else list(banks)
     names = TokenNames(tokenizer)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import check_at_least, check_ids, num_embeddings_of
 from .memory_banks import MemoryBank, memory_banks
 
 CoefficientCallback = Callable[[MemoryBank, torch.Tensor], None]
@@ -52,15 +53,18 @@ def record_coefficients(
             handle.remove()
 
 
-def one_sequence(input_ids) -> torch.Tensor:
+def one_sequence(input_ids, model: torch.nn.Module | None = None) -> torch.Tensor:
     """`input_ids` as one `[length]` sequence; `[1, length]` is taken too. A batch of several sequences is refused:
-    flattened, its rows would read as one sequence, each row the context of the next."""
+    flattened, its rows would read as one sequence, each row the context of the next. With `model`, an id outside
+    its token embedding is refused too."""
     input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() > 2 or input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected one sequence, [length] or "
                          "[1, length] (give the sequences of a batch one at a time)")
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty: expected one sequence of at least one token")
+    if model is not None:
+        check_ids(input_ids.reshape(-1).tolist(), num_embeddings_of(model), "input_ids")
     return input_ids.reshape(-1)
 
 
@@ -69,7 +73,7 @@ def coefficients_for_ids(
     model: torch.nn.Module, input_ids: torch.Tensor, banks: Sequence[MemoryBank] | None = None
 ) -> dict[str, torch.Tensor]:
     """`{bank name: [length, num_cells]}`: the memory coefficients of one token sequence (`input_ids`: `[length]`)."""
-    input_ids = one_sequence(input_ids)
+    input_ids = one_sequence(input_ids, model)
     banks = memory_banks(model) if banks is None else list(banks)
     device = next(model.parameters()).device
     with record_coefficients(model, banks) as stored:
@@ -101,6 +105,7 @@ def summarize_coefficients(
     """Top cells per token, sparsity and the number of cells carrying `mass_fraction` of the coefficient mass."""
     if not 0.0 < mass_fraction <= 1.0:
         raise ValueError(f"mass_fraction={mass_fraction} must be in (0, 1]")
+    check_at_least(1, top_k=top_k)
     magnitude = coefficients.float().abs()
     k = min(top_k, magnitude.shape[-1])
     _, top_cells = magnitude.topk(k, dim=-1)

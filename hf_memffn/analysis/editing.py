@@ -15,21 +15,27 @@ Two edits, both reversible (`apply()` / `revert()`, or use them as context manag
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .arguments import check_at_least, check_strength
 from .coefficients import coefficients_for_ids, one_sequence
 from .memory_banks import MemoryBank, decoder_of, memory_banks
 
 
+def check_target_id(model: torch.nn.Module, target_id: int) -> None:
+    """Refuses a target outside the output vocabulary (the rows of the output embedding)."""
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if not 0 <= target_id < vocab_size:
+        raise ValueError(f"target_id={target_id} is outside the vocabulary [0, {vocab_size})")
+
+
 def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
     """Unit model-space vector that raises the target's logit relative to the others, through the final RMSNorm."""
+    check_target_id(model, target_id)
     weight = model.get_output_embeddings().weight.detach().float()
-    if not 0 <= target_id < weight.shape[0]:
-        raise ValueError(f"target_id={target_id} is outside the vocabulary [0, {weight.shape[0]})")
     direction = weight[target_id] - weight.mean(0)
     norm_weight = getattr(decoder_of(model).norm, "weight", None)
     if norm_weight is not None:
@@ -41,7 +47,7 @@ def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
 def next_token_probabilities(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """`[vocab]` next-token distribution after the sequence `input_ids` (`[length]`)."""
     device = next(model.parameters()).device
-    logits = model(input_ids=one_sequence(input_ids).reshape(1, -1).to(device)).logits[0, -1]
+    logits = model(input_ids=one_sequence(input_ids, model).reshape(1, -1).to(device)).logits[0, -1]
     return logits.float().softmax(-1).cpu()
 
 
@@ -102,6 +108,9 @@ class ValueEdit:
     def apply(self) -> "ValueEdit":
         if self._saved is not None:
             raise RuntimeError("edit already applied")
+        if not 0 <= self.cell < self.bank.num_cells:
+            raise ValueError(f"cell={self.cell} is outside {self.bank.name}: allowed cells are "
+                             f"0..{self.bank.num_cells - 1}")
         weights = self.bank.value_parameter().detach()
         before = weights.clone()
         self.bank.add_to_value(self.cell, self.delta)
@@ -287,10 +296,10 @@ def edit_next_token(
     methods = ("auto", "value", "token_memory")
     if method not in methods:
         raise ValueError(f"method={method!r} is not one of {methods}")
-    if not (math.isfinite(strength) and strength > 0):
-        raise ValueError(f"strength={strength} must be a positive number (the largest move, in units of the "
-                         "residual's norm)")
-    input_ids = one_sequence(input_ids)
+    check_strength(strength)
+    check_at_least(1, top_n=top_n)
+    check_target_id(model, target_id)
+    input_ids = one_sequence(input_ids, model)
     has_memory = has_token_memory(model)
     if method == "auto":
         method = "token_memory" if has_memory else "value"

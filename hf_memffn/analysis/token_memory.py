@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .arguments import check_at_least, check_ids, check_token_memory_layers, num_embeddings_of
 from .memory_banks import MemoryBank, decoder_of, memory_banks
 
 
@@ -56,12 +57,10 @@ def token_memory_map(
     model: torch.nn.Module, layers: Sequence[int] | None = None, top_k: int = 8, chunk_size: int = 4096
 ) -> list[TokenMemoryMap]:
     """The token-to-memory map over the whole vocabulary: per layer, each token's `top_k` cells by coefficient."""
+    check_at_least(1, top_k=top_k, chunk_size=chunk_size)
     banks = token_memory_banks(model)
     if layers is not None:
-        available = [bank.layer for bank in banks]
-        unknown = [layer for layer in layers if layer not in available]
-        if unknown:
-            raise ValueError(f"layers={unknown} have no token memory; allowed: {available}")
+        check_token_memory_layers(layers, [bank.layer for bank in banks], "layers")
         banks = [bank for bank in banks if bank.layer in set(layers)]
     vocab_size = decoder_of(model).embed_tokens.weight.shape[0]
     token_ids = torch.arange(vocab_size)
@@ -98,15 +97,25 @@ def token_clusters(
 ) -> list[TokenCluster]:
     """Clusters of tokens that activate the same memory cells of `layer` (cosine k-means on coefficient vectors).
 
-    `token_ids` defaults to the first `max_tokens` ids of the vocabulary. Clusters are returned largest first; no
-    tokens give no clusters.
+    `token_ids` (a 1-D tensor of ids of the vocabulary) defaults to the first `max_tokens` ids of the vocabulary.
+    Clusters are returned largest first; no tokens give no clusters. `iterations=0` keeps the initial centroids
+    (tokens drawn at random).
     """
-    bank = next((b for b in token_memory_banks(model) if b.layer == layer), None)
-    if bank is None:
-        raise ValueError(f"layer={layer} has no token memory")
+    check_at_least(1, num_clusters=num_clusters, max_tokens=max_tokens, num_shared_cells=num_shared_cells)
+    check_at_least(0, iterations=iterations)
+    banks = token_memory_banks(model)
+    available = [bank.layer for bank in banks]
+    if layer not in available:
+        raise ValueError(f"layer={layer} has no token memory; allowed: {available}")
+    bank = banks[available.index(layer)]
+    vocab_size = num_embeddings_of(model)
     if token_ids is None:
-        vocab_size = decoder_of(model).embed_tokens.weight.shape[0]
         token_ids = torch.arange(min(vocab_size, max_tokens))
+    else:
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids has shape {tuple(token_ids.shape)}: expected a 1-D tensor of token ids")
+        check_ids(token_ids.tolist(), vocab_size, "token_ids")
     if len(token_ids) == 0:
         return []
     coefficients = vocabulary_coefficients(model, bank, token_ids)
@@ -184,11 +193,13 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
         handles.append(block.self_attn.register_forward_hook(accumulate("attention", layer)))
         if getattr(block, "mlp", None) is not None:
             handles.append(block.mlp.register_forward_hook(accumulate("ffn", layer)))
+    num_embeddings = num_embeddings_of(model)
     num_tokens = 0
     try:
-        for ids in token_lists:
+        for index, ids in enumerate(token_lists):
             if not ids:
                 continue
+            check_ids(ids, num_embeddings, f"token_lists[{index}]")
             input_ids = torch.as_tensor(ids).reshape(1, -1).to(device)
             model(input_ids=input_ids)
             num_tokens += len(ids)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .arguments import check_at_least, check_cells, check_ids, num_embeddings_of
 from .coefficients import record_coefficients
 from .memory_banks import MemoryBank
 
@@ -105,8 +106,9 @@ def top_triggering_prefixes(
 
     Returns, for each bank and each tracked cell (all cells unless `cells[bank.name]` lists some), the `k` positions
     with the largest coefficient (largest |coefficient| with `absolute=True`; `Trigger.coefficient` keeps its sign)
-    and their prefixes.
+    and their prefixes. A token id outside the model's embedding is refused when its text is read.
     """
+    check_at_least(1, k=k, batch_size=batch_size, prefix_length=prefix_length)
     device = next(model.parameters()).device
     unknown = sorted(set(cells or {}) - {bank.name for bank in banks})
     if unknown:
@@ -118,10 +120,9 @@ def top_triggering_prefixes(
         for bank in banks
     }
     for bank in banks:
-        outside = tracked[bank.name][(tracked[bank.name] < 0) | (tracked[bank.name] >= bank.num_cells)]
-        if outside.numel():
-            raise ValueError(f"cells[{bank.name!r}] has cell {int(outside[0])}: allowed cells are "
-                             f"0..{bank.num_cells - 1}")
+        check_cells(tracked[bank.name], bank.num_cells, f"cells[{bank.name!r}]")
+    num_embeddings = num_embeddings_of(model)
+    check_ids([pad_token_id], num_embeddings, "pad_token_id")
     heaps = {name: TopKPerCell(len(index), k, device, absolute=absolute) for name, index in tracked.items()}
     windows: dict[int, tuple[list[int], int | None]] = {}
     stride = 1 << 32  # key = text_index * stride + position
@@ -139,7 +140,8 @@ def top_triggering_prefixes(
             length = max(len(ids) for _, ids in batch)
             input_ids = torch.full((len(batch), length), pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros((len(batch), length), dtype=torch.long)
-            for row, (_, ids) in enumerate(batch):
+            for row, (index, ids) in enumerate(batch):
+                check_ids(ids, num_embeddings, f"token_lists[{index}]")
                 input_ids[row, : len(ids)] = torch.as_tensor(ids)
                 attention_mask[row, : len(ids)] = 1
             positions = torch.arange(length).expand(len(batch), length)

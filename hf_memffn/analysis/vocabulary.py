@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .arguments import check_at_least, check_cells
 from .memory_banks import MemoryBank, decoder_of
 from .triggers import Trigger
 
@@ -43,9 +44,15 @@ def project_values(
     top_n: int = 10,
     chunk_size: int = 512,
 ) -> ValueProjection:
-    """The `top_n` tokens each memory cell's value vector promotes (and demotes), computed in chunks of cells."""
+    """The `top_n` tokens each memory cell's value vector promotes (and demotes), computed in chunks of cells.
+
+    `cells`: flat cell indices, `0..bank.num_cells - 1` (default: every cell)."""
+    check_at_least(1, top_n=top_n, chunk_size=chunk_size)
+    if cells is None:
+        cells = torch.arange(bank.num_cells)
+    else:
+        cells = check_cells(torch.as_tensor(cells, dtype=torch.long).reshape(-1), bank.num_cells, "cells")
     values = bank.value_vectors()
-    cells = torch.arange(bank.num_cells) if cells is None else torch.as_tensor(cells, dtype=torch.long).reshape(-1)
     outputs: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, len(cells), chunk_size):
         chunk = cells[start : start + chunk_size]
