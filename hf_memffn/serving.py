@@ -47,13 +47,50 @@ MEMORY_MODEL_TYPES = ("memffn_memoryllm", "memffn_flex_memoryllm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+def is_hub_repo_id(name: str) -> bool:
+    """Whether `name` has the form of a Hub repo id ('name' or 'namespace/name'); an absolute path, `./x` or `a/b/c`
+    has not."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def table_location_problem(token_lookup: str) -> str | None:
+    """Why `token_lookup` can name no table (neither a local folder nor a Hub repo id), said with what is allowed;
+    None if it is one of them."""
+    allowed = (f"allowed: a local folder holding an exported table ({TABLE_INDEX_NAME} and its shards: hf-memffn "
+               "export-tols MODEL_DIR TABLE_DIR), or a Hub repo id ('name' or 'namespace/name')")
+    if os.path.isdir(token_lookup):
+        return None
+    if os.path.exists(token_lookup):
+        return f"token lookup table {token_lookup!r} is a file, not a folder; {allowed}"
+    if not is_hub_repo_id(token_lookup):
+        return f"token lookup table {token_lookup!r}: no such folder, and not a Hub repo id; {allowed}"
+    return None
+
+
 def local_table_dir(token_lookup: str, revision: str | None = None) -> str:
-    """A local folder as is; otherwise a Hub repo id, of which only the table files are downloaded."""
+    """A local folder as is; otherwise a Hub repo id, of which only the table files are downloaded. Anything else (a
+    local path that does not exist, a file) is refused with what is allowed, as is a repo id that neither names a
+    local folder nor could be read from the Hub."""
+    problem = table_location_problem(token_lookup)
+    if problem is not None:
+        raise FileNotFoundError(problem)
     if os.path.isdir(token_lookup):
         return token_lookup
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
-    return snapshot_download(token_lookup, revision=revision, allow_patterns=["token_lookup*"])
+    try:
+        return snapshot_download(token_lookup, revision=revision, allow_patterns=["token_lookup*"])
+    except (RepositoryNotFoundError, LocalEntryNotFoundError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(f"token lookup table {token_lookup!r}: no such local folder, and no Hub repo of that "
+                                f"id could be read ({reason})") from error
 
 
 def split_revision(model: str) -> tuple[str, str | None]:
@@ -86,12 +123,9 @@ class TokenLookupSettings:
             return (f"--token-lookup: {self.model} is a {config.get('model_type')!r} model, which has no token lookup "
                     "tables (only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)")
         if not os.path.isdir(self.table):
-            from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-            try:
-                validate_repo_id(self.table)
-            except HFValidationError:
-                return f"--token-lookup {self.table}: no such folder, and not a Hub repo id"
+            location_problem = table_location_problem(self.table)
+            if location_problem is not None:
+                return f"--token-lookup: {location_problem}"
         elif not os.path.isfile(os.path.join(self.table, TABLE_INDEX_NAME)):
             return (f"--token-lookup {self.table}: no token lookup table in this folder ({TABLE_INDEX_NAME} is "
                     "missing); export one first: hf-memffn export-tols MODEL_DIR TABLE_DIR")
@@ -241,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.path.isdir(model_id) and not any(os.path.isfile(path) for path in tokenizer_files):
             parser.error(f"{model_id} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which the server "
                          "needs: save it with the model (model.attach_tokenizer(tokenizer) before save_pretrained)")
+        if not os.path.exists(model_id) and not is_hub_repo_id(model_id):
+            parser.error(f"MODEL {model}: no such folder, and not a Hub repo id; allowed: a local checkpoint folder "
+                         "(save_pretrained), or a Hub repo id ('name' or 'namespace/name', @revision optional)")
         try:
             config = read_config(model_id, revision)
         except (OSError, ValueError) as error:

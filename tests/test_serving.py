@@ -397,3 +397,47 @@ def test_the_default_table_placement_follows_the_models_device(memoryllm_and_tab
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     serving.TokenLookupSettings(str(folder), str(table)).apply(model)
     assert model.model.token_lookup.placement == "cpu"
+
+
+def test_a_table_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, monkeypatch):
+    """A local table path that does not exist (or a file) was taken for a Hub repo id: huggingface_hub's "Repo id must
+    be in the form ..." came out of the server's model process (and lm-eval's loader). Now the path is named, with what
+    `--token-lookup` takes; a repo id that is neither a local folder nor on the Hub says both."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    (tmp_path / "index.json").write_text("{}")
+    for path, reason in ((tmp_path / "no" / "table", "no such folder, and not a Hub repo id"),
+                         (tmp_path / "index.json", "is a file, not a folder")):
+        with pytest.raises(FileNotFoundError, match=re.escape(reason)) as refused:
+            serving.local_table_dir(str(path))
+        assert str(path) in str(refused.value) and "allowed: a local folder holding an exported table" in str(
+            refused.value) and "Hub repo id" in str(refused.value)
+        problem = serving.TokenLookupSettings("model", str(path)).problem({"model_type": "memffn_memoryllm"})
+        assert problem.startswith("--token-lookup: ") and reason in problem
+
+    def not_on_the_hub(repo_id, **kwargs):
+        raise LocalEntryNotFoundError(f"no cached snapshot of {repo_id}")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", not_on_the_hub)
+    with pytest.raises(FileNotFoundError, match=r"'tables-typo': no such local folder, and no Hub repo of that id "
+                                                r"could be read \(no cached snapshot of tables-typo\)"):
+        serving.local_table_dir("tables-typo")
+
+
+def test_a_model_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, monkeypatch, capsys):
+    """`hf-memffn serve ./typo`: the path was read as a Hub repo id, and huggingface_hub's "Repo id must use
+    alphanumeric chars ..." was the whole answer. Now the path is named, with what MODEL takes, before the server
+    starts."""
+    import transformers.cli.transformers
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    for model in (str(tmp_path / "no" / "model"), str(tmp_path / "no" / "model@dev")):
+        with pytest.raises(SystemExit) as stop:
+            serving.main([model, "--continuous-batching"])
+        assert stop.value.code == 2
+        error = capsys.readouterr().err
+        assert f"MODEL {model}: no such folder, and not a Hub repo id; allowed: a local checkpoint folder" in error
+        assert "Repo id must" not in error
