@@ -17,6 +17,7 @@ architecture runs. These files import only torch, transformers, safetensors and 
 
 import importlib
 import inspect
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdyn
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_memffn import MemFFNConfig
+from .configuration_memffn import MemFFNConfig, pipeline_parallel_plan, tensor_parallel_plan
 from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate_pair
 from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
 from .parallel import TokenEmbeddingRelay
@@ -511,8 +512,18 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
         would start them at random; and while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
-        the checkpoint would lack the edit."""
+        the checkpoint would lack the edit. With `push_to_hub=True` and the package installed, the folder is uploaded
+        once it is complete, as `push_to_hub` uploads it (`hub.push_folder`: `repo_id`, by default the folder's name,
+        `commit_message`, `commit_description`, `private`, `token`, `revision`, `create_pr`); transformers' own upload
+        would send, and leave in the folder, its generic card, before the card and the tokenizer are written."""
         base = getattr(self, self.base_model_prefix, self)
+        hub = _package_sibling("hub") if kwargs.get("push_to_hub") else None
+        if hub is not None:
+            kwargs.pop("push_to_hub")
+            push_options = {name: kwargs.pop(name) for name in ("commit_message", "commit_description", "private",
+                                                                "token", "revision", "create_pr") if name in kwargs}
+            default_repo_id = os.path.basename(os.path.abspath(os.fspath(save_directory)))
+            repo_id = hub.check_repo_id(kwargs.pop("repo_id", default_repo_id))
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
                              "a checkpoint saved now would lack their weights; save the model before dropping them, "
@@ -546,6 +557,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             model_card = _package_sibling("model_card")
             if model_card is not None:
                 model_card.write_model_card(self, save_directory)
+            if hub is not None:
+                hub.push_folder(save_directory, repo_id, **push_options)
         return result
 
     def push_to_hub(
@@ -587,6 +600,10 @@ class MemFFNModel(MemFFNPreTrainedModel):
 
     def __init__(self, config: MemFFNConfig):
         config.validate_fields()  # (fields set by hand after the config was built, `config.ffn_variant = ...`)
+        # the parallel plans follow those fields too (transformers reads them from the config when it builds the
+        # model's plans: a plan of the FFN the config had before would shard this one wrong)
+        config.base_model_tp_plan = tensor_parallel_plan(config)
+        config.base_model_pp_plan = pipeline_parallel_plan(config)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size

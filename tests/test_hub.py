@@ -93,6 +93,25 @@ def test_model_push_to_hub_keeps_our_card(fake_hub):
     assert "trust_remote_code=True" in fake_hub.uploaded["README.md"].decode()
 
 
+def test_save_pretrained_with_push_to_hub_uploads_our_card_and_the_tokenizer(fake_hub, tmp_path):
+    """`save_pretrained(folder, push_to_hub=True)` uploads the folder once it is complete: this package's card (also
+    left in the folder, where later saves write it again) and the attached tokenizer, as `push_to_hub` does."""
+    model = tiny_model("kvffn")
+    model.attach_tokenizer(tiny_tokenizer())
+    folder = tmp_path / "tiny-kvffn"
+    model.save_pretrained(folder, push_to_hub=True, commit_message="first", private=True)
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
+    assert fake_hub.calls[0][1] == "tiny-kvffn" and fake_hub.calls[0][2]["private"] is True
+    assert fake_hub.calls[1][2]["commit_message"] == "first"
+    assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | REMOTE_CODE_FILES["kvffn"]
+    assert "trust_remote_code=True" in fake_hub.uploaded["README.md"].decode()
+    assert "trust_remote_code=True" in (folder / "README.md").read_text()
+
+    with pytest.raises(ValueError, match="repo_id='a/b/c' is not a Hub repository id"):
+        model.save_pretrained(tmp_path / "refused", push_to_hub=True, repo_id="a/b/c")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_push_folder_refuses_an_incomplete_folder_and_uploads_nothing(fake_hub, tmp_path):
     model = tiny_model("kvffn")
     model.save_pretrained(tmp_path)

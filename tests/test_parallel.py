@@ -424,3 +424,17 @@ def test_parallel_plans_name_existing_modules_and_are_not_saved(arch, tmp_path):
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "base_model_tp_plan" not in saved and "base_model_pp_plan" not in saved
+
+
+@pytest.mark.parametrize("arch, fields", [("flash_mhf", {"ffn_variant": "pkv"}), ("kvffn", {"ffn_variant": "densenet"}),
+                                          ("memoryllm", {"tie_word_embeddings": True})])
+def test_parallel_plans_follow_fields_set_after_the_config_was_built(arch, fields):
+    """A field set by hand (`config.update(...)`, `config.ffn_variant = ...`) changes the blocks a model builds: the
+    model's plans are those of its blocks, not of the config as it was built (FlashMHF's partial sum on the PKV
+    baseline would sum its replicated output over the ranks; KV-FFN's `key_value_proj` is not in DenseNet)."""
+    config = tiny_config(arch)
+    config.update(fields)
+    model = AutoModelForCausalLM.from_config(config)
+    expected = AutoModelForCausalLM.from_config(tiny_config(arch, **fields))
+    assert model.tp_plan == expected.tp_plan
+    assert model.pp_plan == expected.pp_plan
