@@ -512,18 +512,20 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
         would start them at random; and while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
-        the checkpoint would lack the edit. With `push_to_hub=True` and the package installed, the folder is uploaded
-        once it is complete, as `push_to_hub` uploads it (`hub.push_folder`: `repo_id`, by default the folder's name,
-        `commit_message`, `commit_description`, `private`, `token`, `revision`, `create_pr`); transformers' own upload
-        would send, and leave in the folder, its generic card, before the card and the tokenizer are written."""
+        the checkpoint would lack the edit. With `push_to_hub=True` the folder is uploaded once it is complete
+        (`repo_id`, by default the folder's name, `commit_message`, `commit_description`, `private`, `token`,
+        `revision`, `create_pr`): with the package installed as `hf-memffn push` uploads it (`hub.push_folder`), else
+        through `push_to_hub`; transformers' own upload would send its generic card and no tokenizer, written after
+        the weights (and leave that card in the folder)."""
         base = getattr(self, self.base_model_prefix, self)
-        hub = _package_sibling("hub") if kwargs.get("push_to_hub") else None
-        if hub is not None:
-            kwargs.pop("push_to_hub")
+        push = kwargs.pop("push_to_hub", False)
+        hub = _package_sibling("hub") if push else None
+        if push:
             push_options = {name: kwargs.pop(name) for name in ("commit_message", "commit_description", "private",
                                                                 "token", "revision", "create_pr") if name in kwargs}
-            default_repo_id = os.path.basename(os.path.abspath(os.fspath(save_directory)))
-            repo_id = hub.check_repo_id(kwargs.pop("repo_id", default_repo_id))
+            repo_id = kwargs.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
+            if hub is not None:
+                repo_id = hub.check_repo_id(repo_id)
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
                              "a checkpoint saved now would lack their weights; save the model before dropping them, "
@@ -559,6 +561,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 model_card.write_model_card(self, save_directory)
             if hub is not None:
                 hub.push_folder(save_directory, repo_id, **push_options)
+            elif push:
+                self.push_to_hub(repo_id, max_shard_size=kwargs.get("max_shard_size", "50GB"), **push_options)
         return result
 
     def push_to_hub(
@@ -580,12 +584,21 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         code, tokenizer, this package's model card, and an attached token lookup table) in one commit. Takes
         `PreTrainedModel.push_to_hub`'s arguments (`tags` go into the card's metadata), plus `tokenizer` and
         `include_token_lookup`; see `hub.push_checkpoint` (transformers' own `push_to_hub` would replace the model card
-        with a generic one). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`."""
+        with a generic one). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`, which saves through
+        `save_pretrained` and so uploads `tokenizer` too."""
         options = dict(commit_message=commit_message, commit_description=commit_description, private=private,
                        token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags)
         hub = _package_sibling("hub")
         if hub is None:
-            return super().push_to_hub(repo_id, **options)
+            if tags is None:  # transformers' `push_to_hub` iterates the `tags` it is given
+                del options["tags"]
+            attached = self.attached_tokenizer
+            if tokenizer is not None:
+                self.attach_tokenizer(tokenizer)
+            try:
+                return super().push_to_hub(repo_id, **options)
+            finally:
+                self._attached_tokenizer = attached
         return hub.push_checkpoint(self, repo_id, tokenizer=tokenizer, include_token_lookup=include_token_lookup,
                                    **options)
 

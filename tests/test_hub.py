@@ -104,7 +104,7 @@ def test_save_pretrained_with_push_to_hub_uploads_our_card_and_the_tokenizer(fak
     assert fake_hub.calls[0][1] == "tiny-kvffn" and fake_hub.calls[0][2]["private"] is True
     assert fake_hub.calls[1][2]["commit_message"] == "first"
     assert set(fake_hub.uploaded) == NON_CODE_FILES | TOKENIZER_FILES | REMOTE_CODE_FILES["kvffn"]
-    assert "trust_remote_code=True" in fake_hub.uploaded["README.md"].decode()
+    assert 'checkpoint = "tiny-kvffn"' in fake_hub.uploaded["README.md"].decode()  # (the card names the repo)
     assert "trust_remote_code=True" in (folder / "README.md").read_text()
 
     with pytest.raises(ValueError, match="repo_id='a/b/c' is not a Hub repository id"):

@@ -165,3 +165,96 @@ def test_trust_remote_code_without_the_package(tmp_path):
         for auto_class, (module, name, shape, decoder_diff, named) in result["heads"].items():
             assert module.startswith("transformers_modules.") and name.endswith(auto_class[len("AutoModel"):]), result
             assert shape == shapes[auto_class] and decoder_diff < 1e-5 and named == name, result
+
+
+def run_without_the_package(script: str, tmp_path, *args) -> subprocess.CompletedProcess:
+    """Runs `script` (which starts with BLOCK_PACKAGE_IMPORT) in a Python where `hf_memffn` cannot be imported,
+    offline, with its own cache of the checkpoints' modeling code."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+PUSHER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
+    """
+    import json, os, sys
+
+    import transformers.modeling_utils as transformers_modeling
+    import transformers.utils.hub as transformers_hub
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers' uploads without the network: the repository's creation, the card it reads from the Hub and the
+    # upload are replaced; the upload records the files of the folder it is given
+    class Repository:
+        def create_repo(self, repo_id, **kwargs):
+            return type("RepoUrl", (), {"repo_id": repo_id})()
+
+
+    class Card:
+        def save(self, path):
+            with open(path, "w") as handle:
+                handle.write("transformers' card")
+
+
+    uploads = {}
+
+
+    def upload(self, folder, repo_id, *args, **kwargs):
+        uploads[repo_id] = sorted(os.listdir(folder))
+        return f"https://hub.invalid/{repo_id}/commit/1"
+
+
+    for module in (transformers_hub, transformers_modeling):  # (save_pretrained's own upload reads the second)
+        module.hf_api = Repository
+        module.create_and_tag_model_card = lambda repo_id, tags=None, token=None: Card()
+    transformers_hub.PushToHubMixin._upload_modified_files = upload
+
+    directory = sys.argv[3]
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    if sys.argv[2] == "push_to_hub":
+        model.push_to_hub("someone/plain")
+        model.push_to_hub("someone/with-tokenizer", tokenizer=tokenizer, tags=["memffn"])
+        model.push_to_hub("someone/plain-again")
+    else:
+        model.attach_tokenizer(tokenizer)
+        model.save_pretrained(directory + "-saved", push_to_hub=True, repo_id="someone/saved")
+        uploads["saved locally"] = sorted(os.listdir(directory + "-saved"))
+    with open(sys.argv[1], "w") as handle:
+        json.dump(uploads, handle)
+    """
+)
+
+CHECKPOINT_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors",
+                    *REMOTE_CODE_FILES["kvffn"]}
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
+
+
+def push_without_the_package(how: str, tmp_path) -> dict[str, list[str]]:
+    """The files each upload of a KVFFN checkpoint loaded with `trust_remote_code` alone sent (PUSHER)."""
+    torch.manual_seed(0)
+    directory = tmp_path / "kvffn"
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    completed = run_without_the_package(PUSHER, tmp_path, tmp_path / "uploads.json", how, directory)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads((tmp_path / "uploads.json").read_text())
+
+
+def test_push_to_hub_without_the_package_is_transformers_own(tmp_path):
+    """Loaded with `trust_remote_code` alone, `push_to_hub` uploads through transformers' own: what `save_pretrained`
+    writes, and the tokenizer it is given (for that push only)."""
+    uploads = push_without_the_package("push_to_hub", tmp_path)
+    assert set(uploads["someone/plain"]) == CHECKPOINT_FILES
+    assert set(uploads["someone/with-tokenizer"]) == CHECKPOINT_FILES | TOKENIZER_FILES
+    assert set(uploads["someone/plain-again"]) == CHECKPOINT_FILES
+
+
+def test_save_pretrained_with_push_to_hub_without_the_package_uploads_the_attached_tokenizer(tmp_path):
+    """`save_pretrained(folder, push_to_hub=True)` uploads what it writes in the folder, the attached tokenizer too
+    (transformers' own upload there happens before the tokenizer is written)."""
+    uploads = push_without_the_package("save_pretrained", tmp_path)
+    assert set(uploads["saved locally"]) == CHECKPOINT_FILES - {"README.md"} | TOKENIZER_FILES
+    assert set(uploads["someone/saved"]) == CHECKPOINT_FILES | TOKENIZER_FILES
