@@ -791,6 +791,13 @@ class HostTokenLookupTable(_CachedTokenLookupTable):
         return rows, scales
 
 
+DISK_PLACEMENT_UNDER_COMPILE = (
+    "placement='disk' reads its rows from the memory-mapped shards on the host at every forward, which no "
+    "torch.compile graph holds: torch.compile(..., fullgraph=True) cannot trace a model reading such a table. "
+    "Compile without fullgraph (the read runs between two graphs), or load the table with placement='gpu' "
+    "(CUDA) or placement='cpu'")
+
+
 class DiskTokenLookupTable(_CachedTokenLookupTable):
     """placement "disk": the table memory-mapped from its shards, half the device cache static and half
     least-recently-used (see `TokenLookupTable`)."""
@@ -823,18 +830,23 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         return rows, scales
 
     def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
-        if not self.use_cache:
-            return self._host_readout(ids)
         row_ids, rows, scales = self._disk_rows(ids)
-        return TokenLookupReadout(self, row_ids, rows, scales, gathered=rows is not self.cache_rows)
+        return TokenLookupReadout(self, row_ids, rows, scales,
+                                  gathered=not self.use_cache or rows is not self.cache_rows)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=DISK_PLACEMENT_UNDER_COMPILE)
     def _disk_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(row ids, rows, scales) of this forward's tokens on the device (a host sync on the ids).
 
-        New tokens go into the least-recently-used half of the cache when they fit there; a forward with more new
-        tokens than that (a long prompt) reads all its rows from the mapped shards at once into a device buffer.
+        Without a device cache, every row read from the mapped shards. With one, new tokens go into the
+        least-recently-used half of the cache when they fit there; a forward with more new tokens than that (a long
+        prompt) reads all its rows from the mapped shards at once into a device buffer.
+        Under torch.compile this runs outside the graph, as a graph break; with `fullgraph=True` the error that
+        refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`.
         """
+        if not self.use_cache:
+            rows, scales = self._host_rows(ids.cpu())
+            return torch.arange(ids.numel(), device=rows.device), rows, scales
         tokens = ids.cpu()
         unique = torch.unique(tokens)
         self._clock += 1

@@ -96,6 +96,28 @@ def test_compiled_lookup_is_traced_as_pytorch_operations(exported):
     assert relative(compiled, eager) < 1e-6
 
 
+def test_compiled_lookup_from_disk_breaks_the_graph_and_fullgraph_names_the_placement(exported):
+    """placement="disk" reads its rows on the host at every forward: torch.compile runs that read between two graphs
+    (the logits of eager mode), and fullgraph=True fails naming the placement and what works instead (not with
+    dynamo's data-dependent guard error)."""
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    model.load_tols(directory, placement="disk")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits
+            compiled = torch.compile(model, backend="eager")(input_ids=ids).logits
+            torch._dynamo.reset()
+            with pytest.raises(RuntimeError, match="placement='disk' reads its rows") as refused:
+                torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
+    finally:
+        model.unload_tols()
+        torch._dynamo.reset()
+    assert relative(compiled, eager) < 1e-6
+    assert all(name in str(refused.value) for name in ("without fullgraph", "placement='gpu'", "placement='cpu'"))
+
+
 def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
     model, directory = exported
     fresh = build(model.config.model_type.replace("memffn_", ""))
