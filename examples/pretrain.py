@@ -577,6 +577,38 @@ def write_profile(profiler, wall_seconds: float, steps: int, output_dir: Path) -
     print(f"profiled steps: {tables.splitlines()[0]} -> {output_dir / 'profile_steps.json'}", flush=True)
 
 
+def make_log_at_checkpoints_callback():
+    from transformers import TrainerCallback
+
+    class LogAtCheckpoints(TrainerCallback):
+        """Logs the training loss at every checkpoint before --max-steps, also one off the --logging-steps grid: a run
+        resumed from it starts its next loss window there, so its log holds the windows of the run left alone. (The
+        checkpoint at --max-steps ends the schedule; its window stays as --logging-steps cuts it.)"""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_save and state.global_step < state.max_steps:
+                control.should_log = True
+
+    return LogAtCheckpoints()
+
+
+def rewind_train_log(log_path: Path, log_history: list[dict]) -> None:
+    """The train log as it stood at the checkpoint a run resumes from: a record per entry of the checkpoint's log
+    history. What a session logged after its last checkpoint (steps that the resumed run trains and logs again, the
+    session's end and final evaluation) is dropped. A record is kept from the file where it holds its entry (it adds
+    tokens/s and MFU to it); otherwise the entry stands in for it."""
+    from hf_memffn.atomic_write import write_atomic
+
+    lines = log_path.read_text(encoding="utf-8").splitlines() if log_path.is_file() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    kept = []
+    for index, entry in enumerate(log_history):
+        record = records[index] if index < len(records) else {}
+        holds_entry = all(key in record and record[key] == value for key, value in entry.items())
+        kept.append(record if holds_entry else {"step": entry["step"], **entry})
+    write_atomic(log_path, "".join(json.dumps(record) + "\n" for record in kept))
+
+
 def make_stop_callback(stop_step: int):
     from transformers import TrainerCallback
 
@@ -788,11 +820,14 @@ def main(argv=None) -> dict:
         eval_dataset=eval_blocks,
         data_collator=collate_blocks,
         processing_class=tokenizer,
-        callbacks=[throughput] + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
+        callbacks=[throughput, make_log_at_checkpoints_callback()]
+        + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
     ))
     started = time.perf_counter()
     resumed_state = checkpoint_state(checkpoint)
+    if resumed_state and trainer.is_world_process_zero():
+        rewind_train_log(output_dir / "train_log.jsonl", resumed_state.log_history)
     session_first_step = 1 + (resumed_state.global_step if resumed_state else 0)
     if resumed_state and 0 < training_args.max_steps <= resumed_state.global_step:
         # stopped after its last checkpoint, before its final evaluation: transformers' Trainer would resume it with

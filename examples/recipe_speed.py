@@ -13,14 +13,17 @@ compilation and CUDA-graph recording. Ratios are to the first run of the same ba
 
 `--data-dir` is a folder of token shards (examples/token_shards.py); without one, shards are built from the Python
 standard library's sources with a byte-level BPE of `--vocab-size` tokens (examples/reproduce/prepare_data.py), so
-the script runs offline on any machine. Writes DIR/recipe_speed.{json,md} (after every run) and each run's log and
-train_log.jsonl; each run's folder under `--work`, with the model it saved, is removed once read (unless
-`--keep-run-folders`), so a long list of runs does not fill the disk.
+the script runs offline on any machine; they are kept under `--work` for later calls, in a folder of their own for
+each vocabulary size, training-stream length (from `--steps`, `--block-size` and the largest batch) and Python.
+Writes DIR/recipe_speed.{json,md} (after every run) and each run's log and train_log.jsonl; each run's folder under
+`--work`, with the model it saved, is removed once read (unless `--keep-run-folders`), so a long list of runs does
+not fill the disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -71,18 +74,22 @@ def parse_run(text: str) -> dict:
     return {"arch": arch, "mode": mode, "batch": batch, "name": f"{arch}_{mode}_b{batch}"}
 
 
-def standard_library_shards(folder: Path, vocab_size: int, max_train_tokens: int) -> Path:
-    """Token shards of the Python standard library's sources (built once per vocabulary size, in a folder named by it;
-    the folder appears whole or not at all)."""
+def standard_library_shards(work: Path, vocab_size: int, max_train_tokens: int) -> Path:
+    """Token shards of the Python standard library's sources, under `work` in a folder named by everything they
+    depend on: the vocabulary size, the training stream's length, the source files and the Python that holds them.
+    Built once per such key (the folder appears whole or not at all); a call of other settings builds its own."""
+    files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    prepare_argv = ["--source", "text-files", "--text-files", *files, "--vocab-size", str(vocab_size),
+                    "--max-train-tokens", str(max_train_tokens), "--max-heldout-tokens", str(64 * 2048), "--wiki", "no"]
+    key = json.dumps({"prepare_data": prepare_argv, "python": sys.version}, sort_keys=True)
+    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+    folder = work / f"shards_vocab{vocab_size}_train{max_train_tokens}_{digest}"
     if (folder / "meta.json").is_file():
         return folder
     sys.path.insert(0, str(HERE / "reproduce"))
     import prepare_data
 
-    files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    prepare_data.main(["--out", str(folder), "--source", "text-files", "--text-files", *files,
-                       "--vocab-size", str(vocab_size), "--max-train-tokens", str(max_train_tokens),
-                       "--max-heldout-tokens", str(64 * 2048), "--wiki", "no"])
+    prepare_data.main(["--out", str(folder), *prepare_argv])
     return folder
 
 
@@ -200,7 +207,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", type=parse_run, nargs="+", required=True, help="ARCH:MODE[:BATCH] ...")
     parser.add_argument("--data-dir", type=Path, default=None, help="token shards (default: built from the stdlib)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "recipe_speed",
-                        help="run folders, each with the run's saved model (default: TMPDIR/recipe_speed)")
+                        help="run folders, each with the run's saved model, and the shards built without --data-dir "
+                        "(default: TMPDIR/recipe_speed)")
     parser.add_argument("--preset", default="370M", choices=sorted(PRESETS))
     parser.add_argument("--block-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=40)
@@ -223,8 +231,7 @@ def main(argv=None) -> dict:
     if args.data_dir is None:
         largest_batch = max(run["batch"] for run in args.runs)
         tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
-        args.data_dir = standard_library_shards(args.work / f"shards_vocab{args.vocab_size}", args.vocab_size,
-                                                tokens)
+        args.data_dir = standard_library_shards(args.work, args.vocab_size, tokens)
     name_repeated_runs(args.runs)
     rows = []
     for run in args.runs:

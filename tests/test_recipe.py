@@ -101,6 +101,33 @@ def test_packing_joins_documents_with_eos_into_full_blocks():
     assert blocks["input_ids"] == expected
 
 
+def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_once(tmp_path):
+    """A session stopped (--stop-after-steps 5) after its last checkpoint (3, off the --logging-steps 2 grid) had
+    logged step 4 and its own end; resumed, the run logged step 4 again after them. The resumed run's log is now the
+    uninterrupted run's: each record once, the same training losses (a checkpoint ends a loss window)."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+
+    def common(out):
+        return ["--arch", "llama", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+                "--block-size", "32", "--per-device-batch-size", "4", "--logging-steps", "2", "--eval-steps", "100",
+                "--save-steps", "3", "--max-eval-blocks", "2", "--max-steps", "8", "--output-dir", str(out)]
+
+    def log_of(out):
+        return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+    whole = pretrain.main(common(tmp_path / "whole"))
+    pretrain.main(common(tmp_path / "cut") + ["--stop-after-steps", "5"])
+    assert max(r["step"] for r in log_of(tmp_path / "cut") if "loss" in r) == 4  # after checkpoint-3, the latest
+    resumed = pretrain.main(common(tmp_path / "cut") + ["--resume", "latest"])
+    whole_log, resumed_log = log_of(tmp_path / "whole"), log_of(tmp_path / "cut")
+    assert [(r["step"], sorted(r)) for r in resumed_log] == [(r["step"], sorted(r)) for r in whole_log]
+    assert [r["step"] for r in resumed_log if "loss" in r] == [2, 3, 4, 6, 8]
+    for whole_record, resumed_record in zip(whole_log, resumed_log):
+        if "loss" in whole_record:
+            assert resumed_record["loss"] == pytest.approx(whole_record["loss"], rel=1e-4)
+    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-4)
+
+
 def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_path, monkeypatch):
     """Without a validation split the last documents are held out whole, and `--train-tokenizer` learns its
     vocabulary from the others only: a word found only in held-out text is not one of its tokens."""
@@ -156,7 +183,6 @@ def test_train_evaluate_save_and_resume(tmp_path):
         assert (final / name).is_file(), name
     assert (out / "checkpoint-4").is_dir()
     log = out / "train_log.jsonl"
-    first_run_records = len(log.read_text().splitlines())
     # --eval-steps divides the last step: the final evaluation is the one logged there, not run a second time
     assert [r["step"] for r in map(json.loads, log.read_text().splitlines()) if "eval_loss" in r] == [2, 4]
 
@@ -166,8 +192,10 @@ def test_train_evaluate_save_and_resume(tmp_path):
     second = pretrain.main(common + ["--max-steps", "6", "--resume", "latest"])
     assert second["global_step"] == 6
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    resumed = records[first_run_records:]
-    assert [r["step"] for r in resumed if "loss" in r] == [6]  # training went on from step 4, not from scratch
+    # training went on from step 4, not from scratch, and the log holds each step once (the first session's end
+    # record, logged after its last checkpoint, is not the run's)
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6]
+    assert [r["step"] for r in records if "train_runtime" in r] == [6]
     # the run's mean training loss, not the mean of the steps since the resume (the Trainer's)
     windows = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert second["train_loss"] == pytest.approx(sum(2 * windows[step] for step in (2, 4, 6)) / 6)
@@ -175,11 +203,12 @@ def test_train_evaluate_save_and_resume(tmp_path):
     # Stopped after its last checkpoint, before the final evaluation: resuming trains no step beyond --max-steps.
     shutil.rmtree(out / "final")
     (out / "summary.json").unlink()
-    records_before = len(log.read_text().splitlines())
     third = pretrain.main(common + ["--max-steps", "6", "--resume", "latest"])
     assert third["global_step"] == 6 and third["eval_loss"] == pytest.approx(second["eval_loss"])
     assert third["train_loss"] == pytest.approx(second["train_loss"])
-    assert not any("loss" in json.loads(line) for line in log.read_text().splitlines()[records_before:])
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 6]
     model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True)
     assert type(model).__name__ == "FlashMHFLlamaForCausalLM"
 

@@ -115,11 +115,18 @@ def test_counts_that_would_skew_the_measure_are_refused(tmp_path, capsys, monkey
             recipe_speed.main([*common, option, value])
         assert message in capsys.readouterr().err
 
-def test_default_shards_come_from_the_standard_library_once_per_vocabulary(tmp_path):
-    folder = recipe_speed.standard_library_shards(tmp_path / "shards_vocab300", 300, 20_000)
+
+def test_default_shards_come_from_the_standard_library_once_per_vocabulary_and_stream(tmp_path):
+    """The shards were cached by vocabulary size alone: a later call needing a longer training stream (more --steps,
+    a larger --block-size or batch) read the shorter stream built for an earlier one, repeating it unsaid."""
+    work = tmp_path / "work"
+    folder = recipe_speed.standard_library_shards(work, 300, 20_000)
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["splits"]["train"]["tokens"] == 20_000 and meta["tokenizer"]["vocab_size"] <= 300
     assert "argparse.py" in meta["source"]["name"]
     built = (folder / "train.bin").stat().st_mtime_ns
-    assert recipe_speed.standard_library_shards(folder, 300, 20_000) == folder  # found, not built again
+    assert recipe_speed.standard_library_shards(work, 300, 20_000) == folder  # found, not built again
     assert (folder / "train.bin").stat().st_mtime_ns == built
+    longer = recipe_speed.standard_library_shards(work, 300, 30_000)
+    assert longer != folder and json.loads((longer / "meta.json").read_text())["splits"]["train"]["tokens"] == 30_000
+    assert (folder / "train.bin").stat().st_mtime_ns == built  # the first stream is kept for calls of its settings

@@ -701,6 +701,41 @@ def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_wa
     assert study.verdict(summary["b"], summary["a"], level=True)[1] == "undecided (one seed)"
 
 
+def test_a_run_that_diverged_gives_no_verdict_and_is_named():
+    """A run whose held-out loss diverged to NaN or infinity counted as evidence: "not reproduced (one seed)",
+    "reversed, within seed noise", or for a level claim "level, within seed noise". Its ordering now has no verdict,
+    naming the run, and verdicts.py's cell says the same."""
+    labels = {"llama": "SwiGLU", "flash_mhf": "FlashMHF", "mh_ffn": "MH-FFN", "memoryllm_total": "MemoryLLM",
+              "flex_total": "Flex"}
+
+    def claims(losses):
+        runs = [{"model": m, "seed": s, "heldout_loss": loss} for m, v in losses.items() for s, loss in enumerate(v)]
+        summary = {m: {"heldout_loss_mean": statistics.fmean(v), "heldout_loss_std": study.sample_stdev(v)}
+                   for m, v in losses.items()}
+        return study.claims_table(summary, labels, runs)
+
+    (one_seed,) = claims({"flash_mhf": [5.0], "llama": [math.nan]})
+    assert one_seed["verdict"] == "diverged: no verdict (SwiGLU seed 0)" and one_seed["diverged"] == ["SwiGLU seed 0"]
+    (infinite,) = claims({"flash_mhf": [math.inf], "llama": [5.0]})
+    assert infinite["verdict"] == "diverged: no verdict (FlashMHF seed 0)"
+    (paired,) = claims({"flash_mhf": [5.0, 5.1, 5.05], "llama": [5.1, math.nan, 5.2]})
+    assert paired["verdict"] == "diverged: no verdict (SwiGLU seed 1)" and paired["paired_seeds"] == 3
+    (level,) = claims({"llama": [5.0, 5.1, 5.05], "mh_ffn": [5.0, math.nan, 5.1]})
+    assert level["verdict"] == "diverged: no verdict (MH-FFN seed 1)"
+    gap = claims({"llama": [5.0, 5.1], "memoryllm_total": [5.3, 5.4], "flex_total": [math.nan, 5.2]})[-1]
+    assert gap["claim"].startswith("share of MemoryLLM's gap")
+    assert gap["verdict"] == "diverged: no verdict (Flex seed 0)"
+    for row in (one_seed, infinite, paired, level, gap):
+        assert not study.verdict_is_resolved(row["verdict"])
+    # a mean that is not finite with no run at hand names the model
+    summary = {"flash_mhf": {"heldout_loss_mean": 5.0, "heldout_loss_std": None},
+               "llama": {"heldout_loss_mean": math.nan, "heldout_loss_std": None}}
+    assert study.claims_table(summary, labels)[0]["verdict"] == "diverged: no verdict (SwiGLU)"
+    cell = {"verdict": paired["verdict"], "paired_delta": math.nan, "paired_standard_error": math.nan,
+            "paired_seeds": 3, "delta": math.nan, "resolved": False}
+    assert verdicts.cell_text(cell) == "diverged: no verdict (SwiGLU seed 1)"
+
+
 def test_orderings_table_rounds_each_difference_once():
     """A paired difference of -0.00148 prints -0.001 in the orderings table, as in the table of paired differences:
     the claim keeps the value unrounded (rounded first to four places it would read -0.0015 and print -0.002)."""

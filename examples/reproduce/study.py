@@ -508,15 +508,21 @@ def paired_difference(runs: list[dict], lower: str, higher: str,
     return len(differences), statistics.fmean(differences), error
 
 
+DIVERGED = "diverged: no verdict"
+
+
 def verdict(lower: dict, higher: dict,
             paired: tuple[int, float | None, float | None] = (0, None, None), level: bool = False) -> tuple[float, str]:
     """How the paper's ordering (lower < higher) fares, or with `level` its claim that the two end level (a resolved
     difference names the model ahead as "{lower}" or "{higher}", for the caller to fill in). With three or more
     common seeds, by the paired difference: resolved when it exceeds twice its standard error. Otherwise by the
     difference of the means against twice the larger seed standard deviation; where either model ran one seed, whose
-    spread is unknown, never resolved."""
+    spread is unknown, never resolved. Where a run diverged (a loss of NaN or infinity) there is no verdict: its
+    loss says nothing of the ordering, either way."""
     delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
     seeds, paired_delta, error = paired
+    if not math.isfinite(delta) or (paired_delta is not None and not math.isfinite(paired_delta)):
+        return delta, DIVERGED
     if seeds >= 3 and error is not None:
         resolved, sign = abs(paired_delta) > 2 * error, paired_delta
     else:
@@ -535,21 +541,38 @@ def verdict(lower: dict, higher: dict,
 
 def verdict_is_resolved(text: str) -> bool:
     """Whether a text of `verdict`'s calls the difference resolved, either way (a level claim's "not level: X ahead"
-    too; a verdict from one seed never)."""
+    too; a verdict from one seed, or of a run that diverged, never)."""
     return text in ("reproduced", "not reproduced") or text.startswith("not level")
 
 
+def diverged_runs(summary: dict, labels: dict, runs: list[dict], keys: tuple[str, ...]) -> list[str]:
+    """The runs of the models `keys` whose held-out loss is NaN or infinite, as "FlashMHF seed 1"; a model whose mean
+    is not finite with no such run among `runs` is named alone."""
+    diverged = [run for run in runs if run["model"] in keys and run.get("heldout_loss") is not None
+                and not math.isfinite(run["heldout_loss"])]
+    unnamed = [key for key in keys if not math.isfinite(summary[key]["heldout_loss_mean"])
+               and key not in {run["model"] for run in diverged}]
+    return [f"{labels[run['model']]} seed {run['seed']}" for run in diverged] + [labels[key] for key in unnamed]
+
+
 def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dict]:
+    """A row per paper's ordering between two models of `summary`, with its verdict; where a run of either model
+    diverged, the verdict is "diverged: no verdict" and names those runs (`diverged`)."""
     rows = []
     for group, lower, higher, paper, level in CLAIMS:
         if lower in summary and higher in summary:
             paired = paired_difference(list(runs), lower, higher)
             delta, text = verdict(summary[lower], summary[higher], paired, level=level)
+            diverged = diverged_runs(summary, labels, list(runs), (lower, higher)) if text == DIVERGED else []
+            if diverged:
+                text = f"{DIVERGED} ({', '.join(diverged)})"
             if level:
                 text = text.format(lower=labels[lower], higher=labels[higher])
             row = {"group": group, "claim": f"{labels[lower]} {'level with' if level else '<'} {labels[higher]}",
                    "lower": lower, "higher": higher, "paper": paper, "delta": delta, "verdict": text,
                    "paired_seeds": paired[0]}
+            if diverged:
+                row["diverged"] = diverged
             # (unrounded: the tables print three places, and a value rounded here first could print one unit off)
             if paired[1] is not None:
                 row["paired_delta"] = paired[1]
@@ -564,10 +587,15 @@ def claims_table(summary: dict, labels: dict, runs: list[dict] = ()) -> list[dic
     keys = ("llama", "memoryllm_total", "flex_total")
     if all(k in summary for k in keys):
         dense, memory, flex = (summary[k]["heldout_loss_mean"] for k in keys)
-        if memory > dense:
+        gap_row = {"group": "memoryllm", "claim": "share of MemoryLLM's gap to dense that Flex closes (equal total)",
+                   "paper": "most of it"}
+        diverged = diverged_runs(summary, labels, list(runs), keys)
+        if diverged:
+            rows.append({**gap_row, "delta": math.nan, "verdict": f"{DIVERGED} ({', '.join(diverged)})",
+                         "diverged": diverged})
+        elif memory > dense:
             closed = (memory - flex) / (memory - dense)
-            rows.append({"group": "memoryllm", "claim": "share of MemoryLLM's gap to dense that Flex closes (equal total)",
-                         "paper": "most of it", "delta": round(closed, 3),
+            rows.append({**gap_row, "delta": round(closed, 3),
                          "verdict": "reproduced" if closed > 0.5 else "not reproduced"})
     return rows
 
@@ -762,7 +790,8 @@ def results_markdown(state: dict) -> str:
                   "± its standard error. 'Within seed noise': with three or more common seeds, |paired Δ| is at most "
                   "twice its standard error; otherwise |Δ| is at most twice the larger seed standard deviation. "
                   "The verdict is the held-out text's; the last column is the same paired difference on the "
-                  "out-of-domain held-out set (Wikipedia), where the runs measured it.", "",
+                  "out-of-domain held-out set (Wikipedia), where the runs measured it. 'Diverged: no verdict': a run "
+                  "of either model (named) ended with a NaN or infinite loss, which decides nothing either way.", "",
                   *claims_rows(claims), ""]
     lines += repeats_markdown(state)
     lines += curves_markdown(state, summary)

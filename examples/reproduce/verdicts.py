@@ -9,7 +9,8 @@ parameter (of the sweep's SwiGLU baseline); a column is named by its size, by it
 share a size (one size trained on several numbers of tokens), and by its training stream too where sweeps of one size
 read streams of different lengths (`prepare_data.py --max-train-tokens`: one budget then repeats a shorter stream more
 often). A cell is loss(right) - loss(left) over the seeds both models ran, ± its standard error (seeds): positive where
-the paper's ordering holds, **bold** where study.py's verdict calls the difference resolved either way. Where several
+the paper's ordering holds, **bold** where study.py's verdict calls the difference resolved either way; a cell where
+a run diverged (a NaN or infinite loss) says so and names the run, with no verdict. Where several
 sizes (or streams) each train on several budgets, each ordering gets a second table too, of sizes (or streams) by
 budgets. The plot has a panel per ordering: the difference against tokens per parameter (or, for several sizes at
 several budgets, a line per size, or per stream, against the budget), with bars of two standard errors.
@@ -26,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from learning_rates import paired_text, passes_over, rate_text  # noqa: E402
-from study import CLAIMS, fmt_tokens, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
+from study import CLAIMS, DIVERGED, fmt_tokens, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +130,8 @@ def rows_of(sweeps: list[dict], shared_only: bool = False) -> list[dict]:
 def cell_text(cell: dict | None) -> str:
     if cell is None:
         return "-"
+    if cell["verdict"].startswith(DIVERGED):  # (a NaN or infinite difference, naming the runs that diverged)
+        return cell["verdict"]
     if cell["paired_delta"] is None:  # (no seed in common: the difference of the means)
         text = f"{cell['delta']:+.3f} (means)"
     else:
