@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import bench_ms, graph_ms, log, peak_memory, rel_err, timed  # noqa: E402
+from harness import bench_ms, graph_ms, log, output_folder, peak_memory, rel_err, timed  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path  # noqa: E402
@@ -570,8 +570,8 @@ def plot(results, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for flash_mhf_bench.{json,md,png} (kernels/results holds "
-                        "the committed run)")
+    parser.add_argument("--out", type=output_folder, required=True,
+                        help="folder for flash_mhf_bench.{json,md,png} (kernels/results holds the committed run)")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--skip", nargs="*", default=[], choices=["modules", "compile", "decode", "train_step"])
     args = parser.parse_args()

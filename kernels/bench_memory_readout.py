@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench_ms, environment, log, measure_on  # noqa: E402
+from harness import bench_ms, environment, log, measure_on, refuse_counts_below  # noqa: E402
 
 from hf_memffn.modeling_memffn import ComputedMemoryReadout  # noqa: E402
 
@@ -34,7 +34,11 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="B * L")
     parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args(argv)
-    measure_on(args.device)  # (timed and named as the device the tensors are on, a GPU or not)
+    refuse_counts_below(parser, args, layers=1, tokens=1, hidden=1)
+    try:
+        measure_on(args.device)  # (timed and named as the device the tensors are on, a GPU or not)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     shape = (1, args.tokens, args.layers, args.hidden)  # [B, L, N, d] as TokenMemory.forward returns it
     mib = torch.finfo(dtype).bits // 8 * args.tokens * args.layers * args.hidden / 2**20

@@ -77,6 +77,7 @@ from harness import (  # noqa: E402
     measure_on,
     median,
     on_cuda,
+    output_folder,
     peak_memory,
     peak_memory_gib,
     refuse_counts_below,
@@ -1206,6 +1207,12 @@ def check_task(task: str) -> None:
         get_preset(match["size"])
     except ValueError as error:
         raise ValueError(f"task {task!r}: {error}") from None
+    # the layer and profile tasks, and a training task without a batch of its own, take the preset's `TRAIN_BATCH`
+    batch_given = kind in ("train", "profile_train") and re.search(r":\d+$", task)
+    if kind in ("layer", "profile", "train", "profile_train") and not batch_given and match["size"] not in TRAIN_BATCH:
+        own = ", or the task's own batch" if kind in ("train", "profile_train") else ""
+        raise ValueError(f"task {task!r}: preset {match['size']} has no training batch here; allowed: "
+                         f"{', '.join(TRAIN_BATCH)}{own}")
     architectures = match.groupdict().get("archs")
     named = architectures.split("+") if architectures else []
     repeated = sorted({architecture for architecture in named if named.count(architecture) > 1})
@@ -1278,6 +1285,7 @@ def run_task(task: str, args, results: dict) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Several GPUs: each task in a process of its own
 # --------------------------------------------------------------------------------------------------------------------
+FAILED_TASKS_EXIT = 1  # the exit status of a run whose report lists failed tasks (its files written all the same)
 NOT_FORWARDED = ("help", "out", "tasks", "gpus", "deadline_s")  # what each task's process is not given as is
 
 
@@ -1357,8 +1365,10 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
             for line in lines:
                 if line.startswith(("train ", "decode ", "FAILED")):
                     log(f"  GPU {gpu}: {line}")
-            status = "ok" if process.returncode == 0 and child is not None else \
-                f"exit code {process.returncode}: " + " | ".join(lines[-5:])[-400:]
+            # (a process whose task failed writes the error into its results and ends with FAILED_TASKS_EXIT)
+            recorded = child is not None and (process.returncode == 0 or (
+                process.returncode == FAILED_TASKS_EXIT and child["errors"]))
+            status = "ok" if recorded else f"exit code {process.returncode}: " + " | ".join(lines[-5:])[-400:]
             log(f"[{time.perf_counter() - started:.0f} s] GPU {gpu} finished {task}: {status}")
             finished[index] = (task, gpu, child, status)
             save(merge_task_results(tasks, finished, args), args.out)
@@ -1396,7 +1406,7 @@ def main(argv=None) -> dict:
     global SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS, DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS
     global OTHER_PACKAGE_DIR
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for models_bench.{json,md,png}")
+    parser.add_argument("--out", type=output_folder, required=True, help="directory for models_bench.{json,md,png}")
     parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"], help="presets of examples/presets.py")
     parser.add_argument("--archs", nargs="+", default=list(DEFAULT_ARCHS), choices=ARCHS)
     parser.add_argument("--compile", action="store_true", help="also time compiled training and static-cache decoding")
@@ -1498,4 +1508,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(FAILED_TASKS_EXIT if main()["errors"] else 0)

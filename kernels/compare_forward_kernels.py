@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment, markdown_table, median, rel_err, timed, write_report  # noqa: E402
+from harness import environment, markdown_table, median, output_folder, rel_err, timed, write_report  # noqa: E402
 from ptxas_report import load_gluon_module  # noqa: E402
 
 from hf_memffn import flash_mhf_gluon, flash_mhf_triton  # noqa: E402
@@ -138,7 +138,7 @@ def compare(shape, rounds: int, kernel: str = "forward", other: OtherPackage | N
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="forward")
     parser.add_argument("--package", help="a folder holding another commit's hf_memffn/flash_mhf_gluon.py, whose "

@@ -25,7 +25,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 from harness import (  # noqa: E402
-    bench_ms, environment, log, markdown_table, median, refuse_counts_below, rel_err, write_report,
+    bench_ms, environment, log, markdown_table, median, output_folder, refuse_counts_below, rel_err, write_report,
 )
 
 from hf_memffn import flash_mhf_triton  # noqa: E402
@@ -122,7 +122,7 @@ def to_markdown(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     refuse_counts_below(parser, args, rounds=1)

@@ -43,7 +43,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from harness import (  # noqa: E402
-    TritonCompilations, bench_ms, environment, log, markdown_table, median, refuse_counts_below, rel_err, write_report,
+    TritonCompilations, bench_ms, environment, log, markdown_table, median, output_folder, refuse_counts_below, rel_err,
+    write_report,
 )
 
 from compare_triton_builds import (  # noqa: E402
@@ -253,7 +254,7 @@ def to_markdown(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", nargs="+", default=None, help="timed cases (default: all)")
     parser.add_argument("--compile-only", action="store_true",

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from harness import (  # noqa: E402
-    bench_ms, environment, graph_ms, log, markdown_table, median, rel_err, write_json, write_report,
+    bench_ms, environment, graph_ms, log, markdown_table, median, output_folder, rel_err, write_json, write_report,
 )
 
 from ptxas_report import load_gluon_module, ptxas_release, tritons_ptxas  # noqa: E402
@@ -525,14 +525,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     exporting = commands.add_parser("export", help="compile the cases' kernels for sm_90 with the installed Triton")
-    exporting.add_argument("--out", required=True)
+    exporting.add_argument("--out", type=output_folder, required=True)
     exporting.add_argument("--label", help="the build's name in reports (default: 'triton VERSION')")
     exporting.add_argument("--cases", nargs="+", choices=CASES + OLD_CASES,
                            help="default: all (with --package, the old_* ones too; old_weights_* need 4bcb1fb's)")
     exporting.add_argument("--package", help="a folder with another commit's hf_memffn/flash_mhf_gluon.py")
     timing = commands.add_parser("time", help="time the cases with the installed Triton and each build's cubins")
     timing.add_argument("--builds", nargs="+", required=True)
-    timing.add_argument("--out", required=True)
+    timing.add_argument("--out", type=output_folder, required=True)
     timing.add_argument("--stem", default="triton_builds")
     timing.add_argument("--cases", nargs="+", choices=CASES + OLD_CASES,
                         help="default: all (with --package, the old_* ones too; old_weights_* need 4bcb1fb's)")

@@ -26,7 +26,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import ROOT, markdown_table, write_json, write_text  # noqa: E402
+from harness import ROOT, markdown_table, output_folder, write_json, write_text  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from presets import get_preset  # noqa: E402
@@ -136,14 +136,25 @@ def report(parts: list[dict], source: str, environment: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("result", help="a models_bench.json of kernels/bench_models.py")
-    parser.add_argument("--out", required=True, help="folder for compiled_step_breakdown.{json,md}")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for compiled_step_breakdown.{json,md}")
     parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"])
     parser.add_argument("--baseline", default="llama_causal_flag", choices=["llama", "llama_causal_flag"])
     parser.add_argument("--model", default="flash_mhf", choices=["flash_mhf", "kvffn"])
     parser.add_argument("--layer-ratios", nargs="+", type=float, default=[1.0, 1.1])
     args = parser.parse_args(argv)
-    with open(args.result) as handle:
-        results = json.load(handle)
+    for size in args.sizes:  # (a size no preset has: not a task to run, as a missing row's message would say)
+        try:
+            get_preset(size)
+        except ValueError as error:
+            parser.error(f"--sizes: {error}")
+    try:
+        with open(args.result) as handle:
+            results = json.load(handle)
+    except (OSError, ValueError) as error:
+        parser.error(f"result {args.result!r}: {error}; allowed: a models_bench.json of kernels/bench_models.py")
+    if not isinstance(results, dict):
+        parser.error(f"result {args.result!r} holds no results object; allowed: a models_bench.json of "
+                     "kernels/bench_models.py")
     try:
         parts = [breakdown(results, size, args.baseline, args.model, args.layer_ratios) for size in args.sizes]
     except ValueError as error:

@@ -8,6 +8,7 @@ too long to repeat hundreds of times). Results are written atomically: a tempora
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import gc
 import json
@@ -37,7 +38,10 @@ _measured_device_type: str | None = None
 def measure_on(device: str) -> None:
     """Time, synchronise, read peak memory and name the device as for `device` ("cuda", "cuda:N" or "cpu")."""
     global _measured_device_type
-    kind = torch.device(device).type
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:  # not a torch device at all
+        kind = None
     if kind not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} is not supported; allowed: cuda, cuda:N, cpu")
     _measured_device_type = kind
@@ -153,6 +157,14 @@ def refuse_counts_below(parser, args, **least: int) -> None:
         value = getattr(args, name)
         if min(value if isinstance(value, list) else [value]) < minimum:
             parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {value}")
+
+
+def output_folder(text: str) -> str:
+    """The argparse type of `--out`: a folder to write the results into, existing or not yet (a file is refused
+    before any work, not met at the first write after a measurement)."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
+    return text
 
 
 def median(values) -> float:

@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import TRAIN_BATCH, ffn_layers  # noqa: E402
 from harness import (  # noqa: E402
-    back_to_back_us, cuda_ms, environment, host_issue_ms, log, median, synchronize, write_json, write_text,
+    back_to_back_us, cuda_ms, environment, host_issue_ms, log, median, output_folder, synchronize, write_json,
+    write_text,
 )
 
 SEQ_LEN = 2048
@@ -152,7 +153,7 @@ def part_timings(module, hidden: int, calls: int, profile_parts: tuple = (), mod
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--parts", type=int, default=100, help="calls per piece in the part timings (0: skip them)")
     parser.add_argument("--issue", choices=ISSUE_MODES, default="idle", help="how the part timings issue the calls")

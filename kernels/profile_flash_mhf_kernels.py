@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import write_json, write_text  # noqa: E402
+from harness import output_folder, write_json, write_text  # noqa: E402
 
 OP_SHAPE = "B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16"
 GATES_SHAPE = "4 x 2048 tokens, H=16, d_h=128, E=15, bf16"
@@ -109,7 +109,7 @@ def number(text: str) -> float | None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS), choices=list(KERNELS),
                         help="which kernels (default: %(default)s)")
     parser.add_argument("--from-csv", action="store_true",

@@ -13,7 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import GIB as GiB  # noqa: E402
-from harness import environment, peak_memory_gib, reset_peak_memory, synchronize, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    environment, output_folder, peak_memory_gib, reset_peak_memory, synchronize, write_json,
+)
 
 from hf_memffn import FlashMHFLlamaConfig, flash_mhf  # noqa: E402
 from hf_memffn.ffn_multihead import FlashMHFFeedForward, recompute_in_token_chunks  # noqa: E402
@@ -31,7 +33,7 @@ def peak(fn):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, help="folder for flash_mhf_memory_profile.json")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for flash_mhf_memory_profile.json")
     parser.add_argument("--length", type=int, default=16128)
     args = parser.parse_args()
     config = FlashMHFLlamaConfig(hidden_size=2048, intermediate_size=15 * 384, num_attention_heads=16,

@@ -28,7 +28,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import triton  # noqa: E402
 
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import timed  # noqa: E402
+from harness import output_folder, timed  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_path  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -116,7 +116,7 @@ def measure(seq_len: int, rounds: int, steps: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for flash_mhf_step_profile.json")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for flash_mhf_step_profile.json")
     parser.add_argument("--seq-lens", type=int, nargs="*", default=[4032, 8064])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="profiled steps")

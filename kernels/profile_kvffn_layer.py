@@ -33,7 +33,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models  # noqa: E402
-from harness import bench_ms, environment, log, markdown_table, measure_on, write_json, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    bench_ms, environment, log, markdown_table, measure_on, output_folder, refuse_counts_below, write_json,
+    write_report,
+)
 
 STEM = "kvffn_layer_profile"
 KERNELS_LISTED = 12  # kernels kept per profile, by their time
@@ -158,12 +161,13 @@ def report(results: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help=f"folder for {STEM}.{{json,md}}")
+    parser.add_argument("--out", type=output_folder, required=True, help=f"folder for {STEM}.{{json,md}}")
     parser.add_argument("--sizes", nargs="+", default=["370M", "1.3B"], choices=sorted(bench_models.TRAIN_BATCH))
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--seq-len", type=int, default=bench_models.SEQ_LEN)
     args = parser.parse_args()
+    refuse_counts_below(parser, args, seq_len=1)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("profile_kvffn_layer.py needs a CUDA GPU (or --device cpu for a smoke run)")
     measure_on(args.device)

@@ -32,7 +32,7 @@ import triton.testing  # noqa: E402
 
 import flash_mhf_variants as variants  # noqa: E402
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import rel_err  # noqa: E402
+from harness import output_folder, rel_err  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -303,7 +303,8 @@ def profile(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="folder for the sweep's flash_mhf_tune*.json (needed unless --profile)")
+    parser.add_argument("--out", type=output_folder,
+                        help="folder for the sweep's flash_mhf_tune*.json (needed unless --profile)")
     parser.add_argument("--seq-len", type=int, default=4032)
     parser.add_argument("--roles", nargs="*", help="only these kernels (forward rows weights weights_v backward ...)")
     parser.add_argument("--variants", nargs="*", help="only these variants (production gluon pointers ...)")

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    bench_ms, environment, graph_ms, log, markdown_table, rel_err, write_json, write_report,
+    bench_ms, environment, graph_ms, log, markdown_table, output_folder, rel_err, write_json, write_report,
 )
 
 from hf_memffn import flash_mhf_layer_triton as layer  # noqa: E402
@@ -350,7 +350,7 @@ def decode(out: str, other_dir: str | None, wide: bool = False) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=output_folder)
     parser.add_argument("--profile", choices=[f"{role}:{shape[0]}" for role in ("forward", "backward")
                                               for shape in SHAPES],
                         help="only launch one kernel twice at its production settings (for Nsight Compute)")

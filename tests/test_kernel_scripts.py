@@ -1072,3 +1072,107 @@ def test_host_time_scripts_refuse_counts_and_models_they_cannot_measure(name, gi
         kernel_script(name).main(["--out", str(tmp_path / "out"), *given])
     assert refused.value.code == 2 and expected in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_model_benchmark_refuses_a_preset_without_a_training_batch(tmp_path, bench_models_main, capsys):
+    """A preset that `TRAIN_BATCH` lacks (128M) is refused for the tasks that take the preset's training batch, before
+    any model is built, rather than failing each such task with a KeyError once its models are built; a training task
+    that gives its own batch, and the decoding tasks, take it."""
+    bench_models = bench_models_main
+    assert "128M" not in bench_models.TRAIN_BATCH
+    for task in ("layer:128M", "layer:128M:compiled", "profile:128M", "train:128M:llama:eager",
+                 "profile_train:128M:llama:compiled"):
+        with pytest.raises(ValueError, match="preset 128M has no training batch here; allowed: 370M, 1.3B"):
+            bench_models.check_task(task)
+    for task in ("train:128M:llama+flash_mhf:compiled:8", "profile_train:128M:llama:eager:8",
+                 "decode:128M:llama:eager", "profile_decode:128M:llama"):
+        bench_models.check_task(task)
+    with pytest.raises(SystemExit) as refused:
+        bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--sizes", "128M"])
+    assert refused.value.code == 2 and "--tasks: task 'layer:128M': preset 128M" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_model_benchmark_exit_status_says_a_task_failed(tmp_path, bench_models_main, monkeypatch):
+    """A run whose report lists a failed task still writes its files, and ends with `FAILED_TASKS_EXIT`; with `--gpus`,
+    a task process that ends so, its error in its results, is that error once in the merged report."""
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu",
+                        "--tasks", "decode:tiny:llama@other:eager")  # (an @other model needs --decode-processes)
+    assert result.returncode == 1, result.stderr[-3000:]
+    data = json.loads((tmp_path / "models_bench.json").read_text())
+    assert len(data["errors"]) == 1 and "needs --decode-processes" in data["errors"][0]
+    bench_models = bench_models_main
+    task = "train:tiny:flash_mhf:eager"
+    child = {"environment": bench_models.environment(), "train": [], "decode": [], "layer": [], "profile": {},
+             "errors": [f"{task}: RuntimeError('boom')"]}
+    writes = (f"import json, os; os.makedirs({str(tmp_path / 'tasks' / '00')!r}, exist_ok=True); "
+              f"json.dump({child!r}, open({str(tmp_path / 'tasks' / '00' / 'models_bench.json')!r}, 'w')); "
+              f"raise SystemExit({bench_models.FAILED_TASKS_EXIT})")
+    popen = subprocess.Popen
+    monkeypatch.setattr(bench_models.subprocess, "Popen",
+                        lambda command, **kwargs: popen([sys.executable, "-c", writes], **kwargs))
+    monkeypatch.setattr(bench_models, "finish", lambda results, out: results)
+    monkeypatch.setattr(bench_models, "forwarded_options", lambda parser, args: [])
+    args = argparse.Namespace(out=str(tmp_path), gpus=2, deadline_s=None, device="cpu")
+    merged = bench_models.run_on_gpus([task], args, None)
+    assert merged["errors"] == [f"{task}: RuntimeError('boom')"]
+    assert merged["gpus"] == {"0": child["environment"]["device"]}
+
+
+# the scripts of the timing harness that write into --out, each with what else it needs to get past its arguments
+OUT_SCRIPTS = {"bench_models.py": [], "bench_flash_mhf.py": [], "tune_flash_mhf.py": [],
+               "tune_flash_mhf_layer.py": [], "profile_flash_mhf_host.py": [], "profile_flash_mhf_kernels.py": [],
+               "profile_flash_mhf_memory.py": [], "profile_flash_mhf_step.py": [], "profile_kvffn_layer.py": [],
+               "compiled_step_breakdown.py": [os.path.join(ROOT, BREAKDOWN_SOURCE)], "compare_forward_kernels.py": [],
+               "compare_inference_tuning.py": [], "compare_specialisation.py": [],
+               "compare_triton_builds.py": ["export"]}
+
+
+def test_scripts_refuse_an_out_that_is_a_file(tmp_path):
+    """`--out` naming a file is refused as the arguments are read, naming the option, before any work: not a
+    FileExistsError at the first write, once a measurement has run."""
+    taken = tmp_path / "a_file"
+    taken.write_text("kept\n")
+    runs = [[os.path.join(KERNELS, name), [*before, "--out", str(taken)]] for name, before in OUT_SCRIPTS.items()]
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, before in OUT_SCRIPTS.items():
+        code, written = outcomes[" ".join([name, *before, "--out", str(taken)])]
+        assert code == 2 and "argument --out: " in written and "is a file; allowed: a directory" in written, (
+            name, code, written[-500:])
+    assert taken.read_text() == "kept\n" and os.listdir(tmp_path) == ["a_file"]
+
+
+def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_preset_has(tmp_path):
+    """A result file that is missing, not JSON or not a results object, and a size that no preset has, are refused
+    naming what is wrong (not a traceback, nor the advice to run a task that bench_models.py would refuse)."""
+    source = os.path.join(ROOT, BREAKDOWN_SOURCE)
+    (tmp_path / "broken.json").write_text("{")
+    (tmp_path / "list.json").write_text("[]")
+    for given, expected in (([source, "--sizes", "999M"], "--sizes: preset='999M' is not one of"),
+                            ([str(tmp_path / "missing.json")], "No such file or directory"),
+                            ([str(tmp_path / "broken.json")], "Expecting property name"),
+                            ([str(tmp_path / "list.json")], "holds no results object")):
+        refused = run_script("compiled_step_breakdown.py", *given, "--out", str(tmp_path / "out"))
+        assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], (given, refused.stderr[-500:])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, given, expected", [
+    ("bench_memory_readout", ["--layers", "0"], "--layers must be at least 1, got 0"),
+    ("bench_memory_readout", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("bench_memory_readout", ["--device", "mps"], "--device: device='mps' is not supported; allowed: cuda, cuda:N"),
+    ("bench_memory_readout", ["--device", "gpu"], "--device: device='gpu' is not supported; allowed: cuda, cuda:N"),
+    ("profile_kvffn_layer", ["--out", "OUT", "--device", "cpu", "--sizes", "tiny", "--seq-len", "0"],
+     "--seq-len must be at least 1, got 0"),
+])
+def test_readout_and_kvffn_layer_scripts_refuse_counts_and_devices_they_cannot_measure(name, given, expected,
+                                                                                        tmp_path):
+    """No layer, token or sequence position to time (an AttributeError, or a run that times empty tensors), and a
+    device the harness does not time on, are refused naming the option, before any tensor is made or file written."""
+    refused = run_script(f"{name}.py", *(str(tmp_path / "out") if arg == "OUT" else arg for arg in given))
+    assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], refused.stderr[-500:]
+    assert not os.listdir(tmp_path)
