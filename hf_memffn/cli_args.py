@@ -92,6 +92,10 @@ def torch_device(text: str) -> str:
         device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N, mps") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported; allowed: auto, cpu, cuda, cuda:N, mps")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no MPS device on this machine; allowed here: cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device on this machine; allowed here: cpu")
     problem = missing_gpu(device)

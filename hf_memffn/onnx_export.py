@@ -76,6 +76,16 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
     if input_ids.dim() != 2:
         raise ValueError(f"export_onnx: input_ids must be [batch, length], got shape {list(input_ids.shape)}")
+    if input_ids.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"export_onnx: input_ids must be token ids, got dtype {input_ids.dtype}; allowed: torch.long, "
+                         "torch.int32")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"export_onnx: path {str(path)!r} is a directory; allowed: a file path, e.g. model.onnx")
+    if not path.parent.is_dir():
+        raise ValueError(f"export_onnx: path {str(path)!r}: its folder {str(path.parent)!r} does not exist; allowed: "
+                         "a file in an existing folder")
+    _check_opset(export_kwargs.get("opset_version"))
     table = getattr(getattr(model, "model", model), "token_lookup", None)
     if table is not None and table.placement == "disk":
         raise ValueError("export_onnx: the model reads its token lookup table from the disk (placement='disk'), whose "
@@ -101,15 +111,41 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
         export_kwargs.setdefault("dynamic_shapes", tuple({0: batch, 1: length} for _ in inputs))
     modes = [(module, module.training) for module in model.modules()]  # (put back after the export)
+    # FlashMHF settings the graph must not hold, put back after the export: the fused layer (its Triton path, on CUDA)
+    # is operators without an ONNX translation, so the layer's reference runs instead, its query norm and gates as
+    # PyTorch operations around the translated op; the recomputation in token chunks (a training setting, on while
+    # gradients are) would be traced with the chunks of the example's tokens, wrong at any other number of tokens
+    settings = [(module, name, getattr(module, name)) for module in model.modules()
+                for name in ("fused_layer", "recompute_chunk_tokens") if hasattr(module, name)]
     try:
+        for module, name, _value in settings:
+            setattr(module, name, False if name == "fused_layer" else 0)
         program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
                                     output_names=["logits"], custom_translation_table=onnx_translation_table(),
                                     **export_kwargs)
     finally:
         for module, training in modes:
             module.training = training
-    _save_atomic(program, Path(path))
+        for module, name, value in settings:
+            setattr(module, name, value)
+    _save_atomic(program, path)
     return program
+
+
+def _check_opset(opset_version) -> None:
+    """A ValueError for an `opset_version` torch's exporter would not write: below 18 (the opset of its translations)
+    it writes opset 18 anyway, above the version converter's newest it writes a graph whose ops are newer than the
+    opset the file declares."""
+    if opset_version is None:
+        return
+    try:
+        from onnxscript.version_converter._version_converter import SUPPORTED_MAX_ONNX_OPSET as newest
+        from onnxscript.version_converter._version_converter import SUPPORTED_MIN_ONNX_OPSET as oldest
+    except ImportError:  # (onnxscript versions that keep them elsewhere)
+        oldest, newest = 18, 23
+    if type(opset_version) is not int or not oldest <= opset_version <= newest:
+        raise ValueError(f"export_onnx: opset_version={opset_version!r} is not supported; allowed: an integer "
+                         f"{oldest}..{newest}")
 
 
 def _save_atomic(program, path: Path) -> None:

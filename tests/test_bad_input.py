@@ -332,6 +332,8 @@ cli_case("export-eval-text-missing", ("--eval-text", "nope.txt"),
          no_output="o13")
 cli_case("export-device", ("--device", "cpu"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o14"), "--device", "tpu"], no_output="o14")
+cli_case("export-device-meta", ("--device", "'meta'", "cpu, cuda"),
+         lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o21"), "--device", "meta"], no_output="o21")
 cli_case("export-rank-with-int8", ("rank/energy", "lowrank", "'int8'"),
          lambda w: ["export-tols", S(w.memoryllm), S(w.root / "o20"), "--format", "int8", "--rank", "4"],
          no_output="o20")
@@ -371,6 +373,9 @@ cli_case("analyze-override-bad-value", ("ffn_kernel", "triton"),
 cli_case("analyze-device", ("--device", "cpu"),
          lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r10"),
                     "--device", "tpu"], no_output="r10")
+cli_case("analyze-device-xla", ("--device", "'xla'", "cpu, cuda"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r19"),
+                    "--device", "xla"], no_output="r19")
 
 # demo
 cli_case("demo-steps-0", ("--steps", "positive"), lambda w: ["demo", "--steps", "0", "--out", S(w.root / "d1")],
@@ -569,6 +574,21 @@ def test_a_cuda_device_the_machine_lacks_gets_a_one_line_error(command, world, m
     assert stop.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "cuda:1" in errors[0] and "cuda:0..0" in errors[0], errors
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["export-tols", "analyze"])
+def test_an_mps_device_the_machine_lacks_gets_a_one_line_error(command, world, monkeypatch, capsys):
+    """`--device mps` on a machine without MPS: refused when parsed, not in a traceback once the model was loaded."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    out = world.root / f"mps-{command}"
+    argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
+            "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)]}[command]
+    with pytest.raises(SystemExit) as stop:
+        cli_main([*argv, "--device", "mps"])
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--device" in errors[0] and "no MPS device" in errors[0], errors
     assert not out.exists()
 
 

@@ -236,3 +236,65 @@ def test_export_leaves_a_training_model_in_training_mode(tmp_path):
     assert model.training and not model.model.embed_tokens.training
     dropouts = [module for module in model.modules() if isinstance(module, torch.nn.Dropout)]
     assert dropouts and all(module.training for module in dropouts)
+
+
+@pytest.mark.parametrize("opset_version", [17, 26, "18", True])
+def test_an_opset_the_exporter_would_not_write_is_refused_naming_the_allowed_ones(opset_version, tmp_path):
+    """Below 18 torch's exporter wrote opset 18 anyway; above the version converter's newest (25 with onnxscript
+    0.7) it wrote a graph declaring opset 18 with ops of opset 23, which no runtime loads. Refused before exporting."""
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match=r"opset_version=.* allowed: an integer 18\.\.\d+"):
+        export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx", opset_version=opset_version)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["a directory", "a missing folder"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_exporting(where, tmp_path):
+    """A path naming a directory, or a file in a folder that does not exist, failed only once the graph was exported
+    (minutes for a large model), naming the temporary name; it is refused first, naming the path."""
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" if where == "a directory" else tmp_path / "missing" / "model.onnx"
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match="directory" if where == "a directory" else "missing.*does not exist"):
+        export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and list((tmp_path / "out").iterdir()) == []
+
+
+def test_input_ids_that_are_not_token_ids_are_refused_naming_the_dtypes(tmp_path):
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match=r"input_ids.*torch\.float32.*torch\.long, torch\.int32"):
+        export_onnx(model, torch.rand(2, 8), tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_flashmhf_exports_where_its_fused_layer_runs(tmp_path, monkeypatch):
+    """Where the fused layer runs (CUDA with Triton), its operators have no ONNX translation and the export stopped in
+    a ConversionError naming `flash_mhf_layer_keeping_queries`; the layer's reference is exported instead, and the
+    model keeps its fused layer afterwards. (On the CPU the decision is patched to the CUDA one.)"""
+    import hf_memffn.flash_mhf_op as flash_mhf_op
+
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", num_hidden_layers=1, initializer_range=0.1)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 320, (3, 11))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.numpy()
+    monkeypatch.setattr(flash_mhf_op, "_fused_layer_unsupported_reason", lambda p, k, impl: None)
+    export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx")
+    assert model.model.layers[0].mlp.fused_layer
+    logits = ReferenceEvaluator(onnx.load(str(tmp_path / "model.onnx"))).run(None, {"input_ids": ids.numpy()})[0]
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_flashmhf_recomputing_in_token_chunks_exports_for_any_number_of_tokens(tmp_path):
+    """`ffn_recompute_chunk_tokens` (a training setting, on while gradients are) was traced into the graph with the
+    chunks of the example's 16 tokens: its logits were wrong for 33 tokens and it failed for fewer than 16. The
+    export leaves it out and puts it back afterwards."""
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", num_hidden_layers=1, initializer_range=0.1, ffn_recompute_chunk_tokens=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path / "model.onnx"
+    export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+    assert model.model.layers[0].mlp.recompute_chunk_tokens == 4
+    session = ReferenceEvaluator(onnx.load(str(path)))
+    _check_logits(model, lambda ids: session.run(None, {"input_ids": ids})[0])
