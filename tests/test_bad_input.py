@@ -560,36 +560,34 @@ def test_bad_input_gets_a_one_line_error(case, world):
     assert outcome == CLEAR, detail
 
 
+def device_refusal(world, command: str, device: str, capsys) -> list[str]:
+    """`command ... --device DEVICE`, which must exit 2 before writing its output: the error lines it printed."""
+    out = world.root / f"{device.replace(':', '')}-{command}"
+    argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
+            "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)],
+            "demo": ["demo", "--quick", "--steps", "1", "--archs", "llama", "--out", S(out)]}[command]
+    with pytest.raises(SystemExit) as stop:
+        cli_main([*argv, "--device", device])
+    assert stop.value.code == 2
+    assert not out.exists()
+    return [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+
+
 @pytest.mark.parametrize("command", ["export-tols", "analyze", "demo"])
 def test_a_cuda_device_the_machine_lacks_gets_a_one_line_error(command, world, monkeypatch, capsys):
     """`--device cuda:1` on a machine with one GPU: refused when parsed, not in a traceback once the model moves."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    out = world.root / f"cuda1-{command}"
-    argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
-            "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)],
-            "demo": ["demo", "--quick", "--steps", "1", "--archs", "llama", "--out", S(out)]}[command]
-    with pytest.raises(SystemExit) as stop:
-        cli_main([*argv, "--device", "cuda:1"])
-    assert stop.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = device_refusal(world, command, "cuda:1", capsys)
     assert len(errors) == 1 and "cuda:1" in errors[0] and "cuda:0..0" in errors[0], errors
-    assert not out.exists()
 
 
 @pytest.mark.parametrize("command", ["export-tols", "analyze"])
 def test_an_mps_device_the_machine_lacks_gets_a_one_line_error(command, world, monkeypatch, capsys):
     """`--device mps` on a machine without MPS: refused when parsed, not in a traceback once the model was loaded."""
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    out = world.root / f"mps-{command}"
-    argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
-            "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)]}[command]
-    with pytest.raises(SystemExit) as stop:
-        cli_main([*argv, "--device", "mps"])
-    assert stop.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    errors = device_refusal(world, command, "mps", capsys)
     assert len(errors) == 1 and "--device" in errors[0] and "no MPS device" in errors[0], errors
-    assert not out.exists()
 
 
 def survey() -> int:
