@@ -8,7 +8,6 @@ too long to repeat hundreds of times). Results are written atomically: a tempora
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import json
@@ -161,10 +160,10 @@ def refuse_counts_below(parser, args, **least: int) -> None:
 
 def output_folder(text: str) -> str:
     """The argparse type of `--out`: a folder to write the results into, existing or not yet (a file is refused
-    before any work, not met at the first write after a measurement)."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
-    return text
+    before any work, not met at the first write after a measurement); the package's own check."""
+    from hf_memffn.cli_args import output_dir
+
+    return output_dir(text)
 
 
 def median(values) -> float:
