@@ -50,11 +50,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def is_hub_repo_id(name: str) -> bool:
     """Whether `name` has the form of a Hub repo id ('name' or 'namespace/name'); an absolute path, `./x` or `a/b/c`
     has not."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from .hub import check_repo_id
 
     try:
-        validate_repo_id(name)
-    except HFValidationError:
+        check_repo_id(name)
+    except ValueError:
         return False
     return True
 
