@@ -119,7 +119,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return _through_triton(kernel, grid, args, kwargs)
     # (the kernel by its id: a Triton function hashes in Python, about a microsecond per launch; the kept entry holds
     # the kernel, so its id is not reused while the entry exists)
-    key = (id(kernel), torch.cuda.current_device(), tuple(kwargs.items()), _signature(kernel, args))
+    key = (id(kernel), device if device >= 0 else torch.cuda.current_device(), tuple(kwargs.items()),
+           _signature(kernel, args))  # (a tensor's device is the current one here)
     kept = _compiled.get(key)
     if kept is None:
         names = kernel.arg_names
