@@ -61,6 +61,7 @@ from harness import (  # noqa: E402
     environment,
     measure_on,
     median,
+    output_folder,
     write_text,
 )
 from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profiled-steps", type=int, default=0, metavar="N",
                         help="of those, run the first N's host part under cProfile in the serving thread and keep "
                         "the costliest functions (default 0)")
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", type=output_folder, required=True, help="output directory")
     return parser
 
 

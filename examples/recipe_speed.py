@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 from presets import ARCHITECTURE_NAMES, PRESETS  # noqa: E402
 
 from hf_memffn.atomic_write import atomic_output  # noqa: E402
+from hf_memffn.cli_args import output_dir  # noqa: E402
 
 MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -203,7 +204,7 @@ def report(rows: list[dict], args, argv) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="results folder")
+    parser.add_argument("--out", type=lambda text: Path(output_dir(text)), required=True, help="results folder")
     parser.add_argument("--runs", type=parse_run, nargs="+", required=True, help="ARCH:MODE[:BATCH] ...")
     parser.add_argument("--data-dir", type=Path, default=None, help="token shards (default: built from the stdlib)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "recipe_speed",

@@ -33,7 +33,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bench_ms, environment, log, markdown_table, measure_on, on_cuda, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    bench_ms, environment, log, markdown_table, measure_on, on_cuda, output_folder, write_report,
+)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -161,7 +163,7 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cuda (the measurement) or cpu (the sums' check only, in Triton's interpreter)")
     parser.add_argument("--presets", default="370M,1.3B")

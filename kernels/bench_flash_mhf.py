@@ -18,7 +18,6 @@ What it does, in order (everything lands in <out>/flash_mhf_bench.json, .md and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -34,7 +33,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import bench_ms, graph_ms, log, output_folder, peak_memory, rel_err, timed  # noqa: E402
+from harness import (  # noqa: E402
+    bench_ms, graph_ms, log, output_folder, peak_memory, rel_err, timed, write_json, write_text,
+)
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_dense, flash_mhf_path  # noqa: E402
@@ -483,11 +484,7 @@ def compiled_training_step(results):
 # output
 # ------------------------------------------------------------------------------------------------------------
 def write_outputs(results, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "flash_mhf_bench.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(out_dir, "flash_mhf_bench.json"), results)
     lines = [f"# FlashMHF benchmark on {results['device']}", "",
              f"torch {results['torch']}, triton {results['triton']}; bf16; B=8, H=16, d_h=128, E=15, d_e=384, d_model=2048. "
              "TFLOP/s: forward FLOPs = 6 B L H E d_e d_h (+ 4 B L d^2 for the module projections; SwiGLU 6 B L d d_ff), "
@@ -526,10 +523,11 @@ def write_outputs(results, out_dir):
     if results["decode"]:
         lines += ["", "## Decoding (L=1), CUDA-graph replay", "", "| batch | FlashMHF module us | op us | SwiGLU us |", "|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['flash_module_us']:.1f} | {r['op_us']:.1f} | {r['swiglu_us']:.1f} |" for r in results["decode"]]
+    if results.get("error"):
+        lines += ["", "The run stopped at an error (the JSON's `error` holds its traceback); the tables hold what was "
+                  "measured before it."]
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "flash_mhf_bench.md.tmp"), "w") as f:
-        f.write(md)
-    os.replace(os.path.join(out_dir, "flash_mhf_bench.md.tmp"), os.path.join(out_dir, "flash_mhf_bench.md"))
+    write_text(os.path.join(out_dir, "flash_mhf_bench.md"), md)
     try:
         plot(results, os.path.join(out_dir, "flash_mhf_bench.png"))
     except Exception as exc:  # noqa: BLE001
@@ -619,7 +617,15 @@ def main():
         log(results["error"])
     del sections
     results["seconds"] = time.time() - start
-    print(write_outputs(results, args.out))
+    finish(results, args.out)
+
+
+def finish(results, out_dir):
+    """Writes the results and their table, and prints the table; a run that stopped at an error keeps what it measured
+    and ends with exit status 1."""
+    print(write_outputs(results, out_dir))
+    if results.get("error"):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
 from bench_flash_mhf import TOLERANCE, errors_against_reference, op_flops, op_inputs  # noqa: E402
-from harness import bench_ms  # noqa: E402
+from harness import bench_ms, output_folder  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf  # noqa: E402
 
@@ -63,7 +63,7 @@ def measure(head_dim: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for flash_mhf_head_dims.{json,md}")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for flash_mhf_head_dims.{json,md}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_flash_mhf_head_dims.py needs a CUDA GPU")

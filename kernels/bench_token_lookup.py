@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    GIB, environment, peak_memory_gib, refuse_counts_below, reset_peak_memory, write_json, write_text,
+    GIB, environment, output_folder, peak_memory_gib, refuse_counts_below, reset_peak_memory, write_json,
+    write_text,
 )
 
 
@@ -291,7 +292,7 @@ MODES = {"dense": "dense Llama", "compute": "MemoryLLM, compute", "gpu": "Memory
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for token_lookup{,_formats}.{json,md}")
+    parser.add_argument("--out", type=output_folder, required=True, help="folder for token_lookup{,_formats}.{json,md}")
     parser.add_argument("--small", action="store_true", help="4 layers, hidden 512, vocab 8k (smoke run)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=2048)

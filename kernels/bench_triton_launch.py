@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    back_to_back_us, environment, log, markdown_table, median, refuse_counts_below, write_report,
+    back_to_back_us, environment, log, markdown_table, median, output_folder, refuse_counts_below, write_report,
 )
 from bench_models import build_config, tritons_own_launch  # noqa: E402
 
@@ -81,7 +81,7 @@ def largest_difference(fn) -> float:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for triton_launch.{json,md}")
+    parser.add_argument("--out", type=output_folder, required=True, help="directory for triton_launch.{json,md}")
     parser.add_argument("--size", default="370M")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=200, help="calls per part, mode and round")

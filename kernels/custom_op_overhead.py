@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import environment, log, write_json, write_text  # noqa: E402
+from harness import environment, log, output_folder, write_json, write_text  # noqa: E402
 
 CALLS = 20000
 
@@ -91,7 +91,7 @@ def compiled_output_code() -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     args = parser.parse_args(argv)
     dispatch = dispatch_us()
     for name, us in dispatch.items():

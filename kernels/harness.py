@@ -540,7 +540,11 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, data) -> None:
-    write_text(path, json.dumps(data, indent=1, default=str) + "\n")
+    """`data` as strict JSON at `path`: a number that is not finite (a diverged or failed measurement) is written as
+    `null`, not as the `NaN` or `Infinity` that strict readers refuse; other objects as their `str`."""
+    from hf_memffn.demo import finite_or_null
+
+    write_text(path, json.dumps(finite_or_null(data), indent=1, default=str, allow_nan=False) + "\n")
 
 
 def write_report(out: str, stem: str, results: dict, text: str) -> None:

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_triton_builds as builds  # noqa: E402
-from harness import environment, markdown_table, median, write_report  # noqa: E402
+from harness import environment, markdown_table, median, output_folder, write_report  # noqa: E402
 
 from hf_memffn import flash_mhf_gluon, triton_launch  # noqa: E402
 
@@ -86,7 +86,7 @@ def measure(number: int, repeat: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--number", type=int, default=100, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=5, help="timings per row (their median is reported)")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import environment, log, write_json  # noqa: E402
+from harness import environment, log, output_folder, write_json  # noqa: E402
 
 
 def sdpa_calls_of_a_compiled_step() -> list[str]:
@@ -59,7 +59,7 @@ def llama_gets_the_causal_flag() -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="directory for llama_mask_under_compile.json")
+    parser.add_argument("--out", type=output_folder, help="directory for llama_mask_under_compile.json")
     args = parser.parse_args(argv)
     import transformers
 

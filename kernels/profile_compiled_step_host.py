@@ -40,6 +40,7 @@ from harness import (  # noqa: E402
     markdown_table,
     measure_on,
     median,
+    output_folder,
     refuse_counts_below,
     synchronize,
     write_json,
@@ -238,7 +239,7 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--size", default="370M")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--archs", nargs="+", default=["llama_causal_flag", "flash_mhf"], choices=bench_models.ARCHS)

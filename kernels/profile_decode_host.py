@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    environment, log, markdown_table, median, refuse_counts_below, write_json, write_text,
+    environment, log, markdown_table, median, output_folder, refuse_counts_below, write_json, write_text,
 )
 from bench_models import ARCHS, get_preset  # noqa: E402
 
@@ -169,7 +169,7 @@ def report(results: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for decode_host.{json,md}")
+    parser.add_argument("--out", type=output_folder, required=True, help="directory for decode_host.{json,md}")
     parser.add_argument("--size", default="370M", help="preset of examples/presets.py whose depth the models take")
     parser.add_argument("--archs", nargs="+", choices=ARCHS,
                         default=["llama", "flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "kvffn_no_bias"],

@@ -15,7 +15,6 @@ backward kernels. This script compares the two ways at B=8, H=16, d_h=128, E=15,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import triton  # noqa: E402
 
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import output_folder, timed  # noqa: E402
+from harness import output_folder, timed, write_json  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_path  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -128,9 +127,7 @@ def main():
                "lengths": [measure(seq_len, args.rounds, args.steps) for seq_len in args.seq_lens]}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "flash_mhf_step_profile.json")
-    with open(path + ".tmp", "w") as handle:
-        json.dump(results, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, results)
 
 
 if __name__ == "__main__":

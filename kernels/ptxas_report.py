@@ -45,7 +45,7 @@ sys.path[:0] = [HERE]
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from harness import log, markdown_table, write_report  # noqa: E402
+from harness import log, markdown_table, output_folder, write_report  # noqa: E402
 
 CHECKOUT = os.path.join(HERE, "..")
 DEFAULT_KERNELS = ["weights", "rows", "rows_fused_gates", "forward"]
@@ -215,7 +215,7 @@ def assemble(ptx: str, ptxas: str, flags: list[str], release: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_folder, required=True)
     parser.add_argument("--stem", default="ptxas_report")
     parser.add_argument("--ptxas", nargs="*",
                         help="'PATH [FLAGS]' per ptxas (default: the one Triton uses, with the options it adds)")

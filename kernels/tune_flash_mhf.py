@@ -16,7 +16,6 @@ kernel, counted as the benchmark counts it (3x the forward's FLOPs). ``--roles``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -32,7 +31,7 @@ import triton.testing  # noqa: E402
 
 import flash_mhf_variants as variants  # noqa: E402
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import output_folder, rel_err  # noqa: E402
+from harness import output_folder, rel_err, write_json  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -285,9 +284,7 @@ def sweep(args):
     os.makedirs(args.out, exist_ok=True)
     name = "flash_mhf_tune.json" if SHAPE["head_dim"] == 128 else f"flash_mhf_tune_dh{SHAPE['head_dim']}.json"
     path = os.path.join(args.out, name)
-    with open(path + ".tmp", "w") as handle:
-        json.dump(results, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, results)
 
 
 def profile(args):

@@ -8,6 +8,7 @@ import argparse
 import glob
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -1119,13 +1120,19 @@ def test_model_benchmark_exit_status_says_a_task_failed(tmp_path, bench_models_m
     assert merged["gpus"] == {"0": child["environment"]["device"]}
 
 
-# the scripts of the timing harness that write into --out, each with what else it needs to get past its arguments
+# the scripts that write into the folder --out (kernels/ and the example benchmarks), each with what else it needs to
+# get past its arguments
 OUT_SCRIPTS = {"bench_models.py": [], "bench_flash_mhf.py": [], "tune_flash_mhf.py": [],
                "tune_flash_mhf_layer.py": [], "profile_flash_mhf_host.py": [], "profile_flash_mhf_kernels.py": [],
                "profile_flash_mhf_memory.py": [], "profile_flash_mhf_step.py": [], "profile_kvffn_layer.py": [],
                "compiled_step_breakdown.py": [os.path.join(ROOT, BREAKDOWN_SOURCE)], "compare_forward_kernels.py": [],
                "compare_inference_tuning.py": [], "compare_specialisation.py": [],
-               "compare_triton_builds.py": ["export"]}
+               "compare_triton_builds.py": ["export"], "bench_dq_reduction.py": [], "bench_flash_mhf_head_dims.py": [],
+               "bench_token_lookup.py": [], "bench_triton_launch.py": [], "custom_op_overhead.py": [],
+               "launch_host_cpu.py": [], "llama_mask_under_compile.py": [], "profile_compiled_step_host.py": [],
+               "profile_decode_host.py": [], "ptxas_report.py": [],
+               os.path.join("..", "examples", "bench_continuous_batching.py"): [],
+               os.path.join("..", "examples", "recipe_speed.py"): []}
 
 
 def test_scripts_refuse_an_out_that_is_a_file(tmp_path):
@@ -1140,11 +1147,44 @@ def test_scripts_refuse_an_out_that_is_a_file(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     outcomes = json.loads(result.stdout.strip().splitlines()[-1])
     for name, before in OUT_SCRIPTS.items():
-        code, written = outcomes[" ".join([name, *before, "--out", str(taken)])]
+        code, written = outcomes[" ".join([os.path.basename(name), *before, "--out", str(taken)])]
         assert code == 2 and "argument --out: " in written and "is a file; allowed: a directory" in written, (
             name, code, written[-500:])
     assert taken.read_text() == "kept\n" and os.listdir(tmp_path) == ["a_file"]
 
+
+
+def strict_json(text: str):
+    """`text` read as strict JSON: `NaN`, `Infinity` and `-Infinity` are refused, as browsers and `jq` refuse them."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_harness_writes_numbers_that_are_not_finite_as_null(tmp_path):
+    """A diverged or failed measurement (nan, inf) is written as `null`, so every reader of strict JSON can read the
+    file; other numbers and objects are written as before."""
+    harness = kernel_script("harness")
+    path = tmp_path / "results.json"
+    harness.write_json(str(path), {"loss": math.nan, "rounds": [1.5, math.inf, (-math.inf, 2)],
+                                   "device": torch.device("cpu")})
+    assert strict_json(path.read_text()) == {"loss": None, "rounds": [1.5, None, [None, 2]], "device": "cpu"}
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # (the plot of a run that measured nothing)
+def test_flash_mhf_benchmark_that_stopped_at_an_error_keeps_what_it_measured_and_exits_1(tmp_path, capsys):
+    """An exception in one section is kept in the JSON, the table says the run stopped, and the script ends with exit
+    status 1 (it ended with 0, so a scheduled run looked like a success); a run without one ends normally."""
+    bench = kernel_script("bench_flash_mhf")
+    results = {"device": "stand-in", "torch": torch.__version__, "triton": "-", "op": [], "module": [], "decode": []}
+    bench.finish(dict(results), str(tmp_path / "fine"))
+    assert "stopped at an error" not in (tmp_path / "fine" / "flash_mhf_bench.md").read_text()
+    with pytest.raises(SystemExit) as stopped:
+        bench.finish({**results, "error": "Traceback ...\nRuntimeError: boom\n"}, str(tmp_path / "failed"))
+    assert stopped.value.code == 1
+    assert "RuntimeError: boom" in strict_json((tmp_path / "failed" / "flash_mhf_bench.json").read_text())["error"]
+    assert "stopped at an error" in (tmp_path / "failed" / "flash_mhf_bench.md").read_text()
 
 def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_preset_has(tmp_path):
     """A result file that is missing, not JSON or not a results object, and a size that no preset has, are refused
