@@ -193,6 +193,11 @@ def parse_arguments(argv=None):
     namespace["bf16"] = namespace.get("bf16") or precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported())
     if precision == "fp32":
         namespace["bf16"] = namespace["fp16"] = False
+    # `accelerate launch` passes its config's mixed precision (bf16 in examples/accelerate/) in the environment, and
+    # TrainingArguments takes it where bf16 and fp16 are off: the autocast would then not be the one --precision chose
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        chosen = "bf16" if namespace.get("bf16") else "fp16" if namespace.get("fp16") else "no"
+        os.environ["ACCELERATE_MIXED_PRECISION"] = chosen
     # Without a GPU, train on the CPU (bf16 autocast included), and let several launched processes form one gloo run.
     namespace["use_cpu"] = namespace.get("use_cpu") or not cuda
     training_args = TrainingArguments(**namespace)
@@ -681,9 +686,13 @@ def load_data(args, training_args):
     return train_blocks, eval_blocks, tokenizer
 
 
-def evaluation_at_the_last_step(state) -> dict | None:
+def evaluation_at_the_last_step(state, load_best_model_at_end: bool = False) -> dict | None:
     """The evaluation the Trainer logged at the run's last step (when --eval-steps divides it), which the final
-    evaluation would repeat on the same weights (logged twice, and its time spent twice); None if there is none."""
+    evaluation would repeat on the same weights (logged twice, and its time spent twice); None if there is none, or
+    if the model now holds the weights of an earlier step's checkpoint (--load-best-model-at-end, which loads the
+    best one)."""
+    if load_best_model_at_end and state.best_model_checkpoint and state.best_global_step != state.global_step:
+        return None
     for record in reversed(state.log_history):
         if "eval_loss" in record:
             return record if record.get("step") == state.global_step else None
@@ -835,10 +844,13 @@ def main(argv=None) -> dict:
         print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
         trainer._load_from_checkpoint(checkpoint)
         trainer.state, session_loss = resumed_state, None
+        if training_args.load_best_model_at_end and resumed_state.best_model_checkpoint:
+            trainer._load_best_model()  # (as the Trainer does at the end of training)
     else:
         session_loss = trainer.train(resume_from_checkpoint=checkpoint).training_loss
     train_seconds = time.perf_counter() - started
-    eval_metrics = evaluation_at_the_last_step(trainer.state) or trainer.evaluate()
+    eval_metrics = (evaluation_at_the_last_step(trainer.state, training_args.load_best_model_at_end)
+                    or trainer.evaluate())
     final_dir = output_dir / "final"
     trainer.save_model(str(final_dir))
 

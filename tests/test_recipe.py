@@ -232,6 +232,44 @@ def test_train_evaluate_save_and_resume(tmp_path):
         pretrain.parse_profile_steps("3:1")
 
 
+def test_load_best_model_at_end_saves_and_evaluates_the_best_checkpoint(tmp_path):
+    """`--load-best-model-at-end` with a best checkpoint before the last step: final/ holds that checkpoint's weights,
+    and the summary's eval loss is theirs (it was the last step's evaluation, of weights that final/ does not hold).
+    A run stopped after its last checkpoint and resumed at --max-steps loads the best checkpoint too."""
+    from safetensors.torch import load_file
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "run"
+    # the highest held-out loss is the best: the first evaluation's, as the loss falls from the start
+    common = ["--arch", "kvffn", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+              "--block-size", "32", "--per-device-batch-size", "4", "--logging-steps", "2", "--eval-steps", "2",
+              "--save-steps", "2", "--max-eval-blocks", "4", "--max-steps", "6", "--load-best-model-at-end",
+              "--metric-for-best-model", "loss", "--greater-is-better", "true", "--output-dir", str(out)]
+
+    def eval_losses():
+        records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+
+    def assert_final_is_checkpoint_2():
+        final = load_file(out / "final" / "model.safetensors")
+        best = load_file(out / "checkpoint-2" / "model.safetensors")
+        assert final.keys() == best.keys()
+        for name in final:
+            torch.testing.assert_close(final[name], best[name], rtol=0, atol=0, msg=name)
+
+    first = pretrain.main(common)
+    losses = eval_losses()  # the three in training, then the final evaluation's, of the best checkpoint
+    assert [step for step, _ in losses] == [2, 4, 6, 6] and losses[0][1] > losses[2][1]
+    assert_final_is_checkpoint_2()
+    assert first["eval_loss"] == losses[3][1] == pytest.approx(losses[0][1], rel=1e-5)
+
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    resumed = pretrain.main(common + ["--resume", "latest"])  # checkpoint-6 is at --max-steps: nothing to train
+    assert_final_is_checkpoint_2()
+    assert resumed["eval_loss"] == pytest.approx(losses[0][1], rel=1e-5)
+
+
 @pytest.mark.parametrize("arch", pretrain.ARCHITECTURE_NAMES)
 def test_fsdp2_config_wraps_every_decoder_layer(arch):
     from accelerate.commands.config.config_args import load_config_from_file

@@ -58,6 +58,23 @@ def test_bf16_precision_trains_on_cpu(tmp_path):
     assert summary["bf16"] is True and summary["device"] == "cpu" and math.isfinite(summary["eval_loss"])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "auto", "bf16"])
+def test_precision_decides_the_autocast_under_accelerate_launch(tmp_path, monkeypatch, precision):
+    """`accelerate launch` with the configs of examples/accelerate/ (`mixed_precision: bf16`) sets
+    ACCELERATE_MIXED_PRECISION, which the Trainer took while bf16 was off: `--precision fp32` trained in bf16 autocast,
+    and `auto` on a CPU did too while the summary said bf16 false."""
+    from transformers import Trainer
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    _, training = pretrain.parse_arguments(["--output-dir", str(tmp_path), "--precision", precision,
+                                            "--eval-strategy", "no"])
+    model = AutoModelForCausalLM.from_config(pretrain.build_config("kvffn", "tiny", vocab_size=256))
+    autocast = Trainer(model=model, args=training).accelerator.mixed_precision
+    assert autocast == ("bf16" if training.bf16 else "no")
+    assert training.bf16 == (precision == "bf16" or precision == "auto" and torch.cuda.is_available()
+                             and torch.cuda.is_bf16_supported())
+
+
 @pytest.mark.parametrize("arch", ["llama", "flash_mhf", "memoryllm"])
 def test_zero3_partitioned_parameters_count_with_their_full_size(arch):
     model = AutoModelForCausalLM.from_config(pretrain.build_config(arch, "tiny", vocab_size=256))
