@@ -26,6 +26,32 @@ from .rms_norm import rms_normalize
 logger = logging.get_logger(__name__)
 
 
+
+def load_checkpoint_parts(state_dict: dict, part_names: list[str], fused_name: str, fused: torch.Tensor | None, *,
+                          join, rows_of_part, error_msgs: list[str]) -> None:
+    """Loading, in a module's `_load_from_state_dict`, a parameter that checkpoints keep as several tensors (e.g.
+    `key_proj` and `value_proj` for one `key_value_proj`). With every part in `state_dict`, `join(parts)` replaces
+    them under `fused_name`, which loading then copies. With some of them (the HF Trainer loads a sharded checkpoint
+    one shard at a time, and the parts may sit in different shards), each is copied into its own rows of the
+    parameter `fused`, `rows_of_part(index)` (a view), and the other rows are left as they are: not left at their
+    initial values while an unexpected key is only warned about. A part of the wrong shape is an error, as in
+    `load_state_dict`. Nothing is done if the checkpoint holds `fused_name` itself or the module has no `fused`."""
+    if fused is None or fused_name in state_dict or not any(name in state_dict for name in part_names):
+        return
+    if all(name in state_dict for name in part_names):
+        state_dict[fused_name] = join([state_dict.pop(name) for name in part_names])
+        return
+    for index, name in enumerate(part_names):
+        if name not in state_dict:
+            continue
+        part, rows = state_dict.pop(name), rows_of_part(index)
+        if part.shape != rows.shape:
+            error_msgs.append(f"size mismatch for {name}: copying a param with shape {tuple(part.shape)} from "
+                              f"checkpoint, the shape in current model is {tuple(rows.shape)}.")
+            continue
+        with torch.no_grad():
+            rows.copy_(part)
+
 class FeedForwardMemory:
     """An FFN read as unnormalized key-value memory, `FFN(x) = sum_j c_j(x) v_j` (biases and inner residual
     connections are not memories and are left out). A block implements:
@@ -176,16 +202,21 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
                 "parallelism (key_value_proj interleaves key and value rows, and each rank takes whole pairs), e.g. "
                 f"intermediate_size={multiple}")
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         """A state dict in the checkpoint's names (`key_proj` and `value_proj`, as the HF Trainer reads a saved
-        checkpoint back to resume or to load the best one) fills `key_value_proj`, interleaved as loading does."""
+        checkpoint back to resume or to load the best one) fills `key_value_proj`, interleaved as loading does; one
+        of the two alone (a shard of a sharded checkpoint) fills its own rows."""
         if self.key_value_proj is not None:
             for name in ("weight", "bias"):
-                key, value = f"{prefix}key_proj.{name}", f"{prefix}value_proj.{name}"
-                if key in state_dict and value in state_dict and f"{prefix}key_value_proj.{name}" not in state_dict:
-                    pair = torch.stack([state_dict.pop(key), state_dict.pop(value)], dim=1).flatten(0, 1)
-                    state_dict[f"{prefix}key_value_proj.{name}"] = pair
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+                fused = getattr(self.key_value_proj, name)
+                load_checkpoint_parts(
+                    state_dict, [f"{prefix}key_proj.{name}", f"{prefix}value_proj.{name}"],
+                    f"{prefix}key_value_proj.{name}", fused,
+                    join=lambda parts: torch.stack(parts, dim=1).flatten(0, 1),
+                    rows_of_part=lambda index, fused=fused: fused[index::2], error_msgs=error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     @property
     def memory_readout(self) -> nn.Linear:

@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from transformers import initialization as init
 
-from .ffn import FeedForwardMemory
+from .ffn import FeedForwardMemory, load_checkpoint_parts
 from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
@@ -232,13 +232,16 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         self.fused_layer = True
         self._path_logged = False
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         """A state dict in the checkpoint's names (`key`, `up`, `value`, as the HF Trainer reads a saved checkpoint
-        back to resume or to load the best one) fills `key_up_value`, concatenated as loading does."""
-        names = [f"{prefix}{name}" for name in ("key", "up", "value")]
-        if all(name in state_dict for name in names) and f"{prefix}key_up_value" not in state_dict:
-            state_dict[f"{prefix}key_up_value"] = torch.cat([state_dict.pop(name) for name in names])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        back to resume or to load the best one) fills `key_up_value`, concatenated as loading does; some of the three
+        (a shard of a sharded checkpoint) fill their own thirds."""
+        load_checkpoint_parts(state_dict, [f"{prefix}{name}" for name in ("key", "up", "value")],
+                              f"{prefix}key_up_value", self.key_up_value, join=torch.cat,
+                              rows_of_part=lambda index: self.key_up_value.chunk(3)[index], error_msgs=error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def check_distributed_loading(self, distributed_config, model_name: str) -> None:
         """Refuses transformers' own FSDP (`fsdp_size` > 1), which shards dim 0 of every parameter before loading and
