@@ -282,6 +282,8 @@ class MemFFNConfig(PretrainedConfig):
         # (Llama's field: a Llama config's MLP biases would be dropped by the FFNs here, which have none or their own)
         _check(name, not getattr(self, "mlp_bias", False), "mlp_bias", getattr(self, "mlp_bias", False),
                "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
+        if getattr(self, "classifier_dropout", None) is not None:  # (the token classifier's; None stands for 0.1)
+            _check_number(self, "classifier_dropout", 0.0, low_inclusive=True, high=1.0)
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)
             ids = value if isinstance(value, (list, tuple)) else [value]
@@ -416,6 +418,8 @@ class FlashMHFLlamaConfig(MemFFNConfig):
             self.ffn_num_heads,
             f"must divide hidden_size={self.hidden_size}",
         )
+        if self.ffn_variant == "pkv":  # (every head has its own slots: `ffn_num_kv_heads` is not read)
+            return
         _check(
             name,
             self.ffn_num_heads % self.ffn_num_kv_heads == 0,
@@ -423,8 +427,6 @@ class FlashMHFLlamaConfig(MemFFNConfig):
             self.ffn_num_kv_heads,
             f"must divide ffn_num_heads={self.ffn_num_heads}",
         )
-        if self.ffn_variant == "pkv":
-            return
         _check(
             name,
             self.intermediate_size % self.ffn_num_subnetworks == 0,

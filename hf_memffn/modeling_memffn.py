@@ -494,10 +494,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 "(adapters.merge_weight_lora) before saving, for a checkpoint in the original format")
         # The checkpoint conversions that join FlashMHF's key/up/value and KV-FFN's key_proj/value_proj also match
         # the PKV baseline's key/value and KV-FFN's relu/densenet key_proj; loaded across the base model's prefix
-        # (AutoModel from a causal LM's checkpoint, or the reverse), transformers then drops those tensors.
+        # (AutoModel from a causal LM's checkpoint, or the reverse), transformers then drops those tensors, which it
+        # reports as unexpected under the joined names. A checkpoint without them (a Llama's, the SwiGLU baseline's)
+        # starts the FFN at random as it starts any weight it lacks.
         dropped = sorted(key for key in loading_info.get("missing_keys", ())
                          if re.search(r"\.mlp\.(key|value|key_proj\.weight|key_proj\.bias)$", key))
-        if dropped:
+        joined = any(re.search(r"\.mlp\.(key_up_value|key_value_proj\.weight|key_value_proj\.bias)$", key)
+                     for key in loading_info.get("unexpected_keys", ()))
+        if dropped and joined:
             raise ValueError(
                 f"from_pretrained: {len(dropped)} FFN weights of the checkpoint ({', '.join(dropped[:3])}"
                 f"{', ...' if len(dropped) > 3 else ''}) did not load into {cls.__name__}, so they would start at "

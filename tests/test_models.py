@@ -105,6 +105,17 @@ def test_variant_defaults_follow_the_paper():
     assert flex.memory_intermediate_size == 96
 
 
+def test_pkv_reads_no_key_value_head_count():
+    """PKV gives every head its own slots, so `ffn_num_kv_heads` is not read and not checked against the heads (a
+    count left from a FlashMHF config does not stop the PKV baseline). FlashMHF, which shares its weights by groups of
+    heads, still refuses a count that does not divide the heads."""
+    config = tiny_config("flash_mhf", ffn_variant="pkv", ffn_num_heads=4, ffn_num_kv_heads=3)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.model.layers[0].mlp.key.shape[0] == 4
+    with pytest.raises(ValueError, match="`ffn_num_kv_heads`=3"):
+        tiny_config("flash_mhf", ffn_num_heads=4, ffn_num_kv_heads=3)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # initialization and parameter counts
 # ---------------------------------------------------------------------------------------------------------------------
@@ -699,6 +710,25 @@ def test_kvffn_checkpoints_keep_key_and_value_projections_apart(tmp_path, varian
                              ("value_proj.weight", value_weight), ("value_proj.bias", value_bias)):
             torch.testing.assert_close(layer[name], tensor)
     assert_loads_exactly(tmp_path, ids, expected)
+
+
+@pytest.mark.parametrize("arch, variant", [("flash_mhf", "pkv"), ("kvffn", "relu"), ("kvffn", "densenet")])
+def test_a_baseline_starts_the_ffn_a_checkpoint_lacks_at_random(arch, variant, tmp_path):
+    """A checkpoint without the baseline's FFN weights (transformers' Llama here) gives it the attention and the
+    embeddings, and the FFN starts at random, as for the other variants; only a checkpoint whose FFN tensors the
+    conversions joined and then dropped (saved from the other class) is refused, in tests/test_bad_input.py."""
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(tiny_config("llama"))
+    llama.save_pretrained(tmp_path)
+    causal_lm_class = hf_memffn.REGISTRY[arch].causal_lm_class
+    heads = {"ffn_num_heads": 4} if arch == "flash_mhf" else {}
+    model, info = causal_lm_class.from_pretrained(tmp_path, ffn_variant=variant, output_loading_info=True, **heads)
+    assert model.config.ffn_variant == variant
+    query = model.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(query, llama.model.layers[0].self_attn.q_proj.weight)
+    ffn_weight = "mlp.key" if variant == "pkv" else "mlp.key_proj.weight"
+    assert f"model.layers.0.{ffn_weight}" in info["missing_keys"]
+    assert model.get_parameter(f"model.layers.0.{ffn_weight}").std() > 0
 
 
 def _saved_bytes(fn):

@@ -125,6 +125,18 @@ def test_token_labels_of_minus_100_are_left_out_of_the_loss():
     torch.testing.assert_close(output.loss, expected)
 
 
+@pytest.mark.parametrize("classifier_dropout", [1.5, -0.1, "0.1"])
+def test_a_bad_classifier_dropout_is_refused_naming_the_field(classifier_dropout):
+    """The token classifier's dropout probability is checked with the config (also one set by hand before the head
+    is built), instead of failing inside `nn.Dropout` without naming the field."""
+    with pytest.raises(ValueError, match=r"`classifier_dropout`.*\[0, 1\)"):
+        tiny_config("kvffn", classifier_dropout=classifier_dropout)
+    config = tiny_config("memoryllm", num_labels=3)
+    config.classifier_dropout = classifier_dropout
+    with pytest.raises(ValueError, match=r"`classifier_dropout`.*\[0, 1\)"):
+        AutoModelForTokenClassification.from_config(config)
+
+
 def test_the_answer_span_loss_averages_start_and_end_and_ignores_positions_past_the_end():
     model = head_model(AutoModelForQuestionAnswering, "flash_mhf")
     ids, start, end = torch.randint(3, 320, (2, 6)), torch.tensor([1, 4]), torch.tensor([2, 9])
