@@ -159,6 +159,7 @@ class MemFFNConfig(PretrainedConfig):
         decoder_kernels: str = "auto",
         **kwargs,
     ):
+        derived = self._pop_derived_fields(kwargs)
         self.vocab_size = vocab_size
         self.decoder_kernels = decoder_kernels
         self.hidden_size = hidden_size
@@ -205,14 +206,33 @@ class MemFFNConfig(PretrainedConfig):
         self.base_model_tp_plan = tensor_parallel_plan(self)
         self.base_model_pp_plan = pipeline_parallel_plan(self)
         self.validate_fields()
+        self._check_derived_fields(derived)
+
+    @classmethod
+    def _pop_derived_fields(cls, fields: dict) -> dict:
+        """The fields of `fields` that the config derives from others (`ffn_head_dim`, `subnetwork_size`, ...:
+        properties without a setter), taken out of it."""
+        derived = [key for key in fields if isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None]
+        return {key: fields.pop(key) for key in derived}
+
+    def _check_derived_fields(self, given: dict) -> None:
+        """Derived fields given with the others are accepted where they equal what the config derives, and refused,
+        naming the field, where they do not (transformers would fail to set them, after logging the whole config)."""
+        for key, value in given.items():
+            derived = getattr(self, key)
+            _check(type(self).__name__, value == derived, key, value,
+                   f"it is derived from the config's other fields (here {derived!r}) and cannot be set; leave it "
+                   "out or change the fields it is derived from")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
         """`PreTrainedConfig.from_dict`. Fields given as keyword arguments (`from_pretrained(path, ffn_kernel=...)`)
         are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
         which depend on the FFN's fields."""
+        derived = cls._pop_derived_fields(kwargs)
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
+        config._check_derived_fields(derived)
         if "rope_parameters" in kwargs or "rope_scaling" in kwargs:
             if "rope_scaling" in kwargs:
                 config.rope_parameters = kwargs["rope_scaling"]

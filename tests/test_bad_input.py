@@ -147,6 +147,8 @@ config_case("kvffn_bias-str", "kvffn", ("kvffn_bias", "True or False"), kvffn_bi
 config_case("kvffn_init-unknown", "kvffn", ("kvffn_init", "inv_sqrt_d"), kvffn_init="xavier")
 config_case("memory_intermediate_size-str", "flex_memoryllm", ("memory_intermediate_size", "positive integer"),
             memory_intermediate_size="64")
+config_case("ffn_head_dim-derived", "flash_mhf", ("ffn_head_dim", "derived", "here 16"), ffn_head_dim=8)
+config_case("kvffn_init_std-derived", "kvffn", ("kvffn_init_std", "derived"), kvffn_init_std=0.5)
 CASES.append(Case("tiny_config-unknown-arch", ("arch", "memoryllm"), api=lambda w: tiny_config("gpt2")))
 
 
@@ -167,6 +169,9 @@ CASES.append(Case("from_pretrained-bad-config-value", ("hidden_act", "silu"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(_edit_config(w, hidden_act="nope"))))
 CASES.append(Case("from_pretrained-config-str-number", ("num_hidden_layers", "positive integer"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(_edit_config(w, num_hidden_layers="2"))))
+
+CASES.append(Case("from_pretrained-derived-field", ("token_memory_size", "derived"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.memoryllm, token_memory_size=3)))
 
 
 def _model(world: World, name="memoryllm"):

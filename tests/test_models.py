@@ -116,6 +116,17 @@ def test_pkv_reads_no_key_value_head_count():
         tiny_config("flash_mhf", ffn_num_heads=4, ffn_num_kv_heads=3)
 
 
+
+def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tmp_path):
+    """A paper's sizes given with the derived ones (`ffn_head_dim`, `subnetwork_size`), to the config or to
+    `from_pretrained`, build the config when they agree (transformers failed to set them, after logging the whole
+    config); tests/test_bad_input.py has the refusals where they do not."""
+    config = tiny_config("flash_mhf", ffn_head_dim=16, subnetwork_size=48)
+    assert (config.ffn_head_dim, config.subnetwork_size) == (16, 48)
+    config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path, ffn_head_dim=16).ffn_head_dim == 16
+    assert "ffn_head_dim" not in config.to_dict()
+
 # ---------------------------------------------------------------------------------------------------------------------
 # initialization and parameter counts
 # ---------------------------------------------------------------------------------------------------------------------
