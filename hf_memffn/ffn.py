@@ -23,7 +23,17 @@ from transformers.utils import logging
 from .ffn_triton import paired_activation, paired_kernels_unavailable
 from .rms_norm import rms_normalize
 
-logger = logging.get_logger(__name__)
+
+
+def package_logger(module_name: str):
+    """The logger of one of the package's modules, named `transformers.memffn.<module>` (also when the module runs as
+    a checkpoint's remote code): under transformers' own logger, so that its verbosity
+    (`transformers.logging.set_verbosity_info()`, `TRANSFORMERS_VERBOSITY=info`) shows or hides the package's
+    messages, which path runs included, as it does transformers' own."""
+    return logging.get_logger(f"transformers.memffn.{module_name.rsplit('.', 1)[-1]}")
+
+
+logger = package_logger(__name__)
 
 
 

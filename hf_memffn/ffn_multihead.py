@@ -11,8 +11,6 @@ copies a modeling file's sibling imports next to the weights).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,11 +18,11 @@ from torch.autograd.function import once_differentiable
 
 from transformers import initialization as init
 
-from .ffn import FeedForwardMemory, load_checkpoint_parts
+from .ffn import FeedForwardMemory, load_checkpoint_parts, package_logger
 from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 
 def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -46,13 +46,13 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, logging
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig, pipeline_parallel_plan, tensor_parallel_plan
 from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate_pair
-from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory
+from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory, package_logger
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
 from .triton_launch import registered_operator
@@ -71,7 +71,7 @@ def _package_sibling(name: str):
         return None
 
 
-logger = logging.get_logger(__name__)
+logger = package_logger(__name__)
 
 # The key/value cache's keyword: transformers 5.24 renamed `past_key_values` to `cache` (model and layer arguments,
 # output field). Outputs and decoder layers get the installed version's name: `generate()` reads the cache back under

@@ -4,6 +4,7 @@ generation, attention backends, gradient checkpointing, saving and loading."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -126,6 +127,34 @@ def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tm
     config.save_pretrained(tmp_path)
     assert AutoConfig.from_pretrained(tmp_path, ffn_head_dim=16).ffn_head_dim == 16
     assert "ffn_head_dim" not in config.to_dict()
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "kvffn"])
+def test_the_path_logs_follow_transformers_verbosity(arch):
+    """Which path runs is logged under transformers' logger, so `transformers.logging.set_verbosity_info()` shows it
+    and the default verbosity (warnings) hides it, as for transformers' own messages (the package's loggers sat
+    outside transformers' hierarchy, and no transformers setting reached them)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    ids = torch.randint(3, 320, (1, 5))
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        for level in (transformers.logging.WARNING, transformers.logging.INFO):
+            transformers.logging.set_verbosity(level)
+            with torch.no_grad():
+                AutoModelForCausalLM.from_config(tiny_config(arch))(ids)
+            if level == transformers.logging.WARNING:
+                assert not [record for record in records if "runs" in record.getMessage()]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers_logger.removeHandler(handler)
+    ffn = {"flash_mhf": "FlashMHF FFN runs the ", "kvffn": "KV-FFN runs "}[arch]
+    messages = {record.name: record.getMessage() for record in records}
+    assert messages["transformers.memffn.modeling_memffn"].startswith("decoder runs the ")
+    assert messages[f"transformers.memffn.{'ffn_multihead' if arch == 'flash_mhf' else 'ffn'}"].startswith(ffn)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # initialization and parameter counts
