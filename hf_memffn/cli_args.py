@@ -69,9 +69,16 @@ def model_source(text: str) -> str:
 
 
 def output_dir(text: str) -> str:
-    """A directory to write into: it may exist (as a directory) or not yet."""
+    """A directory to write into: it may exist (as a directory) or not yet (then no file may stand where one of its
+    parent folders would be created)."""
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
+    parent = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r} is inside {parent!r}, which is a file; allowed: a directory "
+                                         "(created if missing) whose parent folders are folders or missing")
     return text
 
 

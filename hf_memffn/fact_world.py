@@ -41,6 +41,7 @@ question words and real text never map to an unknown token.
 
 from __future__ import annotations
 
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -198,6 +199,13 @@ class RecallQuestion:
     entity: str
 
 
+def _check_at_least(minimum: int, **values) -> None:
+    """Refuses the first of `values` (argument name=value) that is not an integer >= `minimum`."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: an integer >= {minimum}")
+
+
 def _article(value: str) -> str:
     return "an" if value[0].lower() in "aeiou" else "a"
 
@@ -284,6 +292,7 @@ class FactWorld:
         Sentences about different people are mixed within a document, so a fact cannot be copied from
         the context: it has to be stored in the weights.
         """
+        _check_at_least(1, passes=passes, sentences_per_document=sentences_per_document)
         rng = random.Random(self.seed + 1 if seed is None else seed)
         sentences = self.training_sentences()
         documents = []
@@ -295,6 +304,7 @@ class FactWorld:
         return documents
 
     def held_out_documents(self, sentences_per_document: int = 8) -> list[str]:
+        _check_at_least(1, sentences_per_document=sentences_per_document)
         sentences = self.held_out_sentences()
         random.Random(self.seed + 2).shuffle(sentences)
         return [" ".join(sentences[i:i + sentences_per_document])
@@ -352,6 +362,7 @@ def score_recall(
     """
     if not questions:
         raise ValueError("questions=[] is empty; allowed: a non-empty list of RecallQuestion")
+    _check_at_least(1, batch_size=batch_size)
     for question in questions:
         if question.answer not in candidates.get(question.attribute, ()):
             raise ValueError(f"answer={question.answer!r} of attribute={question.attribute!r} is not among its "

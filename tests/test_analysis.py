@@ -731,3 +731,23 @@ def test_out_of_range_arguments_are_refused_with_the_argument_and_its_range_name
             call()
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     assert "memory_readout" not in vars(model.model)
+
+
+def test_analyze_checks_the_edits_before_the_analysis():
+    """An edit whose target has no token was refused only once every other instrument had run (minutes on a large
+    model); now no forward pass runs before the refusal."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    model = build("memoryllm")
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        for edits, message in (([("the memory", "")], r"edit \('the memory', ''\): prompt and target must both"),
+                               ([("the memory",)], r"edits\[0\]=\('the memory',\): expected a \(prompt, target\)")):
+            with pytest.raises(ValueError, match=message):
+                analyze(model, tiny_tokenizer(), ["the memory stores a key"], top_triggers=1, cells_per_bank=1,
+                        agreement_cells=8, edits=edits)
+    finally:
+        handle.remove()
+    assert forwards == []

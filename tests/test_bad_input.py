@@ -455,6 +455,19 @@ cli_case("analyze-layers-empty", ("--layers", "integers"),
 cli_case("analyze-tokenizer-not-the-models", ("token id", "0..259", "tokenizer"),
          lambda w: ["analyze", S(w.llama_260), "--texts", S(w.texts), "--out", S(w.root / "r18"), *ANALYZE_FAST],
          no_output="r18")
+cli_case("analyze-out-inside-a-file", ("--out", "a_file", "is a file"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.a_file / "report"), *ANALYZE_FAST],
+         keep=("memoryllm", "a_file"))
+cli_case("analyze-edit-empty-target", ("--edit", "TARGET is empty"),
+         lambda w: ["analyze", S(w.memoryllm), "--texts", S(w.texts), "--out", S(w.root / "r20"),
+                    "--edit", "the memory=>", *ANALYZE_FAST], no_output="r20")
+# transformers' Llama config checks a field's type when it is set; an unknown activation fails building the model
+cli_case("analyze-override-llama-field-type", ("--override", "rms_norm_eps", "float"),
+         lambda w: ["analyze", S(w.llama), "--texts", S(w.texts), "--out", S(w.root / "r21"),
+                    "--override", 'rms_norm_eps="small"', *ANALYZE_FAST], no_output="r21")
+cli_case("analyze-override-llama-activation", ("--override", "hidden_act", "nope"),
+         lambda w: ["analyze", S(w.llama), "--texts", S(w.texts), "--out", S(w.root / "r22"),
+                    "--override", 'hidden_act="nope"', *ANALYZE_FAST], no_output="r22")
 cli_case("serve-missing-model", ("MODEL", "does-not-exist"), lambda w: ["serve", S(w.root / "does-not-exist")])
 cli_case("serve-no-tokenizer", ("no_tokenizer", "no tokenizer"), lambda w: ["serve", S(w.no_tokenizer)])
 # --token-lookup problems that the server would meet only while loading the model, in a traceback

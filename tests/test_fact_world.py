@@ -163,3 +163,22 @@ def test_the_readme_edits_a_person_of_the_default_demos_world():
     for name, target in edits:
         assert name in cities
         assert target in default_world.values["home_city"] and target != cities[name]
+
+
+def test_batch_and_document_sizes_below_one_are_refused_naming_the_argument(world, tokenizer):
+    """`batch_size=-1` scored no row at all and returned accuracy 0 as if measured; a size of 0 failed with
+    `range() arg 3 must not be zero`; a negative document size gave an empty corpus."""
+    questions = world.recall_questions()[:4]
+    candidates = {attr: world.candidates(attr) for attr in world.values}
+    oracle = PrefixTableLM(_answer_table(tokenizer, questions, lambda q: q.answer), len(tokenizer))
+    for batch_size in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"batch_size={batch_size} is invalid; allowed: an integer >= 1"):
+            score_recall(oracle, tokenizer, questions, candidates, batch_size=batch_size)
+    for size in (0, -2):
+        with pytest.raises(ValueError, match=rf"sentences_per_document={size} is invalid"):
+            world.training_documents(sentences_per_document=size)
+        with pytest.raises(ValueError, match=rf"sentences_per_document={size} is invalid"):
+            world.held_out_documents(sentences_per_document=size)
+    with pytest.raises(ValueError, match=r"passes=-1 is invalid; allowed: an integer >= 1"):
+        world.training_documents(passes=-1)
+    assert score_recall(oracle, tokenizer, questions, candidates, batch_size=1).accuracy == 1.0

@@ -211,17 +211,29 @@ def _token_memory_section(
     return section
 
 
-def _edit_section(
-    model, tokenizer, names: TokenNames, edits: Sequence[tuple[str, str]], strength: float
-) -> list[dict]:
-    results = []
-    num_embeddings = decoder_of(model).embed_tokens.weight.shape[0]
-    for prompt, target in edits:
+def _encode_edits(
+    tokenizer, edits: Sequence[tuple[str, str]], num_embeddings: int
+) -> list[tuple[str, str, list[int], list[int]]]:
+    """`(prompt, target, prompt ids, target ids)` of each edit, or an error naming the first bad one."""
+    encoded = []
+    for index, edit in enumerate(edits):
+        if not (isinstance(edit, (tuple, list)) and len(edit) == 2 and all(isinstance(part, str) for part in edit)):
+            raise ValueError(f"edits[{index}]={edit!r}: expected a (prompt, target) pair of strings")
+        prompt, target = edit
         prompt_ids = check_ids(tokenizer(prompt)["input_ids"], num_embeddings, f"edit prompt {prompt!r}")
         target_ids = check_ids(tokenizer(target, add_special_tokens=False)["input_ids"], num_embeddings,
                                f"edit target {target!r}")
         if not prompt_ids or not target_ids:
             raise ValueError(f"edit ({prompt!r}, {target!r}): prompt and target must both contain tokens")
+        encoded.append((prompt, target, prompt_ids, target_ids))
+    return encoded
+
+
+def _edit_section(
+    model, names: TokenNames, edits: Sequence[tuple[str, str, list[int], list[int]]], strength: float
+) -> list[dict]:
+    results = []
+    for prompt, _target, prompt_ids, target_ids in edits:
         result = edit_next_token(model, torch.as_tensor(prompt_ids), target_ids[0], strength=strength)
         result.edit.revert()
         results.append(
@@ -317,6 +329,9 @@ def analyze(
     token_lists = [ids for ids in encode(tokenizer, texts, max_length, num_embeddings, "text") if ids]
     if not token_lists:
         raise ValueError("texts give no tokens: every text is empty after tokenization")
+    # the edits are measured last, but checked (and the demonstration edit chosen) before the long work
+    edits = _encode_edits(tokenizer, [default_edit(model, tokenizer, texts[0])] if edits is None else edits,
+                          num_embeddings)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     report: dict = {
         "model": {
@@ -371,7 +386,5 @@ def analyze(
             clustered = "tokens seen in the texts" if len(cluster_tokens) else "none: every token is a special one"
         report["token_memory"] = _token_memory_section(model, names, list(memory_layers), num_clusters, cluster_tokens)
         report["token_memory_clustered"] = clustered
-    if edits is None:
-        edits = [default_edit(model, tokenizer, texts[0])]
-    report["edits"] = _edit_section(model, tokenizer, names, edits, edit_strength)
+    report["edits"] = _edit_section(model, names, edits, edit_strength)
     return report

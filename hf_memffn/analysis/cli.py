@@ -22,6 +22,9 @@ def _edit(value: str) -> tuple[str, str]:
     if "=>" not in value:
         raise argparse.ArgumentTypeError(f"--edit {value!r}: expected 'PROMPT=>TARGET', e.g. 'The capital is=> Paris'")
     prompt, target = value.rsplit("=>", 1)
+    if not target:
+        raise argparse.ArgumentTypeError(f"--edit {value!r}: TARGET is empty; expected 'PROMPT=>TARGET', e.g. "
+                                         "'The capital is=> Paris'")
     return prompt, target
 
 
@@ -81,6 +84,12 @@ def _load_tokenizer(args: argparse.Namespace):
         raise UsageError(f"--tokenizer {source}: cannot load a tokenizer: {first_line(error)}") from error
 
 
+def _last_line(error: BaseException) -> str:
+    """The last non-blank line of an error's message (where transformers' field checks name the field and type)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def _config_with_overrides(model_dir: str, overrides: dict):
     """The checkpoint's config with `--override` fields set, checked like a config built with them."""
     from transformers import AutoConfig
@@ -92,7 +101,11 @@ def _config_with_overrides(model_dir: str, overrides: dict):
         if isinstance(getattr(type(config), key, None), property):
             raise UsageError(f"--override {key}: a field {type(config).__name__} derives from others; allowed: the "
                              f"fields of config.json that keep the weights' shapes, e.g. ffn_kernel=torch")
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as error:  # transformers' own configs check a field's type when it is set
+            raise UsageError(f"--override {key}={value!r}: {type(config).__name__} refuses it: "
+                             f"{_last_line(error)}") from error
     if hasattr(config, "validate_fields"):
         config.validate_fields()
     return config
@@ -125,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise UsageError(f"--override {keys}: the checkpoint's weights do not fit the config it gives (their shapes "
                          f"change); allowed: fields that keep the shapes, e.g. ffn_kernel=torch") from error
+    except (KeyError, TypeError) as error:  # a value the model's modules refuse when built (e.g. an activation name)
+        if not args.override:
+            raise
+        raise UsageError(f"--override {keys}: the model cannot be built with the config it gives "
+                         f"({type(error).__name__}: {first_line(error)})") from error
     unused, missing = sorted(loading["unexpected_keys"]), sorted(loading["missing_keys"])
     if args.override and (unused or missing):
         example = f"{unused[0]} unused" if unused else f"{missing[0]} missing"
