@@ -28,12 +28,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .configuration_memffn import DECODER_KERNELS
-from .decoder_triton import TRITON_AVAILABLE, decoder_kernels_unavailable
+# (triton from the sibling that imports it in a `try` block: transformers refuses to load a checkpoint's code whose
+# files import a missing package outside one, and triton is optional)
+from .decoder_triton import TRITON_AVAILABLE, decoder_kernels_unavailable, tl, triton
 from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, registered_operator
-
-if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
 
 # the activations the kernels compute (`KVFFNConfig.activations` and the GLU baseline's sigmoid), by constexpr id
 PAIRED_ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3}

@@ -1106,10 +1106,14 @@ def compile_for_hopper(kernel: str = "weights", dtype: torch.dtype = torch.bfloa
     is compiled without a launch's specialisation of its arguments (aligned pointers, integers that are multiples of
     16), on which registers and spills can depend; ``kernels/compare_triton_builds.py export`` compiles exactly what a
     launch compiles."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    try:  # (in a `try` block: transformers refuses to load a checkpoint's code whose files import a missing package
+        # outside one, and triton is optional)
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from triton.runtime.jit import mangle_type
+    except ImportError as error:
+        raise ImportError(f"compile_for_hopper needs triton's Gluon compiler: {error}") from error
 
     kernels = {"weights": _weight_gradients_kernel, "add_weight_splits": _add_weight_splits_kernel,
                "rows": _rows_gradients_kernel, "forward": _warp_specialised_forward_kernel,

@@ -32,13 +32,13 @@ import functools
 
 import torch
 
-from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid
+# (triton from the sibling that imports it in a `try` block: transformers refuses to load a checkpoint's code whose
+# files import a missing package outside one, and triton is optional)
+from .flash_mhf_triton import TRITON_AVAILABLE, _dot, _dot_acc, _kernel_flags, _num_sms, _sigmoid, tl, triton
 from .triton_launch import any_size, cdiv, next_power_of_2
 from .triton_launch import launch as launch_kernel
 
 if TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _token_tile(P, tokens, token_mask, head, stride_token, D_H: tl.constexpr):

@@ -511,6 +511,19 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 "the base model)")
         return (model, loading_info) if output_loading_info else model
 
+    def _refuse_an_incomplete_checkpoint(self) -> None:
+        """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`)."""
+        base = getattr(self, self.base_model_prefix, self)
+        if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
+            raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
+                             "a checkpoint saved now would lack their weights; save the model before dropping them, "
+                             "or load it again and save that")
+        if "memory_readout" in vars(base):
+            raise ValueError("save_pretrained: a token memory edit is applied (hf_memffn.analysis.TokenMemoryEdit): "
+                             "it is held by this model instance, not by the weights, so a checkpoint saved now would "
+                             "not hold it; revert it first (edit.revert()), or edit with method='value', which "
+                             "changes the weights")
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
@@ -521,7 +534,6 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         `revision`, `create_pr`): with the package installed as `hf-memffn push` uploads it (`hub.push_folder`), else
         through `push_to_hub`; transformers' own upload would send its generic card and no tokenizer, written after
         the weights (and leave that card in the folder)."""
-        base = getattr(self, self.base_model_prefix, self)
         push = kwargs.pop("push_to_hub", False)
         hub = _package_sibling("hub") if push else None
         if push:
@@ -530,15 +542,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             repo_id = kwargs.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
             if hub is not None:
                 repo_id = hub.check_repo_id(repo_id)
-        if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
-            raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
-                             "a checkpoint saved now would lack their weights; save the model before dropping them, "
-                             "or load it again and save that")
-        if "memory_readout" in vars(base):
-            raise ValueError("save_pretrained: a token memory edit is applied (hf_memffn.analysis.TokenMemoryEdit): "
-                             "it is held by this model instance, not by the weights, so a checkpoint saved now would "
-                             "not hold it; revert it first (edit.revert()), or edit with method='value', which "
-                             "changes the weights")
+        self._refuse_an_incomplete_checkpoint()
         if any(parametrize.is_parametrized(module) for module in self.modules()):
             logger.warning_once(
                 "save_pretrained: FFN weights have adapters or int8 attached (hf_memffn.adapters); the checkpoint "
@@ -565,8 +569,9 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 model_card.write_model_card(self, save_directory)
             if hub is not None:
                 hub.push_folder(save_directory, repo_id, **push_options)
-            elif push:
-                self.push_to_hub(repo_id, max_shard_size=kwargs.get("max_shard_size", "50GB"), **push_options)
+            elif push:  # (what the folder holds: no token lookup table, as `hub.push_folder` uploads it)
+                self.push_to_hub(repo_id, max_shard_size=kwargs.get("max_shard_size", "50GB"),
+                                 include_token_lookup=False, **push_options)
         return result
 
     def push_to_hub(
@@ -589,20 +594,24 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         `PreTrainedModel.push_to_hub`'s arguments (`tags` go into the card's metadata), plus `tokenizer` and
         `include_token_lookup`; see `hub.push_checkpoint` (transformers' own `push_to_hub` would replace the model card
         with a generic one). Loaded with `trust_remote_code` alone: transformers' `push_to_hub`, which saves through
-        `save_pretrained` and so uploads `tokenizer` too."""
+        `save_pretrained` and so uploads `tokenizer` too, and the attached token lookup table's files (unless
+        `include_token_lookup=False`)."""
         options = dict(commit_message=commit_message, commit_description=commit_description, private=private,
                        token=token, revision=revision, create_pr=create_pr, max_shard_size=max_shard_size, tags=tags)
         hub = _package_sibling("hub")
         if hub is None:
             if tags is None:  # transformers' `push_to_hub` iterates the `tags` it is given
                 del options["tags"]
+            self._refuse_an_incomplete_checkpoint()  # (transformers' creates the repository before it saves)
             attached = self.attached_tokenizer
             if tokenizer is not None:
                 self.attach_tokenizer(tokenizer)
+            self._push_token_lookup = include_token_lookup  # (read by `TokenLookupMixin.save_pretrained`)
             try:
                 return super().push_to_hub(repo_id, **options)
             finally:
                 self._attached_tokenizer = attached
+                del self._push_token_lookup
         return hub.push_checkpoint(self, repo_id, tokenizer=tokenizer, include_token_lookup=include_token_lookup,
                                    **options)
 

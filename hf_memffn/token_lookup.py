@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -900,6 +901,15 @@ def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: in
                       kernel=kernel)
 
 
+def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:
+    """Copy the files of the table read from `index.directory` into `directory`: its shards, its export report (where
+    there is one) and, last, its index, so that a table copied half-way never loads."""
+    names = [*index.shards, *([REPORT_NAME] if os.path.isfile(os.path.join(index.directory, REPORT_NAME)) else []),
+             INDEX_NAME]
+    for name in names:
+        shutil.copy2(os.path.join(index.directory, name), os.path.join(directory, name))
+
+
 def embedding_adapters(embedding: nn.Module) -> list[str]:
     """Names of the token embedding's parameters that its `weight` does not hold (an adapter, e.g. PEFT's LoRA
     embedding with its `lora_embedding_A`), whose change to X0 a table of the weight's FFNs does not have."""
@@ -993,6 +1003,17 @@ class TokenLookupMixin:
         if drop_memory_ffn:
             self.drop_memory_ffn()
         return table
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`save_pretrained`; inside `push_to_hub` of a model loaded with `trust_remote_code` alone (transformers'
+        upload: it saves the model into a temporary folder and uploads that folder), also the files of the table the
+        model reads, as `hf_memffn.hub.push_checkpoint` stages them (unless `include_token_lookup=False`)."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if self.__dict__.get("_push_token_lookup") and kwargs.get("is_main_process", True):
+            table = getattr(_memory_base(self), "token_lookup", None)
+            if table is not None:
+                copy_table_files(table.index, save_directory)
+        return result
 
     def resize_token_embeddings(self, *args, **kwargs):
         """`PreTrainedModel.resize_token_embeddings`, refused while a token lookup table is loaded: the table holds

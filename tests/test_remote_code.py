@@ -167,6 +167,71 @@ def test_trust_remote_code_without_the_package(tmp_path):
             assert shape == shapes[auto_class] and decoder_diff < 1e-5 and named == name, result
 
 
+BLOCK_TRITON_IMPORT = textwrap.dedent(
+    """
+    class _BlockTriton(_importlib_abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "triton" or name.startswith("triton."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked: a machine without triton)", name=name)
+            return None
+
+
+    _sys.meta_path.insert(0, _BlockTriton())
+    """
+)
+
+HUB_LOADER = BLOCK_PACKAGE_IMPORT + BLOCK_TRITON_IMPORT + textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+    from huggingface_hub import hf_hub_download
+    from transformers import AutoModelForCausalLM
+
+    differences = {}
+    for repo_id in sys.argv[2:]:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True).eval()
+        expected = torch.load(hf_hub_download(repo_id, "expected.pt"))
+        with torch.no_grad():
+            differences[repo_id] = (model(expected["input_ids"]).logits - expected["logits"]).abs().max().item()
+    with open(sys.argv[1], "w") as handle:
+        json.dump(differences, handle)
+    """
+)
+
+
+def test_a_hub_checkpoint_loads_without_the_package_on_a_machine_without_triton(tmp_path):
+    """From the Hub, transformers fetches each file of a checkpoint's code and refuses it if it imports a package that
+    is missing (outside a `try` block): the code's imports of triton, which a CPU machine may lack, are all guarded.
+    The Hub's cache is stood in for by a folder of its layout (offline, `HF_HUB_CACHE`)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    package = os.path.dirname(hf_memffn.__file__)
+    for name in sorted(set().union(*REMOTE_CODE_FILES.values())):
+        assert "triton" not in get_imports(os.path.join(package, name)), f"{name} imports triton outside a try block"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_ids = []
+    for arch in sorted(hf_memffn.ARCHITECTURES):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+        repository = tmp_path / "hub" / f"models--someone--tiny-{arch}"
+        snapshot = repository / "snapshots" / commit
+        model.save_pretrained(snapshot)
+        input_ids = torch.randint(0, 320, (2, 7))
+        with torch.no_grad():
+            torch.save({"input_ids": input_ids, "logits": model(input_ids).logits}, snapshot / "expected.pt")
+        (repository / "refs").mkdir()
+        (repository / "refs" / "main").write_text(commit)
+        repo_ids.append(f"someone/tiny-{arch}")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    completed = subprocess.run([sys.executable, "-c", HUB_LOADER, str(tmp_path / "differences.json"), *repo_ids],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    differences = json.loads((tmp_path / "differences.json").read_text())
+    assert set(differences) == set(repo_ids) and max(differences.values()) < 1e-5, differences
+
+
 def run_without_the_package(script: str, tmp_path, *args) -> subprocess.CompletedProcess:
     """Runs `script` (which starts with BLOCK_PACKAGE_IMPORT) in a Python where `hf_memffn` cannot be imported,
     offline, with its own cache of the checkpoints' modeling code."""
@@ -189,6 +254,7 @@ PUSHER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     # upload are replaced; the upload records the files of the folder it is given
     class Repository:
         def create_repo(self, repo_id, **kwargs):
+            uploads.setdefault("created", []).append(repo_id)
             return type("RepoUrl", (), {"repo_id": repo_id})()
 
 
@@ -214,7 +280,17 @@ PUSHER = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     directory = sys.argv[3]
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
-    if sys.argv[2] == "push_to_hub":
+    if sys.argv[2] == "push_to_hub_reading_a_table":  # (the table's folder: sys.argv[4])
+        model.load_tols(sys.argv[4], placement="cpu")
+        model.push_to_hub("someone/with-table")
+        model.push_to_hub("someone/without-table", include_token_lookup=False)
+        model.save_pretrained(directory + "-saved", push_to_hub=True, repo_id="someone/saved")
+        model.drop_memory_ffn()
+        try:
+            model.push_to_hub("someone/dropped")
+        except ValueError as error:
+            uploads["refused"] = str(error)
+    elif sys.argv[2] == "push_to_hub":
         model.push_to_hub("someone/plain")
         model.push_to_hub("someone/with-tokenizer", tokenizer=tokenizer, tags=["memffn"])
         model.push_to_hub("someone/plain-again")
@@ -258,3 +334,28 @@ def test_save_pretrained_with_push_to_hub_without_the_package_uploads_the_attach
     uploads = push_without_the_package("save_pretrained", tmp_path)
     assert set(uploads["saved locally"]) == CHECKPOINT_FILES - {"README.md"} | TOKENIZER_FILES
     assert set(uploads["someone/saved"]) == CHECKPOINT_FILES | TOKENIZER_FILES
+
+
+def test_push_to_hub_without_the_package_uploads_the_token_lookup_table_the_model_reads(tmp_path):
+    """A MemoryLLM loaded with `trust_remote_code` alone and reading a token lookup table pushes the table's files
+    with it, as `hub.push_checkpoint` does (not with `include_token_lookup=False`, nor from `save_pretrained(folder,
+    push_to_hub=True)`, which uploads what the folder holds). Once its memory FFN is dropped the push is refused
+    before the repository is created."""
+    from hf_memffn.conversion.export import export_tols
+
+    torch.manual_seed(0)
+    directory = tmp_path / "memoryllm"
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm"))
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    export_tols(model, tmp_path / "table", format="int8", progress=False)
+    completed = run_without_the_package(PUSHER, tmp_path, tmp_path / "uploads.json", "push_to_hub_reading_a_table",
+                                        directory, tmp_path / "table")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    uploads = json.loads((tmp_path / "uploads.json").read_text())
+    checkpoint = CHECKPOINT_FILES - REMOTE_CODE_FILES["kvffn"] | REMOTE_CODE_FILES["memoryllm"]
+    table = {"token_lookup.safetensors", "token_lookup.safetensors.index.json", "token_lookup_report.json"}
+    assert set(uploads["someone/with-table"]) == checkpoint | table
+    assert set(uploads["someone/without-table"]) == checkpoint
+    assert set(uploads["someone/saved"]) == checkpoint
+    assert "drop_memory_ffn" in uploads["refused"] and "someone/dropped" not in uploads["created"]
