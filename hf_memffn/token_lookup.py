@@ -63,6 +63,26 @@ class TokenLookupError(ValueError):
 # Format
 
 
+def _integer(name: str, value) -> int:
+    """`value` as an int (an int or an integer scalar such as numpy's), else a ValueError naming the option."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return value.__index__()
+    except (AttributeError, TypeError, RuntimeError):
+        raise ValueError(f"{name} takes integers; got {value!r}") from None
+
+
+def _number(name: str, value) -> float:
+    """`value` as a float (a real number, not a string or a bool), else a ValueError naming the option."""
+    try:
+        if isinstance(value, (bool, str, bytes)):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} takes a number; got {value!r}") from None
+
+
 @dataclass
 class TokenLookupFormat:
     """How a table is stored.
@@ -85,12 +105,15 @@ class TokenLookupFormat:
 
     def __post_init__(self):
         check_choice("format", self.name, FORMATS)
-        self.drop_layers = tuple(sorted({int(layer) for layer in self.drop_layers}))
+        if isinstance(self.drop_layers, (str, bytes)) or not hasattr(self.drop_layers, "__iter__"):
+            raise ValueError(f"drop_layers={self.drop_layers!r} must be a list of layer indices, e.g. [8, 9]")
+        self.drop_layers = tuple(sorted({_integer("drop_layers", layer) for layer in self.drop_layers}))
         if self.name in QUANT_MAX:
             if self.group_size is not None:  # (None: chosen by check_model from the hidden size)
-                if int(self.group_size) < 2 or int(self.group_size) % 2:
+                group_size = _integer("group_size", self.group_size)
+                if group_size < 2 or group_size % 2:
                     raise ValueError(f"group_size={self.group_size!r} must be an even integer >= 2")
-                self.group_size = int(self.group_size)
+                self.group_size = group_size
         elif self.group_size is not None:
             raise ValueError(f"group_size={self.group_size!r} applies only to formats int8 and int4, not {self.name!r}")
         if self.name == "lowrank":
@@ -98,10 +121,14 @@ class TokenLookupFormat:
             if (self.rank is None) == (self.energy is None):
                 raise ValueError(f"format 'lowrank' needs exactly one of rank or energy (got rank={self.rank!r}, "
                                  f"energy={self.energy!r})")
-            if self.rank is not None and int(self.rank) < 1:
-                raise ValueError(f"rank={self.rank!r} must be >= 1")
-            if self.energy is not None and not 0.0 < float(self.energy) <= 1.0:
-                raise ValueError(f"energy={self.energy!r} must be in (0, 1]")
+            if self.rank is not None:
+                self.rank = _integer("rank", self.rank)
+                if self.rank < 1:
+                    raise ValueError(f"rank={self.rank!r} must be >= 1")
+            if self.energy is not None:
+                self.energy = _number("energy", self.energy)
+                if not 0.0 < self.energy <= 1.0:
+                    raise ValueError(f"energy={self.energy!r} must be in (0, 1]")
         elif self.rank is not None or self.energy is not None:
             raise ValueError(f"rank/energy apply only to format 'lowrank', not {self.name!r}")
 
@@ -197,9 +224,12 @@ def row_relative_errors(exact: torch.Tensor, approx: torch.Tensor, hidden_size: 
 
 
 def _memory_base(model: nn.Module) -> nn.Module:
-    """The module holding `embed_tokens` and `memory` (the base model of a *ForCausalLM, or the model itself)."""
+    """The module holding `embed_tokens` and `memory` (the base model of a *ForCausalLM, or the model itself; through
+    a PEFT wrapper, `get_base_model()`)."""
     if hasattr(model, "embed_tokens"):
         return model
+    if callable(getattr(model, "get_base_model", None)):  # (PEFT's PeftModel: its `model` is not the decoder)
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     if inner is not None and hasattr(inner, "embed_tokens"):
         return inner
@@ -658,6 +688,24 @@ class DeviceTokenLookupTable(TokenLookupTable):
         return TokenLookupReadout(self, ids, self.rows, self.scales)
 
 
+def _checked_token_ids(name: str, ids, vocab_size: int) -> torch.Tensor | None:
+    """`ids` (a sequence or tensor of token ids, or None) as a flat CPU long tensor; a ValueError naming `name` for
+    anything but integer ids in 0..vocab_size-1."""
+    if ids is None:
+        return None
+    try:
+        tokens = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} takes integer token ids; got {ids!r}") from None
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise ValueError(f"{name} takes integer token ids; got dtype {tokens.dtype}")
+    tokens = tokens.reshape(-1).long().cpu()
+    outside = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if outside.numel():
+        raise ValueError(f"{name} contains token id {outside[0].item()}: allowed ids are 0..{vocab_size - 1}")
+    return tokens
+
+
 class _CachedTokenLookupTable(TokenLookupTable):
     """Tables whose rows stay off the device (placements "cpu" and "disk"): on a GPU, a device cache of `cache_rows`
     token rows, of which `static_fraction` hold `frequent_tokens` for good and the rest the least recently used."""
@@ -666,6 +714,11 @@ class _CachedTokenLookupTable(TokenLookupTable):
 
     def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
                  frequent_tokens: Sequence[int] | torch.Tensor | None = None):
+        # (checked on every device, before the table is read: the same call must not pass on a CPU and fail on a GPU)
+        cache_rows = _integer("cache_rows", cache_rows)
+        if cache_rows < 0:
+            raise ValueError(f"cache_rows={cache_rows} must be >= 0 (the device cache's size in token rows)")
+        frequent_tokens = _checked_token_ids("frequent_tokens", frequent_tokens, index.vocab_size)
         super().__init__(index, device, kernel)
         self.use_cache = self.device.type == "cuda" and cache_rows > 0
         if self.use_cache:
@@ -682,11 +735,8 @@ class _CachedTokenLookupTable(TokenLookupTable):
         if frequent_tokens is None:
             # Byte-level BPE vocabularies give low ids to early (frequent) merges: a usable default order.
             return list(range(min(self.static_slots, vocab)))
-        tokens = torch.as_tensor(frequent_tokens).reshape(-1).long().cpu()
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= vocab):
-            raise ValueError(f"frequent_tokens has ids outside 0..{vocab - 1}")
         order, seen = [], set()
-        for token in tokens.tolist():
+        for token in frequent_tokens.tolist():  # (checked by `_checked_token_ids`)
             if token not in seen:
                 seen.add(token)
                 order.append(token)

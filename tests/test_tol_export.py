@@ -158,11 +158,67 @@ def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fm
     ({"format": "int4", "energy": 0.5}, "rank/energy apply only to format 'lowrank', not 'int4'"),
     ({"format": "bf16", "drop_layers": [0, 1]}, "drop_layers"),
     ({"format": "bf16", "drop_layers": [7]}, "drop_layers"),
+    # (the CLI's "1,0" written in Python: a string was read character by character, "10" dropping layers 1 and 0)
+    ({"format": "bf16", "drop_layers": "10"}, r"drop_layers='10' must be a list of layer indices"),
+    ({"format": "bf16", "drop_layers": [0.5]}, r"drop_layers takes integers; got 0.5"),
+    ({"format": "lowrank", "rank": 2.5}, r"rank takes integers; got 2.5"),
+    ({"format": "lowrank", "energy": "0.9"}, r"energy takes a number; got '0.9'"),
+    ({"format": "int8", "group_size": 16.5}, r"group_size takes integers; got 16.5"),
+    ({"format": "bf16", "batch_size": 2.5}, r"batch_size takes integers; got 2.5"),
 ])
 def test_bad_export_options_name_the_field(model, tmp_path, options, field):
     with pytest.raises(ValueError, match=field):
         export_tols(model, tmp_path, progress=False, **options)
     assert not own_files(tmp_path)
+
+
+def test_an_export_puts_the_modules_back_in_the_mode_they_were_in(model, tmp_path):
+    """Exporting mid-training (with its held-out loss) runs in eval mode and leaves the model training, as it was
+    (it was left in eval mode: the rest of the training ran without dropout, without a word)."""
+    trained = build()
+    trained.train()
+    trained.lm_head.eval()  # (each module's own mode is put back)
+    modes = [module.training for module in trained.modules()]
+    eval_ids = torch.randint(0, trained.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    export_tols(trained, tmp_path, format="fp32", progress=False, eval_input_ids=eval_ids)
+    assert [module.training for module in trained.modules()] == modes
+    assert trained.model.token_lookup is None
+    trained.eval()
+    export_tols(trained, tmp_path, format="int8", progress=False)
+    assert not any(module.training for module in trained.modules())
+
+
+def test_the_heldout_loss_delta_refuses_a_model_without_its_memory_ffn_and_keeps_its_table(model, tmp_path):
+    """`lookup_loss_delta` computes the loss in compute mode first: a model that dropped its memory FFN is refused
+    before anything changes (it failed half-way, leaving the model without its table and so without any memory)."""
+    from hf_memffn.conversion import lookup_loss_delta
+
+    export_tols(model, tmp_path / "fp32", format="fp32", progress=False)
+    export_tols(model, tmp_path / "int8", format="int8", progress=False)
+    serving = build()
+    table = serving.load_tols(tmp_path / "fp32", placement="cpu", drop_memory_ffn=True)
+    ids = torch.randint(0, serving.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=r"lookup_loss_delta: .*dropped.*load the checkpoint again"):
+        lookup_loss_delta(serving, tmp_path / "int8", ids)
+    assert serving.model.token_lookup is table
+    serving(input_ids=ids)
+    delta = lookup_loss_delta(model, tmp_path / "int8", ids)  # (with its weights: both losses, compute mode after)
+    assert abs(delta["loss_delta"]) < 0.05 and model.model.token_lookup is None
+
+
+def test_a_peft_model_exports_its_table(model, tmp_path):
+    """A MemoryLLM under a PEFT adapter that leaves X0 and the memory FFN alone (LoRA on the attention) exports the
+    table of its weights (it was refused as if it were not a MemoryLLM), which the model without the adapter takes."""
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(build(), LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    export_tols(adapted, tmp_path, format="fp32", progress=False)
+    tokens = torch.arange(model.config.vocab_size)
+    model.load_tols(tmp_path, placement="cpu")
+    try:
+        torch.testing.assert_close(lookup_values(model, tokens), exact_values(model, tokens), rtol=0, atol=0)
+    finally:
+        model.unload_tols()
 
 
 @pytest.mark.parametrize("fmt", ["fp16"])

@@ -206,6 +206,23 @@ def test_bad_runtime_options_name_the_field(exported):
     assert model.model.token_lookup is None
 
 
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+@pytest.mark.parametrize("options, message", [
+    ({"frequent_tokens": [3, 7, 320]}, r"frequent_tokens contains token id 320: allowed ids are 0\.\.319"),
+    ({"frequent_tokens": torch.tensor([-1, 5])}, r"frequent_tokens contains token id -1: allowed ids are 0\.\.319"),
+    ({"frequent_tokens": [1.5, 2.0]}, r"frequent_tokens takes integer token ids; got dtype torch.float32"),
+    ({"cache_rows": -8}, r"cache_rows=-8 must be >= 0"),
+    ({"cache_rows": 64.5}, r"cache_rows takes integers; got 64.5"),
+], ids=["past_the_vocabulary", "negative", "not_integers", "negative_cache", "fractional_cache"])
+def test_cache_options_are_checked_on_every_device(exported, placement, options, message):
+    """Bad device cache options of the cpu and disk placements are refused on a machine without a GPU too, where no
+    cache is built (they were taken there without a word), naming the option, the id and the allowed range."""
+    model, directory = exported
+    with pytest.raises(ValueError, match=message):
+        model.load_tols(directory, placement=placement, **options)
+    assert model.model.token_lookup is None
+
+
 @pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
 def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous_or_on_another_device():
     ids, hidden, table = torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(4, 24)

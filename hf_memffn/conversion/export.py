@@ -42,7 +42,7 @@ from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
                                  model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
-                                    TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _memory_base,
+                                    TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, quantize_rows,
                                     read_safetensors_header, row_relative_errors, shard_sha256, weights_fingerprint)
 
@@ -114,6 +114,7 @@ def _rank_from_energy(eigenvalues_desc: torch.Tensor, energy: float) -> int:
 class _Exporter:
     def __init__(self, model, out_dir: str, fmt: TokenLookupFormat, batch_size: int, max_shard_size, device,
                  progress: bool):
+        batch_size = _integer("batch_size", batch_size)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.base = _memory_base(model)
@@ -556,16 +557,21 @@ def text_to_input_ids(tokenizer, text: str, seq_len: int = 256) -> torch.Tensor:
 
 
 def lookup_loss_delta(model, table_dir: str, input_ids: torch.Tensor, placement: str | None = None) -> dict:
-    """Held-out loss in compute mode and with the table at `table_dir`; the model is left in compute mode."""
+    """Held-out loss in compute mode and with the table at `table_dir`; the model is left reading the table it read
+    before (computing its FFNs on X0 if none). Compute mode needs the memory FFN's weights: a model that dropped them
+    (`drop_memory_ffn`) is refused before anything changes."""
     base = _memory_base(model)
+    if getattr(base, "memory", None) is None:
+        raise ValueError("lookup_loss_delta: the model's memory FFN weights were dropped (`drop_memory_ffn`), and the "
+                         "loss in compute mode needs them; load the checkpoint again")
     previous = getattr(base, "token_lookup", None)
-    base.token_lookup = None
-    compute = heldout_loss(model, input_ids)
     device = base.embed_tokens.weight.device
     if placement is None:
         placement = "gpu" if device.type == "cuda" else "cpu"
-    model.load_tols(table_dir, placement=placement, verify="size")
+    base.token_lookup = None
     try:
+        compute = heldout_loss(model, input_ids)
+        model.load_tols(table_dir, placement=placement, verify="size")
         lookup = heldout_loss(model, input_ids)
     finally:
         base.token_lookup = previous
@@ -600,7 +606,7 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     say the folder holds the table (`model_card.refresh_lookup_section`; the report's `model_card` names the card).
     """
     fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
-                            drop_layers=tuple(drop_layers))
+                            drop_layers=drop_layers)
     max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
     if push_to_hub is not None:
         check_repo_id(push_to_hub, "push_to_hub")
@@ -614,14 +620,19 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out_dir = os.fspath(out_dir)
-    model.eval()
     if eval_text is not None:  # (refused before anything is written)
         if tokenizer is None:
             raise ValueError("eval_text needs a tokenizer (pass tokenizer=, or a model directory that has one)")
         eval_input_ids = text_to_input_ids(tokenizer, eval_text)
-    report = _Exporter(model, out_dir, fmt, batch_size, max_shard_size, device, progress).run()
-    if eval_input_ids is not None:
-        report.update(lookup_loss_delta(model, out_dir, eval_input_ids))
+    modes = [(module, module.training) for module in model.modules()]  # (a model exported mid-training: put back)
+    model.eval()
+    try:
+        report = _Exporter(model, out_dir, fmt, batch_size, max_shard_size, device, progress).run()
+        if eval_input_ids is not None:
+            report.update(lookup_loss_delta(model, out_dir, eval_input_ids))
+    finally:
+        for module, training in modes:
+            module.training = training
     _write_json_atomic(os.path.join(out_dir, REPORT_NAME), report)
     # Exported into a checkpoint folder: its model card (written at save time) now says the folder holds the table.
     if refresh_lookup_section(out_dir):
