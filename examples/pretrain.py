@@ -216,8 +216,7 @@ def load_raw_splits(args):
     import datasets
 
     if args.data_files:
-        builder = args.dataset or _builder_for(args.data_files[0])
-        loaded = datasets.load_dataset(builder, data_files={"train": args.data_files})
+        loaded = _load_data_files(datasets, args)
     elif args.dataset:
         loaded = datasets.load_dataset(args.dataset, args.dataset_config)
     else:
@@ -228,7 +227,95 @@ def load_raw_splits(args):
     if args.text_column not in train.column_names:
         raise ValueError(f"--text-column={args.text_column!r} is not one of the dataset's columns {train.column_names}")
     validation = loaded[args.validation_split] if args.validation_split in loaded else None
+    for split_name, split in ((args.train_split, train), (args.validation_split, validation)):
+        if split is not None:
+            refuse_documents_without_text(split, split_name, args.text_column)
     return train, validation
+
+
+def refuse_documents_without_text(split, split_name: str, column: str) -> None:
+    """A text column of another type, or without a value in some rows (a JSON line without the field), failed in the
+    tokenizer with an error that named neither the column nor the row."""
+    if column not in split.column_names:
+        raise ValueError(f"--text-column={column!r} is not one of the columns {split.column_names} of the "
+                         f"{split_name!r} split")
+    feature = split.features[column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise ValueError(f"--text-column={column!r} holds {feature} values in the {split_name!r} split, not text: "
+                         "choose the column of the documents' text")
+    values = split.data.column(column)
+    if values.null_count:
+        import pyarrow.compute
+
+        first = pyarrow.compute.index(values.is_null(), True).as_py()
+        raise ValueError(f"--text-column={column!r} has no value in {values.null_count} of the {len(split)} rows of "
+                         f"the {split_name!r} split (the first: row {first}); drop those rows or give them a text")
+
+
+def data_files_builder(args) -> str:
+    """The `datasets` builder that reads --data-files: --dataset, else the one of the files' suffix. A file named
+    twice (also by two globs) is refused: its documents would be trained on twice, and the held-out ones (the last
+    documents) could be trained on too. So are files of two formats, which one builder would read as the other's (a
+    JSON line as a line of text)."""
+    from collections import Counter
+
+    from datasets.data_files import DataFilesList
+
+    files = list(DataFilesList.from_patterns(args.data_files))
+    repeated = sorted(name for name, count in Counter(files).items() if count > 1)
+    if repeated:
+        raise ValueError(f"--data-files names {repeated[0]!r} more than once ({len(repeated)} such file(s)): its "
+                         "documents would be trained on twice; give each file once")
+    if args.dataset:
+        return args.dataset
+    builders = {}
+    for name in files:
+        builders.setdefault(_builder_for(name), name)
+    if len(builders) > 1:
+        found = ", ".join(f"{builder} ({name!r})" for builder, name in builders.items())
+        raise ValueError(f"--data-files mixes formats: {found}; one builder reads them all, so give files of one "
+                         "format (or --dataset BUILDER to read every file with it)")
+    return next(iter(builders))
+
+
+def _load_data_files(datasets, args):
+    """`datasets.load_dataset` of --data-files, with an error that names a file that is not UTF-8: `datasets` names
+    neither the file nor the encoding it expected, and its json builder reads such bytes into the text column
+    unchecked (they failed later, in the tokenizer)."""
+    import pyarrow
+
+    try:
+        loaded = datasets.load_dataset(data_files_builder(args), data_files={"train": args.data_files})
+        if args.text_column in loaded["train"].column_names:
+            loaded["train"].data.column(args.text_column).validate(full=True)
+    except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, pyarrow.ArrowInvalid) as error:
+        cause = error.__cause__ if isinstance(error, datasets.exceptions.DatasetGenerationError) else error
+        decoding = isinstance(cause, (UnicodeDecodeError, pyarrow.ArrowInvalid))
+        name = _first_file_not_utf8(args.data_files) if decoding else None
+        if name is None:
+            raise
+        raise ValueError(f"--data-files: {name!r} is not UTF-8 text ({cause}); convert it to UTF-8") from error
+    return loaded
+
+
+def _first_file_not_utf8(patterns: list[str]) -> str | None:
+    """The first local file of --data-files that does not decode as UTF-8 (None if all do)."""
+    import codecs
+
+    from datasets.data_files import DataFilesList
+
+    for name in DataFilesList.from_patterns(patterns):
+        if not Path(name).is_file():
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(name, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return name
+    return None
 
 
 def _builder_for(path: str) -> str:
@@ -271,14 +358,15 @@ def _batches(dataset, column: str, batch_size: int = 1000):
 
 
 def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_proc=None):
-    """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks. The stream is cut per
-    batch of 1000 documents (`datasets`' batched map, as transformers' language-modelling examples pack), so each
-    batch drops its own tail of fewer than `block_size` tokens."""
+    """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks. Blank documents (the
+    empty lines of a .txt file) are not documents and add nothing, no EOS either. The stream is cut per batch of 1000
+    documents (`datasets`' batched map, as transformers' language-modelling examples pack), so each batch drops its
+    own tail of fewer than `block_size` tokens."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [doc + [eos] for doc in ids]}
+        return {"input_ids": [doc + [eos] for doc, text in zip(ids, batch[text_column]) if text.strip()]}
 
     def group(batch):
         stream = [token for doc in batch["input_ids"] for token in doc]
@@ -706,9 +794,17 @@ def refuse_conflicting_arguments(args) -> None:
     if args.max_eval_blocks is not None and args.max_eval_blocks < 1:
         raise ValueError(f"--max-eval-blocks={args.max_eval_blocks}: expected a positive number of blocks (leave it "
                          "out to evaluate every held-out block)")
+    if args.train_tokenizer is not None:
+        from hf_memffn.tokenization import MIN_VOCAB_SIZE
+
+        if args.train_tokenizer < MIN_VOCAB_SIZE:
+            raise ValueError(f"--train-tokenizer={args.train_tokenizer}: expected a vocabulary of {MIN_VOCAB_SIZE} "
+                             "tokens or more (256 bytes and 3 special tokens)")
     if args.data_dir and (args.data_files or args.dataset):
         given = "--data-files" if args.data_files else "--dataset"
         raise ValueError(f"--data-dir reads token shards, so {given} would be left unused: give one of the two")
+    if args.data_files:
+        data_files_builder(args)  # (a file named twice, or files of two formats)
     if args.init_from and args.train_tokenizer:
         raise ValueError(f"--train-tokenizer: the model of --init-from={args.init_from!r} reads the token ids of its "
                          "own tokenizer, which a new one would not keep; drop --train-tokenizer")

@@ -101,6 +101,50 @@ def test_packing_joins_documents_with_eos_into_full_blocks():
     assert blocks["input_ids"] == expected
 
 
+def test_packing_leaves_blank_documents_out():
+    """An empty line of a .txt file (or an empty or blank text) is no document: each added a lone EOS, so blank
+    lines between paragraphs put runs of EOS into the training and the held-out blocks."""
+    import datasets
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    tokenizer = train_tokenizer(WORDS * 3, vocab_size=300)
+    texts = ["the key reads", "", "a value from memory", "  ", "\t", "each head"]
+    blocks = pretrain.pack_into_blocks(datasets.Dataset.from_dict({"text": texts}), tokenizer, block_size=1,
+                                       text_column="text")
+    stream = []
+    for text in ("the key reads", "a value from memory", "each head"):
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert [token for block in blocks["input_ids"] for token in block] == stream
+
+
+def test_documents_without_text_or_of_a_file_not_utf8_are_refused_naming_the_row_or_file(tmp_path):
+    """A JSON line without the text field (or with a number there) failed in the tokenizer (`TypeError: 'NoneType'
+    object is not iterable`), and a file not in UTF-8 with `DatasetGenerationError: An error occurred while generating
+    the dataset` (.txt, .csv) or, read unchecked by the json builder, in the tokenizer; neither error named the file
+    or the row."""
+    import types
+
+    def load(name, text_column="text"):
+        return pretrain.load_raw_splits(types.SimpleNamespace(
+            data_files=[str(tmp_path / name)], dataset=None, dataset_config=None, train_split="train",
+            validation_split="validation", text_column=text_column))
+
+    rows = [{"text": "the key reads"}, {"title": "no text"}, {"text": "a value"}, {"text": None}]
+    (tmp_path / "missing.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--text-column='text' has no value in 2 of the 4 rows of the 'train' split "
+                                         r"\(the first: row 1\)"):
+        load("missing.jsonl")
+    (tmp_path / "numbers.jsonl").write_text(json.dumps({"text": 3}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--text-column='text' holds Value\('int64'\) values .*, not text"):
+        load("numbers.jsonl")
+    for name, content in (("latin1.txt", "caf\xe9 au lait\n"), ("latin1.csv", "text\ncaf\xe9\n"),
+                          ("latin1.jsonl", json.dumps({"text": "caf\xe9"}, ensure_ascii=False) + "\n")):
+        (tmp_path / name).write_bytes(content.encode("latin-1"))
+        with pytest.raises(ValueError, match=rf"--data-files: '.*{name}' is not UTF-8 text .*; convert it to UTF-8"):
+            load(name)
+
+
 def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_once(tmp_path):
     """A session stopped (--stop-after-steps 5) after its last checkpoint (3, off the --logging-steps 2 grid) had
     logged step 4 and its own end; resumed, the run logged step 4 again after them. The resumed run's log is now the

@@ -113,12 +113,15 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--config-overrides", "ffn_kernal=torch"], r"'ffn_kernal' not a field of FlashMHFLlamaConfig; its fields:"),
     (["--resume", "no_such_checkpoint"], r"--resume='no_such_checkpoint' is not a checkpoint folder"),
     (["--resume", "latest"], r"--resume latest: no checkpoint-\* folder"),
+    (["--train-tokenizer", "100"], r"--train-tokenizer=100: expected a vocabulary of 259 tokens or more"),
+    (["--train-tokenizer", "0"], r"--train-tokenizer=0: expected a vocabulary of 259 tokens or more"),
 ])
 def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_path, monkeypatch, extra, message):
     """Each of these trained and failed late (a `ZeroDivisionError`, a `KeyError` after the last step, a traceback
     after the data was packed), or trained while ignoring an option: a typo in --config-overrides, --data-files beside
     --data-dir, a tokenizer trained anew for an --init-from model that reads another's token ids; or trained on a
-    rate that climbed from a peak below --min-learning-rate up to it."""
+    rate that climbed from a peak below --min-learning-rate up to it. A --train-tokenizer below the byte alphabet failed
+    after the dataset was read, naming `vocab_size` (0 asked for a --tokenizer)."""
     monkeypatch.chdir(tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     out = tmp_path / "run"
@@ -126,6 +129,23 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
         pretrain.main(["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
                        "--max-steps", "1", "--output-dir", str(out), *extra])
     assert not out.exists()
+
+
+def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tmp_path, monkeypatch):
+    """A file named twice (by a path and a glob) was read twice: its documents trained on twice, and the held-out
+    ones (the last documents) trained on as the other copy. Files of two formats were all read with the first file's
+    builder: each JSON line of a .jsonl after a .txt trained on as a line of text."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "corpus.jsonl", documents=20)
+    (tmp_path / "notes.txt").write_text("the key reads a value\n", encoding="utf-8")
+    out = tmp_path / "run"
+    for files, message in ((["corpus.jsonl", "*.jsonl"], r"--data-files names '.*corpus.jsonl' more than once"),
+                           (["notes.txt", "corpus.jsonl"], r"--data-files mixes formats: text \('.*notes.txt'\), "
+                                                           r"json \('.*corpus.jsonl'\)")):
+        with pytest.raises(ValueError, match=message):
+            pretrain.main(["--data-files", *files, "--train-tokenizer", "300", "--block-size", "32",
+                           "--max-steps", "1", "--output-dir", str(out)])
+        assert not out.exists()
 
 
 def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):

@@ -267,6 +267,16 @@ def test_prepare_data_refuses_a_held_out_share_of_every_document_or_none(tmp_pat
     assert not (tmp_path / "shards").exists()
 
 
+def test_prepare_data_refuses_a_text_file_named_twice(tmp_path, monkeypatch):
+    """A file given twice had its paragraphs read twice, so a held-out paragraph (every --heldout-every-th) was in
+    train.bin as the other copy."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ValueError, match=r"--text-files names \['\./README.md', 'README.md'\] more than once"):
+        prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files", "README.md",
+                           "./README.md", "--wiki", "no"])
+    assert not (tmp_path / "shards").exists()
+
+
 def test_prepare_data_refuses_sizes_out_of_range_and_leaves_no_half_built_folder(tmp_path, monkeypatch):
     """--vocab-size 0 failed after the corpus was read, naming `vocab_size`, and left OUT.tmp behind; --tokenizer-chars
     0 trained a tokenizer of bytes alone without a word; a vocabulary beyond uint16 failed only once the tokenizer was

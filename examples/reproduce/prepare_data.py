@@ -34,6 +34,7 @@ import random
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -290,6 +291,11 @@ def main(argv=None) -> dict:
     elif args.source == "text-files":
         if not args.text_files:
             raise ValueError("--source text-files needs --text-files FILE ...")
+        resolved = [Path(name).resolve() for name in args.text_files]
+        counts = Counter(resolved)
+        repeated = sorted({name for name, path in zip(args.text_files, resolved) if counts[path] > 1})
+        if repeated:  # its paragraphs would be read twice, and a held-out one could be trained on as the other copy
+            raise ValueError(f"--text-files names {repeated} more than once: give each file once")
         documents = every_nth_heldout(paragraphs(args.text_files), args.heldout_every)
         source_meta = {"name": "local text files: " + ", ".join(args.text_files), "licence": "as the files",
                        "split": f"paragraphs; every {args.heldout_every}th held out"}
