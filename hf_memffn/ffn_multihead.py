@@ -11,6 +11,8 @@ copies a modeling file's sibling imports next to the weights).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,15 +21,16 @@ from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 
 from .ffn import FeedForwardMemory, load_checkpoint_parts, package_logger
-from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path, router_gates
+from .flash_mhf_op import autocast_enabled, flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
 logger = package_logger(__name__)
 
 
 def _rng_states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU random state and that of `device` (None for a CPU device)."""
-    if device.type == "cpu":
+    """The CPU random state and that of `device` (None for a CPU device, and for the meta device, which draws no
+    numbers)."""
+    if device.type in ("cpu", "meta"):
         return torch.get_rng_state(), None
     return torch.get_rng_state(), torch.get_device_module(device).get_rng_state(device)
 
@@ -42,14 +45,21 @@ class _TokenChunkedRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, chunk_tokens, tokens, *params):
         ctx.module, ctx.chunk_tokens, ctx.params = module, chunk_tokens, params
-        device_type = tokens.device.type  # the recompute runs under the same autocast as this forward
-        ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
-                            dtype=torch.get_autocast_dtype(device_type))
+        device_type = tokens.device.type
+        # the recompute runs under the same autocast as this forward (none on the meta device, which has no autocast)
+        ctx.autocast = None
+        if torch.amp.is_autocast_available(device_type):
+            ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
+                                dtype=torch.get_autocast_dtype(device_type))
         ctx.rng_states = _rng_states(tokens.device)
         ctx.save_for_backward(tokens)
         output = None
+        # (chunks of the detached input: a slice of `tokens` here would be a view that requires grad without a grad_fn,
+        # on which a forward pre-hook of the module's submodules that hooks its inputs' gradients fails, as
+        # FlopCounterMode's does)
+        detached = tokens.detach()
         for start in range(0, tokens.shape[1], chunk_tokens):
-            chunk_output = module._forward(tokens[:, start : start + chunk_tokens])
+            chunk_output = module._forward(detached[:, start : start + chunk_tokens])
             if output is None:
                 output = chunk_output.new_empty(1, tokens.shape[1], chunk_output.shape[-1])
             output[:, start : start + chunk_tokens] = chunk_output
@@ -65,7 +75,7 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         grad_params = [None] * len(params)
         cpu_state, device_state = ctx.rng_states
         devices = [tokens.device] if device_state is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=tokens.device.type):
+        with torch.random.fork_rng(devices=devices, device_type=tokens.device.type if devices else "cpu"):
             torch.set_rng_state(cpu_state)
             if device_state is not None:
                 torch.get_device_module(tokens.device).set_rng_state(device_state, tokens.device)
@@ -87,8 +97,11 @@ class _TokenChunkedRecompute(torch.autograd.Function):
     def _chunk_gradients(ctx, chunk, grad_chunk, params, needs_tokens) -> list[torch.Tensor]:
         # a function of its own, so the chunk's activations are freed before the next chunk runs
         chunk = chunk.detach().requires_grad_(needs_tokens)
-        with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            chunk_output = ctx.module._forward(chunk)
+        autocast = torch.autocast(**ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
+        with torch.enable_grad(), autocast:
+            # (the module reads a view of the leaf `chunk`: a hook on the gradient of a submodule's input, as
+            # FlopCounterMode registers, cannot be on a leaf inside `autograd.grad`)
+            chunk_output = ctx.module._forward(chunk.view_as(chunk))
         inputs = ([chunk] if needs_tokens else []) + params
         return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
 
@@ -296,7 +309,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         projected = self.in_proj(hidden_states) if self.in_proj is not None else hidden_states
-        if torch.is_autocast_enabled(projected.device.type):
+        if autocast_enabled(projected.device.type):
             # The layer is a custom op that autocast does not see: run it in the autocast dtype, as autocast would run
             # a matmul (without input projection the input is the float32 normalized residual stream).
             projected = projected.to(torch.get_autocast_dtype(projected.device.type))

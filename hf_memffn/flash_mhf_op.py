@@ -21,6 +21,7 @@ so ``torch.compile`` traces them without a graph break and ``torch.library.opche
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -163,6 +164,19 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
     return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon})"
 
 
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``, or no context on a device without autocast (the meta device, on
+    which a model runs to get its shapes, where ``torch.autocast`` raises)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``: never on a device without autocast (the meta device)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Memory-bounded PyTorch reference (forward and recomputing backward)
 # ----------------------------------------------------------------------------------------------------------
@@ -281,7 +295,7 @@ def _forward_impl(q, k, u, v, r, impl):
     else:
         # (float32 products also under autocast, which an operator's implementation would otherwise run under in
         # eager mode only: a compiled graph runs it with autocast off)
-        with torch.autocast(q.device.type, enabled=False):
+        with autocast_off(q.device.type):
             out = _reference_forward(q, k, u, v, r)
     return _in_layout_of(q, out)
 
@@ -290,7 +304,7 @@ def _backward_impl(grad_out, q, k, u, v, r, impl):
     if impl == "triton":
         grads = triton_backward(grad_out, q, k, u, v, r)
     else:
-        with torch.autocast(q.device.type, enabled=False):  # (as in the forward)
+        with autocast_off(q.device.type):  # (as in the forward)
             grads = _reference_backward(grad_out, q, k, u, v, r)
     return tuple(_in_layout_of(t, g) for t, g in zip((q, k, u, v, r), grads))
 
@@ -391,7 +405,7 @@ def router_gates(queries: torch.Tensor, router: torch.Tensor | None, gate_eps: f
     ``[B, H, L, d_h]`` and ``router [H, d_h, E]`` (also under autocast); all ones ``[B, H, L, 1]`` without a router."""
     if router is None:
         return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
-    with torch.autocast(queries.device.type, enabled=False):
+    with autocast_off(queries.device.type):
         scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries.float(), router.float()))
         return scores / (scores.sum(dim=-1, keepdim=True) + gate_eps)
 
@@ -401,11 +415,13 @@ def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, ep
     """The layer composed of PyTorch operations around :func:`flash_mhf` (``impl`` runs the op): the unfused path,
     and the reference the fused layer is tested against. Same maths as :func:`flash_mhf_layer`."""
     batch, length, width = p.shape
-    with torch.autocast(p.device.type, enabled=False):  # float32 norm and gates, also under autocast
+    with autocast_off(p.device.type):  # float32 norm and gates, also under autocast
         queries = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2).float()
         if norm_weight is not None:
             queries = queries * torch.rsqrt(queries.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
         gates = router_gates(queries, router, gate_eps)
+        if router is None:  # r = 1 for every sub-network, as the kernels take it
+            gates = gates.expand(*gates.shape[:-1], k.shape[1])
     heads = flash_mhf(queries.to(p.dtype), k, u, v, gates, impl=impl)
     return heads.transpose(1, 2).reshape(batch, length, width)
 

@@ -60,8 +60,8 @@ def layer_truth(p, norm_weight, router, k, u, v):
     q = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
     if norm_weight is not None:
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + EPS) * norm_weight
-    if router is None:
-        gates = q.new_ones((*q.shape[:-1], 1))
+    if router is None:  # r = 1 for every sub-network
+        gates = q.new_ones((*q.shape[:-1], k.shape[1]))
     else:
         scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", q, router))
         gates = scores / (scores.sum(-1, keepdim=True) + GATE_EPS)
@@ -100,6 +100,13 @@ def check_layer(inputs, dtype, parameter_dtype=torch.float32, **layer_kwargs):
 @pytest.mark.parametrize("case", LAYER_CASES[:3])
 def test_unfused_layer_matches_float64(case):
     check_layer(layer_inputs(*case), torch.float32, impl="torch")
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_unfused_layer_without_a_router_weighs_every_subnetwork_by_one(impl):
+    """router=None with several sub-networks: r = 1 for each, as the kernels of the fused layer take it (the unfused
+    layer had refused with an error about an `r` of one column, which its caller never passed)."""
+    check_layer(layer_inputs(2, 5, 2, 64, 1, 3, 32, True, False), torch.float32, impl=impl, fused=False)
 
 
 def test_path_names_the_unfused_layer_on_cpu():

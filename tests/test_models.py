@@ -833,6 +833,43 @@ def test_flash_mhf_token_chunked_recompute_refuses_a_second_derivative():
         (out.sum() + penalty).backward()
 
 
+def test_flash_mhf_token_chunked_recompute_runs_under_the_flop_counter():
+    """FlopCounterMode hooks the gradients of every submodule's input: the chunks that the FFN's projections read must
+    be tensors autograd can hook, in the forward pass and in the backward pass's recompute, which counts one more
+    forward of the FFN. The gradients are those of the plain module."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops, grads = [], []
+    for chunk_tokens in (0, 4):
+        model = build("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens)
+        ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+        with FlopCounterMode(display=False) as counter:
+            model(ids, labels=ids).loss.backward()
+        flops.append(counter.get_total_flops())
+        grads.append([p.grad for p in model.parameters()])
+    assert flops[1] > flops[0]
+    for recomputed, plain in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"ffn_recompute_chunk_tokens": 4}], ids=["plain", "recompute"])
+def test_flash_mhf_model_runs_on_the_meta_device(overrides):
+    """A model built on the meta device runs for its shapes (as Llama does, e.g. under FlopCounterMode), forward and
+    backward, also under autocast: the FFN asks for autocast only where the device has it, and the recompute draws
+    nothing from the CPU's random state."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", **overrides))
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    cpu_state = torch.get_rng_state()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.shape == (2, 5, 320) and out.logits.is_meta
+    assert all(p.grad is not None and p.grad.is_meta for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(ids).logits.shape == (2, 5, 320)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(device, monkeypatch):
