@@ -237,6 +237,45 @@ def _memory_base(model: nn.Module) -> nn.Module:
                      "MemoryLLM or FlexMemoryLLM model")
 
 
+def _offload_hooks(module: nn.Module) -> list:
+    """The hooks accelerate's dispatch (`from_pretrained(device_map=...)`) set on `module` (none without it)."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", (hook,)))
+
+
+def stored_tensor(root: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (named `name` under `root`); if a device map offloaded it to the CPU or the disk, it stays on the meta
+    device between forwards and this is the copy the offload hooks load for a forward, in its dtype."""
+    if tensor.device.type != "meta":
+        return tensor
+    module_name, _, key = name.rpartition(".")
+    while True:  # from the module that holds the tensor out to `root`: the first hook that keeps it
+        for hook in _offload_hooks(root.get_submodule(module_name)):
+            weights_map = getattr(hook, "weights_map", None)
+            if weights_map is None:
+                continue
+            try:  # (a lookup, not `in`: that would read a tensor on the disk twice)
+                return weights_map[key].to(tensor.dtype)
+            except KeyError:
+                pass
+        if not module_name:
+            raise TokenLookupError(f"{name} is on the meta device and no offload hook of the device map holds it: "
+                                   "load the model's weights before computing or checking a token lookup table")
+        module_name, _, parent = module_name.rpartition(".")
+        key = f"{parent}.{key}"
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its weight's device, or, for a module a device map offloaded (its weight on the meta
+    device), the device its offload hook loads the weight onto for a forward."""
+    device = module.weight.device
+    if device.type == "meta":
+        for hook in _offload_hooks(module):
+            if getattr(hook, "execution_device", None) is not None:
+                return torch.device(hook.execution_device)
+    return device
+
+
 # config fields that change what the memory FFN computes from the same weights
 _FINGERPRINT_CONFIG_FIELDS = ("rms_norm_eps", "hidden_act", "vocab_size", "hidden_size", "num_hidden_layers",
                               "token_memory_size")
@@ -267,7 +306,7 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
     tensors = [("embed_tokens.weight", base.embed_tokens.weight)]
     tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
     for name, tensor in sorted(tensors, key=lambda item: item[0]):
-        tensor = tensor.detach()
+        tensor = stored_tensor(base, name, tensor.detach())  # (offloaded by a device map: the stored copy)
         if hasattr(tensor, "full_tensor"):  # sharded by tensor parallelism or FSDP (a DTensor): hash the whole tensor
             tensor = tensor.full_tensor()
         digest.update(f"{name}:{tuple(tensor.shape)};".encode())
@@ -1026,7 +1065,8 @@ class TokenLookupMixin:
                   drop_memory_ffn: bool = False) -> TokenLookupTable:
         """Switch the memory FFN (FFN on X0) to a lookup in the table exported to `path`.
 
-        placement: "gpu" | "cpu" | "disk" (see `TokenLookupTable`); device defaults to the embedding's device.
+        placement: "gpu" | "cpu" | "disk" (see `TokenLookupTable`); device defaults to the embedding's device (the
+            one it computes on, if a device map offloaded it).
         cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
         frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids).
         kernel: "auto" (Triton on CUDA, PyTorch on CPU; under torch.compile the add is left to inductor) | "triton"
@@ -1046,7 +1086,7 @@ class TokenLookupMixin:
         check_table_matches(index, base)
         index.verify(verify)
         if device is None:
-            device = base.embed_tokens.weight.device
+            device = execution_device(base.embed_tokens)
         table = open_table(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
                            kernel=kernel)
         base.token_lookup = table

@@ -141,6 +141,37 @@ def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
         fresh(input_ids=ids)
 
 
+def test_a_model_offloaded_to_disk_by_a_device_map_takes_and_exports_tables(exported, tmp_path):
+    """With the token embedding and the FFNs on X0 offloaded to the disk (`device_map`, their weights on the meta
+    device between forwards), `load_tols` checks the table against the stored weights and places it where the
+    embedding computes; a table exported from that model, some layers dropped, equals the whole model's."""
+    model, directory = exported
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "disk", "model.memory": "disk", "model.rotary_emb": "cpu",
+                  "model.layers": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload").eval()
+    assert offloaded.model.memory.down_proj.device.type == "meta"
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        table = offloaded.load_tols(directory, placement="cpu")
+        assert table.device == torch.device("cpu")
+        assert relative(offloaded(input_ids=ids).logits, reference) < 1e-5
+    offloaded.unload_tols()
+    export_tols(offloaded, tmp_path / "offloaded", format="fp32", drop_layers=(0,), progress=False)
+    export_tols(model, tmp_path / "whole", format="fp32", drop_layers=(0,), progress=False)
+    logits = {}
+    for name in ("offloaded", "whole"):
+        model.load_tols(tmp_path / name, placement="cpu")
+        try:
+            with torch.no_grad():
+                logits[name] = model(input_ids=ids).logits
+        finally:
+            model.unload_tols()
+    torch.testing.assert_close(logits["offloaded"], logits["whole"], rtol=0, atol=0)
+
+
 def test_training_the_weights_a_table_replaces_is_refused(exported):
     """In training, a loaded table would leave the FFNs on X0 (and X0 through them) without gradients: refused while
     the embedding or the memory FFN requires gradients; with both frozen the rest trains (LoRA, heads)."""

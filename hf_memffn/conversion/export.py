@@ -43,8 +43,9 @@ from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_
                                  model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
-                                    basis_key, block_keys, dequantize_rows, embedding_adapters, quantize_rows,
-                                    read_safetensors_header, row_relative_errors, shard_sha256, weights_fingerprint)
+                                    basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
+                                    quantize_rows, read_safetensors_header, row_relative_errors, shard_sha256,
+                                    weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -84,6 +85,9 @@ def _memory_outputs(base, token_ids: torch.Tensor, layers: list[int]) -> torch.T
     memory = base.memory
     if len(layers) == base.config.num_hidden_layers:
         out = memory(x0)
+    elif any(param.device.type == "meta" for param in memory.parameters()):
+        # offloaded by a device map: its hooks load the weights for `forward` only, which computes every layer
+        out = memory(x0)[:, :, layers]
     else:
         out = memory.forward_layers(x0, layers)
     return out[0].float()
@@ -142,7 +146,7 @@ class _Exporter:
         self.out_dir = out_dir
         self.batch_size = batch_size
         self.max_shard_size = max_shard_size
-        self.device = torch.device(device) if device is not None else self.base.embed_tokens.weight.device
+        self.device = torch.device(device) if device is not None else execution_device(self.base.embed_tokens)
         self.progress = progress
         self.fingerprint = weights_fingerprint(self.base)
         self.fingerprint_fp16 = weights_fingerprint(self.base, through=torch.float16)
