@@ -212,7 +212,8 @@ class MemFFNConfig(PretrainedConfig):
     def _pop_derived_fields(cls, fields: dict) -> dict:
         """The fields of `fields` that the config derives from others (`ffn_head_dim`, `subnetwork_size`, ...:
         properties without a setter), taken out of it."""
-        derived = [key for key in fields if isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None]
+        derived = [key for key in fields
+                   if isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None]
         return {key: fields.pop(key) for key in derived}
 
     def _check_derived_fields(self, given: dict) -> None:

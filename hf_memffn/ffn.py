@@ -24,7 +24,6 @@ from .ffn_triton import paired_activation, paired_kernels_unavailable
 from .rms_norm import rms_normalize
 
 
-
 def package_logger(module_name: str):
     """The logger of one of the package's modules, named `transformers.memffn.<module>` (also when the module runs as
     a checkpoint's remote code): under transformers' own logger, so that its verbosity
@@ -34,7 +33,6 @@ def package_logger(module_name: str):
 
 
 logger = package_logger(__name__)
-
 
 
 def load_checkpoint_parts(state_dict: dict, part_names: list[str], fused_name: str, fused: torch.Tensor | None, *,
@@ -61,6 +59,7 @@ def load_checkpoint_parts(state_dict: dict, part_names: list[str], fused_name: s
             continue
         with torch.no_grad():
             rows.copy_(part)
+
 
 class FeedForwardMemory:
     """An FFN read as unnormalized key-value memory, `FFN(x) = sum_j c_j(x) v_j` (biases and inner residual

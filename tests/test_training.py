@@ -158,8 +158,8 @@ def test_a_sharded_checkpoint_loads_back_one_shard_at_a_time(arch, tmp_path):
     trained.save_pretrained(tmp_path / "whole")
     trained.save_pretrained(tmp_path / "sharded", max_shard_size="8KB")
     saved = load_file(tmp_path / "whole" / "model.safetensors")
-    part, sibling = {"flash_mhf": ("mlp.up", "mlp.key"), "kvffn": ("mlp.value_proj.weight", "mlp.key_proj.weight")}[arch]
-    part, sibling = f"model.layers.0.{part}", f"model.layers.0.{sibling}"
+    part, sibling = {"flash_mhf": ("up", "key"), "kvffn": ("value_proj.weight", "key_proj.weight")}[arch]
+    part, sibling = f"model.layers.0.mlp.{part}", f"model.layers.0.mlp.{sibling}"
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
     if arch == "kvffn":  # (transformers writes FlashMHF's three into one shard; other writers need not)
         assert index[part] != index[sibling]
