@@ -38,7 +38,8 @@ def main(argv=None) -> Path:
     from hf_memffn.tokenization import train_tokenizer
 
     with args.corpus.open(encoding="utf-8") as handle:
-        tokenizer = train_tokenizer((json.loads(line)["text"] for line in handle), vocab_size=args.vocab_size)
+        texts = (json.loads(line)["text"] for line in handle if line.strip())  # (blank lines hold no document)
+        tokenizer = train_tokenizer(texts, vocab_size=args.vocab_size)
     overrides = pretrain.parse_overrides(args.config_overrides) if args.arch == "flash_mhf" else {}
     config = pretrain.build_config(args.arch, args.preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
     torch.manual_seed(args.seed)

@@ -384,6 +384,8 @@ def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arc
     import save_initial_weights
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
+    with corpus.open("a", encoding="utf-8") as handle:  # (a blank line, as an editor leaves at the end: no document)
+        handle.write("\n")
     init = save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", arch, "--preset", "tiny",
                                       "--config-overrides", "ffn_kernel=torch", "--vocab-size", "300"])
     assert (init / "tokenizer.json").is_file() and (init / "config.json").is_file()
