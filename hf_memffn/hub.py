@@ -14,20 +14,19 @@ import fnmatch
 import json
 import os
 import posixpath
-import shutil
 import tempfile
 from pathlib import Path
 
 from .atomic_write import write_atomic
 from .cli_args import first_line
 from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
+from .token_lookup import copy_table_files
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
 WEIGHT_SUFFIXES = (".safetensors",)
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # names the shards of a sharded checkpoint
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
-TABLE_FILE_SUFFIXES = (".safetensors", ".json")
 # Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
 # (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`), and the
 # Trainer's `checkpoint-*/` folders (with optimizer states) in its output_dir, which `Trainer.push_to_hub` skips too.
@@ -162,11 +161,10 @@ def _remote_code_files(config: dict) -> set[str]:
     return names
 
 
-def attached_table_dir(model) -> Path | None:
-    """The folder of the token lookup table a MemoryLLM / FlexMemoryLLM model reads, or None."""
+def attached_table(model):
+    """The token lookup table a MemoryLLM / FlexMemoryLLM model reads, or None."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
-    table = getattr(base, "token_lookup", None)
-    return Path(table.index.directory) if table is not None else None
+    return getattr(base, "token_lookup", None)
 
 
 def stage_checkpoint(
@@ -191,11 +189,9 @@ def stage_checkpoint(
         else:
             tokenizer.save_pretrained(folder)
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
-    table_dir = attached_table_dir(model)
-    if include_token_lookup and table_dir is not None and table_dir.resolve() != Path(folder).resolve():
-        for path in sorted(table_dir.glob(f"{TABLE_FILE_PREFIX}*")):
-            if path.is_file() and path.suffix in TABLE_FILE_SUFFIXES:  # not token_lookup.py (remote code)
-                shutil.copy2(path, Path(folder) / path.name)
+    table = attached_table(model)
+    if include_token_lookup and table is not None and Path(table.index.directory).resolve() != Path(folder).resolve():
+        copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
     write_atomic(Path(folder) / "README.md",
                  render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))
     return check_checkpoint_folder(folder)

@@ -990,12 +990,16 @@ def load_table(path: str, placement: str = "gpu", *, device=None, cache_rows: in
                       kernel=kernel)
 
 
+def table_file_names(directory: str | os.PathLike, shards: Sequence[str]) -> list[str]:
+    """The files of the table in `directory` whose index lists `shards`: the shards, the export report where there is
+    one, and last the index (the order to copy them in, so that a table copied half-way never loads)."""
+    report = [REPORT_NAME] if os.path.isfile(os.path.join(directory, REPORT_NAME)) else []
+    return [*shards, *report, INDEX_NAME]
+
+
 def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:
-    """Copy the files of the table read from `index.directory` into `directory`: its shards, its export report (where
-    there is one) and, last, its index, so that a table copied half-way never loads."""
-    names = [*index.shards, *([REPORT_NAME] if os.path.isfile(os.path.join(index.directory, REPORT_NAME)) else []),
-             INDEX_NAME]
-    for name in names:
+    """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`)."""
+    for name in table_file_names(index.directory, index.shards):
         shutil.copy2(os.path.join(index.directory, name), os.path.join(directory, name))
 
 

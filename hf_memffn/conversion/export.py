@@ -45,7 +45,7 @@ from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
                                     quantize_rows, read_safetensors_header, row_relative_errors, shard_sha256,
-                                    weights_fingerprint)
+                                    table_file_names, weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -665,8 +665,7 @@ def table_files(out_dir: str) -> list[str]:
     if missing:
         raise TokenLookupError(f"the token lookup table in {out_dir} is incomplete: {INDEX_NAME} names {missing}, "
                                "which are missing; run the export again")
-    extra = [REPORT_NAME] if os.path.isfile(os.path.join(out_dir, REPORT_NAME)) else []
-    return sorted([INDEX_NAME, *shards, *extra])
+    return sorted(table_file_names(out_dir, shards))
 
 
 def push_table_to_hub(out_dir: str, repo_id: str, private: bool | None = None) -> str:
