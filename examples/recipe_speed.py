@@ -75,11 +75,22 @@ def parse_run(text: str) -> dict:
     return {"arch": arch, "mode": mode, "batch": batch, "name": f"{arch}_{mode}_b{batch}"}
 
 
+def standard_library_files() -> list[str]:
+    """The top-level modules of Python's standard library, each file once: some Pythons link one module under two
+    names (Ubuntu's `_sysconfigdata_*`), which prepare_data refuses as a file named twice."""
+    files, seen = [], set()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            files.append(str(path))
+    return files
+
+
 def standard_library_shards(work: Path, vocab_size: int, max_train_tokens: int) -> Path:
     """Token shards of the Python standard library's sources, under `work` in a folder named by everything they
     depend on: the vocabulary size, the training stream's length, the source files and the Python that holds them.
     Built once per such key (the folder appears whole or not at all); a call of other settings builds its own."""
-    files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    files = standard_library_files()
     prepare_argv = ["--source", "text-files", "--text-files", *files, "--vocab-size", str(vocab_size),
                     "--max-train-tokens", str(max_train_tokens), "--max-heldout-tokens", str(64 * 2048), "--wiki", "no"]
     key = json.dumps({"prepare_data": prepare_argv, "python": sys.version}, sort_keys=True)

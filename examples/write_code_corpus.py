@@ -16,11 +16,12 @@ BUDGET = 8_000_000  # characters
 
 def main(path: str) -> None:
     """Written under a temporary name and renamed when whole: ddp_check.sh reuses a corpus it finds."""
-    written = 0
+    written, seen = 0, set()
     with atomic_output(path) as temporary, open(temporary, "w") as out:
         for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-            if "test" in source.parts:
+            if "test" in source.parts or source.resolve() in seen:  # (some Pythons link one module under two names)
                 continue
+            seen.add(source.resolve())
             text = source.read_text(errors="ignore")
             out.write(json.dumps({"text": text}) + "\n")
             written += len(text)

@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 
 from .ffn import FeedForwardMemory, load_checkpoint_parts, package_logger
-from .flash_mhf_op import autocast_enabled, flash_mhf_layer, flash_mhf_layer_path, router_gates
+from .flash_mhf_op import autocast_available, autocast_enabled, flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
 logger = package_logger(__name__)
@@ -48,7 +48,7 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         device_type = tokens.device.type
         # the recompute runs under the same autocast as this forward (none on the meta device, which has no autocast)
         ctx.autocast = None
-        if torch.amp.is_autocast_available(device_type):
+        if autocast_available(device_type):
             ctx.autocast = dict(device_type=device_type, enabled=torch.is_autocast_enabled(device_type),
                                 dtype=torch.get_autocast_dtype(device_type))
         ctx.rng_states = _rng_states(tokens.device)

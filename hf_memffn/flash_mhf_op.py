@@ -164,17 +164,23 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
     return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon})"
 
 
+def autocast_available(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast: not the meta device, on which a model runs to get its shapes and where
+    ``torch.autocast`` raises. Under torch.compile it is taken as available without asking (torch 2.11's dynamo cannot
+    trace ``torch.amp.is_autocast_available`` and breaks the graph there; compiled code runs on real devices)."""
+    return torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+
+
 def autocast_off(device_type: str):
-    """``torch.autocast(device_type, enabled=False)``, or no context on a device without autocast (the meta device, on
-    which a model runs to get its shapes, where ``torch.autocast`` raises)."""
-    if torch.amp.is_autocast_available(device_type):
+    """``torch.autocast(device_type, enabled=False)``, or no context on a device without autocast."""
+    if autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
 
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type``: never on a device without autocast (the meta device)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 # ----------------------------------------------------------------------------------------------------------

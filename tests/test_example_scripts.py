@@ -227,3 +227,14 @@ def test_write_code_corpus_interrupted_leaves_no_corpus(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_code_corpus.main(str(tmp_path / "corpus.jsonl"))
     assert not (tmp_path / "corpus.jsonl").exists()
+
+
+def test_write_code_corpus_writes_a_linked_module_once(tmp_path, monkeypatch):
+    """A module linked under two names (Ubuntu's `_sysconfigdata_*`) is one document, not two."""
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    (stdlib / "a.py").write_text("x = 1\n")
+    (stdlib / "b.py").symlink_to(stdlib / "a.py")
+    monkeypatch.setattr(write_code_corpus.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    write_code_corpus.main(str(tmp_path / "corpus.jsonl"))
+    assert (tmp_path / "corpus.jsonl").read_text().splitlines() == ['{"text": "x = 1\\n"}']

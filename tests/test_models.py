@@ -870,6 +870,31 @@ def test_flash_mhf_model_runs_on_the_meta_device(overrides):
         assert model(ids).logits.shape == (2, 5, 320)
 
 
+def test_flash_mhf_model_compiles_without_asking_whether_the_device_has_autocast(monkeypatch):
+    """torch 2.11's dynamo cannot trace `torch.amp.is_autocast_available` (a C function it skips), so asking it in the
+    FFN's forward broke the graph and failed fullgraph compiles on CUDA. Here the question raises while compiling, as
+    an untraceable call does there, and the model still compiles whole, forward and backward, also under autocast."""
+    asked = torch.amp.is_autocast_available
+
+    def untraceable(device_type):
+        if torch.compiler.is_compiling():
+            raise AssertionError("torch.amp.is_autocast_available called while compiling")
+        return asked(device_type)
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    torch.manual_seed(0)
+    model = build("flash_mhf")
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    expected = model(ids, labels=ids).loss
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(ids).logits.shape == (2, 7, 320)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(device, monkeypatch):

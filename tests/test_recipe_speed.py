@@ -130,3 +130,13 @@ def test_default_shards_come_from_the_standard_library_once_per_vocabulary_and_s
     longer = recipe_speed.standard_library_shards(work, 300, 30_000)
     assert longer != folder and json.loads((longer / "meta.json").read_text())["splits"]["train"]["tokens"] == 30_000
     assert (folder / "train.bin").stat().st_mtime_ns == built  # the first stream is kept for calls of its settings
+
+
+def test_standard_library_files_name_each_file_once(tmp_path, monkeypatch):
+    """Ubuntu's Python links one `_sysconfigdata_*` module under two names; both names went to prepare_data, which
+    refuses a file named twice, so the recipe's default data failed to build there."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").symlink_to(tmp_path / "a.py")
+    (tmp_path / "c.py").write_text("y = 2\n")
+    monkeypatch.setattr(recipe_speed.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert recipe_speed.standard_library_files() == [str(tmp_path / "a.py"), str(tmp_path / "c.py")]
