@@ -774,6 +774,19 @@ def load_data(args, training_args):
     return train_blocks, eval_blocks, tokenizer
 
 
+def refuse_token_ids_beyond_the_embedding(model, data_dir: str, train_blocks, eval_blocks) -> None:
+    """Shards of --data-dir that hold token ids the model's embedding has no row for (tokenized for a larger
+    vocabulary than the --init-from model's, or than --tokenizer's) are refused before training, which would fail at
+    the first such id: an `IndexError` on the CPU, a device-side assert on a GPU."""
+    rows = model.get_input_embeddings().num_embeddings
+    for split, blocks in (("train", train_blocks), ("heldout", eval_blocks)):
+        largest = int(blocks.tokens.max())
+        if largest >= rows:
+            raise ValueError(f"--data-dir={data_dir!r}: {split}.bin holds token id {largest}, but the model's "
+                             f"embedding has {rows} rows (ids 0 to {rows - 1}); tokenize the shards with the model's "
+                             "tokenizer, or pass the tokenizer the shards were made with")
+
+
 def evaluation_at_the_last_step(state, load_best_model_at_end: bool = False) -> dict | None:
     """The evaluation the Trainer logged at the run's last step (when --eval-steps divides it), which the final
     evaluation would repeat on the same weights (logged twice, and its time spent twice); None if there is none, or
@@ -899,6 +912,8 @@ def main(argv=None) -> dict:
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
 
     model = build_model(args, tokenizer)
+    if args.data_dir:
+        refuse_token_ids_beyond_the_embedding(model, args.data_dir, train_blocks, eval_blocks)
     counts = parameter_counts(model)
     world_size = training_args.world_size
     tokens_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps

@@ -148,25 +148,43 @@ def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tm
         assert not out.exists()
 
 
-def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):
-    """A heldout.bin of fewer tokens than --block-size gave no evaluation block: the run trained to the end, then
-    failed with `KeyError: 'eval_loss'` before saving the final model."""
+def write_shards(shards, held_out_documents):
+    """Token shards of one short document (train.bin: 40 copies) in a new folder `shards` with their tokenizer of 300
+    ids at most; heldout.bin holds `held_out_documents(document)`. Returns the folder and heldout.bin's token count."""
     import token_shards
 
     from hf_memffn.tokenization import train_tokenizer
 
-    shards = tmp_path / "shards"
     shards.mkdir()
     tokenizer = train_tokenizer(["the key reads a value from memory"] * 10, vocab_size=300)
     tokenizer.save_pretrained(shards)
     document = tokenizer("the key reads a value from memory", add_special_tokens=False)["input_ids"]
     token_shards.write_split(shards, "train", [document] * 40, tokenizer.eos_token_id)
-    held_out = token_shards.write_split(shards, "heldout", [document] * 2, tokenizer.eos_token_id)
+    return shards, token_shards.write_split(shards, "heldout", held_out_documents(document), tokenizer.eos_token_id)
+
+
+def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):
+    """A heldout.bin of fewer tokens than --block-size gave no evaluation block: the run trained to the end, then
+    failed with `KeyError: 'eval_loss'` before saving the final model."""
+    shards, held_out = write_shards(tmp_path / "shards", lambda document: [document] * 2)
     assert held_out < 32
     with pytest.raises(ValueError, match=rf"--data-dir=.*: heldout.bin holds {held_out} tokens, fewer than "
                                          r"--block-size=32, so no evaluation block"):
         pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "32", "--max-steps", "2",
                        "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
+
+
+def test_shards_with_ids_beyond_the_embedding_are_refused(tmp_path):
+    """Shards tokenized for a larger vocabulary than the model's trained until the first such id, then failed in the
+    embedding (an `IndexError` here, a device-side assert on a GPU); they are refused before training, naming the id
+    and the embedding's rows."""
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document * 3 + [500]] * 4)
+    rows = 320  # the tokenizer's ids (300 at most) padded to a multiple of 64
+    with pytest.raises(ValueError, match=rf"--data-dir=.*: heldout.bin holds token id 500, but the model's embedding "
+                                         rf"has {rows} rows"):
+        pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "2",
+                       "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
 
 
 def test_config_overrides_apply_to_an_init_from_model(tmp_path):
