@@ -5,6 +5,7 @@
 
 OUT_DIR gets the model (float32, seeded) and its tokenizer, ready for `examples/pretrain.py --init-from OUT_DIR`,
 so every engine of examples/ddp_check.sh starts from the same weights (ZeRO-3's own initialisation plays no part).
+OUT_DIR must not exist; it appears whole or not at all (written under a temporary name, then renamed).
 Config overrides apply to FlashMHFLlama only (the other architectures ignore them here).
 """
 
@@ -21,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain  # noqa: E402
 
+from hf_memffn.atomic_write import atomic_output  # noqa: E402
+
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,6 +35,8 @@ def main(argv=None) -> Path:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.out.exists():  # (an interrupted write into it would leave a model without its tokenizer, or the reverse)
+        raise ValueError(f"OUT_DIR={str(args.out)!r} exists: remove it or name a new folder")
 
     from transformers import AutoModelForCausalLM
 
@@ -46,8 +51,9 @@ def main(argv=None) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "attach_tokenizer"):  # our architectures keep the tokenizer's special ids in the config
         model.attach_tokenizer(tokenizer)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    with atomic_output(args.out) as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     print(f"initial weights: {args.arch} {args.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {args.out}")
     return args.out
 

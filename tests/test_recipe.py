@@ -398,6 +398,29 @@ def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arc
     assert summary["model_type"] == expected_type and summary["global_step"] == 2
 
 
+def test_initial_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):
+    """save_initial_weights.py wrote into OUT_DIR in place: interrupted after the model, it left a folder without a
+    tokenizer, which `pretrain.py --init-from` then failed on. An existing OUT_DIR is refused before any work."""
+    import save_initial_weights
+    from transformers import PreTrainedModel
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    saved = PreTrainedModel.save_pretrained
+
+    def interrupted(self, *args, **kwargs):
+        saved(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", interrupted)
+    argv = [str(corpus), str(tmp_path / "init"), "--arch", "llama", "--preset", "tiny", "--vocab-size", "300"]
+    with pytest.raises(KeyboardInterrupt):
+        save_initial_weights.main(argv)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.jsonl"]
+    (tmp_path / "init").mkdir()
+    with pytest.raises(ValueError, match=r"OUT_DIR='.*init' exists: remove it or name a new folder"):
+        save_initial_weights.main(argv)
+
+
 def test_fresh_run_trains_its_tokenizer_over_one_a_stopped_run_left(tmp_path):
     """A run stopped before its first checkpoint leaves OUTPUT_DIR/tokenizer, which is no run the folder holds: a
     fresh run there with another --train-tokenizer size trains its own (it took the old one), a resumed run keeps it."""
