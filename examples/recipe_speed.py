@@ -239,11 +239,11 @@ def main(argv=None) -> dict:
     if args.data_dir is not None and not (args.data_dir / "train.bin").is_file():
         parser.error(f"--data-dir {args.data_dir}: no train.bin there (a folder of token shards, "
                      "examples/token_shards.py; leave --data-dir out to build one from the standard library)")
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.data_dir is None:
         largest_batch = max(run["batch"] for run in args.runs)
         tokens = max(1_000_000, 2 * args.steps * largest_batch * (args.block_size + 1))
         args.data_dir = standard_library_shards(args.work, args.vocab_size, tokens)
+    args.out.mkdir(parents=True, exist_ok=True)  # (once the data is there: a refused --vocab-size leaves no folder)
     name_repeated_runs(args.runs)
     rows = []
     for run in args.runs:

@@ -77,6 +77,10 @@ def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_p
         recipe_speed.main(["--out", str(tmp_path / "results"), "--data-dir", str(tmp_path / "missing"),
                            "--runs", "llama:eager"])
     assert "--data-dir" in capsys.readouterr().err and not (tmp_path / "results").exists()
+    with pytest.raises(ValueError, match="--vocab-size must be"):  # the default shards' vocabulary, out of range
+        recipe_speed.main(["--out", str(tmp_path / "results"), "--work", str(tmp_path / "work"), "--vocab-size", "10",
+                           "--runs", "llama:eager"])
+    assert not (tmp_path / "results").exists()
 
     data = tmp_path / "data"
     data.mkdir()
