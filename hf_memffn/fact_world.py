@@ -222,8 +222,7 @@ class FactWorld:
     """
 
     def __init__(self, seed: int = 0, num_entities: int = 32):
-        if num_entities < 2:
-            raise ValueError(f"num_entities={num_entities!r} is too small; allowed: an integer >= 2")
+        _check_at_least(2, num_entities=num_entities)  # (2.5 built 3 people)
         if num_entities > MAX_ENTITIES:
             raise ValueError(f"num_entities={num_entities!r} is too large; allowed: 2..{MAX_ENTITIES}")
         self.seed = seed

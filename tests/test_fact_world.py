@@ -66,8 +66,9 @@ def test_held_out_forms_never_appear_in_training(world):
 
 
 def test_bad_arguments_name_the_field():
-    with pytest.raises(ValueError, match="num_entities"):
-        FactWorld(num_entities=1)
+    for bad in (1, 2.5, "8", True):
+        with pytest.raises(ValueError, match=rf"num_entities={bad!r} is invalid; allowed: an integer >= 2"):
+            FactWorld(num_entities=bad)
     with pytest.raises(ValueError, match="attribute"):
         FactWorld(num_entities=4).candidates("shoe_size")
     with pytest.raises(ValueError, match="vocab_size"):
