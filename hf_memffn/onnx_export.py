@@ -86,6 +86,23 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ValueError(f"export_onnx: path {str(path)!r}: its folder {str(path.parent)!r} does not exist; allowed: "
                          "a file in an existing folder")
     _check_opset(export_kwargs.get("opset_version"))
+    if getattr(model, "base_model", None) is model:
+        raise ValueError(f"export_onnx: {type(model).__name__} is a base model (AutoModel), whose outputs have no "
+                         "logits; allowed: a model with a head, e.g. AutoModelForCausalLM.from_pretrained(path)")
+    offloaded = [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
+                 if tensor.device.type == "meta"]
+    if offloaded:
+        raise ValueError(f"export_onnx: {len(offloaded)} weights of the model are not in memory "
+                         f"({', '.join(offloaded[:3])}{', ...' if len(offloaded) > 3 else ''} on the meta device: "
+                         "offloaded to the CPU or disk by `device_map`, or never loaded), and a graph holds its "
+                         "weights; load the model with every weight on one device, e.g. from_pretrained(path, "
+                         "device_map='cpu')")
+    rotary_types = {module.rope_type for module in model.modules()
+                    if isinstance(getattr(module, "rope_type", None), str)}
+    if any("dynamic" in rope_type for rope_type in rotary_types):
+        raise ValueError("export_onnx: rope_type='dynamic' (config.rope_parameters) recomputes the rotary frequencies "
+                         "on the host from the largest position id, which torch.export cannot trace; allowed rope "
+                         "types: 'default', 'linear', 'yarn', 'longrope', 'llama3'")
     table = getattr(getattr(model, "model", model), "token_lookup", None)
     if table is not None and table.placement == "disk":
         raise ValueError("export_onnx: the model reads its token lookup table from the disk (placement='disk'), whose "
@@ -120,6 +137,7 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     try:
         for module, name, _value in settings:
             setattr(module, name, False if name == "fused_layer" else 0)
+        _compute_long_context_frequencies(model)
         program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
                                     output_names=["logits"], custom_translation_table=onnx_translation_table(),
                                     **export_kwargs)
@@ -130,6 +148,27 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
             setattr(module, name, value)
     _save_atomic(program, path)
     return program
+
+
+def _compute_long_context_frequencies(model) -> None:
+    """LongRoPE's rotary embedding computes its long-context frequencies at its first forward past the original
+    length and keeps them as an attribute (transformers' `dynamic_rope_update`). Computed during the export, that
+    attribute is a tensor of the tracer's: the graph's constant folding fails on it, and the model keeps it, so its own
+    logits past the original length are wrong afterwards. One eager forward of a position past that length computes
+    them first; the frequency buffer gets its values back (the next forward picks them from the length anyway)."""
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if getattr(module, "rope_type", None) != "longrope" or not isinstance(inv_freq, torch.Tensor):
+            continue
+        parameters = module.config.rope_parameters
+        original_length = parameters.get("original_max_position_embeddings", module.config.max_position_embeddings)
+        values = inv_freq.clone()
+        with torch.no_grad():
+            module(inv_freq.new_zeros(1, 1, 1), torch.tensor([[original_length]], device=inv_freq.device))
+        if module.inv_freq is inv_freq:
+            inv_freq.copy_(values)
+        else:  # (a transformers that swaps the buffer instead of writing into it)
+            module.register_buffer("inv_freq", values, persistent=False)
 
 
 def _check_opset(opset_version) -> None:

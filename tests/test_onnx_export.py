@@ -298,3 +298,58 @@ def test_flashmhf_recomputing_in_token_chunks_exports_for_any_number_of_tokens(t
     assert model.model.layers[0].mlp.recompute_chunk_tokens == 4
     session = ReferenceEvaluator(onnx.load(str(path)))
     _check_logits(model, lambda ids: session.run(None, {"input_ids": ids})[0])
+
+
+def test_a_longrope_model_exports_for_both_frequency_sets_and_keeps_its_own_logits(tmp_path):
+    """LongRoPE picks its long-context frequencies past the original length and keeps them as an attribute, which a
+    first forward during the export left as a tensor of the tracer's: a dynamic export failed in the graph's constant
+    folding, and the PyTorch model's own logits past the original length were wrong afterwards. Both frequency sets
+    now export, and the model computes what it computed before."""
+    torch.manual_seed(0)
+    rope = {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 16}
+    config = tiny_config("kvffn", num_hidden_layers=1, initializer_range=0.1, max_position_embeddings=64,
+                         rope_parameters=rope)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    untouched = copy.deepcopy(model)
+    path = tmp_path / "model.onnx"
+    export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+    session = ReferenceEvaluator(onnx.load(str(path)))
+    generator = torch.Generator().manual_seed(1)
+    for length in (5, 30):  # within and past the original length
+        ids = torch.randint(3, 320, (1, length), generator=generator)
+        with torch.no_grad():
+            expected = untouched(ids, use_cache=False).logits
+            torch.testing.assert_close(model(ids, use_cache=False).logits, expected)
+        np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy()})[0], expected.numpy(), rtol=1e-4,
+                                   atol=1e-4, err_msg=f"length {length}")
+
+
+def test_a_dynamic_rope_model_is_refused_naming_the_rope_types_that_export(tmp_path):
+    config = tiny_config("kvffn", num_hidden_layers=1, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*allowed rope types: 'default', 'linear'"):
+        export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_base_model_or_offloaded_weights_are_refused_before_exporting(tmp_path):
+    """A base model (AutoModel, no logits) and a model whose weights `device_map` offloaded to the disk (on the meta
+    device) stopped inside torch.export with an error about its internals; each is refused first, naming the way
+    out, writing nothing."""
+    from transformers import AutoModel
+
+    config = tiny_config("kvffn", num_hidden_layers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match="KVFFNModel is a base model.*AutoModelForCausalLM"):
+        export_onnx(AutoModel.from_config(config).eval(), torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "checkpoint")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk", "model.norm": "cpu",
+                  "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", device_map=device_map,
+                                                     offload_folder=tmp_path / "offload")
+    with pytest.raises(ValueError, match=r"weights of the model are not in memory \(model\.layers\.0\..*"
+                                         r"device_map='cpu'"):
+        export_onnx(offloaded, torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    assert list(out.iterdir()) == []
