@@ -106,6 +106,24 @@ class _TokenChunkedRecompute(torch.autograd.Function):
         return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
 
 
+def _refuse_weights_from_outside(module: nn.Module, chunk_tokens: int) -> None:
+    """A ValueError where a weight of `module` is parametrized by tensors that the module does not hold (PEFT's
+    `target_parameters` LoRA: its wrapper computes the delta from its own adapter weights and attaches it for the
+    wrapper's forward only). The backward pass recomputes from the module's own weights, without that delta, so the
+    adapter would get no gradient and the other gradients would be those of the weight without it."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if not isinstance(parametrizations, nn.ModuleDict):
+        return
+    outside = [name for name, chain in parametrizations.items()
+               if any(isinstance(value, torch.Tensor) for item in chain for value in vars(item).values())]
+    if outside:
+        raise ValueError(
+            f"ffn_recompute_chunk_tokens={chunk_tokens}: the FFN weights {outside} carry an adapter that the module "
+            "does not hold (PEFT's target_parameters LoRA), which the backward pass's recompute leaves out: it would "
+            "get no gradient. Adapt these weights with hf_memffn.adapters.add_weight_lora, which the recompute sees, "
+            "or set ffn_recompute_chunk_tokens=0")
+
+
 def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Apply a position-wise `module._forward` ([1, n, d] -> [1, n, d']) to [B, L, d] keeping only the input for the
     backward pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the
@@ -113,6 +131,7 @@ def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, ch
     batch, length, width = hidden_states.shape
     if batch * length == 0:
         return module._forward(hidden_states)
+    _refuse_weights_from_outside(module, chunk_tokens)
     tokens = hidden_states.reshape(1, batch * length, width)
     output = _TokenChunkedRecompute.apply(module, chunk_tokens, tokens, *module.parameters())
     return output.view(batch, length, -1)

@@ -367,3 +367,30 @@ def test_add_weight_lora_takes_targets_from_a_generator():
     assert adapters.add_weight_lora(model, r=2, targets=(name for name in first_layer)) == first_layer
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     assert len(trainable) == 2 * len(first_layer) and all(".layers.0." in name for name in trainable)
+
+
+def test_pefts_target_parameters_lora_with_chunked_recompute_is_refused_and_ours_trains():
+    """PEFT's `target_parameters` LoRA attaches its delta to the router for its wrapper's forward only: the token
+    chunks recomputed in the backward pass (`ffn_recompute_chunk_tokens`) read the router without it, so its adapter
+    got no gradient and the other gradients were those of the unadapted router, without an error."""
+    ids = torch.randint(3, 320, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=4)).train()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["router"]))
+    with pytest.raises(ValueError, match=r"chunk_tokens=4: the FFN weights \['router'\].*add_weight_lora"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # (no backward pass, nothing recomputed)
+        model(input_ids=ids)
+    # the package's adapters are parametrizations the module holds: the recompute gives the gradients of a plain run
+    grads = []
+    for chunk_tokens in (0, 4):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
+        adapters.add_weight_lora(model.train(), r=2, targets=["model.layers.0.mlp.router"])
+        with torch.no_grad():
+            model.model.layers[0].mlp.parametrizations.router[0].lora_B.normal_()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: param.grad for name, param in model.named_parameters() if param.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and all(grad is not None for grad in grads[1].values())
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
