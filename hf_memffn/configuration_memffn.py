@@ -60,6 +60,9 @@ def _check_number(config, field: str, low: float, low_inclusive: bool, high: flo
     _check(type(config).__name__, within, field, value, requirement)
 
 
+# `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+
 # RoPE types the decoder supports: the default and every type of transformers' RoPE init functions that scales the
 # frequencies of a plain (text, one-axis) rotary embedding, as LlamaForCausalLM does.
 ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn", "longrope", "llama3")
@@ -305,6 +308,12 @@ class MemFFNConfig(PretrainedConfig):
                "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
         if getattr(self, "classifier_dropout", None) is not None:  # (the token classifier's; None stands for 0.1)
             _check_number(self, "classifier_dropout", 0.0, low_inclusive=True, high=1.0)
+        # the classification heads' fields: transformers takes any value, and the head then has no output (0 labels)
+        # or the loss fails at the first labelled batch (an unknown problem type)
+        num_labels = getattr(self, "num_labels", None)  # (None where `id2label` is unset)
+        _check(name, num_labels is None or num_labels >= 1, "num_labels", num_labels, "must be >= 1 (the outputs of "
+               "the classification heads; `id2label` has one entry per label)")
+        check_choice("problem_type", getattr(self, "problem_type", None), PROBLEM_TYPES, name)
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)
             ids = value if isinstance(value, (list, tuple)) else [value]

@@ -632,6 +632,28 @@ def test_scale_check_takes_any_multiple_of_64_and_names_the_flag_below(tmp_path,
     assert json.loads(out.read_text())["layers"] == 1
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--num-layers", "0", "argument --num-layers: 0 is invalid; allowed: an integer >= 1"),
+    ("--intermediate-size", "0", "argument --intermediate-size: 0 is invalid; allowed: an integer >= 1"),
+    ("--text-words", "0", "argument --text-words: 0 is invalid; allowed: an integer >= 1"),
+    ("--num-texts", "-1", "argument --num-texts: -1 is invalid; allowed: an integer >= 1"),
+    ("--vocab-size", "100", "--vocab-size 100 is invalid; allowed: an integer >= "),
+    ("--device", "meta", "argument --device: 'meta' is not supported; allowed: auto, cpu, cuda, cuda:N, mps"),
+    ("--out", ".", "--out . is a directory; allowed: a file path in an existing folder"),
+])
+def test_scale_check_refuses_bad_arguments_before_building_the_model(flag, value, message, capsys, monkeypatch):
+    """A zero count, a vocabulary smaller than the texts' tokenizer's, an unknown device or an `--out` that cannot be
+    written failed with a traceback from inside the analysis (`max_length=0`, "is the tokenizer the model's own?",
+    an empty reduction) or at the very end, after the model was built and analysed; now argparse names the flag."""
+    from hf_memffn.analysis import scale_check
+
+    monkeypatch.setattr(scale_check, "LlamaForCausalLM", lambda *args, **kwargs: pytest.fail("the model was built"))
+    argv = ["--device", "cpu", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "320", flag, value]
+    with pytest.raises(SystemExit) as stop:
+        scale_check.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_a_batch_of_several_sequences_is_refused_not_read_as_one():
     """`[2, length]` ids were flattened into one sequence: the second row's coefficients read the first as context."""
     model = build("llama")
@@ -731,6 +753,34 @@ def test_out_of_range_arguments_are_refused_with_the_argument_and_its_range_name
             call()
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     assert "memory_readout" not in vars(model.model)
+
+
+def test_one_text_or_one_texts_ids_given_for_the_list_is_refused():
+    """`analyze(model, tokenizer, "a text")` analysed each character as a text of its own (and a string `dataset`
+    streamed characters); one text's token ids given for `token_lists` failed on `len` of an int. Now refused."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    model = build("memoryllm")
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    refused = [
+        (lambda: analyze(model, tiny_tokenizer(), "the memory stores a key"),
+         r"texts is one string: expected a list of texts \(for one text, \[text\]\)"),
+        (lambda: analyze(model, tiny_tokenizer(), ["the memory"], dataset="the key"),
+         r"dataset is one string: expected a list of texts"),
+        (lambda: top_triggering_prefixes(model, [5, 9, 11], memory_banks(model)),
+         r"token_lists\[0\]=5 is a token id: expected a list of token-id lists, one per text"),
+        (lambda: layer_contributions(model, torch.tensor([5, 9, 11])),
+         r"token_lists\[0\]=5 is a token id: expected a list of token-id lists, one per text"),
+    ]
+    try:
+        for call, message in refused:
+            with pytest.raises(ValueError, match=f"^{message}"):
+                call()
+    finally:
+        handle.remove()
+    assert forwards == []
 
 
 def test_analyze_checks_the_edits_before_the_analysis():

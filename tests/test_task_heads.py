@@ -137,6 +137,26 @@ def test_a_bad_classifier_dropout_is_refused_naming_the_field(classifier_dropout
         AutoModelForTokenClassification.from_config(config)
 
 
+def test_a_bad_problem_type_or_label_count_is_refused_naming_the_field(tmp_path):
+    """A misspelt `problem_type` was taken and failed only at the first labelled batch (`Invalid problem type`), and
+    `num_labels=0` built a classifier with no outputs; both are now refused with the config, naming the field (also
+    when given to `from_pretrained`, and when set by hand before the head is built)."""
+    problem_type = r"`problem_type`='multi_label' is not supported; allowed values: None, 'regression', "
+    for fields, message in (({"problem_type": "multi_label"}, problem_type),
+                            ({"num_labels": 0}, r"`num_labels`=0 is invalid: must be >= 1")):
+        with pytest.raises(ValueError, match=message):
+            tiny_config("kvffn", **fields)
+    AutoModelForCausalLM.from_config(tiny_config("flash_mhf", pad_token_id=0)).save_pretrained(tmp_path / "lm")
+    with pytest.raises(ValueError, match=problem_type):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", problem_type="multi_label")
+    config = tiny_config("memoryllm", pad_token_id=0)
+    config.problem_type = "multi_label"
+    with pytest.raises(ValueError, match=problem_type):
+        AutoModelForSequenceClassification.from_config(config)
+    for problem_type in (None, "regression", "single_label_classification", "multi_label_classification"):
+        tiny_config("kvffn", problem_type=problem_type)
+
+
 def test_the_answer_span_loss_averages_start_and_end_and_ignores_positions_past_the_end():
     model = head_model(AutoModelForQuestionAnswering, "flash_mhf")
     ids, start, end = torch.randint(3, 320, (2, 6)), torch.tensor([1, 4]), torch.tensor([2, 9])

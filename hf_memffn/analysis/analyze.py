@@ -313,6 +313,9 @@ def analyze(
     `memory_layers`: token-memory layers to cluster (default: first, middle and last of the analysed ones).
     `banks`: the memory banks to analyse (default: all; see `memory_banks` and `select_banks`).
     """
+    for name, value in (("texts", texts), ("dataset", dataset)):
+        if isinstance(value, str):  # (iterated, a string gives one text per character)
+            raise ValueError(f"{name} is one string: expected a list of texts (for one text, [text])")
     if not texts:
         raise ValueError("texts is empty: give at least one text to analyse")
     check_at_least(1, max_length=max_length, batch_size=batch_size, top_cells=top_cells, top_triggers=top_triggers,

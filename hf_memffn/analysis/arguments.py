@@ -50,6 +50,14 @@ def check_ids(ids: Iterable[int], num_embeddings: int, what: str) -> list[int]:
     return ids
 
 
+def check_token_list(ids, what: str) -> None:
+    """Refuses a token id where a text's list of token ids is expected (one text's ids given for the whole list),
+    before `len` or iteration fails on an integer."""
+    if isinstance(ids, int) or isinstance(ids, torch.Tensor) and ids.dim() == 0:
+        raise ValueError(f"{what}={int(ids)} is a token id: expected a list of token-id lists, one per text (for one "
+                         "text, [ids])")
+
+
 def check_token_memory_layers(layers: Iterable[int], available: list[int], what: str) -> None:
     """Refuses layers not among `available`, the layers of the memory on the token embeddings."""
     unknown = [layer for layer in layers if layer not in available]

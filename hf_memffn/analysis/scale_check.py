@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_memffn.atomic_write import write_atomic
+from hf_memffn.cli_args import output_dir, positive_int, torch_device
 from hf_memffn.testing import tiny_tokenizer
 
 from .analyze import analyze
@@ -27,20 +29,30 @@ HEAD_DIM = 64  # attention heads of 64 dimensions; 4 key-value heads (fewer wher
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=torch_device,
+                        help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--intermediate-size", type=int, default=5632)
-    parser.add_argument("--num-layers", type=int, default=16)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--num-texts", type=int, default=16)
-    parser.add_argument("--dataset-texts", type=int, default=256)
-    parser.add_argument("--text-words", type=int, default=100)
+    parser.add_argument("--intermediate-size", type=positive_int, default=5632)
+    parser.add_argument("--num-layers", type=positive_int, default=16)
+    parser.add_argument("--vocab-size", type=positive_int, default=32000)
+    parser.add_argument("--num-texts", type=positive_int, default=16)
+    parser.add_argument("--dataset-texts", type=positive_int, default=256)
+    parser.add_argument("--text-words", type=positive_int, default=100)
     parser.add_argument("--out", default="analysis-scale.json")
-    parser.add_argument("--report-dir", help="also write the HTML report here")
+    parser.add_argument("--report-dir", type=output_dir, help="also write the HTML report here")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.hidden_size < HEAD_DIM or args.hidden_size % HEAD_DIM:
         parser.error(f"--hidden-size {args.hidden_size} is invalid; allowed: a multiple of {HEAD_DIM} (heads of "
                      f"{HEAD_DIM} dimensions), e.g. 2048")
+    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        what = "is a directory" if os.path.isdir(args.out) else "is in a folder that does not exist"
+        parser.error(f"--out {args.out} {what}; allowed: a file path in an existing folder, e.g. scale.json")
+    tokenizer = tiny_tokenizer()
+    if args.vocab_size < len(tokenizer):
+        parser.error(f"--vocab-size {args.vocab_size} is invalid; allowed: an integer >= {len(tokenizer)} (the "
+                     "texts' tokenizer has that many ids)")
 
     torch.manual_seed(0)
     num_heads = args.hidden_size // HEAD_DIM
@@ -51,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
-    tokenizer = tiny_tokenizer()
     words = ["memory", "key", "value", "token", "layer", "head", "the", "a", "of", "is", "reads", "stores"]
     generator = torch.Generator().manual_seed(0)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .arguments import check_at_least, check_ids, check_token_memory_layers, num_embeddings_of
+from .arguments import (check_at_least, check_ids, check_token_list, check_token_memory_layers,
+                        num_embeddings_of)
 from .memory_banks import MemoryBank, decoder_of, memory_banks
 
 
@@ -197,6 +198,7 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
     num_tokens = 0
     try:
         for index, ids in enumerate(token_lists):
+            check_token_list(ids, f"token_lists[{index}]")
             if not ids:
                 continue
             check_ids(ids, num_embeddings, f"token_lists[{index}]")

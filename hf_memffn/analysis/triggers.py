@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from .arguments import check_at_least, check_cells, check_ids, num_embeddings_of
+from .arguments import check_at_least, check_cells, check_ids, check_token_list, num_embeddings_of
 from .coefficients import record_coefficients
 from .memory_banks import MemoryBank
 
@@ -79,6 +79,7 @@ class TriggerIndex:
 def _batches(token_lists: Iterable[list[int]], batch_size: int) -> Iterable[list[tuple[int, list[int]]]]:
     batch: list[tuple[int, list[int]]] = []
     for index, ids in enumerate(token_lists):
+        check_token_list(ids, f"token_lists[{index}]")
         if len(ids) == 0:
             continue
         batch.append((index, ids))
