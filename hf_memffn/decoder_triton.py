@@ -301,13 +301,22 @@ class _RotaryFunction(torch.autograd.Function):
         return grad_x, None, None
 
 
+def _table_strides(table: torch.Tensor) -> tuple[int, int]:
+    """The (batch, position) strides by which the kernel reads a [B or 1, L, D] table (0 for a batch of one)."""
+    return table.stride(0) if table.shape[0] > 1 else 0, table.stride(1)
+
+
 def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(x, cos, sin) with dense last dimensions, after checking that the tables fit ``x`` [B, L, H, D]."""
+    """(x, cos, sin) with dense last dimensions and tables laid out alike (the kernel reads both by cos's strides),
+    after checking that the tables fit ``x`` [B, L, H, D]."""
     if (x.dim() != 4 or x.shape[-1] % 2 or cos.dim() != 3 or sin.shape != cos.shape
             or cos.shape[0] not in (1, x.shape[0]) or tuple(cos.shape[1:]) != (x.shape[1], x.shape[-1])):
         raise ValueError(f"rotary tables of shape {tuple(cos.shape)} / {tuple(sin.shape)} do not match heads of shape "
                          f"{tuple(x.shape)} ([B, L, H, D], D even): they must be [B or 1, L, D]")
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
+    x, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
+    if _table_strides(sin) != _table_strides(cos):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return x, cos, sin
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

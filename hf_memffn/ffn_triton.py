@@ -56,11 +56,17 @@ if TRITON_AVAILABLE:
             return sig, sig * (1.0 - sig)
 
     @triton.jit
+    def _num_elements(num_pairs):
+        """``2 * num_pairs`` in 64 bits: Triton passes a number of pairs below 2**31 as a 32-bit integer, whose double
+        wraps around from 2**30 pairs on (a batch's [tokens, 2W] projection of 2**31 elements and more)."""
+        return 2 * tl.cast(num_pairs, tl.int64)
+
+    @triton.jit
     def _load_pairs(Y, first_pair, num_pairs, BLOCK: tl.constexpr):
         """(keys, values) of pairs first_pair .. first_pair + BLOCK - 1 in float32, read as 2 * BLOCK contiguous
         elements (pairs past num_pairs read as zeros)."""
         elements = 2 * first_pair + tl.arange(0, 2 * BLOCK)
-        y = tl.load(Y + elements, mask=elements < 2 * num_pairs, other=0.0).to(tl.float32)
+        y = tl.load(Y + elements, mask=elements < _num_elements(num_pairs), other=0.0).to(tl.float32)
         return tl.split(tl.reshape(y, (BLOCK, 2)))
 
     @triton.jit
@@ -87,7 +93,7 @@ if TRITON_AVAILABLE:
             grad_key, grad_value = grad_hidden * act_derivative, grad_hidden
         grad_y = tl.reshape(tl.join(grad_key, grad_value), (2 * BLOCK,))  # key i's gradient at 2i, value i's at 2i + 1
         elements = 2 * first_pair + tl.arange(0, 2 * BLOCK)
-        tl.store(DY + elements, grad_y.to(DY.dtype.element_ty), mask=elements < 2 * num_pairs)
+        tl.store(DY + elements, grad_y.to(DY.dtype.element_ty), mask=elements < _num_elements(num_pairs))
 
 
 def _launch(kernel, pairs: int, *tensors, activation: int, product: bool, traced: bool) -> None:

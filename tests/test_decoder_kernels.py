@@ -136,6 +136,38 @@ def test_rotary_matches_float64(case, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("layout", ["sin_sliced", "cos_sliced", "cos_expanded", "sin_transposed"])
+def test_rotary_with_tables_of_other_strides_matches_float64(layout):
+    """cos and sin laid out differently (one a view of a longer table, broadcast over the batch, or with its
+    positions and batch transposed): each table read by its own strides, by `rotate` (output and gradient) and
+    `rotate_pair`; the kernel reads both tables by one set of strides."""
+    batch, length, heads, dim = 3, 5, 2, 16
+    cos, sin = rotary_tables(batch, 9, dim, seed=2, shared_halves=False)
+    cos, sin = cos.float(), sin.float()
+    if layout == "sin_sliced":
+        cos, sin = cos[:, :length].contiguous(), sin[:, :length]
+    elif layout == "cos_sliced":
+        cos, sin = cos[:, 2:2 + length], sin[:, 2:2 + length].contiguous()
+    elif layout == "cos_expanded":
+        cos, sin = cos[:1, :length].expand(batch, length, dim), sin[:, :length].contiguous()
+    else:
+        cos, sin = cos[:, :length].contiguous(), sin[:, :length].transpose(0, 1).contiguous().transpose(0, 1)
+    assert decoder_triton._table_strides(cos) != decoder_triton._table_strides(sin)
+    x, grad_out = randn(batch, length, heads, dim, seed=0), randn(batch, heads, length, dim, seed=1)
+    x64 = x.clone().requires_grad_(True)
+    expected, _ = apply_rotary_pos_emb(x64.transpose(1, 2), x64.transpose(1, 2), cos.double(), sin.double())
+    expected.backward(grad_out)
+    x_k = x.float().requires_grad_(True)
+    out = decoder_triton.rotate(x_k, cos, sin)
+    out.backward(grad_out.float())
+    with torch.no_grad():
+        query, key = decoder_triton.rotate_pair(x.float(), x[:, :, :1].float(), cos, sin)
+    errors = {"out": relative_error(out, expected), "x": relative_error(x_k.grad, x64.grad),
+              "query": relative_error(query, expected), "key": relative_error(key, expected[:, :1])}
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [(2, 37, 4, 2, 64, 2), (3, 1, 3, 1, 12, 1), (1, 9, 2, 2, 128, 1)],
                          ids=["grouped_batch_tables", "L1_D12", "equal_heads"])

@@ -54,6 +54,31 @@ def test_paired_activation_matches_float64(activation, product, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("num_pairs", [1, 2**30 - 1, 2**30, 2**31 - 1, 2**31], ids=str)
+def test_paired_kernels_count_the_pairs_of_a_large_projection(num_pairs):
+    """One program of each kernel, told that the projection holds ``num_pairs`` pairs (its own block is in bounds
+    either way): from 2**30 pairs on (a [tokens, 2W] projection of 2**31 elements, 4 GB in bf16), twice the count
+    of pairs, a 32-bit integer below 2**31 pairs, must not wrap around and mask out every element, which left the
+    activation zero and its gradient unwritten."""
+    block = ffn_triton.PAIRED_BLOCK
+    generator = torch.Generator().manual_seed(11)
+    y = torch.randn(2 * block, generator=generator, dtype=torch.float64).to(DEVICE)
+    grad_hidden = torch.randn(block, generator=generator, dtype=torch.float64).to(DEVICE)
+    valid = min(num_pairs, block)
+    y64 = y.clone().requires_grad_(True)
+    expected = F.silu(y64[0::2]) * y64[1::2]
+    expected[:valid].backward(grad_hidden[:valid])
+    y32, hidden, grad_y = y.float(), torch.zeros(block, device=DEVICE), torch.zeros(2 * block, device=DEVICE)
+    settings = dict(ACTIVATION=ffn_triton.PAIRED_ACTIVATIONS["silu"], PRODUCT=True, BLOCK=block, num_warps=4)
+    ffn_triton.launch(ffn_triton._paired_forward_kernel, (1,), y32, hidden, num_pairs, **settings)
+    ffn_triton.launch(ffn_triton._paired_backward_kernel, (1,), y32, grad_hidden.float(), grad_y, num_pairs,
+                      **settings)
+    errors = {"out": relative_error(hidden[:valid], expected[:valid]),
+              "y": relative_error(grad_y[:2 * valid], y64.grad[:2 * valid])}
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
+
+
+@needs_kernels
 @pytest.mark.parametrize("overrides", [{}, {"ffn_variant": "glu"}, {"kvffn_activation": "gelu",
                                                                     "kvffn_composition": "sum"}], ids=str)
 def test_kvffn_block_on_the_kernels_matches_its_pytorch_operations(overrides):
@@ -200,4 +225,5 @@ def test_compiled_kvffn_block_launches_the_paired_kernels():
 
 def test_ffn_kernels_under_interpreter_in_subprocess():
     run_under_interpreter(
-        __file__, "matches_float64 or matches_its_pytorch or rejects or compute_what or second_derivative")
+        __file__, "matches_float64 or matches_its_pytorch or rejects or compute_what or second_derivative "
+        "or large_projection")
