@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import __version__ as transformers_version
 
 from .atomic_write import temporary_name
 from .flash_mhf_op import OP_NAMESPACE
@@ -127,6 +128,7 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     if dynamic:
         batch, length = torch.export.Dim("batch"), torch.export.Dim("sequence")
         export_kwargs.setdefault("dynamic_shapes", tuple({0: batch, 1: length} for _ in inputs))
+    _compute_long_context_frequencies(model)
     modes = [(module, module.training) for module in model.modules()]  # (put back after the export)
     # FlashMHF settings the graph must not hold, put back after the export: the fused layer (its Triton path, on CUDA)
     # is operators without an ONNX translation, so the layer's reference runs instead, its query norm and gates as
@@ -137,7 +139,6 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     try:
         for module, name, _value in settings:
             setattr(module, name, False if name == "fused_layer" else 0)
-        _compute_long_context_frequencies(model)
         program = torch.onnx.export(_Logits(model).eval(), inputs, dynamo=True, input_names=names,
                                     output_names=["logits"], custom_translation_table=onnx_translation_table(),
                                     **export_kwargs)
@@ -155,7 +156,9 @@ def _compute_long_context_frequencies(model) -> None:
     length and keeps them as an attribute (transformers' `dynamic_rope_update`). Computed during the export, that
     attribute is a tensor of the tracer's: the graph's constant folding fails on it, and the model keeps it, so its own
     logits past the original length are wrong afterwards. One eager forward of a position past that length computes
-    them first; the frequency buffer gets its values back (the next forward picks them from the length anyway)."""
+    them first; the frequency buffer gets its values back (the next forward picks them from the length anyway).
+    A transformers whose LongRoPE swaps the buffer for the other set on the host (5.17 does; 5.25 picks the set in the
+    graph, `torch.where`) cannot be traced past that choice: refused, with the model left as it was."""
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         if getattr(module, "rope_type", None) != "longrope" or not isinstance(inv_freq, torch.Tensor):
@@ -167,8 +170,12 @@ def _compute_long_context_frequencies(model) -> None:
             module(inv_freq.new_zeros(1, 1, 1), torch.tensor([[original_length]], device=inv_freq.device))
         if module.inv_freq is inv_freq:
             inv_freq.copy_(values)
-        else:  # (a transformers that swaps the buffer instead of writing into it)
-            module.register_buffer("inv_freq", values, persistent=False)
+            continue
+        module.register_buffer("inv_freq", inv_freq, persistent=False)
+        raise ValueError(f"export_onnx: rope_type='longrope' (config.rope_parameters): transformers {transformers_version} picks "
+                         "the rotary frequencies on the host from the largest position id, which torch.export cannot "
+                         "trace (transformers 5.25 picks them in the graph); allowed rope types here: 'default', "
+                         "'linear', 'yarn', 'llama3'")
 
 
 def _check_opset(opset_version) -> None:

@@ -304,7 +304,8 @@ def test_a_longrope_model_exports_for_both_frequency_sets_and_keeps_its_own_logi
     """LongRoPE picks its long-context frequencies past the original length and keeps them as an attribute, which a
     first forward during the export left as a tensor of the tracer's: a dynamic export failed in the graph's constant
     folding, and the PyTorch model's own logits past the original length were wrong afterwards. Both frequency sets
-    now export, and the model computes what it computed before."""
+    now export, and the model computes what it computed before. A transformers that picks the set on the host (5.17)
+    cannot be traced past that choice: the export is refused, naming the rope type, and writes nothing."""
     torch.manual_seed(0)
     rope = {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": 16}
@@ -313,16 +314,22 @@ def test_a_longrope_model_exports_for_both_frequency_sets_and_keeps_its_own_logi
     model = AutoModelForCausalLM.from_config(config).eval()
     untouched = copy.deepcopy(model)
     path = tmp_path / "model.onnx"
-    export_onnx(model, torch.randint(3, 320, (2, 8)), path)
-    session = ReferenceEvaluator(onnx.load(str(path)))
+    try:
+        export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+        session = ReferenceEvaluator(onnx.load(str(path)))
+    except ValueError as refused:
+        assert "rope_type='longrope'" in str(refused) and "picks the rotary frequencies on the host" in str(refused)
+        assert list(tmp_path.iterdir()) == []
+        session = None
     generator = torch.Generator().manual_seed(1)
     for length in (5, 30):  # within and past the original length
         ids = torch.randint(3, 320, (1, length), generator=generator)
         with torch.no_grad():
             expected = untouched(ids, use_cache=False).logits
             torch.testing.assert_close(model(ids, use_cache=False).logits, expected)
-        np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy()})[0], expected.numpy(), rtol=1e-4,
-                                   atol=1e-4, err_msg=f"length {length}")
+        if session is not None:
+            np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy()})[0], expected.numpy(),
+                                       rtol=1e-4, atol=1e-4, err_msg=f"length {length}")
 
 
 def test_a_dynamic_rope_model_is_refused_naming_the_rope_types_that_export(tmp_path):

@@ -141,17 +141,23 @@ def test_a_bad_problem_type_or_label_count_is_refused_naming_the_field(tmp_path)
     """A misspelt `problem_type` was taken and failed only at the first labelled batch (`Invalid problem type`), and
     `num_labels=0` built a classifier with no outputs; both are now refused with the config, naming the field (also
     when given to `from_pretrained`, and when set by hand before the head is built)."""
-    problem_type = r"`problem_type`='multi_label' is not supported; allowed values: None, 'regression', "
+    # (transformers 5.17 checks the field itself, in its own words and with huggingface_hub's error class)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        StrictDataclassError = ValueError
+    refused = (ValueError, TypeError, StrictDataclassError)
+    problem_type = r"(?s)problem_type.*multi_label.*'regression', '?single_label_classification"
     for fields, message in (({"problem_type": "multi_label"}, problem_type),
                             ({"num_labels": 0}, r"`num_labels`=0 is invalid: must be >= 1")):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(refused, match=message):
             tiny_config("kvffn", **fields)
     AutoModelForCausalLM.from_config(tiny_config("flash_mhf", pad_token_id=0)).save_pretrained(tmp_path / "lm")
-    with pytest.raises(ValueError, match=problem_type):
+    with pytest.raises(refused, match=problem_type):
         AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", problem_type="multi_label")
     config = tiny_config("memoryllm", pad_token_id=0)
-    config.problem_type = "multi_label"
-    with pytest.raises(ValueError, match=problem_type):
+    with pytest.raises(refused, match=problem_type):
+        config.problem_type = "multi_label"  # (refused here by transformers 5.17, by the head's build from 5.25)
         AutoModelForSequenceClassification.from_config(config)
     for problem_type in (None, "regression", "single_label_classification", "multi_label_classification"):
         tiny_config("kvffn", problem_type=problem_type)
