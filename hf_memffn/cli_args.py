@@ -71,6 +71,8 @@ def model_source(text: str) -> str:
 def output_dir(text: str) -> str:
     """A directory to write into: it may exist (as a directory) or not yet (then no file may stand where one of its
     parent folders would be created)."""
+    if not text:  # (an unset shell variable, `--out "$OUT"`: not the current directory)
+        raise argparse.ArgumentTypeError("'' is an empty path; allowed: a directory (created if missing)")
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
     parent = os.path.dirname(os.path.abspath(text))

@@ -91,6 +91,13 @@ def test_bad_arguments_fail_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_empty_out_is_refused_not_taken_for_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    # (--archs is bad too: the empty --out is the error named, found while the arguments are parsed)
+    _exits_with_error(capsys, ["demo", "--out", "", "--archs", "gpt2"], "argument --out: '' is an empty path")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch, capsys):
     import sys
 

@@ -297,6 +297,20 @@ def test_an_out_dir_that_is_a_file_is_refused_naming_it(model, tmp_path):
     assert (tmp_path / "a_file").read_text() == "not a directory"
 
 
+def test_an_empty_out_dir_is_refused_naming_it(model, tmp_path, monkeypatch, capsys):
+    """An empty OUT_DIR (an unset shell variable) is refused before the model is loaded, not read as the current
+    directory or failed on once the model is loaded."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"out_dir='' is an empty path; allowed: a directory"):
+        export_tols(model, "", format="bf16", progress=False)
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export-tols", str(tmp_path / "model"), "", "--device", "cpu", "--no-progress"])
+    assert stop.value.code == 2
+    assert "argument OUT_DIR: '' is an empty path; allowed: a directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["model"] and INDEX_NAME not in os.listdir(tmp_path / "model")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # integrity
 # ---------------------------------------------------------------------------------------------------------------------
@@ -770,6 +784,33 @@ def test_eval_text_without_a_tokenizer_is_refused_before_anything_is_written(mod
     with pytest.raises(ValueError, match="eval text gives 0 tokens"):
         export_tols(model, tmp_path / "tol", format="bf16", progress=False, eval_text="", tokenizer=tiny_tokenizer())
     assert not (tmp_path / "tol").exists()
+
+
+def test_cli_eval_text_is_read_as_utf8_and_a_file_in_another_encoding_is_named(tmp_path, capsys):
+    """`--eval-text` is UTF-8 whatever the locale's encoding (a byte order mark is not part of the text); a file in
+    another encoding is refused in one line naming the option, before anything is written."""
+    model = build()
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path / "model")
+    text = "the memory stores a value of the key, café crème. " * 8  # (under one 256-token row: every token counts)
+    (tmp_path / "plain.txt").write_bytes(text.encode("utf-8"))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    (tmp_path / "latin1.txt").write_bytes(text.encode("latin-1"))
+    options = ["--format", "fp32", "--device", "cpu", "--no-progress", "--eval-text"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / "tol"), *options,
+                  str(tmp_path / "latin1.txt")])
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--eval-text" in errors[0] and "not UTF-8 text" in errors[0], errors
+    assert not (tmp_path / "tol").exists()
+    eval_tokens = {}
+    for name in ("plain", "bom"):
+        assert cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / name), *options,
+                         str(tmp_path / f"{name}.txt")]) == 0
+        with open(tmp_path / name / REPORT_NAME) as handle:
+            eval_tokens[name] = json.load(handle)["eval_tokens"]
+    assert eval_tokens["bom"] == eval_tokens["plain"] == len(tiny_tokenizer()(text, add_special_tokens=False).input_ids)
 
 
 def test_demo_step_matches_compute_mode(tmp_path):

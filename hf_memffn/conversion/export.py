@@ -614,6 +614,8 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
     if push_to_hub is not None:
         check_repo_id(push_to_hub, "push_to_hub")
+    if not os.fspath(out_dir):
+        raise ValueError("out_dir='' is an empty path; allowed: a directory (created if missing)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"out_dir={os.fspath(out_dir)!r} is a file; allowed: a directory (created if missing)")
     if isinstance(model, (str, os.PathLike)):
@@ -725,8 +727,13 @@ def run(args: argparse.Namespace) -> int:
         if os.path.isdir(args.model_dir) and not has_tokenizer(args.model_dir):
             raise UsageError(f"--eval-text needs a tokenizer, and MODEL_DIR {args.model_dir} has none (none of "
                              f"{', '.join(TOKENIZER_FILES)}): save the tokenizer with the model")
-        with open(args.eval_text) as handle:
-            eval_text = handle.read()
+        with open(args.eval_text, "rb") as handle:
+            data = handle.read()
+        try:  # UTF-8 whatever the locale's encoding (a byte order mark, as some Windows editors save, is dropped)
+            eval_text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            raise UsageError(f"--eval-text {args.eval_text}: not UTF-8 text ({error.reason} at byte {error.start}); "
+                             "allowed: a UTF-8 encoded text file") from None
     report = export_tols(args.model_dir, args.out_dir, format=args.format, group_size=args.group_size, rank=args.rank,
                          energy=args.energy, factor_dtype=args.factor_dtype, drop_layers=drop,
                          batch_size=args.batch_size, max_shard_size=args.max_shard_size, device=device,
