@@ -688,6 +688,12 @@ class TokenLookupTable(nn.Module):
     def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
         raise NotImplementedError
 
+    def check_embedding(self, embedding: nn.Module) -> None:
+        """A TokenLookupError if an adapter was put on the token embedding after `load_tols` (PEFT's LoRA or
+        `modules_to_save`, as `load_adapter` or `get_peft_model` add them): the table holds the FFNs on X0 of the
+        embedding's weight alone, so reading it would leave the adapter's change to X0 out of them."""
+        refuse_embedding_adapters(embedding, loaded=True)
+
     def _host_buffers(self) -> tuple[str, ...]:
         """Buffers that live in host memory even when they are CUDA tensors (aliases of pinned host memory)."""
         return ()
@@ -1011,6 +1017,18 @@ def embedding_adapters(embedding: nn.Module) -> list[str]:
             if name not in own and not name.startswith("parametrizations.weight.")]
 
 
+def refuse_embedding_adapters(embedding: nn.Module, loaded: bool = False) -> None:
+    """A TokenLookupError while the token embedding has parameters that its weight does not hold (see
+    `embedding_adapters`); `loaded`: the table is loaded already (the adapter came after `load_tols`)."""
+    adapters = embedding_adapters(embedding)
+    if adapters:
+        unload = " or call unload_tols() to compute the FFNs on X0 again," if loaded else ""
+        raise TokenLookupError(f"the token embedding has parameters that its weight does not hold ({adapters[0]}: an "
+                               "adapter such as PEFT's LoRA), which change X0 but not a table computed from the "
+                               "weight; merge the adapter into the weight (merge_and_unload) and export the table from "
+                               f"the merged model,{unload} or leave the embedding out of the adapter's target modules")
+
+
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     """Refuse a table computed from other weights (or another shape) than `model`'s."""
     base = _memory_base(model)
@@ -1021,12 +1039,7 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
         if getattr(index, key) != value:
             raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
                                    f"model has {key}={value}")
-    adapters = embedding_adapters(base.embed_tokens)
-    if adapters:
-        raise TokenLookupError(f"the token embedding has parameters that its weight does not hold ({adapters[0]}: an "
-                               "adapter such as PEFT's LoRA), which change X0 but not a table computed from the weight; "
-                               "merge the adapter into the weight (merge_and_unload) and export the table from the "
-                               "merged model, or leave the embedding out of the adapter's target modules")
+    refuse_embedding_adapters(base.embed_tokens)
     fingerprint = weights_fingerprint(base)
     # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
     fingerprint_fp16 = index.metadata.get("fingerprint_fp16")

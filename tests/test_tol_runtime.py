@@ -223,6 +223,28 @@ def test_an_adapter_on_the_token_embedding_is_refused_with_a_table(exported):
     merged.load_tols(directory, placement="cpu")  # the adapter starts at zero: the merged weight is the exported one
 
 
+@pytest.mark.parametrize("adapter", [
+    {"target_modules": ["embed_tokens"], "init_lora_weights": False},
+    {"target_modules": ["q_proj"], "modules_to_save": ["embed_tokens"]},
+], ids=["lora", "modules_to_save"])
+def test_an_adapter_put_on_the_token_embedding_after_load_tols_is_refused_at_inference(exported, adapter):
+    """An adapter on `embed_tokens` added once the table is loaded (`get_peft_model`, `load_adapter`) changes X0, which
+    the table does not see: in inference too (eval mode, no gradients) the forward is refused, naming the adapter,
+    where it read the table and gave logits other than the computed model's without a word."""
+    from peft import LoraConfig, get_peft_model
+
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    loaded = build(model.config.model_type.replace("memffn_", ""))
+    loaded.load_tols(directory, placement="cpu")
+    adapted = get_peft_model(loaded, LoraConfig(r=4, **adapter)).eval()
+    with torch.no_grad(), pytest.raises(TokenLookupError, match=r"(lora_embedding_A|original_module).*unload_tols"):
+        adapted(input_ids=ids)
+    adapted.unload_tols()
+    with torch.no_grad():
+        adapted(input_ids=ids)  # computing the FFNs on X0 from the adapted embedding
+
+
 def test_bad_runtime_options_name_the_field(exported):
     model, directory = exported
     with pytest.raises(ValueError, match="placement"):
