@@ -9,7 +9,10 @@ This file is copied next to saved checkpoints for `trust_remote_code`: it import
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import shutil
 
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -264,6 +267,41 @@ class MemFFNConfig(PretrainedConfig):
             params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
         self.rope_parameters = params
         self.rope_theta = params["rope_theta"]
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """`PreTrainedConfig.save_pretrained`, plus the modeling code that `auto_map` names (the architecture's
+        modeling file and the siblings it imports, as `model.save_pretrained` copies them) where this process has
+        it beside this file: a folder of the config alone then builds the model where the package is absent
+        (`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
+        trust_remote_code=True)`), instead of naming modeling files it lacks. (With `push_to_hub=True` the upload
+        happens inside transformers' save, before the code is copied: `config.push_to_hub(repo_id)` uploads it.)"""
+        result = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        modeling_file = self._modeling_code_file()
+        if modeling_file is not None:
+            from transformers.dynamic_module_utils import get_relative_import_files
+
+            for source in (modeling_file, *get_relative_import_files(modeling_file)):
+                target = os.path.join(save_directory, os.path.basename(source))
+                if os.path.abspath(source) != os.path.abspath(target):
+                    partial = f"{target}.partial"
+                    shutil.copyfile(source, partial)
+                    os.replace(partial, target)  # (a file is complete or absent)
+        return result
+
+    def _modeling_code_file(self) -> str | None:
+        """The file of the modeling module `auto_map` names, a sibling of this config's module (the package's, or
+        the copy transformers fetched with it); None where that module is absent."""
+        package = type(self).__module__.rpartition(".")[0]
+        if not (self.class_prefix and self.modeling_module and package):
+            return None
+        name = f"{package}.{self.modeling_module}"
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise
+            return None
+        return getattr(module, "__file__", None)
 
     @classmethod
     def default_auto_map(cls) -> dict[str, str]:

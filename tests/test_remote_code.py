@@ -359,3 +359,45 @@ def test_push_to_hub_without_the_package_uploads_the_token_lookup_table_the_mode
     assert set(uploads["someone/without-table"]) == checkpoint
     assert set(uploads["someone/saved"]) == checkpoint
     assert "drop_memory_ffn" in uploads["refused"] and "someone/dropped" not in uploads["created"]
+
+
+FROM_CONFIG = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
+    """
+    import json, os, sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    results = {}
+    for directory in sys.argv[2:]:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=True)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        resaved = directory + "-resaved"
+        config.save_pretrained(resaved)  # (the remote copy of the config, saved alone again)
+        results[directory] = [type(model).__module__, type(model).__name__, model.num_parameters(),
+                              sorted(name for name in os.listdir(resaved) if name.endswith(".py"))]
+    with open(sys.argv[1], "w") as handle:
+        json.dump(results, handle)
+    """
+)
+
+
+def test_a_config_saved_alone_builds_its_model_without_the_package(tmp_path):
+    """`config.save_pretrained(folder)` (a model's `model.config`, or a new config) writes the modeling code its
+    `auto_map` names beside config.json, as `model.save_pretrained` does: `from_config` with `trust_remote_code` builds
+    the model from that folder where the package is absent (the folder named modeling files it lacked)."""
+    directories, parameters = [], {}
+    for arch in sorted(hf_memffn.ARCHITECTURES):
+        config = tiny_config(arch)
+        directory = tmp_path / arch
+        config.save_pretrained(directory)
+        assert {path.name for path in directory.glob("*.py")} == REMOTE_CODE_FILES[arch]
+        parameters[str(directory)] = AutoModelForCausalLM.from_config(config).num_parameters()
+        directories.append(str(directory))
+    completed = run_without_the_package(FROM_CONFIG, tmp_path, tmp_path / "results.json", *directories)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for directory in directories:
+        module, name, count, resaved_code = results[directory]
+        assert module.startswith("transformers_modules.") and name.endswith("ForCausalLM"), results[directory]
+        assert count == parameters[directory]
+        assert "configuration_memffn.py" in resaved_code
