@@ -279,7 +279,10 @@ class TokenMemory(nn.Module):
     """Every layer's FFN on the token embeddings X0, stacked: layer l computes SwiGLU_l(RMSNorm_l(x0)).
 
     Since X0 does not depend on the layer, all layers run together as one batched matmul before the decoder loop.
-    Parameters: `norm_weight` [N, d], `gate_proj` [N, I, d], `up_proj` [N, I, d], `down_proj` [N, d, I].
+    Parameters: `rmsnorm_weight` [N, d], `gate_proj` [N, I, d], `up_proj` [N, I, d], `down_proj` [N, d, I]. The
+    RMSNorm weights carry `rmsnorm` in their name, by which the HF Trainer leaves them out of weight decay, as it does
+    the decoder's norms (it would decay a `norm_weight`); checkpoints keep them as `norm_weight` (see
+    `modeling_memoryllm.py`), which `load_state_dict` also takes.
     Because the input is a token embedding, the output for a token id never depends on its context: it can be
     precomputed for the whole vocabulary as a token lookup table. `layer_memory(l)` is layer l's FFN read as memory.
     """
@@ -290,14 +293,28 @@ class TokenMemory(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.eps = eps
-        self.norm_weight = nn.Parameter(torch.ones(num_layers, hidden_size))
+        self.rmsnorm_weight = nn.Parameter(torch.ones(num_layers, hidden_size))
         self.gate_proj = nn.Parameter(torch.empty(num_layers, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_layers, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_layers, hidden_size, intermediate_size))
         self.act_fn = ACT2FN[hidden_act]
 
+    @property
+    def norm_weight(self) -> nn.Parameter:
+        """The RMSNorm weights under their checkpoint name."""
+        return self.rmsnorm_weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A state dict in the checkpoint's names (`norm_weight`, as the HF Trainer reads a saved checkpoint back to
+        resume or to load the best one) fills `rmsnorm_weight`."""
+        if f"{prefix}norm_weight" in state_dict and f"{prefix}rmsnorm_weight" not in state_dict:
+            state_dict[f"{prefix}rmsnorm_weight"] = state_dict.pop(f"{prefix}norm_weight")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def init_own_parameters(self, std: float) -> None:
-        init.ones_(self.norm_weight)
+        init.ones_(self.rmsnorm_weight)
         for param in (self.gate_proj, self.up_proj, self.down_proj):
             init.normal_(param, mean=0.0, std=std)
 
@@ -322,9 +339,9 @@ class TokenMemory(nn.Module):
         """`hidden_activations` with the layers first, [len(layers), ..., I]: every product is one batched matmul
         over the layers that reads and writes whole contiguous [tokens, width] slabs."""
         norm_weight, gate_proj, up_proj = (
-            (self.norm_weight, self.gate_proj, self.up_proj)
+            (self.rmsnorm_weight, self.gate_proj, self.up_proj)
             if index is None
-            else (self.norm_weight[index], self.gate_proj[index], self.up_proj[index])
+            else (self.rmsnorm_weight[index], self.gate_proj[index], self.up_proj[index])
         )
         normalized = rms_normalize(token_embeddings, self.eps).to(token_embeddings.dtype)
         norm_weight = norm_weight.view(norm_weight.shape[0], *([1] * (normalized.dim() - 1)), norm_weight.shape[-1])
@@ -334,9 +351,9 @@ class TokenMemory(nn.Module):
         return self.act_fn(gate) * up
 
     def _layer_index(self, layers: list[int] | torch.Tensor | None) -> torch.Tensor | None:
-        if layers is None or isinstance(layers, torch.Tensor) and layers.device == self.norm_weight.device:
+        if layers is None or isinstance(layers, torch.Tensor) and layers.device == self.rmsnorm_weight.device:
             return layers
-        return torch.as_tensor(layers, device=self.norm_weight.device, dtype=torch.long)
+        return torch.as_tensor(layers, device=self.rmsnorm_weight.device, dtype=torch.long)
 
     def layer_memory(self, layer: int) -> "TokenMemoryLayer":
         return TokenMemoryLayer(self, layer)

@@ -7,6 +7,8 @@ checkpoints carry this file, the shared decoder and the token lookup runtime.
 
 from __future__ import annotations
 
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
@@ -80,6 +82,12 @@ register_for_auto_classes(MemoryLLMConfig, MemoryLLMModel, MemoryLLMForCausalLM,
 register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLMForCausalLM,
                           FlexMemoryLLMForSequenceClassification, FlexMemoryLLMForTokenClassification,
                           FlexMemoryLLMForQuestionAnswering)
+
+# The RMSNorm weights of `TokenMemory` are `rmsnorm_weight` in the model (a name the HF Trainer leaves out of weight
+# decay) and `norm_weight` in checkpoints: loading renames them, saving renames them back.
+NORM_WEIGHT_RENAMING = [WeightRenaming("memory.norm_weight", "memory.rmsnorm_weight")]
+for _config_class in (MemoryLLMConfig, FlexMemoryLLMConfig):
+    register_checkpoint_conversion_mapping(_config_class.model_type, NORM_WEIGHT_RENAMING, overwrite=True)
 
 __all__ = [
     "MemoryLLMModel",

@@ -305,11 +305,13 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     tensors = [("embed_tokens.weight", base.embed_tokens.weight)]
     tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
-    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+    # (hashed under the checkpoint's names: `TokenMemory.rmsnorm_weight` is saved as `norm_weight`)
+    saved_name = {"memory.rmsnorm_weight": "memory.norm_weight"}
+    for name, tensor in sorted(tensors, key=lambda item: saved_name.get(item[0], item[0])):
         tensor = stored_tensor(base, name, tensor.detach())  # (offloaded by a device map: the stored copy)
         if hasattr(tensor, "full_tensor"):  # sharded by tensor parallelism or FSDP (a DTensor): hash the whole tensor
             tensor = tensor.full_tensor()
-        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        digest.update(f"{saved_name.get(name, name)}:{tuple(tensor.shape)};".encode())
         flat = tensor.reshape(-1)
         chunk = 1 << 26  # elements per device->host copy
         for start in range(0, flat.numel(), chunk):

@@ -190,3 +190,24 @@ def test_trainer_label_smoothing_shifts_the_labels(arch, tmp_path):
         logits = model(ids).logits
     expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), label_smoothing=0.1)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", *hf_memffn.ARCHITECTURES])
+def test_the_trainer_decays_no_norm_weight_and_no_bias(arch, tmp_path):
+    """`weight_decay`: the Trainer's optimizer leaves norm weights and biases out by name, MemoryLLM's RMSNorm
+    weights of the FFNs on X0 among them (decayed, they would shrink towards 0 where they start at 1). Checkpoints
+    keep those weights under their name `memory.norm_weight`."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, use_cpu=True, report_to=[])
+    optimizer = Trainer(model=model, args=args).create_optimizer()
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    decayed = {names[id(parameter)] for group in optimizer.param_groups if group["weight_decay"]
+               for parameter in group["params"]}
+    assert decayed and not {name for name in decayed if "norm" in name or "bias" in name}
+    if arch in ("memoryllm", "flex_memoryllm"):
+        model.save_pretrained(tmp_path / "saved")
+        saved = load_file(tmp_path / "saved" / "model.safetensors")
+        assert "model.memory.norm_weight" in saved and not any("rmsnorm_weight" in name for name in saved)
