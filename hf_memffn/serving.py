@@ -49,12 +49,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def is_hub_repo_id(name: str) -> bool:
     """Whether `name` has the form of a Hub repo id ('name' or 'namespace/name'); an absolute path, `./x` or `a/b/c`
-    has not."""
-    from .hub import check_repo_id
+    has not. (huggingface_hub's own check, as `hub.check_repo_id` makes it: this file runs alone too, as a plain
+    script beside the checkpoints, where no sibling of the package can be imported.)"""
+    from huggingface_hub.utils import validate_repo_id
 
     try:
-        check_repo_id(name)
-    except ValueError:
+        validate_repo_id(name)
+    except ValueError:  # (huggingface_hub's HFValidationError)
         return False
     return True
 

@@ -441,3 +441,21 @@ def test_a_model_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, 
         error = capsys.readouterr().err
         assert f"MODEL {model}: no such folder, and not a Hub repo id; allowed: a local checkpoint folder" in error
         assert "Repo id must" not in error
+
+
+def test_the_bridge_alone_names_a_model_it_cannot_find_where_the_package_is_absent(tmp_path):
+    """`python serving.py MODEL` beside the checkpoints, on a machine without the package (README: it imports only
+    transformers and huggingface_hub): a Hub repo id, or a path that does not exist, is checked as a repo id before
+    the server starts. That check imported a sibling of the package, so the script ended in "attempted relative import
+    with no known parent package" instead of saying what was wrong with MODEL."""
+    shutil.copy(serving.__file__, tmp_path / "serving.py")
+    runner = BLOCK_PACKAGE_IMPORT + "\nimport runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], " \
+                                    "run_name='__main__')\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    for model, reason in ((str(tmp_path / "no" / "model"), "no such folder, and not a Hub repo id"),
+                          ("someone/tiny-kvffn", "cannot read its config.json")):
+        done = subprocess.run([sys.executable, "-c", runner, str(tmp_path / "serving.py"), model,
+                               "--trust-remote-code", "--continuous-batching"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert f"MODEL {model}: {reason}" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
