@@ -104,7 +104,8 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ValueError("export_onnx: rope_type='dynamic' (config.rope_parameters) recomputes the rotary frequencies "
                          "on the host from the largest position id, which torch.export cannot trace; allowed rope "
                          "types: 'default', 'linear', 'yarn', 'longrope', 'llama3'")
-    table = getattr(getattr(model, "model", model), "token_lookup", None)
+    unwrapped = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    table = getattr(getattr(unwrapped, "model", unwrapped), "token_lookup", None)
     if table is not None and table.placement == "disk":
         raise ValueError("export_onnx: the model reads its token lookup table from the disk (placement='disk'), whose "
                          "rows an ONNX graph cannot hold; load the table with placement='cpu' (its rows become the "

@@ -10,6 +10,7 @@ import copy
 import os
 
 import numpy as np
+import peft
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -188,6 +189,11 @@ def test_a_model_reading_its_token_lookup_table_exports_from_the_host_and_refuse
     out.mkdir()
     with pytest.raises(ValueError, match="placement='disk'.*placement='cpu'"):
         export_onnx(model, torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    # (also through PEFT's wrapper, which hid the table: the export failed inside torch.export)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="placement='disk'.*placement='cpu'"):
+        export_onnx(adapted, torch.randint(3, 320, (2, 8)), out / "model.onnx")
+    model = adapted.unload()
     assert list(out.iterdir()) == []
     model.unload_tols()
     model.load_tols(tmp_path / "table", placement="cpu", drop_memory_ffn=True)
