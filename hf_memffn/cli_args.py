@@ -7,6 +7,7 @@ anything is loaded or written.
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import re
 
@@ -66,6 +67,19 @@ def model_source(text: str) -> str:
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a model directory or a Hub id such as org/name")
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """A file's bytes as UTF-8 text, whatever the locale's encoding, without a leading byte order mark (as some
+    Windows editors save UTF-8); a ValueError naming `source`, the line and the byte where they are not UTF-8."""
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as error:
+        byte = start + error.start
+        line = data[:byte].count(b"\n") + 1
+        raise ValueError(f"{source}:{line}: not UTF-8 text ({error.reason} at byte {byte}); allowed: a UTF-8 "
+                         "encoded file") from None
 
 
 def output_dir(text: str) -> str:

@@ -179,9 +179,9 @@ def stage_checkpoint(
     """Write `model` (and `tokenizer`, if given, else the one attached to the model) into `folder`; return its files.
 
     If the model reads a token lookup table, the table's files (the shards its index names, the report, the index)
-    are copied next to the weights (unless `include_token_lookup=False`). The model card is rendered again with `repo_id`, so its usage snippet
-    names the Hub repository, and it says whether a table is included. `max_shard_size` goes to `save_pretrained`,
-    `tags` into the card's metadata.
+    are copied next to the weights (unless `include_token_lookup=False`). The model card is rendered again with
+    `repo_id`, so its usage snippet names the Hub repository, and it says whether a table is included.
+    `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata.
     """
     if tokenizer is not None:
         if hasattr(model, "attach_tokenizer"):

@@ -173,10 +173,10 @@ def _compute_long_context_frequencies(model) -> None:
             inv_freq.copy_(values)
             continue
         module.register_buffer("inv_freq", inv_freq, persistent=False)
-        raise ValueError(f"export_onnx: rope_type='longrope' (config.rope_parameters): transformers {transformers_version} picks "
-                         "the rotary frequencies on the host from the largest position id, which torch.export cannot "
-                         "trace (transformers 5.25 picks them in the graph); allowed rope types here: 'default', "
-                         "'linear', 'yarn', 'llama3'")
+        raise ValueError(f"export_onnx: rope_type='longrope' (config.rope_parameters): transformers "
+                         f"{transformers_version} picks the rotary frequencies on the host from the largest position "
+                         "id, which torch.export cannot trace (transformers 5.25 picks them in the graph); allowed "
+                         "rope types here: 'default', 'linear', 'yarn', 'llama3'")
 
 
 def _check_opset(opset_version) -> None:

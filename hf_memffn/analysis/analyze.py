@@ -17,7 +17,6 @@ The report (a plain dict) has these sections:
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 from collections.abc import Iterable, Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..cli_args import decode_utf8
 from .arguments import check_at_least, check_ids, check_strength, check_token_memory_layers
 from .coefficients import coefficients_for_ids, summarize_coefficients
 from .editing import edit_next_token
@@ -43,15 +43,7 @@ def read_texts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
     texts = []
-    data = path.read_bytes()
-    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-    try:
-        lines = [line.removesuffix("\r") for line in data[start:].decode("utf-8").split("\n")]
-    except UnicodeDecodeError as error:
-        byte = start + error.start
-        line = data[:byte].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {byte}); allowed: a UTF-8 "
-                         "encoded file") from None
+    lines = [line.removesuffix("\r") for line in decode_utf8(path.read_bytes(), str(path)).split("\n")]
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue

@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line
 from hf_memffn.model_card import refresh_lookup_section
-from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, existing_file, has_tokenizer, int_list, load_causal_lm,
-                                 model_source, output_dir, positive_int, torch_device)
+from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, decode_utf8, existing_file, has_tokenizer, int_list,
+                                 load_causal_lm, model_source, output_dir, positive_int, torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
@@ -729,11 +729,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{', '.join(TOKENIZER_FILES)}): save the tokenizer with the model")
         with open(args.eval_text, "rb") as handle:
             data = handle.read()
-        try:  # UTF-8 whatever the locale's encoding (a byte order mark, as some Windows editors save, is dropped)
-            eval_text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as error:
-            raise UsageError(f"--eval-text {args.eval_text}: not UTF-8 text ({error.reason} at byte {error.start}); "
-                             "allowed: a UTF-8 encoded text file") from None
+        try:
+            eval_text = decode_utf8(data, f"--eval-text {args.eval_text}")
+        except ValueError as error:
+            raise UsageError(str(error)) from None
     report = export_tols(args.model_dir, args.out_dir, format=args.format, group_size=args.group_size, rank=args.rank,
                          energy=args.energy, factor_dtype=args.factor_dtype, drop_layers=drop,
                          batch_size=args.batch_size, max_shard_size=args.max_shard_size, device=device,
