@@ -94,7 +94,7 @@ if TRITON_AVAILABLE:
         The heads from ``heads_first`` on are those of a second tensor, X2 into Y2 (the keys beside the queries:
         one launch for both)."""
         positions = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-        head = tl.program_id(1)
+        head = tl.program_id(1).to(tl.int64)  # head x head stride reaches 2**31 in [B, H, L, D] tensors of 2**31+
         batch = tl.program_id(2).to(tl.int64)
         dims = tl.arange(0, HALF_P2)
         mask = (positions < seq_len)[:, None] & (dims < HALF)[None, :]

@@ -559,35 +559,45 @@ class TokenLookupReadout:
             self._tokens_rows = (self.rows.index_select(0, self.row_ids), scales)
         return self._tokens_rows
 
+    def layer_values(self, position: int) -> torch.Tensor:
+        """The tokens' memory outputs of the table's layer `position` [T, d] by PyTorch operations, where the rows
+        are: the stored rows themselves when they need no decoding (a float format), else decoded to float32."""
+        table = self.table
+        if table.fmt.name == "lowrank":
+            offset, rank = table.rank_offsets[position], table.index.ranks[position]
+            coefficients = self.rows.index_select(0, self.row_ids)[:, offset:offset + rank]
+            return coefficients.float() @ getattr(table, f"basis_{position}").float()
+        d = table.index.hidden_size
+        columns = d // 2 if table.fmt.name == "int4" else d
+        tokens_rows, tokens_scales = self.tokens_rows()
+        rows = tokens_rows[:, position * columns:(position + 1) * columns]
+        if tokens_scales is None:
+            return rows
+        groups = d // table.fmt.group_size
+        return dequantize_rows(rows, tokens_scales[:, position * groups:(position + 1) * groups], table.fmt)
+
     def add_into(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
         table = self.table
         position = table.layer_position[layer_idx]
         if position < 0:  # dropped layer
             return hidden
-        d = table.index.hidden_size
-        flat = hidden.reshape(-1, d)
-        if table.fmt.name == "lowrank":
-            offset, rank = table.rank_offsets[position], table.index.ranks[position]
-            coefficients = self.rows.index_select(0, self.row_ids)[:, offset:offset + rank]
-            values = coefficients.float() @ getattr(table, f"basis_{position}").float()
-            return (flat.float() + values).to(hidden.dtype).view_as(hidden)
-        kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
-        if kernel == "triton" and not (torch.is_grad_enabled() and hidden.requires_grad):
-            out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position, d,
-                                    table.fmt.name, table.fmt.group_size or 1)
-            return out.view_as(hidden)
-        columns = d // 2 if table.fmt.name == "int4" else d
-        tokens_rows, tokens_scales = self.tokens_rows()
-        rows = tokens_rows[:, position * columns:(position + 1) * columns]
-        if rows.dtype == hidden.dtype and tokens_scales is None:
+        flat = hidden.reshape(-1, table.index.hidden_size)
+        if hidden.device != self.rows.device:
+            # a model split over devices (`device_map`): this layer's hidden states are not where the table is; its
+            # values are read where the rows are and added on the hidden states' device
+            values = self.layer_values(position).to(hidden.device)
+        else:
+            kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
+            if (kernel == "triton" and table.fmt.name != "lowrank"
+                    and not (torch.is_grad_enabled() and hidden.requires_grad)):
+                out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
+                                        table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
+                return out.view_as(hidden)
+            values = self.layer_values(position)
+        if values.dtype == hidden.dtype:
             # one addition: PyTorch adds 16-bit tensors in float32 and rounds once, as the branch below does
-            return (flat + rows).view_as(hidden)
-        scales = None
-        if tokens_scales is not None:
-            groups = d // table.fmt.group_size
-            scales = tokens_scales[:, position * groups:(position + 1) * groups]
-        values = dequantize_rows(rows, scales, table.fmt)
-        return (flat.float() + values).to(hidden.dtype).view_as(hidden)
+            return (flat + values).view_as(hidden)
+        return (flat.float() + values.float()).to(hidden.dtype).view_as(hidden)
 
 
 class TokenLookupTable(nn.Module):

@@ -135,6 +135,34 @@ def test_rotary_matches_float64(case, dtype):
     assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 24 * 2**30,
+                    reason="needs a CUDA device with 24 GiB")
+def test_rotary_addresses_heads_past_two_to_the_31_elements():
+    """A [B, H, L, D] tensor whose third head starts at element 2**31 (head stride L x D = 2**30, below 2**31, so
+    a 32-bit integer): the head's offset must not wrap around. The input is one position broadcast over L = 2**23
+    (stride 0), so only the rotated [1, 3, L, 128] output (6 GiB) is allocated; it is then rotated back in place
+    by the backward's adjoint map, reading the heads-first tensor by the same offsets."""
+    heads, dim, length = 3, 128, 2**23
+    x = randn(1, 1, heads, dim, seed=0).to("cuda", torch.bfloat16)
+    cos, sin = (t.to("cuda", torch.bfloat16) for t in rotary_tables(1, 1, dim, seed=1))
+    expected, _ = apply_rotary_pos_emb(x.double().transpose(1, 2), x.double().transpose(1, 2), cos.double(),
+                                       sin.double())  # [1, H, 1, D]
+    wide_x = x.expand(1, length, heads, dim)
+    wide_cos, wide_sin = cos.expand(1, length, dim), sin.expand(1, length, dim)
+    out = decoder_triton._heads_first(wide_x)
+    assert out.stride(2) * (heads - 1) == 2**31
+    decoder_triton.rotary(wide_x, wide_cos, wide_sin, out, transposed=False)
+    torch.cuda.synchronize()
+    for positions in (slice(0, 4), slice(length // 2, length // 2 + 4), slice(length - 4, length)):
+        got = out[:, positions].transpose(1, 2)  # [1, H, 4, D]
+        assert relative_error(got, expected.expand_as(got)) < TOLERANCE[torch.bfloat16], positions
+    decoder_triton.rotary(out, wide_cos, wide_sin, out, transposed=True)  # the adjoint of a rotation: back to x
+    torch.cuda.synchronize()
+    for positions in (slice(0, 4), slice(length - 4, length)):
+        got = out[:, positions]
+        assert relative_error(got, x.expand_as(got)) < 2 * TOLERANCE[torch.bfloat16], positions
+
+
 @needs_kernels
 @pytest.mark.parametrize("layout", ["sin_sliced", "cos_sliced", "cos_expanded", "sin_transposed"])
 def test_rotary_with_tables_of_other_strides_matches_float64(layout):

@@ -449,6 +449,27 @@ def test_gpu_placements_equal_compute(exported, placement, cache_rows):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("format", ["fp32", "bf16", "int8", "int4", "lowrank"])
+def test_readout_adds_into_hidden_states_on_another_device(tmp_path, format):
+    """A model split over devices (`device_map`) runs a layer where the table is not: each layer's values are read
+    where the rows are and added on the hidden states' device, equal to the sum taken beside the table."""
+    model = build("memoryllm", device="cuda")
+    options = {"rank": 8} if format == "lowrank" else {"group_size": 32} if format in ("int8", "int4") else {}
+    export_tols(model, tmp_path, format=format, progress=False, **options)
+    table = model.load_tols(tmp_path, placement="gpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
+    hidden = torch.randn(2, 9, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in range(model.config.num_hidden_layers):
+            readout = table.readout(ids)
+            beside = readout.add_into(hidden, layer)
+            elsewhere = table.readout(ids).add_into(hidden.cpu(), layer)
+            assert elsewhere.device.type == "cpu" and elsewhere.dtype == hidden.dtype
+            torch.testing.assert_close(elsewhere, beside.cpu(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("kernel", ["auto", "triton"])
 def test_compiled_lookup_runs_the_triton_add_only_when_asked(tmp_path, kernel):
     """kernel="auto": the Triton add in eager steps, PyTorch operations for inductor under torch.compile;

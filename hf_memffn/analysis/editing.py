@@ -154,7 +154,7 @@ class _EditedReadout:
     def add_into(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor:
         hidden = self.readout.add_into(hidden, layer_idx)
         delta = self.row_delta[layer_idx].to(device=hidden.device, dtype=hidden.dtype)
-        return hidden + self.token_mask.to(hidden.dtype) * delta
+        return hidden + self.token_mask.to(device=hidden.device, dtype=hidden.dtype) * delta
 
 
 class _EditedMemory:
