@@ -67,8 +67,8 @@ class _Logits(torch.nn.Module):
 
 def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic: bool = True,
                 with_attention_mask: bool = False, **export_kwargs):
-    """Export `input_ids -> logits` of a causal LM of this package to an ONNX file at `path` (written to a temporary
-    name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. With `with_attention_mask`
+    """Export `input_ids -> logits` of a causal LM of this package (or of a sequence or token classification head)
+    to an ONNX file at `path` (written to a temporary name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. With `with_attention_mask`
     the graph takes a second input, `attention_mask` ([batch, length], 1 for a token, 0 for left padding), and gives
     every row the logits of its unpadded sequence. Returns the ONNX program."""
     try:
@@ -90,6 +90,10 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     if getattr(model, "base_model", None) is model:
         raise ValueError(f"export_onnx: {type(model).__name__} is a base model (AutoModel), whose outputs have no "
                          "logits; allowed: a model with a head, e.g. AutoModelForCausalLM.from_pretrained(path)")
+    head = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    if hasattr(head, "qa_outputs"):
+        raise ValueError(f"export_onnx: {type(head).__name__} gives start and end logits, not `logits`; allowed: a "
+                         "model whose outputs have logits (a causal LM, or a sequence or token classification head)")
     offloaded = [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
                  if tensor.device.type == "meta"]
     if offloaded:

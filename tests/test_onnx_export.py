@@ -366,3 +366,31 @@ def test_a_base_model_or_offloaded_weights_are_refused_before_exporting(tmp_path
                                          r"device_map='cpu'"):
         export_onnx(offloaded, torch.randint(3, 320, (2, 8)), out / "model.onnx")
     assert list(out.iterdir()) == []
+
+
+def test_classification_heads_export_and_a_question_answering_head_is_refused(tmp_path):
+    """Sequence and token classification heads give `logits` as a causal LM does: their exports equal the PyTorch
+    heads at other shapes (a sequence's logits read at its last token before padding). A question-answering head
+    gives start and end logits: it stopped inside torch.export, and is refused first, writing nothing."""
+    from transformers import (AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification)
+
+    config = tiny_config("kvffn", num_hidden_layers=1, initializer_range=0.1, pad_token_id=0)
+    for head in (AutoModelForSequenceClassification, AutoModelForTokenClassification):
+        torch.manual_seed(0)
+        model = head.from_config(config).eval()
+        path = tmp_path / f"{head.__name__}.onnx"
+        export_onnx(model, torch.randint(3, 320, (2, 8)), path)
+        session = ReferenceEvaluator(onnx.load(path))
+        ids = torch.randint(3, 320, (3, 11), generator=torch.Generator().manual_seed(1))
+        ids[1, 7:] = 0  # padding after the second sequence
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits.numpy()
+        np.testing.assert_allclose(session.run(None, {"input_ids": ids.numpy()})[0], expected, rtol=1e-4, atol=1e-4,
+                                   err_msg=head.__name__)
+    out = tmp_path / "question_answering"
+    out.mkdir()
+    with pytest.raises(ValueError, match="KVFFNForQuestionAnswering gives start and end logits.*allowed: a model whose"):
+        export_onnx(AutoModelForQuestionAnswering.from_config(config).eval(), torch.randint(3, 320, (2, 8)),
+                    out / "model.onnx")
+    assert list(out.iterdir()) == []
