@@ -181,19 +181,26 @@ def stage_checkpoint(
     If the model reads a token lookup table, the table's files (the shards its index names, the report, the index)
     are copied next to the weights (unless `include_token_lookup=False`). The model card is rendered again with
     `repo_id`, so its usage snippet names the Hub repository, and it says whether a table is included.
-    `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata.
+    `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata. A `tokenizer` given here is attached
+    for the save only: the model keeps the tokenizer it had attached before (or none).
     """
-    if tokenizer is not None:
-        if hasattr(model, "attach_tokenizer"):
-            model.attach_tokenizer(tokenizer)
-        else:
-            tokenizer.save_pretrained(folder)
-    model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
-    table = attached_table(model)
-    if include_token_lookup and table is not None and Path(table.index.directory).resolve() != Path(folder).resolve():
-        copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
-    write_atomic(Path(folder) / "README.md",
-                 render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))
+    attach = getattr(model, "attach_tokenizer", None) if tokenizer is not None else None
+    previous = getattr(model, "attached_tokenizer", None)
+    if tokenizer is not None and attach is None:
+        tokenizer.save_pretrained(folder)
+    if attach is not None:
+        attach(tokenizer)
+    try:
+        model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
+        table = attached_table(model)
+        if include_token_lookup and table is not None and (Path(table.index.directory).resolve()
+                                                           != Path(folder).resolve()):
+            copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
+        write_atomic(Path(folder) / "README.md",
+                     render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))
+    finally:
+        if attach is not None:
+            attach(previous)
     return check_checkpoint_folder(folder)
 
 

@@ -83,6 +83,21 @@ def test_push_checkpoint_stages_exactly_weights_tokenizer_code_and_card(arch, fa
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
 
 
+def test_a_tokenizer_given_to_a_push_goes_with_it_and_leaves_the_model_as_it_was(fake_hub):
+    """`push_checkpoint(..., tokenizer=)` and `model.push_to_hub(tokenizer=)` upload that tokenizer; the model keeps
+    the one it had attached before, or none (it stayed attached, and went with every later save)."""
+    model = tiny_model("memoryllm")
+    pushed = tiny_tokenizer(vocab_size=300)
+    hub.push_checkpoint(model, "someone/tiny-memoryllm", tokenizer=pushed)
+    assert TOKENIZER_FILES <= set(fake_hub.uploaded) and model.attached_tokenizer is None
+    own = tiny_tokenizer()
+    model.attach_tokenizer(own)
+    model.push_to_hub("someone/tiny-memoryllm", tokenizer=pushed)
+    assert model.attached_tokenizer is own
+    vocab = json.loads(fake_hub.uploaded["tokenizer.json"])["model"]["vocab"]
+    assert len(vocab) == len(pushed.get_vocab()) != len(own.get_vocab())
+
+
 def test_model_push_to_hub_keeps_our_card(fake_hub):
     model = tiny_model("memoryllm")
     model.attach_tokenizer(tiny_tokenizer())

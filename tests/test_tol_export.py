@@ -94,8 +94,8 @@ def test_export_next_to_the_model_keeps_its_files(tmp_path):
     model_files = sorted(n for n in os.listdir(tmp_path) if n.startswith("model"))
     assert model_files
     before = {name: os.path.getsize(tmp_path / name) for name in model_files}
-    export_tols(str(tmp_path), tmp_path, format="bf16", max_shard_size="30KB", progress=False)
-    export_tols(str(tmp_path), tmp_path, format="int8", group_size=32, max_shard_size="30KB", progress=False)
+    export_tols(str(tmp_path), tmp_path, format="bf16", max_shard_size="90KB", progress=False)
+    export_tols(str(tmp_path), tmp_path, format="int8", group_size=32, max_shard_size="90KB", progress=False)
     assert {name: os.path.getsize(tmp_path / name) for name in model_files} == before
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     reloaded.load_tols(tmp_path, placement="cpu")
@@ -165,11 +165,62 @@ def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fm
     ({"format": "lowrank", "energy": "0.9"}, r"energy takes a number; got '0.9'"),
     ({"format": "int8", "group_size": 16.5}, r"group_size takes integers; got 16.5"),
     ({"format": "bf16", "batch_size": 2.5}, r"batch_size takes integers; got 2.5"),
+    # (recorded in the index and ignored: the format alone decides the stored dtype)
+    ({"format": "int8", "factor_dtype": "fp32"}, r"factor_dtype='fp32' applies only to format 'lowrank', not 'int8'"),
+    ({"format": "bf16", "factor_dtype": "bf16"}, r"factor_dtype='bf16' applies only to format 'lowrank', not 'bf16'"),
+    ({"format": "fp16", "factor_dtype": "float16"}, r"factor_dtype='float16' applies only to format 'lowrank'"),
+    ({"format": "lowrank", "rank": 4, "factor_dtype": "float16"}, r"`factor_dtype`='float16' is not supported"),
+    # (a basis is never split across shards: its shard would be larger than the limit)
+    ({"format": "lowrank", "rank": 64, "factor_dtype": "fp32", "batch_size": 8, "max_shard_size": "10KB"},
+     r"max_shard_size=10000 bytes cannot hold the low-rank basis of layer 0 \(16384 bytes"),
+    ({"format": "bf16", "model_dtype": "float16"}, r"`model_dtype`='float16' is not supported; allowed values: 'fp32'"),
+    ({"format": "bf16", "model_dtype": "bf16"}, r"model_dtype='bf16' is the dtype a checkpoint directory is loaded in"),
+    # the held-out loss runs after the export: its ids are checked before the table is written
+    ({"format": "bf16", "eval_input_ids": torch.tensor([[1, 2, 320]])},
+     r"eval_input_ids contains token id 320: allowed ids are 0..319"),
+    ({"format": "bf16", "eval_input_ids": torch.tensor([1, 2, 3])}, r"eval_input_ids has shape \(3,\); allowed"),
+    ({"format": "bf16", "eval_input_ids": torch.tensor([[1], [2]])}, r"eval_input_ids has shape \(2, 1\); allowed"),
+    ({"format": "bf16", "eval_input_ids": torch.tensor([[1.0, 2.0]])}, r"eval_input_ids has dtype torch.float32"),
+    ({"format": "bf16", "eval_input_ids": [[1, 2, 3]]}, r"eval_input_ids takes a tensor of token ids"),
+    ({"format": "bf16", "eval_input_ids": torch.tensor([[1, 2]]), "eval_text": "a text"},
+     r"eval_text and eval_input_ids both give the held-out tokens"),
 ])
 def test_bad_export_options_name_the_field(model, tmp_path, options, field):
     with pytest.raises(ValueError, match=field):
         export_tols(model, tmp_path, progress=False, **options)
     assert not own_files(tmp_path)
+
+
+def test_the_tokens_of_an_eval_text_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path):
+    """A tokenizer with a larger vocabulary than the model's: its ids are named before the export, not after it."""
+    with pytest.raises(ValueError, match=r"eval_text \(tokenized\) contains token id \d+: allowed ids are 0..99"):
+        export_tols(build(vocab_size=100), tmp_path / "tol", format="bf16", progress=False,
+                    eval_text="the memory stores a value of the key " * 4, tokenizer=tiny_tokenizer())
+    assert not (tmp_path / "tol").exists()
+
+
+def test_a_max_shard_size_below_one_row_block_is_refused_naming_a_batch_size_that_fits(model, tmp_path):
+    """A row block is never split across shards: a limit that one block exceeds is refused before anything is
+    written (it gave shards larger than the limit), and the batch size the error names gives shards within it."""
+    table = tmp_path / "table"
+    with pytest.raises(ValueError, match=r"max_shard_size=10000 bytes cannot hold one row block of batch_size=256 "
+                                         r"tokens \(131072 bytes.*allowed: max_shard_size >= 131072, or "
+                                         r"batch_size <= 19 \(tokens per block\)"):
+        export_tols(model, table, format="fp32", batch_size=256, max_shard_size="10KB", progress=False)
+    assert not table.exists()
+    with pytest.raises(ValueError, match=r"one token's row is 512 bytes"):
+        export_tols(model, table, format="fp32", batch_size=4, max_shard_size=500, progress=False)
+    assert not table.exists()
+    from hf_memffn.token_lookup import read_safetensors_header
+
+    for fmt, options in [("fp32", {}), ("int8", {"group_size": 32}), ("lowrank", {"rank": 16})]:
+        report = export_tols(model, table, format=fmt, batch_size=19, max_shard_size="10KB", progress=False, **options)
+        assert report["num_shards"] > 1
+        for name in own_files(table):
+            if name.endswith(".safetensors"):
+                _, header = read_safetensors_header(str(table / name))
+                assert sum(end - begin for key, info in header.items() if key != "__metadata__"
+                           for begin, end in [info["data_offsets"]]) <= 10_000
 
 
 def test_an_export_puts_the_modules_back_in_the_mode_they_were_in(model, tmp_path):
@@ -510,7 +561,7 @@ def test_the_model_in_another_dtype_gets_its_own_table_and_never_shares_shards(t
     bf16 model over the fp32 model's table writes it anew, and an interrupted export resumed in the other dtype keeps
     none of its shards; each ends byte-identical to an uninterrupted export of the model it was run with."""
     fp32_model, bf16_model = build(), build().to(torch.bfloat16)
-    options = dict(format="fp32", batch_size=100, max_shard_size="30KB", progress=False)
+    options = dict(format="fp32", batch_size=100, max_shard_size="52KB", progress=False)
     export_tols(fp32_model, tmp_path / "fp32", **options)
     export_tols(bf16_model, tmp_path / "bf16", **options)
     assert shard_bytes(tmp_path / "fp32") != shard_bytes(tmp_path / "bf16")
@@ -530,7 +581,7 @@ def test_a_lowrank_rerun_that_fits_other_bases_writes_every_shard_again(model, t
     """The first shard (holding the bases) cut short, and the bases fitted again come out otherwise (eigenvectors'
     signs depend on the eigensolver's threads): the coefficients in the other shards fit the old bases only, so they
     are written again, and the table's error is the one the index reports."""
-    options = dict(format="lowrank", rank=64, factor_dtype="fp32", batch_size=64, max_shard_size="20KB",
+    options = dict(format="lowrank", rank=64, factor_dtype="fp32", batch_size=64, max_shard_size="33KB",
                    progress=False)
     export_tols(model, tmp_path, **options)
     first = sorted(shard_bytes(tmp_path))[0]
@@ -587,7 +638,7 @@ def test_the_base_model_loads_a_table(model, exported):
 
 
 def test_reexport_with_other_settings_replaces_the_table(model, tmp_path):
-    export_tols(model, tmp_path, format="fp32", batch_size=64, max_shard_size="20KB", progress=False)
+    export_tols(model, tmp_path, format="fp32", batch_size=64, max_shard_size="33KB", progress=False)
     many = own_files(tmp_path)
     export_tols(model, tmp_path, format="int8", group_size=32, progress=False)
     assert own_files(tmp_path) == sorted([INDEX_NAME, REPORT_NAME, "token_lookup.safetensors"])
@@ -595,6 +646,27 @@ def test_reexport_with_other_settings_replaces_the_table(model, tmp_path):
     model.load_tols(tmp_path, placement="disk")
     assert model.model.token_lookup.fmt.name == "int8"
     model.unload_tols()
+
+
+def test_a_reexport_stopped_during_its_heldout_loss_leaves_no_report_of_the_old_table(model, tmp_path, monkeypatch):
+    """The new index is written before the held-out loss, the report after it: stopped in between, the folder held
+    the old table's report (its format, errors and loss) beside the new table, which a push uploaded with it."""
+    eval_ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    export_tols(model, tmp_path, format="int8", eval_input_ids=eval_ids, progress=False)
+    assert (tmp_path / REPORT_NAME).exists()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "heldout_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_tols(model, tmp_path, format="fp32", eval_input_ids=eval_ids, progress=False)
+    assert json.loads((tmp_path / INDEX_NAME).read_text())["metadata"]["token_lookup"]["format"]["name"] == "fp32"
+    assert not (tmp_path / REPORT_NAME).exists()
+    assert REPORT_NAME not in export_module.table_files(str(tmp_path))
+    monkeypatch.undo()
+    report = export_tols(model, tmp_path, format="fp32", eval_input_ids=eval_ids, progress=False)
+    assert report["already_complete"] and json.loads((tmp_path / REPORT_NAME).read_text())["format"]["name"] == "fp32"
 
 
 def test_lowrank_resume_reuses_the_stored_bases(model, tmp_path, monkeypatch):
@@ -627,6 +699,23 @@ def test_cli_exports_with_heldout_loss(tmp_path, capsys):
     with open(tmp_path / "tol" / REPORT_NAME) as handle:
         report = json.load(handle)
     assert abs(report["loss_delta"]) < 0.05 and report["eval_tokens"] > 100
+
+
+def test_cli_factor_dtype_is_refused_for_formats_other_than_lowrank(model, tmp_path, capsys):
+    """`--factor-dtype` was ignored (its default was always set) for other formats; lowrank without it stores bf16."""
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["export-tols", str(model_dir), str(tmp_path / "tol"), "--format", "int8", "--factor-dtype", "fp32",
+                  "--device", "cpu", "--no-progress"])
+    assert stop.value.code == 2
+    assert "factor_dtype='fp32' applies only to format 'lowrank', not 'int8'" in capsys.readouterr().err
+    assert not (tmp_path / "tol").exists()
+    assert cli.main(["export-tols", str(model_dir), str(tmp_path / "tol"), "--format", "lowrank", "--rank", "4",
+                     "--device", "cpu", "--no-progress"]) == 0
+    with open(tmp_path / "tol" / INDEX_NAME) as handle:
+        meta = json.load(handle)["metadata"]["token_lookup"]
+    assert meta["format"]["factor_dtype"] == "bf16" and meta["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("size", ["50000", "50KB", "0.05MB"])

@@ -31,7 +31,7 @@ def relative(a, b):
 def exported(request, tmp_path_factory):
     model = build(request.param)
     directory = tmp_path_factory.mktemp(request.param)
-    export_tols(model, directory, format="fp32", batch_size=96, max_shard_size="40KB", progress=False)
+    export_tols(model, directory, format="fp32", batch_size=96, max_shard_size="50KB", progress=False)
     return model, directory
 
 

@@ -4,7 +4,8 @@ For every token id the table row holds the memory FFN output of every kept layer
 computed in batches of `batch_size` tokens; each batch becomes one row block (`rows.<start>`, plus `scales.<start>`
 for int8/int4) and blocks are grouped into safetensors shards (`token_lookup-0000i-of-0000n.safetensors`, planned
 with huggingface_hub's sharding helper) with an index `token_lookup.safetensors.index.json` holding the format, the
-shapes, the weights' fingerprint, every shard's size and sha256, and the table's error.
+shapes, the weights' fingerprint, every shard's size and sha256, and the table's error. A block (or a low-rank
+basis) is never split across shards: a `max_shard_size` that one of them exceeds is refused.
 
 Memory: one batch plus the shard being filled (low-rank adds the per-layer Gram matrices, layers x hidden^2).
 
@@ -37,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
+from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line
 from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, decode_utf8, existing_file, has_tokenizer, int_list,
@@ -178,6 +180,7 @@ class _Exporter:
         starts = list(range(0, self.vocab, self.batch_size))
         for start in starts:
             units[block_keys(start)[0]] = self._block_nbytes(min(self.batch_size, self.vocab - start))
+        self._check_shard_size(units)
         split = split_state_dict_into_shards_factory(units, get_storage_size=lambda nbytes: nbytes,
                                                      filename_pattern=SHARD_PATTERN, max_shard_size=self.max_shard_size)
         quantized = self.fmt.group_size is not None
@@ -189,6 +192,25 @@ class _Exporter:
             "bases_sha256": self.bases_sha256,
         }, sort_keys=True).encode()).hexdigest()
         return files, plan_id
+
+    def _check_shard_size(self, units: dict[str, int]) -> None:
+        """Refuse a max_shard_size that one row block or low-rank basis exceeds (neither is split across shards, so
+        its shard would be larger than the limit)."""
+        key = max(units, key=units.get)
+        nbytes = units[key]
+        if nbytes <= self.max_shard_size:
+            return
+        if key.startswith("basis."):
+            raise ValueError(f"max_shard_size={self.max_shard_size} bytes cannot hold the low-rank basis of layer "
+                             f"{int(key.split('.')[1])} ({nbytes} bytes, never split across shards); allowed: "
+                             f"max_shard_size >= {nbytes}, or a lower rank or energy")
+        row_nbytes = self._block_nbytes(1)
+        rows = self.max_shard_size // row_nbytes
+        smaller = (f", or batch_size <= {rows} (tokens per block)" if rows
+                   else f" (one token's row is {row_nbytes} bytes)")
+        raise ValueError(f"max_shard_size={self.max_shard_size} bytes cannot hold one row block of batch_size="
+                         f"{self.batch_size} tokens ({nbytes} bytes, never split across shards); allowed: "
+                         f"max_shard_size >= {nbytes}{smaller}")
 
     # -- low-rank bases ------------------------------------------------------------------------------------------------
 
@@ -270,7 +292,6 @@ class _Exporter:
 
     def run(self) -> dict:
         started = time.perf_counter()
-        os.makedirs(self.out_dir, exist_ok=True)
         total_work = self.vocab * (2 if self.fmt.name == "lowrank" else 1)
         bar = _progress(total_work, self.progress)
         resumed = False
@@ -278,13 +299,15 @@ class _Exporter:
             if self.fmt.name == "lowrank":
                 # the first shard (which holds the bases) decides: resume with its bases, or fit them again
                 first = SHARD_PATTERN.format(suffix="")
-                candidates = [first] + sorted(n for n in os.listdir(self.out_dir)
+                names = os.listdir(self.out_dir) if os.path.isdir(self.out_dir) else []
+                candidates = [first] + sorted(n for n in names
                                               if n.startswith(OWN_FILE_PREFIX + "-00001-of-") and n.endswith(".safetensors"))
                 if not any(self._load_lowrank(name) for name in candidates):
                     self._fit_lowrank(bar)
                 else:
                     bar(self.vocab, "low-rank bases reused")
-            files, plan_id = self.plan()
+            files, plan_id = self.plan()  # (refuses a max_shard_size too small, before anything is written)
+            os.makedirs(self.out_dir, exist_ok=True)
             index_path = os.path.join(self.out_dir, INDEX_NAME)
             old = _index_metadata(index_path)
             recorded = old.get("shards", {}) if old.get("plan_id") == plan_id else {}
@@ -346,6 +369,11 @@ class _Exporter:
             # included, are in `token_lookup.shards`)
             index = {"metadata": {"total_size": _tensor_bytes(self.out_dir, files), "token_lookup": meta},
                      "weight_map": weight_map}
+            # the report of the table this index replaces goes first (`export_tols` writes this export's own after
+            # the held-out loss): an export stopped in between leaves no report of other settings beside the table
+            report_path = os.path.join(self.out_dir, REPORT_NAME)
+            if os.path.isfile(report_path):
+                os.remove(report_path)
             _write_json_atomic(index_path, index)
         return self._report(meta, time.perf_counter() - started, reused=False, resumed=resumed)
 
@@ -560,6 +588,24 @@ def text_to_input_ids(tokenizer, text: str, seq_len: int = 256) -> torch.Tensor:
     return ids[:rows * seq_len].view(rows, seq_len)
 
 
+def _checked_eval_input_ids(input_ids, model, what: str) -> torch.Tensor:
+    """`input_ids` if it is an integer tensor [batch, length >= 2] of ids the model's table covers, else a ValueError
+    naming `what` and what is allowed."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"{what} takes a tensor of token ids [batch, length]; got {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"{what} has dtype {input_ids.dtype}; allowed: integer token ids (torch.long)")
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
+        raise ValueError(f"{what} has shape {tuple(input_ids.shape)}; allowed: [batch, length] with batch >= 1 and "
+                         "length >= 2 (the held-out loss predicts each next token)")
+    vocab_size = _memory_base(model).config.vocab_size
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+    if outside.numel():
+        raise ValueError(f"{what} contains token id {outside[0].item()}: allowed ids are 0..{vocab_size - 1} (the "
+                         "model's vocabulary; is the tokenizer the model's own?)")
+    return input_ids
+
+
 def lookup_loss_delta(model, table_dir: str, input_ids: torch.Tensor, placement: str | None = None) -> dict:
     """Held-out loss in compute mode and with the table at `table_dir`; the model is left reading the table it read
     before (computing its FFNs on X0 if none). Compute mode needs the memory FFN's weights: a model that dropped them
@@ -598,7 +644,7 @@ def _load_model(model_dir: str, device, dtype: str | None):
 
 
 def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", group_size: int | None = None,
-                rank: int | None = None, energy: float | None = None, factor_dtype: str = "bf16",
+                rank: int | None = None, energy: float | None = None, factor_dtype: str | None = None,
                 drop_layers=(), batch_size: int = 1024, max_shard_size: int | str = "2GB", device=None,
                 eval_input_ids: torch.Tensor | None = None, eval_text: str | None = None, tokenizer=None,
                 progress: bool = True, push_to_hub: str | None = None, model_dtype: str | None = None) -> dict:
@@ -609,8 +655,11 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     Exported into a checkpoint folder, the "Token lookup tables" section of the folder's model card is rewritten to
     say the folder holds the table (`model_card.refresh_lookup_section`; the report's `model_card` names the card).
     """
-    fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy, factor_dtype=factor_dtype,
-                            drop_layers=drop_layers)
+    fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy,
+                            factor_dtype="bf16" if factor_dtype is None else factor_dtype, drop_layers=drop_layers)
+    if factor_dtype is not None and fmt.name != "lowrank":
+        raise ValueError(f"factor_dtype={factor_dtype!r} applies only to format 'lowrank', not {fmt.name!r} (whose "
+                         "stored dtype is the format itself)")
     max_shard_size = shard_size_bytes(max_shard_size)  # (before a model is loaded)
     if push_to_hub is not None:
         check_repo_id(push_to_hub, "push_to_hub")
@@ -618,6 +667,14 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
         raise ValueError("out_dir='' is an empty path; allowed: a directory (created if missing)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"out_dir={os.fspath(out_dir)!r} is a file; allowed: a directory (created if missing)")
+    if model_dtype is not None:
+        check_choice("model_dtype", model_dtype, tuple(FLOAT_DTYPES))
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model_dtype={model_dtype!r} is the dtype a checkpoint directory is loaded in, and "
+                             f"model is a loaded {type(model).__name__}: cast it (model.to(torch.bfloat16)) or pass "
+                             "its directory")
+    if eval_text is not None and eval_input_ids is not None:
+        raise ValueError("eval_text and eval_input_ids both give the held-out tokens; pass one of them")
     if isinstance(model, (str, os.PathLike)):
         model_dir = os.fspath(model)
         model = _load_model(model_dir, device, model_dtype)
@@ -630,6 +687,9 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
         if tokenizer is None:
             raise ValueError("eval_text needs a tokenizer (pass tokenizer=, or a model directory that has one)")
         eval_input_ids = text_to_input_ids(tokenizer, eval_text)
+    if eval_input_ids is not None:  # (the held-out loss runs after the export: its ids are checked before)
+        eval_input_ids = _checked_eval_input_ids(eval_input_ids, model, "eval_input_ids" if eval_text is None
+                                                 else "eval_text (tokenized)")
     modes = [(module, module.training) for module in model.modules()]  # (a model exported mid-training: put back)
     model.eval()
     try:
@@ -705,11 +765,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=positive_int, default=None, help="int8/int4: values per scale (default 128/64)")
     parser.add_argument("--rank", type=positive_int, default=None, help="lowrank: rank of every layer")
     parser.add_argument("--energy", type=float, default=None, help="lowrank: keep this fraction of each layer's energy")
-    parser.add_argument("--factor-dtype", default="bf16", choices=list(FLOAT_DTYPES), help="lowrank: stored dtype")
+    parser.add_argument("--factor-dtype", default=None, choices=list(FLOAT_DTYPES),
+                        help="lowrank: stored dtype (default bf16)")
     parser.add_argument("--drop-layers", type=int_list, default=[], help="comma-separated layers not stored, e.g. 8,9,10")
     parser.add_argument("--batch-size", type=positive_int, default=1024, help="tokens per batch (= rows per block)")
     parser.add_argument("--max-shard-size", default="2GB", type=_shard_size_argument,
-                        help="bytes per shard file: a number of bytes or a size such as 2GB, 500MB (default 2GB)")
+                        help="tensor bytes per shard file (its header adds about 1KB): a number of bytes or a size "
+                             "such as 2GB, 500MB (default 2GB)")
     parser.add_argument("--device", default=None, type=torch_device, help="cpu, cuda, cuda:1 (default: cuda if available)")
     parser.add_argument("--model-dtype", default=None, choices=list(FLOAT_DTYPES),
                         help="dtype to load the model in (default: the checkpoint's)")
