@@ -115,6 +115,7 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
 
 
 DECODER_KERNELS = ("auto", "triton", "torch")  # decoder's norms and rotations, KV-FFN's activation (*_triton.py)
+ROPE_PARAMETERS_REQUIREMENT = "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}"
 
 
 class MemFFNConfig(PretrainedConfig):
@@ -182,7 +183,7 @@ class MemFFNConfig(PretrainedConfig):
         # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
         # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
         _check(type(self).__name__, rope_parameters is None or isinstance(rope_parameters, dict), "rope_parameters",
-               rope_parameters, "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}")
+               rope_parameters, ROPE_PARAMETERS_REQUIREMENT)
         self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act
@@ -217,19 +218,28 @@ class MemFFNConfig(PretrainedConfig):
     @classmethod
     def _pop_derived_fields(cls, fields: dict) -> dict:
         """The fields of `fields` that the config derives from others (`ffn_head_dim`, `subnetwork_size`, ...:
-        properties without a setter), taken out of it."""
-        derived = [key for key in fields
-                   if isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None]
+        properties without a setter) or that its class fixes (`WIRING_FIELDS`), taken out of it."""
+        derived = [key for key in fields if key in cls.WIRING_FIELDS
+                   or (isinstance(getattr(cls, key, None), property) and getattr(cls, key).fset is None)]
         return {key: fields.pop(key) for key in derived}
 
     def _check_derived_fields(self, given: dict) -> None:
         """Derived fields given with the others are accepted where they equal what the config derives, and refused,
-        naming the field, where they do not (transformers would fail to set them, after logging the whole config)."""
+        naming the field, where they do not (transformers would fail to set them, after logging the whole config).
+        So are the fields of the decoder's wiring, which the architecture's class fixes."""
         for key, value in given.items():
             derived = getattr(self, key)
-            _check(type(self).__name__, value == derived, key, value,
-                   f"it is derived from the config's other fields (here {derived!r}) and cannot be set; leave it "
-                   "out or change the fields it is derived from")
+            if isinstance(getattr(type(self), key, None), property):
+                requirement = (f"it is derived from the config's other fields (here {derived!r}) and cannot be set; "
+                               "leave it out or change the fields it is derived from")
+            else:
+                requirement = self._wiring_requirement(derived)
+            _check(type(self).__name__, value == derived, key, value, requirement)
+
+    def _wiring_requirement(self, fixed) -> str:
+        return (f"it is the wiring of {type(self).__name__}'s decoder (here {fixed!r}), fixed by the architecture, "
+                "and cannot be set; leave it out (the FFN is chosen by the architecture, and by `ffn_variant` where "
+                "it has one)")
 
     @classmethod
     def from_dict(cls, config_dict, **kwargs):
@@ -237,6 +247,9 @@ class MemFFNConfig(PretrainedConfig):
         are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
         which depend on the FFN's fields."""
         derived = cls._pop_derived_fields(kwargs)
+        for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
+            value = kwargs.get(field)
+            _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
         config._check_derived_fields(derived)
@@ -318,6 +331,8 @@ class MemFFNConfig(PretrainedConfig):
     # -- wiring of the decoder (overridden by subclasses) --------------------------------------------------------
     residual_ffn = "swiglu"
     parallel_residual_ffn = False
+    # Set by each architecture's class, not by config fields: refused as fields (`_check_derived_fields`) unless equal
+    WIRING_FIELDS = ("residual_ffn", "parallel_residual_ffn")
 
     @property
     def residual_ffn_size(self) -> int:
@@ -332,6 +347,10 @@ class MemFFNConfig(PretrainedConfig):
     # -- validation ----------------------------------------------------------------------------------------------
     def validate_fields(self) -> None:
         name = type(self).__name__
+        for field in self.WIRING_FIELDS:  # (set by hand on the config: `config.parallel_residual_ffn = True`)
+            fixed = getattr(type(self), field)
+            _check(name, vars(self).get(field, fixed) == fixed, field, vars(self).get(field),
+                   self._wiring_requirement(fixed))
         _check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "head_dim", "intermediate_size", "num_key_value_heads", "max_position_embeddings"))
         _check_number(self, "rms_norm_eps", 0.0, low_inclusive=False)

@@ -149,6 +149,10 @@ config_case("memory_intermediate_size-str", "flex_memoryllm", ("memory_intermedi
             memory_intermediate_size="64")
 config_case("ffn_head_dim-derived", "flash_mhf", ("ffn_head_dim", "derived", "here 16"), ffn_head_dim=8)
 config_case("kvffn_init_std-derived", "kvffn", ("kvffn_init_std", "derived"), kvffn_init_std=0.5)
+# the decoder's wiring is the architecture's: given as a field it rewired the decoder (MemoryLLM with a SwiGLU FFN)
+config_case("residual_ffn-wiring", "memoryllm", ("residual_ffn", "wiring", "here None"), residual_ffn="swiglu")
+config_case("parallel_residual_ffn-wiring", "kvffn", ("parallel_residual_ffn", "wiring", "here False"),
+            parallel_residual_ffn=True)
 CASES.append(Case("tiny_config-unknown-arch", ("arch", "memoryllm"), api=lambda w: tiny_config("gpt2")))
 
 
@@ -172,6 +176,13 @@ CASES.append(Case("from_pretrained-config-str-number", ("num_hidden_layers", "po
 
 CASES.append(Case("from_pretrained-derived-field", ("token_memory_size", "derived"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.memoryllm, token_memory_size=3)))
+# (fields given to from_pretrained are set past the config's __init__, which checks this one)
+CASES.append(Case("from_pretrained-rope_parameters-str", ("rope_parameters", "dict"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.kvffn, rope_parameters="linear")))
+CASES.append(Case("from_pretrained-rope_scaling-str", ("rope_scaling", "dict"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.memoryllm, rope_scaling="linear")))
+CASES.append(Case("from_pretrained-wiring-field", ("parallel_residual_ffn", "wiring", "here False"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.kvffn, parallel_residual_ffn=True)))
 
 
 def _model(world: World, name="memoryllm"):

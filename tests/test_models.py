@@ -129,6 +129,31 @@ def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tm
     assert "ffn_head_dim" not in config.to_dict()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_decoder_wiring_is_the_architectures_not_a_field(arch, tmp_path):
+    """`residual_ffn` and `parallel_residual_ffn` are set by each architecture's class: given as fields (to the
+    config, to `from_pretrained`, or set by hand before a model is built) they rewired the decoder, e.g. a MemoryLLM
+    with a SwiGLU FFN on the residual stream or a KVFFN whose FFN read the layer input; now refused naming the field,
+    unless equal to the architecture's, which is accepted and not saved. tests/test_bad_input.py has the messages."""
+    config_class = hf_memffn.ARCHITECTURES[arch]
+    wiring = {"residual_ffn": tiny_config(arch).residual_ffn,
+              "parallel_residual_ffn": config_class.parallel_residual_ffn}
+    config = tiny_config(arch, **wiring)
+    assert not set(wiring) & set(config.to_dict())
+    config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path, **wiring).parallel_residual_ffn == wiring["parallel_residual_ffn"]
+    flipped = not wiring["parallel_residual_ffn"]
+    with pytest.raises(ValueError, match="`parallel_residual_ffn`"):
+        tiny_config(arch, parallel_residual_ffn=flipped)
+    with pytest.raises(ValueError, match="`parallel_residual_ffn`"):
+        AutoConfig.from_pretrained(tmp_path, parallel_residual_ffn=flipped)
+    with pytest.raises(ValueError, match="`residual_ffn`"):
+        tiny_config(arch, residual_ffn="kvffn" if arch != "kvffn" else "swiglu")
+    config.parallel_residual_ffn = flipped
+    with pytest.raises(ValueError, match="`parallel_residual_ffn`"):
+        AutoModelForCausalLM.from_config(config)
+
+
 @pytest.mark.parametrize("arch", ["flash_mhf", "kvffn"])
 def test_the_path_logs_follow_transformers_verbosity(arch):
     """Which path runs is logged under transformers' logger, so `transformers.logging.set_verbosity_info()` shows it
