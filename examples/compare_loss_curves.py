@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -43,11 +44,15 @@ def curve_noise(curve: dict[int, float], window: int = 5) -> float | None:
 
 
 def differences(reference: dict[int, float], other: dict[int, float]) -> dict:
+    """The absolute differences over the steps both logged; a step where either loss is NaN (a run that diverged)
+    makes the largest and the mean NaN, as no difference there is known."""
     steps = sorted(set(reference) & set(other))
     if not steps:
         return {"steps": 0}
     deltas = [abs(reference[s] - other[s]) for s in steps]
-    return {"steps": len(steps), "last_step": steps[-1], "max_abs": max(deltas), "mean_abs": statistics.fmean(deltas),
+    # (`max` skips a NaN that is not first: a run that diverged for some steps read as close as its other steps)
+    largest = math.nan if any(math.isnan(delta) for delta in deltas) else max(deltas)
+    return {"steps": len(steps), "last_step": steps[-1], "max_abs": largest, "mean_abs": statistics.fmean(deltas),
             "reference_last": reference[steps[-1]], "other_last": other[steps[-1]]}
 
 
@@ -102,6 +107,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
+    without_log = [str(run) for run in args.runs if not (run / "train_log.jsonl").is_file()]
+    if without_log:
+        parser.error(f"runs {without_log} hold no train_log.jsonl: give output dirs of examples/pretrain.py")
     resolved = [run.resolve() for run in args.runs]
     repeated = sorted({str(run) for run, path in zip(args.runs, resolved) if resolved.count(path) > 1})
     if repeated:

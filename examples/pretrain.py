@@ -816,6 +816,8 @@ def refuse_conflicting_arguments(args) -> None:
     if args.data_dir and (args.data_files or args.dataset):
         given = "--data-files" if args.data_files else "--dataset"
         raise ValueError(f"--data-dir reads token shards, so {given} would be left unused: give one of the two")
+    if args.data_dir:
+        refuse_a_folder_without_shards(args.data_dir, tokenizer_given=bool(args.tokenizer))
     if args.data_files:
         data_files_builder(args)  # (a file named twice, or files of two formats)
     if args.init_from and args.train_tokenizer:
@@ -823,6 +825,22 @@ def refuse_conflicting_arguments(args) -> None:
                          "own tokenizer, which a new one would not keep; drop --train-tokenizer")
     if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
         build_config(args.arch, args.preset, 64 * 1024, **parse_overrides(args.config_overrides))
+
+
+def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None:
+    """A --data-dir that is not a folder of token shards (a mistyped path, the folder above the shards) failed after
+    --output-dir was made, in the tokenizer's loading, with an error that named neither the option nor the folder."""
+    folder = Path(data_dir)
+    if not folder.is_dir():
+        raise ValueError(f"--data-dir={data_dir!r} is not a folder: give the folder of token shards "
+                         "(examples/reproduce/prepare_data.py writes one)")
+    missing = [name for name in ("train.bin", "heldout.bin") if not (folder / name).is_file()]
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json")
+    if not tokenizer_given and not any((folder / name).is_file() for name in tokenizer_files):
+        missing.append("a tokenizer (tokenizer.json; or pass --tokenizer)")
+    if missing:
+        raise ValueError(f"--data-dir={data_dir!r} lacks {', '.join(missing)}: give a folder of token shards "
+                         "(examples/token_shards.py; examples/reproduce/prepare_data.py writes one)")
 
 
 def refuse_a_used_output_dir(args, output_dir: Path) -> None:

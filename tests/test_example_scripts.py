@@ -5,6 +5,7 @@ calls and writes what the real one would leave behind."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -182,6 +183,25 @@ def test_compare_loss_curves_says_when_it_cannot_tell_the_noise_and_refuses_a_ru
     with pytest.raises(SystemExit):
         compare_loss_curves.main([str(reference), str(tmp_path / "single" / ".." / "single")])
     assert "given more than once" in capsys.readouterr().err
+
+
+def test_compare_loss_curves_reports_a_run_that_diverged_at_some_steps_as_not_within_noise(tmp_path):
+    """A run whose loss was NaN at some steps had a mean difference of NaN but, `max` passing over a NaN that is not
+    first, a largest difference of its finite steps' (0.01 here), as if it had stayed close to the reference."""
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3, 4: 4.1, 5: 3.9}, 8192)
+    diverged = write_run(tmp_path / "ddp", {1: 5.01, 2: math.nan, 3: math.nan, 4: 4.11, 5: 3.91}, 8192)
+    entry = compare_loss_curves.main([str(reference), str(diverged)])["runs"][str(diverged)]
+    train = entry["train_loss_difference"]
+    assert math.isnan(train["max_abs"]) and math.isnan(train["mean_abs"])
+    assert entry["within_noise"] is False
+
+
+def test_compare_loss_curves_refuses_a_folder_without_a_train_log(tmp_path, capsys):
+    """A mistyped run folder failed with a traceback (`FileNotFoundError`) instead of the usage and the run named."""
+    reference = write_run(tmp_path / "single", {5: 3.0, 10: 2.5}, 8192)
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(tmp_path / "fsdp"), "--json", str(tmp_path / "out.json")])
+    assert "hold no train_log.jsonl" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
 
 
 def test_compare_loss_curves_writes_its_files_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -174,6 +174,22 @@ def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):
                        "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
 
 
+def test_a_data_dir_that_holds_no_shards_is_refused_before_any_work(tmp_path):
+    """A mistyped --data-dir, or the folder above the shards, made --output-dir and then failed loading the tokenizer
+    (a Hub repo id error, or one about sentencepiece) naming neither the option nor what the folder lacks."""
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    (shards / "heldout.bin").rename(tmp_path / "heldout.bin")
+    out = tmp_path / "run"
+    for data_dir, message in ((tmp_path / "no_such_folder", r"--data-dir='.*no_such_folder' is not a folder"),
+                              (tmp_path, r"--data-dir='.*' lacks train.bin, a tokenizer \(tokenizer.json; or pass "
+                                         r"--tokenizer\): give a folder of token shards"),
+                              (shards, r"--data-dir='.*shards' lacks heldout.bin: give a folder of token shards")):
+        with pytest.raises(ValueError, match=message):
+            pretrain.main(["--arch", "llama", "--data-dir", str(data_dir), "--block-size", "16", "--max-steps", "2",
+                           "--save-steps", "100", "--output-dir", str(out)])
+        assert not out.exists()
+
+
 def test_shards_with_ids_beyond_the_embedding_are_refused(tmp_path):
     """Shards tokenized for a larger vocabulary than the model's trained until the first such id, then failed in the
     embedding (an `IndexError` here, a device-side assert on a GPU); they are refused before training, naming the id

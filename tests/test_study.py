@@ -277,6 +277,17 @@ def test_prepare_data_refuses_a_text_file_named_twice(tmp_path, monkeypatch):
     assert not (tmp_path / "shards").exists()
 
 
+def test_prepare_data_refuses_a_text_file_that_is_not_utf8(tmp_path):
+    """A Latin-1 file was read with its accented letters replaced by U+FFFD, which the tokenizer and the shards then
+    held in their place; it is refused, naming the file, and no folder is made."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("\n\n".join(f"le caf\xe9 num\xe9ro {i} ouvre t\xf4t" for i in range(40)).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--text-files: '.*latin1.txt' is not UTF-8 text .*; convert it to UTF-8"):
+        prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files", str(latin1),
+                           "--wiki", "no"])
+    assert not (tmp_path / "shards").exists() and not (tmp_path / "shards.tmp").exists()
+
+
 def test_prepare_data_refuses_sizes_out_of_range_and_leaves_no_half_built_folder(tmp_path, monkeypatch):
     """--vocab-size 0 failed after the corpus was read, naming `vocab_size`, and left OUT.tmp behind; --tokenizer-chars
     0 trained a tokenizer of bytes alone without a word; a vocabulary beyond uint16 failed only once the tokenizer was
@@ -682,6 +693,19 @@ def test_paired_difference_decides_the_verdict_from_three_seeds():
     assert study.verdict(summary["a"], summary["b"])[1] == "same order, within seed noise"
     assert study.verdict(summary["a"], summary["b"], (seeds, delta, error))[1] == "reproduced"
     assert study.paired_difference(runs, "a", "c") == (0, None, None)
+
+
+def test_equal_losses_are_a_tie_not_a_reversed_order():
+    """Two models that end with equal losses on every seed (an ablation that changes nothing) were reported as
+    "reversed, within seed noise", an order that does not hold either; a level claim stays level."""
+    runs = [{"model": m, "seed": s, "heldout_loss": loss} for m in ("a", "b") for s, loss in enumerate([4.0, 4.2, 4.1])]
+    paired = study.paired_difference(runs, "a", "b")
+    assert paired == (3, 0.0, 0.0)
+    summary = {"heldout_loss_mean": statistics.fmean([4.0, 4.2, 4.1]), "heldout_loss_std": 0.1}
+    assert study.verdict(summary, dict(summary), paired) == (0.0, "tied, within seed noise")
+    assert study.verdict(summary, dict(summary))[1] == "tied, within seed noise"  # (the means, under three seeds)
+    assert study.verdict(summary, dict(summary), paired, level=True)[1] == "level, within seed noise"
+    assert not study.verdict_is_resolved("tied, within seed noise")
 
 
 def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_way():
@@ -1282,7 +1306,9 @@ def test_paired_differences_between_models_at_rates_of_their_own(capsys):
 
 def test_heldout_overlap_counts_repeated_lines_windows_and_documents(tmp_path, capsys):
     """`heldout_overlap.py`: held-out lines (long ones), windows of consecutive lines and documents found verbatim in
-    the training documents; the command reads a prepared data folder and writes the JSON and the table."""
+    the training documents; the command reads a prepared data folder and writes the JSON and the table. Its counts
+    are those of the texts: decoded from the shards, a document's first line starts with the space the tokenizer adds,
+    so the poem that opens a training document was found in the held-out text one line and one window short."""
     import heldout_overlap
 
     poem = "\n".join(f"line {i} of a poem that an anthology prints again" for i in range(6))
@@ -1308,6 +1334,7 @@ def test_heldout_overlap_counts_repeated_lines_windows_and_documents(tmp_path, c
     assert heldout_overlap.main(["--data", str(data), "--out", str(tmp_path / "out"), "--min-chars", "20"]) == 0
     written = json.loads((tmp_path / "out" / "overlap.json").read_text())
     assert written["documents_with_a_window_in_train"] == 1 and written["heldout_documents"] == 2
+    assert {key: written[key] for key in result} == result
     assert "| windows of 4 consecutive lines |" in (tmp_path / "out" / "overlap.md").read_text()
 
 
@@ -1336,3 +1363,17 @@ def test_a_run_whose_loss_diverged_to_nan_is_summarised_and_never_the_best_rate(
     assert report["models"]["pkv"]["best_learning_rate"] == 3e-2
     seeds, delta, error = report["models"]["pkv"]["vs_baseline_at_best"]
     assert seeds == 2 and math.isfinite(delta)
+
+
+def test_a_run_that_diverged_to_a_loss_beyond_exp_is_summarised(tmp_path):
+    """A finite held-out loss above 709 (a run that diverged without reaching NaN) made `math.exp` raise in the
+    perplexity, so the study stopped after the run, and --report and learning_rates.py failed on its results."""
+    runs = [{"model": "llama", "seed": seed, "heldout_loss": loss, "tokens_per_second": 1.0, "peak_memory_gib": None,
+             "train_seconds": 1.0, "wall_seconds": 1.0} for seed, loss in enumerate([750.0, 760.0])]
+    summary = study.aggregate(runs)["llama"]
+    assert summary["heldout_loss_mean"] == 755.0 and summary["perplexity"] == math.inf
+    assert study.aggregate([{**runs[0], "heldout_loss": 5.0}])["llama"]["perplexity"] == math.exp(5.0)
+    recipe = write_study(tmp_path / "recipe", {"llama": [5.0, 5.2], "pkv": [5.6, 5.9]})
+    high = write_study(tmp_path / "high", {"llama": [750.0, 4.0], "pkv": [4.5, 4.6]}, learning_rate=3e-2)
+    report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(high), str(recipe)])
+    assert report["models"]["llama"]["best_learning_rate"] != 3e-2

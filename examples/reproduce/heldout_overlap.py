@@ -6,8 +6,10 @@ The held-out documents come from regions of the corpus that training never reads
 poems (anthologies, editions), so a held-out line can still occur in the training text. Both token files are decoded
 into documents (split at EOS) and lines; the script counts the held-out lines of more than `--min-chars` characters
 that occur verbatim among the training lines, the held-out windows of `--window` consecutive lines that occur verbatim
-in a training document, and the held-out documents with at least one such window. Writes `overlap.json` and
-`overlap.md` into DIR and prints the table.
+in a training document, and the held-out documents with at least one such window. Lines are compared without the
+whitespace around them: the tokenizer's decoding puts a space in front of each document's first line (the space its
+encoding adds), which the same line inside another document does not have. Writes `overlap.json` and `overlap.md`
+into DIR and prints the table.
 """
 
 from __future__ import annotations
@@ -44,13 +46,13 @@ def overlap(train_texts: list[str], heldout_texts: list[str], min_chars: int = 4
     """The counts described in the module docstring, for decoded documents."""
     train_lines, train_windows = set(), set()
     for text in train_texts:
-        lines = text.split("\n")
+        lines = [line.strip() for line in text.split("\n")]
         train_lines.update(lines)
         train_windows |= windows(lines, window)
     long_lines = seen_lines = all_windows = seen_windows = seen_documents = 0
     for text in heldout_texts:
-        lines = text.split("\n")
-        long = [line for line in lines if len(line.strip()) > min_chars]
+        lines = [line.strip() for line in text.split("\n")]
+        long = [line for line in lines if len(line) > min_chars]
         long_lines += len(long)
         seen_lines += sum(line in train_lines for line in long)
         own = windows(lines, window)

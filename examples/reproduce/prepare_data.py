@@ -121,7 +121,10 @@ def poetry_documents(path: Path) -> Iterator[tuple[str, bool]]:
 
 def paragraphs(files: Iterable[str]) -> Iterator[str]:
     for name in files:
-        text = Path(name).read_text(encoding="utf-8", errors="replace")
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:  # (replaced by U+FFFD, its characters were trained on as such)
+            raise ValueError(f"--text-files: {name!r} is not UTF-8 text ({error}); convert it to UTF-8") from error
         for paragraph in text.split("\n\n"):
             if paragraph.strip():
                 yield paragraph.strip()

@@ -464,6 +464,15 @@ def sample_stdev(values: list[float]) -> float | None:
     return statistics.stdev(values) if all(math.isfinite(value) for value in values) else math.nan
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss); infinity where that is beyond a float (a run that diverged to a finite loss above 709, where
+    `math.exp` raised and the study stopped writing its results)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def aggregate(runs: list[dict]) -> dict:
     by_model: dict[str, list[dict]] = {}
     for run in runs:
@@ -476,7 +485,7 @@ def aggregate(runs: list[dict]) -> dict:
             "heldout_loss_mean": statistics.fmean(losses),
             "heldout_loss_std": sample_stdev(losses),
             "heldout_loss_min": min(losses), "heldout_loss_max": max(losses),
-            "perplexity": math.exp(statistics.fmean(losses)),
+            "perplexity": perplexity(statistics.fmean(losses)),
             "tokens_per_second": statistics.fmean([r["tokens_per_second"] for r in model_runs if r["tokens_per_second"]] or [0]),
             "peak_memory_gib": max((r["peak_memory_gib"] for r in model_runs if r["peak_memory_gib"] is not None), default=None),
             "train_seconds": statistics.fmean([r["train_seconds"] for r in model_runs]),
@@ -517,8 +526,8 @@ def verdict(lower: dict, higher: dict,
     difference names the model ahead as "{lower}" or "{higher}", for the caller to fill in). With three or more
     common seeds, by the paired difference: resolved when it exceeds twice its standard error. Otherwise by the
     difference of the means against twice the larger seed standard deviation; where either model ran one seed, whose
-    spread is unknown, never resolved. Where a run diverged (a loss of NaN or infinity) there is no verdict: its
-    loss says nothing of the ordering, either way."""
+    spread is unknown, never resolved; a difference of zero is a tie, neither order. Where a run diverged (a loss of
+    NaN or infinity) there is no verdict: its loss says nothing of the ordering, either way."""
     delta = higher["heldout_loss_mean"] - lower["heldout_loss_mean"]
     seeds, paired_delta, error = paired
     if not math.isfinite(delta) or (paired_delta is not None and not math.isfinite(paired_delta)):
@@ -536,6 +545,8 @@ def verdict(lower: dict, higher: dict,
         return delta, f"not level: {ahead} ahead" if resolved else "level, within seed noise"
     if resolved:
         return delta, "reproduced" if sign > 0 else "not reproduced"
+    if sign == 0:  # (equal losses: neither order)
+        return delta, "tied, within seed noise"
     return delta, "same order, within seed noise" if sign > 0 else "reversed, within seed noise"
 
 
