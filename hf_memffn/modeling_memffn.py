@@ -565,7 +565,9 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             if self.attached_tokenizer is not None:
                 self.attached_tokenizer.save_pretrained(save_directory)
             model_card = _package_sibling("model_card")
-            if model_card is not None:
+            # (with adapters added through transformers' PEFT integration, `add_adapter`, the folder holds the
+            # adapters alone, no config or weights: the card of a whole checkpoint would describe files it lacks)
+            if model_card is not None and not getattr(self, "_hf_peft_config_loaded", False):
                 model_card.write_model_card(self, save_directory)
             if hub is not None:
                 hub.push_folder(save_directory, repo_id, **push_options)
