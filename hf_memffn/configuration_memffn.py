@@ -129,10 +129,10 @@ class MemFFNConfig(PretrainedConfig):
 
     `decoder_kernels` chooses how the decoder's RMSNorms and rotary embeddings (and KV-FFN's activation between its
     projections) run: "auto" (one fused Triton kernel each, forward and backward, on CUDA in eager mode; the PyTorch
-    operations on CPU and while torch.compile traces, which fuses them itself, except KV-FFN's activation, whose
-    kernels a compiled graph on CUDA launches as Triton operators), "triton" (the kernels, or an error where they
-    cannot run) or "torch" (the PyTorch operations, as transformers' Llama). The paths compute the same maths; the
-    kernels round once per output.
+    operations on CPU, for float64 tensors and while torch.compile traces, which fuses them itself, except KV-FFN's
+    activation, whose kernels a compiled graph on CUDA launches as Triton operators), "triton" (the kernels, or an
+    error where they cannot run) or "torch" (the PyTorch operations, as transformers' Llama). The paths compute the
+    same maths; the kernels compute in float32 and round once per output.
     """
 
     model_type = "memffn"

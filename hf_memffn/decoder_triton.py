@@ -127,15 +127,24 @@ if TRITON_AVAILABLE:
     _rotary_any_size = any_size(_rotary_kernel, "seq_len")
 
 
+# The dtypes the kernels take: they compute in float32, so a float64 model keeps its precision only on the PyTorch
+# operations
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def decoder_kernels_unavailable(x: torch.Tensor, kernels: str) -> str | None:
     """Why the decoder's norm and rotation run as PyTorch operations for ``x`` under ``kernels`` (one of
     ``DECODER_KERNELS``), or None when the Triton kernels run. "auto" runs them on CUDA outside ``torch.compile``
-    (a compiled graph fuses the PyTorch operations itself); "triton" insists and raises where they cannot run."""
+    (a compiled graph fuses the PyTorch operations itself) for the dtypes of ``KERNEL_DTYPES``; "triton" insists and
+    raises where they cannot run."""
     if kernels not in DECODER_KERNELS:
         raise ValueError(f"decoder_kernels={kernels!r} is not one of {DECODER_KERNELS}")
     if kernels == "torch":
         return "decoder_kernels='torch'"
-    if torch.compiler.is_compiling():
+    if x.dtype not in KERNEL_DTYPES:
+        reason = (f"dtype {x.dtype} is not supported by the kernels, which compute in float32; allowed: float16, "
+                  "bfloat16, float32")
+    elif torch.compiler.is_compiling():
         reason = "torch.compile fuses the PyTorch operations itself"
     elif not TRITON_AVAILABLE:
         reason = f"triton is not importable ({TRITON_IMPORT_ERROR})"
@@ -346,4 +355,5 @@ def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     return query_out.transpose(1, 2), key_out.transpose(1, 2)
 
 
-__all__ = ["decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate", "rotate_pair"]
+__all__ = ["KERNEL_DTYPES", "decoder_kernels_unavailable", "decoder_kernels_path", "rms_norm", "rotate",
+           "rotate_pair"]

@@ -30,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from .configuration_memffn import DECODER_KERNELS
 # (triton from the sibling that imports it in a `try` block: transformers refuses to load a checkpoint's code whose
 # files import a missing package outside one, and triton is optional)
-from .decoder_triton import TRITON_AVAILABLE, decoder_kernels_unavailable, tl, triton
+from .decoder_triton import KERNEL_DTYPES, TRITON_AVAILABLE, decoder_kernels_unavailable, tl, triton
 from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, registered_operator
 
 # the activations the kernels compute (`KVFFNConfig.activations` and the GLU baseline's sigmoid), by constexpr id
@@ -193,7 +193,7 @@ def paired_kernels_unavailable(y: torch.Tensor, kernels: str) -> str | None:
     Non-strict export (which ONNX export tries first) keeps the PyTorch operations, and so does a compiled graph on
     the CPU (the interpreter's kernels cannot be traced)."""
     if (kernels in DECODER_KERNELS and kernels != "torch" and TRITON_AVAILABLE and y.device.type == "cuda"
-            and torch.compiler.is_dynamo_compiling()):
+            and y.dtype in KERNEL_DTYPES and torch.compiler.is_dynamo_compiling()):
         return None
     return decoder_kernels_unavailable(y, kernels)
 

@@ -619,7 +619,8 @@ class TokenLookupTable(nn.Module):
             GPU: rows are read from the mapped files directly.
     Triton kernels (`kernel="triton"`, the default on CUDA): gpu placement adds each layer's slice with the fused
     gather / dequantize / add kernel; cpu and disk gather whole rows once per forward, then use the same add kernel
-    on that buffer. Low-rank tables always use PyTorch (gather coefficients, one small matmul per layer).
+    on that buffer. Low-rank tables always use PyTorch (gather coefficients, one small matmul per layer): their
+    `kernel` is "torch" but for the cpu placement's gather, and `kernel="triton"` is refused for the others.
     Under torch.compile (`compiled_kernel`), the add is PyTorch operations unless `kernel="triton"` was asked for:
     inductor fuses the gather, dequantization and add into the kernels around them, where the Triton kernel, opaque
     to it, runs as a kernel of its own per layer (a compiled static-cache decoding step of the 370M MemoryLLM on an
@@ -632,6 +633,14 @@ class TokenLookupTable(nn.Module):
     def __init__(self, index: TableIndex, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
         check_choice("kernel", kernel, KERNELS)
+        # a low-rank table's values are its coefficients times a basis, PyTorch operations: only the cpu placement's
+        # gather of host rows is a Triton kernel
+        without_kernels = index.fmt.name == "lowrank" and self.placement != "cpu"
+        if kernel == "triton" and without_kernels:
+            raise ValueError(
+                f"kernel='triton' does not apply to a lowrank table with placement={self.placement!r}: its values are "
+                "computed by PyTorch operations (its coefficients times a basis, per layer), which no Triton kernel "
+                "replaces; use kernel='auto' or 'torch' (placement='cpu' gathers its host rows with a Triton kernel)")
         device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -642,9 +651,10 @@ class TokenLookupTable(nn.Module):
         self.index = index
         self.fmt = index.fmt
         self.device = device
-        self.kernel = "triton" if kernel == "auto" and device.type == "cuda" and HAS_TRITON else (
-            "torch" if kernel == "auto" else kernel)
-        self.compiled_kernel = "triton" if kernel == "triton" else "torch"  # the add's path under torch.compile
+        self.kernel = "triton" if (kernel == "auto" and device.type == "cuda" and HAS_TRITON
+                                   and not without_kernels) else ("torch" if kernel == "auto" else kernel)
+        # the add's path under torch.compile (a low-rank table's is PyTorch operations)
+        self.compiled_kernel = "triton" if kernel == "triton" and self.fmt.name != "lowrank" else "torch"
         positions = {layer: k for k, layer in enumerate(index.layers)}
         self.layer_position = [positions.get(layer, -1) for layer in range(index.num_hidden_layers)]
         self.rank_offsets = [0]
@@ -1099,7 +1109,8 @@ class TokenLookupMixin:
         cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
         frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids).
         kernel: "auto" (Triton on CUDA, PyTorch on CPU; under torch.compile the add is left to inductor) | "triton"
-            (under torch.compile too) | "torch". `table.kernel` and `table.compiled_kernel` say which path runs.
+            (under torch.compile too; refused for a lowrank table but with placement "cpu") | "torch".
+            `table.kernel` and `table.compiled_kernel` say which path runs.
         verify: "full" (sha256 of every shard) | "size" (sizes and headers only).
         drop_memory_ffn: free the memory FFN weights afterwards (see `drop_memory_ffn`).
         Raises TokenLookupError if the table is incomplete, damaged, or from other weights.

@@ -283,6 +283,34 @@ def test_auto_runs_pytorch_operations_where_kernels_cannot_run():
     assert decoder_triton.decoder_kernels_path(x, "torch") == "PyTorch RMSNorm and rotary (decoder_kernels='torch')"
 
 
+def test_float64_is_refused_by_the_kernels_by_name():
+    """The kernels compute in float32: float64 tensors take the PyTorch operations under "auto", saying why, and
+    "triton" refuses them naming the dtype (on every device, before any launch)."""
+    x = torch.empty(2, 3, dtype=torch.float64, device=DEVICE)
+    assert "dtype torch.float64 is not supported" in decoder_triton.decoder_kernels_path(x, "auto")
+    with pytest.raises(RuntimeError, match=r"decoder_kernels='triton' cannot run here: dtype torch.float64 .*allowed: "
+                                           r"float16, bfloat16, float32"):
+        decoder_triton.decoder_kernels_unavailable(x, "triton")
+
+
+@needs_kernels
+def test_float64_model_runs_the_pytorch_operations_under_auto():
+    """A float64 model under "auto" (KV-FFN: also its activation) gives exactly the logits of "torch", where the
+    kernels would have rounded the norms, the rotation and the activation to float32."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for kernels in ("auto", "torch"):
+        torch.manual_seed(0)
+        config = tiny_config("kvffn", decoder_kernels=kernels)
+        models[kernels] = AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float64)
+    ids = torch.randint(3, config.vocab_size, (2, 12), device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(models["auto"](ids).logits, models["torch"](ids).logits)
+    assert "dtype torch.float64" in models["auto"].model.decoder_path()
+    assert "dtype torch.float64" in models["auto"].model.layers[0].mlp.path_description()
+
+
 def test_compiled_model_traces_pytorch_operations_under_auto():
     """Under torch.compile "auto" hands the norm and rotation to the compiler: one graph, no break, the eager result
     (meaningful where the kernels run eagerly: on CUDA, and in the interpreter run on CPU); "triton" refuses."""
@@ -305,7 +333,7 @@ def test_compiled_model_traces_pytorch_operations_under_auto():
 def test_decoder_kernels_under_interpreter_in_subprocess():
     run_under_interpreter(
         __file__, "matches_float64 or paths_agree or match_pytorch_operations or rejects or no_rows or compiled_model "
-        "or second_derivative")
+        "or second_derivative or float64_model")
 
 
 def test_rotary_rejects_tables_that_do_not_fit_the_heads():

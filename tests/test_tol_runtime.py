@@ -259,6 +259,22 @@ def test_bad_runtime_options_name_the_field(exported):
     assert model.model.token_lookup is None
 
 
+def test_a_lowrank_table_refuses_the_triton_kernel_it_does_not_run(tmp_path):
+    """A low-rank table's values are PyTorch operations (coefficients times a basis): kernel="triton" is refused where
+    no Triton kernel runs (placements gpu and disk, on any device, before the table is read), and `table.kernel`
+    says "torch" there under "auto" (it said "triton" on a GPU while PyTorch ran)."""
+    model = build("memoryllm")
+    export_tols(model, tmp_path, format="lowrank", rank=8, batch_size=64, progress=False)
+    for placement in ("gpu", "disk"):
+        with pytest.raises(ValueError, match=rf"kernel='triton' does not apply to a lowrank table with "
+                                             rf"placement='{placement}'.*use kernel='auto' or 'torch'"):
+            model.load_tols(tmp_path, placement=placement, kernel="triton")
+        assert model.model.token_lookup is None
+    table = model.load_tols(tmp_path, placement="disk")
+    assert (table.kernel, table.compiled_kernel) == ("torch", "torch")
+    model.unload_tols()
+
+
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
 @pytest.mark.parametrize("options, message", [
     ({"frequent_tokens": [3, 7, 320]}, r"frequent_tokens contains token id 320: allowed ids are 0\.\.319"),
