@@ -149,7 +149,8 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
         return f"torch reference (memory-bounded, chunked recompute; {why})"
     reason = _triton_unsupported_reason(q, k if k is not None else q.new_empty(1, 1, 16, q.shape[-1]))
     if reason is not None:
-        return f"unavailable: triton requested but {reason}"
+        asked = "triton requested" if impl == "triton" else f"auto chose triton for {q.device.type} tensors"
+        return f"unavailable: {asked} but {reason}"
     mode = "interpreter" if triton_interpreting() else "CUDA"
     why = "requested" if impl == "triton" else f"{q.device.type} tensors"
     gluon = []

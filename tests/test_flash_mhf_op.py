@@ -336,6 +336,10 @@ def test_auto_path_is_explicit():
     q = torch.zeros(1, 1, 1, 64, device=DEVICE)
     described = flash_mhf_path(q)
     assert described.startswith("triton" if ON_GPU else "torch reference")
+    odd_heads = torch.zeros(1, 1, 1, 48, device=DEVICE)  # a head size the kernels do not take
+    if ON_GPU:  # (auto chose the kernels, which cannot run: said as auto's choice, not as a request)
+        assert flash_mhf_path(odd_heads).startswith("unavailable: auto chose triton for cuda tensors but head_dim=48")
+    assert flash_mhf_path(odd_heads, impl="triton").startswith("unavailable: triton requested but")
 
 
 @pytest.mark.skipif(ON_GPU or flash_mhf_triton.triton_interpreting(), reason="CPU without the interpreter only")
