@@ -589,6 +589,15 @@ def test_bad_input_gets_a_one_line_error(case, world):
     assert outcome == CLEAR, detail
 
 
+def test_the_docs_count_every_case():
+    """docs/bad-input.md's table ends on the counts `python tests/test_bad_input.py` prints: every case tried, every
+    one a clear error (the `+ 3` and `+ 1` are the process-level cases of test_export_robustness.py)."""
+    with open(Path(__file__).resolve().parents[1] / "docs" / "bad-input.md", encoding="utf-8") as handle:
+        rows = [line for line in handle if line.startswith("| after")]
+    cells = [cell.strip() for cell in rows[-1].strip().strip("|").split("|")]
+    assert cells[1:] == [f"{len(CASES)} + 3", f"{len(CASES)} + 1", "0", "0", "0"], rows[-1]
+
+
 def device_refusal(world, command: str, device: str, capsys) -> list[str]:
     """`command ... --device DEVICE`, which must exit 2 before writing its output: the error lines it printed."""
     out = world.root / f"{device.replace(':', '')}-{command}"
