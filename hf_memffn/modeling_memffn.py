@@ -274,6 +274,7 @@ class MemFFNAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        self.decoder_kernels = config.decoder_kernels  # (set at build, as the norms' `kernels`)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -301,7 +302,7 @@ class MemFFNAttention(nn.Module):
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = rotate_queries_and_keys(query, key, cos, sin, self.config.decoder_kernels)
+        query, key = rotate_queries_and_keys(query, key, cos, sin, self.decoder_kernels)
         if kv_cache is not None:
             # (`kwargs`: a paged cache, since transformers 5.24, adds what the attention function needs to them)
             key, value = kv_cache.update(key, value, self.layer_idx, kwargs=kwargs)
@@ -667,9 +668,14 @@ class MemFFNModel(MemFFNPreTrainedModel):
 
     def decoder_path(self, hidden_states: torch.Tensor | None = None) -> str:
         """What the decoder's RMSNorms and rotary embeddings run for `hidden_states` (by default the parameters'
-        device and dtype): see `MemFFNConfig.decoder_kernels`."""
+        device and dtype): see `MemFFNConfig.decoder_kernels`, which the modules take when the model is built."""
         probe = hidden_states if hidden_states is not None else self.embed_tokens.weight[:1]
-        return decoder_kernels_path(probe, self.config.decoder_kernels)
+        path = decoder_kernels_path(probe, self.norm.kernels)
+        if self.config.decoder_kernels != self.norm.kernels:
+            path += (f"; config.decoder_kernels={self.config.decoder_kernels!r} was set after the model was built "
+                     f"with {self.norm.kernels!r}, and its modules keep what they were built with: load the model "
+                     "with from_pretrained(..., decoder_kernels=...) to change it")
+        return path
 
     def plain_causal_mask(self, past_seen, query_length: int) -> bool:
         """Whether sdpa's `is_causal` flag can stand for the mask of a sequence without padding or packing that starts

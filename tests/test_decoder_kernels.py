@@ -363,3 +363,19 @@ def test_rms_norm_matches_float64_with_a_strided_weight():
     weight = wide[::2]
     expected = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     assert relative_error(decoder_triton.rms_norm(x.float(), weight.float(), 1e-5), expected) < 1e-5
+
+
+def test_the_modules_keep_the_setting_they_were_built_with_and_the_path_says_so():
+    """`decoder_kernels` is taken when the model is built (the norms, the rotation in attention, KV-FFN's activation
+    alike); set on the config afterwards it changes none of them, where the rotation used to read the config at each
+    call while the norms kept theirs, and `decoder_path` reported the config's value. It reports what the modules run
+    and names the later setting."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", decoder_kernels="torch"))
+    model.config.decoder_kernels = "auto"
+    layer = model.model.layers[0]
+    assert (layer.self_attn.decoder_kernels, layer.input_layernorm.kernels, layer.mlp.kernels) == ("torch",) * 3
+    path = model.model.decoder_path()
+    assert path.startswith("PyTorch RMSNorm and rotary (decoder_kernels='torch')"), path
+    assert "config.decoder_kernels='auto' was set after the model was built with 'torch'" in path
