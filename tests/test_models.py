@@ -308,9 +308,11 @@ def test_kvffn_layer_adds_eq_3_once_to_the_residual_stream_by_default():
 
 
 def test_kvffn_inner_residual_grows_the_residual_stream_as_the_readme_says():
-    """README's figure for the ablation: at initialisation the residual stream of a 12-layer, 768-wide KVFFN (two
-    sequences of 64 random tokens, seeds 0 and 1) leaves its last layer at an RMS of about 12.8 with the inner
-    residual and 4.0 without (a second copy of RMSNorm(h) per layer)."""
+    """The figure of README and of `KVFFNConfig`'s docstring for the ablation: at initialisation the residual stream
+    of a 12-layer, 768-wide KVFFN (two sequences of 64 random tokens, seeds 0 and 1) enters its last layer at an RMS
+    of about 12.8 with the inner residual and 4.0 without (a second copy of RMSNorm(h) per layer)."""
+    from pathlib import Path
+
     final_rms = {}
     for inner_residual in (False, True):
         torch.manual_seed(0)
@@ -319,11 +321,19 @@ def test_kvffn_inner_residual_grows_the_residual_stream_as_the_readme_says():
                              kvffn_inner_residual=inner_residual)
         model = AutoModelForCausalLM.from_config(config).eval()
         ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+        entering = []
+        handle = model.model.layers[-1].register_forward_pre_hook(lambda module, args: entering.append(args[0]))
         with torch.no_grad():
             hidden_states = model(ids, output_hidden_states=True).hidden_states
-        final_rms[inner_residual] = float(hidden_states[-2].pow(2).mean().sqrt())  # (the last: after the final norm)
+        handle.remove()
+        torch.testing.assert_close(hidden_states[-2], entering[0])  # (the last: after the final norm)
+        final_rms[inner_residual] = float(entering[0].pow(2).mean().sqrt())
     assert final_rms[False] == pytest.approx(4.0, abs=0.2), final_rms
     assert final_rms[True] == pytest.approx(12.8, abs=0.4), final_rms
+    figure = "enter{} its last layer at an RMS of 12.8 instead of 4.0"
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert figure.format("s") in readme
+    assert figure.format("") in " ".join(hf_memffn.KVFFNConfig.__doc__.split())
 
 
 def test_kvffn_dropout_acts_on_the_block_output_in_training_only():
