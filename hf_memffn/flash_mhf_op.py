@@ -26,6 +26,7 @@ import functools
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .triton_launch import registered_operator
 
@@ -734,10 +735,67 @@ def flash_mhf_layer(
     router = router.contiguous() if router is not None else None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (p, norm_weight, router, weights))
-    if torch.compiler.is_compiling():
+    # (compiled graphs call the operators; so does eager code under a dispatch mode such as FlopCounterMode, which
+    # sees operators, not the kernels that `_EagerLayer` launches)
+    if torch.compiler.is_compiling() or _dispatch_mode_active():
         if needs_grad:
             return _training_layer_op(p, norm_weight, router, weights, head_dim, eps, gate_eps)[0]
         return _layer_op(p, norm_weight, router, weights, head_dim, eps, gate_eps)
     if not needs_grad:  # inference: the kernels directly, no autograd node
         return _layer_forward_impl(p, norm_weight, router, weights, head_dim, eps, gate_eps)
     return _EagerLayer.apply(p, norm_weight, router, weights, head_dim, eps, gate_eps)
+
+
+def _dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode (`torch.utils.flop_counter.FlopCounterMode`, a debugging mode) watches the
+    operators run, or a fake tensor mode traces them); not asked while compiling."""
+    return _get_current_dispatch_mode() is not None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# FLOPs for `torch.utils.flop_counter.FlopCounterMode`
+# --------------------------------------------------------------------------------------------------------------------
+# The operators count as the products they compute would count as torch's own: per query row, the three products of
+# every sub-network column with the head's d_h values (2 FLOPs per multiply-add), the router's d_h x E product in the
+# layer operators, and twice those for a backward (each product's gradient for both operands), as FlopCounterMode
+# counts a matmul and its backward; whatever the kernels recompute on top is not counted. The norm, gates and SiLU
+# are elementwise, which FlopCounterMode counts for no operator.
+def _op_flops(rows: int, subnetworks: int, subnetwork_size: int, head_dim: int) -> int:
+    return 6 * rows * subnetworks * subnetwork_size * head_dim
+
+
+def _layer_flops(p_shape, router_shape, weights_shape, head_dim: int) -> int:
+    batch, length, width = p_shape
+    rows = batch * length * (width // head_dim)
+    _, subnetworks, subnetwork_size, _ = weights_shape
+    router = 0 if router_shape is None else 2 * rows * head_dim * subnetworks
+    return _op_flops(rows, subnetworks, subnetwork_size, head_dim) + router
+
+
+def _register_flop_formulas() -> None:
+    from torch.utils import flop_counter
+
+    def op_forward(q, k, u, v, r, impl, out_shape=None, **kwargs):
+        return _op_flops(q[0] * q[1] * q[2], k[1], k[2], k[3])
+
+    def op_backward(grad_out, q, k, u, v, r, impl, out_shape=None, **kwargs):
+        return 2 * op_forward(q, k, u, v, r, impl)
+
+    def layer_forward(p, norm_weight, router, weights, head_dim, *settings, out_shape=None, **kwargs):
+        return _layer_flops(p, router, weights, head_dim)
+
+    def layer_backward(grad_out, p, norm_weight, router, weights, *rest, out_shape=None, **kwargs):
+        head_dim = rest[-3]  # (head_dim, eps, gate_eps close both backward operators' arguments)
+        return 2 * _layer_flops(p, router, weights, head_dim)
+
+    operators = getattr(torch.ops, OP_NAMESPACE)
+    formulas = {operators.flash_mhf: op_forward, operators.flash_mhf_backward: op_backward,
+                operators.flash_mhf_layer: layer_forward, operators.flash_mhf_layer_backward: layer_backward,
+                operators.flash_mhf_layer_keeping_queries: layer_forward,
+                operators.flash_mhf_layer_backward_from_queries: layer_backward}
+    for operator, formula in formulas.items():
+        if operator not in flop_counter.flop_registry:  # (once per process, whichever copy of this file comes first)
+            flop_counter.register_flop_formula(operator)(formula)
+
+
+_register_flop_formulas()

@@ -604,3 +604,51 @@ def test_fused_layer_keeps_under_a_third_of_what_swiglu_keeps_at_370m():
     gates = flash_mhf.num_heads * (flash_mhf.num_subnetworks + 1) * 2  # float32: two 16-bit values each
     fused_per_token = hidden + 3 * flash_mhf.in_proj.out_features + gates
     assert (swiglu_per_token, fused_per_token) == (14592, 4224)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", [LAYER_CASES[0], LAYER_CASES[1], LAYER_CASES[2]])
+def test_fused_layer_counts_the_flops_of_the_unfused_one(case):
+    """Under FlopCounterMode the fused layer runs as its operators, which count as the products they compute would
+    count as torch's own: forward + backward, training and inference, the same total as the unfused layer (the
+    router's einsum and the op's own count), and the op's count that of the dense autograd version."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p, norm_weight, router, k, u, v = (None if t is None else t.float().requires_grad_(True)
+                                       for t in layer_inputs(*case))
+    weights = torch.cat((k, u, v)).detach().requires_grad_(True)
+    totals = {}
+    for fused in (True, False):
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
+                out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton",
+                                      fused=fused)
+                if grad:
+                    out.sum().backward()
+            totals[fused, grad] = counter.get_total_flops()
+            operators = {str(operator) for operator in counter.get_flop_counts()["Global"]}
+            assert any("flash_mhf_layer" in name for name in operators) == fused, operators
+    assert totals[True, True] == totals[False, True] > totals[True, False] == totals[False, False] > 0, totals
+    batch, length, heads, head_dim, _, subnetworks, subnetwork_size, _, with_router = case
+    rows = batch * length * heads
+    forward = 6 * rows * subnetworks * subnetwork_size * head_dim + (2 * rows * head_dim * subnetworks if with_router
+                                                                     else 0)
+    assert totals[True, False] == forward and totals[True, True] == 3 * forward, (totals, forward)
+
+
+def test_op_counts_the_flops_of_the_dense_version():
+    """The op's FlopCounterMode count (forward and backward operators) equals what FlopCounterMode counts for
+    `flash_mhf_dense`, the plain autograd version whose three einsums materialise every activation."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=generator)
+    k, u, v = (torch.randn(2, 3, 32, 16, generator=generator) for _ in range(3))
+    r = torch.rand(2, 4, 5, 3, generator=generator)
+    counts = []
+    for function in (lambda *inputs: flash_mhf_op.flash_mhf(*inputs, impl="torch"), flash_mhf_dense):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, u, v, r)]
+        with FlopCounterMode(display=False) as counter:
+            function(*inputs).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 3 * 6 * (2 * 4 * 5) * 3 * 32 * 16, counts
