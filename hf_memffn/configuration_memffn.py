@@ -182,8 +182,9 @@ class MemFFNConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
         # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
-        _check(type(self).__name__, rope_parameters is None or isinstance(rope_parameters, dict), "rope_parameters",
-               rope_parameters, ROPE_PARAMETERS_REQUIREMENT)
+        for field, value in (("rope_parameters", rope_parameters), ("rope_scaling", kwargs.get("rope_scaling"))):
+            _check(type(self).__name__, value is None or isinstance(value, dict), field, value,
+                   ROPE_PARAMETERS_REQUIREMENT)
         self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act

@@ -3,11 +3,12 @@ decoder, so with the same weights and the same `rope_parameters` its logits must
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_memffn.testing import tiny_config
 
@@ -74,6 +75,21 @@ def test_rope_theta_in_parameters_wins_and_is_mirrored():
 def test_unsupported_or_incomplete_rope_is_refused(rope):
     with pytest.raises(ValueError, match="rope"):
         tiny_config("flash_mhf", rope_parameters=rope)
+
+
+@pytest.mark.parametrize("rope_scaling", ["linear", ["linear", 2.0]])
+def test_a_rope_scaling_other_than_a_dict_is_refused_naming_the_field(rope_scaling, tmp_path):
+    """The older field `rope_scaling`, given to the config or read from a config.json, that is not a dict ended in
+    transformers' "AttributeError: 'str' object has no attribute 'setdefault'" (from_pretrained's keyword already
+    named the field)."""
+    message = r"`rope_scaling`=.* is invalid: must be None or a dict"
+    with pytest.raises(ValueError, match=message):
+        tiny_config("memoryllm", rope_scaling=rope_scaling)
+    tiny_config("memoryllm").save_pretrained(tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "rope_scaling": rope_scaling}))
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("rope_type", ["default", "yarn"])

@@ -199,6 +199,23 @@ def test_the_tokens_of_an_eval_text_outside_the_vocabulary_are_refused_before_an
     assert not (tmp_path / "tol").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16])
+def test_eval_ids_of_any_integer_dtype_give_the_heldout_loss_of_int64_ids(model, tmp_path, dtype):
+    """The ids of token shards are uint16, numpy's often int32: int32 and int16 ids passed the check and failed in the
+    held-out loss after the table was written (the embedding and the loss take int64), 8-bit ids below vocab_size were
+    refused as outside it (vocab_size compared in their dtype), and uint16 ones ended in "not implemented"."""
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = export_tols(model, tmp_path / "int64", format="bf16", eval_input_ids=ids, progress=False)
+    report = export_tols(model, tmp_path / "other", format="bf16", eval_input_ids=ids.to(dtype), progress=False)
+    assert (report["loss_compute"], report["loss_lookup"], report["eval_tokens"]) == (
+        expected["loss_compute"], expected["loss_lookup"], expected["eval_tokens"])
+    if dtype in (torch.int16, torch.int32):
+        with pytest.raises(ValueError, match=r"eval_input_ids contains token id 320: allowed ids are 0..319"):
+            export_tols(model, tmp_path / "outside", format="bf16",
+                        eval_input_ids=torch.tensor([[1, 320]], dtype=dtype), progress=False)
+        assert not (tmp_path / "outside").exists()
+
+
 def test_a_max_shard_size_below_one_row_block_is_refused_naming_a_batch_size_that_fits(model, tmp_path):
     """A row block is never split across shards: a limit that one block exceeds is refused before anything is
     written (it gave shards larger than the limit), and the batch size the error names gives shards within it."""

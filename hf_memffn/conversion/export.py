@@ -589,8 +589,9 @@ def text_to_input_ids(tokenizer, text: str, seq_len: int = 256) -> torch.Tensor:
 
 
 def _checked_eval_input_ids(input_ids, model, what: str) -> torch.Tensor:
-    """`input_ids` if it is an integer tensor [batch, length >= 2] of ids the model's table covers, else a ValueError
-    naming `what` and what is allowed."""
+    """`input_ids` as int64 if it is an integer tensor [batch, length >= 2] of ids the model's table covers, else a
+    ValueError naming `what` and what is allowed. Any integer dtype is taken (int32, the uint16 of token shards):
+    the embedding and the loss take int64 ids, and a narrower dtype cannot hold `vocab_size` to compare with."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"{what} takes a tensor of token ids [batch, length]; got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
@@ -598,6 +599,7 @@ def _checked_eval_input_ids(input_ids, model, what: str) -> torch.Tensor:
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
         raise ValueError(f"{what} has shape {tuple(input_ids.shape)}; allowed: [batch, length] with batch >= 1 and "
                          "length >= 2 (the held-out loss predicts each next token)")
+    input_ids = input_ids.long()
     vocab_size = _memory_base(model).config.vocab_size
     outside = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
     if outside.numel():
