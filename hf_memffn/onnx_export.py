@@ -68,9 +68,10 @@ class _Logits(torch.nn.Module):
 def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic: bool = True,
                 with_attention_mask: bool = False, **export_kwargs):
     """Export `input_ids -> logits` of a causal LM of this package (or of a sequence or token classification head)
-    to an ONNX file at `path` (written to a temporary name, then renamed); batch and sequence length stay dynamic unless `dynamic=False`. With `with_attention_mask`
-    the graph takes a second input, `attention_mask` ([batch, length], 1 for a token, 0 for left padding), and gives
-    every row the logits of its unpadded sequence. Returns the ONNX program."""
+    to an ONNX file at `path` (written to a temporary name, then renamed); batch and sequence length stay dynamic
+    unless `dynamic=False`. With `with_attention_mask` the graph takes a second input, `attention_mask` ([batch,
+    length], 1 for a token, 0 for left padding), and gives every row the logits of its unpadded sequence. Returns the
+    ONNX program."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as exc:
