@@ -670,11 +670,14 @@ class MemFFNModel(MemFFNPreTrainedModel):
         """What the decoder's RMSNorms and rotary embeddings run for `hidden_states` (by default the parameters'
         device and dtype): see `MemFFNConfig.decoder_kernels`, which the modules take when the model is built."""
         probe = hidden_states if hidden_states is not None else self.embed_tokens.weight[:1]
-        path = decoder_kernels_path(probe, self.norm.kernels)
-        if self.config.decoder_kernels != self.norm.kernels:
+        # (the setting the norms were built with; a pipeline stage holds some of them, stand-ins for the others)
+        built = next((module.kernels for module in self.modules() if isinstance(module, MemFFNRMSNorm)),
+                     self.config.decoder_kernels)
+        path = decoder_kernels_path(probe, built)
+        if self.config.decoder_kernels != built:
             path += (f"; config.decoder_kernels={self.config.decoder_kernels!r} was set after the model was built "
-                     f"with {self.norm.kernels!r}, and its modules keep what they were built with: load the model "
-                     "with from_pretrained(..., decoder_kernels=...) to change it")
+                     f"with {built!r}, and its modules keep what they were built with: load the model with "
+                     "from_pretrained(..., decoder_kernels=...) to change it")
         return path
 
     def plain_causal_mask(self, past_seen, query_length: int) -> bool:

@@ -379,3 +379,5 @@ def test_the_modules_keep_the_setting_they_were_built_with_and_the_path_says_so(
     path = model.model.decoder_path()
     assert path.startswith("PyTorch RMSNorm and rotary (decoder_kernels='torch')"), path
     assert "config.decoder_kernels='auto' was set after the model was built with 'torch'" in path
+    model.model.norm = torch.nn.Identity()  # (a pipeline stage holds stand-ins for the modules of the others)
+    assert model.model.decoder_path() == path
