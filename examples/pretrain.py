@@ -190,9 +190,15 @@ def parse_arguments(argv=None):
         parser.error("--output-dir is required")
     cuda = torch.cuda.is_available()
     precision = recipe["precision"]
-    namespace["bf16"] = namespace.get("bf16") or precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported())
-    if precision == "fp32":
-        namespace["bf16"] = namespace["fp16"] = False
+    # TrainingArguments' own --bf16 / --fp16 name a precision too: one that --precision contradicts is refused, and
+    # auto takes an explicit --fp16 instead of adding bf16 to it (TrainingArguments refuses the two together)
+    asked = [flag for flag in ("bf16", "fp16") if namespace.get(flag)]
+    conflicting = asked if precision == "fp32" else ["fp16"] if precision == "bf16" and "fp16" in asked else []
+    if conflicting:
+        parser.error(f"--precision {precision} contradicts --{conflicting[0]}: pass one of them (--precision takes "
+                     "bf16, fp32 or auto; --fp16 goes with --precision auto)")
+    namespace["bf16"] = bool(namespace.get("bf16")) or precision == "bf16" or (
+        precision == "auto" and not asked and cuda and torch.cuda.is_bf16_supported())
     # `accelerate launch` passes its config's mixed precision (bf16 in examples/accelerate/) in the environment, and
     # TrainingArguments takes it where bf16 and fp16 are off: the autocast would then not be the one --precision chose
     if "ACCELERATE_MIXED_PRECISION" in os.environ:

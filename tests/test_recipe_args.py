@@ -75,6 +75,25 @@ def test_precision_decides_the_autocast_under_accelerate_launch(tmp_path, monkey
                              and torch.cuda.is_bf16_supported())
 
 
+def test_fp16_is_taken_over_auto_precision_and_contradicting_precisions_are_refused(tmp_path, monkeypatch, capsys):
+    """`--fp16` (a TrainingArguments flag) with the default `--precision auto` on a GPU that has bf16 trains in fp16:
+    auto had added bf16 to it, which TrainingArguments refused ("At most one of fp16 and bf16"). A `--precision` that
+    contradicts `--bf16` or `--fp16` is refused naming both, where `--precision fp32` had dropped `--bf16` silently."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    common = ["--output-dir", str(tmp_path), "--eval-strategy", "no", "--use-cpu"]  # (no CUDA device to set up here)
+    _, training = pretrain.parse_arguments([*common, "--fp16"])
+    assert (training.fp16, training.bf16) == (True, False)
+    _, training = pretrain.parse_arguments(common)
+    assert (training.fp16, training.bf16) == (False, True)
+    _, training = pretrain.parse_arguments([*common, "--precision", "bf16", "--bf16"])
+    assert (training.fp16, training.bf16) == (False, True)
+    for precision, flag in (("fp32", "bf16"), ("fp32", "fp16"), ("bf16", "fp16")):
+        with pytest.raises(SystemExit):
+            pretrain.parse_arguments([*common, "--precision", precision, f"--{flag}"])
+        assert f"--precision {precision} contradicts --{flag}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arch", ["llama", "flash_mhf", "memoryllm"])
 def test_zero3_partitioned_parameters_count_with_their_full_size(arch):
     model = AutoModelForCausalLM.from_config(pretrain.build_config(arch, "tiny", vocab_size=256))
