@@ -258,7 +258,9 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         if self.key_value_proj is None:
             return self.act_fn(self.key_proj(hidden_states))
         pairs = self.key_value_proj(hidden_states)  # key i at 2i, value i at 2i + 1
-        if not self._path_logged and not torch.compiler.is_compiling():
+        # (the compile check first: read while tracing, the flag would become a guard, and the eager forward that
+        # sets it would make every compiled graph of the model recompile)
+        if not torch.compiler.is_compiling() and not self._path_logged:
             logger.info("KV-FFN runs %s", self.path_description(pairs))
             self._path_logged = True
         if self._paired_kernels_unavailable(pairs) is None:

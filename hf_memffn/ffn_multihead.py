@@ -124,10 +124,23 @@ def _refuse_weights_from_outside(module: nn.Module, chunk_tokens: int) -> None:
             "or set ffn_recompute_chunk_tokens=0")
 
 
+TOKEN_CHUNKED_RECOMPUTE_UNDER_COMPILE = (
+    "ffn_recompute_chunk_tokens > 0 recomputes the FlashMHF FFN chunk by chunk in an autograd function of its own "
+    "(a loop over the batch's tokens, the random state of the forward, a backward that differentiates each chunk "
+    "again), which no torch.compile graph holds: torch.compile(..., fullgraph=True) cannot trace a model training "
+    "with it. Compile without fullgraph (the FFN's recompute runs between the graphs, once per layer), or set "
+    "ffn_recompute_chunk_tokens=0")
+
+
+@torch.compiler.disable(reason=TOKEN_CHUNKED_RECOMPUTE_UNDER_COMPILE)
 def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Apply a position-wise `module._forward` ([1, n, d] -> [1, n, d']) to [B, L, d] keeping only the input for the
     backward pass: the B*L tokens run as chunks of `chunk_tokens`, each recomputed in the backward pass, so the
-    activation memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of the module."""
+    activation memory of the backward pass is one chunk's, whatever B and L. Costs one extra forward of the module.
+    Under torch.compile this runs outside the graph, one graph break per call (traced, its loop over the tokens would
+    compile it again for every batch shape until Dynamo's recompile limit sends it to eager, and the random state it
+    reads would break the graphs of the layers around it); with `fullgraph=True` the error that refuses the break
+    carries `TOKEN_CHUNKED_RECOMPUTE_UNDER_COMPILE`."""
     batch, length, width = hidden_states.shape
     if batch * length == 0:
         return module._forward(hidden_states)
@@ -332,7 +345,9 @@ class FlashMHFFeedForward(_MultiHeadQueries):
             # The layer is a custom op that autocast does not see: run it in the autocast dtype, as autocast would run
             # a matmul (without input projection the input is the float32 normalized residual stream).
             projected = projected.to(torch.get_autocast_dtype(projected.device.type))
-        if not self._path_logged and not torch.compiler.is_compiling():
+        # (the compile check first: read while tracing, the flag would become a guard, and the eager forward that
+        # sets it would make every compiled graph of the model recompile)
+        if not torch.compiler.is_compiling() and not self._path_logged:
             logger.info("FlashMHF FFN runs the %s", self.path_description(projected))
             self._path_logged = True
         norm_weight = self.query_norm.weight if self.query_norm is not None else None

@@ -752,7 +752,9 @@ class MemFFNModel(MemFFNPreTrainedModel):
             check_token_ids(input_ids, embedding_rows(self.embed_tokens))
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if not self._decoder_path_logged and not is_torchdynamo_compiling():
+        # (the compile check first: read while tracing, the flag would become a guard, and the eager forward that
+        # sets it would make every compiled graph of the model recompile)
+        if not is_torchdynamo_compiling() and not self._decoder_path_logged:
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
         cache = take_cache(past_key_values, cache, kwargs)

@@ -906,6 +906,46 @@ def test_flash_mhf_token_chunked_recompute_runs_under_the_flop_counter():
         torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
 
 
+def test_flash_mhf_token_chunked_recompute_compiles_once_for_every_batch_shape():
+    """Under torch.compile the token-chunked recompute runs between the graphs (one break per layer): traced, its loop
+    over the batch's tokens made Dynamo compile it again for every number of tokens, until its recompile limit sent
+    it to eager. Shapes after the first two (Dynamo's static graph, then its dynamic one) compile nothing more; the
+    losses and gradients are the eager model's; `fullgraph=True` fails naming the setting."""
+    model = build("flash_mhf", ffn_recompute_chunk_tokens=4).train()
+    generator = torch.Generator().manual_seed(0)
+    graphs, counts = [], []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def loss_and_grads(forward, ids):
+        loss = forward(ids, labels=ids).loss
+        loss.backward()
+        grads = [param.grad.clone() for param in model.parameters()]
+        model.zero_grad()
+        return loss.detach(), grads
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=record)
+        for batch, length in ((1, 7), (2, 9), (3, 5), (2, 11)):
+            ids = torch.randint(3, 320, (batch, length), generator=generator)
+            loss, grads = loss_and_grads(compiled, ids)
+            expected_loss, expected_grads = loss_and_grads(model, ids)
+            torch.testing.assert_close(loss, expected_loss)
+            for grad, expected in zip(grads, expected_grads):
+                torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+            counts.append(len(graphs))
+        assert counts[1] == counts[-1], counts
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="ffn_recompute_chunk_tokens") as refused:
+            torch.compile(model, backend="eager", fullgraph=True)(ids, labels=ids)
+    finally:
+        torch._dynamo.reset()
+    assert "without fullgraph" in str(refused.value)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"ffn_recompute_chunk_tokens": 4}], ids=["plain", "recompute"])
 def test_flash_mhf_model_runs_on_the_meta_device(overrides):
     """A model built on the meta device runs for its shapes (as Llama does, e.g. under FlopCounterMode), forward and
@@ -947,6 +987,32 @@ def test_flash_mhf_model_compiles_without_asking_whether_the_device_has_autocast
     torch.testing.assert_close(loss, expected)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compiled(ids).logits.shape == (2, 7, 320)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_eager_forward_beside_a_compiled_model_compiles_nothing_again(arch):
+    """The decoder and the FFNs log the path they run once, at the first eager forward (`decoder_path`, the FFN's
+    `path_description`): a graph compiled before it must not guard on the flag that records this, or an eager forward
+    of the same model (an evaluation, a `generate()` beside a compiled training loop) made every compiled graph
+    compile again, which transformers' Llama does not."""
+    model = build(arch)
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=record)
+        with torch.no_grad():
+            expected = compiled(ids).logits
+            torch.testing.assert_close(model(ids).logits, expected)
+            torch.testing.assert_close(compiled(ids).logits, expected)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
