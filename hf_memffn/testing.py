@@ -72,6 +72,18 @@ _sys.meta_path.insert(0, _BlockPackage())
 """
 
 
+def recording_backend():
+    """(backend, graphs): a `torch.compile` backend that runs each graph Dynamo traces as traced and appends it to
+    `graphs`, to count compilations and read what a graph holds."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend, graphs
+
+
 def left_padded(rows, pad_token_id: int = 0):
     """1-D token tensors of different lengths -> (input_ids, attention_mask) of one batch, each row padded on the
     left to the longest (mask 0 on the padding)."""

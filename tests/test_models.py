@@ -13,7 +13,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
+from hf_memffn.testing import left_padded, recording_backend, tiny_config, tiny_tokenizer
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 ALL_VARIANTS = [
@@ -913,11 +913,7 @@ def test_flash_mhf_token_chunked_recompute_compiles_once_for_every_batch_shape()
     losses and gradients are the eager model's; `fullgraph=True` fails naming the setting."""
     model = build("flash_mhf", ffn_recompute_chunk_tokens=4).train()
     generator = torch.Generator().manual_seed(0)
-    graphs, counts = [], []
-
-    def record(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
+    (record, graphs), counts = recording_backend(), []
 
     def loss_and_grads(forward, ids):
         loss = forward(ids, labels=ids).loss
@@ -997,12 +993,7 @@ def test_an_eager_forward_beside_a_compiled_model_compiles_nothing_again(arch):
     compile again, which transformers' Llama does not."""
     model = build(arch)
     ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
-    graphs = []
-
-    def record(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
+    record, graphs = recording_backend()
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, backend=record)

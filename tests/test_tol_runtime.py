@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import hf_memffn  # noqa: F401
 from hf_memffn import token_lookup_triton
 from hf_memffn.conversion import export_tols
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import recording_backend, tiny_config
 from hf_memffn.token_lookup import TokenLookupError, TokenLookupFormat, dequantize_rows, quantize_rows
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
@@ -59,12 +59,7 @@ def test_fp32_lookup_equals_compute(exported, placement):
 
 def lookup_graphs(model, ids) -> tuple[torch.Tensor, list]:
     """The logits of `model` on `ids` under torch.compile, and the graphs that Dynamo traced (run as traced)."""
-    graphs = []
-
-    def record(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
+    record, graphs = recording_backend()
     torch._dynamo.reset()
     try:
         with torch.no_grad():
