@@ -193,7 +193,7 @@ def parse_arguments(argv=None):
     # TrainingArguments' own --bf16 / --fp16 name a precision too: one that --precision contradicts is refused, and
     # auto takes an explicit --fp16 instead of adding bf16 to it (TrainingArguments refuses the two together)
     asked = [flag for flag in ("bf16", "fp16") if namespace.get(flag)]
-    conflicting = asked if precision == "fp32" else ["fp16"] if precision == "bf16" and "fp16" in asked else []
+    conflicting = {"fp32": asked, "bf16": [flag for flag in asked if flag == "fp16"]}.get(precision, [])
     if conflicting:
         parser.error(f"--precision {precision} contradicts --{conflicting[0]}: pass one of them (--precision takes "
                      "bf16, fp32 or auto; --fp16 goes with --precision auto)")

@@ -747,8 +747,8 @@ def flash_mhf_layer(
 
 
 def _dispatch_mode_active() -> bool:
-    """Whether a Python dispatch mode (`torch.utils.flop_counter.FlopCounterMode`, a debugging mode) watches the
-    operators run, or a fake tensor mode traces them); not asked while compiling."""
+    """Whether a Python dispatch mode watches the operators run (`torch.utils.flop_counter.FlopCounterMode`, a
+    debugging mode) or traces them (a fake tensor mode); not asked while compiling."""
     return _get_current_dispatch_mode() is not None
 
 

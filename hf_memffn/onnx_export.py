@@ -91,10 +91,11 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     if getattr(model, "base_model", None) is model:
         raise ValueError(f"export_onnx: {type(model).__name__} is a base model (AutoModel), whose outputs have no "
                          "logits; allowed: a model with a head, e.g. AutoModelForCausalLM.from_pretrained(path)")
-    head = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
-    if hasattr(head, "qa_outputs"):
-        raise ValueError(f"export_onnx: {type(head).__name__} gives start and end logits, not `logits`; allowed: a "
-                         "model whose outputs have logits (a causal LM, or a sequence or token classification head)")
+    unwrapped = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    if hasattr(unwrapped, "qa_outputs"):
+        raise ValueError(f"export_onnx: {type(unwrapped).__name__} gives start and end logits, not `logits`; "
+                         "allowed: a model whose outputs have logits (a causal LM, or a sequence or token "
+                         "classification head)")
     offloaded = [name for name, tensor in (*model.named_parameters(), *model.named_buffers())
                  if tensor.device.type == "meta"]
     if offloaded:
@@ -109,7 +110,6 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ValueError("export_onnx: rope_type='dynamic' (config.rope_parameters) recomputes the rotary frequencies "
                          "on the host from the largest position id, which torch.export cannot trace; allowed rope "
                          "types: 'default', 'linear', 'yarn', 'longrope', 'llama3'")
-    unwrapped = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
     table = getattr(getattr(unwrapped, "model", unwrapped), "token_lookup", None)
     if table is not None and table.placement == "disk":
         raise ValueError("export_onnx: the model reads its token lookup table from the disk (placement='disk'), whose "
