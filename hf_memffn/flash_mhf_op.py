@@ -163,7 +163,10 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
         gluon.append("dK/dU/dV")
     listed = " and ".join([", ".join(gluon[:-1]), gluon[-1]] if len(gluon) > 1 else gluon)
     by_gluon = f"; {listed} by the Gluon Hopper kernels" if gluon else ""
-    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon})"
+    # (small problems split the Triton kernels' loops across programs that add float32 partial sums atomically, in an
+    # order that changes from run to run: not under torch.use_deterministic_algorithms)
+    deterministic = "; deterministic: no atomic split loops" if torch.are_deterministic_algorithms_enabled() else ""
+    return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon}{deterministic})"
 
 
 def autocast_available(device_type: str) -> bool:

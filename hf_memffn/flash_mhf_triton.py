@@ -31,7 +31,8 @@ The backward is split in two kernels (recomputing ``M``, ``N``, ``dA`` in each) 
 version (``kernels/flash_mhf_variants.py``) is slower on an H100 (23 ms against 17 at the paper shape): its float32
 ``dq`` reductions cost more than the recomputation they save. When a problem has too few row (or column) blocks to
 fill the GPU, the forward (or weight-gradient) kernel additionally splits its loop across programs that add float32
-partial sums atomically.
+partial sums atomically, except while ``torch.use_deterministic_algorithms`` is on (``_auto_splits``): those sums
+arrive in an order that changes from run to run, so the loop then runs unsplit and every output is written once.
 """
 
 from __future__ import annotations
@@ -581,9 +582,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _auto_splits(programs: int, loop_length: int, device: torch.device) -> int:
-    """How many programs share one loop so that at least ~2 programs run per multiprocessor."""
+    """How many programs share one loop so that at least ~2 programs run per multiprocessor; 1 while
+    ``torch.use_deterministic_algorithms`` is on (the programs of a split loop add their float32 partial sums
+    atomically, in an order that changes from run to run)."""
     sms = _num_sms(device)
-    if programs >= sms:
+    if programs >= sms or torch.are_deterministic_algorithms_enabled():
         return 1
     return max(1, min(loop_length, cdiv(2 * sms, programs)))
 

@@ -122,6 +122,76 @@ def test_triton_split_loops_and_read_paths_match_float64(splits, descriptors):
     check_against_truth(run, inputs, torch.float32)
 
 
+@pytest.fixture
+def deterministic_algorithms():
+    """`torch.use_deterministic_algorithms(True)` within the test, the global flags as they were after it."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def test_split_loops_are_off_under_deterministic_algorithms(deterministic_algorithms):
+    """The split variants add float32 partial sums atomically, in an order that changes from run to run on a GPU:
+    under `torch.use_deterministic_algorithms` a problem with few blocks runs its loop in one program."""
+    assert flash_mhf_triton._auto_splits(1, 8, torch.device("cpu")) == 1
+    torch.use_deterministic_algorithms(False)
+    assert flash_mhf_triton._auto_splits(1, 8, torch.device("cpu")) > 1
+
+
+@needs_kernels
+def test_triton_deterministic_algorithms_launch_no_atomic_split(deterministic_algorithms, monkeypatch):
+    """A problem with few row blocks (forward) and few column blocks (weight gradients): split into programs that add
+    their partial sums atomically, except under `torch.use_deterministic_algorithms`, where each kernel runs unsplit
+    (and still computes the function) and `flash_mhf_path` says so."""
+    launches = []
+    launch = flash_mhf_triton.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        launches.append((kernel.__name__, grid[2] if len(grid) > 2 else 1, kwargs.get("ACCUMULATE", False)))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(flash_mhf_triton, "launch", spy)
+    inputs = random_inputs(1, 2, 20, 64, 1, 3, 32, seed=4)  # 2 row blocks and 3 column blocks of 32 (interpreter)
+    q, k, u, v, r = (t.float() for t in inputs)
+    description = flash_mhf_path(q, k, impl="triton")
+    assert description.startswith("triton") and "deterministic: no atomic split loops" in description
+    check_against_truth(run_op("triton"), inputs, torch.float32)
+    assert launches and all(splits == 1 and not accumulate for _, splits, accumulate in launches), launches
+    assert {name for name, _, _ in launches} >= {"_forward_kernel", "_backward_weights_kernel"}
+
+    torch.use_deterministic_algorithms(False)
+    launches.clear()
+    check_against_truth(run_op("triton"), inputs, torch.float32)
+    split = {name for name, splits, accumulate in launches if splits > 1 and accumulate}
+    assert split == {"_forward_kernel", "_backward_weights_kernel"}, launches  # (the shape does split)
+    assert "deterministic" not in flash_mhf_path(q, k, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_small_problems_are_bitwise_reproducible_under_deterministic_algorithms(deterministic_algorithms,
+                                                                                        dtype):
+    """A decoding-sized and a short-sequence problem (few row blocks, few column blocks: the shapes whose loops split
+    into atomic partial sums otherwise) give bitwise the same output and gradients on every run."""
+    for shape in ((2, 4, 1, 128, 4, 4, 64), (1, 8, 40, 64, 2, 2, 64)):
+        q, k, u, v, r = (t.to(dtype) for t in random_inputs(*shape, seed=9))
+        grad_out = torch.randn_like(q)
+        runs = []
+        for _ in range(5):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, u, v, r)]
+            out = flash_mhf(*leaves, impl="triton")
+            out.backward(grad_out)
+            runs.append([out.detach(), *(leaf.grad for leaf in leaves)])
+        for again in runs[1:]:
+            for name, first, other in zip(("out", "dq", "dk", "du", "dv", "dr"), runs[0], again):
+                assert torch.equal(first, other), (shape, name)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_takes_gates_in_the_queries_dtype(dtype):

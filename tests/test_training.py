@@ -98,6 +98,35 @@ def train_eager_and_with_cuda_graphs(tmp_path, arch: str) -> dict:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_training_twice_with_one_seed_is_bitwise_equal_under_deterministic_algorithms(arch, monkeypatch):
+    """Under `torch.use_deterministic_algorithms`, two trainings from one seed end with bitwise equal losses and
+    weights, on the CPU and on CUDA (with the kernels: a batch this small splits their loops otherwise, and the split
+    programs add their partial sums atomically)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # FlashMHFLlama on CUDA: heads of d_h 64 and a sub-network width the kernels take
+    overrides = dict(hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel="triton") \
+        if arch == "flash_mhf" and device == "cuda" else {}
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic setting, read per call)
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(device)
+            data = PatternDataset(size=4)
+            batch = torch.stack([data[i]["input_ids"] for i in range(4)]).to(device)
+            losses = train_losses(model, batch, list(model.parameters()), lr=1e-2, steps=3)
+            runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    (losses, weights), (losses_again, weights_again) = runs
+    assert losses == losses_again
+    assert all(torch.equal(w, again) for w, again in zip(weights, weights_again))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_peft_lora_with_documented_targets(arch):
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
