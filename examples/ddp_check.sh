@@ -15,7 +15,8 @@
 # run, so the list can be split over several calls with the same settings; a call with other settings (ARCH, PRESET,
 # KERNEL, BATCH, BLOCK, STEPS, EXTRA_ARGS) starts WORK's weights and runs afresh), ARCH (flash_mhf), PRESET (small;
 # also the learning rate),
-# KERNEL (triton), BATCH (global batch in blocks, 16; even), BLOCK (tokens per block, 512), WORK (/tmp/ddp-check),
+# KERNEL (triton; FlashMHFLlama's ffn_kernel), BATCH (global batch in blocks, 16; even), BLOCK (tokens per block,
+# 512), WORK (/tmp/ddp-check),
 # WHEELS (.whl/deepspeed), EXTRA_ARGS (more examples/pretrain.py arguments for every run, e.g.
 # "--profile-steps 21:25", whose profile_steps.{json,txt} are copied to RESULTS_DIR as RUN_profile_steps.*).
 # DeepSpeed: used if importable; otherwise installed from the wheels in WHEELS (`--wheels` builds them: DeepSpeed
@@ -103,8 +104,10 @@ SETTINGS="arch=$ARCH preset=$PRESET kernel=${KERNEL:-triton} batch=$BATCH block=
 SETTINGS+=" extra=${EXTRA_ARGS:-}"
 if [ "$(cat "$WORK/settings.txt" 2>/dev/null)" != "$SETTINGS" ]; then
     rm -rf "${WORK:?}/settings.txt" "$WORK/init" "$WORK/single" "$WORK/ddp" "$WORK/fsdp2" "$WORK/zero2" "$WORK/zero3"
+    OVERRIDES=()  # (the FFN kernel is a field of FlashMHFLlama's config only)
+    [ "$ARCH" = flash_mhf ] && OVERRIDES=(--config-overrides "ffn_kernel=${KERNEL:-triton}")
     python3 "$HERE/save_initial_weights.py" "$WORK/corpus.jsonl" "$WORK/init" --arch "$ARCH" --preset "$PRESET" \
-        --config-overrides "ffn_kernel=${KERNEL:-triton}"
+        "${OVERRIDES[@]}"
     echo "$SETTINGS" > "$WORK/settings.txt"
 fi
 

@@ -813,6 +813,9 @@ def refuse_conflicting_arguments(args) -> None:
     if args.max_eval_blocks is not None and args.max_eval_blocks < 1:
         raise ValueError(f"--max-eval-blocks={args.max_eval_blocks}: expected a positive number of blocks (leave it "
                          "out to evaluate every held-out block)")
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        raise ValueError(f"--stop-after-steps={args.stop_after_steps}: expected a step number of 1 or more (leave it "
+                         "out to train the whole --max-steps schedule)")
     if args.train_tokenizer is not None:
         from hf_memffn.tokenization import MIN_VOCAB_SIZE
 

@@ -6,7 +6,8 @@
 OUT_DIR gets the model (float32, seeded) and its tokenizer, ready for `examples/pretrain.py --init-from OUT_DIR`,
 so every engine of examples/ddp_check.sh starts from the same weights (ZeRO-3's own initialisation plays no part).
 OUT_DIR must not exist; it appears whole or not at all (written under a temporary name, then renamed).
-Config overrides apply to FlashMHFLlama only (the other architectures ignore them here).
+--config-overrides KEY=VALUE,... sets fields of the architecture's config (a key that is not one of its fields is
+refused before any work; `ffn_kernel` is FlashMHFLlama's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     if args.out.exists():  # (an interrupted write into it would leave a model without its tokenizer, or the reverse)
         raise ValueError(f"OUT_DIR={str(args.out)!r} exists: remove it or name a new folder")
+    overrides = pretrain.parse_overrides(args.config_overrides)
+    if overrides:  # (their fields and values, before the tokenizer is trained)
+        pretrain.build_config(args.arch, args.preset, 64 * 1024, **overrides)
 
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +49,6 @@ def main(argv=None) -> Path:
     with args.corpus.open(encoding="utf-8") as handle:
         texts = (json.loads(line)["text"] for line in handle if line.strip())  # (blank lines hold no document)
         tokenizer = train_tokenizer(texts, vocab_size=args.vocab_size)
-    overrides = pretrain.parse_overrides(args.config_overrides) if args.arch == "flash_mhf" else {}
     config = pretrain.build_config(args.arch, args.preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -20,7 +20,7 @@ from pathlib import Path
 from .atomic_write import write_atomic
 from .cli_args import first_line
 from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
-from .token_lookup import copy_table_files
+from .token_lookup import check_table_files, copy_table_files
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
@@ -184,6 +184,11 @@ def stage_checkpoint(
     `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata. A `tokenizer` given here is attached
     for the save only: the model keeps the tokenizer it had attached before (or none).
     """
+    table = attached_table(model)
+    copy_table = include_token_lookup and table is not None and (Path(table.index.directory).resolve()
+                                                                 != Path(folder).resolve())
+    if copy_table:
+        check_table_files(table.index)  # (the files in its folder are still the table the model reads: before writing)
     attach = getattr(model, "attach_tokenizer", None) if tokenizer is not None else None
     previous = getattr(model, "attached_tokenizer", None)
     if tokenizer is not None and attach is None:
@@ -192,9 +197,7 @@ def stage_checkpoint(
         attach(tokenizer)
     try:
         model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
-        table = attached_table(model)
-        if include_token_lookup and table is not None and (Path(table.index.directory).resolve()
-                                                           != Path(folder).resolve()):
+        if copy_table:
             copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
         write_atomic(Path(folder) / "README.md",
                      render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))

@@ -43,6 +43,9 @@ TABLE_FORMAT_VERSION = 1
 FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "lowrank")
 PLACEMENTS = ("gpu", "cpu", "disk")
 KERNELS = ("auto", "triton", "torch")
+# The hidden-state dtypes the Triton add takes: it computes in float32, so float64 hidden states take the PyTorch add
+# (under "auto"; an explicit "triton" refuses them)
+ADD_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 VERIFY_MODES = ("full", "size")
 FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_MAX = {"int8": 127, "int4": 7}
@@ -590,14 +593,20 @@ class TokenLookupReadout:
             kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
             if (kernel == "triton" and table.fmt.name != "lowrank"
                     and not (torch.is_grad_enabled() and hidden.requires_grad)):
-                out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
-                                        table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
-                return out.view_as(hidden)
+                if hidden.dtype in ADD_KERNEL_DTYPES:
+                    out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
+                                            table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
+                    return out.view_as(hidden)
+                if table.requested_kernel == "triton":
+                    raise RuntimeError(f"kernel='triton' cannot add the table into hidden states of dtype "
+                                       f"{hidden.dtype}: the kernel computes in float32; allowed: float16, bfloat16, "
+                                       "float32 (load the table with kernel='auto' or 'torch')")
             values = self.layer_values(position)
         if values.dtype == hidden.dtype:
             # one addition: PyTorch adds 16-bit tensors in float32 and rounds once, as the branch below does
             return (flat + values).view_as(hidden)
-        return (flat.float() + values.float()).to(hidden.dtype).view_as(hidden)
+        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # (float64 keeps its precision)
+        return (flat.to(compute) + values.to(compute)).to(hidden.dtype).view_as(hidden)
 
 
 class TokenLookupTable(nn.Module):
@@ -651,6 +660,7 @@ class TokenLookupTable(nn.Module):
         self.index = index
         self.fmt = index.fmt
         self.device = device
+        self.requested_kernel = kernel  # (an explicit "triton" refuses what its kernel cannot do; "auto" goes around)
         self.kernel = "triton" if (kernel == "auto" and device.type == "cuda" and HAS_TRITON
                                    and not without_kernels) else ("torch" if kernel == "auto" else kernel)
         # the add's path under torch.compile (a low-rank table's is PyTorch operations)
@@ -1025,8 +1035,26 @@ def table_file_names(directory: str | os.PathLike, shards: Sequence[str]) -> lis
     return [*shards, *report, INDEX_NAME]
 
 
+def check_table_files(index: TableIndex) -> None:
+    """Refuse (a TokenLookupError) when the files in `index.directory` are no longer the table read from there: a
+    table exported into the folder again after `load_tols` (other shards, another format) or files removed since."""
+    try:
+        on_disk = TableIndex.read(index.directory)
+        if on_disk.metadata != index.metadata or on_disk.weight_map != index.weight_map:
+            raise TokenLookupError(f"a table was exported there again after load_tols (now format "
+                                   f"{on_disk.fmt.name!r} in {len(on_disk.shards)} shard(s); the model reads format "
+                                   f"{index.fmt.name!r} from {len(index.shards)})")
+        on_disk.verify("size")
+    except TokenLookupError as error:
+        raise TokenLookupError(f"the token lookup table the model reads is no longer the one in {index.directory}: "
+                               f"{error}; load it again (model.load_tols({index.directory!r})) before saving, or "
+                               "pass include_token_lookup=False") from None
+
+
 def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:
-    """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`)."""
+    """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`); refused
+    before anything is copied where those files are no longer that table (see `check_table_files`)."""
+    check_table_files(index)
     for name in table_file_names(index.directory, index.shards):
         shutil.copy2(os.path.join(index.directory, name), os.path.join(directory, name))
 
@@ -1108,8 +1136,10 @@ class TokenLookupMixin:
             one it computes on, if a device map offloaded it).
         cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
         frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids).
-        kernel: "auto" (Triton on CUDA, PyTorch on CPU; under torch.compile the add is left to inductor) | "triton"
-            (under torch.compile too; refused for a lowrank table but with placement "cpu") | "torch".
+        kernel: "auto" (Triton on CUDA, PyTorch on CPU and for float64 hidden states; under torch.compile the add is
+            left to inductor) | "triton" (under torch.compile too; refused for a lowrank table but with placement
+            "cpu", and for float64 hidden states at the forward; a forward recording gradients of the hidden states
+            adds with PyTorch operations, which have a backward) | "torch".
             `table.kernel` and `table.compiled_kernel` say which path runs.
         verify: "full" (sha256 of every shard) | "size" (sizes and headers only).
         drop_memory_ffn: free the memory FFN weights afterwards (see `drop_memory_ffn`).
@@ -1138,11 +1168,14 @@ class TokenLookupMixin:
         """`save_pretrained`; inside `push_to_hub` of a model loaded with `trust_remote_code` alone (transformers'
         upload: it saves the model into a temporary folder and uploads that folder), also the files of the table the
         model reads, as `hf_memffn.hub.push_checkpoint` stages them (unless `include_token_lookup=False`)."""
-        result = super().save_pretrained(save_directory, *args, **kwargs)
+        table = None
         if self.__dict__.get("_push_token_lookup") and kwargs.get("is_main_process", True):
             table = getattr(_memory_base(self), "token_lookup", None)
             if table is not None:
-                copy_table_files(table.index, save_directory)
+                check_table_files(table.index)  # (before the weights are written)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        if table is not None:
+            copy_table_files(table.index, save_directory)
         return result
 
     def resize_token_embeddings(self, *args, **kwargs):

@@ -104,6 +104,17 @@ def test_ddp_check_starts_afresh_with_other_settings_and_exits_1_after_a_failed_
     assert sorted(json.loads((tmp_path / "370M results" / "summaries.json").read_text())) == ["single"]
 
 
+@pytest.mark.parametrize("arch, overrides", [("flash_mhf", ["--config-overrides", "ffn_kernel=torch"]),
+                                             ("llama", [])])
+def test_ddp_check_gives_the_ffn_kernel_to_flash_mhf_initial_weights_only(tmp_path, arch, overrides):
+    """ffn_kernel is a field of FlashMHFLlama's config alone: save_initial_weights.py refuses it for the others."""
+    result = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "results"), "2", RUNS="single",
+                        WORK=str(tmp_path / "work"), ARCH=arch, KERNEL="torch")
+    assert result.returncode == 0, result.stderr
+    argv = calls(tmp_path, "save_initial_weights.py")[0]["argv"]
+    assert argv[argv.index("--arch") + 1] == arch and argv[argv.index("--preset") + 2:] == overrides
+
+
 def test_ddp_check_refuses_an_unknown_run_before_any_run(tmp_path):
     result = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "results"), "2", RUNS="single fsdp",
                         WORK=str(tmp_path / "work"))

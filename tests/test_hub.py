@@ -15,6 +15,7 @@ import hf_memffn
 from hf_memffn import hub
 from hf_memffn.model_card import render_model_card
 from hf_memffn.testing import REMOTE_CODE_FILES, tiny_config, tiny_tokenizer
+from hf_memffn.token_lookup import TokenLookupError
 
 NON_CODE_FILES = {"README.md", "config.json", "generation_config.json", "model.safetensors"}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json"}
@@ -540,6 +541,35 @@ def test_push_includes_the_attached_lookup_table(fake_hub, tmp_path):
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("again", [{"format": "fp32", "max_shard_size": "2GB"},  # other shards: names gone
+                                   {"format": "bf16", "max_shard_size": "25KB"}])  # same names, another table
+def test_a_table_exported_again_after_load_tols_is_refused_before_anything_is_pushed_or_written(again, fake_hub,
+                                                                                               tmp_path):
+    """The model reads the table loaded from a folder; exported into that folder again since, the folder's files are
+    another table: the shard names held in memory were copied with the index on disk (a FileNotFoundError half-way
+    through the copy, or the other table pushed under the card of the one the model reads)."""
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    export_tols(model, tmp_path / "table", format="fp32", batch_size=64, max_shard_size="50KB", progress=False)
+    model.load_tols(tmp_path / "table", placement="cpu")
+    export_tols(model, tmp_path / "table", batch_size=64, progress=False, **again)
+    refused = r"the token lookup table the model reads is no longer the one in .*table: a table was exported there"
+    with pytest.raises(TokenLookupError, match=refused):
+        hub.push_checkpoint(model, "someone/tiny-memoryllm-tol")
+    with pytest.raises(TokenLookupError, match=refused):
+        model.push_to_hub("someone/tiny-memoryllm-tol")
+    assert fake_hub.uploaded == {}
+    with pytest.raises(TokenLookupError, match=refused):
+        hub.stage_checkpoint(model, tmp_path / "staged")
+    assert not (tmp_path / "staged").exists()
+
+    model.load_tols(tmp_path / "table", placement="cpu")  # (the table in the folder now)
+    hub.push_checkpoint(model, "someone/tiny-memoryllm-tol")
+    table_files = {name for name in fake_hub.uploaded if name.startswith("token_lookup") and not name.endswith(".py")}
+    assert table_files == set(hub.staged_files(tmp_path / "table"))
 
 
 def test_push_command_ends_a_network_failure_in_one_line(fake_hub, tmp_path, monkeypatch, capsys):

@@ -378,17 +378,20 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
 
 
-@pytest.mark.parametrize("arch", ["llama", "flash_mhf"])
-def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arch):
-    """examples/save_initial_weights.py (the starting point of examples/ddp_check.sh) for our models and Llama."""
+@pytest.mark.parametrize("arch, overrides", [("llama", "initializer_range=0.05"),
+                                             ("flash_mhf", "ffn_kernel=torch,initializer_range=0.05")])
+def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arch, overrides):
+    """examples/save_initial_weights.py (the starting point of examples/ddp_check.sh) for our models and Llama; its
+    --config-overrides were ignored for every architecture but FlashMHFLlama."""
     import save_initial_weights
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     with corpus.open("a", encoding="utf-8") as handle:  # (a blank line, as an editor leaves at the end: no document)
         handle.write("\n")
     init = save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", arch, "--preset", "tiny",
-                                      "--config-overrides", "ffn_kernel=torch", "--vocab-size", "300"])
+                                      "--config-overrides", overrides, "--vocab-size", "300"])
     assert (init / "tokenizer.json").is_file() and (init / "config.json").is_file()
+    assert json.loads((init / "config.json").read_text())["initializer_range"] == 0.05
     summary = pretrain.main([
         "--init-from", str(init), "--arch", arch, "--preset", "tiny", "--data-files", str(corpus), "--block-size", "32",
         "--per-device-batch-size", "4", "--max-steps", "2", "--logging-steps", "1", "--eval-steps", "2",
@@ -396,6 +399,18 @@ def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arc
     ])
     expected_type = "llama" if arch == "llama" else "memffn_flash_mhf"
     assert summary["model_type"] == expected_type and summary["global_step"] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "memoryllm", "flex_memoryllm", "kvffn"])
+def test_initial_weights_refuse_an_override_their_config_does_not_have(tmp_path, arch):
+    """ffn_kernel is FlashMHFLlama's: given for another architecture it was ignored; it is refused before any work."""
+    import save_initial_weights
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    with pytest.raises(ValueError, match=r"--config-overrides: 'ffn_kernel' not a field of \w+Config; its fields:"):
+        save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", arch, "--preset", "tiny",
+                                   "--config-overrides", "ffn_kernel=torch", "--vocab-size", "300"])
+    assert not (tmp_path / "init").exists()
 
 
 def test_initial_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -126,6 +126,8 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (["--block-size", "0"], r"--block-size=0: expected a positive number of tokens"),
     (["--max-eval-blocks", "-1"], r"--max-eval-blocks=-1: expected a positive number"),
+    (["--stop-after-steps", "0"], r"--stop-after-steps=0: expected a step number of 1 or more"),
+    (["--stop-after-steps", "-2"], r"--stop-after-steps=-2: expected a step number of 1 or more"),
     (["--learning-rate", "5e-6"], r"--min-learning-rate=1e-05: expected 0 to --learning-rate=5e-06"),
     (["--data-dir", "shards"], r"--data-dir reads token shards, so --data-files would be left unused"),
     (["--init-from", "saved"], r"--train-tokenizer: the model of --init-from='saved' reads the token ids"),
@@ -139,8 +141,9 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     """Each of these trained and failed late (a `ZeroDivisionError`, a `KeyError` after the last step, a traceback
     after the data was packed), or trained while ignoring an option: a typo in --config-overrides, --data-files beside
     --data-dir, a tokenizer trained anew for an --init-from model that reads another's token ids; or trained on a
-    rate that climbed from a peak below --min-learning-rate up to it. A --train-tokenizer below the byte alphabet failed
-    after the dataset was read, naming `vocab_size` (0 asked for a --tokenizer)."""
+    rate that climbed from a peak below --min-learning-rate up to it; --stop-after-steps 0 trained the whole schedule
+    (and -2 stopped after step 1). A --train-tokenizer below the byte alphabet failed after the dataset was read,
+    naming `vocab_size` (0 asked for a --tokenizer)."""
     monkeypatch.chdir(tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     out = tmp_path / "run"

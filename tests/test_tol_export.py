@@ -175,6 +175,11 @@ def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fm
      r"max_shard_size=10000 bytes cannot hold the low-rank basis of layer 0 \(16384 bytes"),
     ({"format": "bf16", "model_dtype": "float16"}, r"`model_dtype`='float16' is not supported; allowed values: 'fp32'"),
     ({"format": "bf16", "model_dtype": "bf16"}, r"model_dtype='bf16' is the dtype a checkpoint directory is loaded in"),
+    # (a loaded model is used where it is: a device it is not on failed inside the export, on the CPU "Torch not
+    # compiled with CUDA enabled", on a GPU "Expected all tensors to be on the same device")
+    ({"format": "bf16", "device": "cuda"}, r"device='cuda' is not where the model computes \(cpu\): a loaded "
+                                           r"MemoryLLMForCausalLM is used where it is; pass device=None \(or 'cpu'\)"),
+    ({"format": "bf16", "device": torch.device("meta")}, r"device='meta' is not where the model computes \(cpu\)"),
     # the held-out loss runs after the export: its ids are checked before the table is written
     ({"format": "bf16", "eval_input_ids": torch.tensor([[1, 2, 320]])},
      r"eval_input_ids contains token id 320: allowed ids are 0..319"),
@@ -189,6 +194,14 @@ def test_bad_export_options_name_the_field(model, tmp_path, options, field):
     with pytest.raises(ValueError, match=field):
         export_tols(model, tmp_path, progress=False, **options)
     assert not own_files(tmp_path)
+
+
+def test_a_loaded_model_exports_with_device_naming_where_it_is(model, tmp_path):
+    """device= names where a checkpoint directory is loaded; for a loaded model, its own device is accepted."""
+    expected = export_tols(model, tmp_path / "default", format="fp32", progress=False)
+    report = export_tols(model, tmp_path / "cpu", format="fp32", device="cpu", progress=False)
+    assert report["max_relative_error"] == expected["max_relative_error"]
+    assert shard_bytes(tmp_path / "cpu") == shard_bytes(tmp_path / "default")
 
 
 def test_the_tokens_of_an_eval_text_outside_the_vocabulary_are_refused_before_anything_is_written(tmp_path):

@@ -91,6 +91,36 @@ def test_compiled_lookup_is_traced_as_pytorch_operations(exported):
     assert relative(compiled, eager) < 1e-6
 
 
+def test_float64_hidden_states_keep_their_precision_and_an_explicit_triton_kernel_refuses_them(exported,
+                                                                                               monkeypatch):
+    """The Triton add computes in float32: it (and the PyTorch add, through float32) rounded float64 hidden states to
+    float32. "auto" (its choice on CUDA set by hand here) takes the PyTorch add for them, in float64; an explicit
+    kernel="triton" refuses them, naming the dtype, as the decoder kernels do."""
+    from hf_memffn import token_lookup
+
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    table = model.load_tols(directory, placement="cpu")
+    launched = []
+    monkeypatch.setattr(token_lookup, "lookup_add_triton",
+                        lambda hidden, *args: launched.append(hidden.dtype) or hidden)
+    try:
+        readout = table.readout(ids)
+        hidden = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64) + 1e-9
+        exact = hidden + readout.layer_values(0).double().view_as(hidden)
+        torch.testing.assert_close(readout.add_into(hidden, 0), exact, rtol=0, atol=1e-15)  # kernel "torch"
+        table.kernel = "triton"  # what "auto" chooses on CUDA
+        torch.testing.assert_close(readout.add_into(hidden, 0), exact, rtol=0, atol=1e-15)
+        readout.add_into(hidden.float(), 0)
+        assert launched == [torch.float32]
+        table.requested_kernel = "triton"
+        with pytest.raises(RuntimeError, match=r"kernel='triton' cannot add the table into hidden states of dtype "
+                                               r"torch.float64: the kernel computes in float32; allowed: float16"):
+            readout.add_into(hidden, 0)
+    finally:
+        model.unload_tols()
+
+
 def test_compiled_lookup_from_disk_breaks_the_graph_and_fullgraph_names_the_placement(exported):
     """placement="disk" reads its rows on the host at every forward: torch.compile runs that read between two graphs
     (the logits of eager mode), and fullgraph=True fails naming the placement and what works instead (not with

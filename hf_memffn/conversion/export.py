@@ -117,6 +117,15 @@ def _rank_from_energy(eigenvalues_desc: torch.Tensor, energy: float) -> int:
     return int(torch.searchsorted(cumulative, torch.tensor(energy, dtype=cumulative.dtype) - 1e-12).item()) + 1
 
 
+def _device_key(device: torch.device) -> tuple[str, int | None]:
+    """`device` with the index a bare name stands for ("cuda": the current device; "mps": 0), for comparing devices."""
+    if device.index is not None or device.type == "cpu":
+        return device.type, device.index
+    if device.type == "cuda" and torch.cuda.is_available():
+        return device.type, torch.cuda.current_device()
+    return device.type, 0
+
+
 class _Exporter:
     def __init__(self, model, out_dir: str, fmt: TokenLookupFormat, batch_size: int, max_shard_size, device,
                  progress: bool):
@@ -148,7 +157,12 @@ class _Exporter:
         self.out_dir = out_dir
         self.batch_size = batch_size
         self.max_shard_size = max_shard_size
-        self.device = torch.device(device) if device is not None else execution_device(self.base.embed_tokens)
+        self.device = execution_device(self.base.embed_tokens)
+        if device is not None and _device_key(torch.device(device)) != _device_key(self.device):
+            # (a model object is used where it is: moving it would change the caller's model behind its back)
+            raise ValueError(f"device={str(device)!r} is not where the model computes ({self.device}): a loaded "
+                             f"{type(model).__name__} is used where it is; pass device=None (or {str(self.device)!r}),"
+                             f" move the model first (model.to({str(device)!r})), or pass its checkpoint directory")
         self.progress = progress
         self.fingerprint = weights_fingerprint(self.base)
         self.fingerprint_fp16 = weights_fingerprint(self.base, through=torch.float16)
@@ -656,6 +670,7 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     table per (token, layer) vector, and, given eval text or ids, the held-out loss in compute and lookup mode.
     Exported into a checkpoint folder, the "Token lookup tables" section of the folder's model card is rewritten to
     say the folder holds the table (`model_card.refresh_lookup_section`; the report's `model_card` names the card).
+    `device` is where a checkpoint directory is loaded; a loaded model is used where it is (another device is refused).
     """
     fmt = TokenLookupFormat(name=format, group_size=group_size, rank=rank, energy=energy,
                             factor_dtype="bf16" if factor_dtype is None else factor_dtype, drop_layers=drop_layers)
