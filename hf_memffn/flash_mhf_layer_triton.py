@@ -379,7 +379,7 @@ def queries_and_gates(p, norm_weight, router, head_dim: int, num_subnetworks: in
     return (q, r, gate_totals) if totals else (q, r)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)  # (keyed by the number of tokens, which changes from batch to batch)
 def _backward_programs(num_tokens: int, num_heads: int, num_sms: int, block_t: int, programs_per_sm: int
                        ) -> tuple[int, int]:
     """(programs per head, token blocks per program): about ``programs_per_sm`` programs per multiprocessor."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 
 import torch
@@ -625,14 +626,18 @@ def _autotuned(problem: dict) -> bool:
 # kernel it keeps), without the autotuner's work per call (its key from the argument dictionary, the pre-hook's
 # dictionary), about a fifth of the forward's host time.
 _PICKED: dict = {}
+# Held over a launch through the autotuner and the read of its pick: `best_config` is the pick of the autotuner's
+# latest launch, which another thread's launch (another model, or another size class) replaces while this one runs.
+_TUNING = threading.Lock()
 
 
 def _launch_tuned(tuned, key: tuple, grid, *args, **kwargs) -> None:
     """``tuned[grid](*args, **kwargs)``, through the autotuner once per ``key`` and directly afterwards."""
     picked = _PICKED.get(key)
     if picked is None:
-        tuned[grid](*args, **kwargs, **COMPILE_OPTIONS)
-        config = tuned.best_config
+        with _TUNING:
+            tuned[grid](*args, **kwargs, **COMPILE_OPTIONS)
+            config = tuned.best_config
         _PICKED[key] = (config.all_kwargs(), config.pre_hook is not None)
         return
     config_kwargs, has_pre_hook = picked

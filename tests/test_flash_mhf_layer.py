@@ -336,6 +336,20 @@ def test_triton_decode_launches_match_float64(launch, dtype):
         assert torch.equal(again, out)  # the splits are added in a fixed order
 
 
+def test_gates_backward_programs_keep_a_bounded_cache_over_many_token_counts():
+    """The norm/gate backward's split (programs per head, token blocks per program) is kept per number of tokens,
+    which changes from batch to batch (dynamic padding, packed sequences): a run that meets thousands of token counts
+    keeps a bounded number of them, and the answers stay those of the uncached function."""
+    programs = flash_mhf_layer_triton._backward_programs
+    programs.cache_clear()
+    try:
+        for num_tokens in range(1, 1025):
+            assert programs(num_tokens, 4, 132, 16, 4) == programs.__wrapped__(num_tokens, 4, 132, 16, 4)
+        assert programs.cache_info().currsize <= 256
+    finally:
+        programs.cache_clear()
+
+
 @needs_kernels
 def test_triton_decode_adds_more_splits_than_one_load_takes():
     """68 programs split one head's columns (one 16-column block each), more than the splits' sum reads per step

@@ -215,6 +215,49 @@ def test_triton_autotuned_launches_match_float64(head_dim, dtype):
     check_against_truth(run_op("triton"), inputs, dtype)
 
 
+def test_autotuned_launches_keep_their_own_pick_when_two_threads_tune_at_once():
+    """Two threads launching an autotuned kernel for the first time at once (two models served side by side, or two
+    size classes): each key keeps the configuration the autotuner picked for its own launch, not the other's (the
+    autotuner's `best_config` is that of its latest launch). A stand-in autotuner picks a block from the launch's
+    argument, then runs a while, during which the other thread may launch."""
+    import threading
+    import types
+
+    inside, second_picked = threading.Event(), threading.Event()
+
+    class StandInAutotuner:
+        arg_names = ["X"]
+
+        def __getitem__(self, grid):
+            def run(block, **kwargs):
+                self.best_config = types.SimpleNamespace(all_kwargs=lambda: {"BLOCK": block}, pre_hook=None)
+                if block == 64:
+                    inside.set()
+                    second_picked.wait(timeout=1.0)  # (the launch of block 128 while this one runs)
+                else:
+                    second_picked.set()
+
+            return run
+
+    tuned, keys = StandInAutotuner(), [("stand-in", 64), ("stand-in", 128)]
+
+    def first_launch(block):
+        flash_mhf_triton._launch_tuned(tuned, ("stand-in", block), lambda meta: (1,), block)
+
+    try:
+        first = threading.Thread(target=first_launch, args=(64,))
+        first.start()
+        assert inside.wait(timeout=5)
+        second = threading.Thread(target=first_launch, args=(128,))
+        second.start()
+        first.join()
+        second.join()
+        assert [flash_mhf_triton._PICKED[key][0] for key in keys] == [{"BLOCK": 64}, {"BLOCK": 128}]
+    finally:
+        for key in keys:
+            flash_mhf_triton._PICKED.pop(key, None)
+
+
 @needs_kernels
 @pytest.mark.parametrize("broadcast_dims", [(2,), (1,), (0, 1, 2), (3,)],
                          ids=["over_positions", "over_heads", "over_all_but_features", "over_features"])
