@@ -647,6 +647,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
         self.token_embedding_relay = None  # set under transformers' pipeline parallelism (see parallel.py)
         self.gradient_checkpointing = False
         self._decoder_path_logged = False
+        self._long_sequence_logged = False
         self.post_init()
 
     @classmethod
@@ -764,12 +765,16 @@ class MemFFNModel(MemFFNPreTrainedModel):
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
-            length = past_seen + inputs_embeds.shape[1]
-            if length > self.config.max_position_embeddings and not is_torchdynamo_compiling():
-                logger.warning_once(
+            # (the compile check first: a static cache counts its tokens in a tensor, which a traced comparison would
+            # branch on, breaking the graph of a compiled decoding step)
+            length = None if is_torchdynamo_compiling() else int(past_seen) + inputs_embeds.shape[1]
+            if length is not None and length > self.config.max_position_embeddings and not self._long_sequence_logged:
+                # (once per model: a decoding loop past the limit would otherwise log each new length)
+                logger.warning(
                     f"sequence length {length} exceeds max_position_embeddings={self.config.max_position_embeddings}: "
                     "positions beyond it were never trained, expect degraded outputs"
                 )
+                self._long_sequence_logged = True
 
         if causal_only and self.plain_causal_mask(past_seen, inputs_embeds.shape[1]):
             causal_mask = None

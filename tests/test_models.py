@@ -181,6 +181,32 @@ def test_the_path_logs_follow_transformers_verbosity(arch):
     assert messages["transformers.memffn.modeling_memffn"].startswith("decoder runs the ")
     assert messages[f"transformers.memffn.{'ffn_multihead' if arch == 'flash_mhf' else 'ffn'}"].startswith(ffn)
 
+
+def test_a_sequence_past_max_position_embeddings_logs_one_warning():
+    """A decoding loop that runs past `max_position_embeddings` logs one warning naming the length, not one per step,
+    with a dynamic cache (a new length at every step) as with a static one (which counts its tokens in a tensor)."""
+    from transformers import DynamicCache, StaticCache
+
+    from hf_memffn.modeling_memffn import CACHE_KWARG
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    package_logger = logging.getLogger("transformers.memffn.modeling_memffn")
+    package_logger.addHandler(handler)
+    try:
+        for static in (False, True):
+            model = build("kvffn", max_position_embeddings=8)
+            cache = StaticCache(config=model.config, max_cache_len=16) if static else DynamicCache(config=model.config)
+            with torch.no_grad():
+                for _ in range(12):
+                    model(torch.tensor([[5]]), use_cache=True, **{CACHE_KWARG: cache})
+    finally:
+        package_logger.removeHandler(handler)
+    warnings = [record.getMessage() for record in records if "max_position_embeddings" in record.getMessage()]
+    assert [message.split(":")[0] for message in warnings] == [
+        "sequence length 9 exceeds max_position_embeddings=8"] * 2
+
 # ---------------------------------------------------------------------------------------------------------------------
 # initialization and parameter counts
 # ---------------------------------------------------------------------------------------------------------------------

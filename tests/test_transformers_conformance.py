@@ -80,6 +80,26 @@ def test_one_token_at_a_time_into_a_static_cache_equals_one_forward(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_decoding_steps_into_a_filled_static_cache_without_positions(arch):
+    """A hand-written decoding loop compiled with `fullgraph=True`: the prompt fills a static cache eagerly, then each
+    compiled step passes one token and no `position_ids`. The static cache counts its tokens in a tensor, which the
+    step must not branch on (the check of the length against `max_position_embeddings` did)."""
+    model = build(arch)
+    sequence = ids(batch=2, length=8)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            full = model(sequence).logits
+            cache = StaticCache(config=model.config, max_cache_len=16)
+            model(sequence[:, :4], past_key_values=cache, use_cache=True)
+            step = torch.compile(model, backend="eager", fullgraph=True)
+            steps = [step(sequence[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(4, 8)]
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_logits_to_keep_as_positions_or_a_mask(arch):
     """`logits_to_keep`: an int, a 1-D tensor of positions, a [batch, k] tensor of each row's positions, or a boolean
     [batch, length] mask (flattened), as transformers' models take it (the Llama control from the transformers that
