@@ -437,8 +437,10 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     `ffn_kernel` chooses how the fused op runs: "auto" (Triton on CUDA, the memory-bounded PyTorch reference on CPU),
     "triton" or "torch" (forced). `ffn_recompute_chunk_tokens` > 0 makes the FFN keep only its input for the backward
     pass and recompute its activations in chunks of that many tokens (backward memory independent of batch and
-    sequence length, for one extra forward of the FFN); 0 keeps the activations. Under torch.compile the recompute
-    runs between the graphs, one graph break per layer (`fullgraph=True` refuses it).
+    sequence length, for one extra forward of the FFN); 0 keeps the activations. In training mode the FFN runs in
+    those chunks also without gradients (the first forward of reentrant activation checkpointing), so that it draws
+    the random numbers of its recompute. Under torch.compile the recompute runs between the graphs, one graph break
+    per layer (`fullgraph=True` refuses it).
     """
 
     model_type = "memffn_flash_mhf"

@@ -144,7 +144,8 @@ def recompute_in_token_chunks(module: nn.Module, hidden_states: torch.Tensor, ch
     batch, length, width = hidden_states.shape
     if batch * length == 0:
         return module._forward(hidden_states)
-    _refuse_weights_from_outside(module, chunk_tokens)
+    if torch.is_grad_enabled():  # (without gradients nothing is recomputed)
+        _refuse_weights_from_outside(module, chunk_tokens)
     tokens = hidden_states.reshape(1, batch * length, width)
     output = _TokenChunkedRecompute.apply(module, chunk_tokens, tokens, *module.parameters())
     return output.view(batch, length, -1)
@@ -335,7 +336,10 @@ class FlashMHFFeedForward(_MultiHeadQueries):
                                         needs_grad=needs_grad)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.recompute_chunk_tokens and torch.is_grad_enabled():
+        # In training also without gradients: reentrant activation checkpointing runs the layer's forward without
+        # them and recomputes it with them, and both must draw the same random numbers (an adapter's dropout) in the
+        # same chunks, or the loss and the gradients come from different forwards.
+        if self.recompute_chunk_tokens and (torch.is_grad_enabled() or self.training):
             return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
         return self._forward(hidden_states)
 

@@ -1068,6 +1068,35 @@ def test_flash_mhf_token_chunked_recompute_redraws_the_forward_dropout_masks(dev
         torch.testing.assert_close(recomputed, plain, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_flash_mhf_token_chunked_recompute_under_activation_checkpointing_keeps_the_dropout_masks(use_reentrant):
+    """Reentrant activation checkpointing runs each layer's forward without gradients, then again with them in the
+    backward pass. The FFN ran whole in the first and chunk by chunk in the second, which draw other dropout masks (a
+    LoRA adapter's on `in_proj`): the loss came from one forward and the gradients from another, neither those of
+    the run without checkpointing. In training the FFN runs in chunks with or without gradients."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=5))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=hf_memffn.LORA_TARGET_MODULES["flash_mhf"],
+                                                       lora_dropout=0.2, init_lora_weights=False)).train()
+    ids = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.base_model.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (plain_loss, plain), (loss, checkpointed) = runs
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    assert checkpointed.keys() == plain.keys() and len(plain) > 0
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_mhf_model_trains_on_cuda_under_autocast_with_the_triton_kernels():
