@@ -114,6 +114,9 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
     return plan
 
 
+# FFN head widths the FlashMHF Triton kernels take (`flash_mhf_op.SUPPORTED_HEAD_DIMS`, which only FlashMHFLlama
+# checkpoints carry)
+TRITON_FFN_HEAD_DIMS = (64, 128, 256)
 DECODER_KERNELS = ("auto", "triton", "torch")  # decoder's norms and rotations, KV-FFN's activation (*_triton.py)
 ROPE_PARAMETERS_REQUIREMENT = "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}"
 
@@ -435,12 +438,13 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     variant only: the sub-networks are SwiGLU (SiLU) as in the paper.
 
     `ffn_kernel` chooses how the fused op runs: "auto" (Triton on CUDA, the memory-bounded PyTorch reference on CPU),
-    "triton" or "torch" (forced). `ffn_recompute_chunk_tokens` > 0 makes the FFN keep only its input for the backward
-    pass and recompute its activations in chunks of that many tokens (backward memory independent of batch and
-    sequence length, for one extra forward of the FFN); 0 keeps the activations. In training mode the FFN runs in
-    those chunks also without gradients (the first forward of reentrant activation checkpointing), so that it draws
-    the random numbers of its recompute. Under torch.compile the recompute runs between the graphs, one graph break
-    per layer (`fullgraph=True` refuses it).
+    "triton" or "torch" (forced; "triton" is refused here for FFN heads or sub-networks the kernels never take).
+    `ffn_recompute_chunk_tokens` > 0 makes the FFN keep only its input for the backward pass and recompute its
+    activations in chunks of that many tokens (backward memory independent of batch and sequence length, for one
+    extra forward of the FFN); 0 keeps the activations. In training mode the FFN runs in those chunks also without
+    gradients (the first forward of reentrant activation checkpointing), so that it draws the random numbers of its
+    recompute. Under torch.compile the recompute runs between the graphs, one graph break per layer (`fullgraph=True`
+    refuses it).
     """
 
     model_type = "memffn_flash_mhf"
@@ -531,6 +535,16 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         if self.ffn_variant == "dense_moe":
             _check(name, self.ffn_num_heads == 1, "ffn_num_heads", self.ffn_num_heads,
                    "must be 1 for ffn_variant='dense_moe' (a single head)")
+        if self.ffn_kernel == "triton":  # (shapes the kernels never take: refused here, not at the first forward)
+            _check(name, self.ffn_head_dim in TRITON_FFN_HEAD_DIMS, "ffn_kernel", self.ffn_kernel,
+                   f"the Triton kernels take FFN heads of {', '.join(map(str, TRITON_FFN_HEAD_DIMS))} "
+                   f"(ffn_head_dim = hidden_size // ffn_num_heads = {self.hidden_size} // {self.ffn_num_heads} = "
+                   f"{self.ffn_head_dim}); change ffn_num_heads, or set ffn_kernel='torch' (the PyTorch reference)")
+            _check(name, self.subnetwork_size % 16 == 0, "ffn_kernel", self.ffn_kernel,
+                   f"the Triton kernels take sub-networks of a multiple of 16 (subnetwork_size = intermediate_size "
+                   f"// ffn_num_subnetworks = {self.intermediate_size} // {self.ffn_num_subnetworks} = "
+                   f"{self.subnetwork_size}); change intermediate_size or ffn_num_subnetworks, or set "
+                   "ffn_kernel='torch' (the PyTorch reference)")
 
 
 class MemoryLLMConfig(MemFFNConfig):

@@ -117,6 +117,34 @@ def test_pkv_reads_no_key_value_head_count():
         tiny_config("flash_mhf", ffn_num_heads=4, ffn_num_kv_heads=3)
 
 
+def test_triton_ffn_kernel_refuses_shapes_the_kernels_never_take_when_the_config_is_made(tmp_path):
+    """`ffn_kernel='triton'` with FFN heads or sub-networks that no Triton kernel takes (tiny_config's heads of 16) was
+    accepted and failed at the model's first forward, on any device; it is refused with the config, naming the fields
+    and `ffn_kernel='torch'`, also when given to `from_pretrained`. Shapes the kernels take, and the baselines that do
+    not run the fused op, are accepted."""
+    from hf_memffn.configuration_memffn import TRITON_FFN_HEAD_DIMS
+    from hf_memffn.flash_mhf_op import SUPPORTED_HEAD_DIMS
+
+    assert TRITON_FFN_HEAD_DIMS == SUPPORTED_HEAD_DIMS
+    with pytest.raises(ValueError, match=r"`ffn_kernel`='triton'.*ffn_head_dim = hidden_size // ffn_num_heads = "
+                                         r"64 // 4 = 16.*ffn_kernel='torch'"):
+        tiny_config("flash_mhf", ffn_kernel="triton")
+    for variant, fields in (("mh_ffn", {"ffn_num_subnetworks": 1}),
+                            ("dense_moe", {"hidden_size": 96, "ffn_num_heads": 1, "ffn_num_kv_heads": 1})):
+        with pytest.raises(ValueError, match="`ffn_kernel`='triton'.*ffn_head_dim"):
+            tiny_config("flash_mhf", ffn_variant=variant, ffn_kernel="triton", **fields)
+    wide_heads = dict(hidden_size=128, ffn_num_heads=2, ffn_num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"`ffn_kernel`='triton'.*subnetwork_size = intermediate_size // "
+                                         r"ffn_num_subnetworks = 40 // 2 = 20"):
+        tiny_config("flash_mhf", intermediate_size=40, ffn_kernel="triton", **wide_heads)
+    assert tiny_config("flash_mhf", intermediate_size=64, ffn_kernel="triton", **wide_heads).ffn_head_dim == 64
+    for variant in ("pkv", "swiglu"):  # (no fused op: `ffn_kernel` is not read)
+        assert tiny_config("flash_mhf", ffn_variant=variant, ffn_kernel="triton").ffn_kernel == "triton"
+    tiny_config("flash_mhf").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="`ffn_kernel`='triton'.*ffn_head_dim"):
+        AutoConfig.from_pretrained(tmp_path, ffn_kernel="triton")
+
+
 
 def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tmp_path):
     """A paper's sizes given with the derived ones (`ffn_head_dim`, `subnetwork_size`), to the config or to
