@@ -254,6 +254,10 @@ class MemFFNConfig(PretrainedConfig):
         for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
+        if "ffn_kernel" in kwargs and "ffn_kernel" in config_dict:
+            # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take is refused
+            # there, and `ffn_kernel="torch"` given here is what loads it)
+            config_dict = {**config_dict, "ffn_kernel": kwargs["ffn_kernel"]}
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
         config._check_derived_fields(derived)

@@ -145,6 +145,23 @@ def test_triton_ffn_kernel_refuses_shapes_the_kernels_never_take_when_the_config
         AutoConfig.from_pretrained(tmp_path, ffn_kernel="triton")
 
 
+def test_a_config_file_with_a_refused_triton_ffn_kernel_loads_with_the_torch_kernel_given(tmp_path):
+    """A config.json written before `ffn_kernel='triton'` was refused for the FFN shapes the kernels never take:
+    `from_pretrained(path, ffn_kernel='torch')`, what the refusal names, loads it (transformers builds the config from
+    the file's fields and sets keyword arguments afterwards, so the file's "triton" was refused first)."""
+    import json
+
+    tiny_config("flash_mhf").save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "ffn_kernel": "triton"}))
+    with pytest.raises(ValueError, match="`ffn_kernel`='triton'.*ffn_kernel='torch'"):
+        AutoConfig.from_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, ffn_kernel="torch")
+    assert config.ffn_kernel == "torch" and config.ffn_head_dim == 16
+    with pytest.raises(ValueError, match="`ffn_kernel`='cuda' is not supported; allowed values"):
+        AutoConfig.from_pretrained(tmp_path, ffn_kernel="cuda")
+
+
 
 def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tmp_path):
     """A paper's sizes given with the derived ones (`ffn_head_dim`, `subnetwork_size`), to the config or to
