@@ -178,18 +178,22 @@ def _lora_parametrizations(model: nn.Module):
 def merge_weight_lora(model: nn.Module) -> int:
     """Fold the LoRA adapters into their weights; every int8 weight, with an adapter or not, becomes a float one
     again. Returns how many adapters were merged. Afterwards the weights are plain parameters with their original
-    names and shapes, and the model saves in the original format."""
+    names and shapes, and the model saves in the original format. Called under `torch.inference_mode()` too, the
+    merged weights are ordinary tensors, which a later training step records."""
     merged = 0
-    for _, module, name in parameter_weights(model):
-        if not parametrize.is_parametrized(module, name):
-            continue
-        with torch.no_grad():
-            effective = getattr(module, name).detach().clone()
-        chain = module.parametrizations[name]
-        requires_grad = (chain.original if chain.is_tensor else chain.original0).requires_grad
-        merged += sum(isinstance(item, LowRankDelta) for item in chain)
-        parametrize.remove_parametrizations(module, name, leave_parametrized=True)
-        setattr(module, name, nn.Parameter(effective, requires_grad=requires_grad))
+    # (outside inference mode: a weight made inside it would be an inference tensor, which no later forward can save
+    # for its backward and `requires_grad_(True)` cannot unfreeze)
+    with torch.inference_mode(False):
+        for _, module, name in parameter_weights(model):
+            if not parametrize.is_parametrized(module, name):
+                continue
+            with torch.no_grad():
+                effective = getattr(module, name).detach().clone()
+            chain = module.parametrizations[name]
+            requires_grad = (chain.original if chain.is_tensor else chain.original0).requires_grad
+            merged += sum(isinstance(item, LowRankDelta) for item in chain)
+            parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            setattr(module, name, nn.Parameter(effective, requires_grad=requires_grad))
     return merged
 
 

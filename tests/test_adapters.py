@@ -262,6 +262,25 @@ def test_merging_gives_float_weights_back_for_int8_weights_without_an_adapter_to
         torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, logits)
 
 
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_weights_merged_under_inference_mode_train_afterwards(arch):
+    """`merge_weight_lora` called under `torch.inference_mode()` (merging for serving): the merged weights were
+    inference tensors, so a later training step failed ("Inference tensors cannot be saved for backward", or
+    `requires_grad_(True)` refused them), where PEFT's `merge_and_unload` leaves its weights trainable."""
+    model = tiny_model(arch)
+    ids = torch.randint(3, 320, (2, 9))
+    adapted = adapters.add_weight_lora(model, r=4, alpha=8, freeze_base=False)
+    with torch.inference_mode():
+        logits = model(ids).logits
+        assert adapters.merge_weight_lora(model) == len(adapted)
+    assert not any(param.is_inference() for param in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits)
+    model.requires_grad_(True).train()
+    model(ids, labels=ids).loss.backward()
+    assert all(param.grad is not None for name, param in model.named_parameters() if name in adapted)
+
+
 def test_adapters_saved_with_another_rank_are_refused_before_any_is_loaded():
     """Adapters of rank 1 broadcast into rank-2 ones without an error; other ranks failed with a RuntimeError that
     named no weight."""
