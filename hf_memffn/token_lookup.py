@@ -1052,9 +1052,8 @@ def check_table_files(index: TableIndex) -> None:
 
 
 def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:
-    """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`); refused
-    before anything is copied where those files are no longer that table (see `check_table_files`)."""
-    check_table_files(index)
+    """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`); callers
+    run `check_table_files` first, before they write anything."""
     for name in table_file_names(index.directory, index.shards):
         shutil.copy2(os.path.join(index.directory, name), os.path.join(directory, name))
 
