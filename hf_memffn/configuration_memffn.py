@@ -506,7 +506,9 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         _check(name, _is_int(self.ffn_recompute_chunk_tokens) and self.ffn_recompute_chunk_tokens >= 0,
                "ffn_recompute_chunk_tokens", self.ffn_recompute_chunk_tokens, "must be an integer >= 0")
         _check_bools(self, ("ffn_query_norm", "ffn_io_projections"))
-        _check_number(self, "ffn_gate_eps", 0.0, low_inclusive=True)
+        # (> 0: the gates divide by sum_E sigmoid + ffn_gate_eps, and the sigmoids of scores below about -88 are 0 in
+        # float32, so a token whose scores all fall there would get 0 / 0 = NaN gates)
+        _check_number(self, "ffn_gate_eps", 0.0, low_inclusive=False)
         _check_positive_ints(self, ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads"))
         if self.ffn_variant == "swiglu":
             return

@@ -318,7 +318,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         return self.subnetwork_weights()[2]
 
     def gates(self, queries: torch.Tensor) -> torch.Tensor:
-        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast), for `queries()`."""
+        """Normalized sub-network weights R [B, H, L, E] in float32 (also under autocast; float64 for float64
+        queries), for `queries()`."""
         return router_gates(queries, self.router, self.gate_eps)
 
     def path_description(self, hidden_states: torch.Tensor | None = None) -> str:

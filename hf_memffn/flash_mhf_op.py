@@ -412,12 +412,14 @@ def flash_mhf_reference(
 # layout the output projection reads; the query norm and the gates are computed by the kernels of
 # flash_mhf_layer_triton.py (forward and backward), the queries are re-derived in the backward pass instead of kept.
 def router_gates(queries: torch.Tensor, router: torch.Tensor | None, gate_eps: float) -> torch.Tensor:
-    """The normalised sub-network gates ``sigmoid(q W_h) / (sum_E sigmoid(q W_h) + gate_eps)`` in float32, for queries
-    ``[B, H, L, d_h]`` and ``router [H, d_h, E]`` (also under autocast); all ones ``[B, H, L, 1]`` without a router."""
+    """The normalised sub-network gates ``sigmoid(q W_h) / (sum_E sigmoid(q W_h) + gate_eps)`` in float32 (float64 for
+    float64 queries), for queries ``[B, H, L, d_h]`` and ``router [H, d_h, E]`` (also under autocast); all ones
+    ``[B, H, L, 1]`` without a router."""
+    dtype = _compute_dtype(queries.dtype)
     if router is None:
-        return queries.new_ones((*queries.shape[:-1], 1), dtype=torch.float32)
+        return queries.new_ones((*queries.shape[:-1], 1), dtype=dtype)
     with autocast_off(queries.device.type):
-        scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries.float(), router.float()))
+        scores = torch.sigmoid(torch.einsum("bhld,hde->bhle", queries.to(dtype), router.to(dtype)))
         return scores / (scores.sum(dim=-1, keepdim=True) + gate_eps)
 
 
@@ -426,10 +428,11 @@ def flash_mhf_layer_reference(p, norm_weight, router, k, u, v, head_dim: int, ep
     """The layer composed of PyTorch operations around :func:`flash_mhf` (``impl`` runs the op): the unfused path,
     and the reference the fused layer is tested against. Same maths as :func:`flash_mhf_layer`."""
     batch, length, width = p.shape
+    dtype = _compute_dtype(p.dtype)  # (a float64 layer keeps its precision, as the op's reference does)
     with autocast_off(p.device.type):  # float32 norm and gates, also under autocast
-        queries = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2).float()
+        queries = p.view(batch, length, width // head_dim, head_dim).transpose(1, 2).to(dtype)
         if norm_weight is not None:
-            queries = queries * torch.rsqrt(queries.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+            queries = queries * torch.rsqrt(queries.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(dtype)
         gates = router_gates(queries, router, gate_eps)
         if router is None:  # r = 1 for every sub-network, as the kernels take it
             gates = gates.expand(*gates.shape[:-1], k.shape[1])
@@ -702,6 +705,9 @@ def flash_mhf_layer(
         q = p_h / rms(p_h) * norm_weight                              (float32; no norm when norm_weight is None)
         r = sigmoid(q router_h) / (sum_E sigmoid(q router_h) + gate_eps)   (float32; r = 1 when router is None)
         o_h = flash_mhf(q in p's dtype, k, u, v, r)
+
+    (The norm and the gates in float64 for a float64 ``p``, which the PyTorch path runs: the kernels take 16- and
+    32-bit floats.)
 
     ``norm_weight`` [d_h], ``router`` [H, d_h, E], ``weights`` [3 * H_kv, E, d_e, d_h]: ``k, u, v`` stacked (its
     thirds; cast to ``p``'s dtype). On the Triton path the norm and the gates are computed by kernels, forward and

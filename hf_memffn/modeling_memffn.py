@@ -751,6 +751,10 @@ class MemFFNModel(MemFFNPreTrainedModel):
         if input_ids is not None and not (self.training and input_ids.device.type != "cpu"):
             # (not in accelerator training steps: the check reads the ids back, a sync per step that Llama does not pay)
             check_token_ids(input_ids, embedding_rows(self.embed_tokens))
+        if input_ids is None and not is_torchdynamo_compiling() and 0 in inputs_embeds.shape[:-1]:
+            # (as `check_token_ids` refuses empty ids: no sequence or no token would fail inside the mask's helpers)
+            raise ValueError(f"inputs_embeds is empty (shape {tuple(inputs_embeds.shape)}): pass at least one token "
+                             "per sequence")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         # (the compile check first: read while tracing, the flag would become a guard, and the eager forward that

@@ -18,7 +18,7 @@ from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_l
 from hf_memffn.testing import tiny_config
 from triton_interpreter import DEVICE, ON_GPU, needs_kernels, run_under_interpreter
 
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 EPS, GATE_EPS = 1e-5, 1e-6
 
 # (batch, seq_len, heads, head_dim, kv_heads, num_subnetworks, subnetwork_size, norm, router)
@@ -100,6 +100,15 @@ def check_layer(inputs, dtype, parameter_dtype=torch.float32, **layer_kwargs):
 @pytest.mark.parametrize("case", LAYER_CASES[:3])
 def test_unfused_layer_matches_float64(case):
     check_layer(layer_inputs(*case), torch.float32, impl="torch")
+
+
+@pytest.mark.parametrize("case", LAYER_CASES[:4])
+def test_float64_layer_keeps_float64_precision(case):
+    """A float64 layer (`model.double()`; the PyTorch path, as the kernels take 16- and 32-bit floats) against the
+    float64 truth: the query norm and the gates had run in float32 around the float64 op, leaving its output and
+    gradients float32-close (relative errors about 1e-7) rather than float64-close."""
+    errors = check_layer(layer_inputs(*case), torch.float64, parameter_dtype=torch.float64, impl="torch")
+    assert max(errors.values()) < 1e-12, errors
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_kernels)])

@@ -312,6 +312,21 @@ def test_flash_mhf_module_matches_the_equations():
     torch.testing.assert_close(mlp(x), expected)
 
 
+def test_gates_stay_finite_where_every_router_score_underflows_and_a_gate_eps_of_zero_is_refused():
+    """The gates divide by sum_E sigmoid(score) + ffn_gate_eps, and float32 sigmoids of scores below about -88 are 0:
+    with ffn_gate_eps=0 such a token's gates were 0 / 0 = NaN (and its output), so the config refuses 0, naming the
+    field; with the default eps the token's gates are 0 and its output finite."""
+    with pytest.raises(ValueError, match=r"`ffn_gate_eps`=0.0 is invalid: must be a finite number > 0"):
+        tiny_config("flash_mhf", ffn_gate_eps=0.0)
+    mlp = build("flash_mhf").model.layers[0].mlp
+    with torch.no_grad():
+        mlp.router.fill_(-30.0)  # scores -30 * sum(q): far below -88 for most tokens
+    x = torch.randn(1, 6, 64)
+    queries = mlp.queries(x)
+    assert (mlp.gates(queries) == 0).all(-1).any(), "no token's scores underflow: the case is not exercised"
+    assert mlp(x).isfinite().all()
+
+
 def test_pkv_is_softmax_attention_over_parameters():
     model = build("flash_mhf", ffn_variant="pkv", ffn_query_norm=False, ffn_io_projections=False).double()
     mlp = model.model.layers[0].mlp
@@ -730,6 +745,15 @@ def test_inputs_embeds_and_tied_embeddings():
         torch.testing.assert_close(model(ids).logits, model(inputs_embeds=model.model.embed_tokens(ids)).logits)
     with pytest.raises(ValueError, match="exactly one"):
         model()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape", [(2, 0, 64), (0, 5, 64)])
+def test_empty_inputs_embeds_get_a_one_line_error(arch, shape):
+    """No token, or no sequence, as `inputs_embeds`: refused as empty `input_ids` are (it had failed with an
+    IndexError inside transformers' mask helpers, or a reshape error in the attention)."""
+    with pytest.raises(ValueError, match=r"inputs_embeds is empty \(shape \(\d, \d, 64\)\)"):
+        build(arch)(inputs_embeds=torch.zeros(shape))
 
 
 def test_no_split_modules_name_classes_each_model_has():
