@@ -34,7 +34,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402
-    bench_ms, graph_ms, log, output_folder, peak_memory, rel_err, timed, write_json, write_text,
+    bench_ms, graph_ms, log, output_folder, peak_memory, refuse_counts_below, rel_err, timed, write_json, write_text,
 )
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
@@ -573,6 +573,7 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--skip", nargs="*", default=[], choices=["modules", "compile", "decode", "train_step"])
     args = parser.parse_args()
+    refuse_counts_below(parser, args, lengths=1)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     import triton

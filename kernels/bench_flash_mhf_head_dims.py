@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 
 from bench_flash_mhf import TOLERANCE, errors_against_reference, op_flops, op_inputs  # noqa: E402
-from harness import bench_ms, output_folder  # noqa: E402
+from harness import bench_ms, output_folder, write_json, write_text  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf  # noqa: E402
 
@@ -97,13 +97,9 @@ def main():
         lines.append(f"| {row['head_dim']} | {row['forward_ms']:.3f} | {row['forward_tflops']:.0f} | {row['train_ms']:.3f} "
                      f"| {row['train_tflops']:.0f} | " + " | ".join(configs)
                      + f" | {max(row['rel_err_out_dq_dk_du_dv_dr']):.1e} |")
-    os.makedirs(args.out, exist_ok=True)
-    for name, text in (("flash_mhf_head_dims.json", json.dumps(results, indent=1)),
-                       ("flash_mhf_head_dims.md", "\n".join(lines) + "\n")):
-        path = os.path.join(args.out, name)
-        with open(path + ".tmp", "w") as handle:
-            handle.write(text)
-        os.replace(path + ".tmp", path)
+    # (strict JSON: a relative error that is not finite, a failed check's, is written as null)
+    write_json(os.path.join(args.out, "flash_mhf_head_dims.json"), results)
+    write_text(os.path.join(args.out, "flash_mhf_head_dims.md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
     if not all(row["correct"] for row in results["rows"]):
         sys.exit(1)

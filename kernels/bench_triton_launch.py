@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     back_to_back_us, environment, log, markdown_table, median, output_folder, refuse_counts_below, write_report,
 )
-from bench_models import build_config, tritons_own_launch  # noqa: E402
+from bench_models import build_config, get_preset, tritons_own_launch  # noqa: E402
 
 DECODE_BATCHES = (1, 16)
 
@@ -87,6 +87,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=200, help="calls per part, mode and round")
     args = parser.parse_args(argv)
     refuse_counts_below(parser, args, rounds=1, calls=1)  # (no round or call: no time per call, no median)
+    try:
+        get_preset(args.size)
+    except ValueError as error:
+        parser.error(f"--size: {error}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton_launch.py times launches on a CUDA GPU; none is visible")
     results = {"environment": environment(), "args": vars(args), "rows": []}

@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import environment, markdown_table, median, output_folder, rel_err, timed, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    environment, markdown_table, median, output_folder, refuse_counts_below, rel_err, timed, write_report,
+)
 from ptxas_report import load_gluon_module  # noqa: E402
 
 from hf_memffn import flash_mhf_gluon, flash_mhf_triton  # noqa: E402
@@ -147,6 +149,7 @@ def main():
                         help="--kernel weights: also time the last round's tiles split into each of these numbers of "
                         "row ranges, where a shape has such a round")
     args = parser.parse_args()
+    refuse_counts_below(parser, args, rounds=1)  # (no round: no median, after every kernel has compiled)
     if args.weight_ranges and args.kernel != "weights":
         parser.error("--weight-ranges needs --kernel weights")
     if not (torch.cuda.is_available() and flash_mhf_gluon.gluon_reason_for(torch.device("cuda"), torch.bfloat16, 128,

@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import markdown_table, median, write_report  # noqa: E402
+from harness import markdown_table, median, output_folder, write_report  # noqa: E402
 
 TREES = ("before", "after")
 ISSUE_TEXT = {"idle": "(the median of 200 calls, each started on an idle GPU).",
@@ -78,9 +78,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("work", help="the folder of compare_host_time.sh's runs")
     parser.add_argument("rounds", type=int)
-    parser.add_argument("out", help="folder for host_time.{json,md}")
+    parser.add_argument("out", type=output_folder, help="folder for host_time.{json,md}")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"rounds must be at least 1, got {args.rounds}")
+    if not os.path.isdir(args.work):
+        parser.error(f"work {args.work!r} is not a folder; allowed: the folder of compare_host_time.sh's runs")
     result = collect(args.work, args.rounds)
+    if not result["parts_host_us"] and not result["train"]:
+        parser.error(f"work {args.work!r} holds no run of rounds 1 to {args.rounds} (parts_<tree>_<round>/"
+                     "flash_mhf_host_profile.json or train_<tree>_<round>/models_bench.json, tree before or after)")
     write_report(args.out, "host_time", result, report(result))
     return 0
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import environment, log, output_folder, write_json, write_text  # noqa: E402
+from harness import environment, log, measure_on, output_folder, write_json, write_text  # noqa: E402
 
 CALLS = 20000
 
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=output_folder, required=True)
     args = parser.parse_args(argv)
+    measure_on("cpu")  # (CPU tensors throughout: named as the CPU on a machine with a GPU too)
     dispatch = dispatch_us()
     for name, us in dispatch.items():
         log(f"{name}: {us:.1f} us per call")

@@ -35,15 +35,26 @@ _measured_device_type: str | None = None
 
 
 def measure_on(device: str) -> None:
-    """Time, synchronise, read peak memory and name the device as for `device` ("cuda", "cuda:N" or "cpu")."""
+    """Time, synchronise, read peak memory and name the device as for `device` ("cuda", "cuda:N" or "cpu").
+    "cuda:N" makes GPU N the current device: do_bench's events, the synchronisations, the peak memory and the
+    device's name all follow the current device, not the one a tensor is on."""
     global _measured_device_type
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except RuntimeError:  # not a torch device at all
-        kind = None
-    if kind not in ("cuda", "cpu"):
+        parsed = None
+    if parsed is None or parsed.type not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r} is not supported; allowed: cuda, cuda:N, cpu")
-    _measured_device_type = kind
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"device={device!r}: no CUDA device is visible; allowed here: cpu")
+        if parsed.index is not None:
+            if parsed.index >= count:
+                raise ValueError(f"device={device!r}: {count} CUDA device(s) visible; allowed: cuda:0 to "
+                                 f"cuda:{count - 1}, cpu")
+            torch.cuda.set_device(parsed.index)
+    _measured_device_type = parsed.type
 
 
 def on_cuda() -> bool:
@@ -531,12 +542,12 @@ def environment() -> dict:
 
 
 def write_text(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary name, so a reader never sees half a file."""
+    """Write `text` to `path` through a temporary name (`hf_memffn.atomic_write`), so a reader never sees half a
+    file and a write that fails leaves nothing beside the results."""
+    from hf_memffn.atomic_write import write_atomic
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, text)
 
 
 def write_json(path: str, data) -> None:

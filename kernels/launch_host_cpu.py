@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare_triton_builds as builds  # noqa: E402
-from harness import environment, markdown_table, median, output_folder, write_report  # noqa: E402
+from harness import (  # noqa: E402
+    environment, markdown_table, measure_on, median, output_folder, refuse_counts_below, write_report,
+)
 
 from hf_memffn import flash_mhf_gluon, triton_launch  # noqa: E402
 
@@ -90,6 +92,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--number", type=int, default=100, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=5, help="timings per row (their median is reported)")
     args = parser.parse_args(argv)
+    refuse_counts_below(parser, args, number=1, repeat=1)  # (no call or timing: no time per call, no median)
     if not flash_mhf_gluon.GLUON_AVAILABLE:
         parser.error(f"needs Triton's Gluon API: {flash_mhf_gluon.GLUON_IMPORT_ERROR}")
     current_device = torch.cuda.current_device
@@ -100,6 +103,7 @@ def main(argv=None) -> dict:
             rows = measure(args.number, args.repeat)
     finally:
         torch.cuda.current_device = current_device
+    measure_on("cpu")  # (the host's time on CPU tensors: named as the CPU on a machine with a GPU too)
     results = {"environment": environment(), "cpu_count": os.cpu_count(), "number": args.number,
                "repeat": args.repeat, "rows": rows}
     text = "\n".join([f"# Host µs per call of the FlashMHF layer's launches, stand-in H100 driver on a CPU "

@@ -249,6 +249,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (the fused layer does not run)")
     args = parser.parse_args(argv)
     refuse_counts_below(parser, args, batch=1, rounds=1, steps=1, profile_steps=0)
+    try:
+        bench_models.get_preset(args.size)
+    except ValueError as error:
+        parser.error(f"--size: {error}")
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of a compiled step's GPU launches")
     measure_on("cpu" if args.cpu else "cuda")  # (--cpu: timed and named as the CPU on a machine with a GPU too)

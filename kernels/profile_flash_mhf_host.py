@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import TRAIN_BATCH, ffn_layers  # noqa: E402
 from harness import (  # noqa: E402
-    back_to_back_us, cuda_ms, environment, host_issue_ms, log, median, output_folder, synchronize, write_json,
-    write_text,
+    back_to_back_us, cuda_ms, environment, host_issue_ms, log, median, output_folder, refuse_counts_below,
+    synchronize, write_json, write_text,
 )
 
 SEQ_LEN = 2048
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cprofile-parts", nargs="*", default=(),
                         help="cProfile these pieces of the part timings (names' first words) instead of timing all")
     args = parser.parse_args(argv)
+    refuse_counts_below(parser, args, steps=1, parts=0)  # (no step: a division by zero after the part timings)
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this profiles the host side of GPU launches")
     layers, hidden = ffn_layers("370M", "cuda")

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import GIB as GiB  # noqa: E402
 from harness import (  # noqa: E402
-    environment, output_folder, peak_memory_gib, reset_peak_memory, synchronize, write_json,
+    environment, output_folder, peak_memory_gib, refuse_counts_below, reset_peak_memory, synchronize, write_json,
 )
 
 from hf_memffn import FlashMHFLlamaConfig, flash_mhf  # noqa: E402
@@ -36,6 +36,9 @@ def main():
     parser.add_argument("--out", type=output_folder, required=True, help="folder for flash_mhf_memory_profile.json")
     parser.add_argument("--length", type=int, default=16128)
     args = parser.parse_args()
+    refuse_counts_below(parser, args, length=1)
+    if not torch.cuda.is_available():
+        sys.exit("profile_flash_mhf_memory.py needs a CUDA GPU")
     config = FlashMHFLlamaConfig(hidden_size=2048, intermediate_size=15 * 384, num_attention_heads=16,
                                  ffn_num_heads=16, ffn_num_subnetworks=15, ffn_kernel="triton")
     module = FlashMHFFeedForward(config).to("cuda", torch.bfloat16)

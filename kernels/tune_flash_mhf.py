@@ -31,7 +31,7 @@ import triton.testing  # noqa: E402
 
 import flash_mhf_variants as variants  # noqa: E402
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import output_folder, rel_err, write_json  # noqa: E402
+from harness import output_folder, refuse_counts_below, rel_err, write_json  # noqa: E402
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -310,6 +310,7 @@ def main():
     parser.add_argument("--configs", nargs="*", help="role:BLOCK_L,BLOCK_N,warps,stages of the production kernels, "
                         "timed instead of the built-in list (the first of each role is the reference)")
     args = parser.parse_args()
+    refuse_counts_below(parser, args, seq_len=1)
     if args.out is None and args.profile is None:
         parser.error("--out is required for the sweep (only --profile runs without it)")
     for option, allowed in (("roles", {role for role, _ in VARIANTS}), ("variants", {name for _, name in VARIANTS})):

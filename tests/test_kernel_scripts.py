@@ -5,6 +5,7 @@ CPU. The kernels as built for an H100 are tested in `test_kernel_builds.py`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib
 import json
@@ -1063,6 +1064,10 @@ def test_clock_sampler_reads_the_gpu_the_process_sees(monkeypatch):
     ("bench_token_lookup", ["--new-tokens-short", "0"], "--new-tokens-short must be at least 1, got 0"),
     ("bench_token_lookup", ["--new-tokens-short", "2", "--new-tokens-long", "6"],
      "--new-tokens-long must be at least 7, got 6"),
+    ("bench_triton_launch", ["--size", "999M"], "--size: preset='999M' is not one of"),
+    ("profile_compiled_step_host", ["--cpu", "--size", "999M"], "--size: preset='999M' is not one of"),
+    ("launch_host_cpu", ["--number", "0"], "--number must be at least 1, got 0"),
+    ("launch_host_cpu", ["--repeat", "0"], "--repeat must be at least 1, got 0"),
 ])
 def test_host_time_scripts_refuse_counts_and_models_they_cannot_measure(name, given, expected, tmp_path, capsys):
     """`bench_triton_launch.py` and `profile_compiled_step_host.py` refuse no round, no call or step per round (no
@@ -1172,6 +1177,122 @@ def test_harness_writes_numbers_that_are_not_finite_as_null(tmp_path):
     assert strict_json(path.read_text()) == {"loss": None, "rounds": [1.5, None, [None, 2]], "device": "cpu"}
 
 
+def test_harness_write_that_fails_leaves_no_temporary_file(tmp_path):
+    """A table that cannot be written (here a character UTF-8 cannot encode) raises and leaves nothing in the results
+    folder: not a `<name>.tmp<pid>` file beside the committed results."""
+    harness = kernel_script("harness")
+    with pytest.raises(UnicodeEncodeError):
+        harness.write_text(str(tmp_path / "report.md"), "a table \ud800")
+    assert os.listdir(tmp_path) == []
+    harness.write_text(str(tmp_path / "report.md"), "a table\n")
+    assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "a table\n"
+
+
+def test_harness_measures_on_the_gpu_named_and_refuses_one_not_there(monkeypatch):
+    """`measure_on("cuda:N")` makes GPU N the current device: do_bench's events, the synchronisations, the peak memory
+    and the device's name follow the current device, not the one the timed tensors are on. A GPU that is not there is
+    refused naming the device and the allowed values, not met as an AssertionError at the first tensor."""
+    harness = kernel_script("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", harness._measured_device_type)
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    harness.measure_on("cuda:1")
+    harness.measure_on("cuda")  # (the current device, whichever it is)
+    assert selected == [1] and harness._measured_device_type == "cuda"
+    with pytest.raises(ValueError, match=r"device='cuda:2': 2 CUDA device\(s\) visible; allowed: cuda:0 to cuda:1"):
+        harness.measure_on("cuda:2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda': no CUDA device is visible; allowed here: cpu"):
+        harness.measure_on("cuda")
+    harness.measure_on("cpu")
+    assert selected == [1] and harness._measured_device_type == "cpu"
+
+
+def test_cpu_host_scripts_name_the_cpu_they_measured_on(tmp_path, monkeypatch):
+    """`custom_op_overhead.py` and `launch_host_cpu.py` time CPU tensors: on a machine with a GPU too (here one
+    pretended) their results name the CPU, not the GPU that took no part."""
+    harness = kernel_script("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", None)  # (as a script starts: torch's choice)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA pretended")
+    overhead = kernel_script("custom_op_overhead")
+    monkeypatch.setattr(overhead, "dispatch_us", lambda: {"plain function": 1.0, "custom operator": 2.0})
+    monkeypatch.setattr(overhead, "compiled_output_code", lambda: [])
+    assert overhead.main(["--out", str(tmp_path / "overhead")]) == 0
+    launches = kernel_script("launch_host_cpu")
+    monkeypatch.setattr(launches.flash_mhf_gluon, "GLUON_AVAILABLE", True)
+    monkeypatch.setattr(launches.builds, "compiling_for_hopper", contextlib.nullcontext)
+    monkeypatch.setattr(launches, "measure", lambda number, repeat: [{"what": "a launch", "us_per_call": 1.0}])
+    launches.main(["--out", str(tmp_path / "launches"), "--number", "1", "--repeat", "1"])
+    for path in (tmp_path / "overhead" / "custom_op_overhead.json", tmp_path / "launches" / "launch_host_cpu.json"):
+        assert "NVIDIA" not in json.loads(path.read_text())["environment"]["device"], path
+    assert "NVIDIA" not in (tmp_path / "overhead" / "custom_op_overhead.txt").read_text()
+
+
+def test_head_size_benchmark_writes_a_failed_check_as_strict_json(tmp_path, monkeypatch):
+    """`bench_flash_mhf_head_dims.py` writes its results through the harness: a check whose errors are not finite (a
+    kernel writing NaN, the failure the file is read for) is written as `null`, not as the `NaN` strict readers
+    refuse, and the run ends with exit status 1."""
+    script = kernel_script("bench_flash_mhf_head_dims")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stand-in")
+    monkeypatch.setattr(script, "check", lambda head_dim: [math.nan] * 6)
+    monkeypatch.setattr(sys, "argv", ["bench_flash_mhf_head_dims.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        script.main()
+    assert stopped.value.code == 1
+    data = strict_json((tmp_path / "flash_mhf_head_dims.json").read_text())
+    assert data["rows"] == [{"head_dim": 64, "rel_err_out_dq_dk_du_dv_dr": [None] * 6, "correct": False}]
+    assert "failed the correctness check" in (tmp_path / "flash_mhf_head_dims.md").read_text()
+    assert sorted(os.listdir(tmp_path)) == ["flash_mhf_head_dims.json", "flash_mhf_head_dims.md"]
+
+
+def test_host_time_comparison_refuses_a_work_folder_without_runs(tmp_path, capsys):
+    """`compare_host_time.py` given a work folder that is missing or holds none of the rounds' runs (a typo, or the
+    wrong rounds), or no round, stops naming the argument: it wrote a report of nothing on an unknown device."""
+    script = kernel_script("compare_host_time")
+    (tmp_path / "empty").mkdir()
+    for given, expected in (([str(tmp_path / "missing"), "2"], "is not a folder"),
+                            ([str(tmp_path / "empty"), "2"], "holds no run of rounds 1 to 2"),
+                            ([str(tmp_path / "empty"), "0"], "rounds must be at least 1, got 0")):
+        with pytest.raises(SystemExit) as refused:
+            script.main([*given, str(tmp_path / "out")])
+        assert refused.value.code == 2 and expected in capsys.readouterr().err, given
+    assert not (tmp_path / "out").exists()
+
+
+# (script, its arguments, the last line it writes to stderr): counts refused before a GPU is looked for
+GPU_SCRIPT_COUNTS = [
+    ("compare_forward_kernels.py", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("profile_flash_mhf_host.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
+    ("bench_flash_mhf.py", ["--lengths", "1536", "0"], "--lengths must be at least 1, got [1536, 0]"),
+    ("tune_flash_mhf.py", ["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
+    ("profile_flash_mhf_memory.py", ["--length", "0"], "--length must be at least 1, got 0"),
+]
+
+
+def test_gpu_scripts_refuse_counts_they_cannot_measure_before_looking_for_a_gpu(tmp_path):
+    """No round, step or token to time (a median of nothing or a division by zero once every kernel has compiled) is
+    refused naming the option, before any work; `profile_flash_mhf_memory.py` without a GPU says it needs one (not
+    an AssertionError from torch)."""
+    out = str(tmp_path / "out")
+    runs = [[os.path.join(KERNELS, name), ["--out", out, *given]] for name, given, _ in GPU_SCRIPT_COUNTS]
+    runs.append([os.path.join(KERNELS, "profile_flash_mhf_memory.py"), ["--out", out]])
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, given, expected in GPU_SCRIPT_COUNTS:
+        code, written = outcomes[" ".join([name, "--out", out, *given])]
+        assert code == 2 and expected in written.splitlines()[-1], (name, code, written[-500:])
+    code, _ = outcomes[f"profile_flash_mhf_memory.py --out {out}"]
+    assert code == "profile_flash_mhf_memory.py needs a CUDA GPU"
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.filterwarnings("ignore:No artists with labels")  # (the plot of a run that measured nothing)
 def test_flash_mhf_benchmark_that_stopped_at_an_error_keeps_what_it_measured_and_exits_1(tmp_path, capsys):
     """An exception in one section is kept in the JSON, the table says the run stopped, and the script ends with exit
@@ -1206,6 +1327,7 @@ def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_pre
     ("bench_memory_readout", ["--tokens", "0"], "--tokens must be at least 1, got 0"),
     ("bench_memory_readout", ["--device", "mps"], "--device: device='mps' is not supported; allowed: cuda, cuda:N"),
     ("bench_memory_readout", ["--device", "gpu"], "--device: device='gpu' is not supported; allowed: cuda, cuda:N"),
+    ("bench_memory_readout", ["--device", "cuda"], "--device: device='cuda': no CUDA device is visible; allowed here"),
     ("profile_kvffn_layer", ["--out", "OUT", "--device", "cpu", "--sizes", "tiny", "--seq-len", "0"],
      "--seq-len must be at least 1, got 0"),
 ])
@@ -1213,6 +1335,7 @@ def test_readout_and_kvffn_layer_scripts_refuse_counts_and_devices_they_cannot_m
                                                                                         tmp_path):
     """No layer, token or sequence position to time (an AttributeError, or a run that times empty tensors), and a
     device the harness does not time on, are refused naming the option, before any tensor is made or file written."""
-    refused = run_script(f"{name}.py", *(str(tmp_path / "out") if arg == "OUT" else arg for arg in given))
+    refused = run_script(f"{name}.py", *(str(tmp_path / "out") if arg == "OUT" else arg for arg in given),
+                         hide_gpus=True)
     assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], refused.stderr[-500:]
     assert not os.listdir(tmp_path)
