@@ -6,6 +6,8 @@ Saved checkpoints carry this file, the shared decoder and the fused FlashMHF op 
 
 from __future__ import annotations
 
+import torch
+
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
@@ -18,6 +20,7 @@ from .modeling_memffn import (
     MemFFNForSequenceClassification,
     MemFFNForTokenClassification,
     MemFFNModel,
+    add_missing_checkpoint_parts,
     register_for_auto_classes,
 )
 
@@ -55,12 +58,27 @@ register_for_auto_classes(FlashMHFLlamaConfig, FlashMHFLlamaModel, FlashMHFLlama
                           FlashMHFLlamaForSequenceClassification, FlashMHFLlamaForTokenClassification,
                           FlashMHFLlamaForQuestionAnswering)
 
+
+class ConcatenateSubnetworkWeights(Concatenate):
+    """`Concatenate` of the sub-network weights; one the checkpoint lacks starts new, drawn as `_init_weights` draws
+    the sub-network weights (N(0, initializer_range)), and is reported missing (`add_missing_checkpoint_parts`)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        config = kwargs.get("config")
+        std = getattr(config, "initializer_range", None) or 0.02  # (0 stands for the default, as in `_init_weights`)
+        add_missing_checkpoint_parts(input_dict, source_patterns, ["mlp.key", "mlp.up", "mlp.value"],
+                                     target_patterns[0], lambda part: part.normal_(0.0, std),
+                                     kwargs.get("model"), kwargs.get("full_layer_name"))
+        return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+
+
 # Checkpoints store each FlashMHF layer's sub-network weights as three tensors, `mlp.key`, `mlp.up` and `mlp.value`;
 # the module holds them as one parameter `mlp.key_up_value`. Loading concatenates them, saving splits it again.
 # (The lookaheads keep `mlp.up` off the SwiGLU baseline's `mlp.up_proj`; saving drops them from the names.)
 SUBNETWORK_WEIGHTS_CONVERSION = [
     WeightConverter([r"mlp.key(?!\w)", r"mlp.up(?!\w)", r"mlp.value(?!\w)"], "mlp.key_up_value",
-                    operations=[Concatenate(dim=0)]),
+                    operations=[ConcatenateSubnetworkWeights(dim=0)]),
 ]
 register_checkpoint_conversion_mapping(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION, overwrite=True)
 

@@ -17,6 +17,7 @@ from .modeling_memffn import (
     MemFFNForSequenceClassification,
     MemFFNForTokenClassification,
     MemFFNModel,
+    add_missing_checkpoint_parts,
     register_for_auto_classes,
 )
 
@@ -57,7 +58,9 @@ register_for_auto_classes(KVFFNConfig, KVFFNModel, KVFFNForCausalLM, KVFFNForSeq
 # `mlp.key_proj`, which has no `value_proj` to pair with.
 class InterleaveRows(ConversionOps):
     """[n, ...] tensors (all of one shape) -> one [len * n, ...] tensor whose row `len * i + j` is row i of tensor j;
-    `separate=True` is the reverse."""
+    `separate=True` is the reverse. A projection the checkpoint lacks (`key_proj` or `value_proj`) starts new, drawn
+    as `_init_weights` draws the block's weights (N(0, kvffn_init_std), biases 0), and is reported missing
+    (`add_missing_checkpoint_parts`)."""
 
     def __init__(self, separate: bool = False):
         self.separate = separate
@@ -68,6 +71,18 @@ class InterleaveRows(ConversionOps):
             (tensor,) = (value[0] if isinstance(value, list) else value for value in input_dict.values())
             parts = tensor.unflatten(0, (-1, len(target_patterns))).unbind(1)
             return {target: part.contiguous() for target, part in zip(target_patterns, parts)}
+        kind = target_patterns[0].rpartition(".")[2]  # "weight" or "bias"
+        config = kwargs.get("config")
+
+        def init_part(part: torch.Tensor) -> None:
+            if kind == "bias":
+                part.zero_()
+            else:
+                part.normal_(0.0, config.kvffn_init_std)
+
+        add_missing_checkpoint_parts(input_dict, source_patterns, [f"mlp.key_proj.{kind}", f"mlp.value_proj.{kind}"],
+                                     target_patterns[0], init_part, kwargs.get("model"),
+                                     kwargs.get("full_layer_name"))
         tensors = [input_dict[pattern] for pattern in source_patterns]
         tensors = [tensor[0] if isinstance(tensor, list) else tensor for tensor in tensors]
         return {target_patterns[0]: torch.stack(tensors, dim=1).flatten(0, 1)}

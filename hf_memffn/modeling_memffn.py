@@ -135,6 +135,40 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int | None) -> None
         )
 
 
+# Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew
+MISSING_CHECKPOINT_PARTS = "_memffn_missing_checkpoint_parts"
+
+
+def add_missing_checkpoint_parts(input_dict: dict, source_patterns: list[str], part_names: list[str],
+                                 target_pattern: str, init_part: Callable[[torch.Tensor], None], model=None,
+                                 full_layer_name: str | None = None) -> None:
+    """Loading a parameter that checkpoints keep as several tensors of one shape (a `WeightConverter` of
+    `from_pretrained` that joins `source_patterns` into `target_pattern`): a part the checkpoint lacks is added to
+    `input_dict`, shaped as the parts it holds and drawn by `init_part(tensor)` as `_init_weights` draws that
+    part in a new model, so the parameter loads with the parts the checkpoint has, as a missing weight of a model
+    without joined parameters starts new and the others load. Its checkpoint name (`part_names[index]` in place of
+    `target_pattern` in `full_layer_name`) is recorded on `model`, which reports it among the missing keys
+    (`MemFFNPreTrainedModel._adjust_missing_and_unexpected_keys`). Nothing is done where every part is there or none
+    is, or where `model` has no parameter `full_layer_name` (the join of another class's tensors, dropped anyway)."""
+    present = [input_dict[pattern] for pattern in source_patterns if pattern in input_dict]
+    if not present or len(present) == len(source_patterns) or model is None or full_layer_name is None:
+        return
+    try:
+        model.get_parameter(full_layer_name)
+    except AttributeError:
+        return
+    like = present[0][0] if isinstance(present[0], list) else present[0]
+    for index, pattern in enumerate(source_patterns):
+        if pattern in input_dict:
+            continue
+        part = torch.empty_like(like)
+        with torch.no_grad():
+            init_part(part)
+        input_dict[pattern] = [part] if isinstance(present[0], list) else part
+        missing = model.__dict__.setdefault(MISSING_CHECKPOINT_PARTS, set())
+        missing.add(full_layer_name.replace(target_pattern, part_names[index]))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Rotary position embeddings: transformers' RoPE types (`config.rope_parameters`), as in LlamaForCausalLM
 # --------------------------------------------------------------------------------------------------------------------
@@ -511,6 +545,12 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 "load it with the class it was saved from (`AutoModelForCausalLM.from_pretrained(path).model` for "
                 "the base model)")
         return (model, loading_info) if output_loading_info else model
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """transformers' adjustment of the keys `from_pretrained` reports, plus the parts of joined parameters that
+        the checkpoint lacked (`add_missing_checkpoint_parts`), under their checkpoint names."""
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        loading_info.missing_keys.update(self.__dict__.pop(MISSING_CHECKPOINT_PARTS, ()))
 
     def _refuse_an_incomplete_checkpoint(self) -> None:
         """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`)."""

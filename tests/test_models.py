@@ -920,6 +920,47 @@ def test_a_baseline_starts_the_ffn_a_checkpoint_lacks_at_random(arch, variant, t
     assert model.get_parameter(f"model.layers.0.{ffn_weight}").std() > 0
 
 
+@pytest.mark.parametrize("arch, removed", [("flash_mhf", "mlp.up"), ("flash_mhf", "mlp.key"),
+                                           ("kvffn", "mlp.value_proj.weight"), ("kvffn", "mlp.key_proj.bias")])
+def test_a_checkpoint_lacking_one_part_of_a_joined_parameter_loads_the_others(arch, removed, tmp_path):
+    """A checkpoint without one of the tensors that loading joins into one parameter (FlashMHF's key, up and value;
+    KV-FFN's key and value projections) loads the others; the missing one starts as in a new model and is reported
+    under its checkpoint name, as a missing weight of transformers' Llama is (it was a size mismatch of the joined
+    parameter, or a failed conversion)."""
+    from safetensors.torch import load_file, save_file
+
+    model = build(arch)
+    with torch.no_grad():  # (trained weights: every loaded value is 1 above a new model's)
+        for param in model.parameters():
+            param.add_(1.0)
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    name = f"model.layers.0.{removed}"
+    del stored[name]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {name} and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+    def parts(mlp):
+        if arch == "flash_mhf":
+            return dict(zip(("mlp.key", "mlp.up", "mlp.value"), mlp.subnetwork_weights()))
+        key_weight, key_bias, value_weight, value_bias = kvffn_key_and_value(mlp)
+        return {"mlp.key_proj.weight": key_weight, "mlp.key_proj.bias": key_bias,
+                "mlp.value_proj.weight": value_weight, "mlp.value_proj.bias": value_bias}
+
+    saved = parts(model.model.layers[0].mlp)
+    for part_name, part in parts(reloaded.model.layers[0].mlp).items():
+        if part_name != removed:
+            torch.testing.assert_close(part, saved[part_name], rtol=0, atol=0)
+        elif part_name.endswith("bias"):
+            assert torch.count_nonzero(part) == 0
+        else:
+            expected_std = model.config.initializer_range if arch == "flash_mhf" else model.config.kvffn_init_std
+            assert abs(part.mean().item()) < 0.1 * expected_std
+            assert part.std().item() == pytest.approx(expected_std, rel=0.1)
+    torch.testing.assert_close(reloaded.model.layers[1].state_dict(), model.model.layers[1].state_dict())
+
+
 def _saved_bytes(fn):
     """Bytes of the distinct storages that autograd keeps for the backward pass of `fn()`."""
     storages = {}
