@@ -545,6 +545,10 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
             self.window_steps = 0
             self.total_seconds = 0.0
             self.total_steps = 0
+            self.session_first_step = 1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.session_first_step = state.global_step + 1  # (a resumed run's state is the checkpoint's by now)
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
@@ -570,6 +574,11 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
                 self.total_seconds += self.window_seconds
                 self.total_steps += self.window_steps
                 self.window_seconds, self.window_steps = 0.0, 0
+            if "train_loss" in logs and self.session_first_step > 1:
+                # the Trainer's mean covers this session's steps; the log of a resumed run keeps the run's mean, as
+                # the uninterrupted run's log does
+                logs.update(run_training_loss(state.log_history, state.global_step, logs["train_loss"],
+                                              self.session_first_step))
             if state.is_world_process_zero:
                 record = {"step": state.global_step, **logs}
                 with log_path.open("a", encoding="utf-8") as handle:
@@ -868,16 +877,80 @@ def resume_checkpoint(args, output_dir: Path) -> str | None:
     if args.resume is None:
         return None
     if args.resume != "latest":
-        if not (Path(args.resume) / "trainer_state.json").is_file():
-            raise ValueError(f"--resume={args.resume!r} is not a checkpoint folder (it holds no trainer_state.json): "
-                             "give a checkpoint-* folder of a run, or 'latest'")
+        if not _holds_a_trainer_state(Path(args.resume)):
+            raise ValueError(f"--resume={args.resume!r} is not a checkpoint folder (it holds no readable "
+                             "trainer_state.json): give a checkpoint-* folder of a run, or 'latest'")
         return args.resume
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-    if checkpoint is None:
-        raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
-    return checkpoint
+    # The newest whole checkpoint: the Trainer writes trainer_state.json last, so a session stopped while saving one
+    # leaves a folder without it (transformers' `get_last_checkpoint` took that folder, which failed to load).
+    numbered = sorted((int(path.name.split("-", 1)[1]), path) for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+                      if path.is_dir() and path.name.split("-", 1)[1].isdigit()) if output_dir.is_dir() else []
+    incomplete = []
+    for _, path in reversed(numbered):
+        if _holds_a_trainer_state(path):
+            if incomplete:
+                print(f"--resume latest: not saved whole (no readable trainer_state.json) in --output-dir="
+                      f"{str(output_dir)!r}: {', '.join(incomplete)}; resuming from {path.name}", flush=True)
+            return str(path)
+        incomplete.append(path.name)
+    if incomplete:
+        raise ValueError(f"--resume latest: no whole checkpoint in --output-dir={str(output_dir)!r}: "
+                         f"{', '.join(incomplete)} hold no readable trainer_state.json (a session stopped while "
+                         "saving)")
+    raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
+
+
+def _holds_a_trainer_state(checkpoint: Path) -> bool:
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+# Config fields that choose how the model computes (kernels, recomputation, the generation cache), not what: a run may
+# resume with other values of them (on another device, say).
+EXECUTION_CONFIG_FIELDS = ("ffn_kernel", "decoder_kernels", "ffn_recompute_chunk_tokens", "use_cache")
+# Written by `save_pretrained` about the saving, not the model.
+SAVED_CONFIG_BOOKKEEPING = ("transformers_version", "architectures", "auto_map", "dtype", "torch_dtype",
+                            "_name_or_path")
+
+
+def refuse_a_checkpoint_of_another_model(model, checkpoint: str | None) -> None:
+    """A checkpoint of another architecture or config (another --arch, --preset or --config-overrides than the run's)
+    is refused before training: the Trainer loaded its weights with a warning and failed in the optimizer's state
+    (another architecture), with a size mismatch of some weight (another size), or went on training another model
+    than the checkpoint's (another dropout, activation, ...) from its weights."""
+    if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
+        return
+    saved_type = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if saved_type != model.config.model_type:
+        differing, saved, built = ["model_type"], {"model_type": saved_type}, {"model_type": model.config.model_type}
+    else:  # (config.json holds the fields that differ from the class's defaults: read whole, by the same class)
+        saved = json.loads(type(model.config).from_pretrained(checkpoint).to_json_string(use_diff=False))
+        built = json.loads(model.config.to_json_string(use_diff=False))
+        ignored = set(EXECUTION_CONFIG_FIELDS) | set(SAVED_CONFIG_BOOKKEEPING)
+        differing = sorted(key for key in set(saved) | set(built)
+                           if key not in ignored and saved.get(key) != built.get(key))
+    if differing:
+        shown = ", ".join(f"{key}={saved.get(key)!r} (these arguments: {built.get(key)!r})" for key in differing[:3])
+        more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+        raise ValueError(f"--resume: {str(checkpoint)!r} is a checkpoint of another model: its config has "
+                         f"{shown}{more}; resume with the run's own --arch, --preset, --config-overrides and "
+                         "tokenizer, or choose another --output-dir")
+
+
+def refuse_a_checkpoint_beyond_max_steps(checkpoint: str | None, max_steps: int) -> None:
+    """A checkpoint of a step beyond --max-steps was taken as one at --max-steps ("nothing left to train"): its
+    weights, trained for more steps than the schedule has, were saved and evaluated as the run's."""
+    if checkpoint is None or max_steps <= 0:
+        return
+    step = checkpoint_state(checkpoint).global_step
+    if step > max_steps:
+        raise ValueError(f"--max-steps={max_steps}: the checkpoint to resume from ({str(checkpoint)!r}) is at step "
+                         f"{step}, beyond it; resume with --max-steps {step} or more (the run's own schedule)")
 
 
 def checkpoint_state(checkpoint: str | None):
@@ -932,6 +1005,7 @@ def main(argv=None) -> dict:
     refuse_conflicting_arguments(args)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir)
+    refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
@@ -939,6 +1013,7 @@ def main(argv=None) -> dict:
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
 
     model = build_model(args, tokenizer)
+    refuse_a_checkpoint_of_another_model(model, checkpoint)
     if args.data_dir:
         refuse_token_ids_beyond_the_embedding(model, args.data_dir, train_blocks, eval_blocks)
     counts = parameter_counts(model)

@@ -148,7 +148,8 @@ def test_documents_without_text_or_of_a_file_not_utf8_are_refused_naming_the_row
 def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_once(tmp_path):
     """A session stopped (--stop-after-steps 5) after its last checkpoint (3, off the --logging-steps 2 grid) had
     logged step 4 and its own end; resumed, the run logged step 4 again after them. The resumed run's log is now the
-    uninterrupted run's: each record once, the same training losses (a checkpoint ends a loss window)."""
+    uninterrupted run's: each record once, the same training losses (a checkpoint ends a loss window), and its last
+    record's `train_loss` the run's mean (it was the mean of the resumed session's steps)."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")
 
     def common(out):
@@ -170,6 +171,8 @@ def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_onc
         if "loss" in whole_record:
             assert resumed_record["loss"] == pytest.approx(whole_record["loss"], rel=1e-4)
     assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-4)
+    # the log's last record (the Trainer's end of training) holds the run's mean too, not the resumed session's
+    assert resumed_log[-1]["train_loss"] == pytest.approx(whole_log[-1]["train_loss"], rel=1e-4)
 
 
 def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_path, monkeypatch):
@@ -454,3 +457,56 @@ def test_fresh_run_trains_its_tokenizer_over_one_a_stopped_run_left(tmp_path):
     assert not [path.name for path in out.iterdir() if path.name.endswith(".tmp")]  # no temporary left
     resumed = pretrain.main(common[:5] + ["290"] + common[6:] + ["--max-steps", "2", "--resume", "latest"])
     assert resumed["global_step"] == 2 and len(AutoTokenizer.from_pretrained(out / "final")) == 270
+
+
+def test_resuming_from_a_checkpoint_of_another_model_is_refused_naming_the_fields(tmp_path):
+    """`--resume` with another --arch failed in the optimizer's state after a warning about the weights, with another
+    --preset in a size mismatch of a weight, and with another dropout trained on silently: each is refused before
+    anything is written, naming the config fields. Fields that choose only how the model computes may differ."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32", "--per-device-batch-size",
+              "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    kvffn = ["--arch", "kvffn", "--preset", "tiny", "--config-overrides", "attention_dropout=0.1"]
+    pretrain.main(kvffn + common + ["--max-steps", "2"])
+    log_before = (out / "train_log.jsonl").read_text()
+    refused = {
+        ("--arch", "memoryllm"): r"model_type='memffn_kvffn' \(these arguments: 'memffn_memoryllm'\)",
+        ("--config-overrides", "attention_dropout=0.2"): r"attention_dropout=0.1 \(these arguments: 0.2\)",
+        ("--preset", "small"): r"head_dim=16 \(these arguments: 64\), hidden_size=64 \(these arguments: 256\)",
+    }
+    for (option, value), fields in refused.items():
+        arguments = list(kvffn)
+        arguments[arguments.index(option) + 1] = value
+        with pytest.raises(ValueError, match=rf"--resume: '.*checkpoint-2' is a checkpoint of another model: its "
+                                             rf"config has {fields}.*; resume with the run's own --arch"):
+            pretrain.main(arguments + common + ["--max-steps", "3", "--resume", "latest"])
+        assert (out / "train_log.jsonl").read_text() == log_before
+        assert not (out / "checkpoint-3").exists()
+    resumed = pretrain.main(kvffn[:-1] + ["attention_dropout=0.1,decoder_kernels=torch"] + common
+                            + ["--max-steps", "3", "--resume", "latest"])
+    assert resumed["global_step"] == 3
+
+
+def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_path, capsys):
+    """A session stopped while saving a checkpoint leaves its folder without trainer_state.json (the Trainer writes it
+    last): `--resume latest` took that folder and failed in a FileNotFoundError after the data was packed. It now
+    resumes from the newest whole checkpoint, and ends on the uninterrupted run's evaluation."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--max-steps", "4", "--precision", "fp32", "--output-dir", str(out)]
+    whole = pretrain.main(common)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    (out / "checkpoint-4" / "trainer_state.json").unlink()
+    resumed = pretrain.main(common + ["--resume", "latest"])
+    printed = capsys.readouterr().out
+    assert "not saved whole (no readable trainer_state.json) in --output-dir=" in printed
+    assert "checkpoint-4; resuming from checkpoint-2" in printed
+    assert resumed["global_step"] == 4 and resumed["eval_loss"] == whole["eval_loss"]
+    (tmp_path / "cut" / "checkpoint-3").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"--resume latest: no whole checkpoint in --output-dir='.*cut': checkpoint-3 "
+                                         r"hold no readable trainer_state.json"):
+        pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume="latest"), tmp_path / "cut")

@@ -153,6 +153,24 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     assert not out.exists()
 
 
+def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_path):
+    """A checkpoint at step 6 resumed with --max-steps 4 was taken as one at --max-steps: "nothing left to train",
+    and the 6 steps' weights were saved and evaluated as the 4-step run's (the log rewound to the checkpoint's)."""
+    from transformers import TrainerState
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
+    out = tmp_path / "run"
+    (out / "checkpoint-6").mkdir(parents=True)
+    TrainerState(global_step=6, max_steps=6).save_to_json(str(out / "checkpoint-6" / "trainer_state.json"))
+    (out / "train_log.jsonl").write_text('{"step": 6, "loss": 1.0}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--max-steps=4: the checkpoint to resume from \('.*checkpoint-6'\) is at "
+                                         r"step 6, beyond it; resume with --max-steps 6 or more"):
+        pretrain.main(["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+                       "--max-steps", "4", "--output-dir", str(out), "--resume", "latest"])
+    assert sorted(path.name for path in out.iterdir()) == ["checkpoint-6", "train_log.jsonl"]
+    assert (out / "train_log.jsonl").read_text(encoding="utf-8") == '{"step": 6, "loss": 1.0}\n'
+
+
 def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tmp_path, monkeypatch):
     """A file named twice (by a path and a glob) was read twice: its documents trained on twice, and the held-out
     ones (the last documents) trained on as the other copy. Files of two formats were all read with the first file's
