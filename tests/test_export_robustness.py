@@ -119,6 +119,37 @@ def test_full_disk_during_export_is_one_line_and_leaves_nothing_half_written(che
     assert _table_bytes(out) == reference
 
 
+def test_a_write_cut_short_leaves_the_file_or_folder_as_it_was(tmp_path):
+    """`atomic_output`, which every file of the export, the demo and the reports goes through: a write that stops
+    half-way (here an interrupt after the first half of the bytes) leaves the old file or folder as it was and no
+    temporary beside it; a write that ends replaces the whole file or folder. (Safetensors removes a file it failed to
+    write itself, so the full-disk test above does not see a writer that writes in place.)"""
+    from hf_memffn.atomic_write import atomic_output, write_atomic
+
+    target, folder = tmp_path / "table.bin", tmp_path / "folder"
+    write_atomic(target, b"old")
+    folder.mkdir()
+    (folder / "old.txt").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(target) as temporary, open(temporary, "wb") as file:
+            file.write(b"new, first half")
+            file.flush()
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(folder) as temporary:
+            temporary.mkdir()
+            (temporary / "new.txt").write_text("new")
+            raise KeyboardInterrupt
+    assert target.read_bytes() == b"old" and [p.name for p in folder.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "table.bin"]
+    write_atomic(target, b"new")
+    with atomic_output(folder) as temporary:
+        temporary.mkdir()
+        (temporary / "new.txt").write_text("new")
+    assert target.read_bytes() == b"new" and [p.name for p in folder.iterdir()] == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "table.bin"]
+
+
 @pytest.mark.slow  # subprocesses (seconds each on a 2-core CPU); CI runs it
 def test_processes_loading_one_remote_code_checkpoint_at_once(tmp_path):
     torch.manual_seed(0)

@@ -319,11 +319,19 @@ def test_a_longrope_model_exports_for_both_frequency_sets_and_keeps_its_own_logi
                          rope_parameters=rope)
     model = AutoModelForCausalLM.from_config(config).eval()
     untouched = copy.deepcopy(model)
+    # whether this transformers swaps the frequency buffer on the host past the original length (only there may the
+    # export refuse: an export that refused every LongRoPE model would otherwise pass)
+    probe = copy.deepcopy(model).model.rotary_emb
+    short_frequencies = probe.inv_freq
+    with torch.no_grad():
+        probe(short_frequencies.new_zeros(1, 1, 1), torch.tensor([[16]]))
+    picked_on_the_host = probe.inv_freq is not short_frequencies
     path = tmp_path / "model.onnx"
     try:
         export_onnx(model, torch.randint(3, 320, (2, 8)), path)
         session = ReferenceEvaluator(onnx.load(str(path)))
     except ValueError as refused:
+        assert picked_on_the_host, f"refused where transformers picks the frequencies in the graph: {refused}"
         assert "rope_type='longrope'" in str(refused) and "picks the rotary frequencies on the host" in str(refused)
         assert list(tmp_path.iterdir()) == []
         session = None

@@ -302,16 +302,17 @@ def test_a_peft_model_exports_its_table(model, tmp_path):
         model.unload_tols()
 
 
-@pytest.mark.parametrize("fmt", ["fp16"])
-def test_outputs_beyond_the_formats_range_are_refused(tmp_path, fmt):
-    """Memory outputs above fp16's largest value (65504): an fp16 table would hold inf (NaN logits once loaded). The
-    export stops with an error naming the formats that hold them (int8's scales are bf16); bf16 does. Non-finite
-    outputs (damaged weights) are refused in any format."""
+@pytest.mark.parametrize("fmt, options", [("fp16", {}), ("lowrank", {"rank": 8, "factor_dtype": "fp16"})],
+                         ids=["fp16", "lowrank-fp16-factors"])
+def test_outputs_beyond_the_formats_range_are_refused(tmp_path, fmt, options):
+    """Memory outputs above fp16's largest value (65504): an fp16 table, or a low-rank one of fp16 coefficients, would
+    hold inf (NaN logits once loaded). The export stops with an error naming the formats that hold them (int8's scales
+    are bf16); bf16 does. Non-finite outputs (damaged weights) are refused in any format."""
     model = build()
     with torch.no_grad():
         model.model.memory.down_proj.mul_(2e7)
     with pytest.raises(ValueError, match=f"format '{fmt}' cannot hold.*'bf16' or 'fp32'"):
-        export_tols(model, tmp_path / fmt, format=fmt, progress=False)
+        export_tols(model, tmp_path / fmt, format=fmt, progress=False, **options)
     assert not (tmp_path / fmt / INDEX_NAME).exists()
     report = export_tols(model, tmp_path / "bf16", format="bf16", progress=False)
     assert report["max_relative_error"] < 1e-2

@@ -499,14 +499,17 @@ def test_readout_adds_into_hidden_states_on_another_device(tmp_path, format):
     export_tols(model, tmp_path, format=format, progress=False, **options)
     table = model.load_tols(tmp_path, placement="gpu")
     ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
-    hidden = torch.randn(2, 9, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    # (hidden states of the values' size, below 0.01 in the tiny model: beside hidden states of size 1 they would be
+    # under the tolerance, and a readout that added nothing would pass)
+    hidden = (torch.randn(2, 9, model.config.hidden_size, device="cuda") * 1e-3).to(torch.bfloat16)
     with torch.no_grad():
         for layer in range(model.config.num_hidden_layers):
             readout = table.readout(ids)
             beside = readout.add_into(hidden, layer)
             elsewhere = table.readout(ids).add_into(hidden.cpu(), layer)
             assert elsewhere.device.type == "cpu" and elsewhere.dtype == hidden.dtype
-            torch.testing.assert_close(elsewhere, beside.cpu(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(elsewhere, beside.cpu(), rtol=1e-2, atol=1e-4)
+            assert not torch.allclose(elsewhere, hidden.cpu(), rtol=1e-2, atol=1e-4)
 
 
 @pytest.mark.gpu
