@@ -17,9 +17,11 @@ A second held-out set of English prose, never trained on, is added when the `ovo
 installed (`heldout_wiki.bin`): the Wikipedia lead sections of about 10,000 level-4 vital articles (CC BY-SA).
 
 The tokenizer (byte-level BPE, `hf_memffn.tokenization.train_tokenizer`) is trained on the training split only.
-Training documents are shuffled (seed 0) before `--max-train-tokens` caps them, so the capped stream samples the
-whole corpus. Output: tokenizer files, train.bin, heldout.bin (+ heldout_wiki.bin), meta.json with the source,
-licence and token counts. The folder appears complete or not at all.
+Training documents are shuffled (seed 0) before `--max-train-tokens` caps them. The default source is read whole,
+so its capped stream samples the whole corpus; `text-files` and `hub` are read only as far as the caps need (about
+6 characters a token), so a cap below the source's size samples its start. Output: tokenizer files, train.bin,
+heldout.bin (+ heldout_wiki.bin), meta.json with the source, licence and token counts. The folder appears complete
+or not at all.
 """
 
 from __future__ import annotations
