@@ -317,6 +317,9 @@ def main():
         unknown = sorted(set(getattr(args, option) or ()) - allowed)
         if unknown:
             parser.error(f"--{option}: {', '.join(unknown)} not among {', '.join(sorted(allowed))}")
+    if args.roles and "backward" in args.roles and not {"rows", "weights"} <= set(args.roles):
+        # (the fused backward is checked against the outputs of the rows and weights kernels of the same sweep)
+        parser.error("--roles: backward is checked against the rows and weights kernels; add rows weights")
     if args.configs:
         explicit_candidates(args.configs)  # (its errors before any GPU work)
     SHAPE["head_dim"] = args.head_dim

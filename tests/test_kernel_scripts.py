@@ -1270,13 +1270,15 @@ GPU_SCRIPT_COUNTS = [
     ("bench_flash_mhf.py", ["--lengths", "1536", "0"], "--lengths must be at least 1, got [1536, 0]"),
     ("tune_flash_mhf.py", ["--seq-len", "0"], "--seq-len must be at least 1, got 0"),
     ("profile_flash_mhf_memory.py", ["--length", "0"], "--length must be at least 1, got 0"),
+    # (the fused backward's reference is the rows and weights kernels' outputs: without them each candidate failed)
+    ("tune_flash_mhf.py", ["--roles", "backward"], "backward is checked against the rows and weights kernels"),
 ]
 
 
 def test_gpu_scripts_refuse_counts_they_cannot_measure_before_looking_for_a_gpu(tmp_path):
     """No round, step or token to time (a median of nothing or a division by zero once every kernel has compiled) is
-    refused naming the option, before any work; `profile_flash_mhf_memory.py` without a GPU says it needs one (not
-    an AssertionError from torch)."""
+    refused naming the option, before any work, as is a fused-backward sweep without its reference kernels;
+    `profile_flash_mhf_memory.py` without a GPU says it needs one (not an AssertionError from torch)."""
     out = str(tmp_path / "out")
     runs = [[os.path.join(KERNELS, name), ["--out", out, *given]] for name, given, _ in GPU_SCRIPT_COUNTS]
     runs.append([os.path.join(KERNELS, "profile_flash_mhf_memory.py"), ["--out", out]])
