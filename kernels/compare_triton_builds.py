@@ -46,7 +46,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from harness import (  # noqa: E402
-    bench_ms, environment, graph_ms, log, markdown_table, median, output_folder, rel_err, write_json, write_report,
+    bench_ms, environment, graph_ms, log, markdown_table, median, output_folder, refuse_counts_below, rel_err,
+    write_json, write_report,
 )
 
 from ptxas_report import load_gluon_module, ptxas_release, tritons_ptxas  # noqa: E402
@@ -541,6 +542,8 @@ def main(argv=None) -> int:
                         help="0: no timing, only the check (each build's kernels launched once, the installed "
                         "Triton's first, then the builds' in the order given: for a profiler such as ncu)")
     args = parser.parse_args(argv)
+    if args.command == "time":
+        refuse_counts_below(parser, args, rounds=0)
     package = load_package(args.package) if args.package else None
     cases = args.cases or CASES + (OLD_CASES if package else [])
     if args.command == "export":

@@ -27,7 +27,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..")]
 import triton  # noqa: E402
 
 from bench_flash_mhf import op_flops, op_inputs  # noqa: E402
-from harness import output_folder, timed, write_json  # noqa: E402
+from harness import output_folder, refuse_counts_below, timed, write_json  # noqa: E402
 from hf_memffn.flash_mhf_op import flash_mhf, flash_mhf_path  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
 
@@ -116,10 +116,11 @@ def measure(seq_len: int, rounds: int, steps: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=output_folder, required=True, help="folder for flash_mhf_step_profile.json")
-    parser.add_argument("--seq-lens", type=int, nargs="*", default=[4032, 8064])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4032, 8064])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="profiled steps")
     args = parser.parse_args()
+    refuse_counts_below(parser, args, seq_lens=1, steps=1)
     if not torch.cuda.is_available():
         sys.exit("profile_flash_mhf_step.py needs a CUDA GPU")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

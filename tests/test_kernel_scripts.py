@@ -1272,6 +1272,7 @@ GPU_SCRIPT_COUNTS = [
     ("profile_flash_mhf_memory.py", ["--length", "0"], "--length must be at least 1, got 0"),
     # (the fused backward's reference is the rows and weights kernels' outputs: without them each candidate failed)
     ("tune_flash_mhf.py", ["--roles", "backward"], "backward is checked against the rows and weights kernels"),
+    ("profile_flash_mhf_step.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
 ]
 
 
@@ -1341,3 +1342,14 @@ def test_readout_and_kvffn_layer_scripts_refuse_counts_and_devices_they_cannot_m
                          hide_gpus=True)
     assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], refused.stderr[-500:]
     assert not os.listdir(tmp_path)
+
+
+def test_triton_builds_timing_refuses_negative_rounds(tmp_path, capsys):
+    """`compare_triton_builds.py time --rounds` takes 0 (the check only, for a profiler) or more, refused below before
+    any build is read."""
+    compare = kernel_script("compare_triton_builds")
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(["time", "--builds", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--rounds", "-1"])
+    assert stopped.value.code == 2
+    assert "--rounds must be at least 0, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
