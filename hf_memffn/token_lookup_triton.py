@@ -94,10 +94,15 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype)."""
     if not HAS_TRITON:
         raise RuntimeError("lookup_add_triton needs triton")
-    # (once per layer and step: the table's rows and scales are its own dense buffers; the hidden state is the
-    # caller's, checked in one call rather than by `_require_dense`)
+    # (once per layer and step, so each check is one call rather than `_require_dense`: the kernel reads the hidden
+    # state as dense rows, and steps between a table's rows by their stride but reads each row's columns one after
+    # another)
     if not hidden.is_contiguous():
         raise ValueError(f"hidden must be contiguous [tokens, hidden_size]; got strides {hidden.stride()}")
+    for name, table in (("rows", rows), ("scales", scales)):
+        if table is not None and (table.dim() != 2 or table.stride(1) != 1):
+            raise ValueError(f"{name} must be a 2-D tensor whose columns are adjacent in memory (stride 1); got shape "
+                             f"{tuple(table.shape)}, strides {table.stride()}")
     if hidden.device != rows.device:  # (the kernel would read the table's memory through the hidden state's device)
         raise ValueError(f"hidden is on {hidden.device} but the table's rows are on {rows.device}: a model whose "
                          "layers are spread over several devices (device_map) cannot add from one table")

@@ -328,6 +328,22 @@ def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous_or_on_an
         token_lookup_triton.lookup_add_triton(hidden.to("meta"), ids, table, None, 0, 8, "fp32", 1)
 
 
+@pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
+def test_triton_lookup_add_refuses_rows_and_scales_whose_columns_are_not_adjacent():
+    """The lookup-add kernel takes the table's row stride but reads each row's columns one after another: rows or
+    scales whose columns are strided (every other column of a wider buffer, a transposed table) are refused by name
+    before anything is launched, not read as the wrong values."""
+    ids, hidden = torch.tensor([1, 3, 0]), torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"rows must be a 2-D tensor whose columns are adjacent in memory \(stride "
+                                         r"1\); got shape \(4, 24\), strides \(48, 2\)"):
+        token_lookup_triton.lookup_add_triton(hidden, ids, torch.randn(4, 48)[:, ::2], None, 1, 8, "fp32", 1)
+    with pytest.raises(ValueError, match=r"rows must be .* strides \(1, 4\)"):
+        token_lookup_triton.lookup_add_triton(hidden, ids, torch.randn(24, 4).t(), None, 1, 8, "fp32", 1)
+    rows = torch.randint(-8, 8, (4, 24), dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"scales must be .* got shape \(4, 6\), strides \(12, 2\)"):
+        token_lookup_triton.lookup_add_triton(hidden, ids, rows, torch.rand(4, 12)[:, ::2], 1, 8, "int8", 4)
+
+
 def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_path):
     """`.to(torch.bfloat16)` after `load_tols` leaves the table's dtypes as stored (the same model as casting first,
     then loading); a move to another device is refused before any parameter moves."""
