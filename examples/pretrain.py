@@ -391,9 +391,29 @@ def collate_blocks(features):
 # --- model --------------------------------------------------------------------------------------------------------
 
 
+def split_overrides(text: str) -> list[str]:
+    """The `key=value` items of `text`, split at the commas outside a JSON value's brackets and strings (a dict
+    value such as `rope_parameters={"rope_type": "linear", "factor": 2.0}` has commas of its own)."""
+    items, start, depth, in_string, escaped = [], 0, 0, False, False
+    for index, char in enumerate(text):
+        if in_string:
+            escaped, in_string = (not escaped and char == "\\"), (escaped or char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
 def parse_overrides(text: str) -> dict:
     overrides = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    for item in split_overrides(text):
         if "=" not in item:
             raise ValueError(f"--config-overrides: {item!r} is not key=value")
         key, value = item.split("=", 1)
@@ -418,8 +438,12 @@ def build_config(architecture: str, preset_name: str, vocab_size: int, tokenizer
     if overrides:
         refuse_unknown_overrides(overrides, set(fields) | set(config_class().to_dict()), config_class.__name__)
     fields.update(overrides)
-    if architecture == "llama":
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta")}
+    if architecture == "llama":  # (transformers' Llama reads its theta from `rope_parameters`, beside the scaling)
+        rope_theta, rope_parameters = fields.pop("rope_theta"), fields.get("rope_parameters")
+        if rope_parameters is None or isinstance(rope_parameters, dict):  # (LlamaConfig reports any other value)
+            # (an override's own theta wins over the preset's, as in this package's configs; LlamaConfig sets the
+            # type: "default", or an older dict's `type`)
+            fields["rope_parameters"] = {"rope_theta": rope_theta, **(rope_parameters or {})}
     return config_class(**fields)
 
 

@@ -86,6 +86,19 @@ def test_unknown_preset_and_file_type_are_refused(tmp_path):
         pretrain._builder_for(str(tmp_path / "corpus.xyz"))
 
 
+@pytest.mark.parametrize("arch", ["llama", "kvffn"])
+def test_rope_overrides_reach_the_baseline_and_our_configs_alike(arch):
+    """--config-overrides of `rope_parameters` were replaced by the preset's default RoPE for the Llama baseline
+    (which kept training unscaled beside our scaled models), and a dict value was split at its own commas."""
+    overrides = pretrain.parse_overrides('rope_parameters={"rope_type": "linear", "factor": 2.0},attention_dropout=0.1')
+    assert overrides == {"rope_parameters": {"rope_type": "linear", "factor": 2.0}, "attention_dropout": 0.1}
+    config = pretrain.build_config(arch, "tiny", vocab_size=256, **overrides)
+    assert {key: config.rope_parameters[key] for key in ("rope_type", "factor", "rope_theta")} == {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    theta = pretrain.build_config(arch, "tiny", vocab_size=256, rope_parameters={"rope_theta": 5e5}).rope_parameters
+    assert (theta["rope_type"], theta["rope_theta"]) == ("default", 5e5)
+
+
 def test_packing_joins_documents_with_eos_into_full_blocks():
     import datasets
 
