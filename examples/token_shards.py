@@ -13,6 +13,7 @@ tokens; nothing but numpy and torch is needed to read them (no `datasets`).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +33,13 @@ def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[
                 max_tokens: int | None = None) -> int:
     """Write documents (token id lists) joined by `eos_id` to `DIR/split.bin`, stopping at `max_tokens`; returns the
     number of tokens written. Written under a temporary name and renamed, so a folder never holds half a split."""
+    largest = int(np.iinfo(TOKEN_DTYPE).max)
+    if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id <= largest:
+        raise ValueError(f"eos_id={eos_id!r} is invalid; allowed: a token id from 0 to {largest} (the tokenizer's "
+                         "eos_token_id, which separates the documents)")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)
+                                   or max_tokens < 0):
+        raise ValueError(f"max_tokens={max_tokens!r} is invalid; allowed: None (no cap) or an integer >= 0")
     path = split_path(folder, split)
     tmp_path = path.with_suffix(".bin.tmp")
     written = 0
@@ -69,17 +77,46 @@ def read_meta(folder: str | os.PathLike, option: str = "--data-dir") -> dict:
     if not path.is_file():
         raise ValueError(f"{option}={str(folder)!r} has no {META_FILE}: "
                          "prepare it with examples/reproduce/prepare_data.py")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{option}={str(folder)!r}: {META_FILE} is not readable JSON ({error}); prepare the folder "
+                         "again with examples/reproduce/prepare_data.py") from error
+    if not isinstance(meta, dict):
+        raise ValueError(f"{option}={str(folder)!r}: {META_FILE} holds a {type(meta).__name__}, not a JSON object; "
+                         "prepare the folder again with examples/reproduce/prepare_data.py")
+    return meta
 
 
 def read_tokens(folder: str | os.PathLike, split: str) -> np.ndarray:
+    """The token ids of `DIR/split.bin`, mapped read-only; a file of no whole number of tokens, or of another count
+    than meta.json records for the split, is refused."""
     path = split_path(folder, split)
     if not path.is_file():
         available = sorted(p.stem for p in Path(folder).glob("*.bin"))
         raise ValueError(f"split={split!r} is not in {str(folder)!r}; available splits: {available}")
-    if path.stat().st_size == 0:  # numpy cannot map an empty file
+    size = path.stat().st_size
+    if size == 0:  # numpy cannot map an empty file
         raise ValueError(f"split={split!r} of {str(folder)!r} holds no tokens ({path.name} is empty)")
+    if size % TOKEN_DTYPE.itemsize:
+        raise ValueError(f"split={split!r} of {str(folder)!r}: {path.name} holds {size} bytes, not a whole number of "
+                         f"{TOKEN_DTYPE.itemsize}-byte tokens (a file cut short); prepare the folder again")
+    expected = _tokens_in_meta(folder, split)
+    if expected is not None and size // TOKEN_DTYPE.itemsize != expected:
+        raise ValueError(f"split={split!r} of {str(folder)!r}: {path.name} holds {size // TOKEN_DTYPE.itemsize} "
+                         f"tokens, but {META_FILE} records {expected} (a file cut short or replaced); prepare the "
+                         "folder again")
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+def _tokens_in_meta(folder: str | os.PathLike, split: str) -> int | None:
+    """The token count meta.json records for `split` (None where the folder has no meta.json or it lists none)."""
+    if not (Path(folder) / META_FILE).is_file():
+        return None
+    splits = read_meta(folder, "folder").get("splits")
+    entry = splits.get(split) if isinstance(splits, dict) else None
+    tokens = entry.get("tokens") if isinstance(entry, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 class TokenBlocks(torch.utils.data.Dataset):

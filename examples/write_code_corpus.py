@@ -22,7 +22,7 @@ def main(path: str) -> None:
             if "test" in source.parts or source.resolve() in seen:  # (some Pythons link one module under two names)
                 continue
             seen.add(source.resolve())
-            text = source.read_text(errors="ignore")
+            text = source.read_text(encoding="utf-8", errors="ignore")  # (PEP 3120: the source encoding)
             out.write(json.dumps({"text": text}) + "\n")
             written += len(text)
             if written > BUDGET:

@@ -229,7 +229,11 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
             path = Path(name)
             if not path.is_file():
                 raise ValueError(f"--text-files contains {name!r}, which is not a file; allowed: paths of text files")
-            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+            try:  # (not replaced by U+FFFD: such characters would be trained on as U+FFFD)
+                texts.append(path.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as error:
+                raise ValueError(f"--text-files contains {name!r}, which is not UTF-8 text ({error}); allowed: "
+                                 "UTF-8 text files (convert it to UTF-8)") from error
         source = f"{len(args.text_files)} text file(s)"
     else:
         try:

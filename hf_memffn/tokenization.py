@@ -3,7 +3,8 @@ wrapped as a transformers `PreTrainedTokenizerFast` that `save_pretrained` / `Au
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import numbers
+from collections.abc import Iterable, Iterator
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
@@ -20,9 +21,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid; allowed: an integer >= {MIN_VOCAB_SIZE} "
+                         "(256 bytes + 3 special tokens)")
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size={vocab_size!r} is too small; allowed: an integer >= {MIN_VOCAB_SIZE} "
                          "(256 bytes + 3 special tokens)")
+    if isinstance(texts, (str, bytes)):  # (iterated, a text is its characters: a BPE without a merge)
+        raise ValueError(f"texts is one {type(texts).__name__} of {len(texts)} characters; allowed: an iterable of "
+                         "texts (str), e.g. a list of documents")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -32,7 +39,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(_only_texts(texts), trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
@@ -44,3 +51,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         pad_token=PAD_TOKEN,
         clean_up_tokenization_spaces=False,
     )
+
+
+def _only_texts(texts: Iterable[str]) -> Iterator[str]:
+    """`texts`, refusing an item that is not a str (the trainer read a dict's keys and a list's items as texts)."""
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"texts[{index}] is {type(text).__name__} {text!r:.60}; allowed: a str (a text)")
+        yield text

@@ -91,6 +91,15 @@ def test_bad_arguments_fail_before_writing(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_text_files_that_are_not_utf8_are_refused_naming_the_file(tmp_path, capsys):
+    """A Latin-1 file was read with its accented letters replaced by U+FFFD, and trained on as such."""
+    (tmp_path / "latin1.txt").write_bytes("Café au lait, crème brûlée.\n\nNaïve résumé.\n".encode("latin-1"))
+    out = tmp_path / "never"
+    _exits_with_error(capsys, ["demo", "--quick", "--text-files", str(tmp_path / "latin1.txt"), "--out", str(out)],
+                      f"--text-files contains {str(tmp_path / 'latin1.txt')!r}, which is not UTF-8 text")
+    assert not out.exists()
+
+
 def test_an_empty_out_is_refused_not_taken_for_the_current_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     # (--archs is bad too: the empty --out is the error named, found while the arguments are parsed)

@@ -269,3 +269,18 @@ def test_write_code_corpus_writes_a_linked_module_once(tmp_path, monkeypatch):
     monkeypatch.setattr(write_code_corpus.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
     write_code_corpus.main(str(tmp_path / "corpus.jsonl"))
     assert (tmp_path / "corpus.jsonl").read_text().splitlines() == ['{"text": "x = 1\\n"}']
+
+
+def test_write_code_corpus_reads_sources_as_utf8_whatever_the_locale(tmp_path):
+    """The sources were read in the locale's encoding with errors ignored: under an ASCII locale (LC_ALL=C without
+    UTF-8 mode) every non-ASCII character of the corpus was dropped."""
+    stdlib = tmp_path / "stdlib"
+    stdlib.mkdir()
+    (stdlib / "a.py").write_text('NAME = "café ☃"\n', encoding="utf-8")
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r}); import write_code_corpus; "
+              f"write_code_corpus.sysconfig.get_paths = lambda: {{'stdlib': {str(stdlib)!r}}}; "
+              f"write_code_corpus.main({str(tmp_path / 'corpus.jsonl')!r})")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "corpus.jsonl").read_text(encoding="utf-8")) == {"text": 'NAME = "café ☃"\n'}

@@ -75,6 +75,22 @@ def test_bad_arguments_name_the_field():
         train_tokenizer(["a b c"], vocab_size=10)
 
 
+def test_train_tokenizer_refuses_one_text_and_items_that_are_not_texts():
+    """One str (a whole corpus read from a file) was trained on as texts of one character each, a BPE without a
+    merge; a dict was trained on as its keys; a float or str vocab_size failed in `tokenizers` without its name."""
+    corpus = "the memory stores the key and the value of the token " * 50
+    with pytest.raises(ValueError, match=r"texts is one str of 2650 characters; allowed: an iterable of texts"):
+        train_tokenizer(corpus, vocab_size=300)
+    with pytest.raises(ValueError, match=r"texts\[0\] is dict .*; allowed: a str \(a text\)"):
+        train_tokenizer([{"text": corpus}], vocab_size=300)
+    with pytest.raises(ValueError, match=r"texts\[1\] is NoneType None; allowed: a str \(a text\)"):
+        train_tokenizer((text for text in [corpus, None]), vocab_size=300)
+    for size in (2048.0, "2048", None):
+        with pytest.raises(ValueError, match=rf"vocab_size={size!r} is invalid; allowed: an integer >= 259"):
+            train_tokenizer([corpus], vocab_size=size)
+    assert len(train_tokenizer([corpus], vocab_size=300)("memory key")["input_ids"]) == 3  # <s> and a token a word
+
+
 def test_tokenizer_round_trip_and_reload(world, tokenizer, tmp_path):
     from transformers import AutoTokenizer
 

@@ -114,6 +114,46 @@ def test_token_shards_name_the_id_out_of_range_and_an_empty_split(tmp_path):
         token_shards.load_blocks(tmp_path, 4, "heldout")
 
 
+def test_token_shards_refuse_a_split_cut_short_and_a_meta_json_that_is_not_json(tmp_path):
+    """A split cut to an odd number of bytes failed in numpy's memmap without naming it, one cut to fewer whole tokens
+    than meta.json records was read as the shorter stream, and a meta.json cut short failed with a bare
+    `JSONDecodeError`."""
+    token_shards.write_split(tmp_path, "train", [[5, 6, 7], [8]], eos_id=2)
+    token_shards.write_meta(tmp_path, {"splits": {"train": {"tokens": 6}}})
+    assert token_shards.read_tokens(tmp_path, "train").tolist() == [5, 6, 7, 2, 8, 2]
+    path = token_shards.split_path(tmp_path, "train")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1])
+    with pytest.raises(ValueError, match=r"split='train' of .*: train.bin holds 11 bytes, not a whole number of "
+                                         r"2-byte tokens"):
+        token_shards.load_blocks(tmp_path, 2)
+    path.write_bytes(whole[:-2])
+    with pytest.raises(ValueError, match=r"split='train' of .*: train.bin holds 5 tokens, but meta.json records 6"):
+        token_shards.load_blocks(tmp_path, 2)
+    (tmp_path / "meta.json").write_text('{"splits": {"train": ', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--data=.*: meta.json is not readable JSON"):
+        token_shards.read_meta(tmp_path, option="--data")
+    (tmp_path / "meta.json").write_text("[6]", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--data-dir=.*: meta.json holds a list, not a JSON object"):
+        token_shards.read_meta(tmp_path)
+    (tmp_path / "meta.json").unlink()  # without meta.json, the tokens the file holds
+    assert token_shards.read_tokens(tmp_path, "train").tolist() == [5, 6, 7, 2, 8]
+
+
+def test_write_split_refuses_an_eos_id_or_a_cap_out_of_range_before_writing(tmp_path):
+    """`eos_id=None` (a tokenizer without EOS) failed in numpy with "int() argument must be ... not 'NoneType'", and
+    `max_tokens=-1` wrote each document but its last token(s)."""
+    for eos_id in (None, -1, 65536, 2.0):
+        with pytest.raises(ValueError, match=rf"eos_id={eos_id!r} is invalid; allowed: a token id from 0 to 65535"):
+            token_shards.write_split(tmp_path, "train", [[5, 6, 7]], eos_id=eos_id)
+    for cap in (-1, 2.5):
+        with pytest.raises(ValueError, match=rf"max_tokens={cap!r} is invalid; allowed: None \(no cap\) or an "
+                                             r"integer >= 0"):
+            token_shards.write_split(tmp_path, "train", [[5, 6, 7]], eos_id=2, max_tokens=cap)
+    assert not list(tmp_path.iterdir())
+    assert token_shards.write_split(tmp_path, "train", [[5, 6, 7]], eos_id=np.int64(2), max_tokens=np.int32(3)) == 3
+
+
 @pytest.mark.parametrize("size", ["small", "wide", "370M"])
 def test_every_compared_model_is_parameter_matched(size):
     shape = study_models.SHAPES[size]
