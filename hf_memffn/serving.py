@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import runpy
 import sys
@@ -94,6 +95,27 @@ def local_table_dir(token_lookup: str, revision: str | None = None) -> str:
                                 f"id could be read ({reason})") from error
 
 
+# the fields of a table's index that must equal the model's config (token_lookup.check_table_matches compares them
+# when the table loads, then the weights' fingerprint)
+TABLE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def table_shape_mismatch(index_path: str, config: dict) -> str | None:
+    """Which of `TABLE_SHAPE_FIELDS` the table indexed at `index_path` and the model's `config` (its config.json)
+    disagree on, said as `field=N (the model has M)`; None if none (or if the index cannot be read: loading the
+    table says what is wrong with it)."""
+    try:
+        with open(index_path) as handle:
+            table = json.load(handle)["metadata"]["token_lookup"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(table, dict):
+        return None
+    differences = [f"{field}={table[field]} (the model has {config[field]})" for field in TABLE_SHAPE_FIELDS
+                   if field in table and field in config and table[field] != config[field]]
+    return ", ".join(differences) or None
+
+
 def split_revision(model: str) -> tuple[str, str | None]:
     """`"org/model@dev"` -> `("org/model", "dev")`, as `transformers serve` names a model; an existing local path keeps
     an `@` as part of the path (`"/ckpt@1000"` -> `("/ckpt@1000", None)`)."""
@@ -130,6 +152,11 @@ class TokenLookupSettings:
         elif not os.path.isfile(os.path.join(self.table, TABLE_INDEX_NAME)):
             return (f"--token-lookup {self.table}: no token lookup table in this folder ({TABLE_INDEX_NAME} is "
                     "missing); export one first: hf-memffn export-tols MODEL_DIR TABLE_DIR")
+        else:
+            mismatch = table_shape_mismatch(os.path.join(self.table, TABLE_INDEX_NAME), config)
+            if mismatch is not None:
+                return (f"--token-lookup {self.table}: the table was exported from another model: {mismatch}; "
+                        f"export this model's table: hf-memffn export-tols {self.model_id} TABLE_DIR")
         if self.placement == "gpu":
             import torch
 
@@ -231,12 +258,20 @@ def read_config(model_id: str, revision: str | None = None) -> dict:
     return PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
 
 
+def auto_map_causal_lm(config: dict) -> str | None:
+    """The class name a checkpoint's `auto_map` gives `AutoModelForCausalLM` (`"modeling_x.XForCausalLM"` or
+    `"repo--modeling_x.XForCausalLM"` -> `"XForCausalLM"`); None if it names none."""
+    entry = (config.get("auto_map") or {}).get("AutoModelForCausalLM")
+    return entry.rpartition(".")[2] if isinstance(entry, str) else None
+
+
 def remote_code_architectures(model_id: str, revision: str | None = None, config: dict | None = None) -> list[str]:
-    """The `architectures` of a checkpoint whose config maps `AutoModelForCausalLM` to its own code (else [])."""
+    """The `architectures` of a checkpoint that are the class its config maps `AutoModelForCausalLM` to in its own
+    code (else []). A checkpoint saved with another head (`XForSequenceClassification`, ...) has none: loaded through
+    `AutoModelForCausalLM`, it would get a causal LM head of random weights."""
     config = read_config(model_id, revision) if config is None else config
-    if "AutoModelForCausalLM" not in (config.get("auto_map") or {}):
-        return []
-    return list(config.get("architectures") or [])
+    causal_lm = auto_map_causal_lm(config)
+    return [name for name in config.get("architectures") or [] if name == causal_lm]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,18 +307,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(ARCHITECTURE_NAMES)
     if model is not None:  # (read here, so that a wrong MODEL ends in one line, not in the server's traceback)
         model_id, revision = split_revision(model)
+        allowed = ("allowed: a local checkpoint folder (save_pretrained), or a Hub repo id ('name' or "
+                   "'namespace/name', @revision optional)")
+        if os.path.isfile(model_id):
+            parser.error(f"MODEL {model} is a file, not a folder; {allowed}")
+        if os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
+            parser.error(f"MODEL {model}: no config.json in this folder, so no model to serve; {allowed}")
         tokenizer_files = [os.path.join(model_id, name) for name in TOKENIZER_FILES]
         if os.path.isdir(model_id) and not any(os.path.isfile(path) for path in tokenizer_files):
             parser.error(f"{model_id} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), which the server "
                          "needs: save it with the model (model.attach_tokenizer(tokenizer) before save_pretrained)")
         if not os.path.exists(model_id) and not is_hub_repo_id(model_id):
-            parser.error(f"MODEL {model}: no such folder, and not a Hub repo id; allowed: a local checkpoint folder "
-                         "(save_pretrained), or a Hub repo id ('name' or 'namespace/name', @revision optional)")
+            parser.error(f"MODEL {model}: no such folder, and not a Hub repo id; {allowed}")
         try:
             config = read_config(model_id, revision)
         except (OSError, ValueError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             parser.error(f"MODEL {model}: cannot read its config.json: {reason}")
+        architectures = config.get("architectures") or []
+        causal_lm = auto_map_causal_lm(config)
+        if causal_lm is not None and architectures and architectures[0] != causal_lm \
+                and not hasattr(transformers, architectures[0]):
+            parser.error(f"MODEL {model} is a {architectures[0]} checkpoint (config.json's architectures), which does "
+                         f"not generate text; the server takes a causal LM checkpoint ({causal_lm}): save the model "
+                         "with its language modeling head")
         names += remote_code_architectures(model_id, revision, config)
         problem = token_lookup.problem(config) if token_lookup is not None else None
         if problem is not None:

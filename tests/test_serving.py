@@ -390,6 +390,32 @@ def test_a_token_lookup_folder_without_a_table_is_refused_before_the_server_star
     assert "no token lookup table" in capsys.readouterr().err
 
 
+
+def test_a_table_exported_from_a_model_of_another_shape_is_refused_before_the_server_starts(memoryllm_and_table,
+                                                                                           monkeypatch, capsys):
+    """`--token-lookup` of another model's table (another hidden size, vocabulary or depth): the server started, and
+    its model process failed loading it, in a traceback ("RuntimeError: TokenLookupError: ..."). The table's index and
+    the model's config.json are compared first: one line naming the fields."""
+    import transformers.cli.transformers
+
+    folder, table = memoryllm_and_table
+    torch.manual_seed(0)
+    narrow = AutoModelForCausalLM.from_config(tiny_config("memoryllm", hidden_size=32, num_attention_heads=2,
+                                                          num_key_value_heads=1))
+    export_tols(narrow, folder.parent / "narrow_table", format="fp32", progress=False)
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    with pytest.raises(SystemExit) as stop:
+        serving.main([str(folder), "--token-lookup", str(folder.parent / "narrow_table"), "--continuous-batching"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert "the table was exported from another model: hidden_size=32 (the model has 64)" in error, error
+    assert f"export this model's table: hf-memffn export-tols {folder} TABLE_DIR" in error, error
+    assert serving.TokenLookupSettings(str(folder), str(table)).problem(serving.read_config(str(folder))) is None
+
 def test_the_default_table_placement_follows_the_models_device(memoryllm_and_table, monkeypatch):
     """`--device cpu` on a machine with CUDA: without `--token-lookup-placement` the table stays on the host."""
     folder, table = memoryllm_and_table
@@ -459,3 +485,56 @@ def test_the_bridge_alone_names_a_model_it_cannot_find_where_the_package_is_abse
                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr[-3000:]
         assert f"MODEL {model}: {reason}" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_model_folder_without_a_config_or_a_file_is_refused_before_the_server_starts(memoryllm_and_table,
+                                                                                       monkeypatch, capsys):
+    """`hf-memffn serve FOLDER` of a folder holding a tokenizer but no config.json (a tokenizer saved alone, a table
+    folder), or of a file: transformers 5.25 reads such a folder's config as empty, so the server started and failed
+    in a traceback ("Unrecognized model in ..." / "Unrecognized processing class in ..."). Both are named first."""
+    import transformers.cli.transformers
+
+    folder, table = memoryllm_and_table
+    tokenizer_only = folder.parent / "tokenizer_only"
+    tiny_tokenizer().save_pretrained(tokenizer_only)
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    for model, reason in ((tokenizer_only, "no config.json in this folder, so no model to serve"),
+                          (table, "no config.json in this folder, so no model to serve"),
+                          (folder / "config.json", "is a file, not a folder")):
+        with pytest.raises(SystemExit) as stop:
+            serving.main([str(model), "--continuous-batching"])
+        assert stop.value.code == 2
+        error = capsys.readouterr().err
+        assert f"MODEL {model}" in error and reason in error and "allowed: a local checkpoint folder" in error, error
+
+
+def test_a_checkpoint_of_another_head_is_refused_not_served_with_a_random_language_modeling_head(tmp_path,
+                                                                                              monkeypatch, capsys):
+    """`hf-memffn serve` of a `KVFFNForSequenceClassification` checkpoint: its config's `auto_map` names
+    `AutoModelForCausalLM` too, so the bridge loaded it as a causal LM, whose `lm_head` the checkpoint lacks
+    (initialised at random): the server answered every request with noise. (transformers' Llama of that head fails
+    in the server instead.) Such a checkpoint is named before the server starts, and never loaded as a causal LM."""
+    import transformers.cli.transformers
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    folder = tmp_path / "kvffn_classifier"
+    AutoModelForSequenceClassification.from_config(tiny_config("kvffn", num_labels=2, pad_token_id=0)) \
+        .save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    assert serving.remote_code_architectures(str(folder)) == []
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    with pytest.raises(SystemExit) as stop:
+        serving.main([str(folder), "--continuous-batching"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert f"MODEL {folder} is a KVFFNForSequenceClassification checkpoint" in error, error
+    assert "the server takes a causal LM checkpoint (KVFFNForCausalLM)" in error, error
