@@ -254,10 +254,12 @@ class MemFFNConfig(PretrainedConfig):
         for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
-        if "ffn_kernel" in kwargs and "ffn_kernel" in config_dict:
-            # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take is refused
-            # there, and `ffn_kernel="torch"` given here is what loads it)
-            config_dict = {**config_dict, "ffn_kernel": kwargs["ffn_kernel"]}
+        for field in ("ffn_kernel", "ffn_gate_eps"):
+            if field in kwargs and field in config_dict:
+                # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take, or its
+                # `ffn_gate_eps` of 0, is refused there, and `ffn_kernel="torch"` or `ffn_gate_eps=1e-6` given here
+                # is what loads it)
+                config_dict = {**config_dict, field: kwargs[field]}
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
         config._check_derived_fields(derived)
@@ -508,7 +510,9 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         _check_bools(self, ("ffn_query_norm", "ffn_io_projections"))
         # (> 0: the gates divide by sum_E sigmoid + ffn_gate_eps, and the sigmoids of scores below about -88 are 0 in
         # float32, so a token whose scores all fall there would get 0 / 0 = NaN gates)
-        _check_number(self, "ffn_gate_eps", 0.0, low_inclusive=False)
+        _check(name, _is_number(self.ffn_gate_eps) and math.isfinite(self.ffn_gate_eps) and self.ffn_gate_eps > 0,
+               "ffn_gate_eps", self.ffn_gate_eps, "must be a finite number > 0 (a saved config.json of 0 loads with "
+               "`from_pretrained(path, ffn_gate_eps=1e-6)`)")
         _check_positive_ints(self, ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads"))
         if self.ffn_variant == "swiglu":
             return

@@ -11,7 +11,8 @@ MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
-    """Train a byte-level BPE on `texts`; return a `PreTrainedTokenizerFast` (adds `<s>` in front).
+    """Train a byte-level BPE on `texts` (texts, or batches of texts as lists); return a `PreTrainedTokenizerFast`
+    (adds `<s>` in front).
 
     Special tokens: `<pad>` = 0, `<s>` = 1 (bos), `</s>` = 2 (eos). `vocab_size` is an upper bound: on
     the fact world, training stops early once every word is a single token. A space is put in front of
@@ -53,9 +54,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     )
 
 
-def _only_texts(texts: Iterable[str]) -> Iterator[str]:
-    """`texts`, refusing an item that is not a str (the trainer read a dict's keys and a list's items as texts)."""
+def _only_texts(texts: Iterable[str | list[str]]) -> Iterator[str | list[str]]:
+    """`texts`, refusing an item that is neither a str nor a list or tuple of str (a batch of texts, as `tokenizers`
+    takes them): the trainer read a dict's keys as texts."""
     for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise ValueError(f"texts[{index}] is {type(text).__name__} {text!r:.60}; allowed: a str (a text)")
+        if not (isinstance(text, str) or isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text)):
+            raise ValueError(f"texts[{index}] is {type(text).__name__} {text!r:.60}; allowed: a str (a text) or a "
+                             "list of str (a batch of texts)")
         yield text

@@ -81,14 +81,17 @@ def test_train_tokenizer_refuses_one_text_and_items_that_are_not_texts():
     corpus = "the memory stores the key and the value of the token " * 50
     with pytest.raises(ValueError, match=r"texts is one str of 2650 characters; allowed: an iterable of texts"):
         train_tokenizer(corpus, vocab_size=300)
-    with pytest.raises(ValueError, match=r"texts\[0\] is dict .*; allowed: a str \(a text\)"):
+    with pytest.raises(ValueError, match=r"texts\[0\] is dict .*; allowed: a str \(a text\) or a list of str"):
         train_tokenizer([{"text": corpus}], vocab_size=300)
-    with pytest.raises(ValueError, match=r"texts\[1\] is NoneType None; allowed: a str \(a text\)"):
+    with pytest.raises(ValueError, match=r"texts\[1\] is NoneType None; allowed: a str \(a text\) or a list"):
         train_tokenizer((text for text in [corpus, None]), vocab_size=300)
     for size in (2048.0, "2048", None):
         with pytest.raises(ValueError, match=rf"vocab_size={size!r} is invalid; allowed: an integer >= 259"):
             train_tokenizer([corpus], vocab_size=size)
     assert len(train_tokenizer([corpus], vocab_size=300)("memory key")["input_ids"]) == 3  # <s> and a token a word
+    # batches of texts (a `batch_iterator()` as for `train_new_from_iterator`) train the same tokenizer
+    batched = train_tokenizer(iter([[corpus], (corpus,)]), vocab_size=300)
+    assert batched.get_vocab() == train_tokenizer([corpus, corpus], vocab_size=300).get_vocab()
 
 
 def test_tokenizer_round_trip_and_reload(world, tokenizer, tmp_path):

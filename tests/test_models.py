@@ -327,6 +327,27 @@ def test_gates_stay_finite_where_every_router_score_underflows_and_a_gate_eps_of
     assert mlp(x).isfinite().all()
 
 
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_a_saved_config_with_a_gate_eps_of_zero_loads_with_the_eps_given(tmp_path, trust_remote_code):
+    """A checkpoint whose config.json holds `ffn_gate_eps` 0 (a value configs took before 0 was refused) could not be
+    loaded at all: `from_pretrained(path, ffn_gate_eps=...)` set the field only after `__init__` had refused the file's
+    0. The error names the way to load it, and that way loads the weights with the eps given."""
+    import json
+
+    model = build("flash_mhf")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text(encoding="utf-8"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "ffn_gate_eps": 0.0}), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"`ffn_gate_eps`=0.0 is invalid: must be a finite number > 0 \(a saved "
+                                         r"config.json of 0 loads with `from_pretrained\(path, ffn_gate_eps=1e-6\)`\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=trust_remote_code)
+    assert AutoConfig.from_pretrained(tmp_path, ffn_gate_eps=1e-6, trust_remote_code=trust_remote_code
+                                      ).ffn_gate_eps == 1e-6
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, ffn_gate_eps=1e-6, trust_remote_code=trust_remote_code)
+    assert loaded.config.ffn_gate_eps == 1e-6 and loaded.model.layers[0].mlp.gate_eps == 1e-6
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict())
+
+
 def test_pkv_is_softmax_attention_over_parameters():
     model = build("flash_mhf", ffn_variant="pkv", ffn_query_norm=False, ffn_io_projections=False).double()
     mlp = model.model.layers[0].mlp
