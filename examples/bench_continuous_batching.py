@@ -64,7 +64,7 @@ from harness import (  # noqa: E402
     output_folder,
     write_text,
 )
-from presets import ARCHITECTURE_NAMES, get_preset  # noqa: E402
+from presets import ARCHITECTURE_NAMES, PRESETS, get_preset  # noqa: E402
 
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
           "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "memoryllm_lookup": "MemoryLLM + lookup table"}
@@ -81,7 +81,8 @@ def length_range(text: str) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="370M", help="model size from examples/presets.py (default 370M)")
+    parser.add_argument("--preset", default="370M", choices=sorted(PRESETS),
+                        help="model size from examples/presets.py (default 370M)")
     parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURE_NAMES), choices=ARCHITECTURE_NAMES)
     parser.add_argument("--token-lookup", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a MemoryLLM reading a bf16 token lookup table (memory FFN dropped); needs "
@@ -364,10 +365,7 @@ def to_markdown(report: dict) -> str:
 def write_report(report: dict, out: str) -> str:
     markdown = to_markdown(report)
     for name, text in (("continuous_batching.json", json.dumps(report, indent=2)), ("continuous_batching.md", markdown)):
-        path = os.path.join(out, name)
-        with open(path + ".tmp", "w") as handle:
-            handle.write(text + "\n")
-        os.replace(path + ".tmp", path)
+        write_text(os.path.join(out, name), text + "\n")
     return markdown
 
 

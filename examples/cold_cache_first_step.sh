@@ -39,6 +39,7 @@ run() {  # name, cache directory, extra environment and arguments
   local name=$1 cache=$2
   shift 2
   mkdir -p "$cache"
+  rm -rf "${out:?}/$name"  # an earlier call's results: a process that fails before writing leaves none of them
   echo "== $name: TRITON_CACHE_DIR=$cache $*"
   (cd "$here" && env TRITON_CACHE_DIR="$cache" "$@" --requests 32 --rounds 2 --no-token-lookup \
      --synchronised-steps "$synchronised" "${extra[@]}" --out "$out/$name" > "$out/$name.log" 2>&1) \

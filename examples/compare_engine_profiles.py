@@ -78,10 +78,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    rows = [row for folder in args.folders for run in RUNS if (row := profile_row(folder, run)) is not None]
-    if not rows:
-        sys.exit(f"no RUN_profile_steps.txt/.json in {[str(f) for f in args.folders]}: run examples/ddp_check.sh "
+    per_folder = [[row for run in RUNS if (row := profile_row(folder, run)) is not None] for folder in args.folders]
+    without = [str(folder) for folder, folder_rows in zip(args.folders, per_folder) if not folder_rows]
+    if without:  # (a mistyped folder among others would leave its rows out of the table unsaid)
+        sys.exit(f"no RUN_profile_steps.txt/.json in {without}: run examples/ddp_check.sh "
                  "with EXTRA_ARGS='--profile-steps FIRST:LAST'")
+    rows = [row for folder_rows in per_folder for row in folder_rows]
     table = markdown(rows)
     print(table, end="")
     for path, text in ((args.markdown, table), (args.json, json.dumps(rows, indent=2) + "\n")):

@@ -6,7 +6,9 @@ The first run is the reference. For every other run it reports, over the steps b
 absolute difference of the training loss and of the evaluation loss, next to the noise of the reference curve
 (the standard deviation of its training loss around a 5-point moving average): runs that agree "within noise"
 have a mean difference below that noise. Steps are compared as such, so every run whose summary.json is there must
-have trained on as many tokens per step as the reference (the script refuses runs that did not).
+have trained on as many tokens per step as the reference, and every run must have logged its training loss (the mean
+since the previous log) over the same windows of steps as the reference where both logged (the script refuses runs
+that did not: another --logging-steps, or another --save-steps, at which the recipe also logs).
 """
 
 from __future__ import annotations
@@ -18,19 +20,23 @@ import statistics
 from pathlib import Path
 
 from hf_memffn.atomic_write import write_atomic
+from hf_memffn.demo import finite_or_null
 
 
 def read_curves(run_dir: Path) -> dict:
-    train, evaluation, summary = {}, {}, {}
+    """The run's training and evaluation losses by step, and the first step of each training loss's window (the
+    Trainer logs the mean loss of the steps since its previous log)."""
+    train, windows, evaluation, summary = {}, {}, {}, {}
     for line in (run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines():
         record = json.loads(line)
         if "loss" in record:
+            windows[record["step"]] = max(train, default=0) + 1
             train[record["step"]] = record["loss"]
         if "eval_loss" in record:
             evaluation[record["step"]] = record["eval_loss"]
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    return {"train": train, "eval": evaluation, "summary": summary}
+    return {"train": train, "windows": windows, "eval": evaluation, "summary": summary}
 
 
 def curve_noise(curve: dict[int, float], window: int = 5) -> float | None:
@@ -64,6 +70,15 @@ def compare(run_dirs: list[Path]) -> dict:
     if len({tokens for tokens in per_step.values() if tokens is not None}) > 1:
         raise ValueError(f"the runs trained on different tokens per step, so their curves do not match step for step: "
                          f"{per_step}")
+    for name, run in runs.items():
+        steps = sorted(set(reference["windows"]) & set(run["windows"]))
+        other = [step for step in steps if reference["windows"][step] != run["windows"][step]]
+        if other:
+            step = other[0]
+            raise ValueError(f"{name} logged its training loss over other steps than the reference, so their losses "
+                             f"at a step are means over other windows: at step {step}, steps "
+                             f"{run['windows'][step]}-{step} against {reference['windows'][step]}-{step}; compare "
+                             "runs of the same --logging-steps and --save-steps")
     result = {"reference": reference_name, "reference_train_noise": curve_noise(reference["train"]), "runs": {}}
     for name, run in runs.items():
         summary = run["summary"]
@@ -120,7 +135,9 @@ def main(argv=None) -> dict:
         parser.error(str(error))
     table = markdown(result)
     print(table)
-    for path, text in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, table)):
+    # (strict JSON: a difference that is NaN, a run that diverged, is written as null)
+    strict_json = json.dumps(finite_or_null(result), indent=2, allow_nan=False) + "\n"
+    for path, text in ((args.json, strict_json), (args.markdown, table)):
         if path is not None:
             write_atomic(path, text)
     return result

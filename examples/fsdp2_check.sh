@@ -17,6 +17,10 @@ COMPILE_STEPS=${COMPILE_STEPS:-60}
 WORK=${WORK:-/tmp/fsdp2-check}
 mkdir -p "$RESULTS" "$WORK"
 rm -rf "${WORK:?}/single" "$WORK/fsdp2" "$WORK/fsdp2-compile"  # runs of an earlier call: pretrain.py refuses them
+# an earlier call's results, so that a run that fails leaves none of them beside this call's
+rm -f "$RESULTS/single_gpu_train_log.jsonl" "$RESULTS/fsdp2_train_log.jsonl" "$RESULTS/comparison.json" \
+    "$RESULTS/comparison.md" "$RESULTS/fsdp2_compile_train_log.jsonl" "$RESULTS/comparison_compile.json" \
+    "$RESULTS/summaries.json"
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
@@ -38,7 +42,6 @@ cp "$WORK/fsdp2/train_log.jsonl" "$RESULTS/fsdp2_train_log.jsonl"
 python3 "$HERE/compare_loss_curves.py" "$WORK/single" "$WORK/fsdp2" --json "$RESULTS/comparison.json" --markdown "$RESULTS/comparison.md"
 
 echo "=== 2 GPUs, FSDP2 + torch.compile ==="
-rm -f "$RESULTS/fsdp2_compile_train_log.jsonl" "$RESULTS/comparison_compile.json"  # an earlier call's
 compile_failed=0
 python3 -m accelerate.commands.launch --config_file "$HERE/accelerate/fsdp2.yaml" --num_processes 2 "$HERE/pretrain.py" "${COMMON[@]}" \
     --tokenizer "$WORK/single/tokenizer" --per-device-batch-size 8 --max-steps "$STEPS" --stop-after-steps "$COMPILE_STEPS" --torch-compile \

@@ -177,8 +177,9 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def markdown(result: dict) -> str:
+    versions = ", ".join(f"{name} {version}" for name, version in result["versions"].items() if version)
     lines = [f"# The recipe's training speed ({result['device']}, preset {result['preset']}, "
-             f"{result['block_size']}-token blocks, {result['precision']})", "",
+             f"{result['block_size']}-token blocks, {result['precision']})", "", f"Versions: {versions}.", "",
              f"`{result['command']}`", "",
              "| run | arch | mode | sequences | tokens/s | ms/step | ratio | peak GiB | parameters |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -200,10 +201,25 @@ def write(path: Path, text: str) -> None:
         temporary.write_text(text, encoding="utf-8")
 
 
+def library_versions() -> dict:
+    """The versions of torch, transformers and triton (None where not installed) in this Python, which runs the
+    recipe's processes."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("torch", "transformers", "triton"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def report(rows: list[dict], args, argv) -> dict:
     add_ratios(rows)
     devices = sorted({row["device"] for row in rows if row.get("device")})
-    result = {"device": ", ".join(devices) or "unknown", "preset": args.preset, "block_size": args.block_size,
+    result = {"device": ", ".join(devices) or "unknown", "versions": library_versions(), "preset": args.preset,
+              "block_size": args.block_size,
               "precision": args.precision, "steps": args.steps, "logging_steps": args.logging_steps,
               "skip_windows": args.skip_windows, "data_dir": str(args.data_dir),
               "command": " ".join(["examples/recipe_speed.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -250,6 +250,38 @@ def test_throughput_benchmark_refuses_an_empty_workload_before_building_a_model(
     assert not (tmp_path / "continuous_batching.json").exists()
 
 
+def test_throughput_benchmark_refuses_an_unknown_preset_before_writing(tmp_path, capsys):
+    """--preset Tiny made every model a row "failed: ValueError: preset='Tiny' ..." in the written results, after
+    the workloads were drawn, where the other arguments are refused with the usage."""
+    bench = _load_throughput_benchmark()
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "Tiny", "--archs", "llama", "--no-token-lookup", "--requests", "1", "--device", "cpu",
+                    "--out", str(tmp_path / "out")])
+    assert "argument --preset: invalid choice: 'Tiny'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_throughput_benchmark_report_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that failed left `continuous_batching.json.tmp` beside the results (a fixed temporary name, not
+    removed), where `hf_memffn.atomic_write` leaves nothing."""
+    import os
+
+    bench = _load_throughput_benchmark()
+    monkeypatch.setattr(bench, "to_markdown", lambda report: "| table |\n")
+    bench.write_report({"results": []}, str(tmp_path))
+    before = (tmp_path / "continuous_batching.json").read_text()
+
+    def rename_fails(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", rename_fails)
+    with pytest.raises(OSError):
+        bench.write_report({"results": [{"model": "Llama"}]}, str(tmp_path))
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["continuous_batching.json", "continuous_batching.md"]
+    assert (tmp_path / "continuous_batching.json").read_text() == before
+
+
 def test_throughput_benchmark_refuses_token_lookup_without_a_memoryllm(tmp_path, capsys):
     """--token-lookup given with --archs lacking memoryllm ran no lookup-table model and said nothing."""
     bench = _load_throughput_benchmark()

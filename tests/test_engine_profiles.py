@@ -36,3 +36,11 @@ def test_the_table_footer_units_and_a_missing_profile():
         compare_engine_profiles.total_ms("no footer", "Self CUDA")
     with pytest.raises(SystemExit, match="--profile-steps"):
         compare_engine_profiles.main([str(RESULTS / "small_200_steps")])
+
+
+def test_a_folder_without_profiles_among_others_is_refused_before_writing(tmp_path):
+    """A mistyped folder after a good one left its rows out of the table, and the script exited 0."""
+    with pytest.raises(SystemExit, match="370M_profiled_lama"):
+        compare_engine_profiles.main([str(RESULTS / "370M_profiled_flash_mhf"), str(RESULTS / "370M_profiled_lama"),
+                                      "--json", str(tmp_path / "table.json")])
+    assert not (tmp_path / "table.json").exists()

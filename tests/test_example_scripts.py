@@ -147,6 +147,17 @@ def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_com
     assert {"comparison.md", "summaries.json"} <= left
 
 
+@pytest.mark.parametrize("failing", ["single", "fsdp2"])
+def test_fsdp2_check_keeps_no_earlier_results_after_a_failed_run(tmp_path, failing):
+    """A failed one-GPU or FSDP2 run exited non-zero but left the earlier call's comparison, train logs and
+    summaries in RESULTS_DIR, read as this call's."""
+    results, work = tmp_path / "results", str(tmp_path / "work")
+    assert run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work).returncode == 0
+    failed = run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work, FAKE_FAIL=failing)
+    assert failed.returncode != 0
+    assert not list(results.iterdir())
+
+
 def test_cold_cache_first_step_exits_1_after_a_failed_process_and_warm_needs_cold(tmp_path):
     out = tmp_path / "out dir"
     result = run_script(tmp_path, "cold_cache_first_step.sh", str(out), "3", FAKE_FAIL="cold_eager")
@@ -160,6 +171,18 @@ def test_cold_cache_first_step_exits_1_after_a_failed_process_and_warm_needs_col
         refused = run_script(tmp_path, "cold_cache_first_step.sh", str(tmp_path / "other"), "3", RUNS=runs)
         assert refused.returncode == 2 and message in refused.stdout
     assert len(calls(tmp_path, "bench_continuous_batching.py")) == 4  # the refused calls ran nothing
+
+
+def test_cold_cache_first_step_keeps_no_earlier_results_of_a_failed_process(tmp_path):
+    """A process that failed before writing left the earlier call's results in its folder, beside its new log."""
+    out = tmp_path / "out"
+    for name in ("cold", "cold_again"):
+        (out / name).mkdir(parents=True)
+        (out / name / "continuous_batching.json").write_text("{}")
+    result = run_script(tmp_path, "cold_cache_first_step.sh", str(out), "3", RUNS="cold cold_again",
+                        FAKE_FAIL="cold")
+    assert result.returncode == 1 and "cold failed" in result.stdout
+    assert not (out / "cold").exists() and (out / "cold.log").is_file()
 
 
 def write_run(folder: Path, losses: dict[int, float], tokens_per_step: int) -> Path:
@@ -179,6 +202,25 @@ def test_compare_loss_curves_refuses_runs_of_other_tokens_per_step(tmp_path, cap
     with pytest.raises(SystemExit):
         compare_loss_curves.main([str(reference), str(larger), "--json", str(tmp_path / "out.json")])
     assert "different tokens per step" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_compare_loss_curves_refuses_runs_that_logged_other_windows_of_steps(tmp_path, capsys):
+    """The loss logged at a step is the mean since the previous log: a run of --logging-steps 10 was compared at
+    step 10 (steps 1-10) with a reference of --logging-steps 5 (steps 6-10) as if they were the same measure."""
+    reference = write_run(tmp_path / "single", {5: 3.0, 10: 2.5, 15: 2.2, 20: 2.1}, 8192)
+    coarser = write_run(tmp_path / "ddp", {10: 2.75, 20: 2.15}, 8192)
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(coarser), "--json", str(tmp_path / "out.json")])
+    assert "at step 10, steps 1-10 against 6-10" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+    # a run that also logged at a checkpoint (--save-steps 12) holds other windows after it
+    checkpointed = write_run(tmp_path / "fsdp2", {5: 3.0, 10: 2.5, 12: 2.3, 15: 2.2, 20: 2.1}, 8192)
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(checkpointed)])
+    assert "at step 15, steps 13-15 against 11-15" in capsys.readouterr().err
+    # the steps of one run a subset of the other's, over the same windows: compared
+    shorter = write_run(tmp_path / "zero2", {5: 3.0, 10: 2.5}, 8192)
+    assert compare_loss_curves.main([str(reference), str(shorter)])["runs"][str(shorter)]["train_loss_difference"][
+        "steps"] == 2
 
 
 def test_compare_loss_curves_says_when_it_cannot_tell_the_noise_and_refuses_a_run_twice(tmp_path, capsys):
@@ -205,6 +247,17 @@ def test_compare_loss_curves_reports_a_run_that_diverged_at_some_steps_as_not_wi
     train = entry["train_loss_difference"]
     assert math.isnan(train["max_abs"]) and math.isnan(train["mean_abs"])
     assert entry["within_noise"] is False
+
+
+def test_compare_loss_curves_writes_a_diverged_run_as_strict_json(tmp_path):
+    """The differences of a run that diverged went into the JSON as `NaN`, which strict readers refuse."""
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3, 4: 4.1, 5: 3.9}, 8192)
+    diverged = write_run(tmp_path / "ddp", {1: 5.01, 2: 4.62, 3: 4.31, 4: 4.11, 5: math.nan}, 8192)
+    compare_loss_curves.main([str(reference), str(diverged), "--json", str(tmp_path / "out.json")])
+    result = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    entry = result["runs"][str(diverged)]
+    assert entry["train_loss_difference"]["max_abs"] is None and entry["train_loss_difference"]["steps"] == 5
+    assert entry["train_loss_difference"]["other_last"] is None and entry["within_noise"] is False
 
 
 def test_compare_loss_curves_refuses_a_folder_without_a_train_log(tmp_path, capsys):

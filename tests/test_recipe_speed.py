@@ -96,17 +96,23 @@ def test_missing_shards_are_refused_and_a_failed_run_is_a_row_that_says_so(tmp_p
 
 
 
-def test_counts_that_would_skew_the_measure_are_refused(tmp_path, capsys, monkeypatch):
-    """--skip-windows -1 made the last window alone the speed; --steps 0 would have the recipe train epochs."""
+def stand_in_recipe(tmp_path, monkeypatch, windows: int, summary: dict) -> Path:
+    """A data folder, and the recipe replaced by a process that logs `windows` speeds (10, 20, ... tokens/s) and
+    writes `summary`; returns the data folder."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "train.bin").write_bytes(b"")
     script = ("import json, pathlib, sys; out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True); "
               "(out / 'train_log.jsonl').write_text(''.join(json.dumps({'tokens_per_second': 10.0 * i}) + chr(10) "
-              "for i in range(1, 5))); (out / 'summary.json').write_text(json.dumps({'tokens_per_step': 100, "
-              "'parameters': {'total': 1}}))")
+              f"for i in range(1, {windows + 1}))); (out / 'summary.json').write_text(json.dumps({summary!r}))")
     monkeypatch.setattr(recipe_speed, "recipe_command", lambda run, args, output_dir: [
         sys.executable, "-c", script, str(output_dir)])
+    return data
+
+
+def test_counts_that_would_skew_the_measure_are_refused(tmp_path, capsys, monkeypatch):
+    """--skip-windows -1 made the last window alone the speed; --steps 0 would have the recipe train epochs."""
+    data = stand_in_recipe(tmp_path, monkeypatch, 4, {"tokens_per_step": 100, "parameters": {"total": 1}})
     common = ["--out", str(tmp_path / "results"), "--data-dir", str(data), "--work", str(tmp_path / "work"),
               "--preset", "tiny", "--runs", "llama:eager"]
     assert recipe_speed.main(common)["rows"][0]["windows"] == [30.0, 40.0]  # after the first 2 of 4
@@ -118,6 +124,23 @@ def test_counts_that_would_skew_the_measure_are_refused(tmp_path, capsys, monkey
         with pytest.raises(SystemExit):
             recipe_speed.main([*common, option, value])
         assert message in capsys.readouterr().err
+
+
+def test_the_results_name_the_library_versions(tmp_path, monkeypatch):
+    """recipe_speed.{json,md} named the device but not the torch, transformers and triton the runs used."""
+    import torch
+    import transformers
+
+    data = stand_in_recipe(tmp_path, monkeypatch, 1, {"tokens_per_step": 100, "device": "cpu",
+                                                     "parameters": {"total": 1}})
+    out = tmp_path / "results"
+    result = recipe_speed.main(["--out", str(out), "--data-dir", str(data), "--work", str(tmp_path / "work"),
+                                "--preset", "tiny", "--skip-windows", "0", "--runs", "llama:eager"])
+    versions = json.loads((out / "recipe_speed.json").read_text())["versions"]
+    assert versions == result["versions"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
+    table = (out / "recipe_speed.md").read_text()
+    assert f"torch {torch.__version__}, transformers {transformers.__version__}" in table
 
 
 def test_default_shards_come_from_the_standard_library_once_per_vocabulary_and_stream(tmp_path):
