@@ -53,14 +53,15 @@ def _check_bools(config, fields) -> None:
         _check(type(config).__name__, isinstance(value, bool), field, value, "must be True or False")
 
 
-def _check_number(config, field: str, low: float, low_inclusive: bool, high: float | None = None) -> None:
+def _check_number(config, field: str, low: float, low_inclusive: bool, high: float | None = None,
+                  hint: str | None = None) -> None:
     value = getattr(config, field)
     interval = f"{'[' if low_inclusive else '('}{low:g}, {'inf)' if high is None else f'{high:g})'}"
     within = (_is_number(value) and math.isfinite(value) and (value >= low if low_inclusive else value > low)
               and (high is None or value < high))
     requirement = f"must be a number in {interval}" if high is not None else (
         f"must be a finite number {'>=' if low_inclusive else '>'} {low:g}")
-    _check(type(config).__name__, within, field, value, requirement)
+    _check(type(config).__name__, within, field, value, requirement + (f" ({hint})" if hint else ""))
 
 
 # `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
@@ -510,9 +511,8 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         _check_bools(self, ("ffn_query_norm", "ffn_io_projections"))
         # (> 0: the gates divide by sum_E sigmoid + ffn_gate_eps, and the sigmoids of scores below about -88 are 0 in
         # float32, so a token whose scores all fall there would get 0 / 0 = NaN gates)
-        _check(name, _is_number(self.ffn_gate_eps) and math.isfinite(self.ffn_gate_eps) and self.ffn_gate_eps > 0,
-               "ffn_gate_eps", self.ffn_gate_eps, "must be a finite number > 0 (a saved config.json of 0 loads with "
-               "`from_pretrained(path, ffn_gate_eps=1e-6)`)")
+        _check_number(self, "ffn_gate_eps", 0.0, low_inclusive=False,
+                      hint="a saved config.json of 0 loads with `from_pretrained(path, ffn_gate_eps=1e-6)`")
         _check_positive_ints(self, ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads"))
         if self.ffn_variant == "swiglu":
             return
