@@ -203,14 +203,14 @@ def write(path: Path, text: str) -> None:
 
 def library_versions() -> dict:
     """The versions of torch, transformers and triton (None where not installed) in this Python, which runs the
-    recipe's processes."""
-    from importlib import metadata
+    recipe's processes, as each module reports it (torch's with its build, e.g. ``2.11.0+cu130``)."""
+    import importlib
 
     versions = {}
     for name in ("torch", "transformers", "triton"):
         try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
+            versions[name] = importlib.import_module(name).__version__
+        except ImportError:
             versions[name] = None
     return versions
 
