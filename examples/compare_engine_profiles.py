@@ -47,6 +47,7 @@ def profile_row(folder: Path, run: str) -> dict | None:
         "model": summary.get("model_type") or summary.get("arch") or folder.name,
         "run": run,
         "gpus": summary.get("world_size", 1 if run == "single" else 2),
+        "device": summary.get("device", "unknown"),
         "steps_profiled": steps,
         "wall_ms_per_step": round(wall, 1),
         "kernel_ms_per_step": round(kernel, 1),
@@ -61,7 +62,9 @@ def profile_row(folder: Path, run: str) -> dict | None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | run | GPUs | wall ms/step | GPU 0 kernels ms/step | of which collectives | GPU idle | host waits for GPU ms/step | host self ms/step (all threads) | tokens/s |",
+    devices = ", ".join(sorted({r["device"] for r in rows}))
+    lines = [f"Device: {devices}.", "",
+             "| model | run | GPUs | wall ms/step | GPU 0 kernels ms/step | of which collectives | GPU idle | host waits for GPU ms/step | host self ms/step (all threads) | tokens/s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(

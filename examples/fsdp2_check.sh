@@ -55,6 +55,9 @@ import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
 summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(work.iterdir()) if (d / "summary.json").is_file()}
-Path(sys.argv[2]).write_text(json.dumps(summaries, indent=2) + "\n")
+out = Path(sys.argv[2])
+temporary = out.with_name(out.name + ".partial")
+temporary.write_text(json.dumps(summaries, indent=2) + "\n")
+temporary.replace(out)
 EOF
 exit $compile_failed

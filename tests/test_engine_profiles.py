@@ -23,6 +23,8 @@ def test_the_committed_profiles_give_one_row_per_engine_and_model(tmp_path):
         (model, run) for model in ("memffn_flash_mhf", "llama") for run in compare_engine_profiles.RUNS]
     assert json.loads((tmp_path / "table.json").read_text()) == rows
     assert (tmp_path / "table.md").read_text() == (RESULTS / "engine_profiles.md").read_text()
+    assert {r["device"] for r in rows} == {"NVIDIA H100 80GB HBM3"}  # the table says which GPU measured it
+    assert (tmp_path / "table.md").read_text().startswith("Device: NVIDIA H100 80GB HBM3.\n")
     for row in rows:  # each GPU's kernel time fits in its step; one GPU and DDP keep it busy
         assert 0 < row["kernel_ms_per_step"] <= row["wall_ms_per_step"]
         assert (row["gpu_idle_fraction"] < 0.15) == (row["run"] in ("single", "ddp"))
