@@ -4,7 +4,7 @@ wrapped as a transformers `PreTrainedTokenizerFast` that `save_pretrained` / `Au
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
 MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
@@ -31,6 +31,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     if isinstance(texts, (str, bytes)):  # (iterated, a text is its characters: a BPE without a merge)
         raise ValueError(f"texts is one {type(texts).__name__} of {len(texts)} characters; allowed: an iterable of "
                          "texts (str), e.g. a list of documents")
+    if isinstance(texts, Mapping):  # (iterated, a dict is its keys: `dataset[:n]` trained on its column names)
+        raise ValueError(f"texts is a {type(texts).__name__} with keys {list(texts)[:5]!r}; allowed: an iterable of "
+                         "texts (str), e.g. a list of documents, or one column of this mapping (texts['text'])")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     tokenizer.decoder = decoders.ByteLevel()

@@ -77,12 +77,16 @@ def test_bad_arguments_name_the_field():
 
 def test_train_tokenizer_refuses_one_text_and_items_that_are_not_texts():
     """One str (a whole corpus read from a file) was trained on as texts of one character each, a BPE without a
-    merge; a dict was trained on as its keys; a float or str vocab_size failed in `tokenizers` without its name."""
+    merge; a dict, as an item or as the whole of `texts`, was trained on as its keys; a float or str vocab_size failed
+    in `tokenizers` without its name."""
     corpus = "the memory stores the key and the value of the token " * 50
     with pytest.raises(ValueError, match=r"texts is one str of 2650 characters; allowed: an iterable of texts"):
         train_tokenizer(corpus, vocab_size=300)
     with pytest.raises(ValueError, match=r"texts\[0\] is dict .*; allowed: a str \(a text\) or a list of str"):
         train_tokenizer([{"text": corpus}], vocab_size=300)
+    # (a batch of rows as `datasets` slices it, `dataset[:n]`, is a dict of columns: it trained on the column names)
+    with pytest.raises(ValueError, match=r"texts is a dict with keys \['text'\]; allowed: an iterable of texts"):
+        train_tokenizer({"text": [corpus] * 4}, vocab_size=300)
     with pytest.raises(ValueError, match=r"texts\[1\] is NoneType None; allowed: a str \(a text\) or a list"):
         train_tokenizer((text for text in [corpus, None]), vocab_size=300)
     for size in (2048.0, "2048", None):

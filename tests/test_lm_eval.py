@@ -211,6 +211,40 @@ def test_memffn_model_checks_its_lookup_arguments_before_loading_the_model(check
     assert not isinstance(refused.value, AssertionError)
 
 
+def test_memffn_model_refuses_a_folder_without_a_table_or_another_models_table_before_loading(checkpoints, tmp_path,
+                                                                                              monkeypatch):
+    """A folder holding no table (the checkpoint's own, before `export-tols`), a table exported from a model of
+    another shape and `token_lookup_placement=gpu` without CUDA were refused by `load_tols` only once the model had
+    been loaded: now before, as `hf-memffn serve` refuses them."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    config = tiny_config("memoryllm")
+    config.num_hidden_layers += 1
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    export_tols(str(tmp_path / "other"), tmp_path / "other_table", format="fp32", progress=False)
+    export_tols(str(checkpoints["memoryllm"]), tmp_path / "table", format="fp32", progress=False)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before its lookup table was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for arguments, error, message in (
+            ({"token_lookup": str(checkpoints["memoryllm"])}, FileNotFoundError,
+             "no token lookup table there (token_lookup.safetensors.index.json is missing)"),
+            ({"token_lookup": str(tmp_path / "other_table")}, ValueError,
+             f"the table was exported from another model: num_hidden_layers={config.num_hidden_layers} "
+             f"(the model has {config.num_hidden_layers - 1})"),
+            ({"token_lookup": str(tmp_path / "table"), "token_lookup_placement": "gpu"}, ValueError,
+             "token_lookup_placement='gpu' needs a CUDA device; allowed here: 'cpu', 'disk'")):
+        with pytest.raises(error, match=re.escape(message)):
+            load_lm(MemFFNLM, checkpoints["memoryllm"], **arguments)
+
 def test_memffn_model_default_table_placement_follows_the_models_device(checkpoints, tmp_path, monkeypatch):
     """`device=cpu` on a machine with CUDA: without `token_lookup_placement` the table stays on the host."""
     import torch
