@@ -88,7 +88,7 @@ class LowRankDelta(nn.Module):
 
 
 def _check_rank(r, alpha) -> None:
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r <= 0:
         raise ValueError(f"r={r!r} is invalid: must be a positive integer")
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not (math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha={alpha!r} is invalid: must be a finite number > 0")
@@ -98,6 +98,20 @@ def _parametrized_with(module: nn.Module, name: str, kind: type) -> bool:
     """Whether the weight `module.name` carries a parametrization of class `kind` (LowRankDelta or Int8Weight)."""
     return parametrize.is_parametrized(module, name) and any(
         isinstance(item, kind) for item in module.parametrizations[name])
+
+
+def _pefts_parameter_adapters(model: nn.Module, found) -> list[str]:
+    """The qualified names among `found` of the weights that PEFT's `target_parameters` LoRA adapts: its wrapper
+    (`ParamWrapper`) names the weight in `parameter_name` and holds the weight's module as its base layer. Each forward
+    of the wrapper registers its delta as a parametrization of that weight and removes it afterwards; on top of
+    another parametrization of the weight, PEFT can leave it registered, so that every forward adds the delta once
+    more."""
+    wrapped = set()
+    for module in model.modules():
+        name, get_base_layer = getattr(module, "parameter_name", None), getattr(module, "get_base_layer", None)
+        if isinstance(name, str) and callable(get_base_layer):
+            wrapped.add((id(get_base_layer()), name))
+    return sorted(qualified for qualified, module, name in found if (id(module), name) in wrapped)
 
 
 def _adapter_parameters(model: nn.Module) -> set[int]:
@@ -121,8 +135,10 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
     names as `parameter_weights` gives them). Returns the adapted names.
 
     `freeze_base` freezes every parameter that is not an adapter's: adapters added before (these, or PEFT's on a
-    `get_peft_model` model) stay as they were. A weight that has an adapter already is refused (merge it first)."""
+    `get_peft_model` model) stay as they were. A weight that has an adapter already (ours, or PEFT's
+    `target_parameters` LoRA) is refused (merge it first)."""
     _check_rank(r, alpha)
+    r, alpha = int(r), float(alpha)  # (NumPy's integers and floats too)
     found = parameter_weights(model)
     if isinstance(targets, str):
         raise ValueError(f"targets={targets!r} is invalid: must be a list of qualified weight names "
@@ -139,10 +155,15 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
                          f"{' among targets=[]' if targets is not None else ''} (the FFNs of Linear layers take PEFT's "
                          "LoRA: hf_memffn.LORA_TARGET_MODULES), and freeze_base=True would freeze the whole model")
     _refuse_sharded_weights("add_weight_lora", found)
+    _refuse_offloaded_weights("add_weight_lora", found)
     adapted = sorted(qualified for qualified, module, name in found if _parametrized_with(module, name, LowRankDelta))
     if adapted:
         raise ValueError(f"add_weight_lora: {adapted} have a LoRA adapter already; merge it first "
                          f"(adapters.merge_weight_lora), or pass targets= without them")
+    pefts = _pefts_parameter_adapters(model, found)
+    if pefts:
+        raise ValueError(f"add_weight_lora: {pefts} have PEFT's target_parameters LoRA already; pass targets= "
+                         "without them, or leave them out of target_parameters")
     if freeze_base:
         adapter_ids = _adapter_parameters(model)
         for param in model.parameters():
@@ -165,6 +186,17 @@ def _refuse_sharded_weights(function: str, found) -> None:
         raise ValueError(f"{function}: {sharded[:3]}{' ...' if len(sharded) > 3 else ''} are sharded by tensor "
                          "parallelism (DTensors); add adapters or int8 before sharding the model, or load it without "
                          "tp_plan")
+
+
+def _refuse_offloaded_weights(function: str, found) -> None:
+    """A device map with "cpu" or "disk" entries keeps the weights it offloads on the meta device between forwards
+    and loads them by name around each forward: a parametrization would be built from the empty meta tensor, and
+    would replace it."""
+    offloaded = [qualified for qualified, module, name in found if getattr(module, name).is_meta]
+    if offloaded:
+        raise ValueError(f"{function}: {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} are on the meta device "
+                         "(offloaded by a device map with \"cpu\" or \"disk\" entries, or not loaded yet); load the "
+                         "model with these weights on a device (a device_map that offloads none of them) first")
 
 
 def _lora_parametrizations(model: nn.Module):
@@ -229,14 +261,21 @@ def _with_merged_bank_adapters(state_dict: dict[str, torch.Tensor]) -> dict[str,
     return state
 
 
+# where a PEFT model (`get_peft_model`) holds the model it wraps
+_PEFT_MODEL_PREFIX = "base_model.model."
+
+
 def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load adapter weights saved by `weight_lora_state_dict` into a model with the same adapters added (also files
-    saved when FlashMHF's banks were three parameters `key`, `up`, `value`)."""
-    state_dict = _with_merged_bank_adapters(state_dict)
+    saved when FlashMHF's banks were three parameters `key`, `up`, `value`). The names are compared without PEFT's
+    prefix `base_model.model.`: adapters saved from a PEFT model load into the model it wraps (merged, for example,
+    by `merge_and_unload`), and the reverse."""
+    state_dict = {key.removeprefix(_PEFT_MODEL_PREFIX): value
+                  for key, value in _with_merged_bank_adapters(state_dict).items()}
     names = {id(module): module_name for module_name, module in model.named_modules()}
     adapter_params = {}
     for module, name, _, item in _lora_parametrizations(model):
-        prefix = f"{names[id(module)]}.{name}".lstrip(".")
+        prefix = f"{names[id(module)]}.{name}".lstrip(".").removeprefix(_PEFT_MODEL_PREFIX)
         for part in ("lora_A", "lora_B"):
             key = f"{prefix}.{part}"
             adapter_params[key] = getattr(item, part)
@@ -273,6 +312,7 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     Returns the quantized names."""
     found = parameter_weights(model)
     _refuse_sharded_weights("quantize_weights_int8", found)
+    _refuse_offloaded_weights("quantize_weights_int8", found)
     quantized = [qualified for qualified, module, name in found if _parametrized_with(module, name, Int8Weight)]
     if quantized:
         raise ValueError(f"quantize_weights_int8: {quantized} are int8 already")
@@ -280,6 +320,11 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     if adapted:
         raise ValueError(f"quantize_weights_int8: {adapted} have adapters; quantize before adding adapters "
                          "(add_weight_lora), not after, or merge them first (adapters.merge_weight_lora)")
+    pefts = _pefts_parameter_adapters(model, found)
+    if pefts:
+        raise ValueError(f"quantize_weights_int8: {pefts} have PEFT's target_parameters LoRA, which int8 weights do "
+                         "not take; quantize first and adapt them with add_weight_lora (LoRA on top of int8), or "
+                         "merge PEFT's adapters first (merge_and_unload)")
     for _, module, name in found:
         getattr(module, name).requires_grad_(False)  # an int8 parameter cannot require gradients
         parametrize.register_parametrization(module, name, Int8Weight())

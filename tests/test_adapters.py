@@ -325,6 +325,16 @@ def test_add_weight_lora_refuses_bad_arguments_naming_them(kwargs, message):
     assert not any(".parametrizations." in name for name, _ in model.named_parameters())
 
 
+def test_add_weight_lora_takes_numpy_numbers():
+    """A rank from a NumPy sweep (`np.int64`) was refused as "not a positive integer", where NumPy's floats were
+    taken for alpha."""
+    np = pytest.importorskip("numpy")
+    model = tiny_model("memoryllm")
+    assert adapters.add_weight_lora(model, r=np.int64(4), alpha=np.float32(8), targets=["model.memory.up_proj"])
+    (_, _, _, item), = adapters._lora_parametrizations(model)
+    assert item.lora_A.shape == (2, 4, 64) and item.scaling == 2.0 and type(item.scaling) is float
+
+
 def test_add_weight_lora_on_a_peft_model_warns_that_pefts_checkpoints_leave_its_adapters_out(tmp_path):
     """PEFT's save_pretrained (the Trainer's checkpoints of a PEFT model) keeps PEFT's adapters only."""
     from safetensors.torch import load_file
@@ -448,3 +458,84 @@ def test_transformers_peft_integration_adds_switches_saves_and_loads_adapters(ar
     fresh.load_adapter(str(tmp_path), adapter_name="probe")
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, adapted)
+
+
+@pytest.mark.parametrize("arch, target_parameters",
+                         [("flash_mhf", ["router"]), ("memoryllm", ["gate_proj", "up_proj"])])
+def test_weights_with_pefts_target_parameters_lora_are_refused_ours_and_int8(arch, target_parameters):
+    """PEFT's `target_parameters` LoRA registers its delta on the weight for each forward and removes it afterwards;
+    on top of this module's LoRA it stayed registered, so every forward added PEFT's delta once more and the logits
+    drifted from call to call without an error. Int8 under it failed in the forward with an AttributeError."""
+    ids = torch.randint(3, 320, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=target_parameters,
+                             init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model(arch), config)
+    names = [name for name, _, _ in adapters.parameter_weights(model)]
+    pefts = [name for name in names if name.rpartition(".")[2] in target_parameters]
+    with pytest.raises(ValueError, match=r"have PEFT's target_parameters LoRA already; pass targets= without them"):
+        adapters.add_weight_lora(model, r=2, targets=pefts[:1])
+    with pytest.raises(ValueError, match=r"have PEFT's target_parameters LoRA, which int8 weights do not take"):
+        adapters.quantize_weights_int8(model)
+    assert not any(".parametrizations." in name for name, _ in model.named_parameters())  # nothing changed
+    others = [name for name in names if name not in pefts]
+    assert adapters.add_weight_lora(model, r=2, targets=others) == others
+    with torch.no_grad():
+        for _, _, _, item in adapters._lora_parametrizations(model):
+            item.lora_B.normal_()
+        first = model(ids).logits
+        torch.testing.assert_close(model(ids).logits, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch, offloaded", [("flash_mhf", "model.layers.1"), ("memoryllm", "model.memory")])
+def test_weights_offloaded_by_a_device_map_are_refused_adapters_and_int8(arch, offloaded, tmp_path):
+    """A device map with "disk" (or, beside a GPU, "cpu") entries keeps the weights it offloads on the meta device
+    between forwards: int8 was computed from the empty meta tensor and replaced it, LoRA built meta adapters, and the
+    next forward failed with "Cannot copy out of meta tensor" or a device mismatch inside the FFN."""
+    model = tiny_model(arch)
+    model.save_pretrained(tmp_path / "model")
+    device_map = {name: "cpu" for name in ("model.embed_tokens", "model.rotary_emb", "model.layers.0",
+                                           "model.layers.1", "model.norm", "lm_head")}
+    if arch == "memoryllm":
+        device_map["model.memory"] = "cpu"
+    device_map[offloaded] = "disk"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                  offload_folder=tmp_path / "offload").eval()
+    ids = torch.randint(3, 320, (2, 8))
+    names = [name for name, _, _ in adapters.parameter_weights(loaded) if name.startswith(offloaded)]
+    with pytest.raises(ValueError, match=rf"add_weight_lora: \['{names[0]}'.*are on the meta device.*device map"):
+        adapters.add_weight_lora(loaded, r=2)
+    with pytest.raises(ValueError, match=rf"quantize_weights_int8: \['{names[0]}'.*are on the meta device"):
+        adapters.quantize_weights_int8(loaded)
+    assert not any(".parametrizations." in name for name, _ in loaded.named_parameters())
+    with torch.no_grad():  # (nothing changed: the offloaded weights still load for the forward)
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_adapters_saved_from_a_peft_model_load_into_the_model_it_wraps_and_back(tmp_path):
+    """README's order saves `weight_lora_state_dict` of a PEFT model beside PEFT's adapters: its names carry PEFT's
+    `base_model.model.` prefix, and loading it into the merged model (`merge_and_unload`) said the state was missing
+    every adapter, "add the same adapters with add_weight_lora first", though they had been added."""
+    ids = torch.randint(3, 320, (2, 8))
+    targets = hf_memffn.LORA_TARGET_MODULES["flash_mhf"]
+    model = peft.get_peft_model(tiny_model("flash_mhf"), peft.LoraConfig(r=2, target_modules=targets,
+                                                                         init_lora_weights=False))
+    adapters.add_weight_lora(model, r=2, alpha=4)
+    with torch.no_grad():
+        for _, _, _, item in adapters._lora_parametrizations(model):
+            item.lora_B.normal_()
+        adapted = model(ids).logits
+    model.save_pretrained(tmp_path)
+    state = adapters.weight_lora_state_dict(model)
+    assert all(key.startswith("base_model.model.") for key in state)
+
+    merged = peft.PeftModel.from_pretrained(tiny_model("flash_mhf"), tmp_path).merge_and_unload()
+    adapters.add_weight_lora(merged, r=2, alpha=4)
+    adapters.load_weight_lora(merged, state)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted)
+    # and the reverse: adapters saved from the plain model load into a PEFT model of it
+    wrapped = peft.PeftModel.from_pretrained(tiny_model("flash_mhf"), tmp_path)
+    adapters.add_weight_lora(wrapped, r=2, alpha=4)
+    adapters.load_weight_lora(wrapped, adapters.weight_lora_state_dict(merged))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(ids).logits, adapted)
