@@ -500,6 +500,18 @@ def test_layer_contributions_measure_a_lookup_table_after_the_memory_ffn_is_drop
     assert from_table.memory == pytest.approx(computed.memory, rel=1e-4)
 
 
+def test_a_memoryllm_without_its_memory_ffn_is_refused_with_the_reason(tmp_path):
+    """Once `load_tols(..., drop_memory_ffn=True)` has freed a MemoryLLM's only FFNs, the analysis said the model
+    'has no FFN memory to analyse', with no word of why or what to do."""
+    export = pytest.importorskip("hf_memffn.conversion.export")
+    model = build("memoryllm")
+    export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
+    model.load_tols(tmp_path / "tols", placement="cpu", drop_memory_ffn=True)
+    with pytest.raises(ValueError, match=r"has no FFN memory to analyse: its FFNs on the token embeddings were dropped "
+                                         r"for a lookup table \(`drop_memory_ffn`\).*load the model again"):
+        memory_banks(model)
+
+
 @pytest.mark.parametrize("case,method", [("llama", "value"), ("memoryllm", "token_memory")])
 def test_an_edit_leaves_no_gradient_on_the_model_parameters(case, method):
     model = build(case)
@@ -801,3 +813,73 @@ def test_analyze_checks_the_edits_before_the_analysis():
     finally:
         handle.remove()
     assert forwards == []
+
+
+def test_report_shows_control_characters_of_tokens_as_escapes(tmp_path):
+    """A byte-level token such as `\\x01` went into index.html as it is: a character an HTML page may not hold, which
+    a browser drops or shows as nothing (an empty-looking token). Now written as its Python escape."""
+    from hf_memffn.analysis import analyze, write_report
+    from hf_memffn.testing import tiny_tokenizer
+
+    report = analyze(build("kvffn"), tiny_tokenizer(), ["head\x01reads the\x0b memory\x7f"], top_triggers=1,
+                     cells_per_bank=1, agreement_cells=8, edits=[("head\x01reads the", " memory")])
+    assert {"\x01", "\x0b", "\x7f"} <= set(report["texts"][0]["tokens"])
+    html = write_report(report, tmp_path / "report").read_text(encoding="utf-8")
+    assert re.findall("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\ufdd0-\ufdef\ufffe\uffff]", html) == []
+    for escape in ("\\x01", "\\x0b", "\\x7f"):
+        assert f'<span class="tok">{escape}</span>' in html
+    assert "<code>head\\x01reads<mark> the</mark></code>" in html  # the edit's prompt too
+
+
+def test_report_plots_tokens_holding_dollar_signs_as_text():
+    """A token such as `$$` or `$_` in the first text made matplotlib read its tick label as mathtext and fail (no
+    report was written); `$x$` showed as an italic x. Tokens are now plotted as they are."""
+    from hf_memffn.analysis.analyze import analyze
+    from hf_memffn.analysis.report import plot_text_coefficients
+    from hf_memffn.tokenization import train_tokenizer
+
+    text = "the price is $$ and $_ or $x$ of the key"
+    tokenizer = train_tokenizer([text] * 20, vocab_size=300)
+    report = analyze(build("kvffn"), tokenizer, [text], top_triggers=1, cells_per_bank=1, agreement_cells=8,
+                     edits=[])
+    assert {" $$", " $_"} <= set(report["texts"][0]["tokens"])
+    assert plot_text_coefficients(report).startswith(b"\x89PNG")
+
+
+def test_the_demonstration_edit_works_in_a_vocabulary_of_fewer_than_ten_tokens():
+    """The default edit's target is the token ranked 10th after the prompt; with fewer tokens `analyze` failed with
+    'no token of the vocabulary can serve'. Now the last-ranked token is taken."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_memffn.analysis import analyze
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="a"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=3)).eval()
+    report = analyze(model, tokenizer, ["a b c a", "b b c"], top_triggers=1, cells_per_bank=1, agreement_cells=8)
+    edit = report["edits"][0]
+    assert edit["prompt"] == "a b c a"
+    last_ranked = int(next_token_probabilities(model, torch.tensor([0, 1, 2, 0])).argmin())
+    assert edit["target"] == tokenizer.decode([last_ranked])
+
+
+def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
+    """Each byte token of a character outside the merges (a byte-level BPE splits `中` into three) decodes alone to
+    U+FFFD: the report showed `���` for any non-ASCII text, and the promoted tokens could not be told apart. Now such
+    a token is named by its bytes."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.analysis.analyze import TokenNames
+    from hf_memffn.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    report = analyze(build("llama"), tokenizer, ["中 value"], top_triggers=1, cells_per_bank=1, agreement_cells=8,
+                     edits=[])
+    assert report["texts"][0]["tokens"] == ["<s>", " ", "\\xe4", "\\xb8", "\\xad", " value"]
+    names = TokenNames(tokenizer)
+    assert len({names(token) for token in range(len(tokenizer))}) == len(tokenizer)  # no two tokens share a name
+    from hf_memffn.analysis.analyze import token_bytes
+
+    assert token_bytes("<0xE4>") == b"\xe4" and token_bytes("Ġä¸") == b" \xe4\xb8" and token_bytes("▁the") is None

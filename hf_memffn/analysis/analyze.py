@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -62,8 +63,32 @@ def read_texts(path: str | Path) -> list[str]:
     return texts
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE's vocabulary (GPT-2's alphabet: `Ġ` for a space, ...) stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def token_bytes(piece: str) -> bytes | None:
+    """The bytes a vocabulary entry stands for: a SentencePiece byte token (`<0xE4>`) or a byte-level BPE piece
+    (`Ġä¸`); None for any other entry."""
+    byte = _BYTE_FALLBACK.fullmatch(piece)
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    if piece and all(character in BYTE_LEVEL_ALPHABET for character in piece):
+        return bytes(BYTE_LEVEL_ALPHABET[character] for character in piece)
+    return None
+
+
 class TokenNames:
-    """Readable strings for token ids (decoded one by one, so byte-level markers disappear)."""
+    """Readable strings for token ids (decoded one by one, so byte-level markers disappear). A token holding part of
+    a character's UTF-8 bytes decodes alone to U+FFFD whatever the bytes; it is named by its bytes instead, those of
+    no whole character as escapes (`Ġä¸` is ` \\xe4\\xb8`), so the pieces of different characters stay apart."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -74,7 +99,13 @@ class TokenNames:
             return ""
         token_id = int(token_id)
         if token_id not in self._cache:
-            self._cache[token_id] = self.tokenizer.decode([token_id])
+            name = self.tokenizer.decode([token_id])
+            if "\ufffd" in name:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                data = token_bytes(piece) if isinstance(piece, str) else None
+                if data is not None:
+                    name = data.decode("utf-8", errors="backslashreplace")
+            self._cache[token_id] = name
         return self._cache[token_id]
 
     def many(self, ids: Iterable[int]) -> list[str]:
@@ -245,14 +276,18 @@ def _edit_section(
 
 
 def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, target_rank: int = 10) -> tuple[str, str]:
-    """A demonstration edit: the first words of `text`, and the token the model ranks `target_rank`-th after them."""
+    """A demonstration edit: the first words of `text`, and the token the model ranks `target_rank`-th after them (in
+    a vocabulary of fewer tokens, the last-ranked one). A token whose text does not tokenize back to it is passed over
+    for the next rank, then for the ranks above."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
     prompt = tokenizer.decode(ids)
     prompt_ids = torch.as_tensor(tokenizer(prompt)["input_ids"])
     device = next(model.parameters()).device
     with torch.no_grad():
         logits = model(input_ids=prompt_ids.reshape(1, -1).to(device)).logits[0, -1, : len(tokenizer)]
-    for token_id in logits.argsort(descending=True)[target_rank - 1 :].tolist():
+    ranked = logits.argsort(descending=True).tolist()
+    start = min(target_rank, len(ranked)) - 1
+    for token_id in ranked[start:] + ranked[:start][::-1]:
         target = tokenizer.decode([token_id])
         if tokenizer(target, add_special_tokens=False)["input_ids"][:1] == [token_id]:  # survives re-encoding
             return prompt, target

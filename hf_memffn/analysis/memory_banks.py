@@ -153,7 +153,10 @@ def memory_banks(model: nn.Module) -> list[MemoryBank]:
             banks.append(MemoryBank(f"layers.{layer}.memory", layer, memory.layer_memory(layer),
                                     hook_module=decoder.embed_tokens, hook_reads_output=True, context_free=True))
     if not banks:
-        raise ValueError(f"model of class {type(model).__name__} has no FFN memory to analyse")
+        dropped = memory is None and getattr(decoder.config, "token_memory_size", None) is not None
+        raise ValueError(f"model of class {type(model).__name__} has no FFN memory to analyse" + (
+            ": its FFNs on the token embeddings were dropped for a lookup table (`drop_memory_ffn`), whose rows hold "
+            "their outputs, not their coefficients; load the model again without dropping them" if dropped else ""))
     return banks
 
 

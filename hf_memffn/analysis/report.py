@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +135,8 @@ def plot_text_coefficients(report: dict, text_index: int = 0) -> bytes:
                 colour = "black" if peak[row, column] > 0.6 else "white"
                 axis.text(column, row, cells[0][0], ha="center", va="center", fontsize=5.5, color=colour)
     axis.set_yticks(range(len(names)), names, fontsize=7)
-    axis.set_xticks(range(len(tokens)), [repr(t)[1:-1] for t in tokens], rotation=70, fontsize=7)
+    # (tokens are text, not mathtext: a `$$` or `$_` token fails to parse, and `$x$` would show as an italic x)
+    axis.set_xticks(range(len(tokens)), [repr(t)[1:-1] for t in tokens], rotation=70, fontsize=7, parse_math=False)
     axis.set_title("top memory cell per token and bank (colour: |coefficient| scaled to the bank's max in the text)")
     figure.colorbar(image, ax=axis, fraction=0.02)
     return _png(figure)
@@ -177,8 +179,15 @@ summary { cursor: pointer; font-weight: 600; }
 """
 
 
+# Characters an HTML page may not hold (control characters other than whitespace, noncharacters): a browser drops them
+# or shows them as nothing, so a token such as a byte-level `\x16` would read as an empty one. Shown as Python escapes,
+# as the plots' token labels show them.
+_NONCHARACTERS = "".join(chr(plane + end) for plane in range(0, 0x110000, 0x10000) for end in (0xFFFE, 0xFFFF))
+_NOT_IN_HTML = re.compile(f"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\ufdd0-\ufdef{_NONCHARACTERS}]")
+
+
 def _e(text) -> str:
-    return html.escape(str(text))
+    return _NOT_IN_HTML.sub(lambda match: ascii(match.group())[1:-1], html.escape(str(text)))
 
 
 def _tok(text: str) -> str:
