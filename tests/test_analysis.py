@@ -486,6 +486,23 @@ def test_a_value_edit_of_the_memory_on_x0_is_refused_while_a_lookup_table_is_loa
     result.edit.revert()
 
 
+@pytest.mark.parametrize("case, attach", [("flash_mhf", "lora"), ("memoryllm", "int8")])
+def test_a_value_edit_of_weights_under_an_adapter_or_int8_is_refused_and_acts_after_merging(case, attach):
+    """The module computes such a weight from its parametrization on each read: the edit changed that copy and the
+    model's next-token probabilities not at all."""
+    adapters = pytest.importorskip("hf_memffn.adapters")
+    model = build(case)
+    adapters.add_weight_lora(model, r=2) if attach == "lora" else adapters.quantize_weights_int8(model)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"computed by a parametrization .*merge_weight_lora"):
+        edit_next_token(model, PROMPT, EDIT_TOKEN, method="value")
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    adapters.merge_weight_lora(model)
+    result = edit_next_token(model, PROMPT, EDIT_TOKEN, method="value")
+    assert result.target_probability_after > result.target_probability_before
+    result.edit.revert()
+
+
 @pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
 def test_layer_contributions_measure_a_lookup_table_after_the_memory_ffn_is_dropped(case, tmp_path):
     export = pytest.importorskip("hf_memffn.conversion.export")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .arguments import check_at_least, check_strength
 from .coefficients import coefficients_for_ids, one_sequence
@@ -111,7 +112,12 @@ class ValueEdit:
         if not 0 <= self.cell < self.bank.num_cells:
             raise ValueError(f"cell={self.cell} is outside {self.bank.name}: allowed cells are "
                              f"0..{self.bank.num_cells - 1}")
-        weights = self.bank.value_parameter().detach()
+        weights = self.bank.value_parameter()
+        if not isinstance(weights, nn.Parameter):  # (the module computes it from its parametrization on each read)
+            raise ValueError(f"{self.bank.name}: its values are computed by a parametrization (a LoRA adapter or int8 "
+                             "weights of hf_memffn.adapters), so an edit would change a copy and nothing else; merge "
+                             "them first (adapters.merge_weight_lora)")
+        weights = weights.detach()
         before = weights.clone()
         self.bank.add_to_value(self.cell, self.delta)
         changed = torch.nonzero(weights != before, as_tuple=True)
