@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -252,6 +253,12 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
                     raise ValueError(f"--dataset-split={args.dataset_split!r} is not a split of {args.dataset!r}; "
                                      f"allowed: {', '.join(dataset)}")
                 dataset = dataset[args.dataset_split]
+            else:  # one split saved alone: --dataset-split may only name it (or be left at train)
+                allowed = ["train"] + [str(dataset.split)] * (dataset.split not in (None, "train"))
+                if args.dataset_split not in allowed:
+                    raise ValueError(f"--dataset-split={args.dataset_split!r} is not a split of {args.dataset!r}, "
+                                     f"which holds one dataset saved without its other splits; allowed: "
+                                     f"{' or '.join(allowed)} (the default train: the whole saved dataset)")
         else:
             dataset = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split)
         if args.text_column not in dataset.column_names:
@@ -528,7 +535,9 @@ def reload_and_generate(directory: Path, trained: torch.nn.Module, corpus: Corpu
         outputs = torch.load(result_path + ".pt")
     trained.eval()
     logits = trained(input_ids=outputs["input_ids"].to(device)).logits.float().cpu()
-    difference = (logits - outputs["logits"]).abs().max().item()
+    reference = outputs["logits"]
+    same = (logits == reference) | (logits.isnan() & reference.isnan())  # (a diverged model's nan, reloaded)
+    difference = torch.where(same, 0.0, (logits - reference).abs()).max().item()
     return {
         "directory": str(directory),
         "class": reloaded["class"],
@@ -667,8 +676,16 @@ def _run(args: argparse.Namespace) -> int:
     # reload one of this package's architectures if any was trained (the baseline needs no remote code)
     reload_arch = next((a for a in ARCHITECTURE_NAMES if a in trained and a != BASELINE), BASELINE)
     sample = reload_and_generate(out / reload_arch, trained[reload_arch], corpus, device)
-    lookup = lookup_table_step(out / "memoryllm", corpus, device) if "memoryllm" in trained else None
+    lookup = None
+    if "memoryllm" in trained:
+        if all(torch.isfinite(p).all() for p in trained["memoryllm"].parameters()):
+            lookup = lookup_table_step(out / "memoryllm", corpus, device)
+        else:  # (its tables would hold nan or inf, which the export refuses)
+            print("note: MemoryLLM diverged (weights that are not finite): no token lookup tables exported")
     plot_losses(results, settings, out / "loss_curves.png")
+    removed = _clear_earlier_run(out, archs, settings, corpus, args.seed)
+    if removed:
+        print(f"removed from {out} what an earlier run with other settings, data or seed wrote: {', '.join(removed)}")
     if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
         write_atomic(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
 
@@ -681,6 +698,7 @@ def _run(args: argparse.Namespace) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch_threads": torch.get_num_threads(),
         "settings": asdict(settings),
+        "seed": args.seed,
         "archs": archs,
         "data": corpus.description,
         "recall_chance": chance,
@@ -694,6 +712,30 @@ def _run(args: argparse.Namespace) -> int:
     print(f"saved: {', '.join(str(out / a) for a in archs)}, {out / 'results.json'}, {out / 'results.md'}, "
           f"{out / 'loss_curves.png'}  ({total_seconds:.0f} s in all)")
     return 0
+
+
+def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corpus: Corpus, seed: int) -> list[str]:
+    """Removes from `out` the model folders of an earlier run with other settings, data or seed that this run does not
+    write again, and its `facts.txt` where this run writes none, so that `out` holds one world's models and texts;
+    returns the names removed. The earlier run is known by its `results.json`: only folders it lists are removed."""
+    try:
+        earlier = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("archs"), list):
+        return []
+    if (earlier.get("settings"), earlier.get("data"), earlier.get("seed", seed)) == (
+            asdict(settings), corpus.description, seed):
+        return []  # the same world and models: folders of other architectures stay
+    removed = []
+    for arch in earlier["archs"]:
+        if arch in REGISTRY and arch not in archs and (out / arch / "config.json").is_file():
+            shutil.rmtree(out / arch)
+            removed.append(f"{arch}/")
+    if corpus.world is None and (out / "facts.txt").is_file():
+        (out / "facts.txt").unlink()
+        removed.append("facts.txt")
+    return removed
 
 
 def finite_or_null(value):

@@ -115,6 +115,22 @@ def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch
                       "pip install datasets")
 
 
+def test_a_split_that_a_dataset_saved_alone_lacks_is_refused(tmp_path, capsys):
+    """`--dataset-split validation` of a folder that `save_to_disk` wrote from one Dataset (no splits) trained on
+    the whole dataset, described as its validation split."""
+    datasets = pytest.importorskip("datasets")
+
+    rows = [{"text": f"Paragraph {i} of the memory."} for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(rows, split="test").save_to_disk(str(tmp_path / "saved_test"))
+    out = tmp_path / "never"
+    _exits_with_error(capsys, ["demo", "--quick", "--dataset", str(tmp_path / "saved"), "--dataset-split", "validation",
+                               "--out", str(out)], "--dataset-split='validation' is not a split of")
+    _exits_with_error(capsys, ["demo", "--quick", "--dataset", str(tmp_path / "saved_test"), "--dataset-split",
+                               "validation", "--out", str(out)], "allowed: train or test")
+    assert not out.exists()
+
+
 def test_text_files_switch_to_real_text(tmp_path):
     text = "\n\n".join(f"Paragraph {i}: the keys of the memory store patterns and the values store "
                        f"next tokens, read {i % 7} times." for i in range(60))
@@ -185,3 +201,51 @@ def test_results_json_writes_null_for_a_diverged_runs_losses():
     assert result["train_loss"] is None and result["held_out_loss"] is None and result["losses"] == [2.5, None, None]
     assert result["recall"] == 0.25 and result["tokens_per_second"] == 100.0 and result["total_params"] == 10
     assert summary["recall_chance"] is None and summary["formats"] == {"int8": [0.0, None]}
+
+
+def test_a_diverged_memoryllm_finishes_the_run_with_null_losses(tmp_path):
+    """A MemoryLLM whose training diverged stopped the demo at its token lookup export ("values that are not finite"),
+    after every model had trained and before results.json was written; the reload check of a diverged model called
+    the same nan logits of the reloaded model a mismatch."""
+    out = tmp_path / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        status = cli.main(["demo", "--quick", "--archs", "memoryllm", "--steps", "6", "--lr", "1e6", "--out", str(out)])
+    assert status == 0
+    summary = json.loads((out / "results.json").read_text())
+    (result,) = summary["results"]
+    assert result["train_loss"] is None and result["held_out_loss"] is None
+    assert summary["token_lookup"] is None and not (out / "memoryllm" / "token_lookup").exists()
+    assert "MemoryLLM diverged" in stdout.getvalue()
+    assert summary["reload"]["matched"] and summary["reload"]["max_abs_logit_difference"] == 0.0
+
+
+def test_a_rerun_with_other_settings_removes_the_earlier_runs_other_models(tmp_path):
+    """A run into an --out of an earlier run with other settings left that run's model folders (another tokenizer,
+    another world) and its facts.txt beside the new results; folders of a run with the same settings stay."""
+    text = "\n\n".join(f"Paragraph {i}: the keys of the memory store patterns, read {i % 7} times." for i in range(40))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    for name in ("kvffn", "memoryllm"):
+        (out / name).mkdir(parents=True)
+        (out / name / "config.json").write_text("{}")
+    (out / "facts.txt").write_text("Kirbes Tel lives in Oskport.\n")
+    earlier = {"archs": ["llama", "kvffn"], "settings": {"steps": 600}, "data": "fact world (seed 0)", "results": []}
+    (out / "results.json").write_text(json.dumps(earlier))
+    argv = ["demo", "--quick", "--archs", "llama", "--steps", "2", "--vocab-size", "300", "--text-files",
+            str(tmp_path / "a.txt"), "--out", str(out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["llama", "loss_curves.png", "memoryllm", "results.json",
+                                                     "results.md"]  # (memoryllm/: not the earlier run's)
+    assert "kvffn/, facts.txt" in stdout.getvalue()
+
+    summary = json.loads((out / "results.json").read_text())
+    summary["archs"].append("kvffn")  # as if kvffn had been trained before with these settings
+    (out / "results.json").write_text(json.dumps(summary))
+    (out / "kvffn").mkdir()
+    (out / "kvffn" / "config.json").write_text("{}")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(argv) == 0
+    assert (out / "kvffn" / "config.json").is_file()
