@@ -24,7 +24,7 @@ from .token_lookup import check_table_files, copy_table_files
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
-WEIGHT_SUFFIXES = (".safetensors",)
+WEIGHTS_NAME = "model.safetensors"  # the weights of a checkpoint in one file, where `from_pretrained` looks for them
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # names the shards of a sharded checkpoint
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
 # Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
@@ -83,13 +83,22 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"folder={str(folder)!r} is not a directory")
     files = staged_files(root)
     missing = [name for name in REQUIRED_FILES if name not in files]
-    if not any(name.endswith(WEIGHT_SUFFIXES) and not name.startswith(TABLE_FILE_PREFIX) for name in files):
-        missing.append("*.safetensors (weights)")
+    # (`from_pretrained` reads the weights from these names at the top of the folder: shards without their index, or
+    # weights in a subfolder, do not load)
+    weight_map = None
     if WEIGHTS_INDEX_NAME in files:
-        index = json.loads((root / WEIGHTS_INDEX_NAME).read_text(encoding="utf-8"))
-        missing += sorted(set(index.get("weight_map", {}).values()) - set(files))
+        weight_map = json.loads((root / WEIGHTS_INDEX_NAME).read_text(encoding="utf-8")).get("weight_map", {})
+        missing += sorted(set(weight_map.values()) - set(files))
+    elif WEIGHTS_NAME not in files:
+        missing.append(f"{WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} (weights)")
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
+    weight_names = weight_map if weight_map is not None else _safetensors_keys(root / WEIGHTS_NAME)
+    parametrized = _parametrized_weight_names(weight_names)
+    if parametrized:
+        raise ValueError(f"folder={str(folder)!r} stores {len(parametrized)} weights ({_some(parametrized)}) with "
+                         "adapters or int8 attached (hf_memffn.adapters), which from_pretrained refuses; merge them "
+                         "(adapters.merge_weight_lora) and save the model again")
     incomplete = _incomplete_tables(root, files)
     if incomplete:
         raise ValueError(f"folder={str(folder)!r} holds an incomplete token lookup table: {'; '.join(incomplete)}; "
@@ -109,9 +118,49 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
     return files
 
 
+def _safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in the safetensors file at `path` (a ValueError naming it where it is damaged)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as error:  # (safetensors' errors of a damaged file have their own class)
+        if type(error).__name__ != "SafetensorError":
+            raise
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file ({first_line(error)}); write it with "
+                         "model.save_pretrained(folder)") from None
+
+
+def _parametrized_weight_names(tensor_names) -> list[str]:
+    """The weights that `tensor_names` (a checkpoint's) store as parametrizations (`<module>.parametrizations.<weight>.
+    original*`: an adapter or int8 of `hf_memffn.adapters` was attached when it was saved), as `<module>.<weight>`."""
+    return sorted({module + "." + rest.split(".")[0] for module, _, rest in
+                   (name.partition(".parametrizations.") for name in tensor_names) if rest})
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def refuse_parametrized_weights(model) -> None:
+    """A ValueError, before anything is written, while weights of `model` have adapters or int8 attached
+    (`hf_memffn.adapters`): saved so, they are stored as their parametrizations, which `from_pretrained` refuses."""
+    from torch.nn.utils import parametrize
+
+    parametrized = sorted(f"{module_name}.{name}" if module_name else name
+                          for module_name, module in model.named_modules() if parametrize.is_parametrized(module)
+                          for name in module.parametrizations)
+    if parametrized:
+        raise ValueError(f"{len(parametrized)} weights of the model ({_some(parametrized)}) have adapters or int8 "
+                         "attached (hf_memffn.adapters): a checkpoint saved so stores them as such, which "
+                         "from_pretrained refuses; merge them (adapters.merge_weight_lora(model)) before pushing")
+
+
 def _incomplete_tables(root: Path, files: list[str]) -> list[str]:
     """What the token lookup tables among `files` (at the top of `root` or in a subfolder) lack: a shard that their
-    index names and that is not there, an index for the shards of a folder that has none (an interrupted export)."""
+    index names and that is not there or not of the size the index records (cut short or altered: `load_tols`
+    refuses it), an index for the shards of a folder that has none (an interrupted export)."""
     problems = []
     folders = {posixpath.dirname(name) for name in files
                if posixpath.basename(name).startswith(TABLE_FILE_PREFIX) and name.endswith(".safetensors")}
@@ -132,6 +181,12 @@ def _incomplete_tables(root: Path, files: list[str]) -> list[str]:
         missing = sorted(posixpath.join(table, shard) for shard in shards if posixpath.join(table, shard) not in files)
         if missing:
             problems.append(f"{index} names {missing}, which are missing")
+            continue
+        resized = sorted(posixpath.join(table, shard) for shard, record in
+                         (shards.items() if isinstance(shards, dict) else ())
+                         if isinstance(record, dict) and os.path.getsize(root / table / shard) != record.get("size"))
+        if resized:
+            problems.append(f"{index} names {resized}, whose size is not the one it records (cut short or altered)")
     return problems
 
 
@@ -184,6 +239,7 @@ def stage_checkpoint(
     `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata. A `tokenizer` given here is attached
     for the save only: the model keeps the tokenizer it had attached before (or none).
     """
+    refuse_parametrized_weights(model)
     table = attached_table(model)
     copy_table = include_token_lookup and table is not None and (Path(table.index.directory).resolve()
                                                                  != Path(folder).resolve())

@@ -18,6 +18,7 @@ to (else in the local folder the model was loaded from) is kept under those fiel
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -229,14 +230,16 @@ def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> s
     """The card of the checkpoint `folder` as the Hub repository `repo_id` should show it: the usage snippets name
     `repo_id` where they named another location (the placeholder path of `save_pretrained`, which knows no
     repository, or another repository), and the "Token lookup tables" section lists the tables the folder holds.
-    Only the generated sections change (the whole card if it has no markers)."""
-    start, end = (card.find(GENERATED_START), card.find(GENERATED_END)) if is_package_card(card) else (0, len(card))
+    Only the generated sections change (the snippets of a card without markers anywhere in it; its "Token lookup
+    tables" section, the user's own text, is left as it is, as `refresh_lookup_section` leaves it)."""
+    package_card = is_package_card(card)
+    start, end = (card.find(GENERATED_START), card.find(GENERATED_END)) if package_card else (0, len(card))
     location = re.search(r'^checkpoint = "(.+)"$', card[start:end], re.MULTILINE)
     named = re.escape(location.group(1) if location else CARD_PLACEHOLDER_PATH)
     # only where the snippets name the location: `"LOC"`, `pretrained=LOC,`, `token_lookup=LOC `, `export-tols LOC `
     in_snippets = re.compile(f'(?<="){named}(?=")|(?<==){named}(?=[, ])|(?<=export-tols ){named}(?= )')
     card = card[:start] + in_snippets.sub(lambda _: repo_id, card[start:end]) + card[end:]
-    return with_current_lookup_section(card, folder)
+    return with_current_lookup_section(card, folder) if package_card else card
 
 
 def check_card_metadata(fields: dict) -> dict:
@@ -449,6 +452,25 @@ def tables_in_subfolders(folder: str | os.PathLike | None) -> list[str]:
                   if index.parent != root)
 
 
+def _dtype_taking_table(table_dir: str) -> str:
+    """The dtype, as the snippet writes it, in which a model loaded from the checkpoint takes the table in
+    `table_dir`: `torch.float16` for a table exported from fp16 weights (`--model-dtype fp16`, or a checkpoint
+    stored in fp16), which the model in bf16 refuses; `torch.bfloat16` for any other (exported from fp32 or bf16
+    weights), and where the shards do not say (read from the export record of the first shard)."""
+    from .conversion.export import SHARD_RECORD_KEY
+    from .token_lookup import read_safetensors_header
+
+    try:
+        with open(os.path.join(table_dir, TABLE_INDEX_NAME), encoding="utf-8") as handle:
+            shards = json.load(handle)["metadata"]["token_lookup"]["shards"]
+        _, header = read_safetensors_header(os.path.join(table_dir, sorted(shards)[0]))
+        record = json.loads(header["__metadata__"][SHARD_RECORD_KEY])
+        model_dtypes = record["plan_inputs"]["model_dtypes"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return "torch.bfloat16"
+    return "torch.float16" if model_dtypes == ["float16"] else "torch.bfloat16"
+
+
 def _lookup_section(attached_format: str | None, location: str, save_directory,
                     auto_class: str = "AutoModelForCausalLM") -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
@@ -469,12 +491,13 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
             status += (" Tables exported from these weights are included in this folder, one subfolder each: "
                        + ", ".join(f"`{name}`" for name in subfolders) + ".")
             table_dir, lm_eval_table = f'f"{{checkpoint_dir}}/{subfolders[0]}"', f"CHECKPOINT_DIR/{subfolders[0]}"
+        dtype = _dtype_taking_table(os.path.join(os.fspath(save_directory), *([] if in_folder else [subfolders[0]])))
         how = (
             "Load it from a local copy of this folder:\n\n"
             "```python\n"
             "from huggingface_hub import snapshot_download\n\n"
             f'checkpoint_dir = snapshot_download("{location}")  # or the local folder itself\n'
-            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype=torch.bfloat16)\n"
+            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype={dtype})\n"
         )
     else:
         table_dir, lm_eval_table = '"TABLE_DIR"', "TABLE_DIR"

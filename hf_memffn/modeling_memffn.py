@@ -583,6 +583,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             repo_id = kwargs.pop("repo_id", os.path.basename(os.path.abspath(os.fspath(save_directory))))
             if hub is not None:
                 repo_id = hub.check_repo_id(repo_id)
+                hub.refuse_parametrized_weights(self)  # (a checkpoint that from_pretrained refuses: before saving)
         self._refuse_an_incomplete_checkpoint()
         if any(parametrize.is_parametrized(module) for module in self.modules()):
             logger.warning_once(

@@ -154,11 +154,64 @@ def test_push_folder_refuses_a_sharded_checkpoint_missing_a_shard(fake_hub, tmp_
         hub.push_folder(tmp_path, "someone/broken")
     assert fake_hub.calls == []
 
-@pytest.mark.parametrize("damage", ["shard-missing", "index-missing"])
+@pytest.mark.parametrize("damage", ["index-missing", "weights-in-a-subfolder"])
+def test_push_folder_refuses_weights_that_from_pretrained_does_not_find(damage, fake_hub, tmp_path):
+    """`from_pretrained` reads `model.safetensors`, or the shards `model.safetensors.index.json` names, at the top of
+    the folder: shards without their index (a save stopped before it wrote the index) or weights moved into a
+    subfolder do not load, and the push is refused, naming the weights, before anything is sent."""
+    if damage == "index-missing":
+        tiny_model("kvffn").save_pretrained(tmp_path, max_shard_size="40KB")
+        (tmp_path / "model.safetensors.index.json").unlink()
+    else:
+        tiny_model("kvffn").save_pretrained(tmp_path)
+        (tmp_path / "weights").mkdir()
+        (tmp_path / "model.safetensors").rename(tmp_path / "weights" / "model.safetensors")
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    missing = r"is missing \['model.safetensors or model.safetensors.index.json \(weights\)'\]"
+    with pytest.raises(ValueError, match=missing):
+        hub.push_folder(tmp_path, "someone/broken")
+    assert fake_hub.calls == []
+
+
+def test_a_model_with_adapters_or_int8_weights_is_refused_before_anything_is_pushed(fake_hub, tmp_path, capsys):
+    """Saved while `hf_memffn.adapters` parametrizes weights (int8, LoRA), a checkpoint stores them as such, and
+    `from_pretrained` refuses it: pushing such a model is refused before anything is written or sent, naming the
+    weights and how to merge them; a folder saved so (a Trainer's checkpoint) is refused by `hf-memffn push`."""
+    from hf_memffn import adapters
+    from hf_memffn.cli import main as cli_main
+
+    model = tiny_model("memoryllm")
+    adapters.quantize_weights_int8(model)
+    refused = r"3 weights of the model \(model.memory.down_proj, .*\) have adapters or int8 attached.*merge_weight_lora"
+    with pytest.raises(ValueError, match=refused):
+        hub.push_checkpoint(model, "someone/tiny-int8")
+    with pytest.raises(ValueError, match=refused):
+        model.push_to_hub("someone/tiny-int8")
+    with pytest.raises(ValueError, match=refused):
+        model.save_pretrained(tmp_path / "pushed", push_to_hub=True, repo_id="someone/tiny-int8")
+    with pytest.raises(ValueError, match=refused):
+        hub.stage_checkpoint(model, tmp_path / "staged")
+    assert fake_hub.calls == [] and not (tmp_path / "pushed").exists() and not (tmp_path / "staged").exists()
+
+    model.save_pretrained(tmp_path / "saved")  # (allowed: the Trainer resumes from such checkpoints)
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["push", str(tmp_path / "saved"), "someone/tiny-int8"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1
+    assert "stores 3 weights (model.memory.down_proj, model.memory.gate_proj, model.memory.up_proj)" in errors[0]
+    assert fake_hub.calls == []
+
+    adapters.merge_weight_lora(model)
+    hub.push_checkpoint(model, "someone/tiny-int8")
+    assert "model.safetensors" in fake_hub.uploaded
+
+
+@pytest.mark.parametrize("damage", ["shard-missing", "shard-cut-short", "index-missing"])
 def test_push_folder_refuses_an_incomplete_token_lookup_table(damage, fake_hub, tmp_path, capsys):
-    """A table exported next to the weights that lost a shard its index names (the card would say the table is
-    included, and loading it from the repository fails), or shards without an index (an interrupted export, uploaded
-    for nothing): the push is refused, naming what is missing, and nothing is sent."""
+    """A table exported next to the weights that lost a shard its index names, or holds one cut short (the card
+    would say the table is included, and loading it from the repository fails), or shards without an index (an
+    interrupted export, uploaded for nothing): the push is refused, naming what is missing, and nothing is sent."""
     from hf_memffn.cli import main as cli_main
     from hf_memffn.conversion.export import export_tols
 
@@ -169,6 +222,12 @@ def test_push_folder_refuses_an_incomplete_token_lookup_table(damage, fake_hub, 
     if damage == "shard-missing":
         (tmp_path / shard).unlink()
         expected = f"token_lookup.safetensors.index.json names ['{shard}'], which are missing"
+    elif damage == "shard-cut-short":
+        (tmp_path / shard).write_bytes((tmp_path / shard).read_bytes()[:1000])
+        with pytest.raises(TokenLookupError, match="is truncated or altered"):
+            model.load_tols(tmp_path, placement="cpu")
+        expected = (f"token_lookup.safetensors.index.json names ['{shard}'], whose size is not the one it records "
+                    "(cut short or altered)")
     else:
         (tmp_path / "token_lookup.safetensors.index.json").unlink()
         expected = "holds token_lookup shards without token_lookup.safetensors.index.json (an interrupted export)"
@@ -180,6 +239,20 @@ def test_push_folder_refuses_an_incomplete_token_lookup_table(damage, fake_hub, 
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert stop.value.code == 2 and len(errors) == 1 and expected in errors[0]
     assert fake_hub.calls == []
+
+
+def test_pushing_a_folder_with_a_readme_of_the_users_own_leaves_its_lookup_section_alone(fake_hub, tmp_path):
+    """A README.md without the markers of this package's card is the user's: as `save_pretrained` and `export-tols`
+    leave it alone, the push uploads it as it is, its own "Token lookup tables" section included (not replaced by
+    the generated one, with its placeholder path)."""
+    from hf_memffn.model_card import CARD_PLACEHOLDER_PATH
+
+    tiny_model("memoryllm").save_pretrained(tmp_path)
+    own = ("# My model\n\n## Token lookup tables\n\nOur int8 tables live in the `tols-int8` repository.\n\n"
+           "## License\n\nMIT\n")
+    (tmp_path / "README.md").write_text(own)
+    hub.push_folder(tmp_path, "someone/tiny-memoryllm")
+    assert fake_hub.uploaded["README.md"].decode() == own and CARD_PLACEHOLDER_PATH not in own
 
 
 def test_push_folder_to_a_branch(fake_hub, tmp_path):
@@ -428,6 +501,28 @@ def test_saving_into_a_folder_that_holds_a_table_says_so_in_the_card(tmp_path):
     model.save_pretrained(tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert "**Token lookup tables: not attached.**" in card and "is included in this folder" in card
+
+
+@pytest.mark.parametrize("model_dtype, loaded_in", [(None, "torch.bfloat16"), ("bf16", "torch.bfloat16"),
+                                                     ("fp16", "torch.float16")])
+def test_the_cards_snippet_loads_the_table_in_the_folder_in_a_dtype_that_takes_it(model_dtype, loaded_in, tmp_path):
+    """A table exported from the weights in fp16 (`--model-dtype fp16`) is refused by the model loaded in bf16: the
+    card's snippet for the table in the folder loads the model in fp16 then, in bf16 otherwise, and runs as written."""
+    import re
+
+    from hf_memffn.conversion.export import export_tols
+
+    tiny_model("memoryllm").save_pretrained(tmp_path)
+    export_tols(tmp_path, tmp_path, format="int8", model_dtype=model_dtype, progress=False)
+    card = (tmp_path / "README.md").read_text()
+    snippet = re.search(r"Load it from a local copy of this folder:\n\n```python\n(.*?)```", card, re.S).group(1)
+    assert f"trust_remote_code=True, dtype={loaded_in})" in snippet
+    snippet = (snippet.replace('snapshot_download("path/to/this/folder")', repr(str(tmp_path)))
+               .replace('placement="gpu"', 'placement="cpu"'))
+    namespace = {"torch": torch, "AutoModelForCausalLM": AutoModelForCausalLM}
+    exec(snippet, namespace)  # (raises TokenLookupError where the model's dtype does not take the table)
+    model = namespace["model"]
+    assert model.dtype == getattr(torch, loaded_in.split(".")[1]) and model.model.token_lookup is not None
 
 
 def test_exporting_into_a_saved_checkpoint_rewrites_the_cards_lookup_section(tmp_path):
