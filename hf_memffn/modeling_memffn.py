@@ -553,7 +553,15 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         loading_info.missing_keys.update(self.__dict__.pop(MISSING_CHECKPOINT_PARTS, ()))
 
     def _refuse_an_incomplete_checkpoint(self) -> None:
-        """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`)."""
+        """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`), or
+        while its config would not load back: `from_pretrained` checks the fields that `__init__` checks, and a field
+        changed since (a special token id past the vocabulary that `resize_token_embeddings` shrank, a field set by
+        hand) would make the saved folder fail to load."""
+        try:
+            self.config.validate_fields()
+        except ValueError as error:
+            raise ValueError(f"save_pretrained: the config would not load back from the checkpoint: {error} Set the "
+                             "field to an allowed value before saving") from error
         base = getattr(self, self.base_model_prefix, self)
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
@@ -569,9 +577,10 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.save_pretrained`, plus the attached tokenizer and, with the hf-memffn package installed,
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
-        would start them at random; and while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
-        the checkpoint would lack the edit. With `push_to_hub=True` the folder is uploaded once it is complete
-        (`repo_id`, by default the folder's name, `commit_message`, `commit_description`, `private`, `token`,
+        would start them at random; while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
+        the checkpoint would lack the edit; and while the config would not load back (a special token id outside the
+        vocabulary that `resize_token_embeddings` shrank). With `push_to_hub=True` the folder is uploaded once it is
+        complete (`repo_id`, by default the folder's name, `commit_message`, `commit_description`, `private`, `token`,
         `revision`, `create_pr`): with the package installed as `hf-memffn push` uploads it (`hub.push_folder`), else
         through `push_to_hub`; transformers' own upload would send its generic card and no tokenizer, written after
         the weights (and leave that card in the folder)."""

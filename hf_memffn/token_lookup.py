@@ -1185,6 +1185,14 @@ class TokenLookupMixin:
                              "vocabulary only; unload_tols() first, resize, train, then export a new table")
         return super().resize_token_embeddings(*args, **kwargs)
 
+    def set_input_embeddings(self, value):
+        """`set_input_embeddings`, refused while a token lookup table is loaded: the table holds the FFNs on X0 of the
+        embedding it was exported from, and reading it would leave the new embedding out of them."""
+        if getattr(_memory_base(self), "token_lookup", None) is not None:
+            raise ValueError("set_input_embeddings: a token lookup table is loaded, computed from the current token "
+                             "embedding; unload_tols() first, set the embedding, then export a new table")
+        return super().set_input_embeddings(value)
+
     def unload_tols(self) -> None:
         """Back to computing the memory FFN (needs its weights)."""
         base = _memory_base(self)

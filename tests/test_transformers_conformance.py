@@ -172,6 +172,45 @@ def test_resize_token_embeddings(arch):
     torch.testing.assert_close(after[:, :-1, :320], before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_a_vocabulary_shrunk_below_a_special_token_id_is_refused_before_saving(arch, tmp_path):
+    """`resize_token_embeddings` to fewer tokens keeps the config's special token ids, which `from_pretrained` checks
+    against the new `vocab_size`: the checkpoint would not load, so `save_pretrained` refuses it, writing nothing.
+    (Llama's config only logs a warning there.) With the id set inside the vocabulary it saves and loads."""
+    model = build(arch, bos_token_id=1, eos_token_id=319)
+    model.resize_token_embeddings(310)
+    with pytest.raises(ValueError, match=r"save_pretrained: .*`eos_token_id`=319 is invalid: token ids must be None "
+                                         r"or in 0\.\.309"):
+        model.save_pretrained(tmp_path / "shrunk")
+    assert not (tmp_path / "shrunk").exists()
+    model.config.eos_token_id = 2
+    model.save_pretrained(tmp_path / "shrunk")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "shrunk").eval()
+    assert loaded.config.vocab_size == 310 and loaded.get_input_embeddings().weight.shape[0] == 310
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids(vocab=310)).logits, model(ids(vocab=310)).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["memoryllm", "flex_memoryllm"])
+def test_set_input_embeddings_is_refused_while_a_token_lookup_table_is_loaded(arch, tmp_path):
+    """A token lookup table holds the FFNs on X0 of the embedding it was exported from: a new embedding would be read
+    through the old table (silently other logits than the model computes), as a resized one would."""
+    from hf_memffn.conversion import export_tols
+
+    model = build(arch)
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    model.load_tols(tmp_path, placement="cpu")
+    embedding = model.get_input_embeddings()
+    replacement = torch.nn.Embedding(320, model.config.hidden_size, padding_idx=0)
+    for target in (model, model.model):
+        with pytest.raises(ValueError, match=r"set_input_embeddings: a token lookup table is loaded.*unload_tols"):
+            target.set_input_embeddings(replacement)
+        assert model.get_input_embeddings() is embedding
+    model.unload_tols()
+    model.set_input_embeddings(replacement)
+    assert model.get_input_embeddings() is replacement
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_kinds_give_the_same_gradients(arch, use_reentrant):
