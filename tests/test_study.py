@@ -396,6 +396,27 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
         study.main(["--report", "--out", str(tmp_path / "nothing")])
 
 
+def test_report_writes_every_committed_studys_files_again_byte_for_byte(tmp_path, monkeypatch):
+    """`--report` on a copy of each committed study writes its results.md, results.json and configs.json as
+    committed: results.md explained the verdict "diverged: no verdict" in every report, none of which has one, so
+    none of the committed reports came out as written."""
+    monkeypatch.setattr(study, "plot_curves", lambda state, path: False)  # (the plot is not compared)
+    folders = sorted(path.parent for path in (ROOT / "examples" / "results").glob("**/results.json"))
+    assert len(folders) > 10
+    changed = {}
+    for index, folder in enumerate(folders):
+        copy = tmp_path / str(index)
+        copy.mkdir()
+        for name in ("results.json", "results.md", "configs.json"):
+            (copy / name).write_bytes((folder / name).read_bytes())
+        study.rewrite_report(copy)
+        files = [name for name in ("results.md", "results.json", "configs.json")
+                 if (copy / name).read_bytes() != (folder / name).read_bytes()]
+        if files:
+            changed[str(folder.relative_to(ROOT))] = files
+    assert changed == {}
+
+
 def test_eval_tokens_beyond_the_held_out_split_are_reported_as_the_tokens_evaluated(tmp_path, capsys):
     """`--eval-tokens` larger than the held-out split evaluated the whole split but the report gave the count asked:
     now each run records the tokens its evaluations read (whole blocks, at most the split), the report gives that
@@ -700,6 +721,22 @@ def test_a_study_refused_for_its_models_or_data_makes_no_folder(tmp_path):
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_models_list_that_names_no_model_is_refused(tmp_path):
+    """`--models ","` (or an empty shell variable) planned no run: the study wrote a results.json of no runs, and
+    learning_rates.py wrote empty tables, then failed at its plot with a bare StopIteration."""
+    for models in ("", ",", " , "):
+        with pytest.raises(ValueError, match=r"--models: .* names no model; name one or more of \['llama'"):
+            study.main(["--size", "toy", "--models", models, "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+    first = write_study(tmp_path / "first", {"llama": [5.0, 5.1], "pkv": [5.3, 5.2]})
+    second = write_study(tmp_path / "second", {"llama": [4.9, 5.2], "pkv": [5.4, 5.0]}, learning_rate=2e-3)
+    for models in ("", ","):
+        with pytest.raises(ValueError, match=r"--models: .* names no model; name one or more of \['llama', 'pkv'\]"):
+            learning_rates.main(["--out", str(tmp_path / "refused"), "--studies", str(first), str(second),
+                                 "--models", models])
+    assert not (tmp_path / "refused").exists()
+
+
 def test_a_study_refuses_two_sources_of_data_counts_below_one_and_options_it_would_ignore(tmp_path, capsys):
     """--data, --dataset and --text-files each name the data: given two, the study would train on one and drop the
     other without a word. --seeds, --tokens and --eval-tokens below one would plan one seed or the size's default."""
@@ -746,6 +783,16 @@ def test_equal_losses_are_a_tie_not_a_reversed_order():
     assert study.verdict(summary, dict(summary))[1] == "tied, within seed noise"  # (the means, under three seeds)
     assert study.verdict(summary, dict(summary), paired, level=True)[1] == "level, within seed noise"
     assert not study.verdict_is_resolved("tied, within seed noise")
+
+
+def test_equal_losses_of_one_seed_are_a_tie_not_a_failed_ordering():
+    """Two models of one seed each that end with equal losses were reported as "not reproduced (one seed)", an order
+    that does not hold either: the verdict says tied, as it does over several seeds."""
+    summary = {"heldout_loss_mean": 4.1, "heldout_loss_std": None}
+    assert study.verdict(summary, dict(summary), (1, 0.0, None)) == (0.0, "tied (one seed)")
+    assert study.verdict(summary, dict(summary), level=True)[1] == "undecided (one seed)"
+    assert study.verdict(summary, {**summary, "heldout_loss_mean": 4.0})[1] == "not reproduced (one seed)"
+    assert not study.verdict_is_resolved("tied (one seed)")
 
 
 def test_a_level_claim_is_judged_by_whether_the_difference_is_resolved_either_way():
@@ -1403,6 +1450,79 @@ def test_a_run_whose_loss_diverged_to_nan_is_summarised_and_never_the_best_rate(
     assert report["models"]["pkv"]["best_learning_rate"] == 3e-2
     seeds, delta, error = report["models"]["pkv"]["vs_baseline_at_best"]
     assert seeds == 2 and math.isfinite(delta)
+
+
+def study_state(learning_rate: float | None, losses: dict, tokens_per_second: float | None = 1.0) -> dict:
+    """The state study.py writes its results from, of SwiGLU and FlashMHF runs with these held-out losses (by seed)."""
+    shape, keys = study.SHAPES["toy"], ("llama", "flash_mhf")
+    runs = [{"model": model, "seed": seed, "run_id": f"{model}-{seed}-{learning_rate}", "heldout_loss": loss,
+             "wiki_loss": loss + 1, "train_loss": loss, "learning_rate": learning_rate, "eval_tokens": 512,
+             "tokens_per_second": tokens_per_second, "peak_memory_gib": None, "train_seconds": 1.0,
+             "wall_seconds": 1.0, "device": "test device", "train_curve": [[100, 6.0], [200, loss]],
+             "eval_curve": [[200, loss]]}
+            for model, by_seed in losses.items() for seed, loss in enumerate(by_seed)]
+    return {"command": "study.py", "device": "test device", "bf16": False, "torch": "torch", "transformers": "t",
+            "size": "toy", "shape": {**vars(shape), "tokens_per_step": shape.tokens_per_step}, "tokens": 1000,
+            "eval_tokens": 512, "learning_rate": learning_rate, "runs": runs, "repeats": [], "plan": [],
+            "skipped": [], "elapsed_seconds": 1.0,
+            "data": {"source": {"name": "text", "licence": "none"}, "tokenizer": {"vocab_size": 300},
+                     "splits": {"train": {"tokens": 10_000, "sha256": "a"}, "heldout": {"tokens": 600, "sha256": "b"}}},
+            "described": {key: {"counts": {"total": 100, "active": 100, "non_embedding": 50}, "ffn_path": None,
+                                "config": {}} for key in keys},
+            "order": list(keys), "labels": {"llama": "SwiGLU", "flash_mhf": "FlashMHF"},
+            "groups": {key: "flash-mhf" for key in keys}, "paper": {key: "" for key in keys}, "ablations": []}
+
+
+def test_results_files_are_strict_json_with_a_diverged_loss_written_as_null(tmp_path, monkeypatch):
+    """A run whose loss diverged to NaN wrote `NaN` into results.json, learning_rates.json and verdicts.json, which
+    strict JSON readers refuse: each is strict JSON now, the loss null, and --report, learning_rates.py and
+    verdicts.py read it back as the NaN it was (a diverged run, named in the verdicts)."""
+    monkeypatch.setattr(study, "plot_curves", lambda state, path: False)
+
+    def write(folder, learning_rate, losses):
+        folder.mkdir()
+        study.write_outputs(study_state(learning_rate, losses), folder)
+        return folder
+
+    def strict(path):
+        def refuse(constant):
+            raise ValueError(f"{path.name} holds {constant}")
+        return json.loads(path.read_text(), parse_constant=refuse)
+
+    low = write(tmp_path / "low", 1e-3, {"llama": [5.0, 5.1, 5.2], "flash_mhf": [5.1, math.nan, 5.3]})
+    high = write(tmp_path / "high", 2e-3, {"llama": [4.9, 5.0, 5.1], "flash_mhf": [math.nan, 5.0, 5.2]})
+    run = strict(low / "results.json")["runs"][4]
+    assert (run["model"], run["seed"], run["heldout_loss"], run["eval_curve"]) == ("flash_mhf", 1, None, [[200, None]])
+    files = {name: (low / name).read_bytes() for name in ("results.md", "results.json")}
+    assert "diverged: no verdict (FlashMHF seed 1)" in files["results.md"].decode()
+    assert "'Diverged: no verdict': a run of either model (named)" in files["results.md"].decode()
+    state = study.rewrite_report(low)
+    assert math.isnan(state["runs"][4]["heldout_loss"]) and math.isnan(state["runs"][4]["eval_curve"][0][1])
+    assert {name: (low / name).read_bytes() for name in files} == files
+
+    report = learning_rates.main(["--out", str(tmp_path / "rates"), "--studies", str(low), str(high)])
+    assert math.isnan(report["models"]["flash_mhf"]["rates"]["1e-3"]["heldout_loss_mean"])
+    assert strict(tmp_path / "rates" / "learning_rates.json")["models"]["flash_mhf"]["rates"]["2e-3"][
+        "heldout_loss_mean"] is None
+    verdicts.main(["--out", str(tmp_path / "verdicts"), "--sweeps", str(tmp_path / "rates")])
+    (row,) = strict(tmp_path / "verdicts" / "verdicts.json")["rows"]
+    (cell,) = row["cells"].values()
+    assert cell["paired_delta"] is None and cell["verdict"] == "diverged: no verdict (FlashMHF d_h=32 seed 1)"
+
+
+def test_a_model_whose_runs_timed_no_step_has_no_tokens_per_second():
+    """A run too short to time a step (its first step is untimed) records no tokens/s: the study's table printed a
+    rate of 0 tokens/s for its model; it prints "-", and a model with some runs timed gets their mean."""
+    state = study_state(None, {"llama": [5.0, 5.2], "flash_mhf": [5.1, 5.3]}, tokens_per_second=None)
+    state["runs"][3]["tokens_per_second"] = 2000.0
+    summary = study.aggregate(state["runs"])
+    assert summary["llama"]["tokens_per_second"] is None and summary["flash_mhf"]["tokens_per_second"] == 2000.0
+    state["summary"] = summary
+    rows = {}  # (the first table's rows: model, params, params, loss, n, ppl, Δ, Wikipedia loss, tokens/s, ...)
+    for line in study.results_markdown(state).splitlines():
+        if line.startswith(("| SwiGLU |", "| FlashMHF |")):
+            rows.setdefault(line.split(" | ")[0], line.split(" | "))
+    assert rows["| SwiGLU"][8] == "-" and rows["| FlashMHF"][8] == "2,000"
 
 
 def test_a_run_that_diverged_to_a_loss_beyond_exp_is_summarised(tmp_path):

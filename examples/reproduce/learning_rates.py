@@ -24,8 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import (aggregate, claims_rows, claims_table, evaluated_tokens_text, fmt, paired_difference,  # noqa: E402
-                   repeat_pairs_markdown, save_figure, write_atomic)
+from study import (aggregate, claims_rows, claims_table, evaluated_tokens_text, fmt, nan_where_null,  # noqa: E402
+                   paired_difference, repeat_pairs_markdown, save_figure, strict_json, write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def read_runs(folders: list[Path]) -> tuple[dict, list[dict], list[tuple[dict, d
         for run in study["runs"]:
             rate = run.get("learning_rate") or study.get("learning_rate") or \
                 study_models.RECIPES[recipes[run["model"]]].learning_rate
-            run = {**run, "learning_rate": rate, "study": str(folder)}
+            run = {**nan_where_null(run), "learning_rate": rate, "study": str(folder)}
             key = (run["model"], rate, run["seed"])
             if key in kept:
                 repeats.append((kept[key], run))
@@ -317,8 +317,11 @@ def main(argv=None) -> dict:
     rates_of = {}
     for run in runs:
         rates_of.setdefault(run["model"], set()).add(run["learning_rate"])
-    if args.models:
+    if args.models is not None:
         keys = [k.strip() for k in args.models.split(",") if k.strip()]
+        if not keys:  # (no model to tabulate)
+            raise ValueError(f"--models: {args.models!r} names no model; name one or more of {sorted(rates_of)}, "
+                             "comma-separated")
         unknown = [k for k in keys if k not in rates_of]
         if unknown:
             raise ValueError(f"--models: {unknown} not run in these studies; they ran {sorted(rates_of)}")
@@ -342,7 +345,7 @@ def main(argv=None) -> dict:
               "runs": [run_fields(r) for r in chosen],
               "repeats": [run_fields(repeat) | {"kept_heldout_loss": run["heldout_loss"], "kept_study": run["study"]}
                           for run, repeat in repeats]}
-    write_atomic(out / "learning_rates.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(out / "learning_rates.json", strict_json(report))
     text = markdown(first, chosen, table, labels, studies, claims, repeats, left_out, bool(args.models))
     write_atomic(out / "learning_rates.md", text)
     devices = ", ".join(sorted({r["device"] for r in chosen}))

@@ -133,6 +133,27 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def strict_json(value) -> str:
+    """The text of a results file: strict JSON, a number that is not finite written as null (Python's json would
+    write NaN or Infinity, which strict readers refuse)."""
+    from hf_memffn.demo import finite_or_null
+
+    return json.dumps(finite_or_null(value), indent=1, allow_nan=False) + "\n"
+
+
+LOSS_FIELDS = ("heldout_loss", "wiki_loss", "train_loss")
+
+
+def nan_where_null(run: dict, fields: tuple[str, ...] = LOSS_FIELDS) -> dict:
+    """A run as read from results.json: each loss of `fields` and of its curves that is null there (a run that
+    diverged) NaN again; a loss the run never measured (no Wikipedia split) stays absent."""
+    run = {**run, **{field: math.nan for field in fields if field in run and run[field] is None}}
+    for curve in ("train_curve", "eval_curve"):
+        if run.get(curve):
+            run[curve] = [[tokens, math.nan if loss is None else loss] for tokens, loss in run[curve]]
+    return run
+
+
 def save_figure(figure, path: Path, dpi: int) -> None:
     """Lays a matplotlib figure out, writes it whole to `path` (through a temporary name) and closes it."""
     import matplotlib.pyplot as plt
@@ -203,6 +224,9 @@ def counts_table(selected, described) -> str:
 def read_study(out: Path) -> dict:
     """results.json of the study in `out`, each run with its saved config from configs.json."""
     previous = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    previous["runs"] = [nan_where_null(run) for run in previous["runs"]]
+    if "repeats" in previous:  # (a repeat's Wikipedia loss is null where its run measured none as well)
+        previous["repeats"] = [nan_where_null(repeat, ("heldout_loss",)) for repeat in previous["repeats"]]
     configs_path = out / "configs.json"
     saved = json.loads(configs_path.read_text(encoding="utf-8"))["models"] if configs_path.is_file() else {}
     for run in previous["runs"]:  # results.json leaves each run's saved config to configs.json
@@ -480,13 +504,15 @@ def aggregate(runs: list[dict]) -> dict:
     summary = {}
     for key, model_runs in by_model.items():
         losses = [r["heldout_loss"] for r in model_runs]
+        # (a run too short to time a step, its first being untimed, has no rate: None, not 0)
+        measured = [r["tokens_per_second"] for r in model_runs if r["tokens_per_second"]]
         entry = {
             "seeds": [r["seed"] for r in model_runs],
             "heldout_loss_mean": statistics.fmean(losses),
             "heldout_loss_std": sample_stdev(losses),
             "heldout_loss_min": min(losses), "heldout_loss_max": max(losses),
             "perplexity": perplexity(statistics.fmean(losses)),
-            "tokens_per_second": statistics.fmean([r["tokens_per_second"] for r in model_runs if r["tokens_per_second"]] or [0]),
+            "tokens_per_second": statistics.fmean(measured) if measured else None,
             "peak_memory_gib": max((r["peak_memory_gib"] for r in model_runs if r["peak_memory_gib"] is not None), default=None),
             "train_seconds": statistics.fmean([r["train_seconds"] for r in model_runs]),
             "wall_seconds": statistics.fmean([r["wall_seconds"] for r in model_runs]),
@@ -537,8 +563,11 @@ def verdict(lower: dict, higher: dict,
     else:
         spreads = (lower["heldout_loss_std"], higher["heldout_loss_std"])
         if None in spreads:
-            return delta, "undecided (one seed)" if level else (
-                "reproduced (one seed)" if delta > 0 else "not reproduced (one seed)")
+            if level:
+                return delta, "undecided (one seed)"
+            if delta == 0:  # (equal losses: neither order)
+                return delta, "tied (one seed)"
+            return delta, "reproduced (one seed)" if delta > 0 else "not reproduced (one seed)"
         resolved, sign = abs(delta) > 2 * max(spreads), delta
     if level:
         ahead = "{lower}" if sign > 0 else "{higher}"
@@ -635,6 +664,11 @@ def claims_rows(claims: list[dict], rates: dict[str, str] | None = None) -> list
 
 def fmt(value, digits=3):
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def rate_of(tokens_per_second: float | None) -> str:
+    """Training tokens/s as the report prints it; "-" where no step was timed."""
+    return "-" if tokens_per_second is None else f"{tokens_per_second:,.0f}"
 
 
 def fmt_tokens(tokens: int) -> str:
@@ -788,11 +822,14 @@ def results_markdown(state: dict) -> str:
             lines.append(
                 f"| {labels[key]} | {counts['total']:,} | {counts['active']:,} | {entry['heldout_loss_mean']:.3f}{std} | "
                 f"{len(entry['seeds'])} | {entry['perplexity']:.1f} | {'-' if key == base else fmt(delta)} | "
-                f"{fmt(entry.get('wiki_loss_mean'))} | {entry['tokens_per_second']:,.0f} | {fmt(entry['peak_memory_gib'], 2)} | "
-                f"{entry['train_seconds']:.1f} | {state['paper'][key]} |")
+                f"{fmt(entry.get('wiki_loss_mean'))} | {rate_of(entry['tokens_per_second'])} | "
+                f"{fmt(entry['peak_memory_gib'], 2)} | {entry['train_seconds']:.1f} | {state['paper'][key]} |")
         lines.append("")
     claims = claims_table(summary, labels, state["runs"])
     if claims:
+        # (the diverged verdict is explained only in a report that has one)
+        diverged = (" 'Diverged: no verdict': a run of either model (named) ended with a NaN or infinite loss, which "
+                    "decides nothing either way." if any(c["verdict"].startswith(DIVERGED) for c in claims) else "")
         lines += ["## The papers' orderings at this scale", "",
                   "Δ = loss(right) - loss(left) of the means: positive when the paper's ordering holds; a claim "
                   "that two models end 'level with' each other holds when their difference is within seed noise. "
@@ -801,8 +838,7 @@ def results_markdown(state: dict) -> str:
                   "± its standard error. 'Within seed noise': with three or more common seeds, |paired Δ| is at most "
                   "twice its standard error; otherwise |Δ| is at most twice the larger seed standard deviation. "
                   "The verdict is the held-out text's; the last column is the same paired difference on the "
-                  "out-of-domain held-out set (Wikipedia), where the runs measured it. 'Diverged: no verdict': a run "
-                  "of either model (named) ended with a NaN or infinite loss, which decides nothing either way.", "",
+                  "out-of-domain held-out set (Wikipedia), where the runs measured it." + diverged, "",
                   *claims_rows(claims), ""]
     lines += repeats_markdown(state)
     lines += curves_markdown(state, summary)
@@ -909,7 +945,7 @@ def write_outputs(state: dict, out: Path) -> None:
     public["parameters"] = {k: v["counts"] for k, v in state["described"].items()}
     public["ffn_paths"] = {k: v["ffn_path"] for k, v in state["described"].items() if v["ffn_path"]}
     public["runs"] = [{k: v for k, v in run.items() if k != "config"} for run in state["runs"]]
-    write_atomic(out / "results.json", json.dumps(public, indent=1) + "\n")
+    write_atomic(out / "results.json", strict_json(public))
     write_atomic(out / "results.md", results_markdown(state))
     configs = {
         "shape": state["shape"], "recipes": {name: vars(recipe) for name, recipe in RECIPES.items()},
@@ -945,9 +981,11 @@ def select_models(args, shape):
     selected = study_models.study_models(shape)
     if args.no_ablations:
         selected = [m for m in selected if not m.ablation]
-    if args.models:
+    if args.models is not None:
         wanted = [k.strip() for k in args.models.split(",") if k.strip()]
         known = [m.key for m in selected]
+        if not wanted:  # (no run to plan)
+            raise ValueError(f"--models: {args.models!r} names no model; name one or more of {known}, comma-separated")
         unknown = [k for k in wanted if k not in known]
         if unknown:
             raise ValueError(f"--models: {unknown} not among {known}")
@@ -1124,7 +1162,7 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
         wiki = f", Wikipedia {result['wiki_loss']:.3f}" if "wiki_loss" in result else ""
         print(f"[{index + 1}/{len(plan)}] {model.key} seed {seed}: held-out loss {result['heldout_loss']:.3f}{wiki}; "
               f"{result['tokens']:,} tokens, train {result['train_seconds']:.1f} s "
-              f"({(result['tokens_per_second'] or 0):,.0f} tokens/s), run {result['wall_seconds']:.1f} s, "
+              f"({rate_of(result['tokens_per_second'])} tokens/s), run {result['wall_seconds']:.1f} s, "
               f"peak {fmt(result['peak_memory_gib'], 2)} GiB; elapsed {state['elapsed_seconds']:.0f} s", flush=True)
         write_outputs(state, out)
     state["elapsed_seconds"] = time.perf_counter() - started

@@ -27,7 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from learning_rates import paired_text, passes_over, rate_text  # noqa: E402
-from study import CLAIMS, DIVERGED, fmt_tokens, save_figure, verdict_is_resolved, write_atomic  # noqa: E402
+from study import (CLAIMS, DIVERGED, fmt_tokens, save_figure, strict_json, verdict_is_resolved,  # noqa: E402
+                   write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,7 +311,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"sweeps": [{k: v for k, v in s.items() if k != "claims"} for s in sweeps], "rows": rows}
-    write_atomic(out / "verdicts.json", json.dumps(report, indent=1) + "\n")
+    write_atomic(out / "verdicts.json", strict_json(report))
     text = markdown(sweeps, rows)
     write_atomic(out / "verdicts.md", text)
     plot(sweeps, rows, out / "verdicts.png")
