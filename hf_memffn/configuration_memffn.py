@@ -298,7 +298,14 @@ class MemFFNConfig(PretrainedConfig):
         it beside this file: a folder of the config alone then builds the model where the package is absent
         (`AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
         trust_remote_code=True)`), instead of naming modeling files it lacks. (With `push_to_hub=True` the upload
-        happens inside transformers' save, before the code is copied: `config.push_to_hub(repo_id)` uploads it.)"""
+        happens inside transformers' save, before the code is copied: `config.push_to_hub(repo_id)` uploads it.)
+        Refused, before anything is written, while a field would not load back (`from_pretrained` checks the fields
+        that `__init__` checks: a field set by hand since, a special token id past a shrunk vocabulary)."""
+        try:
+            self.validate_fields()
+        except ValueError as error:
+            raise ValueError(f"save_pretrained: the config would not load back from the folder: {error} Set the field "
+                             "to an allowed value before saving") from error
         result = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         modeling_file = self._modeling_code_file()
         if modeling_file is not None:

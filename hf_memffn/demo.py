@@ -683,7 +683,7 @@ def _run(args: argparse.Namespace) -> int:
         else:  # (its tables would hold nan or inf, which the export refuses)
             print("note: MemoryLLM diverged (weights that are not finite): no token lookup tables exported")
     plot_losses(results, settings, out / "loss_curves.png")
-    removed = _clear_earlier_run(out, archs, settings, corpus, args.seed)
+    removed, kept = _clear_earlier_run(out, archs, settings, corpus, args.seed)
     if removed:
         print(f"removed from {out} what an earlier run with other settings, data or seed wrote: {', '.join(removed)}")
     if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
@@ -700,6 +700,7 @@ def _run(args: argparse.Namespace) -> int:
         "settings": asdict(settings),
         "seed": args.seed,
         "archs": archs,
+        "model_folders": sorted([*archs, *kept]),  # (of this run's world: an earlier run's with the same settings too)
         "data": corpus.description,
         "recall_chance": chance,
         "results": [asdict(r) for r in results],
@@ -714,28 +715,34 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corpus: Corpus, seed: int) -> list[str]:
+def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corpus: Corpus,
+                       seed: int) -> tuple[list[str], list[str]]:
     """Removes from `out` the model folders of an earlier run with other settings, data or seed that this run does not
     write again, and its `facts.txt` where this run writes none, so that `out` holds one world's models and texts;
-    returns the names removed. The earlier run is known by its `results.json`: only folders it lists are removed."""
+    returns the names removed, and the architectures whose folders an earlier run with the same settings, data and
+    seed left (they stay: this run's results.json lists them in `model_folders`). The earlier run is known by its
+    `results.json`: only folders it lists (`model_folders`, else `archs`) are removed."""
     try:
         earlier = json.loads((out / "results.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return []
+        return [], []
     if not isinstance(earlier, dict) or not isinstance(earlier.get("archs"), list):
-        return []
+        return [], []
+    folders = earlier.get("model_folders")
+    folders = folders if isinstance(folders, list) else earlier["archs"]
+    others = [arch for arch in folders
+              if arch in REGISTRY and arch not in archs and (out / arch / "config.json").is_file()]
     if (earlier.get("settings"), earlier.get("data"), earlier.get("seed", seed)) == (
             asdict(settings), corpus.description, seed):
-        return []  # the same world and models: folders of other architectures stay
+        return [], others  # the same world and models: folders of other architectures stay
     removed = []
-    for arch in earlier["archs"]:
-        if arch in REGISTRY and arch not in archs and (out / arch / "config.json").is_file():
-            shutil.rmtree(out / arch)
-            removed.append(f"{arch}/")
+    for arch in others:
+        shutil.rmtree(out / arch)
+        removed.append(f"{arch}/")
     if corpus.world is None and (out / "facts.txt").is_file():
         (out / "facts.txt").unlink()
         removed.append("facts.txt")
-    return removed
+    return removed, []
 
 
 def finite_or_null(value):

@@ -14,6 +14,7 @@ import fnmatch
 import json
 import os
 import posixpath
+import re
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,12 @@ from .token_lookup import check_table_files, copy_table_files
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
 WEIGHTS_NAME = "model.safetensors"  # the weights of a checkpoint in one file, where `from_pretrained` looks for them
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"  # names the shards of a sharded checkpoint
+# the same names with a variant (`save_pretrained(folder, variant="fp16")`, loaded by `from_pretrained(folder,
+# variant="fp16")`): `model.fp16.safetensors`, `model.safetensors.index.fp16.json`; not a shard (`model-00001-of-00002.
+# safetensors`, `model.fp16-00001-of-00002.safetensors`), which loads through its index only
+_WEIGHTS_FILE = re.compile(r"model(\.[^/]+)?\.safetensors")
+_WEIGHTS_INDEX_FILE = re.compile(r"model\.safetensors\.index(\.[^/]+)?\.json")
+_WEIGHTS_SHARD = re.compile(r".*-\d+-of-\d+\.safetensors")
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
 # Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
 # (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`), and the
@@ -83,17 +90,19 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"folder={str(folder)!r} is not a directory")
     files = staged_files(root)
     missing = [name for name in REQUIRED_FILES if name not in files]
-    # (`from_pretrained` reads the weights from these names at the top of the folder: shards without their index, or
-    # weights in a subfolder, do not load)
-    weight_map = None
-    if WEIGHTS_INDEX_NAME in files:
-        weight_map = json.loads((root / WEIGHTS_INDEX_NAME).read_text(encoding="utf-8")).get("weight_map", {})
+    # (`from_pretrained` reads the weights from these names at the top of the folder, with or without a variant:
+    # shards without their index, or weights in a subfolder, do not load)
+    indexes = [name for name in files if _WEIGHTS_INDEX_FILE.fullmatch(name)]
+    single_files = [name for name in files if _WEIGHTS_FILE.fullmatch(name) and not _WEIGHTS_SHARD.fullmatch(name)]
+    weight_maps = [json.loads((root / index).read_text(encoding="utf-8")).get("weight_map", {}) for index in indexes]
+    for weight_map in weight_maps:
         missing += sorted(set(weight_map.values()) - set(files))
-    elif WEIGHTS_NAME not in files:
+    if not indexes and not single_files:
         missing.append(f"{WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} (weights)")
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
-    weight_names = weight_map if weight_map is not None else _safetensors_keys(root / WEIGHTS_NAME)
+    weight_names = [name for weight_map in weight_maps for name in weight_map]
+    weight_names += [name for single_file in single_files for name in _safetensors_keys(root / single_file)]
     parametrized = _parametrized_weight_names(weight_names)
     if parametrized:
         raise ValueError(f"folder={str(folder)!r} stores {len(parametrized)} weights ({_some(parametrized)}) with "

@@ -242,10 +242,21 @@ def test_a_rerun_with_other_settings_removes_the_earlier_runs_other_models(tmp_p
     assert "kvffn/, facts.txt" in stdout.getvalue()
 
     summary = json.loads((out / "results.json").read_text())
-    summary["archs"].append("kvffn")  # as if kvffn had been trained before with these settings
+    for key in ("archs", "model_folders"):  # as if kvffn had been trained before with these settings
+        summary[key].append("kvffn")
     (out / "results.json").write_text(json.dumps(summary))
     (out / "kvffn").mkdir()
     (out / "kvffn" / "config.json").write_text("{}")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert cli.main(argv) == 0
     assert (out / "kvffn" / "config.json").is_file()
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["archs"] == ["llama"] and summary["model_folders"] == ["kvffn", "llama"]
+
+    # a run with another seed removes the folder kept by the run with the same settings: it listed the kept folder
+    # in `model_folders`, where before only `archs` (what it trained) was listed and kvffn/ of the first world stayed
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(argv + ["--seed", "1"]) == 0
+    assert not (out / "kvffn").exists() and "wrote: kvffn/" in stdout.getvalue()
+    assert json.loads((out / "results.json").read_text())["model_folders"] == ["llama"]

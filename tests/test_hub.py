@@ -174,6 +174,34 @@ def test_push_folder_refuses_weights_that_from_pretrained_does_not_find(damage, 
     assert fake_hub.calls == []
 
 
+@pytest.mark.parametrize("max_shard_size", [None, "40KB"])
+def test_push_folder_takes_weights_saved_with_a_variant(max_shard_size, fake_hub, tmp_path):
+    """`save_pretrained(folder, variant="fp16")` names the weights `model.fp16.safetensors` (sharded: its index
+    `model.safetensors.index.fp16.json`), which `from_pretrained(folder, variant="fp16")` loads: the push was refused
+    as missing its weights, also after `save_pretrained(..., push_to_hub=True)` had written the folder. Shards of a
+    variant without their index, and int8 weights stored under a variant, are still refused."""
+    from hf_memffn import adapters
+
+    model = tiny_model("memoryllm")
+    model.save_pretrained(tmp_path / "saved", variant="fp16", push_to_hub=True, repo_id="someone/tiny-fp16",
+                          **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    weights = sorted(name for name in fake_hub.uploaded if name.endswith((".safetensors", ".json")))
+    assert ("model.safetensors.index.fp16.json" in weights) == (max_shard_size is not None)
+    assert all(".fp16" in name for name in weights if name.startswith("model"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", variant="fp16", trust_remote_code=True)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+    if max_shard_size is not None:
+        (tmp_path / "saved" / "model.safetensors.index.fp16.json").unlink()
+        with pytest.raises(ValueError, match=r"is missing \['model.safetensors or model.safetensors.index.json"):
+            hub.push_folder(tmp_path / "saved", "someone/broken")
+    adapters.quantize_weights_int8(model)
+    model.save_pretrained(tmp_path / "int8", variant="fp16")
+    with pytest.raises(ValueError, match=r"stores 3 weights \(.*\) with adapters or int8 attached"):
+        hub.push_folder(tmp_path / "int8", "someone/tiny-int8")
+
+
 def test_a_model_with_adapters_or_int8_weights_is_refused_before_anything_is_pushed(fake_hub, tmp_path, capsys):
     """Saved while `hf_memffn.adapters` parametrizes weights (int8, LoRA), a checkpoint stores them as such, and
     `from_pretrained` refuses it: pushing such a model is refused before anything is written or sent, naming the

@@ -191,6 +191,24 @@ def test_a_vocabulary_shrunk_below_a_special_token_id_is_refused_before_saving(a
         torch.testing.assert_close(loaded(ids(vocab=310)).logits, model(ids(vocab=310)).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_a_config_saved_alone_that_would_not_load_back_is_refused_before_writing(arch, tmp_path):
+    """`config.save_pretrained(folder)` (a folder of the config alone, README "Hub-ready checkpoints") wrote a field
+    set by hand that `AutoConfig.from_pretrained` then refused: refused now as the model's save refuses it, with
+    nothing written; set back inside the vocabulary it saves and loads."""
+    from transformers import AutoConfig
+
+    config = build(arch).config
+    config.eos_token_id = config.vocab_size + 5
+    with pytest.raises(ValueError, match=r"save_pretrained: the config would not load back .*`eos_token_id`=325 is "
+                                         r"invalid: token ids must be None or in 0\.\.319"):
+        config.save_pretrained(tmp_path / "config")
+    assert not (tmp_path / "config").exists()
+    config.eos_token_id = 2
+    config.save_pretrained(tmp_path / "config")
+    assert AutoConfig.from_pretrained(tmp_path / "config", trust_remote_code=True).eos_token_id == 2
+
+
 @pytest.mark.parametrize("arch", ["memoryllm", "flex_memoryllm"])
 def test_set_input_embeddings_is_refused_while_a_token_lookup_table_is_loaded(arch, tmp_path):
     """A token lookup table holds the FFNs on X0 of the embedding it was exported from: a new embedding would be read
