@@ -125,6 +125,14 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         raise ValueError(f"export_onnx: with dynamic shapes input_ids needs batch and length of at least 2 "
                          f"(torch.export fixes a size seen as 1), got shape {list(input_ids.shape)}; or pass "
                          "dynamic=False")
+    classifier = getattr(unwrapped, "auto_class_name", None) == "AutoModelForSequenceClassification"
+    if (classifier and getattr(unwrapped.config, "pad_token_id", None) is None and not with_attention_mask
+            and (dynamic or input_ids.shape[0] > 1)):
+        # (else torch.export stops on the classifier's own refusal, inside a report that asks for a PyTorch issue)
+        raise ValueError(f"export_onnx: {type(unwrapped).__name__} reads each sequence at its last token, found from "
+                         "`attention_mask` or `config.pad_token_id`, and config.pad_token_id is None, so a graph of "
+                         "input_ids alone cannot find it in a batch of several sequences; allowed: "
+                         "with_attention_mask=True, or config.pad_token_id set (the tokenizer's pad token id)")
     inputs, names = (input_ids,), ["input_ids"]
     if with_attention_mask:
         # (a padded example row, so that tracing keeps the masking that an all-ones mask would let it drop)

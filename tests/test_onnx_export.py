@@ -402,3 +402,26 @@ def test_classification_heads_export_and_a_question_answering_head_is_refused(tm
         export_onnx(AutoModelForQuestionAnswering.from_config(config).eval(), torch.randint(3, 320, (2, 8)),
                     out / "model.onnx")
     assert list(out.iterdir()) == []
+
+
+def test_a_sequence_classifier_without_pad_token_needs_the_attention_mask(tmp_path):
+    """A sequence classifier finds each row's last token from the mask or `config.pad_token_id`: with neither, an
+    export of `input_ids` alone stopped inside torch.export (the classifier's refusal wrapped in a report asking for a
+    PyTorch issue); it is refused first, naming `with_attention_mask`, and exports with the mask."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("kvffn", num_hidden_layers=1, num_labels=3,
+                                                                       initializer_range=0.1)).eval()
+    assert model.config.pad_token_id is None
+    with pytest.raises(ValueError, match=r"pad_token_id is None.*allowed: with_attention_mask=True"):
+        export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+    export_onnx(model, torch.randint(3, 320, (2, 8)), tmp_path / "model.onnx", with_attention_mask=True)
+    ids, mask = left_padded([torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11)])
+    with torch.no_grad():
+        expected = torch.cat([model(ids[row:row + 1, -n:], use_cache=False).logits
+                              for row, n in enumerate((5, 11))]).numpy()
+    got = ReferenceEvaluator(onnx.load(tmp_path / "model.onnx")).run(None, {"input_ids": ids.numpy(),
+                                                                         "attention_mask": mask.numpy()})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
