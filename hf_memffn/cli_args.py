@@ -56,14 +56,21 @@ def nonempty_int_list(text: str) -> list[int]:
     return values
 
 
+def local_path(text: str) -> str:
+    """`text` with a leading `~` (or `~user`) made the home folder, as the shell does for a word of its own but not
+    after `=` (`--out=~/runs` would otherwise be a folder named `~` in the current directory)."""
+    return os.path.expanduser(text)
+
+
 def model_source(text: str) -> str:
     """A saved model directory (with config.json), or a Hub id such as `org/name`."""
-    if os.path.isfile(text):
+    path = local_path(text)
+    if os.path.isfile(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a model directory (with config.json) or a Hub id")
-    if os.path.isdir(text):
-        if not os.path.isfile(os.path.join(text, "config.json")):
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise argparse.ArgumentTypeError(f"{text!r} has no config.json; allowed: a directory saved by save_pretrained")
-        return text
+        return path
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return text
     raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a model directory or a Hub id such as org/name")
@@ -87,22 +94,24 @@ def output_dir(text: str) -> str:
     parent folders would be created)."""
     if not text:  # (an unset shell variable, `--out "$OUT"`: not the current directory)
         raise argparse.ArgumentTypeError("'' is an empty path; allowed: a directory (created if missing)")
-    if os.path.exists(text) and not os.path.isdir(text):
+    path = local_path(text)
+    if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
-    parent = os.path.dirname(os.path.abspath(text))
+    parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r} is inside {parent!r}, which is a file; allowed: a directory "
                                          "(created if missing) whose parent folders are folders or missing")
-    return text
+    return path
 
 
 def existing_file(text: str) -> str:
-    if not os.path.isfile(text):
-        what = "is a directory" if os.path.isdir(text) else "does not exist"
+    path = local_path(text)
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
         raise argparse.ArgumentTypeError(f"{text!r} {what}; allowed: an existing file")
-    return text
+    return path
 
 
 def torch_device(text: str) -> str:

@@ -38,7 +38,7 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
-from .cli_args import missing_gpu, output_dir, positive_int
+from .cli_args import local_path, missing_gpu, output_dir, positive_int
 from .fact_world import ATTRIBUTES, MAX_ENTITIES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
@@ -122,8 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--quick", action="store_true", help="a few-second smoke run with tiny models")
     data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")
-    data.add_argument("--text-files", nargs="+", metavar="FILE", help="local UTF-8 text files")
-    data.add_argument("--dataset", help="a `datasets` Hub name or a local folder (needs `pip install datasets`)")
+    data.add_argument("--text-files", nargs="+", metavar="FILE", type=local_path, help="local UTF-8 text files")
+    data.add_argument("--dataset", type=local_path,
+                      help="a `datasets` Hub name or a local folder (needs `pip install datasets`)")
     data.add_argument("--dataset-config", help="configuration name of --dataset")
     data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")

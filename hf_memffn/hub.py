@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from .atomic_write import write_atomic
-from .cli_args import first_line
+from .cli_args import first_line, local_path
 from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
 from .token_lookup import check_table_files, copy_table_files
 
@@ -388,7 +388,7 @@ def _training_summary(text: str) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("folder", help="a folder written by model.save_pretrained")
+    parser.add_argument("folder", type=local_path, help="a folder written by model.save_pretrained")
     parser.add_argument("repo_id", help="the Hub repository, e.g. user/flashmhf-128m")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")

@@ -274,13 +274,48 @@ def remote_code_architectures(model_id: str, revision: str | None = None, config
     return [name for name in config.get("architectures") or [] if name == causal_lm]
 
 
+def device_option(serve_args: Sequence[str]) -> str | None:
+    """The `--device` among the arguments passed on to `transformers serve` (`--device X` or `--device=X`, the last
+    one given, as the server takes it); None if none is given."""
+    device = None
+    for index, argument in enumerate(serve_args):
+        if argument == "--device" and index + 1 < len(serve_args):
+            device = serve_args[index + 1]
+        elif argument.startswith("--device="):
+            device = argument.partition("=")[2]
+    return device
+
+
+def device_problem(device: str) -> str | None:
+    """Why `--device DEVICE` names a device this machine lacks (`cuda`, `cuda:N` or a GPU index without CUDA or past
+    its GPUs, `mps` without MPS), said with what is allowed; None otherwise (`auto`, `cpu`, a `device_map` strategy:
+    the server's own to judge). The server would start and fail loading the model, in a traceback."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if device.isdigit():  # (a GPU index, as `device_map` takes it)
+        kind, index = "cuda", device
+    if kind == "mps" and not torch.backends.mps.is_available():
+        return f"--device {device}: no MPS device on this machine; allowed here: auto, cpu"
+    if kind != "cuda":
+        return None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return f"--device {device}: no CUDA device on this machine; allowed here: auto, cpu"
+    if index.isdigit() and int(index) >= count:
+        return (f"--device {device}: this machine has {count} CUDA device(s); allowed here: auto, cpu, cuda, "
+                f"cuda:0..{count - 1}")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-memffn serve", allow_abbrev=False,
         description="transformers' OpenAI-compatible server (`transformers serve`) for checkpoints of this package. "
                     "Usage: hf-memffn serve [MODEL] [options]; options not listed here go to `transformers serve` "
                     "(see `transformers serve --help`): --continuous-batching, --trust-remote-code, --port, ...")
-    parser.add_argument("--token-lookup", metavar="TABLE_DIR",
+    # (`~` made the home folder, which the shell does not do after `=`: `--token-lookup=~/table`)
+    parser.add_argument("--token-lookup", metavar="TABLE_DIR", type=os.path.expanduser,
                         help="MemoryLLM / FlexMemoryLLM: read the FFNs on the token embeddings from the table exported "
                              "to TABLE_DIR (`hf-memffn export-tols`; the model folder itself if the table is saved "
                              "there, or a Hub repo id); needs MODEL")
@@ -304,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--token-lookup needs the model to serve as the first argument")
         token_lookup = TokenLookupSettings(model, options.token_lookup, options.token_lookup_placement,
                                            options.drop_memory_ffn)
+    device = device_option(serve_args)
+    problem = None if device is None else device_problem(device)
+    if problem is not None:
+        parser.error(problem)
     names = list(ARCHITECTURE_NAMES)
     if model is not None:  # (read here, so that a wrong MODEL ends in one line, not in the server's traceback)
         model_id, revision = split_revision(model)

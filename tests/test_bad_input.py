@@ -629,6 +629,37 @@ def test_an_mps_device_the_machine_lacks_gets_a_one_line_error(command, world, m
     assert len(errors) == 1 and "--device" in errors[0] and "no MPS device" in errors[0], errors
 
 
+def test_a_path_that_starts_with_a_tilde_after_an_equals_sign_is_in_the_home_folder(world, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The shell makes `~` the home folder in a word of its own, not after `=`: `--out=~/tables` made a folder
+    named `~` in the current directory, and `--eval-text=~/heldout.txt` did not exist. Paths are taken from the home
+    folder, as typed in a word of their own."""
+    monkeypatch.setenv("HOME", str(world.root))
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["export-tols", "~/memoryllm", "--eval-text=~/texts", "--format", "fp32", "--device", "cpu",
+                     "--no-progress", "~/tilde_table"]) == 0
+    assert (world.root / "tilde_table" / "token_lookup.safetensors.index.json").is_file()
+    assert os.listdir(tmp_path) == []  # (no folder named `~`)
+    shutil.rmtree(world.root / "tilde_table")
+    capsys.readouterr()
+    # each refused for a reason found past reading the path: the path was read from the home folder
+    for argv, reason in ((["analyze", "~/memoryllm", "--texts=~/no-such-texts", "--out=~/tilde_report"],
+                          "argument --texts: '~/no-such-texts' does not exist"),
+                         (["analyze", "~/no_tokenizer", "--tokenizer=~/memoryllm", "--texts=~/texts",
+                           "--out=~/tilde_report", "--layers", "9", *ANALYZE_FAST],
+                          "--layers: layers [9] do not exist"),
+                         (["push", "~/table_only", "user/repo"], "is missing ['model.safetensors or"),
+                         (["demo", "--quick", "--text-files=~/texts", "--out=~/tilde_demo"],
+                          "the training text has 13 tokens, fewer than --seq-len=64")):
+        with pytest.raises(SystemExit) as stop:
+            cli_main(argv)
+        assert stop.value.code == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and reason in errors[0], (argv, errors)
+    assert not (world.root / "tilde_report").exists() and not (world.root / "tilde_demo").exists()
+    assert os.listdir(tmp_path) == []
+
+
 def survey() -> int:
     with tempfile.TemporaryDirectory() as root:
         world = build_world(Path(root))

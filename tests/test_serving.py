@@ -341,6 +341,40 @@ def test_bridge_options_name_what_is_wrong(capsys):
         serving.TokenLookupSettings("m", "t").apply(AutoModelForCausalLM.from_config(tiny_config("kvffn")))
 
 
+def test_a_device_the_machine_lacks_is_refused_before_the_server_starts(monkeypatch, capsys):
+    """`hf-memffn serve MODEL --device cuda` on a machine without CUDA: the server started, and its model process
+    failed loading the model, in a traceback ("RuntimeError: AssertionError: Torch not compiled with CUDA enabled").
+    The device is checked first, in one line naming it and what is allowed; `auto`, `cpu` and the GPUs the machine
+    has go to the server as they are."""
+    import transformers.cli.transformers
+
+    started = []
+    monkeypatch.setattr(transformers.cli.transformers, "app", lambda args, prog_name: started.append(args))
+    monkeypatch.setattr(serving, "make_architectures_resolvable", lambda names, token_lookup=None: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for arguments, reason in ((["--device", "cuda"], "--device cuda: no CUDA device on this machine"),
+                              (["--device=cuda:0"], "--device cuda:0: no CUDA device on this machine"),
+                              (["--device", "0"], "--device 0: no CUDA device on this machine"),
+                              (["--device", "mps"], "--device mps: no MPS device on this machine")):
+        with pytest.raises(SystemExit) as stop:
+            serving.main([*arguments, "--continuous-batching"])
+        assert stop.value.code == 2
+        error = capsys.readouterr().err
+        assert f"hf-memffn serve: error: {reason}; allowed here: auto, cpu" in error and "Traceback" not in error, error
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        serving.main(["--device", "cuda:1"])
+    assert stop.value.code == 2
+    assert "this machine has 1 CUDA device(s); allowed here: auto, cpu, cuda, cuda:0..0" in capsys.readouterr().err
+    assert started == []
+    for device in ("auto", "cpu", "cuda", "cuda:0", "0"):
+        assert serving.main(["--device", device, "--continuous-batching"]) == 0
+    assert [args[1:] for args in started] == [["--device", device, "--continuous-batching"]
+                                             for device in ("auto", "cpu", "cuda", "cuda:0", "0")]
+
+
 def test_the_served_model_and_its_revision_decide_which_load_reads_the_table(tmp_path):
     """`transformers serve` names a Hub model `id@revision` (`main` when none was given) and keeps a local path whole,
     an `@` in it included: the table goes to the served model's loads only, at the served revision."""
@@ -415,6 +449,23 @@ def test_a_table_exported_from_a_model_of_another_shape_is_refused_before_the_se
     assert "the table was exported from another model: hidden_size=32 (the model has 64)" in error, error
     assert f"export this model's table: hf-memffn export-tols {folder} TABLE_DIR" in error, error
     assert serving.TokenLookupSettings(str(folder), str(table)).problem(serving.read_config(str(folder))) is None
+
+def test_a_table_path_after_an_equals_sign_is_read_from_the_home_folder(memoryllm_and_table, monkeypatch, capsys):
+    """`--token-lookup=~/table`: the shell leaves a `~` after `=` as it is, and the table was refused as "no such
+    folder, and not a Hub repo id". It is the home folder's, as in a word of its own."""
+    import transformers.cli.transformers
+
+    folder, table = memoryllm_and_table
+    started, bridged = [], []
+    monkeypatch.setattr(transformers.cli.transformers, "app", lambda args, prog_name: started.append(args))
+    monkeypatch.setattr(serving, "make_architectures_resolvable",
+                        lambda names, token_lookup=None: bridged.append(token_lookup))
+    monkeypatch.setenv("HOME", str(table.parent))
+    assert serving.main([str(folder), "--token-lookup=~/table", "--continuous-batching"]) == 0, \
+        capsys.readouterr().err
+    assert started == [["serve", str(folder), "--continuous-batching"]]
+    assert [settings.table for settings in bridged] == [str(table)]
+
 
 def test_the_default_table_placement_follows_the_models_device(memoryllm_and_table, monkeypatch):
     """`--device cpu` on a machine with CUDA: without `--token-lookup-placement` the table stays on the host."""

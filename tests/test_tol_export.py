@@ -933,6 +933,28 @@ def test_cli_eval_text_is_read_as_utf8_and_a_file_in_another_encoding_is_named(t
     assert eval_tokens["bom"] == eval_tokens["plain"] == len(tiny_tokenizer()(text, add_special_tokens=False).input_ids)
 
 
+def test_cli_eval_text_rows_stay_within_the_positions_the_model_has(tmp_path):
+    """`--eval-text` is cut into rows of 256 tokens; a model of fewer positions (the demo's have 128) was scored past
+    them, where it was never trained ("sequence length 256 exceeds max_position_embeddings=128: ... expect degraded
+    outputs"), and the report's held-out losses were not the model's. Rows are now as long as the model's
+    positions."""
+    model = build(max_position_embeddings=64)
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path / "model")
+    text = "the memory stores a value of the key " * 60
+    (tmp_path / "heldout.txt").write_text(text, encoding="utf-8")
+    ids = tiny_tokenizer()(text, add_special_tokens=False).input_ids
+    rows = len(ids) // 64
+    assert len(ids) > 256 and rows > 4  # (more than one row of 256, more than four of 64)
+    assert cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / "tol"), "--format", "fp32", "--device",
+                     "cpu", "--no-progress", "--eval-text", str(tmp_path / "heldout.txt")]) == 0
+    with open(tmp_path / "tol" / REPORT_NAME) as handle:
+        report = json.load(handle)
+    assert report["eval_tokens"] == rows * 64
+    expected = export_module.heldout_loss(model, torch.tensor(ids[:rows * 64]).view(rows, 64))
+    assert report["loss_compute"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_demo_step_matches_compute_mode(tmp_path):
     from hf_memffn.conversion import demo_step
 

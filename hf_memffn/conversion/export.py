@@ -591,7 +591,10 @@ def heldout_loss(model, input_ids: torch.Tensor, batch_size: int = 8) -> float:
     return total / max(count, 1)
 
 
-def text_to_input_ids(tokenizer, text: str, seq_len: int = 256) -> torch.Tensor:
+EVAL_ROW_TOKENS = 256  # tokens per row of an eval text (fewer where the model has fewer positions)
+
+
+def text_to_input_ids(tokenizer, text: str, seq_len: int = EVAL_ROW_TOKENS) -> torch.Tensor:
     """Tokenize `text` and cut it into rows of `seq_len` tokens (the last partial row kept if it is the only one)."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     if ids.numel() < 2:
@@ -703,7 +706,9 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     if eval_text is not None:  # (refused before anything is written)
         if tokenizer is None:
             raise ValueError("eval_text needs a tokenizer (pass tokenizer=, or a model directory that has one)")
-        eval_input_ids = text_to_input_ids(tokenizer, eval_text)
+        # (rows no longer than the positions the model was trained on: past them its loss is not the model's)
+        max_positions = getattr(_memory_base(model).config, "max_position_embeddings", None) or EVAL_ROW_TOKENS
+        eval_input_ids = text_to_input_ids(tokenizer, eval_text, seq_len=min(EVAL_ROW_TOKENS, max_positions))
     if eval_input_ids is not None:  # (the held-out loss runs after the export: its ids are checked before)
         eval_input_ids = _checked_eval_input_ids(eval_input_ids, model, "eval_input_ids" if eval_text is None
                                                  else "eval_text (tokenized)")
