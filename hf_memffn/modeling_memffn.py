@@ -19,6 +19,7 @@ import importlib
 import inspect
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Callable
 
@@ -556,12 +557,22 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`), or
         while its config would not load back: `from_pretrained` checks the fields that `__init__` checks, and a field
         changed since (a special token id past the vocabulary that `resize_token_embeddings` shrank, a field set by
-        hand) would make the saved folder fail to load."""
+        hand) would make the saved folder fail to load; or while transformers would refuse to save the generation
+        config (`model.generation_config`, e.g. `top_k` set without `do_sample=True`)."""
         try:
             self.config.validate_fields()
         except ValueError as error:
             raise ValueError(f"save_pretrained: the config would not load back from the checkpoint: {error} Set the "
                              "field to an allowed value before saving") from error
+        if self.can_generate() and getattr(self, "generation_config", None) is not None:
+            # transformers writes config.json and the remote code first and refuses a generation config with invalid
+            # settings after them, leaving a folder without weights (or, saved over a checkpoint, the new config with
+            # the old weights): its own check runs first, on a copy written to a temporary folder
+            with tempfile.TemporaryDirectory(prefix="memffn-generation-config-") as folder:
+                try:
+                    self.generation_config.save_pretrained(folder)
+                except (ValueError, TypeError) as error:
+                    raise ValueError(f"save_pretrained: model.generation_config would not save: {error}") from error
         base = getattr(self, self.base_model_prefix, self)
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
@@ -578,12 +589,13 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         a model card (README.md; see `model_card.py`). Refused, before anything is written, once the FFNs on the
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
         would start them at random; while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
-        the checkpoint would lack the edit; and while the config would not load back (a special token id outside the
-        vocabulary that `resize_token_embeddings` shrank). With `push_to_hub=True` the folder is uploaded once it is
-        complete (`repo_id`, by default the folder's name, `commit_message`, `commit_description`, `private`, `token`,
-        `revision`, `create_pr`): with the package installed as `hf-memffn push` uploads it (`hub.push_folder`), else
-        through `push_to_hub`; transformers' own upload would send its generic card and no tokenizer, written after
-        the weights (and leave that card in the folder)."""
+        the checkpoint would lack the edit; while the config would not load back (a special token id outside the
+        vocabulary that `resize_token_embeddings` shrank); and while `model.generation_config` holds settings that
+        transformers refuses to save (it would refuse them after writing config.json). With `push_to_hub=True` the
+        folder is uploaded once it is complete (`repo_id`, by default the folder's name, `commit_message`,
+        `commit_description`, `private`, `token`, `revision`, `create_pr`): with the package installed as
+        `hf-memffn push` uploads it (`hub.push_folder`), else through `push_to_hub`; transformers' own upload would
+        send its generic card and no tokenizer, written after the weights (and leave that card in the folder)."""
         push = kwargs.pop("push_to_hub", False)
         hub = _package_sibling("hub") if push else None
         if push:

@@ -171,6 +171,29 @@ def test_sharded_and_tied_checkpoints_reload_bit_identical(arch, tmp_path):
         assert torch.equal(loaded(prompt()).logits, tied(prompt()).logits)
 
 
+@pytest.mark.parametrize("arch", ARCHS[:-1])
+def test_generation_config_saves_with_the_checkpoint_or_is_refused_before_writing(arch, tmp_path):
+    """`model.generation_config` is saved and loaded with the checkpoint. One that transformers refuses to save (a
+    sampling flag without `do_sample=True`) is refused before anything is written: transformers refuses it after
+    config.json and the remote code (transformers' Llama leaves config.json alone in the folder), so saved over a
+    checkpoint it left that checkpoint's weights under the new config."""
+    model = build(arch)
+    model.generation_config.update(do_sample=True, top_k=7, max_new_tokens=3)
+    model.save_pretrained(tmp_path / "model")
+    loaded = loader(arch).from_pretrained(tmp_path / "model")
+    assert (loaded.generation_config.do_sample, loaded.generation_config.top_k) == (True, 7)
+    assert loaded.generation_config.max_new_tokens == 3
+
+    saved = {path.name: path.read_bytes() for path in (tmp_path / "model").iterdir()}
+    deeper = build(arch, num_hidden_layers=3)
+    deeper.generation_config.top_k = 7  # (do_sample unset)
+    for folder in (tmp_path / "model", tmp_path / "new"):
+        with pytest.raises(ValueError, match=r"(?s)save_pretrained: model.generation_config would not save.*top_k"):
+            deeper.save_pretrained(folder)
+    assert {path.name: path.read_bytes() for path in (tmp_path / "model").iterdir()} == saved
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_device_map_offloading_to_the_disk(arch, tmp_path):
     """accelerate loads an offloaded module's weights only around that module's own forward: a module must not read a
