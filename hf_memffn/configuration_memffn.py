@@ -301,11 +301,7 @@ class MemFFNConfig(PretrainedConfig):
         happens inside transformers' save, before the code is copied: `config.push_to_hub(repo_id)` uploads it.)
         Refused, before anything is written, while a field would not load back (`from_pretrained` checks the fields
         that `__init__` checks: a field set by hand since, a special token id past a shrunk vocabulary)."""
-        try:
-            self.validate_fields()
-        except ValueError as error:
-            raise ValueError(f"save_pretrained: the config would not load back from the folder: {error} Set the field "
-                             "to an allowed value before saving") from error
+        self.refuse_what_would_not_load()
         result = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         modeling_file = self._modeling_code_file()
         if modeling_file is not None:
@@ -363,6 +359,16 @@ class MemFFNConfig(PretrainedConfig):
         return None
 
     # -- validation ----------------------------------------------------------------------------------------------
+    def refuse_what_would_not_load(self) -> None:
+        """`validate_fields` as `save_pretrained` says it: a field set by hand since `__init__` checked it (or a
+        special token id past a vocabulary that `resize_token_embeddings` shrank) would make the saved folder fail to
+        load, since `from_pretrained` checks the same fields."""
+        try:
+            self.validate_fields()
+        except ValueError as error:
+            raise ValueError(f"save_pretrained: the config would not load back from the folder: {error} Set the field "
+                             "to an allowed value before saving") from error
+
     def validate_fields(self) -> None:
         name = type(self).__name__
         for field in self.WIRING_FIELDS:  # (set by hand on the config: `config.parallel_residual_ffn = True`)

@@ -21,13 +21,11 @@ From Python: `import hf_memffn.lm_eval_model` and pass `model="memffn"` to `lm_e
 
 from __future__ import annotations
 
-import os
-
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .configuration_memffn import check_choice
-from .serving import TABLE_INDEX_NAME, local_table_dir, table_shape_mismatch
+from .serving import local_table_dir, placement_problem, table_folder_problem
 from .token_lookup import PLACEMENTS
 
 MODEL_NAME = "memffn"
@@ -62,11 +60,9 @@ class MemFFNLM(HFLM):
         else:
             if token_lookup_placement is not None:
                 check_choice("token_lookup_placement", token_lookup_placement, PLACEMENTS)
-            if token_lookup_placement == "gpu":
-                import torch
-
-                if not torch.cuda.is_available():
-                    raise ValueError("token_lookup_placement='gpu' needs a CUDA device; allowed here: 'cpu', 'disk'")
+            if placement_problem(token_lookup_placement) is not None:
+                raise ValueError(f"token_lookup_placement={token_lookup_placement!r}: "
+                                 f"{placement_problem(token_lookup_placement)}")
             config = pretrained_config(kwargs)
             if config is not None and getattr(config, "token_memory_size", None) is None:
                 name = (getattr(config, "architectures", None) or [type(config).__name__])[0]
@@ -77,15 +73,9 @@ class MemFFNLM(HFLM):
             # (a table in the evaluated Hub repo itself is read at the evaluated revision)
             revision = kwargs.get("revision") if str(token_lookup) == str(kwargs.get("pretrained")) else None
             table_dir = local_table_dir(str(token_lookup), revision)
-            index_path = os.path.join(table_dir, TABLE_INDEX_NAME)
-            if not os.path.isfile(index_path):
-                raise FileNotFoundError(f"token_lookup={token_lookup!r}: no token lookup table there "
-                                        f"({TABLE_INDEX_NAME} is missing); export one first: hf-memffn export-tols "
-                                        "MODEL_DIR TABLE_DIR")
-            mismatch = None if config is None else table_shape_mismatch(index_path, config.to_dict())
-            if mismatch is not None:
-                raise ValueError(f"token_lookup={token_lookup!r}: the table was exported from another model: "
-                                 f"{mismatch}; export this model's table: hf-memffn export-tols MODEL_DIR TABLE_DIR")
+            folder_problem = table_folder_problem(table_dir, {} if config is None else config.to_dict())
+            if folder_problem is not None:
+                raise ValueError(f"token_lookup={token_lookup!r}: {folder_problem}")
         super().__init__(**kwargs)
         self.token_lookup_path = token_lookup
         if token_lookup is None:

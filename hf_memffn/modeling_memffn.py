@@ -559,11 +559,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         changed since (a special token id past the vocabulary that `resize_token_embeddings` shrank, a field set by
         hand) would make the saved folder fail to load; or while transformers would refuse to save the generation
         config (`model.generation_config`, e.g. `top_k` set without `do_sample=True`)."""
-        try:
-            self.config.validate_fields()
-        except ValueError as error:
-            raise ValueError(f"save_pretrained: the config would not load back from the checkpoint: {error} Set the "
-                             "field to an allowed value before saving") from error
+        self.config.refuse_what_would_not_load()
         if self.can_generate() and getattr(self, "generation_config", None) is not None:
             # transformers writes config.json and the remote code first and refuses a generation config with invalid
             # settings after them, leaving a folder without weights (or, saved over a checkpoint, the new config with

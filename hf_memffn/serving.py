@@ -116,6 +116,30 @@ def table_shape_mismatch(index_path: str, config: dict) -> str | None:
     return ", ".join(differences) or None
 
 
+def table_folder_problem(table_dir: str, config: dict, model_dir: str = "MODEL_DIR") -> str | None:
+    """What the folder `table_dir` lacks as a token lookup table for the model of `config` (its config.json): a
+    table at all, or one exported from a model of this shape; None if nothing (`model_dir` names the model in the
+    export command said)."""
+    index_path = os.path.join(table_dir, TABLE_INDEX_NAME)
+    if not os.path.isfile(index_path):
+        return (f"no token lookup table in this folder ({TABLE_INDEX_NAME} is missing); export one first: hf-memffn "
+                f"export-tols {model_dir} TABLE_DIR")
+    mismatch = table_shape_mismatch(index_path, config)
+    if mismatch is not None:
+        return (f"the table was exported from another model: {mismatch}; export this model's table: hf-memffn "
+                f"export-tols {model_dir} TABLE_DIR")
+    return None
+
+
+def placement_problem(placement: str | None) -> str | None:
+    """Why this machine cannot hold a table in `placement` (`gpu` without CUDA); None if it can."""
+    if placement != "gpu":
+        return None
+    import torch
+
+    return None if torch.cuda.is_available() else "needs a CUDA device; allowed here: cpu, disk"
+
+
 def split_revision(model: str) -> tuple[str, str | None]:
     """`"org/model@dev"` -> `("org/model", "dev")`, as `transformers serve` names a model; an existing local path keeps
     an `@` as part of the path (`"/ckpt@1000"` -> `("/ckpt@1000", None)`)."""
@@ -149,19 +173,12 @@ class TokenLookupSettings:
             location_problem = table_location_problem(self.table)
             if location_problem is not None:
                 return f"--token-lookup: {location_problem}"
-        elif not os.path.isfile(os.path.join(self.table, TABLE_INDEX_NAME)):
-            return (f"--token-lookup {self.table}: no token lookup table in this folder ({TABLE_INDEX_NAME} is "
-                    "missing); export one first: hf-memffn export-tols MODEL_DIR TABLE_DIR")
         else:
-            mismatch = table_shape_mismatch(os.path.join(self.table, TABLE_INDEX_NAME), config)
-            if mismatch is not None:
-                return (f"--token-lookup {self.table}: the table was exported from another model: {mismatch}; "
-                        f"export this model's table: hf-memffn export-tols {self.model_id} TABLE_DIR")
-        if self.placement == "gpu":
-            import torch
-
-            if not torch.cuda.is_available():
-                return "--token-lookup-placement gpu needs a CUDA device; use cpu or disk"
+            folder_problem = table_folder_problem(self.table, config, self.model_id)
+            if folder_problem is not None:
+                return f"--token-lookup {self.table}: {folder_problem}"
+        if placement_problem(self.placement) is not None:
+            return f"--token-lookup-placement {self.placement}: {placement_problem(self.placement)}"
         return None
 
     def applies_to(self, model_id: str, revision: str | None = None) -> bool:

@@ -235,13 +235,13 @@ def test_memffn_model_refuses_a_folder_without_a_table_or_another_models_table_b
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for arguments, error, message in (
-            ({"token_lookup": str(checkpoints["memoryllm"])}, FileNotFoundError,
-             "no token lookup table there (token_lookup.safetensors.index.json is missing)"),
+            ({"token_lookup": str(checkpoints["memoryllm"])}, ValueError,
+             "no token lookup table in this folder (token_lookup.safetensors.index.json is missing)"),
             ({"token_lookup": str(tmp_path / "other_table")}, ValueError,
              f"the table was exported from another model: num_hidden_layers={config.num_hidden_layers} "
              f"(the model has {config.num_hidden_layers - 1})"),
             ({"token_lookup": str(tmp_path / "table"), "token_lookup_placement": "gpu"}, ValueError,
-             "token_lookup_placement='gpu' needs a CUDA device; allowed here: 'cpu', 'disk'")):
+             "token_lookup_placement='gpu': needs a CUDA device; allowed here: cpu, disk")):
         with pytest.raises(error, match=re.escape(message)):
             load_lm(MemFFNLM, checkpoints["memoryllm"], **arguments)
 
