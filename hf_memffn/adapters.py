@@ -77,6 +77,7 @@ class LowRankDelta(nn.Module):
     def __init__(self, weight: torch.Tensor, r: int, alpha: float):
         super().__init__()
         *lead, rows, cols = weight.shape
+        self.alpha = alpha
         self.scaling = alpha / r
         self.lora_A = nn.Parameter(torch.empty(*lead, r, cols, device=weight.device, dtype=torch.float32))
         self.lora_B = nn.Parameter(torch.zeros(*lead, rows, r, device=weight.device, dtype=torch.float32))
@@ -230,13 +231,15 @@ def merge_weight_lora(model: nn.Module) -> int:
 
 
 def weight_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights alone, keyed by the adapted weight's qualified name."""
+    """The adapter weights alone, keyed by the adapted weight's qualified name, with each adapter's alpha as a
+    float64 scalar (`<name>.lora_alpha`), which `load_weight_lora` checks against the adapters it loads into."""
     names = {id(module): module_name for module_name, module in model.named_modules()}
     state = {}
     for module, name, _, item in _lora_parametrizations(model):
         prefix = f"{names[id(module)]}.{name}".lstrip(".")
         state[f"{prefix}.lora_A"] = item.lora_A.detach().clone()
         state[f"{prefix}.lora_B"] = item.lora_B.detach().clone()
+        state[f"{prefix}.lora_alpha"] = torch.tensor(item.alpha, dtype=torch.float64)
     return state
 
 
@@ -269,11 +272,13 @@ def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> N
     """Load adapter weights saved by `weight_lora_state_dict` into a model with the same adapters added (also files
     saved when FlashMHF's banks were three parameters `key`, `up`, `value`). The names are compared without PEFT's
     prefix `base_model.model.`: adapters saved from a PEFT model load into the model it wraps (merged, for example,
-    by `merge_and_unload`), and the reverse."""
+    by `merge_and_unload`), and the reverse. Where the state holds an adapter's alpha (`weight_lora_state_dict` saves
+    it), an adapter added with another alpha is refused: its delta would be scaled differently. States without one
+    (saved by earlier versions) load as they are."""
     state_dict = {key.removeprefix(_PEFT_MODEL_PREFIX): value
                   for key, value in _with_merged_bank_adapters(state_dict).items()}
     names = {id(module): module_name for module_name, module in model.named_modules()}
-    adapter_params = {}
+    adapter_params, alphas = {}, set()
     for module, name, _, item in _lora_parametrizations(model):
         prefix = f"{names[id(module)]}.{name}".lstrip(".").removeprefix(_PEFT_MODEL_PREFIX)
         for part in ("lora_A", "lora_B"):
@@ -285,7 +290,15 @@ def load_weight_lora(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> N
                 raise ValueError(f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)}, this model's "
                                  f"adapter {tuple(adapter_params[key].shape)}: add the adapters with the r they were "
                                  "saved with")
-    unexpected = sorted(set(state_dict) - set(adapter_params))
+        alpha_key = f"{prefix}.lora_alpha"
+        alphas.add(alpha_key)
+        if alpha_key in state_dict:
+            saved = state_dict[alpha_key]
+            saved = float(saved.item()) if isinstance(saved, torch.Tensor) and saved.numel() == 1 else saved
+            if not isinstance(saved, float) or saved != item.alpha:
+                raise ValueError(f"state_dict[{alpha_key!r}] is {saved!r}, this model's adapter has alpha="
+                                 f"{item.alpha!r}: add the adapters with the alpha they were saved with")
+    unexpected = sorted(set(state_dict) - set(adapter_params) - alphas)
     if unexpected:
         raise ValueError(f"state_dict has adapter weights this model has no adapter for: {unexpected}")
     for key, param in adapter_params.items():

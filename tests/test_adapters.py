@@ -111,7 +111,7 @@ def test_flash_mhf_banks_keep_their_shape_and_the_kernel_sees_the_adapted_weight
     with pytest.raises(ValueError, match="not FFN parameter weights"):
         adapters.add_weight_lora(model, targets=["model.layers.0.mlp.in_proj.weight"])
     state = adapters.weight_lora_state_dict(model)
-    assert set(state) == {"model.layers.0.mlp.key_up_value.lora_A", "model.layers.0.mlp.key_up_value.lora_B"}
+    assert set(state) == {f"model.layers.0.mlp.key_up_value.{part}" for part in ("lora_A", "lora_B", "lora_alpha")}
     fresh = tiny_model("flash_mhf")
     adapters.add_weight_lora(fresh, r=2, alpha=2, targets=["model.layers.0.mlp.key_up_value"])
     adapters.load_weight_lora(fresh, state)
@@ -279,6 +279,35 @@ def test_weights_merged_under_inference_mode_train_afterwards(arch):
     model.requires_grad_(True).train()
     model(ids, labels=ids).loss.backward()
     assert all(param.grad is not None for name, param in model.named_parameters() if name in adapted)
+
+
+def test_adapters_saved_with_another_alpha_are_refused_and_states_without_alpha_still_load():
+    """The state held A and B only: adapters added with another alpha took them and scaled the delta by another
+    alpha / r without a word."""
+    saved = tiny_model("memoryllm")
+    adapters.add_weight_lora(saved, r=2, alpha=2)
+    with torch.no_grad():
+        for _, _, _, item in adapters._lora_parametrizations(saved):
+            item.lora_B.normal_()
+    state = adapters.weight_lora_state_dict(saved)
+    assert state["model.memory.gate_proj.lora_alpha"].dtype == torch.float64
+    model = tiny_model("memoryllm")
+    adapters.add_weight_lora(model, r=2, alpha=4)
+    before = adapters.weight_lora_state_dict(model)
+    with pytest.raises(ValueError, match=r"lora_alpha'\] is 2\.0, this model's adapter has alpha=4\.0"):
+        adapters.load_weight_lora(model, state)
+    for key, value in adapters.weight_lora_state_dict(model).items():  # nothing was copied
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    ids = torch.randint(3, 320, (1, 8))
+    same = tiny_model("memoryllm")
+    adapters.add_weight_lora(same, r=2, alpha=2)
+    adapters.load_weight_lora(same, state)
+    with torch.no_grad():
+        torch.testing.assert_close(same(ids).logits, saved(ids).logits)
+    without_alpha = {key: value for key, value in state.items() if not key.endswith(".lora_alpha")}
+    adapters.load_weight_lora(model, without_alpha)  # (an earlier version's state: taken as it is)
+    torch.testing.assert_close(model.model.memory.parametrizations.gate_proj[0].lora_B,
+                               saved.model.memory.parametrizations.gate_proj[0].lora_B)
 
 
 def test_adapters_saved_with_another_rank_are_refused_before_any_is_loaded():
