@@ -272,6 +272,12 @@ def data_files_builder(args) -> str:
     if repeated:
         raise ValueError(f"--data-files names {repeated[0]!r} more than once ({len(repeated)} such file(s)): its "
                          "documents would be trained on twice; give each file once")
+    if files and all(Path(name).is_file() and not _holds_text(name) for name in files):
+        # (`datasets` failed on them after --output-dir was made: a bare `StopIteration` for a .jsonl, "An error
+        # occurred while generating the dataset" for a .txt, naming neither the option nor the file)
+        which = (f"{files[0]!r} holds no" if len(files) == 1
+                 else f"none of its {len(files)} files ({files[0]!r}, ...) holds")
+        raise ValueError(f"--data-files: {which} text (empty, or blank lines only), so no document to train on")
     if args.dataset:
         return args.dataset
     builders = {}
@@ -282,6 +288,15 @@ def data_files_builder(args) -> str:
         raise ValueError(f"--data-files mixes formats: {found}; one builder reads them all, so give files of one "
                          "format (or --dataset BUILDER to read every file with it)")
     return next(iter(builders))
+
+
+def _holds_text(name: str) -> bool:
+    """Whether the file holds a byte other than whitespace (read until the first one)."""
+    with open(name, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
 
 
 def _load_data_files(datasets, args):
@@ -799,6 +814,7 @@ def load_data(args, training_args):
             raise ValueError("--train-tokenizer: the shards of --data-dir are already tokenized; drop it")
         args.tokenizer = args.tokenizer or args.data_dir
         tokenizer = load_tokenizer(args, None, training_args)
+        refuse_a_tokenizer_other_than_the_shards(args.data_dir, args.tokenizer, tokenizer)
         train_blocks = load_blocks(args.data_dir, args.block_size, "train")
         eval_blocks = load_blocks(args.data_dir, args.block_size, "heldout")
         if len(eval_blocks) == 0:
@@ -811,6 +827,26 @@ def load_data(args, training_args):
     if len(train_blocks) == 0:
         raise ValueError(f"--block-size={args.block_size}: the training text gives no full block; use more text or smaller blocks")
     return train_blocks, eval_blocks, tokenizer
+
+
+def refuse_a_tokenizer_other_than_the_shards(data_dir: str, tokenizer_source: str, tokenizer) -> None:
+    """Shards whose meta.json records the tokenizer they were made with (examples/reproduce/prepare_data.py writes
+    its vocabulary size and EOS id) are refused with a tokenizer of another size or EOS id (a --tokenizer beside
+    them): its ids name other tokens than the shards', and those within the embedding trained without a word."""
+    from token_shards import META_FILE, read_meta
+
+    if not (Path(data_dir) / META_FILE).is_file():
+        return
+    recorded = read_meta(data_dir).get("tokenizer")
+    if not isinstance(recorded, dict):
+        return
+    found = {"vocab_size": len(tokenizer), "eos_id": tokenizer.eos_token_id}
+    differing = [key for key in found if key in recorded and recorded[key] != found[key]]
+    if differing:
+        shown = ", ".join(f"{key} {recorded[key]!r} (the tokenizer's: {found[key]!r})" for key in differing)
+        raise ValueError(f"--data-dir={data_dir!r}: its {META_FILE} records the tokenizer the shards were made with, "
+                         f"of {shown}, another than --tokenizer={tokenizer_source!r}; pass the shards' own tokenizer "
+                         "(leave --tokenizer out to take the one saved in --data-dir)")
 
 
 def refuse_token_ids_beyond_the_embedding(model, data_dir: str, train_blocks, eval_blocks) -> None:
@@ -849,6 +885,16 @@ def refuse_conflicting_arguments(args) -> None:
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise ValueError(f"--stop-after-steps={args.stop_after_steps}: expected a step number of 1 or more (leave it "
                          "out to train the whole --max-steps schedule)")
+    # (a negative fraction held out one block's documents, NaN failed after the data was read, naming no option)
+    if not 0 <= args.validation_fraction < 1:
+        raise ValueError(f"--validation-fraction={args.validation_fraction}: expected a fraction of the documents "
+                         "from 0 to below 1")
+    if args.num_proc is not None and args.num_proc < 0:
+        raise ValueError(f"--num-proc={args.num_proc}: expected a number of tokenizing processes of 1 or more (0, or "
+                         "leaving it out, tokenizes in this process)")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:  # (0 was taken as not given, a negative one kept)
+        raise ValueError(f"--peak-tflops={args.peak_tflops}: expected the device's peak in TFLOP/s, above 0 (leave "
+                         "it out for the known GPUs' bf16 peak)")
     if args.train_tokenizer is not None:
         from hf_memffn.tokenization import MIN_VOCAB_SIZE
 
@@ -1018,14 +1064,22 @@ def main(argv=None) -> dict:
     output_dir = Path(args.output_dir)
     profile_steps = parse_profile_steps(args.profile_steps) if args.profile_steps else None
     if training_args.lr_scheduler_type == "cosine_with_min_lr":
-        if not 0 <= args.min_learning_rate <= training_args.learning_rate:
+        scheduler_kwargs = dict(training_args.lr_scheduler_kwargs or {})
+        if {"min_lr", "min_lr_rate"} <= set(scheduler_kwargs):
+            raise ValueError("--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them (or neither, "
+                             "and --min-learning-rate)")
+        # an absolute `min_lr` there stands for --min-learning-rate (transformers refused it beside the `min_lr_rate`
+        # set here, after the data was read), as a `min_lr_rate` there stands for the ratio
+        minimum, option = ((scheduler_kwargs.pop("min_lr"), "--lr-scheduler-kwargs min_lr")
+                           if "min_lr" in scheduler_kwargs else (args.min_learning_rate, "--min-learning-rate"))
+        if not 0 <= minimum <= training_args.learning_rate:
             # (above the peak, the cosine "decay" would climb from the peak to it)
-            raise ValueError(f"--min-learning-rate={args.min_learning_rate:g}: expected 0 to --learning-rate="
+            raise ValueError(f"{option}={minimum:g}: expected 0 to --learning-rate="
                              f"{training_args.learning_rate:g}, the rate the cosine decay falls from")
         # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
         # do not have
-        min_lr_rate = args.min_learning_rate / training_args.learning_rate
-        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **(training_args.lr_scheduler_kwargs or {})}
+        min_lr_rate = minimum / training_args.learning_rate
+        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **scheduler_kwargs}
     refuse_conflicting_arguments(args)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir)

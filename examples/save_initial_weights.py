@@ -38,6 +38,11 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     if args.out.exists():  # (an interrupted write into it would leave a model without its tokenizer, or the reverse)
         raise ValueError(f"OUT_DIR={str(args.out)!r} exists: remove it or name a new folder")
+    from hf_memffn.tokenization import MIN_VOCAB_SIZE
+
+    if args.vocab_size < MIN_VOCAB_SIZE:  # (it failed after the corpus was read, naming `vocab_size`)
+        raise ValueError(f"--vocab-size={args.vocab_size}: expected a vocabulary of {MIN_VOCAB_SIZE} tokens or more "
+                         "(256 bytes and 3 special tokens)")
     overrides = pretrain.parse_overrides(args.config_overrides)
     if overrides:  # (their fields and values, before the tokenizer is trained)
         pretrain.build_config(args.arch, args.preset, 64 * 1024, **overrides)
@@ -47,8 +52,7 @@ def main(argv=None) -> Path:
     from hf_memffn.tokenization import train_tokenizer
 
     with args.corpus.open(encoding="utf-8") as handle:
-        texts = (json.loads(line)["text"] for line in handle if line.strip())  # (blank lines hold no document)
-        tokenizer = train_tokenizer(texts, vocab_size=args.vocab_size)
+        tokenizer = train_tokenizer(corpus_texts(handle, args.corpus), vocab_size=args.vocab_size)
     config = pretrain.build_config(args.arch, args.preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -59,6 +63,24 @@ def main(argv=None) -> Path:
         tokenizer.save_pretrained(folder)
     print(f"initial weights: {args.arch} {args.preset}, {sum(p.numel() for p in model.parameters()):,} parameters -> {args.out}")
     return args.out
+
+
+def corpus_texts(lines, corpus: Path):
+    """The 'text' of each JSON line of CORPUS; blank lines hold no document. A line that is not a JSON object with a
+    text is refused naming it (it failed with a bare `KeyError: 'text'` or a `JSONDecodeError` naming no file)."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"CORPUS={str(corpus)!r}: line {number} is not JSON ({error}); give JSON lines with a "
+                             "'text' field") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"CORPUS={str(corpus)!r}: line {number} holds no 'text' string (found {text!r}); give "
+                             "JSON lines with a 'text' field")
+        yield text
 
 
 if __name__ == "__main__":

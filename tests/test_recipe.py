@@ -429,6 +429,28 @@ def test_initial_weights_refuse_an_override_their_config_does_not_have(tmp_path,
     assert not (tmp_path / "init").exists()
 
 
+@pytest.mark.parametrize("line, extra, message", [
+    ('{"body": "the key"}', [], r"CORPUS='.*corpus.jsonl': line 121 holds no 'text' string \(found None\); give "
+                                r"JSON lines with a 'text' field"),
+    ("the key reads a value", [], r"CORPUS='.*corpus.jsonl': line 121 is not JSON \(Expecting value"),
+    ('{"text": 3}', [], r"CORPUS='.*corpus.jsonl': line 121 holds no 'text' string \(found 3\)"),
+    ('{"text": "the key"}', ["--vocab-size", "100"], r"--vocab-size=100: expected a vocabulary of 259 tokens or more"),
+])
+def test_initial_weights_refuse_a_corpus_line_without_text_naming_it(tmp_path, line, extra, message):
+    """A corpus line without a 'text' field failed with a bare `KeyError: 'text'`, one of plain text with a
+    `JSONDecodeError` naming no file, and a --vocab-size below the byte alphabet after the corpus was read, naming
+    `vocab_size`."""
+    import save_initial_weights
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    with corpus.open("a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", "llama", "--preset", "tiny",
+                                   "--vocab-size", "300", *extra])
+    assert not (tmp_path / "init").exists()
+
+
 def test_initial_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     """save_initial_weights.py wrote into OUT_DIR in place: interrupted after the model, it left a folder without a
     tokenizer, which `pretrain.py --init-from` then failed on. An existing OUT_DIR is refused before any work."""

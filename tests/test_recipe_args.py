@@ -136,6 +136,17 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--resume", "latest"], r"--resume latest: no checkpoint-\* folder"),
     (["--train-tokenizer", "100"], r"--train-tokenizer=100: expected a vocabulary of 259 tokens or more"),
     (["--train-tokenizer", "0"], r"--train-tokenizer=0: expected a vocabulary of 259 tokens or more"),
+    (["--validation-fraction", "nan"], r"--validation-fraction=nan: expected a fraction of the documents from 0 to "
+                                       r"below 1"),
+    (["--validation-fraction", "-0.5"], r"--validation-fraction=-0.5: expected a fraction"),
+    (["--validation-fraction", "1.5"], r"--validation-fraction=1.5: expected a fraction"),
+    (["--num-proc", "-1"], r"--num-proc=-1: expected a number of tokenizing processes of 1 or more"),
+    (["--peak-tflops", "-3"], r"--peak-tflops=-3.0: expected the device's peak in TFLOP/s, above 0"),
+    (["--peak-tflops", "0"], r"--peak-tflops=0.0: expected the device's peak in TFLOP/s, above 0"),
+    (["--lr-scheduler-kwargs", '{"min_lr": 0.01}'], r"--lr-scheduler-kwargs min_lr=0.01: expected 0 to "
+                                                   r"--learning-rate=0.003"),
+    (["--lr-scheduler-kwargs", '{"min_lr": 1e-4, "min_lr_rate": 0.1}'],
+     r"--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them"),
 ])
 def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_path, monkeypatch, extra, message):
     """Each of these trained and failed late (a `ZeroDivisionError`, a `KeyError` after the last step, a traceback
@@ -143,7 +154,11 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     --data-dir, a tokenizer trained anew for an --init-from model that reads another's token ids; or trained on a
     rate that climbed from a peak below --min-learning-rate up to it; --stop-after-steps 0 trained the whole schedule
     (and -2 stopped after step 1). A --train-tokenizer below the byte alphabet failed after the dataset was read,
-    naming `vocab_size` (0 asked for a --tokenizer)."""
+    naming `vocab_size` (0 asked for a --tokenizer). A --validation-fraction of NaN failed after the data was read
+    (a negative one held out one block's documents, 1.5 was refused after --output-dir was made), a negative
+    --num-proc after the tokenizer was trained, naming `num_proc`; a --peak-tflops of 0 was taken as not given and a
+    negative one gave a negative MFU; a `min_lr` in --lr-scheduler-kwargs failed in transformers after the tokenizer
+    was trained ("Only one of min_lr or min_lr_rate should be set")."""
     monkeypatch.chdir(tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     out = tmp_path / "run"
@@ -151,6 +166,21 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
         pretrain.main(["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
                        "--max-steps", "1", "--output-dir", str(out), *extra])
     assert not out.exists()
+
+
+def test_a_min_lr_in_the_lr_scheduler_kwargs_is_the_floor_of_the_cosine_decay(tmp_path):
+    """`--lr-scheduler-kwargs '{"min_lr": ...}'`, transformers' own way to give the cosine's floor, failed after the
+    tokenizer was trained: the recipe set `min_lr_rate` beside it, which transformers refuses. It stands for
+    --min-learning-rate now."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
+    out = tmp_path / "run"
+    pretrain.main(["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+                   "--per-device-batch-size", "2", "--max-steps", "3", "--logging-steps", "1", "--save-steps", "100",
+                   "--max-eval-blocks", "1", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}', "--output-dir", str(out)])
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
+    rates = {record["step"]: record["learning_rate"] for record in records if "learning_rate" in record}
+    # one warmup step, then the cosine from the preset's 3e-3: halfway down to min_lr at step 3
+    assert rates[3] == pytest.approx(1e-4 + (3e-3 - 1e-4) / 2)
 
 
 def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_path):
@@ -182,6 +212,25 @@ def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tm
     for files, message in ((["corpus.jsonl", "*.jsonl"], r"--data-files names '.*corpus.jsonl' more than once"),
                            (["notes.txt", "corpus.jsonl"], r"--data-files mixes formats: text \('.*notes.txt'\), "
                                                            r"json \('.*corpus.jsonl'\)")):
+        with pytest.raises(ValueError, match=message):
+            pretrain.main(["--data-files", *files, "--train-tokenizer", "300", "--block-size", "32",
+                           "--max-steps", "1", "--output-dir", str(out)])
+        assert not out.exists()
+
+
+def test_data_files_without_text_are_refused_before_any_work(tmp_path, monkeypatch):
+    """--data-files of empty files (or of blank lines only) failed in `datasets` after --output-dir was made: a bare
+    `StopIteration` for a .jsonl, "An error occurred while generating the dataset" for a .txt, "Instruction "train"
+    corresponds to no data!" for blank lines, naming neither the option nor the file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_bytes(b"\r\n\n  \n")
+    out = tmp_path / "run"
+    for files, message in ((["empty.jsonl"], r"--data-files: '.*empty.jsonl' holds no text \(empty, or blank lines "
+                                             r"only\), so no document to train on"),
+                           (["empty.txt", "blank.txt"], r"--data-files: none of its 2 files \('.*empty.txt', \.\.\.\) "
+                                                        r"holds text")):
         with pytest.raises(ValueError, match=message):
             pretrain.main(["--data-files", *files, "--train-tokenizer", "300", "--block-size", "32",
                            "--max-steps", "1", "--output-dir", str(out)])
@@ -241,6 +290,33 @@ def test_shards_with_ids_beyond_the_embedding_are_refused(tmp_path):
         pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "2",
                        "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_shards_of_another_tokenizer_than_the_one_given_are_refused(tmp_path):
+    """A --tokenizer other than the one the shards were made with (meta.json records its vocabulary size and EOS id)
+    trained without a word: every id fitted the embedding, and each named another token than the shards' did."""
+    import token_shards
+    from transformers import AutoTokenizer
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    own = AutoTokenizer.from_pretrained(shards)
+    token_shards.write_meta(shards, {"tokenizer": {"vocab_size": len(own), "eos_id": own.eos_token_id}})
+    other = train_tokenizer(["a value from the memory of the layer, read by each key"] * 10, vocab_size=280)
+    other.save_pretrained(tmp_path / "other")
+    assert len(other) != len(own)
+    common = ["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "1",
+              "--per-device-batch-size", "2", "--save-steps", "100", "--max-eval-blocks", "1"]
+    with pytest.raises(ValueError, match=rf"--data-dir=.*: its meta.json records the tokenizer the shards were made "
+                                         rf"with, of vocab_size {len(own)} \(the tokenizer's: {len(other)}\), another "
+                                         r"than --tokenizer='.*other'"):
+        pretrain.main(common + ["--tokenizer", str(tmp_path / "other"), "--output-dir", str(tmp_path / "run")])
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    # the shards' own tokenizer, saved beside them or named, trains
+    assert pretrain.main(common + ["--output-dir", str(tmp_path / "own")])["global_step"] == 1
+    named = pretrain.main(common + ["--tokenizer", str(shards), "--output-dir", str(tmp_path / "named")])
+    assert named["global_step"] == 1
 
 
 def test_config_overrides_apply_to_an_init_from_model(tmp_path):
