@@ -199,7 +199,7 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
         self.dropout = nn.Dropout(config.kvffn_dropout)
         self._path_logged = False
 
-    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+    def check_distributed_loading(self, distributed_config, model_name: str, device_type: str) -> None:
         """Tensor parallelism shards `key_value_proj`'s rows, interleaved key and value: each rank needs whole
         key/value pairs, so `intermediate_size` must divide by `tp_size` (loading would otherwise stop at a size
         mismatch of the shards)."""

@@ -287,11 +287,25 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
-    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+    def check_distributed_loading(self, distributed_config, model_name: str, device_type: str) -> None:
         """Refuses transformers' own FSDP (`fsdp_size` > 1), which shards dim 0 of every parameter before loading and
         reads each checkpoint tensor's share of that dim: `key_up_value` is joined from three checkpoint tensors along
         dim 0, so each rank would get its share of each, not its block of rows of the joined tensor, and train wrong
-        without an error. (Tensor parallelism splits `subnetwork_size`, which commutes with the join.)"""
+        without an error. (Tensor parallelism splits `subnetwork_size`, which commutes with the join.)
+
+        Under tensor parallelism each rank runs `subnetwork_size / tp_size` columns of every sub-network: where the
+        Triton kernels run them (`ffn_kernel="triton"`, or "auto" on CUDA devices), that share must be a multiple of
+        16 as `subnetwork_size` must be, or every forward would stop at the kernels' check."""
+        tp_size = getattr(distributed_config, "tp_size", None) or 1
+        size = self.subnetwork_size
+        kernels = self.kernel == "triton" or (self.kernel == "auto" and device_type == "cuda")
+        if tp_size > 1 and kernels and size % 16 == 0 and (size % tp_size or size // tp_size % 16):
+            allowed = [count for count in range(1, size // 16 + 1) if size // 16 % count == 0]
+            raise ValueError(
+                f"{model_name}: subnetwork_size={size} (intermediate_size // ffn_num_subnetworks) split over "
+                f"tp_size={tp_size} leaves each rank {size / tp_size:g} columns of every sub-network, and the Triton "
+                f"kernels (ffn_kernel={self.kernel!r} on {device_type} devices) take multiples of 16; allowed tp_size: "
+                f"{', '.join(map(str, allowed))}, or ffn_kernel='torch' (the PyTorch reference)")
         fsdp_size = getattr(distributed_config, "fsdp_size", None) or 1
         if fsdp_size > 1:
             raise ValueError(

@@ -316,7 +316,7 @@ class MemFFNAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def check_distributed_loading(self, distributed_config, model_name: str) -> None:
+    def check_distributed_loading(self, distributed_config, model_name: str, device_type: str) -> None:
         """Tensor parallelism shards the projections by whole heads (each rank views its share as heads of
         `head_dim`): the attention and key/value heads must divide by `tp_size` (the forward would otherwise stop
         at a reshape)."""
@@ -470,12 +470,14 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     @_device_mesh.setter
     def _device_mesh(self, mesh) -> None:
         # set right after the config's `distributed_config`, before transformers shards the model and loads the
-        # weights: a block that this sharding would load wrong says so here (`check_distributed_loading`)
+        # weights: a block that this sharding would load wrong, or could not run on the mesh's devices, says so here
+        # (`check_distributed_loading`)
         distributed_config = getattr(self.config, "distributed_config", None)
         if mesh is not None and distributed_config is not None:
             for module in self.modules():
                 if hasattr(module, "check_distributed_loading"):
-                    module.check_distributed_loading(distributed_config, type(self).__name__)
+                    module.check_distributed_loading(distributed_config, type(self).__name__,
+                                                     device_type=mesh.device_type)
         self.__dict__["_memffn_device_mesh"] = mesh
 
     def _token_memory(self) -> TokenMemory | None:

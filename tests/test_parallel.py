@@ -87,6 +87,9 @@ def tp(root, archs, inputs):
         f"{root}/kvffn_odd_width", distributed_config=DistributedConfig(tp_size=2)))
     results["refused attention heads"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
         f"{root}/memoryllm_one_kv_head", tp_plan="auto"))
+    # and FlashMHF sub-networks whose share of columns on each rank the Triton kernels do not take
+    results["refused kernel share"] = refusal(lambda: AutoModelForCausalLM.from_pretrained(
+        f"{root}/flash_mhf_triton_narrow", distributed_config=DistributedConfig(tp_size=2)))
     # and the parametrizations of `hf_memffn.adapters` on sharded weights (they would mix a DTensor with its shard)
     from hf_memffn import adapters
     sharded = AutoModelForCausalLM.from_pretrained(f"{root}/flash_mhf", distributed_config=DistributedConfig(tp_size=2))
@@ -262,6 +265,9 @@ def checkpoints(tmp_path_factory):
         root / "kvffn_odd_width")
     AutoModelForCausalLM.from_config(tiny_config("memoryllm", num_key_value_heads=1)).save_pretrained(
         root / "memoryllm_one_kv_head")
+    # sub-networks of 48 columns (96 // 2), 24 on each of 2 ranks, for the Triton kernels
+    AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_num_heads=1, ffn_num_kv_heads=1,
+                                                 ffn_kernel="triton")).save_pretrained(root / "flash_mhf_triton_narrow")
     from hf_memffn.conversion.export import export_tols
 
     export_tols(root / "memoryllm", root / "memoryllm_table", format="fp32", progress=False)
@@ -314,6 +320,10 @@ def test_tensor_parallel_matches_one_process(checkpoints, parallel_results):
     assert "ffn_recompute_chunk_tokens=8 does not work under tensor parallelism" in results["refused"]
     assert "intermediate_size=127 must divide by tp_size=2" in results["refused kvffn width"]
     assert "num_key_value_heads=1 must divide by tp_size=2" in results["refused attention heads"]
+    # refused while loading, not at the first forward's kernel check on a share the config never named
+    assert "subnetwork_size=48 (intermediate_size // ffn_num_subnetworks) split over tp_size=2 leaves each rank 24 " \
+        "columns" in results["refused kernel share"]
+    assert "allowed tp_size: 1, 3, or ffn_kernel='torch'" in results["refused kernel share"]
     for key, function in (("refused lora", "add_weight_lora"), ("refused int8", "quantize_weights_int8")):
         message = results[key]
         assert message and message.startswith(f"{function}: ['model.layers.0.mlp.key_up_value'")
@@ -408,6 +418,29 @@ def test_fsdp_beside_tensor_parallelism_or_replicas_matches_one_process(checkpoi
         for key, weight in weights.items():
             torch.testing.assert_close(result["weights"][key], weight, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"{run} {key}: {m}")
+
+
+@pytest.mark.parametrize("kernel, device_type, refused", [("auto", "cuda", True), ("triton", "cpu", True),
+                                                        ("auto", "cpu", False), ("torch", "cuda", False)])
+def test_flash_mhf_refuses_a_column_share_the_kernels_do_not_take(kernel, device_type, refused):
+    """Under tensor parallelism each rank runs `subnetwork_size / tp_size` columns of every sub-network: where the
+    Triton kernels run them ("auto" on GPUs, the default there), loading refuses a share that is not a multiple of 16
+    (48 / 2 = 24 here); the PyTorch reference takes any share."""
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_num_heads=1, ffn_num_kv_heads=1,
+                                                         ffn_kernel=kernel))
+    block = model.model.layers[0].mlp
+
+    def check(tp_size):
+        block.check_distributed_loading(DistributedConfig(tp_size=tp_size), "FlashMHFLlamaForCausalLM",
+                                        device_type=device_type)
+
+    check(3)  # 16 columns on each rank
+    if refused:
+        with pytest.raises(ValueError, match=r"subnetwork_size=48 .* leaves each rank 24 columns .* allowed tp_size: "
+                                             r"1, 3, or ffn_kernel='torch'"):
+            check(2)
+    else:
+        check(2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
