@@ -336,6 +336,22 @@ def shard_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _valid_header_entry(info) -> bool:
+    """Whether `info` describes a tensor of a table: a dtype a table uses, a shape of counts, and data offsets
+    [begin, end] spanning exactly the shape's bytes."""
+    if not isinstance(info, dict) or info.get("dtype") not in _ST_DTYPES:
+        return False
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+
+    def is_count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not (isinstance(shape, list) and all(map(is_count, shape)) and isinstance(offsets, list) and len(offsets) == 2
+            and all(map(is_count, offsets))):
+        return False
+    return offsets[1] - offsets[0] == math.prod(shape) * _ST_DTYPES[info["dtype"]].itemsize
+
+
 def read_safetensors_header(path: str) -> tuple[int, dict]:
     """(offset of the data section, header dict) of a safetensors file; raises TokenLookupError if unreadable."""
     name = os.path.basename(path)
@@ -351,6 +367,12 @@ def read_safetensors_header(path: str) -> tuple[int, dict]:
             header = json.loads(handle.read(header_len))
         except ValueError as error:
             raise TokenLookupError(f"shard {name} has a damaged safetensors header: {error}") from None
+    if not isinstance(header, dict):
+        raise TokenLookupError(f"shard {name} has a damaged safetensors header: not a JSON object")
+    for key, info in header.items():
+        if key != "__metadata__" and not _valid_header_entry(info):
+            raise TokenLookupError(f"shard {name} has a damaged safetensors header: the entry of tensor {key!r} "
+                                   f"lacks a dtype of {sorted(_ST_DTYPES)}, a shape, or data offsets spanning it")
     data_start = 8 + header_len
     end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
     if data_start + end > size:
@@ -454,6 +476,10 @@ class TableIndex:
             if tuple(tensors[key].shape) != shape:
                 raise TokenLookupError(f"tensor {key} of the token lookup table in {self.directory} has shape "
                                        f"{tuple(tensors[key].shape)} but its index describes {shape}")
+            dtype = SCALE_DTYPE if key.startswith("scales.") else self.fmt.storage_dtype
+            if tensors[key].dtype != dtype:
+                raise TokenLookupError(f"tensor {key} of the token lookup table in {self.directory} has dtype "
+                                       f"{tensors[key].dtype} but its format {self.fmt.name!r} stores {dtype}")
         return tensors
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -774,6 +800,8 @@ def _checked_token_ids(name: str, ids, vocab_size: int) -> torch.Tensor | None:
         tokens = torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{name} takes integer token ids; got {ids!r}") from None
+    if tokens.numel() == 0:  # (no ids: an empty list becomes a float tensor)
+        return torch.empty(0, dtype=torch.long)
     if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
         raise ValueError(f"{name} takes integer token ids; got dtype {tokens.dtype}")
     tokens = tokens.reshape(-1).long().cpu()
@@ -1134,7 +1162,7 @@ class TokenLookupMixin:
         placement: "gpu" | "cpu" | "disk" (see `TokenLookupTable`); device defaults to the embedding's device (the
             one it computes on, if a device map offloaded it).
         cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
-        frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids).
+        frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids; empty: none).
         kernel: "auto" (Triton on CUDA, PyTorch on CPU and for float64 hidden states; under torch.compile the add is
             left to inductor) | "triton" (under torch.compile too; refused for a lowrank table but with placement
             "cpu", and for float64 hidden states at the forward; a forward recording gradients of the hidden states

@@ -502,6 +502,45 @@ def test_damaged_shard_is_named(model, exported, damage):
         model.unload_tols()
 
 
+def _edit_shard_header(path, edit):
+    """Rewrite the safetensors header of `path` by `edit(header, key)` (`key`: its second row block), padded with
+    spaces to its old length (the file keeps its size, as a shard altered in place does)."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edited = edit(header, "rows.000000100")
+    text = json.dumps(header if edited is None else edited, separators=(",", ":")).encode()
+    assert len(text) <= length
+    path.write_bytes(data[:8] + text.ljust(length) + data[8 + length:])
+
+
+def _rename_field(entry, old, new):
+    entry[new] = entry.pop(old)
+
+
+@pytest.mark.parametrize("edit, size_message", [
+    (lambda header, key: _rename_field(header[key], "data_offsets", "data_offset"), "damaged safetensors header"),
+    (lambda header, key: _rename_field(header[key], "shape", "shap"), "damaged safetensors header"),
+    (lambda header, key: header[key].update(dtype="I16"), "damaged safetensors header"),
+    (lambda header, key: list(header), "damaged safetensors header: not a JSON object"),
+    (lambda header, key: header[key].update(dtype="F16"),
+     r"rows.000000100 .* has dtype torch.float16 but its format 'bf16' stores torch.bfloat16"),
+], ids=["no-data_offsets", "no-shape", "unknown-dtype", "not-an-object", "other-dtype-of-the-same-size"])
+def test_a_shard_whose_header_was_altered_in_place_is_named(model, exported, edit, size_message):
+    """A shard whose header was edited without changing its size: the full check names the shard, and the size check
+    (which reads the headers) names the shard or the tensor, where a KeyError or an AttributeError without a file name
+    came before, or (a dtype of the same size) the rows were read as another dtype."""
+    shard = json.loads((exported / INDEX_NAME).read_text())["weight_map"]["rows.000000100"]
+    _edit_shard_header(exported / shard, edit)
+    with pytest.raises(TokenLookupError, match=shard):
+        model.load_tols(exported, placement="disk")
+    if size_message.startswith("damaged"):
+        size_message = f"shard {shard} has a {size_message}"
+    with pytest.raises(TokenLookupError, match=size_message):
+        model.load_tols(exported, placement="disk", verify="size")
+    assert model.model.token_lookup is None
+
+
 def test_interrupted_export_never_loads_and_resumes(model, tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     export_tols(model, reference, format="int4", group_size=16, batch_size=32, max_shard_size="6KB", progress=False)

@@ -317,6 +317,18 @@ def test_cache_options_are_checked_on_every_device(exported, placement, options,
     assert model.model.token_lookup is None
 
 
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+@pytest.mark.parametrize("frequent_tokens", [[], (), torch.tensor([], dtype=torch.long)],
+                         ids=["list", "tuple", "tensor"])
+def test_an_empty_frequent_tokens_is_taken_as_no_frequent_tokens(exported, placement, frequent_tokens):
+    """No frequent tokens, however given: an empty list or tuple (which `torch.as_tensor` makes float32) was refused
+    as "takes integer token ids; got dtype torch.float32", where an empty tensor was taken."""
+    model, directory = exported
+    table = model.load_tols(directory, placement=placement, frequent_tokens=frequent_tokens)
+    model.unload_tols()
+    assert table.placement == placement
+
+
 @pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
 def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous_or_on_another_device():
     ids, hidden, table = torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(4, 24)
