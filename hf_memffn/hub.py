@@ -350,12 +350,17 @@ def keep_model_card(trainer):
     """Make `trainer.create_model_card` (which `Trainer.push_to_hub` calls after saving) write this package's model
     card instead of transformers' generic one: the Trainer's summary (data, results, hyperparameters, versions)
     becomes its "Training" section and the metadata it knows (license, datasets, base model, tags) its metadata,
-    on top of (tags: next to) the metadata attached to the model. Returns the trainer."""
+    on top of (tags: next to) the metadata attached to the model. The Trainer of a PEFT model saves its adapters
+    alone, without config, weights or modeling code: its card stays the Trainer's, which PEFT completes (this
+    package's card would describe, and load, files the folder lacks). Returns the trainer."""
     generic_card = trainer.create_model_card
 
     def create_model_card(**kwargs):
         generic_card(**kwargs)
         if not trainer.is_world_process_zero():
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if saves_adapters_only(model):
             return
         from huggingface_hub import ModelCard
 
@@ -365,13 +370,24 @@ def keep_model_card(trainer):
         metadata = {key: data.get(key) for key in ("license", "datasets", "base_model", "language")}
         metadata["datasets"] = metadata["datasets"] or kwargs.get("dataset_tags") or kwargs.get("dataset")
         metadata["tags"] = [tag for tag in data.get("tags") or [] if tag != "generated_from_trainer"]
-        model = trainer.accelerator.unwrap_model(trainer.model)
         card = render_model_card(model, repo_id=trainer.hub_model_id, save_directory=path.parent,
                                  training_summary=_training_summary(generic.text), **metadata)
         write_atomic(path, card)
 
     trainer.create_model_card = create_model_card
     return trainer
+
+
+def saves_adapters_only(model) -> bool:
+    """Whether `model.save_pretrained` writes PEFT adapters alone: a `PeftModel` (`get_peft_model`), or a model with
+    adapters added through transformers' PEFT integration (`add_adapter`, `load_adapter`)."""
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return True
+    try:
+        from peft import PeftMixedModel, PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def _training_summary(text: str) -> str:

@@ -101,6 +101,35 @@ def test_trainer_push_to_hub_keeps_the_tags_attached_to_the_model(tmp_path, monk
     assert {"mine", "hf-memffn"} <= set(data.tags) and data.license == "mit"
 
 
+def test_trainer_push_to_hub_of_a_peft_model_keeps_the_trainers_card(tmp_path, monkeypatch):
+    """A PEFT model's Trainer saves its adapters alone (no config, weights or modeling code): the card left is the
+    Trainer's, which PEFT completes, not this package's card of a whole checkpoint, whose usage loads files the folder
+    lacks (as `save_pretrained` writes no card for adapters)."""
+    import transformers.trainer
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from hf_memffn import LORA_TARGET_MODULES
+
+    client = FakeHubClient()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda *args, **kwargs: client)
+    model = get_peft_model(tiny_model("kvffn"), LoraConfig(r=4, target_modules=LORA_TARGET_MODULES["kvffn"],
+                                                           task_type="CAUSAL_LM"))
+    ids = torch.randint(3, 320, (4, 16))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                             hub_model_id="someone/tiny-kvffn-lora", use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    trainer = hub.keep_model_card(Trainer(model=model, args=args, train_dataset=data))
+    trainer.train()
+    trainer.push_to_hub(dataset="generated-ids")
+
+    assert "adapter_model.safetensors" in client.uploaded and "config.json" not in client.uploaded
+    card = ModelCard(client.uploaded["README.md"].decode())
+    assert "# KVFFN (memffn_kvffn)" not in card.text and "trust_remote_code" not in card.text
+    assert "learning_rate" in card.text and card.data.library_name == "peft"
+
+
 def test_card_metadata_survives_save_reload_and_push(tmp_path, fake_hub):
     """The metadata attached before `save_pretrained` is in the card that `push_to_hub` of the reloaded model
     uploads (read from the card in the folder it was loaded from), and the tags passed to the push join it."""
