@@ -473,8 +473,10 @@ def _gates_in_rows_kernel(queries: torch.Tensor, k: torch.Tensor) -> bool:
             and row_gradient_kernel(queries, k) == "gluon")
 
 
-def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps, saved=None):
-    """The layer's gradients; ``saved``: the forward's (q, r, totals), or None to recompute them from p."""
+def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps, gate_eps, saved=None,
+                         weight_gradients: bool = True):
+    """The layer's gradients; ``saved``: the forward's (q, r, totals), or None to recompute them from p;
+    ``weight_gradients=False`` (frozen sub-network weights): no dK/dU/dV kernel, and None for the weights."""
     batch, length, width = p.shape
     k, u, v = weights.chunk(3)
     if saved is None:
@@ -485,7 +487,9 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, ep
         return t.view(batch, length, width // head_dim, head_dim).transpose(1, 2)
 
     # the kernels write dK, dU, dV into the thirds of one buffer: the gradient of `weights`, with no concatenation
-    grad_weights = torch.empty_like(weights)
+    grad_weights = torch.empty_like(weights) if weight_gradients else None
+    weight_arguments = dict(weight_grads=grad_weights.chunk(3) if weight_gradients else None,
+                            weight_gradients=weight_gradients)
     if _gates_in_rows_kernel(heads(p), k):
         tokens, num_heads = batch * length, width // head_dim
         slots = gate_partial_slots(tokens)
@@ -496,14 +500,13 @@ def _layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, ep
         gates = FusedGates(p.view(tokens, width), norm_weight, router, totals, torch.empty_like(p).view(tokens, width),
                            None if norm_weight is None else parts(head_dim),
                            None if router is None else parts(e_dot(k.shape[1]), head_dim), eps)
-        triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r, weight_grads=grad_weights.chunk(3),
-                        fused_gates=gates)
+        triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r, fused_gates=gates, **weight_arguments)
         grad_p = gates.grad_p.view(batch, length, width)
         grad_norm, grad_router = finish_gate_gradients(gates.norm_parts, gates.router_parts, norm_weight, router,
                                                        tokens)
     else:
         grad_q, _, _, _, grad_r = triton_backward(heads(grad_out.contiguous()), heads(q), k, u, v, r,
-                                                  weight_grads=grad_weights.chunk(3))
+                                                  **weight_arguments)
         grad_q = grad_q.transpose(1, 2).reshape(batch, length, width)  # grad_q has q's layout: a view
         grad_p, grad_norm, grad_router = queries_and_gates_backward(p, norm_weight, router, grad_q, grad_r, head_dim,
                                                                     eps, gate_eps)
@@ -638,7 +641,9 @@ class _EagerLayer(torch.autograd.Function):
     """The fused layer's autograd outside torch.compile: the same forward and backward as the custom operator (which
     torch.compile needs), without its dispatch, whose Python costs about as much host time per training step as the
     layer's GPU work at the 370M shape. Its backward, like the operator's, is not differentiable again: a second
-    derivative through it (`create_graph=True`) raises instead of leaving the layer's share out."""
+    derivative through it (`create_graph=True`) raises instead of leaving the layer's share out. Sub-network weights
+    that need no gradient (frozen, as under LoRA on the projections) get none: their kernel, the layer's longest
+    (docs/speed.md), is not launched."""
 
     @staticmethod
     def forward(ctx, p, norm_weight, router, weights, head_dim, eps, gate_eps):
@@ -651,7 +656,8 @@ class _EagerLayer(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         p, norm_weight, router, weights, *saved = ctx.saved_tensors
-        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings, saved=saved)
+        grads = _layer_backward_impl(grad_out, p, norm_weight, router, weights, *ctx.settings, saved=saved,
+                                     weight_gradients=ctx.needs_input_grad[3])
         return (*grads, None, None, None)
 
 
@@ -681,7 +687,9 @@ def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto"
     if needs_grad is None:
         needs_grad = torch.is_grad_enabled() and (p.requires_grad or k.requires_grad)
     reason = _fused_layer_unsupported_reason(p, k, impl) if fused else "fusion switched off"
-    queries = p.new_empty(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
+    # (the path depends on the queries' shape, dtype and device only: one element viewed as [B, H, L, d_h], not a
+    # tensor as large as the layer's input, which the FFN module would allocate at its first forward)
+    queries = p.new_empty(1, 1, 1, 1).expand(p.shape[0], p.shape[-1] // k.shape[-1], p.shape[1], k.shape[-1])
     if reason is not None:
         return f"unfused layer (PyTorch norm and gates, {reason}); op: {flash_mhf_path(queries, k, impl=impl)}"
     tokens = p.shape[0] * p.shape[1]

@@ -764,14 +764,15 @@ def triton_forward(q, k, u, v, r, *, splits: int | None = None, descriptors: boo
 
 
 def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int | None = None,
-                    descriptors: bool | None = None, fused_gates=None):
+                    descriptors: bool | None = None, fused_gates=None, weight_gradients: bool = True):
     """Gradients (dq, dk, du, dv, dr) from the two backward kernels; dq has q's layout, dr is contiguous.
 
     ``weight_grads``: three contiguous tensors shaped and typed like k, u, v that receive dk, du, dv (and are
-    returned), e.g. the thirds of one gradient buffer; new tensors when None. ``fused_gates``
-    (`flash_mhf_gluon.FusedGates`, the fused layer's backward where `row_gradient_kernel` is the Gluon kernel and
-    every weight group has one head): the dq/dr kernel then also runs the layer's norm/gate backward and returns the
-    gradient of the input projection's output in dq's place. ``splits`` (tests only) forces the split
+    returned), e.g. the thirds of one gradient buffer; new tensors when None. ``weight_gradients=False`` (frozen
+    weights, as under LoRA on the projections): the dK/dU/dV kernel is not launched and dk, du, dv are None.
+    ``fused_gates`` (`flash_mhf_gluon.FusedGates`, the fused layer's backward where `row_gradient_kernel` is the Gluon
+    kernel and every weight group has one head): the dq/dr kernel then also runs the layer's norm/gate backward and
+    returns the gradient of the input projection's output in dq's place. ``splits`` (tests only) forces the split
     variant of the weight-gradient kernel; ``descriptors`` (tests only) forces or forbids its tensor-descriptor reads
     of q and dO.
     """
@@ -784,13 +785,15 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
     p = _problem(q, k)
     grad_q = torch.empty_like(q) if fused_gates is None else fused_gates.grad_p
     grad_r = torch.empty_like(r)
-    if weight_grads is None:
+    if not weight_gradients:
+        weight_grads = (None, None, None)
+    elif weight_grads is None:
         weight_grads = [torch.empty_like(w) for w in (k, u, v)]
     elif any(g.shape != w.shape or g.dtype != w.dtype or not g.is_contiguous()
              for g, w in zip(weight_grads, (k, u, v))):
         raise ValueError("weight_grads must be three contiguous tensors with the shapes and dtypes of k, u and v")
     if p["total_rows"] == 0:
-        return grad_q.zero_(), *(g.zero_() for g in weight_grads), grad_r.zero_()
+        return grad_q.zero_(), *(None if g is None else g.zero_() for g in weight_grads), grad_r.zero_()
     flags = _kernel_flags(q.dtype)
     constants = dict(D_H=p["head_dim"], D_E=p["subnetwork_size"], **flags)
     strides = (*_row_strides(q), *_row_strides(grad_out))
@@ -802,7 +805,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
         _chosen_kernels(q, k)[1:]
     if fused_gates is not None and rows_kernel != "gluon":
         raise ValueError("fused_gates needs the Gluon dq/dr kernel (flash_mhf_triton.row_gradient_kernel)")
-    gluon_weights = weight_descriptors(k, u, v) if "gluon" in (rows_kernel, weights_kernel) else None
+    gluon_weights = (weight_descriptors(k, u, v)
+                     if rows_kernel == "gluon" or (weight_gradients and weights_kernel == "gluon") else None)
     if rows_kernel == "gluon":
         gluon_rows_gradients(grad_out, q, k, u, v, r, outputs=(grad_q, grad_r), weights=gluon_weights,
                              fused_gates=fused_gates)
@@ -825,6 +829,8 @@ def triton_backward(grad_out, q, k, u, v, r, *, weight_grads=None, splits: int |
 
     # dk, du, dv: the Gluon kernel on Hopper where it applies (weight_gradient_kernel), otherwise one Triton program
     # per column block (and per share of the rows when there are few column blocks)
+    if not weight_gradients:
+        return grad_q, *weight_grads, grad_r
     if weights_kernel == "gluon":
         grad_k, grad_u, grad_v, _ = gluon_weight_gradients(grad_out, q, k, u, v, r, outputs=weight_grads,
                                                             weights=gluon_weights)

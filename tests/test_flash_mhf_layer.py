@@ -124,6 +124,16 @@ def test_path_names_the_unfused_layer_on_cpu():
     assert "fusion switched off" in flash_mhf_layer_path(p, k, fused=False)
 
 
+def test_path_of_a_long_input_allocates_no_queries():
+    """The path follows from the queries' shape, dtype and device: saying it for an input allocates no queries of its
+    size (the FFN module says it at its first forward, where they would add a copy of its input to the peak memory;
+    here an input of 2**48 values, a view of one, whose queries could not be allocated at all)."""
+    k = layer_inputs(1, 1, 2, 64, 2, 2, 32, False, False)[3].float()
+    p = torch.empty(1, 1, 1, device=DEVICE).expand(2**20, 2**20, 2 * 64)
+    for fused in (True, False):
+        assert flash_mhf_layer_path(p, k, fused=fused).startswith(("fused layer", "unfused layer"))
+
+
 def test_layer_rejects_bad_shapes():
     p, norm, router, k, u, v = layer_inputs(1, 3, 2, 64, 2, 2, 32, True, True)
     weights = torch.cat([k, u, v])
@@ -283,6 +293,39 @@ def test_triton_layer_with_no_tokens():
     out = flash_mhf_layer(empty, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
     out.sum().backward()
     assert out.shape == empty.shape and empty.grad.shape == empty.shape
+
+
+@needs_kernels
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen_weights", "trained_weights"])
+def test_triton_layer_with_frozen_weights_launches_no_weight_gradient_kernel(frozen, monkeypatch):
+    """Sub-network weights that need no gradient (LoRA on the projections freezes them) get none, and their kernel,
+    the layer's longest, is not launched; the other gradients are the float64 truth's either way."""
+    from hf_memffn import flash_mhf_triton
+
+    launched = []
+
+    def recording_launch(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(kernel, *args, **kwargs)
+
+    launch = flash_mhf_triton.launch
+    monkeypatch.setattr(flash_mhf_triton, "launch", recording_launch)
+    inputs = layer_inputs(*LAYER_CASES[0].values[0])
+    truth_leaves = [t.clone().requires_grad_(True) for t in inputs]
+    expected = layer_truth(*truth_leaves)
+    grad_out = torch.randn(expected.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    expected.backward(grad_out)
+    p, norm_weight, router = (t.float().requires_grad_(True) for t in inputs[:3])
+    weights = torch.cat(inputs[3:]).float().requires_grad_(not frozen)
+    out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+    out.backward(grad_out.float())
+    assert (flash_mhf_triton._backward_weights_kernel in launched) == (not frozen)
+    assert (weights.grad is None) == frozen
+    errors = {name: relative_error(leaf.grad, truth.grad)
+              for name, leaf, truth in zip(("p", "norm", "router"), (p, norm_weight, router), truth_leaves)}
+    if not frozen:
+        errors["weights"] = relative_error(weights.grad, torch.cat([t.grad for t in truth_leaves[3:]]))
+    assert max(errors.values()) < TOLERANCE[torch.float32], errors
 
 
 @needs_kernels
