@@ -64,6 +64,35 @@ def _check_number(config, field: str, low: float, low_inclusive: bool, high: flo
     _check(type(config).__name__, within, field, value, requirement + (f" ({hint})" if hint else ""))
 
 
+# `dtype` (or `torch_dtype`) of a config, by name: the floating-point dtypes a model can be built in
+FLOATING_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double")
+
+
+def _check_base_fields(config_name: str, fields: dict) -> None:
+    """The fields of `fields` that PretrainedConfig reads as it sets them (`head_dim` by its RoPE check, `num_labels`
+    by counting labels, `id2label` by its keys, `dtype` by its name in torch, `layer_types` by each entry): a wrong
+    type there raises a TypeError or AttributeError from inside transformers that names no field."""
+    for field, value in fields.items():
+        if field == "num_labels":  # (None only where `id2label` is unset: not given as a number of labels)
+            _check(config_name, _is_int(value) and value >= 1, field, value,
+                   "must be >= 1 (an integer: the outputs of the classification heads)")
+        elif value is None:
+            continue
+        elif field == "head_dim":
+            _check(config_name, _is_int(value) and value > 0, field, value, "must be a positive integer")
+        elif field in ("id2label", "label2id"):
+            _check(config_name, isinstance(value, dict), field, value,
+                   "must be None or a dict, one entry per label (such as {0: 'negative', 1: 'positive'})")
+        elif field in ("dtype", "torch_dtype"):
+            named = isinstance(value, str) and value in FLOATING_DTYPE_NAMES
+            floating_dtype = type(value).__name__ == "dtype" and getattr(value, "is_floating_point", False) is True
+            _check(config_name, named or floating_dtype, field, value,
+                   f"must be None, a floating-point torch.dtype or one of {', '.join(map(repr, FLOATING_DTYPE_NAMES))}")
+        elif field == "layer_types":
+            _check(config_name, isinstance(value, (list, tuple)), field, value,
+                   "must be None or 'full_attention' for every layer: the decoder's attention is full causal")
+
+
 # `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
@@ -178,6 +207,7 @@ class MemFFNConfig(PretrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        given_head_dim = head_dim
         if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
             head_dim = hidden_size // num_attention_heads  # (invalid sizes are reported by `validate_fields`)
         self.head_dim = head_dim
@@ -204,6 +234,10 @@ class MemFFNConfig(PretrainedConfig):
             # may name another modeling file).
             kwargs["auto_map"] = {**(kwargs.get("auto_map") or {}), **self.default_auto_map()}
         _check_positive_ints(self, ("vocab_size",))  # (transformers compares the token ids with it first)
+        # (a `head_dim` derived from invalid sizes is left to `validate_fields`, which names those sizes first)
+        _check_base_fields(type(self).__name__, {"head_dim": given_head_dim, **{
+            field: kwargs[field] for field in ("num_labels", "id2label", "label2id", "dtype", "torch_dtype",
+                                               "layer_types") if field in kwargs}})
         try:
             super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
@@ -255,6 +289,9 @@ class MemFFNConfig(PretrainedConfig):
         for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
+        _check_base_fields(cls.__name__, {field: kwargs[field] for field in ("head_dim", "num_labels", "id2label",
+                                                                             "label2id", "layer_types")
+                                          if field in kwargs})
         for field in ("ffn_kernel", "ffn_gate_eps"):
             if field in kwargs and field in config_dict:
                 # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take, or its
@@ -384,6 +421,9 @@ class MemFFNConfig(PretrainedConfig):
         check_choice("hidden_act", self.hidden_act, HIDDEN_ACTIVATIONS, name)
         check_choice("decoder_kernels", self.decoder_kernels, DECODER_KERNELS, name)
         _check_bools(self, ("attention_bias", "tie_word_embeddings", "use_cache"))
+        # (transformers' flag, read by every forward: another type failed there, in transformers' output collection)
+        value = getattr(self, "output_hidden_states", None)
+        _check(name, value is None or isinstance(value, bool), "output_hidden_states", value, "must be True or False")
         # (Llama's field: a Llama config's MLP biases would be dropped by the FFNs here, which have none or their own)
         _check(name, not getattr(self, "mlp_bias", False), "mlp_bias", getattr(self, "mlp_bias", False),
                "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
@@ -397,9 +437,10 @@ class MemFFNConfig(PretrainedConfig):
         check_choice("problem_type", getattr(self, "problem_type", None), PROBLEM_TYPES, name)
         for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, field)
-            ids = value if isinstance(value, (list, tuple)) else [value]
+            ids = value if field == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
             _check(name, all(i is None or (_is_int(i) and 0 <= i < self.vocab_size) for i in ids), field, value,
-                   f"token ids must be None or in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size})")
+                   f"token ids must be None or in 0..{self.vocab_size - 1} (vocab_size={self.vocab_size})"
+                   + ("; a list of them for eos_token_id only" if field != "eos_token_id" else ""))
         _check(
             name,
             self.num_attention_heads % self.num_key_value_heads == 0,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaForCausalLM
 
 from hf_memffn.cli import main as cli_main
 from hf_memffn.testing import tiny_config, tiny_tokenizer
@@ -255,6 +255,22 @@ config_case("rope_parameters-str", "memoryllm", ("rope_parameters", "dict"), rop
 config_case("rms_norm_eps-inf", "memoryllm", ("rms_norm_eps", "finite"), rms_norm_eps=float("inf"))
 config_case("rope-factor-inf", "kvffn", ("rope_parameters['factor']", "finite"),
             rope_parameters={"rope_type": "linear", "factor": float("inf")})
+# fields transformers' PretrainedConfig reads as it takes them: a wrong type failed inside it, naming no field
+config_case("head_dim-str", "memoryllm", ("head_dim", "positive integer"), head_dim="16")
+config_case("head_dim-inf", "kvffn", ("head_dim", "positive integer"), head_dim=float("inf"))
+config_case("num_labels-str", "kvffn", ("num_labels", ">= 1"), num_labels="3")
+config_case("id2label-list", "flash_mhf", ("id2label", "dict"), id2label=["negative", "positive"])
+config_case("dtype-unknown-name", "memoryllm", ("dtype", "'bfloat16'"), dtype="bf16")
+config_case("layer_types-int", "kvffn", ("layer_types", "full_attention"), layer_types=2)
+config_case("output_hidden_states-str", "flex_memoryllm", ("output_hidden_states", "True or False"),
+            output_hidden_states="yes")
+CASES.append(Case("from_pretrained-num_labels-str", ("num_labels", ">= 1"),
+                  api=lambda w: AutoModelForSequenceClassification.from_pretrained(w.kvffn, num_labels="3")))
+CASES.append(Case("from_pretrained-id2label-str", ("id2label", "dict"),
+                  api=lambda w: AutoModelForSequenceClassification.from_pretrained(w.kvffn, id2label="negative")))
+# one pad (and bos) token id: a list was taken and failed in the embedding's `padding_idx`
+CASES.append(Case("from_config-pad_token_id-list", ("pad_token_id", "eos_token_id only"),
+                  api=lambda w: AutoModelForCausalLM.from_config(tiny_config("memoryllm", pad_token_id=[0]))))
 
 
 # adapters (hf_memffn.adapters) and resizing
