@@ -91,7 +91,11 @@ def _check_base_fields(config_name: str, fields: dict) -> None:
         elif field == "layer_types":
             _check(config_name, isinstance(value, (list, tuple)), field, value,
                    "must be None or 'full_attention' for every layer: the decoder's attention is full causal")
+        elif field == "output_hidden_states":  # (transformers 5.17 refused it itself, without the allowed values)
+            _check(config_name, isinstance(value, bool), field, value, OUTPUT_HIDDEN_STATES_REQUIREMENT)
 
+
+OUTPUT_HIDDEN_STATES_REQUIREMENT = "must be True or False"
 
 # `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
@@ -237,7 +241,7 @@ class MemFFNConfig(PretrainedConfig):
         # (a `head_dim` derived from invalid sizes is left to `validate_fields`, which names those sizes first)
         _check_base_fields(type(self).__name__, {"head_dim": given_head_dim, **{
             field: kwargs[field] for field in ("num_labels", "id2label", "label2id", "dtype", "torch_dtype",
-                                               "layer_types") if field in kwargs}})
+                                               "layer_types", "output_hidden_states") if field in kwargs}})
         try:
             super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
@@ -290,7 +294,8 @@ class MemFFNConfig(PretrainedConfig):
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
         _check_base_fields(cls.__name__, {field: kwargs[field] for field in ("head_dim", "num_labels", "id2label",
-                                                                             "label2id", "layer_types")
+                                                                             "label2id", "layer_types",
+                                                                             "output_hidden_states")
                                           if field in kwargs})
         for field in ("ffn_kernel", "ffn_gate_eps"):
             if field in kwargs and field in config_dict:
@@ -423,7 +428,8 @@ class MemFFNConfig(PretrainedConfig):
         _check_bools(self, ("attention_bias", "tie_word_embeddings", "use_cache"))
         # (transformers' flag, read by every forward: another type failed there, in transformers' output collection)
         value = getattr(self, "output_hidden_states", None)
-        _check(name, value is None or isinstance(value, bool), "output_hidden_states", value, "must be True or False")
+        _check(name, value is None or isinstance(value, bool), "output_hidden_states", value,
+               OUTPUT_HIDDEN_STATES_REQUIREMENT)
         # (Llama's field: a Llama config's MLP biases would be dropped by the FFNs here, which have none or their own)
         _check(name, not getattr(self, "mlp_bias", False), "mlp_bias", getattr(self, "mlp_bias", False),
                "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
