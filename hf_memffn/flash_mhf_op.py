@@ -581,9 +581,11 @@ _layer_op = _registered("flash_mhf_layer")
 def _register_training_layer_ops():
     """The layer's operators for training: the forward also returns q, r and the gates' totals, which autograd keeps
     for the backward (one [tokens, H * d_h] tensor in p's dtype and two small float32 ones per layer) so that the
-    backward does not compute them again from p. `flash_mhf_layer` (inference) returns the output alone."""
+    backward does not compute them again from p. `flash_mhf_layer` (inference) returns the output alone. Frozen
+    sub-network weights get no gradient: their backward operator skips the weight-gradient kernel."""
     forward_name = f"{OP_NAMESPACE}::flash_mhf_layer_keeping_queries"
     backward_name = f"{OP_NAMESPACE}::flash_mhf_layer_backward_from_queries"
+    frozen_weights_backward_name = f"{OP_NAMESPACE}::flash_mhf_layer_backward_from_queries_frozen_weights"
 
     @torch.library.custom_op(forward_name, mutates_args=())
     def training_op(p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
@@ -615,6 +617,22 @@ def _register_training_layer_ops():
     def _(grad_out, p, norm_weight, router, weights, q, r, totals, head_dim, eps, gate_eps):
         return _fake_gradients(p, norm_weight, router, weights)
 
+    # the same without the sub-network weights' gradient, for weights that need none (frozen, as under LoRA on the
+    # projections): the weight-gradient kernel, the layer's longest, is not launched
+    @torch.library.custom_op(frozen_weights_backward_name, mutates_args=())
+    def frozen_weights_backward_op(
+        grad_out: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None, router: torch.Tensor | None,
+        weights: torch.Tensor, q: torch.Tensor, r: torch.Tensor, totals: torch.Tensor, head_dim: int, eps: float,
+        gate_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        saved = (q, r, None if router is None else totals)
+        return _operator_gradients(_layer_backward_impl(grad_out, p, norm_weight, router, weights, head_dim, eps,
+                                                        gate_eps, saved, weight_gradients=False)[:3], p)
+
+    @frozen_weights_backward_op.register_fake
+    def _(grad_out, p, norm_weight, router, weights, q, r, totals, head_dim, eps, gate_eps):
+        return _fake_gradients(p, norm_weight, router, weights)[:3]
+
     def setup_context(ctx, inputs, output):
         p, norm_weight, router, weights, head_dim, eps, gate_eps = inputs
         _, q, r, totals = output
@@ -625,8 +643,12 @@ def _register_training_layer_ops():
 
     def backward(ctx, grad_out, *_):
         p, norm_weight, router, weights, q, r, totals = ctx.saved_tensors
-        grads = getattr(torch.ops, OP_NAMESPACE).flash_mhf_layer_backward_from_queries(
-            grad_out, p, norm_weight, router, weights, q, r, totals, *ctx.settings)
+        operators = getattr(torch.ops, OP_NAMESPACE)
+        arguments = (grad_out, p, norm_weight, router, weights, q, r, totals, *ctx.settings)
+        if ctx.needs_input_grad[3]:
+            grads = operators.flash_mhf_layer_backward_from_queries(*arguments)
+        else:
+            grads = (*operators.flash_mhf_layer_backward_from_queries_frozen_weights(*arguments), None)
         return _autograd_gradients(grads, norm_weight, router)
 
     training_op.register_autograd(backward, setup_context=setup_context)

@@ -136,13 +136,21 @@ LOOKUP = "_lookup"
 # and all, instead of the compiled kernel kept per argument signature, and their grids computed by Triton's `cdiv`
 # and `next_power_of_2`; what that costs a step
 PLAIN_LAUNCH = "_plain_launch"
+# "<arch>_lora" (every architecture, Llama too): the model fine-tuned as PEFT's LoRA does it, adapters of rank
+# LORA_RANK on `hf_memffn.LORA_TARGET_MODULES[arch]` (Llama's: its attention and MLP projections), every other weight
+# frozen; "flash_mhf_lora_bank_gradients": the same FlashMHFLlama with its sub-network banks (`key_up_value`) still
+# requiring a gradient, so its backward runs the weight-gradient kernel a frozen bank skips (`add_lora`)
+LORA = "_lora"
+LORA_RANK = 16
+LORA_ARCHS = tuple(f"{arch}{LORA}" for arch in ARCHITECTURE_NAMES)
+BANK_GRADIENTS = "flash_mhf_lora_bank_gradients"
 LOOKUP_KERNELS = {"": "auto", "_torch": "torch", "_triton": "triton"}
 LOOKUP_ARCHS = tuple(f"{arch}{LOOKUP}{kernel}" for arch in ("memoryllm", "flex_memoryllm") for kernel in LOOKUP_KERNELS)
 DEFAULT_ARCHS = (*ARCHITECTURE_NAMES, "flash_mhf_unfused")  # what a run without --archs measures
 ARCHS = (*DEFAULT_ARCHS, *(f"{arch}{TORCH_DECODER}" for arch in ARCHITECTURE_NAMES if arch != "llama"), "kvffn_no_bias",
          "llama_causal_flag", "llama_extra_inputs", "flash_mhf_triton_forward",
          "flash_mhf_previous_gate_launch", "flash_mhf_inline_rotary_tables", "flash_mhf_separate_gates_backward",
-         "flash_mhf_whole_weight_tiles", *LOOKUP_ARCHS)
+         "flash_mhf_whole_weight_tiles", *LOOKUP_ARCHS, *LORA_ARCHS, BANK_GRADIENTS)
 ARCHS += tuple(f"{arch}{PLAIN_LAUNCH}" for arch in (*ARCHITECTURE_NAMES, *LOOKUP_ARCHS) if arch != "llama")
 DISPLAY = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
            "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "flash_mhf_unfused": "FlashMHFLlama, unfused layer"}
@@ -156,6 +164,8 @@ DISPLAY["flash_mhf_previous_gate_launch"] = "FlashMHFLlama, the norm/gate backwa
 DISPLAY["flash_mhf_inline_rotary_tables"] = "FlashMHFLlama, rotary tables recomputed in every rotary kernel"
 DISPLAY["flash_mhf_separate_gates_backward"] = "FlashMHFLlama, norm/gate backward as a kernel of its own"
 DISPLAY["flash_mhf_whole_weight_tiles"] = "FlashMHFLlama, the weight kernel's tiles whole"
+DISPLAY.update({f"{arch}{LORA}": f"{DISPLAY[arch]}, LoRA r{LORA_RANK}" for arch in ARCHITECTURE_NAMES})
+DISPLAY[BANK_GRADIENTS] = f"FlashMHFLlama, LoRA r{LORA_RANK}, banks computing their gradient"
 for _arch in ("memoryllm", "flex_memoryllm"):
     DISPLAY[f"{_arch}{LOOKUP}"] = f"{DISPLAY[_arch]}, token lookup table"
     DISPLAY[f"{_arch}{LOOKUP}_torch"] = f"{DISPLAY[_arch]}, token lookup table, PyTorch add"
@@ -223,6 +233,9 @@ def build_model(architecture: str, size: str, device: str, **overrides):
 
     torch.manual_seed(0)
     attention, extra_inputs = "sdpa", 0
+    if architecture == BANK_GRADIENTS or architecture.endswith(LORA):
+        base = BANK_GRADIENTS.partition(LORA)[0] if architecture == BANK_GRADIENTS else architecture.removesuffix(LORA)
+        return add_lora(build_model(base, size, device, **overrides), base, architecture == BANK_GRADIENTS)
     architecture = architecture.removesuffix(PLAIN_LAUNCH)  # (how it launches is `op_kernels`'s)
     architecture, lookup, lookup_kernel = architecture.partition(LOOKUP)
     if lookup and (lookup_kernel not in LOOKUP_KERNELS or architecture not in ("memoryllm", "flex_memoryllm")):
@@ -254,6 +267,26 @@ def build_model(architecture: str, size: str, device: str, **overrides):
     return model
 
 
+def add_lora(model, architecture: str, bank_gradients: bool = False):
+    """`model` (of `architecture`) wrapped by PEFT's LoRA (rank LORA_RANK, alpha twice that) on that architecture's
+    `hf_memffn.LORA_TARGET_MODULES`, every other weight frozen; `bank_gradients`: FlashMHF's sub-network banks
+    require a gradient all the same (what their backward cost before a frozen bank skipped its kernel)."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_memffn
+
+    config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                        target_modules=hf_memffn.LORA_TARGET_MODULES[architecture])
+    model = get_peft_model(model, config)
+    if bank_gradients:
+        banks = [param for name, param in model.named_parameters() if name.endswith("mlp.key_up_value")]
+        if not banks:
+            raise ValueError(f"{BANK_GRADIENTS}: the model has no FlashMHF sub-network banks")
+        for param in banks:
+            param.requires_grad_(True)
+    return model
+
+
 def use_token_lookup_table(model, kernel: str) -> None:
     """Exports the memory FFN of `model` (MemoryLLM or FlexMemoryLLM) as a bf16 token lookup table and has the model
     read it from then on: placement "gpu" on a GPU ("cpu" without one), `kernel` as `load_tols` takes it, the memory
@@ -274,6 +307,8 @@ def parameter_count(model) -> int:
 
 def decoder_path(model) -> str | None:
     """What the decoder's norms and rotary embeddings run (None for transformers' Llama)."""
+    if hasattr(model, "get_base_model"):  # (PEFT's wrapper: its `model` is the adapters' model)
+        model = model.get_base_model()
     base = getattr(model, "model", None)
     return base.decoder_path() if hasattr(base, "decoder_path") else None
 

@@ -6,6 +6,7 @@ The Triton tests run on CUDA in this process, and on CPU in a child pytest under
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -296,10 +297,14 @@ def test_triton_layer_with_no_tokens():
 
 
 @needs_kernels
+@pytest.mark.parametrize("operators", [False, True], ids=["eager", "through_the_operators"])
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen_weights", "trained_weights"])
-def test_triton_layer_with_frozen_weights_launches_no_weight_gradient_kernel(frozen, monkeypatch):
+def test_triton_layer_with_frozen_weights_launches_no_weight_gradient_kernel(frozen, operators, monkeypatch):
     """Sub-network weights that need no gradient (LoRA on the projections freezes them) get none, and their kernel,
-    the layer's longest, is not launched; the other gradients are the float64 truth's either way."""
+    the layer's longest, is not launched; the other gradients are the float64 truth's either way. Also through the
+    training operators that compiled graphs call (here under a dispatch mode, which calls them too)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from hf_memffn import flash_mhf_triton
 
     launched = []
@@ -317,8 +322,9 @@ def test_triton_layer_with_frozen_weights_launches_no_weight_gradient_kernel(fro
     expected.backward(grad_out)
     p, norm_weight, router = (t.float().requires_grad_(True) for t in inputs[:3])
     weights = torch.cat(inputs[3:]).float().requires_grad_(not frozen)
-    out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
-    out.backward(grad_out.float())
+    with FlopCounterMode(display=False) if operators else contextlib.nullcontext():
+        out = flash_mhf_layer(p, norm_weight, router, weights, eps=EPS, gate_eps=GATE_EPS, impl="triton")
+        out.backward(grad_out.float())
     assert (flash_mhf_triton._backward_weights_kernel in launched) == (not frozen)
     assert (weights.grad is None) == frozen
     errors = {name: relative_error(leaf.grad, truth.grad)

@@ -339,6 +339,28 @@ def test_model_benchmark_pairs_training_rounds_and_runs_tasks_on_several_devices
     assert [(row["task"], row["gpu"]) for row in merged["train"]] == [(tasks[1], 1)]
 
 
+def test_model_benchmark_lora_variants_train_the_adapters_alone(tmp_path, bench_models_main):
+    """`<arch>_lora`: PEFT's LoRA on the architecture's `LORA_TARGET_MODULES`, every other weight frozen;
+    `flash_mhf_lora_bank_gradients`: the same, FlashMHF's sub-network banks requiring a gradient too. A paired
+    training task runs them side by side."""
+    import hf_memffn
+
+    for architecture in hf_memffn.architectures.ARCHITECTURE_NAMES:
+        model = bench_models_main.build_model(f"{architecture}_lora", "tiny", "cpu")
+        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+        assert trained and all(".lora_" in name for name in trained), architecture
+    model = bench_models_main.build_model("flash_mhf_lora_bank_gradients", "tiny", "cpu")
+    trained = {name.rpartition(".")[2] for name, param in model.named_parameters() if param.requires_grad
+               and ".lora_" not in name}
+    assert trained == {"key_up_value"}
+    task = "train:tiny:llama_lora+flash_mhf_lora+flash_mhf_lora_bank_gradients:eager"
+    bench_models_main.main(["--out", str(tmp_path), "--device", "cpu", "--seq-len", "16", "--train-rounds", "2",
+                            "--train-round-steps", "1", "--tasks", task])
+    rows = json.loads((tmp_path / "models_bench.json").read_text())["train"]
+    assert [row["arch"] for row in rows] == ["llama_lora", "flash_mhf_lora", "flash_mhf_lora_bank_gradients"]
+    assert "FlashMHFLlama, LoRA r16" in (tmp_path / "models_bench.md").read_text()
+
+
 def test_model_benchmark_lookup_variants_decode_from_the_models_own_table():
     """`memoryllm_lookup` and `flex_memoryllm_lookup[_torch]`: the model built as the plain architecture, its memory FFN
     exported as a table that it then reads, its weights dropped, the logits unchanged; training tasks refuse them.
