@@ -455,6 +455,12 @@ class MemFFNConfig(PretrainedConfig):
             f"must divide num_attention_heads={self.num_attention_heads}",
         )
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
+        # per-layer RoPE (one dict per layer type, as `{"full_attention": {...}}`): the rotary embedding reads the top
+        # level only, so the nested types and their scaling would go unused
+        nested = sorted(key for key, value in self.rope_parameters.items() if isinstance(value, dict))
+        _check(name, not nested, "rope_parameters", self.rope_parameters,
+               f"per-layer RoPE (the nested {', '.join(map(repr, nested))}) is not supported: every layer shares one "
+               "rotary embedding; give one dict such as {'rope_type': 'linear', 'factor': 2.0}")
         check_choice("rope_parameters['rope_type']", self.rope_parameters["rope_type"], ROPE_TYPES, name)
         validate_rope = getattr(self, "validate_rope", None)  # transformers' per-type check of the RoPE fields
         if validate_rope is not None:

@@ -559,9 +559,17 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`), or
         while its config would not load back: `from_pretrained` checks the fields that `__init__` checks, and a field
         changed since (a special token id past the vocabulary that `resize_token_embeddings` shrank, a field set by
-        hand) would make the saved folder fail to load; or while transformers would refuse to save the generation
-        config (`model.generation_config`, e.g. `top_k` set without `do_sample=True`)."""
+        hand) would make the saved folder fail to load; while the attached tokenizer has more tokens than the
+        vocabulary; or while transformers would refuse to save the generation config (`model.generation_config`, e.g.
+        `top_k` set without `do_sample=True`)."""
         self.config.refuse_what_would_not_load()
+        tokenizer = self.attached_tokenizer
+        if tokenizer is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > self.config.vocab_size:
+            # (its ids past the embedding would be refused by every forward of the saved checkpoint)
+            raise ValueError(
+                f"save_pretrained: the attached tokenizer has {len(tokenizer)} tokens, more than the model's "
+                f"vocab_size={self.config.vocab_size}; attach the model's own tokenizer, or make room for it first "
+                f"(model.resize_token_embeddings({len(tokenizer)}))")
         if self.can_generate() and getattr(self, "generation_config", None) is not None:
             # transformers writes config.json and the remote code first and refuses a generation config with invalid
             # settings after them, leaving a folder without weights (or, saved over a checkpoint, the new config with
@@ -588,7 +596,8 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         token embeddings were dropped (`drop_memory_ffn`): the checkpoint would lack their weights, and loading it
         would start them at random; while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
         the checkpoint would lack the edit; while the config would not load back (a special token id outside the
-        vocabulary that `resize_token_embeddings` shrank); and while `model.generation_config` holds settings that
+        vocabulary that `resize_token_embeddings` shrank); while the attached tokenizer has more tokens than
+        `config.vocab_size`; and while `model.generation_config` holds settings that
         transformers refuses to save (it would refuse them after writing config.json). With `push_to_hub=True` the
         folder is uploaded once it is complete (`repo_id`, by default the folder's name, `commit_message`,
         `commit_description`, `private`, `token`, `revision`, `create_pr`): with the package installed as

@@ -853,6 +853,22 @@ def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
+def test_save_refuses_an_attached_tokenizer_larger_than_the_vocabulary_before_writing(tmp_path):
+    """A tokenizer with more tokens than `vocab_size` was saved with the weights: the checkpoint's own tokenizer then
+    gave ids that every forward refused. Refused before anything is written; resized embeddings take it."""
+    model = build("kvffn", vocab_size=200)
+    tokenizer = tiny_tokenizer()
+    assert len(tokenizer) > 200
+    model.attach_tokenizer(tokenizer)
+    with pytest.raises(ValueError, match=rf"save_pretrained: the attached tokenizer has {len(tokenizer)} tokens, "
+                                         r"more than the model's vocab_size=200.*resize_token_embeddings"):
+        model.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(tmp_path / "resized")
+    assert (tmp_path / "resized" / "tokenizer.json").exists()
+
+
 def saved_first_layer_ffn(model, directory):
     """Saves `model` to `directory`; returns token ids, the model's logits for them, the tensors stored for its first
     layer's FFN (by name under it) and that FFN module."""

@@ -77,6 +77,17 @@ def test_unsupported_or_incomplete_rope_is_refused(rope):
         tiny_config("flash_mhf", rope_parameters=rope)
 
 
+@pytest.mark.parametrize("layer_types", [None, ["full_attention", "full_attention"]])
+def test_per_layer_rope_is_refused_rather_than_ignored(layer_types):
+    """RoPE nested by layer type (`{"full_attention": {...}}`) was accepted and its scaling silently ignored: the
+    rotary embedding reads the top level of `rope_parameters` only, so the model ran unscaled RoPE."""
+    per_layer = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"`rope_parameters`=.* is invalid: per-layer RoPE \(the nested "
+                                         r"'full_attention'\) is not supported"):
+        tiny_config("memoryllm", rope_parameters=per_layer,
+                    **({"layer_types": layer_types} if layer_types is not None else {}))
+
+
 @pytest.mark.parametrize("rope_scaling", ["linear", ["linear", 2.0]])
 def test_a_rope_scaling_other_than_a_dict_is_refused_naming_the_field(rope_scaling, tmp_path):
     """The older field `rope_scaling`, given to the config or read from a config.json, that is not a dict ended in

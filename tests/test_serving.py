@@ -501,6 +501,40 @@ def test_a_table_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, 
         serving.local_table_dir("tables-typo")
 
 
+def test_a_table_name_neither_a_folder_nor_on_the_hub_is_refused_before_the_server_starts(memoryllm_and_table,
+                                                                                          monkeypatch, capsys):
+    """`--token-lookup tables-typo` (a folder name mistyped, so read as a Hub repo id): the server started, and its
+    model process failed fetching the table, in a traceback, exit status 1. The repo is fetched first: one line."""
+    import transformers.cli.transformers
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    folder, table = memoryllm_and_table
+
+    def server_started(*args, **kwargs):
+        raise AssertionError("the server started")
+
+    def not_on_the_hub(repo_id, **kwargs):
+        raise LocalEntryNotFoundError(f"no cached snapshot of {repo_id}")
+
+    monkeypatch.setattr(transformers.cli.transformers, "app", server_started)
+    monkeypatch.setattr("huggingface_hub.snapshot_download", not_on_the_hub)
+    monkeypatch.chdir(folder.parent)
+    with pytest.raises(SystemExit) as stop:
+        serving.main([str(folder), "--token-lookup", "tables-typo", "--continuous-batching"])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err
+    assert "--token-lookup: token lookup table 'tables-typo': no such local folder, and no Hub repo of that id" in error
+
+    fetched = []
+    monkeypatch.setattr("huggingface_hub.snapshot_download",
+                        lambda repo_id, **kwargs: fetched.append((repo_id, kwargs)) or str(table))
+    settings = serving.TokenLookupSettings(str(folder), "user/tables")
+    assert settings.problem(serving.read_config(str(folder))) is None
+    assert fetched == [("user/tables", {"revision": None, "allow_patterns": ["token_lookup*"]})]
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo_id, **kwargs: str(folder))
+    assert "no token lookup table in this folder" in settings.problem(serving.read_config(str(folder)))
+
+
 def test_a_model_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, monkeypatch, capsys):
     """`hf-memffn serve ./typo`: the path was read as a Hub repo id, and huggingface_hub's "Repo id must use
     alphanumeric chars ..." was the whole answer. Now the path is named, with what MODEL takes, before the server
