@@ -352,13 +352,19 @@ def _front_matter(fields: dict, pipeline_tag: str) -> str:
     return f"---\n{data.to_yaml()}\n---"
 
 
+def _full_size(param) -> int:
+    """A parameter's number of elements: DeepSpeed ZeRO-3 leaves each rank an empty placeholder and keeps the full size
+    in `ds_numel` (the Trainer's final save writes the card from such a model), as `parameter_counts` reads it."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
 def _parameters_section(model, model_type: str) -> str:
     if hasattr(model, "parameter_counts"):
         counts = model.parameter_counts()
     else:
-        total = sum(p.numel() for p in model.parameters())
+        total = sum(_full_size(p) for p in model.parameters())
         counts = {"total": total, "active": total}
-    embedding = model.get_input_embeddings().weight.numel() if hasattr(model, "get_input_embeddings") else 0
+    embedding = _full_size(model.get_input_embeddings().weight) if hasattr(model, "get_input_embeddings") else 0
     rows = [("total", counts["total"]), ("embedding (input)", embedding)]
     if model_type in MEMORY_MODEL_TYPES:
         rows.append(("active (on the device once the FFNs on X0 are lookup tables)", counts["active"]))

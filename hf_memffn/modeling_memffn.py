@@ -17,6 +17,7 @@ architecture runs. These files import only torch, transformers, safetensors and 
 
 import importlib
 import inspect
+import numbers
 import os
 import re
 import tempfile
@@ -495,6 +496,23 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         memory = self._token_memory()
         in_memory = sum(numel(p) for p in memory.parameters()) if memory is not None else 0
         return {"total": total, "active": total - in_memory}
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing: bool = True):
+        """`PreTrainedModel.resize_token_embeddings`, with its arguments checked before anything changes. Unchecked,
+        a negative `pad_to_multiple_of` shrinks the vocabulary below `new_num_tokens` (330 with -8 gives 328), 0
+        divides by zero, `new_num_tokens=0` leaves a model without a vocabulary, and a bool, float or string fails
+        inside torch. (transformers refuses a `pad_to_multiple_of` that is not an integer itself, naming it.)"""
+        integer = isinstance(new_num_tokens, numbers.Integral) and not isinstance(new_num_tokens, bool)
+        if new_num_tokens is not None and not (integer and new_num_tokens >= 1):
+            raise ValueError(f"resize_token_embeddings: new_num_tokens={new_num_tokens!r} is invalid; allowed values: "
+                             "None or an integer >= 1")
+        if isinstance(pad_to_multiple_of, numbers.Integral) and pad_to_multiple_of < 1:
+            raise ValueError(f"resize_token_embeddings: pad_to_multiple_of={pad_to_multiple_of!r} is invalid; allowed "
+                             "values: None or an integer >= 1")
+        if not isinstance(mean_resizing, bool):
+            raise ValueError(f"resize_token_embeddings: mean_resizing={mean_resizing!r} is invalid; allowed values: "
+                             "True or False")
+        return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     def attach_tokenizer(self, tokenizer) -> None:
         """Save this tokenizer with the model in `save_pretrained` (and `push_to_hub`)."""

@@ -477,6 +477,20 @@ def test_model_card_describes_architecture_config_and_parameters():
     assert "trust_remote_code=True" in card and "Token lookup tables" not in card
 
 
+def test_the_cards_parameter_counts_keep_their_full_size_under_zero3():
+    """Under DeepSpeed ZeRO-3 the Trainer's final save writes the card from a model whose parameters are empty
+    placeholders on each rank (the full size in `ds_numel`): the card counts the embedding as `parameter_counts`
+    counts the rest (it said 0)."""
+    model = tiny_model("memoryllm")
+    expected = render_model_card(model)
+    for param in model.parameters():  # what ZeRO-3 leaves on a rank: an empty tensor and the full size
+        param.ds_numel = param.numel()
+        param.data = torch.empty(0)
+    card = render_model_card(model)
+    assert f"| embedding (input) | {320 * 64:,} (20.48K) |" in card
+    assert card == expected
+
+
 @pytest.mark.parametrize("arch, fields, says, lists, omits", [
     ("flash_mhf", {"ffn_variant": "pkv"}, "parametric key-value baseline", ["ffn_num_heads"],
      ["ffn_num_subnetworks", "subnetwork_size", "ffn_num_kv_heads"]),

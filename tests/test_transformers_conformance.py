@@ -173,6 +173,28 @@ def test_resize_token_embeddings(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS[:4])
+@pytest.mark.parametrize("arguments, named", [
+    ({"new_num_tokens": 330, "pad_to_multiple_of": -8}, "pad_to_multiple_of=-8"),
+    ({"new_num_tokens": 330, "pad_to_multiple_of": 0}, "pad_to_multiple_of=0"),
+    ({"new_num_tokens": 0}, "new_num_tokens=0"),
+    ({"new_num_tokens": 330.0}, "new_num_tokens=330.0"),
+    ({"new_num_tokens": 330, "mean_resizing": "no"}, "mean_resizing='no'"),
+])
+def test_resize_token_embeddings_refuses_bad_arguments_before_changing_anything(arch, arguments, named):
+    """A `pad_to_multiple_of` of -8 shrank the vocabulary to 328 tokens where 330 were asked for (Llama's too), 0
+    failed in a division, `new_num_tokens=0` left a model without a vocabulary and 330.0 failed inside torch: each is
+    refused naming the argument and what it takes, with the model as it was."""
+    model = build(arch)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"resize_token_embeddings: {re.escape(named)} is invalid; allowed values"):
+        model.resize_token_embeddings(**arguments)
+    assert model.config.vocab_size == 320 and model.get_output_embeddings().weight.shape[0] == 320
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    model.resize_token_embeddings(330, pad_to_multiple_of=8)
+    assert model.config.vocab_size == 336 and model.get_input_embeddings().weight.shape[0] == 336
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
 def test_a_vocabulary_shrunk_below_a_special_token_id_is_refused_before_saving(arch, tmp_path):
     """`resize_token_embeddings` to fewer tokens keeps the config's special token ids, which `from_pretrained` checks
     against the new `vocab_size`: the checkpoint would not load, so `save_pretrained` refuses it, writing nothing.
