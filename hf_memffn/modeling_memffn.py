@@ -137,6 +137,25 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int | None) -> None
         )
 
 
+def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int, int], cache: Cache | None) -> None:
+    """A one-line error for a 2-D `attention_mask` that is not [batch, cached + new tokens]: transformers' mask helpers
+    would fail on the shapes inside the attention, or, in a decoding step given the mask of the cached tokens alone,
+    attend to the wrong positions. Checked without a cache and with a `DynamicCache` (which counts its tokens by its
+    tensors' shapes); skipped for other caches (a static cache counts them on the device: a kernel, and a device sync
+    to read, per decoding step) and for symbolic sizes (an export traces the forward)."""
+    if cache is not None and type(cache) is not DynamicCache:
+        return
+    batch, length = batch_and_length
+    cached = cache.get_seq_length() if cache is not None else 0
+    if not all(type(size) is int for size in (*attention_mask.shape, batch, length, cached)):
+        return
+    if tuple(attention_mask.shape) != (batch, cached + length):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}: a 2-D mask needs one row per sequence and one "
+            f"column per token, the cached ones included: ({batch}, {cached + length}) for {cached} cached and "
+            f"{length} new tokens (in a decoding loop, extend the mask by the new tokens' columns at each step)")
+
+
 # Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew
 MISSING_CHECKPOINT_PARTS = "_memffn_missing_checkpoint_parts"
 
@@ -850,6 +869,9 @@ class MemFFNModel(MemFFNPreTrainedModel):
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
         cache = take_cache(past_key_values, cache, kwargs)
+        # (a 2-D padding mask: continuous batching passes its own masks, as a dict by layer type)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not is_torchdynamo_compiling():
+            check_padding_mask(attention_mask, inputs_embeds.shape[:2], cache)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
         if position_ids is None:

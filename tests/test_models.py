@@ -673,6 +673,31 @@ def test_sdpa_and_eager_attention_agree(arch):
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_padding_mask_of_another_width_than_the_tokens_is_refused_naming_it(arch):
+    """A 2-D `attention_mask` has one column per token, the cached ones included. One column short or long failed
+    inside the attention on the shapes, and a decoding step given the mask of the cached tokens alone (the mask not
+    extended in a hand-written loop) or of the new token alone attended to the wrong positions, silently."""
+    from hf_memffn.modeling_memffn import CACHE_KWARG
+
+    model = build(arch)
+    ids = torch.randint(3, 320, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        for width in (5, 7):
+            with pytest.raises(ValueError, match=rf"attention_mask has shape \(2, {width}\).*\(2, 6\) for 0 cached"):
+                model(ids, attention_mask=torch.ones(2, width, dtype=torch.long))
+        cache = getattr(model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True), CACHE_KWARG)
+        for stale in (mask[:, :5], mask[:, 5:]):
+            with pytest.raises(ValueError, match=r"\(2, 6\) for 5 cached and 1 new tokens"):
+                model(ids[:, 5:], attention_mask=stale, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 5  # (refused before anything was cached)
+        step = model(ids[:, 5:], attention_mask=mask, **{CACHE_KWARG: cache}).logits
+    torch.testing.assert_close(step, expected[:, 5:], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["flash_mhf", "kvffn"])
 def test_unpadded_sequences_attend_with_the_causal_flag_and_match_the_explicit_mask(arch, monkeypatch):
     """No attention mask, no positions and an empty cache (a training step, a prompt's first forward into a dynamic or
