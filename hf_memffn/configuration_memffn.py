@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import os
 import shutil
 
@@ -74,7 +75,9 @@ def _check_base_fields(config_name: str, fields: dict) -> None:
     type there raises a TypeError or AttributeError from inside transformers that names no field."""
     for field, value in fields.items():
         if field == "num_labels":  # (None only where `id2label` is unset: not given as a number of labels)
-            _check(config_name, _is_int(value) and value >= 1, field, value,
+            # (any integer type transformers counts labels with: NumPy's too, as `labels.max() + 1` gives it)
+            integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            _check(config_name, integer and value >= 1, field, value,
                    "must be >= 1 (an integer: the outputs of the classification heads)")
         elif value is None:
             continue
@@ -84,6 +87,8 @@ def _check_base_fields(config_name: str, fields: dict) -> None:
             _check(config_name, isinstance(value, dict), field, value,
                    "must be None or a dict, one entry per label (such as {0: 'negative', 1: 'positive'})")
         elif field in ("dtype", "torch_dtype"):
+            if isinstance(value, dict) or value == "auto":  # (transformers' per-module dtypes and "auto": its own)
+                continue
             named = isinstance(value, str) and value in FLOATING_DTYPE_NAMES
             floating_dtype = type(value).__name__ == "dtype" and getattr(value, "is_floating_point", False) is True
             _check(config_name, named or floating_dtype, field, value,

@@ -150,10 +150,15 @@ def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int
     if not all(type(size) is int for size in (*attention_mask.shape, batch, length, cached)):
         return
     if tuple(attention_mask.shape) != (batch, cached + length):
+        # (PEFT's prompt tuning and p-tuning look for generate()'s cache as `past_key_values`: under `cache`, since
+        # transformers 5.24, they prepend their virtual tokens again at each step, after the first one cached them)
+        peft = ("; PEFT's prompt tuning gives such a mask in generate() on transformers >= 5.24, its virtual tokens "
+                "prepended again at each step: generate with use_cache=False there"
+                if CACHE_KWARG == "cache" and cached and attention_mask.shape[-1] < cached + length else "")
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}: a 2-D mask needs one row per sequence and one "
             f"column per token, the cached ones included: ({batch}, {cached + length}) for {cached} cached and "
-            f"{length} new tokens (in a decoding loop, extend the mask by the new tokens' columns at each step)")
+            f"{length} new tokens (in a decoding loop, extend the mask by the new tokens' columns at each step){peft}")
 
 
 # Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew

@@ -878,6 +878,17 @@ def test_save_writes_safetensors_config_code_tokenizer_and_card(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
 
 
+def test_from_pretrained_takes_every_dtype_form_transformers_takes(tmp_path):
+    """The config's dtype check names a misspelt dtype; the forms transformers itself takes still load: a dtype,
+    its name, "auto", and the (deprecated) dict of per-module dtypes."""
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(tmp_path)
+    for dtype, expected in ((torch.bfloat16, torch.bfloat16), ("float16", torch.float16), ("auto", torch.float32),
+                            ({"": torch.float16}, torch.float16)):
+        assert AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).dtype == expected, dtype
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_config("kvffn", dtype="bf16")
+
+
 def test_save_refuses_an_attached_tokenizer_larger_than_the_vocabulary_before_writing(tmp_path):
     """A tokenizer with more tokens than `vocab_size` was saved with the weights: the checkpoint's own tokenizer then
     gave ids that every forward refused. Refused before anything is written; resized embeddings take it."""

@@ -163,6 +163,21 @@ def test_a_bad_problem_type_or_label_count_is_refused_naming_the_field(tmp_path)
         tiny_config("kvffn", problem_type=problem_type)
 
 
+def test_a_label_count_of_numpy_integer_type_is_taken_as_transformers_takes_it(tmp_path):
+    """`num_labels=labels.max() + 1` over a NumPy array of labels is a NumPy integer, which transformers (and Llama)
+    count labels with: the check of the field's type refused it, also when given to `from_pretrained`."""
+    import numpy
+
+    labels = numpy.array([0, 2, 1, 2])
+    config = tiny_config("kvffn", num_labels=labels.max() + 1, pad_token_id=0)
+    assert config.num_labels == 3 and type(config.num_labels) is int
+    AutoModelForCausalLM.from_config(tiny_config("memoryllm", pad_token_id=0)).save_pretrained(tmp_path / "lm")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=labels.max() + 1)
+    assert model.score.weight.shape[0] == 3
+    with pytest.raises(ValueError, match=r"`num_labels`=np.True_ is invalid: must be >= 1"):
+        tiny_config("kvffn", num_labels=numpy.bool_(True))
+
+
 def test_the_answer_span_loss_averages_start_and_end_and_ignores_positions_past_the_end():
     model = head_model(AutoModelForQuestionAnswering, "flash_mhf")
     ids, start, end = torch.randint(3, 320, (2, 6)), torch.tensor([1, 4]), torch.tensor([2, 9])

@@ -303,3 +303,30 @@ def test_prompt_tuning_and_ia3(arch, method):
     assert generated.shape == (1, ids.shape[1] + 3)
     if method == "ia3":
         assert torch.equal(generated, greedy_by_forward(peft_model, ids, 3))
+
+
+@pytest.mark.skipif(CACHE_KWARG == "past_key_values", reason="before transformers 5.24 PEFT finds generate()'s cache")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_tunings_cached_generate_with_a_padding_mask_names_the_case_and_its_way_out(arch):
+    """On transformers 5.24 PEFT's prompt tuning looks for generate()'s cache under `past_key_values` and prepends
+    its virtual tokens again at each decoding step. With a padding mask our models refuse that step's mask; the error
+    said to extend the mask in a decoding loop, which a generate() call has not. It names the case, and
+    generate(use_cache=False), which decodes as forwards of the whole sequence do."""
+    peft = pytest.importorskip("peft")
+    peft_model = peft.get_peft_model(build(arch), peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                          num_virtual_tokens=3)).eval()
+    ids = torch.randint(3, 320, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 10\).*PEFT's prompt tuning gives such a mask "
+                                         r"in generate\(\) on transformers >= 5.24.*generate with use_cache=False"):
+        peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    generated = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3,
+                                    do_sample=False, use_cache=False)
+    expected = ids
+    with torch.no_grad():
+        for _ in range(3):
+            logits = peft_model(input_ids=expected, attention_mask=mask).logits
+            expected = torch.cat([expected, logits[:, -1].argmax(-1)[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    assert torch.equal(generated, expected)
