@@ -160,6 +160,15 @@ DECODER_KERNELS = ("auto", "triton", "torch")  # decoder's norms and rotations, 
 ROPE_PARAMETERS_REQUIREMENT = "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}"
 
 
+def _refuse_per_layer_rope(config_name: str, field: str, value) -> None:
+    """Per-layer RoPE (one dict per layer type, as `{"full_attention": {...}}`) is refused: the rotary embedding reads
+    the top level only, so the nested types and their scaling would go unused."""
+    nested = sorted(key for key, item in (value or {}).items() if isinstance(item, dict))
+    _check(config_name, not nested, field, value,
+           f"per-layer RoPE (the nested {', '.join(map(repr, nested))}) is not supported: every layer shares one "
+           "rotary embedding; give one dict such as {'rope_type': 'linear', 'factor': 2.0}")
+
+
 class MemFFNConfig(PretrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
@@ -228,6 +237,8 @@ class MemFFNConfig(PretrainedConfig):
         for field, value in (("rope_parameters", rope_parameters), ("rope_scaling", kwargs.get("rope_scaling"))):
             _check(type(self).__name__, value is None or isinstance(value, dict), field, value,
                    ROPE_PARAMETERS_REQUIREMENT)
+            # (before transformers reads it: 5.17's RoPE check fails on a per-layer dict beside `rope_theta`)
+            _refuse_per_layer_rope(type(self).__name__, field, value)
         self.rope_parameters = dict(rope_parameters) if rope_parameters is not None else None
         self.initializer_range = initializer_range
         self.hidden_act = hidden_act
@@ -462,10 +473,7 @@ class MemFFNConfig(PretrainedConfig):
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
         # per-layer RoPE (one dict per layer type, as `{"full_attention": {...}}`): the rotary embedding reads the top
         # level only, so the nested types and their scaling would go unused
-        nested = sorted(key for key, value in self.rope_parameters.items() if isinstance(value, dict))
-        _check(name, not nested, "rope_parameters", self.rope_parameters,
-               f"per-layer RoPE (the nested {', '.join(map(repr, nested))}) is not supported: every layer shares one "
-               "rotary embedding; give one dict such as {'rope_type': 'linear', 'factor': 2.0}")
+        _refuse_per_layer_rope(name, "rope_parameters", self.rope_parameters)
         check_choice("rope_parameters['rope_type']", self.rope_parameters["rope_type"], ROPE_TYPES, name)
         validate_rope = getattr(self, "validate_rope", None)  # transformers' per-type check of the RoPE fields
         if validate_rope is not None:
