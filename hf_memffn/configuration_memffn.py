@@ -101,6 +101,9 @@ def _check_base_fields(config_name: str, fields: dict) -> None:
 
 
 OUTPUT_HIDDEN_STATES_REQUIREMENT = "must be True or False"
+# the fields `_check_base_fields` checks, wherever they are given (the config's keywords, from_pretrained's)
+BASE_FIELDS = ("head_dim", "num_labels", "id2label", "label2id", "dtype", "torch_dtype", "layer_types",
+               "output_hidden_states")
 
 # `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
@@ -255,9 +258,8 @@ class MemFFNConfig(PretrainedConfig):
             kwargs["auto_map"] = {**(kwargs.get("auto_map") or {}), **self.default_auto_map()}
         _check_positive_ints(self, ("vocab_size",))  # (transformers compares the token ids with it first)
         # (a `head_dim` derived from invalid sizes is left to `validate_fields`, which names those sizes first)
-        _check_base_fields(type(self).__name__, {"head_dim": given_head_dim, **{
-            field: kwargs[field] for field in ("num_labels", "id2label", "label2id", "dtype", "torch_dtype",
-                                               "layer_types", "output_hidden_states") if field in kwargs}})
+        _check_base_fields(type(self).__name__, {
+            **{field: kwargs[field] for field in BASE_FIELDS if field in kwargs}, "head_dim": given_head_dim})
         try:
             super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
         except KeyError as exc:  # transformers' RoPE validation names a missing field with a KeyError
@@ -309,10 +311,7 @@ class MemFFNConfig(PretrainedConfig):
         for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
-        _check_base_fields(cls.__name__, {field: kwargs[field] for field in ("head_dim", "num_labels", "id2label",
-                                                                             "label2id", "layer_types",
-                                                                             "output_hidden_states")
-                                          if field in kwargs})
+        _check_base_fields(cls.__name__, {field: kwargs[field] for field in BASE_FIELDS if field in kwargs})
         for field in ("ffn_kernel", "ffn_gate_eps"):
             if field in kwargs and field in config_dict:
                 # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take, or its

@@ -60,9 +60,8 @@ class MemFFNLM(HFLM):
         else:
             if token_lookup_placement is not None:
                 check_choice("token_lookup_placement", token_lookup_placement, PLACEMENTS)
-            if placement_problem(token_lookup_placement) is not None:
-                raise ValueError(f"token_lookup_placement={token_lookup_placement!r}: "
-                                 f"{placement_problem(token_lookup_placement)}")
+            if (problem := placement_problem(token_lookup_placement)) is not None:
+                raise ValueError(f"token_lookup_placement={token_lookup_placement!r}: {problem}")
             config = pretrained_config(kwargs)
             if config is not None and getattr(config, "token_memory_size", None) is None:
                 name = (getattr(config, "architectures", None) or [type(config).__name__])[0]

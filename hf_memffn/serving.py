@@ -169,22 +169,17 @@ class TokenLookupSettings:
         if config.get("model_type") not in MEMORY_MODEL_TYPES:
             return (f"--token-lookup: {self.model} is a {config.get('model_type')!r} model, which has no token lookup "
                     "tables (only MemoryLLM and FlexMemoryLLM have FFNs on the token embeddings)")
-        table_dir = self.table
-        if not os.path.isdir(self.table):
-            location_problem = table_location_problem(self.table)
-            if location_problem is not None:
-                return f"--token-lookup: {location_problem}"
-            # a Hub repo id: its table files are fetched now, as the model's load would fetch them (it then reads
-            # them from the cache), so that a name that is neither a folder nor a readable repo is said here
-            try:
-                table_dir = local_table_dir(self.table, self.revision if self.table == self.model_id else None)
-            except FileNotFoundError as error:
-                return f"--token-lookup: {error}"
+        # a Hub repo id's table files are fetched now, as the model's load would fetch them (it then reads them from
+        # the cache), so that a name that is neither a folder nor a readable repo is said here
+        try:
+            table_dir = local_table_dir(self.table, self.revision if self.table == self.model_id else None)
+        except FileNotFoundError as error:
+            return f"--token-lookup: {error}"
         folder_problem = table_folder_problem(table_dir, config, self.model_id)
         if folder_problem is not None:
             return f"--token-lookup {self.table}: {folder_problem}"
-        if placement_problem(self.placement) is not None:
-            return f"--token-lookup-placement {self.placement}: {placement_problem(self.placement)}"
+        if (problem := placement_problem(self.placement)) is not None:
+            return f"--token-lookup-placement {self.placement}: {problem}"
         return None
 
     def applies_to(self, model_id: str, revision: str | None = None) -> bool:
