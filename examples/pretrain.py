@@ -182,6 +182,7 @@ def parse_arguments(argv=None):
     get_preset(preset)  # a clear error for an unknown preset
     parser = build_parser(preset)
     namespace = vars(parser.parse_args(argv))
+    given = given_options(preset, argv)
     recipe = {}
     for dtype in RECIPE_DATACLASSES:
         names = [f.name for f in dataclasses.fields(dtype)]
@@ -211,7 +212,20 @@ def parse_arguments(argv=None):
     if launched > 1 and training_args.world_size != launched:
         raise ValueError(f"WORLD_SIZE={launched} processes were launched but they form a run of {training_args.world_size}: "
                          "they would train separately into one --output-dir; on CPU pass --use-cpu or launch with torchrun")
-    return SimpleNamespace(**recipe, output_dir=training_args.output_dir, seed=training_args.seed), training_args
+    return SimpleNamespace(**recipe, output_dir=training_args.output_dir, seed=training_args.seed,
+                           given_options=given), training_args
+
+
+def given_options(preset: str, argv: list[str]) -> frozenset[str]:
+    """The names of the options that `argv` gives (in either spelling, or abbreviated), apart from those left at
+    their default: a default nobody typed must not contradict an option that was typed."""
+    import argparse
+
+    parser = build_parser(preset)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    parser._defaults.clear()  # (the recipe's defaults, `set_defaults`)
+    return frozenset(vars(parser.parse_args(argv)))
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
@@ -439,17 +453,23 @@ def parse_overrides(text: str) -> dict:
     return overrides
 
 
+def config_class_of(architecture: str):
+    """The config class of an --arch: transformers' own Llama for the baseline, else this package's."""
+    if architecture == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig
+    import hf_memffn
+
+    return hf_memffn.ARCHITECTURES[architecture]
+
+
 def build_config(architecture: str, preset_name: str, vocab_size: int, tokenizer=None, **overrides):
     fields = get_preset(preset_name).config_fields(architecture)
     fields["vocab_size"] = vocab_size
     if tokenizer is not None:
         fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if architecture == "llama":  # the baseline: transformers' own Llama
-        from transformers import LlamaConfig as config_class
-    else:
-        import hf_memffn
-
-        config_class = hf_memffn.ARCHITECTURES[architecture]
+    config_class = config_class_of(architecture)
     if overrides:
         refuse_unknown_overrides(overrides, set(fields) | set(config_class().to_dict()), config_class.__name__)
     fields.update(overrides)
@@ -478,13 +498,43 @@ def build_model(args, tokenizer):
         model = from_pretrained_main_process_first(args.init_from, parse_overrides(args.config_overrides),
                                                    dtype=torch.float32)
     else:
-        vocab_size = 64 * math.ceil(len(tokenizer) / 64)  # padded for tensor-core friendly shapes
-        config = build_config(args.arch, args.preset, vocab_size, tokenizer, **parse_overrides(args.config_overrides))
+        overrides = parse_overrides(args.config_overrides)
+        # the tokenizer's size padded for tensor-core friendly shapes, unless --config-overrides sets vocab_size
+        vocab_size = overrides.pop("vocab_size", 64 * math.ceil(len(tokenizer) / 64))
+        config = build_config(args.arch, args.preset, vocab_size, tokenizer, **overrides)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "attach_tokenizer"):
         model.attach_tokenizer(tokenizer)
+    refuse_a_tokenizer_beyond_the_vocabulary(model, tokenizer)
     keep_present_wrap_units(model)
     return model
+
+
+def refuse_a_tokenizer_beyond_the_vocabulary(model, tokenizer) -> None:
+    """A tokenizer of more tokens than the model's embedding has rows is refused before training. A model of this
+    package refuses to save with such a tokenizer attached, which stopped the run at its first checkpoint: its own
+    check runs here, with its message (so do its other checks of what a save would refuse). Any model's forward
+    fails at the first id past its embedding."""
+    refuse_an_incomplete_checkpoint = getattr(model, "_refuse_an_incomplete_checkpoint", None)
+    if refuse_an_incomplete_checkpoint is not None:
+        refuse_an_incomplete_checkpoint()
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's embedding has rows "
+                         f"({rows}): the ids past them would fail the forward; pass the model's own tokenizer (for a "
+                         "new model, leave vocab_size out of --config-overrides)")
+
+
+def refuse_an_arch_other_than_the_saved_models(args, model) -> None:
+    """With --init-from the saved model decides the architecture: an --arch typed beside it that names another one
+    was left unused without a word (and the summary named it as the run's `arch`)."""
+    if not args.init_from or "arch" not in args.given_options:
+        return
+    config_class = config_class_of(args.arch)
+    if config_class.model_type != model.config.model_type:
+        raise ValueError(f"--arch={args.arch}: the model of --init-from={args.init_from!r} is a "
+                         f"{model.config.model_type} model, not a {config_class.model_type} one; drop --arch (the "
+                         "saved model decides the architecture) or start from a model of that architecture")
 
 
 def keep_present_wrap_units(model) -> None:
@@ -646,6 +696,16 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
         raise ValueError(f"--profile-steps={text!r}: expected FIRST:LAST, two step numbers with 1 <= FIRST <= LAST")
     return int(first), int(last)
+
+
+def refuse_profile_steps_past_the_run(text: str, last: int, max_steps: int, stop_after_steps: int | None) -> None:
+    """The profile is written at its last step: one past the run's last step was never written, while the profiler
+    ran on to the end of training."""
+    ends = (("--max-steps", max_steps if max_steps > 0 else None), ("--stop-after-steps", stop_after_steps))
+    for option, end in ends:
+        if end is not None and last > end:
+            raise ValueError(f"--profile-steps={text!r}: its last step {last} is past {option}={end}, where training "
+                             f"stops; the profile is written at its last step, so end it at step {end} or before")
 
 
 def make_profile_callback(first: int, last: int, output_dir: Path, is_main_process: bool):
@@ -908,11 +968,18 @@ def refuse_conflicting_arguments(args) -> None:
         refuse_a_folder_without_shards(args.data_dir, tokenizer_given=bool(args.tokenizer))
     if args.data_files:
         data_files_builder(args)  # (a file named twice, or files of two formats)
+    if args.dataset_config and not args.dataset:
+        raise ValueError(f"--dataset-config={args.dataset_config!r} names a configuration of a --dataset, which is "
+                         "not given: drop it, or give the --dataset it belongs to")
+    if args.train_tokenizer and args.tokenizer:
+        raise ValueError(f"--train-tokenizer trains a tokenizer, so --tokenizer={args.tokenizer!r} would be left "
+                         "unused: give one of the two")
     if args.init_from and args.train_tokenizer:
         raise ValueError(f"--train-tokenizer: the model of --init-from={args.init_from!r} reads the token ids of its "
                          "own tokenizer, which a new one would not keep; drop --train-tokenizer")
     if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
-        build_config(args.arch, args.preset, 64 * 1024, **parse_overrides(args.config_overrides))
+        overrides = parse_overrides(args.config_overrides)
+        build_config(args.arch, args.preset, overrides.pop("vocab_size", 64 * 1024), **overrides)
 
 
 def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None:
@@ -1023,6 +1090,72 @@ def refuse_a_checkpoint_beyond_max_steps(checkpoint: str | None, max_steps: int)
                          f"{step}, beyond it; resume with --max-steps {step} or more (the run's own schedule)")
 
 
+# Written into each checkpoint: the settings that decide which tokens each step trains on (see `batch_settings`).
+BATCH_SETTINGS_FILE = "recipe_batches.json"
+
+
+def batch_settings(args, training_args) -> dict:
+    """The block size and what makes the blocks of one optimizer step: a run resumed with others packs other blocks,
+    or skips another number of them, so the steps left train on other data than the run's (the Trainer only warns)."""
+    return {"block_size": args.block_size,
+            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "world_size": training_args.world_size}
+
+
+def _blocks_per_step(settings: dict) -> int:
+    return (settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"]
+            * settings["world_size"])
+
+
+def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict) -> None:
+    """A checkpoint trained with another --block-size, or with another number of blocks per step, is refused before
+    the data is read. (The same number of blocks per step split otherwise between processes, per-device batches and
+    accumulation steps is accepted: each step of an epoch takes the same blocks. Checkpoints of recipe versions that
+    recorded nothing pass.)"""
+    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file():
+        return
+    saved = json.loads(recorded.read_text(encoding="utf-8"))
+    if saved.get("block_size") != settings["block_size"]:
+        raise ValueError(f"--block-size={settings['block_size']}: the checkpoint to resume from ({str(checkpoint)!r}) "
+                         f"was trained on blocks of {saved.get('block_size')} tokens; resume with --block-size "
+                         f"{saved.get('block_size')} (other blocks would give the steps left other data than the "
+                         "run's)")
+    try:
+        saved_blocks = _blocks_per_step(saved)
+    except (KeyError, TypeError):
+        return
+    if saved_blocks != _blocks_per_step(settings):
+        def spelled(values):
+            return (f"--per-device-train-batch-size {values['per_device_train_batch_size']} x "
+                    f"--gradient-accumulation-steps {values['gradient_accumulation_steps']} x "
+                    f"{values['world_size']} process(es)")
+
+        raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was "
+                         f"trained on {saved_blocks} blocks per step ({spelled(saved)}), these arguments give "
+                         f"{_blocks_per_step(settings)} ({spelled(settings)}); resume with {saved_blocks} blocks per "
+                         "step (with another count the resumed run skips other blocks: some would be trained on "
+                         "twice, others never)")
+
+
+def make_record_batches_callback(settings: dict):
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from hf_memffn.atomic_write import write_atomic
+
+    class RecordBatches(TrainerCallback):
+        """Writes `settings` into each checkpoint the Trainer saves (`refuse_a_checkpoint_of_other_batches`)."""
+
+        def on_save(self, args, state, control, **kwargs):
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            if args.should_save and folder.is_dir():
+                write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
+
+    return RecordBatches()
+
+
 def checkpoint_state(checkpoint: str | None):
     """The Trainer's state saved with ``checkpoint`` (its step, its log), or None without a checkpoint."""
     from transformers import TrainerState
@@ -1046,6 +1179,32 @@ def run_training_loss(log_history: list[dict], global_step: int, session_loss: f
     return {"train_loss": session_loss, "train_loss_from_step": session_first_step}
 
 
+def save_final_model(trainer, final_dir: Path) -> None:
+    """`trainer.save_model` into a temporary folder beside `final_dir`, renamed to it once whole: saved in place, a
+    session stopped while saving left a `final/` that looked complete without some of its files (or, saved over an
+    earlier one, with some of that one's). Every process takes part in the save (FSDP and ZeRO-3 gather the weights;
+    ZeRO-3 without gathering writes a file per process), so each saves into the temporary folder of the process that
+    writes (process 0, or with --save-on-each-node its node's first), which renames it once all are done. With
+    --push-to-hub the Trainer's upload of --output-dir follows the rename (from within `save_model` it would upload
+    the temporary folder under its hidden name)."""
+    import contextlib
+
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from hf_memffn.atomic_write import atomic_output
+
+    state = PartialState()
+    writes = trainer.args.should_save
+    with (atomic_output(final_dir) if writes else contextlib.nullcontext()) as temporary:
+        temporaries = gather_object([str(temporary) if writes else None])  # (one a process, by process index)
+        writer = state.process_index - state.local_process_index if trainer.args.save_on_each_node else 0
+        trainer.save_model(temporaries[writer], _internal_call=True)  # (`_internal_call`: no upload from within)
+        state.wait_for_everyone()
+    if trainer.args.push_to_hub:  # (what `save_model` uploads otherwise, on every process as it does)
+        trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
 def write_summary(summary: dict, output_dir: Path) -> None:
     from hf_memffn.atomic_write import write_atomic
 
@@ -1053,6 +1212,54 @@ def write_summary(summary: dict, output_dir: Path) -> None:
     rate = f", {summary['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in summary else ""
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
     print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)
+
+
+# transformers' schedulers whose cosine decays to a floor, given in `lr_scheduler_kwargs` (`min_lr` or `min_lr_rate`)
+COSINE_FLOOR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
+
+
+def apply_the_cosine_floor(args, training_args) -> None:
+    """--min-learning-rate as the floor of a cosine schedule (`lr_scheduler_kwargs`' `min_lr_rate`), or the floor
+    that --lr-scheduler-kwargs gives. Refused before any work: a floor in both places (the kwargs' one won without a
+    word over a --min-learning-rate that was typed), a --min-learning-rate for a schedule without a floor (left
+    unused), and a floor above the peak."""
+    scheduler_type = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
+    min_learning_rate_given = "min_learning_rate" in args.given_options
+    if scheduler_type not in COSINE_FLOOR_SCHEDULERS:
+        if min_learning_rate_given:
+            raise ValueError(f"--min-learning-rate={args.min_learning_rate:g} is the floor of the cosine schedules "
+                             f"({', '.join(COSINE_FLOOR_SCHEDULERS)}), not of --lr-scheduler-type={scheduler_type}: "
+                             "drop one of them")
+        return
+    scheduler_kwargs = dict(training_args.lr_scheduler_kwargs or {})
+    floors = [key for key in ("min_lr", "min_lr_rate") if key in scheduler_kwargs]
+    if len(floors) == 2:
+        raise ValueError("--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them (or neither, "
+                         "and --min-learning-rate)")
+    for key in floors:
+        if isinstance(scheduler_kwargs[key], bool) or not isinstance(scheduler_kwargs[key], (int, float)):
+            raise ValueError(f"--lr-scheduler-kwargs {key}={scheduler_kwargs[key]!r}: expected a number")
+    if floors and min_learning_rate_given:
+        raise ValueError(f"--lr-scheduler-kwargs sets {floors[0]}={scheduler_kwargs[floors[0]]:g} and "
+                         f"--min-learning-rate={args.min_learning_rate:g} is given too: both set the floor of the "
+                         "cosine decay; give one of them")
+    if floors == ["min_lr_rate"]:  # the ratio itself (--min-learning-rate's default is then not the floor)
+        if not 0 <= scheduler_kwargs["min_lr_rate"] <= 1:
+            raise ValueError(f"--lr-scheduler-kwargs min_lr_rate={scheduler_kwargs['min_lr_rate']:g}: expected 0 to "
+                             "1, the floor's fraction of --learning-rate")
+        return
+    # an absolute `min_lr` there stands for --min-learning-rate (transformers refused it beside the `min_lr_rate`
+    # set here, after the data was read)
+    minimum, option = ((scheduler_kwargs.pop("min_lr"), "--lr-scheduler-kwargs min_lr")
+                       if floors else (args.min_learning_rate, "--min-learning-rate"))
+    if not 0 <= minimum <= training_args.learning_rate:
+        # (above the peak, the cosine "decay" would climb from the peak to it)
+        raise ValueError(f"{option}={minimum:g}: expected 0 to --learning-rate="
+                         f"{training_args.learning_rate:g}, the rate the cosine decay falls from")
+    # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
+    # do not have
+    min_lr_rate = minimum / training_args.learning_rate
+    training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **scheduler_kwargs}
 
 
 def main(argv=None) -> dict:
@@ -1063,27 +1270,16 @@ def main(argv=None) -> dict:
 
     output_dir = Path(args.output_dir)
     profile_steps = parse_profile_steps(args.profile_steps) if args.profile_steps else None
-    if training_args.lr_scheduler_type == "cosine_with_min_lr":
-        scheduler_kwargs = dict(training_args.lr_scheduler_kwargs or {})
-        if {"min_lr", "min_lr_rate"} <= set(scheduler_kwargs):
-            raise ValueError("--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them (or neither, "
-                             "and --min-learning-rate)")
-        # an absolute `min_lr` there stands for --min-learning-rate (transformers refused it beside the `min_lr_rate`
-        # set here, after the data was read), as a `min_lr_rate` there stands for the ratio
-        minimum, option = ((scheduler_kwargs.pop("min_lr"), "--lr-scheduler-kwargs min_lr")
-                           if "min_lr" in scheduler_kwargs else (args.min_learning_rate, "--min-learning-rate"))
-        if not 0 <= minimum <= training_args.learning_rate:
-            # (above the peak, the cosine "decay" would climb from the peak to it)
-            raise ValueError(f"{option}={minimum:g}: expected 0 to --learning-rate="
-                             f"{training_args.learning_rate:g}, the rate the cosine decay falls from")
-        # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
-        # do not have
-        min_lr_rate = minimum / training_args.learning_rate
-        training_args.lr_scheduler_kwargs = {"min_lr_rate": min_lr_rate, **scheduler_kwargs}
+    apply_the_cosine_floor(args, training_args)
     refuse_conflicting_arguments(args)
+    if profile_steps:
+        refuse_profile_steps_past_the_run(args.profile_steps, profile_steps[1], training_args.max_steps,
+                                          args.stop_after_steps)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir)
     refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
+    batches = batch_settings(args, training_args)
+    refuse_a_checkpoint_of_other_batches(checkpoint, batches)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
@@ -1091,6 +1287,7 @@ def main(argv=None) -> dict:
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
 
     model = build_model(args, tokenizer)
+    refuse_an_arch_other_than_the_saved_models(args, model)
     refuse_a_checkpoint_of_another_model(model, checkpoint)
     if args.data_dir:
         refuse_token_ids_beyond_the_embedding(model, args.data_dir, train_blocks, eval_blocks)
@@ -1120,7 +1317,7 @@ def main(argv=None) -> dict:
         eval_dataset=eval_blocks,
         data_collator=collate_blocks,
         processing_class=tokenizer,
-        callbacks=[throughput, make_log_at_checkpoints_callback()]
+        callbacks=[throughput, make_log_at_checkpoints_callback(), make_record_batches_callback(batches)]
         + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
     ))
@@ -1143,7 +1340,7 @@ def main(argv=None) -> dict:
     eval_metrics = (evaluation_at_the_last_step(trainer.state, training_args.load_best_model_at_end)
                     or trainer.evaluate())
     final_dir = output_dir / "final"
-    trainer.save_model(str(final_dir))
+    save_final_model(trainer, final_dir)
 
     summary = {
         "arch": args.arch,

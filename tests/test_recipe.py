@@ -545,3 +545,86 @@ def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_
     with pytest.raises(ValueError, match=r"--resume latest: no whole checkpoint in --output-dir='.*cut': checkpoint-3 "
                                          r"hold no readable trainer_state.json"):
         pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume="latest"), tmp_path / "cut")
+
+
+def test_resuming_with_other_blocks_per_step_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A run resumed with another --block-size, or another number of blocks per step, trained on (the Trainer only
+    warned about the batch size): its steps left packed other blocks, or skipped another number of them. Both are
+    refused before the data is read, naming the setting, the checkpoint's value and the new one; the same blocks per
+    step split otherwise (per-device batch x accumulation) resume."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--save-steps", "2",
+              "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    pretrain.main(common + ["--block-size", "32", "--per-device-batch-size", "4", "--max-steps", "2"])
+    log_before = (out / "train_log.jsonl").read_text()
+    load_data = pretrain.load_data
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(pretrain, "load_data", no_data)
+    resume = common + ["--max-steps", "3", "--resume", "latest"]
+    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                         r"trained on blocks of 32 tokens; resume with --block-size 32"):
+        pretrain.main(resume + ["--block-size", "16", "--per-device-batch-size", "4"])
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint to resume from \('.*checkpoint-2'\) was trained "
+                                         r"on 4 blocks per step \(--per-device-train-batch-size 4 x "
+                                         r"--gradient-accumulation-steps 1 x 1 process\(es\)\), these arguments give 2 "
+                                         r"\(--per-device-train-batch-size 2 x "):
+        pretrain.main(resume + ["--block-size", "32", "--per-device-batch-size", "2"])
+    assert (out / "train_log.jsonl").read_text() == log_before and not (out / "checkpoint-3").exists()
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    resumed = pretrain.main(resume + ["--block-size", "32", "--per-device-batch-size", "2", "--grad-accum", "2"])
+    assert resumed["global_step"] == 3
+
+
+def test_the_final_model_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`final/` was written in place: a session stopped while saving it (here after the weights, before the rest)
+    left a folder that looked complete. It is written beside and renamed once whole; a save that completes replaces
+    an earlier `final/` whole."""
+    from transformers import PreTrainedModel
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
+    out = tmp_path / "run"
+    common = ["--arch", "kvffn", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "1", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--output-dir", str(out)]
+    saved = PreTrainedModel.save_pretrained
+
+    def interrupted(self, save_directory, *args, **kwargs):
+        saved(self, save_directory, *args, **kwargs)
+        if "checkpoint-" not in str(save_directory):  # (the Trainer's checkpoints are saved whole)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.main(common + ["--max-steps", "1"])
+    assert not (out / "final").exists() and not [path.name for path in out.iterdir() if path.name.endswith(".tmp")]
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", saved)
+    (out / "final").mkdir()
+    (out / "final" / "stale.bin").write_bytes(b"an earlier save's file")
+    summary = pretrain.main(common + ["--max-steps", "2", "--resume", "latest"])
+    assert summary["global_step"] == 2 and not (out / "final" / "stale.bin").exists()
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "tokenizer.json").is_file()
+
+
+def test_the_final_model_is_in_place_before_the_hub_upload(tmp_path):
+    """With --push-to-hub, `Trainer.save_model` uploads the whole --output-dir from within: saving into a temporary
+    folder, it would upload that folder under its hidden name. The upload follows the rename."""
+    class TrainerUploadingItsOutputDir:
+        args = pretrain.SimpleNamespace(should_save=True, save_on_each_node=False, push_to_hub=True, hub_revision=None)
+        uploaded = None
+
+        def save_model(self, output_dir, _internal_call=False):
+            Path(output_dir).mkdir()
+            (Path(output_dir) / "model.safetensors").write_bytes(b"weights")
+            if not _internal_call:
+                self.push_to_hub()
+
+        def push_to_hub(self, **kwargs):
+            self.uploaded = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*"))
+
+    trainer = TrainerUploadingItsOutputDir()
+    pretrain.save_final_model(trainer, tmp_path / "final")
+    assert trainer.uploaded == ["final", "final/model.safetensors"]

@@ -121,6 +121,7 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 2
+    assert (out / "final" / "model.safetensors").is_file() and not list(out.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -147,6 +148,23 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
                                                    r"--learning-rate=0.003"),
     (["--lr-scheduler-kwargs", '{"min_lr": 1e-4, "min_lr_rate": 0.1}'],
      r"--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them"),
+    (["--min-learning-rate", "1e-5", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}'],
+     r"--lr-scheduler-kwargs sets min_lr=0.0001 and --min-learning-rate=1e-05 is given too: both set the floor"),
+    (["--min_learning_rate=2e-5", "--lr-scheduler-kwargs", '{"min_lr_rate": 0.1}'],
+     r"--lr-scheduler-kwargs sets min_lr_rate=0.1 and --min-learning-rate=2e-05 is given too"),
+    (["--lr-scheduler-type", "linear", "--min-learning-rate", "1e-4"],
+     r"--min-learning-rate=0.0001 is the floor of the cosine schedules \(cosine_with_min_lr, "
+     r"cosine_warmup_with_min_lr\), not of --lr-scheduler-type=linear: drop one of them"),
+    (["--lr-scheduler-type", "cosine_warmup_with_min_lr", "--learning-rate", "5e-6"],
+     r"--min-learning-rate=1e-05: expected 0 to --learning-rate=5e-06"),
+    (["--tokenizer", "gpt2"], r"--train-tokenizer trains a tokenizer, so --tokenizer='gpt2' would be left unused"),
+    (["--dataset-config", "sample-10BT"], r"--dataset-config='sample-10BT' names a configuration of a --dataset, "
+                                          r"which is not given"),
+    (["--profile-steps", "1:3"], r"--profile-steps='1:3': its last step 3 is past --max-steps=1, where training stops"),
+    (["--max-steps", "4", "--stop-after-steps", "2", "--profile-steps", "2:3"],
+     r"--profile-steps='2:3': its last step 3 is past --stop-after-steps=2"),
+    (["--learning-rate", "5e-6", "--lr-scheduler-kwargs", '{"min_lr_rate": 2}'],
+     r"--lr-scheduler-kwargs min_lr_rate=2: expected 0 to 1, the floor's fraction of --learning-rate"),
 ])
 def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_path, monkeypatch, extra, message):
     """Each of these trained and failed late (a `ZeroDivisionError`, a `KeyError` after the last step, a traceback
@@ -158,7 +176,13 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     (a negative one held out one block's documents, 1.5 was refused after --output-dir was made), a negative
     --num-proc after the tokenizer was trained, naming `num_proc`; a --peak-tflops of 0 was taken as not given and a
     negative one gave a negative MFU; a `min_lr` in --lr-scheduler-kwargs failed in transformers after the tokenizer
-    was trained ("Only one of min_lr or min_lr_rate should be set")."""
+    was trained ("Only one of min_lr or min_lr_rate should be set"). A floor in --lr-scheduler-kwargs won without a
+    word over a --min-learning-rate that was typed, which a schedule without a floor (linear) left unused; the other
+    cosine with a floor (cosine_warmup_with_min_lr) did not get --min-learning-rate and failed in transformers after
+    the tokenizer was trained; a `min_lr_rate` beside a low --learning-rate was refused for the default
+    --min-learning-rate it replaces. A --tokenizer beside --train-tokenizer was left unused, and so was a
+    --dataset-config without --dataset; a --profile-steps ending past the run's last step wrote no profile (the
+    profiler ran on to the end)."""
     monkeypatch.chdir(tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     out = tmp_path / "run"
@@ -181,6 +205,64 @@ def test_a_min_lr_in_the_lr_scheduler_kwargs_is_the_floor_of_the_cosine_decay(tm
     rates = {record["step"]: record["learning_rate"] for record in records if "learning_rate" in record}
     # one warmup step, then the cosine from the preset's 3e-3: halfway down to min_lr at step 3
     assert rates[3] == pytest.approx(1e-4 + (3e-3 - 1e-4) / 2)
+
+
+def test_the_cosine_floor_is_given_once_and_a_default_min_learning_rate_gives_way(tmp_path):
+    """A floor in --lr-scheduler-kwargs is taken where --min-learning-rate was not typed: its default neither
+    contradicts nor bounds it (a `min_lr_rate` beside --learning-rate 5e-6 was refused for the default 1e-5). A typed
+    --min-learning-rate, also abbreviated, is the floor of either cosine."""
+    def floor(*extra):
+        args, training = pretrain.parse_arguments(["--output-dir", str(tmp_path), *extra])
+        pretrain.apply_the_cosine_floor(args, training)
+        return training.lr_scheduler_kwargs
+
+    assert floor("--learning-rate", "5e-6", "--lr-scheduler-kwargs", '{"min_lr_rate": 0.1}') == {"min_lr_rate": 0.1}
+    assert floor("--learning-rate", "1e-3", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}') == {"min_lr_rate": 0.1}
+    assert floor("--learning-rate", "1e-3", "--min-learning-rate", "2e-4") == {"min_lr_rate": pytest.approx(0.2)}
+    assert floor("--learning-rate", "1e-3", "--min-learning", "2e-4", "--lr-scheduler-type",  # (abbreviated)
+                 "cosine_warmup_with_min_lr") == {"min_lr_rate": pytest.approx(0.2)}
+    assert not floor("--lr-scheduler-type", "linear")
+    with pytest.raises(ValueError, match=r"--lr-scheduler-kwargs sets min_lr=0.0001 and --min-learning-rate=1e-05"):
+        floor("--min-learning", "1e-5", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}')
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_training(tmp_path):
+    """--init-from a model of this package with a --tokenizer of more tokens than its vocabulary (the model's own with
+    tokens added, which the text does not use) trained until the first checkpoint, whose `save_pretrained` refused
+    the attached tokenizer; it is refused before training, with that message."""
+    from hf_memffn.tokenization import train_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
+    saved = tmp_path / "saved"
+    tokenizer = train_tokenizer([json.loads(line)["text"] for line in corpus.read_text().splitlines()], vocab_size=300)
+    AutoModelForCausalLM.from_config(pretrain.build_config("kvffn", "tiny", 300, tokenizer)).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.save_pretrained(tmp_path / "larger")
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"save_pretrained: the attached tokenizer has 302 tokens, more than the "
+                                         r"model's vocab_size=300; attach the model's own tokenizer"):
+        pretrain.main(["--init-from", str(saved), "--tokenizer", str(tmp_path / "larger"), "--data-files", str(corpus),
+                       "--block-size", "32", "--per-device-batch-size", "2", "--max-steps", "2", "--save-steps", "1",
+                       "--max-eval-blocks", "1", "--output-dir", str(out)])
+    assert not list(out.glob("checkpoint-*")) and not (out / "train_log.jsonl").exists()
+    # a new model given a vocabulary below its tokenizer's size: the Llama baseline, which attaches no tokenizer
+    with pytest.raises(ValueError, match=r"the tokenizer has 300 tokens, more than the model's embedding has rows "
+                                         r"\(256\): the ids past them would fail the forward"):
+        pretrain.main(["--arch", "llama", "--config-overrides", "vocab_size=256", "--data-files", str(corpus),
+                       "--train-tokenizer", "300", "--block-size", "32", "--max-steps", "2", "--save-steps", "1",
+                       "--output-dir", str(tmp_path / "llama")])
+    assert not list((tmp_path / "llama").glob("checkpoint-*"))
+
+
+def test_config_overrides_set_the_vocabulary_of_a_new_model():
+    """--config-overrides vocab_size (a larger vocabulary than the tokenizer's padded size) failed in a `TypeError`,
+    "build_config() got multiple values for argument 'vocab_size'", before any work."""
+    from hf_memffn.tokenization import train_tokenizer
+
+    tokenizer = train_tokenizer(["the key reads a value from memory"] * 10, vocab_size=300)
+    args = pretrain.SimpleNamespace(init_from=None, arch="kvffn", preset="tiny", config_overrides="vocab_size=384")
+    assert pretrain.build_model(args, tokenizer).config.vocab_size == 384
 
 
 def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_path):
@@ -321,7 +403,8 @@ def test_shards_of_another_tokenizer_than_the_one_given_are_refused(tmp_path):
 
 def test_config_overrides_apply_to_an_init_from_model(tmp_path):
     """--config-overrides with --init-from set the saved config's fields (they were ignored); one that would load the
-    model without some of its saved weights is refused."""
+    model without some of its saved weights is refused, and so is an --arch typed beside it that names another
+    architecture than the saved model's (it was left unused, and the summary named it)."""
     from hf_memffn.tokenization import train_tokenizer
 
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
@@ -336,6 +419,10 @@ def test_config_overrides_apply_to_an_init_from_model(tmp_path):
                                       "--output-dir", str(tmp_path / "run")])
     final = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert (final["attention_dropout"], final["rms_norm_eps"]) == (0.25, 0.001) and summary["global_step"] == 1
+    with pytest.raises(ValueError, match=r"--arch=kvffn: the model of --init-from=.* is a memffn_flash_mhf model, "
+                                         r"not a memffn_kvffn one; drop --arch"):  # (it trained the saved model)
+        pretrain.main(common + ["--arch", "kvffn", "--output-dir", str(tmp_path / "run3")])
+    assert not list((tmp_path / "run3").glob("checkpoint-*"))
     with pytest.raises(ValueError, match=r"--config-overrides of ffn_io_projections: the model of --init-from=.* would "
                                          r"load without some of its saved weights \(model.layers.0.mlp.in_proj.weight"):
         pretrain.main(common + ["--config-overrides", "ffn_io_projections=false",
