@@ -315,9 +315,17 @@ class Int8Weight(nn.Module):
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (in float32: a 16-bit quotient would round before its rounding to an integer)
         weight32 = weight.detach().float()
-        scale = weight32.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-        values = torch.round(weight32 / scale).clamp_(-127, 127).to(torch.int8)
-        return values, scale.to(weight.dtype)
+        exact_scale = weight32.abs().amax(dim=-1, keepdim=True) / 127.0
+        # The scale is stored in the weight's dtype and the values are quantized against that stored scale: in fp16 a
+        # row whose largest magnitude is below about 4e-6 has a scale below fp16's smallest value, which read back
+        # as 0 (and a subnormal one lost most of its bits). Rounded up to a value fp16 holds, at least its smallest
+        # one, the row keeps its values (no quotient past 127 either).
+        scale = exact_scale.to(weight.dtype)
+        smallest = torch.nextafter(torch.zeros((), dtype=weight.dtype), torch.ones((), dtype=weight.dtype))
+        scale = torch.where(scale.float() < exact_scale, torch.nextafter(scale, torch.full_like(scale, math.inf)),
+                            scale).clamp_min(smallest)
+        values = torch.round(weight32 / scale.float()).clamp_(-127, 127).to(torch.int8)
+        return values, scale
 
 
 def quantize_weights_int8(model: nn.Module) -> list[str]:

@@ -477,10 +477,31 @@ def _dtype_taking_table(table_dir: str) -> str:
     return "torch.float16" if model_dtypes == ["float16"] else "torch.bfloat16"
 
 
+def _tables_of_other_weights(folder, tables: list[str]) -> list[str]:
+    """Those of `tables` (paths relative to `folder`, "." for its top) that the weights saved in `folder` refuse:
+    exported from other weights, as when new weights were saved into the folder after the export (compared by the
+    weights' fingerprints, `conversion.export.checkpoint_fingerprints`); none where the folder's weights cannot be
+    read."""
+    if not tables:
+        return []
+    from .conversion.export import _index_metadata, checkpoint_fingerprints
+    from .token_lookup import table_takes
+
+    saved = checkpoint_fingerprints(folder)
+    if saved is None:
+        return []
+    indexes = {table: _index_metadata(os.path.join(os.fspath(folder), table, TABLE_INDEX_NAME)) for table in tables}
+    # (an index that records no fingerprint, damaged or of another kind, says nothing of the weights: left listed)
+    return [table for table, index in indexes.items() if index.get("fingerprint") and not table_takes(index, *saved)]
+
+
 def _lookup_section(attached_format: str | None, location: str, save_directory,
                     auto_class: str = "AutoModelForCausalLM") -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
-    subfolders = [] if in_folder else tables_in_subfolders(save_directory)
+    subfolders = tables_in_subfolders(save_directory)
+    other_weights = _tables_of_other_weights(save_directory, (["."] if in_folder else []) + subfolders)
+    in_folder = in_folder and "." not in other_weights
+    subfolders = [] if in_folder else [name for name in subfolders if name not in other_weights]
     if attached_format is not None:
         fmt = attached_format
         status = (
@@ -513,6 +534,10 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
             f"```bash\nhf-memffn export-tols {location} TABLE_DIR --format bf16\n```\n\n"
             "```python\n"
         )
+    if other_weights:
+        named = ", ".join(f"`{TABLE_INDEX_NAME}` at its top" if name == "." else f"`{name}`" for name in other_weights)
+        status += (f" The folder also holds tables exported from other weights than these, which a model loaded "
+                   f"from it refuses (export them again): {named}.")
     section = (
         f"{LOOKUP_HEADING}\n\n"
         f"{status}\n\n{how}"

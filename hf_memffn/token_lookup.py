@@ -302,26 +302,56 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
             raise TokenLookupError("the memory FFN weights are not on this model and no fingerprint was kept; "
                                    "load the model again to compute or check a token lookup table")
         return stored
-    digest = hashlib.sha256()
-    config = getattr(base, "config", None)
-    settings = {k: getattr(config, k, None) for k in _FINGERPRINT_CONFIG_FIELDS}
-    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     tensors = [("embed_tokens.weight", base.embed_tokens.weight)]
     tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
     # (hashed under the checkpoint's names: `TokenMemory.rmsnorm_weight` is saved as `norm_weight`)
     saved_name = {"memory.rmsnorm_weight": "memory.norm_weight"}
-    for name, tensor in sorted(tensors, key=lambda item: saved_name.get(item[0], item[0])):
+
+    def whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
         tensor = stored_tensor(base, name, tensor.detach())  # (offloaded by a device map: the stored copy)
         if hasattr(tensor, "full_tensor"):  # sharded by tensor parallelism or FSDP (a DTensor): hash the whole tensor
             tensor = tensor.full_tensor()
-        digest.update(f"{saved_name.get(name, name)}:{tuple(tensor.shape)};".encode())
+        return tensor
+
+    named = sorted(((saved_name.get(name, name), lambda name=name, tensor=tensor: whole(name, tensor))
+                    for name, tensor in tensors), key=lambda item: item[0])
+    return fingerprints(getattr(base, "config", None), named, (through,))[0]
+
+
+def fingerprints(config, named_tensors, throughs: Sequence[torch.dtype | None]) -> list[str]:
+    """The fingerprints (see `weights_fingerprint`) of `config`'s fields that the FFNs on X0 depend on and of
+    `named_tensors` ((checkpoint name, function giving the tensor), sorted by name), one per dtype of `throughs` that
+    the tensors are rounded to before bf16 (None: bf16 alone), in one pass over the tensors: shared by the model's
+    fingerprint and that of the weights saved in a checkpoint folder (`conversion.export.checkpoint_fingerprints`)."""
+    settings = {k: getattr(config, k, None) for k in _FINGERPRINT_CONFIG_FIELDS}
+    digests = [hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()) for _ in throughs]
+    for name, get_tensor in named_tensors:
+        tensor = get_tensor()
+        for digest in digests:
+            digest.update(f"{name}:{tuple(tensor.shape)};".encode())
         flat = tensor.reshape(-1)
         chunk = 1 << 26  # elements per device->host copy
         for start in range(0, flat.numel(), chunk):
             part = flat[start:start + chunk]
-            part = (part.to(through) if through is not None else part).to(torch.bfloat16).cpu().contiguous()
-            digest.update(part.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+            for digest, through in zip(digests, throughs):
+                rounded = (part.to(through) if through is not None else part).to(torch.bfloat16).cpu().contiguous()
+                digest.update(rounded.view(torch.uint8).numpy().tobytes())
+    return [digest.hexdigest() for digest in digests]
+
+
+def table_takes(table: dict, fingerprint: str, fingerprint_fp16) -> bool:
+    """Whether the token lookup table whose index metadata is `table` was computed from the weights of `fingerprint`
+    (`weights_fingerprint`) and `fingerprint_fp16` (the same through fp16; a function giving it, called only where
+    needed): the same weights, or the same rounded to fp16, as the table's fingerprints record them."""
+    # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
+    table_fp16 = table.get("fingerprint_fp16")
+    if fingerprint in (table.get("fingerprint"), table_fp16):
+        return True
+    # A table exported from the weights loaded in fp16 holds fingerprints of fp16 weights only: these weights
+    # rounded to fp16 are those weights when they are fp32 (in bf16 they were rounded once already).
+    if table_fp16 is None:
+        return False
+    return (fingerprint_fp16() if callable(fingerprint_fp16) else fingerprint_fp16) == table_fp16
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -533,6 +563,13 @@ def _checked_index_fields(path: str, raw: dict, meta: dict) -> dict:
             isinstance(info, dict) and isinstance(info.get("sha256"), str) and isinstance(info.get("size"), int)
             for info in shards.values()):
         raise damaged("token_lookup.shards", 'must map each shard file name to {"sha256": str, "size": int}')
+    # (names the export writes: a name with a folder in it would be read from outside the table's folder, and copied
+    # outside the folder a checkpoint is saved or staged into, `copy_table_files`)
+    outside = [name for name in shards if not (os.path.basename(name) == name and "\\" not in name
+                                               and name.startswith("token_lookup") and name.endswith(".safetensors"))]
+    if outside:
+        raise damaged("token_lookup.shards", f"must name files token_lookup*.safetensors in the table's folder, not "
+                      f"{outside[0]!r}")
     weight_map = raw.get("weight_map")
     if not isinstance(weight_map, dict) or not all(file in shards for file in weight_map.values()):
         raise damaged("weight_map", "must map tensor names to the shard files of token_lookup.shards")
@@ -811,6 +848,22 @@ def _checked_token_ids(name: str, ids, vocab_size: int) -> torch.Tensor | None:
     return tokens
 
 
+def checked_cache_rows(cache_rows) -> int:
+    """`cache_rows` of the cpu and disk placements as an int >= 0, else a ValueError naming it."""
+    cache_rows = _integer("cache_rows", cache_rows)
+    if cache_rows < 0:
+        raise ValueError(f"cache_rows={cache_rows} must be >= 0 (the device cache's size in token rows)")
+    return cache_rows
+
+
+def device_cache_rows(cache_rows, device: torch.device, vocab_size: int) -> int:
+    """Token rows of the device cache that the cpu and disk placements build for `cache_rows` on `device`: none off
+    CUDA (the rows are read on the host) and none for 0, which both placements take on every device: without a
+    cache, cpu reads every row from pinned host memory and disk copies each forward's rows to the device at once."""
+    cache_rows = checked_cache_rows(cache_rows)
+    return min(cache_rows, vocab_size) if torch.device(device).type == "cuda" else 0
+
+
 class _CachedTokenLookupTable(TokenLookupTable):
     """Tables whose rows stay off the device (placements "cpu" and "disk"): on a GPU, a device cache of `cache_rows`
     token rows, of which `static_fraction` hold `frequent_tokens` for good and the rest the least recently used."""
@@ -820,14 +873,13 @@ class _CachedTokenLookupTable(TokenLookupTable):
     def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
                  frequent_tokens: Sequence[int] | torch.Tensor | None = None):
         # (checked on every device, before the table is read: the same call must not pass on a CPU and fail on a GPU)
-        cache_rows = _integer("cache_rows", cache_rows)
-        if cache_rows < 0:
-            raise ValueError(f"cache_rows={cache_rows} must be >= 0 (the device cache's size in token rows)")
+        checked_cache_rows(cache_rows)
         frequent_tokens = _checked_token_ids("frequent_tokens", frequent_tokens, index.vocab_size)
         super().__init__(index, device, kernel)
-        self.use_cache = self.device.type == "cuda" and cache_rows > 0
+        cache_rows = device_cache_rows(cache_rows, self.device, index.vocab_size)
+        self.use_cache = cache_rows > 0
         if self.use_cache:
-            self._init_cache(min(int(cache_rows), index.vocab_size), frequent_tokens)
+            self._init_cache(cache_rows, frequent_tokens)
         self._mark_static()
 
     def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -961,12 +1013,6 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
     placement = "disk"
     static_fraction = 0.5
 
-    def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
-                 frequent_tokens: Sequence[int] | torch.Tensor | None = None):
-        super().__init__(index, device, kernel, cache_rows, frequent_tokens)
-        if self.device.type == "cuda" and cache_rows <= 0:
-            raise ValueError(f"cache_rows={cache_rows} must be > 0 for placement='disk' on a GPU")
-
     def _place_rows(self, mapped: dict[str, torch.Tensor]) -> None:
         quantized = self.fmt.group_size is not None
         self._blocks = [(start, mapped[block_keys(start)[0]], mapped[block_keys(start)[1]] if quantized else None)
@@ -994,16 +1040,16 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
     def _disk_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(row ids, rows, scales) of this forward's tokens on the device (a host sync on the ids).
 
-        Without a device cache, every row read from the mapped shards. With one, new tokens go into the
-        least-recently-used half of the cache when they fit there; a forward with more new tokens than that (a long
-        prompt) reads all its rows from the mapped shards at once into a device buffer.
+        Without a device cache (none on the CPU, or `cache_rows=0`), every row read from the mapped shards (on a
+        GPU, copied into a device buffer). With one, new tokens go into the least-recently-used half of the cache
+        when they fit there; a forward with more new tokens than that (a long prompt) reads all its rows from the
+        mapped shards at once into a device buffer.
         Under torch.compile this runs outside the graph, as a graph break; with `fullgraph=True` the error that
         refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`.
         """
-        if not self.use_cache:
-            rows, scales = self._host_rows(ids.cpu())
-            return torch.arange(ids.numel(), device=rows.device), rows, scales
         tokens = ids.cpu()
+        if not self.use_cache:
+            return self._rows_on_device(tokens)
         unique = torch.unique(tokens)
         self._clock += 1
         slots = self.host_slot_of_token[unique]
@@ -1019,12 +1065,20 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
             self.slot_last_used[chosen] = self._clock
             self._fill_slots(chosen, missing)
             return self.slot_of_token.index_select(0, ids).long(), self.cache_rows, self.cache_scales
+        return self._rows_on_device(tokens)
+
+    def _rows_on_device(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(row ids, rows, scales) of `tokens` (CPU long tensor) read from the mapped shards at once, in a buffer on
+        the table's device (on the host off CUDA)."""
         rows, scales = self._host_rows(tokens)
+        if self.device.type != "cuda":
+            return torch.arange(tokens.numel()), rows, scales
         compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.copy_stream):
+        copy_stream = self.copy_stream if self.use_cache else compute  # (the side stream comes with the cache)
+        with torch.cuda.stream(copy_stream):
             rows = rows.pin_memory().to(self.device, non_blocking=True)
             scales = scales.pin_memory().to(self.device, non_blocking=True) if scales is not None else None
-        compute.wait_stream(self.copy_stream)
+        compute.wait_stream(copy_stream)
         rows.record_stream(compute)
         if scales is not None:
             scales.record_stream(compute)
@@ -1118,13 +1172,7 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
                                    f"model has {key}={value}")
     refuse_embedding_adapters(base.embed_tokens)
     fingerprint = weights_fingerprint(base)
-    # (`fingerprint_fp16`: the exported weights rounded to fp16, as the same checkpoint loaded in fp16 holds them)
-    fingerprint_fp16 = index.metadata.get("fingerprint_fp16")
-    if fingerprint in (index.fingerprint, fingerprint_fp16):
-        return
-    # A table exported from the weights loaded in fp16 holds fingerprints of fp16 weights only: this model's weights
-    # rounded to fp16 are those weights when it holds them in fp32 (in bf16 they were rounded once already).
-    if fingerprint_fp16 is not None and weights_fingerprint(base, through=torch.float16) == fingerprint_fp16:
+    if table_takes(index.metadata, fingerprint, lambda: weights_fingerprint(base, through=torch.float16)):
         return
     raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
                            f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
@@ -1161,7 +1209,7 @@ class TokenLookupMixin:
 
         placement: "gpu" | "cpu" | "disk" (see `TokenLookupTable`); device defaults to the embedding's device (the
             one it computes on, if a device map offloaded it).
-        cache_rows: device cache size in token rows for cpu/disk placements on a GPU.
+        cache_rows: device cache size in token rows for cpu/disk placements on a GPU (0: no cache, on every device).
         frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids; empty: none).
         kernel: "auto" (Triton on CUDA, PyTorch on CPU and for float64 hidden states; under torch.compile the add is
             left to inductor) | "triton" (under torch.compile too; refused for a lowrank table but with placement

@@ -152,6 +152,24 @@ def test_int8_weights_stay_close_and_take_lora_on_top(arch):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_keeps_the_rows_of_tiny_values_of_a_16_bit_weight(dtype):
+    """The int8 scale is stored in the weight's dtype: in fp16 the scale of a row whose largest magnitude is below
+    about 4e-6 underflowed to 0, and the row read back as zeros (a subnormal scale lost most of its bits). Each row
+    reads back within 1% of its largest magnitude now, a row of fp16 subnormals exactly."""
+    model = tiny_model("memoryllm").to(dtype)
+    gate = model.model.memory.gate_proj
+    with torch.no_grad():
+        gate[0, 0] = torch.linspace(-3e-6, 2e-6, gate.shape[-1])
+        gate[0, 1] *= 1e-4
+    before = gate.detach().float().clone()
+    adapters.quantize_weights_int8(model)
+    after = model.model.memory.gate_proj.detach().float()
+    assert bool(((after - before).abs().amax(-1) <= 0.01 * before.abs().amax(-1)).all())
+    if dtype == torch.float16:
+        assert torch.equal(after[0, 0], before[0, 0])
+
+
 def test_weight_lora_trains_under_activation_checkpointing():
     """The module logs its path once, inside its first forward; with LoRA on the FlashMHF weights (a
     parametrization) that must not record autograd work, or the checkpointed forward and its recomputation save

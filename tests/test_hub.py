@@ -545,6 +545,32 @@ def test_saving_into_a_folder_that_holds_a_table_says_so_in_the_card(tmp_path):
     assert "**Token lookup tables: not attached.**" in card and "is included in this folder" in card
 
 
+def test_a_card_written_after_new_weights_are_saved_names_the_tables_of_the_old_ones(tmp_path):
+    """Tables exported from a checkpoint's weights (at the folder's top and in a subfolder), then new weights saved
+    into the folder (training went on): the card still said the folder holds a table and loaded it, which the new
+    weights refuse. It names those tables as exported from other weights now; one exported from the new weights is
+    listed as the folder's table again."""
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    model.save_pretrained(tmp_path)
+    export_tols(model, tmp_path / "token_lookup" / "int8", format="int8", progress=False)
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[7] += 0.5  # (fine-tuned: one embedding row changed)
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    stale = ("The folder also holds tables exported from other weights than these, which a model loaded from it "
+             "refuses (export them again): `token_lookup.safetensors.index.json` at its top, `token_lookup/int8`.")
+    assert stale in card and "is included in this folder" not in card and "one subfolder each" not in card
+    assert "hf-memffn export-tols path/to/this/folder TABLE_DIR --format bf16" in card
+    export_tols(tmp_path, tmp_path, format="bf16", progress=False)
+    card = (tmp_path / "README.md").read_text()
+    assert "A table (`token_lookup.safetensors.index.json` and its shards) is included in this folder." in card
+    assert ("is included in this folder. The folder also holds tables exported from other weights than these, "
+            "which a model loaded from it refuses (export them again): `token_lookup/int8`.") in card
+
+
 @pytest.mark.parametrize("model_dtype, loaded_in", [(None, "torch.bfloat16"), ("bf16", "torch.bfloat16"),
                                                      ("fp16", "torch.float16")])
 def test_the_cards_snippet_loads_the_table_in_the_folder_in_a_dtype_that_takes_it(model_dtype, loaded_in, tmp_path):

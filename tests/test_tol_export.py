@@ -102,6 +102,27 @@ def test_export_next_to_the_model_keeps_its_files(tmp_path):
     assert reloaded.model.token_lookup.fmt.name == "int8"
 
 
+def test_export_into_the_checkpoint_folder_of_other_weights_is_refused(tmp_path):
+    """An export into a checkpoint folder whose saved embedding and memory FFN are not the model's replaced the table
+    the folder holds for its own weights (and its card said the folder holds the new one): refused before anything is
+    computed or written. The folder of the model's own weights takes it, saved in bf16 or fp16 and sharded too."""
+    model, other = build(), build(seed=1)
+    other.save_pretrained(tmp_path / "other")
+    export_tols(str(tmp_path / "other"), tmp_path / "other", format="bf16", progress=False)
+    before = file_bytes(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"out_dir='.*other' is the checkpoint folder of other weights than the "
+                                         r"model's .* export into another directory, or save the model there first"):
+        export_tols(model, tmp_path / "other", format="int8", progress=False)
+    assert file_bytes(tmp_path / "other") == before
+    assert export_module.checkpoint_fingerprints(tmp_path / "other")[0] == weights_fingerprint(other)
+    for dtype in (torch.bfloat16, torch.float16):
+        folder = tmp_path / str(dtype)
+        build().to(dtype).save_pretrained(folder, max_shard_size="40KB")
+        export_tols(model, folder, format="int8", progress=False)
+        AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).load_tols(folder, placement="cpu")
+    assert export_module.checkpoint_fingerprints(tmp_path) is None  # (no checkpoint there)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # formats: each reports its size and error, and lookup stays within that error
 # ---------------------------------------------------------------------------------------------------------------------
@@ -468,10 +489,13 @@ def _edit_index(directory, edit):
     (lambda index, meta: meta.update(layers=[0]), r"`token_lookup.layers`=\[0\] must be the layers its format keeps"),
     (lambda index, meta: meta.update(shards=list(meta["shards"])), "`token_lookup.shards`=.* must map each shard"),
     (lambda index, meta: meta.update(fingerprint=None), "`token_lookup.fingerprint`=None must be a string"),
+    (lambda index, meta: meta.update(shards={f"../{name}": info for name, info in meta["shards"].items()}),
+     r"`token_lookup.shards`=.* must name files token_lookup\*\.safetensors in the table's folder, not "
+     r"'\.\./token_lookup"),
     (lambda index, meta: meta["format"].update(group_size=8), r"scales.000000000 .* has shape \(100, 8\) but its "
                                                               r"index describes \(100, 16\)"),
 ], ids=["no-weight_map", "no-rows_per_block", "rows_per_block-0", "vocab_size-str", "format-str", "format-unknown-key",
-        "layers-wrong", "shards-list", "fingerprint-null", "group_size-wrong"])
+        "layers-wrong", "shards-list", "fingerprint-null", "shard-outside-the-folder", "group_size-wrong"])
 def test_an_index_with_fields_of_the_wrong_type_or_value_is_named(model, tmp_path, edit, message):
     """The index (valid JSON, not covered by the shards' sha256) is checked field by field, and the stored tensors'
     shapes against it: the error names the field, where a KeyError, a TypeError or a shape mismatch in the first

@@ -318,6 +318,32 @@ def test_cache_options_are_checked_on_every_device(exported, placement, options,
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_no_device_cache_is_taken_by_both_placements_on_every_device(exported, placement):
+    """cache_rows=0 (no device cache) was taken by placement="disk" on a CPU but refused on a GPU, where "cpu" took
+    it: one rule now (`device_cache_rows`, asked here for a CUDA device too), and the table reads every row without a
+    cache, equal to compute mode."""
+    from hf_memffn.token_lookup import device_cache_rows
+
+    model, directory = exported
+    vocab_size = model.config.vocab_size
+    assert device_cache_rows(0, torch.device("cuda", 0), vocab_size) == 0
+    assert device_cache_rows(vocab_size + 5, torch.device("cuda", 0), vocab_size) == vocab_size
+    assert device_cache_rows(64, torch.device("cpu"), vocab_size) == 0
+    with pytest.raises(ValueError, match=r"cache_rows=-1 must be >= 0"):
+        device_cache_rows(-1, torch.device("cuda", 0), vocab_size)
+    ids = torch.randint(0, vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        table = model.load_tols(directory, placement=placement, cache_rows=0)
+        try:
+            assert not table.use_cache
+            lookup_logits = model(input_ids=ids).logits
+        finally:
+            model.unload_tols()
+    assert relative(lookup_logits, logits) < 1e-5
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
 @pytest.mark.parametrize("frequent_tokens", [[], (), torch.tensor([], dtype=torch.long)],
                          ids=["list", "tuple", "tensor"])
 def test_an_empty_frequent_tokens_is_taken_as_no_frequent_tokens(exported, placement, frequent_tokens):
@@ -393,7 +419,8 @@ def test_a_checkpoint_folder_without_a_table_is_not_called_an_interrupted_export
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_quantized_rows_round_trip(name):
-    values = torch.randn(7, 4 * 64) * torch.logspace(-3, 2, 7).unsqueeze(1)
+    # (rows down to 1e-9: the scales are bf16, of fp32's range, where fp16 ones would read rows below ~4e-6 as zeros)
+    values = torch.randn(7, 4 * 64) * torch.logspace(-9, 2, 7).unsqueeze(1)
     fmt = TokenLookupFormat(name=name, group_size=16)
     encoded = quantize_rows(values, fmt)
     decoded = dequantize_rows(encoded["rows"], encoded["scales"], fmt)
@@ -498,7 +525,7 @@ def test_lookup_kernels_under_interpreter_in_subprocess():
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("placement, cache_rows", [("gpu", 0), ("cpu", 64), ("cpu", 0), ("disk", 80)])
+@pytest.mark.parametrize("placement, cache_rows", [("gpu", 0), ("cpu", 64), ("cpu", 0), ("disk", 80), ("disk", 0)])
 def test_gpu_placements_equal_compute(exported, placement, cache_rows):
     cpu_model, directory = exported
     model = build(cpu_model.config.model_type.replace("memffn_", ""), device="cuda")
@@ -512,7 +539,7 @@ def test_gpu_placements_equal_compute(exported, placement, cache_rows):
         for dtype in (torch.int32, torch.long):  # int32 first (continuous batching's), the disk cache cold; then warm
             assert relative(model(input_ids=ids.to(dtype)).logits, logits) < 1e-5
         assert torch.equal(model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
-    if placement == "disk":
+    if placement == "disk" and cache_rows:
         assert 0 < table.cache_hits < table.cache_lookups
 
 

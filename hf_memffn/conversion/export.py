@@ -46,8 +46,8 @@ from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, decode_utf8, existi
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
-                                    quantize_rows, read_safetensors_header, row_relative_errors, shard_sha256,
-                                    table_file_names, weights_fingerprint)
+                                    fingerprints, quantize_rows, read_safetensors_header, row_relative_errors,
+                                    shard_sha256, table_file_names, table_takes, weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -306,6 +306,7 @@ class _Exporter:
 
     def run(self) -> dict:
         started = time.perf_counter()
+        _refuse_another_checkpoint(self.out_dir, self.fingerprint, self.fingerprint_fp16)  # (before any work)
         total_work = self.vocab * (2 if self.fmt.name == "lowrank" else 1)
         bar = _progress(total_work, self.progress)
         resumed = False
@@ -488,6 +489,65 @@ def _index_metadata(path: str) -> dict:
         except (ValueError, KeyError, TypeError):
             return {}
     return meta if isinstance(meta, dict) else {}
+
+
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # transformers' names of the weights
+
+
+def checkpoint_fingerprints(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """(`weights_fingerprint`, the same through fp16) of the MemoryLLM / FlexMemoryLLM weights saved in the checkpoint
+    folder `folder`, read from its config.json and safetensors weights (the token embedding and the memory FFN only:
+    about one second per GB); None where the folder holds no such checkpoint or its files cannot be read (no
+    config.json, another architecture's weights, weights in another format)."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig
+
+    folder = os.fspath(folder)
+    weights, weights_index = (os.path.join(folder, name) for name in CHECKPOINT_WEIGHTS)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    try:
+        if os.path.isfile(weights_index):
+            with open(weights_index, encoding="utf-8") as handle:
+                weight_map = {key: os.path.join(folder, name) for key, name in json.load(handle)["weight_map"].items()}
+        elif os.path.isfile(weights):
+            with safe_open(weights, "pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), weights)
+        else:
+            return None
+        # (saved from a causal LM or a task head: under "model."; from the base model: at the top)
+        embeddings = [key for key in weight_map if key.endswith("embed_tokens.weight")]
+        if len(embeddings) != 1:
+            return None
+        prefix = embeddings[0][:-len("embed_tokens.weight")]
+        names = [key[len(prefix):] for key in weight_map if key.startswith(prefix + "memory.")]
+        if not names:
+            return None
+        config = AutoConfig.from_pretrained(folder)
+
+        def read(name: str) -> torch.Tensor:
+            with safe_open(weight_map[prefix + name], "pt") as handle:
+                return handle.get_tensor(prefix + name)
+
+        named = [(name, lambda name=name: read(name)) for name in sorted(["embed_tokens.weight", *names])]
+        fingerprint, fingerprint_fp16 = fingerprints(config, named, (None, torch.float16))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError):
+        return None
+    return fingerprint, fingerprint_fp16
+
+
+def _refuse_another_checkpoint(out_dir: str, fingerprint: str, fingerprint_fp16: str) -> None:
+    """A ValueError when `out_dir` is the checkpoint folder of other MemoryLLM / FlexMemoryLLM weights than those of
+    `fingerprint` (`checkpoint_fingerprints`; a folder whose weights cannot be read is taken): a table exported there
+    would replace the one the folder holds for its own weights, and its model would refuse the new one."""
+    saved = checkpoint_fingerprints(out_dir)
+    exported = {"fingerprint": fingerprint, "fingerprint_fp16": fingerprint_fp16}
+    if saved is not None and not table_takes(exported, *saved):
+        raise ValueError(f"export-tols: out_dir={out_dir!r} is the checkpoint folder of other weights than the "
+                         "model's (the token embedding and memory FFN saved there differ from the model's): a table "
+                         "exported there would replace any table the folder holds for its own weights, and a model "
+                         "loaded from the folder would refuse it; export into another directory, or save the model "
+                         "there first (save_pretrained)")
 
 
 def _shard_record(handle) -> dict:
