@@ -76,6 +76,22 @@ def model_source(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a model directory or a Hub id such as org/name")
 
 
+def tokenizer_source(text: str) -> str:
+    """A directory holding a saved tokenizer (one of TOKENIZER_FILES), or a Hub id such as `org/name`."""
+    path = local_path(text)
+    if os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a tokenizer directory or a Hub id")
+    if os.path.isdir(path):
+        if not has_tokenizer(path):
+            raise argparse.ArgumentTypeError(f"{text!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                             "allowed: a directory saved by save_pretrained, or a Hub id")
+        return path
+    if _HUB_ID.match(text) and not text.startswith((".", "~")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a tokenizer directory or a Hub id such as "
+                                     "org/name")
+
+
 def decode_utf8(data: bytes, source: str) -> str:
     """A file's bytes as UTF-8 text, whatever the locale's encoding, without a leading byte order mark (as some
     Windows editors save UTF-8); a ValueError naming `source`, the line and the byte where they are not UTF-8."""

@@ -1175,7 +1175,8 @@ class MemFFNForTokenClassification(MemFFNHeadModel):
 class MemFFNForQuestionAnswering(MemFFNHeadModel):
     """Extractive question answering, as transformers' Llama does it: a linear head (`qa_outputs`, with a bias) scores
     every token as the start and as the end of the answer span. The loss is the mean of the start's and the end's
-    cross-entropies; a position outside the sequence counts as its length and is ignored."""
+    cross-entropies (transformers' `ForQuestionAnsweringLoss`, Llama's): a position past the end of the sequence
+    counts as its length and is ignored, a negative one (-100 too) counts as 0, the first token, and is scored."""
 
     auto_class_name = "AutoModelForQuestionAnswering"
     task_class_names = MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES

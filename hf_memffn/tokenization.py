@@ -12,14 +12,19 @@ MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     """Train a byte-level BPE on `texts` (texts, or batches of texts as lists); return a `PreTrainedTokenizerFast`
-    (adds `<s>` in front).
+    that adds `<s>` in front (`add_bos_token=True`, `add_eos_token=False`, as Llama's).
+
+    Saved, the template that adds `<s>` is in tokenizer.json; transformers 5.25 keeps neither flag in the saved files
+    (for every tokenizer, Llama's too), so a reloaded tokenizer adds `<s>` while it reads `add_bos_token=False`.
+    To change the flags of a reloaded tokenizer, set both (`AutoTokenizer.from_pretrained(dir, add_bos_token=True,
+    add_eos_token=True)`): transformers rebuilds the template from the two flags, and one left out counts as False.
 
     Special tokens: `<pad>` = 0, `<s>` = 1 (bos), `</s>` = 2 (eos). `vocab_size` is an upper bound: on
     the fact world, training stops early once every word is a single token. A space is put in front of
     every text (GPT-2's `add_prefix_space`), so a word at the start of a document or prompt gets the same
     token as inside a sentence; `decode` returns the text with that leading space.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
@@ -44,15 +49,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         show_progress=False,
     )
     tokenizer.train_from_iterator(_only_texts(texts), trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
-    )
+    # transformers builds the template that adds `<s>` from the flags (`update_post_processor`): a template built here
+    # left `add_bos_token` False, and setting `add_eos_token` rebuilt it from the flags without `<s>`
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        add_bos_token=True,
+        add_eos_token=False,
         clean_up_tokenization_spaces=False,
     )
 

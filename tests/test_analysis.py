@@ -883,6 +883,26 @@ def test_the_demonstration_edit_works_in_a_vocabulary_of_fewer_than_ten_tokens()
     assert edit["target"] == tokenizer.decode([last_ranked])
 
 
+def test_the_demonstration_edit_never_targets_a_special_token():
+    """The default edit took the token ranked 10th whatever it was: a tiny MemoryLLM's report demonstrated an edit
+    towards `<pad>`. A special token is passed over like a token that does not tokenize back to itself."""
+    from hf_memffn.analysis.analyze import default_edit
+    from hf_memffn.testing import tiny_tokenizer
+
+    tokenizer, model = tiny_tokenizer(), build("memoryllm")
+    text = "the memory stores a key"
+    prompt_ids = torch.tensor(tokenizer(text)["input_ids"])
+    ranked = next_token_probabilities(model, prompt_ids)[: len(tokenizer)].argsort(descending=True).tolist()
+    for special in tokenizer.all_special_ids:
+        rank = ranked.index(special) + 1
+        prompt, target = default_edit(model, tokenizer, text, target_rank=rank)
+        (target_id,) = tokenizer(target, add_special_tokens=False)["input_ids"]
+        assert prompt.strip() == text and target_id not in tokenizer.all_special_ids
+        round_trips = (token for token in ranked[rank:] if token not in tokenizer.all_special_ids
+                       and tokenizer(tokenizer.decode([token]), add_special_tokens=False)["input_ids"] == [token])
+        assert target_id == next(round_trips)  # (the next rank's token that can serve)
+
+
 def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     """Each byte token of a character outside the merges (a byte-level BPE splits `中` into three) decodes alone to
     U+FFFD: the report showed `���` for any non-ASCII text, and the promoted tokens could not be told apart. Now such

@@ -63,6 +63,34 @@ def test_analyze_command_refuses_bad_arguments(saved_model, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_analyze_command_refuses_an_edit_target_of_several_tokens_and_an_empty_prompt(saved_model, tmp_path, capsys):
+    """An edit promotes one next token: a target of two tokens was edited as its first token alone, silently. An
+    empty prompt (`<s>` alone once encoded) edited the start token's memory."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    argv = ["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"), "--device", "cpu"]
+    _exits_with_error(capsys, [*argv, "--edit", "the memory=> value key"],
+                      "error: edit ('the memory', ' value key') (--edit, or edits[0]): the target is 2 tokens "
+                      "[' value', ' key']; allowed: a target of one token")
+    _exits_with_error(capsys, [*argv, "--edit", "the memory=> value", "--edit", "=> value"],
+                      "error: edit ('', ' value'): prompt and target must both contain tokens")
+    assert not (tmp_path / "r").exists()
+
+
+def test_analyze_command_names_a_tokenizer_option_that_is_no_tokenizer(saved_model, tmp_path, capsys):
+    """A --tokenizer path that does not exist was read as a Hub id ("Repo id must use alphanumeric chars")."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    argv = ["analyze", str(saved_model), "--texts", str(texts), "--out", str(tmp_path / "r"), "--tokenizer"]
+    missing = str(tmp_path / "no-such-tokenizer")
+    _exits_with_error(capsys, [*argv, missing], f"argument --tokenizer: {missing!r} does not exist; allowed: a "
+                                                "tokenizer directory or a Hub id such as org/name")
+    (tmp_path / "empty").mkdir()
+    _exits_with_error(capsys, [*argv, str(tmp_path / "empty")], "holds no tokenizer (none of tokenizer.json")
+    _exits_with_error(capsys, [*argv, str(texts)], "is a file; allowed: a tokenizer directory or a Hub id")
+    assert not (tmp_path / "r").exists()
+
+
 def test_analyze_command_takes_layers_and_config_overrides(tmp_path, capsys):
     save_tiny_model("flash_mhf", tmp_path / "flash_mhf")
     texts = tmp_path / "texts.jsonl"

@@ -389,6 +389,35 @@ def test_stock_hf_model_rolling_workaround(arch, checkpoints):
     assert rolling == pytest.approx(expected, abs=1e-4)
 
 
+def test_tokenizer_flags_say_it_adds_bos_and_setting_add_eos_keeps_it(checkpoints):
+    """The package's tokenizer added `<s>` while it read `add_bos_token=False`, and setting `add_eos_token=True`
+    rebuilt its template from those flags without `<s>`. Saved beside a checkpoint and reloaded, it adds `<s>` as
+    before (transformers 5.x keeps the template, not the flags); the flags given to `from_pretrained` rebuild the
+    template, as lm-eval's `add_bos_token=False` does."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    tokenizer = tiny_tokenizer()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert (tokenizer.add_bos_token, tokenizer.add_eos_token) == (True, False)
+    bare = tokenizer("the key", add_special_tokens=False).input_ids
+    assert bos not in bare and tokenizer("the key").input_ids == [bos, *bare]
+    tokenizer.add_eos_token = True
+    assert tokenizer("the key").input_ids == [bos, *bare, eos]
+    assert tokenizer("the key", add_special_tokens=False).input_ids == bare
+
+    folder = checkpoints["flash_mhf"]
+    loaded = AutoTokenizer.from_pretrained(folder)
+    assert loaded("the key").input_ids == [bos, *bare]
+    assert loaded("the key", add_special_tokens=False).input_ids == bare
+    second = loaded("a value", add_special_tokens=False).input_ids
+    assert loaded("the key", "a value").input_ids == [bos, *bare, bos, *second]  # (a pair: `<s>` before each text)
+    both = AutoTokenizer.from_pretrained(folder, add_bos_token=True, add_eos_token=True)
+    assert (both.add_bos_token, both.add_eos_token) == (True, True) and both("the key").input_ids == [bos, *bare, eos]
+    assert load_lm(HFLM, folder, batch_size=1).tok_encode("the key") == [bos, *bare]
+    assert load_lm(HFLM, folder, batch_size=1, add_bos_token=False).tok_encode("the key") == bare
+
+
 def test_cli(checkpoints, task_dir, tmp_path):
     """The `lm_eval` command (it indexes every built-in task first, so one architecture and one task only)."""
     out = tmp_path / "out"

@@ -1452,6 +1452,53 @@ def test_a_run_whose_loss_diverged_to_nan_is_summarised_and_never_the_best_rate(
     assert seeds == 2 and math.isfinite(delta)
 
 
+def test_a_model_that_diverged_at_every_rate_has_no_best_rate(tmp_path, monkeypatch):
+    """Every rate of SwiGLU had a run that diverged: the report named one of them its best rate (bold in the table,
+    its runs behind the orderings' verdicts); it names none, says so, and the orderings with it give no verdict."""
+    monkeypatch.setattr(learning_rates, "plot", lambda *args: False)
+    monkeypatch.setattr(verdicts, "plot", lambda *args: False)
+    recipe = write_study(tmp_path / "recipe", {"llama": [math.nan, 5.0], "flash_mhf": [5.6, 5.9]})
+    high = write_study(tmp_path / "high", {"llama": [math.nan, math.inf], "flash_mhf": [4.5, 4.6]}, learning_rate=3e-2)
+    report = learning_rates.main(["--out", str(tmp_path / "rates"), "--studies", str(high), str(recipe)])
+    llama = report["models"]["llama"]
+    assert llama["best_learning_rate"] is None and llama["best_rate_edge"] is None
+    assert report["models"]["flash_mhf"]["vs_baseline_at_best"] == (0, None, None)
+    (claim,) = report["claims_at_best_rates"]
+    assert claim["verdict"] == "diverged: no verdict (SwiGLU (transformers Llama) at every rate it ran)"
+    assert claim["learning_rates"] == [3e-2, None]
+    markdown = (tmp_path / "rates" / "learning_rates.md").read_text()
+    assert "**" not in markdown.split("| SwiGLU (transformers Llama) |")[1].split("\n")[0]
+    assert "No best rate (a run diverged at every rate the model ran): SwiGLU (transformers Llama)." in markdown
+    assert "(lr 3e-2 against none: every rate diverged)" in markdown
+    assert "| 3e-2 / none: every rate diverged |" in markdown
+    assert json.loads((tmp_path / "rates" / "learning_rates.json").read_text())["models"]["llama"][
+        "best_learning_rate"] is None
+    verdicts.main(["--out", str(tmp_path / "verdicts"), "--sweeps", str(tmp_path / "rates")])
+    assert "| 3e-2 (highest) / none: every rate diverged |" in (tmp_path / "verdicts" / "verdicts.md").read_text()
+
+
+def test_a_loss_that_diverged_to_infinity_reads_back_as_infinity(tmp_path, monkeypatch):
+    """results.json wrote a loss of infinity as null, which --report and learning_rates.py read back as NaN: it is
+    the text "Infinity" there (JSON has no infinity), read back as infinity; NaN is still null."""
+    monkeypatch.setattr(study, "plot_curves", lambda state, path: False)
+    monkeypatch.setattr(learning_rates, "plot", lambda *args: False)
+    low = tmp_path / "low"
+    low.mkdir()
+    study.write_outputs(study_state(1e-3, {"llama": [5.0, 5.1], "flash_mhf": [math.inf, math.nan]}), low)
+    written = json.loads((low / "results.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
+    assert [run["heldout_loss"] for run in written["runs"]] == [5.0, 5.1, "Infinity", None]
+    assert written["runs"][2]["eval_curve"] == [[200, "Infinity"]]
+    state = study.rewrite_report(low)
+    losses = [run["heldout_loss"] for run in state["runs"]]
+    assert losses[2] == math.inf and math.isnan(losses[3]) and state["runs"][2]["eval_curve"] == [[200, math.inf]]
+    high = tmp_path / "high"
+    high.mkdir()
+    study.write_outputs(study_state(2e-3, {"llama": [4.9, 5.0], "flash_mhf": [5.2, 5.3]}), high)
+    report = learning_rates.main(["--out", str(tmp_path / "rates"), "--studies", str(low), str(high)])
+    assert [run["heldout_loss"] for run in report["runs"] if run["model"] == "flash_mhf"][0] == math.inf
+    assert study.read_json(tmp_path / "rates" / "learning_rates.json")["runs"][2]["heldout_loss"] == math.inf
+
+
 def study_state(learning_rate: float | None, losses: dict, tokens_per_second: float | None = 1.0) -> dict:
     """The state study.py writes its results from, of SwiGLU and FlashMHF runs with these held-out losses (by seed)."""
     shape, keys = study.SHAPES["toy"], ("llama", "flash_mhf")
@@ -1507,7 +1554,9 @@ def test_results_files_are_strict_json_with_a_diverged_loss_written_as_null(tmp_
     verdicts.main(["--out", str(tmp_path / "verdicts"), "--sweeps", str(tmp_path / "rates")])
     (row,) = strict(tmp_path / "verdicts" / "verdicts.json")["rows"]
     (cell,) = row["cells"].values()
-    assert cell["paired_delta"] is None and cell["verdict"] == "diverged: no verdict (FlashMHF d_h=32 seed 1)"
+    # (a run diverged at each of the two rates: there is no best rate of FlashMHF for an ordering)
+    assert cell["paired_delta"] is None
+    assert cell["verdict"] == "diverged: no verdict (FlashMHF d_h=32 at every rate it ran)"
 
 
 def test_a_model_whose_runs_timed_no_step_has_no_tokens_per_second():

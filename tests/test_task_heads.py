@@ -179,12 +179,17 @@ def test_a_label_count_of_numpy_integer_type_is_taken_as_transformers_takes_it(t
 
 
 def test_the_answer_span_loss_averages_start_and_end_and_ignores_positions_past_the_end():
+    """As Llama's: a position past the end is ignored; a negative one (-100 too) is clamped to 0 and scored."""
     model = head_model(AutoModelForQuestionAnswering, "flash_mhf")
     ids, start, end = torch.randint(3, 320, (2, 6)), torch.tensor([1, 4]), torch.tensor([2, 9])
     output = model(ids, start_positions=start, end_positions=end)
     cross_entropy = torch.nn.functional.cross_entropy
     expected = (cross_entropy(output.start_logits, start) + cross_entropy(output.end_logits[:1], end[:1])) / 2
     torch.testing.assert_close(output.loss, expected)
+    negative = model(ids, start_positions=torch.tensor([-1, 4]), end_positions=torch.tensor([2, -100]))
+    first = torch.tensor([0, 4]), torch.tensor([2, 0])
+    expected = (cross_entropy(negative.start_logits, first[0]) + cross_entropy(negative.end_logits, first[1])) / 2
+    torch.testing.assert_close(negative.loss, expected)
 
 
 @pytest.mark.parametrize("head", HEADS, ids=lambda auto_class: auto_class.__name__[len("AutoModelFor"):])

@@ -15,7 +15,6 @@ as a repeat beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import textwrap
@@ -24,8 +23,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import models as study_models  # noqa: E402
-from study import (aggregate, claims_rows, claims_table, evaluated_tokens_text, fmt, nan_where_null,  # noqa: E402
-                   paired_difference, repeat_pairs_markdown, save_figure, strict_json, write_atomic)
+from study import (DIVERGED, aggregate, claims_rows, claims_table, evaluated_tokens_text, fmt,  # noqa: E402
+                   nan_where_null, paired_difference, read_json, repeat_pairs_markdown, save_figure, strict_json,
+                   write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,7 @@ def read_runs(folders: list[Path]) -> tuple[dict, list[dict], list[tuple[dict, d
         path = folder / "results.json"
         if not path.is_file():
             raise ValueError(f"--studies: {str(folder)!r} holds no study (results.json is missing)")
-        studies.append((folder, json.loads(path.read_text(encoding="utf-8"))))
+        studies.append((folder, read_json(path)))
     first_folder, first = studies[0]
 
     def settings(study: dict) -> dict:
@@ -88,12 +88,12 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
             entry = by_model_and_rate[f"{key}@{rate_text(rate)}"]
             per_rate[rate_text(rate)] = {"learning_rate": rate, "seeds": sorted(entry["seeds"]),
                                          **{k: entry[k] for k in ("heldout_loss_mean", "heldout_loss_std")}}
-        # (a rate whose mean is NaN, a run diverged, is never the best)
-        best = min(per_rate.values(), key=lambda entry: (math.isnan(entry["heldout_loss_mean"]),
-                                                         entry["heldout_loss_mean"]))
-        table[key] = {"rates": per_rate, "best_learning_rate": best["learning_rate"],
-                      "best_rate_edge": rate_edge([entry["learning_rate"] for entry in per_rate.values()],
-                                                  best["learning_rate"])}
+        # (a rate whose mean is not finite, a run diverged, is never the best: where every rate's is, none is)
+        finite = [entry for entry in per_rate.values() if math.isfinite(entry["heldout_loss_mean"])]
+        best = min(finite, key=lambda entry: entry["heldout_loss_mean"])["learning_rate"] if finite else None
+        table[key] = {"rates": per_rate, "best_learning_rate": best,
+                      "best_rate_edge": None if best is None else rate_edge(
+                          [entry["learning_rate"] for entry in per_rate.values()], best)}
     for key in keys:
         base = baselines[key]
         if base == key or base not in table:
@@ -104,6 +104,9 @@ def summarize(runs: list[dict], keys: list[str], baselines: dict[str, str]) -> d
         for label in entry["rates"]:
             if label in table[base]["rates"]:
                 entry["vs_baseline"][label] = paired_difference(tagged, f"{base}@{label}", f"{key}@{label}")
+        if None in (table[base]["best_learning_rate"], entry["best_learning_rate"]):
+            entry["vs_baseline_at_best"] = (0, None, None)  # (every rate of either diverged: no pair of best rates)
+            continue
         best_base = f"{base}@{rate_text(table[base]['best_learning_rate'])}"
         best_own = f"{key}@{rate_text(entry['best_learning_rate'])}"
         entry["vs_baseline_at_best"] = paired_difference(tagged, best_base, best_own)
@@ -124,11 +127,20 @@ def rate_edge(rates: list[float], best: float) -> str | None:
 
 def claims_at_best_rates(runs: list[dict], table: dict, labels: dict) -> list[dict]:
     """study.py's rows of the papers' orderings between the models of `table`, each model's runs taken at its best
-    rate (so two models may have run at different rates); every row names both rates."""
+    rate (so two models may have run at different rates); every row names both rates. An ordering with a model that
+    has no best rate (every rate diverged) is "diverged: no verdict", naming that model."""
     best = [run for run in runs
             if run["model"] in table and run["learning_rate"] == table[run["model"]]["best_learning_rate"]]
-    rows = claims_table(aggregate(best), labels, best)
+    summary = aggregate(best)
+    for key, entry in table.items():
+        if entry["best_learning_rate"] is None:  # (a mean that is not finite: study.py's verdict for a divergence)
+            summary[key] = {"seeds": [], "heldout_loss_mean": math.nan, "heldout_loss_std": math.nan}
+    rows = claims_table(summary, labels, best)
     for row in rows:
+        unranked = [f"{labels[row[side]]} at every rate it ran" for side in ("lower", "higher")
+                    if side in row and table[row[side]]["best_learning_rate"] is None]
+        if unranked:  # (the other model's runs, at its best rate, all ended finite)
+            row.update(verdict=f"{DIVERGED} ({', '.join(unranked)})", diverged=unranked)
         if "lower" in row:
             row["learning_rates"] = [table[row[side]]["best_learning_rate"] for side in ("lower", "higher")]
             row["learning_rate_edges"] = [table[row[side]]["best_rate_edge"] for side in ("lower", "higher")]
@@ -139,6 +151,15 @@ def rate_text(rate: float) -> str:
     """3e-4, 1e-3, 2.5e-3: a learning rate as people write it."""
     mantissa, exponent = f"{rate:.6e}".split("e")
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+# What the reports say of a model's best rate where every rate it ran diverged (its best_learning_rate is None).
+NO_BEST_RATE = "none: every rate diverged"
+
+
+def best_rate_text(rate: float | None) -> str:
+    """A best learning rate as `rate_text` writes it, or NO_BEST_RATE where there is none."""
+    return NO_BEST_RATE if rate is None else rate_text(rate)
 
 
 def paired_text(paired) -> str:
@@ -193,6 +214,9 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
              for key, entry in table.items() if entry["best_rate_edge"]]
     lines += ["", "Best rates not bounded on both sides (a rate beyond the ones run might do better): "
               + ("; ".join(edges) if edges else "none") + "."]
+    unranked = [labels[key] for key, entry in table.items() if entry["best_learning_rate"] is None]
+    if unranked:
+        lines += ["", "No best rate (a run diverged at every rate the model ran): " + "; ".join(unranked) + "."]
     if left_out:
         why = "not named in --models" if named else "run at one rate only; --models names the models to tabulate"
         lines += ["", f"Run in these studies but not tabulated ({why}): "
@@ -210,11 +234,11 @@ def markdown(first: dict, runs: list[dict], table: dict, labels: dict, studies: 
             entry = table[key]
             base = entry["baseline"]
             cells = [paired_text(entry["vs_baseline"].get(rate_text(rate), (0, None, None))) for rate in rates]
-            best = (f"{paired_text(entry['vs_baseline_at_best'])} (lr {rate_text(entry['best_learning_rate'])} against "
-                    f"{rate_text(table[base]['best_learning_rate'])})")
+            best = (f"{paired_text(entry['vs_baseline_at_best'])} (lr {best_rate_text(entry['best_learning_rate'])} "
+                    f"against {best_rate_text(table[base]['best_learning_rate'])})")
             lines.append(f"| {labels[key]} | {labels[base]} | " + " | ".join(cells) + f" | {best} |")
     if claims:
-        rates = {key: rate_text(entry["best_learning_rate"]) for key, entry in table.items()}
+        rates = {key: best_rate_text(entry["best_learning_rate"]) for key, entry in table.items()}
         lines += ["", "The papers' orderings (study.py's table of them) with each model at its best rate: Δ = "
                   "loss(right) - loss(left), positive when the paper's ordering holds; the verdict as study.py gives "
                   "it (with three or more common seeds, resolved when |paired Δ| is more than twice its standard "

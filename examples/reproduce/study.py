@@ -133,20 +133,52 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def strict_json(value) -> str:
-    """The text of a results file: strict JSON, a number that is not finite written as null (Python's json would
-    write NaN or Infinity, which strict readers refuse)."""
-    from hf_memffn.demo import finite_or_null
+# JSON has no NaN or infinity (Python's json writes the bare words NaN and Infinity, which strict readers refuse).
+# The study's files write NaN as null and an infinity as one of these texts, so that a loss that diverged to infinity
+# reads back as infinity, not as NaN.
+INFINITY_TEXTS = {"Infinity": math.inf, "-Infinity": -math.inf}
 
-    return json.dumps(finite_or_null(value), indent=1, allow_nan=False) + "\n"
+
+def json_ready(value):
+    """`value` (nested dicts, lists and tuples) with each NaN made None and each infinity its text of
+    INFINITY_TEXTS."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value
+
+
+def strict_json(value) -> str:
+    """The text of a results file: strict JSON, NaN written as null and an infinity as "Infinity" or "-Infinity"
+    (`read_json` reads them back)."""
+    return json.dumps(json_ready(value), indent=1, allow_nan=False) + "\n"
+
+
+def infinities_back(value):
+    """`value` as read from a file of `strict_json` with each text of INFINITY_TEXTS the infinity it stands for."""
+    if isinstance(value, str):
+        return INFINITY_TEXTS.get(value, value)
+    if isinstance(value, dict):
+        return {key: infinities_back(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [infinities_back(item) for item in value]
+    return value
+
+
+def read_json(path: Path):
+    """A results file of `strict_json`, its infinities floats again (a NaN stays null: see `nan_where_null`)."""
+    return infinities_back(json.loads(path.read_text(encoding="utf-8")))
 
 
 LOSS_FIELDS = ("heldout_loss", "wiki_loss", "train_loss")
 
 
 def nan_where_null(run: dict, fields: tuple[str, ...] = LOSS_FIELDS) -> dict:
-    """A run as read from results.json: each loss of `fields` and of its curves that is null there (a run that
-    diverged) NaN again; a loss the run never measured (no Wikipedia split) stays absent."""
+    """A run as read from results.json (by `read_json`): each loss of `fields` and of its curves that is null there (a
+    run that diverged to NaN) NaN again; a loss the run never measured (no Wikipedia split) stays absent."""
     run = {**run, **{field: math.nan for field in fields if field in run and run[field] is None}}
     for curve in ("train_curve", "eval_curve"):
         if run.get(curve):
@@ -223,7 +255,7 @@ def counts_table(selected, described) -> str:
 
 def read_study(out: Path) -> dict:
     """results.json of the study in `out`, each run with its saved config from configs.json."""
-    previous = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    previous = read_json(out / "results.json")
     previous["runs"] = [nan_where_null(run) for run in previous["runs"]]
     if "repeats" in previous:  # (a repeat's Wikipedia loss is null where its run measured none as well)
         previous["repeats"] = [nan_where_null(repeat, ("heldout_loss",)) for repeat in previous["repeats"]]

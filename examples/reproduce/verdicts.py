@@ -19,16 +19,16 @@ several budgets, a line per size, or per stream, against the budget), with bars 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from learning_rates import paired_text, passes_over, rate_text  # noqa: E402
-from study import (CLAIMS, DIVERGED, fmt_tokens, save_figure, strict_json, verdict_is_resolved,  # noqa: E402
-                   write_atomic)
+from learning_rates import best_rate_text, paired_text, passes_over  # noqa: E402
+from study import (CLAIMS, DIVERGED, fmt_tokens, read_json, save_figure, strict_json,  # noqa: E402
+                   verdict_is_resolved, write_atomic)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,14 +47,14 @@ def read_sweep(folder: Path) -> dict:
     path = folder / "learning_rates.json"
     if not path.is_file():
         raise ValueError(f"--sweeps: {str(folder)!r} holds no sweep (learning_rates.json is missing)")
-    sweep = json.loads(path.read_text(encoding="utf-8"))
+    sweep = read_json(path)
     total = stream = None
     for study in sweep["studies"]:
         results = Path(study) / "results.json"
         if not results.is_file():
             raise ValueError(f"--sweeps: {str(folder)!r} names the study {study!r}, which holds no results.json here "
                              "(run from the folder its paths are relative to)")
-        state = json.loads(results.read_text(encoding="utf-8"))
+        state = read_json(results)
         stream = stream or state["data"]["splits"]["train"].get("tokens")
         if "llama" in state["parameters"]:
             total = state["parameters"]["llama"]["total"]
@@ -228,7 +228,7 @@ def markdown(sweeps: list[dict], rows: list[dict]) -> str:
             for sweep in sweeps:
                 cell = row["cells"].get(sweep["column"], {})
                 pair, edges = cell.get("learning_rates"), cell.get("learning_rate_edges") or [None, None]
-                cells.append(" / ".join(rate_text(rate) + (f" ({edge})" if edge else "")
+                cells.append(" / ".join(best_rate_text(rate) + (f" ({edge})" if edge else "")
                                         for rate, edge in zip(pair, edges)) if pair else "-")
             lines.append(f"| {row['claim']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -268,8 +268,10 @@ def plot(sweeps: list[dict], rows: list[dict], path: Path) -> bool:
     colours = {size: f"C{i % 10}" for i, size in enumerate(lines)}  # matplotlib's default colour cycle
     for axis, row in zip(axes.flat, rows):
         for size, columns_of_line in lines.items():
+            # (a difference of a run that diverged to infinity has no place on the axis)
             cells = {column: row["cells"][column] for column in columns_of_line
-                     if column in row["cells"] and row["cells"][column]["paired_delta"] is not None}
+                     if column in row["cells"] and row["cells"][column]["paired_delta"] is not None
+                     and math.isfinite(row["cells"][column]["paired_delta"])}
             colour = colours[size]
             trend = sorted((x[column], cell["paired_delta"]) for column, cell in cells.items())
             if trend:

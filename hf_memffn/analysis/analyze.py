@@ -246,8 +246,14 @@ def _encode_edits(
         prompt_ids = check_ids(tokenizer(prompt)["input_ids"], num_embeddings, f"edit prompt {prompt!r}")
         target_ids = check_ids(tokenizer(target, add_special_tokens=False)["input_ids"], num_embeddings,
                                f"edit target {target!r}")
-        if not prompt_ids or not target_ids:
+        # (the prompt's own tokens: an empty prompt is `<s>` alone, and the edit would rewrite the start token's memory)
+        if not tokenizer(prompt, add_special_tokens=False)["input_ids"] or not target_ids:
             raise ValueError(f"edit ({prompt!r}, {target!r}): prompt and target must both contain tokens")
+        if len(target_ids) > 1:  # (an edit raises the probability of one next token: it has no multi-token target)
+            pieces = [tokenizer.decode([token]) for token in target_ids]
+            raise ValueError(f"edit ({prompt!r}, {target!r}) (--edit, or edits[{index}]): the target is "
+                             f"{len(target_ids)} tokens {pieces!r}; allowed: a target of one token, the next token "
+                             f"the edit promotes (e.g. {pieces[0]!r})")
         encoded.append((prompt, target, prompt_ids, target_ids))
     return encoded
 
@@ -277,8 +283,8 @@ def _edit_section(
 
 def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, target_rank: int = 10) -> tuple[str, str]:
     """A demonstration edit: the first words of `text`, and the token the model ranks `target_rank`-th after them (in
-    a vocabulary of fewer tokens, the last-ranked one). A token whose text does not tokenize back to it is passed over
-    for the next rank, then for the ranks above."""
+    a vocabulary of fewer tokens, the last-ranked one). A special token, or one whose text does not tokenize back to
+    it alone, is passed over for the next rank, then for the ranks above."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
     prompt = tokenizer.decode(ids)
     prompt_ids = torch.as_tensor(tokenizer(prompt)["input_ids"])
@@ -287,9 +293,12 @@ def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, targe
         logits = model(input_ids=prompt_ids.reshape(1, -1).to(device)).logits[0, -1, : len(tokenizer)]
     ranked = logits.argsort(descending=True).tolist()
     start = min(target_rank, len(ranked)) - 1
+    special = set(tokenizer.all_special_ids)  # (`<pad>` or `</s>` as the answer demonstrates nothing)
     for token_id in ranked[start:] + ranked[:start][::-1]:
+        if token_id in special:
+            continue
         target = tokenizer.decode([token_id])
-        if tokenizer(target, add_special_tokens=False)["input_ids"][:1] == [token_id]:  # survives re-encoding
+        if tokenizer(target, add_special_tokens=False)["input_ids"] == [token_id]:  # survives re-encoding, alone
             return prompt, target
     raise ValueError("no token of the vocabulary can serve as the demonstration edit's target")
 

@@ -13,7 +13,7 @@ import os
 import time
 
 from ..cli_args import (TOKENIZER_FILES, UsageError, existing_file, first_line, has_tokenizer, load_causal_lm,
-                        local_path, model_source, nonempty_int_list, output_dir, positive_float, positive_int,
+                        model_source, nonempty_int_list, output_dir, positive_float, positive_int, tokenizer_source,
                         torch_device)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="texts to analyse: one per line, or .jsonl with a 'text' field")
     parser.add_argument("--out", required=True, type=output_dir,
                         help="report directory (created; files in it are replaced)")
-    parser.add_argument("--tokenizer", type=local_path, help="tokenizer directory or hub id (default: MODEL_DIR's own)")
+    parser.add_argument("--tokenizer", type=tokenizer_source,
+                        help="tokenizer directory or hub id (default: MODEL_DIR's own)")
     parser.add_argument("--dataset", type=existing_file, help="texts streamed for the top-triggering prefixes (default: --texts)")
     parser.add_argument("--device", default="auto", type=torch_device,
                         help="auto (cuda when available), cpu, cuda, cuda:1, ...")
