@@ -1005,6 +1005,12 @@ DISK_PLACEMENT_UNDER_COMPILE = (
     "Compile without fullgraph (the read runs between two graphs), or load the table with placement='gpu' "
     "(CUDA) or placement='cpu'")
 
+DISK_PLACEMENT_UNDER_CUDA_GRAPHS = (
+    "placement='disk' reads each forward's token ids on the host, which a CUDA graph being captured cannot do "
+    "(continuous batching's use_cuda_graph, transformers' default with flash attention): turn the graphs off "
+    "(ContinuousBatchingConfig(use_cuda_graph=False); --no-cb-use-cuda-graph for hf-memffn serve), or load the table "
+    "with placement='gpu' or placement='cpu', which read no token ids on the host")
+
 
 class DiskTokenLookupTable(_CachedTokenLookupTable):
     """placement "disk": the table memory-mapped from its shards, half the device cache static and half
@@ -1045,8 +1051,12 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         when they fit there; a forward with more new tokens than that (a long prompt) reads all its rows from the
         mapped shards at once into a device buffer.
         Under torch.compile this runs outside the graph, as a graph break; with `fullgraph=True` the error that
-        refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`.
+        refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`. While a CUDA graph is captured the ids cannot be
+        read back: a TokenLookupError says so before any copy (the copy would fail inside CUDA, its capture error
+        naming neither the table nor the way out).
         """
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise TokenLookupError(DISK_PLACEMENT_UNDER_CUDA_GRAPHS)
         tokens = ids.cpu()
         if not self.use_cache:
             return self._rows_on_device(tokens)

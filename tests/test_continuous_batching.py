@@ -150,6 +150,26 @@ def test_token_id_check_reads_nothing_back_while_a_cuda_graph_is_captured(monkey
         check_token_ids(torch.zeros(1, 0, dtype=torch.long), 320)
 
 
+def test_a_disk_table_under_a_cuda_graph_capture_names_the_placement_and_the_way_out(exported, monkeypatch):
+    """The disk placement copies each forward's token ids to the host; continuous batching with CUDA graphs
+    (`use_cuda_graph`, transformers' default with flash attention) captures the forward, where CUDA refuses such a
+    copy with an error that names neither the table nor what to change. The table refuses first, naming both. (CUDA
+    ids and a capturing stream stood in for on the CPU, as above.)"""
+    from hf_memffn.token_lookup import TokenLookupError
+
+    model, directory = exported
+    table = copy.deepcopy(model).load_tols(directory, placement="disk")
+    ids = torch.tensor([[5, 6, 7]])
+    expected = table.readout(ids).layer_values(0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(TokenLookupError, match=r"placement='disk'.*use_cuda_graph=False.*placement='gpu' or "
+                                               r"placement='cpu'"):
+        table.readout(ids)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert torch.equal(table.readout(ids).layer_values(0), expected)  # not capturing: read as before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", *hf_memffn.ARCHITECTURES, "memoryllm_table"])
