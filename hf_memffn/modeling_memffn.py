@@ -591,6 +591,28 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                 "the base model)")
         return (model, loading_info) if output_loading_info else model
 
+    def to(self, *args, **kwargs):
+        """`PreTrainedModel.to`, naming the weights that hold no data where some are still on the meta device while
+        the others are loaded (torch's own error names none). The usual cause: a model built under accelerate's
+        `init_empty_weights()` and loaded with its `load_checkpoint_and_dispatch` or `load_checkpoint_in_model`,
+        which copy a checkpoint's tensors by their names and skip the others; these architectures' checkpoints keep
+        some weights under other names (the parts of a joined parameter, see the conversions in each modeling file),
+        which only `from_pretrained` converts, and that dispatch then moves the model."""
+        try:
+            return super().to(*args, **kwargs)
+        except NotImplementedError as error:
+            empty = [name for name, param in self.named_parameters() if param.is_meta]
+            if not empty or len(empty) == len(list(self.parameters())):
+                raise  # (nothing loaded, or nothing empty: not this case)
+            cls = type(self).__name__
+            raise NotImplementedError(  # (the type torch raises here, for callers that catch it)
+                f"{cls}.to: {len(empty)} weights hold no data (on the meta device: {', '.join(empty[:3])}"
+                f"{', ...' if len(empty) > 3 else ''}) while the others are loaded. The usual cause: accelerate's "
+                "load_checkpoint_and_dispatch or load_checkpoint_in_model, which load a checkpoint by its tensor "
+                f"names, while {cls}'s checkpoints keep these weights under other names, which from_pretrained "
+                f"converts: load with {cls}.from_pretrained(path, device_map=...) (or AutoModelForCausalLM's), which "
+                "takes the same device_map, max_memory and offload_folder") from error
+
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """transformers' adjustment of the keys `from_pretrained` reports, plus the parts of joined parameters that
         the checkpoint lacked (`add_missing_checkpoint_parts`), under their checkpoint names."""

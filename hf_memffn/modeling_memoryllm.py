@@ -7,8 +7,10 @@ checkpoints carry this file, the shared decoder and the token lookup runtime.
 
 from __future__ import annotations
 
+import torch
+
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
+from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
@@ -83,11 +85,39 @@ register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLM
                           FlexMemoryLLMForSequenceClassification, FlexMemoryLLMForTokenClassification,
                           FlexMemoryLLMForQuestionAnswering)
 
-# The RMSNorm weights of `TokenMemory` are `rmsnorm_weight` in the model (a name the HF Trainer leaves out of weight
-# decay) and `norm_weight` in checkpoints: loading renames them, saving renames them back.
-NORM_WEIGHT_RENAMING = [WeightRenaming("memory.norm_weight", "memory.rmsnorm_weight")]
+
+class FirstLayers(ConversionOps):
+    """A stacked `TokenMemory` tensor [N, ...] of the checkpoint, cut to the model's first `num_hidden_layers` layers:
+    `from_pretrained(path, num_hidden_layers=k)` keeps the first k layers, as it does for the decoder layers (whose
+    weights past the k-th are reported unexpected). A checkpoint with fewer layers than the model is left as it is
+    (loading reports the size mismatch). Saving (`cut=False`) leaves the tensor whole."""
+
+    def __init__(self, cut: bool = True):
+        self.cut = cut
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        (tensor,) = (value[0] if isinstance(value, list) else value for value in input_dict.values())
+        layers = getattr(kwargs.get("config"), "num_hidden_layers", None)
+        if self.cut and layers is not None and tensor.shape[0] > layers:
+            tensor = tensor[:layers].clone()  # (a view would keep the dropped layers' memory as the parameter's)
+        return {target_patterns[0]: tensor}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return FirstLayers(cut=not self.cut)
+
+
+# Every parameter of `TokenMemory` stacks the layers (see `FirstLayers`). Its RMSNorm weights are `rmsnorm_weight` in
+# the model (a name the HF Trainer leaves out of weight decay) and `norm_weight` in checkpoints: loading renames them,
+# saving renames them back.
+TOKEN_MEMORY_CONVERSION = [
+    WeightConverter(f"memory.{checkpoint_name}", f"memory.{name}", operations=[FirstLayers()])
+    for checkpoint_name, name in (("norm_weight", "rmsnorm_weight"), ("gate_proj", "gate_proj"),
+                                  ("up_proj", "up_proj"), ("down_proj", "down_proj"))
+]
 for _config_class in (MemoryLLMConfig, FlexMemoryLLMConfig):
-    register_checkpoint_conversion_mapping(_config_class.model_type, NORM_WEIGHT_RENAMING, overwrite=True)
+    register_checkpoint_conversion_mapping(_config_class.model_type, TOKEN_MEMORY_CONVERSION, overwrite=True)
 
 __all__ = [
     "MemoryLLMModel",

@@ -842,6 +842,53 @@ def test_device_map_auto(tmp_path):
         torch.testing.assert_close(loaded(ids.to(loaded.device)).logits.cpu(), model(ids).logits)
 
 
+@pytest.mark.parametrize("arch", ["llama", *ARCHS])
+def test_accelerates_load_checkpoint_and_dispatch_loads_llama_and_names_from_pretrained_for_these(arch, tmp_path):
+    """accelerate's `load_checkpoint_and_dispatch` on a model built under `init_empty_weights()` loads a checkpoint
+    by its tensor names: Llama's load whole. These architectures' checkpoints keep some weights under other names
+    (joined or renamed by `from_pretrained`), which stay empty: dispatching to one device stops at an error that
+    names them and `from_pretrained(path, device_map=...)`, which loads the same map whole (torch's error, of the
+    same type, named nothing)."""
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+    model = build(arch)
+    model.save_pretrained(tmp_path)
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(model.config)
+    expected = {"llama": None, "flash_mhf": "mlp.key_up_value", "memoryllm": "memory.rmsnorm_weight",
+                "flex_memoryllm": "memory.rmsnorm_weight", "kvffn": "mlp.key_value_proj.weight"}[arch]
+    if expected is None:
+        loaded = load_checkpoint_and_dispatch(empty, str(tmp_path), device_map={"": "cpu"})
+    else:
+        with pytest.raises(NotImplementedError,
+                           match=rf"on the meta device: [^)]*{expected}.*from_pretrained\(path, device_map=\.\.\.\)"):
+            load_checkpoint_and_dispatch(empty, str(tmp_path), device_map={"": "cpu"})
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
+    torch.testing.assert_close(loaded.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", *ARCHS])
+def test_from_pretrained_with_fewer_layers_keeps_the_first_layers(arch, tmp_path):
+    """`from_pretrained(path, num_hidden_layers=k)` loads the first k layers of a deeper checkpoint, as for
+    transformers' Llama, and reports the later decoder layers' weights unexpected. MemoryLLM's and FlexMemoryLLM's
+    FFNs on X0, one tensor stacking every layer, keep their first k layers too (their load was a size mismatch), in
+    parameters of their own size."""
+    model = build(arch, num_hidden_layers=3)
+    model.save_pretrained(tmp_path)
+    shallow, info = AutoModelForCausalLM.from_pretrained(tmp_path, num_hidden_layers=2, output_loading_info=True)
+    assert shallow.config.num_hidden_layers == 2 and len(shallow.model.layers) == 2
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert info["unexpected_keys"] and all(key.startswith("model.layers.2.") for key in info["unexpected_keys"])
+    deep = model.state_dict()
+    for name, tensor in shallow.state_dict().items():
+        expected = deep[name][:2] if name.startswith("model.memory.") else deep[name]
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
+    if getattr(shallow.model, "memory", None) is not None:
+        assert shallow.model.memory.num_layers == 2 and shallow.model.memory.gate_proj.shape[0] == 2
+        for param in shallow.model.memory.parameters():  # (the dropped layers' memory is not kept alive)
+            assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_model_split_over_two_gpus_equals_it_on_one(arch, tmp_path):
