@@ -353,8 +353,11 @@ class FlashMHFFeedForward(_MultiHeadQueries):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # In training also without gradients: reentrant activation checkpointing runs the layer's forward without
         # them and recomputes it with them, and both must draw the same random numbers (an adapter's dropout) in the
-        # same chunks, or the loss and the gradients come from different forwards.
-        if self.recompute_chunk_tokens and (torch.is_grad_enabled() or self.training):
+        # same chunks, or the loss and the gradients come from different forwards. Not while non-strict torch.export
+        # traces (Dynamo's capture meets the disable instead): it would trace the chunks of the example's tokens into a
+        # program that refuses any other number of tokens, whatever dynamic shapes it was given.
+        exporting = torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
+        if self.recompute_chunk_tokens and (torch.is_grad_enabled() or self.training) and not exporting:
             return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
         return self._forward(hidden_states)
 

@@ -10,7 +10,9 @@ dtype). Unlike the fused kernel it materialises the [B, H, L, E, d_e] activation
 or call `export_onnx(model, input_ids, path)`, which exports the logits of `model(input_ids)` (give an example batch
 of at least 2 sequences of at least 2 tokens: torch.export fixes a dynamic size seen as 1), and with
 `with_attention_mask=True` takes an attention mask too, for left-padded batches. The other architectures export
-without a table (it does no harm to pass it). Needs `pip install onnx onnxscript`.
+without a table from torch's first, non-strict capture; a graph captured by Dynamo (strict `torch.export`) holds the
+rotary tables' operator `memffn_v2::rotary_tables`, which the table translates too. Needs `pip install onnx
+onnxscript`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import __version__ as transformers_version
 
 from .atomic_write import temporary_name
 from .flash_mhf_op import OP_NAMESPACE
+from .modeling_memffn import ROTARY_TABLES_OP
 
 
 def _flash_mhf_onnx(q, k, u, v, r, impl: str = "auto"):
@@ -44,9 +47,24 @@ def _flash_mhf_onnx(q, k, u, v, r, impl: str = "auto"):
     return op.CastLike(op.Reshape(out, op.Shape(q)), q)
 
 
+def _rotary_tables_onnx(position_ids, inv_freq, scaling: float, dtype):
+    """`rotary_tables(position_ids, inv_freq, scaling, dtype)` in ONNX ops: (cos, sin) [*position_ids.shape,
+    2 * len(inv_freq)] of the float32 angles `position_ids * inv_freq`, scaled, in `dtype` (an ONNX data type)."""
+    from onnxscript import opset18 as op
+
+    angles = op.Mul(op.Unsqueeze(op.Cast(position_ids, to=1), op.Constant(value_ints=[-1])), op.Cast(inv_freq, to=1))
+    both = op.Concat(angles, angles, axis=-1)
+    scale = op.Constant(value_float=scaling)
+    return op.Cast(op.Mul(op.Cos(both), scale), to=dtype), op.Cast(op.Mul(op.Sin(both), scale), to=dtype)
+
+
 def onnx_translation_table() -> dict:
-    """{FlashMHF operator: its ONNX translation}, for `torch.onnx.export(..., custom_translation_table=...)`."""
-    return {getattr(torch.ops, OP_NAMESPACE).flash_mhf.default: _flash_mhf_onnx}
+    """{operator of this package: its ONNX translation}, for `torch.onnx.export(..., custom_translation_table=...)`:
+    FlashMHF's fused operator, and the rotary tables' operator that a graph captured by Dynamo holds (strict
+    `torch.export`, which torch's ONNX exporter falls back to where the non-strict capture fails)."""
+    namespace, rotary_tables = ROTARY_TABLES_OP.split("::")
+    return {getattr(torch.ops, OP_NAMESPACE).flash_mhf.default: _flash_mhf_onnx,
+            getattr(getattr(torch.ops, namespace), rotary_tables).default: _rotary_tables_onnx}
 
 
 class _Logits(torch.nn.Module):
@@ -76,11 +94,17 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
         import onnxscript  # noqa: F401
     except ImportError as exc:
         raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"export_onnx: input_ids must be a tensor of token ids, got {type(input_ids).__name__}; "
+                         "allowed: a torch.long or torch.int32 tensor [batch, length]")
     if input_ids.dim() != 2:
         raise ValueError(f"export_onnx: input_ids must be [batch, length], got shape {list(input_ids.shape)}")
     if input_ids.dtype not in (torch.long, torch.int32):
         raise ValueError(f"export_onnx: input_ids must be token ids, got dtype {input_ids.dtype}; allowed: torch.long, "
                          "torch.int32")
+    if input_ids.numel() == 0:  # (else torch.export fails on the empty sequence, strict and non-strict alike)
+        raise ValueError(f"export_onnx: input_ids has no tokens (shape {list(input_ids.shape)}); allowed: at least one "
+                         "sequence of one token (two sequences of two tokens with dynamic shapes)")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"export_onnx: path {str(path)!r} is a directory; allowed: a file path, e.g. model.onnx")

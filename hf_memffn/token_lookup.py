@@ -1004,6 +1004,10 @@ DISK_PLACEMENT_UNDER_COMPILE = (
     "torch.compile graph holds: torch.compile(..., fullgraph=True) cannot trace a model reading such a table. "
     "Compile without fullgraph (the read runs between two graphs), or load the table with placement='gpu' "
     "(CUDA) or placement='cpu'")
+DISK_PLACEMENT_UNDER_EXPORT = (
+    "placement='disk' reads its rows from the memory-mapped shards on the host at every forward, which no "
+    "torch.export program holds: torch.export cannot trace a model reading such a table. Load the table with "
+    "placement='cpu' (its rows become the program's weights) or placement='gpu' (CUDA)")
 
 DISK_PLACEMENT_UNDER_CUDA_GRAPHS = (
     "placement='disk' reads each forward's token ids on the host, which a CUDA graph being captured cannot do "
@@ -1051,10 +1055,13 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         when they fit there; a forward with more new tokens than that (a long prompt) reads all its rows from the
         mapped shards at once into a device buffer.
         Under torch.compile this runs outside the graph, as a graph break; with `fullgraph=True` the error that
-        refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`. While a CUDA graph is captured the ids cannot be
-        read back: a TokenLookupError says so before any copy (the copy would fail inside CUDA, its capture error
-        naming neither the table nor the way out).
+        refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`. Non-strict torch.export, which the disable does not
+        keep out, would run it on its symbolic ids and fail in a data-dependent guard: refused, naming the placement.
+        While a CUDA graph is captured the ids cannot be read back: a TokenLookupError says so before any copy (the
+        copy would fail inside CUDA, its capture error naming neither the table nor the way out).
         """
+        if torch.compiler.is_exporting():
+            raise ValueError(DISK_PLACEMENT_UNDER_EXPORT)
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():
             raise TokenLookupError(DISK_PLACEMENT_UNDER_CUDA_GRAPHS)
         tokens = ids.cpu()

@@ -1198,6 +1198,22 @@ def test_flash_mhf_token_chunked_recompute_compiles_once_for_every_batch_shape()
     assert "without fullgraph" in str(refused.value)
 
 
+def test_a_model_configured_to_recompute_in_token_chunks_exports_for_any_number_of_tokens():
+    """`ffn_recompute_chunk_tokens` stays in a checkpoint's config. torch.export (non-strict, its default, with
+    gradients on as they are by default) traced the chunks of the example's 16 tokens: the program, exported with a
+    dynamic batch and length, failed on any other number of tokens ("Guard failed: ... == 16"). The export leaves
+    the recompute out (the same values) and keeps the setting."""
+    model = build("flash_mhf", ffn_recompute_chunk_tokens=4, num_hidden_layers=1).eval()
+    dims = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}, None)
+    program = torch.export.export(model, (torch.randint(3, 320, (2, 8)),), {"use_cache": False}, dynamic_shapes=dims)
+    assert model.model.layers[0].mlp.recompute_chunk_tokens == 4
+    for shape in ((3, 11), (1, 3), (2, 33)):
+        ids = torch.randint(3, 320, shape, generator=torch.Generator().manual_seed(shape[1]))
+        with torch.no_grad():
+            expected = model(ids, use_cache=False).logits
+        torch.testing.assert_close(program.module()(ids, use_cache=False).logits, expected, msg=str(shape))
+
+
 @pytest.mark.parametrize("overrides", [{}, {"ffn_recompute_chunk_tokens": 4}], ids=["plain", "recompute"])
 def test_flash_mhf_model_runs_on_the_meta_device(overrides):
     """A model built on the meta device runs for its shapes (as Llama does, e.g. under FlopCounterMode), forward and

@@ -155,6 +155,25 @@ def test_a_dynamic_export_refuses_an_example_of_one_sequence(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("arch", ["kvffn", "flash_mhf"])
+def test_a_program_captured_by_dynamo_exports_with_the_translation_table(arch):
+    """A graph captured by Dynamo (strict `torch.export`, which torch's ONNX exporter falls back to where the
+    non-strict capture fails) computes the rotary tables with the operator `memffn_v2::rotary_tables`: its ONNX
+    conversion stopped in a DispatchError naming it, for every architecture. The table translates it too."""
+    from hf_memffn.onnx_export import _Logits, onnx_translation_table
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, num_hidden_layers=1, initializer_range=0.1)).eval()
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
+    program = torch.export.export(_Logits(model), (torch.randint(3, 320, (2, 8)),), dynamic_shapes=(dims,),
+                                  strict=True)
+    graph = torch.onnx.export(program, dynamo=True, custom_translation_table=onnx_translation_table()).model_proto
+    assert not any(node.domain.startswith("memffn") for node in graph.graph.node)
+    session = ReferenceEvaluator(graph)
+    name = graph.graph.input[0].name
+    _check_logits(model, lambda ids: session.run(None, {name: ids})[0])
+
+
 def test_a_model_saved_with_external_data_names_the_data_file_beside_it(tmp_path, monkeypatch):
     """Over 1.5 GB of weights torch saves them in `<name>.data`, which the graph names: `model.onnx.data`, not the
     temporary name the export wrote the graph under."""
@@ -270,6 +289,16 @@ def test_input_ids_that_are_not_token_ids_are_refused_naming_the_dtypes(tmp_path
     model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
     with pytest.raises(ValueError, match=r"input_ids.*torch\.float32.*torch\.long, torch\.int32"):
         export_onnx(model, torch.rand(2, 8), tmp_path / "model.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("input_ids", [[[5, 6], [7, 8]], torch.zeros(2, 0, dtype=torch.long)], ids=["list", "empty"])
+def test_input_ids_that_are_no_tensor_or_hold_no_token_are_refused_naming_them(input_ids, tmp_path):
+    """A list of ids ended in an AttributeError (`'list' object has no attribute 'dim'`); an example of no tokens with
+    `dynamic=False` in torch.export's failure, after both of its captures, asking for a PyTorch issue."""
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", num_hidden_layers=1)).eval()
+    with pytest.raises(ValueError, match=r"export_onnx: input_ids (must be a tensor|has no tokens).*allowed"):
+        export_onnx(model, input_ids, tmp_path / "model.onnx", dynamic=False)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -143,6 +143,29 @@ def test_compiled_lookup_from_disk_breaks_the_graph_and_fullgraph_names_the_plac
     assert all(name in str(refused.value) for name in ("without fullgraph", "placement='gpu'", "placement='cpu'"))
 
 
+def test_torch_export_exports_a_table_in_host_memory_and_refuses_one_on_disk_naming_the_placement(exported):
+    """torch.export (non-strict, its default) of a model reading its table: `cpu` placement exports, the table's rows
+    the program's weights, and the program computes the eager logits at another shape; `disk` placement, whose rows
+    are read on the host at every forward, ended in a `GuardOnDataDependentSymNode` from inside those reads naming
+    neither the table nor a way out: it is refused naming the placement and the ones that export."""
+    model, directory = exported
+    example = torch.randint(0, model.config.vocab_size, (2, 9))
+    other = torch.randint(0, model.config.vocab_size, (3, 5))
+    dims = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}, None)
+    try:
+        model.load_tols(directory, placement="cpu")
+        with torch.no_grad():
+            program = torch.export.export(model, (example,), {"use_cache": False}, dynamic_shapes=dims)
+            torch.testing.assert_close(program.module()(other, use_cache=False).logits,
+                                       model(other, use_cache=False).logits)
+        model.unload_tols()
+        model.load_tols(directory, placement="disk")
+        with pytest.raises(ValueError, match=r"placement='disk' .* torch\.export cannot trace .* placement='cpu'"):
+            torch.export.export(model, (example,), {"use_cache": False}, dynamic_shapes=dims)
+    finally:
+        model.unload_tols()
+
+
 def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
     model, directory = exported
     fresh = build(model.config.model_type.replace("memffn_", ""))
