@@ -453,6 +453,13 @@ def parse_overrides(text: str) -> dict:
     return overrides
 
 
+def vocab_size_and_fields(overrides: dict, default: int) -> tuple[int, dict]:
+    """(the vocabulary size that --config-overrides sets, else `default`; its other fields), as `build_config` takes
+    them: the size is its own argument there, so a `vocab_size` left among the fields was a repeated argument."""
+    fields = dict(overrides)
+    return fields.pop("vocab_size", default), fields
+
+
 def config_class_of(architecture: str):
     """The config class of an --arch: transformers' own Llama for the baseline, else this package's."""
     if architecture == "llama":
@@ -498,9 +505,9 @@ def build_model(args, tokenizer):
         model = from_pretrained_main_process_first(args.init_from, parse_overrides(args.config_overrides),
                                                    dtype=torch.float32)
     else:
-        overrides = parse_overrides(args.config_overrides)
         # the tokenizer's size padded for tensor-core friendly shapes, unless --config-overrides sets vocab_size
-        vocab_size = overrides.pop("vocab_size", 64 * math.ceil(len(tokenizer) / 64))
+        vocab_size, overrides = vocab_size_and_fields(parse_overrides(args.config_overrides),
+                                                      64 * math.ceil(len(tokenizer) / 64))
         config = build_config(args.arch, args.preset, vocab_size, tokenizer, **overrides)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "attach_tokenizer"):
@@ -978,8 +985,8 @@ def refuse_conflicting_arguments(args) -> None:
         raise ValueError(f"--train-tokenizer: the model of --init-from={args.init_from!r} reads the token ids of its "
                          "own tokenizer, which a new one would not keep; drop --train-tokenizer")
     if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
-        overrides = parse_overrides(args.config_overrides)
-        build_config(args.arch, args.preset, overrides.pop("vocab_size", 64 * 1024), **overrides)
+        vocab_size, overrides = vocab_size_and_fields(parse_overrides(args.config_overrides), 64 * 1024)
+        build_config(args.arch, args.preset, vocab_size, **overrides)
 
 
 def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None:

@@ -45,7 +45,8 @@ def main(argv=None) -> Path:
                          "(256 bytes and 3 special tokens)")
     overrides = pretrain.parse_overrides(args.config_overrides)
     if overrides:  # (their fields and values, before the tokenizer is trained)
-        pretrain.build_config(args.arch, args.preset, 64 * 1024, **overrides)
+        vocab_size, fields = pretrain.vocab_size_and_fields(overrides, 64 * 1024)
+        pretrain.build_config(args.arch, args.preset, vocab_size, **fields)
 
     from transformers import AutoModelForCausalLM
 
@@ -53,11 +54,14 @@ def main(argv=None) -> Path:
 
     with args.corpus.open(encoding="utf-8") as handle:
         tokenizer = train_tokenizer(corpus_texts(handle, args.corpus), vocab_size=args.vocab_size)
-    config = pretrain.build_config(args.arch, args.preset, 64 * math.ceil(len(tokenizer) / 64), tokenizer, **overrides)
+    # the tokenizer's size padded for tensor-core friendly shapes, unless --config-overrides sets vocab_size
+    vocab_size, fields = pretrain.vocab_size_and_fields(overrides, 64 * math.ceil(len(tokenizer) / 64))
+    config = pretrain.build_config(args.arch, args.preset, vocab_size, tokenizer, **fields)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "attach_tokenizer"):  # our architectures keep the tokenizer's special ids in the config
         model.attach_tokenizer(tokenizer)
+    pretrain.refuse_a_tokenizer_beyond_the_vocabulary(model, tokenizer)  # (a --config-overrides vocab_size too small)
     with atomic_output(args.out) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)

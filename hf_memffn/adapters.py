@@ -319,11 +319,16 @@ class Int8Weight(nn.Module):
         # The scale is stored in the weight's dtype and the values are quantized against that stored scale: in fp16 a
         # row whose largest magnitude is below about 4e-6 has a scale below fp16's smallest value, which read back
         # as 0 (and a subnormal one lost most of its bits). Rounded up to a value fp16 holds, at least its smallest
-        # one, the row keeps its values (no quotient past 127 either).
+        # one, the row keeps its values (no quotient past 127 either). At the other end the scale is at most the
+        # largest one whose 127 multiple the dtype holds: rounded up past it (fp16 rows above about 65470), the row's
+        # largest value read back as inf.
         scale = exact_scale.to(weight.dtype)
         smallest = torch.nextafter(torch.zeros((), dtype=weight.dtype), torch.ones((), dtype=weight.dtype))
+        largest = torch.tensor(torch.finfo(weight.dtype).max / 127.0, dtype=torch.float64).to(weight.dtype)
+        if float(largest) * 127.0 > torch.finfo(weight.dtype).max:
+            largest = torch.nextafter(largest, torch.zeros_like(largest))
         scale = torch.where(scale.float() < exact_scale, torch.nextafter(scale, torch.full_like(scale, math.inf)),
-                            scale).clamp_min(smallest)
+                            scale).clamp(float(smallest), float(largest))  # (numbers: the scale may be on a GPU)
         values = torch.round(weight32 / scale.float()).clamp_(-127, 127).to(torch.int8)
         return values, scale
 

@@ -170,6 +170,23 @@ def test_int8_keeps_the_rows_of_tiny_values_of_a_16_bit_weight(dtype):
         assert torch.equal(after[0, 0], before[0, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_int8_reads_back_finite_rows_at_the_top_of_the_dtype(dtype):
+    """A row whose largest magnitude is near the dtype's largest value (in fp16 above about 65470) had its scale
+    rounded up past max/127, so 127 x scale read back as inf; each such row reads back finite and within half a
+    quantization step now, and an all-zero row reads back as zeros."""
+    largest = torch.finfo(dtype).max
+    weight = torch.tensor([[largest, 1.0, -0.5 * largest], [0.9996 * largest, 2.0, 3.0], [0.0, 0.0, 0.0]],
+                          dtype=dtype)
+    quantizer = adapters.Int8Weight()
+    values, scale = quantizer.right_inverse(weight)
+    read_back = quantizer(values, scale)
+    assert bool(torch.isfinite(read_back).all())
+    error = (read_back.double() - weight.double()).abs()
+    assert bool((error <= scale.double() / 2 + 1e-6 * weight.double().abs()).all())
+    assert torch.equal(read_back[2], weight[2])
+
+
 def test_weight_lora_trains_under_activation_checkpointing():
     """The module logs its path once, inside its first forward; with LoRA on the FlashMHF weights (a
     parametrization) that must not record autograd work, or the checkpointed forward and its recomputation save

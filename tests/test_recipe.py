@@ -429,6 +429,23 @@ def test_initial_weights_refuse_an_override_their_config_does_not_have(tmp_path,
     assert not (tmp_path / "init").exists()
 
 
+def test_initial_weights_take_a_vocab_size_of_the_config_overrides(tmp_path):
+    """--config-overrides vocab_size=... failed in a `TypeError` ("build_config() got multiple values for argument
+    'vocab_size'"), as in pretrain.py: it sets the model's vocabulary there too (the tokenizer's is --vocab-size), and
+    one smaller than the tokenizer is refused, as there."""
+    import save_initial_weights
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    init = save_initial_weights.main([str(corpus), str(tmp_path / "init"), "--arch", "kvffn", "--preset", "tiny",
+                                      "--config-overrides", "vocab_size=384", "--vocab-size", "300"])
+    assert json.loads((init / "config.json").read_text())["vocab_size"] == 384
+    with pytest.raises(ValueError, match=r"the tokenizer has 300 tokens, more than the model's embedding has rows "
+                                         r"\(256\)"):  # (Llama's save took it: ids past 255 failed every forward)
+        save_initial_weights.main([str(corpus), str(tmp_path / "small"), "--arch", "llama", "--preset", "tiny",
+                                   "--config-overrides", "vocab_size=256", "--vocab-size", "300"])
+    assert not (tmp_path / "small").exists()
+
+
 @pytest.mark.parametrize("line, extra, message", [
     ('{"body": "the key"}', [], r"CORPUS='.*corpus.jsonl': line 121 holds no 'text' string \(found None\); give "
                                 r"JSON lines with a 'text' field"),
