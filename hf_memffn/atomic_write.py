@@ -27,15 +27,26 @@ def _remove(path: Path) -> None:
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yields a temporary path next to `path` for the caller to write (a file, or a folder it creates); when the block
-    ends without error the temporary replaces `path` (a folder already at `path` is removed first), otherwise it is
-    removed and `path` is left as it was."""
+    ends without error the temporary replaces `path`, otherwise it is removed and `path` is left as it was.
+
+    A folder already at `path` (which `os.replace` does not replace with a folder) is first renamed aside, then removed
+    once the new one is in place: removed first, an interruption during its removal or before the rename left no
+    folder at `path`, neither the old one nor the new; a failed rename puts the old one back."""
     path = Path(path)
     temporary = temporary_name(path)
     try:
         yield temporary
-        if temporary.is_dir() and path.is_dir():
-            shutil.rmtree(path)
-        os.replace(temporary, path)
+        if not (temporary.is_dir() and path.is_dir()):
+            os.replace(temporary, path)
+            return
+        previous = temporary_name(path)
+        os.replace(path, previous)
+        try:
+            os.replace(temporary, path)
+        except BaseException:
+            os.replace(previous, path)
+            raise
+        _remove(previous)
     except BaseException:
         _remove(temporary)
         raise

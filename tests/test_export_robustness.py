@@ -150,6 +150,40 @@ def test_a_write_cut_short_leaves_the_file_or_folder_as_it_was(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "table.bin"]
 
 
+def test_a_folder_replaced_is_never_missing_while_the_old_one_is_removed(tmp_path, monkeypatch):
+    """The folder already at the target is renamed aside and removed after the new one is in place: it is never
+    removed first (an interruption during that removal left no folder at the target); a failed rename of the new
+    one puts the old one back, and nothing stays beside it."""
+    import hf_memffn.atomic_write as atomic_write
+
+    folder = tmp_path / "final"
+    folder.mkdir()
+    (folder / "old.txt").write_text("old")
+    removed_while = []
+    remove = atomic_write._remove
+    monkeypatch.setattr(atomic_write, "_remove",
+                        lambda path: (removed_while.append(sorted(p.name for p in folder.iterdir())), remove(path)))
+    with atomic_write.atomic_output(folder) as temporary:
+        temporary.mkdir()
+        (temporary / "new.txt").write_text("new")
+    assert removed_while == [["new.txt"]], "the old folder was removed before the new one took its place"
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and (folder / "new.txt").read_text() == "new"
+
+    replace = os.replace
+
+    def replace_failing_into_place(source, destination):
+        if Path(source).name.startswith(".final.") and Path(destination) == folder and (Path(source) / "x").exists():
+            raise OSError("rename failed")
+        return replace(source, destination)
+
+    monkeypatch.setattr(atomic_write.os, "replace", replace_failing_into_place)
+    with pytest.raises(OSError, match="rename failed"):
+        with atomic_write.atomic_output(folder) as temporary:
+            temporary.mkdir()
+            (temporary / "x").write_text("x")
+    assert [p.name for p in tmp_path.iterdir()] == ["final"] and (folder / "new.txt").read_text() == "new"
+
+
 @pytest.mark.slow  # subprocesses (seconds each on a 2-core CPU); CI runs it
 def test_processes_loading_one_remote_code_checkpoint_at_once(tmp_path):
     torch.manual_seed(0)
