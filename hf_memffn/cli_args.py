@@ -62,34 +62,33 @@ def local_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
-def model_source(text: str) -> str:
-    """A saved model directory (with config.json), or a Hub id such as `org/name`."""
+def _directory_or_hub_id(text: str, what: str, holds, lacks: str) -> str:
+    """`text` as a directory that `holds(path)` accepts, or as a Hub id such as `org/name`; else an
+    ArgumentTypeError naming `what` the option takes (`lacks`: what a directory `holds` refuses is missing)."""
     path = local_path(text)
     if os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a model directory (with config.json) or a Hub id")
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a {what} directory or a Hub id")
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise argparse.ArgumentTypeError(f"{text!r} has no config.json; allowed: a directory saved by save_pretrained")
+        if not holds(path):
+            raise argparse.ArgumentTypeError(f"{text!r} {lacks}; allowed: a directory saved by save_pretrained, "
+                                             "or a Hub id")
         return path
     if _HUB_ID.match(text) and not text.startswith((".", "~")):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a model directory or a Hub id such as org/name")
+    raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a {what} directory or a Hub id such as "
+                                     "org/name")
+
+
+def model_source(text: str) -> str:
+    """A saved model directory (with config.json), or a Hub id such as `org/name`."""
+    return _directory_or_hub_id(text, "model", lambda path: os.path.isfile(os.path.join(path, "config.json")),
+                                "has no config.json")
 
 
 def tokenizer_source(text: str) -> str:
     """A directory holding a saved tokenizer (one of TOKENIZER_FILES), or a Hub id such as `org/name`."""
-    path = local_path(text)
-    if os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a tokenizer directory or a Hub id")
-    if os.path.isdir(path):
-        if not has_tokenizer(path):
-            raise argparse.ArgumentTypeError(f"{text!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                                             "allowed: a directory saved by save_pretrained, or a Hub id")
-        return path
-    if _HUB_ID.match(text) and not text.startswith((".", "~")):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} does not exist; allowed: a tokenizer directory or a Hub id such as "
-                                     "org/name")
+    return _directory_or_hub_id(text, "tokenizer", has_tokenizer,
+                                f"holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
 def decode_utf8(data: bytes, source: str) -> str:

@@ -356,8 +356,8 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         # same chunks, or the loss and the gradients come from different forwards. Not while non-strict torch.export
         # traces (Dynamo's capture meets the disable instead): it would trace the chunks of the example's tokens into a
         # program that refuses any other number of tokens, whatever dynamic shapes it was given.
-        exporting = torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
-        if self.recompute_chunk_tokens and (torch.is_grad_enabled() or self.training) and not exporting:
+        if self.recompute_chunk_tokens and (torch.is_grad_enabled() or self.training) and not (
+                torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()):
             return recompute_in_token_chunks(self, hidden_states, self.recompute_chunk_tokens)
         return self._forward(hidden_states)
 

@@ -484,13 +484,13 @@ def _tables_of_other_weights(folder, tables: list[str]) -> list[str]:
     read."""
     if not tables:
         return []
-    from .conversion.export import _index_metadata, checkpoint_fingerprints
+    from .conversion.export import checkpoint_fingerprints, index_metadata
     from .token_lookup import table_takes
 
     saved = checkpoint_fingerprints(folder)
     if saved is None:
         return []
-    indexes = {table: _index_metadata(os.path.join(os.fspath(folder), table, TABLE_INDEX_NAME)) for table in tables}
+    indexes = {table: index_metadata(os.path.join(os.fspath(folder), table, TABLE_INDEX_NAME)) for table in tables}
     # (an index that records no fingerprint, damaged or of another kind, says nothing of the weights: left listed)
     return [table for table, index in indexes.items() if index.get("fingerprint") and not table_takes(index, *saved)]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from .architectures import BASELINE, architecture
 from .tokenization import train_tokenizer
 
@@ -82,6 +85,21 @@ def recording_backend():
         return graph_module.forward
 
     return backend, graphs
+
+
+@contextlib.contextmanager
+def logged_records(name: str = "transformers"):
+    """The log records of logger `name` and its children emitted within the block, in a list (transformers' loggers
+    do not propagate to the root logger, which pytest's `caplog` reads)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def left_padded(rows, pad_token_id: int = 0):

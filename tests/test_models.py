@@ -4,7 +4,6 @@ generation, attention backends, gradient checkpointing, saving and loading."""
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import left_padded, recording_backend, tiny_config, tiny_tokenizer
+from hf_memffn.testing import left_padded, logged_records, recording_backend, tiny_config, tiny_tokenizer
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 ALL_VARIANTS = [
@@ -204,23 +203,18 @@ def test_the_path_logs_follow_transformers_verbosity(arch):
     """Which path runs is logged under transformers' logger, so `transformers.logging.set_verbosity_info()` shows it
     and the default verbosity (warnings) hides it, as for transformers' own messages (the package's loggers sat
     outside transformers' hierarchy, and no transformers setting reached them)."""
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    transformers_logger = logging.getLogger("transformers")
-    transformers_logger.addHandler(handler)
     ids = torch.randint(3, 320, (1, 5))
     verbosity = transformers.logging.get_verbosity()
     try:
-        for level in (transformers.logging.WARNING, transformers.logging.INFO):
-            transformers.logging.set_verbosity(level)
-            with torch.no_grad():
-                AutoModelForCausalLM.from_config(tiny_config(arch))(ids)
-            if level == transformers.logging.WARNING:
-                assert not [record for record in records if "runs" in record.getMessage()]
+        with logged_records() as records:
+            for level in (transformers.logging.WARNING, transformers.logging.INFO):
+                transformers.logging.set_verbosity(level)
+                with torch.no_grad():
+                    AutoModelForCausalLM.from_config(tiny_config(arch))(ids)
+                if level == transformers.logging.WARNING:
+                    assert not [record for record in records if "runs" in record.getMessage()]
     finally:
         transformers.logging.set_verbosity(verbosity)
-        transformers_logger.removeHandler(handler)
     ffn = {"flash_mhf": "FlashMHF FFN runs the ", "kvffn": "KV-FFN runs "}[arch]
     messages = {record.name: record.getMessage() for record in records}
     assert messages["transformers.memffn.modeling_memffn"].startswith("decoder runs the ")
@@ -234,20 +228,13 @@ def test_a_sequence_past_max_position_embeddings_logs_one_warning():
 
     from hf_memffn.modeling_memffn import CACHE_KWARG
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    package_logger = logging.getLogger("transformers.memffn.modeling_memffn")
-    package_logger.addHandler(handler)
-    try:
+    with logged_records("transformers.memffn.modeling_memffn") as records:
         for static in (False, True):
             model = build("kvffn", max_position_embeddings=8)
             cache = StaticCache(config=model.config, max_cache_len=16) if static else DynamicCache(config=model.config)
             with torch.no_grad():
                 for _ in range(12):
                     model(torch.tensor([[5]]), use_cache=True, **{CACHE_KWARG: cache})
-    finally:
-        package_logger.removeHandler(handler)
     warnings = [record.getMessage() for record in records if "max_position_embeddings" in record.getMessage()]
     assert [message.split(":")[0] for message in warnings] == [
         "sequence length 9 exceeds max_position_embeddings=8"] * 2

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import hf_memffn
 from hf_memffn import LORA_TARGET_MODULES
 from hf_memffn.modeling_memffn import CACHE_KWARG
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import logged_records, tiny_config
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 WITH_LLAMA = ["llama", *ARCHS]
@@ -211,7 +211,6 @@ def test_resume_from_a_sharded_checkpoint_gives_the_uninterrupted_weights(arch, 
     weight shard by shard, the parts of a joined weight in different shards included: the run ends on the weights of
     the run left alone. transformers logs the joined weights missing and their checkpoint tensors unexpected (it
     compares names without the checkpoint conversions, see the README): nothing else is logged missing or unexpected."""
-    import logging
 
     def run(resume):
         model = build(arch)
@@ -227,15 +226,8 @@ def test_resume_from_a_sharded_checkpoint_gives_the_uninterrupted_weights(arch, 
     (checkpoint / "model.safetensors").unlink()
     saved.save_pretrained(checkpoint, max_shard_size="20KB")
     assert len(list(checkpoint.glob("model-*.safetensors"))) > 2
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    transformers_logger = logging.getLogger("transformers")
-    transformers_logger.addHandler(handler)
-    try:
+    with logged_records() as records:
         resumed = run(str(checkpoint))
-    finally:
-        transformers_logger.removeHandler(handler)
     assert_same_state(resumed, uninterrupted, atol=0)
     joined = r"mlp\.key_up_value|mlp\.key_value_proj\.(weight|bias)|memory\.rmsnorm_weight"
     parts = r"mlp\.(key|up|value)|mlp\.(key|value)_proj\.(weight|bias)|memory\.norm_weight"

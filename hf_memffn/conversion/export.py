@@ -324,7 +324,7 @@ class _Exporter:
             files, plan_id = self.plan()  # (refuses a max_shard_size too small, before anything is written)
             os.makedirs(self.out_dir, exist_ok=True)
             index_path = os.path.join(self.out_dir, INDEX_NAME)
-            old = _index_metadata(index_path)
+            old = index_metadata(index_path)
             recorded = old.get("shards", {}) if old.get("plan_id") == plan_id else {}
             kept: dict[str, _ErrorStats] = {}
             for filename in files:
@@ -479,7 +479,7 @@ class _Exporter:
                 "already_complete": reused, "resumed": resumed}
 
 
-def _index_metadata(path: str) -> dict:
+def index_metadata(path: str) -> dict:
     """The `token_lookup` metadata of the index at `path`; {} when there is none or it is not an index."""
     if not os.path.isfile(path):
         return {}
@@ -496,9 +496,9 @@ CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # tr
 
 def checkpoint_fingerprints(folder: str | os.PathLike) -> tuple[str, str] | None:
     """(`weights_fingerprint`, the same through fp16) of the MemoryLLM / FlexMemoryLLM weights saved in the checkpoint
-    folder `folder`, read from its config.json and safetensors weights (the token embedding and the memory FFN only:
-    about one second per GB); None where the folder holds no such checkpoint or its files cannot be read (no
-    config.json, another architecture's weights, weights in another format)."""
+    folder `folder`, read from its config.json and safetensors weights (the token embedding and the memory FFN only,
+    read once); None where the folder holds no such checkpoint or its files cannot be read (no config.json, another
+    architecture's weights, weights in another format)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig
 
@@ -802,7 +802,7 @@ HUB_TABLE_FILE_PATTERNS = [SHARD_PATTERN.format(suffix=""),
 def table_files(out_dir: str) -> list[str]:
     """The files of the table exported into `out_dir`: its index, the shards the index lists, the report (a
     TokenLookupError where a shard the index lists is missing)."""
-    shards = _index_metadata(os.path.join(out_dir, INDEX_NAME)).get("shards")
+    shards = index_metadata(os.path.join(out_dir, INDEX_NAME)).get("shards")
     if not shards:
         raise TokenLookupError(f"no token lookup table in {out_dir}: {INDEX_NAME} is missing or not a table's index")
     missing = sorted(name for name in shards if not os.path.isfile(os.path.join(out_dir, name)))
