@@ -65,6 +65,15 @@ def _check_number(config, field: str, low: float, low_inclusive: bool, high: flo
     _check(type(config).__name__, within, field, value, requirement + (f" ({hint})" if hint else ""))
 
 
+def _refuse_unread(config, field: str, default, reason: str) -> None:
+    """A field that the chosen FFN does not read must keep its default: another value would build the model of the
+    default while the config names another one."""
+    value = getattr(config, field)
+    _check(type(config).__name__, value == default, field, value,
+           f"must be {default!r} here: {reason} (a saved config.json with another value loads with "
+           f"`from_pretrained(path, {field}={default!r})`)")
+
+
 # `dtype` (or `torch_dtype`) of a config, by name: the floating-point dtypes a model can be built in
 FLOATING_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double")
 
@@ -112,6 +121,11 @@ PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label
 # frequencies of a plain (text, one-axis) rotary embedding, as LlamaForCausalLM does.
 ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn", "longrope", "llama3")
                                   if name in ROPE_INIT_FUNCTIONS)
+
+
+# Fields that only some FFN blocks read, with the default that the others require (`_refuse_unread`)
+UNREAD_FIELD_DEFAULTS = {"hidden_act": "silu", "kvffn_activation": "silu", "kvffn_composition": "product",
+                         "kvffn_inner_residual": False}
 
 
 # Tensor-parallel style (registered by parallel.py) of a block whose hidden units are split over the ranks.
@@ -312,11 +326,12 @@ class MemFFNConfig(PretrainedConfig):
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
         _check_base_fields(cls.__name__, {field: kwargs[field] for field in BASE_FIELDS if field in kwargs})
-        for field in ("ffn_kernel", "ffn_gate_eps"):
+        for field in ("ffn_kernel", "ffn_gate_eps", *UNREAD_FIELD_DEFAULTS):
             if field in kwargs and field in config_dict:
-                # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take, or its
-                # `ffn_gate_eps` of 0, is refused there, and `ffn_kernel="torch"` or `ffn_gate_eps=1e-6` given here
-                # is what loads it)
+                # (into the fields `__init__` checks: a file's "triton" for FFN shapes the kernels never take, its
+                # `ffn_gate_eps` of 0, or a field its FFN does not read set to another value than the default, is
+                # refused there, and `ffn_kernel="torch"`, `ffn_gate_eps=1e-6` or the default given here is what
+                # loads it)
                 config_dict = {**config_dict, field: kwargs[field]}
         result = super().from_dict(config_dict, **kwargs)
         config = result[0] if isinstance(result, tuple) else result
@@ -520,7 +535,7 @@ class FlashMHFLlamaConfig(MemFFNConfig):
     attention over `intermediate_size` learned key/value slots; every head has its own, so it ignores
     `ffn_num_kv_heads`, and it keeps its activations whatever `ffn_recompute_chunk_tokens`). `ffn_num_heads` defaults
     to 16 (1 for dense_moe), `ffn_num_subnetworks` to 8 (1 for mh_ffn). `hidden_act` applies to the "swiglu"
-    variant only: the sub-networks are SwiGLU (SiLU) as in the paper.
+    variant only: the sub-networks are SwiGLU (SiLU) as in the paper, and the other variants refuse any other value.
 
     `ffn_kernel` chooses how the fused op runs: "auto" (Triton on CUDA, the memory-bounded PyTorch reference on CPU),
     "triton" or "torch" (forced; "triton" is refused here for FFN heads or sub-networks the kernels never take).
@@ -594,6 +609,9 @@ class FlashMHFLlamaConfig(MemFFNConfig):
         _check_positive_ints(self, ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads"))
         if self.ffn_variant == "swiglu":
             return
+        _refuse_unread(self, "hidden_act", UNREAD_FIELD_DEFAULTS["hidden_act"],
+                       f"ffn_variant={self.ffn_variant!r} does not read it (FlashMHF's sub-networks are SwiGLU, with "
+                       "SiLU, as in the paper; PKV's heads take a softmax); it applies to ffn_variant='swiglu' only")
         _check(
             name,
             self.hidden_size % self.ffn_num_heads == 0,
@@ -701,9 +719,10 @@ class KVFFNConfig(MemFFNConfig):
     Baselines through `ffn_variant`: "relu" (W_o relu(W_k x + b_k) + b_o), "glu" (sigmoid-gated linear unit,
     W_o(sigmoid(W_k x + b_k) * (W_v x + b_v)) + b_o) and "densenet" (the output layer reads the hidden features
     concatenated with the block input: W_o [relu(W_k x + b_k); x] + b_o). The activation, composition and inner
-    residual options apply to the "kvffn" variant; `kvffn_bias`, `kvffn_init` and `kvffn_dropout` (dropout on the
-    block's output while training; kv-ffn.md trains with 0.1 on attention and FFN, i.e. with
-    `attention_dropout=0.1`) to all four. With `kvffn_bias=False` the "kvffn" block is a SwiGLU FFN.
+    residual options apply to the "kvffn" variant (the baselines refuse values other than their defaults, as the
+    block refuses `hidden_act` other than "silu": its activation is `kvffn_activation`); `kvffn_bias`, `kvffn_init`
+    and `kvffn_dropout` (dropout on the block's output while training; kv-ffn.md trains with 0.1 on attention and
+    FFN, i.e. with `attention_dropout=0.1`) to all four. With `kvffn_bias=False` the "kvffn" block is a SwiGLU FFN.
     """
 
     model_type = "memffn_kvffn"
@@ -751,6 +770,14 @@ class KVFFNConfig(MemFFNConfig):
         check_choice("kvffn_composition", self.kvffn_composition, self.compositions, name)
         check_choice("kvffn_init", self.kvffn_init, self.inits, name)
         _check_bools(self, ("kvffn_bias", "kvffn_inner_residual"))
+        _refuse_unread(self, "hidden_act", UNREAD_FIELD_DEFAULTS["hidden_act"],
+                       "KVFFN's block does not read it: its keys' activation is `kvffn_activation` "
+                       f"({', '.join(map(repr, self.activations))})")
+        if self.ffn_variant != "kvffn":  # (each baseline fixes its activation and composition: see the docstring)
+            for field in ("kvffn_activation", "kvffn_composition", "kvffn_inner_residual"):
+                _refuse_unread(self, field, UNREAD_FIELD_DEFAULTS[field],
+                               f"ffn_variant={self.ffn_variant!r} does not read it; it applies to ffn_variant='kvffn' "
+                               "only")
         _check(name, _is_number(self.kvffn_dropout) and 0.0 <= self.kvffn_dropout < 1.0,
                "kvffn_dropout", self.kvffn_dropout, "must be a number in [0, 1)")
 

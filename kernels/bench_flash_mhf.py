@@ -5,7 +5,8 @@
 What it does, in order (everything lands in <out>/flash_mhf_bench.json, .md and .png):
 1. correctness: Triton output and all five gradients against a float64 reference on the same inputs, for several
    shapes and dtypes, and the paper shape against the PyTorch reference path; timing stops here on failure;
-2. the fused op at the paper's shapes (B=8, H=16, d_h=128, E=15, d_e=384, L in 1536..16128, bf16): forward and
+2. the fused op at the paper's 1.3B FFN shape (Table 4) with Table 5's batch and lengths (B=8, H=16, d_h=128, E=15,
+   d_e=384, L in 1536..16128, bf16; Table 5 itself times E=22): forward and
    forward+backward time, TFLOP/s (forward FLOPs = 6 B L H E d_e d_h, forward+backward = 3x) and peak memory,
    plus each backward kernel alone;
 3. modules at d_model 2048: the FlashMHF FFN module (projections, query norm, router, op), eager, compiled and

@@ -162,6 +162,42 @@ def test_a_config_file_with_a_refused_triton_ffn_kernel_loads_with_the_torch_ker
 
 
 
+@pytest.mark.parametrize("arch, fields, field, requirement", [
+    ("kvffn", dict(ffn_variant="glu", kvffn_activation="gelu"), "kvffn_activation",
+     r"must be 'silu' here: ffn_variant='glu' does not read it"),
+    ("kvffn", dict(ffn_variant="relu", kvffn_composition="sum"), "kvffn_composition",
+     r"must be 'product' here: ffn_variant='relu' does not read it"),
+    ("kvffn", dict(ffn_variant="densenet", kvffn_inner_residual=True), "kvffn_inner_residual",
+     r"must be False here: ffn_variant='densenet' does not read it"),
+    ("kvffn", dict(hidden_act="gelu"), "hidden_act", r"must be 'silu' here: .*kvffn_activation"),
+    ("flash_mhf", dict(hidden_act="gelu"), "hidden_act", r"must be 'silu' here: ffn_variant='flash_mhf' does not"),
+    ("flash_mhf", dict(ffn_variant="pkv", hidden_act="relu"), "hidden_act", r"must be 'silu' here"),
+])
+def test_a_field_the_chosen_ffn_does_not_read_is_refused_unless_at_its_default(arch, fields, field, requirement,
+                                                                                 tmp_path):
+    """The ablation fields of KV-FFN (activation, composition, inner residual) apply to its own block, and
+    `hidden_act` to the SwiGLU FFNs only: a GLU baseline given GELU keys, a ReLU FFN given the sum, or FlashMHF
+    sub-networks given GELU built the paper's block as if the field were not there, and the run measured another
+    model than the one asked for. Refused with the config, naming the field and the value it must keep; a
+    config.json that holds such a value loads with the default given to `from_pretrained`, as the error says."""
+    import json
+
+    with pytest.raises(ValueError, match=rf"`{field}`=.* is invalid: {requirement}.*from_pretrained\(path, {field}="):
+        tiny_config(arch, **fields)
+    default = getattr(tiny_config(arch), field)
+    tiny_config(arch, **{**fields, field: default}).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text(encoding="utf-8"))
+    (tmp_path / "config.json").write_text(json.dumps({**saved, field: fields[field]}), encoding="utf-8")
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        AutoConfig.from_pretrained(tmp_path)
+    assert getattr(AutoConfig.from_pretrained(tmp_path, **{field: default}), field) == default
+    # the block that reads the field still takes it (KVFFN has no block that reads `hidden_act`)
+    if field != "hidden_act":
+        assert getattr(tiny_config(arch, **{field: fields[field]}), field) == fields[field]
+    elif arch == "flash_mhf":
+        assert tiny_config(arch, ffn_variant="swiglu", hidden_act=fields[field]).hidden_act == fields[field]
+
+
 def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tmp_path):
     """A paper's sizes given with the derived ones (`ffn_head_dim`, `subnetwork_size`), to the config or to
     `from_pretrained`, build the config when they agree (transformers failed to set them, after logging the whole
