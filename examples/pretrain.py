@@ -1102,12 +1102,22 @@ BATCH_SETTINGS_FILE = "recipe_batches.json"
 
 
 def batch_settings(args, training_args) -> dict:
-    """The block size and what makes the blocks of one optimizer step: a run resumed with others packs other blocks,
-    or skips another number of them, so the steps left train on other data than the run's (the Trainer only warns)."""
+    """The block size, what makes the blocks of one optimizer step and the seeds of their order: a run resumed with
+    others packs other blocks, skips another number of them or shuffles them otherwise, so the steps left train on
+    other data than the run's (the Trainer only warns about the batch size)."""
     return {"block_size": args.block_size,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-            "world_size": training_args.world_size}
+            "world_size": training_args.world_size,
+            "seed": training_args.seed, "data_seed": training_args.data_seed}
+
+
+def _data_order(settings: dict) -> tuple[str, int]:
+    """The option whose seed shuffles the training blocks, and its value: the Trainer's sampler takes --data-seed,
+    else --seed."""
+    if settings.get("data_seed") is not None:
+        return "--data-seed", settings["data_seed"]
+    return "--seed", settings["seed"]
 
 
 def _blocks_per_step(settings: dict) -> int:
@@ -1116,10 +1126,11 @@ def _blocks_per_step(settings: dict) -> int:
 
 
 def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict) -> None:
-    """A checkpoint trained with another --block-size, or with another number of blocks per step, is refused before
-    the data is read. (The same number of blocks per step split otherwise between processes, per-device batches and
-    accumulation steps is accepted: each step of an epoch takes the same blocks. Checkpoints of recipe versions that
-    recorded nothing pass.)"""
+    """A checkpoint trained with another --block-size, another order of the blocks (--seed, or --data-seed where
+    given) or another number of blocks per step is refused before the data is read. (The same number of blocks per
+    step split otherwise between processes, per-device batches and accumulation steps is accepted: each step of an
+    epoch takes the same blocks; so is another --seed beside the run's --data-seed. Checkpoints of recipe versions
+    that recorded nothing, or no seeds, pass.)"""
     recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
     if recorded is None or not recorded.is_file():
         return
@@ -1129,6 +1140,12 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                          f"was trained on blocks of {saved.get('block_size')} tokens; resume with --block-size "
                          f"{saved.get('block_size')} (other blocks would give the steps left other data than the "
                          "run's)")
+    if "seed" in saved and _data_order(saved)[1] != _data_order(settings)[1]:
+        (option, value), (saved_option, saved_value) = _data_order(settings), _data_order(saved)
+        raise ValueError(f"{option}={value}: the checkpoint to resume from ({str(checkpoint)!r}) was trained on the "
+                         f"blocks in the order of {saved_option} {saved_value}; resume with {saved_option} "
+                         f"{saved_value} (another order gives the steps left other blocks than the run's: some "
+                         "trained on twice, others never)")
     try:
         saved_blocks = _blocks_per_step(saved)
     except (KeyError, TypeError):
@@ -1146,21 +1163,26 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                          "twice, others never)")
 
 
-def make_record_batches_callback(settings: dict):
-    from transformers import TrainerCallback
+def record_batches_in_checkpoints(trainer, settings: dict):
+    """Makes the Trainer write `settings` into each checkpoint it saves (`refuse_a_checkpoint_of_other_batches`), with
+    the checkpoint's weights: before its trainer_state.json, which the Trainer writes last and without which
+    `resume_checkpoint` takes no checkpoint. (Written at `on_save`, after the Trainer's state, a session stopped in
+    between left a checkpoint that resumed unchecked.) Returns the trainer."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     from hf_memffn.atomic_write import write_atomic
 
-    class RecordBatches(TrainerCallback):
-        """Writes `settings` into each checkpoint the Trainer saves (`refuse_a_checkpoint_of_other_batches`)."""
+    save_model = trainer.save_model
 
-        def on_save(self, args, state, control, **kwargs):
-            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if args.should_save and folder.is_dir():
-                write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
+    def save_model_and_record(output_dir=None, _internal_call=False):
+        save_model(output_dir, _internal_call=_internal_call)
+        folder = Path(output_dir or trainer.args.output_dir)
+        # (the Trainer saves a checkpoint's weights into it by this call; `save_final_model`'s folder is another)
+        if trainer.args.should_save and folder.name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and folder.is_dir():
+            write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
 
-    return RecordBatches()
+    trainer.save_model = save_model_and_record
+    return trainer
 
 
 def checkpoint_state(checkpoint: str | None):
@@ -1229,7 +1251,9 @@ def apply_the_cosine_floor(args, training_args) -> None:
     """--min-learning-rate as the floor of a cosine schedule (`lr_scheduler_kwargs`' `min_lr_rate`), or the floor
     that --lr-scheduler-kwargs gives. Refused before any work: a floor in both places (the kwargs' one won without a
     word over a --min-learning-rate that was typed), a --min-learning-rate for a schedule without a floor (left
-    unused), and a floor above the peak."""
+    unused), and a floor above the peak. A --min-learning-rate left at its default is the floor where it is below
+    --learning-rate; at or above a lower rate (fine-tuning at 5e-6, say) the floor is the same fraction of that rate
+    as the default is of the preset's (1e-5 of 3e-3): the cosine still decays, and nothing untyped is refused."""
     scheduler_type = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
     min_learning_rate_given = "min_learning_rate" in args.given_options
     if scheduler_type not in COSINE_FLOOR_SCHEDULERS:
@@ -1259,10 +1283,17 @@ def apply_the_cosine_floor(args, training_args) -> None:
     # set here, after the data was read)
     minimum, option = ((scheduler_kwargs.pop("min_lr"), "--lr-scheduler-kwargs min_lr")
                        if floors else (args.min_learning_rate, "--min-learning-rate"))
+    if not training_args.learning_rate > 0:  # (the floor is a fraction of it)
+        raise ValueError(f"--learning-rate={training_args.learning_rate:g}: expected a rate above 0, the peak the "
+                         "cosine decay falls from")
+    if not floors and not min_learning_rate_given and minimum >= training_args.learning_rate:
+        minimum = training_args.learning_rate * minimum / get_preset(args.preset).learning_rate
     if not 0 <= minimum <= training_args.learning_rate:
         # (above the peak, the cosine "decay" would climb from the peak to it)
-        raise ValueError(f"{option}={minimum:g}: expected 0 to --learning-rate="
-                         f"{training_args.learning_rate:g}, the rate the cosine decay falls from")
+        peak = (f"--learning-rate={training_args.learning_rate:g}" if "learning_rate" in args.given_options
+                else f"{training_args.learning_rate:g} (the learning rate of preset {args.preset!r}; --learning-rate "
+                     "sets another)")
+        raise ValueError(f"{option}={minimum:g}: expected 0 to {peak}, the rate the cosine decay falls from")
     # as a ratio: an absolute `min_lr` is divided by `optimizer.defaults["lr"]`, which DeepSpeed's ZeRO optimizers
     # do not have
     min_lr_rate = minimum / training_args.learning_rate
@@ -1317,17 +1348,17 @@ def main(argv=None) -> dict:
             flush=True,
         )
 
-    trainer = keep_model_card(Trainer(
+    trainer = record_batches_in_checkpoints(keep_model_card(Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
         eval_dataset=eval_blocks,
         data_collator=collate_blocks,
         processing_class=tokenizer,
-        callbacks=[throughput, make_log_at_checkpoints_callback(), make_record_batches_callback(batches)]
+        callbacks=[throughput, make_log_at_checkpoints_callback()]
         + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
-    ))
+    )), batches)
     started = time.perf_counter()
     resumed_state = checkpoint_state(checkpoint)
     if resumed_state and trainer.is_world_process_zero():

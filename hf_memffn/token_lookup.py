@@ -856,11 +856,11 @@ def checked_cache_rows(cache_rows) -> int:
     return cache_rows
 
 
-def device_cache_rows(cache_rows, device: torch.device, vocab_size: int) -> int:
-    """Token rows of the device cache that the cpu and disk placements build for `cache_rows` on `device`: none off
-    CUDA (the rows are read on the host) and none for 0, which both placements take on every device: without a
-    cache, cpu reads every row from pinned host memory and disk copies each forward's rows to the device at once."""
-    cache_rows = checked_cache_rows(cache_rows)
+def device_cache_rows(cache_rows: int, device: torch.device, vocab_size: int) -> int:
+    """Token rows of the device cache that the cpu and disk placements build for `cache_rows` (as `checked_cache_rows`
+    gives it) on `device`: none off CUDA (the rows are read on the host) and none for 0, which both placements take
+    on every device: without a cache, cpu reads every row from pinned host memory and disk copies each forward's rows
+    to the device at once."""
     return min(cache_rows, vocab_size) if torch.device(device).type == "cuda" else 0
 
 
@@ -873,7 +873,7 @@ class _CachedTokenLookupTable(TokenLookupTable):
     def __init__(self, index: TableIndex, device=None, kernel: str = "auto", cache_rows: int = 1024,
                  frequent_tokens: Sequence[int] | torch.Tensor | None = None):
         # (checked on every device, before the table is read: the same call must not pass on a CPU and fail on a GPU)
-        checked_cache_rows(cache_rows)
+        cache_rows = checked_cache_rows(cache_rows)
         frequent_tokens = _checked_token_ids("frequent_tokens", frequent_tokens, index.vocab_size)
         super().__init__(index, device, kernel)
         cache_rows = device_cache_rows(cache_rows, self.device, index.vocab_size)

@@ -564,6 +564,15 @@ def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_
         pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume="latest"), tmp_path / "cut")
 
 
+def forbid_reading_data(monkeypatch):
+    """Makes the recipe fail if it reads its data: what a refusal "before the data is read" promises."""
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(pretrain, "load_data", no_data)
+
+
 def test_resuming_with_other_blocks_per_step_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
     """A run resumed with another --block-size, or another number of blocks per step, trained on (the Trainer only
     warned about the batch size): its steps left packed other blocks, or skipped another number of them. Both are
@@ -577,10 +586,7 @@ def test_resuming_with_other_blocks_per_step_is_refused_before_the_data_is_read(
     log_before = (out / "train_log.jsonl").read_text()
     load_data = pretrain.load_data
 
-    def no_data(*args, **kwargs):
-        raise AssertionError("the data was read")
-
-    monkeypatch.setattr(pretrain, "load_data", no_data)
+    forbid_reading_data(monkeypatch)
     resume = common + ["--max-steps", "3", "--resume", "latest"]
     with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
                                          r"trained on blocks of 32 tokens; resume with --block-size 32"):
@@ -594,6 +600,59 @@ def test_resuming_with_other_blocks_per_step_is_refused_before_the_data_is_read(
     monkeypatch.setattr(pretrain, "load_data", load_data)
     resumed = pretrain.main(resume + ["--block-size", "32", "--per-device-batch-size", "2", "--grad-accum", "2"])
     assert resumed["global_step"] == 3
+
+
+def test_resuming_with_another_seed_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A run resumed with another --seed or --data-seed trained on: the Trainer's sampler shuffles the blocks with
+    --data-seed, else --seed, so the steps left took other blocks than the run's (some trained on twice, others
+    never). Refused before the data is read, naming the option, the checkpoint's seed and the new one; another --seed
+    beside a --data-seed that keeps the run's order resumes."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--output-dir", str(out)]
+    pretrain.main(common + ["--max-steps", "2"])
+
+    forbid_reading_data(monkeypatch)
+    resume = common + ["--max-steps", "3", "--resume", "latest"]
+    with pytest.raises(ValueError, match=r"--seed=1: the checkpoint to resume from \('.*checkpoint-2'\) was trained "
+                                         r"on the blocks in the order of --seed 0; resume with --seed 0"):
+        pretrain.main(resume + ["--seed", "1"])
+    with pytest.raises(ValueError, match=r"--data-seed=5: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                         r"trained on the blocks in the order of --seed 0; resume with --seed 0"):
+        pretrain.main(resume + ["--data-seed", "5"])
+    assert not (out / "checkpoint-3").exists()
+    saved = json.loads((out / "checkpoint-2" / pretrain.BATCH_SETTINGS_FILE).read_text(encoding="utf-8"))
+    pretrain.refuse_a_checkpoint_of_other_batches(str(out / "checkpoint-2"), {**saved, "seed": 7, "data_seed": 0})
+
+
+def test_a_checkpoint_holds_its_batch_record_once_its_trainer_state_is_written(tmp_path, monkeypatch):
+    """recipe_batches.json was written after the Trainer's state (at `on_save`): a session stopped in between left a
+    checkpoint that `--resume latest` takes, without the record, and a resume with another --block-size trained on
+    unchecked. The record is written with the checkpoint's weights, before the Trainer's state."""
+    from transformers import TrainerState
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--per-device-batch-size",
+              "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    save_to_json = TrainerState.save_to_json
+
+    def stopped_after_the_state(self, json_path):
+        save_to_json(self, json_path)
+        if "checkpoint-" in str(json_path):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TrainerState, "save_to_json", stopped_after_the_state)
+    with pytest.raises(KeyboardInterrupt):
+        pretrain.main(common + ["--block-size", "32", "--max-steps", "2"])
+    monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
+
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                         r"trained on blocks of 32 tokens"):
+        pretrain.main(common + ["--block-size", "16", "--max-steps", "3", "--resume", "latest"])
 
 
 def test_the_final_model_appears_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -129,7 +129,9 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--max-eval-blocks", "-1"], r"--max-eval-blocks=-1: expected a positive number"),
     (["--stop-after-steps", "0"], r"--stop-after-steps=0: expected a step number of 1 or more"),
     (["--stop-after-steps", "-2"], r"--stop-after-steps=-2: expected a step number of 1 or more"),
-    (["--learning-rate", "5e-6"], r"--min-learning-rate=1e-05: expected 0 to --learning-rate=5e-06"),
+    (["--learning-rate", "5e-6", "--min-learning-rate", "2e-5"],
+     r"--min-learning-rate=2e-05: expected 0 to --learning-rate=5e-06"),
+    (["--learning-rate", "0"], r"--learning-rate=0: expected a rate above 0, the peak the cosine decay falls from"),
     (["--data-dir", "shards"], r"--data-dir reads token shards, so --data-files would be left unused"),
     (["--init-from", "saved"], r"--train-tokenizer: the model of --init-from='saved' reads the token ids"),
     (["--config-overrides", "ffn_kernal=torch"], r"'ffn_kernal' not a field of FlashMHFLlamaConfig; its fields:"),
@@ -144,8 +146,10 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--num-proc", "-1"], r"--num-proc=-1: expected a number of tokenizing processes of 1 or more"),
     (["--peak-tflops", "-3"], r"--peak-tflops=-3.0: expected the device's peak in TFLOP/s, above 0"),
     (["--peak-tflops", "0"], r"--peak-tflops=0.0: expected the device's peak in TFLOP/s, above 0"),
-    (["--lr-scheduler-kwargs", '{"min_lr": 0.01}'], r"--lr-scheduler-kwargs min_lr=0.01: expected 0 to "
-                                                   r"--learning-rate=0.003"),
+    (["--lr-scheduler-kwargs", '{"min_lr": 0.01}'], r"--lr-scheduler-kwargs min_lr=0.01: expected 0 to 0.003 "
+                                                   r"\(the learning rate of preset 'tiny'"),
+    (["--learning-rate", "1e-3", "--lr-scheduler-kwargs", '{"min_lr": 0.01}'],
+     r"--lr-scheduler-kwargs min_lr=0.01: expected 0 to --learning-rate=0.001"),
     (["--lr-scheduler-kwargs", '{"min_lr": 1e-4, "min_lr_rate": 0.1}'],
      r"--lr-scheduler-kwargs sets both min_lr and min_lr_rate: give one of them"),
     (["--min-learning-rate", "1e-5", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}'],
@@ -155,8 +159,10 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--lr-scheduler-type", "linear", "--min-learning-rate", "1e-4"],
      r"--min-learning-rate=0.0001 is the floor of the cosine schedules \(cosine_with_min_lr, "
      r"cosine_warmup_with_min_lr\), not of --lr-scheduler-type=linear: drop one of them"),
-    (["--lr-scheduler-type", "cosine_warmup_with_min_lr", "--learning-rate", "5e-6"],
-     r"--min-learning-rate=1e-05: expected 0 to --learning-rate=5e-06"),
+    (["--lr-scheduler-type", "cosine_warmup_with_min_lr", "--learning-rate", "5e-6", "--min-learning-rate", "1e-5"],
+     r"--min-learning-rate=1e-05: expected 0 to --learning-rate=5e-06, the rate"),
+    (["--min-learning-rate", "0.01"], r"--min-learning-rate=0.01: expected 0 to 0.003 \(the learning rate of preset "
+                                      r"'tiny'; --learning-rate sets another\), the rate the cosine decay falls from"),
     (["--tokenizer", "gpt2"], r"--train-tokenizer trains a tokenizer, so --tokenizer='gpt2' would be left unused"),
     (["--dataset-config", "sample-10BT"], r"--dataset-config='sample-10BT' names a configuration of a --dataset, "
                                           r"which is not given"),
@@ -209,8 +215,9 @@ def test_a_min_lr_in_the_lr_scheduler_kwargs_is_the_floor_of_the_cosine_decay(tm
 
 def test_the_cosine_floor_is_given_once_and_a_default_min_learning_rate_gives_way(tmp_path):
     """A floor in --lr-scheduler-kwargs is taken where --min-learning-rate was not typed: its default neither
-    contradicts nor bounds it (a `min_lr_rate` beside --learning-rate 5e-6 was refused for the default 1e-5). A typed
-    --min-learning-rate, also abbreviated, is the floor of either cosine."""
+    contradicts nor bounds it (a `min_lr_rate` beside --learning-rate 5e-6 was refused for the default 1e-5), nor
+    does it bound a --learning-rate alone. A typed --min-learning-rate, also abbreviated, is the floor of either
+    cosine."""
     def floor(*extra):
         args, training = pretrain.parse_arguments(["--output-dir", str(tmp_path), *extra])
         pretrain.apply_the_cosine_floor(args, training)
@@ -222,6 +229,13 @@ def test_the_cosine_floor_is_given_once_and_a_default_min_learning_rate_gives_wa
     assert floor("--learning-rate", "1e-3", "--min-learning", "2e-4", "--lr-scheduler-type",  # (abbreviated)
                  "cosine_warmup_with_min_lr") == {"min_lr_rate": pytest.approx(0.2)}
     assert not floor("--lr-scheduler-type", "linear")
+    # a --learning-rate at or below the default floor (fine-tuning at 5e-6) was refused, naming the untyped default:
+    # the floor is then the fraction of it that the default is of the preset's rate (1e-5 of 3e-3)
+    for scheduler in pretrain.COSINE_FLOOR_SCHEDULERS:
+        assert floor("--learning-rate", "5e-6", "--lr-scheduler-type", scheduler) == {
+            "min_lr_rate": pytest.approx(1e-5 / 3e-3)}
+    assert floor("--learning-rate", "1e-5", "--preset", "1.3B") == {"min_lr_rate": pytest.approx(1e-5 / 1e-3)}
+    assert floor("--learning-rate", "2e-5") == {"min_lr_rate": pytest.approx(0.5)}  # (below it: the default)
     with pytest.raises(ValueError, match=r"--lr-scheduler-kwargs sets min_lr=0.0001 and --min-learning-rate=1e-05"):
         floor("--min-learning", "1e-5", "--lr-scheduler-kwargs", '{"min_lr": 1e-4}')
 

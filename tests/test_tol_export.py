@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -121,6 +122,36 @@ def test_export_into_the_checkpoint_folder_of_other_weights_is_refused(tmp_path)
         export_tols(model, folder, format="int8", progress=False)
         AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).load_tols(folder, placement="cpu")
     assert export_module.checkpoint_fingerprints(tmp_path) is None  # (no checkpoint there)
+
+
+def test_export_into_a_folder_without_plain_weights_is_refused_before_anything_is_written(model, tmp_path, capsys):
+    """A checkpoint folder of FFN weights saved with int8 (or weight LoRA) attached, or of a PEFT adapter: no model
+    loaded from it reads those as the folder's plain weights, so nothing compared them with the exported model's (the
+    int8 one was refused as "other weights", the adapter taken). Both are refused naming what the folder holds, from
+    Python and from the command line, before a model is loaded or a file written."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_memffn.adapters import quantize_weights_int8
+
+    quantized = build()
+    quantize_weights_int8(quantized)
+    quantized.save_pretrained(tmp_path / "int8")
+    get_peft_model(build(), LoraConfig(target_modules=["q_proj"], r=4)).save_pretrained(tmp_path / "lora")
+    model.save_pretrained(tmp_path / "model")
+    refusals = {"int8": r"out_dir='.*int8' is a checkpoint folder whose weights were saved with adapters or int8 "
+                        r"attached \(hf_memffn.adapters; model.memory.parametrizations.down_proj.original0, 6 "
+                        r"tensors in all\)",
+                "lora": r"out_dir='.*lora' holds a PEFT adapter \(adapter_config.json\): a model loaded from it is "
+                        r"its base model with the adapter"}
+    for folder, message in refusals.items():
+        before = file_bytes(tmp_path / folder)
+        with pytest.raises(ValueError, match=message):
+            export_tols(model, tmp_path / folder, format="bf16", progress=False)
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / folder), "--device", "cpu",
+                      "--no-progress"])
+        assert stop.value.code == 2 and re.search(message, capsys.readouterr().err)
+        assert file_bytes(tmp_path / folder) == before
 
 
 # ---------------------------------------------------------------------------------------------------------------------

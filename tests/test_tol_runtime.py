@@ -341,10 +341,12 @@ def test_cache_options_are_checked_on_every_device(exported, placement, options,
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
-def test_no_device_cache_is_taken_by_both_placements_on_every_device(exported, placement):
+def test_no_device_cache_is_taken_by_both_placements_on_every_device(exported, placement, monkeypatch):
     """cache_rows=0 (no device cache) was taken by placement="disk" on a CPU but refused on a GPU, where "cpu" took
     it: one rule now (`device_cache_rows`, asked here for a CUDA device too), and the table reads every row without a
-    cache, equal to compute mode."""
+    cache, equal to compute mode. `cache_rows` is checked once (`checked_cache_rows`, before the table is read):
+    `device_cache_rows` checked it a second time."""
+    from hf_memffn import token_lookup
     from hf_memffn.token_lookup import device_cache_rows
 
     model, directory = exported
@@ -353,11 +355,16 @@ def test_no_device_cache_is_taken_by_both_placements_on_every_device(exported, p
     assert device_cache_rows(vocab_size + 5, torch.device("cuda", 0), vocab_size) == vocab_size
     assert device_cache_rows(64, torch.device("cpu"), vocab_size) == 0
     with pytest.raises(ValueError, match=r"cache_rows=-1 must be >= 0"):
-        device_cache_rows(-1, torch.device("cuda", 0), vocab_size)
+        token_lookup.checked_cache_rows(-1)
+    checks = []
+    checked_cache_rows = token_lookup.checked_cache_rows
+    monkeypatch.setattr(token_lookup, "checked_cache_rows",
+                        lambda rows: checks.append(rows) or checked_cache_rows(rows))
     ids = torch.randint(0, vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         table = model.load_tols(directory, placement=placement, cache_rows=0)
+        assert checks == [0]
         try:
             assert not table.use_cache
             lookup_logits = model(input_ids=ids).logits

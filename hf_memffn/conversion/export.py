@@ -494,6 +494,50 @@ def index_metadata(path: str) -> dict:
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # transformers' names of the weights
 
 
+def _saved_weight_map(folder: str) -> dict[str, str] | None:
+    """Weight name -> the file of `folder` that holds it, from its safetensors weights (one file or an index); None
+    where it has neither. Raises where they cannot be read (OSError, ValueError, KeyError, a SafetensorError)."""
+    weights, weights_index = (os.path.join(folder, name) for name in CHECKPOINT_WEIGHTS)
+    if os.path.isfile(weights_index):
+        with open(weights_index, encoding="utf-8") as handle:
+            return {key: os.path.join(folder, name) for key, name in json.load(handle)["weight_map"].items()}
+    if os.path.isfile(weights):
+        with safe_open(weights, "pt") as handle:
+            return dict.fromkeys(handle.keys(), weights)
+    return None
+
+
+PEFT_ADAPTER_CONFIG = "adapter_config.json"  # (PEFT's and transformers' name of a saved adapter's config)
+
+
+def _refuse_a_folder_without_plain_weights(out_dir: str) -> None:
+    """A ValueError when `out_dir` is a checkpoint folder whose weights a model does not load as plain weights: FFN
+    weights saved with adapters or int8 attached (`hf_memffn.adapters`, stored under `parametrizations.` names, which
+    `from_pretrained` refuses), or a PEFT adapter (transformers loads its base model from elsewhere and adds it). A
+    table exported there was written beside weights that no model loaded from the folder reads as they are:
+    `checkpoint_fingerprints` reads neither as the weights they stand for, so nothing compared them with the model's."""
+    if os.path.isfile(os.path.join(out_dir, PEFT_ADAPTER_CONFIG)):
+        raise ValueError(f"export-tols: out_dir={out_dir!r} holds a PEFT adapter ({PEFT_ADAPTER_CONFIG}): a model "
+                         "loaded from it is its base model with the adapter, whose weights the folder does not hold; "
+                         "export into another directory, or merge the adapter (merge_and_unload) and save the merged "
+                         "model there first (save_pretrained)")
+    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+        return
+    from safetensors import SafetensorError
+
+    try:
+        weight_map = _saved_weight_map(out_dir) or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError):
+        return  # (unreadable weights: `_refuse_another_checkpoint` takes the folder as it takes any such one)
+    parametrized = sorted(key for key in weight_map if ".parametrizations." in key)
+    if parametrized:
+        raise ValueError(f"export-tols: out_dir={out_dir!r} is a checkpoint folder whose weights were saved with "
+                         f"adapters or int8 attached (hf_memffn.adapters; {parametrized[0]}, {len(parametrized)} "
+                         "tensors in all), which from_pretrained does not load as plain weights; export into another "
+                         "directory, or merge them (adapters.merge_weight_lora) and save the model there first "
+                         "(save_pretrained)")
+
+
 def checkpoint_fingerprints(folder: str | os.PathLike) -> tuple[str, str] | None:
     """(`weights_fingerprint`, the same through fp16) of the MemoryLLM / FlexMemoryLLM weights saved in the checkpoint
     folder `folder`, read from its config.json and safetensors weights (the token embedding and the memory FFN only,
@@ -503,17 +547,11 @@ def checkpoint_fingerprints(folder: str | os.PathLike) -> tuple[str, str] | None
     from transformers import AutoConfig
 
     folder = os.fspath(folder)
-    weights, weights_index = (os.path.join(folder, name) for name in CHECKPOINT_WEIGHTS)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None
     try:
-        if os.path.isfile(weights_index):
-            with open(weights_index, encoding="utf-8") as handle:
-                weight_map = {key: os.path.join(folder, name) for key, name in json.load(handle)["weight_map"].items()}
-        elif os.path.isfile(weights):
-            with safe_open(weights, "pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), weights)
-        else:
+        weight_map = _saved_weight_map(folder)
+        if weight_map is None:
             return None
         # (saved from a causal LM or a task head: under "model."; from the base model: at the top)
         embeddings = [key for key in weight_map if key.endswith("embed_tokens.weight")]
@@ -747,6 +785,7 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
         raise ValueError("out_dir='' is an empty path; allowed: a directory (created if missing)")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"out_dir={os.fspath(out_dir)!r} is a file; allowed: a directory (created if missing)")
+    _refuse_a_folder_without_plain_weights(os.fspath(out_dir))  # (before a model is loaded)
     if model_dtype is not None:
         check_choice("model_dtype", model_dtype, tuple(FLOAT_DTYPES))
         if not isinstance(model, (str, os.PathLike)):
