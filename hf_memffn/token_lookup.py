@@ -1198,6 +1198,34 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
                            "from them in bf16 or fp16 only by the checkpoint in that dtype or in fp32)")
 
 
+def refuse_changing_table_inputs(base: nn.Module, state_dict, prefix: str) -> None:
+    """A TokenLookupError where `state_dict`, being loaded into `base` (keys under `prefix`) while it reads a token
+    lookup table, holds other values for the token embedding or the memory FFN than `base` has: the table holds the
+    FFNs on X0 of the current ones, and would be read as if it held the new ones. Shapes that differ are left to
+    `load_state_dict`'s own error."""
+    current = [(f"embed_tokens.{name}", tensor)
+               for name, tensor in base.embed_tokens.state_dict(keep_vars=True).items()]
+    if getattr(base, "memory", None) is not None:
+        current += [(f"memory.{name}", tensor) for name, tensor in base.memory.state_dict(keep_vars=True).items()]
+    checkpoint_name = {"memory.rmsnorm_weight": "memory.norm_weight"}  # (also taken by `TokenMemory`'s loading)
+    changed = []
+    for name, tensor in current:
+        for key in {prefix + name, prefix + checkpoint_name.get(name, name)}:
+            incoming = state_dict.get(key)
+            # (a meta tensor: loading copies nothing from it)
+            if not isinstance(incoming, torch.Tensor) or incoming.is_meta or incoming.shape != tensor.shape:
+                continue
+            held = stored_tensor(base, name, tensor.detach())  # (offloaded by a device map: the stored copy)
+            if not torch.equal(incoming.detach().to(held.device, held.dtype), held):
+                changed.append(key)
+    if changed:
+        raise TokenLookupError(
+            f"load_state_dict: a token lookup table is loaded, computed from the model's token embedding and memory "
+            f"FFN, and the state dict holds other values for {', '.join(sorted(changed)[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}: the model would read the table of the old weights. Call "
+            "unload_tols() first, load the weights, then export and load a table of them")
+
+
 def refuse_device_change(table: TokenLookupTable, fn) -> None:
     """A clear error if `fn` (what `Module._apply` applies to every tensor) moves tensors off the table's device."""
     probe = torch.empty(0, device=table.device)
@@ -1218,6 +1246,13 @@ class TokenLookupMixin:
         if table is not None:
             refuse_device_change(table, fn)
         return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # `load_state_dict` reaches the decoder before its embedding and memory FFN: other values for them are
+        # refused while a table is loaded, before any weight changes (see `refuse_changing_table_inputs`)
+        if getattr(self, "token_lookup", None) is not None:
+            refuse_changing_table_inputs(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_tols(self, path: str | os.PathLike, placement: str = "gpu", *, device=None, cache_rows: int = 1024,
                   frequent_tokens=None, kernel: str = "auto", verify: str = "full",

@@ -246,6 +246,37 @@ def test_training_the_weights_a_table_replaces_is_refused(exported):
     fresh(input_ids=ids, labels=ids).loss.backward()  # computing the memory FFN again, it trains
 
 
+def test_loading_other_weights_for_what_a_loaded_table_replaces_is_refused(exported):
+    """A table holds the FFNs on X0 of the weights it was exported from: `load_state_dict` of another embedding or
+    memory FFN (under the model's names or the checkpoint's `norm_weight`, into the causal LM or its base model) would
+    leave the model reading an out-of-date table, so it is refused before any weight changes. The same weights (a
+    Trainer resuming) and other weights (attention, head) load; without a table, anything loads."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    saved = {name: tensor.clone() for name, tensor in fresh.state_dict().items()}
+    other = {name: tensor + 0.01 for name, tensor in saved.items()}
+    fresh.load_tols(directory, placement="cpu")
+    try:
+        with pytest.raises(TokenLookupError, match=r"load_state_dict.*model\.embed_tokens\.weight.*unload_tols\(\)"):
+            fresh.load_state_dict(other)
+        assert all(torch.equal(tensor, saved[name]) for name, tensor in fresh.state_dict().items())
+        with pytest.raises(TokenLookupError, match=r"model\.memory\.norm_weight"):
+            fresh.load_state_dict({"model.memory.norm_weight": other["model.memory.rmsnorm_weight"]}, strict=False)
+        with pytest.raises(TokenLookupError, match=r"memory\.down_proj"):
+            fresh.model.load_state_dict({"memory.down_proj": other["model.memory.down_proj"]}, strict=False)
+        fresh.load_state_dict(saved)
+        fresh.load_state_dict({name: tensor for name, tensor in other.items()
+                               if "embed_tokens" not in name and ".memory." not in name}, strict=False)
+        with torch.no_grad():
+            lookup = fresh(input_ids=ids).logits
+    finally:
+        fresh.unload_tols()
+    with torch.no_grad():
+        assert relative(lookup, fresh(input_ids=ids).logits) < 1e-5
+    fresh.load_state_dict(other)
+
+
 def test_an_adapter_on_the_token_embedding_is_refused_with_a_table(exported):
     """PEFT's LoRA on `embed_tokens` changes X0, which a table computed from the embedding's weight does not see: a
     table is refused while the adapter is on the embedding (it was taken, and its logits differed from the computed
