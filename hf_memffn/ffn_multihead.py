@@ -372,12 +372,14 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         if not torch.compiler.is_compiling() and not self._path_logged:
             logger.info("FlashMHF FFN runs the %s", self.path_description(projected))
             self._path_logged = True
-        norm_weight = self.query_norm.weight if self.query_norm is not None else None
-        eps = self.query_norm.variance_epsilon if self.query_norm is not None else 0.0
-        if norm_weight is not None and norm_weight.is_meta and not projected.is_meta:
-            # Offloaded by accelerate (a device_map with "cpu" or "disk" entries): the norm's weight is loaded only
-            # while the norm's own forward runs, so the query norm runs as that module, in float32 as the layer's.
-            queries = self.query_norm(projected.float().unflatten(-1, (self.num_heads, self.head_dim)))
+        norm, norm_weight, eps = self.query_norm, None, 0.0
+        if isinstance(norm, MemFFNRMSNorm):
+            norm_weight, eps = norm.weight, norm.variance_epsilon
+        # The query norm runs as its module, in float32 as the layer's, where the fused layer cannot read its weight:
+        # offloaded by accelerate (a device_map with "cpu" or "disk" entries), the weight is loaded only while the
+        # norm's own forward runs; replaced by a PEFT layer (LN tuning's), the weight in use is that of its copy.
+        if norm is not None and (norm_weight is None or norm_weight.is_meta and not projected.is_meta):
+            queries = norm(projected.float().unflatten(-1, (self.num_heads, self.head_dim)))
             projected, norm_weight, eps = queries.flatten(-2).to(projected.dtype), None, 0.0
         heads = flash_mhf_layer(projected, norm_weight, self.router, self.key_up_value, eps=eps,
                                 gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)

@@ -836,8 +836,8 @@ class MemFFNModel(MemFFNPreTrainedModel):
                     "`inputs_embeds`), or call `unload_tols()` first")
             if self.training and torch.is_grad_enabled():
                 self._refuse_training_the_table_inputs()
-            if not is_torchdynamo_compiling():  # (an adapter put on the embedding after `load_tols`)
-                self.token_lookup.check_embedding(self.embed_tokens)
+            if not is_torchdynamo_compiling():  # (an adapter put on the embedding or the FFNs after `load_tols`)
+                self.token_lookup.check_sources(self)
             return self.token_lookup.readout(input_ids)
         if self.memory is None:
             if self.config.token_memory_size is None:

@@ -701,6 +701,9 @@ class TokenLookupTable(nn.Module):
     """
 
     placement = ""  # set by each subclass
+    # the parameter names of the FFNs on X0 when the table was loaded (`load_tols`; None: not recorded), which
+    # `check_sources` compares at each forward: an adapter added since changes them
+    memory_parameters_at_load: tuple[str, ...] | None = None
 
     def __init__(self, index: TableIndex, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
@@ -783,11 +786,24 @@ class TokenLookupTable(nn.Module):
     def _readout(self, ids: torch.Tensor) -> TokenLookupReadout:
         raise NotImplementedError
 
-    def check_embedding(self, embedding: nn.Module) -> None:
-        """A TokenLookupError if an adapter was put on the token embedding after `load_tols` (PEFT's LoRA or
-        `modules_to_save`, as `load_adapter` or `get_peft_model` add them): the table holds the FFNs on X0 of the
-        embedding's weight alone, so reading it would leave the adapter's change to X0 out of them."""
-        refuse_embedding_adapters(embedding, loaded=True)
+    def check_sources(self, base: nn.Module) -> None:
+        """A TokenLookupError if an adapter was put on the token embedding or on the FFNs on X0 (`memory`) of `base`
+        after `load_tols` (PEFT's LoRA, `target_parameters` or `modules_to_save`, as `load_adapter` or `get_peft_model`
+        add them; `hf_memffn.adapters`' LoRA or int8): the table holds the FFNs on X0 of the weights it was exported
+        from, so reading it would leave the adapter out of them."""
+        refuse_embedding_adapters(base.embed_tokens, loaded=True)
+        memory = getattr(base, "memory", None)
+        if memory is None or self.memory_parameters_at_load is None:
+            return
+        names = memory_parameter_names(memory)
+        if names != self.memory_parameters_at_load:
+            changed = sorted(set(names) - set(self.memory_parameters_at_load)) or sorted(
+                set(self.memory_parameters_at_load) - set(names))
+            raise TokenLookupError(
+                f"the FFNs on X0 (memory) have other parameters than when the table was loaded ({changed[0]}: an "
+                "adapter put on them after load_tols, such as PEFT's target_parameters LoRA or modules_to_save, or "
+                "hf_memffn.adapters' LoRA or int8), which the table does not hold; call unload_tols() to compute the "
+                "FFNs on X0 again, or merge the adapter and export the table from the merged model")
 
     def _host_buffers(self) -> tuple[str, ...]:
         """Buffers that live in host memory even when they are CUDA tensors (aliases of pinned host memory)."""
@@ -1177,6 +1193,35 @@ def refuse_embedding_adapters(embedding: nn.Module, loaded: bool = False) -> Non
                                f"the merged model,{unload} or leave the embedding out of the adapter's target modules")
 
 
+# The parameters of `TokenMemory` (the FFNs on X0) under their attribute names
+MEMORY_OWN_PARAMETERS = ("rmsnorm_weight", "gate_proj", "up_proj", "down_proj")
+
+
+def memory_parameter_names(memory: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, _ in memory.named_parameters())
+
+
+def memory_adapters(memory: nn.Module) -> list[str]:
+    """Names of the parameters of the FFNs on X0 that are not their own weights: a PEFT adapter's (the wrapper of
+    `target_parameters` LoRA around the module, a `modules_to_save` copy beside it). PEFT switches these off or swaps
+    them (`disable_adapter`, `set_adapter`) without a table knowing, and the wrapper hides the module's methods. The
+    parametrizations of `hf_memffn.adapters` (`parametrizations.<weight>.*`) are the weights the module reads and the
+    fingerprint hashes: a table exported through them holds them."""
+    return [name for name in memory_parameter_names(memory)
+            if name not in MEMORY_OWN_PARAMETERS and not name.startswith("parametrizations.")]
+
+
+def refuse_memory_adapters(memory: nn.Module | None) -> None:
+    """A TokenLookupError while the FFNs on X0 carry a PEFT adapter (see `memory_adapters`)."""
+    adapters = memory_adapters(memory) if memory is not None else []
+    if adapters:
+        raise TokenLookupError(f"the FFNs on X0 (memory) carry parameters that are not their weights ({adapters[0]}: a "
+                               "PEFT adapter such as target_parameters LoRA or modules_to_save), which PEFT can switch "
+                               "off or swap while a table holds the FFNs' values; merge the adapter into the weights "
+                               "(merge_and_unload) and export the table from the merged model, or leave the FFNs on X0 "
+                               "out of the adapter's targets")
+
+
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     """Refuse a table computed from other weights (or another shape) than `model`'s."""
     base = _memory_base(model)
@@ -1188,6 +1233,7 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
             raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
                                    f"model has {key}={value}")
     refuse_embedding_adapters(base.embed_tokens)
+    refuse_memory_adapters(getattr(base, "memory", None))
     fingerprint = weights_fingerprint(base)
     if table_takes(index.metadata, fingerprint, lambda: weights_fingerprint(base, through=torch.float16)):
         return
@@ -1286,6 +1332,8 @@ class TokenLookupMixin:
             device = execution_device(base.embed_tokens)
         table = open_table(index, placement, device=device, cache_rows=cache_rows, frequent_tokens=frequent_tokens,
                            kernel=kernel)
+        memory = getattr(base, "memory", None)
+        table.memory_parameters_at_load = memory_parameter_names(memory) if memory is not None else None
         base.token_lookup = table
         if drop_memory_ffn:
             self.drop_memory_ffn()
@@ -1331,11 +1379,13 @@ class TokenLookupMixin:
     def drop_memory_ffn(self) -> int:
         """Free the memory FFN weights (lookup mode only needs the table); returns the number of parameters freed."""
         base = _memory_base(self)
-        if getattr(base, "token_lookup", None) is None:
+        table = getattr(base, "token_lookup", None)
+        if table is None:
             raise ValueError("load a token lookup table (load_tols) before dropping the memory FFN weights")
         memory = getattr(base, "memory", None)
         if memory is None:
             return 0
+        table.check_sources(base)  # (an adapter put on the FFNs since the table was loaded would go with them unseen)
         # both fingerprints `check_table_matches` compares, so every table this model takes is still taken
         base._token_lookup_fingerprints = {through: weights_fingerprint(base, through=through)
                                            for through in (None, torch.float16)}

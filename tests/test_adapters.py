@@ -603,3 +603,161 @@ def test_adapters_saved_from_a_peft_model_load_into_the_model_it_wraps_and_back(
     adapters.load_weight_lora(wrapped, adapters.weight_lora_state_dict(merged))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ids).logits, adapted)
+
+
+def add_memory_adapter(model, how: str):
+    """`model` (a MemoryLLM) with an adapter on its FFNs on X0 (`model.model.memory`) that changes their output."""
+    if how == "add_weight_lora":
+        adapters.add_weight_lora(model, r=2, alpha=4, targets=["model.memory.gate_proj"])
+        with torch.no_grad():
+            for _, _, _, item in adapters._lora_parametrizations(model):
+                item.lora_B.normal_()
+        return model
+    config = (peft.LoraConfig(r=2, target_parameters=["memory.gate_proj", "memory.down_proj"], init_lora_weights=False)
+              if how == "target_parameters" else
+              peft.LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["memory"]))
+    model = peft.get_peft_model(model, config).eval()
+    if how == "modules_to_save":
+        with torch.no_grad():
+            model.base_model.model.model.memory.modules_to_save["default"].down_proj.mul_(2.0)
+    return model
+
+
+@pytest.mark.parametrize("how", ["target_parameters", "modules_to_save", "add_weight_lora"])
+def test_an_adapter_put_on_the_ffns_on_x0_after_load_tols_is_refused_at_inference(how, tmp_path):
+    """A token lookup table holds the FFNs on X0 of the weights it was exported from. An adapter put on those FFNs once
+    the table is loaded (PEFT's `target_parameters` LoRA or `modules_to_save`, as `PeftModel.from_pretrained` adds
+    them; this package's LoRA) was left out without a word: the forward read the table, and its logits were those of
+    the model without the adapter; `drop_memory_ffn` dropped it with the FFNs. Both are refused, naming the way back
+    to computing the FFNs."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.token_lookup import TokenLookupError
+
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    export_tols(tiny_model("memoryllm"), tmp_path, format="fp32", progress=False)
+    loaded = tiny_model("memoryllm")
+    loaded.load_tols(tmp_path, placement="cpu")
+    adapted = add_memory_adapter(loaded, how)
+    refused = r"FFNs on X0 \(memory\) have other parameters than when the table was loaded.*unload_tols\(\)"
+    with torch.no_grad(), pytest.raises(TokenLookupError, match=refused):
+        adapted(input_ids=ids)
+    with pytest.raises(TokenLookupError, match=refused):  # (it would go with the FFNs, unseen)
+        adapted.drop_memory_ffn()
+    adapted.unload_tols()
+    with torch.no_grad():
+        computed = adapted(input_ids=ids).logits
+        assert not torch.allclose(computed, tiny_model("memoryllm")(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("how", ["target_parameters", "modules_to_save"])
+def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how, tmp_path):
+    """A PEFT adapter on the FFNs on X0 can be switched off or swapped (`disable_adapter`, `set_adapter`) while a table
+    holds one adapter's values, and its `target_parameters` wrapper hides `TokenMemory.forward_layers`, which an export
+    that drops layers calls (it stopped with an AttributeError). Export and `load_tols` refuse it, naming the adapter
+    and `merge_and_unload`, before anything is written; the merged model exports a table that gives its logits."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.token_lookup import TokenLookupError
+
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    adapted = add_memory_adapter(tiny_model("memoryllm"), how)
+    for drop_layers in ([], [1]):
+        with pytest.raises(ValueError, match=r"FFNs on X0 \(memory\) carry parameters that are not their weights "
+                                             r"\((base_layer|original_module).*merge_and_unload"):
+            export_tols(adapted, tmp_path / "adapted", format="fp32", drop_layers=drop_layers, progress=False)
+        assert not (tmp_path / "adapted").exists()
+    export_tols(tiny_model("memoryllm"), tmp_path / "base", format="fp32", progress=False)
+    with pytest.raises(TokenLookupError, match=r"carry parameters that are not their weights.*merge_and_unload"):
+        adapted.get_base_model().load_tols(tmp_path / "base", placement="cpu")
+    assert adapted.get_base_model().model.token_lookup is None
+
+    merged = adapted.merge_and_unload()
+    with torch.no_grad():
+        expected = merged(input_ids=ids).logits
+    export_tols(merged, tmp_path / "merged", format="fp32", progress=False)
+    merged.load_tols(tmp_path / "merged", placement="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected)
+
+
+PEFT_TUNERS_ON_LINEAR_LAYERS = {
+    "dora": lambda targets: peft.LoraConfig(r=2, use_dora=True, target_modules=targets, init_lora_weights=False),
+    "loha": lambda targets: peft.LoHaConfig(r=2, target_modules=targets, init_weights=False),
+    "lokr": lambda targets: peft.LoKrConfig(r=2, target_modules=targets, init_weights=False),
+    "vera": lambda targets: peft.VeraConfig(r=2, target_modules=["q_proj", "v_proj"], init_weights=False),
+    "adalora": lambda targets: peft.AdaLoraConfig(init_r=2, target_r=1, total_step=10, target_modules=targets,
+                                                  init_lora_weights=False),
+}
+
+
+@pytest.mark.parametrize("tuner", sorted(PEFT_TUNERS_ON_LINEAR_LAYERS))
+@pytest.mark.parametrize("arch", ["llama", *ARCHS])
+def test_pefts_other_tuners_on_the_linear_layers_save_load_and_merge_as_on_llama(arch, tuner, tmp_path):
+    """README: DoRA, LoHa, LoKr, VeRA and AdaLoRA on `LORA_TARGET_MODULES` change the logits, train, and give the same
+    logits loaded back from PEFT's folder and merged (`merge_and_unload`), as transformers' Llama does."""
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    config = PEFT_TUNERS_ON_LINEAR_LAYERS[tuner](hf_memffn.LORA_TARGET_MODULES[arch])
+    with torch.no_grad():
+        base = tiny_model(arch)(input_ids=ids).logits
+    model = peft.get_peft_model(tiny_model(arch), config)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(param.grad is not None for param in model.parameters() if param.requires_grad)
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    assert not torch.allclose(adapted, base)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(tiny_model(arch), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, adapted, rtol=0, atol=0)
+        # (to float32 rounding: the random adapters change the weights by far more than trained ones would)
+        torch.testing.assert_close(loaded.merge_and_unload()(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_tuning_on_the_sequence_classifier_reads_each_rows_last_token(arch):
+    """README: prefix tuning works with the task heads (PEFT refuses it for Llama's). PEFT extends the padding mask by
+    the prefix's columns; the classifier reads each row at its last token among the input's columns, so a padded row
+    scores as it does alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config(arch, num_labels=3, pad_token_id=0))
+    model = peft.get_peft_model(model, peft.PrefixTuningConfig(num_virtual_tokens=3, task_type="SEQ_CLS")).eval()
+    with torch.no_grad():
+        model.prompt_encoder["default"].embedding.weight.normal_()
+    ids = torch.randint(3, 320, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits
+        alone = model(input_ids=ids[1:, :4], attention_mask=mask[1:, :4]).logits
+    torch.testing.assert_close(batch[1:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 4])
+def test_pefts_layernorm_tuning_of_flash_mhfs_query_norm_trains_and_merges(chunk_tokens):
+    """PEFT's LN tuning (`LNTuningConfig`) replaces FlashMHF's `query_norm` by a layer that runs a trained copy of it;
+    the FFN read the norm's weight and epsilon off the module for its fused layer, and stopped with "'LNTuningLayer'
+    object has no attribute 'variance_epsilon'". The replaced norm runs as its module: the trained copy gets
+    gradients (also recomputed in token chunks) and gives the logits of the merged model."""
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
+    with torch.no_grad():
+        base = model.eval()(input_ids=ids).logits
+    model = peft.get_peft_model(model, peft.LNTuningConfig(target_modules=["query_norm"]))
+    tuned = [param for name, param in model.named_parameters() if param.requires_grad]
+    assert tuned and all(".query_norm." in name for name, param in model.named_parameters() if param.requires_grad)
+    with torch.no_grad():
+        for param in tuned:
+            param.uniform_(0.5, 1.5)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(param.grad is not None and param.grad.abs().sum() > 0 for param in tuned)
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged = model.merge_and_unload()(input_ids=ids).logits
+    assert not torch.allclose(adapted, base)
+    torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)

@@ -46,8 +46,9 @@ from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, decode_utf8, existi
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
-                                    fingerprints, quantize_rows, read_safetensors_header, row_relative_errors,
-                                    shard_sha256, table_file_names, table_takes, weights_fingerprint)
+                                    fingerprints, quantize_rows, read_safetensors_header, refuse_memory_adapters,
+                                    row_relative_errors, shard_sha256, table_file_names, table_takes,
+                                    weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -146,6 +147,7 @@ class _Exporter:
             raise ValueError(f"export-tols: the token embedding has parameters that its weight does not hold "
                              f"({adapters[0]}: an adapter such as PEFT's LoRA); merge the adapter into the weight "
                              "(merge_and_unload) and export the table from the merged model")
+        refuse_memory_adapters(self.base.memory)  # (the table would hold the values of whichever adapter is active)
         max_shard_size = shard_size_bytes(max_shard_size)
         config = self.base.config
         self.vocab = config.vocab_size
