@@ -396,7 +396,9 @@ def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_
     """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks. Blank documents (the
     empty lines of a .txt file) are not documents and add nothing, no EOS either. The stream is cut per batch of 1000
     documents (`datasets`' batched map, as transformers' language-modelling examples pack), so each batch drops its
-    own tail of fewer than `block_size` tokens."""
+    own tail of fewer than `block_size` tokens. `num_proc` processes tokenize; one process packs, so that the batches,
+    and with them the blocks, are the same for any `num_proc` (`datasets` splits the documents into one shard per
+    process, each batched from its own start, and leaves `num_proc` out of the key of the results it caches)."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
@@ -409,7 +411,7 @@ def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_
         return {"input_ids": [stream[i : i + block_size] for i in range(0, usable, block_size)]}
 
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="tokenize")
-    return tokenized.map(group, batched=True, num_proc=num_proc, desc=f"pack into {block_size}-token blocks")
+    return tokenized.map(group, batched=True, desc=f"pack into {block_size}-token blocks")
 
 
 def collate_blocks(features):

@@ -324,6 +324,18 @@ def test_write_code_corpus_writes_a_linked_module_once(tmp_path, monkeypatch):
     assert (tmp_path / "corpus.jsonl").read_text().splitlines() == ['{"text": "x = 1\\n"}']
 
 
+def test_write_code_corpus_is_the_same_wherever_python_is_installed(tmp_path, monkeypatch):
+    """The standard library's `test` package was left out by a folder named `test` anywhere in the path: a Python
+    installed under one (`/home/test/.pyenv/...`) gave an empty corpus, which ddp_check.sh then reused."""
+    stdlib = tmp_path / "test" / "lib"
+    (stdlib / "test").mkdir(parents=True)
+    (stdlib / "a.py").write_text("x = 1\n")
+    (stdlib / "test" / "test_a.py").write_text("assert True\n")
+    monkeypatch.setattr(write_code_corpus.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    write_code_corpus.main(str(tmp_path / "corpus.jsonl"))
+    assert (tmp_path / "corpus.jsonl").read_text().splitlines() == ['{"text": "x = 1\\n"}']
+
+
 def test_write_code_corpus_reads_sources_as_utf8_whatever_the_locale(tmp_path):
     """The sources were read in the locale's encoding with errors ignored: under an ASCII locale (LC_ALL=C without
     UTF-8 mode) every non-ASCII character of the corpus was dropped."""

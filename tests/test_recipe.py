@@ -131,6 +131,24 @@ def test_packing_leaves_blank_documents_out():
     assert [token for block in blocks["input_ids"] for token in block] == stream
 
 
+def test_packing_gives_the_same_blocks_whatever_the_number_of_tokenizing_processes():
+    """--num-proc split the documents into one shard per process before the stream was cut per batch of 1000
+    documents, so the blocks (and their number) depended on it: these 2,500 documents gave 3,609 blocks in one process
+    and 3,608 in two, 1,439 of them different. `datasets` leaves `num_proc` out of its cache key, so a run could also
+    read the blocks that an earlier run with another --num-proc had cached."""
+    import datasets
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40))) for _ in range(2500)]
+    tokenizer = train_tokenizer(WORDS * 3, vocab_size=300)
+    docs = datasets.Dataset.from_dict({"text": texts})
+    one = pretrain.pack_into_blocks(docs, tokenizer, block_size=32, text_column="text")
+    two = pretrain.pack_into_blocks(docs, tokenizer, block_size=32, text_column="text", num_proc=2)
+    assert two["input_ids"] == one["input_ids"]
+
+
 def test_documents_without_text_or_of_a_file_not_utf8_are_refused_naming_the_row_or_file(tmp_path):
     """A JSON line without the text field (or with a number there) failed in the tokenizer (`TypeError: 'NoneType'
     object is not iterable`), and a file not in UTF-8 with `DatasetGenerationError: An error occurred while generating
