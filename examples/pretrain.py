@@ -274,15 +274,15 @@ def refuse_documents_without_text(split, split_name: str, column: str) -> None:
 
 def data_files_builder(args) -> str:
     """The `datasets` builder that reads --data-files: --dataset, else the one of the files' suffix. A file named
-    twice (also by two globs) is refused: its documents would be trained on twice, and the held-out ones (the last
-    documents) could be trained on too. So are files of two formats, which one builder would read as the other's (a
-    JSON line as a line of text)."""
+    twice (also by two globs, by paths spelled otherwise such as `./a.jsonl`, or through a link) is refused: its
+    documents would be trained on twice, and the held-out ones (the last documents) could be trained on too. So are
+    files of two formats, which one builder would read as the other's (a JSON line as a line of text)."""
     from collections import Counter
 
-    from datasets.data_files import DataFilesList
-
-    files = list(DataFilesList.from_patterns(args.data_files))
-    repeated = sorted(name for name, count in Counter(files).items() if count > 1)
+    files = _data_files(args.data_files)
+    # (a local file by the one path it resolves to: `datasets` keeps the `./` and `..` of the path given)
+    real = Counter(os.path.realpath(name) if os.path.exists(name) else name for name in files)
+    repeated = sorted(name for name, count in real.items() if count > 1)
     if repeated:
         raise ValueError(f"--data-files names {repeated[0]!r} more than once ({len(repeated)} such file(s)): its "
                          "documents would be trained on twice; give each file once")
@@ -304,6 +304,25 @@ def data_files_builder(args) -> str:
     return next(iter(builders))
 
 
+def _data_files(patterns: list[str]) -> list[str]:
+    """The files of --data-files, pattern by pattern: `datasets` passes over a glob that matches no file, so a
+    mistyped one (`corpus/*.jsnol` beside others) left its files out of training without a word, or, alone, failed
+    with a bare `StopIteration`."""
+    from datasets.data_files import DataFilesList
+
+    files = []
+    for pattern in patterns:
+        try:
+            matched = list(DataFilesList.from_patterns([pattern]))
+        except FileNotFoundError:
+            matched = []
+        if not matched:
+            raise ValueError(f"--data-files: {pattern!r} matches no file (relative to {os.getcwd()!r}); give "
+                             "existing files or globs that match some")
+        files += matched
+    return files
+
+
 def _holds_text(name: str) -> bool:
     """Whether the file holds a byte other than whitespace (read until the first one)."""
     with open(name, "rb") as handle:
@@ -314,32 +333,109 @@ def _holds_text(name: str) -> bool:
 
 
 def _load_data_files(datasets, args):
-    """`datasets.load_dataset` of --data-files, with an error that names a file that is not UTF-8: `datasets` names
-    neither the file nor the encoding it expected, and its json builder reads such bytes into the text column
-    unchecked (they failed later, in the tokenizer)."""
+    """`datasets.load_dataset` of --data-files, with an error that names a file that is not UTF-8, the line of a
+    JSON file that is not a JSON object, or a file of other columns than the first: `datasets` names neither the file
+    nor the encoding it expected (nor the line: "An error occurred while generating the dataset"), and its json
+    builder reads bytes that are not UTF-8 into the text column unchecked (they failed later, in the tokenizer)."""
     import pyarrow
 
+    builder = data_files_builder(args)
+    # a byte-order mark (Windows editors write one) is no text: the text builder kept it at the start of a file's
+    # first document (the json and csv builders leave it out)
+    options = {"encoding": "utf-8-sig"} if builder == "text" else {}
     try:
-        loaded = datasets.load_dataset(data_files_builder(args), data_files={"train": args.data_files})
+        loaded = datasets.load_dataset(builder, data_files={"train": args.data_files}, **options)
         if args.text_column in loaded["train"].column_names:
             loaded["train"].data.column(args.text_column).validate(full=True)
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, pyarrow.ArrowInvalid) as error:
         cause = error.__cause__ if isinstance(error, datasets.exceptions.DatasetGenerationError) else error
         decoding = isinstance(cause, (UnicodeDecodeError, pyarrow.ArrowInvalid))
         name = _first_file_not_utf8(args.data_files) if decoding else None
-        if name is None:
-            raise
-        raise ValueError(f"--data-files: {name!r} is not UTF-8 text ({cause}); convert it to UTF-8") from error
+        if name is not None:
+            raise ValueError(f"--data-files: {name!r} is not UTF-8 text ({cause}); convert it to UTF-8") from error
+        where = _first_row_not_json(args.data_files) if builder == "json" else None
+        if where is not None:
+            raise ValueError(f"--data-files: {where}; give one JSON object a line (or one JSON array of objects)") \
+                from error
+        # (`datasets` told of other columns in a message naming them, but no file: a `CastError`, an `ArrowInvalid`)
+        _refuse_files_of_other_columns(args.data_files, builder, error)
+        raise
     return loaded
+
+
+def _refuse_files_of_other_columns(patterns: list[str], builder: str, error: Exception) -> None:
+    """Refuse --data-files whose first rows have other columns than the first file's (`datasets` reads every file
+    with the first one's columns, and failed on another's naming neither file), naming the two files."""
+    known = [(name, columns) for name in _data_files(patterns) if (columns := _first_row_columns(name, builder))]
+    for name, columns in known[1:]:
+        if set(columns) != set(known[0][1]):
+            raise ValueError(f"--data-files: {name!r} has the columns {sorted(columns)}, {known[0][0]!r} "
+                             f"{sorted(known[0][1])}: one dataset reads files of the same columns; give the text of "
+                             "every file the same name (--text-column), or convert them alike") from error
+
+
+def _first_row_columns(name: str, builder: str) -> list[str] | None:
+    """The columns of one file of --data-files, as its first row gives them (a CSV header, the keys of the first
+    JSON line, a parquet schema); None where they cannot be read that way (a .json array, a file of text)."""
+    if builder == "parquet":
+        import pyarrow.parquet
+
+        return pyarrow.parquet.read_schema(name).names
+    if builder not in ("csv", "json") or not Path(name).is_file():
+        return None
+    with open(name, encoding="utf-8-sig", newline="" if builder == "csv" else "\n") as handle:
+        if builder == "csv":
+            import csv
+
+            return next(csv.reader(handle), None)
+        first = next((line for line in handle if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    return list(row) if isinstance(row, dict) else None
+
+
+def _first_row_not_json(patterns: list[str]) -> str | None:
+    """Where the first file of --data-files that the json builder cannot read goes wrong ("'FILE', line N ..."):
+    the first line of JSON lines that is no JSON object, or the place where a file of one JSON document (a .json
+    array over several lines) stops being JSON; None if every file reads as one or the other."""
+    for name in _data_files(patterns):
+        if not Path(name).is_file():
+            continue
+        rows_read, number, why, parsed = 0, 0, None, False
+        # (lines end at \n alone, as the builder's do; a byte-order mark in front, which it reads past, left out)
+        with open(name, encoding="utf-8-sig", newline="\n") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row, parsed = json.loads(line), True
+                except json.JSONDecodeError as error:
+                    why, parsed = f"is not JSON ({error.msg} at column {error.colno})", False
+                else:
+                    why = None if isinstance(row, dict) else f"holds a JSON {type(row).__name__}, not an object"
+                if why is not None:
+                    break
+                rows_read += 1
+        if why is None:
+            continue  # JSON lines, every one an object
+        if rows_read:  # JSON lines up to this one
+            return f"{name!r}, line {number}, {why}"
+        try:  # the first line is no JSON object: the file may be one JSON document (an array, over several lines)
+            json.loads(Path(name).read_text(encoding="utf-8-sig"))
+        except json.JSONDecodeError as error:
+            if parsed:  # the first line is JSON of its own, but no object
+                return f"{name!r}, line {number}, {why}"
+            return f"{name!r}, line {error.lineno}, is not JSON ({error.msg} at column {error.colno})"
+    return None
 
 
 def _first_file_not_utf8(patterns: list[str]) -> str | None:
     """The first local file of --data-files that does not decode as UTF-8 (None if all do)."""
     import codecs
 
-    from datasets.data_files import DataFilesList
-
-    for name in DataFilesList.from_patterns(patterns):
+    for name in _data_files(patterns):
         if not Path(name).is_file():
             continue
         decoder = codecs.getincrementaldecoder("utf-8")()
@@ -394,20 +490,25 @@ def _batches(dataset, column: str, batch_size: int = 1000):
 
 def pack_into_blocks(dataset, tokenizer, block_size: int, text_column: str, num_proc=None):
     """Tokenize documents, join them with EOS and cut the stream into `block_size`-token blocks. Blank documents (the
-    empty lines of a .txt file) are not documents and add nothing, no EOS either. The stream is cut per batch of 1000
-    documents (`datasets`' batched map, as transformers' language-modelling examples pack), so each batch drops its
-    own tail of fewer than `block_size` tokens. `num_proc` processes tokenize; one process packs, so that the batches,
-    and with them the blocks, are the same for any `num_proc` (`datasets` splits the documents into one shard per
-    process, each batched from its own start, and leaves `num_proc` out of the key of the results it caches)."""
+    empty lines of a .txt file) are not documents and add nothing, no EOS either. One stream runs through all the
+    documents, so only its tail of fewer than `block_size` tokens is dropped: the blocks of token shards
+    (examples/token_shards.py) of the same documents. (Cut per batch of 1000 documents, as `datasets`' batched map
+    hands them over, each batch dropped a tail of its own: up to a third of the text of short documents in long
+    blocks, and all of it where 1000 documents held fewer tokens than a block.) `num_proc` processes tokenize; one
+    process packs, in order, so that the blocks are the same for any `num_proc` (processes would each carry a stream
+    of their own and drop a tail each, and `datasets` leaves `num_proc` out of the key of the results it caches)."""
     eos = tokenizer.eos_token_id
 
     def tokenize(batch):
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         return {"input_ids": [doc + [eos] for doc, text in zip(ids, batch[text_column]) if text.strip()]}
 
+    left_over = []  # the tokens after a batch's last full block, which begin the next batch's first
+
     def group(batch):
-        stream = [token for doc in batch["input_ids"] for token in doc]
+        stream = left_over + [token for doc in batch["input_ids"] for token in doc]
         usable = len(stream) - len(stream) % block_size
+        left_over[:] = stream[usable:]
         return {"input_ids": [stream[i : i + block_size] for i in range(0, usable, block_size)]}
 
     tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="tokenize")

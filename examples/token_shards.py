@@ -32,7 +32,9 @@ def split_path(folder: str | os.PathLike, split: str) -> Path:
 def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[int]], eos_id: int,
                 max_tokens: int | None = None) -> int:
     """Write documents (token id lists) joined by `eos_id` to `DIR/split.bin`, stopping at `max_tokens`; returns the
-    number of tokens written. Written under a temporary name and renamed, so a folder never holds half a split."""
+    number of tokens written. An empty document adds nothing, no EOS either (`pretrain.pack_into_blocks` leaves
+    blank documents out alike): each added a lone EOS, so the shards held runs of EOS that the text path's blocks of
+    the same documents do not. Written under a temporary name and renamed, so a folder never holds half a split."""
     largest = int(np.iinfo(TOKEN_DTYPE).max)
     if isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id <= largest:
         raise ValueError(f"eos_id={eos_id!r} is invalid; allowed: a token id from 0 to {largest} (the tokenizer's "
@@ -46,7 +48,10 @@ def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[
     try:
         with tmp_path.open("wb") as handle:
             for ids in documents:
-                chunk = np.asarray(list(ids) + [eos_id], dtype=np.int64)
+                ids = list(ids)
+                if not ids:
+                    continue
+                chunk = np.asarray(ids + [eos_id], dtype=np.int64)
                 outside = chunk[(chunk < 0) | (chunk > np.iinfo(TOKEN_DTYPE).max)]
                 if outside.size:
                     raise ValueError(f"token id {int(outside[0])} does not fit uint16 (0 to 65535): use a vocabulary "

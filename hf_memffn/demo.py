@@ -231,8 +231,10 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
             path = Path(name)
             if not path.is_file():
                 raise ValueError(f"--text-files contains {name!r}, which is not a file; allowed: paths of text files")
-            try:  # (not replaced by U+FFFD: such characters would be trained on as U+FFFD)
-                texts.append(path.read_text(encoding="utf-8"))
+            # (not replaced by U+FFFD: such characters would be trained on as U+FFFD; a byte-order mark, which
+            # Windows editors write, left out: it began the first paragraph)
+            try:
+                texts.append(path.read_text(encoding="utf-8-sig"))
             except UnicodeDecodeError as error:
                 raise ValueError(f"--text-files contains {name!r}, which is not UTF-8 text ({error}); allowed: "
                                  "UTF-8 text files (convert it to UTF-8)") from error

@@ -131,6 +131,18 @@ def test_a_split_that_a_dataset_saved_alone_lacks_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_text_files_of_windows_editors_give_paragraphs_without_byte_order_mark(tmp_path):
+    """A file saved with a UTF-8 byte-order mark began its first paragraph with U+FEFF, trained on as text."""
+    import argparse
+
+    from hf_memffn import demo
+
+    (tmp_path / "notes.txt").write_bytes("\ufeffFirst paragraph.\r\n\r\nSecond one.\r\n".encode("utf-8"))
+    paragraphs, _ = demo._read_real_text(argparse.Namespace(text_files=[str(tmp_path / "notes.txt")], dataset=None,
+                                                            max_chars=10_000))
+    assert paragraphs == ["First paragraph.", "Second one."]
+
+
 def test_text_files_switch_to_real_text(tmp_path):
     text = "\n\n".join(f"Paragraph {i}: the keys of the memory store patterns and the values store "
                        f"next tokens, read {i % 7} times." for i in range(60))

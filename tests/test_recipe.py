@@ -149,6 +149,28 @@ def test_packing_gives_the_same_blocks_whatever_the_number_of_tokenizing_process
     assert two["input_ids"] == one["input_ids"]
 
 
+def test_packing_runs_one_stream_through_every_batch_as_token_shards_do(tmp_path):
+    """The stream was cut per batch of 1000 documents, each batch dropping its own tail: 2500 short documents gave
+    12 blocks of 2048 tokens where their 28,890 tokens hold 14, and none at all in blocks longer than 1000 documents'
+    tokens. Now only the stream's tail is dropped, and the blocks are those of token shards of the same documents."""
+    import datasets
+    import token_shards
+
+    from hf_memffn.tokenization import train_tokenizer
+
+    tokenizer = train_tokenizer(WORDS * 3, vocab_size=300)
+    texts = [f"doc {i} the key" if i % 7 else "" for i in range(2500)]  # blank documents among them
+    documents = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    tokens = sum(len(ids) + 1 for ids in documents if ids)
+    token_shards.write_split(tmp_path, "train", documents, tokenizer.eos_token_id)
+    dataset = datasets.Dataset.from_dict({"text": texts})
+    for block_size in (64, 2048, tokens // 2):
+        blocks = pretrain.pack_into_blocks(dataset, tokenizer, block_size, text_column="text")
+        shard_blocks = token_shards.load_blocks(tmp_path, block_size)
+        assert len(blocks) == tokens // block_size == len(shard_blocks)
+        assert blocks["input_ids"] == [shard_blocks[i]["input_ids"].tolist() for i in range(len(shard_blocks))]
+
+
 def test_documents_without_text_or_of_a_file_not_utf8_are_refused_naming_the_row_or_file(tmp_path):
     """A JSON line without the text field (or with a number there) failed in the tokenizer (`TypeError: 'NoneType'
     object is not iterable`), and a file not in UTF-8 with `DatasetGenerationError: An error occurred while generating
@@ -174,6 +196,65 @@ def test_documents_without_text_or_of_a_file_not_utf8_are_refused_naming_the_row
         (tmp_path / name).write_bytes(content.encode("latin-1"))
         with pytest.raises(ValueError, match=rf"--data-files: '.*{name}' is not UTF-8 text .*; convert it to UTF-8"):
             load(name)
+
+
+def test_text_files_of_windows_editors_read_without_byte_order_mark_or_carriage_returns(tmp_path):
+    """A .txt file saved with a UTF-8 byte-order mark gave its first document a leading U+FEFF (tokens of their
+    own, in front of the text); the .jsonl and .csv builders already left it out."""
+    import types
+
+    (tmp_path / "notes.txt").write_bytes("\ufeff日本語 😀 e\u0301\r\nsecond line\r\n".encode("utf-8"))
+    train, _ = pretrain.load_raw_splits(types.SimpleNamespace(
+        data_files=[str(tmp_path / "notes.txt")], dataset=None, dataset_config=None, train_split="train",
+        validation_split="validation", text_column="text"))
+    assert train["text"] == ["日本語 😀 e\u0301", "second line"]
+
+
+def test_a_json_line_that_is_no_json_object_is_refused_naming_the_file_and_line(tmp_path):
+    """A line of a .jsonl cut short (or not JSON, or JSON but no object) failed with `DatasetGenerationError: An
+    error occurred while generating the dataset`, naming neither the file nor the line."""
+    import types
+
+    def load(*names):
+        return pretrain.load_raw_splits(types.SimpleNamespace(
+            data_files=[str(tmp_path / name) for name in names], dataset=None, dataset_config=None,
+            train_split="train", validation_split="validation", text_column="text"))
+
+    rows = "".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(30))
+    (tmp_path / "good.jsonl").write_text(rows, encoding="utf-8-sig")  # (a byte-order mark, which the builder reads)
+    (tmp_path / "array.json").write_text('[{"text": "a"},\n {"text": "b"}]\n', encoding="utf-8")
+    for name, content, place in (("cut.jsonl", rows + '{"text": "half a li', r"line 31, is not JSON"),
+                                 ("list.jsonl", rows + "\n[1, 2]\n" + rows, r"line 32, holds a JSON list, not an "
+                                                                           r"object"),
+                                 ("broken.json", '[{"text": "a"},\n {"text": }]\n', r"line 2, is not JSON")):
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"--data-files: '.*{name}', {place}"):
+            load("good.jsonl", "array.json", name)
+    assert len(load("good.jsonl", "array.json")[0]) == 32
+
+
+def test_files_of_other_columns_than_the_first_are_refused_naming_both(tmp_path):
+    """A file whose text has another name than the first file's failed with "An error occurred while generating the
+    dataset" (its cause naming the columns, but no file), for JSON lines and CSV alike."""
+    import types
+
+    def load(*names):
+        return pretrain.load_raw_splits(types.SimpleNamespace(
+            data_files=[str(tmp_path / name) for name in names], dataset=None, dataset_config=None,
+            train_split="train", validation_split="validation", text_column="text"))
+
+    (tmp_path / "a.jsonl").write_text('{"text": "the key", "id": 1}\n', encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text('{"id": 2, "text": "a value"}\n', encoding="utf-8")  # the same columns
+    (tmp_path / "c.jsonl").write_text('{"content": "each head", "id": 3}\n', encoding="utf-8")
+    (tmp_path / "a.csv").write_text("text,id\nthe key,1\n", encoding="utf-8")
+    (tmp_path / "c.csv").write_text("body,id\neach head,3\n", encoding="utf-8")
+    assert len(load("a.jsonl", "b.jsonl")[0]) == 2
+    for names, other in ((("a.jsonl", "b.jsonl", "c.jsonl"), r"'.*c.jsonl' has the columns \['content', 'id'\], "
+                                                                r"'.*a.jsonl' \['id', 'text'\]"),
+                         (("a.csv", "c.csv"), r"'.*c.csv' has the columns \['body', 'id'\], "
+                                              r"'.*a.csv' \['id', 'text'\]")):
+        with pytest.raises(ValueError, match=rf"--data-files: {other}: one dataset reads files of the same columns"):
+            load(*names)
 
 
 def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_once(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -299,16 +300,33 @@ def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_p
 
 def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tmp_path, monkeypatch):
     """A file named twice (by a path and a glob) was read twice: its documents trained on twice, and the held-out
-    ones (the last documents) trained on as the other copy. Files of two formats were all read with the first file's
-    builder: each JSON line of a .jsonl after a .txt trained on as a line of text."""
+    ones (the last documents) trained on as the other copy; spelled `./a.jsonl` beside `a.jsonl`, or named through a
+    link, it still was. Files of two formats were all read with the first file's builder: each JSON line of a .jsonl
+    after a .txt trained on as a line of text."""
     monkeypatch.chdir(tmp_path)
     write_corpus(tmp_path / "corpus.jsonl", documents=20)
     (tmp_path / "notes.txt").write_text("the key reads a value\n", encoding="utf-8")
     out = tmp_path / "run"
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "corpus.jsonl")
     for files, message in ((["corpus.jsonl", "*.jsonl"], r"--data-files names '.*corpus.jsonl' more than once"),
+                           (["./corpus.jsonl", "corpus.jsonl"], r"--data-files names '.*corpus.jsonl' more than once"),
+                           (["corpus.jsonl", "link.jsonl"], r"--data-files names '.*corpus.jsonl' more than once"),
                            (["notes.txt", "corpus.jsonl"], r"--data-files mixes formats: text \('.*notes.txt'\), "
                                                            r"json \('.*corpus.jsonl'\)")):
         with pytest.raises(ValueError, match=message):
+            pretrain.main(["--data-files", *files, "--train-tokenizer", "300", "--block-size", "32",
+                           "--max-steps", "1", "--output-dir", str(out)])
+        assert not out.exists()
+
+
+def test_data_files_of_a_glob_that_matches_no_file_are_refused_naming_it(tmp_path, monkeypatch):
+    """`datasets` passes over a glob that matches no file: beside another pattern, a mistyped one left its files out
+    of training without a word; alone, it failed with a bare `StopIteration`."""
+    monkeypatch.chdir(tmp_path)
+    write_corpus(tmp_path / "corpus.jsonl", documents=20)
+    out = tmp_path / "run"
+    for files in (["corpus.jsonl", "more/*.jsonl"], ["more/*.jsonl"], ["corpus.jsonl", "missing.jsonl"]):
+        with pytest.raises(ValueError, match=rf"--data-files: '{re.escape(files[-1])}' matches no file"):
             pretrain.main(["--data-files", *files, "--train-tokenizer", "300", "--block-size", "32",
                            "--max-steps", "1", "--output-dir", str(out)])
         assert not out.exists()

@@ -114,6 +114,13 @@ def test_token_shards_name_the_id_out_of_range_and_an_empty_split(tmp_path):
         token_shards.load_blocks(tmp_path, 4, "heldout")
 
 
+def test_token_shards_leave_empty_documents_out_as_the_text_path_does(tmp_path):
+    """An empty document (the ids of a blank text) added a lone EOS: runs of EOS in the shards that the recipe's
+    packing of the same documents, which leaves blank ones out, does not have."""
+    assert token_shards.write_split(tmp_path, "train", [[5, 6], [], [7], []], eos_id=2) == 5
+    assert token_shards.read_tokens(tmp_path, "train").tolist() == [5, 6, 2, 7, 2]
+
+
 def test_token_shards_refuse_a_split_cut_short_and_a_meta_json_that_is_not_json(tmp_path):
     """A split cut to an odd number of bytes failed in numpy's memmap without naming it, one cut to fewer whole tokens
     than meta.json records was read as the shorter stream, and a meta.json cut short failed with a bare
