@@ -451,6 +451,32 @@ def test_forward_steps_are_recorded_with_their_token_counts():
         ForwardSteps(module, synchronised_steps=1, profiled_steps=2)
 
 
+def test_readme_quotes_the_committed_continuous_batching_run_it_calls_current():
+    """The README's serving section names the H100 run of the current code; its table and the row "continuous
+    batching" of the table at the top quote that run's ratios to Llama (median, lowest-highest over its rounds). The
+    top row had kept an earlier call's ratios after the serving section moved on to a new run."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    current = re.search(r"\*\*Results on an H100\*\* \(`(examples/results/continuous_batching_h100_rounds/[\w/]+)`",
+                        readme).group(1)
+    report = json.loads((root / current / "continuous_batching.json").read_text())
+    quoted = {row["model"]: "{median:.2f} ({low:.2f}-{high:.2f})".format(**row["x_baseline"])
+              for row in report["results"] if "x_baseline" in row}
+    top_row = next(line for line in readme.splitlines() if line.startswith("| continuous batching ("))
+    assert f"`{current}`" in top_row
+    cells = [cell.strip() for cell in top_row.strip("|").split("|")[1:]]
+    columns = ["FlashMHFLlama", "MemoryLLM", "FlexMemoryLLM", "KVFFN"]
+    # each cell opens with the run's median (lowest-highest); an earlier call's median may follow in brackets
+    assert [re.match(r"[\d.]+ \([\d.]+-[\d.]+\)", cell).group(0) for cell in cells] == [quoted[m] for m in columns]
+    serving_rows = {line.split("|")[1].strip().split(" (")[0]: line.split("|")[3].strip()
+                    for line in readme.split("**Results on an H100**")[1].split("\n\n")[1].splitlines()[2:]}
+    assert {model: serving_rows[model] for model in columns} == {model: quoted[model] for model in columns}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flash_mhf_continuous_batching_runs_the_fused_kernels_on_cuda():

@@ -474,6 +474,112 @@ def test_every_example_result_path_the_docs_name_exists():
     assert cited_paths > 20 and not missing, missing
 
 
+def _models_result(stem: str) -> dict:
+    with open(os.path.join(ROOT, "kernels", "results", "models", f"{stem}.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _training_rows(stem: str, size: str, mode: str) -> dict:
+    """The training rows of one size and mode of a committed whole-model result, by architecture."""
+    return {row["arch"]: row for row in _models_result(stem)["train"] if row["size"] == size and row["mode"] == mode}
+
+
+def _readme_row(readme: str, opening: str) -> list[str]:
+    line = next(line for line in readme.splitlines() if line.startswith(f"| {opening}"))
+    return [cell.strip() for cell in line.strip("|").split("|")[1:]]
+
+
+def test_readme_training_rows_are_the_committed_results_they_name():
+    """The README's full table: eager training, compiled training as a user of transformers 5.17 sees it, and peak
+    training memory are the paired ratios (medians over rounds) and memory ratios of the H100 result files it names,
+    to two decimals (MemoryLLM's eager memory, 0.8750009 of Llama's, had been quoted as 0.87)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    columns = ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"]
+
+    def ratio(rows, arch):
+        return f"{rows[arch]['round_paired_ratio']:.2f}"
+
+    eager = [_training_rows("h100_paired_other_models", "370M", "eager"),
+             _training_rows("h100_decode_token_lookup_and_1.3B_eager", "1.3B", "eager")]
+    assert all(rows["llama"]["peak_gib"] and "H100" in _models_result(stem)["environment"]["device"]
+               for rows, stem in zip(eager, ["h100_paired_other_models", "h100_decode_token_lookup_and_1.3B_eager"]))
+    assert _readme_row(readme, "eager training tokens/s, 370M / 1.3B") == [
+        f"{ratio(eager[0], arch)} / {ratio(eager[1], arch)}" for arch in columns]
+
+    compiled = [_training_rows("h100_paired_other_models", size, "compiled") for size in ("370M", "1.3B")]
+    flash_mhf = [_training_rows("h100_weight_tiles_split", size, "compiled") for size in ("370M", "1.3B")]
+    plain_llama = _readme_row(readme, "the same as a user of transformers 5.17")
+    assert plain_llama[0].startswith(f"{ratio(flash_mhf[0], 'flash_mhf')} / {ratio(flash_mhf[1], 'flash_mhf')} (")
+    assert plain_llama[1:] == [f"{ratio(compiled[0], arch)} / {ratio(compiled[1], arch)}" for arch in columns[1:]]
+
+    def memory(rows, arch):
+        return f"{rows[arch]['peak_gib'] / rows['llama']['peak_gib']:.2f}"
+
+    memory_cells = _readme_row(readme, "peak training memory, 370M eager / 370M compiled / 1.3B compiled (Llama: "
+                               + " / ".join(f"{rows['llama']['peak_gib']:.1f}" for rows in (eager[0], *compiled))
+                               + " GiB)")
+    flash_mhf_memory = [memory(eager[0], "flash_mhf"), *(memory(rows, "flash_mhf") for rows in flash_mhf)]
+    assert memory_cells[0] == "**" + " / ".join(flash_mhf_memory) + "**"
+    assert memory_cells[1:] == [" / ".join(memory(rows, arch) for rows in (eager[0], *compiled))
+                                for arch in columns[1:]]
+
+
+def test_readme_static_decode_kernel_time_is_the_committed_profiles():
+    """The README's row of the GPU's kernel time per static-cache step (Llama's over the model's) and the range the
+    Decoding summary draws from it (it said 5-11% below Llama, where FlexMemoryLLM's profile at batch 1 is 4.4%
+    below) are the profiles of the result files the row names."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+    def kernel_ratios(stem, arch, size="370M"):
+        profiles = _models_result(stem)["profile"]
+        return [profiles[f"decode_{size}_llama_static_b{batch}_in_task"]["kernel_us_per_step"]
+                / profiles[f"decode_{size}_{arch}_static_b{batch}_in_task"]["kernel_us_per_step"] for batch in (1, 16)]
+
+    def cell(ratios):
+        return " / ".join(f"{ratio:.2f}" for ratio in ratios)
+
+    stem = "h100_decode_all_models_and_token_lookup"
+    flash_mhf = kernel_ratios("h100_decode_split_sum_370M_static", "flash_mhf")
+    flash_mhf_1_3b = kernel_ratios("h100_decode_split_sum_1.3B_static", "flash_mhf", "1.3B")
+    assert _readme_row(readme, "the GPU's kernel time of a static-cache step") == [
+        f"**{cell(flash_mhf)}** (1.3B: {cell(flash_mhf_1_3b)})",
+        f"{cell(kernel_ratios(stem, 'memoryllm'))}; {cell(kernel_ratios(stem, 'memoryllm_lookup'))}",
+        f"{cell(kernel_ratios(stem, 'flex_memoryllm'))}; {cell(kernel_ratios(stem, 'flex_memoryllm_lookup'))}",
+        cell(kernel_ratios(stem, "kvffn"))]
+
+    def below(ratios):  # the percentages less kernel time than Llama's, lowest-highest
+        cuts = sorted(round(100 * (1 - 1 / ratio)) for ratio in ratios)
+        return f"{cuts[0]}-{cuts[-1]}%"
+
+    others = [ratio for arch in ("flex_memoryllm", "kvffn") for ratio in kernel_ratios(stem, arch)]
+    summary = " ".join(readme.split("- **Decoding** at these sizes")[1].split("\n- ")[0].split())
+    memoryllm, memoryllm_lookup = (below(kernel_ratios(stem, arch)) for arch in ("memoryllm", "memoryllm_lookup"))
+    assert (f"step is {below(others + flash_mhf + flash_mhf_1_3b)} below Llama's for every architecture "
+            f"({memoryllm} for MemoryLLM, {memoryllm_lookup} when it decodes from its token lookup table)") in summary
+
+
+def test_readme_token_lookup_targets_are_the_committed_benchmarks():
+    """The README's token lookup benchmark: the CUDA-graph decoding ratios to the dense model and the cut in peak
+    device memory are those of `kernels/results/token_lookup.json` (a 48.6% cut had been quoted as 48%)."""
+    with open(os.path.join(ROOT, "kernels", "results", "token_lookup.json"), encoding="utf-8") as handle:
+        decode = json.load(handle)["decode"]
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+    def speed(placement, batch):
+        graph = f"graph/b{batch}"
+        return f"{decode[f'{placement}/{graph}']['tokens_per_s'] / decode[f'dense/{graph}']['tokens_per_s']:.2f}x"
+
+    def memory_cut(batch):
+        graph = f"graph/b{batch}"
+        return f"{100 * (1 - decode[f'cpu/{graph}']['peak_mem_gib'] / decode[f'dense/{graph}']['peak_mem_gib']):.0f}%"
+
+    targets = " ".join(readme.split("- Targets (CUDA graph decoding, batch 1):")[1].split("\n- ")[0].split())
+    assert targets.startswith(f"lookup `gpu` = **{speed('gpu', 1)}** the dense model's tokens/s")
+    assert f"`cpu` + cache = **{speed('cpu', 1)}** (target >= 1.2x) with **{memory_cut(1)} less**" in targets
+    assert f"({memory_cut(16)} less at batch 16;" in targets
+    assert f"At batch 16: {speed('gpu', 16)} (`gpu`) and {speed('cpu', 16)} (`cpu`)." in targets
+
+
 def test_compiled_step_host_report_and_idle_layer_ops():
     """`profile_compiled_step_host.py`: the table from a result (fixture numbers), and the stand-in operators that
     allocate the layer's outputs, launch nothing and are put back afterwards."""
