@@ -1092,7 +1092,7 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
     The last token of each row: the last position that `attention_mask` (2-D; with a cache, its columns of the new
     tokens) keeps, else the last token that is not `config.pad_token_id` (padding on either side), else the last
     position, which needs one sequence per batch or no padding (a batch of embeddings without a mask needs
-    `config.pad_token_id` set, as Llama's)."""
+    `config.pad_token_id` set, and is read at its last positions with a warning, as Llama's)."""
 
     auto_class_name = "AutoModelForSequenceClassification"
     task_class_names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
@@ -1105,6 +1105,7 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
         self.num_labels = config.num_labels
         self.model = self.base_model_class(config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        self._unmasked_embeddings_logged = False
         self.post_init()
 
     def last_token_positions(self, input_ids, attention_mask, batch_size: int, length: int, device) -> torch.Tensor:
@@ -1119,6 +1120,13 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
         if batch_size > 1 and (input_ids is not None or self.config.pad_token_id is None):
             raise ValueError(f"{type(self).__name__}: a batch of {batch_size} sequences needs `attention_mask` or "
                              "`config.pad_token_id` to find each sequence's last token")
+        if batch_size > 1 and not is_torchdynamo_compiling() and not self._unmasked_embeddings_logged:
+            # (Llama warns here too: a padded row would be scored at a padding token; once per model, as PEFT's prompt
+            # tuning without a mask passes embeddings at every step)
+            logger.warning(f"{type(self).__name__}: a batch of `inputs_embeds` without `attention_mask` is scored at "
+                           "each row's last position (`config.pad_token_id` cannot find padding in embeddings); pass "
+                           "`attention_mask` if the rows are padded")
+            self._unmasked_embeddings_logged = True
         return torch.full((batch_size,), length - 1, device=device, dtype=torch.long)
 
     @can_return_tuple
@@ -1155,7 +1163,11 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
 class MemFFNForTokenClassification(MemFFNHeadModel):
     """The decoder with a linear head (`score`, `config.num_labels` outputs, with a bias) on every token, after dropout
     (`config.classifier_dropout`; 0.1 when the config has none), as transformers' Llama does. The loss is the
-    cross-entropy over the tokens whose label is not -100 (padding, and the sub-words a labelling leaves out)."""
+    cross-entropy over the tokens whose label is not -100 (padding, and the sub-words a labelling leaves out). Given
+    `num_items_in_batch` (the HF Trainer's count of labelled tokens over the accumulated batches), it is their sum
+    divided by that count, as the causal LM's is, so that gradient accumulation gives the update of one large batch;
+    transformers' Llama drops the count here and keeps each batch's mean, which the Trainer then leaves undivided by
+    the accumulation steps."""
 
     auto_class_name = "AutoModelForTokenClassification"
     task_class_names = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES

@@ -7,6 +7,7 @@ through remote code without the package: `tests/test_remote_code.py`.)"""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from transformers import (
 )
 
 import hf_memffn
-from hf_memffn.testing import left_padded, tiny_config, tiny_tokenizer
+from hf_memffn.testing import left_padded, logged_records, tiny_config, tiny_tokenizer
 
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
 HEADS = [AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoModelForQuestionAnswering]
@@ -61,6 +62,22 @@ def test_a_batch_without_mask_or_pad_token_is_refused():
     assert model(torch.randint(3, 320, (1, 6))).logits.shape == (1, 3)  # one sequence: its last position
     with pytest.raises(ValueError, match="attention_mask.*pad_token_id"):  # as Llama's, for embeddings too
         model(inputs_embeds=torch.randn(2, 6, model.config.hidden_size))
+
+
+def test_a_batch_of_embeddings_without_mask_warns_that_padding_goes_unseen():
+    """A batch of embeddings without `attention_mask` is scored at its last position: `config.pad_token_id` cannot
+    find padding in embeddings. Llama warns about this; these models scored padded rows at a padding token silently.
+    The warning comes once per model, and not with a mask or for a single sequence."""
+    model = classifier("kvffn")
+    embeds = torch.randn(2, 6, model.config.hidden_size)
+    with logged_records() as records:
+        model(inputs_embeds=embeds[:1])
+        model(inputs_embeds=embeds, attention_mask=torch.ones(2, 6, dtype=torch.long))
+        assert not records
+        model(inputs_embeds=embeds)
+        model(inputs_embeds=embeds)
+    assert len(records) == 1 and records[0].levelname == "WARNING"
+    assert re.search(r"inputs_embeds.*attention_mask", records[0].getMessage())
 
 
 def test_a_row_continued_from_a_cache_is_scored_as_in_one_forward():

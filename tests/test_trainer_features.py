@@ -118,6 +118,34 @@ def test_gradient_accumulation_of_a_sequence_classifier_gives_the_update_of_one_
     assert_same_state(updates[1], updates[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_accumulation_of_a_token_classifier_gives_the_update_of_one_batch(arch, tmp_path):
+    """The token classifier's loss is summed over the labelled tokens and divided by the Trainer's
+    `num_items_in_batch`, as the causal LM's is (transformers' Llama drops the count and takes each batch's mean,
+    which the Trainer, having passed the count, does not divide by the accumulation steps)."""
+    from transformers import AutoModelForTokenClassification
+
+    def collate(features):
+        batch = pad_right(features)
+        batch["labels"] = batch["labels"].remainder(3).masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+    updates, losses = [], []
+    for batch, accumulation in ((4, 1), (1, 4)):
+        torch.manual_seed(0)
+        model = AutoModelForTokenClassification.from_config(
+            tiny_config(arch, num_labels=3, pad_token_id=0, classifier_dropout=0.0))
+        initial = trainable_state(model)
+        args = arguments(tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                         max_grad_norm=0.0, logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=VariedLengths(), data_collator=collate)
+        trainer.train()
+        updates.append({name: value - initial[name] for name, value in trainable_state(model).items()})
+        losses.append(next(record["loss"] for record in trainer.state.log_history if "loss" in record))
+    assert_same_state(updates[1], updates[0], atol=1e-6)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_evaluate_and_predict(tmp_path):
     """`evaluate` with `prediction_loss_only` and `predict` with logits: the loss is the mean of the batches' losses
     (as for Llama), the predictions the logits padded across batches, without the cache."""
