@@ -334,9 +334,10 @@ def _holds_text(name: str) -> bool:
 
 def _load_data_files(datasets, args):
     """`datasets.load_dataset` of --data-files, with an error that names a file that is not UTF-8, the line of a
-    JSON file that is not a JSON object, or a file of other columns than the first: `datasets` names neither the file
-    nor the encoding it expected (nor the line: "An error occurred while generating the dataset"), and its json
-    builder reads bytes that are not UTF-8 into the text column unchecked (they failed later, in the tokenizer)."""
+    JSON file that is not a JSON object, a parquet file that does not read as one, or a file of other columns than
+    the first: `datasets` names neither the file nor the encoding it expected (nor the line: "An error occurred
+    while generating the dataset"), and its json builder reads bytes that are not UTF-8 into the text column
+    unchecked (they failed later, in the tokenizer)."""
     import pyarrow
 
     builder = data_files_builder(args)
@@ -349,7 +350,8 @@ def _load_data_files(datasets, args):
             loaded["train"].data.column(args.text_column).validate(full=True)
     except (datasets.exceptions.DatasetGenerationError, UnicodeDecodeError, pyarrow.ArrowInvalid) as error:
         cause = error.__cause__ if isinstance(error, datasets.exceptions.DatasetGenerationError) else error
-        decoding = isinstance(cause, (UnicodeDecodeError, pyarrow.ArrowInvalid))
+        # (parquet files are not text: pyarrow's error on one says nothing of UTF-8)
+        decoding = isinstance(cause, (UnicodeDecodeError, pyarrow.ArrowInvalid)) and builder != "parquet"
         name = _first_file_not_utf8(args.data_files) if decoding else None
         if name is not None:
             raise ValueError(f"--data-files: {name!r} is not UTF-8 text ({cause}); convert it to UTF-8") from error
@@ -357,10 +359,28 @@ def _load_data_files(datasets, args):
         if where is not None:
             raise ValueError(f"--data-files: {where}; give one JSON object a line (or one JSON array of objects)") \
                 from error
+        if builder == "parquet":
+            _refuse_files_not_parquet(args.data_files, error)
         # (`datasets` told of other columns in a message naming them, but no file: a `CastError`, an `ArrowInvalid`)
         _refuse_files_of_other_columns(args.data_files, builder, error)
         raise
     return loaded
+
+
+def _refuse_files_not_parquet(patterns: list[str], error: Exception) -> None:
+    """Refuse the first local file of --data-files whose parquet schema does not read (cut short, or another format
+    under a .parquet name), naming it: pyarrow's error ("Parquet magic bytes not found") names no file."""
+    import pyarrow
+    import pyarrow.parquet
+
+    for name in _data_files(patterns):
+        if not Path(name).is_file():
+            continue
+        try:
+            pyarrow.parquet.read_schema(name)
+        except (pyarrow.ArrowException, OSError) as unreadable:
+            raise ValueError(f"--data-files: {name!r} is not a parquet file ({unreadable}); give whole parquet "
+                             "files") from error
 
 
 def _refuse_files_of_other_columns(patterns: list[str], builder: str, error: Exception) -> None:
@@ -377,11 +397,13 @@ def _refuse_files_of_other_columns(patterns: list[str], builder: str, error: Exc
 def _first_row_columns(name: str, builder: str) -> list[str] | None:
     """The columns of one file of --data-files, as its first row gives them (a CSV header, the keys of the first
     JSON line, a parquet schema); None where they cannot be read that way (a .json array, a file of text)."""
+    if not Path(name).is_file():  # (a remote file: not read here)
+        return None
     if builder == "parquet":
         import pyarrow.parquet
 
         return pyarrow.parquet.read_schema(name).names
-    if builder not in ("csv", "json") or not Path(name).is_file():
+    if builder not in ("csv", "json"):
         return None
     with open(name, encoding="utf-8-sig", newline="" if builder == "csv" else "\n") as handle:
         if builder == "csv":
@@ -1205,22 +1227,50 @@ BATCH_SETTINGS_FILE = "recipe_batches.json"
 
 
 def batch_settings(args, training_args) -> dict:
-    """The block size, what makes the blocks of one optimizer step and the seeds of their order: a run resumed with
-    others packs other blocks, skips another number of them or shuffles them otherwise, so the steps left train on
-    other data than the run's (the Trainer only warns about the batch size)."""
+    """The block size, what makes the blocks of one optimizer step and the sampler and seeds of their order: a run
+    resumed with others packs other blocks, skips another number of them or orders them otherwise, so the steps left
+    train on other data than the run's (the Trainer only warns about the batch size)."""
+    # (a TrainingArguments field of the later transformers versions; "random" before)
+    sampler = getattr(training_args, "train_sampling_strategy", "random")
     return {"block_size": args.block_size,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
             "world_size": training_args.world_size,
-            "seed": training_args.seed, "data_seed": training_args.data_seed}
+            "seed": training_args.seed, "data_seed": training_args.data_seed,
+            "train_sampling_strategy": getattr(sampler, "value", sampler)}  # (the name, where an enum holds it)
 
 
-def _data_order(settings: dict) -> tuple[str, int]:
-    """The option whose seed shuffles the training blocks, and its value: the Trainer's sampler takes --data-seed,
-    else --seed."""
+def _data_order(settings: dict) -> tuple[str, str | None, int | None]:
+    """How the Trainer orders the training blocks: its sampler (a record without one was of "random"), and the
+    option whose seed shuffles them with its value, --data-seed, else --seed (none for "sequential": no seed moves
+    its blocks)."""
+    sampler = settings.get("train_sampling_strategy") or "random"
+    if sampler == "sequential":
+        return sampler, None, None
     if settings.get("data_seed") is not None:
-        return "--data-seed", settings["data_seed"]
-    return "--seed", settings["seed"]
+        return sampler, "--data-seed", settings["data_seed"]
+    return sampler, "--seed", settings["seed"]
+
+
+def _describe_data_order(sampler: str, seed_option: str | None, seed: int | None, separator: str) -> str:
+    """The options of a `_data_order`, as typed ("--seed 0", separator " ") or as given ("--seed=0", "=")."""
+    options = [] if sampler == "random" else [f"--train-sampling-strategy{separator}{sampler}"]
+    return " ".join(options + ([f"{seed_option}{separator}{seed}"] if seed_option else []))
+
+
+def _refuse_another_data_order(checkpoint: str, saved: tuple, now: tuple, data_seed_given: bool) -> None:
+    """Refuse resuming with blocks in another order (`_data_order`s) than the checkpoint's, with the options that give
+    its order back: a --data-seed given now wins over the run's --seed, so the advice sets it."""
+    (sampler, seed_option, seed), (saved_sampler, saved_seed_option, saved_seed) = now, saved
+    if (sampler, seed) == (saved_sampler, saved_seed):
+        return
+    advice = [f"--train-sampling-strategy {saved_sampler}"] if saved_sampler != sampler else []
+    if saved_seed_option:
+        advice.append(f"{'--data-seed' if data_seed_given else saved_seed_option} {saved_seed}")
+    raise ValueError(f"{_describe_data_order(*now, '=')}: the checkpoint to resume from ({str(checkpoint)!r}) was "
+                     f"trained on the blocks in the order of {_describe_data_order(*saved, ' ')}; resume with "
+                     f"{' '.join(advice)} (another order gives the steps left other blocks than the run's: some "
+                     "trained on twice, others never)")
 
 
 def _blocks_per_step(settings: dict) -> int:
@@ -1230,10 +1280,11 @@ def _blocks_per_step(settings: dict) -> int:
 
 def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict) -> None:
     """A checkpoint trained with another --block-size, another order of the blocks (--seed, or --data-seed where
-    given) or another number of blocks per step is refused before the data is read. (The same number of blocks per
-    step split otherwise between processes, per-device batches and accumulation steps is accepted: each step of an
-    epoch takes the same blocks; so is another --seed beside the run's --data-seed. Checkpoints of recipe versions
-    that recorded nothing, or no seeds, pass.)"""
+    given, and --train-sampling-strategy) or another number of blocks per step is refused before the data is read.
+    (The same number of blocks per step split otherwise between processes, per-device batches and accumulation steps
+    is accepted: each step of an epoch takes the same blocks; so is another --seed beside the run's --data-seed, and
+    any seed where the blocks are not shuffled, "sequential". Checkpoints of recipe versions that recorded nothing,
+    or no seeds, pass.)"""
     recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
     if recorded is None or not recorded.is_file():
         return
@@ -1243,12 +1294,9 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                          f"was trained on blocks of {saved.get('block_size')} tokens; resume with --block-size "
                          f"{saved.get('block_size')} (other blocks would give the steps left other data than the "
                          "run's)")
-    if "seed" in saved and _data_order(saved)[1] != _data_order(settings)[1]:
-        (option, value), (saved_option, saved_value) = _data_order(settings), _data_order(saved)
-        raise ValueError(f"{option}={value}: the checkpoint to resume from ({str(checkpoint)!r}) was trained on the "
-                         f"blocks in the order of {saved_option} {saved_value}; resume with {saved_option} "
-                         f"{saved_value} (another order gives the steps left other blocks than the run's: some "
-                         "trained on twice, others never)")
+    if "seed" in saved:
+        _refuse_another_data_order(checkpoint, _data_order(saved), _data_order(settings),
+                                   settings.get("data_seed") is not None)
     try:
         saved_blocks = _blocks_per_step(saved)
     except (KeyError, TypeError):
@@ -1280,8 +1328,10 @@ def record_batches_in_checkpoints(trainer, settings: dict):
     def save_model_and_record(output_dir=None, _internal_call=False):
         save_model(output_dir, _internal_call=_internal_call)
         folder = Path(output_dir or trainer.args.output_dir)
-        # (the Trainer saves a checkpoint's weights into it by this call; `save_final_model`'s folder is another)
-        if trainer.args.should_save and folder.name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and folder.is_dir():
+        # (the Trainer saves a checkpoint's weights by this call; `save_final_model`'s folder is another). The folder
+        # is made where the call wrote none: FSDP's sharded state dict is saved later, with the optimizer's state.
+        if trainer.args.should_save and folder.name.startswith(f"{PREFIX_CHECKPOINT_DIR}-"):
+            folder.mkdir(parents=True, exist_ok=True)
             write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
 
     trainer.save_model = save_model_and_record

@@ -81,6 +81,13 @@ def _directory_or_hub_id(text: str, what: str, holds, lacks: str) -> str:
 
 def model_source(text: str) -> str:
     """A saved model directory (with config.json), or a Hub id such as `org/name`."""
+    path = local_path(text)
+    saved = {name: os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")}
+    if saved["adapter_config.json"] and not saved["config.json"]:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a PEFT adapter (adapter_config.json, no config.json); allowed: a whole model's directory: "
+            "merge the adapter into its base model first (PeftModel.from_pretrained(base_model, folder)"
+            ".merge_and_unload(), then save_pretrained with the tokenizer)")
     return _directory_or_hub_id(text, "model", lambda path: os.path.isfile(os.path.join(path, "config.json")),
                                 "has no config.json")
 

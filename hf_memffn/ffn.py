@@ -61,6 +61,32 @@ def load_checkpoint_parts(state_dict: dict, part_names: list[str], fused_name: s
             rows.copy_(part)
 
 
+def linear_weight_in_use(linear: nn.Module, chunk_rows: int = 1024) -> torch.Tensor:
+    """The weight `[out, in]` (detached) that `linear`'s forward applies. An `nn.Linear`'s own; a layer that wraps one
+    (PEFT's LoRA, DoRA, IA3, ... layers hold the Linear as their base layer, whose `weight` is the base weight without
+    the adapter) is read off its forward instead, as `linear(I) - linear(0)` in chunks of rows of the identity, so the
+    weight has its active adapters in it, as the forward has, merged or not."""
+    if isinstance(linear, nn.Linear):
+        return linear.weight.detach()
+    base_weight = linear.weight  # (the wrapped Linear's: its dtype, device and shape)
+    in_features = base_weight.shape[1]
+    training = [(module, module.training) for module in linear.modules()]
+    linear.eval()  # (an adapter's dropout off: the weight of the eval forward)
+    try:
+        with torch.no_grad():
+            offset = linear(base_weight.new_zeros(1, in_features))  # the bias, if any
+            columns = []
+            for start in range(0, in_features, chunk_rows):  # (rows of the identity: never all of it at once)
+                rows = torch.arange(start, min(start + chunk_rows, in_features), device=base_weight.device)
+                identity_rows = base_weight.new_zeros(len(rows), in_features)
+                identity_rows[torch.arange(len(rows), device=rows.device), rows] = 1
+                columns.append(linear(identity_rows) - offset)
+    finally:
+        for module, mode in training:
+            module.training = mode
+    return torch.cat(columns).t()
+
+
 class FeedForwardMemory:
     """An FFN read as unnormalized key-value memory, `FFN(x) = sum_j c_j(x) v_j` (biases and inner residual
     connections are not memories and are left out). A block implements:
@@ -122,7 +148,7 @@ class LinearReadoutMemory(FeedForwardMemory):
         return (self.memory_readout.in_features,)
 
     def memory_values(self) -> torch.Tensor:
-        return self.memory_readout.weight.detach()[:, : self.memory_num_cells].t()
+        return linear_weight_in_use(self.memory_readout)[:, : self.memory_num_cells].t()
 
     def memory_value_parameter(self) -> nn.Parameter:
         return self.memory_readout.weight

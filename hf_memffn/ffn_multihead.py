@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from transformers import initialization as init
 
-from .ffn import FeedForwardMemory, load_checkpoint_parts, package_logger
+from .ffn import FeedForwardMemory, linear_weight_in_use, load_checkpoint_parts, package_logger
 from .flash_mhf_op import autocast_available, autocast_enabled, flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
 
@@ -192,9 +192,11 @@ class _MultiHeadQueries(FeedForwardMemory, nn.Module):
         return self.num_heads // self.value.shape[0]
 
     def _out_proj_heads(self) -> torch.Tensor:
-        """`out_proj`'s weight split by head, [d, H, d_h] in float32 (the identity without `out_proj`)."""
+        """`out_proj`'s weight in use (an adapter's included) split by head, [d, H, d_h] in float32 (the identity
+        without `out_proj`)."""
         width = self.num_heads * self.head_dim
-        weight = self.out_proj.weight.detach() if self.out_proj is not None else torch.eye(width, device=self.value.device)
+        weight = (linear_weight_in_use(self.out_proj) if self.out_proj is not None
+                  else torch.eye(width, device=self.value.device))
         return weight.float().reshape(weight.shape[0], self.num_heads, self.head_dim)
 
     def memory_values(self) -> torch.Tensor:

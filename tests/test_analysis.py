@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -920,3 +921,88 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     from hf_memffn.analysis.analyze import token_bytes
 
     assert token_bytes("<0xE4>") == b"\xe4" and token_bytes("Ġä¸") == b" \xe4\xb8" and token_bytes("▁the") is None
+
+
+def lora_on_every_linear(case: str):
+    """`build(case)` with PEFT's LoRA on every Linear layer (nonzero from the start), and a merged copy of it."""
+    peft = pytest.importorskip("peft")
+    model = build(case)
+    targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                      if isinstance(module, torch.nn.Linear) and name != "lm_head"})
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)).eval()
+    merged = build(case)
+    merged.load_state_dict(copy.deepcopy(adapted).merge_and_unload().state_dict())
+    return adapted, merged
+
+
+@pytest.mark.parametrize("case", ["llama", "flash_mhf", "pkv", "flex_memoryllm", "kvffn", "kvffn_sum"])
+def test_the_values_of_ffns_under_pefts_lora_are_those_of_the_merged_model(case):
+    """The values of a readout (`down_proj`, `out_proj`) and FlashMHF's head projection were read off the wrapped
+    layer's base weight: a LoRA on them was left out, and the analysis gave the base model's values."""
+    adapted, merged = lora_on_every_linear(case)
+    banks, merged_banks = memory_banks(adapted), memory_banks(merged)
+    assert [bank.name for bank in banks] == [bank.name for bank in merged_banks]
+    coefficients, merged_coefficients = coefficients_for_ids(adapted, PROMPT), coefficients_for_ids(merged, PROMPT)
+    for bank, merged_bank in zip(banks, merged_banks):
+        torch.testing.assert_close(coefficients[bank.name], merged_coefficients[bank.name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(bank.value_vectors(), merged_bank.value_vectors(), rtol=1e-5, atol=1e-6)
+        projection = project_values(adapted, bank, top_n=3)
+        merged_projection = project_values(merged, merged_bank, top_n=3)
+        torch.testing.assert_close(projection.top_logits, merged_projection.top_logits, rtol=1e-4, atol=1e-5)
+    outputs, captured = bank_outputs(adapted.get_base_model(), banks, PROMPT.reshape(1, -1))
+    for bank in banks:  # the values in use rebuild what the adapted FFN adds
+        if bank.kind != "token_memory":
+            rebuilt = bank.output_from_coefficients(captured[bank.name])
+            torch.testing.assert_close(rebuilt, outputs[bank.name].float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case, weights", [("memoryllm", ["memory.down_proj", "memory.gate_proj"]),
+                                           ("flash_mhf", ["router"])])
+def test_weights_under_pefts_target_parameters_lora_are_refused_with_merge_named(case, weights):
+    """PEFT applies a `target_parameters` delta only inside its wrapper's forward: read outside it, as the analysis
+    reads coefficients and values, the weights are the base model's. The analysis failed with an AttributeError (the
+    memory on X0) or called the FFN unsupported (FlashMHF's router)."""
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(build(case), peft.LoraConfig(r=2, target_modules=[], target_parameters=weights,
+                                                               init_lora_weights=False)).eval()
+    with pytest.raises(ValueError, match=r"FFN weights \[.*(down_proj|router).*\] carry PEFT's target_parameters LoRA"
+                                         r".*merge_and_unload"):
+        memory_banks(adapted)
+    with pytest.raises(ValueError, match=r"target_parameters LoRA.*merge_and_unload"):
+        edit_next_token(adapted, PROMPT, EDIT_TOKEN, method="value")
+    merged = adapted.merge_and_unload()
+    assert memory_banks(merged)
+
+
+@pytest.mark.parametrize("case", ["llama", "flash_mhf", "kvffn"])
+def test_a_value_edit_under_pefts_lora_acts_as_on_the_merged_model(case):
+    """A value edit changes the base weight under PEFT's LoRA (whose delta adds to it: the edit acts in full, and
+    stays in the weights `merge_and_unload` gives). FlashMHF's edit solved for the head's value through the base
+    weight of `out_proj`, so the adapted model moved otherwise than asked; a Llama MLP under LoRA was refused as
+    unsupported."""
+    adapted, merged = lora_on_every_linear(case)
+    result = edit_next_token(adapted, PROMPT, EDIT_TOKEN, method="value")
+    expected = edit_next_token(merged, PROMPT, EDIT_TOKEN, method="value")
+    assert result.location == expected.location
+    assert result.target_probability_after == pytest.approx(expected.target_probability_after, rel=1e-4)
+    assert result.target_probability_after > result.target_probability_before
+    edited = next_token_probabilities(adapted.merge_and_unload(), PROMPT)
+    assert float(edited[EDIT_TOKEN]) == pytest.approx(expected.target_probability_after, rel=1e-4)
+
+
+def test_analyze_reports_a_peft_model_as_its_merged_model():
+    """`analyze` took no PEFT model: its decoder was not found through PEFT's wrapper."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    adapted, merged = lora_on_every_linear("flex_memoryllm")
+    texts, edits = ["the memory stores a key", "a value of the token is the layer"], [("the memory stores", " value")]
+    options = dict(top_triggers=2, cells_per_bank=2, agreement_cells=16, edits=edits)
+    report, expected = (analyze(model, tiny_tokenizer(), texts, **options) for model in (adapted, merged))
+    for bank, cells in expected["cells"].items():
+        shown = [(cell["cell"], cell["promotes"]) for cell in report["cells"][bank]]
+        assert shown == [(cell["cell"], cell["promotes"]) for cell in cells]
+    assert report["token_memory"] == expected["token_memory"]
+    assert report["edits"][0]["target_probability_after"] == pytest.approx(
+        expected["edits"][0]["target_probability_after"], rel=1e-4)

@@ -178,3 +178,17 @@ def test_analyze_command_names_token_ids_outside_a_plain_llamas_embedding(tmp_pa
                                str(tmp_path / "r"), "--device", "cpu"],
                       "error: text 0 has token id 279: allowed ids are 0..259")
     assert not (tmp_path / "r").exists()
+
+
+def test_analyze_command_names_a_peft_adapter_folder_and_says_to_merge_it(saved_model, tmp_path, capsys):
+    """A folder saved by a PEFT model holds the adapter alone: it was refused for lacking config.json, with no word
+    that it is an adapter, or of how to analyse the adapted model."""
+    peft = pytest.importorskip("peft")
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    adapted.save_pretrained(tmp_path / "adapter")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory\n")
+    _exits_with_error(capsys, ["analyze", str(tmp_path / "adapter"), "--texts", str(texts), "--out",
+                               str(tmp_path / "r")], "is a PEFT adapter (adapter_config.json, no config.json); "
+                      "allowed: a whole model's directory: merge the adapter into its base model first")

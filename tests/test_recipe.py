@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -255,6 +256,23 @@ def test_files_of_other_columns_than_the_first_are_refused_naming_both(tmp_path)
                                               r"'.*a.csv' \['id', 'text'\]")):
         with pytest.raises(ValueError, match=rf"--data-files: {other}: one dataset reads files of the same columns"):
             load(*names)
+
+
+def test_a_parquet_file_that_is_no_parquet_is_refused_naming_it_not_another_as_not_utf8(tmp_path):
+    """A parquet file cut short failed in pyarrow ("Parquet magic bytes not found"), which the recipe took for text
+    that is not UTF-8: it named the first parquet file, a whole one, as "not UTF-8 text; convert it to UTF-8"."""
+    import types
+
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table({"text": [f"document {i}" for i in range(50)]}), tmp_path / "a.parquet")
+    whole = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"--data-files: '.*cut.parquet' is not a parquet file \(.*magic bytes"):
+        pretrain.load_raw_splits(types.SimpleNamespace(
+            data_files=[str(tmp_path / "a.parquet"), str(tmp_path / "cut.parquet")], dataset=None,
+            dataset_config=None, train_split="train", validation_split="validation", text_column="text"))
 
 
 def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_once(tmp_path):
@@ -719,11 +737,37 @@ def test_resuming_with_another_seed_is_refused_before_the_data_is_read(tmp_path,
                                          r"on the blocks in the order of --seed 0; resume with --seed 0"):
         pretrain.main(resume + ["--seed", "1"])
     with pytest.raises(ValueError, match=r"--data-seed=5: the checkpoint to resume from \('.*checkpoint-2'\) was "
-                                         r"trained on the blocks in the order of --seed 0; resume with --seed 0"):
+                                         r"trained on the blocks in the order of --seed 0; resume with --data-seed 0"):
         pretrain.main(resume + ["--data-seed", "5"])
     assert not (out / "checkpoint-3").exists()
     saved = json.loads((out / "checkpoint-2" / pretrain.BATCH_SETTINGS_FILE).read_text(encoding="utf-8"))
     pretrain.refuse_a_checkpoint_of_other_batches(str(out / "checkpoint-2"), {**saved, "seed": 7, "data_seed": 0})
+
+
+def test_the_seed_check_names_the_option_that_restores_the_order_and_leaves_an_unshuffled_run_alone(tmp_path):
+    """A run of --seed 0 resumed with --data-seed 5 was told "resume with --seed 0", which it already had (the
+    --data-seed it kept still decides the order); and a run of --train-sampling-strategy sequential, whose blocks no
+    seed shuffles, was refused when resumed with another --seed. Another sampler than the run's is refused instead."""
+    record = {"block_size": 32, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "world_size": 1}
+
+    def resume(saved: dict, now: dict):
+        (tmp_path / pretrain.BATCH_SETTINGS_FILE).write_text(json.dumps({**record, **saved}), encoding="utf-8")
+        pretrain.refuse_a_checkpoint_of_other_batches(str(tmp_path), {**record, **now})
+
+    by_seed = {"seed": 0, "data_seed": None, "train_sampling_strategy": "random"}
+    with pytest.raises(ValueError, match=r"--data-seed=5: .* in the order of --seed 0; resume with --data-seed 0 "):
+        resume(by_seed, {**by_seed, "data_seed": 5})
+    with pytest.raises(ValueError, match=r"--seed=1: .* in the order of --data-seed 5; resume with --data-seed 5 "):
+        resume({**by_seed, "data_seed": 5}, {**by_seed, "seed": 1})
+    sequential = {**by_seed, "train_sampling_strategy": "sequential"}
+    resume(sequential, {**sequential, "seed": 1, "data_seed": 3})
+    with pytest.raises(ValueError, match=r"--train-sampling-strategy=sequential: .* in the order of --seed 0; resume "
+                                         r"with --train-sampling-strategy random --seed 0 "):
+        resume(by_seed, sequential)
+    with pytest.raises(ValueError, match=r"--seed=0: .* in the order of --train-sampling-strategy sequential; resume "
+                                         r"with --train-sampling-strategy sequential "):
+        resume(sequential, by_seed)
+    resume({key: by_seed[key] for key in ("seed", "data_seed")}, by_seed)  # (a record without the sampler: random)
 
 
 def test_a_checkpoint_holds_its_batch_record_once_its_trainer_state_is_written(tmp_path, monkeypatch):
@@ -747,6 +791,39 @@ def test_a_checkpoint_holds_its_batch_record_once_its_trainer_state_is_written(t
     with pytest.raises(KeyboardInterrupt):
         pretrain.main(common + ["--block-size", "32", "--max-steps", "2"])
     monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
+
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                         r"trained on blocks of 32 tokens"):
+        pretrain.main(common + ["--block-size", "16", "--max-steps", "3", "--resume", "latest"])
+
+
+def test_a_checkpoint_holds_its_batch_record_where_save_model_writes_no_weights(tmp_path, monkeypatch):
+    """Under FSDP with SHARDED_STATE_DICT (what examples/accelerate/fsdp2.yaml names for large runs) the Trainer's
+    `save_model` writes nothing: the sharded weights are saved with the optimizer's state, after it. The record was
+    written only into a folder that `save_model` had made, so these checkpoints had none, and a resume with another
+    --block-size trained on unchecked."""
+    from transformers import Trainer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--per-device-batch-size",
+              "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    save_model, save_optimizer = Trainer.save_model, Trainer._save_optimizer_and_scheduler
+
+    def sharded_save_model(self, output_dir=None, _internal_call=False):
+        if not Path(output_dir).name.startswith("checkpoint-"):  # (the final model, gathered by the recipe)
+            save_model(self, output_dir, _internal_call)
+
+    def save_sharded_weights_and_optimizer(self, output_dir):
+        os.makedirs(output_dir, exist_ok=True)  # (as accelerate's `save_fsdp_model` makes the checkpoint's folder)
+        save_optimizer(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "save_model", sharded_save_model)
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_sharded_weights_and_optimizer)
+    pretrain.main(common + ["--block-size", "32", "--max-steps", "2"])
+    monkeypatch.setattr(Trainer, "save_model", save_model)
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_optimizer)
 
     forbid_reading_data(monkeypatch)
     with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "

@@ -26,13 +26,23 @@ from ..ffn import FeedForwardMemory, LinearReadoutMemory
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder stack (`model.model` of a `*ForCausalLM`): the module holding `layers`, `norm`, `embed_tokens`."""
+    """The decoder stack (`model.model` of a `*ForCausalLM`): the module holding `layers`, `norm`, `embed_tokens`.
+    A PEFT model (`get_peft_model`) is read through the model it wraps, adapters in place."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        model = get_base_model()
     for candidate in (getattr(model, "model", None), getattr(model, "base_model", None), model):
         if candidate is not None and hasattr(candidate, "layers"):
             return candidate
     raise ValueError(
         f"model of class {type(model).__name__} has no decoder with `layers`; expected a Llama-family model"
     )
+
+
+def _is_linear(module: nn.Module | None) -> bool:
+    """An `nn.Linear`, or a PEFT layer wrapping one (its `get_base_layer()`; the values read its forward's weight)."""
+    get_base_layer = getattr(module, "get_base_layer", None)
+    return isinstance(module, nn.Linear) or callable(get_base_layer) and isinstance(get_base_layer(), nn.Linear)
 
 
 class GatedMLPMemory(LinearReadoutMemory):
@@ -45,7 +55,7 @@ class GatedMLPMemory(LinearReadoutMemory):
     @staticmethod
     def fits(mlp: nn.Module) -> bool:
         linears = (getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
-        return all(isinstance(linear, nn.Linear) for linear in linears) and callable(getattr(mlp, "act_fn", None))
+        return all(map(_is_linear, linears)) and callable(getattr(mlp, "act_fn", None))
 
     @property
     def memory_readout(self) -> nn.Linear:
@@ -138,9 +148,23 @@ class MemoryBank:
         return coefficients.float() @ self.value_vectors().float()
 
 
+def _refuse_pefts_parameter_adapters(decoder: nn.Module) -> None:
+    """PEFT's `target_parameters` LoRA adds its delta to a weight only while its wrapper's forward runs: read outside
+    it, as coefficients, values and edits read the FFN weights, the weights would be the base model's."""
+    from ..adapters import _pefts_parameter_adapters, parameter_weights
+
+    adapted = _pefts_parameter_adapters(decoder, parameter_weights(decoder))
+    if adapted:
+        raise ValueError(f"the FFN weights {adapted} carry PEFT's target_parameters LoRA, which PEFT applies only "
+                         "inside the forward: the memory analysis would read the base model's weights. Merge it first "
+                         "(model = model.merge_and_unload()), or adapt these weights with "
+                         "hf_memffn.adapters.add_weight_lora, which the analysis reads")
+
+
 def memory_banks(model: nn.Module) -> list[MemoryBank]:
     """Every memory bank of `model`, in layer order (residual FFN first, then the memory on X0, per layer)."""
     decoder = decoder_of(model)
+    _refuse_pefts_parameter_adapters(decoder)
     memory = getattr(decoder, "memory", None)  # the stacked FFNs on X0 (None when dropped for a lookup table)
     banks: list[MemoryBank] = []
     for layer, block in enumerate(decoder.layers):
