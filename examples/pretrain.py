@@ -13,6 +13,7 @@ Several GPUs (configs in examples/accelerate/):
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/pretrain.py <same arguments>
 On CPU (no GPU) it trains on the CPU; several CPU processes form one gloo run when launched with
     torchrun --nproc_per_node 2 examples/pretrain.py <same arguments>
+(`accelerate launch --cpu --num_processes 2` starts one process: accelerate starts several only through mpirun.)
 Resume: add `--resume latest` (or a checkpoint folder). Fine-tune a saved model: `--init-from DIR_OR_REPO`.
 
 Arguments are dataclasses read by transformers' `HfArgumentParser`: this recipe's (`ModelArguments`,
@@ -26,6 +27,7 @@ ZeRO-3 count with their full size (`ds_numel`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,6 +35,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
@@ -229,6 +232,38 @@ def given_options(preset: str, argv: list[str]) -> frozenset[str]:
 
 
 # --- data ---------------------------------------------------------------------------------------------------------
+
+
+# How long the other processes wait for the main one to prepare the data: hours where it downloads, tokenizes and
+# packs a large corpus (`main_process_first`).
+PREPARATION_TIMEOUT = timedelta(hours=24)
+_preparation_group = None
+
+
+@contextlib.contextmanager
+def main_process_first(training_args):
+    """`training_args.main_process_first(local=False)`: the main process runs the block first (reads the dataset,
+    trains the tokenizer, tokenizes and packs into `datasets`' cache), then the others, which find its results. They
+    wait for it at a barrier of a group of their own, of `PREPARATION_TIMEOUT`: the process group's barrier gave up
+    after the collectives' timeout (30 minutes on the CPU, where --ddp-timeout is not passed on; --ddp-timeout on
+    GPUs), which stopped a run whose main process took longer to pack its corpus."""
+    global _preparation_group
+    if training_args.world_size <= 1:
+        yield
+        return
+    import torch.distributed as dist
+
+    if _preparation_group is None:  # (made by every process at its first preparation, as `new_group` requires)
+        _preparation_group = dist.new_group(timeout=PREPARATION_TIMEOUT)  # (of the run's backend)
+        # connected while every process is here: NCCL connects a group at its first collective, and a process that
+        # waited there for the main one's part of the connection gave up after the store's timeout
+        dist.barrier(group=_preparation_group)
+    is_main = training_args.process_index == 0
+    if not is_main:
+        dist.barrier(group=_preparation_group)
+    yield
+    if is_main:
+        dist.barrier(group=_preparation_group)
 
 
 def load_raw_splits(args):
@@ -485,7 +520,7 @@ def load_tokenizer(args, train_text, training_args):
 
     if args.train_tokenizer:
         folder = Path(args.output_dir) / TOKENIZER_DIR
-        with training_args.main_process_first(local=False, desc="train tokenizer"):
+        with main_process_first(training_args):
             if training_args.process_index == 0 and not (args.resume and (folder / "tokenizer_config.json").exists()):
                 from hf_memffn.atomic_write import atomic_output
                 from hf_memffn.tokenization import train_tokenizer
@@ -498,7 +533,7 @@ def load_tokenizer(args, train_text, training_args):
     source = args.tokenizer or args.init_from
     if source is None:
         raise ValueError("give --tokenizer NAME_OR_DIR, --train-tokenizer VOCAB, or --init-from DIR")
-    with training_args.main_process_first(local=False, desc="load tokenizer"):
+    with main_process_first(training_args):
         tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer={source!r} has no EOS token, which packing puts between documents")
@@ -963,7 +998,7 @@ def make_stop_callback(stop_step: int):
 
 def load_and_pack(args, training_args):
     """(train blocks, held-out blocks, tokenizer) from a `datasets` dataset (--dataset / --data-files)."""
-    with training_args.main_process_first(local=False, desc="load dataset"):
+    with main_process_first(training_args):
         raw_train, raw_validation = load_raw_splits(args)
     if raw_validation is None:
         # the last documents, held out before a tokenizer is trained on the rest: no held-out text shapes the
@@ -975,7 +1010,7 @@ def load_and_pack(args, training_args):
         split = raw_train.train_test_split(test_size=held_out, shuffle=False)
         raw_train, raw_validation = split["train"], split["test"]
     tokenizer = load_tokenizer(args, raw_train, training_args)
-    with training_args.main_process_first(local=False, desc="pack"):
+    with main_process_first(training_args):
         train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
         eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
     if len(eval_blocks) == 0:

@@ -511,6 +511,57 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
 
 
+SLOW_PACKING_SCRIPT = """
+import datetime, os, sys, time
+import torch.distributed.distributed_c10d as c10d
+sys.path.insert(0, {examples!r})
+import pretrain
+
+# the collectives' timeout made short: 30 minutes on the CPU (--ddp-timeout, default 30 minutes, on GPUs)
+c10d.default_pg_timeout = datetime.timedelta(seconds=6)
+pack_into_blocks = pretrain.pack_into_blocks
+slept = []
+
+
+def slow_pack_into_blocks(*args, **kwargs):  # the main process packs for longer than that (a large corpus)
+    if os.environ["RANK"] == "0" and not slept:
+        time.sleep(10)
+        slept.append(True)
+    return pack_into_blocks(*args, **kwargs)
+
+
+pretrain.pack_into_blocks = slow_pack_into_blocks
+pretrain.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_wait_for_the_main_process_to_pack_however_long_it_takes(tmp_path):
+    """The other processes waited for the main one to read, tokenize and pack the data at a barrier of the process
+    group, which gives up after the collectives' timeout (30 minutes on the CPU, whatever --ddp-timeout says;
+    --ddp-timeout on GPUs): a corpus that took longer to pack (hours, for the README's Hub dataset) stopped the run
+    there. They wait at a barrier of a group of their own, whose timeout is hours."""
+    import subprocess
+
+    from hf_memffn.testing import torchrun_command
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    script = tmp_path / "slow_packing.py"
+    script.write_text(SLOW_PACKING_SCRIPT.format(examples=str(EXAMPLES)))
+    package_root = os.path.dirname(os.path.dirname(pretrain.__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "run"
+    done = subprocess.run(torchrun_command(2, script, "--arch", "kvffn", "--data-files", corpus, "--train-tokenizer",
+                                           "300", "--block-size", "32", "--per-device-batch-size", "2",
+                                           "--max-steps", "2", "--save-steps", "2", "--eval-steps", "2",
+                                           "--max-eval-blocks", "2", "--output-dir", out),
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
 @pytest.mark.parametrize("arch, overrides", [("llama", "initializer_range=0.05"),
                                              ("flash_mhf", "ffn_kernel=torch,initializer_range=0.05")])
 def test_initial_weights_for_a_multi_gpu_comparison_load_and_train(tmp_path, arch, overrides):
