@@ -1293,15 +1293,17 @@ def _describe_data_order(sampler: str, seed_option: str | None, seed: int | None
     return " ".join(options + ([f"{seed_option}{separator}{seed}"] if seed_option else []))
 
 
-def _refuse_another_data_order(checkpoint: str, saved: tuple, now: tuple, data_seed_given: bool) -> None:
-    """Refuse resuming with blocks in another order (`_data_order`s) than the checkpoint's, with the options that give
+def _refuse_another_data_order(checkpoint: str, saved_settings: dict, settings: dict) -> None:
+    """Refuse resuming with blocks in another order (`_data_order`) than the checkpoint's, with the options that give
     its order back: a --data-seed given now wins over the run's --seed, so the advice sets it."""
+    now, saved = _data_order(settings), _data_order(saved_settings)
     (sampler, seed_option, seed), (saved_sampler, saved_seed_option, saved_seed) = now, saved
     if (sampler, seed) == (saved_sampler, saved_seed):
         return
     advice = [f"--train-sampling-strategy {saved_sampler}"] if saved_sampler != sampler else []
     if saved_seed_option:
-        advice.append(f"{'--data-seed' if data_seed_given else saved_seed_option} {saved_seed}")
+        option = "--data-seed" if settings.get("data_seed") is not None else saved_seed_option
+        advice.append(f"{option} {saved_seed}")
     raise ValueError(f"{_describe_data_order(*now, '=')}: the checkpoint to resume from ({str(checkpoint)!r}) was "
                      f"trained on the blocks in the order of {_describe_data_order(*saved, ' ')}; resume with "
                      f"{' '.join(advice)} (another order gives the steps left other blocks than the run's: some "
@@ -1330,8 +1332,7 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                          f"{saved.get('block_size')} (other blocks would give the steps left other data than the "
                          "run's)")
     if "seed" in saved:
-        _refuse_another_data_order(checkpoint, _data_order(saved), _data_order(settings),
-                                   settings.get("data_seed") is not None)
+        _refuse_another_data_order(checkpoint, saved, settings)
     try:
         saved_blocks = _blocks_per_step(saved)
     except (KeyError, TypeError):

@@ -13,6 +13,7 @@ import re
 
 # A Hugging Face Hub repository id: `name` or `namespace/name`.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+PEFT_ADAPTER_CONFIG = "adapter_config.json"  # (PEFT's and transformers' name of a saved adapter's config)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -82,10 +83,10 @@ def _directory_or_hub_id(text: str, what: str, holds, lacks: str) -> str:
 def model_source(text: str) -> str:
     """A saved model directory (with config.json), or a Hub id such as `org/name`."""
     path = local_path(text)
-    saved = {name: os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json")}
-    if saved["adapter_config.json"] and not saved["config.json"]:
+    saved = {name: os.path.isfile(os.path.join(path, name)) for name in ("config.json", PEFT_ADAPTER_CONFIG)}
+    if saved[PEFT_ADAPTER_CONFIG] and not saved["config.json"]:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is a PEFT adapter (adapter_config.json, no config.json); allowed: a whole model's directory: "
+            f"{text!r} is a PEFT adapter ({PEFT_ADAPTER_CONFIG}, no config.json); allowed: a whole model's directory: "
             "merge the adapter into its base model first (PeftModel.from_pretrained(base_model, folder)"
             ".merge_and_unload(), then save_pretrained with the tokenizer)")
     return _directory_or_hub_id(text, "model", lambda path: os.path.isfile(os.path.join(path, "config.json")),

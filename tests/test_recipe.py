@@ -821,6 +821,15 @@ def test_the_seed_check_names_the_option_that_restores_the_order_and_leaves_an_u
     resume({key: by_seed[key] for key in ("seed", "data_seed")}, by_seed)  # (a record without the sampler: random)
 
 
+def assert_resuming_with_other_blocks_is_refused(common: list[str], monkeypatch):
+    """The run of `common` saved checkpoint-2 with blocks of 32 tokens: a resume with blocks of 16 is refused before
+    the data is read, which it could only be with the checkpoint's batch record."""
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                         r"trained on blocks of 32 tokens"):
+        pretrain.main(common + ["--block-size", "16", "--max-steps", "3", "--resume", "latest"])
+
+
 def test_a_checkpoint_holds_its_batch_record_once_its_trainer_state_is_written(tmp_path, monkeypatch):
     """recipe_batches.json was written after the Trainer's state (at `on_save`): a session stopped in between left a
     checkpoint that `--resume latest` takes, without the record, and a resume with another --block-size trained on
@@ -843,10 +852,7 @@ def test_a_checkpoint_holds_its_batch_record_once_its_trainer_state_is_written(t
         pretrain.main(common + ["--block-size", "32", "--max-steps", "2"])
     monkeypatch.setattr(TrainerState, "save_to_json", save_to_json)
 
-    forbid_reading_data(monkeypatch)
-    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
-                                         r"trained on blocks of 32 tokens"):
-        pretrain.main(common + ["--block-size", "16", "--max-steps", "3", "--resume", "latest"])
+    assert_resuming_with_other_blocks_is_refused(common, monkeypatch)
 
 
 def test_a_checkpoint_holds_its_batch_record_where_save_model_writes_no_weights(tmp_path, monkeypatch):
@@ -876,10 +882,7 @@ def test_a_checkpoint_holds_its_batch_record_where_save_model_writes_no_weights(
     monkeypatch.setattr(Trainer, "save_model", save_model)
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_optimizer)
 
-    forbid_reading_data(monkeypatch)
-    with pytest.raises(ValueError, match=r"--block-size=16: the checkpoint to resume from \('.*checkpoint-2'\) was "
-                                         r"trained on blocks of 32 tokens"):
-        pretrain.main(common + ["--block-size", "16", "--max-steps", "3", "--resume", "latest"])
+    assert_resuming_with_other_blocks_is_refused(common, monkeypatch)
 
 
 def test_the_final_model_appears_whole_or_not_at_all(tmp_path, monkeypatch):

@@ -41,8 +41,9 @@ from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line
 from hf_memffn.model_card import refresh_lookup_section
-from hf_memffn.cli_args import (TOKENIZER_FILES, UsageError, decode_utf8, existing_file, has_tokenizer, int_list,
-                                 load_causal_lm, model_source, output_dir, positive_int, torch_device)
+from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError, decode_utf8, existing_file,
+                                 has_tokenizer, int_list, load_causal_lm, model_source, output_dir, positive_int,
+                                 torch_device)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
@@ -507,9 +508,6 @@ def _saved_weight_map(folder: str) -> dict[str, str] | None:
         with safe_open(weights, "pt") as handle:
             return dict.fromkeys(handle.keys(), weights)
     return None
-
-
-PEFT_ADAPTER_CONFIG = "adapter_config.json"  # (PEFT's and transformers' name of a saved adapter's config)
 
 
 def _refuse_a_folder_without_plain_weights(out_dir: str) -> None:
