@@ -533,8 +533,11 @@ def load_tokenizer(args, train_text, training_args):
     source = args.tokenizer or args.init_from
     if source is None:
         raise ValueError("give --tokenizer NAME_OR_DIR, --train-tokenizer VOCAB, or --init-from DIR")
+    # the --init-from checkpoint's code runs anyway (its model loads with trust_remote_code): AutoTokenizer reads its
+    # config.json too, whose model type a run without hf_memffn does not know, and asked y/N for 15 s on a terminal
+    trust_remote_code = True if source == args.init_from else None
     with main_process_first(training_args):
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer={source!r} has no EOS token, which packing puts between documents")
     return tokenizer

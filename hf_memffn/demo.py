@@ -486,7 +486,9 @@ _RELOAD_SCRIPT = BLOCK_PACKAGE_IMPORT + textwrap.dedent(
     with open(prompts_path) as handle:
         prompts = json.load(handle)
     model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    # (AutoTokenizer reads config.json, whose model type this Python does not know: without the same trust it asks
+    # y/N on the terminal, unseen in the captured output, and waits 15 s)
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
     generated_texts = []
     with torch.no_grad():
         for prompt in prompts:

@@ -12,7 +12,9 @@ MIN_VOCAB_SIZE = 256 + 3  # the byte alphabet and the three special tokens
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
     """Train a byte-level BPE on `texts` (texts, or batches of texts as lists); return a `PreTrainedTokenizerFast`
-    that adds `<s>` in front (`add_bos_token=True`, `add_eos_token=False`, as Llama's).
+    that adds `<s>` in front (`add_bos_token=True`, `add_eos_token=False`) and pads on the left
+    (`padding_side="left"`, kept in tokenizer_config.json), as Llama's: a padded batch of prompts goes to `generate`
+    as it is.
 
     Saved, the template that adds `<s>` is in tokenizer.json; transformers 5.25 keeps neither flag in the saved files
     (for every tokenizer, Llama's too), so a reloaded tokenizer adds `<s>` while it reads `add_bos_token=False`.
@@ -59,6 +61,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
         add_bos_token=True,
         add_eos_token=False,
         clean_up_tokenization_spaces=False,
+        # a decoder-only model continues each row from its last position: right padding put the pad tokens there
+        padding_side="left",
     )
 
 

@@ -6,6 +6,9 @@ import contextlib
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from transformers.utils import logging as transformers_logging
@@ -272,3 +275,23 @@ def test_a_rerun_with_other_settings_removes_the_earlier_runs_other_models(tmp_p
         assert cli.main(argv + ["--seed", "1"]) == 0
     assert not (out / "kvffn").exists() and "wrote: kvffn/" in stdout.getvalue()
     assert json.loads((out / "results.json").read_text())["model_folders"] == ["llama"]
+
+
+def test_the_reload_script_loads_the_tokenizer_without_asking_to_trust_the_code(tmp_path):
+    """The reload runs where `hf_memffn` cannot be imported, so `AutoTokenizer` meets a model type it does not know in
+    config.json and, without `trust_remote_code`, asked `[y/N]` on the terminal, into the output the demo captures:
+    the demo stood still for transformers' 15 s prompt timeout. It trusts the code it loads the model with."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn import demo
+    from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+    demo.save_model(AutoModelForCausalLM.from_config(tiny_config("kvffn")), tiny_tokenizer(), tmp_path / "kvffn")
+    (tmp_path / "prompts.json").write_text(json.dumps(["the key"]))
+    done = subprocess.run([sys.executable, "-c", demo._RELOAD_SCRIPT, str(tmp_path / "kvffn"), "cpu",
+                           str(tmp_path / "prompts.json"), str(tmp_path / "reload.json")],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trust_remote_code" not in done.stdout + done.stderr
+    assert len(json.loads((tmp_path / "reload.json").read_text())["generated"]) == 1

@@ -1,8 +1,8 @@
 """Generation and loading features a user reaches for beyond plain `generate()`: prompts as `inputs_embeds`, prompt
-lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache, sampling
-several sequences, dtype round trips, sharded and tied checkpoints, device maps that offload weights to the disk. Each
-runs on the four architectures and on transformers' `LlamaForCausalLM` (the control, which must pass the same
-assertion).
+lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache, a
+batch of prompts padded by the trained tokenizer, sampling several sequences, dtype round trips, sharded and tied
+checkpoints, device maps that offload weights to the disk. Each runs on the four architectures and on transformers'
+`LlamaForCausalLM` (the control, which must pass the same assertion).
 
 Beam search, assisted decoding, static caches, left-padded batches and `device_map="auto"` without offloading are in
 tests/test_models.py and tests/test_transformers_conformance.py."""
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from hf_memffn.modeling_memffn import CACHE_KWARG
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import tiny_config, tiny_tokenizer
 
 ARCHS = ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama"]
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -122,6 +122,29 @@ def test_cache_implementations_and_continuing_from_a_returned_cache(arch):
         cache = {CACHE_KWARG: getattr(first, CACHE_KWARG)}  # (`cache` since transformers 5.24)
         rest = model.generate(first.sequences, **cache, **{**GREEDY, "max_new_tokens": 2})
         assert torch.equal(rest, expected), implementation
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_padded_by_the_trained_tokenizer_generates_as_each_prompt_alone(arch, tmp_path):
+    """The package's trained tokenizer, saved beside the model and reloaded with AutoTokenizer, pads a batch of prompts
+    on the left, as transformers' Llama tokenizer does: `generate(**tokenizer(prompts, padding=True))` then continues
+    each prompt as it continues alone. (It padded on the right: the shorter prompts were continued after their
+    padding, with transformers' warning about right-padding.)"""
+    model = build(arch)
+    if hasattr(model, "attach_tokenizer"):
+        model.attach_tokenizer(tiny_tokenizer())
+    else:
+        tiny_tokenizer().save_pretrained(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert tokenizer.padding_side == "left"
+    prompts = ["the key", "the memory reads a value of the layer"]
+    batch = tokenizer(prompts, padding=True, return_tensors="pt")
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1
+    generated = model.generate(**batch, **GREEDY)[:, batch["input_ids"].shape[1]:]
+    for row, text in enumerate(prompts):
+        alone = tokenizer(text, return_tensors="pt")
+        assert torch.equal(generated[row], model.generate(**alone, **GREEDY)[0, alone["input_ids"].shape[1]:]), text
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -511,6 +511,42 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
 
 
+
+TOKENIZER_SCRIPT = """
+import sys
+from types import SimpleNamespace
+sys.path.insert(0, {examples!r})
+from pretrain import load_tokenizer
+args = SimpleNamespace(train_tokenizer=None, tokenizer=None, init_from={folder!r})
+tokenizer = load_tokenizer(args, None, SimpleNamespace(world_size=1, process_index=0))
+assert "hf_memffn" not in sys.modules, "fine-tuning must run the checkpoint's own code"
+print("tokenizer of", len(tokenizer), "tokens")
+"""
+
+
+def test_fine_tuning_loads_the_checkpoints_tokenizer_without_asking_to_trust_its_code(tmp_path):
+    """--init-from DIR takes DIR's tokenizer in a process that does not import `hf_memffn`: AutoTokenizer meets a
+    model type it does not know in DIR/config.json and, without `trust_remote_code` (which loads the model), asked
+    `[y/N]` and waited 15 s on a terminal."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.testing import tiny_config, tiny_tokenizer
+
+    folder = tmp_path / "checkpoint"
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn"))
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(folder)
+    script = tmp_path / "tokenizer.py"
+    script.write_text(TOKENIZER_SCRIPT.format(examples=str(EXAMPLES), folder=str(folder)))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "tokenizer of 301 tokens" in done.stdout
+    assert "trust_remote_code" not in done.stdout + done.stderr
+
 SLOW_PACKING_SCRIPT = """
 import datetime, os, sys, time
 import torch.distributed.distributed_c10d as c10d
