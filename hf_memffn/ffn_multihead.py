@@ -87,7 +87,8 @@ class _TokenChunkedRecompute(torch.autograd.Function):
                 if needs_tokens:
                     grad_tokens[:, start:stop] = grads.pop(0)
                 for i, grad in enumerate(grads):
-                    grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+                    if grad is not None:  # (None: a parameter the forward left unused, as the plain module's gets none)
+                        grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
                 del grads
         grads_by_param = iter(grad_params)
         all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
@@ -103,7 +104,9 @@ class _TokenChunkedRecompute(torch.autograd.Function):
             # FlopCounterMode registers, cannot be on a leaf inside `autograd.grad`)
             chunk_output = ctx.module._forward(chunk.view_as(chunk))
         inputs = ([chunk] if needs_tokens else []) + params
-        return list(torch.autograd.grad(chunk_output, inputs, grad_chunk))
+        # (a parameter may require a gradient that the forward does not use: a PEFT adapter loaded trainable but not
+        # active; its gradient stays None, not an error)
+        return list(torch.autograd.grad(chunk_output, inputs, grad_chunk, allow_unused=True))
 
 
 def _refuse_weights_from_outside(module: nn.Module, chunk_tokens: int) -> None:

@@ -489,6 +489,31 @@ def test_pefts_target_parameters_lora_with_chunked_recompute_is_refused_and_ours
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6)
 
 
+def test_a_trainable_adapter_left_inactive_gets_no_gradient_under_chunked_recompute(tmp_path):
+    """A second PEFT adapter loaded trainable (`load_adapter(..., is_trainable=True)`) while the first stays active
+    requires gradients that the forward never uses. The token chunks recomputed in the backward pass
+    (`ffn_recompute_chunk_tokens`) asked autograd for those too and stopped with "appears to not have been used in
+    the graph"; like the plain module, the recompute leaves the inactive adapter without a gradient and gives the
+    active one the plain gradients."""
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    config = peft.LoraConfig(r=2, target_modules=hf_memffn.LORA_TARGET_MODULES["flash_mhf"], init_lora_weights=False)
+    grads = []
+    for chunk_tokens in (0, 4):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_recompute_chunk_tokens=chunk_tokens))
+        model = peft.get_peft_model(model, config)
+        model.save_pretrained(tmp_path / f"adapter{chunk_tokens}")
+        model.load_adapter(tmp_path / f"adapter{chunk_tokens}", adapter_name="other", is_trainable=True)
+        assert model.active_adapter == "default"
+        assert any(param.requires_grad for name, param in model.named_parameters() if ".other." in name)
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: param.grad for name, param in model.named_parameters() if param.grad is not None})
+    plain, recomputed = grads
+    assert recomputed.keys() == plain.keys() and plain and not any(".other." in name for name in plain)
+    for name in plain:
+        torch.testing.assert_close(recomputed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_peft_integration_adds_switches_saves_and_loads_adapters(arch, tmp_path):
     """transformers' own PEFT integration (`add_adapter`, `disable_adapters`, `load_adapter`), as on its Llama: the

@@ -587,6 +587,32 @@ def test_token_memory_edits_applied_together_revert_in_any_order():
 
 
 @pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_token_memory_edit_trains_under_activation_checkpointing(case, use_reentrant):
+    """The edited readout handed the layers its computed memory outputs by keyword: reentrant activation checkpointing
+    then backpropagated through their graph inside each layer's backward and again after it ("backward through the
+    graph a second time"). Both kinds give the gradients of a run without checkpointing."""
+    model = build(case).train()
+    input_ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    rows = torch.randn(model.config.num_hidden_layers, model.config.hidden_size,
+                       generator=torch.Generator().manual_seed(1))
+    runs = []
+    with TokenMemoryEdit(model, int(input_ids[0, 2]), rows):
+        for checkpointing in (False, True):
+            if checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids, labels=input_ids).loss
+            loss.backward()
+            runs.append((loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (plain_loss, plain), (loss, checkpointed) = runs
+    torch.testing.assert_close(loss, plain_loss)
+    assert checkpointed.keys() == plain.keys() and len(plain) == len(list(model.parameters()))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+
+
+@pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
 def test_save_pretrained_refuses_while_a_token_memory_edit_is_applied(case, tmp_path):
     """No weight holds a token memory edit: a checkpoint saved with one applied would silently lack it."""
     model = build(case)

@@ -177,8 +177,24 @@ class _EditedMemory:
             raise ValueError("a TokenMemoryEdit needs `input_ids` (the edited token is found by its id)")
         readout = self.original(input_ids, inputs_embeds)
         for edit in self.edits:
-            readout = _EditedReadout(readout, (input_ids == edit.token_id).unsqueeze(-1), edit.row_delta)
+            readout = _edited_readout(readout, (input_ids == edit.token_id).unsqueeze(-1), edit.row_delta)
         return readout
+
+
+def _edited_readout(readout, token_mask: torch.Tensor, row_delta: torch.Tensor):
+    """`readout` with `row_delta[layer]` added wherever `token_mask` [B, L, 1] is set. A readout of the computed
+    memory (its outputs as tensors, `layer_outputs`) stays one of its own class, the edit added into those tensors:
+    the decoder hands them to each layer as a positional argument, as reentrant activation checkpointing needs to
+    treat them as the layer's inputs (reached through a wrapper instead, their graph was backpropagated inside each
+    layer's backward and again after it). Other readouts (a lookup table's, whose rows need no gradient) are wrapped."""
+    layer_outputs = getattr(readout, "layer_outputs", None)
+    if layer_outputs is None:
+        return _EditedReadout(readout, token_mask, row_delta)
+    edited = [output + token_mask.to(device=output.device, dtype=output.dtype)
+              * row_delta[layer].to(device=output.device, dtype=output.dtype)
+              for layer, output in enumerate(layer_outputs)]
+    # (the class takes [B, L, N, d]; stacked layer-major, as `TokenMemory` returns it, each layer's part is contiguous)
+    return type(readout)(torch.stack(edited).movedim(0, -2))
 
 
 @dataclass
