@@ -98,10 +98,13 @@ def _check_base_fields(config_name: str, fields: dict) -> None:
         elif field in ("dtype", "torch_dtype"):
             if isinstance(value, dict) or value == "auto":  # (transformers' per-module dtypes and "auto": its own)
                 continue
-            named = isinstance(value, str) and value in FLOATING_DTYPE_NAMES
-            floating_dtype = type(value).__name__ == "dtype" and getattr(value, "is_floating_point", False) is True
-            _check(config_name, named or floating_dtype, field, value,
-                   f"must be None, a floating-point torch.dtype or one of {', '.join(map(repr, FLOATING_DTYPE_NAMES))}")
+            # (a torch.dtype is compared by its name: this file imports no torch. float8 and float4 dtypes are
+            # floating-point too, but transformers builds the model under torch's default dtype, which cannot be one
+            # of them, and config.json would hold a name that this check refuses when the config is read back)
+            name = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+            _check(config_name, isinstance(name, str) and name in FLOATING_DTYPE_NAMES, field, value,
+                   "must be None, 'auto', one of torch.float32, torch.float16, torch.bfloat16, torch.float64, or its "
+                   f"name: {', '.join(map(repr, FLOATING_DTYPE_NAMES))}")
         elif field == "layer_types":
             _check(config_name, isinstance(value, (list, tuple)), field, value,
                    "must be None or 'full_attention' for every layer: the decoder's attention is full causal")
@@ -373,7 +376,7 @@ class MemFFNConfig(PretrainedConfig):
         happens inside transformers' save, before the code is copied: `config.push_to_hub(repo_id)` uploads it.)
         Refused, before anything is written, while a field would not load back (`from_pretrained` checks the fields
         that `__init__` checks: a field set by hand since, a special token id past a shrunk vocabulary)."""
-        self.refuse_what_would_not_load()
+        self.refuse_what_would_not_load(saved_alone=True)
         result = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         modeling_file = self._modeling_code_file()
         if modeling_file is not None:
@@ -431,12 +434,15 @@ class MemFFNConfig(PretrainedConfig):
         return None
 
     # -- validation ----------------------------------------------------------------------------------------------
-    def refuse_what_would_not_load(self) -> None:
+    def refuse_what_would_not_load(self, saved_alone: bool = False) -> None:
         """`validate_fields` as `save_pretrained` says it: a field set by hand since `__init__` checked it (or a
         special token id past a vocabulary that `resize_token_embeddings` shrank) would make the saved folder fail to
-        load, since `from_pretrained` checks the same fields."""
+        load, since `from_pretrained` checks the same fields. `saved_alone` (the config's own save) adds `dtype`,
+        which a model's save replaces by the dtype of its weights before it writes the config."""
         try:
             self.validate_fields()
+            if saved_alone:
+                _check_base_fields(type(self).__name__, {"dtype": getattr(self, "dtype", None)})
         except ValueError as error:
             raise ValueError(f"save_pretrained: the config would not load back from the folder: {error} Set the field "
                              "to an allowed value before saving") from error

@@ -959,6 +959,38 @@ def test_from_pretrained_takes_every_dtype_form_transformers_takes(tmp_path):
         tiny_config("kvffn", dtype="bf16")
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_floating_point_dtype_no_model_is_built_in_is_refused_naming_the_allowed_ones(dtype, tmp_path):
+    """float8 is a floating-point torch.dtype, but torch makes no default dtype of it, in which transformers builds
+    the model: given to the config it had been accepted and written to config.json, which the config's own check
+    then refused on reload, and `from_pretrained(dtype=...)` failed inside torch ("couldn't find storage object")."""
+    allowed = "torch.float32, torch.float16, torch.bfloat16, torch.float64"
+    with pytest.raises(ValueError, match=rf"`dtype`={dtype}.*{allowed}"):
+        tiny_config("kvffn", dtype=dtype)
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"`dtype`={dtype}.*{allowed}"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    for name in ("float32", "half", "double"):  # (the names, torch's aliases among them, still load back)
+        config = tiny_config("kvffn", dtype=name)
+        config.save_pretrained(tmp_path / name)
+        assert AutoConfig.from_pretrained(tmp_path / name).dtype == getattr(torch, name)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", torch.float8_e4m3fn, torch.int8])
+def test_a_dtype_set_by_hand_that_would_not_load_back_is_refused_before_the_config_is_saved(dtype, tmp_path):
+    """`config.dtype` set after the config was built: `config.save_pretrained` wrote it to config.json, which
+    `AutoConfig.from_pretrained` then refused (its check of the field); refused now before anything is written, as
+    other fields set by hand are. (A model's save writes the dtype of its weights in place of it.)"""
+    config = tiny_config("kvffn")
+    config.dtype = dtype
+    with pytest.raises(ValueError, match=r"save_pretrained: the config would not load back .*`dtype`="):
+        config.save_pretrained(tmp_path / "config")
+    assert not (tmp_path / "config").exists()
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp_path / "config")
+    assert AutoConfig.from_pretrained(tmp_path / "config").dtype == torch.bfloat16
+
+
 def test_save_refuses_an_attached_tokenizer_larger_than_the_vocabulary_before_writing(tmp_path):
     """A tokenizer with more tokens than `vocab_size` was saved with the weights: the checkpoint's own tokenizer then
     gave ids that every forward refused. Refused before anything is written; resized embeddings take it."""
