@@ -137,6 +137,27 @@ def check_token_ids(input_ids: torch.Tensor, num_embeddings: int | None) -> None
         )
 
 
+def check_attention_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int, int], cache: Cache | None) -> None:
+    """One-line errors for an `attention_mask` tensor that transformers' mask helpers and attention functions do not
+    take: of another rank than 2 (a padding mask, see `check_padding_mask`) or 4 (a full mask, used as it is), or a
+    4-D mask that is neither boolean nor floating point (eager attention would add its 1s and 0s to the scores,
+    masking nothing; sdpa refuses it with torch's message)."""
+    if attention_mask.dim() not in (2, 4):
+        plural = "s" if attention_mask.dim() != 1 else ""
+        raise ValueError(
+            f"attention_mask has {attention_mask.dim()} dimension{plural} (shape {tuple(attention_mask.shape)}): "
+            "allowed are a 2-D padding mask [batch, tokens] (1 for a token, 0 for padding) or a 4-D mask [batch, 1 "
+            "or heads, queries, keys] (boolean: True where a query may attend; or floating point: added to the "
+            "attention scores)")
+    if attention_mask.dim() == 4 and not (attention_mask.dtype == torch.bool or attention_mask.is_floating_point()):
+        raise ValueError(
+            f"a 4-D attention_mask has dtype {attention_mask.dtype}: allowed are torch.bool (True where a query may "
+            "attend) or a floating point dtype (added to the attention scores: 0 to attend, a large negative value "
+            "to mask); for 1 and 0, pass `attention_mask.bool()`")
+    if attention_mask.dim() == 2 and not is_torchdynamo_compiling():
+        check_padding_mask(attention_mask, batch_and_length, cache)
+
+
 def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int, int], cache: Cache | None) -> None:
     """A one-line error for a 2-D `attention_mask` that is not [batch, cached + new tokens]: transformers' mask helpers
     would fail on the shapes inside the attention, or, in a decoding step given the mask of the cached tokens alone,
@@ -159,6 +180,22 @@ def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int
             f"attention_mask has shape {tuple(attention_mask.shape)}: a 2-D mask needs one row per sequence and one "
             f"column per token, the cached ones included: ({batch}, {cached + length}) for {cached} cached and "
             f"{length} new tokens (in a decoding loop, extend the mask by the new tokens' columns at each step){peft}")
+
+
+def check_position_ids(position_ids: torch.Tensor, batch_and_length: tuple[int, int]) -> None:
+    """A one-line error for `position_ids` that are not [batch or 1, tokens]: a 1-D tensor, or one of another length,
+    failed on the shapes inside the rotary embedding, and one position per row ([batch, 1]) for several tokens
+    broadcast to every token, which then all had the same position, silently. Skipped for symbolic sizes (an export
+    traces the forward)."""
+    batch, length = batch_and_length
+    if not all(type(size) is int for size in (*position_ids.shape, batch, length)):
+        return
+    if position_ids.dim() != 2 or position_ids.shape[1] != length or position_ids.shape[0] not in (1, batch):
+        rows = "1" if batch == 1 else f"{batch} or 1"
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}: allowed are ({rows}, {length}), one position per "
+            f"token of the {length} passed (a row of 1 applies to every sequence; for a 1-D tensor, pass "
+            "`position_ids[None]`)")
 
 
 # Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew
@@ -316,7 +353,11 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        # (a caller's 4-D mask, True where a query may attend, as sdpa takes it: added as 0 and 1 it would mask
+        # nothing; transformers' eager masks are additive floats)
+        attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+    elif attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
     attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
@@ -896,11 +937,14 @@ class MemFFNModel(MemFFNPreTrainedModel):
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
         cache = take_cache(past_key_values, cache, kwargs)
-        # (a 2-D padding mask: continuous batching passes its own masks, as a dict by layer type)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not is_torchdynamo_compiling():
-            check_padding_mask(attention_mask, inputs_embeds.shape[:2], cache)
+        # (a tensor: continuous batching passes its own masks, as a dict by layer type, and flex attention's callers
+        # may pass a BlockMask)
+        if isinstance(attention_mask, torch.Tensor):
+            check_attention_mask(attention_mask, inputs_embeds.shape[:2], cache)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
+        if position_ids is not None and not is_torchdynamo_compiling():
+            check_position_ids(position_ids, inputs_embeds.shape[:2])
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen

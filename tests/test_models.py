@@ -4,6 +4,7 @@ generation, attention backends, gradient checkpointing, saving and loading."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -694,6 +695,93 @@ def test_sdpa_and_eager_attention_agree(arch):
         b = eager(ids, attention_mask=mask).logits
     torch.testing.assert_close(a[:, 3:], b[:, 3:], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a[1], b[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flex_attention_at_load_and_after_it_agrees_with_eager(arch):
+    """`flex_attention` (README: selectable with sdpa, eager and flash_attention_2), chosen when the model is built
+    or with `set_attn_implementation` after, gives eager attention's logits on a left-padded batch and on sequences
+    packed into one row (`position_ids` restarting at 0, no mask), which stay apart as in each implementation."""
+    torch.manual_seed(0)
+    flex = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="flex_attention").eval()
+    assert flex.config._attn_implementation == "flex_attention"
+    eager = copy.deepcopy(flex)
+    eager.set_attn_implementation("eager")
+    switched = copy.deepcopy(eager)
+    switched.set_attn_implementation("flex_attention")
+    ids = torch.randint(3, 320, (2, 9))
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    packed = torch.cat([torch.arange(4), torch.arange(5)])[None]
+    with torch.no_grad():  # (flex attention has no backward on a CPU)
+        expected = eager(ids, attention_mask=padding).logits
+        apart = torch.cat([eager(ids[1:, :4]).logits, eager(ids[1:, 4:]).logits], dim=1)
+        for model in (flex, switched):
+            torch.testing.assert_close(model(ids, attention_mask=padding).logits[:, 3:], expected[:, 3:],
+                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(model(ids[1:], position_ids=packed).logits, apart, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_4d_boolean_mask_gives_the_logits_of_the_padding_mask_in_every_attention(arch):
+    """A 4-D mask passed by the caller reaches the attention function as it is: boolean (True where a query may
+    attend, as sdpa and transformers' own sdpa masks take it) or floating point (added to the scores). Eager attention
+    added a boolean mask too, as 0 and 1, so it masked nothing there (Llama's does the same); a model switched to eager
+    for `output_attentions` then gave other logits than sdpa for the same call."""
+    model = build(arch)
+    ids = torch.randint(3, 320, (2, 9))
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    keep = torch.ones(9, 9, dtype=torch.bool).tril()[None, None] & padding[:, None, None, :].bool()
+    additive = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=padding).logits
+        for implementation in ("sdpa", "eager"):
+            model.set_attn_implementation(implementation)
+            for mask in (keep, additive):
+                logits = model(ids, attention_mask=mask).logits
+                torch.testing.assert_close(logits[:, 3:], expected[:, 3:], rtol=1e-4, atol=1e-5,
+                                           msg=f"{implementation}, {mask.dtype} mask")
+        attentions = model(ids, attention_mask=keep, output_attentions=True).attentions
+    assert attentions[0][0, :, 3:, :3].abs().max().item() == 0  # (the tokens put no weight on the padding)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mask, named", [
+    (torch.ones(2, 9, 9, dtype=torch.long), r"attention_mask has 3 dimensions"),
+    (torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1]), r"attention_mask has 1 dimension"),
+    (torch.ones(2, 1, 9, 9, dtype=torch.long), r"a 4-D attention_mask has dtype torch.int64"),
+])
+def test_an_attention_mask_of_another_rank_or_dtype_is_refused_naming_it(arch, mask, named):
+    """transformers' masks are 2-D (one 1 or 0 per token) or 4-D (boolean or floating point). A 1-D or 3-D mask
+    failed inside the mask helpers (or ran unmasked where it kept every token), and a 4-D integer mask was added to the
+    scores by eager attention (masking nothing) and refused by sdpa with torch's message: each is refused naming the
+    mask and what it may be, whatever the attention implementation."""
+    model = build(arch)
+    ids = torch.randint(3, 320, (2, 9))
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        with pytest.raises(ValueError, match=named + r".*allowed"):
+            model(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("positions", [torch.zeros(2, 1, dtype=torch.long), torch.arange(9), torch.arange(5)[None],
+                                       torch.arange(9).expand(3, 9)], ids=["2x1", "1-D", "1x5", "3x9"])
+def test_position_ids_of_another_shape_than_the_tokens_are_refused_naming_them(arch, positions):
+    """`position_ids` are [batch or 1, tokens]. One position per row ([batch, 1]) for nine tokens gave all of them
+    that position, silently (Llama's too); a 1-D tensor, another length or another batch failed on the shapes inside
+    the rotary embedding. Positions of the right shape, shared by the rows or not, are taken as they are."""
+    model = build(arch)
+    ids = torch.randint(3, 320, (2, 9))
+    with pytest.raises(ValueError, match=rf"position_ids has shape {re.escape(str(tuple(positions.shape)))}: "
+                                         r"allowed are \(2 or 1, 9\)"):
+        model(ids, position_ids=positions)
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch.testing.assert_close(model(ids, position_ids=torch.arange(9)[None] + 4).logits, expected,
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(ids, position_ids=torch.arange(9).expand(2, 9)).logits, expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
