@@ -35,7 +35,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import (  # noqa: E402
-    bench_ms, graph_ms, log, output_folder, peak_memory, refuse_counts_below, rel_err, timed, write_json, write_text,
+    bench_ms, graph_ms, log, output_folder, peak_memory, refuse_counts_below, rel_err, save_figure, timed, write_json,
+    write_text,
 )
 from hf_memffn import flash_mhf_gluon  # noqa: E402
 from hf_memffn import flash_mhf_triton as kernels  # noqa: E402
@@ -563,8 +564,7 @@ def plot(results, path):
     axes[0].legend(fontsize=7)
     fig.suptitle(f"FlashMHF vs SwiGLU, bf16, {results['device']}")
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path)
 
 
 def main():

@@ -82,6 +82,7 @@ from harness import (  # noqa: E402
     peak_memory_gib,
     refuse_counts_below,
     reset_peak_memory,
+    save_figure,
     synchronize,
     write_json,
     write_text,
@@ -644,11 +645,15 @@ def pin_process(cpu: int) -> None:
 
 
 def parse_cpu_list(text: str) -> list[int]:
-    """CPU ids of a Linux CPU list such as "0-7,16-23"."""
+    """CPU ids of a Linux CPU list such as "0-7,16-23"; a ValueError for a part that is neither a CPU nor a range,
+    or for a range from high to low, which names no CPU (a typo, not a wish to leave CPUs out)."""
     cpus = []
     for part in text.strip().split(","):
         first, _, last = part.partition("-")
-        cpus += range(int(first), int(last or first) + 1)
+        first, last = int(first), int(last or first)
+        if last < first:
+            raise ValueError(f"CPU range {part!r} runs from high to low")
+        cpus += range(first, last + 1)
     return cpus
 
 
@@ -1160,7 +1165,9 @@ def plot(results: dict, path: str) -> None:
     if not groups:
         return
     labels = list(dict.fromkeys(g for g, _, _ in groups))
-    archs = [a for a in ARCHS if any(arch == a for _, arch, _ in groups)]
+    # in ARCHS's order, each `<arch>@other` model (another package's, not in ARCHS) beside its architecture
+    archs = sorted({arch for _, arch, _ in groups},
+                   key=lambda arch: (ARCHS.index(arch.removesuffix(OTHER_PACKAGE)), arch.endswith(OTHER_PACKAGE)))
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)) + 3, 4.5))
     width = 0.8 / len(archs)
     for i, arch in enumerate(archs):
@@ -1177,8 +1184,7 @@ def plot(results: dict, path: str) -> None:
         ax.text(1.01, 0.0, "models timed in alternating\nrounds: median of the\nrounds' ratios",
                 transform=ax.transAxes, fontsize=7, va="bottom")
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    save_figure(fig, path)
 
 
 def save(results: dict, out: str) -> None:
@@ -1228,9 +1234,10 @@ TASK_FORMS = {  # each kind of task: its form as the help and errors write it, a
 }
 
 
-def check_task(task: str) -> None:
-    """Raises a ValueError naming the task and the form it breaks; `main` checks every task before any runs, so that
-    a mistyped last task does not end a long run."""
+def check_task(task: str, args=None) -> None:
+    """Raises a ValueError naming the task and the form it breaks, or the options it needs that `args` (the run's
+    options, where given) lacks; `main` checks every task before any runs, so that a mistyped last task does not end
+    a long run."""
     kind = task.split(":")[0]
     if kind not in TASK_FORMS:
         raise ValueError(f"unknown task {task!r}: a task is one of {', '.join(f for f, _ in TASK_FORMS.values())}")
@@ -1259,13 +1266,16 @@ def check_task(task: str) -> None:
                              f"decode task's {OTHER_PACKAGE} suffix aside)")
         if architecture.endswith(OTHER_PACKAGE) and kind != "decode":
             raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model decodes only")
+        if architecture.endswith(OTHER_PACKAGE) and args is not None and not (
+                getattr(args, "decode_processes", False) and OTHER_PACKAGE_DIR):
+            raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model needs --decode-processes and --other-package")
         if LOOKUP in architecture and kind in ("train", "profile_train"):
             raise ValueError(f"task {task!r}: a lookup variant ({', '.join(LOOKUP_ARCHS)}) decodes only; its memory "
                              "FFN's weights are dropped")
 
 
 def run_task(task: str, args, results: dict) -> None:
-    check_task(task)
+    check_task(task, args)
     part, size, *rest = task.split(":")
     device = args.device
     if part == "layer":
@@ -1295,8 +1305,6 @@ def run_task(task: str, args, results: dict) -> None:
     elif part == "decode":
         architectures, mode = rest
         decoder_class = ProcessDecoder if args.decode_processes else LocalDecoder
-        if OTHER_PACKAGE in architectures and not (args.decode_processes and OTHER_PACKAGE_DIR):
-            raise ValueError(f"task {task!r}: an {OTHER_PACKAGE} model needs --decode-processes and --other-package")
         decoders = {architecture: decoder_class(architecture, size, device, mode == "static")
                     for architecture in architectures.split("+")}
         try:
@@ -1447,9 +1455,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile", action="store_true", help="also time compiled training and static-cache decoding")
     parser.add_argument("--decode-sizes", nargs="+", default=["370M"], help="presets timed in the decode part")
     parser.add_argument("--compile-sizes", nargs="+", default=["370M"], help="presets timed compiled")
-    parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M train:370M:llama:eager "
-                        "decode:370M:llama+flash_mhf:static (models joined by + decode in turn) profile:370M "
-                        "profile_train:370M:flash_mhf[:compiled|cudagraphs[:1]] (one training step by kernel family) "
+    parser.add_argument("--tasks", nargs="+", help="explicit measurements, e.g. layer:370M[:compiled] "
+                        "train:370M:llama:eager decode:370M:llama+flash_mhf:static (models joined by + decode in "
+                        "turn) profile:370M profile_train:370M:flash_mhf[:eager|compiled|cudagraphs[:1]] (one "
+                        "training step by kernel family) "
                         "profile_decode:370M:flash_mhf[:16] (one static-cache generate() call at batch 1 [16]) "
                         "(default: all of the above options); every task is checked before the first runs")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no measurement after this many seconds")
@@ -1493,6 +1502,8 @@ def main(argv=None) -> dict:
     # (--new-tokens: a decoding step is the time between two tokens)
     refuse_counts_below(parser, args, train_rounds=1, train_round_steps=1, gpus=1, decode_repeats=1, seq_len=1,
                         new_tokens=2, decode_batches=1)
+    if args.deadline_s is not None and not args.deadline_s >= 0:  # (a NaN compares false: it would skip nothing)
+        parser.error(f"--deadline-s must be 0 or more seconds, got {args.deadline_s}")
     if args.device == "cuda" and torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
         parser.error(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} CUDA devices")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1515,7 +1526,7 @@ def main(argv=None) -> dict:
     tasks = args.tasks or default_tasks(args)
     for task in tasks:
         try:
-            check_task(task)
+            check_task(task, args)
         except ValueError as error:
             parser.error(f"--tasks: {error}")
     if args.gpus > 1:

@@ -29,30 +29,35 @@ def load(work: str, kind: str, tree: str, round_: int) -> dict | None:
 
 
 def collect(work: str, rounds: int) -> dict:
+    """Each piece's and training step's times by tree, one entry per round: None where that round's run of the tree
+    left no result (a run that failed or timed out), so that the rounds stay in their places."""
     parts, train, device, issue = {}, {}, None, None
     for round_ in range(1, rounds + 1):
+        index = round_ - 1
         for tree in TREES:
             data = load(work, "parts", tree, round_)
             if data:
                 device, issue = data["environment"]["device"], data.get("issue")
                 for row in data["parts"]:
-                    parts.setdefault(row["part"], {t: [] for t in TREES})[tree].append(row["host_us"])
+                    parts.setdefault(row["part"], {t: [None] * rounds for t in TREES})[tree][index] = row["host_us"]
             data = load(work, "train", tree, round_)
             if data:
                 device = device or data["environment"]["device"]
                 for row in data["train"]:
                     cell = train.setdefault(f"{row['size']} {row['arch']} batch {row['batch']}",
-                                            {t: {"step_ms": [], "host_ms": []} for t in TREES})
-                    cell[tree]["step_ms"].append(row["step_ms"])
-                    cell[tree]["host_ms"].append(row["host_ms"])
+                                            {t: {"step_ms": [None] * rounds, "host_ms": [None] * rounds}
+                                             for t in TREES})
+                    cell[tree]["step_ms"][index] = row["step_ms"]
+                    cell[tree]["host_ms"][index] = row["host_ms"]
     return {"device": device, "rounds": rounds, "issue": issue, "parts_host_us": parts, "train": train}
 
 
 def report(result: dict) -> str:
-    def cell(values, spec=".1f"):
-        return " / ".join(format(v, spec) for v in values) or "-"
+    def cell(values, spec=".1f"):  # (a round without a result: "-")
+        return " / ".join("-" if v is None else format(v, spec) for v in values) or "-"
 
     def ratio(before, after):
+        before, after = ([v for v in values if v is not None] for values in (before, after))
         return f"{median(after) / median(before):.2f}" if before and after else "-"
 
     lines = [f"# Host time before and after, {result['device']}", "",

@@ -19,14 +19,17 @@ work=$(mktemp -d)
 mkdir -p "$before/kernels"
 cp "$here"/kernels/{profile_flash_mhf_host.py,harness.py,bench_models.py} "$before/kernels/"
 tasks=${TRAIN_TASKS-"train:370M:llama:eager:1 train:370M:flash_mhf:eager:1 train:370M:llama:eager:2 train:370M:flash_mhf:eager:2"}
+# a run that fails or times out is reported and its round left out of the tables ("-"), not the end of the call
 for round in $(seq "$rounds"); do
   for tree in after before; do
     root=$here; [ "$tree" = before ] && root=$before
     (cd "$root" && PYTHONPATH=. timeout 150 python kernels/profile_flash_mhf_host.py --out "$work/parts_${tree}_$round" \
-       --no-cprofile --parts 200 --issue "${ISSUE:-idle}" > "$work/parts_${tree}_$round.log" 2>&1)
+       --no-cprofile --parts 200 --issue "${ISSUE:-idle}" > "$work/parts_${tree}_$round.log" 2>&1) \
+      || echo "round $round, $tree: the parts' run failed (exit status $?), see $work/parts_${tree}_$round.log"
     if [ -n "$tasks" ]; then
       (cd "$root" && PYTHONPATH=. timeout 150 python kernels/bench_models.py --out "$work/train_${tree}_$round" \
-         --tasks $tasks > "$work/train_${tree}_$round.log" 2>&1)
+         --tasks $tasks > "$work/train_${tree}_$round.log" 2>&1) \
+        || echo "round $round, $tree: the training run failed (exit status $?), see $work/train_${tree}_$round.log"
     fi
     echo "round $round, $tree: done"
   done

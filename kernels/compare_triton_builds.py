@@ -507,9 +507,16 @@ def report(results: dict) -> str:
 
 def time_builds(directories: list[str], out: str, stem: str, cases: list[str], rounds: int,
                 package=None) -> None:
+    builds = [load_build(d) for d in directories]
+    labels = [build["label"] for build in builds]
+    # (a build's rows, times and ratios are kept under its label: a second build of that label, or one labelled as
+    # the installed Triton's, would replace them)
+    clashing = sorted({label for label in labels if labels.count(label) > 1 or label == "installed"})
+    if clashing:
+        raise SystemExit(f"time: --builds: the label {', '.join(map(repr, clashing))} names more than one build or "
+                         "the installed Triton's; allowed: one label per build, not 'installed' (export --label NAME)")
     if not torch.cuda.is_available():
         raise SystemExit("time: needs a CUDA GPU (export runs anywhere)")
-    builds = [load_build(d) for d in directories]
     results = {"environment": environment(), "installed_ptxas": ptxas_in_use(), "rounds": rounds,
                "builds": [{"label": b["label"], "triton": b["manifest"]["triton"], "ptxas": b["manifest"]["ptxas"],
                            "directory": d} for b, d in zip(builds, directories)],

@@ -525,6 +525,17 @@ def peak_memory(fn, leaves=(), held=()) -> dict:
     return {"peak_gib": (above + own) / GIB, "peak_above_inputs_gib": above / GIB}
 
 
+def cpu_name() -> str:
+    """The processor's model name and core count, as the device of a measurement on the CPU (`platform.processor()`
+    gives the architecture, "x86_64", or nothing at all on Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor() or 'unknown processor'}, {os.cpu_count()} cores"
+
+
 def environment() -> dict:
     """The device and the versions a result was measured with."""
     import transformers
@@ -535,7 +546,7 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    device = torch.cuda.get_device_name() if on_cuda() else platform.processor() or "cpu"
+    device = torch.cuda.get_device_name() if on_cuda() else cpu_name()
     return {"device": device, "torch": torch.__version__, "triton": triton_version,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -548,6 +559,17 @@ def write_text(path: str, text: str) -> None:
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_atomic(path, text)
+
+
+def save_figure(figure, path: str, dpi: int = 110) -> None:
+    """A matplotlib figure saved to `path` through a temporary name (`hf_memffn.atomic_write`), in the format its
+    suffix names: a plot that fails or is interrupted while being written leaves neither half an image nor a
+    temporary file beside the results."""
+    from hf_memffn.atomic_write import atomic_output
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_output(path) as temporary:  # (its name ends in ".tmp": the format is given, not guessed from it)
+        figure.savefig(temporary, format=os.path.splitext(path)[1].lstrip(".") or "png", dpi=dpi)
 
 
 def write_json(path: str, data) -> None:

@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
     measure_on("cpu")  # (the host's time on CPU tensors: named as the CPU on a machine with a GPU too)
     results = {"environment": environment(), "cpu_count": os.cpu_count(), "number": args.number,
                "repeat": args.repeat, "rows": rows}
-    text = "\n".join([f"# Host µs per call of the FlashMHF layer's launches, stand-in H100 driver on a CPU "
-                      f"({os.cpu_count()} cores, triton {results['environment'].get('triton')})", "",
+    text = "\n".join([f"# Host µs per call of the FlashMHF layer's launches, stand-in H100 driver on "
+                      f"{results['environment']['device']} (triton {results['environment'].get('triton')})", "",
                       *markdown_table(["what", "µs per call"],
                                       [[row["what"], f"{row['us_per_call']:.1f}"] for row in rows]), ""])
     write_report(args.out, "launch_host_cpu", results, text)

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
-    environment, log, markdown_table, median, output_folder, refuse_counts_below, write_json, write_text,
+    cpu_name, environment, log, markdown_table, median, output_folder, refuse_counts_below, write_json, write_text,
 )
 from bench_models import ARCHS, get_preset  # noqa: E402
 
@@ -124,16 +124,6 @@ def guard_check_us(model, generate, repeats: int = 2000) -> float:
         for _ in range(repeats):
             check(frame_locals)
         return (time.perf_counter() - start) / repeats * 1e6
-
-
-def cpu_name() -> str:
-    """The processor's model name and core count (the host is what this script measures)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            names = [line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else 'unknown processor'}, {os.cpu_count()} cores"
 
 
 def measure(variant: str, args) -> dict:

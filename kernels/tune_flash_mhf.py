@@ -207,6 +207,17 @@ def explicit_candidates(specs):
     return sorted(candidates, key=lambda c: order.index(c[0]))
 
 
+def profiled_launch(spec: str):
+    """``role:variant:BLOCK_L,BLOCK_N,warps,stages`` (`--profile`) -> (role, variant, configuration)."""
+    role, variant, config = spec.split(":") if spec.count(":") == 2 else ("", "", "")
+    if (role, variant) not in VARIANTS:
+        sys.exit(f"--profile: expected role:variant:BLOCK_L,BLOCK_N,warps,stages with role:variant one of "
+                 f"{', '.join(f'{r}:{v}' for r, v in VARIANTS)}, got {spec!r}")
+    if not re.fullmatch(r"\d+,\d+,\d+,\d+", config):
+        sys.exit(f"--profile: expected role:variant:BLOCK_L,BLOCK_N,warps,stages (four integers), got {spec!r}")
+    return role, variant, tuple(int(x) for x in config.split(","))
+
+
 def sweep(args):
     problem = Problem(args.seq_len)
     if args.configs:
@@ -288,8 +299,7 @@ def sweep(args):
 
 
 def profile(args):
-    role, variant, config = args.profile.split(":")
-    config = tuple(int(x) for x in config.split(","))
+    role, variant, config = profiled_launch(args.profile)
     problem = Problem(args.seq_len)
     outs = problem.outputs(role)
     launch = problem.launcher(role, variant, config, outs)
@@ -322,6 +332,8 @@ def main():
         parser.error("--roles: backward is checked against the rows and weights kernels; add rows weights")
     if args.configs:
         explicit_candidates(args.configs)  # (its errors before any GPU work)
+    if args.profile:
+        profiled_launch(args.profile)
     SHAPE["head_dim"] = args.head_dim
     if not torch.cuda.is_available():
         sys.exit("tune_flash_mhf.py needs a CUDA GPU")

@@ -77,6 +77,25 @@ def test_tune_candidates_parse():
         tune_flash_mhf.explicit_candidates(["backward:128,64,8,2"])
 
 
+@pytest.mark.parametrize("spec, expected", [
+    ("weights:gluonn:128,64,8,2", "with role:variant one of forward:production, "),
+    ("weights:128,64,8,2", "with role:variant one of"),
+    ("weights:gluon:128,64,8", "(four integers), got 'weights:gluon:128,64,8'"),
+])
+def test_tune_profile_launch_is_checked_before_looking_for_a_gpu(spec, expected, monkeypatch):
+    """`tune_flash_mhf.py --profile` with a variant that does not exist or a configuration that is not four integers
+    is refused naming the option and what it takes, before the GPU is looked for (on a GPU it was a KeyError or an
+    unpacking error's traceback)."""
+    tune_flash_mhf = kernel_script("tune_flash_mhf")
+    monkeypatch.setattr(sys, "argv", ["tune_flash_mhf.py", "--profile", spec])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (as on a GPU machine: no GPU work is reached)
+    monkeypatch.setattr(tune_flash_mhf, "profile", lambda args: pytest.fail("profiled a launch it should refuse"))
+    with pytest.raises(SystemExit) as refused:
+        tune_flash_mhf.main()
+    assert str(refused.value.code).startswith("--profile: expected") and expected in str(refused.value.code)
+    assert tune_flash_mhf.profiled_launch("weights:gluon:128,64,8,2") == ("weights", "gluon", (128, 64, 8, 2))
+
+
 # Runs each script's main with the arguments given (its first argument: the script's path) in one Python process and
 # prints {script: [exit code or error, what it wrote to stderr]} as JSON.
 NO_OUT_RUNNER = """
@@ -776,13 +795,15 @@ def test_decode_cpus_are_a_cpu_list_and_need_decoding_processes(tmp_path, bench_
 
 def test_decode_cpus_refuses_lists_it_cannot_pin_before_any_model_is_built(tmp_path, bench_models_main, capsys,
                                                                          monkeypatch):
-    """A `--decode-cpus` list that is no CPU list, names no CPU (a range from high to low) or names a CPU this process
-    may not run on is a one-line usage error before any work, not a traceback, a run left unpinned, or a task that
-    fails once its models have been built and compiled."""
+    """A `--decode-cpus` list that is no CPU list, holds a range from high to low (which names no CPU, alone or among
+    others) or names a CPU this process may not run on is a one-line usage error before any work, not a traceback, a
+    run left unpinned or pinned to fewer CPUs than named, or a task that fails once its models have been built and
+    compiled."""
     bench_models = bench_models_main
     monkeypatch.setattr(bench_models.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     for spec, expected in (("fast", "--decode-cpus='fast' is not 'gpu' or a CPU list"),
                            ("5-2", "--decode-cpus='5-2' is not 'gpu' or a CPU list"),
+                           ("0,5-2", "--decode-cpus='0,5-2' is not 'gpu' or a CPU list"),  # (not CPU 0 alone)
                            ("2,9", "--decode-cpus='2,9': CPU 9 not among the CPUs available to this process (0, 1, 2, "
                                    "3)")):
         with pytest.raises(SystemExit) as refused:
@@ -889,6 +910,37 @@ def test_host_time_comparison_tables(tmp_path):
     assert "| triton_forward | 100.0 / 200.0 | 80.0 / 160.0 | 0.80 |" in markdown
     assert "(200 calls back to back, no synchronisation between them)" in markdown
     assert "| 370M flash_mhf batch 1 | 80.0 / 80.0 | 64.0 / 64.0 | 0.80 |" in markdown
+
+
+def test_host_time_comparison_keeps_each_round_in_its_place_when_a_run_left_nothing(tmp_path):
+    """A round whose run of one tree left no result (it failed or ran out of time) is shown as "-" in its place: the
+    tree's other rounds do not move up beside the other tree's first, and the medians are of the rounds there are."""
+    work = tmp_path / "work"
+    for round_, tree, host_us in ((1, "after", 80.0), (2, "before", 200.0), (2, "after", 160.0)):
+        folder = work / f"parts_{tree}_{round_}"
+        folder.mkdir(parents=True)
+        (folder / "flash_mhf_host_profile.json").write_text(json.dumps(
+            {"environment": {"device": "GPU X"}, "parts": [{"part": "triton_forward", "host_us": host_us}]}))
+    assert kernel_script("compare_host_time").main([str(work), "2", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "host_time.json").read_text())
+    assert data["parts_host_us"]["triton_forward"] == {"before": [None, 200.0], "after": [80.0, 160.0]}
+    assert "| triton_forward | - / 200.0 | 80.0 / 160.0 | 0.60 |" in (tmp_path / "out" / "host_time.md").read_text()
+
+
+def test_host_time_comparison_script_goes_on_past_a_run_that_failed(tmp_path):
+    """`compare_host_time.sh`: a run that fails (here each, without a GPU) is reported with its log and the rounds go
+    on to the tables of what ran; it stopped the whole call at the first failure, silently, its other rounds lost."""
+    (tmp_path / "before").mkdir()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRAIN_TASKS": "", "TMPDIR": str(tmp_path),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    result = subprocess.run(["bash", os.path.join(KERNELS, "compare_host_time.sh"), str(tmp_path / "before"),
+                             str(tmp_path / "out"), "1"], capture_output=True, text=True, env=env, timeout=300)
+    printed = result.stdout.splitlines()
+    assert [line.split(" (exit status")[0] for line in printed] == [
+        "round 1, after: the parts' run failed", "round 1, after: done",
+        "round 1, before: the parts' run failed", "round 1, before: done"], result.stdout
+    assert all(os.path.isfile(line.split(", see ")[1]) for line in printed if "failed" in line)
+    assert result.returncode == 2 and "holds no run of rounds 1 to 1" in result.stderr  # (compare_host_time.py's)
 
 
 def test_inference_tuning_comparison_needs_a_gpu(tmp_path, monkeypatch):
@@ -1062,6 +1114,50 @@ def test_model_benchmark_refuses_options_and_batches_it_cannot_measure(tmp_path,
     assert not list(tmp_path.iterdir())
 
 
+def test_model_benchmark_refuses_a_deadline_and_another_package_task_it_cannot_honour(tmp_path, bench_models_main,
+                                                                                      capsys):
+    """A `--deadline-s` below 0 (every task skipped, the run ending as a success) or not a number (a NaN compares
+    false: none skipped) is refused; a decode task's `<arch>@other` model without `--decode-processes` and
+    `--other-package` is refused with the other tasks before the first runs, not once the tasks before it have run."""
+    bench_models = bench_models_main
+    for value in ("-5", "nan"):
+        with pytest.raises(SystemExit) as refused:
+            bench_models.main(["--out", str(tmp_path), "--device", "cpu", "--deadline-s", value, "--tasks",
+                               "layer:tiny"])
+        assert refused.value.code == 2 and "--deadline-s must be 0 or more seconds" in capsys.readouterr().err, value
+    for options in ([], ["--decode-processes"]):
+        with pytest.raises(SystemExit) as refused:
+            bench_models.main(["--out", str(tmp_path), "--device", "cpu", *options, "--tasks", "layer:tiny",
+                               "decode:tiny:llama+kvffn@other:eager"])
+        assert refused.value.code == 2, options
+        assert "an @other model needs --decode-processes and --other-package" in capsys.readouterr().err, options
+    assert not list(tmp_path.iterdir())
+
+
+def test_model_benchmark_plot_keeps_the_other_packages_models(tmp_path, monkeypatch):
+    """A decode task's `<arch>@other` model (`--other-package`: the change a run measures) has a bar in the plot of
+    ratios to Llama beside this checkout's model, as it has a row in the report."""
+    bench_models = kernel_script("bench_models")
+    from matplotlib.axes import Axes
+
+    plotted, bar = {}, Axes.bar
+
+    def recording_bar(self, xs, heights, *args, label=None, **kwargs):
+        plotted[label] = list(heights)
+        return bar(self, xs, heights, *args, label=label, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", recording_bar)
+    archs = ["llama", "kvffn", "kvffn@other"]
+    decode = [{"arch": arch, "size": "tiny", "batch": 1, "mode": "eager", "decode_tokens_per_s": 100.0,
+               "ms_per_step": 10.0, "round_paired_baseline": "llama", "round_paired_ratio": ratio,
+               "round_paired_ratio_quartiles": None, "interleaved_with": [a for a in archs if a != arch],
+               "task": "decode:tiny:llama+kvffn+kvffn@other:eager"} for arch, ratio in zip(archs, (1.0, 0.9, 0.8))]
+    results = {"environment": {"device": "cpu", "torch": "-", "triton": "-", "transformers": "-"}, "decode": decode}
+    bench_models.plot(results, str(tmp_path / "models_bench.png"))
+    assert plotted == {"Llama (transformers)": [1.0], "KVFFN": [0.9], "KVFFN, the other package": [0.8]}
+    assert "| KVFFN, the other package |" in bench_models.report(results)
+
+
 def test_memory_readout_benchmark_times_and_names_the_device_asked_for(monkeypatch, capsys):
     """`bench_memory_readout.py --device cpu` (its default) times wall-clock and names the CPU on a machine that has a
     GPU too (here one pretended), as the tensors it times are on the CPU."""
@@ -1230,11 +1326,13 @@ def test_model_benchmark_refuses_a_preset_without_a_training_batch(tmp_path, ben
 def test_model_benchmark_exit_status_says_a_task_failed(tmp_path, bench_models_main, monkeypatch):
     """A run whose report lists a failed task still writes its files, and ends with `FAILED_TASKS_EXIT`; with `--gpus`,
     a task process that ends so, its error in its results, is that error once in the merged report."""
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu",
-                        "--tasks", "decode:tiny:llama@other:eager")  # (an @other model needs --decode-processes)
+    # (the flagged Llama refuses the padding mask that generate() passes: a task that fails once its model is built)
+    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
+                        "--decode-batches", "1", "--decode-repeats", "1",
+                        "--tasks", "decode:tiny:llama_causal_flag:eager")
     assert result.returncode == 1, result.stderr[-3000:]
     data = json.loads((tmp_path / "models_bench.json").read_text())
-    assert len(data["errors"]) == 1 and "needs --decode-processes" in data["errors"][0]
+    assert len(data["errors"]) == 1 and "only for sequences without a padding mask" in data["errors"][0]
     bench_models = bench_models_main
     task = "train:tiny:flash_mhf:eager"
     child = {"environment": bench_models.environment(), "train": [], "decode": [], "layer": [], "profile": {},
@@ -1316,6 +1414,53 @@ def test_harness_write_that_fails_leaves_no_temporary_file(tmp_path):
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "a table\n"
 
 
+def test_harness_names_the_processor_of_a_measurement_on_the_cpu(monkeypatch):
+    """A result measured on the CPU (the host-time scripts, a smoke run) names the processor, its model and cores, as
+    a GPU result names the GPU: not "cpu", nor the architecture that `platform.processor()` gives on Linux."""
+    harness = kernel_script("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", "cpu")
+    device = harness.environment()["device"]
+    assert device == harness.cpu_name() and device.endswith(f", {os.cpu_count()} cores")
+    with open("/proc/cpuinfo", encoding="utf-8") as handle:
+        model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), None)
+    if model is not None:  # (some architectures' cpuinfo has no model name)
+        assert device.startswith(model)
+
+
+def _two_training_rows() -> list[dict]:
+    """A whole-model training row of Llama and one of FlashMHFLlama, made up, as `bench_models.report` reads them."""
+    return [{"arch": arch, "size": "tiny", "mode": "eager", "batch": 2, "seq_len": 16, "params": 1e6,
+             "tokens_per_s": tokens_per_s, "step_ms": 32e3 / tokens_per_s, "host_ms": 1.0, "peak_gib": None}
+            for arch, tokens_per_s in (("llama", 1000.0), ("flash_mhf", 1200.0))]
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # (the op plot of a run that measured nothing)
+def test_plots_that_fail_while_written_leave_no_file_beside_the_results(tmp_path, monkeypatch):
+    """The whole-model and op benchmarks' plots are written through a temporary name: a plot that fails while being
+    written (here a full disk) leaves neither half an image nor a temporary file beside the results, whose JSON and
+    table are written whole; a plot that succeeds is a PNG at its own name."""
+    from matplotlib.figure import Figure
+
+    def half_written(figure, target, **kwargs):
+        with open(target, "wb") as handle:
+            handle.write(b"\x89PNG, half")
+        raise OSError(28, "No space left on device")
+
+    environment = {"device": "stand-in", "torch": "-", "triton": "-", "transformers": "-"}
+    models = {"environment": environment, "train": _two_training_rows(), "errors": []}
+    op = {"device": "stand-in", "torch": "-", "triton": "-", "op": [], "module": [], "decode": []}
+    bench_models, bench_flash_mhf = kernel_script("bench_models"), kernel_script("bench_flash_mhf")
+    with monkeypatch.context() as patched:
+        patched.setattr(Figure, "savefig", half_written)
+        bench_models.finish(models, str(tmp_path / "models"))
+        bench_flash_mhf.finish(op, str(tmp_path / "op"))
+    assert sorted(os.listdir(tmp_path / "models")) == ["models_bench.json", "models_bench.md"]
+    assert sorted(os.listdir(tmp_path / "op")) == ["flash_mhf_bench.json", "flash_mhf_bench.md"]
+    bench_models.finish(models, str(tmp_path / "models"))
+    assert sorted(os.listdir(tmp_path / "models")) == ["models_bench.json", "models_bench.md", "models_bench.png"]
+    assert (tmp_path / "models" / "models_bench.png").read_bytes().startswith(b"\x89PNG\r\n")
+
+
 def test_harness_measures_on_the_gpu_named_and_refuses_one_not_there(monkeypatch):
     """`measure_on("cuda:N")` makes GPU N the current device: do_bench's events, the synchronisations, the peak memory
     and the device's name follow the current device, not the one the timed tensors are on. A GPU that is not there is
@@ -1357,6 +1502,7 @@ def test_cpu_host_scripts_name_the_cpu_they_measured_on(tmp_path, monkeypatch):
     for path in (tmp_path / "overhead" / "custom_op_overhead.json", tmp_path / "launches" / "launch_host_cpu.json"):
         assert "NVIDIA" not in json.loads(path.read_text())["environment"]["device"], path
     assert "NVIDIA" not in (tmp_path / "overhead" / "custom_op_overhead.txt").read_text()
+    assert f"driver on {harness.cpu_name()} (triton" in (tmp_path / "launches" / "launch_host_cpu.md").read_text()
 
 
 def test_head_size_benchmark_writes_a_failed_check_as_strict_json(tmp_path, monkeypatch):
@@ -1480,4 +1626,21 @@ def test_triton_builds_timing_refuses_negative_rounds(tmp_path, capsys):
         compare.main(["time", "--builds", str(tmp_path / "none"), "--out", str(tmp_path / "out"), "--rounds", "-1"])
     assert stopped.value.code == 2
     assert "--rounds must be at least 0, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_triton_builds_timing_refuses_builds_it_would_report_under_one_label(tmp_path):
+    """`compare_triton_builds.py time` keeps each build's rows under its label: two builds of one label (two exports
+    of one Triton without `--label`) or a build labelled "installed" are refused naming the label, before the GPU is
+    looked for; the second build replaced the first's rows, or the installed Triton's times."""
+    compare = kernel_script("compare_triton_builds")
+    for label, folders in (("triton 3.9.0", ["a", "b"]), ("installed", ["c"])):
+        for folder in folders:
+            (tmp_path / folder).mkdir()
+            (tmp_path / folder / "manifest.json").write_text(json.dumps(
+                {"label": label, "triton": "3.9.0", "ptxas": "12.8", "cases": {}}))
+        with pytest.raises(SystemExit) as stopped:
+            compare.main(["time", "--builds", *(str(tmp_path / folder) for folder in folders), "--out",
+                          str(tmp_path / "out")])
+        assert f"the label {label!r} names more than one build or the installed" in str(stopped.value.code), label
     assert not (tmp_path / "out").exists()
