@@ -1048,11 +1048,8 @@ def test_task_processes_do_not_merge_an_earlier_runs_results(tmp_path, bench_mod
     assert merged["errors"] == ["train:tiny:flash_mhf:eager: exit code 3: "]
 
 
-def test_model_benchmark_plot_and_report_name_the_model_each_ratio_is_to(tmp_path, monkeypatch):
-    """Rounds paired with a model other than Llama (a task without Llama), or a model decoding alone (paired with
-    itself), give no ratio to Llama: the plot of ratios to Llama takes the ratio of throughputs to Llama's row where
-    there is one, and the report names the model a paired ratio is to, or has none."""
-    bench_models = kernel_script("bench_models")
+def record_plotted_bars(monkeypatch) -> dict:
+    """{label: heights} of every bar group a plot draws from now on."""
     from matplotlib.axes import Axes
 
     plotted, bar = {}, Axes.bar
@@ -1062,6 +1059,15 @@ def test_model_benchmark_plot_and_report_name_the_model_each_ratio_is_to(tmp_pat
         return bar(self, xs, heights, *args, label=label, **kwargs)
 
     monkeypatch.setattr(Axes, "bar", recording_bar)
+    return plotted
+
+
+def test_model_benchmark_plot_and_report_name_the_model_each_ratio_is_to(tmp_path, monkeypatch):
+    """Rounds paired with a model other than Llama (a task without Llama), or a model decoding alone (paired with
+    itself), give no ratio to Llama: the plot of ratios to Llama takes the ratio of throughputs to Llama's row where
+    there is one, and the report names the model a paired ratio is to, or has none."""
+    bench_models = kernel_script("bench_models")
+    plotted = record_plotted_bars(monkeypatch)
 
     def row(arch, task, tokens_per_s, baseline, ratio, others):
         return {"arch": arch, "size": "370M", "batch": 1, "mode": "eager", "decode_tokens_per_s": tokens_per_s,
@@ -1138,15 +1144,7 @@ def test_model_benchmark_plot_keeps_the_other_packages_models(tmp_path, monkeypa
     """A decode task's `<arch>@other` model (`--other-package`: the change a run measures) has a bar in the plot of
     ratios to Llama beside this checkout's model, as it has a row in the report."""
     bench_models = kernel_script("bench_models")
-    from matplotlib.axes import Axes
-
-    plotted, bar = {}, Axes.bar
-
-    def recording_bar(self, xs, heights, *args, label=None, **kwargs):
-        plotted[label] = list(heights)
-        return bar(self, xs, heights, *args, label=label, **kwargs)
-
-    monkeypatch.setattr(Axes, "bar", recording_bar)
+    plotted = record_plotted_bars(monkeypatch)
     archs = ["llama", "kvffn", "kvffn@other"]
     decode = [{"arch": arch, "size": "tiny", "batch": 1, "mode": "eager", "decode_tokens_per_s": 100.0,
                "ms_per_step": 10.0, "round_paired_baseline": "llama", "round_paired_ratio": ratio,
