@@ -1,7 +1,8 @@
 """Pretrain (or fine-tune) any hf-memffn architecture, or the Llama baseline, with the transformers `Trainer`.
 
 Text comes from a `datasets` dataset: a Hub name (`--dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT`)
-or local files (`--data-files corpus/*.jsonl`, builder inferred from the suffix: text, json, csv, parquet).
+or local files (`--data-files corpus/*.jsonl`, builder inferred from the suffix: text, json, csv, parquet; all
+training text: a folder of `train.jsonl` and `validation.jsonl` as `--dataset FOLDER` gives a validation file).
 Documents are tokenized, joined with EOS and packed into fixed blocks of `--block-size` tokens. Or it comes already
 tokenized: `--data-dir DIR` of uint16 token shards (examples/token_shards.py; train.bin, heldout.bin and the
 tokenizer), which needs no `datasets`.
@@ -65,7 +66,9 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    dataset: str | None = field(default=None, metadata={"help": "Hub dataset name, or a `datasets` builder (text/json/...) for --data-files"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "Hub dataset name, a local folder of data files (splits named after the files: train.jsonl, "
+                "validation.jsonl), or a `datasets` builder (text/json/...) for --data-files"})
     dataset_config: str | None = None
     data_files: list[str] | None = field(default=None, metadata={"help": "local text/jsonl/csv/parquet files (globs allowed)"})
     data_dir: str | None = field(default=None, metadata={"help": "pre-tokenized shards (train.bin, heldout.bin, tokenizer) instead"})
@@ -529,6 +532,8 @@ def load_tokenizer(args, train_text, training_args):
                 tokenizer = train_tokenizer(texts, vocab_size=args.train_tokenizer)
                 with atomic_output(folder) as temporary:
                     tokenizer.save_pretrained(temporary)
+        if training_args.world_size > 1:
+            return main_process_tokenizer(folder, training_args)
         return AutoTokenizer.from_pretrained(folder)
     source = args.tokenizer or args.init_from
     if source is None:
@@ -541,6 +546,25 @@ def load_tokenizer(args, train_text, training_args):
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer={source!r} has no EOS token, which packing puts between documents")
     return tokenizer
+
+
+def main_process_tokenizer(folder: Path, training_args):
+    """The tokenizer that the main process saved to `folder`, in every process: the others are sent its files, since
+    the nodes of a multi-node run may not share --output-dir (--save-on-each-node); they failed to find the folder."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    files = [{path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+             if training_args.process_index == 0 else None]
+    dist.broadcast_object_list(files, src=0)
+    if training_args.process_index == 0:
+        return AutoTokenizer.from_pretrained(folder)
+    with tempfile.TemporaryDirectory() as copy:
+        for name, content in files[0].items():
+            (Path(copy) / name).write_bytes(content)
+        return AutoTokenizer.from_pretrained(copy)
 
 
 def _batches(dataset, column: str, batch_size: int = 1000):
@@ -1180,7 +1204,9 @@ def refuse_a_used_output_dir(args, output_dir: Path) -> None:
                          "to go on with it, or choose another folder")
 
 
-def resume_checkpoint(args, output_dir: Path) -> str | None:
+def resume_checkpoint(args, output_dir: Path, is_main_process: bool = True) -> str | None:
+    """The checkpoint that --resume names (`latest`: the newest one saved whole); the checkpoints it passes over are
+    told by the main process only, as the Trainer's messages are."""
     if args.resume is None:
         return None
     if args.resume != "latest":
@@ -1197,7 +1223,7 @@ def resume_checkpoint(args, output_dir: Path) -> str | None:
     incomplete = []
     for _, path in reversed(numbered):
         if _holds_a_trainer_state(path):
-            if incomplete:
+            if incomplete and is_main_process:
                 print(f"--resume latest: not saved whole (no readable trainer_state.json) in --output-dir="
                       f"{str(output_dir)!r}: {', '.join(incomplete)}; resuming from {path.name}", flush=True)
             return str(path)
@@ -1506,7 +1532,7 @@ def main(argv=None) -> dict:
         refuse_profile_steps_past_the_run(args.profile_steps, profile_steps[1], training_args.max_steps,
                                           args.stop_after_steps)
     refuse_a_used_output_dir(args, output_dir)
-    checkpoint = resume_checkpoint(args, output_dir)
+    checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
     refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
     batches = batch_settings(args, training_args)
     refuse_a_checkpoint_of_other_batches(checkpoint, batches)
@@ -1559,7 +1585,8 @@ def main(argv=None) -> dict:
     if resumed_state and 0 < training_args.max_steps <= resumed_state.global_step:
         # stopped after its last checkpoint, before its final evaluation: transformers' Trainer would resume it with
         # one step more than the schedule has
-        print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
+        if trainer.is_world_process_zero():
+            print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
         trainer._load_from_checkpoint(checkpoint)
         trainer.state, session_loss = resumed_state, None
         if training_args.load_best_model_at_end and resumed_state.best_model_checkpoint:

@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 
 from .ffn import TokenMemory
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
+from .token_lookup import keep_tables_through
 
 # module class -> its weights that are plain parameters (norm weights are left alone)
 PARAMETER_WEIGHTS = {
@@ -212,7 +213,12 @@ def merge_weight_lora(model: nn.Module) -> int:
     """Fold the LoRA adapters into their weights; every int8 weight, with an adapter or not, becomes a float one
     again. Returns how many adapters were merged. Afterwards the weights are plain parameters with their original
     names and shapes, and the model saves in the original format. Called under `torch.inference_mode()` too, the
-    merged weights are ordinary tensors, which a later training step records."""
+    merged weights are ordinary tensors, which a later training step records. A token lookup table loaded from an
+    export through the adapters stays loaded: it holds the merged weights' values."""
+    return keep_tables_through(lambda: _merge_weight_lora(model), model)
+
+
+def _merge_weight_lora(model: nn.Module) -> int:
     merged = 0
     # (outside inference mode: a weight made inside it would be an inference tensor, which no later forward can save
     # for its backward and `requires_grad_(True)` cannot unfreeze)

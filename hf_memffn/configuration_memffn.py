@@ -469,8 +469,12 @@ class MemFFNConfig(PretrainedConfig):
         # (Llama's field: a Llama config's MLP biases would be dropped by the FFNs here, which have none or their own)
         _check(name, not getattr(self, "mlp_bias", False), "mlp_bias", getattr(self, "mlp_bias", False),
                "must be False: the FFNs take no MLP biases (KV-FFN's biases are `kvffn_bias`)")
-        if getattr(self, "classifier_dropout", None) is not None:  # (the token classifier's; None stands for 0.1)
-            _check_number(self, "classifier_dropout", 0.0, low_inclusive=True, high=1.0)
+        # the token classifier's fields, which transformers' Llama reads too (a dropout of None: the next one, or 0.1)
+        for field in ("classifier_dropout", "hidden_dropout"):
+            if getattr(self, field, None) is not None:
+                _check_number(self, field, 0.0, low_inclusive=True, high=1.0)
+        _check(name, isinstance(getattr(self, "token_classification_bias", True), bool), "token_classification_bias",
+               getattr(self, "token_classification_bias", True), "must be True or False (the token classifier's bias)")
         # the classification heads' fields: transformers takes any value, and the head then has no output (0 labels)
         # or the loss fails at the first labelled batch (an unknown problem type)
         num_labels = getattr(self, "num_labels", None)  # (None where `id2label` is unset)

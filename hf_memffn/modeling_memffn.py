@@ -1205,8 +1205,9 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
 
 
 class MemFFNForTokenClassification(MemFFNHeadModel):
-    """The decoder with a linear head (`score`, `config.num_labels` outputs, with a bias) on every token, after dropout
-    (`config.classifier_dropout`; 0.1 when the config has none), as transformers' Llama does. The loss is the
+    """The decoder with a linear head (`score`, `config.num_labels` outputs, with a bias unless
+    `config.token_classification_bias` is False) on every token, after dropout (`config.classifier_dropout`, else
+    `config.hidden_dropout`, else 0.1), as transformers' Llama reads them. The loss is the
     cross-entropy over the tokens whose label is not -100 (padding, and the sub-words a labelling leaves out). Given
     `num_items_in_batch` (the HF Trainer's count of labelled tokens over the accumulated batches), it is their sum
     divided by that count, as the causal LM's is, so that gradient accumulation gives the update of one large batch;
@@ -1220,9 +1221,11 @@ class MemFFNForTokenClassification(MemFFNHeadModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = self.base_model_class(config)
-        dropout = getattr(config, "classifier_dropout", None)
-        self.dropout = nn.Dropout(0.1 if dropout is None else dropout)
-        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        dropout = next((value for value in (getattr(config, "classifier_dropout", None),
+                                            getattr(config, "hidden_dropout", None)) if value is not None), 0.1)
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels,
+                               bias=getattr(config, "token_classification_bias", True))
         self.post_init()
 
     @can_return_tuple

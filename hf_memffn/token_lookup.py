@@ -1244,19 +1244,30 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
                            "from them in bf16 or fp16 only by the checkpoint in that dtype or in fp32)")
 
 
-def refuse_changing_table_inputs(base: nn.Module, state_dict, prefix: str) -> None:
+def refuse_changing_table_inputs(base: nn.Module, state_dict, prefix: str, head: nn.Module | None = None) -> None:
     """A TokenLookupError where `state_dict`, being loaded into `base` (keys under `prefix`) while it reads a token
     lookup table, holds other values for the token embedding or the memory FFN than `base` has: the table holds the
     FFNs on X0 of the current ones, and would be read as if it held the new ones. Shapes that differ are left to
-    `load_state_dict`'s own error."""
+    `load_state_dict`'s own error.
+
+    With `head` (the model around `base`, keys under `prefix`), only the head's own tensors that are the embedding's
+    are checked: a tied `lm_head.weight` is loaded into the embedding too."""
     current = [(f"embed_tokens.{name}", tensor)
                for name, tensor in base.embed_tokens.state_dict(keep_vars=True).items()]
     if getattr(base, "memory", None) is not None:
         current += [(f"memory.{name}", tensor) for name, tensor in base.memory.state_dict(keep_vars=True).items()]
     checkpoint_name = {"memory.rmsnorm_weight": "memory.norm_weight"}  # (also taken by `TokenMemory`'s loading)
+    if head is None:
+        keys = {name: {prefix + name, prefix + checkpoint_name.get(name, name)} for name, _ in current}
+    else:  # (the keys under `model.` are checked when loading reaches `base`)
+        inside = {id(tensor): name for name, tensor in current}
+        keys = {name: set() for name, _ in current}
+        for head_name, tensor in head.state_dict(keep_vars=True).items():
+            if id(tensor) in inside and not head_name.startswith("model."):
+                keys[inside[id(tensor)]].add(prefix + head_name)
     changed = []
     for name, tensor in current:
-        for key in {prefix + name, prefix + checkpoint_name.get(name, name)}:
+        for key in keys[name]:
             incoming = state_dict.get(key)
             # (a meta tensor: loading copies nothing from it)
             if not isinstance(incoming, torch.Tensor) or incoming.is_meta or incoming.shape != tensor.shape:
@@ -1270,6 +1281,27 @@ def refuse_changing_table_inputs(base: nn.Module, state_dict, prefix: str) -> No
             f"FFN, and the state dict holds other values for {', '.join(sorted(changed)[:3])}"
             f"{', ...' if len(changed) > 3 else ''}: the model would read the table of the old weights. Call "
             "unload_tols() first, load the weights, then export and load a table of them")
+
+
+def keep_tables_through(merge, model: nn.Module):
+    """Run `merge` (a function folding adapters into the weights of `model`) and keep the token lookup tables that
+    `model`'s decoders read if they held the FFNs on X0 of the adapted weights: merging folds those values into the
+    weights, which then have their own names again where the table recorded the adapters' (`check_sources` refused
+    the next forward as if an adapter had been put on them after `load_tols`). A table that did not hold them (an
+    adapter added or changed since `load_tols`) stays refused. Returns what `merge` returns."""
+    holding = []
+    for base in model.modules():
+        table = getattr(base, "token_lookup", None)
+        if isinstance(table, TokenLookupTable) and getattr(base, "memory", None) is not None:
+            try:
+                check_table_matches(table.index, base)  # (the fingerprint hashes the adapters' tensors too)
+            except TokenLookupError:
+                continue
+            holding.append((base, table))
+    result = merge()
+    for base, table in holding:
+        table.memory_parameters_at_load = memory_parameter_names(base.memory)
+    return result
 
 
 def refuse_device_change(table: TokenLookupTable, fn) -> None:
@@ -1295,9 +1327,11 @@ class TokenLookupMixin:
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # `load_state_dict` reaches the decoder before its embedding and memory FFN: other values for them are
-        # refused while a table is loaded, before any weight changes (see `refuse_changing_table_inputs`)
-        if getattr(self, "token_lookup", None) is not None:
-            refuse_changing_table_inputs(self, state_dict, prefix)
+        # refused while a table is loaded, before any weight changes (see `refuse_changing_table_inputs`); it reaches
+        # the model around the decoder first, whose tied `lm_head.weight` is the embedding's weight under another name
+        base = self.__dict__.get("_modules", {}).get("model", self)
+        if getattr(base, "token_lookup", None) is not None:
+            refuse_changing_table_inputs(base, state_dict, prefix, head=None if base is self else self)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_tols(self, path: str | os.PathLike, placement: str = "gpu", *, device=None, cache_rows: int = 1024,

@@ -674,6 +674,37 @@ def test_an_adapter_put_on_the_ffns_on_x0_after_load_tols_is_refused_at_inferenc
         assert not torch.allclose(computed, tiny_model("memoryllm")(input_ids=ids).logits)
 
 
+def test_merging_an_adapter_the_table_was_exported_through_keeps_the_table(tmp_path):
+    """A table exported through this package's LoRA on the FFNs on X0 holds the adapted FFNs; `merge_weight_lora`
+    then folds those same values into the weights. The forward after the merge was refused as if an adapter had been
+    put on the FFNs after `load_tols`; it now reads the table and gives the merged model's logits. Weights other than
+    those the table holds (the adapter's parametrization removed without merging) are still refused."""
+    from torch.nn.utils import parametrize
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.token_lookup import TokenLookupError
+
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    refused = r"FFNs on X0 \(memory\) have other parameters than when the table was loaded"
+    for merge in (True, False):
+        model = add_memory_adapter(tiny_model("memoryllm"), "add_weight_lora")
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        export_tols(model, tmp_path / str(merge), format="fp32", progress=False)
+        model.load_tols(tmp_path / str(merge), placement="cpu")
+        if not merge:
+            parametrize.remove_parametrizations(model.model.memory, "gate_proj", leave_parametrized=False)
+            with torch.no_grad(), pytest.raises(TokenLookupError, match=refused):
+                model(input_ids=ids)
+            continue
+        assert adapters.merge_weight_lora(model) == 1
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, expected)
+        model.drop_memory_ffn()
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, expected)
+
+
 @pytest.mark.parametrize("how", ["target_parameters", "modules_to_save"])
 def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how, tmp_path):
     """A PEFT adapter on the FFNs on X0 can be switched off or swapped (`disable_adapter`, `set_adapter`) while a table

@@ -547,6 +547,73 @@ def test_fine_tuning_loads_the_checkpoints_tokenizer_without_asking_to_trust_its
     assert "tokenizer of 301 tokens" in done.stdout
     assert "trust_remote_code" not in done.stdout + done.stderr
 
+def test_a_dataset_folder_gives_its_validation_file_as_the_held_out_split(tmp_path):
+    """README: every --data-files file is training text; a folder of train.jsonl and validation.jsonl given as
+    --dataset FOLDER evaluates on the validation file."""
+    (tmp_path / "data").mkdir()
+    write_corpus(tmp_path / "data" / "train.jsonl", documents=20, seed=1)
+    write_corpus(tmp_path / "data" / "validation.jsonl", documents=5, seed=2)
+    args = pretrain.SimpleNamespace(data_files=None, dataset=str(tmp_path / "data"), dataset_config=None,
+                                    train_split="train", validation_split="validation", text_column="text")
+    train, validation = pretrain.load_raw_splits(args)
+    assert (len(train), len(validation)) == (20, 5)
+
+
+def test_only_the_main_process_tells_which_checkpoints_resume_latest_passes_over(tmp_path, capsys):
+    """Every process resolves `--resume latest`; the message naming the checkpoints left half saved came once per
+    process (the Trainer's messages come from the main process only). The others find the same checkpoint silently."""
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text("{}", encoding="utf-8")
+    (tmp_path / "checkpoint-4").mkdir()
+    args = pretrain.SimpleNamespace(resume="latest")
+    assert pretrain.resume_checkpoint(args, tmp_path, is_main_process=False) == str(tmp_path / "checkpoint-2")
+    assert capsys.readouterr().out == ""
+    assert pretrain.resume_checkpoint(args, tmp_path) == str(tmp_path / "checkpoint-2")
+    assert "checkpoint-4; resuming from checkpoint-2" in capsys.readouterr().out
+
+
+UNSHARED_TOKENIZER_SCRIPT = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+sys.path.insert(0, {examples!r})
+import torch.distributed as dist
+from datasets import Dataset
+from pretrain import load_tokenizer
+
+dist.init_process_group("gloo")  # (the process group, as TrainingArguments makes it on the CPU)
+rank = dist.get_rank()
+args = SimpleNamespace(train_tokenizer=300, tokenizer=None, init_from=None, resume=None, text_column="text",
+                       output_dir=str(Path({out!r}) / f"node{{rank}}"))  # (each process a node of its own)
+texts = Dataset.from_dict({{"text": [line.strip() for line in open({corpus!r})]}})
+tokenizer = load_tokenizer(args, texts, SimpleNamespace(world_size=2, process_index=rank, local_process_index=0))
+# (a file per process: the processes' prints can interleave on the launcher's stdout)
+ids = tokenizer("alpha beta")["input_ids"]
+Path({out!r}, f"rank{{rank}}.txt").write_text(f"{{len(tokenizer)}} tokens, ids {{ids}}")
+"""
+
+
+def test_every_node_gets_the_trained_tokenizer_without_a_shared_output_dir(tmp_path):
+    """--train-tokenizer: the main process trains and saves the tokenizer to --output-dir, where the other processes
+    read it. The nodes of a multi-node run may not share that folder (--save-on-each-node): the other nodes found no
+    tokenizer there and stopped. They are now sent the main process's files."""
+    import subprocess
+
+    from hf_memffn.testing import torchrun_command
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(random.Random(n).choices(WORDS, k=20)) for n in range(40)), "utf-8")
+    script = tmp_path / "tokenizer.py"
+    script.write_text(UNSHARED_TOKENIZER_SCRIPT.format(examples=str(EXAMPLES), out=str(tmp_path / "out"),
+                                                       corpus=str(corpus)))
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(torchrun_command(2, script), env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    main, other = ((tmp_path / "out" / f"rank{rank}.txt").read_text() for rank in (0, 1))
+    assert other == main and main.startswith("300 tokens"), (main, other)
+
+
 SLOW_PACKING_SCRIPT = """
 import datetime, os, sys, time
 import torch.distributed.distributed_c10d as c10d

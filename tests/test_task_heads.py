@@ -142,6 +142,20 @@ def test_token_labels_of_minus_100_are_left_out_of_the_loss():
     torch.testing.assert_close(output.loss, expected)
 
 
+def test_the_token_classifier_reads_hidden_dropout_and_its_bias_option_as_llamas():
+    """transformers' Llama takes the token classifier's dropout from `config.hidden_dropout` when
+    `classifier_dropout` is unset, and leaves the head's bias out with `config.token_classification_bias=False`; these
+    heads kept 0.1 and a bias whatever those fields said."""
+    model = head_model(AutoModelForTokenClassification, "kvffn", hidden_dropout=0.0, token_classification_bias=False)
+    assert model.dropout.p == 0.0 and model.score.bias is None
+    assert head_model(AutoModelForTokenClassification, "kvffn", hidden_dropout=0.2,
+                      classifier_dropout=0.3).dropout.p == 0.3  # (classifier_dropout first, as Llama's)
+    with pytest.raises(ValueError, match=r"`hidden_dropout`.*\[0, 1\)"):
+        tiny_config("kvffn", hidden_dropout=1.5)
+    with pytest.raises(ValueError, match=r"`token_classification_bias`.*True or False"):
+        tiny_config("kvffn", token_classification_bias="no")
+
+
 @pytest.mark.parametrize("classifier_dropout", [1.5, -0.1, "0.1"])
 def test_a_bad_classifier_dropout_is_refused_naming_the_field(classifier_dropout):
     """The token classifier's dropout probability is checked with the config (also one set by hand before the head

@@ -277,6 +277,25 @@ def test_loading_other_weights_for_what_a_loaded_table_replaces_is_refused(expor
     fresh.load_state_dict(other)
 
 
+def test_loading_a_tied_output_head_while_a_table_is_loaded_is_refused(tmp_path):
+    """With tied embeddings `lm_head.weight` is the token embedding's weight: loading another one (as Llama does, it
+    changes the embedding too) left a loaded table holding the FFNs on X0 of the old embedding without a word. It is
+    refused as the embedding is, before any weight changes; the same values load."""
+    model = build("memoryllm", tie_word_embeddings=True)
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    model.load_tols(tmp_path, placement="cpu")
+    saved = model.lm_head.weight.detach().clone()
+    try:
+        with pytest.raises(TokenLookupError, match=r"load_state_dict.*lm_head\.weight.*unload_tols\(\)"):
+            model.load_state_dict({"lm_head.weight": saved + 0.5}, strict=False)
+        assert torch.equal(model.model.embed_tokens.weight, saved)
+        model.load_state_dict({"lm_head.weight": saved.clone()}, strict=False)
+    finally:
+        model.unload_tols()
+    model.load_state_dict({"lm_head.weight": saved + 0.5}, strict=False)
+    assert torch.equal(model.model.embed_tokens.weight, saved + 0.5)
+
+
 def test_an_adapter_on_the_token_embedding_is_refused_with_a_table(exported):
     """PEFT's LoRA on `embed_tokens` changes X0, which a table computed from the embedding's weight does not see: a
     table is refused while the adapter is on the embedding (it was taken, and its logits differed from the computed
