@@ -740,7 +740,9 @@ class TokenLookupTable(nn.Module):
         self.cache_lookups = 0
         mapped = index.open_tensors()
         for k, layer in enumerate(index.layers if self.fmt.name == "lowrank" else []):
-            self.register_buffer(f"basis_{k}", mapped[basis_key(layer)].to(device), persistent=False)
+            # (a copy even on the CPU, where `.to` would keep a view of the mapped shard: such a view cannot be
+            # pickled for torch.multiprocessing, and torch.save would write the whole shard)
+            self.register_buffer(f"basis_{k}", mapped[basis_key(layer)].to(device, copy=True), persistent=False)
         self._place_rows(mapped)
 
     def _check_device(self, device: torch.device) -> None:
@@ -1044,6 +1046,19 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         self._blocks = [(start, mapped[block_keys(start)[0]], mapped[block_keys(start)[1]] if quantized else None)
                         for start in self.index.block_starts]
 
+    def __getstate__(self):
+        # The mapped blocks are views of the shard files: pickled (torch.save, a torch.multiprocessing spawn) they fail
+        # (the file's storage is viewed under several dtypes; it has no file descriptor to share), and copied
+        # (`copy.deepcopy`) they would read the whole table into memory. A copy maps the same files again instead.
+        state = dict(super().__getstate__())
+        del state["_blocks"]
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        check_table_files(self.index, remedy="load the table again (load_tols) in the process that reads it")
+        self._place_rows(self.index.open_tensors())
+
     def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = torch.empty(tokens.numel(), self.index.row_width, dtype=self.fmt.storage_dtype)
         scales = torch.empty(tokens.numel(), self.index.scale_width, dtype=SCALE_DTYPE) if self.fmt.group_size else None
@@ -1150,9 +1165,13 @@ def table_file_names(directory: str | os.PathLike, shards: Sequence[str]) -> lis
     return [*shards, *report, INDEX_NAME]
 
 
-def check_table_files(index: TableIndex) -> None:
+def check_table_files(index: TableIndex, remedy: str | None = None) -> None:
     """Refuse (a TokenLookupError) when the files in `index.directory` are no longer the table read from there: a
-    table exported into the folder again after `load_tols` (other shards, another format) or files removed since."""
+    table exported into the folder again after `load_tols` (other shards, another format) or files removed since.
+    `remedy`: what the error tells to do (default: what to do before saving the table with a checkpoint)."""
+    if remedy is None:
+        remedy = (f"load it again (model.load_tols({index.directory!r})) before saving, or pass "
+                  "include_token_lookup=False")
     try:
         on_disk = TableIndex.read(index.directory)
         if on_disk.metadata != index.metadata or on_disk.weight_map != index.weight_map:
@@ -1162,8 +1181,7 @@ def check_table_files(index: TableIndex) -> None:
         on_disk.verify("size")
     except TokenLookupError as error:
         raise TokenLookupError(f"the token lookup table the model reads is no longer the one in {index.directory}: "
-                               f"{error}; load it again (model.load_tols({index.directory!r})) before saving, or "
-                               "pass include_token_lookup=False") from None
+                               f"{error}; {remedy}") from None
 
 
 def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:

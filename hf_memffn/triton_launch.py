@@ -18,14 +18,15 @@ as Triton types them); and the keyword arguments (constexprs and launch options 
 values, on the current device. The direct launch skips what Triton does before the compiled kernel on every call:
 the binder, the check that the kernel's globals have not changed since it was compiled, and the kernel's pre-run
 hooks (none of ours has either). Under ``TRITON_INTERPRET=1`` and while ``torch.compile`` traces, every launch goes
-through Triton. ``CACHED = False`` sends every launch through Triton (the benchmarks compare both). Every launch
-runs on the CUDA device of its first tensor, made current for the call where another device is (a model split over
-GPUs with ``device_map``).
+through Triton (interpreted launches one thread at a time). ``CACHED = False`` sends every launch through Triton
+(the benchmarks compare both). Every launch runs on the CUDA device of its first tensor, made current for the call
+where another device is (a model split over GPUs with ``device_map``).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -40,6 +41,10 @@ MAX_SIGNATURES = 4096  # compiled kernels kept; past this, the cache starts agai
 # Triton reads TRITON_INTERPRET when it is first imported: kernels then run in its interpreter, on CPU tensors (the
 # kernel modules record this with their triton import)
 INTERPRET_REQUESTED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton's interpreter keeps the running kernel's grid and its patched `triton.language` in process-wide state: two
+# threads interpreting kernels at once (a model's forward called from several threads) fail or read each other's
+# grid, so interpreted launches run one at a time
+_INTERPRETER_LOCK = threading.Lock()
 _compiled: dict = {}
 
 
@@ -108,7 +113,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     where they do not name it: a caller that names it sets where it stands among them, which is part of Triton's
     in-memory cache key)."""
     if INTERPRET_REQUESTED:
-        return _through_triton(kernel, grid, args, kwargs)
+        with _INTERPRETER_LOCK:
+            return _through_triton(kernel, grid, args, kwargs)
     # Triton launches on the current device (and its current stream); a model split over GPUs (`device_map`) calls
     # a layer on cuda:1 while cuda:0 is current, so the launch moves to the device of the tensors it reads
     device = _device_index(args)

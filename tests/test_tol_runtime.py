@@ -4,8 +4,15 @@ kernels against a float64 ground truth (on CUDA in this process, on CPU in a chi
 
 from __future__ import annotations
 
+import copy
+import io
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
 import pytest
 import torch
+import torch.multiprocessing  # noqa: F401 (registers how ForkingPickler shares tensors)
 from transformers import AutoModelForCausalLM
 
 import hf_memffn  # noqa: F401
@@ -482,6 +489,65 @@ def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_p
     cast_after.unload_tols()
     assert cast_after.to("meta").lm_head.weight.device.type == "meta"
 
+
+
+def copies_of(model) -> dict:
+    """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
+    of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "torch.save": torch.load(saved, weights_only=False),
+            "torch.multiprocessing": pickle.loads(bytes(ForkingPickler.dumps(model)))}
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_a_model_reading_a_table_is_copied_pickled_and_saved_whole(exported, placement):
+    """A model reading a table gives the same logits once copied, pickled or saved whole (a disk table's mapped shards
+    made torch.save and torch.multiprocessing fail); a disk table's copy maps the shards again instead of carrying
+    the table in memory."""
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    table = model.load_tols(directory, placement=placement)
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+            copies = copies_of(model)
+            for how, copied in copies.items():
+                assert type(copied.model.token_lookup) is type(table), how
+                torch.testing.assert_close(copied(input_ids=ids).logits, expected, rtol=0, atol=0, msg=how)
+        if placement == "disk":
+            table_bytes = sum(os.path.getsize(directory / name) for name in table.index.shards)
+            assert len(pickle.dumps(table)) < table_bytes / 4
+    finally:
+        model.unload_tols()
+
+
+def test_a_disk_table_copied_after_its_folder_was_exported_again_is_refused(exported, tmp_path):
+    """The copy of a disk table maps its shards again: a table exported into the folder since is refused, naming it."""
+    model, _ = exported
+    export_tols(model, tmp_path, format="fp32", batch_size=96, progress=False)
+    table = model.load_tols(tmp_path, placement="disk")
+    try:
+        export_tols(model, tmp_path, format="bf16", batch_size=96, progress=False)
+        with pytest.raises(TokenLookupError, match=r"no longer the one in .*exported there again.*load_tols"):
+            copy.deepcopy(table)
+    finally:
+        model.unload_tols()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_a_model_reading_a_lowrank_table_is_copied_pickled_and_saved_whole(tmp_path, placement):
+    """A low-rank table's bases are its own tensors, not views of the mapped shard (which made torch.multiprocessing
+    fail for every placement on the CPU)."""
+    model = build("memoryllm")
+    export_tols(model, tmp_path, format="lowrank", rank=8, batch_size=64, progress=False)
+    model.load_tols(tmp_path, placement=placement)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        for how, copied in copies_of(model).items():
+            torch.testing.assert_close(copied(input_ids=ids).logits, expected, rtol=0, atol=0, msg=how)
 
 def test_a_checkpoint_folder_without_a_table_is_not_called_an_interrupted_export(tmp_path):
     """The folder holds the remote code `token_lookup*.py`, not a table's shards."""

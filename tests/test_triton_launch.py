@@ -5,6 +5,8 @@ inputs whose addresses Triton specialises differently."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 import types
 
 import pytest
@@ -93,6 +95,39 @@ def test_switched_off_or_interpreted_every_launch_goes_through_triton(stand_in, 
         triton_launch.launch(stand_in, (1,), x, x, 8, 1e-6, BLOCK=128)
     assert len(stand_in.through_triton) == 5 and not stand_in.direct
 
+
+
+def test_interpreted_launches_from_several_threads_run_one_at_a_time(monkeypatch):
+    """Triton's interpreter keeps the running kernel's grid in process-wide state: forwards of one model from several
+    threads under TRITON_INTERPRET=1 failed in it ("y >= grid_dim[1]") until its launches were serialised."""
+    monkeypatch.setattr(triton_launch, "INTERPRET_REQUESTED", True)
+    running, most_at_once, lock = [0], [0], threading.Lock()
+
+    class SlowKernel(StandInKernel):
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                with lock:
+                    running[0] += 1
+                    most_at_once[0] = max(most_at_once[0], running[0])
+                time.sleep(0.2)  # (long enough for the other thread to enter, were launches not serialised)
+                with lock:
+                    running[0] -= 1
+
+            return run
+
+    kernel, start = SlowKernel(), threading.Barrier(3)
+    x = torch.zeros(8)
+
+    def launch_once():
+        start.wait()
+        triton_launch.launch(kernel, (1,), x, x, 8, 1e-6, BLOCK=128)
+
+    threads = [threading.Thread(target=launch_once) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most_at_once[0] == 1
 
 def test_a_launch_runs_on_the_device_of_its_tensors(stand_in, monkeypatch):
     """A model split over GPUs calls a layer on cuda:1 while cuda:0 is current: the launch, through Triton and
