@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -130,6 +131,18 @@ RENAMED_FLAGS = {
 RECIPE_DATACLASSES = (ModelArguments, DataArguments, RecipeArguments)
 
 
+# The extra of pyproject.toml that installs what the recipe imports besides the package's own dependencies
+TRAIN_EXTRA = "pip install 'hf-memffn[train]'"
+
+
+def require_package(name: str, needed_for: str) -> None:
+    """Stops with one line naming package `name` and the extra that installs it, where it is not installed (else an
+    import deep in transformers or the data loading would end in a traceback)."""
+    if importlib.util.find_spec(name) is None:
+        raise SystemExit(f"examples/pretrain.py: error: {needed_for} needs the {name!r} package, which is not "
+                         f"installed: {TRAIN_EXTRA} (or pip install {name})")
+
+
 def _training_argument_names() -> set[str]:
     from transformers import TrainingArguments
 
@@ -179,6 +192,7 @@ def parse_arguments(argv=None):
     """(recipe arguments as one namespace, TrainingArguments) from the command line."""
     import argparse
 
+    require_package("accelerate", "transformers' Trainer")  # (its TrainingArguments refuse to import without it)
     from transformers import TrainingArguments
 
     argv = _renamed(list(sys.argv[1:] if argv is None else argv))
@@ -271,6 +285,7 @@ def main_process_first(training_args):
 
 def load_raw_splits(args):
     """Return (train, validation or None) datasets of raw documents."""
+    require_package("datasets", "--dataset / --data-files")
     import datasets
 
     if args.data_files:

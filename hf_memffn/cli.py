@@ -38,24 +38,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     name = argv[0]
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    if getattr(module, "PASS_THROUGH_ARGUMENTS", False):  # a wrapper around another command line: parses its own
-        return int(module.main(argv[1:]) or 0)
     sub = argparse.ArgumentParser(prog=f"hf-memffn {name}", description=SUBCOMMANDS[name][1])
-    module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
     try:
+        # (the command's module imports the optional packages it needs: one missing is named in one line, with the
+        # pip command that installs it, also before the command's --help)
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        if getattr(module, "PASS_THROUGH_ARGUMENTS", False):  # a wrapper around another command line: parses its own
+            return int(module.main(argv[1:]) or 0)
+        module.add_arguments(sub)
+        args = sub.parse_args(argv[1:])
         result = module.run(args)
     except KeyboardInterrupt:
         sub.exit(130, f"{sub.prog}: interrupted\n")
     except (ValueError, OSError, ImportError) as error:
-        # Bad input found while running (a value a library refused, a missing or unwritable file): one line. Other
-        # exceptions are bugs and keep their traceback; HF_MEMFFN_TRACEBACK=1 shows it for these too.
+        # Bad input found while running (a value a library refused, a missing or unwritable file, a package not
+        # installed): one line. Other exceptions are bugs and keep their traceback; HF_MEMFFN_TRACEBACK=1 shows it
+        # for these too.
         if os.environ.get("HF_MEMFFN_TRACEBACK"):
             raise
-        from .cli_args import first_line
+        from .cli_args import first_line, import_error_line
 
-        sub.exit(2, f"{sub.prog}: error: {first_line(error)}\n")
+        line = import_error_line(error) if isinstance(error, ImportError) else first_line(error)
+        sub.exit(2, f"{sub.prog}: error: {line}\n")
     return int(result or 0)
 
 

@@ -194,3 +194,27 @@ def load_causal_lm(source: str, what: str = "MODEL_DIR", **kwargs):
 def first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+# The extra of pyproject.toml that installs each optional package a command imports; the packages not named here are
+# base dependencies, which `pip install hf-memffn` installs.
+PACKAGE_EXTRAS = {"triton": "triton", "datasets": "train", "accelerate": "train", "peft": "train", "lm_eval": "eval",
+                  "onnx": "onnx", "onnxscript": "onnx", "fastapi": "serve", "uvicorn": "serve", "openai": "serve",
+                  "pydantic": "serve"}
+
+
+def install_hint(package: str) -> str:
+    """The pip command that installs `package` (a top-level module name) for this package's features."""
+    extra = PACKAGE_EXTRAS.get(package)
+    if extra is None:
+        return f"pip install {package} (a dependency of hf-memffn: pip install hf-memffn installs it)"
+    return f"pip install 'hf-memffn[{extra}]' (or pip install {package})"
+
+
+def import_error_line(error: ImportError) -> str:
+    """One line for an ImportError: for a package that is not installed, its name and the pip command that installs
+    it; otherwise the error's first line (a name missing from a module that is there is not solved by installing)."""
+    package = (error.name or "").split(".")[0] if isinstance(error, ModuleNotFoundError) else ""
+    if not package or package == __name__.split(".")[0]:
+        return first_line(error)
+    return f"needs the {package!r} package, which is not installed: {install_hint(package)}"

@@ -38,7 +38,7 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
-from .cli_args import local_path, missing_gpu, output_dir, positive_int
+from .cli_args import install_hint, local_path, missing_gpu, output_dir, positive_int
 from .fact_world import ATTRIBUTES, MAX_ENTITIES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")
     data.add_argument("--text-files", nargs="+", metavar="FILE", type=local_path, help="local UTF-8 text files")
     data.add_argument("--dataset", type=local_path,
-                      help="a `datasets` Hub name or a local folder (needs `pip install datasets`)")
+                      help="a `datasets` Hub name or a local folder (needs `pip install datasets`, or the train extra)")
     data.add_argument("--dataset-config", help="configuration name of --dataset")
     data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
     data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")
@@ -244,7 +244,7 @@ def _read_real_text(args: argparse.Namespace) -> tuple[list[str], str]:
             import datasets
         except ImportError as error:
             raise ImportError("--dataset needs the `datasets` package, which is not installed: "
-                              "pip install datasets") from error
+                              f"{install_hint('datasets')}") from error
         if os.path.isfile(args.dataset):  # `datasets` reads data files through a folder or a builder, not one file
             raise ValueError(f"--dataset={args.dataset!r} is a file; allowed: a Hub dataset name, a folder saved by "
                              "save_to_disk or a folder of data files (json, csv, parquet, txt)")

@@ -21,8 +21,18 @@ From Python: `import hf_memffn.lm_eval_model` and pass `model="memffn"` to `lm_e
 
 from __future__ import annotations
 
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+from .cli_args import install_hint
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ModuleNotFoundError as error:
+    if (error.name or "").split(".")[0] != "lm_eval":
+        raise
+    message = f"hf_memffn.lm_eval_model needs lm-eval-harness, which is not installed: {install_hint('lm_eval')}"
+    if __name__ == "__main__":  # `python -m hf_memffn.lm_eval_model ...`: one line, as the package's commands give
+        raise SystemExit(message) from None
+    raise ModuleNotFoundError(message, name=error.name) from error
 
 from .configuration_memffn import check_choice
 from .serving import local_table_dir, placement_problem, table_folder_problem

@@ -93,7 +93,8 @@ def export_onnx(model, input_ids: torch.Tensor, path: str | os.PathLike, dynamic
     try:
         import onnxscript  # noqa: F401
     except ImportError as exc:
-        raise ImportError("export_onnx needs onnx and onnxscript: pip install onnx onnxscript") from exc
+        raise ImportError("export_onnx needs onnx and onnxscript, which are not installed: pip install "
+                          "'hf-memffn[onnx]' (or pip install onnx onnxscript)") from exc
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"export_onnx: input_ids must be a tensor of token ids, got {type(input_ids).__name__}; "
                          "allowed: a torch.long or torch.int32 tensor [batch, length]")

@@ -23,7 +23,7 @@ it runs as a plain script next to the checkpoint's own code: `python serving.py 
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -344,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVER_PACKAGES = ("fastapi", "uvicorn", "openai", "pydantic")  # what `transformers serve` checks before it starts
+
+
+def missing_server_packages() -> list[str]:
+    """The packages `transformers serve` needs that are not installed (transformers[serving])."""
+    return [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -357,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--token-lookup needs the model to serve as the first argument")
         token_lookup = TokenLookupSettings(model, options.token_lookup, options.token_lookup_placement,
                                            options.drop_memory_ffn)
+    missing = missing_server_packages()
+    if missing:  # (else the server's own ImportError, in a traceback, once the command line has been read)
+        parser.error(f"the server needs {', '.join(missing)}, which transformers' serving extra installs and which "
+                     "are not installed: pip install 'hf-memffn[serve]' (or pip install 'transformers[serving]')")
     device = device_option(serve_args)
     problem = None if device is None else device_problem(device)
     if problem is not None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 
 from .architectures import BASELINE, architecture
 from .tokenization import train_tokenizer
@@ -75,6 +78,21 @@ _sys.meta_path.insert(0, _BlockPackage())
 """
 
 
+def blocked_imports(*packages: str) -> str:
+    """Python source that makes the packages `packages` (top-level names) absent in the interpreter that runs it, as
+    on a machine without them: importing one raises ModuleNotFoundError naming it, and `importlib.util.find_spec`,
+    which transformers asks before it imports an optional package, finds nothing (a finder that raised instead would
+    break transformers' own checks). Prepend it to a script run with `python -c`."""
+    return "import sys as _sys\n" + "".join(f"_sys.modules[{name!r}] = None\n" for name in packages)
+
+
+def run_python(script: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs `script` with `python -c` in a child process (this environment, offline), its output captured."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def recording_backend():
     """(backend, graphs): a `torch.compile` backend that runs each graph Dynamo traces as traced and appends it to
     `graphs`, to count compilations and read what a graph holds."""
@@ -137,7 +155,5 @@ def torchrun_command(processes: int, script, *args) -> list[str]:
     nothing else can take first: the launcher's own rendezvous store binds a free port and keeps it, and the processes
     join their process group through that store (a port found free and released before the launch can be taken by
     another program in between)."""
-    import sys
-
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
             "--nproc_per_node", str(processes), str(script), *map(str, args)]

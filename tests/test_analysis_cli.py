@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_memffn.cli import main
-from hf_memffn.testing import tiny_config, tiny_tokenizer
+from hf_memffn.testing import blocked_imports, run_python, tiny_config, tiny_tokenizer
 
 
 def save_tiny_model(arch: str, directory):
@@ -192,3 +192,14 @@ def test_analyze_command_names_a_peft_adapter_folder_and_says_to_merge_it(saved_
     _exits_with_error(capsys, ["analyze", str(tmp_path / "adapter"), "--texts", str(texts), "--out",
                                str(tmp_path / "r")], "is a PEFT adapter (adapter_config.json, no config.json); "
                       "allowed: a whole model's directory: merge the adapter into its base model first")
+
+
+def test_analyze_command_without_matplotlib_names_the_package_to_install_in_one_line():
+    """A Python without matplotlib (a checkout on PYTHONPATH, an install with --no-deps): the report's module imports
+    it, and `hf-memffn analyze` ended in that import's traceback, also for --help."""
+    completed = run_python(blocked_imports("matplotlib") + (
+        "from hf_memffn.cli import main; raise SystemExit(main(['analyze', '--help']))"))
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    assert completed.stderr.strip() == ("hf-memffn analyze: error: needs the 'matplotlib' package, which is not "
+                                        "installed: pip install matplotlib (a dependency of hf-memffn: pip install "
+                                        "hf-memffn installs it)"), completed.stderr[-2000:]

@@ -115,7 +115,7 @@ def test_dataset_without_datasets_package_is_a_clear_error(tmp_path, monkeypatch
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
     _exits_with_error(capsys, ["demo", "--quick", "--dataset", "some/dataset", "--out", str(tmp_path / "out")],
-                      "pip install datasets")
+                      "pip install 'hf-memffn[train]' (or pip install datasets)")
 
 
 def test_a_split_that_a_dataset_saved_alone_lacks_is_refused(tmp_path, capsys):

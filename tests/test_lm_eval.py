@@ -20,7 +20,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 import hf_memffn  # noqa: E402
-from hf_memffn.testing import tiny_config, tiny_tokenizer  # noqa: E402
+from hf_memffn.testing import blocked_imports, run_python, tiny_config, tiny_tokenizer  # noqa: E402
 
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
 LIMIT = 4
@@ -438,3 +438,14 @@ def test_cli(checkpoints, task_dir, tmp_path):
     [results_file] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
     results = json.loads(Path(results_file).read_text())["results"]
     assert 0.0 <= results[PIQA]["acc,none"] <= 1.0 and 0.0 <= results[PIQA]["acc_norm,none"] <= 1.0, results
+
+
+def test_the_command_without_lm_eval_names_the_extra_to_install_in_one_line():
+    """`python -m hf_memffn.lm_eval_model` where lm-eval-harness is not installed ended in the import's traceback."""
+    completed = run_python(blocked_imports("lm_eval") + (
+        "import runpy; runpy.run_module('hf_memffn.lm_eval_model', run_name='__main__', alter_sys=True)"), "--help")
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    assert completed.stderr.strip() == ("hf_memffn.lm_eval_model needs lm-eval-harness, which is not installed: "
+                                        "pip install 'hf-memffn[eval]' (or pip install lm_eval)")
+    completed = run_python(blocked_imports("lm_eval") + "import hf_memffn.lm_eval_model")  # imported: the same words
+    assert "ModuleNotFoundError: hf_memffn.lm_eval_model needs lm-eval-harness" in completed.stderr

@@ -459,3 +459,25 @@ def test_config_overrides_apply_to_an_init_from_model(tmp_path):
                                          r"load without some of its saved weights \(model.layers.0.mlp.in_proj.weight"):
         pretrain.main(common + ["--config-overrides", "ffn_io_projections=false",
                                 "--output-dir", str(tmp_path / "run2")])
+
+
+def test_the_recipe_without_the_train_extras_names_the_package_and_the_extra_in_one_line(monkeypatch):
+    """Without accelerate, transformers' TrainingArguments do not import: `pretrain.py --help` ended in transformers'
+    "Could not import module 'TrainingArguments'" traceback. Without datasets, reading --dataset or --data-files
+    ended in the import's traceback."""
+    from types import SimpleNamespace
+
+    from hf_memffn.testing import blocked_imports, run_python
+
+    script = blocked_imports("accelerate") + (
+        f"import runpy, sys; sys.argv = ['pretrain.py', '--help']; "
+        f"runpy.run_path({str(EXAMPLES / 'pretrain.py')!r}, run_name='__main__')")
+    completed = run_python(script)
+    assert completed.returncode == 1 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    assert completed.stderr.strip() == (
+        "examples/pretrain.py: error: transformers' Trainer needs the 'accelerate' package, which is not installed: "
+        "pip install 'hf-memffn[train]' (or pip install accelerate)")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"--dataset / --data-files needs the 'datasets' package, which is not "
+                                         r"installed: pip install 'hf-memffn\[train\]' \(or pip install datasets\)"):
+        pretrain.load_raw_splits(SimpleNamespace(data_files=None, dataset="some/dataset", dataset_config=None))

@@ -37,7 +37,7 @@ from transformers.cli.serve import Serve
 import hf_memffn
 from hf_memffn import serving
 from hf_memffn.conversion import export_tols
-from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, tiny_config, tiny_tokenizer
+from hf_memffn.testing import BLOCK_PACKAGE_IMPORT, blocked_imports, run_python, tiny_config, tiny_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -339,6 +339,18 @@ def test_bridge_options_name_what_is_wrong(capsys):
     assert "invalid choice: 'ram'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="KVFFNForCausalLM has no token lookup tables"):
         serving.TokenLookupSettings("m", "t").apply(AutoModelForCausalLM.from_config(tiny_config("kvffn")))
+
+
+def test_serve_without_the_servers_packages_names_the_extra_to_install_in_one_line():
+    """Without transformers[serving] (fastapi, uvicorn, openai), `hf-memffn serve` ended in the server's ImportError
+    and its traceback, after the command line had been read."""
+    script = blocked_imports("fastapi", "uvicorn") + (
+        "from hf_memffn.cli import main; raise SystemExit(main(['serve', '--continuous-batching']))")
+    completed = run_python(script)
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "hf-memffn serve: error: the server needs fastapi, uvicorn, which transformers' serving extra installs and "
+        "which are not installed: pip install 'hf-memffn[serve]' (or pip install 'transformers[serving]')")
 
 
 def test_a_device_the_machine_lacks_is_refused_before_the_server_starts(monkeypatch, capsys):
