@@ -21,7 +21,7 @@ from pathlib import Path
 from .atomic_write import write_atomic
 from .cli_args import first_line, local_path
 from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
-from .token_lookup import check_table_files, copy_table_files
+from .token_lookup import check_table_to_save, copy_table_files
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
@@ -253,7 +253,7 @@ def stage_checkpoint(
     copy_table = include_token_lookup and table is not None and (Path(table.index.directory).resolve()
                                                                  != Path(folder).resolve())
     if copy_table:
-        check_table_files(table.index)  # (the files in its folder are still the table the model reads: before writing)
+        check_table_to_save(table.index, model)  # (a table its checkpoint's load_tols takes: before writing)
     attach = getattr(model, "attach_tokenizer", None) if tokenizer is not None else None
     previous = getattr(model, "attached_tokenizer", None)
     if tokenizer is not None and attach is None:

@@ -1184,9 +1184,23 @@ def check_table_files(index: TableIndex, remedy: str | None = None) -> None:
                                f"{error}; {remedy}") from None
 
 
+def check_table_to_save(index: TableIndex, model: nn.Module) -> None:
+    """Refuse (a TokenLookupError), before a checkpoint of `model` is written with the table read from `index`, a
+    table that its `load_tols` would not take: files changed since (`check_table_files`), or weights the table's
+    fingerprint is not of (`check_table_matches`). A table kept through `merge_weight_lora` holds the merged weights'
+    values, but its fingerprint is of the weights and adapters it was exported through."""
+    check_table_files(index)
+    try:
+        check_table_matches(index, model)
+    except TokenLookupError as error:
+        remedy = "load the new table (load_tols) before saving, or pass include_token_lookup=False"
+        raise TokenLookupError(f"the token lookup table the model reads would not load with the saved weights: "
+                               f"{error}; {remedy}") from None
+
+
 def copy_table_files(index: TableIndex, directory: str | os.PathLike) -> None:
     """Copy the files of the table read from `index.directory` into `directory` (see `table_file_names`); callers
-    run `check_table_files` first, before they write anything."""
+    run `check_table_to_save` first, before they write anything."""
     for name in table_file_names(index.directory, index.shards):
         shutil.copy2(os.path.join(index.directory, name), os.path.join(directory, name))
 
@@ -1399,7 +1413,7 @@ class TokenLookupMixin:
         if self.__dict__.get("_push_token_lookup") and kwargs.get("is_main_process", True):
             table = getattr(_memory_base(self), "token_lookup", None)
             if table is not None:
-                check_table_files(table.index)  # (before the weights are written)
+                check_table_to_save(table.index, self)  # (before the weights are written)
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if table is not None:
             copy_table_files(table.index, save_directory)

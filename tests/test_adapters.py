@@ -705,6 +705,32 @@ def test_merging_an_adapter_the_table_was_exported_through_keeps_the_table(tmp_p
             torch.testing.assert_close(model(input_ids=ids).logits, expected)
 
 
+def test_a_table_kept_through_a_merge_is_not_staged_with_the_merged_weights(tmp_path):
+    """The table kept through `merge_weight_lora` records the fingerprint of the adapted weights (base weights and
+    adapter tensors), which the merged ones do not have: staged beside them, it was copied into the checkpoint, whose
+    `load_tols` then refused it ("computed from other weights"). Refused before anything is written, naming the
+    remedy; without the table the merged model stages, and a table exported from it loads with the checkpoint."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.hub import stage_checkpoint
+    from hf_memffn.token_lookup import TokenLookupError
+
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    model = add_memory_adapter(tiny_model("memoryllm"), "add_weight_lora")
+    export_tols(model, tmp_path / "table", format="fp32", progress=False)
+    model.load_tols(tmp_path / "table", placement="cpu")
+    adapters.merge_weight_lora(model)
+    with pytest.raises(TokenLookupError, match=r"would not load with the saved weights.*include_token_lookup=False"):
+        stage_checkpoint(model, tmp_path / "staged")
+    assert not (tmp_path / "staged").exists()
+    stage_checkpoint(model, tmp_path / "staged", include_token_lookup=False)
+    model.unload_tols()
+    export_tols(model, tmp_path / "staged", format="fp32", progress=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "staged").eval()
+    loaded.load_tols(tmp_path / "staged", placement="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("how", ["target_parameters", "modules_to_save"])
 def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how, tmp_path):
     """A PEFT adapter on the FFNs on X0 can be switched off or swapped (`disable_adapter`, `set_adapter`) while a table

@@ -511,7 +511,6 @@ def test_two_processes_load_remote_code_main_process_first(tmp_path):
     assert done.stdout.count("loaded transformers_modules KVFFNForCausalLM") == 2, done.stdout
 
 
-
 TOKENIZER_SCRIPT = """
 import sys
 from types import SimpleNamespace
@@ -546,6 +545,7 @@ def test_fine_tuning_loads_the_checkpoints_tokenizer_without_asking_to_trust_its
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert "tokenizer of 301 tokens" in done.stdout
     assert "trust_remote_code" not in done.stdout + done.stderr
+
 
 def test_a_dataset_folder_gives_its_validation_file_as_the_held_out_split(tmp_path):
     """README: every --data-files file is training text; a folder of train.jsonl and validation.jsonl given as

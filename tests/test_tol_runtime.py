@@ -490,7 +490,6 @@ def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_p
     assert cast_after.to("meta").lm_head.weight.device.type == "meta"
 
 
-
 def copies_of(model) -> dict:
     """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
     of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
@@ -548,6 +547,7 @@ def test_a_model_reading_a_lowrank_table_is_copied_pickled_and_saved_whole(tmp_p
         expected = model(input_ids=ids).logits
         for how, copied in copies_of(model).items():
             torch.testing.assert_close(copied(input_ids=ids).logits, expected, rtol=0, atol=0, msg=how)
+
 
 def test_a_checkpoint_folder_without_a_table_is_not_called_an_interrupted_export(tmp_path):
     """The folder holds the remote code `token_lookup*.py`, not a table's shards."""

@@ -96,7 +96,6 @@ def test_switched_off_or_interpreted_every_launch_goes_through_triton(stand_in, 
     assert len(stand_in.through_triton) == 5 and not stand_in.direct
 
 
-
 def test_interpreted_launches_from_several_threads_run_one_at_a_time(monkeypatch):
     """Triton's interpreter keeps the running kernel's grid in process-wide state: forwards of one model from several
     threads under TRITON_INTERPRET=1 failed in it ("y >= grid_dim[1]") until its launches were serialised."""
@@ -128,6 +127,7 @@ def test_interpreted_launches_from_several_threads_run_one_at_a_time(monkeypatch
     for thread in threads:
         thread.join()
     assert most_at_once[0] == 1
+
 
 def test_a_launch_runs_on_the_device_of_its_tensors(stand_in, monkeypatch):
     """A model split over GPUs calls a layer on cuda:1 while cuda:0 is current: the launch, through Triton and
