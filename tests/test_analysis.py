@@ -452,7 +452,7 @@ def test_report_json_has_every_section(tmp_path, monkeypatch):
 
 
 def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):
-    export = pytest.importorskip("hf_memffn.conversion.export")
+    from hf_memffn.conversion import export
     model = build("memoryllm")
     input_ids = torch.tensor([11, 42, 7, 99, 23])
     expected = coefficients_for_ids(model, input_ids)
@@ -473,7 +473,7 @@ def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):
 
 def test_a_value_edit_of_the_memory_on_x0_is_refused_while_a_lookup_table_is_loaded(tmp_path):
     """The model reads that memory from the table, so editing its values would change nothing."""
-    export = pytest.importorskip("hf_memffn.conversion.export")
+    from hf_memffn.conversion import export
     model = build("memoryllm")
     export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
     model.load_tols(tmp_path / "tols", placement="cpu")
@@ -491,7 +491,7 @@ def test_a_value_edit_of_the_memory_on_x0_is_refused_while_a_lookup_table_is_loa
 def test_a_value_edit_of_weights_under_an_adapter_or_int8_is_refused_and_acts_after_merging(case, attach):
     """The module computes such a weight from its parametrization on each read: the edit changed that copy and the
     model's next-token probabilities not at all."""
-    adapters = pytest.importorskip("hf_memffn.adapters")
+    from hf_memffn import adapters
     model = build(case)
     adapters.add_weight_lora(model, r=2) if attach == "lora" else adapters.quantize_weights_int8(model)
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -506,7 +506,7 @@ def test_a_value_edit_of_weights_under_an_adapter_or_int8_is_refused_and_acts_af
 
 @pytest.mark.parametrize("case", ["memoryllm", "flex_memoryllm"])
 def test_layer_contributions_measure_a_lookup_table_after_the_memory_ffn_is_dropped(case, tmp_path):
-    export = pytest.importorskip("hf_memffn.conversion.export")
+    from hf_memffn.conversion import export
     texts = [[5, 9, 13, 200], [7, 7, 8]]
     model = build(case)
     computed = layer_contributions(model, texts)
@@ -521,7 +521,7 @@ def test_layer_contributions_measure_a_lookup_table_after_the_memory_ffn_is_drop
 def test_a_memoryllm_without_its_memory_ffn_is_refused_with_the_reason(tmp_path):
     """Once `load_tols(..., drop_memory_ffn=True)` has freed a MemoryLLM's only FFNs, the analysis said the model
     'has no FFN memory to analyse', with no word of why or what to do."""
-    export = pytest.importorskip("hf_memffn.conversion.export")
+    from hf_memffn.conversion import export
     model = build("memoryllm")
     export.export_tols(model, tmp_path / "tols", format="fp32", progress=False)
     model.load_tols(tmp_path / "tols", placement="cpu", drop_memory_ffn=True)

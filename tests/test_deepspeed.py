@@ -38,8 +38,11 @@ CHILD = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # the process group's store on a port the system picks, bound and kept: a fixed port may be held by another run
+    # on the machine (a second CI job, a launcher in the other worker), which stopped this one with EADDRINUSE
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     import deepspeed
     from transformers import (AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification, Trainer, TrainingArguments)
@@ -124,7 +127,7 @@ CHILD = textwrap.dedent(
 def results(tmp_path_factory):
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (see this file's docstring)")
     work = tmp_path_factory.mktemp("deepspeed")
-    completed = subprocess.run([sys.executable, "-c", CHILD, str(work), str(ROOT), "29561"], cwd=ROOT,
+    completed = subprocess.run([sys.executable, "-c", CHILD, str(work), str(ROOT)], cwd=ROOT,
                                capture_output=True, text=True, timeout=600,
                                env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert completed.returncode == 0, completed.stderr[-4000:]

@@ -4,6 +4,7 @@ TRITON_INTERPRET=1 (Triton reads it when it is first imported, which other test 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,20 @@ def run_under_interpreter(test_file: str, selection: str, timeout: int = 900) ->
         pytest.skip("already running under the interpreter")
     env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_FLAG: "1"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-k", selection, "-p", "no:cacheprovider"]
+    # -v names each test the selection takes, so that a kernel test it leaves out (skipped here, never run) is found
+    command = [sys.executable, "-m", "pytest", str(test_file), "-v", "-k", selection, "-p", "no:cacheprovider"]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-2000:]
+    taken = set(re.findall(r"::(test_\w+)", result.stdout))
+    left_out = [name for name in kernel_tests(test_file) if name not in taken]
+    assert not left_out, f"-k {selection!r} leaves out {left_out}: they would run nowhere on a CPU"
+
+
+def kernel_tests(test_file: str) -> list[str]:
+    """The tests of `test_file` (already imported by pytest) marked `needs_kernels` as a whole."""
+    path = Path(test_file).resolve()
+    module = next(module for module in list(sys.modules.values())
+                  if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path)
+    return [name for name, function in vars(module).items() if name.startswith("test_")
+            and any(mark == needs_kernels.mark for mark in getattr(function, "pytestmark", []))]
