@@ -9,13 +9,16 @@ This file is copied next to saved checkpoints for `trust_remote_code`: it import
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
+import inspect
 import math
 import numbers
 import os
 import shutil
 
-from transformers import PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # Activations of the SwiGLU FFNs (`hidden_act`), by their transformers names.
@@ -131,6 +134,66 @@ UNREAD_FIELD_DEFAULTS = {"hidden_act": "silu", "kvffn_activation": "silu", "kvff
                          "kvffn_inner_residual": False}
 
 
+# Keys transformers keeps on a config besides this package's fields: PretrainedConfig's own, the generation
+# parameters it drops from a config, those it takes as keywords, and those configs saved by transformers 4 or by
+# Llama carry (a Llama config's `pretraining_tp` is read by neither Llama's forward nor this decoder's): never taken
+# for a misspelled field of this package.
+_GENERATION_PARAMS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+TRANSFORMERS_CONFIG_KEYS = frozenset(getattr(PretrainedConfig, "__dataclass_fields__", {})) | frozenset(
+    _GENERATION_PARAMS) | frozenset((
+        "name_or_path", "torch_dtype", "output_attentions", "attn_implementation", "experts_implementation",
+        "per_layer_config", "auto_map", "rope_scaling", "quantization_config", "pretraining_tp", "mlp_bias",
+        "sliding_window", "attention_chunk_size", "layer_types", "num_labels", "classifier_dropout", "hidden_dropout",
+        "token_classification_bias", "tie_last_hidden_states", "tp_plan", "pp_plan", "tp_size", "use_return_dict",
+        "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "is_decoder", "add_cross_attention",
+        "tie_encoder_decoder", "cross_attention_hidden_size", "finetuning_task", "tokenizer_class", "prefix",
+        "sep_token_id", "decoder_start_token_id", "task_specific_params", "max_length", "min_length",
+        "original_max_position_embeddings", "partial_rotary_factor"))  # (RoPE fields transformers moves into the dict)
+
+
+@functools.cache
+def _fields_of(config_class) -> frozenset[str]:
+    """The fields `config_class` defines: its keyword arguments (its own and those of the shared decoder) and the
+    fields it derives from them."""
+    fields = set()
+    for klass in config_class.__mro__:
+        if isinstance(klass, type) and issubclass(klass, MemFFNConfig) and "__init__" in vars(klass):
+            fields.update(name for name, parameter in inspect.signature(vars(klass)["__init__"]).parameters.items()
+                          if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name != "self")
+        fields.update(name for name, item in vars(klass).items()
+                      if isinstance(item, property) and not name.startswith("_"))
+    return frozenset(fields)
+
+
+def unknown_field_requirement(config_class, key: str) -> str | None:
+    """Why `key` is refused as a field of `config_class`, or None where it is accepted. transformers keeps any unknown
+    keyword on a config, where nothing reads it: a misspelled field of this package (`ffn_num_head=8`) or a field of
+    another of its architectures (`ffn_kernel` on KVFFN) would build the model of the default without a word. Other
+    unknown keys (a note kept on the config, a field of another library) stay accepted, as transformers accepts them."""
+    own = _fields_of(config_class)
+    if key.startswith("_") or key in own or key in TRANSFORMERS_CONFIG_KEYS:
+        return None
+    if key.endswith(("_token_id", "_token_index")):  # (a tokenizer's other special tokens, kept as Llama keeps them)
+        return None
+    readers = [other.__name__ for other in CONFIG_CLASSES if key in _fields_of(other)]
+    matches = difflib.get_close_matches(key, sorted(own), n=3, cutoff=0.8)
+    meant = f" (did you mean {' or '.join(f'`{match}`' for match in matches)}?)" if matches else ""
+    if readers:
+        reason = f"a field of {' and '.join(readers)}, which {config_class.__name__} does not read{meant}"
+    elif matches:
+        reason = f"not a field of {config_class.__name__}{meant}"
+    else:
+        return None
+    return reason + "; leave it out (a saved config.json with it loads once the key is removed from the file)"
+
+
+def _refuse_unknown_fields(config) -> None:
+    """`unknown_field_requirement` of every key on the config: given to `__init__`, or set by hand since."""
+    for key, value in vars(config).items():
+        requirement = unknown_field_requirement(type(config), key)
+        _check(type(config).__name__, requirement is None, key, value, requirement)
+
+
 # Tensor-parallel style (registered by parallel.py) of a block whose hidden units are split over the ranks.
 PARTIAL_SUM_STYLE = "memffn_partial_sum"
 
@@ -204,6 +267,10 @@ class MemFFNConfig(PretrainedConfig):
     activation, whose kernels a compiled graph on CUDA launches as Triton operators), "triton" (the kernels, or an
     error where they cannot run) or "torch" (the PyTorch operations, as transformers' Llama). The paths compute the
     same maths; the kernels compute in float32 and round once per output.
+
+    A key that is no field of the architecture but a field of another one of this package (`ffn_kernel` on KVFFN), or
+    close to one of its own (`ffn_num_head`), is refused, naming the fields meant; transformers' own keys and other
+    unknown keys are kept, as transformers keeps them.
     """
 
     model_type = "memffn"
@@ -325,6 +392,9 @@ class MemFFNConfig(PretrainedConfig):
         are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
         which depend on the FFN's fields."""
         derived = cls._pop_derived_fields(kwargs)
+        for field, value in kwargs.items():  # (transformers sets the known ones and returns or drops the others)
+            requirement = unknown_field_requirement(cls, field)
+            _check(cls.__name__, requirement is None, field, value, requirement)
         for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
@@ -449,6 +519,7 @@ class MemFFNConfig(PretrainedConfig):
 
     def validate_fields(self) -> None:
         name = type(self).__name__
+        _refuse_unknown_fields(self)
         for field in self.WIRING_FIELDS:  # (set by hand on the config: `config.parallel_residual_ffn = True`)
             fixed = getattr(type(self), field)
             _check(name, vars(self).get(field, fixed) == fixed, field, vars(self).get(field),

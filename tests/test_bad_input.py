@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaForCausalLM
 
 from hf_memffn.cli import main as cli_main
 from hf_memffn.testing import tiny_config, tiny_tokenizer
@@ -153,6 +153,15 @@ config_case("kvffn_init_std-derived", "kvffn", ("kvffn_init_std", "derived"), kv
 config_case("residual_ffn-wiring", "memoryllm", ("residual_ffn", "wiring", "here None"), residual_ffn="swiglu")
 config_case("parallel_residual_ffn-wiring", "kvffn", ("parallel_residual_ffn", "wiring", "here False"),
             parallel_residual_ffn=True)
+# a misspelled field, or a field of another architecture, was kept on the config where nothing reads it
+config_case("ffn_num_heads-misspelled", "flash_mhf", ("ffn_num_head", "`ffn_num_heads`"), ffn_num_head=8)
+config_case("kvffn_activation-misspelled", "kvffn", ("kvffn_activaton", "`kvffn_activation`"), kvffn_activaton="gelu")
+config_case("memory_intermediate_size-misspelled", "flex_memoryllm",
+            ("memory_intermediate_sizes", "`memory_intermediate_size`"), memory_intermediate_sizes=32)
+config_case("decoder_kernels-misspelled", "memoryllm", ("decoder_kernel", "`decoder_kernels`"), decoder_kernel="torch")
+config_case("ffn_kernel-of-flash_mhf-on-kvffn", "kvffn", ("ffn_kernel", "FlashMHFLlamaConfig"), ffn_kernel="triton")
+config_case("ffn_variant-on-memoryllm", "memoryllm", ("ffn_variant", "FlashMHFLlamaConfig and KVFFNConfig"),
+            ffn_variant="pkv")
 CASES.append(Case("tiny_config-unknown-arch", ("arch", "memoryllm"), api=lambda w: tiny_config("gpt2")))
 
 
@@ -183,6 +192,13 @@ CASES.append(Case("from_pretrained-rope_scaling-str", ("rope_scaling", "dict"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.memoryllm, rope_scaling="linear")))
 CASES.append(Case("from_pretrained-wiring-field", ("parallel_residual_ffn", "wiring", "here False"),
                   api=lambda w: AutoModelForCausalLM.from_pretrained(w.kvffn, parallel_residual_ffn=True)))
+# (a config.json edited by hand; a keyword that AutoConfig dropped and a model's __init__ refused with a TypeError)
+CASES.append(Case("from_pretrained-config-misspelled-field", ("decoder_kernel", "`decoder_kernels`"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(_edit_config(w, decoder_kernel="torch"))))
+CASES.append(Case("AutoConfig-field-of-another-architecture", ("memory_intermediate_size", "FlexMemoryLLMConfig"),
+                  api=lambda w: AutoConfig.from_pretrained(w.memoryllm, memory_intermediate_size=32)))
+CASES.append(Case("from_pretrained-misspelled-field", ("kvffn_activaton", "`kvffn_activation`"),
+                  api=lambda w: AutoModelForCausalLM.from_pretrained(w.kvffn, kvffn_activaton="gelu")))
 
 
 def _model(world: World, name="memoryllm"):

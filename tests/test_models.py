@@ -210,6 +210,51 @@ def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tm
     assert "ffn_head_dim" not in config.to_dict()
 
 
+# Keys a config takes beside this package's fields: transformers' own, those configs saved by transformers 4 or by
+# Llama carry, a generation parameter transformers drops, and a note that resembles no field
+KEPT_KEYS = dict(torch_dtype="float32", architectures=["MemoryLLMForCausalLM"], transformers_version="5.17.0",
+                 _name_or_path="some/checkpoint", _commit_hash="0" * 40, chunk_size_feed_forward=0, return_dict=True,
+                 output_attentions=False, is_encoder_decoder=False, pretraining_tp=1, mlp_bias=False,
+                 sep_token_id=None, torchscript=False, use_bfloat16=False, tie_encoder_decoder=False, is_decoder=False,
+                 tokenizer_class="PreTrainedTokenizerFast", max_length=20, num_beams=1, experiment_note="lr sweep 3",
+                 quantization_config={"quant_method": "bitsandbytes", "load_in_8bit": True})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_keys_transformers_and_other_libraries_keep_on_a_config_load_back(arch, tmp_path):
+    """The refusal of misspelled fields and fields of another architecture (tests/test_bad_input.py) leaves alone the
+    keys transformers keeps on a config, attributes set after the config is built (as PEFT, the Trainer and
+    `config.update()` do) and unknown keys that resemble no field of this package: each is taken and loads back."""
+    config = tiny_config(arch, **KEPT_KEYS)
+    config.use_cache = False  # (as PEFT and gradient checkpointing set it)
+    config.update({"experiment_note": "lr sweep 4", "problem_type": "regression"})
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path, experiment_note="lr sweep 5", output_attentions=True)
+    assert (loaded.experiment_note, loaded.use_cache, loaded.problem_type) == ("lr sweep 5", False, "regression")
+    assert loaded.quantization_config == KEPT_KEYS["quantization_config"] and loaded.pretraining_tp == 1
+    assert loaded.to_dict() == {**config.to_dict(), "experiment_note": "lr sweep 5", "output_attentions": True,
+                                "_name_or_path": str(tmp_path)}
+
+
+@pytest.mark.parametrize(
+    ("arch", "key", "meant"),
+    [("flash_mhf", "ffn_num_head", "`ffn_num_heads`"), ("flash_mhf", "kvffn_bias", "KVFFNConfig"),
+     ("memoryllm", "memory_intermediate_size", "FlexMemoryLLMConfig"), ("flex_memoryllm", "ffn_kernel", "FlashMHF"),
+     ("kvffn", "kvffn_inner_residuals", "`kvffn_inner_residual`"),
+     ("kvffn", "num_hidden_layer", "`num_hidden_layers`")],
+)
+def test_a_misspelled_field_set_by_hand_is_refused_before_a_model_is_built_or_saved(arch, key, meant, tmp_path):
+    """A key set on a built config (`config.ffn_num_head = 8`) went unread by the model and was saved to config.json;
+    the model's build and the config's save refuse it as `__init__` does, naming the field meant."""
+    config = tiny_config(arch)
+    setattr(config, key, 3)
+    with pytest.raises(ValueError, match=f"`{key}`.*{meant}"):
+        AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=f"would not load back.*`{key}`.*{meant}"):
+        config.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_decoder_wiring_is_the_architectures_not_a_field(arch, tmp_path):
     """`residual_ffn` and `parallel_residual_ffn` are set by each architecture's class: given as fields (to the
