@@ -75,7 +75,8 @@ class DataArguments:
     data_dir: str | None = field(default=None, metadata={"help": "pre-tokenized shards (train.bin, heldout.bin, tokenizer) instead"})
     text_column: str = "text"
     train_split: str = "train"
-    validation_split: str = field(default="validation", metadata={"help": "used when the dataset has it"})
+    validation_split: str = field(default="validation", metadata={
+        "help": "held-out split: 'validation' is used when the dataset has it; another name must be a split"})
     validation_fraction: float = field(default=0.01, metadata={"help": "the last documents held out otherwise"})
     block_size: int = 1024
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name (default: --init-from's)"})
@@ -299,6 +300,10 @@ def load_raw_splits(args):
     train = loaded[args.train_split]
     if args.text_column not in train.column_names:
         raise ValueError(f"--text-column={args.text_column!r} is not one of the dataset's columns {train.column_names}")
+    if args.validation_split not in loaded and args.validation_split != DataArguments.validation_split:
+        # (a split named on purpose, missing, would otherwise hold out --validation-fraction of the training text)
+        raise ValueError(f"--validation-split={args.validation_split!r} is not one of the dataset's splits "
+                         f"{sorted(loaded)}; leave it out to hold out --validation-fraction of {args.train_split!r}")
     validation = loaded[args.validation_split] if args.validation_split in loaded else None
     for split_name, split in ((args.train_split, train), (args.validation_split, validation)):
         if split is not None:

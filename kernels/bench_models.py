@@ -1329,7 +1329,10 @@ def run_task(task: str, args, results: dict) -> None:
 # Several GPUs: each task in a process of its own
 # --------------------------------------------------------------------------------------------------------------------
 FAILED_TASKS_EXIT = 1  # the exit status of a run whose report lists failed tasks (its files written all the same)
-NOT_FORWARDED = ("help", "out", "tasks", "gpus", "deadline_s")  # what each task's process is not given as is
+# the options that only choose the default tasks: `--tasks` names its own, so they are refused beside it
+TASK_CHOOSING_OPTIONS = ("sizes", "compile", "decode_sizes", "compile_sizes")
+# what each task's process is not given as is
+NOT_FORWARDED = ("help", "out", "tasks", "gpus", "deadline_s", *TASK_CHOOSING_OPTIONS)
 
 
 def forwarded_options(parser, args) -> list[str]:
@@ -1523,6 +1526,12 @@ def main(argv=None) -> dict:
     SEQ_LEN, NEW_TOKENS, BUILD_ON, DECODE_REPEATS = args.seq_len, args.new_tokens, args.build_on, args.decode_repeats
     DECODE_COMPILE_MODE, TRAIN_ROUNDS, TRAIN_ROUND_STEPS = (args.decode_compile_mode, args.train_rounds,
                                                             args.train_round_steps)
+    if args.tasks:
+        given = [name for name in TASK_CHOOSING_OPTIONS if getattr(args, name) != parser.get_default(name)]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            parser.error(f"{flags} choose the default tasks; with --tasks, name the sizes and modes in the tasks "
+                         "themselves (e.g. train:1.3B:flash_mhf:compiled)")
     tasks = args.tasks or default_tasks(args)
     for task in tasks:
         try:

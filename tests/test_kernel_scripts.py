@@ -444,6 +444,10 @@ def test_model_benchmark_task_processes_get_the_options_given(bench_models_main,
     bench_models.main(["--out", "unused", "--gpus", "2", "--deadline-s", "9", "--tasks", "layer:tiny", *given])
     assert captured["tasks"] == ["layer:tiny"]
     assert sorted(captured["options"]) == sorted(given)
+    # the options that chose the default tasks are not given to the tasks' processes (each gets --tasks)
+    bench_models.main(["--out", "unused", "--gpus", "2", "--sizes", "tiny", "--compile", *given])
+    assert {"train:tiny:kvffn:eager", "train:370M:llama:compiled"} <= set(captured["tasks"])
+    assert "--sizes" not in captured["options"] and "--compile" not in captured["options"]
     with pytest.raises(SystemExit):
         bench_models.main(["--out", "unused", "--train-rounds", "0", "--device", "cpu"])
 
@@ -1113,6 +1117,13 @@ def test_model_benchmark_refuses_options_and_batches_it_cannot_measure(tmp_path,
         with pytest.raises(SystemExit) as refused:
             bench_models.main(["--out", str(tmp_path), "--device", "cpu", option, value, "--tasks", "layer:tiny"])
         assert refused.value.code == 2 and f"{option} must be at least" in capsys.readouterr().err
+    # the options that choose the default tasks would be ignored beside --tasks: refused, naming them
+    for options in (["--sizes", "tiny"], ["--compile"], ["--decode-sizes", "tiny", "--compile-sizes", "tiny"]):
+        with pytest.raises(SystemExit) as refused:
+            bench_models.main(["--out", str(tmp_path), "--device", "cpu", *options, "--tasks", "layer:tiny"])
+        error = capsys.readouterr().err
+        assert refused.value.code == 2 and "choose the default tasks" in error, options
+        assert all(option in error for option in options if option.startswith("--")), (options, error)
     for task in ("train:tiny:llama:eager:0", "profile_train:tiny:llama:eager:0", "profile_decode:tiny:llama:0"):
         with pytest.raises(ValueError, match="expected"):
             bench_models.check_task(task)

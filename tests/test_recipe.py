@@ -209,6 +209,12 @@ def test_text_files_of_windows_editors_read_without_byte_order_mark_or_carriage_
         data_files=[str(tmp_path / "notes.txt")], dataset=None, dataset_config=None, train_split="train",
         validation_split="validation", text_column="text"))
     assert train["text"] == ["日本語 😀 e\u0301", "second line"]
+    # a validation split named on purpose but missing was left out without a word (the default's is optional)
+    with pytest.raises(ValueError, match=r"--validation-split='heldout' is not one of the dataset's splits "
+                                         r"\['train'\]"):
+        pretrain.load_raw_splits(types.SimpleNamespace(
+            data_files=[str(tmp_path / "notes.txt")], dataset=None, dataset_config=None, train_split="train",
+            validation_split="heldout", text_column="text"))
 
 
 def test_a_json_line_that_is_no_json_object_is_refused_naming_the_file_and_line(tmp_path):
