@@ -666,7 +666,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         changed since (a special token id past the vocabulary that `resize_token_embeddings` shrank, a field set by
         hand) would make the saved folder fail to load; while the attached tokenizer has more tokens than the
         vocabulary; or while transformers would refuse to save the generation config (`model.generation_config`, e.g.
-        `top_k` set without `do_sample=True`)."""
+        `top_k` set without `do_sample=True`) or a generation parameter set on `model.config`."""
         self.config.refuse_what_would_not_load()
         tokenizer = self.attached_tokenizer
         if tokenizer is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > self.config.vocab_size:
@@ -684,6 +684,17 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                     self.generation_config.save_pretrained(folder)
                 except (ValueError, TypeError) as error:
                     raise ValueError(f"save_pretrained: model.generation_config would not save: {error}") from error
+        # transformers refuses generation parameters set on the config (`model.config.max_length = 64`) only when it
+        # writes config.json, after the remote code: the folder would keep that code alone, or, saved over a
+        # checkpoint, the new code beside the old config and weights
+        on_config = getattr(self.config, "_get_generation_parameters", dict)()
+        if on_config:
+            moves = "; ".join(f"model.generation_config.{name} = {value!r}" for name, value in on_config.items())
+            removals = "; ".join(f"del model.config.{name}" for name in on_config)
+            raise ValueError(
+                f"save_pretrained: generation parameters are set on model.config ({on_config}), where transformers "
+                f"refuses to save them: set them on the generation config ({moves}) and remove them from the config "
+                f"({removals})")
         base = getattr(self, self.base_model_prefix, self)
         if self.config.token_memory_size is not None and getattr(base, "memory", None) is None:
             raise ValueError("save_pretrained: the FFNs on the token embeddings were dropped (`drop_memory_ffn`), so "
@@ -702,12 +713,13 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         would start them at random; while a token memory edit (`hf_memffn.analysis.TokenMemoryEdit`) is applied:
         the checkpoint would lack the edit; while the config would not load back (a special token id outside the
         vocabulary that `resize_token_embeddings` shrank); while the attached tokenizer has more tokens than
-        `config.vocab_size`; and while `model.generation_config` holds settings that
-        transformers refuses to save (it would refuse them after writing config.json). With `push_to_hub=True` the
-        folder is uploaded once it is complete (`repo_id`, by default the folder's name, `commit_message`,
-        `commit_description`, `private`, `token`, `revision`, `create_pr`): with the package installed as
-        `hf-memffn push` uploads it (`hub.push_folder`), else through `push_to_hub`; transformers' own upload would
-        send its generic card and no tokenizer, written after the weights (and leave that card in the folder)."""
+        `config.vocab_size`; and while `model.generation_config` holds settings that transformers refuses to save,
+        or `model.config` a generation parameter (it would refuse them after writing config.json, or the remote
+        code). With `push_to_hub=True` the folder is uploaded once it is complete (`repo_id`, by default the folder's
+        name, `commit_message`, `commit_description`, `private`, `token`, `revision`, `create_pr`): with the
+        package installed as `hf-memffn push` uploads it (`hub.push_folder`), else through `push_to_hub`;
+        transformers' own upload would send its generic card and no tokenizer, written after the weights (and leave
+        that card in the folder)."""
         push = kwargs.pop("push_to_hub", False)
         hub = _package_sibling("hub") if push else None
         if push:
@@ -996,12 +1008,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
 
 def positions_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
     """The positions whose logits are asked for (generation needs the last one only), as transformers' models take
-    `logits_to_keep`: an int keeps the last that many positions (0: all); a 1-D tensor the same positions of every
-    row; a 2-D integer tensor [batch, k] each row's own positions; a 2-D boolean mask [batch, length] the positions
-    it marks, flattened to [marked, hidden]."""
+    `logits_to_keep`: an int keeps the last that many positions (0: all); a 2-D integer tensor [batch, k] each row's
+    own positions; a 2-D boolean mask [batch, length] the positions it marks, flattened to [marked, hidden]; anything
+    else (a 1-D tensor, a list, a slice) indexes the positions of every row."""
     if isinstance(logits_to_keep, int):
         return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
-    if logits_to_keep.ndim == 2:
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.ndim == 2:
         if logits_to_keep.dtype == torch.bool:
             return hidden_states[logits_to_keep]
         return torch.take_along_dim(hidden_states, logits_to_keep[..., None], dim=1)

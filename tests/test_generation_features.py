@@ -213,6 +213,14 @@ def test_generation_config_saves_with_the_checkpoint_or_is_refused_before_writin
     for folder in (tmp_path / "model", tmp_path / "new"):
         with pytest.raises(ValueError, match=r"(?s)save_pretrained: model.generation_config would not save.*top_k"):
             deeper.save_pretrained(folder)
+    # a generation parameter set on the model's config (transformers 4's habit), which transformers refuses when it
+    # writes config.json: after the remote code, which it left in the folder (Llama's folder stays empty)
+    on_config = build(arch, num_hidden_layers=3)
+    on_config.config.max_length = 40
+    for folder in (tmp_path / "model", tmp_path / "new"):
+        with pytest.raises(ValueError, match=r"save_pretrained: .*model.config.*\{'max_length': 40\}.*"
+                                             r"model.generation_config.max_length = 40"):
+            on_config.save_pretrained(folder)
     assert {path.name: path.read_bytes() for path in (tmp_path / "model").iterdir()} == saved
     assert not (tmp_path / "new").exists()
 

@@ -721,9 +721,14 @@ def test_logits_to_keep():
         full = model(ids).logits
         last = model(ids, logits_to_keep=1).logits
         chosen = model(ids, logits_to_keep=torch.tensor([1, 4])).logits
+        # (any other index of the position axis, as transformers' Llama takes it: a list, a slice)
+        listed = model(ids, logits_to_keep=[1, 4]).logits
+        sliced = model(ids, logits_to_keep=slice(2, None)).logits
     assert last.shape == (2, 1, 320)
     torch.testing.assert_close(last, full[:, -1:])
     torch.testing.assert_close(chosen, full[:, [1, 4]])
+    torch.testing.assert_close(listed, full[:, [1, 4]])
+    torch.testing.assert_close(sliced, full[:, 2:])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
