@@ -832,26 +832,42 @@ def device_peak_flops(override_tflops: float | None) -> float | None:
 # --- throughput ---------------------------------------------------------------------------------------------------
 
 
-def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_flops: float | None, world_size: int,
-                             log_path: Path, untimed_steps: range = range(0)):
+def make_throughput_callback(tokens_per_step: int, block_size: int, flops_per_token: float, peak_flops: float | None,
+                             world_size: int, log_path: Path, untimed_steps: range = range(0)):
     from transformers import TrainerCallback
 
     class ThroughputCallback(TrainerCallback):
         """Adds tokens/s and MFU to each training log (steady-state steps only) and appends every log to a JSONL file.
 
         Steps in `untimed_steps` are left out of the rates (the profiled steps, and the one after them, which pays
-        for writing the profile)."""
+        for writing the profile). `tokens_per_step` is the arguments' count until training starts, then that of the
+        batches the Trainer draws."""
 
         def __init__(self):
+            self.tokens_per_step = tokens_per_step
+            self.trainings_begun = 0
+            self.start_timing()
+            self.session_first_step = 1
+
+        def start_timing(self) -> None:
             self.last_step_end = None
             self.window_seconds = 0.0
             self.window_steps = 0
             self.total_seconds = 0.0
             self.total_steps = 0
-            self.session_first_step = 1
 
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
             self.session_first_step = state.global_step + 1  # (a resumed run's state is the checkpoint's by now)
+            # --auto-find-batch-size starts training over with a smaller per-device batch after running out of
+            # memory: count the blocks of the batches drawn now (accelerate's loader gives them over all processes),
+            # time this attempt's steps only, and drop from the log the steps of the attempt that ran out of memory
+            blocks = getattr(train_dataloader, "total_batch_size", None)
+            if blocks:
+                self.tokens_per_step = blocks * args.gradient_accumulation_steps * block_size
+            if self.trainings_begun and state.is_world_process_zero:
+                rewind_train_log(log_path, state.log_history)
+            self.trainings_begun += 1
+            self.start_timing()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
@@ -870,7 +886,7 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = dict(logs or {})
             if "loss" in logs and self.window_steps:
-                tokens_per_second = self.window_steps * tokens_per_step / self.window_seconds
+                tokens_per_second = self.window_steps * self.tokens_per_step / self.window_seconds
                 logs["tokens_per_second"] = round(tokens_per_second, 1)
                 if peak_flops:
                     logs["mfu"] = tokens_per_second * flops_per_token / (peak_flops * world_size)
@@ -893,7 +909,7 @@ def make_throughput_callback(tokens_per_step: int, flops_per_token: float, peak_
         def summary(self) -> dict:
             if not self.total_steps:
                 return {}
-            tokens_per_second = self.total_steps * tokens_per_step / self.total_seconds
+            tokens_per_second = self.total_steps * self.tokens_per_step / self.total_seconds
             result = {"tokens_per_second": round(tokens_per_second, 1)}
             if peak_flops:
                 result["mfu"] = tokens_per_second * flops_per_token / (peak_flops * world_size)
@@ -1572,8 +1588,9 @@ def main(argv=None) -> dict:
     tokens_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
                        * args.block_size * world_size)
     flops_per_token = training_flops_per_token(model, args.block_size)
-    throughput = make_throughput_callback(tokens_per_step, flops_per_token, device_peak_flops(args.peak_tflops),
-                                          world_size, output_dir / "train_log.jsonl",
+    throughput = make_throughput_callback(tokens_per_step, args.block_size, flops_per_token,
+                                          device_peak_flops(args.peak_tflops), world_size,
+                                          output_dir / "train_log.jsonl",
                                           range(profile_steps[0], profile_steps[1] + 2) if profile_steps else range(0))
     # With --init-from the saved model decides the architecture and size; --preset then gives only the learning rate.
     model_label = (f"{model.config.model_type} from {args.init_from}" if args.init_from
@@ -1632,7 +1649,7 @@ def main(argv=None) -> dict:
         **run_training_loss(trainer.state.log_history, trainer.state.global_step, session_loss, session_first_step),
         "eval_loss": eval_metrics["eval_loss"],
         "train_seconds": round(train_seconds, 2),
-        "tokens_per_step": tokens_per_step,
+        "tokens_per_step": throughput.tokens_per_step,  # (of the batches that trained: see --auto-find-batch-size)
         "flops_per_token": flops_per_token,
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
         **throughput.summary(),

@@ -311,6 +311,33 @@ def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_onc
     assert resumed_log[-1]["train_loss"] == pytest.approx(whole_log[-1]["train_loss"], rel=1e-4)
 
 
+def test_auto_find_batch_size_counts_the_tokens_of_the_batch_that_trained(tmp_path, monkeypatch):
+    """--auto-find-batch-size: out of memory at the third batch of 8 blocks, the Trainer starts over with smaller
+    ones. The summary's tokens per step (which compare_loss_curves.py matches runs by) and the rates are those of the
+    smaller batches (they counted 8 blocks), and the log holds the run that trained, each step once (it kept the
+    first attempt's steps too)."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    collate_blocks, batches = pretrain.collate_blocks, []
+
+    def out_of_memory_at_the_third_batch_of_8(features):
+        batches.append(len(features))
+        if len(features) == 8 and batches.count(8) == 3:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return collate_blocks(features)
+
+    monkeypatch.setattr(pretrain, "collate_blocks", out_of_memory_at_the_third_batch_of_8)
+    out = tmp_path / "run"
+    summary = pretrain.main([
+        "--arch", "llama", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+        "--block-size", "32", "--per-device-batch-size", "8", "--auto-find-batch-size", "--logging-steps", "1",
+        "--eval-steps", "100", "--save-steps", "100", "--max-eval-blocks", "1", "--max-steps", "3",
+        "--output-dir", str(out)])
+    retried = batches[3]  # (accelerate takes 90% of the batch that ran out of memory)
+    assert retried < 8 and summary["tokens_per_step"] == retried * 32
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+
+
 def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_path, monkeypatch):
     """Without a validation split the last documents are held out whole, and `--train-tokenizer` learns its
     vocabulary from the others only: a word found only in held-out text is not one of its tokens."""
