@@ -10,6 +10,7 @@ file at the end while the other idles; xdist's own order (most tests first) put 
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -56,6 +57,18 @@ def pytest_configure(config):
     # keep the collected order below when xdist groups the tests by file (it would sort the files by test count)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+
+
+def pytest_collection_finish(session):
+    # transformers and accelerate call gc.collect() often (after each checkpoint shard, at each Trainer's end); each
+    # full collection walked every object that importing torch, transformers and the tests made, about a third of a
+    # second here, a minute of a file such as test_trainer_features.py. Frozen, those objects are left out of every
+    # collection (they live as long as the process anyway); what the tests make is still collected.
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # (collected at exit as before: extension modules such as Triton's check their objects went)
 
 
 def pytest_collection_modifyitems(config, items):
