@@ -24,7 +24,8 @@ slowest steps, with the garbage collection inside them). `--profile-round N` pro
 remainder, and the device blocks the caching allocator obtained within it (those steps then overlap nothing);
 `--profiled-steps N` runs the host part of the first N of them under cProfile in the serving thread; each
 timed workload also records the device memory allocated, reserved and free at its start. The
-paged KV cache is sized by transformers from the free memory (`--num-blocks` / `--max-batch-tokens` to fix it).
+paged KV cache is sized by transformers from the free device memory (`--num-blocks` / `--max-batch-tokens` to fix it;
+on the CPU, where transformers would size it from the whole RAM, it holds the workload's requests all at once).
 
 `--rounds N` (N > 1) builds and warms up every model first, then serves the timed workload N times, the models taking
 turns in an order rotated each round; each row then holds the medians over the rounds, and the ratio of the model's
@@ -69,6 +70,8 @@ from presets import ARCHITECTURE_NAMES, PRESETS, get_preset  # noqa: E402
 LABELS = {"llama": "Llama (transformers)", "flash_mhf": "FlashMHFLlama", "memoryllm": "MemoryLLM",
           "flex_memoryllm": "FlexMemoryLLM", "kvffn": "KVFFN", "memoryllm_lookup": "MemoryLLM + lookup table"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# the tokens per step transformers takes where memory allows (5.18 and later, whatever the memory on 5.17)
+CPU_DEFAULT_MAX_BATCH_TOKENS = 8192
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -94,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--num-blocks", type=int, default=None, help="paged KV cache blocks (default: transformers "
-                                                                     "sizes it from free device memory)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: transformers)")
+                                                                     "sizes it from free device memory; on the CPU, "
+                                                                     "enough for the whole workload)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per step (default: transformers; on "
+                        "the CPU, the workload's prompts and a token each, at most 8192)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1, help="timed workloads per model, the models taking turns "
                                                               "(default 1: each model built, warmed up and timed "
@@ -141,20 +146,39 @@ def build_model(arch: str, args, device, dtype):
     return model.to(dtype).eval()
 
 
+def paged_cache_config(args, requests, device: torch.device):
+    """The continuous batching config: `--num-blocks` and `--max-batch-tokens` where given. Left to itself on the CPU,
+    transformers sizes the paged cache from the machine's whole memory (5.17: 80% of it less this process's, later
+    versions 60%), whatever other processes hold: the smoke run asked for 18 GiB on a 23 GiB machine and was killed;
+    and 5.17, given the blocks only, sizes the tokens per step from that memory too (a 14.6 GB allocation). There the
+    cache holds the workload's requests all at once instead, and a step takes at most all their prompts and one new
+    token each, or transformers' own default where that is fewer."""
+    from transformers import ContinuousBatchingConfig
+
+    fields = {k: v for k, v in (("num_blocks", args.num_blocks), ("max_batch_tokens", args.max_batch_tokens))
+              if v is not None}
+    if device.type == "cpu":
+        defaults = ContinuousBatchingConfig()
+        page = getattr(defaults, "page_size", None) or defaults.block_size  # (5.17 calls it `block_size`)
+        fields.setdefault("num_blocks", sum(-(-(len(prompt) + new) // page) for prompt, new in requests))
+        fields.setdefault("max_batch_tokens", min(sum(len(prompt) + 1 for prompt, _ in requests),
+                                                  CPU_DEFAULT_MAX_BATCH_TOKENS))
+    return ContinuousBatchingConfig(**fields)
+
+
 def run_workload(model, requests, args, record: bool) -> dict:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
                                          max_new_tokens=max(new for _, new in requests))
-    cb_fields = {k: v for k, v in (("num_blocks", args.num_blocks), ("max_batch_tokens", args.max_batch_tokens))
-                 if v is not None}
     hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in requests),
                           max_generated_length=generation_config.max_new_tokens, num_requests=len(requests))
     results = {}
     manager_context = model.continuous_batching_context_manager(
-        generation_config=generation_config, continuous_batching_config=ContinuousBatchingConfig(**cb_fields),
-        block=True, timeout=30, workload_hints=hints)
+        generation_config=generation_config,
+        continuous_batching_config=paged_cache_config(args, requests, model.device), block=True, timeout=30,
+        workload_hints=hints)
     with manager_context as manager:
         start = time.perf_counter()
         for i, (prompt, new_tokens) in enumerate(requests):

@@ -223,6 +223,28 @@ def test_throughput_benchmark_runs_at_toy_size(tmp_path):
     assert report["device"].startswith("CPU") and report["device"] in (tmp_path / "continuous_batching.md").read_text()
 
 
+def test_throughput_benchmark_sizes_the_cpu_cache_for_its_workload(tmp_path):
+    """On the CPU, transformers sizes the paged cache from the machine's whole memory (5.17: 80% of it, less this
+    process), whatever other processes hold: the README's smoke run (`--preset tiny --requests 8 --device cpu`) asked
+    for some 18 GiB on a 23 GiB machine and was killed; 5.17 given --num-blocks alone sized the tokens per step from
+    that memory (14.6 GB). Without them the cache holds the workload, and a step at most all its prompts."""
+    bench = _load_throughput_benchmark()
+
+    def config(*options, device="cpu"):
+        args = bench.build_parser().parse_args(["--preset", "tiny", *options, "--out", str(tmp_path)])
+        return bench.paged_cache_config(args, requests, torch.device(device))
+
+    requests = [([5] * 300, 200), ([5] * 40, 10), ([5] * 256, 1)]
+    page = getattr(config(), "page_size", None) or config().block_size
+    assert page == 256 and (config().num_blocks, config().max_batch_tokens) == (2 + 1 + 2, 300 + 40 + 256 + 3)
+    assert (config("--num-blocks", "7").num_blocks, config("--num-blocks", "7").max_batch_tokens) == (7, 599)
+    given_tokens = config("--max-batch-tokens", "32")
+    assert (given_tokens.num_blocks, given_tokens.max_batch_tokens) == (5, 32)
+    requests = [([5] * 512, 256)] * 64  # the default workload's largest: a step of transformers' default at most
+    assert (config().num_blocks, config().max_batch_tokens) == (64 * 3, 8192)
+    assert (config(device="cuda").num_blocks, config(device="cuda").max_batch_tokens) == (None, None)  # device memory
+
+
 def test_throughput_benchmark_rounds_pair_every_model_with_llama(tmp_path):
     """--rounds: every model warmed up once, then timed in turns; each row has its rounds and its ratio to Llama in
     the same round."""
