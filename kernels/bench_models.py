@@ -1152,8 +1152,9 @@ def plot(results: dict, path: str) -> None:
     ratios = {**ratio_to_llama(train, "tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"])),
               **ratio_to_llama(decode, "decode_tokens_per_s", lambda r: (r["size"], r["mode"], r["batch"]))}
 
-    def to_llama(r):  # (rounds paired with another model give no ratio to Llama)
-        paired = r.get("round_paired_ratio") if r.get("round_paired_baseline", "llama") == "llama" else None
+    def to_llama(r):  # (rounds paired with another model than Llama, with or without LoRA, give no ratio to Llama)
+        baseline = r.get("round_paired_baseline", "llama")
+        paired = r.get("round_paired_ratio") if baseline in ("llama", f"llama{LORA}") else None
         return ratios.get(id(r)) if paired is None else paired
 
     for r in train:

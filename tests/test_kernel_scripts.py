@@ -1165,6 +1165,14 @@ def test_model_benchmark_plot_keeps_the_other_packages_models(tmp_path, monkeypa
     bench_models.plot(results, str(tmp_path / "models_bench.png"))
     assert plotted == {"Llama (transformers)": [1.0], "KVFFN": [0.9], "KVFFN, the other package": [0.8]}
     assert "| KVFFN, the other package |" in bench_models.report(results)
+    # LoRA rows are paired with Llama under the same LoRA: their bars are its ratios too (the plot was left empty)
+    plotted.clear()
+    archs = ["llama_lora", "flash_mhf_lora"]
+    train = [{"arch": arch, "size": "tiny", "batch": 2, "mode": "compiled", "tokens_per_s": 100.0,
+              "round_paired_baseline": "llama_lora", "round_paired_ratio": ratio, "interleaved_with": [],
+              "task": "train:tiny:llama_lora+flash_mhf_lora:compiled"} for arch, ratio in zip(archs, (1.0, 1.5))]
+    bench_models.plot({**results, "decode": [], "train": train}, str(tmp_path / "lora.png"))
+    assert plotted == {"Llama (transformers), LoRA r16": [1.0], "FlashMHFLlama, LoRA r16": [1.5]}
 
 
 def test_memory_readout_benchmark_times_and_names_the_device_asked_for(monkeypatch, capsys):
