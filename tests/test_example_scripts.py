@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,9 +79,10 @@ def calls(tmp_path: Path, script_name: str) -> list[dict]:
 
 def test_ddp_check_starts_afresh_with_other_settings_and_exits_1_after_a_failed_run(tmp_path):
     """The README's two calls (small preset, then PRESET=370M) with the default WORK: the second trains from 370M
-    initial weights, not the first call's; a later call with the same settings reuses them and the one-GPU run."""
+    initial weights, not the first call's; a later call with the same settings reuses them and the one-GPU run.
+    (The first call makes the one-GPU run alone: the initial weights are what the second must not take from it.)"""
     work = str(tmp_path / "the work")  # a space in the paths
-    first = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "small results"), "2", RUNS="single ddp", WORK=work)
+    first = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "small results"), "2", RUNS="single", WORK=work)
     assert first.returncode == 0, first.stderr
     second = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "370M results"), "2", RUNS="single ddp", WORK=work,
                         PRESET="370M")
@@ -92,7 +95,7 @@ def test_ddp_check_starts_afresh_with_other_settings_and_exits_1_after_a_failed_
     again = run_script(tmp_path, "ddp_check.sh", str(tmp_path / "370M results"), "2", RUNS="ddp", WORK=work,
                        PRESET="370M")
     assert again.returncode == 0, again.stderr
-    assert len(calls(tmp_path, "save_initial_weights.py")) == 2 and len(calls(tmp_path, "pretrain.py")) == 5
+    assert len(calls(tmp_path, "save_initial_weights.py")) == 2 and len(calls(tmp_path, "pretrain.py")) == 4
     assert "`" + work + "/single`" in (tmp_path / "370M results" / "comparison.md").read_text()
 
     # a run that fails: exit 1 at the end, and none of its (or the comparison's) files of the earlier call is left
@@ -136,10 +139,27 @@ def test_ddp_check_gives_the_zero_runs_their_deepspeed_json_from_any_directory(t
     assert "--deepspeed_config_file" not in launches[2]
 
 
-def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_compile_results(tmp_path):
-    results, work = tmp_path / "results", str(tmp_path / "work")
-    assert run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work).returncode == 0
-    assert (results / "comparison_compile.json").is_file()
+@pytest.fixture(scope="module")
+def fsdp2_check_done(tmp_path_factory) -> Path:
+    """A folder holding the `results` and `work` that a call of fsdp2_check.sh which succeeded leaves, made once: the
+    earlier call that each test of a failed call copies and then follows."""
+    done = tmp_path_factory.mktemp("fsdp2_check_done")
+    result = run_script(done, "fsdp2_check.sh", str(done / "results"), "2", WORK=str(done / "work"))
+    assert result.returncode == 0, result.stderr
+    return done
+
+
+def after_fsdp2_check(done: Path, tmp_path: Path) -> tuple[Path, str]:
+    """RESULTS_DIR and WORK of a call that succeeded (`fsdp2_check_done`'s), copied into tmp_path for the next call."""
+    for name in ("results", "work"):
+        shutil.copytree(done / name, tmp_path / name, symlinks=True)
+    return tmp_path / "results", str(tmp_path / "work")
+
+
+def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_compile_results(tmp_path,
+                                                                                             fsdp2_check_done):
+    assert (fsdp2_check_done / "results" / "comparison_compile.json").is_file()
+    results, work = after_fsdp2_check(fsdp2_check_done, tmp_path)
     failed = run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work, FAKE_FAIL="fsdp2-compile")
     assert failed.returncode == 1 and "torch.compile run FAILED" in failed.stdout
     left = {p.name for p in results.iterdir()}
@@ -148,11 +168,10 @@ def test_fsdp2_check_exits_1_after_a_failed_compile_run_and_keeps_no_earlier_com
 
 
 @pytest.mark.parametrize("failing", ["single", "fsdp2"])
-def test_fsdp2_check_keeps_no_earlier_results_after_a_failed_run(tmp_path, failing):
+def test_fsdp2_check_keeps_no_earlier_results_after_a_failed_run(tmp_path, fsdp2_check_done, failing):
     """A failed one-GPU or FSDP2 run exited non-zero but left the earlier call's comparison, train logs and
     summaries in RESULTS_DIR, read as this call's."""
-    results, work = tmp_path / "results", str(tmp_path / "work")
-    assert run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work).returncode == 0
+    results, work = after_fsdp2_check(fsdp2_check_done, tmp_path)
     failed = run_script(tmp_path, "fsdp2_check.sh", str(results), "2", WORK=work, FAKE_FAIL=failing)
     assert failed.returncode != 0
     assert not list(results.iterdir())
@@ -287,13 +306,17 @@ def test_compare_loss_curves_writes_its_files_whole_or_not_at_all(tmp_path, monk
     assert out.read_text() == before
 
 
-def test_scripts_without_their_output_argument_print_their_usage(tmp_path):
+def test_scripts_without_their_output_argument_print_their_usage(tmp_path, monkeypatch):
     """Run without the path they write to, the scripts name what they take instead of a shell or Python error."""
     result = run_script(tmp_path, "cold_cache_first_step.sh")
     assert result.returncode == 2 and "usage: bash examples/cold_cache_first_step.sh OUT_DIR" in result.stdout
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "write_code_corpus.py")], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 1 and "usage: python examples/write_code_corpus.py OUT.jsonl" in done.stderr
+    script = str(ROOT / "examples" / "write_code_corpus.py")
+    monkeypatch.setattr(sys, "argv", [script])
+    with pytest.raises(SystemExit) as stopped:  # (the script's `__main__` block, run in this process)
+        runpy.run_path(script, run_name="__main__")
+    # (a message, which Python prints to stderr, exiting with status 1)
+    assert isinstance(stopped.value.code, str)
+    assert "usage: python examples/write_code_corpus.py OUT.jsonl" in stopped.value.code
 
 
 def test_write_code_corpus_interrupted_leaves_no_corpus(tmp_path, monkeypatch):

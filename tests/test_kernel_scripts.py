@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import zipfile
 
 import pytest
 import torch
-from kernel_scripts_support import KERNELS, ROOT, SCRIPT_PYTHONPATH, kernel_script, run_script
+from kernel_scripts_support import KERNELS, ROOT, SCRIPT_PYTHONPATH, kernel_script
 
 SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf.py", "profile_flash_mhf_kernels.py",
            "bench_token_lookup.py", "bench_models.py", "bench_memory_readout.py", "compile_check.py",
@@ -29,39 +30,53 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py", "profile_kvffn_layer.py"]
 
 
-# Runs each script's `--help` in one Python process (one import of torch and transformers for all of them) and prints
-# {script: [exit code, what it printed]} as JSON.
-HELP_RUNNER = """
+# Runs scripts one after another in one Python process (one import of torch and transformers for all of them), each
+# as `python SCRIPT ARGS` runs it (its `__main__` block), and prints {group: {"script args": [exit code or error, what
+# it printed, what it wrote to stderr]}} as JSON. Its argument: [[group, script path, args], ...].
+SCRIPT_RUNNER = """
 import contextlib, io, json, os, runpy, sys
 results = {}
-for path in sys.argv[1:]:
-    printed, code = io.StringIO(), 0
-    sys.argv = [path, "--help"]
+for group, path, args in json.loads(sys.argv[1]):
+    printed, written, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [path, *args]
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(written):
             runpy.run_path(path, run_name="__main__")
     except SystemExit as stop:
-        code = stop.code or 0
-    except Exception as exc:  # reported by the test of that script
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else str(stop.code)
+    except Exception as exc:  # reported by the test of that run
         code = repr(exc)
-    results[os.path.basename(path)] = [code, printed.getvalue()]
+    results.setdefault(group, {})[" ".join([os.path.basename(path), *args])] = [code, printed.getvalue(),
+                                                                              written.getvalue()]
 print(json.dumps(results))
 """
 
 
 @pytest.fixture(scope="module")
-def script_help():
-    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH}
-    result = subprocess.run([sys.executable, "-c", HELP_RUNNER, *(os.path.join(KERNELS, name) for name in SCRIPTS)],
-                            capture_output=True, text=True, env=env, timeout=600)
+def script_runs(tmp_path_factory):
+    """The runs of the tests that read only what scripts do with their arguments, made in one process with the GPUs
+    hidden (as on a machine without one): {group: (the folder the group's runs were given, {"script args": (exit
+    code or error, what it printed, what it wrote to stderr)})}. Each group's runs are those its function gives."""
+    groups = {"help": help_runs, "no_out": no_out_runs, "counts": gpu_script_count_runs,
+              "out_is_a_file": out_is_a_file_runs}
+    folders = {group: tmp_path_factory.mktemp(group) for group in groups}
+    runs = [[group, path, args] for group, make_runs in groups.items() for path, args in make_runs(folders[group])]
+    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", SCRIPT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
+                            env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    return {group: (folders[group], outcomes.get(group, {})) for group in groups}
+
+
+def help_runs(folder):
+    return [[os.path.join(KERNELS, name), ["--help"]] for name in SCRIPTS]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_script_help(script_help, name):
+def test_script_help(script_runs, name):
     """Every script imports and parses its arguments without a GPU."""
-    code, printed = script_help[name]
+    code, printed, _ = script_runs["help"][1][f"{name} --help"]
     assert code == 0, code
     assert "usage" in printed
 
@@ -96,45 +111,28 @@ def test_tune_profile_launch_is_checked_before_looking_for_a_gpu(spec, expected,
     assert tune_flash_mhf.profiled_launch("weights:gluon:128,64,8,2") == ("weights", "gluon", (128, 64, 8, 2))
 
 
-# Runs each script's main with the arguments given (its first argument: the script's path) in one Python process and
-# prints {script: [exit code or error, what it wrote to stderr]} as JSON.
-NO_OUT_RUNNER = """
-import contextlib, io, json, os, runpy, sys
-runs = json.loads(sys.argv[1])
-results = {}
-for path, args in runs:
-    written, code = io.StringIO(), 0
-    sys.argv = [path, *args]
-    try:
-        with contextlib.redirect_stderr(written):
-            runpy.run_path(path, run_name="__main__")
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else str(stop.code)
-    results[" ".join([os.path.basename(path), *args])] = [code, written.getvalue()]
-print(json.dumps(results))
-"""
+# the scripts that stopped, naming `--out`, when run without it
+NO_OUT_SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "bench_token_lookup.py",
+                  "profile_flash_mhf_memory.py", "profile_flash_mhf_step.py", "tune_flash_mhf.py"]
 
 
-def test_no_script_writes_into_the_committed_results_unasked():
+def no_out_runs(folder):
+    runs = [[os.path.join(KERNELS, name), []] for name in NO_OUT_SCRIPTS]
+    return runs + [[os.path.join(KERNELS, "tune_flash_mhf.py"), ["--profile", "weights:gluon:128,64,8,2"]]]
+
+
+def test_no_script_writes_into_the_committed_results_unasked(script_runs):
     """A benchmark run writes where `--out` says: no script of kernels/ has a default for it (so a rerun cannot
     replace a committed result in `kernels/results/`), and those that used to stop, naming `--out`, before any work.
     `tune_flash_mhf.py --profile` (one launch for a profiler, nothing written) still runs without it."""
     defaults = [path for path in glob.glob(os.path.join(KERNELS, "*.py"))
                 if re.search(r"""add_argument\(\s*["']--out["'][^)]*default""", open(path).read())]
     assert defaults == []
-    scripts = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "bench_token_lookup.py",
-               "profile_flash_mhf_memory.py", "profile_flash_mhf_step.py", "tune_flash_mhf.py"]
-    runs = [[os.path.join(KERNELS, name), []] for name in scripts]
-    runs.append([os.path.join(KERNELS, "tune_flash_mhf.py"), ["--profile", "weights:gluon:128,64,8,2"]])
-    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
-    for name in scripts:
-        code, written = outcomes[name]
+    _, outcomes = script_runs["no_out"]
+    for name in NO_OUT_SCRIPTS:
+        code, _, written = outcomes[name]
         assert code == 2 and "--out" in written.splitlines()[-1], (name, code, written)
-    code, _ = outcomes["tune_flash_mhf.py --profile weights:gluon:128,64,8,2"]
+    code, _, _ = outcomes["tune_flash_mhf.py --profile weights:gluon:128,64,8,2"]
     assert code == "tune_flash_mhf.py needs a CUDA GPU"  # past the arguments, stopped only for want of a GPU
 
 
@@ -186,14 +184,17 @@ def test_ncu_summary_rebuilds_from_committed_csv(tmp_path, monkeypatch):
     assert "| tensor pipe active % |" in (tmp_path / "ncu_summary.md").read_text()
 
 
-def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path):
-    """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked)."""
+def test_model_benchmark_runs_end_to_end_on_cpu(tmp_path, bench_models_main, monkeypatch):
+    """The whole-model benchmark's every part at the tiny preset (wall-clock times; only the script is checked), its
+    run in this process with two timed steps per training row."""
     tasks = ["layer:tiny", "train:tiny:llama:eager", "train:tiny:flash_mhf:eager", "train:tiny:flash_mhf_unfused:eager",
              "train:tiny:flash_mhf:eager:1", "decode:tiny:llama+flash_mhf:eager", "profile:tiny",
              "profile_train:tiny:flash_mhf:eager:1", "profile_decode:tiny:flash_mhf:2"]
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--seq-len", "16",
-                        "--new-tokens", "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf", "--tasks", *tasks)
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setattr(bench_models_main, "TRAIN_STEPS", 2)
+    returned = bench_models_main.main(["--out", str(tmp_path), "--device", "cpu", "--seq-len", "16", "--new-tokens",
+                                       "3", "--decode-repeats", "2", "--archs", "llama", "flash_mhf",
+                                       "--tasks", *tasks])
+    assert returned["errors"] == []  # (what the script's `__main__` turns into exit status 0)
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert data["errors"] == [] and data["tasks"] == tasks
     assert [(row["arch"], row["mode"], row["batch"]) for row in data["train"]] == [  # the preset's batch, or the task's
@@ -269,11 +270,11 @@ def test_kvffn_layer_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert "| tiny | compiled | KV-FFN, no biases, two projections |" in markdown
 
 
-def test_compiled_step_breakdown_reproduces_its_committed_table(tmp_path):
+def test_compiled_step_breakdown_reproduces_its_committed_table(tmp_path, capsys):
     """`compiled_step_breakdown.py` on the committed whole-model result gives the committed breakdown, and its parts
     add up: the FFN layers and everything else make the profiled kernel time."""
-    result = run_script("compiled_step_breakdown.py", os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
+    script = kernel_script("compiled_step_breakdown")
+    script.main([os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path)])
     made = json.loads((tmp_path / "compiled_step_breakdown.json").read_text())
     committed_path = os.path.join(ROOT, "kernels/results/models/h200_compiled_step_breakdown.json")
     with open(committed_path) as handle:
@@ -286,9 +287,10 @@ def test_compiled_step_breakdown_reproduces_its_committed_table(tmp_path):
         base = part["columns"][part["baseline"]]["kernel_ms"]
         assert [p["baseline_over_model"] for p in part["projections"]] == pytest.approx(
             [base / p["kernel_ms"] for p in part["projections"]])
-    missing = run_script("compiled_step_breakdown.py", os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path),
-                         "--sizes", "tiny")
-    assert missing.returncode == 2 and "run the task layer:tiny:compiled" in missing.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as missing:
+        script.main([os.path.join(ROOT, BREAKDOWN_SOURCE), "--out", str(tmp_path), "--sizes", "tiny"])
+    assert missing.value.code == 2 and "run the task layer:tiny:compiled" in capsys.readouterr().err
 
 
 # what bench_models.main() sets from its options: the module's settings and the harness's measured device (it also
@@ -700,11 +702,14 @@ def test_kernel_families_and_the_op_kernels_a_row_runs():
             pass
 
 
-def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_package_beside_them(tmp_path):
+def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_package_beside_them(tmp_path,
+                                                                                               bench_models_main,
+                                                                                               monkeypatch):
     """`--decode-processes`: the models of a decode task run in processes of their own and still take turns;
     `--decode-cpus` pins each process to a CPU after its warm-up; `--decode-profile` profiles each where it ran.
     `--other-package DIR`: the task's `<arch>@other` model is built from DIR's hf_memffn, in a process of its own, and
-    takes turns with this checkout's models; `<arch>_plain_launch` decodes too. (One run of the script for both.)"""
+    takes turns with this checkout's models; `<arch>_plain_launch` decodes too. (One run of the script for both; the
+    run's own process is this one, which has imported this checkout's hf_memffn.)"""
     other = tmp_path / "other"
     shutil.copytree(os.path.join(ROOT, "hf_memffn"), other / "hf_memffn",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -714,11 +719,10 @@ def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_packa
     cpu = min(os.sched_getaffinity(0))
     architectures = ["llama", "kvffn@other", "kvffn_plain_launch"]
     out = tmp_path / "out"
-    result = run_script("bench_models.py", "--out", str(out), "--device", "cpu", "--new-tokens", "2",
-                        "--decode-repeats", "4", "--decode-batches", "1", "--decode-processes", "--decode-profile",
-                        "--decode-cpus", str(cpu), "--other-package", str(other),
-                        "--tasks", f"decode:tiny:{'+'.join(architectures)}:eager")
-    assert result.returncode == 0, result.stderr[-3000:]
+    bench_models_main.main(["--out", str(out), "--device", "cpu", "--new-tokens", "2", "--decode-repeats", "4",
+                            "--decode-batches", "1", "--decode-processes", "--decode-profile",
+                            "--decode-cpus", str(cpu), "--other-package", str(other),
+                            "--tasks", f"decode:tiny:{'+'.join(architectures)}:eager"])
     data = json.loads((out / "models_bench.json").read_text())
     assert data["errors"] == [] and [row["arch"] for row in data["decode"]] == architectures
     assert all(row["own_process"] and len(row["round_median_ms_per_step"]) == 4 for row in data["decode"])
@@ -737,10 +741,10 @@ def test_model_benchmark_decodes_each_model_in_its_own_process_and_another_packa
     assert all(table["kernel_us_per_step"] > 0 for table in profiles.values())
     assert marker.read_text().splitlines() == [str(other / "hf_memffn" / "__init__.py")]  # that one process alone
     # without those two options, an `@other` model is refused
-    bench_models = kernel_script("bench_models")
+    monkeypatch.setattr(bench_models_main, "OTHER_PACKAGE_DIR", None)  # (as the run above left it: unset)
     with pytest.raises(ValueError, match="needs --decode-processes and --other-package"):
-        bench_models.run_task("decode:tiny:llama+kvffn@other:eager",
-                              argparse.Namespace(device="cpu", decode_processes=False), {})
+        bench_models_main.run_task("decode:tiny:llama+kvffn@other:eager",
+                                   argparse.Namespace(device="cpu", decode_processes=False), {})
 
 
 def test_decode_rounds_pair_with_the_first_model_when_the_task_has_no_llama(monkeypatch):
@@ -1344,10 +1348,13 @@ def test_model_benchmark_exit_status_says_a_task_failed(tmp_path, bench_models_m
     """A run whose report lists a failed task still writes its files, and ends with `FAILED_TASKS_EXIT`; with `--gpus`,
     a task process that ends so, its error in its results, is that error once in the merged report."""
     # (the flagged Llama refuses the padding mask that generate() passes: a task that fails once its model is built)
-    result = run_script("bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens", "2",
-                        "--decode-batches", "1", "--decode-repeats", "1",
-                        "--tasks", "decode:tiny:llama_causal_flag:eager")
-    assert result.returncode == 1, result.stderr[-3000:]
+    monkeypatch.setattr(sys, "argv", ["bench_models.py", "--out", str(tmp_path), "--device", "cpu", "--new-tokens",
+                                      "2", "--decode-batches", "1", "--decode-repeats", "1",
+                                      "--tasks", "decode:tiny:llama_causal_flag:eager"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the script puts its folders on it again)
+    with pytest.raises(SystemExit) as stopped:  # (the script's `__main__` block, run in this process)
+        runpy.run_path(os.path.join(KERNELS, "bench_models.py"), run_name="__main__")
+    assert stopped.value.code == 1
     data = json.loads((tmp_path / "models_bench.json").read_text())
     assert len(data["errors"]) == 1 and "only for sequences without a padding mask" in data["errors"][0]
     bench_models = bench_models_main
@@ -1383,23 +1390,23 @@ OUT_SCRIPTS = {"bench_models.py": [], "bench_flash_mhf.py": [], "tune_flash_mhf.
                os.path.join("..", "examples", "recipe_speed.py"): []}
 
 
-def test_scripts_refuse_an_out_that_is_a_file(tmp_path):
+def out_is_a_file_runs(folder):
+    """The runs of the test below: each script given `folder`'s `a_file`, written here, as `--out`."""
+    taken = folder / "a_file"
+    taken.write_text("kept\n")
+    return [[os.path.join(KERNELS, name), [*before, "--out", str(taken)]] for name, before in OUT_SCRIPTS.items()]
+
+
+def test_scripts_refuse_an_out_that_is_a_file(script_runs):
     """`--out` naming a file is refused as the arguments are read, naming the option, before any work: not a
     FileExistsError at the first write, once a measurement has run."""
-    taken = tmp_path / "a_file"
-    taken.write_text("kept\n")
-    runs = [[os.path.join(KERNELS, name), [*before, "--out", str(taken)]] for name, before in OUT_SCRIPTS.items()]
-    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    folder, outcomes = script_runs["out_is_a_file"]
+    taken = folder / "a_file"
     for name, before in OUT_SCRIPTS.items():
-        code, written = outcomes[" ".join([os.path.basename(name), *before, "--out", str(taken)])]
+        code, _, written = outcomes[" ".join([os.path.basename(name), *before, "--out", str(taken)])]
         assert code == 2 and "argument --out: " in written and "is a file; allowed: a directory" in written, (
             name, code, written[-500:])
-    assert taken.read_text() == "kept\n" and os.listdir(tmp_path) == ["a_file"]
-
+    assert taken.read_text() == "kept\n" and os.listdir(folder) == ["a_file"]
 
 
 def strict_json(text: str):
@@ -1567,24 +1574,24 @@ GPU_SCRIPT_COUNTS = [
 ]
 
 
-def test_gpu_scripts_refuse_counts_they_cannot_measure_before_looking_for_a_gpu(tmp_path):
+def gpu_script_count_runs(folder):
+    out = str(folder / "out")
+    runs = [[os.path.join(KERNELS, name), ["--out", out, *given]] for name, given, _ in GPU_SCRIPT_COUNTS]
+    return runs + [[os.path.join(KERNELS, "profile_flash_mhf_memory.py"), ["--out", out]]]
+
+
+def test_gpu_scripts_refuse_counts_they_cannot_measure_before_looking_for_a_gpu(script_runs):
     """No round, step or token to time (a median of nothing or a division by zero once every kernel has compiled) is
     refused naming the option, before any work, as is a fused-backward sweep without its reference kernels;
     `profile_flash_mhf_memory.py` without a GPU says it needs one (not an AssertionError from torch)."""
-    out = str(tmp_path / "out")
-    runs = [[os.path.join(KERNELS, name), ["--out", out, *given]] for name, given, _ in GPU_SCRIPT_COUNTS]
-    runs.append([os.path.join(KERNELS, "profile_flash_mhf_memory.py"), ["--out", out]])
-    env = {**os.environ, "PYTHONPATH": SCRIPT_PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", NO_OUT_RUNNER, json.dumps(runs)], capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    folder, outcomes = script_runs["counts"]
+    out = str(folder / "out")
     for name, given, expected in GPU_SCRIPT_COUNTS:
-        code, written = outcomes[" ".join([name, "--out", out, *given])]
+        code, _, written = outcomes[" ".join([name, "--out", out, *given])]
         assert code == 2 and expected in written.splitlines()[-1], (name, code, written[-500:])
-    code, _ = outcomes[f"profile_flash_mhf_memory.py --out {out}"]
+    code, _, _ = outcomes[f"profile_flash_mhf_memory.py --out {out}"]
     assert code == "profile_flash_mhf_memory.py needs a CUDA GPU"
-    assert not os.listdir(tmp_path)
+    assert not os.listdir(folder)
 
 
 @pytest.mark.filterwarnings("ignore:No artists with labels")  # (the plot of a run that measured nothing)
@@ -1601,7 +1608,7 @@ def test_flash_mhf_benchmark_that_stopped_at_an_error_keeps_what_it_measured_and
     assert "RuntimeError: boom" in strict_json((tmp_path / "failed" / "flash_mhf_bench.json").read_text())["error"]
     assert "stopped at an error" in (tmp_path / "failed" / "flash_mhf_bench.md").read_text()
 
-def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_preset_has(tmp_path):
+def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_preset_has(tmp_path, capsys):
     """A result file that is missing, not JSON or not a results object, and a size that no preset has, are refused
     naming what is wrong (not a traceback, nor the advice to run a task that bench_models.py would refuse)."""
     source = os.path.join(ROOT, BREAKDOWN_SOURCE)
@@ -1611,8 +1618,10 @@ def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_pre
                             ([str(tmp_path / "missing.json")], "No such file or directory"),
                             ([str(tmp_path / "broken.json")], "Expecting property name"),
                             ([str(tmp_path / "list.json")], "holds no results object")):
-        refused = run_script("compiled_step_breakdown.py", *given, "--out", str(tmp_path / "out"))
-        assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], (given, refused.stderr[-500:])
+        with pytest.raises(SystemExit) as refused:
+            kernel_script("compiled_step_breakdown").main([*given, "--out", str(tmp_path / "out")])
+        written = capsys.readouterr().err
+        assert refused.value.code == 2 and expected in written.splitlines()[-1], (given, written[-500:])
     assert not (tmp_path / "out").exists()
 
 
@@ -1626,12 +1635,17 @@ def test_compiled_step_breakdown_refuses_results_it_cannot_read_and_sizes_no_pre
      "--seq-len must be at least 1, got 0"),
 ])
 def test_readout_and_kvffn_layer_scripts_refuse_counts_and_devices_they_cannot_measure(name, given, expected,
-                                                                                        tmp_path):
+                                                                                        tmp_path, monkeypatch, capsys):
     """No layer, token or sequence position to time (an AttributeError, or a run that times empty tensors), and a
     device the harness does not time on, are refused naming the option, before any tensor is made or file written."""
-    refused = run_script(f"{name}.py", *(str(tmp_path / "out") if arg == "OUT" else arg for arg in given),
-                         hide_gpus=True)
-    assert refused.returncode == 2 and expected in refused.stderr.splitlines()[-1], refused.stderr[-500:]
+    harness = kernel_script("harness")
+    monkeypatch.setattr(harness, "_measured_device_type", harness._measured_device_type)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as where no GPU is visible)
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *(str(tmp_path / "out") if arg == "OUT" else arg for arg in given)])
+    with pytest.raises(SystemExit) as refused:
+        kernel_script(name).main()  # (each reads its arguments from sys.argv)
+    written = capsys.readouterr().err
+    assert refused.value.code == 2 and expected in written.splitlines()[-1], written[-500:]
     assert not os.listdir(tmp_path)
 
 
