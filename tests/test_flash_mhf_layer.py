@@ -17,7 +17,7 @@ import torch
 from hf_memffn import flash_mhf_layer_triton, flash_mhf_op
 from hf_memffn.flash_mhf_op import flash_mhf_dense, flash_mhf_layer, flash_mhf_layer_path
 from hf_memffn.testing import tiny_config
-from triton_interpreter import DEVICE, ON_GPU, needs_kernels, run_under_interpreter
+from triton_interpreter import DEVICE, ON_GPU, cases_by_dtype, needs_kernels, run_under_interpreter
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 EPS, GATE_EPS = 1e-5, 1e-6
@@ -170,8 +170,7 @@ def test_layer_rejects_weights_that_do_not_fit_the_heads(fused):
 # Triton (CUDA, or the interpreter)
 # ------------------------------------------------------------------------------------------------------------
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("case", LAYER_CASES)
+@pytest.mark.parametrize("case, dtype", cases_by_dtype(LAYER_CASES, [torch.bfloat16, torch.float16, torch.float32]))
 def test_triton_layer_matches_float64(case, dtype):
     inputs = layer_inputs(*case)
     p, _, _, k, _, _ = inputs
@@ -185,8 +184,7 @@ def test_triton_layer_matches_float64(case, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("case", LAYER_CASES)
+@pytest.mark.parametrize("case, dtype", cases_by_dtype(LAYER_CASES, [torch.bfloat16, torch.float16, torch.float32]))
 def test_triton_layer_inference_matches_float64(case, dtype):
     """Without gradients the layer runs other kernels than training: the decode kernel (norm, gates and op in one) for
     up to DECODE_MAX_TOKENS tokens, the kernels' builds for any number of tokens above; their output against float64

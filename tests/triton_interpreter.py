@@ -24,6 +24,19 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+def cases_by_dtype(cases: list, dtypes: list) -> list:
+    """`pytest.param`s of (case, dtype): every pair where the kernels run compiled; in the interpreter, where a pair
+    takes about a second of a CPU, each case once (in the dtypes taken in turn) and the first case in every dtype, so
+    that every case and every dtype still runs."""
+    def pair(case, dtype):
+        return pytest.param(*case.values, dtype, id=f"{case.id}-{str(dtype).removeprefix('torch.')}")
+
+    if not flash_mhf_triton.triton_interpreting():
+        return [pair(case, dtype) for case in cases for dtype in dtypes]
+    return ([pair(cases[0], dtype) for dtype in dtypes]
+            + [pair(case, dtypes[index % len(dtypes)]) for index, case in enumerate(cases) if index])
+
+
 def run_under_interpreter(test_file: str, selection: str, timeout: int = 900) -> None:
     """Runs the tests of `test_file` that `-k selection` picks in a child pytest under Triton's interpreter, and
     fails with its output if any fails (skips where the kernels run in this process)."""
