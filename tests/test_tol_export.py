@@ -1057,3 +1057,8 @@ def test_demo_step_matches_compute_mode(tmp_path):
     assert set(results) == {"fp32", "int8"}
     assert results["fp32"]["tokens_match"] and results["fp32"]["logits_max_relative_diff"] < 1e-5
     assert results["int8"]["size_bytes"] < results["fp32"]["size_bytes"] / 3
+    # a checkpoint with several end-of-sequence ids (as Llama 3's): generate() was given the list as its pad id
+    build("memoryllm", eos_token_id=[2, 3]).save_pretrained(tmp_path / "several_eos")
+    results = demo_step(tmp_path / "several_eos", tmp_path / "several_eos_tables", formats=("fp32",),
+                        max_new_tokens=4, device="cpu")
+    assert results["fp32"]["tokens_match"]

@@ -24,7 +24,12 @@ def demo_step(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, promp
         generator = torch.Generator().manual_seed(0)
         prompt_ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=generator)
     prompt_ids = prompt_ids.to(device)
-    generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id)
+    # (one prompt, so the pad id only keeps generate() from warning; a config may name several end-of-sequence ids)
+    pad_token_id = model.config.pad_token_id
+    if pad_token_id is None:
+        eos = model.config.eos_token_id
+        pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+    generate_kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
     with torch.no_grad():
         logits_compute = model(input_ids=prompt_ids).logits.float()
         tokens_compute = model.generate(prompt_ids, **generate_kwargs)
