@@ -265,6 +265,7 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     def __init__(self, config):
         super().__init__(config)
+        self.num_kv_heads = config.ffn_num_kv_heads
         self.num_subnetworks = config.ffn_num_subnetworks
         self.subnetwork_size = config.intermediate_size // config.ffn_num_subnetworks
         self.gate_eps = config.ffn_gate_eps
@@ -390,6 +391,13 @@ class FlashMHFFeedForward(_MultiHeadQueries):
                                 gate_eps=self.gate_eps, impl=self.kernel, fused=self.fused_layer)
         return self.out_proj(heads) if self.out_proj is not None else heads
 
+    def extra_repr(self) -> str:
+        # (`print(model)` lists submodules only: these sizes stand for the sub-network weights and the router, plain
+        # parameters; from the constructor, as DeepSpeed ZeRO-3 leaves the parameters empty)
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"subnetworks={self.num_subnetworks}, subnetwork_size={self.subnetwork_size}, "
+                f"router={self.router is not None}")
+
     def init_own_parameters(self, std: float) -> None:
         for param in (self.key_up_value, self.router):
             if param is not None:
@@ -420,7 +428,7 @@ class ParametricKVFeedForward(_MultiHeadQueries):
 
     def __init__(self, config):
         super().__init__(config)
-        slots = config.intermediate_size
+        slots = self.num_slots = config.intermediate_size
         self.key = nn.Parameter(torch.empty(self.num_heads, slots, self.head_dim))
         self.value = nn.Parameter(torch.empty(self.num_heads, slots, self.head_dim))
 
@@ -431,6 +439,10 @@ class ParametricKVFeedForward(_MultiHeadQueries):
         values = self.value.to(queries.dtype).unsqueeze(0).expand(batch, -1, -1, -1)
         heads = F.scaled_dot_product_attention(queries, keys, values)
         return self.merge_heads(heads)
+
+    def extra_repr(self) -> str:
+        # (the slots' keys and values are plain parameters, which `print(model)` does not list)
+        return f"heads={self.num_heads}, head_dim={self.head_dim}, slots={self.num_slots}"
 
     def init_own_parameters(self, std: float) -> None:
         init.normal_(self.key, mean=0.0, std=std)

@@ -343,6 +343,21 @@ def test_flash_mhf_initialization():
     assert torch.equal(mlp.query_norm.weight, torch.ones_like(mlp.query_norm.weight))
 
 
+@pytest.mark.parametrize("overrides", [{}, {"ffn_variant": "mh_ffn", "ffn_num_subnetworks": 1}, {"ffn_variant": "pkv"}])
+def test_printing_a_multi_head_ffn_names_the_sizes_of_its_own_weights(overrides):
+    """`print(model)` lists a module's submodules only: the sub-network weights, the router and PKV's slots are plain
+    parameters of the FFN (most of its weights), so its line gives their sizes, as `TokenMemory`'s does."""
+    mlp = build("flash_mhf", **overrides).model.layers[0].mlp
+    if overrides.get("ffn_variant") == "pkv":
+        heads, slots, head_dim = mlp.key.shape
+        described = f"heads={heads}, head_dim={head_dim}, slots={slots}"
+    else:
+        kv_heads, subnetworks, size, head_dim = mlp.key.shape
+        described = (f"heads={mlp.num_heads}, kv_heads={kv_heads}, head_dim={head_dim}, subnetworks={subnetworks}, "
+                     f"subnetwork_size={size}, router={mlp.router is not None}")
+    assert repr(mlp).startswith(f"{type(mlp).__name__}(\n  {described}\n")
+
+
 def test_parameter_counts_active_excludes_memory_on_x0():
     for arch in ("memoryllm", "flex_memoryllm"):
         model = build(arch)
