@@ -1662,4 +1662,11 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from hf_memffn.cli import interruption_exit, sigterm_raises_terminated
+
+    try:
+        with sigterm_raises_terminated():  # (a scheduler's SIGTERM, too, removes a half-saved final/ on its way out)
+            main()
+    except KeyboardInterrupt as stop:
+        raise interruption_exit("examples/pretrain.py", stop, "; --resume latest continues from the newest "
+                                "checkpoint") from None

@@ -7,9 +7,13 @@ it is imported only when chosen, so `hf-memffn --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -19,6 +23,40 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("hf_memffn.analysis.cli", "what do the FFN memories store? a JSON + HTML report of a model's memories"),
     "serve": ("hf_memffn.serving", "serve checkpoints with transformers' OpenAI-compatible server (`transformers serve`)"),
 }
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, the signal a scheduler (Slurm, Kubernetes, `timeout`) stops a job with, raised like Ctrl-C's
+    KeyboardInterrupt: Python's default for it ends the process on the spot, so a file being written stayed behind under
+    its temporary name and `finally` blocks did not run."""
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """Within the block SIGTERM raises `Terminated` in the main thread, where nothing else handles SIGTERM (a handler
+    that a caller installed, or a thread that cannot install one, leaves it as it is)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def interruption_exit(prog: str, stop: KeyboardInterrupt, hint: str = "") -> SystemExit:
+    """Says in one line on stderr that Ctrl-C (SIGINT) or SIGTERM (`Terminated`) stopped `prog`, followed by `hint`
+    where one is given, and returns the SystemExit to raise: status 128 + the signal's number, as a shell gives a
+    process that the signal ended."""
+    number, what = (signal.SIGTERM, "terminated (SIGTERM)") if isinstance(stop, Terminated) else (
+        signal.SIGINT, "interrupted")
+    print(f"{prog}: {what}{hint}", file=sys.stderr, flush=True)
+    return SystemExit(128 + number)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             return int(module.main(argv[1:]) or 0)
         module.add_arguments(sub)
         args = sub.parse_args(argv[1:])
-        result = module.run(args)
-    except KeyboardInterrupt:
-        sub.exit(130, f"{sub.prog}: interrupted\n")
+        with sigterm_raises_terminated():
+            result = module.run(args)
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM
+        raise interruption_exit(sub.prog, stop) from None
     except (ValueError, OSError, ImportError) as error:
         # Bad input found while running (a value a library refused, a missing or unwritable file, a package not
         # installed): one line. Other exceptions are bugs and keep their traceback; HF_MEMFFN_TRACEBACK=1 shows it

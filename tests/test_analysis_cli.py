@@ -203,3 +203,34 @@ def test_analyze_command_without_matplotlib_names_the_package_to_install_in_one_
     assert completed.stderr.strip() == ("hf-memffn analyze: error: needs the 'matplotlib' package, which is not "
                                         "installed: pip install matplotlib (a dependency of hf-memffn: pip install "
                                         "hf-memffn installs it)"), completed.stderr[-2000:]
+
+
+def test_analyze_command_stopped_by_sigterm_leaves_no_temporary_file_and_says_so_in_one_line(saved_model, tmp_path):
+    """A scheduler stops a job with SIGTERM. Python's default for it ends the process on the spot: a file being
+    written stayed behind under its temporary name, and nothing was said. The command now takes it like Ctrl-C: the
+    temporary is removed, one line names the signal, and the status is 128 + 15."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    out = tmp_path / "report"
+    script = """
+import os, pathlib, signal, sys
+from hf_memffn.cli import main
+
+write_bytes = pathlib.Path.write_bytes
+
+def write_then_stopped(self, data):  # the job is stopped while report.json is being written
+    written = write_bytes(self, data)
+    if self.name.startswith(".report.json."):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return written
+
+pathlib.Path.write_bytes = write_then_stopped
+sys.exit(main(["analyze", sys.argv[1], "--texts", sys.argv[2], "--out", sys.argv[3], "--device", "cpu",
+               "--top-triggers", "2", "--cells-per-bank", "1", "--clusters", "2"]))
+"""
+    result = run_python(script, saved_model, texts, out)
+    assert result.returncode == 128 + 15, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == "hf-memffn analyze: terminated (SIGTERM)"
+    assert "Traceback" not in result.stderr
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert not (out / "report.json").exists() and not (out / "index.html").exists()

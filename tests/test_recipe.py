@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -793,6 +794,36 @@ def test_initial_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     (tmp_path / "init").mkdir()
     with pytest.raises(ValueError, match=r"OUT_DIR='.*init' exists: remove it or name a new folder"):
         save_initial_weights.main(argv)
+
+
+def test_a_run_stopped_by_ctrl_c_while_saving_says_so_in_one_line_and_leaves_no_half_saved_final(tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """Ctrl-C ended `python examples/pretrain.py` in a traceback with status 1. It now names the interruption and
+    `--resume latest` in one line, with status 130; the final folder being saved is not left behind, under its own
+    name or its temporary one. (SIGTERM takes the same way, with status 143: tests/test_study.py sends a real one.)"""
+    from transformers import Trainer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "run"
+    save_model = Trainer.save_model
+
+    def saved_then_interrupted(self, output_dir=None, _internal_call=False):
+        save_model(self, output_dir, _internal_call=_internal_call)
+        if output_dir and Path(output_dir).name.startswith(".final."):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "save_model", saved_then_interrupted)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the script puts its folder on it again)
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain.py", "--arch", "llama", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+        "--block-size", "32", "--per-device-batch-size", "8", "--eval-steps", "100", "--save-steps", "100",
+        "--max-eval-blocks", "1", "--max-steps", "2", "--output-dir", str(out)])
+    with pytest.raises(BaseException) as stop:  # (a KeyboardInterrupt let through would stop pytest itself)
+        runpy.run_path(str(EXAMPLES / "pretrain.py"), run_name="__main__")
+    assert isinstance(stop.value, SystemExit) and stop.value.code == 130, repr(stop.value)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "examples/pretrain.py: interrupted; --resume latest continues from the newest checkpoint")
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") or p.name == "final"]
 
 
 def test_fresh_run_trains_its_tokenizer_over_one_a_stopped_run_left(tmp_path):

@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import re
+import runpy
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import learning_rates  # noqa: E402
 import models as study_models  # noqa: E402
 import paired  # noqa: E402
 import prepare_data  # noqa: E402
+import pretrain  # noqa: E402
 import study  # noqa: E402
 import token_shards  # noqa: E402
 import verdicts  # noqa: E402
@@ -401,6 +403,63 @@ def test_study_resumes_in_its_folder_and_refuses_another_budget(tmp_path):
     assert json.loads((out / "configs.json").read_text()) == configs
     with pytest.raises(ValueError, match="--report: no study in --out="):
         study.main(["--report", "--out", str(tmp_path / "nothing")])
+
+
+def _toy_data(tmp_path) -> Path:
+    data = tmp_path / "data"
+    prepare_data.main(["--out", str(data), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+                       "--heldout-every", "10", "--vocab-size", "300", "--max-train-tokens", "3000",
+                       "--max-heldout-tokens", "500", "--wiki", "no"])
+    return data
+
+
+def test_a_study_stopped_by_sigterm_removes_its_work_folder_and_says_so_in_one_line(tmp_path):
+    """SIGTERM (a scheduler stopping the job) ended the study on the spot: its work folder (the run's model, the
+    shards of --dataset) stayed in the temporary directory, and nothing was said. Now it goes as on Ctrl-C, and one
+    line names the signal and --resume; the status is 128 + 15."""
+    data = _toy_data(tmp_path)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    script = f"""
+import os, runpy, signal, sys
+sys.path[:0] = [{str(ROOT / "examples")!r}, {str(ROOT / "examples" / "reproduce")!r}]
+import pretrain
+
+def stopped_while_training(argv):
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()  # (the signal's exception is raised here at the latest)
+
+pretrain.main = stopped_while_training
+sys.argv = ["study.py", "--data", sys.argv[1], "--size", "toy", "--tokens", "256", "--models", "llama",
+            "--out", sys.argv[2]]
+runpy.run_path({str(ROOT / "examples" / "reproduce" / "study.py")!r}, run_name="__main__")
+"""
+    env = {**os.environ, "TMPDIR": str(temporary), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", script, str(data), str(tmp_path / "study")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + 15, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("study.py: terminated (SIGTERM); --resume continues the study "
+                                                      "from its last finished run")
+    assert not list(temporary.iterdir())
+
+
+def test_a_study_stopped_by_ctrl_c_says_so_in_one_line_with_status_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C ended the study in a traceback, with status 1."""
+    data = _toy_data(tmp_path)
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pretrain, "main", interrupted)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the script puts its folders on it again)
+    monkeypatch.setattr(sys, "argv", ["study.py", "--data", str(data), "--size", "toy", "--tokens", "256",
+                                      "--models", "llama", "--out", str(tmp_path / "study")])
+    with pytest.raises(BaseException) as stop:  # (a KeyboardInterrupt let through would stop pytest itself)
+        runpy.run_path(str(ROOT / "examples" / "reproduce" / "study.py"), run_name="__main__")
+    assert isinstance(stop.value, SystemExit) and stop.value.code == 130, repr(stop.value)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "study.py: interrupted; --resume continues the study from its last finished run")
 
 
 def test_report_writes_every_committed_studys_files_again_byte_for_byte(tmp_path, monkeypatch):

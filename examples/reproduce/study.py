@@ -1204,4 +1204,11 @@ def _study(args, shape, out: Path, work: Path, log_handle, started: float, argv:
 
 
 if __name__ == "__main__":
-    main()
+    from hf_memffn.cli import interruption_exit, sigterm_raises_terminated
+
+    try:
+        with sigterm_raises_terminated():  # (a scheduler's SIGTERM, too, removes the work folder on its way out)
+            main()
+    except KeyboardInterrupt as stop:
+        raise interruption_exit("study.py", stop, "; --resume continues the study from its last finished run") \
+            from None
