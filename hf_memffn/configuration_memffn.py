@@ -391,6 +391,7 @@ class MemFFNConfig(PretrainedConfig):
         """`PreTrainedConfig.from_dict`. Fields given as keyword arguments (`from_pretrained(path, ffn_kernel=...)`)
         are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
         which depend on the FFN's fields."""
+        config_dict = cls._from_earlier_versions(config_dict)
         derived = cls._pop_derived_fields(kwargs)
         for field, value in kwargs.items():  # (transformers sets the known ones and returns or drops the others)
             requirement = unknown_field_requirement(cls, field)
@@ -417,6 +418,12 @@ class MemFFNConfig(PretrainedConfig):
         config.base_model_pp_plan = pipeline_parallel_plan(config)
         config.validate_fields()
         return result
+
+    @classmethod
+    def _from_earlier_versions(cls, config_dict: dict) -> dict:
+        """The fields of a config.json written by an earlier version of the package, as this version reads them
+        (the same model; what a file can hold that this version would refuse although the model did not read it)."""
+        return config_dict
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -834,6 +841,15 @@ class KVFFNConfig(MemFFNConfig):
         self.kvffn_init = kvffn_init
         self.kvffn_dropout = kvffn_dropout
         super().__init__(**kwargs)
+
+    @classmethod
+    def _from_earlier_versions(cls, config_dict: dict) -> dict:
+        # Until `kvffn_dropout` came (in the same change), `kvffn_inner_residual` defaulted to True and every file
+        # held it, the baselines' too, which never read it: their checkpoints load with the default they keep now.
+        if ("kvffn_dropout" not in config_dict and config_dict.get("kvffn_inner_residual") is True
+                and config_dict.get("ffn_variant", "kvffn") != "kvffn"):
+            return {**config_dict, "kvffn_inner_residual": False}
+        return config_dict
 
     @property
     def kvffn_init_std(self) -> float:

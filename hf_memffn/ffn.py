@@ -14,6 +14,8 @@ the analysis tools (`hf_memffn.analysis`) ask.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -59,6 +61,25 @@ def load_checkpoint_parts(state_dict: dict, part_names: list[str], fused_name: s
             continue
         with torch.no_grad():
             rows.copy_(part)
+
+
+# A tensor of a module inside one of KV-FFN's former key and value layers, `key_proj` and `value_proj`.
+_IN_FORMER_KEY_VALUE_LAYER = re.compile(r"(^|\.)mlp\.(key_proj|value_proj)\.[^.]+\.")
+
+
+def refuse_adapters_of_former_key_value_layers(keys) -> None:
+    """A ValueError naming the first of `keys` (state dict keys of a model whose KV-FFN layers hold `key_value_proj`)
+    that belongs to a module inside `key_proj` or `value_proj`: an adapter (PEFT's LoRA, ...) saved when the key and
+    value projections were two layers. No layer here takes it: `PeftModel.from_pretrained` would load the rest of
+    the adapter without a word, `load_adapter` with a report of unexpected keys, and the model run without it."""
+    former = next((key for key in sorted(keys) if _IN_FORMER_KEY_VALUE_LAYER.search(key)), None)
+    if former is not None:
+        raise ValueError(
+            f"{former}: an adapter saved when KV-FFN's key and value projections were two layers, `key_proj` and "
+            "`value_proj`; they are one layer now, `key_value_proj` (its outputs interleave them), and the adapter "
+            "would be left out. Merge it into the weights with the version of the package that saved it "
+            "(`merge_and_unload()`, then `save_pretrained`): that checkpoint loads here; or train the adapter again "
+            "with `key_value_proj` among its targets")
 
 
 def linear_weight_in_use(linear: nn.Module, chunk_rows: int = 1024) -> torch.Tensor:
@@ -250,6 +271,8 @@ class KVFeedForward(LinearReadoutMemory, nn.Module):
                     f"{prefix}key_value_proj.{name}", fused,
                     join=lambda parts: torch.stack(parts, dim=1).flatten(0, 1),
                     rows_of_part=lambda index, fused=fused: fused[index::2], error_msgs=error_msgs)
+            # (what is left under the former layers' names are modules that were inside them)
+            refuse_adapters_of_former_key_value_layers([key for key in state_dict if key.startswith(prefix)])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

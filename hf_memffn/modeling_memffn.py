@@ -54,7 +54,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_memffn import MemFFNConfig, pipeline_parallel_plan, tensor_parallel_plan
 from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate_pair
-from .ffn import SwiGLUFeedForward, TokenMemory, build_token_memory, package_logger
+from .ffn import (SwiGLUFeedForward, TokenMemory, build_token_memory, package_logger,
+                  refuse_adapters_of_former_key_value_layers)
 from .parallel import TokenEmbeddingRelay
 from .rms_norm import MemFFNRMSNorm
 from .triton_launch import registered_operator
@@ -659,6 +660,16 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         the checkpoint lacked (`add_missing_checkpoint_parts`), under their checkpoint names."""
         super()._adjust_missing_and_unexpected_keys(loading_info)
         loading_info.missing_keys.update(self.__dict__.pop(MISSING_CHECKPOINT_PARTS, ()))
+
+    def load_adapter(self, *args, **kwargs):
+        """transformers' `load_adapter`, refusing a PEFT adapter saved on KV-FFN's former key and value layers
+        (`refuse_adapters_of_former_key_value_layers`): transformers loads the rest of it, and its report of the
+        keys left out says that such keys can be ignored. (Where the installed transformers returns no report, the
+        check is not made.)"""
+        loading_info = super().load_adapter(*args, **kwargs)
+        if any(getattr(module, "key_value_proj", None) is not None for module in self.modules()):
+            refuse_adapters_of_former_key_value_layers(getattr(loading_info, "unexpected_keys", None) or ())
+        return loading_info
 
     def _refuse_an_incomplete_checkpoint(self) -> None:
         """A ValueError while a checkpoint saved now would not hold the model as it runs (see `save_pretrained`), or

@@ -843,3 +843,43 @@ def test_pefts_layernorm_tuning_of_flash_mhfs_query_norm_trains_and_merges(chunk
         merged = model.merge_and_unload()(input_ids=ids).logits
     assert not torch.allclose(adapted, base)
     torch.testing.assert_close(adapted, merged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["PeftModel.from_pretrained", "load_adapter"])
+@pytest.mark.parametrize("variant", ["kvffn", "glu"])
+def test_a_peft_adapter_saved_on_kvffns_former_key_and_value_layers_is_refused_naming_the_way_out(how, variant,
+                                                                                                    tmp_path):
+    """KV-FFN's key and value projections were two Linear layers, `key_proj` and `value_proj`, before they became one,
+    `key_value_proj`. A PEFT LoRA adapter saved on them then (the README's targets named both) found no layer of
+    those names here: PEFT loaded the rest of it without a word and the model ran without the key/value adapters.
+    Refused, naming the key and the way to a checkpoint that loads; the baselines with keys only keep `key_proj`."""
+    from safetensors.torch import save_file
+
+    model = AutoModelForCausalLM.from_config(tiny_config("kvffn", ffn_variant=variant)).eval()
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "key_proj", "value_proj", "out_proj"])
+    config.save_pretrained(tmp_path)  # (the layout of an adapter saved by those versions)
+    hidden, width = model.config.hidden_size, model.config.intermediate_size
+    state = {}
+    for layer in range(model.config.num_hidden_layers):
+        for module, rows in (("self_attn.q_proj", hidden), ("mlp.key_proj", width), ("mlp.value_proj", width),
+                             ("mlp.out_proj", hidden)):
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            state[f"{name}.lora_A.weight"] = torch.randn(2, hidden if module != "mlp.out_proj" else width)
+            state[f"{name}.lora_B.weight"] = torch.randn(rows, 2)
+    save_file(state, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"mlp\.(key|value)_proj\.lora_A.*`key_proj` and `value_proj`.*key_value_proj.*"
+                                         r"merge_and_unload"):
+        if how == "load_adapter":
+            model.load_adapter(str(tmp_path))
+        else:
+            peft.PeftModel.from_pretrained(model, tmp_path)
+    # the ReLU and DenseNet baselines still hold `key_proj`: their adapters on it load as they were saved
+    relu = AutoModelForCausalLM.from_config(tiny_config("kvffn", ffn_variant="relu")).eval()
+    relu.save_pretrained(tmp_path / "relu")
+    adapted = peft.get_peft_model(relu, peft.LoraConfig(r=2, target_modules=["key_proj"], init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "relu_adapter")
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "relu"),
+                                            tmp_path / "relu_adapter")
+    ids = torch.arange(3, 11).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(ids).logits, adapted.eval()(ids).logits)

@@ -199,6 +199,28 @@ def test_a_field_the_chosen_ffn_does_not_read_is_refused_unless_at_its_default(a
         assert tiny_config(arch, ffn_variant="swiglu", hidden_act=fields[field]).hidden_act == fields[field]
 
 
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+@pytest.mark.parametrize("variant", ["relu", "glu", "densenet", "kvffn"])
+def test_a_kvffn_checkpoint_saved_while_the_inner_residual_defaulted_to_true_loads_as_it_ran(variant, tmp_path,
+                                                                                           trust_remote_code):
+    """Until `kvffn_dropout` was added, `kvffn_inner_residual` defaulted to True and every KVFFN config.json held
+    it, the baselines' too, which never read it: such a baseline checkpoint, saved with the defaults, was refused
+    for a field its FFN does not read. It loads with the baselines' default and gives the outputs it gave; the
+    "kvffn" block, which reads the field, keeps the file's True."""
+    import json
+
+    model = build("kvffn", ffn_variant=variant, kvffn_inner_residual=variant == "kvffn").eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text(encoding="utf-8"))
+    del saved["kvffn_dropout"]  # (the layout of a file written by those versions)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "kvffn_inner_residual": True}), encoding="utf-8")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=trust_remote_code).eval()
+    assert loaded.config.kvffn_inner_residual is (variant == "kvffn")
+    ids = torch.arange(3, 11).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
 def test_derived_fields_are_accepted_where_they_equal_what_the_config_derives(tmp_path):
     """A paper's sizes given with the derived ones (`ffn_head_dim`, `subnetwork_size`), to the config or to
     `from_pretrained`, build the config when they agree (transformers failed to set them, after logging the whole
