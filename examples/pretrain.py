@@ -1326,18 +1326,38 @@ def refuse_a_checkpoint_beyond_max_steps(checkpoint: str | None, max_steps: int)
 BATCH_SETTINGS_FILE = "recipe_batches.json"
 
 
-def batch_settings(args, training_args) -> dict:
+def batch_settings(args, training_args, train_batch_size: int | None = None) -> dict:
     """The block size, what makes the blocks of one optimizer step and the sampler and seeds of their order: a run
     resumed with others packs other blocks, skips another number of them or orders them otherwise, so the steps left
-    train on other data than the run's (the Trainer only warns about the batch size)."""
+    train on other data than the run's (the Trainer only warns about the batch size). `train_batch_size`: the
+    Trainer's batch per process (`TrainerState.train_batch_size`, over its `n_gpu` GPUs), where it differs from the
+    arguments': --auto-find-batch-size shrinks it after running out of memory, and a resume with that option takes
+    the checkpoint's back (`trainer_batch_size_on_resume`)."""
     # (a TrainingArguments field of the later transformers versions; "random" before)
     sampler = getattr(training_args, "train_sampling_strategy", "random")
     return {"block_size": args.block_size,
-            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "per_device_train_batch_size": per_device_batch(training_args, train_batch_size),
+            "auto_find_batch_size": training_args.auto_find_batch_size,
             "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
             "world_size": training_args.world_size,
             "seed": training_args.seed, "data_seed": training_args.data_seed,
             "train_sampling_strategy": getattr(sampler, "value", sampler)}  # (the name, where an enum holds it)
+
+
+def per_device_batch(training_args, train_batch_size: int | None) -> int:
+    """The per-device batch of the Trainer's batch per process `train_batch_size` (the arguments' where None)."""
+    if train_batch_size is None:
+        return training_args.per_device_train_batch_size
+    return train_batch_size // max(1, training_args.n_gpu)  # (as `TrainingArguments.train_batch_size` multiplied)
+
+
+def trainer_batch_size_on_resume(checkpoint: str | None, training_args) -> int | None:
+    """The batch per process the Trainer resumes `checkpoint` with where it is not the arguments': with
+    --auto-find-batch-size it takes back the batch saved in the checkpoint's state (the one found before), without it
+    the arguments' batch, whatever trained."""
+    if checkpoint is None or not training_args.auto_find_batch_size:
+        return None
+    return checkpoint_state(checkpoint).train_batch_size
 
 
 def _data_order(settings: dict) -> tuple[str, str | None, int | None]:
@@ -1408,18 +1428,22 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                     f"--gradient-accumulation-steps {values['gradient_accumulation_steps']} x "
                     f"{values['world_size']} process(es)")
 
+        # (the Trainer takes back the batch that --auto-find-batch-size found only where that option is given again)
+        found = (", or with --auto-find-batch-size, with which the Trainer takes back the batch it found"
+                 if saved.get("auto_find_batch_size") and not settings.get("auto_find_batch_size") else "")
         raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was "
                          f"trained on {saved_blocks} blocks per step ({spelled(saved)}), these arguments give "
                          f"{_blocks_per_step(settings)} ({spelled(settings)}); resume with {saved_blocks} blocks per "
-                         "step (with another count the resumed run skips other blocks: some would be trained on "
-                         "twice, others never)")
+                         f"step{found} (with another count the resumed run skips other blocks: some would be trained "
+                         "on twice, others never)")
 
 
 def record_batches_in_checkpoints(trainer, settings: dict):
     """Makes the Trainer write `settings` into each checkpoint it saves (`refuse_a_checkpoint_of_other_batches`), with
     the checkpoint's weights: before its trainer_state.json, which the Trainer writes last and without which
     `resume_checkpoint` takes no checkpoint. (Written at `on_save`, after the Trainer's state, a session stopped in
-    between left a checkpoint that resumed unchecked.) Returns the trainer."""
+    between left a checkpoint that resumed unchecked.) The per-device batch written is the one that trained, which
+    --auto-find-batch-size may have made smaller than the arguments'. Returns the trainer."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     from hf_memffn.atomic_write import write_atomic
@@ -1433,7 +1457,10 @@ def record_batches_in_checkpoints(trainer, settings: dict):
         # is made where the call wrote none: FSDP's sharded state dict is saved later, with the optimizer's state.
         if trainer.args.should_save and folder.name.startswith(f"{PREFIX_CHECKPOINT_DIR}-"):
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
+            # (the Trainer's state holds the batch of the current start of training)
+            trained = {**settings, "per_device_train_batch_size": per_device_batch(trainer.args,
+                                                                                    trainer.state.train_batch_size)}
+            write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(trained, indent=2) + "\n")
 
     trainer.save_model = save_model_and_record
     return trainer
@@ -1570,7 +1597,7 @@ def main(argv=None) -> dict:
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
     refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
-    batches = batch_settings(args, training_args)
+    batches = batch_settings(args, training_args, trainer_batch_size_on_resume(checkpoint, training_args))
     refuse_a_checkpoint_of_other_batches(checkpoint, batches)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -1585,8 +1612,7 @@ def main(argv=None) -> dict:
         refuse_token_ids_beyond_the_embedding(model, args.data_dir, train_blocks, eval_blocks)
     counts = parameter_counts(model)
     world_size = training_args.world_size
-    tokens_per_step = (training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
-                       * args.block_size * world_size)
+    tokens_per_step = _blocks_per_step(batches) * args.block_size  # (a resume's auto-found batch, too)
     flops_per_token = training_flops_per_token(model, args.block_size)
     throughput = make_throughput_callback(tokens_per_step, args.block_size, flops_per_token,
                                           device_peak_flops(args.peak_tflops), world_size,

@@ -677,6 +677,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"budget: {settings.steps} steps x {settings.batch_size} x {settings.seq_len} tokens = "
           f"{settings.steps * settings.batch_size * settings.seq_len:,} tokens per model, on {device}")
 
+    # before the first model is written: a run stopped on its way (Ctrl-C, SIGTERM) leaves no results of other models
+    removed, kept = _clear_earlier_run(out, archs, settings, corpus, args.seed)
+    if removed:
+        print(f"removed from {out} what an earlier run with other settings, data or seed wrote: {', '.join(removed)}")
     results, trained, chance = train_architectures(archs, corpus, settings, args.seed, device, out)
     # reload one of this package's architectures if any was trained (the baseline needs no remote code)
     reload_arch = next((a for a in ARCHITECTURE_NAMES if a in trained and a != BASELINE), BASELINE)
@@ -688,9 +692,6 @@ def _run(args: argparse.Namespace) -> int:
         else:  # (its tables would hold nan or inf, which the export refuses)
             print("note: MemoryLLM diverged (weights that are not finite): no token lookup tables exported")
     plot_losses(results, settings, out / "loss_curves.png")
-    removed, kept = _clear_earlier_run(out, archs, settings, corpus, args.seed)
-    if removed:
-        print(f"removed from {out} what an earlier run with other settings, data or seed wrote: {', '.join(removed)}")
     if corpus.world is not None:  # texts for `hf-memffn analyze OUT/<arch> --texts OUT/facts.txt`
         write_atomic(out / "facts.txt", "\n".join(corpus.world.held_out_sentences()) + "\n")
 
@@ -720,13 +721,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+# What a run writes about its models once all are trained (results.json last, as the record of the run).
+RESULT_FILES = ("loss_curves.png", "results.md", "results.json")
+
+
 def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corpus: Corpus,
                        seed: int) -> tuple[list[str], list[str]]:
     """Removes from `out` the model folders of an earlier run with other settings, data or seed that this run does not
-    write again, and its `facts.txt` where this run writes none, so that `out` holds one world's models and texts;
-    returns the names removed, and the architectures whose folders an earlier run with the same settings, data and
-    seed left (they stay: this run's results.json lists them in `model_folders`). The earlier run is known by its
-    `results.json`: only folders it lists (`model_folders`, else `archs`) are removed."""
+    write again, its `facts.txt` and its results (`RESULT_FILES`), so that `out` holds one world's models and
+    texts and, should this run be stopped before it writes its own results, none that describe other models; returns
+    the names removed, and the architectures whose folders an earlier run with the same settings, data and seed left
+    (they stay, with its results: this run's results.json lists them in `model_folders`). The earlier run is known by
+    its `results.json`: only folders it lists (`model_folders`, else `archs`) are removed. Called before this run
+    writes anything."""
     try:
         earlier = json.loads((out / "results.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -744,9 +751,11 @@ def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corp
     for arch in others:
         shutil.rmtree(out / arch)
         removed.append(f"{arch}/")
-    if corpus.world is None and (out / "facts.txt").is_file():
-        (out / "facts.txt").unlink()
-        removed.append("facts.txt")
+    # (results.json last: it names what the earlier run wrote, should this be stopped in between)
+    for name in ("facts.txt", *RESULT_FILES):
+        if (out / name).is_file():
+            (out / name).unlink()
+            removed.append(name)
     return removed, []
 
 

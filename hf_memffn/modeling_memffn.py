@@ -552,16 +552,19 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         return getattr(base, "memory", None)
 
     def parameter_counts(self) -> dict[str, int]:
-        """Total parameters, and active ones: those left on the device once the FFNs on the token embeddings X0
-        become token lookup tables (equal for architectures without such FFNs). Tied weights count once; parameters
+        """Total parameters (the model's size as trained), and active ones: those left on the device once the FFNs on
+        the token embeddings X0 become token lookup tables (equal for architectures without such FFNs). Both stay the
+        same after `drop_memory_ffn`: total still counts the dropped FFNs. Tied weights count once; parameters
         partitioned by DeepSpeed ZeRO-3 count with their full size."""
         def numel(param) -> int:  # DeepSpeed ZeRO-3 partitions parameters: `ds_numel` keeps the full size
             return getattr(param, "ds_numel", None) or param.numel()
 
-        total = sum(numel(p) for p in self.parameters())
+        on_model = sum(numel(p) for p in self.parameters())
         memory = self._token_memory()
-        in_memory = sum(numel(p) for p in memory.parameters()) if memory is not None else 0
-        return {"total": total, "active": total - in_memory}
+        if memory is None:  # (recorded by `drop_memory_ffn`; 0 for a model without FFNs on X0)
+            base = getattr(self, self.base_model_prefix, self)
+            return {"total": on_model + getattr(base, "_dropped_memory_parameters", 0), "active": on_model}
+        return {"total": on_model, "active": on_model - sum(numel(p) for p in memory.parameters())}
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing: bool = True):
         """`PreTrainedModel.resize_token_embeddings`, with its arguments checked before anything changes. Unchecked,

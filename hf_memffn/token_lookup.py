@@ -1346,6 +1346,29 @@ def refuse_device_change(table: TokenLookupTable, fn) -> None:
                          f"dropped), move the model, then load_tols again")
 
 
+# values `refuse_discarding_values` passes through a conversion (exact in every floating dtype down to float8; a cast is
+# compared with the probe cast directly anyway)
+_VALUE_PROBE = (0.75, -3.5, 6.0, -0.375)
+
+
+def refuse_discarding_values(table: TokenLookupTable, fn) -> None:
+    """A clear error if `fn` (what `Module._apply` applies to every tensor) does not keep the tensors' values, as
+    `to_empty` does (new, uninitialised tensors, on the table's device too, which `refuse_device_change` lets
+    through): the token embedding and the memory FFN would lose the values the table holds the FFNs on X0 of. Casts
+    (`.to(torch.bfloat16)`, `.half()`) and `share_memory()` keep them."""
+    probe = torch.tensor(_VALUE_PROBE, device=table.device)
+    result = fn(probe)
+    kept = result.shape == probe.shape and torch.equal(result, probe.to(result.dtype))
+    # (zeroed before they are freed: an uninitialised tensor allocated later cannot come back holding the probe)
+    probe.zero_()
+    result.zero_()
+    if not kept:
+        raise ValueError("the token lookup table loaded by load_tols holds the FFNs on X0 of the model's token "
+                         "embedding and memory FFN, and the model's tensors are being replaced by tensors of other "
+                         "values (to_empty leaves them uninitialised): call unload_tols() (or load the model again, "
+                         "once its memory FFN is dropped), change the model, load its weights, then load_tols again")
+
+
 class TokenLookupMixin:
     """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models and *ForCausalLM)."""
 
@@ -1355,6 +1378,7 @@ class TokenLookupMixin:
         table = getattr(base, "token_lookup", None)
         if table is not None:
             refuse_device_change(table, fn)
+            refuse_discarding_values(table, fn)
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -1457,6 +1481,9 @@ class TokenLookupMixin:
                                            for through in (None, torch.float16)}
         freed = sum(p.numel() for p in memory.parameters())
         on_cuda = any(p.is_cuda for p in memory.parameters())
+        # the model's size as trained, which `parameter_counts()["total"]` goes on counting
+        counts = base.parameter_counts()
+        base._dropped_memory_parameters = counts["total"] - counts["active"]
         base.memory = None
         del memory
         if on_cuda:

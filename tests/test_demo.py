@@ -295,3 +295,31 @@ def test_the_reload_script_loads_the_tokenizer_without_asking_to_trust_the_code(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trust_remote_code" not in done.stdout + done.stderr
     assert len(json.loads((tmp_path / "reload.json").read_text())["generated"]) == 1
+
+
+def test_a_run_stopped_before_its_results_leaves_no_results_of_other_models(tmp_path, monkeypatch):
+    """A run with other settings stopped (Ctrl-C, SIGTERM) after saving its models, before results.json, left the
+    earlier run's results.json, results.md and loss curves beside the new models, describing models the folder no
+    longer held. The earlier run's results and folders go before the first model is written."""
+    from hf_memffn import demo
+
+    text = "\n\n".join(f"Paragraph {i}: the keys of the memory store patterns, read {i % 7} times." for i in range(40))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    (out / "kvffn").mkdir(parents=True)
+    (out / "kvffn" / "config.json").write_text("{}")
+    for name in ("results.md", "loss_curves.png"):
+        (out / name).write_text("of the earlier run")
+    earlier = {"archs": ["llama", "kvffn"], "settings": {"steps": 600}, "data": "fact world (seed 0)", "results": []}
+    (out / "results.json").write_text(json.dumps(earlier))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "reload_and_generate", stopped)  # (every model is saved by then)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--quick", "--archs", "llama", "--steps", "2", "--vocab-size", "300", "--text-files",
+                  str(tmp_path / "a.txt"), "--out", str(out)])
+    assert stop.value.code == 130
+    assert sorted(p.name for p in out.iterdir()) == ["llama"] and (out / "llama" / "config.json").is_file()

@@ -312,21 +312,28 @@ def test_a_run_resumed_from_a_checkpoint_off_the_logging_grid_logs_each_step_onc
     assert resumed_log[-1]["train_loss"] == pytest.approx(whole_log[-1]["train_loss"], rel=1e-4)
 
 
+def out_of_memory_at_a_batch_of_8(monkeypatch, nth: int) -> list[int]:
+    """The recipe's batches collated from now on run out of memory at the `nth` batch of 8 blocks (as a GPU would, for
+    --auto-find-batch-size to retry smaller); returns the list the batches' sizes are appended to."""
+    collate_blocks, batches = pretrain.collate_blocks, []
+
+    def collate(features):
+        batches.append(len(features))
+        if len(features) == 8 and batches.count(8) == nth:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return collate_blocks(features)
+
+    monkeypatch.setattr(pretrain, "collate_blocks", collate)
+    return batches
+
+
 def test_auto_find_batch_size_counts_the_tokens_of_the_batch_that_trained(tmp_path, monkeypatch):
     """--auto-find-batch-size: out of memory at the third batch of 8 blocks, the Trainer starts over with smaller
     ones. The summary's tokens per step (which compare_loss_curves.py matches runs by) and the rates are those of the
     smaller batches (they counted 8 blocks), and the log holds the run that trained, each step once (it kept the
     first attempt's steps too)."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    collate_blocks, batches = pretrain.collate_blocks, []
-
-    def out_of_memory_at_the_third_batch_of_8(features):
-        batches.append(len(features))
-        if len(features) == 8 and batches.count(8) == 3:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return collate_blocks(features)
-
-    monkeypatch.setattr(pretrain, "collate_blocks", out_of_memory_at_the_third_batch_of_8)
+    batches = out_of_memory_at_a_batch_of_8(monkeypatch, 3)
     out = tmp_path / "run"
     summary = pretrain.main([
         "--arch", "llama", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
@@ -337,6 +344,36 @@ def test_auto_find_batch_size_counts_the_tokens_of_the_batch_that_trained(tmp_pa
     assert retried < 8 and summary["tokens_per_step"] == retried * 32
     records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+
+
+def test_a_checkpoint_records_the_batch_that_auto_find_batch_size_trained(tmp_path, monkeypatch):
+    """recipe_batches.json recorded the arguments' batch of 8 after --auto-find-batch-size had trained with a smaller
+    one: a resume without that option trained the steps left on batches of 8 (the Trainer takes back the batch found
+    only with it), unrefused. The record holds the batch that trained; a resume with the option (as the Trainer
+    does) takes it back and passes, one without is refused before the data is read, naming both ways."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    batches = out_of_memory_at_a_batch_of_8(monkeypatch, 1)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+              "--block-size", "32", "--per-device-batch-size", "8", "--eval-steps", "100", "--save-steps", "2",
+              "--max-eval-blocks", "1", "--output-dir", str(out)]
+    pretrain.main(common + ["--auto-find-batch-size", "--max-steps", "2"])
+    retried = batches[1]
+    assert retried < 8
+    record = json.loads((out / "checkpoint-2" / pretrain.BATCH_SETTINGS_FILE).read_text(encoding="utf-8"))
+    assert record["per_device_train_batch_size"] == retried and record["auto_find_batch_size"]
+
+    load_data = pretrain.load_data
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=rf"trained on {retried} blocks per step \(--per-device-train-batch-size "
+                                         rf"{retried} x .*these arguments give 8 .*resume with {retried} blocks per "
+                                         r"step, or with --auto-find-batch-size, with which the Trainer takes back"):
+        pretrain.main(common + ["--max-steps", "3", "--resume", "latest"])
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    batches.clear()
+    resumed = pretrain.main(common + ["--auto-find-batch-size", "--max-steps", "3", "--resume", "latest"])
+    assert resumed["global_step"] == 3 and resumed["tokens_per_step"] == retried * 32
+    assert batches[0] == retried  # (the step left trained on the batch found)
 
 
 def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_path, monkeypatch):

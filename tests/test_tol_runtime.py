@@ -196,6 +196,19 @@ def test_drop_memory_ffn_frees_weights_and_keeps_outputs(exported):
         fresh(input_ids=ids)
 
 
+def test_parameter_counts_keep_the_model_size_as_trained_after_drop_memory_ffn(exported):
+    """Dropping the FFNs on X0 for a table changes neither count: "total" is the model's size as trained (the dropped
+    FFNs included), "active" what is left on the device; for the causal LM and its base model alike."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    counts, base_counts = fresh.parameter_counts(), fresh.model.parameter_counts()
+    assert counts["total"] > counts["active"]
+    fresh.load_tols(directory, placement="cpu", drop_memory_ffn=True)
+    assert fresh.parameter_counts() == counts
+    assert fresh.model.parameter_counts() == base_counts
+    assert sum(p.numel() for p in fresh.parameters()) == counts["active"]
+
+
 def test_a_model_offloaded_to_disk_by_a_device_map_takes_and_exports_tables(exported, tmp_path):
     """With the token embedding and the FFNs on X0 offloaded to the disk (`device_map`, their weights on the meta
     device between forwards), `load_tols` checks the table against the stored weights and places it where the
@@ -488,6 +501,30 @@ def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_p
     assert all(param.device.type == "cpu" for param in cast_after.parameters())
     cast_after.unload_tols()
     assert cast_after.to("meta").lm_head.weight.device.type == "meta"
+
+
+def test_to_empty_while_a_table_is_loaded_is_refused_before_any_weight_changes(exported):
+    """`to_empty` on the table's device (which the move check lets through) left the token embedding and the FFNs on
+    X0 uninitialised while the table kept the FFNs on X0 of their old values. Refused as a move is, before anything
+    changes, naming the way out, also through a module around the model (PEFT's wrapper, FSDP's root) and once the
+    FFNs on X0 are dropped; `share_memory()` keeps the values and runs; without a table `to_empty` runs."""
+    model, directory = exported
+    arch = model.config.model_type.replace("memffn_", "")
+    fresh = build(arch)
+    saved = {name: tensor.clone() for name, tensor in fresh.state_dict().items()}
+    fresh.load_tols(directory, placement="cpu")
+    for target in (fresh, fresh.model, torch.nn.Sequential(fresh)):
+        with pytest.raises(ValueError, match=r"token lookup table.*to_empty.*unload_tols\(\)"):
+            target.to_empty(device="cpu")
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in fresh.state_dict().items())
+    fresh.share_memory()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in fresh.state_dict().items())
+    fresh.unload_tols()
+    assert fresh.to_empty(device="meta").lm_head.weight.device.type == "meta"
+    dropped = build(arch)
+    dropped.load_tols(directory, placement="cpu", drop_memory_ffn=True)
+    with pytest.raises(ValueError, match=r"to_empty.*load the model again"):
+        dropped.to_empty(device="cpu")
 
 
 def copies_of(model) -> dict:
