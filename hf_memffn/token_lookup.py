@@ -26,6 +26,9 @@ import math
 import os
 import shutil
 import struct
+import threading
+import weakref
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -934,9 +937,33 @@ class _CachedTokenLookupTable(TokenLookupTable):
         self.token_in_slot = torch.full((cache_rows,), -1, dtype=torch.int64)
         self.slot_last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self._clock = 0
+        self._init_slot_readers()
         tokens = torch.tensor(self._priority_tokens(frequent_tokens), dtype=torch.long)
         self._fill_slots(torch.arange(tokens.numel()), tokens)
         self.copy_stream.synchronize()
+
+    def _init_slot_readers(self) -> None:
+        """The bookkeeping that keeps a slot from being refilled while a forward may still read it (`_disk_rows`)."""
+        # forwards whose row ids are alive that read each slot
+        self.slot_readers = torch.zeros(self.token_in_slot.numel(), dtype=torch.int64)
+        # (slots, stream) of forwards whose row ids were freed since; appended by a finalizer, which may run in any
+        # thread at any moment (a deque's append needs no lock), and taken under the lock by the next lookup
+        self._finished_readers = deque()
+        self._cache_lock = threading.Lock()
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        for name in ("_finished_readers", "_cache_lock"):  # (a lock cannot be copied; a copy has no readers yet)
+            state.pop(name, None)
+        if "slot_readers" in state:
+            state["slot_readers"] = torch.zeros_like(state["slot_readers"])
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if "slot_readers" in state:
+            self._finished_readers = deque()
+            self._cache_lock = threading.Lock()
 
     def _fill_slots(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Copy `tokens`' rows into cache `slots` on the side stream; the compute stream waits for it."""
@@ -1085,6 +1112,10 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         GPU, copied into a device buffer). With one, new tokens go into the least-recently-used half of the cache
         when they fit there; a forward with more new tokens than that (a long prompt) reads all its rows from the
         mapped shards at once into a device buffer.
+        A forward's layers read its slots after this returns, and so may a recompute under activation checkpointing
+        in the backward, or the layers of a forward run from another thread: the slots stay out of the refill while
+        the forward's row ids are alive (`slot_readers`, released by a finalizer on the row ids). The bookkeeping
+        runs under a lock, so forwards from several threads through one table each read their own tokens' rows.
         Under torch.compile this runs outside the graph, as a graph break; with `fullgraph=True` the error that
         refuses the break carries `DISK_PLACEMENT_UNDER_COMPILE`. Non-strict torch.export, which the disable does not
         keep out, would run it on its symbolic ids and fail in a data-dependent guard: refused, naming the placement.
@@ -1099,21 +1130,39 @@ class DiskTokenLookupTable(_CachedTokenLookupTable):
         if not self.use_cache:
             return self._rows_on_device(tokens)
         unique = torch.unique(tokens)
-        self._clock += 1
-        slots = self.host_slot_of_token[unique]
-        missing = unique[slots < 0]
-        self.slot_last_used[slots[slots >= 0]] = self._clock
-        self.cache_lookups += unique.numel()
-        self.cache_hits += unique.numel() - missing.numel()
-        dynamic = torch.arange(self.static_slots, self.token_in_slot.numel())
-        free_order = dynamic[torch.argsort(self.slot_last_used[dynamic], stable=True)]
-        usable = free_order[self.slot_last_used[free_order] < self._clock]
-        if missing.numel() <= usable.numel():
+        compute = torch.cuda.current_stream(self.device)
+        with self._cache_lock:
+            self._release_finished_readers()
+            self._clock += 1
+            slots = self.host_slot_of_token[unique]
+            missing = unique[slots < 0]
+            self.slot_last_used[slots[slots >= 0]] = self._clock
+            self.cache_lookups += unique.numel()
+            self.cache_hits += unique.numel() - missing.numel()
+            dynamic = torch.arange(self.static_slots, self.token_in_slot.numel())
+            free_order = dynamic[torch.argsort(self.slot_last_used[dynamic], stable=True)]
+            usable = free_order[(self.slot_last_used[free_order] < self._clock) & (self.slot_readers[free_order] == 0)]
+            if missing.numel() > usable.numel():
+                return self._rows_on_device(tokens)
             chosen = usable[:missing.numel()]
             self.slot_last_used[chosen] = self._clock
             self._fill_slots(chosen, missing)
-            return self.slot_of_token.index_select(0, ids).long(), self.cache_rows, self.cache_scales
-        return self._rows_on_device(tokens)
+            # (a hit may be a slot that another thread's forward filled: its copy may still run on the side stream)
+            compute.wait_stream(self.copy_stream)
+            row_ids = self.slot_of_token.index_select(0, ids).long()
+            read = self.host_slot_of_token[unique]
+            read = read[read >= self.static_slots]
+            self.slot_readers[read] += 1
+        weakref.finalize(row_ids, self._finished_readers.append, (read, compute)).atexit = False
+        return row_ids, self.cache_rows, self.cache_scales
+
+    def _release_finished_readers(self) -> None:
+        """Slots of forwards whose row ids were freed become refillable again, once their kernels have run: the side
+        stream, which refills, waits for the stream they were issued on (under the lock of `_disk_rows`)."""
+        while self._finished_readers:
+            slots, stream = self._finished_readers.popleft()
+            self.slot_readers[slots] -= 1
+            self.copy_stream.wait_stream(stream)
 
     def _rows_on_device(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(row ids, rows, scales) of `tokens` (CPU long tensor) read from the mapped shards at once, in a buffer on

@@ -27,7 +27,8 @@ SCRIPTS = ["bench_flash_mhf.py", "bench_flash_mhf_head_dims.py", "tune_flash_mhf
            "tune_flash_mhf_layer.py", "profile_flash_mhf_host.py", "profile_decode_host.py", "compare_host_time.py",
            "custom_op_overhead.py", "profile_compiled_step_host.py", "compare_forward_kernels.py", "ptxas_report.py",
            "profile_flash_mhf_memory.py", "compare_triton_builds.py", "compare_specialisation.py",
-           "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py", "profile_kvffn_layer.py"]
+           "compare_inference_tuning.py", "launch_host_cpu.py", "bench_dq_reduction.py", "profile_kvffn_layer.py",
+           "disk_table_threads.py"]
 
 
 # Runs scripts one after another in one Python process (one import of torch and transformers for all of them), each
@@ -1385,7 +1386,7 @@ OUT_SCRIPTS = {"bench_models.py": [], "bench_flash_mhf.py": [], "tune_flash_mhf.
                "compare_triton_builds.py": ["export"], "bench_dq_reduction.py": [], "bench_flash_mhf_head_dims.py": [],
                "bench_token_lookup.py": [], "bench_triton_launch.py": [], "custom_op_overhead.py": [],
                "launch_host_cpu.py": [], "llama_mask_under_compile.py": [], "profile_compiled_step_host.py": [],
-               "profile_decode_host.py": [], "ptxas_report.py": [],
+               "profile_decode_host.py": [], "ptxas_report.py": [], "disk_table_threads.py": [],
                os.path.join("..", "examples", "bench_continuous_batching.py"): [],
                os.path.join("..", "examples", "recipe_speed.py"): []}
 

@@ -5,9 +5,11 @@ kernels against a float64 ground truth (on CUDA in this process, on CPU in a chi
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import os
 import pickle
+import threading
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -724,6 +726,81 @@ def test_gpu_placements_equal_compute(exported, placement, cache_rows):
         assert torch.equal(model.generate(ids[:, :5], max_new_tokens=8, do_sample=False, pad_token_id=0), tokens)
     if placement == "disk" and cache_rows:
         assert 0 < table.cache_hits < table.cache_lookups
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_disk_cache_refills_no_slot_a_live_forward_reads(tmp_path):
+    """A disk table's forward reads its slots after the lookup returns: a second lookup while the first's row ids are
+    alive (its later layers, its recompute under activation checkpointing, another thread's forward) must not refill
+    them. Here the second lookup finds every least-recently-used slot taken and reads its rows into a buffer of its
+    own; once the first's row ids are freed, a third lookup refills those slots. Every lookup reads its own rows."""
+    model = build("memoryllm", device="cuda")
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    table = model.load_tols(tmp_path, placement="disk", cache_rows=16)  # 8 static slots (tokens 0-7), 8 refilled
+
+    def rows_read(readout):
+        return readout.tokens_rows()[0].cpu()
+
+    first_ids, second_ids, third_ids = (torch.arange(start, start + 8, device="cuda") for start in (100, 200, 300))
+    first = table.readout(first_ids[None])
+    assert first.rows is table.cache_rows  # (new tokens into the refilled half)
+    second = table.readout(second_ids[None])
+    assert second.rows is not table.cache_rows  # (no free slot: a buffer of its own)
+    assert torch.equal(rows_read(first), table._host_rows(first_ids.cpu())[0])
+    assert torch.equal(rows_read(second), table._host_rows(second_ids.cpu())[0])
+    del first
+    gc.collect()
+    third = table.readout(third_ids[None])
+    assert third.rows is table.cache_rows
+    assert torch.equal(rows_read(third), table._host_rows(third_ids.cpu())[0])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_disk_cache_under_activation_checkpointing_and_threads_equals_compute(tmp_path):
+    """Two forwards before their backwards under activation checkpointing (each recompute reads its slots again),
+    and forwards from two threads through one table at once, with a cache refilled at every forward: the gradients
+    and logits of compute mode."""
+    model = build("memoryllm", device="cuda", vocab_size=4096)
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randint(8, 4096, (1, 24), generator=generator).cuda() for _ in range(2)]
+
+    def gradients(with_table: bool):
+        trained = build("memoryllm", device="cuda", vocab_size=4096).train()
+        if with_table:
+            trained.load_tols(tmp_path, placement="disk", cache_rows=64)
+        trained.model.embed_tokens.requires_grad_(False)
+        trained.model.memory.requires_grad_(False)
+        trained.gradient_checkpointing_enable()
+        losses = [trained(input_ids=ids, labels=ids).loss for ids in batches]
+        sum(losses).backward()
+        return {name: param.grad for name, param in trained.named_parameters() if param.requires_grad}
+
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    computed, looked_up = gradients(False), gradients(True)
+    assert all(relative(looked_up[name], computed[name]) < 1e-5 for name in computed)
+
+    prompts = [[torch.randint(8, 4096, (1, 24), generator=generator).cuda() for _ in range(40)] for _ in range(2)]
+    with torch.no_grad():
+        expected = [[model(input_ids=ids).logits for ids in thread] for thread in prompts]
+        model.load_tols(tmp_path, placement="disk", cache_rows=128)
+        errors = [[], []]
+
+        def run(k, start):
+            start.wait()
+            for ids, logits in zip(prompts[k], expected[k]):
+                errors[k].append(relative(model(input_ids=ids).logits, logits))
+            torch.cuda.synchronize()
+
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=run, args=(k, start)) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert len(errors[0]) == len(errors[1]) == 40 and max(errors[0] + errors[1]) < 1e-5
+    assert 0 < model.model.token_lookup.cache_hits < model.model.token_lookup.cache_lookups
 
 
 @pytest.mark.gpu
