@@ -63,7 +63,9 @@ class MemFFNLM(HFLM):
     def __init__(self, token_lookup: str | None = None, token_lookup_placement: str | None = None,
                  drop_memory_ffn: bool = False, **kwargs):
         kwargs.setdefault("trust_remote_code", True)
-        # (the lookup arguments are checked, and the table found, before the model is loaded)
+        # (the lookup arguments are checked, and the table found, before the model is loaded; lm-eval's `model_args`
+        # parser turns only true/false into booleans, so a word such as `no` arrives here as a string)
+        check_choice("drop_memory_ffn", drop_memory_ffn, (True, False))
         if token_lookup is None:
             if token_lookup_placement is not None or drop_memory_ffn:
                 raise ValueError("token_lookup_placement / drop_memory_ffn need token_lookup=TABLE_DIR")

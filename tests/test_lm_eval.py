@@ -211,6 +211,26 @@ def test_memffn_model_checks_its_lookup_arguments_before_loading_the_model(check
     assert not isinstance(refused.value, AssertionError)
 
 
+def test_memffn_model_refuses_a_drop_memory_ffn_that_is_not_a_boolean(checkpoints, tmp_path, monkeypatch):
+    """lm-eval passes `drop_memory_ffn=no` (or `0.5`, `off`) through as it is: the words were taken as true, so the
+    FFN weights were dropped where a table was given, and without one the error said a table was missing."""
+    import transformers
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    export_tols(str(checkpoints["memoryllm"]), tmp_path / "table", format="fp32", progress=False)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before drop_memory_ffn was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    for value, table in (("no", {}), ("no", {"token_lookup": str(tmp_path / "table")}), (0.5, {})):
+        with pytest.raises(ValueError, match=re.escape(
+                f"`drop_memory_ffn`={value!r} is not supported; allowed values: True, False")):
+            load_lm(MemFFNLM, checkpoints["memoryllm"], drop_memory_ffn=value, **table)
+
+
 def test_memffn_model_refuses_a_folder_without_a_table_or_another_models_table_before_loading(checkpoints, tmp_path,
                                                                                               monkeypatch):
     """A folder holding no table (the checkpoint's own, before `export-tols`), a table exported from a model of
@@ -304,22 +324,31 @@ def log_probs(model, ids: list[int]):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def hand_loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
-    """`<s>` + context, then the continuation (with the context's trailing spaces) scored token by token."""
+def hand_loglikelihood(model, tokenizer, context: str, continuation: str,
+                       max_length: int | None = None) -> tuple[float, bool]:
+    """`<s>` + context, then the continuation (with the context's trailing spaces) scored token by token; with
+    `max_length`, the model reads only the last `max_length` tokens before the last one (the context is cut from the
+    left)."""
     stripped = context.rstrip()
     context_ids = [tokenizer.bos_token_id] + tokenizer.encode(stripped, add_special_tokens=False)
     continuation_ids = tokenizer.encode(context[len(stripped):] + continuation, add_special_tokens=False)
-    ids = context_ids + continuation_ids
-    rows = log_probs(model, ids)[len(context_ids) - 1 : -1]
+    ids = (context_ids + continuation_ids)[-(max_length + 1) if max_length else 0 :]
+    rows = log_probs(model, ids[:-1])[-len(continuation_ids) :]
     score = sum(row[token].item() for row, token in zip(rows, continuation_ids))
     return score, rows.argmax(-1).tolist() == continuation_ids
 
 
-def hand_rolling(model, tokenizer, document: str) -> float:
-    """Every token of the document scored after exactly one `<s>` (one window: the document is short)."""
+def hand_rolling(model, tokenizer, document: str, max_length: int | None = None) -> float:
+    """Every token of the document scored after exactly one `<s>`: in one window, or with `max_length` in windows
+    of `max_length` scored tokens, each read after the `max_length` tokens before its last one."""
     ids = [tokenizer.bos_token_id] + tokenizer.encode(document, add_special_tokens=False)
-    rows = log_probs(model, ids)[:-1]
-    return sum(row[token].item() for row, token in zip(rows, ids[1:]))
+    window = max_length or len(ids)
+    score = 0.0
+    for first in range(1, len(ids), window):  # (the first scored token of each window)
+        end = min(first + window, len(ids))
+        rows = log_probs(model, ids[max(0, end - 1 - window) : end - 1])[-(end - first) :]
+        score += sum(row[token].item() for row, token in zip(rows, ids[first:end]))
+    return score
 
 
 def hand_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
@@ -378,6 +407,29 @@ def test_memffn_requests_match_hand_computation(arch, lookup, checkpoints, tmp_p
         assert lm.generate_until(requests("generate_until", generation_args)) == expected_generations, batch_size
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_memffn_requests_of_every_architecture_match_hand_computation(arch, checkpoints):
+    """Each architecture, in batches of 3 requests of different lengths (right padding for loglikelihoods, left
+    padding for generations), with `max_length` below the longest requests: a long context is cut from the left, a
+    long document is scored in several windows."""
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    max_length = 16
+    lm = load_lm(MemFFNLM, checkpoints[arch], batch_size=3, max_length=max_length)
+    pairs = LL_PAIRS + [("the key reads the value of memory " * 4, " the value")]
+    documents = DOCUMENTS + ["the head of the layer reads a key " * 6]
+    assert len(lm.tok_encode(documents[-1])) > 2 * max_length  # (three windows)
+    expected_ll = [hand_loglikelihood(lm.model, lm.tokenizer, *pair, max_length=max_length) for pair in pairs]
+    expected_rolling = [hand_rolling(lm.model, lm.tokenizer, document, max_length) for document in documents]
+    ll = lm.loglikelihood(requests("loglikelihood", pairs))
+    assert [s for s, _ in ll] == pytest.approx([s for s, _ in expected_ll], abs=1e-4)
+    assert [g for _, g in ll] == [g for _, g in expected_ll]
+    rolling = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(d,) for d in documents]))
+    assert rolling == pytest.approx(expected_rolling, abs=1e-4)
+    generation_args, expected_generations = hand_generations(lm.model, lm.tokenizer)
+    assert lm.generate_until(requests("generate_until", generation_args)) == expected_generations
+
+
 @pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
 def test_stock_hf_model_rolling_workaround(arch, checkpoints):
     """The stock `hf` model scores rolling documents after one `<s>` with `add_bos_token=False` (README)."""
@@ -387,6 +439,33 @@ def test_stock_hf_model_rolling_workaround(arch, checkpoints):
     expected = [hand_rolling(lm.model, lm.tokenizer, document) for document in DOCUMENTS]
     rolling = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(d,) for d in DOCUMENTS]))
     assert rolling == pytest.approx(expected, abs=1e-4)
+
+
+def test_memffn_model_is_the_stock_hf_model_on_a_llama_but_for_rolling_documents(tmp_path):
+    """On transformers' Llama with this package's tokenizer, `memffn` gives the stock `hf` model's loglikelihoods and
+    generations, and its rolling scores are the stock model's with `add_bos_token=False` (the README's workaround),
+    not its default `<s> <s> text`."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM
+
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    memffn, stock = (load_lm(cls, tmp_path, batch_size=3) for cls in (MemFFNLM, HFLM))
+    generation_args = [(prompt, {"until": ["\n"], "max_gen_toks": 4, "do_sample": False}) for prompt in PROMPTS]
+    assert memffn.loglikelihood(requests("loglikelihood", LL_PAIRS)) == stock.loglikelihood(
+        requests("loglikelihood", LL_PAIRS))
+    assert memffn.generate_until(requests("generate_until", generation_args)) == stock.generate_until(
+        requests("generate_until", generation_args))
+    documents = requests("loglikelihood_rolling", [(d,) for d in DOCUMENTS])
+    rolling = memffn.loglikelihood_rolling(documents)
+    without_bos = load_lm(HFLM, tmp_path, batch_size=3, add_bos_token=False).loglikelihood_rolling(documents)
+    assert rolling == pytest.approx(without_bos, abs=1e-5)
+    assert rolling == pytest.approx([hand_rolling(stock.model, stock.tokenizer, d) for d in DOCUMENTS], abs=1e-4)
+    assert all(abs(doubled - single) > 1e-3 for doubled, single in zip(stock.loglikelihood_rolling(documents), rolling))
 
 
 def test_tokenizer_flags_say_it_adds_bos_and_setting_add_eos_keeps_it(checkpoints):
