@@ -92,15 +92,23 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
     missing = [name for name in REQUIRED_FILES if name not in files]
     # (`from_pretrained` reads the weights from these names at the top of the folder, with or without a variant:
     # shards without their index, or weights in a subfolder, do not load)
-    indexes = [name for name in files if _WEIGHTS_INDEX_FILE.fullmatch(name)]
-    single_files = [name for name in files if _WEIGHTS_FILE.fullmatch(name) and not _WEIGHTS_SHARD.fullmatch(name)]
-    weight_maps = [json.loads((root / index).read_text(encoding="utf-8")).get("weight_map", {}) for index in indexes]
+    indexes, single_files = _weights_files(files)
+    weight_maps = [_json_object(root, index).get("weight_map") or {} for index in indexes]
     for weight_map in weight_maps:
         missing += sorted(set(weight_map.values()) - set(files))
     if not indexes and not single_files:
         missing.append(f"{WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} (weights)")
     if missing:
         raise ValueError(f"folder={str(folder)!r} is missing {missing}; write it with model.save_pretrained(folder)")
+    shadowing = [(single_file, index) for single_file in single_files for index in indexes
+                 if _variant_of(single_file) == _variant_of(index)]
+    if shadowing:
+        # (transformers' save_pretrained removes the shards of an earlier save, not its single file or index)
+        single_file, index = shadowing[0]
+        newer = max(shadowing[0], key=lambda name: (root / name).stat().st_mtime)
+        raise ValueError(f"folder={str(folder)!r} holds both {single_file} and {index} with its shards, one of them "
+                         f"left by an earlier save with another max_shard_size: from_pretrained loads {single_file} "
+                         f"and ignores the shards. {newer} is the newer; remove the other's files")
     weight_names = [name for weight_map in weight_maps for name in weight_map]
     weight_names += [name for single_file in single_files for name in _safetensors_keys(root / single_file)]
     parametrized = _parametrized_weight_names(weight_names)
@@ -112,7 +120,7 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
     if incomplete:
         raise ValueError(f"folder={str(folder)!r} holds an incomplete token lookup table: {'; '.join(incomplete)}; "
                          "run `hf-memffn export-tols` into its folder again, or remove the table's token_lookup* files")
-    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    config = _json_object(root, "config.json")
     if "auto_map" not in config:
         raise ValueError(
             f"folder={str(folder)!r}: config.json has no 'auto_map', so trust_remote_code loading cannot find the classes"
@@ -125,6 +133,46 @@ def check_checkpoint_folder(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"folder={str(folder)!r} is missing {missing_imports}, imported by its modeling code, so "
                          "trust_remote_code loading would fail; write it with model.save_pretrained(folder)")
     return files
+
+
+def _weights_files(files: list[str]) -> tuple[list[str], list[str]]:
+    """The indexes of sharded weights and the weights in one file among `files` (names at the top of a folder, with
+    or without a variant), the names `from_pretrained` looks for."""
+    indexes = [name for name in files if _WEIGHTS_INDEX_FILE.fullmatch(name)]
+    single_files = [name for name in files if _WEIGHTS_FILE.fullmatch(name) and not _WEIGHTS_SHARD.fullmatch(name)]
+    return indexes, single_files
+
+
+def weights_variant(folder: str | os.PathLike | None) -> str | None:
+    """The variant the weights in `folder` were saved with (`save_pretrained(folder, variant="fp16")` writes
+    `model.fp16.safetensors`, or `model.safetensors.index.fp16.json` and its shards), which `from_pretrained` finds
+    only when given it; None where the folder holds weights without a variant, or none. (Of several variants, and
+    none without, the first by name: each loads.)"""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    indexes, single_files = _weights_files(sorted(os.listdir(folder)))
+    variants = [_variant_of(name) for name in indexes + single_files]
+    return None if not variants or "" in variants else min(variants)
+
+
+def _variant_of(weights_name: str) -> str:
+    """The variant in the name of a weights file or index of `_weights_files` ("fp16"), "" for none."""
+    variant = (_WEIGHTS_INDEX_FILE.fullmatch(weights_name) or _WEIGHTS_FILE.fullmatch(weights_name)).group(1)
+    return variant[1:] if variant else ""  # (the group is ".fp16")
+
+
+def _json_object(root: Path, name: str) -> dict:
+    """The JSON object in the file `name` of the checkpoint folder `root`; a ValueError naming the file where it is
+    not one (cut short by an interrupted save: json's own error names no file)."""
+    try:
+        data = json.loads((root / name).read_text(encoding="utf-8"))
+    except ValueError as error:  # (a JSONDecodeError, or a UnicodeDecodeError)
+        raise ValueError(f"folder={str(root)!r}: {name} is not valid JSON ({first_line(error)}); write the folder "
+                         "again with model.save_pretrained(folder)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"folder={str(root)!r}: {name} holds a JSON {type(data).__name__}, not an object; write the "
+                         "folder again with model.save_pretrained(folder)")
+    return data
 
 
 def _safetensors_keys(path: Path) -> list[str]:
@@ -287,12 +335,23 @@ def push_folder(
 
     The uploaded model card names `repo_id` in its usage snippets and lists the token lookup tables the folder holds
     (`model_card.card_for_repository`); the card in `folder` itself is left as it is. Leftover temporary files and
-    caches are not uploaded (`UPLOAD_IGNORE_PATTERNS`)."""
-    check_checkpoint_folder(folder)
+    caches are not uploaded (`UPLOAD_IGNORE_PATTERNS`). The weights the repository held in other files under the
+    same variant (`model.safetensors` where shards are pushed, or the reverse, or shards of another count) are
+    removed in that commit: `from_pretrained` would load a `model.safetensors` left there, the earlier weights."""
+    files = check_checkpoint_folder(folder)
     client = _hub_client(token)
     repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
-    if revision is not None:
-        client.create_branch(repo_id, branch=revision, exist_ok=True)
+    if revision is not None and not revision.startswith("refs/pr/"):
+        # (as transformers' `push_to_hub`: a pull request's ref is uploaded to as it is, the Hub refuses a branch of
+        # that name; a pull request against a branch of a repository the user cannot write to may not create the
+        # branch, HTTP 403, even where it exists: the upload says so where it does not)
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            client.create_branch(repo_id, branch=revision, exist_ok=True)
+        except HfHubHTTPError as error:
+            if not (create_pr and getattr(error.response, "status_code", None) == 403):
+                raise
     with _as_the_repository_receives_it(folder, repo_id) as upload:
         return client.upload_folder(
             repo_id=repo_id,
@@ -303,7 +362,19 @@ def push_folder(
             commit_description=commit_description,
             create_pr=create_pr,
             ignore_patterns=UPLOAD_IGNORE_PATTERNS,
+            delete_patterns=_replaced_weights_patterns(files),
         )
+
+
+def _replaced_weights_patterns(files: list[str]) -> list[str]:
+    """Patterns of the names of the weights, in one file or sharded, under the variants of the weights among `files`
+    (those of a repository that an upload of `files` replaces; huggingface_hub keeps the files uploaded)."""
+    patterns = []
+    for variant in sorted({_variant_of(name) for names in _weights_files(files) for name in names}):
+        infix = f".{variant}" if variant else ""
+        patterns += [f"model{infix}.safetensors", f"model.safetensors.index{infix}.json",
+                     f"model{infix}-*-of-*.safetensors"]
+    return patterns
 
 
 @contextlib.contextmanager
@@ -407,7 +478,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("folder", type=local_path, help="a folder written by model.save_pretrained")
     parser.add_argument("repo_id", help="the Hub repository, e.g. user/flashmhf-128m")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
+    parser.add_argument("--revision", default=None,
+                        help="branch to push to (created if missing), or an open pull request's ref, refs/pr/N")
     parser.add_argument("--commit-message", default=None)
     parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
 

@@ -36,8 +36,7 @@ ARCHITECTURE_SUMMARIES = {
         "FlashMHFLlama",
         "A Llama-style decoder whose feed-forward block is a Flash Multi-Head FFN (FlashMHF). The hidden state is "
         "projected to `ffn_num_heads` heads; in each head, `ffn_num_subnetworks` SwiGLU sub-networks read the head's "
-        "query and their outputs are mixed by sigmoid gates normalised over the sub-networks. On CUDA the FFN runs "
-        "as a fused Triton kernel that never writes the intermediate activations to GPU memory.",
+        "query and their outputs are mixed by sigmoid gates normalised over the sub-networks.",
     ),
     "memffn_memoryllm": (
         "MemoryLLM",
@@ -68,12 +67,11 @@ VARIANT_SUMMARIES = {
     ("memffn_flash_mhf", "mh_ffn"): (
         "A Llama-style decoder whose feed-forward block is the FlashMHF paper's naive multi-head FFN baseline "
         "(`ffn_variant=\"mh_ffn\"`): the hidden state is projected to `ffn_num_heads` heads and each head's query "
-        "goes through one SwiGLU sub-network, with no gates. On CUDA it runs as FlashMHF's fused Triton kernel."),
+        "goes through one SwiGLU sub-network, with no gates."),
     ("memffn_flash_mhf", "dense_moe"): (
         "A Llama-style decoder whose feed-forward block is the FlashMHF paper's Dense-MoE baseline "
         "(`ffn_variant=\"dense_moe\"`): a single head, in which `ffn_num_subnetworks` SwiGLU sub-networks read the "
-        "whole projected hidden state and are mixed by sigmoid gates normalised over the sub-networks. On CUDA it "
-        "runs as FlashMHF's fused Triton kernel."),
+        "whole projected hidden state and are mixed by sigmoid gates normalised over the sub-networks."),
     ("memffn_flash_mhf", "pkv"): (
         "A Llama-style decoder whose feed-forward block is the FlashMHF paper's parametric key-value baseline "
         "(`ffn_variant=\"pkv\"`): the hidden state is projected to `ffn_num_heads` heads and each head attends, "
@@ -89,6 +87,12 @@ VARIANT_SUMMARIES = {
         "(`ffn_variant=\"densenet\"`): the output layer reads the hidden features and the block input "
         "concatenated, `y = W_o [relu(W_k x + b_k); x] + b_o`."),
 }
+# What runs the FFN of FlashMHF and of the baselines that run its op, by the config's `ffn_kernel`: "torch" runs the
+# PyTorch op also on CUDA (the demo saves so a model on CUDA whose FFN heads the Triton kernels do not take).
+FLASH_MHF_OP_VARIANTS = ("flash_mhf", "mh_ffn", "dense_moe")
+FUSED_KERNEL_NOTE = ("On CUDA the FFN runs as FlashMHF's fused Triton kernel, which never writes the intermediate "
+                     "activations to GPU memory.")
+PYTORCH_OP_NOTE = 'With `ffn_kernel="torch"` the FFN runs as its PyTorch op on every device, CUDA included.'
 # The fields of each variant's card (those a variant ignores are left out); the architecture's list otherwise.
 VARIANT_FIELDS = {
     ("memffn_flash_mhf", "swiglu"): ("ffn_variant", "hidden_act"),
@@ -317,6 +321,7 @@ def render_model_card(
     summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
     auto_class = auto_class_of(model)
+    variant = _saved_variant(save_directory)
     sections = [
         _front_matter(card_metadata(model, save_directory, **metadata), AUTO_CLASS_USES[auto_class][0]),
         GENERATED_START,
@@ -324,12 +329,12 @@ def render_model_card(
         summary,
         _parameters_section(model, model_type),
         _config_section(config, model_type),
-        _usage_section(model, location),
+        _usage_section(model, location, variant),
     ]
     if model_type in MEMORY_MODEL_TYPES:
         sections.append(_lookup_section(_attached_table_format(model), location, save_directory, auto_class))
     if auto_class == "AutoModelForCausalLM":  # (lm-eval scores language models)
-        sections.append(_evaluation_section(location))
+        sections.append(_evaluation_section(location, variant))
     sections.append(GENERATED_END)
     if training_summary:
         sections.append("## Training\n\n" + training_summary.strip())
@@ -380,17 +385,20 @@ def _short(count: int) -> str:
 
 
 def _summary(config, model_type: str, summary: str) -> str:
-    """The architecture's summary, or its baseline's (`ffn_variant`), with KV-FFN's composition and inner residual."""
+    """The architecture's summary, or its baseline's (`ffn_variant`), with KV-FFN's composition and inner residual,
+    and what runs FlashMHF's op (`ffn_kernel`)."""
     variant = getattr(config, "ffn_variant", None)
     if (model_type, variant) in VARIANT_SUMMARIES:
-        return VARIANT_SUMMARIES[model_type, variant]
-    if model_type == "memffn_kvffn":  # the block itself: its formula from its fields
+        summary = VARIANT_SUMMARIES[model_type, variant]
+    elif model_type == "memffn_kvffn":  # the block itself: its formula from its fields
         summary = summary.format(
             activation=config.kvffn_activation,
             composition="+" if config.kvffn_composition == "sum" else "*",
             inner_residual=(" The block also adds its own (normalised) input again, an inner residual connection "
                             "(`kvffn_inner_residual`, an ablation).") if config.kvffn_inner_residual else "",
         )
+    if model_type == "memffn_flash_mhf" and variant in FLASH_MHF_OP_VARIANTS:
+        summary += " " + (PYTORCH_OP_NOTE if getattr(config, "ffn_kernel", "auto") == "torch" else FUSED_KERNEL_NOTE)
     return summary
 
 
@@ -409,9 +417,27 @@ def _has_tokenizer(model) -> bool:
     return getattr(model, "attached_tokenizer", None) is not None
 
 
-def _usage_section(model, location: str) -> str:
+def _saved_variant(save_directory) -> str | None:
+    """The variant the weights in `save_directory` were saved with (`save_pretrained(..., variant="fp16")`), which
+    the snippets pass to `from_pretrained` (`variant="fp16"`) and to lm-eval (`variant=fp16` in `--model_args`):
+    neither finds the weights without it."""
+    from .hub import weights_variant
+
+    return weights_variant(save_directory)
+
+
+def _variant_keyword(variant: str | None) -> str:
+    return f', variant="{variant}"' if variant else ""
+
+
+def _variant_model_arg(variant: str | None) -> str:
+    return f",variant={variant}" if variant else ""
+
+
+def _usage_section(model, location: str, variant: str | None = None) -> str:
     auto_class = auto_class_of(model)
-    load = f"model = {auto_class}.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16)\n"
+    load = (f"model = {auto_class}.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16"
+            f"{_variant_keyword(variant)})\n")
     if _has_tokenizer(model):
         if auto_class == "AutoModelForCausalLM":
             outputs = ("output = model.generate(**inputs, max_new_tokens=20)\n"
@@ -498,6 +524,7 @@ def _tables_of_other_weights(folder, tables: list[str]) -> list[str]:
 def _lookup_section(attached_format: str | None, location: str, save_directory,
                     auto_class: str = "AutoModelForCausalLM") -> str:
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
+    variant = _saved_variant(save_directory)
     subfolders = tables_in_subfolders(save_directory)
     other_weights = _tables_of_other_weights(save_directory, (["."] if in_folder else []) + subfolders)
     in_folder = in_folder and "." not in other_weights
@@ -524,7 +551,8 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
             "```python\n"
             "from huggingface_hub import snapshot_download\n\n"
             f'checkpoint_dir = snapshot_download("{location}")  # or the local folder itself\n'
-            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype={dtype})\n"
+            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype={dtype}"
+            f"{_variant_keyword(variant)})\n"
         )
     else:
         table_dir, lm_eval_table = '"TABLE_DIR"', "TABLE_DIR"
@@ -552,15 +580,16 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
         f"{section} Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"
         "```bash\n"
         f"python -m hf_memffn.lm_eval_model --model memffn --model_args pretrained={location},"
-        f"token_lookup={lm_eval_table} --tasks hellaswag,piqa\n"
+        f"token_lookup={lm_eval_table}{_variant_model_arg(variant)} --tasks hellaswag,piqa\n"
         "```"
     )
 
 
-def _evaluation_section(location: str) -> str:
+def _evaluation_section(location: str, variant: str | None = None) -> str:
     return (
         "## Evaluation\n\n"
         "```bash\n"
-        f"lm_eval --model hf --model_args pretrained={location},trust_remote_code=True --tasks hellaswag,piqa\n"
+        f"lm_eval --model hf --model_args pretrained={location},trust_remote_code=True"
+        f"{_variant_model_arg(variant)} --tasks hellaswag,piqa\n"
         "```"
     )

@@ -37,12 +37,18 @@ class FakeHubClient:
 
     def upload_folder(self, *, repo_id, folder_path, **kwargs):
         """Keeps every file under `folder_path` that huggingface_hub's `upload_folder` would send: those its
-        `allow_patterns` / `ignore_patterns` (matched against the relative path) let through."""
+        `allow_patterns` / `ignore_patterns` (matched against the relative path) let through; and removes the files
+        uploaded before that its `delete_patterns` match, unless uploaded again."""
         self.calls.append(("upload_folder", repo_id, kwargs))
         root = Path(folder_path)
         names = [path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file()]
-        for name in filter_repo_objects(names, allow_patterns=kwargs.get("allow_patterns"),
-                                        ignore_patterns=kwargs.get("ignore_patterns")):
+        sent = list(filter_repo_objects(names, allow_patterns=kwargs.get("allow_patterns"),
+                                        ignore_patterns=kwargs.get("ignore_patterns")))
+        if kwargs.get("delete_patterns"):
+            for name in filter_repo_objects(list(self.uploaded), allow_patterns=kwargs["delete_patterns"]):
+                if name not in sent:
+                    del self.uploaded[name]
+        for name in sent:
             self.uploaded[name] = (root / name).read_bytes()
         return type("CommitInfo", (), {"commit_url": f"https://hub.invalid/{repo_id}/commit/1"})()
 
@@ -154,6 +160,73 @@ def test_push_folder_refuses_a_sharded_checkpoint_missing_a_shard(fake_hub, tmp_
         hub.push_folder(tmp_path, "someone/broken")
     assert fake_hub.calls == []
 
+
+@pytest.mark.parametrize("damaged", ["model.safetensors.index.json", "config.json"])
+def test_push_refuses_a_cut_short_json_file_naming_it(damaged, fake_hub, tmp_path, capsys):
+    """A weights index or config.json cut short (a save interrupted while writing it): the push is refused with an
+    error that names the file (it said `Expecting value: line 1 column 16 (char 15)`), and nothing is sent."""
+    from hf_memffn.cli import main as cli_main
+
+    tiny_model("kvffn").save_pretrained(tmp_path, max_shard_size="40KB")
+    (tmp_path / damaged).write_text((tmp_path / damaged).read_text()[:15])
+    expected = f"{damaged} is not valid JSON"
+    with pytest.raises(ValueError, match=expected):
+        hub.push_folder(tmp_path, "someone/broken")
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["push", str(tmp_path), "someone/broken"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and expected in errors[0]
+    assert fake_hub.calls == []
+
+@pytest.mark.parametrize("variant", [None, "fp16"])
+def test_push_folder_refuses_weights_that_an_earlier_save_shadows(variant, fake_hub, tmp_path):
+    """Saved into a folder that held a single weights file, sharded weights leave it there (transformers removes
+    the shards of an earlier save only), and `from_pretrained` loads that file, the earlier weights: the push is
+    refused, naming both and the newer, before anything is sent; the folder pushes once the stale file is gone."""
+    model = tiny_model("kvffn")
+    options = {"variant": variant} if variant else {}
+    model.save_pretrained(tmp_path, **options)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # (trained on)
+    model.save_pretrained(tmp_path, max_shard_size="40KB", **options)
+    single, index = ("model.fp16.safetensors", "model.safetensors.index.fp16.json") if variant else (
+        "model.safetensors", "model.safetensors.index.json")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, **options)
+    assert not torch.equal(loaded.lm_head.weight, model.lm_head.weight)  # (what a stranger would load)
+    with pytest.raises(ValueError, match=f"holds both {single} and {index} with its shards.*from_pretrained loads "
+                                         f"{single} and ignores the shards. {index} is the newer"):
+        hub.push_folder(tmp_path, "someone/tiny")
+    assert fake_hub.calls == []
+    (tmp_path / single).unlink()
+    hub.push_folder(tmp_path, "someone/tiny")
+    assert index in fake_hub.uploaded and single not in fake_hub.uploaded
+
+
+def test_a_push_removes_the_weights_of_an_earlier_push_that_it_replaces(fake_hub, tmp_path):
+    """A repository that holds `model.safetensors` of an earlier push, pushed sharded weights to: the upload left
+    that file there, and `from_pretrained` of the repository loads it, the earlier weights. The push removes the
+    weights of the same variant that it does not upload again, and leaves those of other variants."""
+    model = tiny_model("kvffn")
+    model.push_to_hub("someone/tiny")
+    model.save_pretrained(tmp_path / "fp16", variant="fp16")
+    hub.push_folder(tmp_path / "fp16", "someone/tiny")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # (trained on)
+    model.push_to_hub("someone/tiny", max_shard_size="40KB")
+    weights = {name for name in fake_hub.uploaded if name.endswith((".safetensors", ".index.json"))}
+    assert "model.safetensors.index.json" in weights and "model.fp16.safetensors" in weights
+    assert "model.safetensors" not in weights
+
+    folder = tmp_path / "download"
+    folder.mkdir()
+    for name, data in fake_hub.uploaded.items():
+        (folder / name).write_bytes(data)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    model.push_to_hub("someone/tiny")  # (and back to one file: the shards go)
+    assert not [name for name in fake_hub.uploaded if name.startswith("model-") or name.endswith(".index.json")]
+
+
 @pytest.mark.parametrize("damage", ["index-missing", "weights-in-a-subfolder"])
 def test_push_folder_refuses_weights_that_from_pretrained_does_not_find(damage, fake_hub, tmp_path):
     """`from_pretrained` reads `model.safetensors`, or the shards `model.safetensors.index.json` names, at the top of
@@ -200,6 +273,42 @@ def test_push_folder_takes_weights_saved_with_a_variant(max_shard_size, fake_hub
     model.save_pretrained(tmp_path / "int8", variant="fp16")
     with pytest.raises(ValueError, match=r"stores 3 weights \(.*\) with adapters or int8 attached"):
         hub.push_folder(tmp_path / "int8", "someone/tiny-int8")
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "40KB"])
+def test_the_cards_snippets_load_weights_saved_with_a_variant(max_shard_size, tmp_path):
+    """`from_pretrained(folder)` does not find weights saved with a variant (`model.fp16.safetensors`), nor does
+    lm-eval: the card's snippets and commands pass the variant, and the snippets run as written (the usage snippet,
+    and that of the table exported into the folder). Saved again without a variant into the folder, the card loads
+    the plain weights."""
+    import re
+
+    from hf_memffn.conversion.export import export_tols
+
+    model = tiny_model("memoryllm").eval()
+    model.attach_tokenizer(tiny_tokenizer())
+    folder = tmp_path / "fp16"
+    model.save_pretrained(folder, variant="fp16", **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    export_tols(model, folder, format="fp32", progress=False)
+    card = (folder / "README.md").read_text()
+    usage = re.search(r"## Usage\n\n.*?```python\n(.*?)```", card, re.S).group(1)
+    lookup = re.search(r"Load it from a local copy of this folder:\n\n```python\n(.*?)```", card, re.S).group(1)
+    assert 'trust_remote_code=True, dtype=torch.bfloat16, variant="fp16")' in usage
+    assert 'trust_remote_code=True, dtype=torch.bfloat16, variant="fp16")' in lookup
+    # (lm-eval passes the model_args it does not know to from_pretrained)
+    assert "--model_args pretrained=path/to/this/folder,trust_remote_code=True,variant=fp16 --tasks" in card
+    assert "pretrained=path/to/this/folder,token_lookup=path/to/this/folder,variant=fp16 --tasks" in card
+    ids = torch.tensor([[1, 5, 9, 3]])
+    namespace = {}  # (the lookup section's snippet goes on from the usage snippet's imports)
+    for snippet in (usage.replace("max_new_tokens=20", "max_new_tokens=2"), lookup.replace('"gpu"', '"cpu"')):
+        exec(snippet.replace('snapshot_download("path/to/this/folder")', repr(str(folder)))
+             .replace('"path/to/this/folder"', repr(str(folder))), namespace)
+        with torch.no_grad():
+            torch.testing.assert_close(namespace["model"].float()(ids).logits, model(ids).logits,
+                                       atol=0.05, rtol=0.05)  # (stored in fp16, run in bf16)
+
+    model.save_pretrained(folder)  # (the plain weights, next to those of the variant)
+    assert "variant=" not in (folder / "README.md").read_text()
 
 
 def test_a_model_with_adapters_or_int8_weights_is_refused_before_anything_is_pushed(fake_hub, tmp_path, capsys):
@@ -288,6 +397,51 @@ def test_push_folder_to_a_branch(fake_hub, tmp_path):
     hub.push_folder(tmp_path, "someone/tiny", revision="step-100", commit_message="step 100")
     assert [call[0] for call in fake_hub.calls] == ["create_repo", "create_branch", "upload_folder"]
     assert fake_hub.calls[2][2]["revision"] == "step-100" and fake_hub.calls[2][2]["commit_message"] == "step 100"
+
+
+def hub_http_error(status_code: int, message: str):
+    """The error huggingface_hub raises for an HTTP answer of `status_code`."""
+    from types import SimpleNamespace
+
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return HfHubHTTPError(message, response=SimpleNamespace(status_code=status_code, headers={}, request=None))
+
+
+def test_push_to_a_pull_requests_ref_or_a_branch_the_user_may_not_create(fake_hub, tmp_path, monkeypatch):
+    """As transformers' `push_to_hub` does: a pull request's ref (`revision="refs/pr/1"`, to add to an open pull
+    request) is uploaded to without creating a branch of that name, which the Hub refuses (HTTP 400); a pull request
+    opened against a branch of a repository the user cannot write to goes on where creating that branch is
+    forbidden (HTTP 403); other refusals stop the push before anything is uploaded."""
+    from hf_memffn.cli import main as cli_main
+
+    create_branch = fake_hub.create_branch
+    forbidden = []
+
+    def hub_create_branch(repo_id, *, branch, **kwargs):
+        if branch.startswith("refs/"):
+            raise hub_http_error(400, f"Invalid reference for a branch: {branch}")
+        if forbidden:
+            raise hub_http_error(403, "Forbidden: you do not have write access")
+        return create_branch(repo_id, branch=branch, **kwargs)
+
+    monkeypatch.setattr(fake_hub, "create_branch", hub_create_branch)
+    tiny_model("kvffn").save_pretrained(tmp_path)
+    hub.push_folder(tmp_path, "someone/tiny", revision="refs/pr/1")
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
+    assert fake_hub.calls[-1][2]["revision"] == "refs/pr/1"
+    assert cli_main(["push", str(tmp_path), "someone/tiny", "--revision", "refs/pr/2"]) == 0
+    assert fake_hub.calls[-1][2]["revision"] == "refs/pr/2"
+
+    forbidden.append(True)
+    fake_hub.calls.clear()
+    hub.push_folder(tmp_path, "someone/tiny", revision="dev", create_pr=True)
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
+    assert (fake_hub.calls[-1][2]["revision"], fake_hub.calls[-1][2]["create_pr"]) == ("dev", True)
+    fake_hub.calls.clear()
+    with pytest.raises(Exception, match="Forbidden"):
+        hub.push_folder(tmp_path, "someone/tiny", revision="dev")
+    assert [call[0] for call in fake_hub.calls] == ["create_repo"]
 
 
 def test_cli_push(fake_hub, tmp_path, capsys):
@@ -515,6 +669,19 @@ def test_the_card_describes_the_baseline_a_config_selects(arch, fields, says, li
         assert f"| `{field}` |" in card
     for field in omits:
         assert f"| `{field}` |" not in card
+
+
+@pytest.mark.parametrize("variant", ["flash_mhf", "mh_ffn", "dense_moe"])
+def test_the_card_says_the_pytorch_op_runs_the_ffn_where_the_config_forces_it(variant):
+    """A FlashMHF config with `ffn_kernel="torch"` (as the demo saves a model on CUDA whose FFN heads the kernels do
+    not take) runs the PyTorch op on CUDA too: its card said the fused Triton kernel ran there."""
+    config = {"ffn_variant": variant, **{"flash_mhf": {}, "mh_ffn": {"ffn_num_subnetworks": 1},
+                                         "dense_moe": {"ffn_num_heads": 1, "ffn_num_kv_heads": 1}}[variant]}
+    card = render_model_card(AutoModelForCausalLM.from_config(tiny_config("flash_mhf", **config)))
+    assert "On CUDA" in card and "fused Triton kernel" in card
+    card = render_model_card(AutoModelForCausalLM.from_config(tiny_config("flash_mhf", ffn_kernel="torch", **config)))
+    assert "On CUDA" not in card and "fused Triton kernel" not in card
+    assert 'With `ffn_kernel="torch"` the FFN runs as its PyTorch op on every device, CUDA included.' in card
 
 
 def test_memoryllm_card_says_whether_lookup_tables_are_attached(tmp_path):
