@@ -393,6 +393,13 @@ def test_texts_end_at_line_feeds_only(tmp_path):
     assert read_texts(lines) == ["one\x0cpage", "two"]
 
 
+def test_a_jsonl_file_named_in_capitals_is_read_as_records(tmp_path):
+    """`texts.JSONL` (as Windows tools name files) was read as plain lines: each JSON record became a text."""
+    records = tmp_path / "texts.JSONL"
+    records.write_text('{"text": "the memory"}\n{"text": "a key"}\n')
+    assert read_texts(records) == ["the memory", "a key"]
+
+
 @pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
 def test_texts_saved_with_a_byte_order_mark_read_without_it(tmp_path, suffix):
     """UTF-8 with a byte order mark, as some Windows editors save it: the mark is not text (a .jsonl file's first
@@ -778,6 +785,7 @@ def test_out_of_range_arguments_are_refused_with_the_argument_and_its_range_name
         (lambda: project_values(model, bank, [-1]), r"cells has cell -1: allowed cells are 0\.\.127"),
         (lambda: project_values(model, bank, top_n=0), r"top_n=0 must be >= 1"),
         (lambda: project_values(model, bank, chunk_size=0), r"chunk_size=0 must be >= 1"),
+        (lambda: project_values(model, bank, vocab_size=0), r"vocab_size=0 must be >= 1"),
         (lambda: token_clusters(model, layer=5), r"layer=5 has no token memory; allowed: \[0, 1\]"),
         (lambda: token_clusters(model, layer=0, num_clusters=0), r"num_clusters=0 must be >= 1"),
         (lambda: token_clusters(model, layer=0, max_tokens=-1), r"max_tokens=-1 must be >= 1"),
@@ -787,6 +795,7 @@ def test_out_of_range_arguments_are_refused_with_the_argument_and_its_range_name
          r"token_ids has token id 320: allowed ids are 0\.\.319"),
         (lambda: token_memory_map(model, top_k=-1), r"top_k=-1 must be >= 1"),
         (lambda: token_memory_map(model, chunk_size=0), r"chunk_size=0 must be >= 1"),
+        (lambda: token_memory_map(model, vocab_size=-1), r"vocab_size=-1 must be >= 1"),
         (lambda: summarize_coefficients(torch.zeros(2, bank.num_cells), bank, top_k=-1), r"top_k=-1 must be >= 1"),
         (lambda: coefficients_for_ids(build("llama"), torch.tensor([5, 320])),
          r"input_ids has token id 320: allowed ids are 0\.\.319"),
@@ -949,6 +958,31 @@ def test_tokens_holding_part_of_a_character_are_named_by_their_bytes():
     assert token_bytes("<0xE4>") == b"\xe4" and token_bytes("Ġä¸") == b" \xe4\xb8" and token_bytes("▁the") is None
 
 
+def test_sentencepiece_tokens_are_named_with_the_space_that_starts_their_word():
+    """A SentencePiece tokenizer (transformers' `LlamaTokenizer`, Mistral's) marks a word's start with `▁`, and its
+    decoder strips the space that starts a text: decoded one by one, `▁home` and `home` both read `home`, and the
+    report's texts and trigger prefixes ran their words together ("ThehomecityofKirbesTelis"). A token is now named
+    with that space."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    from hf_memffn.analysis import analyze
+
+    texts = ["The home city of Kirbes Tel is Vakport", "a homely  city"]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    bpe.train_from_iterator(texts * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    trained = json.loads(bpe.to_str())["model"]
+    tokenizer = LlamaTokenizer(vocab=trained["vocab"], merges=[tuple(merge) for merge in trained["merges"]])
+    assert tokenizer.convert_ids_to_tokens(tokenizer(texts[0])["input_ids"])[1] == "\u2581home"
+    report = analyze(build("llama"), tokenizer, texts, top_triggers=1, cells_per_bank=1, agreement_cells=8, edits=[])
+    for text, analysed in zip(texts, report["texts"]):
+        assert "".join(analysed["tokens"]) == " " + text  # (the first word's piece starts with `▁` too)
+    assert report["texts"][0]["tokens"][1] == " home"
+
+
 def lora_on_every_linear(case: str):
     """`build(case)` with PEFT's LoRA on every Linear layer (nonzero from the start), and a merged copy of it."""
     peft = pytest.importorskip("peft")
@@ -1032,3 +1066,116 @@ def test_analyze_reports_a_peft_model_as_its_merged_model():
     assert report["token_memory"] == expected["token_memory"]
     assert report["edits"][0]["target_probability_after"] == pytest.approx(
         expected["edits"][0]["target_probability_after"], rel=1e-4)
+
+
+def test_the_report_ranks_only_the_tokens_the_tokenizer_has():
+    """The tiny tokenizer has 301 tokens and the models' embeddings 320 rows, as a vocabulary padded to a round size
+    has. The report's value projections (promoted and demoted tokens, so the key-value agreement too) and the token
+    memory's map ranked the rows no token uses too, which showed as empty names; they now rank the tokenizer's ids."""
+    from hf_memffn.analysis import analyze, vocabulary_logits
+    from hf_memffn.analysis.analyze import TokenNames
+    from hf_memffn.testing import tiny_tokenizer
+
+    tokenizer, model = tiny_tokenizer(), build("memoryllm")
+    vocabulary = len(tokenizer)
+    assert vocabulary < model.config.vocab_size
+    report = analyze(model, tokenizer, ["the memory stores a key", "head reads the memory"], top_triggers=2,
+                     cells_per_bank=4, agreement_cells=8, edits=[])
+    names = TokenNames(tokenizer)
+    for bank in memory_banks(model):
+        for cell in report["cells"][bank.name]:
+            logits = vocabulary_logits(model, bank.value_vectors()[cell["index"]][None])[0, :vocabulary]
+            assert cell["promotes"] == names.many(logits.topk(10).indices.tolist())
+            assert cell["demotes"] == names.many(logits.topk(10, largest=False).indices.tolist())
+    for section in report["token_memory"].values():
+        assert len(section["top_cell_per_token"]) == vocabulary
+        for busiest in section["busiest_cells"]:
+            assert section["top_cell_per_token"].count(busiest["cell"]) == busiest["num_tokens"]
+    projection = project_values(model, memory_banks(model)[0], top_n=5, vocab_size=vocabulary)
+    assert int(projection.top_ids.max()) < vocabulary and int(projection.bottom_ids.max()) < vocabulary
+    assert token_memory_map(model, top_k=1, vocab_size=vocabulary)[0].top_cells.shape == (vocabulary, 1)
+
+
+def test_a_model_with_offloaded_weights_is_refused_with_the_reason():
+    """accelerate's offloading (`cpu_offload`, or a `device_map` with "cpu" or "disk" entries next to a GPU) leaves the
+    weights on the meta device and brings them in only inside each module's forward, while the analysis reads the FFN
+    weights outside it and sent its inputs to the device of the first weight: every tool failed with "Cannot copy out
+    of meta tensor; no data!". The reason and what to do are now named before any work."""
+    accelerate = pytest.importorskip("accelerate")
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    model = build("memoryllm")
+    accelerate.cpu_offload(model, execution_device="cpu")
+    input_ids = torch.tensor([11, 42, 7])
+    calls = [
+        lambda: memory_banks(model),
+        lambda: coefficients_for_ids(model, input_ids),
+        lambda: layer_contributions(model, [[11, 42]]),
+        lambda: next_token_probabilities(model, input_ids),
+        lambda: analyze(model, tiny_tokenizer(), ["the memory stores a key"], edits=[]),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"weights .* are on the meta device \(offloaded by accelerate"):
+            call()
+
+
+@pytest.mark.parametrize("arch", ["llama", "memoryllm"])
+def test_a_model_without_an_output_embedding_is_refused_with_the_class_to_load(arch):
+    """A decoder loaded with `AutoModel` has no `lm_head`: `analyze` ran the coefficients and the triggers, then
+    failed with "'NoneType' object has no attribute 'weight'" (its default edit, with "no attribute 'logits'"), as did
+    `project_values` and the edits. They now name the reason and the class to load, before any work."""
+    from transformers import AutoModel
+
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    torch.manual_seed(0)
+    decoder = AutoModel.from_config(tiny_config(arch)).eval()
+    forwards = []
+    handle = decoder.register_forward_hook(lambda *args: forwards.append(1))
+    message = rf"{type(decoder).__name__} has no output embedding .* load it with AutoModelForCausalLM"
+    try:
+        for edits in (None, []):
+            with pytest.raises(ValueError, match=message):
+                analyze(decoder, tiny_tokenizer(), ["the memory stores a key"], edits=edits)
+        assert forwards == []
+        with pytest.raises(ValueError, match=message):
+            project_values(decoder, memory_banks(decoder)[0], cells=[0])
+        with pytest.raises(ValueError, match=message):
+            edit_next_token(decoder, torch.tensor([11, 42]), target_id=7)
+    finally:
+        handle.remove()
+
+
+def test_a_very_long_token_is_plotted_as_a_cut_label():
+    """A token's tick label was drawn whole, and the picture grows with it: a token of 2000 characters made the
+    coefficients plot 13379 pixels tall (6 s), one of 20000 ran the process out of memory. The label is now cut
+    (the HTML tables show the token whole)."""
+    import struct
+
+    from hf_memffn.analysis.report import plot_text_coefficients
+
+    report = {"model": {"banks": [{"name": "layers.0.mlp"}]},
+              "texts": [{"tokens": ["a", "x" * 2000, "b"],
+                         "banks": {"layers.0.mlp": {"top_cells": [[["1", 0.5]], [["2", 0.3]], [["3", -0.2]]]}}}]}
+    png = plot_text_coefficients(report)
+    width, height = struct.unpack(">II", png[16:24])  # (the PNG header's size of the picture)
+    assert width < 1500 and height < 800
+
+
+def test_analyze_takes_texts_as_any_iterable_as_a_list(tmp_path):
+    """`texts` given as an open file or a generator were read once, for the per-token section: the dataset, which
+    defaults to them, was then empty, and the report had no trigger prefixes and no key-value agreement, silently
+    (with the default edit, `texts[0]` failed on a generator)."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    texts = ["the memory stores a key", "head reads the memory"]
+    (tmp_path / "texts.txt").write_text("".join(f"{text}\n" for text in texts))
+    model, options = build("kvffn"), dict(top_triggers=2, cells_per_bank=2, agreement_cells=8)
+    expected = analyze(model, tiny_tokenizer(), texts, **options)
+    assert expected["cells"]["layers.0.mlp"][0]["triggers"]
+    with open(tmp_path / "texts.txt") as lines:
+        from_file = analyze(model, tiny_tokenizer(), (line.rstrip("\n") for line in lines), **options)
+    assert from_file == expected

@@ -30,8 +30,8 @@ from ..cli_args import decode_utf8
 from .arguments import check_at_least, check_ids, check_strength, check_token_memory_layers
 from .coefficients import coefficients_for_ids, summarize_coefficients
 from .editing import edit_next_token
-from .memory_banks import MemoryBank, decoder_of, memory_banks
-from .token_memory import layer_contributions, token_clusters, token_memory_map
+from .memory_banks import MemoryBank, decoder_of, memory_banks, model_device, output_embedding
+from .token_memory import MAX_CLUSTERED_TOKENS, layer_contributions, token_clusters, token_memory_map
 from .triggers import top_triggering_prefixes
 from .vocabulary import key_value_agreement, project_values
 
@@ -44,11 +44,12 @@ def read_texts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
     texts = []
+    records = path.suffix.lower() == ".jsonl"  # (`texts.JSONL` too, as Windows tools may name it)
     lines = [line.removesuffix("\r") for line in decode_utf8(path.read_bytes(), str(path)).split("\n")]
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if records:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
@@ -85,10 +86,15 @@ def token_bytes(piece: str) -> bytes | None:
     return None
 
 
+_WORD_START = "\u2581"  # SentencePiece's mark of the space before a word (`▁the`)
+
+
 class TokenNames:
     """Readable strings for token ids (decoded one by one, so byte-level markers disappear). A token holding part of
     a character's UTF-8 bytes decodes alone to U+FFFD whatever the bytes; it is named by its bytes instead, those of
-    no whole character as escapes (`Ġä¸` is ` \\xe4\\xb8`), so the pieces of different characters stay apart."""
+    no whole character as escapes (`Ġä¸` is ` \\xe4\\xb8`), so the pieces of different characters stay apart.
+    A SentencePiece token keeps the spaces its `▁` marks stand for, which the decoder of Llama's and Mistral's
+    tokenizers strips at the start of a text (so of a token decoded alone): `▁the` is ` the`, unlike `the`."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -100,11 +106,15 @@ class TokenNames:
         token_id = int(token_id)
         if token_id not in self._cache:
             name = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            piece = piece if isinstance(piece, str) else ""
             if "\ufffd" in name:
-                piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                data = token_bytes(piece) if isinstance(piece, str) else None
+                data = token_bytes(piece)
                 if data is not None:
                     name = data.decode("utf-8", errors="backslashreplace")
+            if piece.startswith(_WORD_START) and not name.startswith(_WORD_START):  # (a decoder that reads the marks)
+                marks, spaces = len(piece) - len(piece.lstrip(_WORD_START)), len(name) - len(name.lstrip(" "))
+                name = " " * (marks - spaces) + name
             self._cache[token_id] = name
         return self._cache[token_id]
 
@@ -154,7 +164,7 @@ def _text_section(model, banks, token_lists, names: TokenNames, top_cells: int) 
 
 def _cells_section(
     model, banks, dataset_ids, names: TokenNames, top_triggers: int, cells_per_bank: int, top_tokens: int,
-    agreement_cells: int, batch_size: int, pad_token_id: int, stats: dict,
+    agreement_cells: int, batch_size: int, pad_token_id: int, stats: dict, vocabulary: int,
 ) -> dict:
     index = top_triggering_prefixes(
         model, dataset_ids, banks, k=top_triggers, batch_size=batch_size, pad_token_id=pad_token_id
@@ -167,7 +177,7 @@ def _cells_section(
         shown = best_score.topk(min(cells_per_bank, bank.num_cells)).indices
         sample = torch.randperm(bank.num_cells, generator=generator)[:agreement_cells]
         cells = torch.cat([shown, sample[~torch.isin(sample, shown)]])
-        projection = project_values(model, bank, cells, top_n=top_tokens)
+        projection = project_values(model, bank, cells, top_n=top_tokens, vocab_size=vocabulary)
         agreement = key_value_agreement(projection, [triggers[int(c)] for c in cells])
         sampled = agreement[torch.isin(cells, sample)]  # the bank's figure: the random sample only (unbiased)
         valid = sampled[~sampled.isnan()]
@@ -201,10 +211,10 @@ def _cells_section(
 
 
 def _token_memory_section(
-    model, names: TokenNames, layers: Sequence[int], num_clusters: int, cluster_tokens: torch.Tensor | None
+    model, names: TokenNames, layers: Sequence[int], num_clusters: int, cluster_tokens: torch.Tensor, vocabulary: int
 ) -> dict:
     section = {}
-    maps = {m.layer: m for m in token_memory_map(model, layers=layers, top_k=1)}
+    maps = {m.layer: m for m in token_memory_map(model, layers=layers, top_k=1, vocab_size=vocabulary)}
     for layer in layers:
         clusters = token_clusters(model, layer, num_clusters=num_clusters, token_ids=cluster_tokens)
         top1 = maps[layer].top_cells[:, 0]
@@ -288,7 +298,7 @@ def default_edit(model, tokenizer, text: str, max_prompt_tokens: int = 12, targe
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
     prompt = tokenizer.decode(ids)
     prompt_ids = torch.as_tensor(tokenizer(prompt)["input_ids"])
-    device = next(model.parameters()).device
+    device = model_device(model)
     with torch.no_grad():
         logits = model(input_ids=prompt_ids.reshape(1, -1).to(device)).logits[0, -1, : len(tokenizer)]
     ranked = logits.argsort(descending=True).tolist()
@@ -322,7 +332,7 @@ def _restores_training_mode(function):
 def analyze(
     model: torch.nn.Module,
     tokenizer,
-    texts: Sequence[str],
+    texts: Iterable[str],
     dataset: Iterable[str] | None = None,
     max_length: int = 128,
     batch_size: int = 8,
@@ -341,17 +351,21 @@ def analyze(
     """Runs every instrument on `model` (in eval mode; its mode is restored) and returns the report dict (see the
     module docstring).
 
-    `texts` are analysed token by token; `dataset` (default: `texts`) is streamed for the top-triggering prefixes.
+    `texts` (a list, or any iterable of strings, read once into a list) are analysed token by token; `dataset`
+    (default: `texts`) is streamed for the top-triggering prefixes.
     `edits`: (prompt, target) pairs; default: one demonstration edit on the first text (see `default_edit`);
     `edit_strength`: see `edit_next_token`.
-    `cluster_vocabulary`: cluster the whole vocabulary (its first 8192 ids) instead of the tokens that occur in the
-    texts and the dataset (untrained tokens of a small model otherwise form large meaningless clusters).
+    `cluster_vocabulary`: cluster the tokenizer's whole vocabulary (its first 8192 ids) instead of the tokens that occur
+    in the texts and the dataset (untrained tokens of a small model otherwise form large meaningless clusters).
+    Value projections and the token-to-memory map rank the tokenizer's ids only (`len(tokenizer)`), not the rows of a
+    padded embedding that no token uses.
     `memory_layers`: token-memory layers to cluster (default: first, middle and last of the analysed ones).
     `banks`: the memory banks to analyse (default: all; see `memory_banks` and `select_banks`).
     """
     for name, value in (("texts", texts), ("dataset", dataset)):
         if isinstance(value, str):  # (iterated, a string gives one text per character)
             raise ValueError(f"{name} is one string: expected a list of texts (for one text, [text])")
+    texts = list(texts)  # (read twice, and as the dataset when none is given: an iterator would be empty by then)
     if not texts:
         raise ValueError("texts is empty: give at least one text to analyse")
     check_at_least(1, max_length=max_length, batch_size=batch_size, top_cells=top_cells, top_triggers=top_triggers,
@@ -361,6 +375,7 @@ def analyze(
     if memory_layers is not None:
         check_token_memory_layers(memory_layers, [bank.layer for bank in memory_banks(model) if bank.context_free],
                                   "memory_layers")
+    output_embedding(model)  # (refuses a decoder without one before the long work)
     model.eval()
     banks = memory_banks(model) if banks is None else list(banks)
     names = TokenNames(tokenizer)
@@ -372,6 +387,9 @@ def analyze(
     edits = _encode_edits(tokenizer, [default_edit(model, tokenizer, texts[0])] if edits is None else edits,
                           num_embeddings)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # (the ids the tokenizer has: an output embedding padded to a round size has rows no token uses, which would be
+    # ranked among the tokens a value promotes and shown as empty names)
+    vocabulary = len(tokenizer)
     report: dict = {
         "model": {
             "class": type(model).__name__,
@@ -402,7 +420,7 @@ def analyze(
                                          "text" if dataset is None else "dataset text"))
     report["cells"] = _cells_section(
         model, banks, dataset_ids, names, top_triggers, cells_per_bank, top_tokens, agreement_cells, batch_size,
-        pad_token_id, stats,
+        pad_token_id, stats, vocabulary,
     )
     report["banks"] = stats
     contributions = layer_contributions(model, token_lists)
@@ -419,11 +437,13 @@ def analyze(
             ends = (0, len(token_memory_layers) // 2, -1)
             memory_layers = sorted({token_memory_layers[i] for i in ends})
         if cluster_vocabulary:
-            cluster_tokens, clustered = None, "vocabulary"
+            cluster_tokens = torch.arange(min(vocabulary, num_embeddings, MAX_CLUSTERED_TOKENS))
+            clustered = "vocabulary"
         else:
             cluster_tokens = torch.tensor(sorted(seen_tokens - set(tokenizer.all_special_ids)), dtype=torch.long)
             clustered = "tokens seen in the texts" if len(cluster_tokens) else "none: every token is a special one"
-        report["token_memory"] = _token_memory_section(model, names, list(memory_layers), num_clusters, cluster_tokens)
+        report["token_memory"] = _token_memory_section(model, names, list(memory_layers), num_clusters, cluster_tokens,
+                                                         vocabulary)
         report["token_memory_clustered"] = clustered
     report["edits"] = _edit_section(model, names, edits, edit_strength)
     return report

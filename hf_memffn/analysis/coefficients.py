@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import check_at_least, check_ids, num_embeddings_of
-from .memory_banks import MemoryBank, memory_banks
+from .memory_banks import MemoryBank, memory_banks, model_device
 
 CoefficientCallback = Callable[[MemoryBank, torch.Tensor], None]
 
@@ -75,7 +75,7 @@ def coefficients_for_ids(
     """`{bank name: [length, num_cells]}`: the memory coefficients of one token sequence (`input_ids`: `[length]`)."""
     input_ids = one_sequence(input_ids, model)
     banks = memory_banks(model) if banks is None else list(banks)
-    device = next(model.parameters()).device
+    device = model_device(model)
     with record_coefficients(model, banks) as stored:
         model(input_ids=input_ids.reshape(1, -1).to(device))
     missing = [name for name, captured in stored.items() if not captured]

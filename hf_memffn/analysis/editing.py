@@ -23,12 +23,12 @@ from torch import nn
 
 from .arguments import check_at_least, check_strength
 from .coefficients import coefficients_for_ids, one_sequence
-from .memory_banks import MemoryBank, decoder_of, memory_banks
+from .memory_banks import MemoryBank, decoder_of, memory_banks, model_device, output_embedding
 
 
 def check_target_id(model: torch.nn.Module, target_id: int) -> None:
     """Refuses a target outside the output vocabulary (the rows of the output embedding)."""
-    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab_size = output_embedding(model).weight.shape[0]
     if not 0 <= target_id < vocab_size:
         raise ValueError(f"target_id={target_id} is outside the vocabulary [0, {vocab_size})")
 
@@ -36,7 +36,7 @@ def check_target_id(model: torch.nn.Module, target_id: int) -> None:
 def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
     """Unit model-space vector that raises the target's logit relative to the others, through the final RMSNorm."""
     check_target_id(model, target_id)
-    weight = model.get_output_embeddings().weight.detach().float()
+    weight = output_embedding(model).weight.detach().float()
     direction = weight[target_id] - weight.mean(0)
     norm_weight = getattr(decoder_of(model).norm, "weight", None)
     if norm_weight is not None:
@@ -47,7 +47,7 @@ def promotion_direction(model: torch.nn.Module, target_id: int) -> torch.Tensor:
 @torch.no_grad()
 def next_token_probabilities(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """`[vocab]` next-token distribution after the sequence `input_ids` (`[length]`)."""
-    device = next(model.parameters()).device
+    device = model_device(model)
     logits = model(input_ids=one_sequence(input_ids, model).reshape(1, -1).to(device)).logits[0, -1]
     return logits.float().softmax(-1).cpu()
 
@@ -58,7 +58,7 @@ def final_residual(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     captured: list[torch.Tensor] = []
     handle = decoder_of(model).norm.register_forward_pre_hook(lambda module, args: captured.append(args[0][0, -1]))
     try:
-        model(input_ids=input_ids.reshape(1, -1).to(next(model.parameters()).device))
+        model(input_ids=input_ids.reshape(1, -1).to(model_device(model)))
     finally:
         handle.remove()
     return captured[-1].detach()
@@ -78,7 +78,7 @@ def promotion_move(
     with torch.inference_mode(False), torch.enable_grad():
         residual = final_residual(model, input_ids).float()
         budget = strength * float(residual.norm())
-        norm, head = decoder_of(model).norm, model.get_output_embeddings()
+        norm, head = decoder_of(model).norm, output_embedding(model)
         dtype = head.weight.dtype
         move = (0.5 * budget * promotion_direction(model, target_id)).requires_grad_(True)
         optimizer = torch.optim.Adam([move], lr=0.05 * budget)

@@ -39,6 +39,28 @@ def decoder_of(model: nn.Module) -> nn.Module:
     )
 
 
+def output_embedding(model: nn.Module) -> nn.Module:
+    """The output embedding (`lm_head`), through which value projections and edits read the vocabulary."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None:
+        raise ValueError(f"model of class {type(model).__name__} has no output embedding (lm_head): value projections "
+                         "and edits read the vocabulary through it; load it with AutoModelForCausalLM (not AutoModel)")
+    return head
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's weights, where its inputs go. Weights on the meta device are refused: accelerate's
+    offloading (`cpu_offload`, a `device_map` with "cpu" or "disk" entries next to a GPU) brings them in only inside
+    each module's forward, and the analysis reads the FFN weights outside it (values, edits, coefficient hooks)."""
+    offloaded = [name for name, parameter in model.named_parameters() if parameter.is_meta]
+    if offloaded:
+        raise ValueError(f"the weights {offloaded[:3]} ({len(offloaded)} in all) of {type(model).__name__} are on the "
+                         "meta device (offloaded by accelerate, or never loaded): the memory analysis reads the FFN "
+                         "weights outside the forward, where offloading does not bring them in. Load the model onto "
+                         "one device (from_pretrained without device_map, or a device_map without 'cpu' and 'disk')")
+    return next(model.parameters()).device
+
+
 def _is_linear(module: nn.Module | None) -> bool:
     """An `nn.Linear`, or a PEFT layer wrapping one (its `get_base_layer()`; the values read its forward's weight)."""
     get_base_layer = getattr(module, "get_base_layer", None)
@@ -164,6 +186,7 @@ def _refuse_pefts_parameter_adapters(decoder: nn.Module) -> None:
 def memory_banks(model: nn.Module) -> list[MemoryBank]:
     """Every memory bank of `model`, in layer order (residual FFN first, then the memory on X0, per layer)."""
     decoder = decoder_of(model)
+    model_device(model)  # (refuses offloaded weights)
     _refuse_pefts_parameter_adapters(decoder)
     memory = getattr(decoder, "memory", None)  # the stacked FFNs on X0 (None when dropped for a lookup table)
     banks: list[MemoryBank] = []

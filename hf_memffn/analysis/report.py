@@ -119,6 +119,17 @@ def plot_head_subnetwork_mass(report: dict) -> bytes | None:
     return _png(figure)
 
 
+# A token's tick label is cut at this many characters: the picture grows with its labels, and a token of thousands of
+# characters drew one of tens of thousands of pixels (the HTML tables show every token whole).
+MAX_LABEL_CHARACTERS = 24
+
+
+def _token_label(token: str) -> str:
+    """A token as a tick label: escapes for what is not printable (as Python writes them), cut when long."""
+    label = repr(token)[1:-1]
+    return label if len(label) <= MAX_LABEL_CHARACTERS else label[: MAX_LABEL_CHARACTERS - 1] + "\u2026"
+
+
 def plot_text_coefficients(report: dict, text_index: int = 0) -> bytes:
     """For one text: the largest |coefficient| of each bank (rows) at each token (columns)."""
     text = report["texts"][text_index]
@@ -136,7 +147,7 @@ def plot_text_coefficients(report: dict, text_index: int = 0) -> bytes:
                 axis.text(column, row, cells[0][0], ha="center", va="center", fontsize=5.5, color=colour)
     axis.set_yticks(range(len(names)), names, fontsize=7)
     # (tokens are text, not mathtext: a `$$` or `$_` token fails to parse, and `$x$` would show as an italic x)
-    axis.set_xticks(range(len(tokens)), [repr(t)[1:-1] for t in tokens], rotation=70, fontsize=7, parse_math=False)
+    axis.set_xticks(range(len(tokens)), [_token_label(t) for t in tokens], rotation=70, fontsize=7, parse_math=False)
     axis.set_title("top memory cell per token and bank (colour: |coefficient| scaled to the bank's max in the text)")
     figure.colorbar(image, ax=axis, fraction=0.02)
     return _png(figure)

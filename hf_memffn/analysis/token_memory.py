@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .arguments import (check_at_least, check_ids, check_token_list, check_token_memory_layers,
                         num_embeddings_of)
-from .memory_banks import MemoryBank, decoder_of, memory_banks
+from .memory_banks import MemoryBank, decoder_of, memory_banks, model_device
 
 
 def token_memory_banks(model: torch.nn.Module) -> list[MemoryBank]:
@@ -55,15 +55,22 @@ class TokenMemoryMap:
 
 @torch.no_grad()
 def token_memory_map(
-    model: torch.nn.Module, layers: Sequence[int] | None = None, top_k: int = 8, chunk_size: int = 4096
+    model: torch.nn.Module, layers: Sequence[int] | None = None, top_k: int = 8, chunk_size: int = 4096,
+    vocab_size: int | None = None,
 ) -> list[TokenMemoryMap]:
-    """The token-to-memory map over the whole vocabulary: per layer, each token's `top_k` cells by coefficient."""
+    """The token-to-memory map over the whole vocabulary: per layer, each token's `top_k` cells by coefficient.
+
+    `vocab_size`: map the ids `0..vocab_size - 1` only, e.g. `len(tokenizer)` where the embedding has rows no token
+    uses (a vocabulary padded to a round size); default: every row of the embedding."""
     check_at_least(1, top_k=top_k, chunk_size=chunk_size)
+    if vocab_size is not None:
+        check_at_least(1, vocab_size=vocab_size)
     banks = token_memory_banks(model)
     if layers is not None:
         check_token_memory_layers(layers, [bank.layer for bank in banks], "layers")
         banks = [bank for bank in banks if bank.layer in set(layers)]
-    vocab_size = decoder_of(model).embed_tokens.weight.shape[0]
+    rows = num_embeddings_of(model)
+    vocab_size = rows if vocab_size is None else min(vocab_size, rows)
     token_ids = torch.arange(vocab_size)
     maps = []
     for bank in tqdm(banks, desc="token-to-memory map", unit="layer"):
@@ -75,6 +82,9 @@ def token_memory_map(
             values.append(top.values)
         maps.append(TokenMemoryMap(bank.layer, torch.cat(cells), torch.cat(values)))
     return maps
+
+
+MAX_CLUSTERED_TOKENS = 8192  # the vocabulary ids `token_clusters` takes by default (its first ones)
 
 
 @dataclass
@@ -91,7 +101,7 @@ def token_clusters(
     layer: int,
     num_clusters: int = 16,
     token_ids: torch.Tensor | None = None,
-    max_tokens: int = 8192,
+    max_tokens: int = MAX_CLUSTERED_TOKENS,
     iterations: int = 25,
     num_shared_cells: int = 5,
     seed: int = 0,
@@ -179,7 +189,7 @@ def layer_contributions(model: torch.nn.Module, token_lists: Sequence[list[int]]
     """
     decoder = decoder_of(model)
     num_layers = len(decoder.layers)
-    device = next(model.parameters()).device
+    device = model_device(model)
     sums = {"attention": [0.0] * num_layers, "ffn": [0.0] * num_layers, "memory": [0.0] * num_layers}
     handles = []
 

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .arguments import check_at_least, check_cells, check_ids, check_token_list, num_embeddings_of
 from .coefficients import record_coefficients
-from .memory_banks import MemoryBank
+from .memory_banks import MemoryBank, model_device
 
 
 class TopKPerCell:
@@ -110,7 +110,7 @@ def top_triggering_prefixes(
     and their prefixes. A token id outside the model's embedding is refused when its text is read.
     """
     check_at_least(1, k=k, batch_size=batch_size, prefix_length=prefix_length)
-    device = next(model.parameters()).device
+    device = model_device(model)
     unknown = sorted(set(cells or {}) - {bank.name for bank in banks})
     if unknown:
         raise ValueError(f"cells names banks {unknown} that are not among `banks`; allowed: "

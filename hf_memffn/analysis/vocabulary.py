@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import check_at_least, check_cells
-from .memory_banks import MemoryBank, decoder_of
+from .memory_banks import MemoryBank, decoder_of, output_embedding
 from .triggers import Trigger
 
 
@@ -30,7 +30,7 @@ class ValueProjection:
 def vocabulary_logits(model: torch.nn.Module, vectors: torch.Tensor) -> torch.Tensor:
     """`[n, vocab]` logits of model-space vectors read through the final norm and the output embedding."""
     norm = decoder_of(model).norm
-    head = model.get_output_embeddings()
+    head = output_embedding(model)
     weight = head.weight
     with torch.no_grad():
         return head(norm(vectors.to(device=weight.device, dtype=weight.dtype))).float()
@@ -43,11 +43,16 @@ def project_values(
     cells: Sequence[int] | torch.Tensor | None = None,
     top_n: int = 10,
     chunk_size: int = 512,
+    vocab_size: int | None = None,
 ) -> ValueProjection:
     """The `top_n` tokens each memory cell's value vector promotes (and demotes), computed in chunks of cells.
 
-    `cells`: flat cell indices, `0..bank.num_cells - 1` (default: every cell)."""
+    `cells`: flat cell indices, `0..bank.num_cells - 1` (default: every cell).
+    `vocab_size`: rank the ids `0..vocab_size - 1` only, e.g. `len(tokenizer)` where the output embedding has rows no
+    token uses (a vocabulary padded to a round size); default: every row."""
     check_at_least(1, top_n=top_n, chunk_size=chunk_size)
+    if vocab_size is not None:
+        check_at_least(1, vocab_size=vocab_size)
     if cells is None:
         cells = torch.arange(bank.num_cells)
     else:
@@ -56,7 +61,7 @@ def project_values(
     outputs: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, len(cells), chunk_size):
         chunk = cells[start : start + chunk_size]
-        logits = vocabulary_logits(model, values[chunk.to(values.device)])
+        logits = vocabulary_logits(model, values[chunk.to(values.device)])[:, :vocab_size]
         n = min(top_n, logits.shape[-1])
         top = logits.topk(n, dim=-1)
         bottom = logits.topk(n, dim=-1, largest=False)
