@@ -261,12 +261,15 @@ def test_token_memory_edit_touches_only_the_edited_token():
         torch.testing.assert_close(next_token_probabilities(model, other), before)
 
 
-def test_flash_mhf_value_edit_moves_the_model_space_value():
+@pytest.mark.parametrize("head", [3, 1], ids=["last_head", "second_head"])
+def test_flash_mhf_value_edit_moves_the_model_space_value(head):
+    """The tiny model's 4 heads share 2 value heads (heads 0-1 the first, 2-3 the second): an edit of head 1 must
+    change the first value head, which head 3 alone does not tell from a wrong head -> value head mapping."""
     model = build("flash_mhf")
     bank = memory_banks(model)[1]
-    cell = bank.num_cells - 3  # last head
-    head_dim = bank.memory.head_dim
-    out_head = model.model.layers[1].mlp.out_proj.weight.detach()[:, -head_dim:]  # [d, d_h]
+    num_heads, head_dim = bank.memory.num_heads, bank.memory.head_dim
+    cell = (head + 1) * bank.num_cells // num_heads - 3  # a cell of `head`
+    out_head = model.model.layers[1].mlp.out_proj.weight.detach()[:, head * head_dim:(head + 1) * head_dim]  # [d, d_h]
     before = bank.value_vectors()[cell].clone()
     reachable = out_head @ torch.randn(head_dim)  # a change the head can write through out_proj
     with ValueEdit(bank, cell, reachable):
@@ -276,6 +279,24 @@ def test_flash_mhf_value_edit_moves_the_model_space_value():
     projection = out_head @ torch.linalg.lstsq(out_head, anywhere[:, None]).solution[:, 0]
     with ValueEdit(bank, cell, anywhere):
         torch.testing.assert_close(bank.value_vectors()[cell] - before, projection, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["llama", "memoryllm", "flash_mhf"])
+def test_the_value_delta_for_an_output_change_moves_the_output_by_it(case):
+    """`value_delta_for_output(cell, c, change)` is the value edit that moves the bank's output by `change` where the
+    coefficients are `c` (a FlashMHF head reaches a d_h-dim span only: there, the full component along `change`)."""
+    model = build(case)
+    bank = [bank for bank in memory_banks(model) if bank.layer == 1][-1]
+    coefficients = coefficients_for_ids(model, torch.tensor([11, 42, 7, 99, 5]))[bank.name][-1]
+    cell = int(coefficients.abs().argmax())
+    change = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    before = bank.output_from_coefficients(coefficients)
+    with ValueEdit(bank, cell, bank.value_delta_for_output(cell, coefficients, change)):
+        moved = bank.output_from_coefficients(coefficients) - before
+    if bank.kind == "flash_mhf":
+        assert float(moved @ change) == pytest.approx(float(change @ change), rel=1e-3)
+    else:
+        torch.testing.assert_close(moved, change, rtol=1e-3, atol=1e-3)
 
 
 def test_token_clusters_group_tokens_that_share_cells():

@@ -93,6 +93,21 @@ def test_rms_norm_module_paths_agree():
         assert relative_error(modules["triton"].weight.grad, modules["torch"].weight.grad) < 2e-2
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_on_pytorch_operations_equals_llamas(dtype):
+    """The PyTorch path (what CPU runs and every path is compared against) normalizes in float32 whatever the input
+    dtype, as transformers' LlamaRMSNorm does: the same weights give Llama's values bit for bit, 16-bit inputs too."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ours, llama = MemFFNRMSNorm(64, 1e-5, kernels="torch"), LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        for module in (ours, llama):
+            module.weight.copy_(1 + randn(64, seed=1, scale=0.2).cpu())
+    ours, llama = ours.to(dtype), llama.to(dtype)
+    x = randn(3, 5, 64, seed=0, scale=30.0).cpu().to(dtype)
+    assert torch.equal(ours(x), llama(x))
+
+
 @needs_kernels
 def test_rms_norm_of_no_rows():
     x = torch.empty(0, 5, 64, device=DEVICE, requires_grad=True)

@@ -473,15 +473,22 @@ def kvffn_key_and_value(mlp):
     return weight[0::2], bias[0::2], weight[1::2], bias[1::2]
 
 
-@pytest.mark.parametrize("variant", ["kvffn", "kvffn+x", "relu", "glu", "densenet"])
+@pytest.mark.parametrize("variant", ["kvffn", "kvffn+x", "kvffn+sum", "relu", "glu", "densenet"])
 def test_kvffn_block_matches_its_formula(variant):
+    """Each variant against its formula; "kvffn+sum" is the ablation `kvffn_composition="sum"` with
+    `kvffn_activation="gelu"`, act(keys) + values (on CPU nothing else computes it from the weights)."""
     inner_residual = variant == "kvffn+x"
-    model = build("kvffn", ffn_variant=variant.removesuffix("+x"), kvffn_inner_residual=inner_residual).double()
+    ablation = dict(kvffn_composition="sum", kvffn_activation="gelu") if variant == "kvffn+sum" else {}
+    model = build("kvffn", ffn_variant=variant.split("+")[0], kvffn_inner_residual=inner_residual,
+                  **ablation).double()
     mlp = model.model.layers[0].mlp
     x = torch.randn(2, 3, 64, dtype=torch.float64)
     key_weight, key_bias, value_weight, value_bias = kvffn_key_and_value(mlp)
     key = x @ key_weight.T + key_bias
-    if variant.startswith("kvffn"):
+    if variant == "kvffn+sum":
+        hidden = F.gelu(key) + (x @ value_weight.T + value_bias)
+        expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias
+    elif variant.startswith("kvffn"):
         hidden = F.silu(key) * (x @ value_weight.T + value_bias)
         expected = hidden @ mlp.out_proj.weight.T + mlp.out_proj.bias + (x if inner_residual else 0)
     elif variant == "relu":
@@ -635,6 +642,15 @@ def test_decoder_wiring(arch):
         if memory is not None:
             expected = expected + memory[:, :, i]
         torch.testing.assert_close(layer_out, expected)
+
+
+def test_flex_memoryllm_gives_ffn_c_and_ffn_m_their_own_widths():
+    """FFN-C (on the layer input) is `intermediate_size` wide and FFN-M (on X0) `memory_intermediate_size` wide, as
+    `flex_memoryllm_split` sizes them; the tiny models give both the same width, which hid a swap or a lost field."""
+    model = build("flex_memoryllm", intermediate_size=48, memory_intermediate_size=80)
+    assert model.model.layers[0].mlp.gate_proj.out_features == 48
+    assert tuple(model.model.memory.gate_proj.shape) == (2, 80, 64)
+    assert tuple(model.model.memory.down_proj.shape) == (2, 64, 80)
 
 
 def test_memory_on_x0_is_context_free():

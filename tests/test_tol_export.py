@@ -195,6 +195,15 @@ def test_format_reports_its_error_and_lookup_stays_within_it(model, tmp_path, fm
         model.unload_tols()
     if fmt == "lowrank" and "energy" in options:
         assert all(1 <= r < model.config.hidden_size for r in report["ranks"])
+        # each layer's rank is the smallest that keeps `energy` of the squared singular values of its outputs, and
+        # the table keeps those directions: what it loses is at most the rest (plus the bf16 rounding of its factors)
+        exact = exact.double()
+        for layer, rank in zip(report["layers"], report["ranks"]):
+            kept = torch.linalg.svdvals(exact[:, layer]).pow(2).cumsum(0)
+            kept = kept / kept[-1]
+            assert float(kept[rank - 1]) >= options["energy"] > (float(kept[rank - 2]) if rank > 1 else 0.0)
+        lost = (got.double() - exact).pow(2).sum() / exact.pow(2).sum()
+        assert float(lost) <= 1 - options["energy"] + 1e-2, float(lost)
     if fmt == "lowrank" and "rank" in options:
         assert report["max_relative_error"] < 1e-5  # full rank in fp32 is exact up to rounding
 
@@ -463,6 +472,16 @@ def test_table_from_other_weights_is_refused(exported):
     other = build(seed=0)
     with torch.no_grad():
         other.model.memory.down_proj[1, 2, 3] *= 2
+    with pytest.raises(TokenLookupError, match="other weights"):
+        other.load_tols(exported, placement="cpu")
+    assert other.model.token_lookup is None
+
+
+@pytest.mark.parametrize("field, value", [("rms_norm_eps", 1e-3), ("hidden_act", "gelu")])
+def test_a_table_is_refused_by_the_same_weights_under_a_config_that_computes_other_rows(exported, field, value):
+    """The rows depend on the memory FFN's norm eps and activation as much as on its weights: a model built with another
+    of them (same weights) would add rows it does not compute."""
+    other = build(seed=0, **{field: value})
     with pytest.raises(TokenLookupError, match="other weights"):
         other.load_tols(exported, placement="cpu")
     assert other.model.token_lookup is None
