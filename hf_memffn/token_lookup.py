@@ -707,6 +707,13 @@ class TokenLookupTable(nn.Module):
     # the parameter names of the FFNs on X0 when the table was loaded (`load_tols`; None: not recorded), which
     # `check_sources` compares at each forward: an adapter added since changes them
     memory_parameters_at_load: tuple[str, ...] | None = None
+    # What the table's rows are computed from, as `record_sources` saw it: the token embedding and FFNs on X0 modules,
+    # and (name, module holding it, its key there, tensor, version counter) of each of their tensors (None: not
+    # recorded yet, as in a copy); `check_sources` compares them at each eager forward. (Tensors, not weak references:
+    # `torch.utils.swap_tensors`, which casts use under torch.__future__'s setting, refuses a tensor that has one.)
+    source_modules: tuple[nn.Module, nn.Module | None] | None = None
+    source_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] | None = None
+    copied_changed_source: str | None = None
 
     def __init__(self, index: TableIndex, device: torch.device | str | None = None, kernel: str = "auto"):
         super().__init__()
@@ -795,13 +802,12 @@ class TokenLookupTable(nn.Module):
         """A TokenLookupError if an adapter was put on the token embedding or on the FFNs on X0 (`memory`) of `base`
         after `load_tols` (PEFT's LoRA, `target_parameters` or `modules_to_save`, as `load_adapter` or `get_peft_model`
         add them; `hf_memffn.adapters`' LoRA or int8): the table holds the FFNs on X0 of the weights it was exported
-        from, so reading it would leave the adapter out of them."""
+        from, so reading it would leave the adapter out of them; so is a change of those weights since
+        (`check_source_versions`)."""
         refuse_embedding_adapters(base.embed_tokens, loaded=True)
         memory = getattr(base, "memory", None)
-        if memory is None or self.memory_parameters_at_load is None:
-            return
-        names = memory_parameter_names(memory)
-        if names != self.memory_parameters_at_load:
+        names = memory_parameter_names(memory) if memory is not None else None
+        if None not in (names, self.memory_parameters_at_load) and names != self.memory_parameters_at_load:
             changed = sorted(set(names) - set(self.memory_parameters_at_load)) or sorted(
                 set(self.memory_parameters_at_load) - set(names))
             raise TokenLookupError(
@@ -809,6 +815,93 @@ class TokenLookupTable(nn.Module):
                 "adapter put on them after load_tols, such as PEFT's target_parameters LoRA or modules_to_save, or "
                 "hf_memffn.adapters' LoRA or int8), which the table does not hold; call unload_tols() to compute the "
                 "FFNs on X0 again, or merge the adapter and export the table from the merged model")
+
+        self.check_source_versions(base)
+
+    def record_sources(self, base: nn.Module) -> None:
+        """Remember the tensors of `base` that the table's rows depend on and their version counters (which every
+        in-place change bumps), for `check_source_versions`; called when the weights are known to be the table's."""
+        memory = getattr(base, "memory", None)
+        self.source_modules = (base.embed_tokens, memory)
+        self.source_versions = [
+            (f"{prefix}.{path}{'.' if path else ''}{key}", owner, key, tensor, tensor._version)
+            for prefix, module in (("embed_tokens", base.embed_tokens), ("memory", memory)) if module is not None
+            for path, owner in module.named_modules()
+            for key, tensor in (*owner._parameters.items(), *owner._buffers.items())
+            # (no counter: a meta tensor, which a device map's offloading puts in place of a weight between forwards,
+            # its stored copy being what changes, and an inference tensor, made under torch.inference_mode)
+            if tensor is not None and not tensor.is_meta and not tensor.is_inference()]
+        self.copied_changed_source = None
+
+    def changed_source(self, base: nn.Module) -> str | None:
+        """The name of the first tensor that the rows depend on that was changed in place or replaced in `base` since
+        `record_sources` (the cost of a forward: two attribute reads, then a dict lookup, an identity and an int
+        compare per tensor)."""
+        recorded = self.source_versions
+        if recorded is None:  # a copy that has not run a forward yet (see `__getstate__`)
+            return self.copied_changed_source
+        embedding, memory = self.source_modules
+        if base.embed_tokens is not embedding:
+            return "embed_tokens"
+        if getattr(base, "memory", None) is not memory:
+            return "memory"
+        for name, owner, key, tensor, version in recorded:
+            current = owner._parameters.get(key)
+            if current is None:
+                current = owner._buffers.get(key)
+            if current is not tensor or tensor._version != version:
+                return name
+        return None
+
+    def check_source_versions(self, base: nn.Module) -> None:
+        """A TokenLookupError if the token embedding or the FFNs on X0 of `base` changed since `load_tols` (an
+        in-place edit, `model.apply`, `copy_`, an optimizer step, a tensor assigned in place of one): the table holds
+        the FFNs on X0 of the weights it was exported from. A changed tensor is checked against the table's
+        fingerprint, as `load_tols` checks it, so weights changed and restored, or cast, are taken again.
+
+        Not seen: writes through `tensor.data` (PEFT's `merge_and_unload` writes so), fused optimizers (`fused=True`:
+        torch 2.13's fused step left the counter as it was, on the CPU), tensors on the meta device (offloaded by a
+        device map: their stored copy is what changes) and inference tensors (created under `torch.inference_mode`),
+        which have no version counter."""
+        if self.source_versions is None:  # a copy: its tensors are others, with counters of their own
+            changed = self.copied_changed_source
+            if changed is None:
+                self.record_sources(base)
+                return
+        else:
+            changed = self.changed_source(base)
+            if changed is None:
+                return
+        remedy = ("call unload_tols() to compute the FFNs on X0 from the weights as they are now, or export the table "
+                  "again from them (export_tols) and load_tols it")
+        if getattr(base, "memory", None) is None:  # (dropped: the weights cannot be checked against the table)
+            remedy = ("the FFNs on X0 were dropped (drop_memory_ffn), so this model can neither compute them nor "
+                      "export their table: load the model again, change its weights there and export the table again "
+                      "from them (export_tols)")
+        else:
+            try:
+                check_table_matches(self.index, base)
+            except TokenLookupError:
+                pass
+            else:
+                self.record_sources(base)
+                return
+        raise TokenLookupError(
+            f"{changed} changed since the token lookup table in {self.index.directory} was loaded (an in-place edit, "
+            f"model.apply, an optimizer step, a copy_ or another tensor put in its place): the table holds the FFNs "
+            f"on X0 of the weights it was exported from, not of these; {remedy}")
+
+    def __getstate__(self):
+        # A copy's tensors are others, with counters of their own (and the table alone, pickled, must not carry the
+        # model's weights): the copy records its tensors at its first forward, keeping which one had changed here so
+        # that it is refused as this table is
+        state = dict(super().__getstate__())
+        state.pop("source_modules", None)
+        recorded = state.pop("source_versions", None) or []
+        if state.get("copied_changed_source") is None:
+            state["copied_changed_source"] = next(
+                (name for name, _, _, tensor, version in recorded if tensor._version != version), None)
+        return state
 
     def _host_buffers(self) -> tuple[str, ...]:
         """Buffers that live in host memory even when they are CUDA tensors (aliases of pinned host memory)."""
@@ -1382,6 +1475,7 @@ def keep_tables_through(merge, model: nn.Module):
     result = merge()
     for base, table in holding:
         table.memory_parameters_at_load = memory_parameter_names(base.memory)
+        table.record_sources(base)  # (the merged weights are new tensors, holding the values the table holds)
     return result
 
 
@@ -1425,10 +1519,26 @@ class TokenLookupMixin:
         # refuse a move of a model reading a table before any parameter moves (nothing is left half-moved)
         base = self.__dict__.get("_modules", {}).get("model", self)  # (no lookup that can fail mid-construction)
         table = getattr(base, "token_lookup", None)
-        if table is not None:
-            refuse_device_change(table, fn)
-            refuse_discarding_values(table, fn)
-        return super()._apply(fn, *args, **kwargs)
+        if table is None:
+            return super()._apply(fn, *args, **kwargs)
+        refuse_device_change(table, fn)
+        refuse_discarding_values(table, fn)
+        unchanged = table.changed_source(base) is None
+        result = super()._apply(fn, *args, **kwargs)
+        if unchanged:  # a cast keeps the values (swapping tensors, under torch.__future__'s setting, renews counters)
+            table.record_sources(base)
+        return result
+
+    def load_state_dict(self, *args, **kwargs):
+        # other values for the table's inputs are refused (`_load_from_state_dict`), so the weights loaded into them
+        # are their own values again: the counters that the copy bumped are recorded, not taken for a change
+        base = self.__dict__.get("_modules", {}).get("model", self)  # (as `_load_from_state_dict` finds it)
+        table = getattr(base, "token_lookup", None)
+        unchanged = table is not None and table.changed_source(base) is None
+        result = super().load_state_dict(*args, **kwargs)
+        if unchanged:
+            table.record_sources(base)
+        return result
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # `load_state_dict` reaches the decoder before its embedding and memory FFN: other values for them are
@@ -1473,6 +1583,7 @@ class TokenLookupMixin:
                            kernel=kernel)
         memory = getattr(base, "memory", None)
         table.memory_parameters_at_load = memory_parameter_names(memory) if memory is not None else None
+        table.record_sources(base)  # (the weights the fingerprint was just checked of)
         base.token_lookup = table
         if drop_memory_ffn:
             self.drop_memory_ffn()
@@ -1535,6 +1646,7 @@ class TokenLookupMixin:
         base._dropped_memory_parameters = counts["total"] - counts["active"]
         base.memory = None
         del memory
+        table.record_sources(base)  # (unchanged: checked above; the table lets go of the FFNs' tensors)
         if on_cuda:
             torch.cuda.empty_cache()
         return freed

@@ -529,6 +529,124 @@ def test_to_empty_while_a_table_is_loaded_is_refused_before_any_weight_changes(e
         dropped.to_empty(device="cpu")
 
 
+def change_in_place(model, how):
+    """Change a weight a loaded table was computed from the ways users do, none of which goes through load_tols."""
+    memory, embedding = model.model.memory, model.model.embed_tokens
+    if how == "no_grad":
+        with torch.no_grad():
+            embedding.weight.mul_(2)
+    elif how == "apply":
+        model.apply(lambda module: torch.nn.init.normal_(module.down_proj) if module is memory else None)
+    elif how == "copy_":
+        with torch.no_grad():
+            memory.gate_proj.copy_(memory.gate_proj + 0.01)
+    elif how == "assigned":
+        memory.up_proj = torch.nn.Parameter(memory.up_proj.detach() * 2)
+    elif how == "module_load_state_dict":  # (into the module itself: the model's check of the values is not run)
+        embedding.load_state_dict({"weight": embedding.weight.detach() + 0.01})
+    elif how == "optimizer":  # (a step in eval mode: a train-mode forward refuses gradients on these weights)
+        optimizer = torch.optim.AdamW([embedding.weight], lr=0.1)
+        ids = torch.randint(0, model.config.vocab_size, (2, 7))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("how", ["no_grad", "apply", "copy_", "assigned", "module_load_state_dict", "optimizer"])
+def test_weights_changed_in_place_under_a_loaded_table_are_refused_at_the_next_forward(exported, how):
+    """Changes of the token embedding or the FFNs on X0 after `load_tols` (an edit under no_grad, `model.apply`,
+    `copy_`, a new tensor put in place of one, a `load_state_dict` into the module, an optimizer step) left the model
+    reading the table of the old weights: lookup logits differed from compute logits without a word. The next eager
+    forward (and `drop_memory_ffn`) now refuses, naming the table's folder, the weight and the ways out; after
+    `unload_tols` the model computes from the new weights."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    fresh.load_tols(directory, placement="cpu")
+    change_in_place(fresh, how)
+    changed = {"apply": "memory.down_proj", "copy_": "memory.gate_proj", "assigned": "memory.up_proj"}.get(
+        how, "embed_tokens.weight")
+    refused = (rf"{changed} changed since the token lookup table in {directory} was loaded.*"
+               r"unload_tols\(\).*export")
+    with torch.no_grad(), pytest.raises(TokenLookupError, match=refused):
+        fresh(input_ids=ids)
+    with pytest.raises(TokenLookupError, match=refused):
+        fresh.drop_memory_ffn()
+    fresh.unload_tols()
+    with torch.no_grad():
+        fresh(input_ids=ids)
+
+
+def test_a_weight_changed_in_place_and_restored_reads_the_table_again(exported):
+    """A changed counter alone is not a refusal: the weights are checked against the table's fingerprint, as
+    `load_tols` checks them, and the table is read again when they are the exported ones."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        expected = fresh(input_ids=ids).logits
+    fresh.load_tols(directory, placement="cpu")
+    with torch.no_grad():
+        fresh.model.embed_tokens.weight.mul_(2).div_(2)  # (exact: powers of two)
+        assert relative(fresh(input_ids=ids).logits, expected) < 1e-5
+
+
+def test_loaded_table_takes_casts_copies_generate_and_same_weights_without_a_false_alarm(exported, monkeypatch):
+    """What keeps the weights' values runs as before, without hashing them against the table's fingerprint: forwards
+    under no_grad / inference_mode, generate, gradient checkpointing with the embedding and the FFNs on X0 frozen,
+    casts (with tensor swapping too), loading the same weights, copies; a copy of a model whose weights changed is
+    refused like the model. Once the FFNs on X0 are dropped the weights cannot be checked against the table: a change
+    of the embedding is refused, naming the way out, and loading its same values still runs."""
+    from hf_memffn import token_lookup
+
+    model, directory = exported
+    arch = model.config.model_type.replace("memffn_", "")
+    fresh = build(arch)
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    saved = {name: tensor.clone() for name, tensor in fresh.state_dict().items()}
+    fresh.load_tols(directory, placement="cpu")
+    checks = []
+    monkeypatch.setattr(token_lookup, "check_table_matches", lambda *args: checks.append(args))
+    with torch.inference_mode():
+        fresh(input_ids=ids)
+    fresh.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    fresh.requires_grad_(False)
+    fresh.lm_head.requires_grad_(True)
+    fresh.activation_checkpointing_enable()
+    fresh.train()
+    fresh(input_ids=ids, labels=ids).loss.backward()
+    fresh.eval()
+    fresh.activation_checkpointing_disable()
+    fresh.disable_input_require_grads()  # (its hook, a local function, would not pickle for the copies below)
+    fresh.load_state_dict(saved)
+    fresh.to(torch.bfloat16)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        fresh.float()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    for copied in copies_of(fresh).values():
+        with torch.no_grad():
+            copied(input_ids=ids)
+    with torch.no_grad():
+        fresh(input_ids=ids)
+    assert not checks
+    monkeypatch.undo()
+    with torch.no_grad():
+        fresh.model.memory.up_proj.add_(1.0)
+    for copied in copies_of(fresh).values():
+        with torch.no_grad(), pytest.raises(TokenLookupError, match=r"memory\.up_proj changed since"):
+            copied(input_ids=ids)
+    dropped = build(arch)
+    dropped.load_tols(directory, placement="cpu", drop_memory_ffn=True)
+    embedding = {name: tensor.clone() for name, tensor in dropped.state_dict().items()}
+    dropped.load_state_dict(embedding)
+    with torch.no_grad():
+        dropped(input_ids=ids)
+        dropped.model.embed_tokens.weight.add_(1.0)
+        with pytest.raises(TokenLookupError, match=r"embed_tokens\.weight changed since.*load the model again"):
+            dropped(input_ids=ids)
+
+
 def copies_of(model) -> dict:
     """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
     of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
