@@ -1045,8 +1045,11 @@ class _CachedTokenLookupTable(TokenLookupTable):
         self._cache_lock = threading.Lock()
 
     def __getstate__(self):
+        # A CUDA stream and a lock cannot be copied or pickled (`copy.deepcopy`, `torch.save` and torch.multiprocessing
+        # of the model failed on "cannot pickle 'torch.Stream' object"): a copy makes its own; no forward reads its
+        # slots yet.
         state = dict(super().__getstate__())
-        for name in ("_finished_readers", "_cache_lock"):  # (a lock cannot be copied; a copy has no readers yet)
+        for name in ("copy_stream", "_finished_readers", "_cache_lock"):
             state.pop(name, None)
         if "slot_readers" in state:
             state["slot_readers"] = torch.zeros_like(state["slot_readers"])
@@ -1054,7 +1057,8 @@ class _CachedTokenLookupTable(TokenLookupTable):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        if "slot_readers" in state:
+        if "slot_readers" in state:  # (a table with a device cache)
+            self.copy_stream = torch.cuda.Stream(self.device)
             self._finished_readers = deque()
             self._cache_lock = threading.Lock()
 

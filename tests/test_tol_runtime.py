@@ -692,6 +692,32 @@ def test_a_disk_table_copied_after_its_folder_was_exported_again_is_refused(expo
         model.unload_tols()
 
 
+def test_a_disk_table_cache_is_copied_with_a_stream_and_lock_of_its_own_and_no_readers(exported, monkeypatch):
+    """A table with a device cache holds its side stream, a lock and the count of live forwards reading each slot:
+    neither a CUDA stream nor a lock can be copied or pickled (on a GPU, `copy.deepcopy`, `torch.save` and
+    torch.multiprocessing of the model failed on "cannot pickle 'torch.Stream' object"), so a copy makes its own,
+    and no forward reads its slots yet. A CPU table has no cache: its state is built here by hand, with a stream
+    that cannot be pickled either and `torch.cuda.Stream` standing in for the copy's."""
+    model, directory = exported
+    table = model.load_tols(directory, placement="disk")
+    try:
+        table.token_in_slot = torch.full((16,), -1, dtype=torch.int64)
+        table.copy_stream = torch.Stream(device="cpu")
+        table._init_slot_readers()
+        table.slot_readers[10] = 2  # two forwards read slot 10, one of them finished
+        table._finished_readers.append((torch.tensor([10]), table.copy_stream))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("new stream on", device))
+        copies = {"deepcopy": copy.deepcopy(table), "pickle": pickle.loads(pickle.dumps(table)),
+                  "torch.multiprocessing": pickle.loads(bytes(ForkingPickler.dumps(table)))}
+        for how, copied in copies.items():
+            assert copied.copy_stream == ("new stream on", table.device), how
+            assert copied._cache_lock is not table._cache_lock and not copied._cache_lock.locked(), how
+            assert len(copied._finished_readers) == 0 and not copied.slot_readers.any(), how
+        assert table.slot_readers[10] == 2 and len(table._finished_readers) == 1  # (the original's own unchanged)
+    finally:
+        model.unload_tols()
+
+
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
 def test_a_model_reading_a_lowrank_table_is_copied_pickled_and_saved_whole(tmp_path, placement):
     """A low-rank table's bases are its own tensors, not views of the mapped shard (which made torch.multiprocessing
@@ -872,6 +898,28 @@ def test_disk_cache_refills_no_slot_a_live_forward_reads(tmp_path):
     third = table.readout(third_ids[None])
     assert third.rows is table.cache_rows
     assert torch.equal(rows_read(third), table._host_rows(third_ids.cpu())[0])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_disk_cache_model_on_gpu_is_copied_pickled_and_saved_whole(exported):
+    """A model on a GPU reading a disk table with a device cache (its side stream made `copy.deepcopy`, `torch.save`
+    and torch.multiprocessing fail: "cannot pickle 'torch.Stream' object"): each copy gives the logits of compute
+    mode, for the tokens cached before the copy and for new ones, which it copies into its cache on its own stream."""
+    cpu_model, directory = exported
+    model = build(cpu_model.config.model_type.replace("memffn_", ""), device="cuda")
+    # (6 tokens above the 16 static ones: the new ones fit the 16 refilled slots)
+    first, later = (torch.randint(16, model.config.vocab_size, (1, 6), device="cuda") for _ in range(2))
+    with torch.no_grad():
+        expected = [model(input_ids=ids).logits for ids in (first, later)]
+        model.load_tols(directory, placement="disk", cache_rows=32)
+        model(input_ids=first)
+        for how, copied in copies_of(model).items():
+            table = copied.model.token_lookup
+            assert table.use_cache and table.copy_stream is not model.model.token_lookup.copy_stream, how
+            for ids, logits in zip((first, later), expected):
+                assert relative(copied(input_ids=ids).logits, logits) < 1e-5, how
+            assert table.cache_hits >= torch.unique(first).numel(), how  # (first's tokens: copied with the cache)
 
 
 @pytest.mark.gpu
