@@ -241,6 +241,16 @@ def pipeline_parallel_plan(config) -> dict[str, tuple[list[str], list[str]]]:
 TRITON_FFN_HEAD_DIMS = (64, 128, 256)
 DECODER_KERNELS = ("auto", "triton", "torch")  # decoder's norms and rotations, KV-FFN's activation (*_triton.py)
 ROPE_PARAMETERS_REQUIREMENT = "must be None or a dict such as {'rope_type': 'linear', 'factor': 2.0}"
+ROPE_FIELDS = ("rope_parameters", "rope_scaling")  # (transformers' RoPE dict, and its older name)
+
+
+def _copy_rope_dicts(fields: dict) -> None:
+    """Replaces the RoPE dicts of `fields` (keyword arguments) by copies: transformers standardizes the `rope_scaling`
+    it is given in place, adding this config's `rope_theta` to the caller's dict, so one dict given to two configs
+    (the checkpoints of several thetas) carried the first one's theta into the second."""
+    for field in ROPE_FIELDS:
+        if isinstance(fields.get(field), dict):
+            fields[field] = dict(fields[field])
 
 
 def _refuse_per_layer_rope(config_name: str, field: str, value) -> None:
@@ -305,6 +315,7 @@ class MemFFNConfig(PretrainedConfig):
         **kwargs,
     ):
         derived = self._pop_derived_fields(kwargs)
+        _copy_rope_dicts(kwargs)
         self.vocab_size = vocab_size
         self.decoder_kernels = decoder_kernels
         self.hidden_size = hidden_size
@@ -393,10 +404,11 @@ class MemFFNConfig(PretrainedConfig):
         which depend on the FFN's fields."""
         config_dict = cls._from_earlier_versions(config_dict)
         derived = cls._pop_derived_fields(kwargs)
+        _copy_rope_dicts(kwargs)
         for field, value in kwargs.items():  # (transformers sets the known ones and returns or drops the others)
             requirement = unknown_field_requirement(cls, field)
             _check(cls.__name__, requirement is None, field, value, requirement)
-        for field in ("rope_parameters", "rope_scaling"):  # (read below as a dict)
+        for field in ROPE_FIELDS:  # (read below as a dict)
             value = kwargs.get(field)
             _check(cls.__name__, value is None or isinstance(value, dict), field, value, ROPE_PARAMETERS_REQUIREMENT)
         _check_base_fields(cls.__name__, {field: kwargs[field] for field in BASE_FIELDS if field in kwargs})

@@ -145,6 +145,22 @@ def test_a_new_rope_theta_reaches_the_rotary_tables(tmp_path):
     assert scaled.config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
+@pytest.mark.parametrize("field", ["rope_scaling", "rope_parameters"])
+def test_one_rope_dict_given_to_several_configs_keeps_each_ones_theta(field, tmp_path):
+    """transformers standardizes a `rope_scaling` it is given in place, adding the config's `rope_theta` to the
+    caller's dict (in `__init__` under 5.17 and 5.25, in `from_pretrained` from 5.25): one dict given to the
+    checkpoints of two thetas, as a long-context evaluation does, gave the second one the first one's theta without
+    a word. Each config now has its own theta, and the dict is left as it was given."""
+    for theta in (10000.0, 500000.0):
+        tiny_config("kvffn", rope_theta=theta).save_pretrained(tmp_path / str(theta))
+    rope = {"rope_type": "linear", "factor": 2.0}
+    for theta in (10000.0, 500000.0):
+        assert tiny_config("kvffn", rope_theta=theta, **{field: rope}).rope_parameters["rope_theta"] == theta
+        loaded = AutoConfig.from_pretrained(tmp_path / str(theta), **{field: rope})
+        assert loaded.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": theta}
+    assert rope == {"rope_type": "linear", "factor": 2.0}
+
+
 @pytest.mark.parametrize("rope", [{"rope_type": "default", "partial_rotary_factor": 0.5},
                                   {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}])
 def test_a_partial_rotary_factor_is_refused_rather_than_ignored(rope):
