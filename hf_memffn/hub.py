@@ -331,13 +331,15 @@ def push_folder(
     create_pr: bool = False,
     commit_description: str | None = None,
 ):
-    """Create `repo_id` if needed and upload the checkpoint `folder` in one commit; return the commit info.
+    """Create `repo_id` if needed and upload the checkpoint `folder` in one commit (huggingface_hub 2 with `hf_xet`
+    installed commits a large folder in several batches); return the commit info.
 
     The uploaded model card names `repo_id` in its usage snippets and lists the token lookup tables the folder holds
     (`model_card.card_for_repository`); the card in `folder` itself is left as it is. Leftover temporary files and
     caches are not uploaded (`UPLOAD_IGNORE_PATTERNS`). The weights the repository held in other files under the
     same variant (`model.safetensors` where shards are pushed, or the reverse, or shards of another count) are
     removed in that commit: `from_pretrained` would load a `model.safetensors` left there, the earlier weights."""
+    check_pull_request_target(revision, create_pr)
     files = check_checkpoint_folder(folder)
     client = _hub_client(token)
     repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
@@ -364,6 +366,17 @@ def push_folder(
             ignore_patterns=UPLOAD_IGNORE_PATTERNS,
             delete_patterns=_replaced_weights_patterns(files),
         )
+
+
+def check_pull_request_target(revision: str | None, create_pr: bool) -> None:
+    """A ValueError where `create_pr` comes with a `revision` other than the default branch: huggingface_hub's
+    `upload_folder` (1.x and 2.x) opens a pull request against the default branch only and refuses the pair, after
+    the repository and the branch were created. Checked before anything is saved, created or uploaded."""
+    if create_pr and revision not in (None, "main"):
+        raise ValueError(f"create_pr=True (--create-pr) with revision={revision!r} (--revision): a pull request opens "
+                         "against the default branch only (huggingface_hub's upload_folder refuses the pair); drop "
+                         "the revision to open one there, or push to an open pull request with revision='refs/pr/N' "
+                         "and no create_pr")
 
 
 def _replaced_weights_patterns(files: list[str]) -> list[str]:
@@ -408,6 +421,7 @@ def push_checkpoint(
 ):
     """Save `model` with its model card, tokenizer, remote code (and attached token lookup table) into a temporary
     folder and push that folder in one commit (`push_kwargs`: those of `push_folder`)."""
+    check_pull_request_target(push_kwargs.get("revision"), push_kwargs.get("create_pr", False))
     with tempfile.TemporaryDirectory(prefix="memffn-push-") as folder:
         stage_checkpoint(model, folder, tokenizer=tokenizer, repo_id=repo_id, include_token_lookup=include_token_lookup,
                          max_shard_size=max_shard_size, tags=tags)

@@ -40,6 +40,8 @@ class FakeHubClient:
         `allow_patterns` / `ignore_patterns` (matched against the relative path) let through; and removes the files
         uploaded before that its `delete_patterns` match, unless uploaded again."""
         self.calls.append(("upload_folder", repo_id, kwargs))
+        if kwargs.get("create_pr") and kwargs.get("revision") not in (None, "main"):  # (as huggingface_hub refuses it)
+            raise ValueError(f"Cannot use `create_pr=True` with `revision={kwargs['revision']!r}`")
         root = Path(folder_path)
         names = [path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file()]
         sent = list(filter_repo_objects(names, allow_patterns=kwargs.get("allow_patterns"),
@@ -177,6 +179,7 @@ def test_push_refuses_a_cut_short_json_file_naming_it(damaged, fake_hub, tmp_pat
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert stop.value.code == 2 and len(errors) == 1 and expected in errors[0]
     assert fake_hub.calls == []
+
 
 @pytest.mark.parametrize("variant", [None, "fp16"])
 def test_push_folder_refuses_weights_that_an_earlier_save_shadows(variant, fake_hub, tmp_path):
@@ -408,6 +411,29 @@ def hub_http_error(status_code: int, message: str):
     return HfHubHTTPError(message, response=SimpleNamespace(status_code=status_code, headers={}, request=None))
 
 
+def test_a_pull_request_against_another_branch_is_refused_before_anything_is_created(fake_hub, tmp_path, capsys):
+    """huggingface_hub's `upload_folder` opens a pull request against the default branch only: `create_pr` with
+    another `revision` was refused by it after the repository and the branch had been created (and, through
+    `push_checkpoint`, the model saved). Refused first, naming both options and the ways that work."""
+    from huggingface_hub import HfApi
+
+    from hf_memffn.cli import main as cli_main
+
+    with pytest.raises(ValueError, match="create_pr"):  # (huggingface_hub's own refusal, before any request)
+        HfApi().upload_folder(repo_id="someone/tiny", folder_path=str(tmp_path), revision="dev", create_pr=True)
+    model = tiny_model("kvffn")
+    model.save_pretrained(tmp_path)
+    for push in (lambda: hub.push_folder(tmp_path, "someone/tiny", revision="dev", create_pr=True),
+                 lambda: hub.push_checkpoint(model, "someone/tiny", revision="dev", create_pr=True)):
+        with pytest.raises(ValueError, match=r"create_pr=True \(--create-pr\) with revision='dev' .*'refs/pr/N'"):
+            push()
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["push", str(tmp_path), "someone/tiny", "--revision", "dev", "--create-pr"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stop.value.code == 2 and len(errors) == 1 and "revision='dev' (--revision)" in errors[0]
+    assert fake_hub.calls == []
+
+
 def test_push_to_a_pull_requests_ref_or_a_branch_the_user_may_not_create(fake_hub, tmp_path, monkeypatch):
     """As transformers' `push_to_hub` does: a pull request's ref (`revision="refs/pr/1"`, to add to an open pull
     request) is uploaded to without creating a branch of that name, which the Hub refuses (HTTP 400); a pull request
@@ -435,9 +461,9 @@ def test_push_to_a_pull_requests_ref_or_a_branch_the_user_may_not_create(fake_hu
 
     forbidden.append(True)
     fake_hub.calls.clear()
-    hub.push_folder(tmp_path, "someone/tiny", revision="dev", create_pr=True)
+    hub.push_folder(tmp_path, "someone/tiny", revision="main", create_pr=True)
     assert [call[0] for call in fake_hub.calls] == ["create_repo", "upload_folder"]
-    assert (fake_hub.calls[-1][2]["revision"], fake_hub.calls[-1][2]["create_pr"]) == ("dev", True)
+    assert (fake_hub.calls[-1][2]["revision"], fake_hub.calls[-1][2]["create_pr"]) == ("main", True)
     fake_hub.calls.clear()
     with pytest.raises(Exception, match="Forbidden"):
         hub.push_folder(tmp_path, "someone/tiny", revision="dev")

@@ -36,11 +36,11 @@ def test_push_to_hub_takes_transformers_arguments(fake_hub):
     model.add_model_tags(["from-model"])
     model.push_to_hub(
         "someone/tiny", commit_message="first", commit_description="tiny FlashMHF", private=True, token="hf_x",
-        revision="v1", create_pr=True, max_shard_size="40KB", tags=["mine"], tokenizer=tiny_tokenizer(),
+        revision="main", create_pr=True, max_shard_size="40KB", tags=["mine"], tokenizer=tiny_tokenizer(),
     )
     upload = fake_hub.calls[-1][2]
     assert (upload["commit_message"], upload["commit_description"], upload["create_pr"]) == ("first", "tiny FlashMHF", True)
-    assert upload["revision"] == "v1" and fake_hub.calls[0][2]["private"] is True
+    assert upload["revision"] == "main" and fake_hub.calls[0][2]["private"] is True
     shards = [name for name in fake_hub.uploaded if re.fullmatch(r"model-\d+-of-\d+\.safetensors", name)]
     assert len(shards) > 1 and "model.safetensors.index.json" in fake_hub.uploaded
     tags = ModelCard(fake_hub.uploaded["README.md"].decode()).data.tags
