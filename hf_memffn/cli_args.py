@@ -176,11 +176,16 @@ def has_tokenizer(directory: str) -> bool:
 
 
 def load_causal_lm(source: str, what: str = "MODEL_DIR", **kwargs):
-    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` with a one-line error for an unreadable checkpoint."""
+    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` with a one-line error for an unreadable checkpoint.
+    A local folder whose weights were saved with a variant (`save_pretrained(folder, variant="fp16")`) loads with
+    that variant, which `from_pretrained` needs to find them and which the commands have no option for."""
     from transformers import AutoModelForCausalLM
 
     import hf_memffn  # noqa: F401  (registers the architectures)
+    from .hub import weights_variant
 
+    if "variant" not in kwargs and (variant := weights_variant(source)) is not None:
+        kwargs["variant"] = variant
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, SyntaxError, ImportError) as error:

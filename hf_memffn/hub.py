@@ -155,6 +155,13 @@ def weights_variant(folder: str | os.PathLike | None) -> str | None:
     return None if not variants or "" in variants else min(variants)
 
 
+def weights_file_names(variant: str | None) -> tuple[str, str]:
+    """The names `from_pretrained(folder, variant=variant)` reads the weights from: one file, and the index of
+    shards."""
+    infix = f".{variant}" if variant else ""
+    return f"model{infix}.safetensors", f"model.safetensors.index{infix}.json"
+
+
 def _variant_of(weights_name: str) -> str:
     """The variant in the name of a weights file or index of `_weights_files` ("fp16"), "" for none."""
     variant = (_WEIGHTS_INDEX_FILE.fullmatch(weights_name) or _WEIGHTS_FILE.fullmatch(weights_name)).group(1)
@@ -296,12 +303,25 @@ def stage_checkpoint(
     `max_shard_size` goes to `save_pretrained`, `tags` into the card's metadata. A `tokenizer` given here is attached
     for the save only: the model keeps the tokenizer it had attached before (or none).
     """
+    table = _table_to_stage(model, folder, include_token_lookup)
+    return _write_checkpoint(model, folder, table, tokenizer, repo_id, max_shard_size, tags)
+
+
+def _table_to_stage(model, folder: str | os.PathLike, include_token_lookup: bool):
+    """The token lookup table whose files `stage_checkpoint` copies into `folder` (None: none, or it is there
+    already); what `stage_checkpoint` refuses (weights saved with adapters or int8 attached, a table its checkpoint's
+    `load_tols` would not take) is refused here, before anything is written."""
     refuse_parametrized_weights(model)
     table = attached_table(model)
-    copy_table = include_token_lookup and table is not None and (Path(table.index.directory).resolve()
-                                                                 != Path(folder).resolve())
-    if copy_table:
-        check_table_to_save(table.index, model)  # (a table its checkpoint's load_tols takes: before writing)
+    if not include_token_lookup or table is None or Path(table.index.directory).resolve() == Path(folder).resolve():
+        return None
+    check_table_to_save(table.index, model)
+    return table
+
+
+def _write_checkpoint(model, folder: str | os.PathLike, table, tokenizer, repo_id: str | None,
+                      max_shard_size: int | str | None, tags) -> list[str]:
+    """The writing part of `stage_checkpoint`, the table `_table_to_stage` gave; returns the folder's files."""
     attach = getattr(model, "attach_tokenizer", None) if tokenizer is not None else None
     previous = getattr(model, "attached_tokenizer", None)
     if tokenizer is not None and attach is None:
@@ -310,7 +330,7 @@ def stage_checkpoint(
         attach(tokenizer)
     try:
         model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
-        if copy_table:
+        if table is not None:
             copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
         write_atomic(Path(folder) / "README.md",
                      render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))
@@ -342,6 +362,13 @@ def push_folder(
     check_pull_request_target(revision, create_pr)
     files = check_checkpoint_folder(folder)
     client = _hub_client(token)
+    repo_id = _create_repository(client, repo_id, private, revision, create_pr)
+    return _upload_checkpoint(client, folder, files, repo_id, revision, commit_message, create_pr, commit_description)
+
+
+def _create_repository(client, repo_id: str, private: bool | None, revision: str | None, create_pr: bool) -> str:
+    """Create the model repository `repo_id` and the branch `revision` where missing; returns the repository's full
+    id (`create_repo` puts "name" under the user's namespace)."""
     repo_id = client.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
     if revision is not None and not revision.startswith("refs/pr/"):
         # (as transformers' `push_to_hub`: a pull request's ref is uploaded to as it is, the Hub refuses a branch of
@@ -354,6 +381,12 @@ def push_folder(
         except HfHubHTTPError as error:
             if not (create_pr and getattr(error.response, "status_code", None) == 403):
                 raise
+    return repo_id
+
+
+def _upload_checkpoint(client, folder: str | os.PathLike, files: list[str], repo_id: str, revision: str | None,
+                       commit_message: str | None, create_pr: bool, commit_description: str | None):
+    """`push_folder`'s commit of the checked checkpoint `folder` (its `files`) into the repository `repo_id`."""
     with _as_the_repository_receives_it(folder, repo_id) as upload:
         return client.upload_folder(
             repo_id=repo_id,
@@ -385,8 +418,7 @@ def _replaced_weights_patterns(files: list[str]) -> list[str]:
     patterns = []
     for variant in sorted({_variant_of(name) for names in _weights_files(files) for name in names}):
         infix = f".{variant}" if variant else ""
-        patterns += [f"model{infix}.safetensors", f"model.safetensors.index{infix}.json",
-                     f"model{infix}-*-of-*.safetensors"]
+        patterns += [*weights_file_names(variant), f"model{infix}-*-of-*.safetensors"]
     return patterns
 
 
@@ -417,15 +449,27 @@ def push_checkpoint(
     include_token_lookup: bool = True,
     max_shard_size: int | str | None = None,
     tags: list[str] | str | None = None,
-    **push_kwargs,
+    private: bool | None = None,
+    token: str | bool | None = None,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    commit_description: str | None = None,
 ):
     """Save `model` with its model card, tokenizer, remote code (and attached token lookup table) into a temporary
-    folder and push that folder in one commit (`push_kwargs`: those of `push_folder`)."""
-    check_pull_request_target(push_kwargs.get("revision"), push_kwargs.get("create_pr", False))
+    folder and push that folder in one commit (the keywords after `tags`: those of `push_folder`).
+
+    As transformers' `push_to_hub`, the repository (and branch) is created before the model is saved: an offline
+    machine, a token without write access or a repository id the Hub refuses fails at once, not after a save that
+    takes minutes for a large model. What `stage_checkpoint` refuses is refused before either."""
+    check_pull_request_target(revision, create_pr)
     with tempfile.TemporaryDirectory(prefix="memffn-push-") as folder:
-        stage_checkpoint(model, folder, tokenizer=tokenizer, repo_id=repo_id, include_token_lookup=include_token_lookup,
-                         max_shard_size=max_shard_size, tags=tags)
-        return push_folder(folder, repo_id, **push_kwargs)
+        table = _table_to_stage(model, folder, include_token_lookup)
+        client = _hub_client(token)
+        repo_id = _create_repository(client, repo_id, private, revision, create_pr)
+        files = _write_checkpoint(model, folder, table, tokenizer, repo_id, max_shard_size, tags)
+        return _upload_checkpoint(client, folder, files, repo_id, revision, commit_message, create_pr,
+                                  commit_description)
 
 
 TRAINER_CARD_MARKER = "This model card has been generated automatically according to the information the Trainer"

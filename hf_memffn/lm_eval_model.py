@@ -35,7 +35,7 @@ except ModuleNotFoundError as error:
     raise ModuleNotFoundError(message, name=error.name) from error
 
 from .configuration_memffn import check_choice
-from .serving import local_table_dir, placement_problem, table_folder_problem
+from .serving import default_placement, local_table_dir, placement_problem, table_folder_problem
 from .token_lookup import PLACEMENTS
 
 MODEL_NAME = "memffn"
@@ -92,10 +92,8 @@ class MemFFNLM(HFLM):
         if token_lookup is None:
             return
         model = self._model
-        # (by default on the GPU where the model runs: `device=cpu` on a machine with CUDA keeps the table on the host)
-        placement = token_lookup_placement or (
-            "gpu" if model.get_input_embeddings().weight.device.type == "cuda" else "cpu")
-        model.load_tols(table_dir, placement=placement, drop_memory_ffn=bool(drop_memory_ffn))
+        model.load_tols(table_dir, placement=token_lookup_placement or default_placement(model),
+                        drop_memory_ffn=bool(drop_memory_ffn))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """`HFLM.loglikelihood_rolling` with the documents encoded without special tokens.

@@ -140,6 +140,25 @@ def placement_problem(placement: str | None) -> str | None:
     return None if torch.cuda.is_available() else "needs a CUDA device; allowed here: cpu, disk"
 
 
+def default_placement(model) -> str:
+    """Where a token lookup table goes when no placement is named: "gpu" where the model's token embedding computes
+    on CUDA, else "cpu" (`--device cpu` on a machine with CUDA keeps it on the host). An embedding that a device map
+    offloaded has its weight on the meta device and computes where its offload hook puts it: `execution_device` of
+    the `token_lookup` module beside the model's modeling code (the package's, or a checkpoint's own copy) knows that
+    device, and this file imports nothing of the package by name."""
+    if callable(getattr(model, "get_base_model", None)):  # (a PEFT model: its class's module is peft's)
+        model = model.get_base_model()
+    embedding = model.get_input_embeddings()
+    package = type(model).__module__.rpartition(".")[0]
+    try:
+        execution_device = importlib.import_module(f"{package}.token_lookup").execution_device
+    except (ImportError, AttributeError, TypeError, ValueError):  # (no such sibling, or code saved before it had one)
+        device = embedding.weight.device
+    else:
+        device = execution_device(embedding)
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
 def split_revision(model: str) -> tuple[str, str | None]:
     """`"org/model@dev"` -> `("org/model", "dev")`, as `transformers serve` names a model; an existing local path keeps
     an `@` as part of the path (`"/ckpt@1000"` -> `("/ckpt@1000", None)`)."""
@@ -193,8 +212,7 @@ class TokenLookupSettings:
         if getattr(model.config, "token_memory_size", None) is None:
             raise ValueError(f"--token-lookup: {type(model).__name__} has no token lookup tables (only MemoryLLM and "
                              "FlexMemoryLLM have FFNs on the token embeddings)")
-        # (by default on the GPU where the model runs: `--device cpu` on a machine with CUDA keeps it on the host)
-        placement = self.placement or ("gpu" if model.get_input_embeddings().weight.device.type == "cuda" else "cpu")
+        placement = self.placement or default_placement(model)
         # (a table in the served Hub repo itself is read at the served revision)
         revision = self.revision if self.table == self.model_id else None
         table = model.load_tols(local_table_dir(self.table, revision), placement=placement,

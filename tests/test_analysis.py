@@ -479,6 +479,27 @@ def test_report_json_has_every_section(tmp_path, monkeypatch):
     assert not (tmp_path / "report" / "index.html").exists()
 
 
+def test_report_json_writes_numbers_that_are_not_finite_as_null(tmp_path):
+    """A statistic that overflowed (fp16) was written as `Infinity` / `NaN`, which Python's json writes and strict
+    JSON readers (JavaScript's JSON.parse, jq) refuse: written as null, as the demo's results.json writes them."""
+    from hf_memffn.analysis import analyze, write_report
+    from hf_memffn.testing import tiny_tokenizer
+
+    report = analyze(build("kvffn"), tiny_tokenizer(), ["the memory stores a key"], top_triggers=1, cells_per_bank=1,
+                     agreement_cells=8, edits=[])
+    cell = report["cells"]["layers.0.mlp"][0]
+    cell["triggers"][0]["coefficient"], cell["promotes_logits"][1] = float("inf"), float("nan")
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    write_report(report, tmp_path / "report")
+    written = json.loads((tmp_path / "report" / "report.json").read_text(), parse_constant=refuse)
+    written_cell = written["cells"]["layers.0.mlp"][0]
+    assert written_cell["triggers"][0]["coefficient"] is None and written_cell["promotes_logits"][1] is None
+    assert written_cell["promotes_logits"][0] == cell["promotes_logits"][0]
+
+
 def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):
     from hf_memffn.conversion import export
     model = build("memoryllm")

@@ -44,6 +44,22 @@ def test_analyze_command_writes_json_and_html(saved_model, tmp_path):
     assert "Token memory" in html and "token clusters" in html and html.count("data:image/png;base64,") == 3
 
 
+def test_analyze_command_reads_a_checkpoint_saved_with_a_variant(tmp_path):
+    """A folder of `save_pretrained(folder, variant="fp16")` holds model.fp16.safetensors, which from_pretrained finds
+    only given the variant: the command read it from the file names (it stopped with "no file named
+    model.safetensors")."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm"))
+    model.attach_tokenizer(tiny_tokenizer())
+    model.save_pretrained(tmp_path / "model", variant="fp16")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    out = tmp_path / "report"
+    assert main(["analyze", str(tmp_path / "model"), "--texts", str(texts), "--out", str(out), "--device", "cpu",
+                 "--top-triggers", "2", "--cells-per-bank", "2", "--clusters", "2"]) == 0
+    assert json.loads((out / "report.json").read_text())["model"]["class"] == "MemoryLLMForCausalLM"
+
+
 def _exits_with_error(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
         main(argv)

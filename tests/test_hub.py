@@ -411,6 +411,34 @@ def hub_http_error(status_code: int, message: str):
     return HfHubHTTPError(message, response=SimpleNamespace(status_code=status_code, headers={}, request=None))
 
 
+def test_push_checkpoint_creates_the_repository_before_saving_the_model(fake_hub, monkeypatch):
+    """The model was saved into the temporary folder before the repository was created: an offline machine, a token
+    without write access or a repository id the Hub refuses failed only after that save (minutes for a large model).
+    As transformers' `push_to_hub`, the repository comes first, and a failure to create it saves nothing."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    model = tiny_model("kvffn")
+    order = []
+    save_pretrained = model.save_pretrained
+    monkeypatch.setattr(model, "save_pretrained", lambda *args, **kwargs: order.append("save_pretrained") or
+                        save_pretrained(*args, **kwargs))
+    create_repo = fake_hub.create_repo
+    monkeypatch.setattr(fake_hub, "create_repo", lambda *args, **kwargs: order.append("create_repo") or
+                        create_repo(*args, **kwargs))
+    hub.push_checkpoint(model, "someone/tiny-kvffn", revision="dev")
+    assert order == ["create_repo", "save_pretrained"]
+    assert [call[0] for call in fake_hub.calls] == ["create_repo", "create_branch", "upload_folder"]
+
+    def refused(repo_id, **kwargs):
+        raise hub_http_error(401, "401 Client Error: Unauthorized")
+
+    order.clear()
+    monkeypatch.setattr(fake_hub, "create_repo", refused)
+    with pytest.raises(HfHubHTTPError, match="Unauthorized"):
+        hub.push_checkpoint(model, "someone/tiny-kvffn")
+    assert order == []
+
+
 def test_a_pull_request_against_another_branch_is_refused_before_anything_is_created(fake_hub, tmp_path, capsys):
     """huggingface_hub's `upload_folder` opens a pull request against the default branch only: `create_pr` with
     another `revision` was refused by it after the repository and the branch had been created (and, through

@@ -279,6 +279,35 @@ def test_memffn_model_default_table_placement_follows_the_models_device(checkpoi
     assert lm.model.model.token_lookup.placement == "cpu"
 
 
+def test_memffn_model_default_table_placement_is_where_an_offloaded_embedding_computes(checkpoints, tmp_path,
+                                                                                       monkeypatch):
+    """A device map that offloaded the token embedding leaves its weight on the meta device: the table went to the
+    host ("cpu") for a model computing on CUDA. Without a GPU: a meta weight with a stand-in for accelerate's hook
+    (its `execution_device`), set where HFLM has loaded the model."""
+    from types import SimpleNamespace
+
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    export_tols(str(checkpoints["memoryllm"]), tmp_path / "table", format="fp32", progress=False)
+    placements, load = [], HFLM.__init__
+
+    def load_then_offload_the_embedding(self, **kwargs):
+        load(self, **kwargs)
+        embedding = self._model.get_input_embeddings()
+        embedding.weight = torch.nn.Parameter(torch.empty(embedding.weight.shape, device="meta"))
+        embedding._hf_hook = SimpleNamespace(execution_device="cuda:0")
+        monkeypatch.setattr(self._model, "load_tols", lambda path, placement, **kwargs: placements.append(placement))
+
+    monkeypatch.setattr(HFLM, "__init__", load_then_offload_the_embedding)
+    MemFFNLM(pretrained=str(checkpoints["memoryllm"]), token_lookup=str(tmp_path / "table"), device="cpu",
+             dtype="float32")
+    assert placements == ["gpu"]
+
+
 def test_memffn_model_reads_a_table_in_the_evaluated_repo_at_the_evaluated_revision(checkpoints, tmp_path,
                                                                                      monkeypatch):
     """`pretrained=org/m,revision=step1000,token_lookup=org/m` reads the table saved at step1000, not at `main` (whose

@@ -488,6 +488,29 @@ def test_the_default_table_placement_follows_the_models_device(memoryllm_and_tab
     assert model.model.token_lookup.placement == "cpu"
 
 
+@pytest.mark.parametrize("trust_remote_code", [False, True])
+def test_the_default_table_placement_is_where_an_offloaded_embedding_computes(memoryllm_and_table, monkeypatch,
+                                                                              trust_remote_code):
+    """A device map that offloaded the token embedding leaves its weight on the meta device, and the model computes
+    where the offload hook puts it: the table went to the host ("cpu") for a model computing on CUDA. Without a GPU:
+    a meta weight with a stand-in for accelerate's hook (its `execution_device`), the package's classes and the
+    checkpoint's own code alike."""
+    from types import SimpleNamespace
+
+    folder, table = memoryllm_and_table
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    embedding = model.get_input_embeddings()
+    embedding.weight = torch.nn.Parameter(torch.empty(embedding.weight.shape, device="meta"))
+    embedding._hf_hook = SimpleNamespace(execution_device="cuda:0")
+    placements = []
+    monkeypatch.setattr(model, "load_tols", lambda path, placement, **kwargs: placements.append(placement) or
+                        SimpleNamespace(extra_repr=lambda: f"placement={placement}"))
+    serving.TokenLookupSettings(str(folder), str(table)).apply(model)
+    assert placements == ["gpu"]
+    embedding._hf_hook = SimpleNamespace(execution_device="cpu")
+    assert serving.default_placement(model) == "cpu"
+
+
 def test_a_table_path_that_does_not_exist_says_so_and_what_is_allowed(tmp_path, monkeypatch):
     """A local table path that does not exist (or a file) was taken for a Hub repo id: huggingface_hub's "Repo id must
     be in the form ..." came out of the server's model process (and lm-eval's loader). Now the path is named, with what

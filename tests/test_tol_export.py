@@ -124,6 +124,23 @@ def test_export_into_the_checkpoint_folder_of_other_weights_is_refused(tmp_path)
     assert export_module.checkpoint_fingerprints(tmp_path) is None  # (no checkpoint there)
 
 
+def test_a_checkpoint_saved_with_a_variant_exports_into_its_folder_and_refuses_other_weights(tmp_path, capsys):
+    """`save_pretrained(folder, variant="fp16")` writes model.fp16.safetensors, which from_pretrained finds only given
+    the variant: the command read the variant from the file names (it stopped with "no file named
+    model.safetensors"), and an export of other weights into such a folder is refused as into any checkpoint folder
+    (its weights were not read, so the refusal was skipped)."""
+    model = build()
+    model.save_pretrained(tmp_path / "model", variant="fp16")
+    assert cli.main(["export-tols", str(tmp_path / "model"), str(tmp_path / "model"), "--format", "int8",
+                     "--device", "cpu", "--no-progress"]) == 0
+    AutoModelForCausalLM.from_pretrained(tmp_path / "model", variant="fp16").load_tols(tmp_path / "model",
+                                                                                       placement="cpu")
+    before = file_bytes(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"is the checkpoint folder of other weights than the model's"):
+        export_tols(build(seed=1), tmp_path / "model", format="int8", progress=False)
+    assert file_bytes(tmp_path / "model") == before
+
+
 def test_export_into_a_folder_without_plain_weights_is_refused_before_anything_is_written(model, tmp_path, capsys):
     """A checkpoint folder of FFN weights saved with int8 (or weight LoRA) attached, or of a PEFT adapter: no model
     loaded from it reads those as the folder's plain weights, so nothing compared them with the exported model's (the

@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
 
 from ..atomic_write import write_atomic
+from ..demo import finite_or_null
 
 
 def _png(figure) -> bytes:
@@ -381,7 +382,8 @@ def write_report(report: dict, out_dir: str | Path, title: str = "FFN memory ana
     html_path.unlink(missing_ok=True)
     for name in set(PLOT_NAMES) - set(plots):
         (out_dir / name).unlink(missing_ok=True)
-    write_atomic(out_dir / "report.json", json.dumps(report, indent=1).encode())
+    # (strict JSON: a statistic that overflowed is written as null, not as the `NaN` / `Infinity` of Python's json)
+    write_atomic(out_dir / "report.json", json.dumps(finite_or_null(report), indent=1, allow_nan=False).encode())
     for name, png in plots.items():
         write_atomic(out_dir / name, png)
     write_atomic(html_path, html)

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.configuration_memffn import check_choice
-from hf_memffn.hub import check_repo_id, hub_errors_in_one_line
+from hf_memffn.hub import check_repo_id, hub_errors_in_one_line, weights_file_names, weights_variant
 from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError, decode_utf8, existing_file,
                                  has_tokenizer, int_list, load_causal_lm, model_source, output_dir, positive_int,
@@ -494,13 +494,11 @@ def index_metadata(path: str) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # transformers' names of the weights
-
-
 def _saved_weight_map(folder: str) -> dict[str, str] | None:
-    """Weight name -> the file of `folder` that holds it, from its safetensors weights (one file or an index); None
-    where it has neither. Raises where they cannot be read (OSError, ValueError, KeyError, a SafetensorError)."""
-    weights, weights_index = (os.path.join(folder, name) for name in CHECKPOINT_WEIGHTS)
+    """Weight name -> the file of `folder` that holds it, from its safetensors weights (one file or an index, under
+    the variant they were saved with, as `load_causal_lm` loads them); None where it has neither. Raises where they
+    cannot be read (OSError, ValueError, KeyError, a SafetensorError)."""
+    weights, weights_index = (os.path.join(folder, name) for name in weights_file_names(weights_variant(folder)))
     if os.path.isfile(weights_index):
         with open(weights_index, encoding="utf-8") as handle:
             return {key: os.path.join(folder, name) for key, name in json.load(handle)["weight_map"].items()}
