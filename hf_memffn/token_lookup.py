@@ -282,6 +282,18 @@ def execution_device(module: nn.Module) -> torch.device:
     return device
 
 
+def saved_tensors(module: nn.Module):
+    """(name, module holding it, its key there, tensor) of each tensor under `module` that `state_dict` saves (the
+    parameters and persistent buffers), named as it names them, without running its hooks: FSDP2's hook reshards the
+    weights that `fully_shard` gathered, and a check in the middle of a forward freed those the forward was reading."""
+    for path, owner in module.named_modules():
+        persistent_buffers = [(key, tensor) for key, tensor in owner._buffers.items()
+                              if key not in owner._non_persistent_buffers_set]
+        for key, tensor in (*owner._parameters.items(), *persistent_buffers):
+            if tensor is not None:
+                yield f"{path}{'.' if path else ''}{key}", owner, key, tensor
+
+
 # config fields that change what the memory FFN computes from the same weights
 _FINGERPRINT_CONFIG_FIELDS = ("rms_norm_eps", "hidden_act", "vocab_size", "hidden_size", "num_hidden_layers",
                               "token_memory_size")
@@ -306,7 +318,7 @@ def weights_fingerprint(model: nn.Module, through: torch.dtype | None = None) ->
                                    "load the model again to compute or check a token lookup table")
         return stored
     tensors = [("embed_tokens.weight", base.embed_tokens.weight)]
-    tensors += [(f"memory.{name}", t) for name, t in memory.state_dict(keep_vars=True).items()]
+    tensors += [(f"memory.{name}", tensor) for name, _, _, tensor in saved_tensors(memory)]
     # (hashed under the checkpoint's names: `TokenMemory.rmsnorm_weight` is saved as `norm_weight`)
     saved_name = {"memory.rmsnorm_weight": "memory.norm_weight"}
 
@@ -712,6 +724,8 @@ class TokenLookupTable(nn.Module):
     # recorded yet, as in a copy); `check_sources` compares them at each eager forward. (Tensors, not weak references:
     # `torch.utils.swap_tensors`, which casts use under torch.__future__'s setting, refuses a tensor that has one.)
     source_modules: tuple[nn.Module, nn.Module | None] | None = None
+    # the model holding them (a weak reference: the table is its submodule), for `__getstate__`
+    source_model: "weakref.ReferenceType[nn.Module] | None" = None
     source_versions: list[tuple[str, nn.Module, str, torch.Tensor, int]] | None = None
     copied_changed_source: str | None = None
 
@@ -823,27 +837,27 @@ class TokenLookupTable(nn.Module):
         in-place change bumps), for `check_source_versions`; called when the weights are known to be the table's."""
         memory = getattr(base, "memory", None)
         self.source_modules = (base.embed_tokens, memory)
+        self.source_model = weakref.ref(base)
         self.source_versions = [
-            (f"{prefix}.{path}{'.' if path else ''}{key}", owner, key, tensor, tensor._version)
+            (f"{prefix}.{name}", owner, key, tensor, tensor._version)
             for prefix, module in (("embed_tokens", base.embed_tokens), ("memory", memory)) if module is not None
-            for path, owner in module.named_modules()
-            for key, tensor in (*owner._parameters.items(), *owner._buffers.items())
+            for name, owner, key, tensor in saved_tensors(module)
             # (no counter: a meta tensor, which a device map's offloading puts in place of a weight between forwards,
             # its stored copy being what changes, and an inference tensor, made under torch.inference_mode)
-            if tensor is not None and not tensor.is_meta and not tensor.is_inference()]
+            if not tensor.is_meta and not tensor.is_inference()]
         self.copied_changed_source = None
 
-    def changed_source(self, base: nn.Module) -> str | None:
+    def changed_source(self, base: nn.Module | None) -> str | None:
         """The name of the first tensor that the rows depend on that was changed in place or replaced in `base` since
         `record_sources` (the cost of a forward: two attribute reads, then a dict lookup, an identity and an int
-        compare per tensor)."""
+        compare per tensor). `base` None (the model is gone): the recorded modules' tensors only."""
         recorded = self.source_versions
         if recorded is None:  # a copy that has not run a forward yet (see `__getstate__`)
             return self.copied_changed_source
         embedding, memory = self.source_modules
-        if base.embed_tokens is not embedding:
+        if base is not None and base.embed_tokens is not embedding:
             return "embed_tokens"
-        if getattr(base, "memory", None) is not memory:
+        if base is not None and getattr(base, "memory", None) is not memory:
             return "memory"
         for name, owner, key, tensor, version in recorded:
             current = owner._parameters.get(key)
@@ -893,14 +907,13 @@ class TokenLookupTable(nn.Module):
 
     def __getstate__(self):
         # A copy's tensors are others, with counters of their own (and the table alone, pickled, must not carry the
-        # model's weights): the copy records its tensors at its first forward, keeping which one had changed here so
-        # that it is refused as this table is
+        # model's weights): the copy records its tensors at its first forward, keeping which one had changed here
+        # (in place, or replaced by another tensor or module) so that it is refused as this table is
         state = dict(super().__getstate__())
-        state.pop("source_modules", None)
-        recorded = state.pop("source_versions", None) or []
-        if state.get("copied_changed_source") is None:
-            state["copied_changed_source"] = next(
-                (name for name, _, _, tensor, version in recorded if tensor._version != version), None)
+        for name in ("source_modules", "source_versions", "source_model"):
+            state.pop(name, None)
+        if self.source_versions is not None:
+            state["copied_changed_source"] = self.changed_source(self.source_model())
         return state
 
     def _host_buffers(self) -> tuple[str, ...]:

@@ -647,6 +647,60 @@ def test_loaded_table_takes_casts_copies_generate_and_same_weights_without_a_fal
             dropped(input_ids=ids)
 
 
+@pytest.mark.parametrize("replaced", ["memory.up_proj", "embed_tokens"])
+def test_a_copy_of_a_model_whose_weight_or_module_was_replaced_is_refused_like_the_model(exported, replaced):
+    """A tensor or a module put in place of one the table was computed from, then the model copied (`copy.deepcopy`,
+    `torch.save`, torch.multiprocessing): the copy read the table of the old weights without a word, where the model
+    itself is refused. Only changes in place were carried over to the copy."""
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    fresh.load_tols(directory, placement="cpu")
+    if replaced == "embed_tokens":
+        fresh.model.embed_tokens = torch.nn.Embedding(fresh.config.vocab_size, fresh.config.hidden_size)
+    else:
+        change_in_place(fresh, "assigned")
+    refused = rf"{replaced.replace('.', '[.]')} changed since the token lookup table"
+    with torch.no_grad(), pytest.raises(TokenLookupError, match=refused):
+        fresh(input_ids=ids)
+    for how, copied in copies_of(fresh).items():
+        with torch.no_grad(), pytest.raises(TokenLookupError, match=refused):
+            copied(input_ids=ids)
+
+
+@pytest.mark.parametrize("wrap", ["root", "units"])
+def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(exported, wrap):
+    """`fully_shard` (on the model alone, or on its layers and FFNs on X0 first, as accelerate's FSDP2 plugin wraps
+    them) puts its own tensors in place of the weights the table was computed from, so the first forward checks them
+    against the fingerprint. Reading them through `state_dict` ran FSDP2's hook, which reshards the weights gathered
+    for the forward: with the model alone wrapped, the forward failed ("setStorage: ... out of bounds for storage of
+    size 0"). One process, gloo, on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        expected = fresh(input_ids=ids).logits
+    fresh.load_tols(directory, placement="cpu")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        if wrap == "units":
+            for module in (*fresh.model.layers, fresh.model.memory):
+                fully_shard(module)
+        fully_shard(fresh)
+        with torch.no_grad():
+            for _ in range(2):
+                assert relative(fresh(input_ids=ids).logits, expected) < 1e-5
+            fresh.model.embed_tokens.weight.mul_(2)
+            with pytest.raises(TokenLookupError, match=r"embed_tokens\.weight changed since"):
+                fresh(input_ids=ids)
+    finally:
+        dist.destroy_process_group()
+
+
 def copies_of(model) -> dict:
     """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
     of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
