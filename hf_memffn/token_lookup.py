@@ -349,8 +349,10 @@ def fingerprints(config, named_tensors, throughs: Sequence[torch.dtype | None]) 
         for start in range(0, flat.numel(), chunk):
             part = flat[start:start + chunk]
             for digest, through in zip(digests, throughs):
-                rounded = (part.to(through) if through is not None else part).to(torch.bfloat16).cpu().contiguous()
-                digest.update(rounded.view(torch.uint8).numpy().tobytes())
+                # (a copy always: `numpy()` marks the storage it shares as not resizable, and FSDP2 frees the
+                # weights it gathered for a forward by resizing theirs, which a bf16 weight on the CPU would be)
+                rounded = (part.to(through) if through is not None else part).to("cpu", torch.bfloat16, copy=True)
+                digest.update(rounded.contiguous().view(torch.uint8).numpy().tobytes())
     return [digest.hexdigest() for digest in digests]
 
 
@@ -1531,6 +1533,21 @@ def refuse_discarding_values(table: TokenLookupTable, fn) -> None:
 
 class TokenLookupMixin:
     """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models and *ForCausalLM)."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """The names `DistributedDataParallel` leaves out of its broadcasts (it reads them once, when it wraps this
+        model): those set through `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`, and every
+        buffer of the token lookup tables loaded. Each rank loads its own table; without this, DDP copies rank 0's
+        whole table (and a device cache's rows and slot map) over every rank's, when it wraps the model and again at
+        each forward (`broadcast_buffers=True`, its default)."""
+        table_buffers = [f"{path}.{name}" for path, module in self.named_modules()
+                         if isinstance(module, TokenLookupTable) for name, _ in module.named_buffers()]
+        return [*self.__dict__.get("_ddp_names_to_ignore", ()), *table_buffers]
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names) -> None:
+        self.__dict__["_ddp_names_to_ignore"] = list(names)
 
     def _apply(self, fn, *args, **kwargs):
         # refuse a move of a model reading a table before any parameter moves (nothing is left half-moved)

@@ -151,7 +151,36 @@ def fsdp2(root, archs, inputs):
                 results[f"{arch} dp_replicate_size"] = training_step_on_one_row(model, inputs, "causal_lm")
         else:
             results[f"{arch} fsdp_size"] = training_step_on_one_row(load(), inputs, "causal_lm")
+    results["memoryllm table mixed precision"] = table_under_mixed_precision(root, inputs)
     return results
+
+
+def table_under_mixed_precision(root, inputs):
+    # a token lookup table loaded before wrapping each layer and the root with bf16 parameters (fsdp2.yaml's
+    # mixed_precision), the embedding and memory FFN frozen: each forward's check of the table's inputs sees the
+    # gathered bf16 weights, which FSDP2 frees after the backward. Two steps of the rest, then the table's logits and
+    # those computed without it
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = AutoModelForCausalLM.from_pretrained(f"{root}/memoryllm")
+    model.load_tols(f"{root}/memoryllm_table", placement="cpu")
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.memory.requires_grad_(False)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.1)
+    row = inputs["ids"][dist.get_rank():dist.get_rank() + 1]
+    for _ in range(2):
+        model(row, labels=row).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        table_logits = model(inputs["ids"]).logits.float()
+        model.unload_tols()
+        return {"table": table_logits, "computed": model(inputs["ids"]).logits.float()}
 
 
 def save_full_state_dict(model, folder):
@@ -382,6 +411,9 @@ def test_fsdp2_training_step_matches_one_process(checkpoints, parallel_results):
         loaded = dict(AutoModelForCausalLM.from_pretrained(folder).named_parameters())
         for key, weight in expected[arch]["step"][1].items():
             torch.testing.assert_close(loaded[key], weight, rtol=1e-5, atol=1e-7, msg=lambda m: f"{arch} {key}: {m}")
+    # a table under bf16 mixed precision trains the rest and reads as the FFNs on X0 computed in bf16 do
+    table_run = results["memoryllm table mixed precision"]
+    torch.testing.assert_close(table_run["table"], table_run["computed"], rtol=0, atol=2e-2)
     # its checkpoint's key, up and value are joined into one parameter while loading: sharded first, out of order
     assert "does not load under transformers' FSDP (distributed_config with fsdp_size=2)" in \
         results["refused flash_mhf fsdp_size"]

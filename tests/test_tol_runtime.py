@@ -701,6 +701,67 @@ def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(ex
         dist.destroy_process_group()
 
 
+
+def test_a_table_under_fsdp2_mixed_precision_trains_the_rest(exported):
+    """Under FSDP2 with bf16 parameters (fsdp2.yaml's mixed_precision), the first forward checks the gathered bf16
+    weights against the table's fingerprint. Hashing them through `numpy()` marked their storage as not resizable, so
+    FSDP2 could not free them after the backward ("Trying to resize storage that is not resizable"). One process,
+    gloo, on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", "")).train()
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    fresh.load_tols(directory, placement="cpu")
+    fresh.model.embed_tokens.requires_grad_(False)
+    fresh.model.memory.requires_grad_(False)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in fresh.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(fresh, mp_policy=policy)
+        optimizer = torch.optim.SGD([param for param in fresh.parameters() if param.requires_grad], lr=0.1)
+        for _ in range(2):
+            fresh(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        fresh.eval()
+        with torch.no_grad():
+            table_logits = fresh(input_ids=ids).logits.float()
+            fresh.unload_tols()
+            torch.testing.assert_close(table_logits, fresh(input_ids=ids).logits.float(), rtol=0, atol=2e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_leaves_the_table_out_of_its_buffer_broadcasts(exported):
+    """Each rank loads its own table; DDP broadcast rank 0's whole table over every rank's when it wrapped the model
+    and at each forward (`broadcast_buffers`), as it does the model's buffers. Names a user asks DDP to leave out are
+    kept beside the table's. One process, gloo, on the CPU."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    ids = torch.randint(0, fresh.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        expected = fresh(input_ids=ids).logits
+    table = fresh.load_tols(directory, placement="cpu")
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(fresh, ["lm_head.weight"])
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(fresh)
+        assert {"lm_head.weight", "model.token_lookup.rows"} <= wrapped.parameters_to_ignore
+        assert not any(buffer is table.rows for buffer in wrapped.modules_buffers)
+        with torch.no_grad():
+            assert relative(wrapped(input_ids=ids).logits, expected) < 1e-5
+    finally:
+        dist.destroy_process_group()
+
 def copies_of(model) -> dict:
     """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
     of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
