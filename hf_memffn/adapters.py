@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 
 from .ffn import TokenMemory
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
-from .token_lookup import keep_tables_through
+from .token_lookup import keep_tables_through, pruned_weight_names
 
 # module class -> its weights that are plain parameters (norm weights are left alone)
 PARAMETER_WEIGHTS = {
@@ -158,6 +158,7 @@ def add_weight_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, targets=N
                          "LoRA: hf_memffn.LORA_TARGET_MODULES), and freeze_base=True would freeze the whole model")
     _refuse_sharded_weights("add_weight_lora", found)
     _refuse_offloaded_weights("add_weight_lora", found)
+    _refuse_pruned_weights("add_weight_lora", found)
     adapted = sorted(qualified for qualified, module, name in found if _parametrized_with(module, name, LowRankDelta))
     if adapted:
         raise ValueError(f"add_weight_lora: {adapted} have a LoRA adapter already; merge it first "
@@ -199,6 +200,17 @@ def _refuse_offloaded_weights(function: str, found) -> None:
         raise ValueError(f"{function}: {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} are on the meta device "
                          "(offloaded by a device map with \"cpu\" or \"disk\" entries, or not loaded yet); load the "
                          "model with these weights on a device (a device_map that offloads none of them) first")
+
+
+def _refuse_pruned_weights(function: str, found) -> None:
+    """`torch.nn.utils.prune` keeps a pruned weight as `<name>_orig` and a mask until `prune.remove`, and its forward
+    pre-hook writes `<name>` as a plain tensor (masked original) before each forward: no parameter to parametrize, and
+    the hook would overwrite the parametrized weight."""
+    pruned = [qualified for qualified, module, name in found if name in pruned_weight_names(module)]
+    if pruned:
+        raise ValueError(f"{function}: {pruned[:3]}{' ...' if len(pruned) > 3 else ''} are pruned by "
+                         "torch.nn.utils.prune and still carry its mask; make the pruning permanent first with "
+                         "prune.remove(module, name), then call it again")
 
 
 def _lora_parametrizations(model: nn.Module):
@@ -345,6 +357,7 @@ def quantize_weights_int8(model: nn.Module) -> list[str]:
     found = parameter_weights(model)
     _refuse_sharded_weights("quantize_weights_int8", found)
     _refuse_offloaded_weights("quantize_weights_int8", found)
+    _refuse_pruned_weights("quantize_weights_int8", found)
     quantized = [qualified for qualified, module, name in found if _parametrized_with(module, name, Int8Weight)]
     if quantized:
         raise ValueError(f"quantize_weights_int8: {quantized} are int8 already")

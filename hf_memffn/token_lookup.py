@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from .configuration_memffn import check_choice
 from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
@@ -822,15 +823,23 @@ class TokenLookupTable(nn.Module):
         (`check_source_versions`)."""
         refuse_embedding_adapters(base.embed_tokens, loaded=True)
         memory = getattr(base, "memory", None)
+        refuse_pruned_memory(memory, "the table holds the FFNs on X0 of the weights it was exported from; call "
+                                     "unload_tols() to compute them again, or make the pruning permanent with "
+                                     "prune.remove and export the table from the pruned model")
         names = memory_parameter_names(memory) if memory is not None else None
         if None not in (names, self.memory_parameters_at_load) and names != self.memory_parameters_at_load:
             changed = sorted(set(names) - set(self.memory_parameters_at_load)) or sorted(
                 set(self.memory_parameters_at_load) - set(names))
+            # The same names in another order: a weight registered again, as `prune.remove` does with values set
+            # through `.data`, which neither the tensor's identity nor its version counter shows.
+            cause = (f"{changed[0]}: an adapter put on them after load_tols, such as PEFT's target_parameters LoRA or "
+                     "modules_to_save, or hf_memffn.adapters' LoRA or int8" if changed else
+                     f"{list(names)} against {list(self.memory_parameters_at_load)}: a weight registered again, as "
+                     "prune.remove does")
             raise TokenLookupError(
-                f"the FFNs on X0 (memory) have other parameters than when the table was loaded ({changed[0]}: an "
-                "adapter put on them after load_tols, such as PEFT's target_parameters LoRA or modules_to_save, or "
-                "hf_memffn.adapters' LoRA or int8), which the table does not hold; call unload_tols() to compute the "
-                "FFNs on X0 again, or merge the adapter and export the table from the merged model")
+                f"the FFNs on X0 (memory) have other parameters than when the table was loaded ({cause}), which the "
+                "table does not hold; call unload_tols() to compute the FFNs on X0 again, or merge the adapter and "
+                "export the table from the merged model")
 
         self.check_source_versions(base)
 
@@ -875,10 +884,11 @@ class TokenLookupTable(nn.Module):
         the FFNs on X0 of the weights it was exported from. A changed tensor is checked against the table's
         fingerprint, as `load_tols` checks it, so weights changed and restored, or cast, are taken again.
 
-        Not seen: writes through `tensor.data` (PEFT's `merge_and_unload` writes so), fused optimizers (`fused=True`:
-        torch 2.13's fused step left the counter as it was, on the CPU), tensors on the meta device (offloaded by a
-        device map: their stored copy is what changes) and inference tensors (created under `torch.inference_mode`),
-        which have no version counter."""
+        Not seen: writes through `tensor.data` (PEFT's `merge_and_unload` writes so, and `torch.nn.utils.prune`'s
+        `remove` on the last weight registered; on another, `check_sources` sees the order change), fused optimizers
+        (`fused=True`: torch 2.13's fused step left the counter as it was, on the CPU), tensors on the meta device
+        (offloaded by a device map: their stored copy is what changes) and inference tensors (created under
+        `torch.inference_mode`), which have no version counter."""
         if self.source_versions is None:  # a copy: its tensors are others, with counters of their own
             changed = self.copied_changed_source
             if changed is None:
@@ -1394,6 +1404,22 @@ def memory_parameter_names(memory: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, _ in memory.named_parameters())
 
 
+def pruned_weight_names(module: nn.Module) -> list[str]:
+    """The weights of `module` (not of its children) that `torch.nn.utils.prune` holds as `<name>_orig` and a mask
+    until `prune.remove`: its forward pre-hook writes `<name>` as a plain tensor before each forward."""
+    return [hook._tensor_name for hook in module._forward_pre_hooks.values()
+            if isinstance(hook, prune.BasePruningMethod)]
+
+
+def refuse_pruned_memory(memory: nn.Module | None, remedy: str) -> None:
+    """A TokenLookupError while the FFNs on X0 carry a pruning mask, whose `<name>_orig` would otherwise be taken for
+    an adapter's parameter."""
+    pruned = pruned_weight_names(memory) if memory is not None else []
+    if pruned:
+        raise TokenLookupError(f"the FFNs on X0 (memory) are pruned by torch.nn.utils.prune ({pruned}) and still "
+                               f"carry its mask; {remedy}")
+
+
 def memory_adapters(memory: nn.Module) -> list[str]:
     """Names of the parameters of the FFNs on X0 that are not their own weights: a PEFT adapter's (the wrapper of
     `target_parameters` LoRA around the module, a `modules_to_save` copy beside it). PEFT switches these off or swaps
@@ -1406,6 +1432,8 @@ def memory_adapters(memory: nn.Module) -> list[str]:
 
 def refuse_memory_adapters(memory: nn.Module | None) -> None:
     """A TokenLookupError while the FFNs on X0 carry a PEFT adapter (see `memory_adapters`)."""
+    refuse_pruned_memory(memory, "make the pruning permanent first with prune.remove(model.model.memory, name) for "
+                                 "each of them")
     adapters = memory_adapters(memory) if memory is not None else []
     if adapters:
         raise TokenLookupError(f"the FFNs on X0 (memory) carry parameters that are not their weights ({adapters[0]}: a "

@@ -377,6 +377,28 @@ def test_quantize_weights_int8_refused_changes_nothing_and_names_why():
         adapters.quantize_weights_int8(model)
 
 
+@pytest.mark.parametrize("arch, pruned", [("flash_mhf", "model.layers.1.mlp.key_up_value"),
+                                           ("memoryllm", "model.memory.down_proj")])
+def test_weights_pruned_without_prune_remove_are_refused_adapters_and_int8_naming_the_way_out(arch, pruned):
+    """`torch.nn.utils.prune` keeps the weight as `<name>_orig` and a mask until `prune.remove`: int8 crashed with
+    "you can only change requires_grad flags of leaf variables" after quantizing the weights before that one, and
+    LoRA froze the model and attached adapters before its "does not have a parameter" error. Made permanent with
+    `prune.remove`, both take the pruned weights and keep their zeros."""
+    from torch.nn.utils import prune
+
+    model = tiny_model(arch)
+    module_name, _, name = pruned.rpartition(".")
+    prune.l1_unstructured(model.get_submodule(module_name), name, amount=0.5)
+    for function in (adapters.quantize_weights_int8, adapters.add_weight_lora):
+        with pytest.raises(ValueError, match=rf"{function.__name__}: \['{pruned}'\] are pruned.*prune\.remove"):
+            function(model)
+    assert not any(".parametrizations." in key for key, _ in model.named_parameters())
+    assert all(param.requires_grad for param in model.parameters())
+    prune.remove(model.get_submodule(module_name), name)
+    assert pruned in adapters.quantize_weights_int8(model)
+    assert (model.get_submodule(module_name).parametrizations[name].original0 == 0).float().mean() >= 0.5
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(alpha=None), "alpha=None is invalid"), (dict(alpha=float("inf")), "alpha=inf is invalid"),
     (dict(alpha="16"), "alpha='16' is invalid"), (dict(r=True), "r=True is invalid"),
@@ -759,6 +781,48 @@ def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how
     merged.load_tols(tmp_path / "merged", placement="cpu")
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, expected)
+
+
+def test_ffns_on_x0_pruned_without_prune_remove_are_refused_by_export_load_tols_and_lookup_naming_the_way_out(
+        tmp_path):
+    """`torch.nn.utils.prune` leaves `<name>_orig` and a mask on the FFNs on X0 until `prune.remove`: export and
+    `load_tols` blamed a PEFT adapter and told to `merge_and_unload`, which a model without PEFT does not have, and a
+    prune after `load_tols` was called an adapter. Each names the pruned weight and `prune.remove`; made permanent,
+    the pruned model exports a table that gives its logits."""
+    from torch.nn.utils import prune
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.token_lookup import TokenLookupError
+
+    ids = torch.randint(3, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    model = tiny_model("memoryllm")
+    export_tols(model, tmp_path / "base", format="fp32", progress=False)
+    prune.l1_unstructured(model.model.memory, "gate_proj", amount=0.5)
+    refused = r"FFNs on X0 \(memory\) are pruned by torch\.nn\.utils\.prune \(\['gate_proj'\]\).*prune\.remove"
+    with pytest.raises(TokenLookupError, match=refused):
+        export_tols(model, tmp_path / "pruned", format="fp32", progress=False)
+    assert not (tmp_path / "pruned").exists()
+    with pytest.raises(TokenLookupError, match=refused):
+        model.load_tols(tmp_path / "base", placement="cpu")
+    prune.remove(model.model.memory, "gate_proj")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_tols(model, tmp_path / "pruned", format="fp32", progress=False)
+    model.load_tols(tmp_path / "pruned", placement="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+    prune.l1_unstructured(model.model.memory, "up_proj", amount=0.5)
+    refused = r"are pruned by torch\.nn\.utils\.prune \(\['up_proj'\]\).*unload_tols"
+    with pytest.raises(TokenLookupError, match=refused):
+        model(input_ids=ids)
+    # prune.remove registers the weight again, last among the parameters, its values set through `.data` (no version
+    # bump): the same names in another order stopped the check of the table's sources with an IndexError
+    prune.remove(model.model.memory, "up_proj")
+    with pytest.raises(TokenLookupError, match=r"a weight registered again, as prune\.remove does.*unload_tols"):
+        model(input_ids=ids)
+    model.unload_tols()
+    with pytest.raises(TokenLookupError, match="computed from other weights"):
+        model.load_tols(tmp_path / "pruned", placement="cpu")
 
 
 PEFT_TUNERS_ON_LINEAR_LAYERS = {
