@@ -570,18 +570,31 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         """`PreTrainedModel.resize_token_embeddings`, with its arguments checked before anything changes. Unchecked,
         a negative `pad_to_multiple_of` shrinks the vocabulary below `new_num_tokens` (330 with -8 gives 328), 0
         divides by zero, `new_num_tokens=0` leaves a model without a vocabulary, and a bool, float or string fails
-        inside torch. (transformers refuses a `pad_to_multiple_of` that is not an integer itself, naming it.)"""
-        integer = isinstance(new_num_tokens, numbers.Integral) and not isinstance(new_num_tokens, bool)
-        if new_num_tokens is not None and not (integer and new_num_tokens >= 1):
+        inside torch. A resize that changes the number of token ids first passes `_before_vocabulary_change`; one
+        to the size the embedding has changes nothing, as in transformers."""
+        def positive_integer(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+        if new_num_tokens is not None and not positive_integer(new_num_tokens):
             raise ValueError(f"resize_token_embeddings: new_num_tokens={new_num_tokens!r} is invalid; allowed values: "
                              "None or an integer >= 1")
-        if isinstance(pad_to_multiple_of, numbers.Integral) and pad_to_multiple_of < 1:
+        if pad_to_multiple_of is not None and not positive_integer(pad_to_multiple_of):
             raise ValueError(f"resize_token_embeddings: pad_to_multiple_of={pad_to_multiple_of!r} is invalid; allowed "
                              "values: None or an integer >= 1")
         if not isinstance(mean_resizing, bool):
             raise ValueError(f"resize_token_embeddings: mean_resizing={mean_resizing!r} is invalid; allowed values: "
                              "True or False")
+        rows = embedding_rows(self.get_input_embeddings())
+        rows_after = rows if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None and rows_after is not None:  # (transformers rounds up the same way)
+            rows_after = -(-rows_after // pad_to_multiple_of) * pad_to_multiple_of
+        if rows_after != rows:
+            self._before_vocabulary_change()
         return super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+
+    def _before_vocabulary_change(self) -> None:
+        """Called before `resize_token_embeddings` changes the number of token ids: a model holding something per
+        token id that a resize would not follow refuses it here (MemoryLLM's loaded token lookup table)."""
 
     def attach_tokenizer(self, tokenizer) -> None:
         """Save this tokenizer with the model in `save_pretrained` (and `push_to_hub`)."""

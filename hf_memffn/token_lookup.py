@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from .configuration_memffn import check_choice
+from .modeling_memffn import embedding_rows
 from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
 
 INDEX_NAME = "token_lookup.safetensors.index.json"
@@ -1443,9 +1444,24 @@ def refuse_memory_adapters(memory: nn.Module | None) -> None:
                                "out of the adapter's targets")
 
 
+def refuse_embedding_of_another_size(base: nn.Module, prefix: str = "") -> None:
+    """A TokenLookupError while the token embedding of `base` has another number of rows than `config.vocab_size`
+    (an embedding set with `set_input_embeddings`, which leaves the config as it was): a table has a row for each id
+    below `config.vocab_size`, and the model takes the ids below the embedding's rows, so either a table would lack
+    rows for ids the model takes or hold rows of ids the embedding does not have."""
+    rows, vocab_size = embedding_rows(base.embed_tokens), base.config.vocab_size
+    if rows is not None and rows != vocab_size:
+        raise TokenLookupError(
+            f"{prefix}the token embedding has {rows} rows but config.vocab_size={vocab_size}, the number of rows of a "
+            f"token lookup table (set_input_embeddings leaves config.vocab_size as it was): resize with "
+            f"model.resize_token_embeddings({rows}), which sets config.vocab_size and the output layer to the "
+            "embedding's size, then export the table")
+
+
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     """Refuse a table computed from other weights (or another shape) than `model`'s."""
     base = _memory_base(model)
+    refuse_embedding_of_another_size(base)
     config = base.config
     expected = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
                 "num_hidden_layers": config.num_hidden_layers}
@@ -1665,18 +1681,18 @@ class TokenLookupMixin:
             copy_table_files(table.index, save_directory)
         return result
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        """`PreTrainedModel.resize_token_embeddings`, refused while a token lookup table is loaded: the table holds
-        rows for the vocabulary it was exported from, and a new token would have none."""
+    def _before_vocabulary_change(self) -> None:
+        """`resize_token_embeddings` to another number of token ids is refused while a token lookup table is loaded:
+        the table holds rows for the vocabulary it was exported from, and a new token would have none."""
         if getattr(_memory_base(self), "token_lookup", None) is not None:
             raise ValueError("resize_token_embeddings: a token lookup table is loaded, with rows for the current "
                              "vocabulary only; unload_tols() first, resize, train, then export a new table")
-        return super().resize_token_embeddings(*args, **kwargs)
 
     def set_input_embeddings(self, value):
         """`set_input_embeddings`, refused while a token lookup table is loaded: the table holds the FFNs on X0 of the
-        embedding it was exported from, and reading it would leave the new embedding out of them."""
-        if getattr(_memory_base(self), "token_lookup", None) is not None:
+        embedding it was exported from, and reading it would leave the new embedding out of them. (The embedding the
+        model has is taken: `resize_token_embeddings` to the same size sets it again.)"""
+        if getattr(_memory_base(self), "token_lookup", None) is not None and value is not self.get_input_embeddings():
             raise ValueError("set_input_embeddings: a token lookup table is loaded, computed from the current token "
                              "embedding; unload_tols() first, set the embedding, then export a new table")
         return super().set_input_embeddings(value)

@@ -318,6 +318,78 @@ def test_loading_a_tied_output_head_while_a_table_is_loaded_is_refused(tmp_path)
     assert torch.equal(model.model.embed_tokens.weight, saved + 0.5)
 
 
+@pytest.mark.parametrize("arch", ["memoryllm", "flex_memoryllm"])
+def test_a_table_exported_after_resize_token_embeddings_covers_the_new_tokens(arch, tmp_path):
+    """Added tokens (`resize_token_embeddings`, padded to a multiple of 8) get rows in a table exported afterwards,
+    read as the model computes them; the table of the vocabulary before is refused naming both sizes."""
+    model = build(arch)
+    export_tols(model, tmp_path / "before", format="fp32", progress=False)
+    model.resize_token_embeddings(330, pad_to_multiple_of=8)
+    with pytest.raises(TokenLookupError, match=r"has vocab_size=320 but the model has vocab_size=336"):
+        model.load_tols(tmp_path / "before", placement="cpu")
+    export_tols(model, tmp_path / "after", format="fp32", progress=False)
+    ids = torch.tensor([[5, 320, 331, 335, 7]])
+    with torch.no_grad():
+        computed = model(ids).logits
+        model.load_tols(tmp_path / "after", placement="cpu")
+        assert relative(model(ids).logits, computed) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [400, 300])
+def test_an_embedding_set_to_another_size_than_the_vocabulary_is_refused_by_export_and_load_tols(rows, tmp_path):
+    """`set_input_embeddings` with an embedding of another size leaves `config.vocab_size` as it was (as in Llama),
+    and a table has `config.vocab_size` rows: with 400 rows the export wrote 320, load_tols took them and the forward
+    failed with an IndexError inside the lookup on ids the embedding takes; with 300 the export failed with one.
+    Both refuse, naming both sizes and `resize_token_embeddings`, which keeps them in step; after it both work."""
+    model = build("memoryllm")
+    export_tols(model, tmp_path / "before", format="fp32", progress=False)
+    model.set_input_embeddings(torch.nn.Embedding(rows, model.config.hidden_size))
+    sizes = rf"the token embedding has {rows} rows but config\.vocab_size=320.*resize_token_embeddings\({rows}\)"
+    with pytest.raises(ValueError, match=rf"export-tols: {sizes}"):
+        export_tols(model, tmp_path / "table", format="fp32", progress=False)
+    assert not list((tmp_path / "table").glob("token_lookup*"))
+    with pytest.raises(TokenLookupError, match=sizes):
+        model.load_tols(tmp_path / "before", placement="cpu")
+    assert model.model.token_lookup is None
+    model.resize_token_embeddings(rows)
+    export_tols(model, tmp_path / "table", format="fp32", progress=False)
+    ids = torch.tensor([[5, rows - 1, 7]])
+    with torch.no_grad():
+        computed = model(ids).logits
+        model.load_tols(tmp_path / "table", placement="cpu")
+        assert relative(model(ids).logits, computed) < 1e-5
+
+
+def test_resizing_to_the_size_the_vocabulary_has_is_taken_while_a_table_is_loaded(exported):
+    """`resize_token_embeddings(len(tokenizer))` with a tokenizer of the model's size, or without arguments (which
+    returns the embedding), changes nothing, as in Llama: it was refused while a table is loaded, as was
+    `set_input_embeddings` with the embedding the model has. A resize to another size is still refused, before
+    anything changes."""
+    model, directory = exported
+    model.load_tols(directory, placement="cpu")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    ids = torch.tensor([[5, 319, 7]])
+    try:
+        with torch.no_grad():
+            before = model(ids).logits
+        assert model.resize_token_embeddings() is embedding
+        assert model.resize_token_embeddings(320) is embedding
+        assert model.resize_token_embeddings(319, pad_to_multiple_of=64) is embedding
+        model.set_input_embeddings(embedding)
+        with pytest.raises(ValueError, match=r"resize_token_embeddings: a token lookup table is loaded.*unload_tols"):
+            model.resize_token_embeddings(321)
+        with pytest.raises(ValueError, match=r"resize_token_embeddings: a token lookup table is loaded.*unload_tols"):
+            model.resize_token_embeddings(320, pad_to_multiple_of=128)
+        assert model.get_input_embeddings() is embedding and model.get_output_embeddings() is head
+        assert model.config.vocab_size == 320 and model.model.token_lookup is not None
+        torch.testing.assert_close(model.state_dict(), weights, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    finally:
+        model.unload_tols()
+
+
 def test_an_adapter_on_the_token_embedding_is_refused_with_a_table(exported):
     """PEFT's LoRA on `embed_tokens` changes X0, which a table computed from the embedding's weight does not see: a
     table is refused while the adapter is on the embedding (it was taken, and its logits differed from the computed

@@ -176,6 +176,7 @@ def test_resize_token_embeddings(arch):
 @pytest.mark.parametrize("arguments, named", [
     ({"new_num_tokens": 330, "pad_to_multiple_of": -8}, "pad_to_multiple_of=-8"),
     ({"new_num_tokens": 330, "pad_to_multiple_of": 0}, "pad_to_multiple_of=0"),
+    ({"new_num_tokens": 330, "pad_to_multiple_of": 8.0}, "pad_to_multiple_of=8.0"),
     ({"new_num_tokens": 0}, "new_num_tokens=0"),
     ({"new_num_tokens": 330.0}, "new_num_tokens=330.0"),
     ({"new_num_tokens": 330, "mean_resizing": "no"}, "mean_resizing='no'"),
@@ -183,7 +184,8 @@ def test_resize_token_embeddings(arch):
 def test_resize_token_embeddings_refuses_bad_arguments_before_changing_anything(arch, arguments, named):
     """A `pad_to_multiple_of` of -8 shrank the vocabulary to 328 tokens where 330 were asked for (Llama's too), 0
     failed in a division, `new_num_tokens=0` left a model without a vocabulary and 330.0 failed inside torch: each is
-    refused naming the argument and what it takes, with the model as it was."""
+    refused naming the argument and what it takes, with the model as it was (a `pad_to_multiple_of` of 8.0 too, which
+    transformers refuses in its own words)."""
     model = build(arch)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     with pytest.raises(ValueError, match=rf"resize_token_embeddings: {re.escape(named)} is invalid; allowed values"):

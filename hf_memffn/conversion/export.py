@@ -47,9 +47,9 @@ from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
                                     TABLE_FORMAT_VERSION, TokenLookupError, TokenLookupFormat, _integer, _memory_base,
                                     basis_key, block_keys, dequantize_rows, embedding_adapters, execution_device,
-                                    fingerprints, quantize_rows, read_safetensors_header, refuse_memory_adapters,
-                                    row_relative_errors, shard_sha256, table_file_names, table_takes,
-                                    weights_fingerprint)
+                                    fingerprints, quantize_rows, read_safetensors_header,
+                                    refuse_embedding_of_another_size, refuse_memory_adapters, row_relative_errors,
+                                    shard_sha256, table_file_names, table_takes, weights_fingerprint)
 
 OWN_FILE_PREFIX = "token_lookup"
 SHARD_RECORD_KEY = "token_lookup_export"  # the shard's metadata entry (see `_shard_record`)
@@ -149,6 +149,7 @@ class _Exporter:
                              f"({adapters[0]}: an adapter such as PEFT's LoRA); merge the adapter into the weight "
                              "(merge_and_unload) and export the table from the merged model")
         refuse_memory_adapters(self.base.memory)  # (the table would hold the values of whichever adapter is active)
+        refuse_embedding_of_another_size(self.base, prefix="export-tols: ")
         max_shard_size = shard_size_bytes(max_shard_size)
         config = self.base.config
         self.vocab = config.vocab_size
