@@ -137,6 +137,9 @@ def _triton_unsupported_reason(q: torch.Tensor, k: torch.Tensor) -> str | None:
         return f"head_dim={q.shape[-1]} is not supported by the kernels; allowed values: {SUPPORTED_HEAD_DIMS}"
     if k.shape[2] % 16 != 0:
         return f"subnetwork_size={k.shape[2]} must be a multiple of 16 for the kernels"
+    if 0 in k.shape[1:3]:  # (the column loops and tensor descriptors would have no block to read)
+        return (f"num_subnetworks={k.shape[1]}, subnetwork_size={k.shape[2]}: the kernels need at least one "
+                "sub-network of at least 16 units")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype} is not supported by the kernels; allowed: float16, bfloat16, float32"
     return None
@@ -688,17 +691,18 @@ def _fused_layer_unsupported_reason(p, k, impl: str) -> str | None:
     calls this for every layer of every step). A compiled graph decides once, while tracing: the uncached function
     then, since Dynamo traces through a cache wrapper anyway and warns about it."""
     decide = _fused_layer_reason_for.__wrapped__ if torch.compiler.is_compiling() else _fused_layer_reason_for
-    return decide(p.device, p.dtype, k.shape[-1], k.shape[2], impl)
+    return decide(p.device, p.dtype, k.shape[-1], k.shape[1], k.shape[2], impl)
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_layer_reason_for(device, dtype, head_dim: int, subnetwork_size: int, impl: str) -> str | None:
+def _fused_layer_reason_for(device, dtype, head_dim: int, num_subnetworks: int, subnetwork_size: int,
+                            impl: str) -> str | None:
     probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype)
     if _resolve_impl(probe, impl) != "triton":
         return "the op runs the PyTorch reference" + ("" if impl == "torch" else f" on {device.type} tensors")
     if queries_and_gates is None:
         return "flash_mhf_layer_triton.py is missing"
-    return _triton_unsupported_reason(probe, probe.new_empty(1, 1, subnetwork_size, head_dim))
+    return _triton_unsupported_reason(probe, probe.new_empty(1, num_subnetworks, subnetwork_size, head_dim))
 
 
 def flash_mhf_layer_path(p: torch.Tensor, k: torch.Tensor, *, impl: str = "auto", fused: bool = True,
@@ -761,6 +765,9 @@ def flash_mhf_layer(
     if router is not None and tuple(router.shape) != (heads, head_dim, num_subnetworks):
         raise ValueError(f"router must be [heads, head_dim, num_subnetworks] = {(heads, head_dim, num_subnetworks)}; "
                          f"got shape {tuple(router.shape)}")
+    for name, tensor in (("p", p), ("norm_weight", norm_weight), ("router", router), ("weights", weights)):
+        if tensor is not None and not tensor.is_floating_point():  # (as `flash_mhf` refuses: not cast and run)
+            raise ValueError(f"{name} must be a floating-point tensor; got dtype {tensor.dtype}")
     # (a cast or copy that changes nothing still costs a call per layer; a cast keeps the weights' layout unless told,
     # and the kernels read them contiguous)
     weights = (weights.to(p.dtype, memory_format=torch.contiguous_format) if weights.dtype != p.dtype

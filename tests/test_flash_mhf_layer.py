@@ -166,6 +166,20 @@ def test_layer_rejects_weights_that_do_not_fit_the_heads(fused):
                             gate_eps=GATE_EPS, fused=fused)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_layer_rejects_inputs_that_are_not_floating_point(fused):
+    """As `flash_mhf` refuses integer q, k, u, v and r: integer or boolean weights (or input) are named, not cast to
+    p's dtype and run."""
+    p, norm, router, k, u, v = (t.float() for t in layer_inputs(1, 3, 2, 64, 1, 2, 32, True, True))
+    weights = torch.cat([k, u, v])
+    cases = {"p": dict(p=p.long()), "norm_weight": dict(norm_weight=norm.long()), "router": dict(router=router > 0),
+             "weights": dict(weights=weights.to(torch.int32))}
+    for name, change in cases.items():
+        arguments = dict(p=p, norm_weight=norm, router=router, weights=weights) | change
+        with pytest.raises(ValueError, match=f"{name} must be a floating-point tensor; got dtype torch.(int|bool)"):
+            flash_mhf_layer(**arguments, eps=EPS, gate_eps=GATE_EPS, fused=fused)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Triton (CUDA, or the interpreter)
 # ------------------------------------------------------------------------------------------------------------
@@ -278,6 +292,20 @@ def test_fused_layer_refuses_a_second_derivative():
     assert penalty.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (out.sum() + penalty).backward()
+
+
+@needs_kernels
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_layer_refuses_empty_subnetwork_weights_by_name(fused):
+    """A layer whose weights hold no sub-network: refused by name on the Triton path, fused or not (the fused layer
+    had run its kernels on them and failed inside Triton)."""
+    p, norm_weight, _, k, u, v = (t.float() for t in layer_inputs(1, 3, 2, 64, 1, 2, 32, True, True))
+    weights = torch.cat([k, u, v])[:, :0]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match="num_subnetworks=0, subnetwork_size=32"):
+            flash_mhf_layer(p.requires_grad_(grad), norm_weight, None, weights, eps=EPS, gate_eps=GATE_EPS,
+                            impl="triton", fused=fused)
+    assert "num_subnetworks=0" in flash_mhf_layer_path(p, weights[:1], impl="triton", fused=fused)
 
 
 @needs_kernels

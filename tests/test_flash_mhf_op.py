@@ -517,6 +517,23 @@ def test_triton_rejects_shapes_the_kernels_lack():
         flash_mhf(q[..., :32], *(w[..., :32] for w in (k, u, v)), r, impl="triton")
 
 
+@needs_kernels
+@pytest.mark.parametrize("empty", ["no_subnetworks", "subnetworks_of_no_units"])
+def test_triton_rejects_empty_subnetwork_weights_by_name(empty):
+    """Weights with no sub-network, or sub-networks of no units, leave the kernels' column loops and tensor
+    descriptors nothing to read: the Triton path refuses them by name (it had failed inside Triton with an assertion
+    or a division by zero), and the reference, which computes any size, returns zeros."""
+    q, k, u, v, r = (t.float() for t in random_inputs(1, 2, 3, 64, 1, 2, 16))
+    if empty == "no_subnetworks":
+        k, u, v, r = k[:, :0], u[:, :0], v[:, :0], r[..., :0]
+    else:
+        k, u, v = (w[:, :, :0] for w in (k, u, v))
+    with pytest.raises(ValueError, match=r"num_subnetworks=\d+, subnetwork_size=\d+: the kernels need at least one"):
+        flash_mhf(q, k, u, v, r, impl="triton")
+    assert flash_mhf_path(q, k, impl="triton").startswith("unavailable: triton requested but num_subnetworks=")
+    assert torch.equal(flash_mhf(q, k, u, v, r, impl="torch"), torch.zeros_like(q))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_triton_matches_reference_at_paper_width():
