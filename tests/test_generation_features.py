@@ -1,11 +1,11 @@
 """Generation and loading features a user reaches for beyond plain `generate()`: prompts as `inputs_embeds`, prompt
-lookup decoding, scores and logits of `generate()`, cache implementations and continuing from a returned cache, a
-batch of prompts padded by the trained tokenizer, sampling several sequences, dtype round trips, sharded and tied
-checkpoints, device maps that offload weights to the disk. Each runs on the four architectures and on transformers'
-`LlamaForCausalLM` (the control, which must pass the same assertion).
+lookup decoding, assisted decoding by a smaller model, scores and logits of `generate()`, cache implementations and
+continuing from a returned cache, a batch of prompts padded by the trained tokenizer, sampling several sequences, dtype
+round trips, sharded and tied checkpoints, device maps that offload weights to the disk. Each runs on the four
+architectures and on transformers' `LlamaForCausalLM` (the control, which must pass the same assertion).
 
-Beam search, assisted decoding, static caches, left-padded batches and `device_map="auto"` without offloading are in
-tests/test_models.py and tests/test_transformers_conformance.py."""
+Beam search, assisted decoding by a copy of the model, static caches, left-padded batches and `device_map="auto"`
+without offloading are in tests/test_models.py and tests/test_transformers_conformance.py."""
 
 from __future__ import annotations
 
@@ -95,6 +95,28 @@ def test_prompt_lookup_decoding_equals_greedy(arch):
     ids = torch.cat([prompt(batch=1), prompt(batch=1)], dim=1)  # a repeated prompt, for the lookup to find n-grams
     expected = model.generate(ids, **GREEDY)
     assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=2, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_assisted_decoding_by_a_smaller_model_rolls_both_caches_back(arch, tmp_path):
+    """A one-layer assistant, of the same architecture or of another, proposes tokens the model rejects: both caches
+    are cropped back to the accepted tokens (`Cache.crop`) and the output stays the model's greedy one, also with a
+    token lookup table loaded. (An assistant with the model's own weights, as in tests/test_transformers_conformance.py,
+    has every proposal accepted: no cache loses a token.)"""
+    model = build(arch)
+    ids = prompt(batch=1)
+    greedy = {**GREEDY, "max_new_tokens": 8}  # (steps enough for proposals to be rejected and accepted)
+    expected = model.generate(ids, **greedy)
+    other = "kvffn" if arch == "llama" else "llama"
+    for assistant in (build(arch, num_hidden_layers=1), build(other, num_hidden_layers=1, hidden_size=32)):
+        assert not torch.equal(assistant.generate(ids, **greedy), expected)  # (it proposes tokens the model rejects)
+        assert torch.equal(model.generate(ids, assistant_model=assistant, **greedy), expected)
+    if getattr(getattr(model, "model", None), "memory", None) is not None:  # (MemoryLLM, FlexMemoryLLM)
+        from hf_memffn.conversion import export_tols
+
+        export_tols(model, tmp_path, format="fp32", progress=False)
+        model.load_tols(tmp_path, placement="cpu")
+        assert torch.equal(model.generate(ids, assistant_model=assistant, **greedy), expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
