@@ -1200,15 +1200,16 @@ class MemFFNForSequenceClassification(MemFFNHeadModel):
             return (positions * current.to(device=device, dtype=torch.long)).argmax(-1)
         if input_ids is not None and self.config.pad_token_id is not None:
             return (positions * (input_ids != self.config.pad_token_id).to(device=device, dtype=torch.long)).argmax(-1)
+        given = "" if attention_mask is None else f" (a {attention_mask.dim()}-D `attention_mask` marks no padding)"
         if batch_size > 1 and (input_ids is not None or self.config.pad_token_id is None):
-            raise ValueError(f"{type(self).__name__}: a batch of {batch_size} sequences needs `attention_mask` or "
-                             "`config.pad_token_id` to find each sequence's last token")
+            raise ValueError(f"{type(self).__name__}: a batch of {batch_size} sequences needs a 2-D `attention_mask` "
+                             f"[batch, tokens] or `config.pad_token_id` to find each sequence's last token{given}")
         if batch_size > 1 and not is_torchdynamo_compiling() and not self._unmasked_embeddings_logged:
             # (Llama warns here too: a padded row would be scored at a padding token; once per model, as PEFT's prompt
             # tuning without a mask passes embeddings at every step)
-            logger.warning(f"{type(self).__name__}: a batch of `inputs_embeds` without `attention_mask` is scored at "
-                           "each row's last position (`config.pad_token_id` cannot find padding in embeddings); pass "
-                           "`attention_mask` if the rows are padded")
+            logger.warning(f"{type(self).__name__}: a batch of `inputs_embeds` without a 2-D `attention_mask` is "
+                           "scored at each row's last position (`config.pad_token_id` cannot find padding in "
+                           f"embeddings){given}; pass a 2-D `attention_mask` [batch, tokens] if the rows are padded")
             self._unmasked_embeddings_logged = True
         return torch.full((batch_size,), length - 1, device=device, dtype=torch.long)
 

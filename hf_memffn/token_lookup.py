@@ -1576,7 +1576,7 @@ def refuse_discarding_values(table: TokenLookupTable, fn) -> None:
 
 
 class TokenLookupMixin:
-    """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models and *ForCausalLM)."""
+    """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models, causal LMs and task heads)."""
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:

@@ -1,8 +1,9 @@
 """Generation and loading features a user reaches for beyond plain `generate()`: prompts as `inputs_embeds`, prompt
 lookup decoding, assisted decoding by a smaller model, scores and logits of `generate()`, cache implementations and
-continuing from a returned cache, a batch of prompts padded by the trained tokenizer, sampling several sequences, dtype
-round trips, sharded and tied checkpoints, device maps that offload weights to the disk. Each runs on the four
-architectures and on transformers' `LlamaForCausalLM` (the control, which must pass the same assertion).
+continuing from a returned cache, a batch of prompts padded by the trained tokenizer, the text-generation pipeline, a
+streamer and a chat template from a saved folder, sampling several sequences, dtype round trips, sharded and tied
+checkpoints, device maps that offload weights to the disk. Each runs on the four architectures and on transformers'
+`LlamaForCausalLM` (the control, which must pass the same assertion).
 
 Beam search, assisted decoding by a copy of the model, static caches, left-padded batches and `device_map="auto"`
 without offloading are in tests/test_models.py and tests/test_transformers_conformance.py."""
@@ -167,6 +168,47 @@ def test_a_batch_padded_by_the_trained_tokenizer_generates_as_each_prompt_alone(
     for row, text in enumerate(prompts):
         alone = tokenizer(text, return_tensors="pt")
         assert torch.equal(generated[row], model.generate(**alone, **GREEDY)[0, alone["input_ids"].shape[1]:]), text
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_text_generation_pipeline_streamer_and_chat_template_from_a_saved_folder(arch, tmp_path):
+    """What a user reaches through transformers' high-level API, from a folder saved with its tokenizer (and a chat
+    template): the text-generation pipeline continues each prompt of a padded batch as it continues alone, its
+    `return_full_text=False` is the continuation alone, `TextIteratorStreamer` yields the text `generate()` decodes,
+    and a chat goes through the pipeline as its templated tokens go through `generate()`."""
+    import threading
+
+    from transformers import TextIteratorStreamer, pipeline
+
+    model = build(arch)
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    generator = pipeline("text-generation", model=str(tmp_path))
+    assert type(generator.model).__name__ == type(model).__name__
+    prompts = ["the key", "the memory reads a value of the layer"]
+    options = dict(max_new_tokens=4, do_sample=False)
+    batched = generator(prompts, batch_size=2, **options)
+    assert batched == [generator(text, **options) for text in prompts]
+    continuation = generator(prompts[1], return_full_text=False, **options)[0]["generated_text"]
+    assert batched[1][0]["generated_text"] == prompts[1] + continuation
+
+    chat = [{"role": "user", "content": "the memory"}]
+    inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**inputs, **options)[0, inputs["input_ids"].shape[1]:]
+    expected = tokenizer.decode(generated, skip_special_tokens=True)
+    assert generator(chat, **options)[0]["generated_text"][-1] == {"role": "assistant", "content": expected}
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    thread = threading.Thread(target=model.generate, kwargs=dict(**inputs, **options, streamer=streamer))
+    thread.start()
+    streamed = "".join(streamer)
+    thread.join()
+    assert streamed == expected
 
 
 @pytest.mark.parametrize("arch", ARCHS)

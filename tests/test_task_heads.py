@@ -64,6 +64,21 @@ def test_a_batch_without_mask_or_pad_token_is_refused():
         model(inputs_embeds=torch.randn(2, 6, model.config.hidden_size))
 
 
+def test_a_4d_mask_that_cannot_show_the_padding_is_named_in_the_refusal_and_the_warning():
+    """A 4-D mask says which keys each query attends to, not which tokens are padding, so the last token of each row
+    is found as without a mask. The refusal told the caller, who had passed `attention_mask`, to pass
+    `attention_mask`; it now asks for a 2-D one and says that the 4-D one marks no padding, as the warning for
+    embeddings does."""
+    model = classifier("kvffn", pad_token_id=None)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6)
+    with pytest.raises(ValueError, match=r"needs a 2-D `attention_mask`.*pad_token_id.*4-D `attention_mask` marks no"):
+        model(torch.randint(3, 320, (2, 6)), attention_mask=causal)
+    model = classifier("kvffn")
+    with logged_records() as records:
+        model(inputs_embeds=torch.randn(2, 6, model.config.hidden_size), attention_mask=causal)
+    assert len(records) == 1 and "4-D `attention_mask` marks no padding" in records[0].getMessage()
+
+
 def test_a_batch_of_embeddings_without_mask_warns_that_padding_goes_unseen():
     """A batch of embeddings without `attention_mask` is scored at its last position: `config.pad_token_id` cannot
     find padding in embeddings. Llama warns about this; these models scored padded rows at a padding token silently.
