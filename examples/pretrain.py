@@ -758,6 +758,19 @@ def keep_present_wrap_units(model) -> None:
     model._no_split_modules = {name for name in (model._no_split_modules or ()) if name in present}
 
 
+def saved_weights_variant(path: str) -> str | None:
+    """The variant of the weights in the local folder `path` where it holds weights saved with a variant only
+    (`model.ema.safetensors`), else None. The package is imported only then: a checkpoint's own code runs otherwise."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    plain = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, name)) for name in plain):
+        return None
+    from hf_memffn.hub import weights_variant
+
+    return weights_variant(path)
+
+
 def from_pretrained_main_process_first(path: str, overrides: dict | None = None, **kwargs):
     """`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`, safe when many processes start at once.
 
@@ -765,11 +778,14 @@ def from_pretrained_main_process_first(path: str, overrides: dict | None = None,
     module cache; the other processes wait at a barrier, then find the cache populated instead of writing the same
     files at the same time. (Fine-tuning does not import `hf_memffn`, so the checkpoint's own code is what runs.)
     `overrides` (--config-overrides) are set on the saved config; one that leaves a saved weight unused, or a weight
-    of the model without its saved value, is refused.
+    of the model without its saved value, is refused. A folder whose weights were saved with a variant only
+    (`save_pretrained(folder, variant="ema")`) loads with that variant, as the package's commands load it.
     """
     from accelerate import PartialState
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if (variant := saved_weights_variant(path)) is not None:  # (from_pretrained finds such weights only given it)
+        kwargs = {"variant": variant, **kwargs}
     with PartialState().main_process_first():
         config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     if not overrides:

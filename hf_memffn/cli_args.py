@@ -99,15 +99,16 @@ def tokenizer_source(text: str) -> str:
                                 f"holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
 
 
-def decode_utf8(data: bytes, source: str) -> str:
+def decode_utf8(data: bytes, source: str, first_line: int = 1, first_byte: int = 0) -> str:
     """A file's bytes as UTF-8 text, whatever the locale's encoding, without a leading byte order mark (as some
-    Windows editors save UTF-8); a ValueError naming `source`, the line and the byte where they are not UTF-8."""
-    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    Windows editors save UTF-8); a ValueError naming `source`, the line and the byte where they are not UTF-8.
+    `data` may be a part of the file read on its own (a line): `first_line` and `first_byte` say where it starts."""
+    start = len(codecs.BOM_UTF8) if first_byte == 0 and data.startswith(codecs.BOM_UTF8) else 0
     try:
         return data[start:].decode("utf-8")
     except UnicodeDecodeError as error:
-        byte = start + error.start
-        line = data[:byte].count(b"\n") + 1
+        byte = first_byte + start + error.start
+        line = first_line + data[: start + error.start].count(b"\n")
         raise ValueError(f"{source}:{line}: not UTF-8 text ({error.reason} at byte {byte}); allowed: a UTF-8 "
                          "encoded file") from None
 

@@ -87,13 +87,56 @@ class MemFFNLM(HFLM):
             folder_problem = table_folder_problem(table_dir, {} if config is None else config.to_dict())
             if folder_problem is not None:
                 raise ValueError(f"token_lookup={token_lookup!r}: {folder_problem}")
+        self.token_lookup_path = token_lookup  # (read by `_create_model`, which `HFLM.__init__` calls)
         super().__init__(**kwargs)
-        self.token_lookup_path = token_lookup
         if token_lookup is None:
             return
         model = self._model
         model.load_tols(table_dir, placement=token_lookup_placement or default_placement(model),
                         drop_memory_ffn=bool(drop_memory_ffn))
+
+    def _create_model(self, pretrained: str, peft: str | None = None, delta: str | None = None,
+                      revision: str | None = "main", trust_remote_code: bool | None = False, **kwargs) -> None:
+        """`HFLM._create_model`, but a PEFT adapter (`peft=ADAPTER`) keeps a padded vocabulary: `HFLM` resized the
+        token embedding to the tokenizer's length, which drops the rows beyond the tokenizer's (the softmax then runs
+        over fewer logits, an adapter that saved the embedding or the head no longer fits, and a table exported from
+        the model was refused for its vocab_size once everything had loaded). The embedding grows, as in `HFLM`, for
+        the tokens an adapter added. With `token_lookup`, an adapter that the table cannot be read under is refused
+        before the weights are loaded."""
+        if peft and not delta:
+            if self.token_lookup_path is not None:
+                self._check_adapter_takes_the_table(peft, revision, trust_remote_code)
+            super()._create_model(pretrained, revision=revision, trust_remote_code=trust_remote_code, **kwargs)
+            from peft import PeftModel
+
+            if len(self.tokenizer) > self._model.get_input_embeddings().weight.shape[0]:
+                self._model.resize_token_embeddings(len(self.tokenizer))
+            self._model = PeftModel.from_pretrained(self._model, peft, revision=revision)
+            return
+        super()._create_model(pretrained, peft=peft, delta=delta, revision=revision,
+                              trust_remote_code=trust_remote_code, **kwargs)
+
+    def _check_adapter_takes_the_table(self, peft: str, revision: str | None, trust_remote_code) -> None:
+        """Refuse, before the weights load, an adapter under which `token_lookup` cannot be read: one that adds
+        tokens (the table holds the model's vocabulary only) or that changes the token embedding or the FFNs on X0
+        (tried on the model built on the meta device, without its weights)."""
+        import torch
+        from peft import PeftConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from .token_lookup import refuse_table_input_adapters
+
+        prefix = f"token_lookup={self.token_lookup_path!r} with peft={peft!r}"
+        if len(self.tokenizer) > self.config.vocab_size:
+            raise ValueError(f"{prefix}: the tokenizer has {len(self.tokenizer)} tokens, more than the model's "
+                             f"vocab_size={self.config.vocab_size}, and the table holds the model's tokens only; merge "
+                             "the adapter into the model (merge_and_unload), save it and export its table")
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=trust_remote_code)
+        try:
+            refuse_table_input_adapters(get_peft_model(skeleton, PeftConfig.from_pretrained(peft, revision=revision)))
+        except ValueError as error:
+            raise ValueError(f"{prefix}: {error}") from None
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """`HFLM.loglikelihood_rolling` with the documents encoded without special tokens.

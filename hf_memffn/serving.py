@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import runpy
 import sys
 from collections.abc import Sequence
@@ -222,10 +223,33 @@ class TokenLookupSettings:
               f"{dropped}", file=sys.stderr, flush=True)
 
 
+# hub.weights_variant's file names (this file imports nothing of the package): `save_pretrained(folder, variant="ema")`
+# writes model.ema.safetensors, or model.safetensors.index.ema.json and shards that load through it
+_VARIANT_WEIGHTS_FILE = re.compile(r"model\.safetensors\.index\.([^/]+)\.json|model\.([^/]+)\.safetensors")
+_WEIGHTS_SHARD = re.compile(r".*-\d+-of-\d+\.safetensors")
+
+
+def weights_variant(model_dir: str) -> str | None:
+    """The variant of the weights in the local folder `model_dir` where it holds weights saved with a variant only,
+    which `from_pretrained` finds only when given it (and `transformers serve` has no option for); else None. As
+    `hub.weights_variant`: of several variants, the first by name."""
+    if not os.path.isdir(model_dir):
+        return None
+    names = os.listdir(model_dir)
+    if "model.safetensors" in names or "model.safetensors.index.json" in names:
+        return None
+    found = [match for match in map(_VARIANT_WEIGHTS_FILE.fullmatch, names)
+             if match is not None and not _WEIGHTS_SHARD.fullmatch(match.string)]
+    return min((match.group(1) or match.group(2) for match in found), default=None)
+
+
 def auto_map_loader(architecture: str, token_lookup: TokenLookupSettings | None = None) -> type:
-    """A stand-in for `transformers.<architecture>`: its `from_pretrained` loads through `AutoModelForCausalLM`."""
+    """A stand-in for `transformers.<architecture>`: its `from_pretrained` loads through `AutoModelForCausalLM` (the
+    weights of a folder saved with a variant only, too)."""
 
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        if "variant" not in kwargs and (variant := weights_variant(str(pretrained_model_name_or_path))) is not None:
+            kwargs["variant"] = variant
         model = transformers.AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         if token_lookup is not None and token_lookup.applies_to(str(pretrained_model_name_or_path),
                                                                 kwargs.get("revision")):

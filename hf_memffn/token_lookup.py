@@ -1458,6 +1458,14 @@ def refuse_embedding_of_another_size(base: nn.Module, prefix: str = "") -> None:
             "embedding's size, then export the table")
 
 
+def refuse_table_input_adapters(model: nn.Module) -> None:
+    """A TokenLookupError while an adapter changes what a table holds the values of: the token embedding (see
+    `embedding_adapters`) or the FFNs on X0 (see `memory_adapters`)."""
+    base = _memory_base(model)
+    refuse_embedding_adapters(base.embed_tokens)
+    refuse_memory_adapters(getattr(base, "memory", None))
+
+
 def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     """Refuse a table computed from other weights (or another shape) than `model`'s."""
     base = _memory_base(model)
@@ -1469,8 +1477,7 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
         if getattr(index, key) != value:
             raise TokenLookupError(f"token lookup table in {index.directory} has {key}={getattr(index, key)} but the "
                                    f"model has {key}={value}")
-    refuse_embedding_adapters(base.embed_tokens)
-    refuse_memory_adapters(getattr(base, "memory", None))
+    refuse_table_input_adapters(base)
     fingerprint = weights_fingerprint(base)
     if table_takes(index.metadata, fingerprint, lambda: weights_fingerprint(base, through=torch.float16)):
         return
@@ -1575,6 +1582,14 @@ def refuse_discarding_values(table: TokenLookupTable, fn) -> None:
                          "once its memory FFN is dropped), change the model, load its weights, then load_tols again")
 
 
+# Where a model sits under the wrappers that hand attribute lookups down to it (so `DistributedDataParallel`, given
+# the wrapper, reads the model's `_ddp_params_and_buffers_to_ignore`): PEFT's PeftModel (`base_model.model` for LoRA
+# and the other adapters that change layers, `base_model` for prompt learning) and torch.compile's OptimizedModule
+# (`_orig_mod`), alone or compiled over PEFT.
+_PEFT_PREFIXES = ("base_model.model.", "base_model.")
+WRAPPER_PREFIXES = (*_PEFT_PREFIXES, "_orig_mod.", *(f"_orig_mod.{prefix}" for prefix in _PEFT_PREFIXES))
+
+
 class TokenLookupMixin:
     """Adds token lookup tables to MemoryLLM / FlexMemoryLLM models (base models, causal LMs and task heads)."""
 
@@ -1584,10 +1599,13 @@ class TokenLookupMixin:
         model): those set through `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`, and every
         buffer of the token lookup tables loaded. Each rank loads its own table; without this, DDP copies rank 0's
         whole table (and a device cache's rows and slot map) over every rank's, when it wraps the model and again at
-        each forward (`broadcast_buffers=True`, its default)."""
+        each forward (`broadcast_buffers=True`, its default). DDP given a wrapper that hands attribute lookups down
+        to this model reads this list too, and matches the names under the wrapper: each buffer is named under every
+        `WRAPPER_PREFIXES` as well (a name no module has is never matched)."""
         table_buffers = [f"{path}.{name}" for path, module in self.named_modules()
                          if isinstance(module, TokenLookupTable) for name, _ in module.named_buffers()]
-        return [*self.__dict__.get("_ddp_names_to_ignore", ()), *table_buffers]
+        wrapped = [f"{prefix}{name}" for prefix in WRAPPER_PREFIXES for name in table_buffers]
+        return [*self.__dict__.get("_ddp_names_to_ignore", ()), *table_buffers, *wrapped]
 
     @_ddp_params_and_buffers_to_ignore.setter
     def _ddp_params_and_buffers_to_ignore(self, names) -> None:

@@ -431,8 +431,9 @@ def test_texts_saved_with_a_byte_order_mark_read_without_it(tmp_path, suffix):
     first, second = ('{"text": "one"}', '{"text": "two"}') if suffix == ".jsonl" else ("one", "two")
     path.write_bytes(codecs.BOM_UTF8 + f"{first}\n{second}\n".encode())
     assert read_texts(path) == ["one", "two"]
-    path.write_bytes(codecs.BOM_UTF8 + b"ab\n\xff\n")
-    with pytest.raises(ValueError, match=r":2: not UTF-8 text .* at byte 6\)"):
+    first = '{"text": "ab"}' if suffix == ".jsonl" else "ab"  # (read before the bad line: lines are read in turn)
+    path.write_bytes(codecs.BOM_UTF8 + f"{first}\n".encode() + b"\xff\n")
+    with pytest.raises(ValueError, match=rf":2: not UTF-8 text .* at byte {len(codecs.BOM_UTF8) + len(first) + 1}\)"):
         read_texts(path)
 
 
@@ -498,6 +499,53 @@ def test_report_json_writes_numbers_that_are_not_finite_as_null(tmp_path):
     written_cell = written["cells"]["layers.0.mlp"][0]
     assert written_cell["triggers"][0]["coefficient"] is None and written_cell["promotes_logits"][1] is None
     assert written_cell["promotes_logits"][0] == cell["promotes_logits"][0]
+
+
+def test_a_pad_token_past_the_embedding_does_not_stop_the_analysis():
+    """A tokenizer whose pad token was added past the embedding's rows (tokens added, the model not resized) stopped
+    `analyze` after the texts had been analysed, at the top triggers ("pad_token_id has token id 330"), though the
+    id only fills masked positions: the report is the one of a tokenizer padding with 0."""
+    from hf_memffn.analysis import analyze
+    from hf_memffn.testing import tiny_tokenizer
+
+    texts = ["the memory stores a key", "a key"]  # (of two lengths: the shorter one is padded in its batch)
+    arguments = dict(top_triggers=2, cells_per_bank=1, agreement_cells=8, edits=[], batch_size=2)
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+    expected = analyze(build("kvffn"), tokenizer, texts, **arguments)
+    tokenizer.add_tokens([f"<added_{i}>" for i in range(30)])
+    tokenizer.pad_token = "<added_29>"
+    assert tokenizer.pad_token_id >= build("kvffn").get_input_embeddings().num_embeddings
+    cells = analyze(build("kvffn"), tokenizer, texts, **arguments)["cells"]
+    # (the triggers: what the padded batches give; the tokens a value promotes now rank the added ones too)
+    assert {bank: [cell["triggers"] for cell in bank_cells] for bank, bank_cells in cells.items()} == {
+        bank: [cell["triggers"] for cell in bank_cells] for bank, bank_cells in expected["cells"].items()}
+
+
+@pytest.mark.parametrize("case", ["memoryllm", "flash_mhf"])
+def test_plots_of_statistics_that_are_not_finite_leave_them_out(tmp_path, case):
+    """A statistic that overflowed (inf, nan) in a plotted series stopped `write_report` in matplotlib ("Axis limits
+    cannot be NaN or Inf") before anything was written: each plot leaves such a value out (a gap, outside the axis
+    limits and colour scales), and report.json writes it as null."""
+    from hf_memffn.analysis import analyze, write_report
+    from hf_memffn.testing import tiny_tokenizer
+
+    report = analyze(build(case), tiny_tokenizer(), ["the memory stores a key"], top_triggers=1, cells_per_bank=1,
+                     agreement_cells=8, edits=[])
+    for stats in report["banks"].values():
+        stats["mean_sparsity"], stats["mean_cells_for_90pct_mass"] = float("nan"), float("inf")
+        stats["key_value_agreement"] = float("inf")
+        if "head_subnetwork_mass" in stats:
+            stats["head_subnetwork_mass"][0][0] = float("inf")
+    for key in ("attention", "ffn", "memory", "ffn_share", "memory_share"):
+        report["contributions"][key][0] = float("inf")
+    report["contributions"]["ffn"][-1] = float("nan")
+    first_bank = report["model"]["banks"][0]["name"]
+    report["texts"][0]["banks"][first_bank]["top_cells"][0][0][1] = float("inf")
+    html = write_report(report, tmp_path / "report")
+    assert html.is_file() and (tmp_path / "report" / "contributions.png").is_file()
+    written = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert written["contributions"]["attention"][0] is None
 
 
 def test_token_memory_tools_work_with_a_loaded_lookup_table(tmp_path):

@@ -168,6 +168,43 @@ def test_analyze_command_names_the_texts_file_and_line_and_refuses_empty_layers(
     assert not (tmp_path / "r").exists()
 
 
+def test_analyze_command_streams_the_dataset_and_checks_it_before_the_analysis(saved_model, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """`--dataset` ("texts streamed for the top-triggering prefixes") was read whole into memory (its bytes, the
+    decoded text and every line at once) before the analysis; it is read a line at a time, and a bad line at its
+    end is still named before any model is loaded."""
+    from pathlib import Path
+
+    import hf_memffn.analysis.cli as analysis_cli
+
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the memory stores a key\n")
+    dataset = tmp_path / "dataset.jsonl"
+    lines = [json.dumps({"text": f"a value of the token {i} is the layer"}) for i in range(40)]
+    dataset.write_text("\n".join(lines) + "\n")
+    argv = ["analyze", str(saved_model), "--texts", str(texts), "--device", "cpu", "--top-triggers", "2",
+            "--cells-per-bank", "1", "--clusters", "2"]
+    read_whole, real_read_bytes = [], Path.read_bytes
+
+    def recording_read_bytes(path):
+        read_whole.append(str(path))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", recording_read_bytes)
+    assert main([*argv, "--dataset", str(dataset), "--out", str(tmp_path / "report")]) == 0
+    assert str(dataset) not in read_whole
+    cell = next(iter(json.loads((tmp_path / "report" / "report.json").read_text())["cells"].values()))[0]
+    assert any(trigger["text_index"] > 0 for trigger in cell["triggers"])  # (the dataset's texts, not --texts)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(analysis_cli, "load_causal_lm", no_loading)
+    dataset.write_text("\n".join(lines) + '\n{"txt": "a key"}\n')
+    _exits_with_error(capsys, [*argv, "--dataset", str(dataset), "--out", str(tmp_path / "r")],
+                      f"error: {dataset}:41: each .jsonl line must be an object with a string field 'text'")
+
+
 def test_analyze_command_reports_a_memoryllm_read_one_token_a_text(saved_model, tmp_path):
     """`--max-length 1` leaves the start token alone: a special token, so the token memory has no clusters."""
     texts = tmp_path / "texts.txt"

@@ -265,6 +265,77 @@ def test_memffn_model_refuses_a_folder_without_a_table_or_another_models_table_b
         with pytest.raises(error, match=re.escape(message)):
             load_lm(MemFFNLM, checkpoints["memoryllm"], **arguments)
 
+def save_adapter(folder: Path, adapter_dir: Path, **lora) -> None:
+    """A LoRA adapter of random (not zero) weights for the checkpoint in `folder`, saved as PEFT saves it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, init_lora_weights=False, **lora)).save_pretrained(adapter_dir)
+
+
+def test_memffn_model_with_an_adapter_keeps_a_padded_vocabulary_and_reads_the_table(checkpoints, tmp_path):
+    """`peft=ADAPTER` on a checkpoint whose embedding has rows beyond the tokenizer's (320 rows, 301 tokens): HFLM
+    resized the embedding down to the tokenizer, so the log-probabilities were normalised over 301 logits, not the
+    model's 320, and a table exported from the model was refused for its vocab_size once the model and the adapter
+    had loaded. Now the scores are the adapted model's own, with the table or without."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    folder = checkpoints["memoryllm"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert base.config.vocab_size > len(tokenizer)
+    save_adapter(folder, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    export_tols(str(folder), tmp_path / "table", format="fp32", progress=False)
+    reference = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    expected = [score for score, _ in (hand_loglikelihood(reference, tokenizer, *pair) for pair in LL_PAIRS)]
+    for table in ({}, {"token_lookup": str(tmp_path / "table"), "token_lookup_placement": "cpu"}):
+        lm = load_lm(MemFFNLM, folder, batch_size=2, peft=str(tmp_path / "adapter"), **table)
+        assert lm.model.get_input_embeddings().weight.shape[0] == base.config.vocab_size
+        ll = lm.loglikelihood(requests("loglikelihood", LL_PAIRS))
+        assert [score for score, _ in ll] == pytest.approx(expected, abs=1e-4), table
+
+
+def test_memffn_model_refuses_an_adapter_the_table_cannot_be_read_under_before_loading(checkpoints, tmp_path,
+                                                                                         monkeypatch):
+    """An adapter on the token embedding or on the FFNs on X0, given with `token_lookup`, was refused by `load_tols`
+    only once the model and the adapter had been loaded: now before the weights load."""
+    import transformers
+
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.lm_eval_model import MemFFNLM
+
+    folder = checkpoints["memoryllm"]
+    export_tols(str(folder), tmp_path / "table", format="fp32", progress=False)
+    save_adapter(folder, tmp_path / "embedding", target_modules=["embed_tokens"])
+    save_adapter(folder, tmp_path / "memory", target_modules=["q_proj"], modules_to_save=["memory"])
+    save_adapter(folder, tmp_path / "attention", target_modules=["q_proj"])
+    grown = tiny_tokenizer()  # (an adapter trained with added tokens, saved with its tokenizer)
+    grown.add_tokens([f"<new_{i}>" for i in range(40)])
+    grown.save_pretrained(tmp_path / "attention")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the adapter was checked against the table")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    for adapter, message in (("embedding", "the token embedding has parameters that its weight does not hold"),
+                             ("memory", "the FFNs on X0 (memory) carry parameters that are not their weights")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"token_lookup={str(tmp_path / 'table')!r} with peft={str(tmp_path / adapter)!r}: {message}")):
+            load_lm(MemFFNLM, folder, peft=str(tmp_path / adapter), token_lookup=str(tmp_path / "table"))
+    with pytest.raises(ValueError, match=re.escape(f"the tokenizer has {len(grown)} tokens, more than the model's "
+                                                   "vocab_size=320, and the table holds the model's tokens only")):
+        load_lm(MemFFNLM, folder, peft=str(tmp_path / "attention"), tokenizer=str(tmp_path / "attention"),
+                token_lookup=str(tmp_path / "table"))
+
+
 def test_memffn_model_default_table_placement_follows_the_models_device(checkpoints, tmp_path, monkeypatch):
     """`device=cpu` on a machine with CUDA: without `token_lookup_placement` the table stays on the host."""
     import torch

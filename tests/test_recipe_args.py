@@ -461,6 +461,29 @@ def test_config_overrides_apply_to_an_init_from_model(tmp_path):
                                 "--output-dir", str(tmp_path / "run2")])
 
 
+def test_init_from_a_folder_of_variant_weights_loads_them(tmp_path):
+    """--init-from a folder saved with `save_pretrained(folder, variant="ema")` (`model.ema.safetensors` only) failed
+    after the corpus was tokenized and packed, in "no file named model.safetensors, or pytorch_model.bin", with no
+    option to name the variant; it loads the variant's weights, as the package's commands do."""
+    from hf_memffn.tokenization import train_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=40)
+    saved = tmp_path / "saved"
+    tokenizer = train_tokenizer([json.loads(line)["text"] for line in corpus.read_text().splitlines()], vocab_size=300)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(pretrain.build_config("kvffn", "tiny", 320, tokenizer))
+    model.save_pretrained(saved, variant="ema")
+    tokenizer.save_pretrained(saved)
+    assert not (saved / "model.safetensors").exists()
+    loaded = pretrain.from_pretrained_main_process_first(str(saved), dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    summary = pretrain.main(["--init-from", str(saved), "--data-files", str(corpus), "--block-size", "32",
+                             "--per-device-batch-size", "2", "--max-steps", "1", "--save-steps", "100",
+                             "--max-eval-blocks", "1", "--output-dir", str(tmp_path / "run")])
+    assert summary["global_step"] == 1 and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
 def test_the_recipe_without_the_train_extras_names_the_package_and_the_extra_in_one_line(monkeypatch):
     """Without accelerate, transformers' TrainingArguments do not import: `pretrain.py --help` ended in transformers'
     "Could not import module 'TrainingArguments'" traceback. Without datasets, reading --dataset or --data-files

@@ -262,6 +262,30 @@ def test_bridge_names_every_architecture_of_the_package():
     assert serving.TABLE_INDEX_NAME == INDEX_NAME
 
 
+def test_the_bridge_loads_a_folder_of_variant_weights(tmp_path):
+    """`hf-memffn serve DIR` of a folder saved with `save_pretrained(DIR, variant="ema")` (model.ema.safetensors
+    only): the bridge's load of the model failed ("no file named model.safetensors"), and `transformers serve` has
+    no option to name the variant; the bridge loads the variant's weights, as the package's commands do. It reads
+    the file names as `hub.weights_variant` does (serving.py imports nothing of the package)."""
+    from hf_memffn.hub import weights_variant
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("memoryllm"))
+    model.save_pretrained(tmp_path / "ema", variant="ema")
+    loaded = serving.auto_map_loader("MemoryLLMForCausalLM").from_pretrained(str(tmp_path / "ema"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    model.save_pretrained(tmp_path / "sharded", variant="fp16", max_shard_size="100KB")
+    model.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "plain", variant="ema")  # (weights without a variant beside: those load)
+    model.save_pretrained(tmp_path / "two", variant="b")
+    model.save_pretrained(tmp_path / "two", variant="a")
+    (tmp_path / "empty").mkdir()
+    for folder, variant in (("ema", "ema"), ("sharded", "fp16"), ("plain", None), ("two", "a"), ("empty", None),
+                            ("missing", None)):
+        assert serving.weights_variant(str(tmp_path / folder)) == weights_variant(tmp_path / folder) == variant, folder
+
+
 @pytest.fixture
 def model_loader_pickling_restored():
     """transformers' server model loader (5.25 and later; else None), which pickles as before once the test ends,

@@ -834,6 +834,38 @@ def test_ddp_leaves_the_table_out_of_its_buffer_broadcasts(exported):
     finally:
         dist.destroy_process_group()
 
+@pytest.mark.parametrize("wrapper", ["lora", "prompt_tuning", "torch.compile", "torch.compile of lora"])
+def test_ddp_of_a_wrapped_model_leaves_the_table_out_of_its_buffer_broadcasts(exported, wrapper):
+    """DDP given a PEFT model or a compiled model reads the ignore list of the model inside (the wrappers hand attribute
+    lookups down) but names the buffers under the wrapper (`base_model.model.model.token_lookup.rows`): the table's
+    names did not match, and DDP broadcast the whole table again at each forward. One process, gloo, on the CPU."""
+    import torch.distributed as dist
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, directory = exported
+    fresh = build(model.config.model_type.replace("memffn_", ""))
+    table = fresh.load_tols(directory, placement="cpu")
+    if wrapper == "prompt_tuning":
+        wrapped_model = get_peft_model(fresh, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    elif wrapper.endswith("lora"):
+        wrapped_model = get_peft_model(fresh, LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
+    else:
+        wrapped_model = fresh
+    if wrapper.startswith("torch.compile"):
+        wrapped_model = torch.compile(wrapped_model)
+    table_names = {name for name, buffer in wrapped_model.named_buffers() if buffer is table.rows}
+    assert len(table_names) == 1
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(wrapped_model)
+        assert table_names <= ddp.parameters_to_ignore
+        assert not any(buffer is table.rows for buffer in ddp.modules_buffers)
+    finally:
+        dist.destroy_process_group()
+
+
 def copies_of(model) -> dict:
     """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
     of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -36,32 +36,49 @@ from .triggers import top_triggering_prefixes
 from .vocabulary import key_value_agreement, project_values
 
 
-def read_texts(path: str | Path) -> list[str]:
-    """Texts from a file: one per line, or a `.jsonl` file with a "text" field per line. Blank lines are skipped.
-    Lines end at a line feed (or CR LF) only: a form feed or a Unicode line separator inside a text stays in it. A
-    byte order mark at the start (as some Windows editors save UTF-8) is not part of the first text."""
+def iter_texts(path: str | Path) -> Iterator[str]:
+    """The texts of a file, read a line at a time: one per line, or a `.jsonl` file with a "text" field per line.
+    Blank lines are skipped. Lines end at a line feed (or CR LF) only: a form feed or a Unicode line separator inside
+    a text stays in it. A byte order mark at the start (as some Windows editors save UTF-8) is not part of the first
+    text."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"texts file {str(path)!r} does not exist")
-    texts = []
     records = path.suffix.lower() == ".jsonl"  # (`texts.JSONL` too, as Windows tools may name it)
-    lines = [line.removesuffix("\r") for line in decode_utf8(path.read_bytes(), str(path)).split("\n")]
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if records:
+    offset = 0
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):  # (a binary file's lines end at line feeds only)
+            line = decode_utf8(raw, str(path), number, offset).removesuffix("\n").removesuffix("\r")
+            offset += len(raw)
+            if not line.strip():
+                continue
+            if not records:
+                yield line
+                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: invalid JSON: {error.msg} (column {error.colno})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{path}:{number}: each .jsonl line must be an object with a string field 'text'")
-            texts.append(record["text"])
-        else:
-            texts.append(line)
+            yield record["text"]
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """The texts of a file (see `iter_texts`), as a list; a ValueError if it holds none."""
+    texts = list(iter_texts(path))
     if not texts:
         raise ValueError(f"texts file {str(path)!r} holds no text")
     return texts
+
+
+def stream_texts(path: str | Path) -> Iterator[str]:
+    """The texts of a file (see `iter_texts`), checked through to the end now (a bad line or a file of no text is
+    refused before the long work) and read again, a line at a time, as they are iterated: a large --dataset file is
+    never held in memory whole."""
+    if not sum(1 for _ in iter_texts(path)):  # (every line is decoded and checked on the way, and none is kept)
+        raise ValueError(f"texts file {str(path)!r} holds no text")
+    return iter_texts(path)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -386,7 +403,11 @@ def analyze(
     # the edits are measured last, but checked (and the demonstration edit chosen) before the long work
     edits = _encode_edits(tokenizer, [default_edit(model, tokenizer, texts[0])] if edits is None else edits,
                           num_embeddings)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # (the id only fills the positions after a short text, which the attention mask leaves out and no statistic
+    # reads: a pad token the tokenizer added past the embedding's rows, which the model cannot embed, gives way to 0)
+    pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None or not 0 <= pad_token_id < num_embeddings:
+        pad_token_id = 0
     # (the ids the tokenizer has: an output embedding padded to a round size has rows no token uses, which would be
     # ranked among the tokens a value promotes and shown as empty names)
     vocabulary = len(tokenizer)

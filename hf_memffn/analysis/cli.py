@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     import hf_memffn  # noqa: F401  (registers the memffn architectures with the Auto classes)
 
-    from .analyze import analyze, read_texts
+    from .analyze import analyze, read_texts, stream_texts
     from .memory_banks import memory_banks
     from .report import write_report
 
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     layers = args.layers
     texts = read_texts(args.texts)
-    dataset = read_texts(args.dataset) if args.dataset else None
+    dataset = stream_texts(args.dataset) if args.dataset else None
     start = time.perf_counter()
     tokenizer = _load_tokenizer(args)
     dtype = getattr(torch, dtype_name)

@@ -26,6 +26,13 @@ def _png(figure) -> bytes:
     return buffer.getvalue()
 
 
+def _finite(values) -> np.ndarray:
+    """`values` as floats, a statistic that overflowed (inf, nan; report.json writes them as null) as nan: drawn as a
+    gap, and left out of the axis limits and colour scales, which an inf or nan made matplotlib refuse."""
+    values = np.asarray(values, dtype=float)
+    return np.where(np.isfinite(values), values, np.nan)
+
+
 def _bank_series(report: dict, kind_filter, key: str) -> tuple[list[int], list[float]]:
     layers, values = [], []
     for bank in report["model"]["banks"]:
@@ -52,12 +59,12 @@ def plot_memory_statistics(report: dict) -> bytes:
     for label, keep in _bank_groups(report).items():
         names = [b["name"] for b in report["model"]["banks"] if keep(b)]
         layers = [b["layer"] for b in report["model"]["banks"] if keep(b)]
-        mass = [report["banks"][n]["mean_cells_for_90pct_mass"] / num_cells[n] for n in names]
-        sparsity = [report["banks"][n]["mean_sparsity"] for n in names]
+        mass = _finite([report["banks"][n]["mean_cells_for_90pct_mass"] / num_cells[n] for n in names])
+        sparsity = _finite([report["banks"][n]["mean_sparsity"] for n in names])
         axes[0].plot(layers, mass, marker="o", label=label)
         axes[1].plot(layers, sparsity, marker="o", label=label)
         agreement_layers, agreement = _bank_series(report, keep, "key_value_agreement")
-        axes[2].plot(agreement_layers, agreement, marker="o", label=label)
+        axes[2].plot(agreement_layers, _finite(agreement), marker="o", label=label)
     axes[0].set_title("cells carrying 90% of |coefficient| mass\n(fraction of the bank)")
     axes[1].set_title("sparsity: cells with |c| < 1% of the max")
     axes[2].set_title("key-value agreement\n(next token of trigger in value's top tokens)")
@@ -78,17 +85,17 @@ def plot_contributions(report: dict) -> bytes:
     axes = figure.subplots(1, 2)
     bottom = np.zeros(len(layers))
     for key, label in (("attention", "attention"), ("ffn", "residual FFN"), ("memory", "token memory (lookup table)")):
-        values = np.asarray(contributions[key])
-        if values.any():
+        values = _finite(contributions[key])
+        if np.nan_to_num(values).any():
             axes[0].bar(layers, values, bottom=bottom, label=label)
-            bottom += values
+            bottom += np.nan_to_num(values)
     axes[0].set_title("mean output norm per layer")
     axes[0].set_ylim(0, bottom.max() * 1.3)  # room for the legend above the bars
     axes[0].legend(fontsize=8, loc="upper left", ncol=3)
     if any(contributions["ffn"]):
-        axes[1].plot(layers, contributions["ffn_share"], marker="o", label="residual FFN share")
+        axes[1].plot(layers, _finite(contributions["ffn_share"]), marker="o", label="residual FFN share")
     if any(contributions["memory"]):
-        axes[1].plot(layers, contributions["memory_share"], marker="o", label="token memory share")
+        axes[1].plot(layers, _finite(contributions["memory_share"]), marker="o", label="token memory share")
     axes[1].set_title("share of the layer's output norm")
     axes[1].set_ylim(0, 1)
     axes[1].legend(fontsize=8)
@@ -104,8 +111,8 @@ def plot_head_subnetwork_mass(report: dict) -> bytes | None:
     banks = [b for b in report["model"]["banks"] if "head_subnetwork_mass" in report["banks"][b["name"]]]
     if not banks:
         return None
-    masses = [np.asarray(report["banks"][bank["name"]]["head_subnetwork_mass"]) for bank in banks]
-    top = max(float(mass.max()) for mass in masses)
+    masses = [_finite(report["banks"][bank["name"]]["head_subnetwork_mass"]) for bank in banks]
+    top = max((float(np.nanmax(mass)) for mass in masses if not np.isnan(mass).all()), default=1.0)
     figure = Figure(figsize=(2.2 * len(banks) + 1.5, 3.2))
     axes = figure.subplots(1, len(banks), squeeze=False)
     for axis, bank, mass in zip(axes[0], banks, masses):
@@ -135,8 +142,8 @@ def plot_text_coefficients(report: dict, text_index: int = 0) -> bytes:
     """For one text: the largest |coefficient| of each bank (rows) at each token (columns)."""
     text = report["texts"][text_index]
     names = [b["name"] for b in report["model"]["banks"]]
-    peak = np.asarray([[abs(cells[0][1]) for cells in text["banks"][n]["top_cells"]] for n in names])
-    peak = peak / np.maximum(peak.max(axis=1, keepdims=True), 1e-30)
+    peak = _finite([[abs(cells[0][1]) for cells in text["banks"][n]["top_cells"]] for n in names])
+    peak = peak / np.maximum(np.nan_to_num(peak).max(axis=1, keepdims=True), 1e-30)
     tokens = text["tokens"]
     figure = Figure(figsize=(max(6, 0.45 * len(tokens) + 2), 0.34 * len(names) + 1.6))
     axis = figure.subplots()
