@@ -27,7 +27,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .configuration_memffn import DECODER_KERNELS
-from .triton_launch import INTERPRET_REQUESTED, any_size, cdiv, launch, next_power_of_2
+from .triton_launch import (INTERPRET_REQUESTED, KERNEL_DTYPES, any_size, cdiv, launch, next_power_of_2,
+                            refuse_kernel_dtype)
 
 try:
     import triton
@@ -125,11 +126,6 @@ if TRITON_AVAILABLE:
     # the builds that inference launches, compiled once whatever the number of tokens (`triton_launch.any_size`)
     _rms_norm_forward_any_size = any_size(_rms_norm_forward_kernel, "num_rows")
     _rotary_any_size = any_size(_rotary_kernel, "seq_len")
-
-
-# The dtypes the kernels take: they compute in float32, so a float64 model keeps its precision only on the PyTorch
-# operations
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def decoder_kernels_unavailable(x: torch.Tensor, kernels: str) -> str | None:
@@ -245,10 +241,13 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension by the Triton kernels."""
+    """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension by the Triton kernels (``x`` of a dtype of
+    ``KERNEL_DTYPES``)."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.shape[-1]}: it "
                          f"must be [{x.shape[-1]}]")
+    if x.dtype not in KERNEL_DTYPES:
+        refuse_kernel_dtype("rms_norm", "x", x.dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -330,8 +329,10 @@ def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [B, L, H, D] (the projection's layout) with ``cos``/``sin`` [B or 1, L, D]:
-    returns a contiguous [B, H, L, D] tensor (the attention's layout)."""
+    returns a contiguous [B, H, L, D] tensor (the attention's layout); ``x`` of a dtype of ``KERNEL_DTYPES``."""
     x, cos, sin = _rotary_inputs(x, cos, sin)
+    if x.dtype not in KERNEL_DTYPES:
+        refuse_kernel_dtype("rotate", "x", x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RotaryFunction.apply(x, cos, sin)
     out = _heads_first(x)
@@ -349,6 +350,9 @@ def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"keys of shape {tuple(key.shape)} do not match queries of shape {tuple(query.shape)} "
                          "([B, L, H, D] and [B, L, H_kv, D])")
     query, cos, sin = _rotary_inputs(query, cos, sin)
+    for name, tensor in (("query", query), ("key", key)):
+        if tensor.dtype not in KERNEL_DTYPES:
+            refuse_kernel_dtype("rotate_pair", name, tensor.dtype)
     key = key if key.stride(-1) == 1 else key.contiguous()
     query_out, key_out = _heads_first(query), _heads_first(key)
     rotary(query, cos, sin, query_out, transposed=False, second=(key, key_out), inference=True)

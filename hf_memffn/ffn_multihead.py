@@ -346,7 +346,10 @@ class FlashMHFFeedForward(_MultiHeadQueries):
         """Which implementation this module's forward runs for `hidden_states` ([B, L, d]; by default one token on
         the parameters' device and dtype), with gradients recorded or not as they are now."""
         records_input = hidden_states is not None and hidden_states.requires_grad
-        needs_grad = torch.is_grad_enabled() and (records_input or any(p.requires_grad for p in self.parameters()))
+        # (the parameters the layer reads, or that make its input record gradients: not `out_proj`'s, which train
+        # after the layer, whose inference path (the decode kernel for few tokens) runs then)
+        layer_parameters = (param for name, param in self.named_parameters() if not name.startswith("out_proj."))
+        needs_grad = torch.is_grad_enabled() and (records_input or any(p.requires_grad for p in layer_parameters))
         # (no autograd record: a weight parametrization (LoRA on the weights) computes `key` here, and a forward under
         # activation checkpointing must save the same tensors when it is recomputed, where nothing is logged)
         with torch.no_grad():

@@ -31,7 +31,7 @@ from .configuration_memffn import DECODER_KERNELS
 # (triton from the sibling that imports it in a `try` block: transformers refuses to load a checkpoint's code whose
 # files import a missing package outside one, and triton is optional)
 from .decoder_triton import KERNEL_DTYPES, TRITON_AVAILABLE, decoder_kernels_unavailable, tl, triton
-from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, registered_operator
+from .triton_launch import INTERPRET_REQUESTED, cdiv, launch, refuse_kernel_dtype, registered_operator
 
 # the activations the kernels compute (`KVFFNConfig.activations` and the GLU baseline's sigmoid), by constexpr id
 PAIRED_ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3}
@@ -203,12 +203,15 @@ def _check(y: torch.Tensor, activation: str) -> None:
         raise ValueError(f"activation={activation!r} is not one of {tuple(PAIRED_ACTIVATIONS)}")
     if y.shape[-1] % 2:
         raise ValueError(f"y's last dimension {y.shape[-1]} must be even (key i at 2i, value i at 2i + 1)")
+    if y.dtype not in KERNEL_DTYPES:
+        refuse_kernel_dtype("paired_activation", "y", y.dtype)
 
 
 def paired_activation(y: torch.Tensor, activation: str, product: bool = True) -> torch.Tensor:
     """KV-FFN's hidden activation from its interleaved key/value projection ``y [..., 2W]`` by the Triton kernels:
-    ``act(y[..., 0::2]) * y[..., 1::2]`` (``+`` with ``product=False``), ``[..., W]``. While Dynamo traces (under
-    ``torch.compile``), the Triton operator, which inductor launches itself."""
+    ``act(y[..., 0::2]) * y[..., 1::2]`` (``+`` with ``product=False``), ``[..., W]``, for ``y`` of a dtype of
+    ``KERNEL_DTYPES``. While Dynamo traces (under ``torch.compile``), the Triton operator, which inductor launches
+    itself."""
     _check(y, activation)
     y = y.contiguous()
     if torch.compiler.is_dynamo_compiling():

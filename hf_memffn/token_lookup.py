@@ -38,7 +38,7 @@ from torch.nn.utils import prune
 
 from .configuration_memffn import check_choice
 from .modeling_memffn import embedding_rows
-from .token_lookup_triton import HAS_TRITON, gather_rows_triton, lookup_add_triton
+from .token_lookup_triton import HAS_TRITON, KERNEL_DTYPES, gather_rows_triton, lookup_add_triton
 
 INDEX_NAME = "token_lookup.safetensors.index.json"
 SHARD_PATTERN = "token_lookup{suffix}.safetensors"
@@ -50,7 +50,7 @@ PLACEMENTS = ("gpu", "cpu", "disk")
 KERNELS = ("auto", "triton", "torch")
 # The hidden-state dtypes the Triton add takes: it computes in float32, so float64 hidden states take the PyTorch add
 # (under "auto"; an explicit "triton" refuses them)
-ADD_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ADD_KERNEL_DTYPES = KERNEL_DTYPES
 VERIFY_MODES = ("full", "size")
 FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_MAX = {"int8": 127, "int4": 7}
@@ -669,12 +669,17 @@ class TokenLookupReadout:
         flat = hidden.reshape(-1, table.index.hidden_size)
         if hidden.device != self.rows.device:
             # a model split over devices (`device_map`): this layer's hidden states are not where the table is; its
-            # values are read where the rows are and added on the hidden states' device
+            # values are read where the rows are and added on the hidden states' device, by PyTorch operations
+            if table.requested_kernel == "triton" and table.fmt.name != "lowrank":
+                raise RuntimeError(
+                    f"kernel='triton' cannot add the table into hidden states on {hidden.device}: the table's rows "
+                    f"are on {self.rows.device}, and the Triton add reads both on one device (a model split over "
+                    "devices by a device_map); load the table with kernel='auto' (the Triton add beside the table, "
+                    "PyTorch operations on the other devices) or 'torch'")
             values = self.layer_values(position).to(hidden.device)
         else:
             kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
-            if (kernel == "triton" and table.fmt.name != "lowrank"
-                    and not (torch.is_grad_enabled() and hidden.requires_grad)):
+            if kernel == "triton" and table.fmt.name != "lowrank":
                 if hidden.dtype in ADD_KERNEL_DTYPES:
                     out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
                                             table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
@@ -1654,10 +1659,11 @@ class TokenLookupMixin:
             one it computes on, if a device map offloaded it).
         cache_rows: device cache size in token rows for cpu/disk placements on a GPU (0: no cache, on every device).
         frequent_tokens: token ids, most frequent first, that fill the cache (default: the lowest ids; empty: none).
-        kernel: "auto" (Triton on CUDA, PyTorch on CPU and for float64 hidden states; under torch.compile the add is
-            left to inductor) | "triton" (under torch.compile too; refused for a lowrank table but with placement
-            "cpu", and for float64 hidden states at the forward; a forward recording gradients of the hidden states
-            adds with PyTorch operations, which have a backward) | "torch".
+        kernel: "auto" (Triton on CUDA, PyTorch on CPU, for float64 hidden states and for layers a device map puts
+            on another device than the table's; under torch.compile the add is left to inductor) | "triton" (under
+            torch.compile too; refused for a lowrank table but with placement "cpu", and at the forward for float64
+            hidden states or hidden states on another device; the Triton add also runs in a forward recording
+            gradients of the hidden states, passing their gradient through) | "torch".
             `table.kernel` and `table.compiled_kernel` say which path runs.
         verify: "full" (sha256 of every shard) | "size" (sizes and headers only).
         drop_memory_ffn: free the memory FFN weights afterwards (see `drop_memory_ffn`).

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .triton_launch import cdiv, launch, next_power_of_2, registered_operator
+from .triton_launch import KERNEL_DTYPES, cdiv, launch, next_power_of_2, refuse_kernel_dtype, registered_operator
 
 try:
     import triton
@@ -91,9 +91,12 @@ def _require_dense(**tensors: torch.Tensor | None) -> None:
 
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                       layer_position: int, hidden_size: int, format_name: str, group_size: int) -> torch.Tensor:
-    """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype)."""
+    """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype, one of
+    `KERNEL_DTYPES`). Differentiable in `hidden` (the rows are fixed values, which get no gradient)."""
     if not HAS_TRITON:
         raise RuntimeError("lookup_add_triton needs triton")
+    if hidden.dtype not in KERNEL_DTYPES:
+        refuse_kernel_dtype("lookup_add_triton", "hidden", hidden.dtype)
     # (once per layer and step, so each check is one call rather than `_require_dense`: the kernel reads the hidden
     # state as dense rows, and steps between a table's rows by their stride but reads each row's columns one after
     # another)
@@ -106,11 +109,29 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     if hidden.device != rows.device:  # (the kernel would read the table's memory through the hidden state's device)
         raise ValueError(f"hidden is on {hidden.device} but the table's rows are on {rows.device}: a model whose "
                          "layers are spread over several devices (device_map) cannot add from one table")
+    arguments = (hidden, row_ids, rows, scales, layer_position, hidden_size, FORMAT_CODES[format_name], group_size)
+    if torch.is_grad_enabled() and hidden.requires_grad:  # (training the layers around a loaded table)
+        return _LookupAddFunction.apply(*arguments)
+    return _lookup_add(*arguments)
+
+
+def _lookup_add(*arguments):
     if torch.compiler.is_compiling():
-        return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(hidden, row_ids, rows, scales, layer_position,
-                                                                 hidden_size, FORMAT_CODES[format_name], group_size)
-    return _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, FORMAT_CODES[format_name],
-                              group_size)
+        return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(*arguments)
+    return _launch_lookup_add(*arguments)
+
+
+class _LookupAddFunction(torch.autograd.Function):
+    """The add's autograd: the output's gradient is the hidden state's, unchanged (the custom operator, which compiled
+    graphs call inside this function's forward, has no autograd of its own)."""
+
+    @staticmethod
+    def forward(ctx, hidden, *table_arguments):
+        return _lookup_add(hidden, *table_arguments)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (grad_out,) + (None,) * 7  # (the row ids, the table's tensors and settings)
 
 
 def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, fmt, group_size):

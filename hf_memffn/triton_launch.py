@@ -179,6 +179,20 @@ def any_size(kernel, *arguments: str):
     return type(kernel)(kernel.fn, do_not_specialize=list(arguments))
 
 
+# The dtypes of the tensors this package's element-wise kernels (norm, rotation, KV-FFN activation, table add) take:
+# they compute in float32 and round once per output, so a float64 tensor would come back as float64 holding float32's
+# precision
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def refuse_kernel_dtype(function: str, name: str, dtype: torch.dtype) -> None:
+    """Raises for the argument ``name`` of the kernels' ``function``, of a ``dtype`` outside ``KERNEL_DTYPES`` (the
+    callers test membership themselves: they run once per layer and step, where a call costs host time)."""
+    raise ValueError(f"{function}: {name} has dtype {dtype}, which the Triton kernels do not take (they compute in "
+                     "float32); allowed: float16, bfloat16, float32. The PyTorch operations (the model's kernel "
+                     "setting 'torch', or 'auto') keep float64's precision")
+
+
 def registered_operator(namespace: str, name: str):
     """The operator ``namespace::name`` if this process has registered it, else None. Each file that registers
     operators does so once per process, whichever copy of it is imported first: a checkpoint's remote code brings
@@ -195,4 +209,5 @@ def clear() -> None:
     _unspecialised.clear()
 
 
-__all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "registered_operator", "CACHED"]
+__all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "registered_operator", "CACHED", "KERNEL_DTYPES",
+           "refuse_kernel_dtype"]

@@ -308,6 +308,20 @@ def test_float64_is_refused_by_the_kernels_by_name():
         decoder_triton.decoder_kernels_unavailable(x, "triton")
 
 
+def test_kernel_functions_called_with_float64_refuse_it_by_name():
+    """Called directly, the kernels' functions ran float64 tensors (in the interpreter, or on CUDA) and returned
+    float64 results of float32 precision; they refuse them before any launch, naming the function and argument."""
+    x = torch.zeros(1, 4, 2, 16, dtype=torch.float64, device=DEVICE)
+    cos, sin = (t.to(DEVICE) for t in rotary_tables(1, 4, 16, seed=1))  # (float64)
+    allowed = r"has dtype torch.float64, which the Triton kernels do not take .*allowed: float16, bfloat16, float32"
+    with pytest.raises(ValueError, match="rms_norm: x " + allowed):
+        decoder_triton.rms_norm(x, torch.ones(16, dtype=torch.float64, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="rotate: x " + allowed):
+        decoder_triton.rotate(x, cos, sin)
+    with pytest.raises(ValueError, match="rotate_pair: key " + allowed):
+        decoder_triton.rotate_pair(x.float(), x, cos, sin)
+
+
 @needs_kernels
 def test_float64_model_runs_the_pytorch_operations_under_auto():
     """A float64 model under "auto" (KV-FFN: also its activation) gives exactly the logits of "torch", where the

@@ -127,6 +127,13 @@ def test_paired_activation_rejects_what_it_cannot_compute():
         ffn_triton.paired_activation(y[:, :5], "silu")
 
 
+def test_paired_activation_refuses_float64_by_name():
+    """The kernels compute in float32: a float64 projection came back as float64 of float32 precision."""
+    with pytest.raises(ValueError, match=r"paired_activation: y has dtype torch.float64, which the Triton kernels do "
+                                         r"not take .*allowed: float16, bfloat16, float32"):
+        ffn_triton.paired_activation(torch.zeros(2, 6, dtype=torch.float64, device=DEVICE), "silu")
+
+
 @needs_kernels
 def test_paired_activation_refuses_a_second_derivative():
     """The backward kernel is not differentiable again: a gradient of its gradient (a gradient penalty added to the

@@ -600,6 +600,33 @@ def test_model_logits_fused_match_unfused(arch_kwargs):
     assert mlp.path_description(torch.empty(2, 40, 128, device=DEVICE)).startswith("fused layer")
 
 
+@needs_kernels
+def test_fused_layer_path_follows_the_layer_when_only_the_output_projection_trains(monkeypatch):
+    """With every parameter frozen but `out_proj` (which reads the layer's output), the layer records no gradient and
+    runs the decode kernel for a few tokens: the path said the training kernels, counting `out_proj` among the layer's
+    inputs. With the sub-network weights trainable it runs, and says, the training kernels."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("flash_mhf", hidden_size=64, ffn_num_heads=1, ffn_num_kv_heads=1, intermediate_size=64,
+                         ffn_kernel="triton", num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE).train()
+    mlp = model.model.layers[0].mlp
+    decoded = []
+    decode_forward = flash_mhf_op.decode_forward
+    monkeypatch.setattr(flash_mhf_op, "decode_forward", lambda *args: decoded.append(1) or decode_forward(*args))
+    x = torch.randn(1, 3, 64, device=DEVICE)
+    model.requires_grad_(False)
+    mlp.out_proj.requires_grad_(True)
+    assert "the Triton decode kernel" in mlp.path_description(mlp.in_proj(x))
+    mlp(x).sum().backward()
+    assert decoded == [1]
+    mlp.key_up_value.requires_grad_(True)
+    assert "the Triton decode kernel" not in mlp.path_description(mlp.in_proj(x))
+    mlp(x).sum().backward()
+    assert decoded == [1] and mlp.key_up_value.grad is not None
+
+
 def test_layer_kernels_under_interpreter_in_subprocess():
     run_under_interpreter(__file__, "triton or fused")
 

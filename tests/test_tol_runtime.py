@@ -130,6 +130,79 @@ def test_float64_hidden_states_keep_their_precision_and_an_explicit_triton_kerne
         model.unload_tols()
 
 
+def test_an_explicit_triton_kernel_refuses_hidden_states_on_another_device(exported):
+    """A layer that a device map puts on another device than the table's adds its values by PyTorch operations (the
+    Triton add reads both on one device): "auto" does, where kernel="triton" did too while `table.kernel` said
+    "triton"; it refuses, naming both devices and the settings that run. (The meta device stands for another GPU.)"""
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(4))
+    table = model.load_tols(directory, placement="cpu")
+    try:
+        readout = table.readout(ids)
+        hidden = torch.empty(2, 5, model.config.hidden_size, device="meta")
+        table.kernel = "triton"  # what "auto" chooses on CUDA
+        assert readout.add_into(hidden, 0).device.type == "meta"
+        table.requested_kernel = "triton"
+        with pytest.raises(RuntimeError, match=r"kernel='triton' cannot add the table into hidden states on meta: the "
+                                               r"table's rows are on cpu.*kernel='auto'.*or 'torch'"):
+            readout.add_into(hidden, 0)
+    finally:
+        model.unload_tols()
+
+
+def test_triton_add_runs_and_passes_the_gradient_when_the_layers_around_the_table_train(exported, monkeypatch):
+    """Training the layers around a loaded table (its embedding and FFNs on X0 frozen) records gradients of the
+    hidden states: under kernel="triton" (set by hand, as on CUDA) the Triton add ran anyway, passing the hidden
+    state's gradient through unchanged, where it ran PyTorch operations while `table.kernel` said "triton". The
+    kernel's launch is replaced by the same sum in PyTorch here; its real launch is checked against float64 in the
+    kernel tests."""
+    model, directory = exported
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(6))
+    launched = []
+
+    def launch_stand_in(hidden, row_ids, rows, scales, layer_position, hidden_size, fmt, group_size):
+        launched.append(layer_position)
+        values = rows.index_select(0, row_ids)[:, layer_position * hidden_size:(layer_position + 1) * hidden_size]
+        return (hidden.float() + values.float()).to(hidden.dtype)
+
+    monkeypatch.setattr(token_lookup_triton, "_launch_lookup_add", launch_stand_in)
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.memory.requires_grad_(False)
+    table = model.load_tols(directory, placement="cpu")
+    try:
+        readout = table.readout(ids)
+        hidden = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
+        expected = readout.add_into(hidden, 0)  # kernel "torch"
+        table.kernel = table.requested_kernel = "triton"
+        out = readout.add_into(hidden, 0)
+        assert launched == [0] and out.requires_grad
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        grad_out = torch.randn_like(out)
+        (grad,) = torch.autograd.grad(out, hidden, grad_out)
+        assert torch.equal(grad, grad_out)
+        launched.clear()
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert launched and model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    finally:
+        model.unload_tols()
+        model.eval().zero_grad(set_to_none=True)
+        model.requires_grad_(True)
+
+
+def test_triton_kernel_functions_refuse_float64_naming_the_argument():
+    """The element-wise kernels compute in float32: called directly with float64 tensors they returned float64
+    results of float32 precision. They refuse them, naming the function, the argument and the dtypes they take."""
+    from hf_memffn.token_lookup_triton import HAS_TRITON, lookup_add_triton
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    hidden = torch.zeros(3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"lookup_add_triton: hidden has dtype torch.float64, which the Triton "
+                                         r"kernels do not take .*allowed: float16, bfloat16, float32"):
+        lookup_add_triton(hidden, torch.tensor([0, 1, 0]), torch.zeros(2, 8), None, 0, 8, "fp32", 1)
+
+
 def test_compiled_lookup_from_disk_breaks_the_graph_and_fullgraph_names_the_placement(exported):
     """placement="disk" reads its rows on the host at every forward: torch.compile runs that read between two graphs
     (the logits of eager mode), and fullgraph=True fails naming the placement and what works instead (not with
@@ -1062,6 +1135,30 @@ def test_triton_lookup_kernels_read_token_ids_of_a_strided_view():
     out = lookup_add_triton(hidden, ids, table, None, 1, d, "fp32", 1)
     torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=0)
     assert torch.equal(gather_rows_triton(ids, None, None, table), table[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_triton_lookup_add_records_the_gradient_of_the_hidden_state(compiled):
+    """Hidden states that need gradients (training around a loaded table): the kernel's sum, and the output's gradient
+    passed to the hidden state unchanged (the table's rows get none); compiled, through the custom operator."""
+    from hf_memffn.token_lookup_triton import lookup_add_triton
+
+    generator = torch.Generator().manual_seed(8)
+    vocab, d = 19, 96
+    table = torch.randn(vocab, 2 * d, generator=generator).to(DEVICE)
+    ids = torch.randint(0, vocab, (5,), generator=generator).to(DEVICE)
+    hidden = torch.randn(5, d, generator=generator).to(DEVICE).requires_grad_()
+    add = lookup_add_triton
+    if compiled:
+        torch._dynamo.reset()
+        add = torch.compile(lookup_add_triton, backend="aot_eager", fullgraph=True)
+    out = add(hidden, ids, table, None, 1, d, "fp32", 1)
+    torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=1e-6)
+    grad_out = torch.randn(5, d, generator=generator).to(DEVICE)
+    out.backward(grad_out)
+    assert torch.equal(hidden.grad, grad_out)
+    torch._dynamo.reset()
 
 
 def test_lookup_kernels_under_interpreter_in_subprocess():
