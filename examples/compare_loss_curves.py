@@ -40,8 +40,10 @@ def read_curves(run_dir: Path) -> dict:
 
 
 def curve_noise(curve: dict[int, float], window: int = 5) -> float | None:
-    """The spread of the losses around their moving average (None under two logged losses: no spread to compare)."""
-    values = [curve[step] for step in sorted(curve)]
+    """The spread of the finite losses around their moving average (None under two of them: no spread to compare).
+    A loss that is not finite (a step where the run diverged) is left out: it has no spread, and `statistics.pstdev`
+    raises on it. A run compared with a reference that diverged gets a mean difference of NaN, within no noise."""
+    values = [curve[step] for step in sorted(curve) if math.isfinite(curve[step])]
     residuals = []
     for i in range(len(values)):
         lo, hi = max(0, i - window // 2), min(len(values), i + window // 2 + 1)

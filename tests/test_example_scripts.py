@@ -268,6 +268,20 @@ def test_compare_loss_curves_reports_a_run_that_diverged_at_some_steps_as_not_wi
     assert entry["within_noise"] is False
 
 
+@pytest.mark.parametrize("bad_loss", [math.nan, math.inf], ids=["nan", "inf"])
+def test_compare_loss_curves_takes_a_reference_that_diverged(tmp_path, bad_loss):
+    """A reference whose loss was NaN or infinite at a step stopped the comparison with an AttributeError from
+    `statistics.pstdev` (its noise). The noise is that of its finite losses; the other run is not within it."""
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: bad_loss, 4: 4.1, 5: 3.9, 6: 3.8}, 8192)
+    other = write_run(tmp_path / "ddp", {1: 5.0, 2: 4.6, 3: 4.3, 4: 4.1, 5: 3.9, 6: 3.8}, 8192)
+    result = compare_loss_curves.main([str(reference), str(other), "--json", str(tmp_path / "out.json")])
+    finite_losses = {1: 5.0, 2: 4.6, 4: 4.1, 5: 3.9, 6: 3.8}
+    assert result["reference_train_noise"] == pytest.approx(compare_loss_curves.curve_noise(finite_losses))
+    assert result["runs"][str(other)]["within_noise"] is False
+    assert json.loads((tmp_path / "out.json").read_text())["runs"][str(other)]["train_loss_difference"][
+        "max_abs"] is None
+
+
 def test_compare_loss_curves_writes_a_diverged_run_as_strict_json(tmp_path):
     """The differences of a run that diverged went into the JSON as `NaN`, which strict readers refuse."""
     reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3, 4: 4.1, 5: 3.9}, 8192)
