@@ -88,8 +88,12 @@ class _TokenChunkedRecompute(torch.autograd.Function):
                     grad_tokens[:, start:stop] = grads.pop(0)
                 for i, grad in enumerate(grads):
                     if grad is not None:  # (None: a parameter the forward left unused, as the plain module's gets none)
-                        grad_params[i] = grad if grad_params[i] is None else grad_params[i].add_(grad)
+                        # (summed in float32: bf16 sums of many chunks' gradients lose precision with each chunk)
+                        total = grad_params[i]
+                        grad_params[i] = (grad.to(torch.promote_types(grad.dtype, torch.float32)) if total is None
+                                          else total.add_(grad))
                 del grads
+        grad_params = [grad if grad is None else grad.to(param.dtype) for grad, param in zip(grad_params, params)]
         grads_by_param = iter(grad_params)
         all_param_grads = [next(grads_by_param) if needed else None for needed in ctx.needs_input_grad[3:]]
         return None, None, grad_tokens, *all_param_grads
