@@ -52,6 +52,9 @@ LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "j
 # Dense bf16 tensor-core peak per device, TFLOP/s (datasheet, SXM parts).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0}
 TOKENIZER_DIR = "tokenizer"
+# A byte-order mark (Windows editors write one) is no text: the text builder kept it at the start of a file's first
+# document (the json and csv builders leave it out).
+TEXT_OPTIONS = {"encoding": "utf-8-sig"}
 
 
 # --- arguments ----------------------------------------------------------------------------------------------------
@@ -292,7 +295,10 @@ def load_raw_splits(args):
     if args.data_files:
         loaded = _load_data_files(datasets, args)
     elif args.dataset:
-        loaded = datasets.load_dataset(args.dataset, args.dataset_config)
+        # (a local folder of .txt files is read by the text builder: its byte-order marks left out as --data-files')
+        text_files = (Path(args.dataset).is_dir()
+                      and datasets.load_dataset_builder(args.dataset, args.dataset_config).name == "text")
+        loaded = datasets.load_dataset(args.dataset, args.dataset_config, **(TEXT_OPTIONS if text_files else {}))
     else:
         raise ValueError("give --dataset (Hub name), --data-files (local files) or --data-dir (token shards)")
     if args.train_split not in loaded:
@@ -399,9 +405,7 @@ def _load_data_files(datasets, args):
     import pyarrow
 
     builder = data_files_builder(args)
-    # a byte-order mark (Windows editors write one) is no text: the text builder kept it at the start of a file's
-    # first document (the json and csv builders leave it out)
-    options = {"encoding": "utf-8-sig"} if builder == "text" else {}
+    options = TEXT_OPTIONS if builder == "text" else {}
     try:
         loaded = datasets.load_dataset(builder, data_files={"train": args.data_files}, **options)
         if args.text_column in loaded["train"].column_names:
@@ -564,7 +568,12 @@ def load_tokenizer(args, train_text, training_args):
     with main_process_first(training_args):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"--tokenizer={source!r} has no EOS token, which packing puts between documents")
+        # (the option that gave it: --data-dir's own tokenizer, taken where --tokenizer is left out, was named as if
+        # passed with --tokenizer)
+        option = ("--init-from" if not args.tokenizer
+                  else "--data-dir" if args.tokenizer == getattr(args, "data_dir", None) else "--tokenizer")
+        raise ValueError(f"{option}={source!r}: its tokenizer has no EOS token, which ends each document of the "
+                         "training text (give a tokenizer that has one)")
     return tokenizer
 
 
@@ -1084,8 +1093,11 @@ def load_and_pack(args, training_args):
         # vocabulary, and no document is cut between the two splits
         held_out = max(int(len(raw_train) * args.validation_fraction), _documents_for_one_block(raw_train, args))
         if held_out >= len(raw_train):
-            raise ValueError(f"--validation-fraction={args.validation_fraction} holds out {held_out} of the "
-                             f"{len(raw_train)} documents, leaving none to train on")
+            # (a fraction below 1 leaves a document: only the one block's documents take them all, and the error
+            # named --validation-fraction, whose value did not matter)
+            raise ValueError(f"the {len(raw_train)} documents of the training text are too few to hold out one "
+                             f"--block-size={args.block_size} block of them and train on the rest; give more text, "
+                             "smaller blocks, or a validation split (--dataset FOLDER holding validation.jsonl)")
         split = raw_train.train_test_split(test_size=held_out, shuffle=False)
         raw_train, raw_validation = split["train"], split["test"]
     tokenizer = load_tokenizer(args, raw_train, training_args)
@@ -1416,6 +1428,19 @@ def _blocks_per_step(settings: dict) -> int:
             * settings["world_size"])
 
 
+def refuse_fewer_blocks_than_one_step(train_blocks, block_size: int, settings: dict) -> None:
+    """A training text of fewer blocks than one optimizer step takes trained every step on all of them: on short
+    batches whose tokens/s and MFU counted the full step's tokens (4x too many for 2 blocks in a batch of 8), and,
+    over several processes, on blocks the sampler repeats to fill each one's batch."""
+    needed = _blocks_per_step(settings)
+    if len(train_blocks) < needed:
+        raise ValueError(f"the training text gives {len(train_blocks)} block(s) of --block-size={block_size} tokens, "
+                         f"fewer than the {needed} of one optimizer step (--per-device-train-batch-size "
+                         f"{settings['per_device_train_batch_size']} x --gradient-accumulation-steps "
+                         f"{settings['gradient_accumulation_steps']} x {settings['world_size']} process(es)); give "
+                         "more text, or smaller blocks or batches")
+
+
 def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict) -> None:
     """A checkpoint trained with another --block-size, another order of the blocks (--seed, or --data-seed where
     given, and --train-sampling-strategy) or another number of blocks per step is refused before the data is read.
@@ -1620,6 +1645,7 @@ def main(argv=None) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
+    refuse_fewer_blocks_than_one_step(train_blocks, args.block_size, batches)
 
     model = build_model(args, tokenizer)
     refuse_an_arch_other_than_the_saved_models(args, model)

@@ -12,7 +12,9 @@ tokens; nothing but numpy and torch is needed to read them (no `datasets`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import mmap
 import numbers
 import os
 from collections.abc import Iterable
@@ -144,6 +146,33 @@ class TokenBlocks(torch.utils.data.Dataset):
     def select(self, indices) -> TokenBlocks:
         """The blocks at `indices` (a range), like `datasets.Dataset.select`."""
         return TokenBlocks(self.tokens, self.block_size, self.indices[indices.start : indices.stop : indices.step])
+
+    def __getstate__(self) -> dict:
+        """A mapped token file is pickled as its path, not its tokens: DataLoader workers started by spawn or
+        forkserver (macOS, Python 3.14's Linux default, --dataloader-multiprocessing-context) receive the dataset
+        pickled, and each held a copy of the whole split in memory."""
+        state = dict(self.__dict__)
+        if isinstance(self.tokens, np.memmap) and isinstance(self.tokens.base, mmap.mmap):  # (the mapping itself)
+            state["tokens"] = _MappedFile(self.tokens.filename, self.tokens.dtype.str, self.tokens.offset,
+                                          self.tokens.shape)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        tokens = state["tokens"]
+        if isinstance(tokens, _MappedFile):
+            state["tokens"] = np.memmap(tokens.path, dtype=np.dtype(tokens.dtype), mode="r", offset=tokens.offset,
+                                        shape=tokens.shape)
+        self.__dict__.update(state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MappedFile:
+    """Where a pickled `TokenBlocks` maps its tokens from again."""
+
+    path: str
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
 
 
 def load_blocks(folder: str | os.PathLike, block_size: int, split: str = "train") -> TokenBlocks:

@@ -35,6 +35,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    # (`--help` was taken for the path: an 8 MB corpus named `--help`)
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         sys.exit("usage: python examples/write_code_corpus.py OUT.jsonl (one path: the corpus to write)")
     main(sys.argv[1])

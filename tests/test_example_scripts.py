@@ -333,6 +333,18 @@ def test_scripts_without_their_output_argument_print_their_usage(tmp_path, monke
     assert "usage: python examples/write_code_corpus.py OUT.jsonl" in stopped.value.code
 
 
+@pytest.mark.parametrize("option", ["--help", "-h"])
+def test_write_code_corpus_takes_an_option_for_no_path(tmp_path, monkeypatch, option):
+    """`--help` was taken for the path of the corpus: the stdlib's 8 MB were written to a file named `--help`."""
+    monkeypatch.chdir(tmp_path)
+    script = str(ROOT / "examples" / "write_code_corpus.py")
+    monkeypatch.setattr(sys, "argv", [script, option])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(script, run_name="__main__")
+    assert "usage: python examples/write_code_corpus.py OUT.jsonl" in str(stopped.value.code)
+    assert not list(tmp_path.iterdir())
+
+
 def test_write_code_corpus_interrupted_leaves_no_corpus(tmp_path, monkeypatch):
     """ddp_check.sh reuses a corpus it finds, so an interrupted write must not leave one."""
     real_read_text = Path.read_text

@@ -402,6 +402,23 @@ def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_pa
     assert len(eval_blocks) >= 1
 
 
+def test_a_training_text_too_short_for_a_held_out_block_is_refused_naming_the_block_size(tmp_path, monkeypatch):
+    """Three short documents and no validation split: the documents of one held-out block took them all, and the
+    error blamed --validation-fraction ("=0.01 holds out 3 of the 3 documents"), which no value of it mended."""
+    import types
+
+    import datasets
+    from transformers import TrainingArguments
+
+    raw = datasets.Dataset.from_dict({"text": ["the key reads", "a value from", "the memory of each head"]})
+    monkeypatch.setattr(pretrain, "load_raw_splits", lambda args: (raw, None))
+    args = types.SimpleNamespace(train_tokenizer=300, output_dir=str(tmp_path), text_column="text", block_size=32,
+                                 num_proc=None, validation_fraction=0.01, resume=None)
+    with pytest.raises(ValueError, match=r"the 3 documents of the training text are too few to hold out one "
+                                         r"--block-size=32 block of them and train on the rest; give more text"):
+        pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path), report_to="none"))
+
+
 def test_flops_per_token_counts_matmul_weights_and_attention():
     from transformers import AutoModelForCausalLM
 
@@ -628,6 +645,24 @@ def test_a_dataset_folder_gives_its_validation_file_as_the_held_out_split(tmp_pa
                                     train_split="train", validation_split="validation", text_column="text")
     train, validation = pretrain.load_raw_splits(args)
     assert (len(train), len(validation)) == (20, 5)
+
+
+def test_a_dataset_folder_of_text_files_is_read_without_byte_order_marks(tmp_path):
+    """The .txt files of a --dataset FOLDER kept a leading U+FEFF in each file's first document, which the same files
+    given as --data-files leave out; a folder of JSON lines reads as before."""
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "train.txt").write_bytes("\ufeffcafe\u0301 one\r\nsecond line\n".encode("utf-8"))
+    (tmp_path / "text" / "validation.txt").write_bytes("\ufeffheld out \U0001f642\n".encode("utf-8"))
+    (tmp_path / "json").mkdir()
+    write_corpus(tmp_path / "json" / "train.jsonl", documents=3)
+    splits = {}
+    for folder in ("text", "json"):
+        args = pretrain.SimpleNamespace(data_files=None, dataset=str(tmp_path / folder), dataset_config=None,
+                                        train_split="train", validation_split="validation", text_column="text")
+        splits[folder] = pretrain.load_raw_splits(args)
+    assert splits["text"][0]["text"] == ["cafe\u0301 one", "second line"]
+    assert splits["text"][1]["text"] == ["held out \U0001f642"]
+    assert len(splits["json"][0]) == 3 and splits["json"][1] is None
 
 
 def test_only_the_main_process_tells_which_checkpoints_resume_latest_passes_over(tmp_path, capsys):

@@ -377,6 +377,39 @@ def test_held_out_shard_shorter_than_a_block_is_refused(tmp_path):
                        "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(tmp_path / "run")])
 
 
+def test_training_text_of_fewer_blocks_than_one_step_is_refused(tmp_path):
+    """Fewer training blocks than one step's 8 trained: every step on all of them, its tokens/s and MFU counting the
+    tokens of 8 blocks (two blocks in a batch of 8 reported four times the tokens that trained)."""
+    import token_shards
+
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    train_blocks = len(token_shards.load_blocks(shards, 64))
+    assert train_blocks < 8
+    with pytest.raises(ValueError, match=rf"the training text gives {train_blocks} block\(s\) of --block-size=64 "
+                                         r"tokens, fewer than the 8 of one optimizer step \(--per-device-train-batch-"
+                                         r"size 4 x --gradient-accumulation-steps 2 x 1 process\(es\)\)"):
+        pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "64", "--max-steps", "2",
+                       "--per-device-batch-size", "4", "--grad-accum", "2", "--save-steps", "100",
+                       "--output-dir", str(tmp_path / "run")])
+
+
+def test_a_tokenizer_without_eos_is_refused_naming_the_option_that_gave_it(tmp_path):
+    """--data-dir's own tokenizer, taken where --tokenizer is left out, was refused as "--tokenizer='DIR' has no EOS
+    token": an option the command did not have."""
+    from transformers import AutoTokenizer
+
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    without_eos = AutoTokenizer.from_pretrained(shards)
+    without_eos.eos_token = None
+    without_eos.save_pretrained(shards)
+    without_eos.save_pretrained(tmp_path / "other")
+    common = ["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "1",
+              "--per-device-batch-size", "2", "--save-steps", "100"]
+    for extra, option in (([], "--data-dir"), (["--tokenizer", str(tmp_path / "other")], "--tokenizer")):
+        with pytest.raises(ValueError, match=rf"^{option}='[^']*': its tokenizer has no EOS token"):
+            pretrain.main([*common, *extra, "--output-dir", str(tmp_path / "run")])
+
+
 def test_a_data_dir_that_holds_no_shards_is_refused_before_any_work(tmp_path):
     """A mistyped --data-dir, or the folder above the shards, made --output-dir and then failed loading the tokenizer
     (a Hub repo id error, or one about sentencepiece) naming neither the option nor what the folder lacks."""

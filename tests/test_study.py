@@ -106,6 +106,21 @@ def test_token_shards_round_trip_and_refuse_ids_beyond_uint16(tmp_path):
         token_shards.read_tokens(tmp_path, "heldout")
 
 
+def test_token_blocks_pickle_as_the_path_of_their_mapped_file(tmp_path):
+    """DataLoader workers started by spawn or forkserver receive the dataset pickled: a mapped split was pickled with
+    all its tokens (a copy of train.bin in each worker's memory); it is mapped again from its file."""
+    token_shards.write_split(tmp_path, "train", [list(range(100, 300))] * 50, eos_id=2)
+    blocks = token_shards.load_blocks(tmp_path, 16).select(range(3, 9))
+    pickled = pickle.dumps(blocks)
+    assert len(pickled) < 1000  # the 10,050 tokens take 20,100 bytes
+    copy = pickle.loads(pickled)
+    assert isinstance(copy.tokens, np.memmap) and Path(copy.tokens.filename) == tmp_path / "train.bin"
+    assert len(copy) == 6 and [copy[i]["input_ids"].tolist() for i in range(6)] == [
+        blocks[i]["input_ids"].tolist() for i in range(6)]
+    in_memory = token_shards.TokenBlocks(np.arange(40, dtype=np.uint16), 8)  # tokens not mapped from a file
+    assert pickle.loads(pickle.dumps(in_memory))[4]["input_ids"].tolist() == list(range(32, 40))
+
+
 def test_token_shards_name_the_id_out_of_range_and_an_empty_split(tmp_path):
     """A negative id was reported as the largest id of its document; an empty split failed in numpy's memmap."""
     with pytest.raises(ValueError, match=r"token id -1 does not fit uint16 \(0 to 65535\)"):
@@ -324,6 +339,14 @@ def test_prepare_data_refuses_a_text_file_named_twice(tmp_path, monkeypatch):
         prepare_data.main(["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files", "README.md",
                            "./README.md", "--wiki", "no"])
     assert not (tmp_path / "shards").exists()
+
+
+def test_prepare_data_paragraphs_split_at_lines_of_spaces_and_leave_a_byte_order_mark_out(tmp_path):
+    """A line of spaces between two paragraphs (or of spaces after a CR LF) joined them into one document, and a
+    byte-order mark began the first one; pretrain.py's reading of a .txt file leaves it out."""
+    corpus = tmp_path / "notes.txt"
+    corpus.write_bytes("\ufeffcafe\u0301 one\r\nline two\r\n \t\r\nsecond \U0001f642\n\n\n\nthird\n".encode("utf-8"))
+    assert list(prepare_data.paragraphs([str(corpus)])) == ["cafe\u0301 one\nline two", "second \U0001f642", "third"]
 
 
 def test_prepare_data_refuses_a_text_file_that_is_not_utf8(tmp_path):

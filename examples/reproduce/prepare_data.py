@@ -33,6 +33,7 @@ import importlib.metadata
 import json
 import pickle
 import random
+import re
 import shutil
 import sys
 import time
@@ -54,6 +55,7 @@ SOURCES = ("gutenberg-poetry", "text-files", "hub")
 CHARS_PER_TOKEN_BOUND = 6  # generous: stop reading a streamed source after this many characters per wanted token
 SMALLEST_VOCAB = 256 + 3  # the byte-level BPE's 256 bytes and its 3 special tokens
 LARGEST_VOCAB = 2**16  # token ids are stored as uint16
+BLANK_LINE = re.compile(r"\n[^\S\n]*\n")  # (files are read with universal newlines: a CR LF is one \n)
 
 POETRY_SOURCE = {
     "name": "Gutenberg Poetry Corpus v001 (Allison Parrish), lines of verse from Project Gutenberg books",
@@ -122,12 +124,15 @@ def poetry_documents(path: Path) -> Iterator[tuple[str, bool]]:
 
 
 def paragraphs(files: Iterable[str]) -> Iterator[str]:
+    """The paragraphs of UTF-8 files, separated by blank lines (a line of spaces or tabs too: split at two newlines
+    only, such a line joined two paragraphs into one document). A byte-order mark is no text: it began the first
+    paragraph, as pretrain.py's reading of a .txt file leaves it out."""
     for name in files:
         try:
-            text = Path(name).read_text(encoding="utf-8")
+            text = Path(name).read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as error:  # (replaced by U+FFFD, its characters were trained on as such)
             raise ValueError(f"--text-files: {name!r} is not UTF-8 text ({error}); convert it to UTF-8") from error
-        for paragraph in text.split("\n\n"):
+        for paragraph in BLANK_LINE.split(text):
             if paragraph.strip():
                 yield paragraph.strip()
 
