@@ -646,6 +646,29 @@ def test_an_edit_works_under_inference_mode(case, method):
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("case,method", [("llama", "value"), ("memoryllm", "token_memory")])
+def test_an_edit_stopped_while_its_effect_is_measured_leaves_the_model_unedited(case, method, monkeypatch):
+    """`edit_next_token` applies the edit, then measures the probabilities after it: stopped there (Ctrl-C, an
+    out-of-memory error), its caller has no result whose edit it could revert, so the model is left as it was."""
+    import hf_memffn.analysis.editing as editing_module
+
+    model = build(case)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    measure = editing_module.next_token_probabilities
+
+    def stopped_once_edited(edited_model, input_ids):
+        if "memory_readout" in vars(decoder_of(edited_model)) or any(
+                not torch.equal(p, weights[name]) for name, p in edited_model.named_parameters()):
+            raise KeyboardInterrupt
+        return measure(edited_model, input_ids)
+
+    monkeypatch.setattr(editing_module, "next_token_probabilities", stopped_once_edited)
+    with pytest.raises(KeyboardInterrupt):
+        edit_next_token(model, PROMPT, EDIT_TOKEN, method=method)
+    assert "memory_readout" not in vars(decoder_of(model))
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+
+
 def test_value_edits_of_banks_sharing_one_parameter_revert_in_any_order():
     model = build("memoryllm")  # the memory on X0: every layer's bank is a slice of one stacked parameter
     first, second = memory_banks(model)[:2]

@@ -356,14 +356,20 @@ def edit_next_token(
         token_id = int(input_ids[-1])
         edit = TokenMemoryEdit(model, token_id, rows).apply()
         location = f"token {token_id} memory row of layer {layer}"
-    after = next_token_probabilities(model, input_ids)
-    return EditResult(
-        method=method,
-        location=location,
-        target_id=int(target_id),
-        target_probability_before=float(before[target_id]),
-        target_probability_after=float(after[target_id]),
-        top_before=_top(before, top_n),
-        top_after=_top(after, top_n),
-        edit=edit,
-    )
+    try:
+        after = next_token_probabilities(model, input_ids)
+        return EditResult(
+            method=method,
+            location=location,
+            target_id=int(target_id),
+            target_probability_before=float(before[target_id]),
+            target_probability_after=float(after[target_id]),
+            top_before=_top(before, top_n),
+            top_after=_top(after, top_n),
+            edit=edit,
+        )
+    except BaseException:
+        # (stopped here, by Ctrl-C or an out-of-memory error, the caller gets no result holding the edit to revert:
+        # a value edit would stay in the weights, a token memory edit on the decoder)
+        edit.revert()
+        raise
