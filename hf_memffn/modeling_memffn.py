@@ -97,9 +97,9 @@ def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict,
     if cache is not None and cache is not past_key_values:
         raise ValueError(
             "pass the key/value cache once: as `cache` (or the older name `past_key_values`), not both. PEFT's prefix "
-            "tuning does this in generate() on transformers >= 5.24 (its prefix as `past_key_values` beside "
-            "generate()'s own `cache`; transformers' Llama drops the prefix there): decode with the PEFT model's "
-            "forward, which passes the prefix alone, token by token")
+            "tuning before 0.22 does this in generate() on transformers >= 5.24 (its prefix as `past_key_values` "
+            "beside generate()'s own `cache`; transformers' Llama drops the prefix there): install peft>=0.22, or "
+            "decode with the PEFT model's forward, which passes the prefix alone, token by token")
     if warn and not is_torchdynamo_compiling():
         warnings.warn("`past_key_values` is deprecated since transformers 5.24: pass the key/value cache as `cache`",
                       FutureWarning, stacklevel=stacklevel)
@@ -174,8 +174,8 @@ def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int
     if tuple(attention_mask.shape) != (batch, cached + length):
         # (PEFT's prompt tuning and p-tuning look for generate()'s cache as `past_key_values`: under `cache`, since
         # transformers 5.24, they prepend their virtual tokens again at each step, after the first one cached them)
-        peft = ("; PEFT's prompt tuning gives such a mask in generate() on transformers >= 5.24, its virtual tokens "
-                "prepended again at each step: generate with use_cache=False there"
+        peft = ("; PEFT's prompt tuning before 0.22 gives such a mask in generate() on transformers >= 5.24, its "
+                "virtual tokens prepended again at each step: install peft>=0.22, or generate with use_cache=False"
                 if CACHE_KWARG == "cache" and cached and attention_mask.shape[-1] < cached + length else "")
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}: a 2-D mask needs one row per sequence and one "

@@ -4,6 +4,7 @@ prediction, resuming, prefix tuning, prompt tuning, IA3, gradient checkpointing 
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 
 import pytest
@@ -289,6 +290,14 @@ def test_gradient_checkpointing_with_lora_in_the_trainer(arch, tmp_path):
     assert_same_state(states[1], states[0], atol=1e-6)
 
 
+def peft_passes_generates_cache() -> bool:
+    """PEFT 0.22 and later give prefix tuning's prefix and prompt tuning's virtual tokens to generate() under the
+    cache argument transformers has (`cache` from 5.24); earlier ones under `past_key_values` only."""
+    from packaging.version import Version
+
+    return Version(importlib.metadata.version("peft")) >= Version("0.22")
+
+
 def greedy_by_forward(model, ids, steps):
     """Greedy continuation of `ids`, each step one forward of the whole sequence (no cache)."""
     with torch.no_grad():
@@ -325,7 +334,7 @@ def test_prefix_tuning(arch):
     assert embedding.grad is not None and embedding.grad.abs().sum() > 0
 
     peft_model.eval()
-    if CACHE_KWARG == "past_key_values":  # transformers before 5.24: the prefix is generate()'s cache
+    if CACHE_KWARG == "past_key_values" or peft_passes_generates_cache():  # the prefix is generate()'s cache
         generated = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
                                         do_sample=False)
         assert torch.equal(generated, greedy_by_forward(peft_model, ids, 3))
@@ -373,25 +382,29 @@ def test_prompt_tuning_and_ia3(arch, method):
 @pytest.mark.skipif(CACHE_KWARG == "past_key_values", reason="before transformers 5.24 PEFT finds generate()'s cache")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_tunings_cached_generate_with_a_padding_mask_names_the_case_and_its_way_out(arch):
-    """On transformers 5.24 PEFT's prompt tuning looks for generate()'s cache under `past_key_values` and prepends
-    its virtual tokens again at each decoding step. With a padding mask our models refuse that step's mask; the error
-    said to extend the mask in a decoding loop, which a generate() call has not. It names the case, and
-    generate(use_cache=False), which decodes as forwards of the whole sequence do."""
+    """On transformers 5.24 PEFT before 0.22 looks for generate()'s cache under `past_key_values`, and its prompt
+    tuning prepends its virtual tokens again at each decoding step. With a padding mask our models refuse that step's
+    mask; the error said to extend the mask in a decoding loop, which a generate() call has not. It names the case,
+    and generate(use_cache=False), which decodes as forwards of the whole sequence do. PEFT 0.22 finds the cache:
+    the cached generate() decodes as those forwards too."""
     peft = pytest.importorskip("peft")
     peft_model = peft.get_peft_model(build(arch), peft.PromptTuningConfig(task_type="CAUSAL_LM",
                                                                           num_virtual_tokens=3)).eval()
     ids = torch.randint(3, 320, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 10\).*PEFT's prompt tuning gives such a mask "
-                                         r"in generate\(\) on transformers >= 5.24.*generate with use_cache=False"):
-        peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    generated = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3,
-                                    do_sample=False, use_cache=False)
-    expected = ids
+    expected, grown_mask = ids, mask
     with torch.no_grad():
         for _ in range(3):
-            logits = peft_model(input_ids=expected, attention_mask=mask).logits
+            logits = peft_model(input_ids=expected, attention_mask=grown_mask).logits
             expected = torch.cat([expected, logits[:, -1].argmax(-1)[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    assert torch.equal(generated, expected)
+            grown_mask = torch.cat([grown_mask, torch.ones_like(grown_mask[:, :1])], dim=1)
+    greedy = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert torch.equal(peft_model.generate(input_ids=ids, use_cache=False, **greedy), expected)
+    if peft_passes_generates_cache():
+        assert torch.equal(peft_model.generate(input_ids=ids, **greedy), expected)
+    else:
+        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 10\).*PEFT's prompt tuning before 0.22 "
+                                             r"gives such a mask in generate\(\) on transformers >= 5.24.*"
+                                             r"peft>=0.22, or generate with use_cache=False"):
+            peft_model.generate(input_ids=ids, **greedy)
