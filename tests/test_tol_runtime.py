@@ -813,6 +813,17 @@ def test_a_copy_of_a_model_whose_weight_or_module_was_replaced_is_refused_like_t
             copied(input_ids=ids)
 
 
+def cpu_process_group():
+    """A one-process gloo group and its CPU device mesh. (`fully_shard` without a mesh takes a CUDA one where CUDA is
+    there: it moved the model to the GPU, away from the token ids and the logits these tests compare on the CPU.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return init_device_mesh("cpu", (1,))
+
+
 @pytest.mark.parametrize("wrap", ["root", "units"])
 def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(exported, wrap):
     """`fully_shard` (on the model alone, or on its layers and FFNs on X0 first, as accelerate's FSDP2 plugin wraps
@@ -829,13 +840,12 @@ def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(ex
     with torch.no_grad():
         expected = fresh(input_ids=ids).logits
     fresh.load_tols(directory, placement="cpu")
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    mesh = cpu_process_group()
     try:
         if wrap == "units":
             for module in (*fresh.model.layers, fresh.model.memory):
-                fully_shard(module)
-        fully_shard(fresh)
+                fully_shard(module, mesh=mesh)
+        fully_shard(fresh, mesh=mesh)
         with torch.no_grad():
             for _ in range(2):
                 assert relative(fresh(input_ids=ids).logits, expected) < 1e-5
@@ -844,7 +854,6 @@ def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(ex
                 fresh(input_ids=ids)
     finally:
         dist.destroy_process_group()
-
 
 
 def test_a_table_under_fsdp2_mixed_precision_trains_the_rest(exported):
@@ -861,13 +870,12 @@ def test_a_table_under_fsdp2_mixed_precision_trains_the_rest(exported):
     fresh.load_tols(directory, placement="cpu")
     fresh.model.embed_tokens.requires_grad_(False)
     fresh.model.memory.requires_grad_(False)
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    mesh = cpu_process_group()
     try:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in fresh.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(fresh, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(fresh, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.SGD([param for param in fresh.parameters() if param.requires_grad], lr=0.1)
         for _ in range(2):
             fresh(input_ids=ids, labels=ids).loss.backward()
@@ -896,8 +904,7 @@ def test_ddp_leaves_the_table_out_of_its_buffer_broadcasts(exported):
         expected = fresh(input_ids=ids).logits
     table = fresh.load_tols(directory, placement="cpu")
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(fresh, ["lm_head.weight"])
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    cpu_process_group()
     try:
         wrapped = DistributedDataParallel(fresh)
         assert {"lm_head.weight", "model.token_lookup.rows"} <= wrapped.parameters_to_ignore
@@ -906,6 +913,7 @@ def test_ddp_leaves_the_table_out_of_its_buffer_broadcasts(exported):
             assert relative(wrapped(input_ids=ids).logits, expected) < 1e-5
     finally:
         dist.destroy_process_group()
+
 
 @pytest.mark.parametrize("wrapper", ["lora", "prompt_tuning", "torch.compile", "torch.compile of lora"])
 def test_ddp_of_a_wrapped_model_leaves_the_table_out_of_its_buffer_broadcasts(exported, wrapper):
@@ -929,8 +937,7 @@ def test_ddp_of_a_wrapped_model_leaves_the_table_out_of_its_buffer_broadcasts(ex
         wrapped_model = torch.compile(wrapped_model)
     table_names = {name for name, buffer in wrapped_model.named_buffers() if buffer is table.rows}
     assert len(table_names) == 1
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # (a port the system picks)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    cpu_process_group()
     try:
         ddp = DistributedDataParallel(wrapped_model)
         assert table_names <= ddp.parameters_to_ignore
