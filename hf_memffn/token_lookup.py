@@ -48,9 +48,6 @@ TABLE_FORMAT_VERSION = 1
 FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "lowrank")
 PLACEMENTS = ("gpu", "cpu", "disk")
 KERNELS = ("auto", "triton", "torch")
-# The hidden-state dtypes the Triton add takes: it computes in float32, so float64 hidden states take the PyTorch add
-# (under "auto"; an explicit "triton" refuses them)
-ADD_KERNEL_DTYPES = KERNEL_DTYPES
 VERIFY_MODES = ("full", "size")
 FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_MAX = {"int8": 127, "int4": 7}
@@ -680,7 +677,7 @@ class TokenLookupReadout:
         else:
             kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
             if kernel == "triton" and table.fmt.name != "lowrank":
-                if hidden.dtype in ADD_KERNEL_DTYPES:
+                if hidden.dtype in KERNEL_DTYPES:  # (float64 takes the PyTorch add under "auto")
                     out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
                                             table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
                     return out.view_as(hidden)

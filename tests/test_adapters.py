@@ -753,6 +753,18 @@ def test_a_table_kept_through_a_merge_is_not_staged_with_the_merged_weights(tmp_
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def assert_an_exported_table_gives_the_logits(model, folder, ids) -> None:
+    """`model`'s table, exported to `folder` and loaded, gives the logits the model computes (it stays loaded)."""
+    from hf_memffn.conversion.export import export_tols
+
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    export_tols(model, folder, format="fp32", progress=False)
+    model.load_tols(folder, placement="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+
+
 @pytest.mark.parametrize("how", ["target_parameters", "modules_to_save"])
 def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how, tmp_path):
     """A PEFT adapter on the FFNs on X0 can be switched off or swapped (`disable_adapter`, `set_adapter`) while a table
@@ -774,13 +786,7 @@ def test_a_peft_adapter_on_the_ffns_on_x0_is_refused_by_export_and_load_tols(how
         adapted.get_base_model().load_tols(tmp_path / "base", placement="cpu")
     assert adapted.get_base_model().model.token_lookup is None
 
-    merged = adapted.merge_and_unload()
-    with torch.no_grad():
-        expected = merged(input_ids=ids).logits
-    export_tols(merged, tmp_path / "merged", format="fp32", progress=False)
-    merged.load_tols(tmp_path / "merged", placement="cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, expected)
+    assert_an_exported_table_gives_the_logits(adapted.merge_and_unload(), tmp_path / "merged", ids)
 
 
 def test_ffns_on_x0_pruned_without_prune_remove_are_refused_by_export_load_tols_and_lookup_naming_the_way_out(
@@ -805,12 +811,7 @@ def test_ffns_on_x0_pruned_without_prune_remove_are_refused_by_export_load_tols_
     with pytest.raises(TokenLookupError, match=refused):
         model.load_tols(tmp_path / "base", placement="cpu")
     prune.remove(model.model.memory, "gate_proj")
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    export_tols(model, tmp_path / "pruned", format="fp32", progress=False)
-    model.load_tols(tmp_path / "pruned", placement="cpu")
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, expected)
+    assert_an_exported_table_gives_the_logits(model, tmp_path / "pruned", ids)
     prune.l1_unstructured(model.model.memory, "up_proj", amount=0.5)
     refused = r"are pruned by torch\.nn\.utils\.prune \(\['up_proj'\]\).*unload_tols"
     with pytest.raises(TokenLookupError, match=refused):
