@@ -1006,6 +1006,11 @@ def device_cache_rows(cache_rows: int, device: torch.device, vocab_size: int) ->
     return min(cache_rows, vocab_size) if torch.device(device).type == "cuda" else 0
 
 
+# a device cache's tensors: its rows and scales, and which token is in which slot (the device's and the host's view)
+CACHE_BUFFERS = ("cache_rows", "cache_scales", "slot_of_token")
+CACHE_BOOKKEEPING = ("host_slot_of_token", "token_in_slot", "slot_last_used")
+
+
 class _CachedTokenLookupTable(TokenLookupTable):
     """Tables whose rows stay off the device (placements "cpu" and "disk"): on a GPU, a device cache of `cache_rows`
     token rows, of which `static_fraction` hold `frequent_tokens` for good and the rest the least recently used."""
@@ -1081,6 +1086,13 @@ class _CachedTokenLookupTable(TokenLookupTable):
             state.pop(name, None)
         if "slot_readers" in state:
             state["slot_readers"] = torch.zeros_like(state["slot_readers"])
+            # The cache and its bookkeeping are the copy's own: torch.multiprocessing shares a tensor it sends (a CUDA
+            # one by IPC, a CPU one moved into shared memory), and two tables filling the same slots under locks of
+            # their own would read each other's rows.
+            state["_buffers"] = {name: buffer.clone() if name in CACHE_BUFFERS and buffer is not None else buffer
+                                 for name, buffer in state["_buffers"].items()}
+            for name in CACHE_BOOKKEEPING:
+                state[name] = state[name].clone()
         return state
 
     def __setstate__(self, state) -> None:
@@ -1089,6 +1101,7 @@ class _CachedTokenLookupTable(TokenLookupTable):
             self.copy_stream = torch.cuda.Stream(self.device)
             self._finished_readers = deque()
             self._cache_lock = threading.Lock()
+            self._mark_static()
 
     def _fill_slots(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Copy `tokens`' rows into cache `slots` on the side stream; the compute stream waits for it."""
@@ -1137,6 +1150,28 @@ class HostTokenLookupTable(_CachedTokenLookupTable):
 
     def _host_buffers(self) -> tuple[str, ...]:
         return ("rows", "scales")
+
+    def __getstate__(self):
+        # On a GPU, `rows` and `scales` are aliases of the pinned host tables that own nothing: copied as tensors,
+        # `copy.deepcopy` and `torch.save` would put the whole table in device memory, and torch.multiprocessing cannot
+        # send them (they are no device allocation). The copy gets the host tables and makes its own aliases; a
+        # clone of them, because torch.multiprocessing moves a CPU tensor it sends into shared memory, which would
+        # free the pinned memory under this table's aliases.
+        state = dict(super().__getstate__())
+        if self.device.type == "cuda":
+            state["_buffers"] = {name: None if name in self._host_buffers() else buffer
+                                 for name, buffer in state["_buffers"].items()}
+            state["_host_tables"] = tuple(None if table is None else table.clone() for table in self._host_tables)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        if self.device.type == "cuda":
+            rows, scales = (None if table is None else table.pin_memory() for table in self._host_tables)
+            self._host_tables = (rows, scales)
+            self.rows = _host_mapped_alias(rows, self.device)
+            self.scales = _host_mapped_alias(scales, self.device) if scales is not None else None
+            self._mark_static()
 
     def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         host_rows, host_scales = self._host_tables

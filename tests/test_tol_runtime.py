@@ -947,13 +947,44 @@ def test_ddp_of_a_wrapped_model_leaves_the_table_out_of_its_buffer_broadcasts(ex
 
 
 def copies_of(model) -> dict:
-    """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and the pickle
-    of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here."""
+    """`model` copied the ways a user copies a model: `copy.deepcopy`, `torch.save` then `torch.load`, and (a model on
+    the CPU) the pickle of torch.multiprocessing (a spawned process's arguments, a Queue), loaded back here. A CUDA
+    tensor sent so cannot be rebuilt in the process that sent it ("invalid device context"): a model on a GPU goes to
+    another process, `logits_in_another_process`."""
     saved = io.BytesIO()
     torch.save(model, saved)
     saved.seek(0)
-    return {"deepcopy": copy.deepcopy(model), "torch.save": torch.load(saved, weights_only=False),
-            "torch.multiprocessing": pickle.loads(bytes(ForkingPickler.dumps(model)))}
+    copies = {"deepcopy": copy.deepcopy(model), "torch.save": torch.load(saved, weights_only=False)}
+    if model.device.type == "cpu":
+        copies["torch.multiprocessing"] = pickle.loads(bytes(ForkingPickler.dumps(model)))
+    return copies
+
+
+def _logits_of_the_received_model(model, batches, results) -> None:
+    """In the spawned process: the logits (on the CPU) of each batch and the table's device bytes, or the error."""
+    try:
+        with torch.no_grad():
+            logits = [model(input_ids=ids).logits.cpu() for ids in batches]
+        results.put((logits, model.model.token_lookup.device_bytes()))
+    except BaseException as error:  # (reported to the test, which would otherwise wait for nothing)
+        import traceback
+
+        results.put(("".join(traceback.format_exception(error)), None))
+
+
+def logits_in_another_process(model, batches: list) -> tuple[list, int]:
+    """`model` sent to a spawned process as torch.multiprocessing sends it (CUDA tensors shared by IPC, CPU tensors
+    moved into shared memory), and read there: each batch's logits and the table's device bytes."""
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_logits_of_the_received_model, args=(model, batches, results))
+    child.start()
+    try:
+        logits, device_bytes = results.get(timeout=300)
+    finally:
+        child.join(timeout=60)
+    assert device_bytes is not None, logits
+    return logits, device_bytes
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
@@ -1000,7 +1031,13 @@ def test_a_disk_table_cache_is_copied_with_a_stream_and_lock_of_its_own_and_no_r
     model, directory = exported
     table = model.load_tols(directory, placement="disk")
     try:
-        table.token_in_slot = torch.full((16,), -1, dtype=torch.int64)
+        vocab, slots = table.index.vocab_size, 16
+        table.register_buffer("cache_rows", torch.zeros(slots, table.index.row_width), persistent=False)
+        table.register_buffer("cache_scales", None, persistent=False)
+        table.register_buffer("slot_of_token", torch.full((vocab,), -1, dtype=torch.int32), persistent=False)
+        table.host_slot_of_token = torch.full((vocab,), -1, dtype=torch.int64)
+        table.token_in_slot = torch.full((slots,), -1, dtype=torch.int64)
+        table.slot_last_used = torch.zeros(slots, dtype=torch.int64)
         table.copy_stream = torch.Stream(device="cpu")
         table._init_slot_readers()
         table.slot_readers[10] = 2  # two forwards read slot 10, one of them finished
@@ -1008,11 +1045,16 @@ def test_a_disk_table_cache_is_copied_with_a_stream_and_lock_of_its_own_and_no_r
         monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("new stream on", device))
         copies = {"deepcopy": copy.deepcopy(table), "pickle": pickle.loads(pickle.dumps(table)),
                   "torch.multiprocessing": pickle.loads(bytes(ForkingPickler.dumps(table)))}
+        cache = ["cache_rows", "slot_of_token", "host_slot_of_token", "token_in_slot", "slot_last_used"]
         for how, copied in copies.items():
             assert copied.copy_stream == ("new stream on", table.device), how
             assert copied._cache_lock is not table._cache_lock and not copied._cache_lock.locked(), how
             assert len(copied._finished_readers) == 0 and not copied.slot_readers.any(), how
+            # (torch.multiprocessing shares what it sends: a cache shared by two tables, each under its own lock)
+            for name in cache:
+                assert getattr(copied, name).data_ptr() != getattr(table, name).data_ptr(), (how, name)
         assert table.slot_readers[10] == 2 and len(table._finished_readers) == 1  # (the original's own unchanged)
+        assert not any(getattr(table, name).is_shared() for name in cache)
     finally:
         model.unload_tols()
 
@@ -1235,14 +1277,49 @@ def test_disk_cache_model_on_gpu_is_copied_pickled_and_saved_whole(exported):
     first, later = (torch.randint(16, model.config.vocab_size, (1, 6), device="cuda") for _ in range(2))
     with torch.no_grad():
         expected = [model(input_ids=ids).logits for ids in (first, later)]
-        model.load_tols(directory, placement="disk", cache_rows=32)
+        table = model.load_tols(directory, placement="disk", cache_rows=32)
         model(input_ids=first)
         for how, copied in copies_of(model).items():
-            table = copied.model.token_lookup
-            assert table.use_cache and table.copy_stream is not model.model.token_lookup.copy_stream, how
+            copied_table = copied.model.token_lookup
+            assert copied_table.use_cache and copied_table.copy_stream is not table.copy_stream, how
             for ids, logits in zip((first, later), expected):
                 assert relative(copied(input_ids=ids).logits, logits) < 1e-5, how
-            assert table.cache_hits >= torch.unique(first).numel(), how  # (first's tokens: copied with the cache)
+            # (first's tokens: copied with the cache)
+            assert copied_table.cache_hits >= torch.unique(first).numel(), how
+        # torch.multiprocessing: the other process fills a cache of its own (one shared with this table would change
+        # under it, each table under its own lock)
+        cached_tokens = table.token_in_slot.clone()
+        logits, _ = logits_in_another_process(model, [first, later])
+        for received, wanted in zip(logits, expected):
+            assert relative(received, wanted.cpu()) < 1e-5
+        assert torch.equal(table.token_in_slot, cached_tokens) and not table.token_in_slot.is_shared()
+        assert relative(model(input_ids=later).logits, expected[1]) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_table_model_on_gpu_is_copied_pickled_and_saved_whole(exported):
+    """A model on a GPU reading a `cpu` table (pinned host rows the GPU reads in place through aliases that own no
+    memory): each copy gives the logits of compute mode and keeps its table on the host, read through its own
+    aliases. (Copied as tensors, the aliases put the whole table in device memory; torch.multiprocessing could not
+    send them, and moved the host table into shared memory under the original's aliases.)"""
+    cpu_model, directory = exported
+    model = build(cpu_model.config.model_type.replace("memffn_", ""), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        table = model.load_tols(directory, placement="cpu", cache_rows=16)
+        for how, copied in copies_of(model).items():
+            copied_table = copied.model.token_lookup
+            host_rows = copied_table._host_tables[0]
+            assert host_rows.is_pinned() and copied_table.rows.data_ptr() == host_rows.data_ptr(), how
+            assert copied_table.device_bytes() == table.device_bytes(), how
+            assert relative(copied(input_ids=ids).logits, expected) < 1e-5, how
+        logits, device_bytes = logits_in_another_process(model, [ids])
+        assert relative(logits[0], expected.cpu()) < 1e-5 and device_bytes == table.device_bytes()
+        host_rows = table._host_tables[0]
+        assert host_rows.is_pinned() and not host_rows.is_shared() and table.rows.data_ptr() == host_rows.data_ptr()
+        assert relative(model(input_ids=ids).logits, expected) < 1e-5
 
 
 @pytest.mark.gpu
