@@ -243,11 +243,15 @@ class _RMSNormFunction(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x)).to(x.dtype)`` over the last dimension by the Triton kernels (``x`` of a dtype of
     ``KERNEL_DTYPES``)."""
+    if x.dim() == 0:
+        raise ValueError("x of shape () has no rows to normalize: rms_norm takes x of one dimension or more")
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not match rows of width {x.shape[-1]}: it "
                          f"must be [{x.shape[-1]}]")
     if x.dtype not in KERNEL_DTYPES:
         refuse_kernel_dtype("rms_norm", "x", x.dtype)
+    if weight.device != x.device:  # (the kernel reads both through x's device)
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}: the kernel reads both on one device")
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -321,6 +325,9 @@ def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
             or cos.shape[0] not in (1, x.shape[0]) or tuple(cos.shape[1:]) != (x.shape[1], x.shape[-1])):
         raise ValueError(f"rotary tables of shape {tuple(cos.shape)} / {tuple(sin.shape)} do not match heads of shape "
                          f"{tuple(x.shape)} ([B, L, H, D], D even): they must be [B or 1, L, D]")
+    if not x.device == cos.device == sin.device:  # (the kernel reads all three through x's device)
+        raise ValueError(f"rotary tables on {cos.device} / {sin.device} but heads on {x.device}: the kernel reads "
+                         "them on one device")
     x, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, cos, sin))
     if _table_strides(sin) != _table_strides(cos):
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -346,9 +353,11 @@ def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
     record (inference, decoding), one launch rotates both."""
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         return rotate(query, cos, sin), rotate(key, cos, sin)
-    if key.shape[:2] != query.shape[:2] or key.shape[-1] != query.shape[-1]:
+    if key.dim() != 4 or key.shape[:2] != query.shape[:2] or key.shape[-1] != query.shape[-1]:
         raise ValueError(f"keys of shape {tuple(key.shape)} do not match queries of shape {tuple(query.shape)} "
                          "([B, L, H, D] and [B, L, H_kv, D])")
+    if key.device != query.device:
+        raise ValueError(f"keys on {key.device} but queries on {query.device}: one launch rotates both on one device")
     query, cos, sin = _rotary_inputs(query, cos, sin)
     for name, tensor in (("query", query), ("key", key)):
         if tensor.dtype not in KERNEL_DTYPES:

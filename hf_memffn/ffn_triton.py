@@ -201,8 +201,9 @@ def paired_kernels_unavailable(y: torch.Tensor, kernels: str) -> str | None:
 def _check(y: torch.Tensor, activation: str) -> None:
     if activation not in PAIRED_ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {tuple(PAIRED_ACTIVATIONS)}")
-    if y.shape[-1] % 2:
-        raise ValueError(f"y's last dimension {y.shape[-1]} must be even (key i at 2i, value i at 2i + 1)")
+    if y.dim() == 0 or y.shape[-1] % 2:
+        raise ValueError(f"y of shape {tuple(y.shape)}: its last dimension must be even (key i at 2i, value i at "
+                         "2i + 1)")
     if y.dtype not in KERNEL_DTYPES:
         refuse_kernel_dtype("paired_activation", "y", y.dtype)
 

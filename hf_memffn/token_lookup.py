@@ -1145,8 +1145,17 @@ class HostTokenLookupTable(_CachedTokenLookupTable):
         if on_gpu:
             rows = _host_mapped_alias(rows, self.device)
             scales = _host_mapped_alias(scales, self.device) if scales is not None else None
+            self._synchronize_when_freed()
         self.register_buffer("rows", rows, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
+
+    def _synchronize_when_freed(self) -> None:
+        # Pinned memory goes back to PyTorch's host allocator as soon as it is freed, for the next pinned allocation
+        # to take (and write), and the allocator does not know of the kernels that read it through the aliases: a
+        # table dropped (`unload_tols`, a table loaded in its place) while a forward reading it is still queued would
+        # have it read other data. The device finishes its queued work before this table's host tables go.
+        finalizer = weakref.finalize(self, torch.cuda.synchronize, self.device)
+        finalizer.atexit = False  # (at exit, CUDA may be gone before the finalizer runs)
 
     def _host_buffers(self) -> tuple[str, ...]:
         return ("rows", "scales")
@@ -1172,6 +1181,7 @@ class HostTokenLookupTable(_CachedTokenLookupTable):
             self.rows = _host_mapped_alias(rows, self.device)
             self.scales = _host_mapped_alias(scales, self.device) if scales is not None else None
             self._mark_static()
+            self._synchronize_when_freed()
 
     def _host_rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         host_rows, host_scales = self._host_tables

@@ -30,6 +30,9 @@ except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
 FORMAT_CODES = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "int4": 2}
+# what the kernel reads as a quantized format's stored values (int4: two values per byte); float rows of any dtype
+QUANTIZED_ROW_DTYPES = {"int8": torch.int8, "int4": torch.uint8}
+ID_DTYPES = (torch.int32, torch.int64)
 
 if HAS_TRITON:
 
@@ -92,7 +95,11 @@ def _require_dense(**tensors: torch.Tensor | None) -> None:
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                       layer_position: int, hidden_size: int, format_name: str, group_size: int) -> torch.Tensor:
     """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype, one of
-    `KERNEL_DTYPES`). Differentiable in `hidden` (the rows are fixed values, which get no gradient)."""
+    `KERNEL_DTYPES`). Differentiable in `hidden` (the rows are fixed values, which get no gradient).
+
+    `row_ids` [T] (int32 or int64, on hidden's device) must lie in 0..rows.shape[0] - 1: the kernel reads the row at
+    each id unchecked. The range is checked on the host where that costs no device synchronisation (ids in host
+    memory), and for ids on a GPU only under Triton's debug mode (TRITON_DEBUG=1), where the check synchronises."""
     if not HAS_TRITON:
         raise RuntimeError("lookup_add_triton needs triton")
     if hidden.dtype not in KERNEL_DTYPES:
@@ -109,10 +116,70 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     if hidden.device != rows.device:  # (the kernel would read the table's memory through the hidden state's device)
         raise ValueError(f"hidden is on {hidden.device} but the table's rows are on {rows.device}: a model whose "
                          "layers are spread over several devices (device_map) cannot add from one table")
+    _check_lookup_add_layout(hidden, row_ids, rows, scales, layer_position, hidden_size, format_name, group_size)
     arguments = (hidden, row_ids, rows, scales, layer_position, hidden_size, FORMAT_CODES[format_name], group_size)
     if torch.is_grad_enabled() and hidden.requires_grad:  # (training the layers around a loaded table)
         return _LookupAddFunction.apply(*arguments)
     return _lookup_add(*arguments)
+
+
+def _check_lookup_add_layout(hidden, row_ids, rows, scales, layer_position, hidden_size, format_name, group_size):
+    """Refuses, by argument, what would make the add kernel read or write outside its tensors or misread them: it
+    indexes the hidden state by `hidden_size`, a table row by the layer's slice and its scales by `group_size`. (Once
+    per layer and step: each shape is read once, a tensor's attribute costing host time.)"""
+    if format_name not in FORMAT_CODES:
+        raise ValueError(f"format_name={format_name!r} is not one of {tuple(FORMAT_CODES)}")
+    hidden_shape, rows_shape = hidden.shape, rows.shape
+    if len(hidden_shape) != 2 or hidden_shape[1] != hidden_size:
+        raise ValueError(f"hidden must be [tokens, hidden_size={hidden_size}]; got shape {tuple(hidden_shape)}")
+    if row_ids.shape != hidden_shape[:1] or row_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"row_ids must be a 1-D tensor of one id per token of hidden ({hidden_shape[0]}) of dtype "
+                         f"int32 or int64; got shape {tuple(row_ids.shape)}, dtype {row_ids.dtype}")
+    if row_ids.device != hidden.device:
+        raise ValueError(f"row_ids are on {row_ids.device} but hidden is on {hidden.device}: the kernel reads both "
+                         "on one device")
+    quantized_dtype = QUANTIZED_ROW_DTYPES.get(format_name)
+    if quantized_dtype is None:
+        if not rows.is_floating_point():
+            raise ValueError(f"rows of format {format_name!r} must be floating point; got dtype {rows.dtype}")
+        if scales is not None:
+            raise ValueError(f"scales must be None for format {format_name!r}, whose rows are stored as values; "
+                             "scales come with the quantized formats int8 and int4")
+        columns = hidden_size
+    else:
+        if rows.dtype != quantized_dtype:
+            raise ValueError(f"rows of format {format_name!r} must have dtype {quantized_dtype}; got {rows.dtype}")
+        if scales is None or not scales.is_floating_point():
+            raise ValueError(f"format {format_name!r} needs scales, a floating-point [rows, groups] tensor; got "
+                             f"{None if scales is None else scales.dtype}")
+        if group_size < 1 or hidden_size % group_size or (format_name == "int4" and hidden_size % 2):
+            raise ValueError(f"group_size={group_size} must be a positive divisor of hidden_size={hidden_size}"
+                             + (", which int4 (two values per byte) needs even" if format_name == "int4" else ""))
+        groups, scales_shape = hidden_size // group_size, scales.shape
+        if (scales_shape[0] != rows_shape[0] or scales.device != rows.device
+                or not 0 <= layer_position < scales_shape[1] // groups):
+            raise ValueError(f"scales of shape {tuple(scales_shape)} on {scales.device} do not fit rows of shape "
+                             f"{tuple(rows_shape)} on {rows.device}: they need one row per table row, on its device, "
+                             f"and {groups} columns for each layer up to layer_position={layer_position}")
+        columns = hidden_size // 2 if format_name == "int4" else hidden_size
+    layers = rows_shape[1] // columns
+    if not 0 <= layer_position < layers:
+        raise ValueError(f"layer_position={layer_position} is outside the layers of rows of shape {tuple(rows_shape)} "
+                         f"({columns} columns per layer): allowed 0..{layers - 1}")
+
+
+def _check_id_range(name: str, ids: torch.Tensor, count: int, what: str) -> None:
+    """Raises if `ids` (not empty) hold a value outside 0..count - 1. Reads the ids on the host: the callers check ids
+    in host memory (no device synchronisation) and ids on a GPU only under Triton's debug mode."""
+    low, high = (int(value) for value in torch.aminmax(ids))
+    if low < 0 or high >= count:
+        raise ValueError(f"{name} contains id {low if low < 0 else high}: allowed ids are 0..{count - 1} ({what})")
+
+
+def _checks_ids_here(ids: torch.Tensor) -> bool:
+    """Whether a launch checks the range of `ids` on the host first: ids in host memory, read without synchronising,
+    or any ids under Triton's debug mode (TRITON_DEBUG=1), which accepts the synchronisation."""
+    return ids.is_cpu or triton.knobs.runtime.debug
 
 
 def _lookup_add(*arguments):
@@ -139,6 +206,8 @@ def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_siz
     tokens = hidden.shape[0]
     if tokens == 0:
         return out
+    if _checks_ids_here(row_ids):
+        _check_id_range("row_ids", row_ids, rows.shape[0], "the rows of the table")
     # (the kernel reads token t's row id at index t: a batch's `input_ids[:, -1:]`, flattened, is a strided view)
     row_ids = row_ids.contiguous()
     column_offset = layer_position * (hidden_size // 2 if fmt == 2 else hidden_size)
@@ -153,10 +222,30 @@ def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_siz
 
 def gather_rows_triton(token_ids: torch.Tensor, slot_of_token: torch.Tensor | None, cache: torch.Tensor | None,
                        table: torch.Tensor) -> torch.Tensor:
-    """Rows of `token_ids` [T] -> [T, width]: cache[slot_of_token[id]] when >= 0, else table[id]."""
+    """Rows of `token_ids` [T] -> [T, width]: cache[slot_of_token[id]] when >= 0, else table[id]. `slot_of_token`
+    [table rows] and `cache` [slots, width] come together or not at all.
+
+    Ids must lie in 0..table.shape[0] - 1 and slots below cache.shape[0]: the kernel reads them unchecked; the ranges
+    are checked as `lookup_add_triton` checks its row ids (on the host for ids in host memory, else under
+    TRITON_DEBUG=1)."""
     if not HAS_TRITON:
         raise RuntimeError("gather_rows_triton needs triton")
     _require_dense(table=table, cache=cache)
+    if token_ids.dim() != 1 or token_ids.dtype not in ID_DTYPES or token_ids.device != table.device:
+        raise ValueError(f"token_ids must be a 1-D tensor of dtype int32 or int64 on the table's device "
+                         f"({table.device}); got shape {tuple(token_ids.shape)}, dtype {token_ids.dtype} on "
+                         f"{token_ids.device}")
+    if (slot_of_token is None) != (cache is None):
+        raise ValueError("slot_of_token and cache must be given together (a cache and where each token's row is in "
+                         "it) or both be None")
+    if slot_of_token is not None and (
+            slot_of_token.shape != table.shape[:1] or slot_of_token.dtype not in ID_DTYPES
+            or cache.shape[1] != table.shape[1] or cache.dtype != table.dtype
+            or not slot_of_token.device == cache.device == table.device):
+        raise ValueError(f"slot_of_token {tuple(slot_of_token.shape)} {slot_of_token.dtype} on {slot_of_token.device} "
+                         f"and cache {tuple(cache.shape)} {cache.dtype} on {cache.device} do not fit table "
+                         f"{tuple(table.shape)} {table.dtype} on {table.device}: slot_of_token must be int32 or int64 "
+                         "with one slot per table row, cache of the table's width and dtype, all on one device")
     if torch.compiler.is_compiling():
         return getattr(torch.ops, OP_NAMESPACE).token_lookup_gather_rows(token_ids, slot_of_token, cache, table)
     return _launch_gather_rows(token_ids, slot_of_token, cache, table)
@@ -167,10 +256,17 @@ def _launch_gather_rows(token_ids, slot_of_token, cache, table):
     out = torch.empty(token_ids.shape[0], width, dtype=table.dtype, device=token_ids.device)
     if token_ids.shape[0] == 0:
         return out
+    has_cache = slot_of_token is not None
+    if _checks_ids_here(token_ids):
+        _check_id_range("token_ids", token_ids, table.shape[0], "the rows of the table")
+        if has_cache:
+            slots = slot_of_token.index_select(0, token_ids)
+            if int(slots.max()) >= cache.shape[0]:
+                raise ValueError(f"slot_of_token holds slot {int(slots.max())} for a token asked for: allowed slots "
+                                 f"are negative (not cached) and 0..{cache.shape[0] - 1} (the rows of the cache)")
     block = _block(width)
     grid = (token_ids.shape[0], cdiv(width, block))
     token_ids = token_ids.contiguous()  # (read at their index, as the lookup-add kernel reads its row ids)
-    has_cache = slot_of_token is not None
     launch(_gather_rows_kernel, grid, token_ids, slot_of_token if has_cache else token_ids,
            cache if has_cache else table, table, out, width, HAS_CACHE=has_cache, BLOCK=block)
     return out

@@ -386,6 +386,27 @@ def test_rms_norm_rejects_a_weight_of_another_width():
         decoder_triton.rms_norm(randn(2, 48, seed=0), randn(24, seed=1), 1e-5)
 
 
+def test_kernel_functions_refuse_tensors_elsewhere_and_shapes_without_rows_by_name():
+    """Checked before any launch, which reads every tensor through the device of the first: a weight, rotary tables or
+    keys on another device (on CUDA, host memory or another GPU's) failed inside Triton's launch or read through the
+    wrong device; a 0-d x failed while formatting its error, and keys of three dimensions while unpacking their
+    shape."""
+    x, heads = randn(2, 48, seed=0).float(), randn(3, 4, 2, 16, seed=0).float()
+    cos, sin = (table.float() for table in rotary_tables(1, 4, 16, seed=1))
+    with pytest.raises(ValueError, match="weight is on meta but x is on "):
+        decoder_triton.rms_norm(x, torch.ones(48, device="meta"), 1e-5)
+    with pytest.raises(ValueError, match=r"x of shape \(\) has no rows to normalize"):
+        decoder_triton.rms_norm(x[0, 0], torch.ones(1, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="rotary tables on meta / meta but heads on "):
+        decoder_triton.rotate(heads, cos.to("meta"), sin.to("meta"))
+    with pytest.raises(ValueError, match="rotary tables on meta / meta but heads on "):
+        decoder_triton.rotate_pair(heads, heads, cos.to("meta"), sin.to("meta"))
+    with pytest.raises(ValueError, match="keys on meta but queries on "):
+        decoder_triton.rotate_pair(heads, heads.to("meta"), cos, sin)
+    with pytest.raises(ValueError, match=r"keys of shape \(3, 4, 16\) do not match queries of shape \(3, 4, 2, 16\)"):
+        decoder_triton.rotate_pair(heads, heads[:, :, 0], cos, sin)
+
+
 @needs_kernels
 def test_rms_norm_matches_float64_with_a_strided_weight():
     x, wide = randn(3, 48, seed=0), 1 + randn(96, seed=1, scale=0.2)

@@ -127,6 +127,11 @@ def test_paired_activation_rejects_what_it_cannot_compute():
         ffn_triton.paired_activation(y[:, :5], "silu")
 
 
+def test_paired_activation_refuses_a_tensor_of_no_dimension_by_name():
+    with pytest.raises(ValueError, match=r"y of shape \(\): its last dimension must be even"):
+        ffn_triton.paired_activation(torch.zeros((), device=DEVICE), "silu")
+
+
 def test_paired_activation_refuses_float64_by_name():
     """The kernels compute in float32: a float64 projection came back as float64 of float32 precision."""
     with pytest.raises(ValueError, match=r"paired_activation: y has dtype torch.float64, which the Triton kernels do "

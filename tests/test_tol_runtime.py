@@ -629,6 +629,69 @@ def test_triton_lookup_add_refuses_rows_and_scales_whose_columns_are_not_adjacen
         token_lookup_triton.lookup_add_triton(hidden, ids, rows, torch.rand(4, 12)[:, ::2], 1, 8, "int8", 4)
 
 
+@pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("change, message", [
+    (dict(row_ids=torch.tensor([1, 4, 0])), r"row_ids contains id 4: allowed ids are 0\.\.3"),
+    (dict(row_ids=torch.tensor([1, -1, 0])), r"row_ids contains id -1: allowed ids are 0\.\.3"),
+    (dict(row_ids=torch.tensor([1.0, 3.0, 0.0])), r"row_ids must be a 1-D tensor .* dtype int32 or int64; got shape "
+                                                   r"\(3,\), dtype torch.float32"),
+    (dict(row_ids=torch.tensor([1, 3])), r"row_ids must be a 1-D tensor of one id per token of hidden \(3\)"),
+    (dict(row_ids=torch.tensor([[1, 3, 0]])), r"got shape \(1, 3\)"),
+    (dict(hidden=torch.randn(3, 6)), r"hidden must be \[tokens, hidden_size=8\]; got shape \(3, 6\)"),
+    (dict(hidden=torch.randn(1, 3, 8)), r"hidden must be \[tokens, hidden_size=8\]; got shape \(1, 3, 8\)"),
+    (dict(layer_position=3), r"layer_position=3 is outside the layers of rows of shape \(4, 24\) .*allowed 0\.\.2"),
+    (dict(layer_position=-1), r"layer_position=-1 is outside .* allowed 0\.\.2"),
+    (dict(format_name="int2"), r"format_name='int2' is not one of \('fp32', 'fp16', 'bf16', 'int8', 'int4'\)"),
+    (dict(scales=torch.ones(4, 6)), r"scales must be None for format 'fp32'"),
+    (dict(format_name="int8", group_size=4), r"rows of format 'int8' must have dtype torch.int8; got torch.float32"),
+    (dict(format_name="int8", rows=torch.zeros(4, 24, dtype=torch.int8)), r"format 'int8' needs scales.*got None"),
+    (dict(format_name="int8", rows=torch.zeros(4, 24, dtype=torch.int8), scales=torch.ones(4, 8), group_size=3),
+     r"group_size=3 must be a positive divisor of hidden_size=8"),
+    (dict(format_name="int8", rows=torch.zeros(4, 24, dtype=torch.int8), scales=torch.ones(4, 4), group_size=4,
+          layer_position=2), r"scales of shape \(4, 4\) on cpu do not fit rows of shape \(4, 24\)"),
+    (dict(format_name="int4", rows=torch.zeros(4, 12, dtype=torch.int8), scales=torch.ones(4, 6), group_size=4),
+     r"rows of format 'int4' must have dtype torch.uint8"),
+], ids=["id_too_large", "id_negative", "float_ids", "too_few_ids", "ids_2d", "narrower_hidden", "hidden_3d",
+        "layer_too_large", "layer_negative", "unknown_format", "scales_with_float_rows", "int8_float_rows",
+        "int8_no_scales", "group_not_dividing", "scales_too_narrow", "int4_signed_rows"])
+def test_triton_lookup_add_refuses_arguments_that_do_not_fit_naming_the_argument(change, message):
+    """Called directly, the add refuses by name what its kernel would read or write outside its tensors or misread
+    (an id past the table or negative, a hidden state of another width, a layer past the rows, scales missing or
+    left over, a group size that does not divide the width) before anything is launched: it read another token's row
+    or another process's memory, wrote past its output, or added a float table's values as int8 ones. Ids in host
+    memory are checked on the host (no device synchronisation)."""
+    arguments = dict(hidden=torch.randn(3, 8), row_ids=torch.tensor([1, 3, 0]), rows=torch.randn(4, 24), scales=None,
+                     layer_position=1, hidden_size=8, format_name="fp32", group_size=1)
+    with pytest.raises(ValueError, match=message):
+        token_lookup_triton.lookup_add_triton(**{**arguments, **change})
+
+
+@pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("change, message", [
+    (dict(token_ids=torch.tensor([1, 4])), r"token_ids contains id 4: allowed ids are 0\.\.3"),
+    (dict(token_ids=torch.tensor([-1, 2])), r"token_ids contains id -1: allowed ids are 0\.\.3"),
+    (dict(token_ids=torch.tensor([[1, 2]])), r"token_ids must be a 1-D tensor of dtype int32 or int64 .*got shape "
+                                             r"\(1, 2\)"),
+    (dict(token_ids=torch.tensor([1.0, 2.0])), r"token_ids must be .* dtype torch.float32 on cpu"),
+    (dict(cache=None), r"slot_of_token and cache must be given together"),
+    (dict(cache=torch.randn(2, 8)), r"cache \(2, 8\) torch.float32 on cpu do not fit table \(4, 16\)"),
+    (dict(cache=torch.randn(2, 16).half()), r"cache \(2, 16\) torch.float16 on cpu do not fit table"),
+    (dict(slot_of_token=torch.tensor([-1, 0], dtype=torch.int32)), r"slot_of_token \(2,\) torch.int32 on cpu .*do not "
+                                                                     r"fit table \(4, 16\)"),
+    (dict(slot_of_token=torch.tensor([-1, 2, -1, 0], dtype=torch.int32)),
+     r"slot_of_token holds slot 2 for a token asked for: allowed slots are negative \(not cached\) and 0\.\.1"),
+], ids=["id_too_large", "id_negative", "ids_2d", "float_ids", "slots_without_cache", "narrower_cache",
+        "cache_of_another_dtype", "slots_not_per_table_row", "slot_past_the_cache"])
+def test_triton_lookup_gather_refuses_arguments_that_do_not_fit_naming_the_argument(change, message):
+    """The gather, called directly, refuses by name an id past the table, a slot past the cache, a cache of another
+    width or dtype and slots without a cache (read as rows of another token, of memory past the cache, or a crash
+    inside the launch) before anything is launched."""
+    arguments = dict(token_ids=torch.tensor([1, 2]), slot_of_token=torch.tensor([-1, 1, -1, 0], dtype=torch.int32),
+                     cache=torch.randn(2, 16), table=torch.randn(4, 16))
+    with pytest.raises(ValueError, match=message):
+        token_lookup_triton.gather_rows_triton(**{**arguments, **change})
+
+
 def test_a_table_stays_as_placed_when_the_model_is_cast_or_moved(exported, tmp_path):
     """`.to(torch.bfloat16)` after `load_tols` leaves the table's dtypes as stored (the same model as casting first,
     then loading); a move to another device is refused before any parameter moves."""
@@ -1187,6 +1250,26 @@ def test_triton_lookup_kernels_read_token_ids_of_a_strided_view():
 
 
 @needs_kernels
+def test_triton_lookup_kernels_read_int32_ids_and_views_with_offsets():
+    """Valid inputs a caller passes without copying: int32 ids (continuous batching's), rows that are a column slice
+    of a wider buffer from an offset (row stride past the row's width), a hidden state that is a view past the start
+    of its storage, and a table of whole rows from an offset."""
+    from hf_memffn.token_lookup_triton import gather_rows_triton, lookup_add_triton
+
+    generator = torch.Generator().manual_seed(9)
+    vocab, d = 11, 40
+    buffer = torch.randn(vocab + 1, 4 * d, generator=generator).to(DEVICE)
+    rows = buffer[1:, d:3 * d]
+    assert rows.stride() == (4 * d, 1) and rows.storage_offset() == 5 * d
+    ids = torch.tensor([3, 0, 10, 3], dtype=torch.int32, device=DEVICE)
+    hidden = torch.randn(5, d, generator=generator).to(DEVICE)[1:]
+    out = lookup_add_triton(hidden, ids, rows, None, 1, d, "fp32", 1)
+    torch.testing.assert_close(out, hidden + rows[ids.long(), d:], rtol=0, atol=0)
+    table = buffer[1:]
+    assert torch.equal(gather_rows_triton(ids, None, None, table), table[ids.long()])
+
+
+@needs_kernels
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_triton_lookup_add_records_the_gradient_of_the_hidden_state(compiled):
     """Hidden states that need gradients (training around a loaded table): the kernel's sum, and the output's gradient
@@ -1294,6 +1377,34 @@ def test_disk_cache_model_on_gpu_is_copied_pickled_and_saved_whole(exported):
             assert relative(received, wanted.cpu()) < 1e-5
         assert torch.equal(table.token_in_slot, cached_tokens) and not table.token_in_slot.is_shared()
         assert relative(model(input_ids=later).logits, expected[1]) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_table_dropped_while_a_forward_reading_it_is_queued_is_read_whole(exported):
+    """A `cpu` table unloaded while the forward that gathers its pinned rows is still queued on the GPU: the forward
+    reads the table's rows. (Its pinned memory went back to PyTorch's host allocator at once, and the next pinned
+    allocation of its size took it and was written before the queued gather read it.)"""
+    cpu_model, directory = exported
+    model = build(cpu_model.config.model_type.replace("memffn_", ""), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
+    with torch.no_grad():
+        table = model.load_tols(directory, placement="cpu", cache_rows=0)  # (every row read from the host)
+        expected = model(input_ids=ids).logits
+        shape, dtype = table._host_tables[0].shape, table._host_tables[0].dtype
+        gather = table._gather
+
+        def gather_after_a_wait(*args):
+            torch.cuda._sleep(2_000_000_000)  # (about a second of the GPU's time, queued before the gather)
+            return gather(*args)
+
+        table._gather = gather_after_a_wait
+        logits = model(input_ids=ids).logits
+        del table.__dict__["_gather"], table, gather, gather_after_a_wait
+        model.unload_tols()
+        gc.collect()
+        torch.empty(shape, dtype=dtype, pin_memory=True).fill_(float("nan"))
+        torch.testing.assert_close(logits, expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
