@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hf_memffn.atomic_write import write_atomic
 from hf_memffn.demo import finite_or_null
+from pretrain import read_run_record  # (the run's files write a loss that is not finite as null: see its NOT_FINITE)
 
 
 def read_curves(run_dir: Path) -> dict:
@@ -28,14 +29,14 @@ def read_curves(run_dir: Path) -> dict:
     Trainer logs the mean loss of the steps since its previous log)."""
     train, windows, evaluation, summary = {}, {}, {}, {}
     for line in (run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+        record = read_run_record(line)
         if "loss" in record:
             windows[record["step"]] = max(train, default=0) + 1
             train[record["step"]] = record["loss"]
         if "eval_loss" in record:
             evaluation[record["step"]] = record["eval_loss"]
     if (run_dir / "summary.json").is_file():
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = read_run_record((run_dir / "summary.json").read_text(encoding="utf-8"))
     return {"train": train, "windows": windows, "eval": evaluation, "summary": summary}
 
 

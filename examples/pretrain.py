@@ -926,7 +926,7 @@ def make_throughput_callback(tokens_per_step: int, block_size: int, flops_per_to
             if state.is_world_process_zero:
                 record = {"step": state.global_step, **logs}
                 with log_path.open("a", encoding="utf-8") as handle:
-                    handle.write(json.dumps(record) + "\n")
+                    handle.write(run_record_json(record) + "\n")
                 if "tokens_per_second" in logs:
                     mfu = f"  MFU {100 * logs['mfu']:.1f}%" if "mfu" in logs else ""
                     print(f"step {state.global_step}: loss {logs['loss']:.4f}  {logs['tokens_per_second']:,.0f} tokens/s{mfu}", flush=True)
@@ -1062,13 +1062,19 @@ def rewind_train_log(log_path: Path, log_history: list[dict]) -> None:
     from hf_memffn.atomic_write import write_atomic
 
     lines = log_path.read_text(encoding="utf-8").splitlines() if log_path.is_file() else []
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = [read_run_record(line) for line in lines if line.strip()]
     kept = []
     for index, entry in enumerate(log_history):
         record = records[index] if index < len(records) else {}
-        holds_entry = all(key in record and record[key] == value for key, value in entry.items())
+        holds_entry = all(key in record and _same_value(record[key], value) for key, value in entry.items())
         kept.append(record if holds_entry else {"step": entry["step"], **entry})
-    write_atomic(log_path, "".join(json.dumps(record) + "\n" for record in kept))
+    write_atomic(log_path, "".join(run_record_json(record) + "\n" for record in kept))
+
+
+def _same_value(first, second) -> bool:
+    """`first == second`, a NaN (a loss of a run that diverged) taken as the same as a NaN."""
+    nan_pair = isinstance(first, float) and isinstance(second, float) and math.isnan(first) and math.isnan(second)
+    return nan_pair or first == second
 
 
 def make_stop_callback(stop_step: int):
@@ -1100,14 +1106,41 @@ def load_and_pack(args, training_args):
                              "smaller blocks, or a validation split (--dataset FOLDER holding validation.jsonl)")
         split = raw_train.train_test_split(test_size=held_out, shuffle=False)
         raw_train, raw_validation = split["train"], split["test"]
+        raw_validation = held_out_documents_not_trained_on(raw_train, raw_validation, args.text_column,
+                                                           training_args.process_index == 0)
+    elif "validation_fraction" in args.given_options:  # (it holds out training documents only where no split is)
+        raise ValueError(f"--validation-fraction={args.validation_fraction}: the dataset has a "
+                         f"{args.validation_split!r} split, which is the held-out text, so no training document is "
+                         "held out: drop --validation-fraction")
     tokenizer = load_tokenizer(args, raw_train, training_args)
     with main_process_first(training_args):
         train_blocks = pack_into_blocks(raw_train, tokenizer, args.block_size, args.text_column, args.num_proc)
         eval_blocks = pack_into_blocks(raw_validation, tokenizer, args.block_size, args.text_column, args.num_proc)
     if len(eval_blocks) == 0:
         raise ValueError(f"the held-out documents give fewer than --block-size={args.block_size} tokens, so no "
-                         "evaluation block; raise --validation-fraction or give a validation split")
+                         "evaluation block (those whose text is a training document too are left out); raise "
+                         "--validation-fraction or give a validation split")
     return train_blocks, eval_blocks, tokenizer
+
+
+def held_out_documents_not_trained_on(raw_train, held_out, column: str, is_main_process: bool = True):
+    """`held_out` (the last documents of the training text) without those whose text is also a document of
+    `raw_train`: a corpus that repeats a document (a .txt file's repeated lines, a document copied into several
+    files) held it out and trained on it, so the held-out loss measured recall of text trained on. Compared in Arrow,
+    without a Python string a document: a hash table of the held-out texts, and one pass over the training ones."""
+    import pyarrow.compute
+
+    held_out_texts = held_out.with_format("arrow")[:][column]
+    train_texts = raw_train.with_format("arrow")[:][column]
+    repeated = pyarrow.compute.unique(train_texts.filter(pyarrow.compute.is_in(train_texts, value_set=held_out_texts)))
+    if len(repeated) == 0:
+        return held_out
+    kept = pyarrow.compute.invert(pyarrow.compute.is_in(held_out_texts, value_set=repeated))
+    left_out = len(held_out) - pyarrow.compute.sum(kept).as_py()
+    if is_main_process:
+        print(f"held out {len(held_out) - left_out:,} documents: {left_out:,} of the last {len(held_out):,} left out, "
+              "their text being a training document too", flush=True)
+    return held_out.select(np.flatnonzero(kept.to_numpy(zero_copy_only=False)))
 
 
 def _documents_for_one_block(raw_train, args) -> int:
@@ -1210,9 +1243,10 @@ def refuse_conflicting_arguments(args) -> None:
     if args.num_proc is not None and args.num_proc < 0:
         raise ValueError(f"--num-proc={args.num_proc}: expected a number of tokenizing processes of 1 or more (0, or "
                          "leaving it out, tokenizes in this process)")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:  # (0 was taken as not given, a negative one kept)
-        raise ValueError(f"--peak-tflops={args.peak_tflops}: expected the device's peak in TFLOP/s, above 0 (leave "
-                         "it out for the known GPUs' bf16 peak)")
+    # (0 was taken as not given, a negative one kept, an infinite one gave an MFU of 0)
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:
+        raise ValueError(f"--peak-tflops={args.peak_tflops}: expected the device's peak in TFLOP/s, a finite number "
+                         "above 0 (leave it out for the known GPUs' bf16 peak)")
     if args.train_tokenizer is not None:
         from hf_memffn.tokenization import MIN_VOCAB_SIZE
 
@@ -1223,12 +1257,20 @@ def refuse_conflicting_arguments(args) -> None:
         given = "--data-files" if args.data_files else "--dataset"
         raise ValueError(f"--data-dir reads token shards, so {given} would be left unused: give one of the two")
     if args.data_dir:
+        unused = [f"--{name.replace('_', '-')}" for name in TEXT_DATA_OPTIONS if name in args.given_options]
+        if unused:
+            raise ValueError(f"--data-dir reads token shards, already tokenized and split into train.bin and "
+                             f"heldout.bin, so {', '.join(unused)} would be left unused: drop "
+                             f"{'it' if len(unused) == 1 else 'them'}, or give the text as --dataset or --data-files")
         refuse_a_folder_without_shards(args.data_dir, tokenizer_given=bool(args.tokenizer))
     if args.data_files:
         data_files_builder(args)  # (a file named twice, or files of two formats)
     if args.dataset_config and not args.dataset:
         raise ValueError(f"--dataset-config={args.dataset_config!r} names a configuration of a --dataset, which is "
                          "not given: drop it, or give the --dataset it belongs to")
+    if args.dataset_config and args.data_files:  # (--dataset is then the builder that reads them, given no config)
+        raise ValueError(f"--dataset-config={args.dataset_config!r}: --data-files are read by the builder "
+                         f"--dataset={args.dataset!r} without a configuration, so it would be left unused: drop it")
     if args.train_tokenizer and args.tokenizer:
         raise ValueError(f"--train-tokenizer trains a tokenizer, so --tokenizer={args.tokenizer!r} would be left "
                          "unused: give one of the two")
@@ -1238,6 +1280,11 @@ def refuse_conflicting_arguments(args) -> None:
     if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
         vocab_size, overrides = vocab_size_and_fields(parse_overrides(args.config_overrides), 64 * 1024)
         build_config(args.arch, args.preset, vocab_size, **overrides)
+
+
+# The options of text data (--dataset, --data-files) that token shards (--data-dir) have no use for: which column
+# holds the text, which splits train and evaluate, how many processes tokenize.
+TEXT_DATA_OPTIONS = ("text_column", "train_split", "validation_split", "validation_fraction", "num_proc")
 
 
 def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None:
@@ -1556,10 +1603,35 @@ def save_final_model(trainer, final_dir: Path) -> None:
         trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
 
 
+# JSON has no NaN or infinity: Python's json writes the bare words NaN and Infinity, which strict readers (jq,
+# JavaScript's JSON.parse, json.loads with parse_constant) refuse. The run's files, train_log.jsonl and summary.json,
+# write such a number (a loss or gradient norm of a run that diverged) as null and name its field under NOT_FINITE
+# with the number's spelling, so that a diverged loss stays apart from a value never measured:
+#     {"step": 30, "eval_loss": null, ..., "not_finite": {"eval_loss": "NaN"}}
+# `read_run_record` gives the numbers back (it reads the bare words of earlier versions' files too).
+NOT_FINITE = "not_finite"
+
+
+def run_record_json(record: dict, indent: int | None = None) -> str:
+    """A record of the run's files (a line of train_log.jsonl, the summary) as strict JSON: see NOT_FINITE."""
+    not_finite = {key: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+                  for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)}
+    if not_finite:
+        record = {**record, **dict.fromkeys(not_finite), NOT_FINITE: not_finite}
+    return json.dumps(record, indent=indent, allow_nan=False)
+
+
+def read_run_record(text: str) -> dict:
+    """A record of `run_record_json`, each number that is not finite a float again (NaN, or an infinity)."""
+    record = json.loads(text)
+    not_finite = record.pop(NOT_FINITE, None) or {}
+    return {**record, **{key: float(spelling) for key, spelling in not_finite.items()}}
+
+
 def write_summary(summary: dict, output_dir: Path) -> None:
     from hf_memffn.atomic_write import write_atomic
 
-    write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(output_dir / "summary.json", run_record_json(summary, indent=2) + "\n")
     rate = f", {summary['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in summary else ""
     mfu = f", MFU {100 * summary['mfu']:.1f}%" if "mfu" in summary else ""
     print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)

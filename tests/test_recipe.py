@@ -384,7 +384,9 @@ def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_pa
     import datasets
     from transformers import TrainingArguments
 
-    documents = [f"the key reads value {i % 7} of the memory" for i in range(400)] + ["zyxquvol " * 20] * 20
+    # (the last documents differ from one another: one that a training document repeats is not held out)
+    documents = [f"the key reads value {i % 7} of the memory" for i in range(400)] + [f"zyxquvol {i} " * 10
+                                                                                       for i in range(20)]
     raw = datasets.Dataset.from_dict({"text": documents})
     monkeypatch.setattr(pretrain, "load_raw_splits", lambda args: (raw, None))
     args = types.SimpleNamespace(train_tokenizer=300, output_dir=str(tmp_path), text_column="text", block_size=64,
@@ -400,6 +402,29 @@ def test_held_out_documents_are_split_off_before_the_tokenizer_is_trained(tmp_pa
     args.validation_fraction = 0.0001
     _, eval_blocks, _ = pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     assert len(eval_blocks) >= 1
+
+
+def test_held_out_documents_that_the_training_text_repeats_are_left_out(tmp_path, monkeypatch, capsys):
+    """A corpus that repeats a document (a .txt file's repeated lines, a document copied into two files) held out its
+    last copy and trained on the others: the held-out loss measured text trained on. Only the held-out documents
+    that are no training document are evaluated."""
+    import types
+
+    import datasets
+    from transformers import TrainingArguments
+
+    trained = [f"the key reads value {i} of the memory" for i in range(400)]
+    tail = [text for i in range(10) for text in ("zyxquvol " * 20, trained[i * 37])] + ["zyxquvol " * 20] * 10
+    raw = datasets.Dataset.from_dict({"text": trained + tail})
+    monkeypatch.setattr(pretrain, "load_raw_splits", lambda args: (raw, None))
+    args = types.SimpleNamespace(train_tokenizer=300, output_dir=str(tmp_path), text_column="text", block_size=64,
+                                 num_proc=None, validation_fraction=0.07, resume=None)  # the 30 of the tail
+    train_blocks, eval_blocks, tokenizer = pretrain.load_and_pack(args, TrainingArguments(output_dir=str(tmp_path),
+                                                                                           report_to="none"))
+    eval_text = tokenizer.decode([t for block in eval_blocks["input_ids"] for t in block])
+    assert "zyxquvol" in eval_text and "memory" not in eval_text
+    assert "held out 20 documents: 10 of the last 30 left out, their text being a training document too" in (
+        capsys.readouterr().out)
 
 
 def test_a_training_text_too_short_for_a_held_out_block_is_refused_naming_the_block_size(tmp_path, monkeypatch):

@@ -145,8 +145,9 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--validation-fraction", "-0.5"], r"--validation-fraction=-0.5: expected a fraction"),
     (["--validation-fraction", "1.5"], r"--validation-fraction=1.5: expected a fraction"),
     (["--num-proc", "-1"], r"--num-proc=-1: expected a number of tokenizing processes of 1 or more"),
-    (["--peak-tflops", "-3"], r"--peak-tflops=-3.0: expected the device's peak in TFLOP/s, above 0"),
-    (["--peak-tflops", "0"], r"--peak-tflops=0.0: expected the device's peak in TFLOP/s, above 0"),
+    (["--peak-tflops", "-3"], r"--peak-tflops=-3.0: expected the device's peak in TFLOP/s, a finite number above 0"),
+    (["--peak-tflops", "0"], r"--peak-tflops=0.0: expected the device's peak in TFLOP/s, a finite number above 0"),
+    (["--peak-tflops", "inf"], r"--peak-tflops=inf: expected the device's peak in TFLOP/s, a finite number above 0"),
     (["--lr-scheduler-kwargs", '{"min_lr": 0.01}'], r"--lr-scheduler-kwargs min_lr=0.01: expected 0 to 0.003 "
                                                    r"\(the learning rate of preset 'tiny'"),
     (["--learning-rate", "1e-3", "--lr-scheduler-kwargs", '{"min_lr": 0.01}'],
@@ -167,6 +168,9 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--tokenizer", "gpt2"], r"--train-tokenizer trains a tokenizer, so --tokenizer='gpt2' would be left unused"),
     (["--dataset-config", "sample-10BT"], r"--dataset-config='sample-10BT' names a configuration of a --dataset, "
                                           r"which is not given"),
+    (["--dataset", "json", "--dataset-config", "x"], r"--dataset-config='x': --data-files are read by the builder "
+                                                     r"--dataset='json' without a configuration, so it would be left "
+                                                     r"unused"),
     (["--profile-steps", "1:3"], r"--profile-steps='1:3': its last step 3 is past --max-steps=1, where training stops"),
     (["--max-steps", "4", "--stop-after-steps", "2", "--profile-steps", "2:3"],
      r"--profile-steps='2:3': its last step 3 is past --stop-after-steps=2"),
@@ -181,15 +185,16 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     (and -2 stopped after step 1). A --train-tokenizer below the byte alphabet failed after the dataset was read,
     naming `vocab_size` (0 asked for a --tokenizer). A --validation-fraction of NaN failed after the data was read
     (a negative one held out one block's documents, 1.5 was refused after --output-dir was made), a negative
-    --num-proc after the tokenizer was trained, naming `num_proc`; a --peak-tflops of 0 was taken as not given and a
-    negative one gave a negative MFU; a `min_lr` in --lr-scheduler-kwargs failed in transformers after the tokenizer
-    was trained ("Only one of min_lr or min_lr_rate should be set"). A floor in --lr-scheduler-kwargs won without a
-    word over a --min-learning-rate that was typed, which a schedule without a floor (linear) left unused; the other
-    cosine with a floor (cosine_warmup_with_min_lr) did not get --min-learning-rate and failed in transformers after
-    the tokenizer was trained; a `min_lr_rate` beside a low --learning-rate was refused for the default
-    --min-learning-rate it replaces. A --tokenizer beside --train-tokenizer was left unused, and so was a
-    --dataset-config without --dataset; a --profile-steps ending past the run's last step wrote no profile (the
-    profiler ran on to the end)."""
+    --num-proc after the tokenizer was trained, naming `num_proc`; a --peak-tflops of 0 was taken as not given, a
+    negative one gave a negative MFU and an infinite one an MFU of 0; a `min_lr` in --lr-scheduler-kwargs failed in
+    transformers after the tokenizer was trained ("Only one of min_lr or min_lr_rate should be set"). A floor in
+    --lr-scheduler-kwargs won without a word over a --min-learning-rate that was typed, which a schedule without a
+    floor (linear) left unused; the other cosine with a floor (cosine_warmup_with_min_lr) did not get
+    --min-learning-rate and failed in transformers after the tokenizer was trained; a `min_lr_rate` beside a low
+    --learning-rate was refused for the default --min-learning-rate it replaces. A --tokenizer beside
+    --train-tokenizer was left unused, and so was a --dataset-config without --dataset or beside --data-files (their
+    builder takes none); a --profile-steps ending past
+    the run's last step wrote no profile (the profiler ran on to the end)."""
     monkeypatch.chdir(tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     out = tmp_path / "run"
@@ -426,6 +431,38 @@ def test_a_data_dir_that_holds_no_shards_is_refused_before_any_work(tmp_path):
         assert not out.exists()
 
 
+@pytest.mark.parametrize("extra, named", [
+    (["--text-column", "body"], "--text-column"),
+    (["--validation-fraction", "0.2"], "--validation-fraction"),
+    (["--validation_split=test", "--num-proc", "4"], "--validation-split, --num-proc"),
+    (["--train-split", "train"], "--train-split"),  # (typed, even at its default)
+])
+def test_options_of_text_data_beside_a_data_dir_are_refused_naming_them(tmp_path, extra, named):
+    """Token shards are tokenized and split already: --text-column, --train-split, --validation-split,
+    --validation-fraction and --num-proc beside --data-dir trained without a word, as if they had taken effect (a
+    held-out fraction that was not held out)."""
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"^--data-dir reads token shards, already tokenized and split into "
+                                         rf"train.bin and heldout.bin, so {named} would be left unused: drop"):
+        pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "1",
+                       "--per-device-batch-size", "2", "--save-steps", "100", "--output-dir", str(out), *extra])
+    assert not out.exists()
+
+
+def test_a_validation_fraction_beside_a_validation_split_is_refused(tmp_path):
+    """A dataset with a validation split evaluates on it: a --validation-fraction typed beside it held out nothing
+    and trained on every document without a word."""
+    (tmp_path / "data").mkdir()
+    write_corpus(tmp_path / "data" / "train.jsonl", documents=40, seed=1)
+    write_corpus(tmp_path / "data" / "validation.jsonl", documents=10, seed=2)
+    common = ["--arch", "llama", "--dataset", str(tmp_path / "data"), "--train-tokenizer", "300", "--block-size",
+              "16", "--max-steps", "1", "--per-device-batch-size", "2", "--save-steps", "100"]
+    with pytest.raises(ValueError, match=r"^--validation-fraction=0.2: the dataset has a 'validation' split, which "
+                                         r"is the held-out text, so no training document is held out: drop"):
+        pretrain.main([*common, "--validation-fraction", "0.2", "--output-dir", str(tmp_path / "run")])
+
+
 def test_shards_with_ids_beyond_the_embedding_are_refused(tmp_path):
     """Shards tokenized for a larger vocabulary than the model's trained until the first such id, then failed in the
     embedding (an `IndexError` here, a device-side assert on a GPU); they are refused before training, naming the id
@@ -464,6 +501,38 @@ def test_shards_of_another_tokenizer_than_the_one_given_are_refused(tmp_path):
     assert pretrain.main(common + ["--output-dir", str(tmp_path / "own")])["global_step"] == 1
     named = pretrain.main(common + ["--tokenizer", str(shards), "--output-dir", str(tmp_path / "named")])
     assert named["global_step"] == 1
+
+
+def test_a_run_that_diverged_writes_its_log_and_summary_as_strict_json(tmp_path):
+    """A loss or gradient norm that was not finite (a run that diverged, here at a learning rate of 1e30) went into
+    train_log.jsonl and summary.json as the bare word `NaN`, which jq, JavaScript and strict `json.loads` refuse. It
+    is null there, its field named under `not_finite`, and the readers of these files (compare_loss_curves.py,
+    `--resume`'s rewind of the log) take it back as NaN."""
+    import compare_loss_curves
+
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    out = tmp_path / "run"
+    summary = pretrain.main(["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--max-steps", "3",
+                             "--per-device-batch-size", "2", "--save-steps", "100", "--logging-steps", "1",
+                             "--eval-steps", "3", "--learning-rate", "1e30", "--min-learning-rate", "0",
+                             "--logging-nan-inf-filter", "false", "--output-dir", str(out)])
+    assert math.isnan(summary["eval_loss"])
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+    written = strict((out / "summary.json").read_text())
+    assert written["eval_loss"] is None and written["not_finite"] == {"eval_loss": "NaN"}
+    log = [strict(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert any(record.get("not_finite") for record in log)
+    curves = compare_loss_curves.read_curves(out)
+    assert math.isnan(curves["eval"][3]) and math.isnan(curves["summary"]["eval_loss"])
+    # the rewind of a resume keeps a record whose entry is NaN (with its tokens/s) and writes it strict again
+    records = [pretrain.read_run_record(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    history = [{key: value for key, value in record.items() if key != "tokens_per_second"} for record in records]
+    pretrain.rewind_train_log(out / "train_log.jsonl", history)
+    rewound = (out / "train_log.jsonl").read_text().splitlines()
+    assert [strict(line) for line in rewound] == log
 
 
 def test_config_overrides_apply_to_an_init_from_model(tmp_path):

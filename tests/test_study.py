@@ -297,6 +297,17 @@ def test_the_loss_curves_plot_takes_a_run_whose_loss_diverged_to_nan(tmp_path):
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
 
 
+def test_the_curves_of_a_run_read_a_loss_that_diverged_from_its_strict_json_log(tmp_path):
+    """pretrain.py writes a loss that is not finite as null in train_log.jsonl (its field named under `not_finite`):
+    the study's curves read it back as NaN or infinity, not as a missing loss (`round(None)` failed)."""
+    log = tmp_path / "train_log.jsonl"
+    records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": math.inf}, {"step": 2, "eval_loss": math.nan}]
+    log.write_text("".join(pretrain.run_record_json(record) + "\n" for record in records))
+    train, evals = study.read_curves(log, tokens_per_step=256)
+    assert train[0] == [256, 5.0] and train[1] == [512, math.inf]
+    assert evals[0][0] == 512 and math.isnan(evals[0][1])
+
+
 def test_study_refuses_unknown_models_and_paper_shapes(tmp_path):
     with pytest.raises(ValueError, match="--models"):
         study.main(["--print-configs", "--size", "toy", "--models", "llama,gpt"])

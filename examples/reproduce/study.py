@@ -445,7 +445,7 @@ def out_of_domain_loss(final: Path, data_dir: Path, block: int, batch: int, eval
 def read_curves(log_path: Path, tokens_per_step: int) -> tuple[list, list]:
     train, evals = [], []
     for line in log_path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+        record = pretrain.read_run_record(line)  # (a loss that is not finite, null in the file, a float again)
         tokens = record["step"] * tokens_per_step
         if "loss" in record:
             train.append([tokens, round(record["loss"], 4)])
