@@ -676,6 +676,22 @@ def vocab_size_and_fields(overrides: dict, default: int) -> tuple[int, dict]:
     return fields.pop("vocab_size", default), fields
 
 
+def positions_for_the_block_size(args, overrides: dict) -> dict:
+    """--config-overrides' fields for a new model, its `max_position_embeddings` at least --block-size: the model
+    trains at every position of a block, which its config then says (the tiny preset's 512 under the default
+    --block-size of 1024 saved a config that called the positions past 512 untrained). An override below the block
+    size is refused."""
+    given = overrides.get("max_position_embeddings")
+    if given is not None:
+        if isinstance(given, int) and given < args.block_size:
+            raise ValueError(f"--config-overrides max_position_embeddings={given} is below --block-size="
+                             f"{args.block_size}, the positions the model trains at: raise it, or lower --block-size")
+        return overrides
+    if args.block_size > get_preset(args.preset).max_position_embeddings:
+        return {**overrides, "max_position_embeddings": args.block_size}
+    return overrides
+
+
 def config_class_of(architecture: str):
     """The config class of an --arch: transformers' own Llama for the baseline, else this package's."""
     if architecture == "llama":
@@ -724,6 +740,7 @@ def build_model(args, tokenizer):
         # the tokenizer's size padded for tensor-core friendly shapes, unless --config-overrides sets vocab_size
         vocab_size, overrides = vocab_size_and_fields(parse_overrides(args.config_overrides),
                                                       64 * math.ceil(len(tokenizer) / 64))
+        overrides = positions_for_the_block_size(args, overrides)
         config = build_config(args.arch, args.preset, vocab_size, tokenizer, **overrides)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if hasattr(model, "attach_tokenizer"):
@@ -1279,7 +1296,7 @@ def refuse_conflicting_arguments(args) -> None:
                          "own tokenizer, which a new one would not keep; drop --train-tokenizer")
     if args.config_overrides and not args.init_from:  # its fields and values, before the tokenizer sets the vocabulary
         vocab_size, overrides = vocab_size_and_fields(parse_overrides(args.config_overrides), 64 * 1024)
-        build_config(args.arch, args.preset, vocab_size, **overrides)
+        build_config(args.arch, args.preset, vocab_size, **positions_for_the_block_size(args, overrides))
 
 
 # The options of text data (--dataset, --data-files) that token shards (--data-dir) have no use for: which column

@@ -281,8 +281,28 @@ def test_config_overrides_set_the_vocabulary_of_a_new_model():
     from hf_memffn.tokenization import train_tokenizer
 
     tokenizer = train_tokenizer(["the key reads a value from memory"] * 10, vocab_size=300)
-    args = pretrain.SimpleNamespace(init_from=None, arch="kvffn", preset="tiny", config_overrides="vocab_size=384")
+    args = pretrain.SimpleNamespace(init_from=None, arch="kvffn", preset="tiny", config_overrides="vocab_size=384",
+                                    block_size=32)
     assert pretrain.build_model(args, tokenizer).config.vocab_size == 384
+
+
+@pytest.mark.parametrize("arch", ["llama", "memoryllm"])
+def test_a_new_model_has_positions_for_its_block_size(arch):
+    """The tiny preset's 512 positions under the default --block-size of 1024 trained a model at 1024 positions whose
+    saved config said 512 (and this package's models warned of positions never trained); an override of fewer
+    positions than a block is refused."""
+    from hf_memffn.tokenization import train_tokenizer
+
+    tokenizer = train_tokenizer(["the key reads a value from memory"] * 10, vocab_size=300)
+    args = pretrain.SimpleNamespace(init_from=None, arch=arch, preset="tiny", config_overrides="", block_size=1024)
+    assert pretrain.build_model(args, tokenizer).config.max_position_embeddings == 1024
+    args.block_size = 256
+    assert pretrain.build_model(args, tokenizer).config.max_position_embeddings == 512
+    args.config_overrides = "max_position_embeddings=768"
+    assert pretrain.build_model(args, tokenizer).config.max_position_embeddings == 768
+    args.block_size = 1024
+    with pytest.raises(ValueError, match=r"--config-overrides max_position_embeddings=768 is below --block-size=1024"):
+        pretrain.build_model(args, tokenizer)
 
 
 def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_path):
