@@ -1023,11 +1023,12 @@ def copies_of(model) -> dict:
     return copies
 
 
-def _logits_of_the_received_model(model, batches, results) -> None:
+def _logits_of_the_received_model(inbox, results) -> None:
     """In the spawned process: the logits (on the CPU) of each batch and the table's device bytes, or the error."""
     try:
-        with torch.no_grad():
-            logits = [model(input_ids=ids).logits.cpu() for ids in batches]
+        model, batches = inbox.get()
+        with torch.no_grad():  # (as arrays, sent whole: a tensor's shared memory would go with this process)
+            logits = [model(input_ids=ids).logits.cpu().numpy() for ids in batches]
         results.put((logits, model.model.token_lookup.device_bytes()))
     except BaseException as error:  # (reported to the test, which would otherwise wait for nothing)
         import traceback
@@ -1036,18 +1037,20 @@ def _logits_of_the_received_model(model, batches, results) -> None:
 
 
 def logits_in_another_process(model, batches: list) -> tuple[list, int]:
-    """`model` sent to a spawned process as torch.multiprocessing sends it (CUDA tensors shared by IPC, CPU tensors
-    moved into shared memory), and read there: each batch's logits and the table's device bytes."""
+    """`model` sent to a spawned process through a torch.multiprocessing queue (CUDA tensors shared by IPC, CPU
+    tensors moved into shared memory), and read there: each batch's logits and the table's device bytes. (Sent as the
+    process's arguments instead, the file descriptors of the shared CPU tensors failed its start.)"""
     context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    child = context.Process(target=_logits_of_the_received_model, args=(model, batches, results))
+    inbox, results = context.Queue(), context.Queue()
+    child = context.Process(target=_logits_of_the_received_model, args=(inbox, results))
     child.start()
     try:
+        inbox.put((model, batches))
         logits, device_bytes = results.get(timeout=300)
     finally:
         child.join(timeout=60)
     assert device_bytes is not None, logits
-    return logits, device_bytes
+    return [torch.from_numpy(array) for array in logits], device_bytes
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk"])
