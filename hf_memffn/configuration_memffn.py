@@ -18,7 +18,7 @@ import numbers
 import os
 import shutil
 
-from transformers import GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # Activations of the SwiGLU FFNs (`hidden_act`), by their transformers names.
@@ -82,7 +82,7 @@ FLOATING_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float", "h
 
 
 def _check_base_fields(config_name: str, fields: dict) -> None:
-    """The fields of `fields` that PretrainedConfig reads as it sets them (`head_dim` by its RoPE check, `num_labels`
+    """The fields of `fields` that PreTrainedConfig reads as it sets them (`head_dim` by its RoPE check, `num_labels`
     by counting labels, `id2label` by its keys, `dtype` by its name in torch, `layer_types` by each entry): a wrong
     type there raises a TypeError or AttributeError from inside transformers that names no field."""
     for field, value in fields.items():
@@ -134,12 +134,12 @@ UNREAD_FIELD_DEFAULTS = {"hidden_act": "silu", "kvffn_activation": "silu", "kvff
                          "kvffn_inner_residual": False}
 
 
-# Keys transformers keeps on a config besides this package's fields: PretrainedConfig's own, the generation
+# Keys transformers keeps on a config besides this package's fields: PreTrainedConfig's own, the generation
 # parameters it drops from a config, those it takes as keywords, and those configs saved by transformers 4 or by
 # Llama carry (a Llama config's `pretraining_tp` is read by neither Llama's forward nor this decoder's): never taken
 # for a misspelled field of this package.
 _GENERATION_PARAMS = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-TRANSFORMERS_CONFIG_KEYS = frozenset(getattr(PretrainedConfig, "__dataclass_fields__", {})) | frozenset(
+TRANSFORMERS_CONFIG_KEYS = frozenset(getattr(PreTrainedConfig, "__dataclass_fields__", {})) | frozenset(
     _GENERATION_PARAMS) | frozenset((
         "name_or_path", "torch_dtype", "output_attentions", "attn_implementation", "experts_implementation",
         "per_layer_config", "auto_map", "rope_scaling", "quantization_config", "pretraining_tp", "mlp_bias",
@@ -262,7 +262,7 @@ def _refuse_per_layer_rope(config_name: str, field: str, value) -> None:
            "rotary embedding; give one dict such as {'rope_type': 'linear', 'factor': 2.0}")
 
 
-class MemFFNConfig(PretrainedConfig):
+class MemFFNConfig(PreTrainedConfig):
     """Fields shared by every architecture of this package (the Llama decoder's fields).
 
     Subclasses set `residual_ffn` (the FFN reading the residual stream: "swiglu", "flash_mhf", "pkv", "kvffn" or
@@ -331,7 +331,7 @@ class MemFFNConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         # transformers' RoPE fields: `rope_parameters` (or the older `rope_scaling`, passed through kwargs) is
-        # standardized by PretrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
+        # standardized by PreTrainedConfig.__init__ into {"rope_type", "rope_theta", <the type's fields>}.
         for field, value in (("rope_parameters", rope_parameters), ("rope_scaling", kwargs.get("rope_scaling"))):
             _check(type(self).__name__, value is None or isinstance(value, dict), field, value,
                    ROPE_PARAMETERS_REQUIREMENT)

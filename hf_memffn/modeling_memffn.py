@@ -20,11 +20,13 @@ import inspect
 import numbers
 import os
 import re
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
 
 import torch
+import transformers
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import initialization as init
@@ -82,12 +84,26 @@ logger = package_logger(__name__)
 CACHE_KWARG = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict, warn: bool = True,
-               stacklevel: int = 3) -> Cache | None:
+# The folders of the code between a user's call of a model and its forward: this package's files (or the copies a
+# checkpoint loaded with `trust_remote_code` runs), transformers' forward wrappers and `nn.Module.__call__`.
+_LIBRARY_FOLDERS = tuple(os.path.dirname(path) + os.sep for path in (__file__, torch.__file__, transformers.__file__))
+
+
+def stacklevel_of_the_caller() -> int:
+    """The `stacklevel` that makes a `warnings.warn` in the function calling this one name the first line outside
+    this package, transformers and torch: the line (a user's, or another library's such as PEFT's) that called the
+    model, which a fixed count misses by the varying number of wrappers in between."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_FOLDERS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict, warn: bool = True) -> Cache | None:
     """The key/value cache a forward was given, under either name. Before transformers 5.24 it is `past_key_values`,
     and a `cache` is continuous batching's paged cache, which the attention function updates itself: it goes back
     into `kwargs`, for that function. Since 5.24 it is `cache`; `past_key_values` still works, with transformers'
-    deprecation warning (``warn``; `stacklevel` as `warnings.warn`'s, counted from this function)."""
+    deprecation warning (``warn``), which names the line that called the model."""
     if CACHE_KWARG == "past_key_values":
         if cache is not None:
             kwargs["cache"] = cache
@@ -102,7 +118,7 @@ def take_cache(past_key_values: Cache | None, cache: Cache | None, kwargs: dict,
             "decode with the PEFT model's forward, which passes the prefix alone, token by token")
     if warn and not is_torchdynamo_compiling():
         warnings.warn("`past_key_values` is deprecated since transformers 5.24: pass the key/value cache as `cache`",
-                      FutureWarning, stacklevel=stacklevel)
+                      FutureWarning, stacklevel=stacklevel_of_the_caller())
     return past_key_values
 
 
@@ -1094,7 +1110,7 @@ class MemFFNHeadModel(MemFFNPreTrainedModel):
                     kwargs: dict) -> BaseModelOutputWithPast:
         """The decoder's outputs for a head's forward arguments (the key/value cache: `cache` on transformers 5.24
         and later, else `past_key_values`; see `take_cache`)."""
-        cache = take_cache(past_key_values, cache, kwargs, stacklevel=4)  # (a head's forward calls this method)
+        cache = take_cache(past_key_values, cache, kwargs)
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -313,9 +313,9 @@ class SpawnedProcessBridge:
 
 def read_config(model_id: str, revision: str | None = None) -> dict:
     """A checkpoint's config.json, as a dict."""
-    from transformers import PretrainedConfig
+    from transformers import PreTrainedConfig
 
-    return PretrainedConfig.get_config_dict(model_id, revision=revision)[0]
+    return PreTrainedConfig.get_config_dict(model_id, revision=revision)[0]
 
 
 def auto_map_causal_lm(config: dict) -> str | None:

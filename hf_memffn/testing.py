@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -148,6 +149,53 @@ def train_losses(model, input_ids, parameters, lr: float, steps: int) -> list[fl
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+# transformers 5.25 renamed gradient checkpointing to activation checkpointing: there the model's
+# `gradient_checkpointing_enable`, `gradient_checkpointing_disable` and `is_gradient_checkpointing`, and the
+# TrainingArguments fields `gradient_checkpointing` and `gradient_checkpointing_kwargs`, are deprecated aliases that
+# warn (FutureWarning). The helpers below use the installed version's names, so that the tests run on 5.17 to 5.25
+# without a deprecation warning of their own making.
+
+
+def _has_activation_checkpointing_methods() -> bool:
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "activation_checkpointing_enable")
+
+
+def enable_activation_checkpointing(model, checkpoint_kwargs: dict | None = None) -> None:
+    """Turns activation checkpointing on for `model` (a `PreTrainedModel`), with `checkpoint_kwargs` for
+    `torch.utils.checkpoint` (such as `{"use_reentrant": False}`)."""
+    if _has_activation_checkpointing_methods():
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def disable_activation_checkpointing(model) -> None:
+    """Turns activation checkpointing off for `model` (a `PreTrainedModel`)."""
+    if _has_activation_checkpointing_methods():
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_activation_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on in `model` (a `PreTrainedModel`)."""
+    if _has_activation_checkpointing_methods():
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing
+
+
+def activation_checkpointing_arguments(enabled: bool, checkpoint_kwargs: dict | None = None) -> dict:
+    """The `TrainingArguments` fields that turn activation checkpointing on or off (with `checkpoint_kwargs` for
+    `torch.utils.checkpoint`), under the installed transformers' names."""
+    from transformers import TrainingArguments
+
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: enabled, f"{name}_kwargs": checkpoint_kwargs}
 
 
 def torchrun_command(processes: int, script, *args) -> list[str]:

@@ -663,7 +663,6 @@ class TokenLookupReadout:
         position = table.layer_position[layer_idx]
         if position < 0:  # dropped layer
             return hidden
-        flat = hidden.reshape(-1, table.index.hidden_size)
         if hidden.device != self.rows.device:
             # a model split over devices (`device_map`): this layer's hidden states are not where the table is; its
             # values are read where the rows are and added on the hidden states' device, by PyTorch operations
@@ -678,7 +677,8 @@ class TokenLookupReadout:
             kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
             if kernel == "triton" and table.fmt.name != "lowrank":
                 if hidden.dtype in KERNEL_DTYPES:  # (float64 takes the PyTorch add under "auto")
-                    out = lookup_add_triton(flat.contiguous(), self.row_ids, self.rows, self.scales, position,
+                    flat = hidden.reshape(-1, table.index.hidden_size).contiguous()
+                    out = lookup_add_triton(flat, self.row_ids, self.rows, self.scales, position,
                                             table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1)
                     return out.view_as(hidden)
                 if table.requested_kernel == "triton":
@@ -686,11 +686,14 @@ class TokenLookupReadout:
                                        f"{hidden.dtype}: the kernel computes in float32; allowed: float16, bfloat16, "
                                        "float32 (load the table with kernel='auto' or 'torch')")
             values = self.layer_values(position)
+        # (the sum is made in the hidden states' shape, not reshaped after: a decoder layer returns it, and a layer
+        # output that is a view makes FSDP2 warn that an in-place op on it would skip its all-gather)
+        values = values.reshape(hidden.shape)
         if values.dtype == hidden.dtype:
             # one addition: PyTorch adds 16-bit tensors in float32 and rounds once, as the branch below does
-            return (flat + values).view_as(hidden)
+            return hidden + values
         compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # (float64 keeps its precision)
-        return (flat.to(compute) + values.to(compute)).to(hidden.dtype).view_as(hidden)
+        return (hidden.to(compute) + values.to(compute)).to(hidden.dtype)
 
 
 class TokenLookupTable(nn.Module):

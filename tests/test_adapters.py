@@ -3,13 +3,15 @@ sub-network banks included) and weight-only int8 for the plain parameters."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import hf_memffn
 from hf_memffn import adapters
-from hf_memffn.testing import tiny_config, train_losses
+from hf_memffn.testing import enable_activation_checkpointing, tiny_config, train_losses
 
 peft = pytest.importorskip("peft")
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
@@ -55,6 +57,17 @@ def test_add_weight_lora_with_nothing_to_adapt_is_refused_before_freezing_the_mo
     assert all(param.requires_grad for param in model.parameters())
 
 
+def add_weight_lora_beside_peft(model, **options) -> list[str]:
+    """`adapters.add_weight_lora` on a PEFT model: where it adds adapters, it warns once that PEFT's save_pretrained
+    leaves them out (and nothing else); the tests that combine both expect that warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        added = adapters.add_weight_lora(model, **options)
+    assert [str(warning.message).split(":")[0] for warning in caught] == (
+        ["add_weight_lora on a PEFT model"] if added else [])
+    return added
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format(arch, tmp_path):
     model = tiny_model(arch)
@@ -66,7 +79,7 @@ def test_lora_on_every_ffn_weight_trains_merges_and_saves_in_the_original_format
 
     targets = hf_memffn.LORA_TARGET_MODULES[arch]
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
-    adapted = adapters.add_weight_lora(model, r=4, alpha=8, freeze_base=False)
+    adapted = add_weight_lora_beside_peft(model, r=4, alpha=8, freeze_base=False)
     # every FFN weight has an adapter, through PEFT or through adapters
     assert set(ffn_weights) <= adapted_weights(model, adapted), set(ffn_weights) - adapted_weights(model, adapted)
 
@@ -194,7 +207,7 @@ def test_weight_lora_trains_under_activation_checkpointing():
     torch.manual_seed(0)
     model = tiny_model("flash_mhf").train()
     adapters.add_weight_lora(model, r=2, alpha=4)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
     ids = torch.randint(3, 320, (2, 16), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     assert any(p.grad is not None for p in model.parameters() if p.requires_grad)
@@ -207,7 +220,7 @@ def test_add_weight_lora_after_get_peft_model_keeps_pefts_adapters_trainable():
                                 peft.LoraConfig(r=4, target_modules=hf_memffn.LORA_TARGET_MODULES["flash_mhf"]))
     peft_trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     assert peft_trainable and all(".lora_" in name for name in peft_trainable)
-    adapters.add_weight_lora(model, r=2)
+    add_weight_lora_beside_peft(model, r=2)
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     ours = {name for name in trainable if ".parametrizations." in name}
     assert trainable - ours == peft_trainable
@@ -277,7 +290,8 @@ def test_adapters_on_the_token_embedding_train_and_generate(arch, embedding_adap
     model(input_ids=ids, labels=ids).loss.backward()
     assert any(param.grad is not None for name, param in model.named_parameters() if "embed_tokens" in name)
     model.eval()
-    assert model.generate(input_ids=ids, max_new_tokens=2, do_sample=False).shape == (2, 9)
+    generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert generated.shape == (2, 9)
     with pytest.raises(ValueError, match=f"allowed ids are 0..{model.config.vocab_size - 1}"):
         model(input_ids=ids + model.config.vocab_size)
 
@@ -589,7 +603,7 @@ def test_weights_with_pefts_target_parameters_lora_are_refused_ours_and_int8(arc
         adapters.quantize_weights_int8(model)
     assert not any(".parametrizations." in name for name, _ in model.named_parameters())  # nothing changed
     others = [name for name in names if name not in pefts]
-    assert adapters.add_weight_lora(model, r=2, targets=others) == others
+    assert add_weight_lora_beside_peft(model, r=2, targets=others) == others
     with torch.no_grad():
         for _, _, _, item in adapters._lora_parametrizations(model):
             item.lora_B.normal_()
@@ -630,7 +644,7 @@ def test_adapters_saved_from_a_peft_model_load_into_the_model_it_wraps_and_back(
     targets = hf_memffn.LORA_TARGET_MODULES["flash_mhf"]
     model = peft.get_peft_model(tiny_model("flash_mhf"), peft.LoraConfig(r=2, target_modules=targets,
                                                                          init_lora_weights=False))
-    adapters.add_weight_lora(model, r=2, alpha=4)
+    add_weight_lora_beside_peft(model, r=2, alpha=4)
     with torch.no_grad():
         for _, _, _, item in adapters._lora_parametrizations(model):
             item.lora_B.normal_()
@@ -646,7 +660,7 @@ def test_adapters_saved_from_a_peft_model_load_into_the_model_it_wraps_and_back(
         torch.testing.assert_close(merged(ids).logits, adapted)
     # and the reverse: adapters saved from the plain model load into a PEFT model of it
     wrapped = peft.PeftModel.from_pretrained(tiny_model("flash_mhf"), tmp_path)
-    adapters.add_weight_lora(wrapped, r=2, alpha=4)
+    add_weight_lora_beside_peft(wrapped, r=2, alpha=4)
     adapters.load_weight_lora(wrapped, adapters.weight_lora_state_dict(merged))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(ids).logits, adapted)

@@ -34,7 +34,7 @@ from hf_memffn.analysis import (
 )
 from hf_memffn.analysis.memory_banks import decoder_of
 from hf_memffn.ffn import LinearReadoutMemory
-from hf_memffn.testing import tiny_config
+from hf_memffn.testing import enable_activation_checkpointing, tiny_config
 
 # arch (as in tiny_config) -> config overrides; covers every FFN kind the analysis supports
 ARCH_CASES = {
@@ -720,7 +720,7 @@ def test_a_token_memory_edit_trains_under_activation_checkpointing(case, use_ree
     with TokenMemoryEdit(model, int(input_ids[0, 2]), rows):
         for checkpointing in (False, True):
             if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+                enable_activation_checkpointing(model, {"use_reentrant": use_reentrant})
             model.zero_grad(set_to_none=True)
             loss = model(input_ids, labels=input_ids).loss
             loss.backward()

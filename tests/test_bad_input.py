@@ -278,7 +278,7 @@ config_case("rope_parameters-str", "memoryllm", ("rope_parameters", "dict"), rop
 config_case("rms_norm_eps-inf", "memoryllm", ("rms_norm_eps", "finite"), rms_norm_eps=float("inf"))
 config_case("rope-factor-inf", "kvffn", ("rope_parameters['factor']", "finite"),
             rope_parameters={"rope_type": "linear", "factor": float("inf")})
-# fields transformers' PretrainedConfig reads as it takes them: a wrong type failed inside it, naming no field
+# fields transformers' PreTrainedConfig reads as it takes them: a wrong type failed inside it, naming no field
 config_case("head_dim-str", "memoryllm", ("head_dim", "positive integer"), head_dim="16")
 config_case("head_dim-inf", "kvffn", ("head_dim", "positive integer"), head_dim=float("inf"))
 config_case("num_labels-str", "kvffn", ("num_labels", ">= 1"), num_labels="3")

@@ -13,7 +13,9 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_memffn
-from hf_memffn.testing import left_padded, logged_records, recording_backend, tiny_config, tiny_tokenizer
+from hf_memffn.modeling_memffn import CACHE_KWARG
+from hf_memffn.testing import (enable_activation_checkpointing, left_padded, logged_records, recording_backend,
+                               tiny_config, tiny_tokenizer)
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 ALL_VARIANTS = [
@@ -329,8 +331,6 @@ def test_a_sequence_past_max_position_embeddings_logs_one_warning():
     """A decoding loop that runs past `max_position_embeddings` logs one warning naming the length, not one per step,
     with a dynamic cache (a new length at every step) as with a static one (which counts its tokens in a tensor)."""
     from transformers import DynamicCache, StaticCache
-
-    from hf_memffn.modeling_memffn import CACHE_KWARG
 
     with logged_records("transformers.memffn.modeling_memffn") as records:
         for static in (False, True):
@@ -678,7 +678,7 @@ def test_greedy_with_cache_equals_without(arch, overrides):
     with torch.no_grad():
         full = model(with_cache).logits
         step = model(with_cache[:, :-1], use_cache=True)
-        last = model(with_cache[:, -1:], past_key_values=step.past_key_values).logits
+        last = model(with_cache[:, -1:], **{CACHE_KWARG: getattr(step, CACHE_KWARG)}).logits
     torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-4, atol=1e-5)
 
 
@@ -692,8 +692,6 @@ def test_the_cache_under_either_name_and_dropped_under_checkpointing():
     import inspect
 
     from transformers import DynamicCache
-
-    from hf_memffn.modeling_memffn import CACHE_KWARG
 
     model = build("kvffn")
     for forward in (model.forward, model.model.forward):
@@ -713,10 +711,30 @@ def test_the_cache_under_either_name_and_dropped_under_checkpointing():
                 model(ids, past_key_values=DynamicCache(config=model.config), cache=DynamicCache(config=model.config))
 
     model.train()
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     cache = DynamicCache(config=model.config)
     model(ids, labels=ids, use_cache=True, **{CACHE_KWARG: cache}).loss.backward()
     assert cache.get_seq_length() == 0
+
+
+@pytest.mark.skipif(CACHE_KWARG == "past_key_values", reason="`past_key_values` is deprecated from transformers 5.24")
+@pytest.mark.parametrize("head", ["causal_lm", "base_model", "sequence_classifier"])
+def test_the_deprecation_warning_of_past_key_values_names_the_line_that_passed_it(head):
+    """The FutureWarning points at the caller's line (here, this file), as a deprecation warning should, so that the
+    user finds the call to change and a warnings filter by module takes it: not at the forward wrappers of transformers
+    or `nn.Module.__call__` between that line and the forward."""
+    import linecache
+
+    from transformers import AutoModelForSequenceClassification, DynamicCache
+
+    model = build("kvffn")
+    model = {"causal_lm": model, "base_model": model.model,
+             "sequence_classifier": AutoModelForSequenceClassification.from_config(model.config)}[head]
+    ids = torch.randint(3, 320, (1, 4))
+    with torch.no_grad(), pytest.warns(FutureWarning, match="`past_key_values` is deprecated") as caught:
+        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    assert [warning.filename for warning in caught] == [__file__]
+    assert "past_key_values=DynamicCache" in linecache.getline(__file__, caught[0].lineno)
 
 
 @pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
@@ -892,8 +910,6 @@ def test_a_padding_mask_of_another_width_than_the_tokens_is_refused_naming_it(ar
     """A 2-D `attention_mask` has one column per token, the cached ones included. One column short or long failed
     inside the attention on the shapes, and a decoding step given the mask of the cached tokens alone (the mask not
     extended in a hand-written loop) or of the new token alone attended to the wrong positions, silently."""
-    from hf_memffn.modeling_memffn import CACHE_KWARG
-
     model = build(arch)
     ids = torch.randint(3, 320, (2, 6))
     mask = torch.ones_like(ids)
@@ -940,15 +956,15 @@ def test_unpadded_sequences_attend_with_the_causal_flag_and_match_the_explicit_m
         built.clear()
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-5)
         static = StaticCache(config=model.config, max_cache_len=16)
-        torch.testing.assert_close(model(ids, past_key_values=static, use_cache=True).logits, expected,
+        torch.testing.assert_close(model(ids, use_cache=True, **{CACHE_KWARG: static}).logits, expected,
                                    rtol=1e-4, atol=1e-5)
-        cached = model(ids[:, :5], use_cache=True).past_key_values
+        cached = getattr(model(ids[:, :5], use_cache=True), CACHE_KWARG)
         assert built == []
         positions = torch.arange(9)[None].expand(2, 9)
         torch.testing.assert_close(model(ids, position_ids=positions).logits, expected, rtol=1e-4, atol=1e-5)
         padding = torch.ones_like(ids)
         torch.testing.assert_close(model(ids, attention_mask=padding).logits, expected, rtol=1e-4, atol=1e-5)
-        model(ids[:, 5:], past_key_values=cached, use_cache=True)
+        model(ids[:, 5:], use_cache=True, **{CACHE_KWARG: cached})
         assert len(built) == 3
     built.clear()
     torch._dynamo.reset()
@@ -969,7 +985,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = grads()
-    model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys() and len(plain) == len(list(model.parameters()))
@@ -1598,8 +1614,7 @@ def test_flash_mhf_token_chunked_recompute_under_activation_checkpointing_keeps_
     runs = []
     for checkpointing in (False, True):
         if checkpointing:
-            model.base_model.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            enable_activation_checkpointing(model.base_model.model, {"use_reentrant": use_reentrant})
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
         loss = model(ids, labels=ids).loss

@@ -22,6 +22,7 @@ from transformers import (
 )
 
 import hf_memffn
+from hf_memffn.modeling_memffn import CACHE_KWARG
 from hf_memffn.testing import left_padded, logged_records, tiny_config, tiny_tokenizer
 
 ARCHS = sorted(hf_memffn.ARCHITECTURES)
@@ -104,7 +105,7 @@ def test_a_row_continued_from_a_cache_is_scored_as_in_one_forward():
     with torch.no_grad():
         whole = model(ids, attention_mask=mask).logits
         first = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
-        continued = model(ids[:, 4:], attention_mask=mask, past_key_values=first.past_key_values).logits
+        continued = model(ids[:, 4:], attention_mask=mask, **{CACHE_KWARG: getattr(first, CACHE_KWARG)}).logits
     torch.testing.assert_close(continued, whole, rtol=1e-5, atol=1e-5)
 
 

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 import hf_memffn  # noqa: F401
 from hf_memffn import token_lookup_triton
 from hf_memffn.conversion import export_tols
-from hf_memffn.testing import recording_backend, tiny_config
+from hf_memffn.testing import (disable_activation_checkpointing, enable_activation_checkpointing, recording_backend,
+                               tiny_config)
 from hf_memffn.token_lookup import TokenLookupError, TokenLookupFormat, dequantize_rows, quantize_rows
 from triton_interpreter import DEVICE, needs_kernels, run_under_interpreter
 
@@ -819,11 +820,11 @@ def test_loaded_table_takes_casts_copies_generate_and_same_weights_without_a_fal
     fresh.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     fresh.requires_grad_(False)
     fresh.lm_head.requires_grad_(True)
-    fresh.gradient_checkpointing_enable()
+    enable_activation_checkpointing(fresh)
     fresh.train()
     fresh(input_ids=ids, labels=ids).loss.backward()
     fresh.eval()
-    fresh.gradient_checkpointing_disable()
+    disable_activation_checkpointing(fresh)
     fresh.disable_input_require_grads()  # (its hook, a local function, would not pickle for the copies below)
     fresh.load_state_dict(saved)
     fresh.to(torch.bfloat16)
@@ -922,8 +923,11 @@ def test_a_table_read_under_fsdp2_equals_compute_and_refuses_a_changed_weight(ex
 def test_a_table_under_fsdp2_mixed_precision_trains_the_rest(exported):
     """Under FSDP2 with bf16 parameters (fsdp2.yaml's mixed_precision), the first forward checks the gathered bf16
     weights against the table's fingerprint. Hashing them through `numpy()` marked their storage as not resizable, so
-    FSDP2 could not free them after the backward ("Trying to resize storage that is not resizable"). One process,
-    gloo, on the CPU."""
+    FSDP2 could not free them after the backward ("Trying to resize storage that is not resizable"). The decoder layers
+    return a new tensor, not a view of one, as FSDP2 asks of a wrapped module's output (a view made it warn that an
+    in-place op on it would skip its all-gather). One process, gloo, on the CPU."""
+    import warnings
+
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -940,10 +944,13 @@ def test_a_table_under_fsdp2_mixed_precision_trains_the_rest(exported):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(fresh, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.SGD([param for param in fresh.parameters() if param.requires_grad], lr=0.1)
-        for _ in range(2):
-            fresh(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                fresh(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        assert not [str(warning.message) for warning in caught if "returned a view" in str(warning.message)]
         fresh.eval()
         with torch.no_grad():
             table_logits = fresh(input_ids=ids).logits.float()
@@ -1452,7 +1459,7 @@ def test_disk_cache_under_activation_checkpointing_and_threads_equals_compute(tm
             trained.load_tols(tmp_path, placement="disk", cache_rows=64)
         trained.model.embed_tokens.requires_grad_(False)
         trained.model.memory.requires_grad_(False)
-        trained.gradient_checkpointing_enable()
+        enable_activation_checkpointing(trained)
         losses = [trained(input_ids=ids, labels=ids).loss for ids in batches]
         sum(losses).backward()
         return {name: param.grad for name, param in trained.named_parameters() if param.requires_grad}

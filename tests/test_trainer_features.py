@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import hf_memffn
 from hf_memffn import LORA_TARGET_MODULES
 from hf_memffn.modeling_memffn import CACHE_KWARG
-from hf_memffn.testing import logged_records, tiny_config
+from hf_memffn.testing import (activation_checkpointing_arguments, is_activation_checkpointing, logged_records,
+                               tiny_config)
 
 ARCHS = list(hf_memffn.ARCHITECTURES)
 WITH_LLAMA = ["llama", *ARCHS]
@@ -281,10 +282,10 @@ def test_gradient_checkpointing_with_lora_in_the_trainer(arch, tmp_path):
                                init_lora_weights=False)
         peft_model = peft.get_peft_model(model, lora)
         initial = trainable_state(peft_model)
-        args = arguments(tmp_path, per_device_train_batch_size=4, gradient_checkpointing=checkpointing,
-                         gradient_checkpointing_kwargs={"use_reentrant": True})
+        args = arguments(tmp_path, per_device_train_batch_size=4,
+                         **activation_checkpointing_arguments(checkpointing, {"use_reentrant": True}))
         Trainer(model=peft_model, args=args, train_dataset=VariedLengths(), data_collator=pad_right).train()
-        assert model.is_gradient_checkpointing == checkpointing
+        assert is_activation_checkpointing(model) == checkpointing
         states.append(trainable_state(peft_model))
         assert not [name for name in initial if torch.equal(initial[name], states[-1][name])]
     assert_same_state(states[1], states[0], atol=1e-6)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
 
-from hf_memffn.testing import tiny_config
+from hf_memffn.modeling_memffn import CACHE_KWARG
+from hf_memffn.testing import enable_activation_checkpointing, tiny_config
 
 ARCHS = ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn", "llama"]
 
@@ -61,8 +62,8 @@ def test_cache_continuation_equals_one_forward(arch):
     with torch.no_grad():
         full = model(sequence).logits
         cache = DynamicCache(config=model.config)
-        first = model(sequence[:, :5], past_key_values=cache, use_cache=True)
-        rest = model(sequence[:, 5:], past_key_values=first.past_key_values, use_cache=True).logits
+        first = model(sequence[:, :5], use_cache=True, **{CACHE_KWARG: cache})
+        rest = model(sequence[:, 5:], use_cache=True, **{CACHE_KWARG: getattr(first, CACHE_KWARG)}).logits
     torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -75,7 +76,7 @@ def test_one_token_at_a_time_into_a_static_cache_equals_one_forward(arch):
     with torch.no_grad():
         full = model(sequence).logits
         cache = StaticCache(config=model.config, max_cache_len=16)
-        steps = [model(sequence[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(6)]
+        steps = [model(sequence[:, i:i + 1], use_cache=True, **{CACHE_KWARG: cache}).logits for i in range(6)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -91,9 +92,9 @@ def test_compiled_decoding_steps_into_a_filled_static_cache_without_positions(ar
         with torch.no_grad():
             full = model(sequence).logits
             cache = StaticCache(config=model.config, max_cache_len=16)
-            model(sequence[:, :4], past_key_values=cache, use_cache=True)
+            model(sequence[:, :4], use_cache=True, **{CACHE_KWARG: cache})
             step = torch.compile(model, backend="eager", fullgraph=True)
-            steps = [step(sequence[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(4, 8)]
+            steps = [step(sequence[:, i:i + 1], use_cache=True, **{CACHE_KWARG: cache}).logits for i in range(4, 8)]
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
@@ -261,7 +262,7 @@ def test_gradient_checkpointing_kinds_give_the_same_gradients(arch, use_reentran
     model(sequence, labels=sequence).loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, {"use_reentrant": use_reentrant})
     model(sequence, labels=sequence).loss.backward()
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert got.keys() == expected.keys()
