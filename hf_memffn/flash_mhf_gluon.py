@@ -48,7 +48,7 @@ one of 28). The row blocks of that round are split into column ranges (``forward
 float32 shares that ``_add_forward_splits_kernel`` adds up in a fixed order.
 
 Only Hopper (sm_90) runs them, for 16-bit inputs at ``d_h = 128`` with ``d_e`` a multiple of 64; ``flash_mhf_triton``
-decides when they are used and ``hf_memffn.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
+decides when they are used and ``flash_mhf_op.flash_mhf_path`` says so. Gluon has no interpreter mode: the CPU tests
 compile them for sm_90 (and check that ptxas keeps their products asynchronous) and the GPU tests compare them with
 the float64 reference.
 """

@@ -6,6 +6,9 @@ The commands are taken from the fenced and indented code blocks and the inline c
 conversion/README.md and the READMEs under examples/ and kernels/; nothing is run: each script's parser is built as
 its main builds it (its main stopped at the parse) and given the documented arguments. kernels/flash_mhf_notes.md is
 a dated log of what was run at each commit, so it is not held to today's parsers here.
+
+Each Python name of the package (`hf_memffn.flash_mhf_op.flash_mhf_path`) that these documents or the package's own
+docstrings and comments give is a module or an attribute of one.
 """
 
 from __future__ import annotations
@@ -599,6 +602,41 @@ def command_problems(words: list[str], inline: bool = False) -> list[str]:
     return problems
 
 
+# a Python name of the package that a document or docstring gives, `hf_memffn.flash_mhf_op.flash_mhf_path` (not a
+# path, hf_memffn/ffn.py, nor a name built in code, f"hf_memffn.{name}")
+PACKAGE_NAME = re.compile(r"(?<![\w/.{])hf_memffn(?:\.[A-Za-z_]\w*)+")
+
+
+def python_name_problem(dotted: str) -> str | None:
+    """Why `dotted` (`hf_memffn.<module>...<attribute>`) names nothing, or None where it names a module or an
+    attribute of one. A module is found without being imported (`hf_memffn.lm_eval_model` needs lm_eval)."""
+    parts = dotted.split(".")
+    depth = 1
+    while depth < len(parts):
+        try:
+            found = importlib.util.find_spec(".".join(parts[:depth + 1])) is not None
+        except ModuleNotFoundError:  # (the parent is a module, not a package)
+            found = False
+        if not found:
+            break
+        depth += 1
+    if depth == len(parts):
+        return None
+    owner = importlib.import_module(".".join(parts[:depth]))
+    for index, part in enumerate(parts[depth:], depth):
+        if not hasattr(owner, part):
+            return f"{'.'.join(parts[:index])} has no {part!r}"
+        owner = getattr(owner, part)
+    return None
+
+
+def documented_python_names(path: str) -> list[tuple[int, str]]:
+    """(line number, name) of each `hf_memffn.` name in the file `path` (relative to the repository)."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as file:
+        return [(number, match.group(0)) for number, line in enumerate(file, 1)
+                for match in PACKAGE_NAME.finditer(line)]
+
+
 # --- the tests ------------------------------------------------------------------------------------------------------
 
 
@@ -654,3 +692,26 @@ def test_the_documentation_shows_commands_of_every_kind():
 def test_a_wrong_command_is_caught(command, problem):
     found = command_problems(shlex.split(command))
     assert any(problem in text for text in found), found
+
+
+def test_documented_python_names_exist():
+    """Each `hf_memffn.` name that the documentation or the package's docstrings and comments give is a module or an
+    attribute of one: docs/speed.md and flash_mhf_gluon.py's docstring named `hf_memffn.flash_mhf_path`, which the
+    package does not export (it is `hf_memffn.flash_mhf_op.flash_mhf_path`)."""
+    sources = [*DOCUMENTS, *sorted(os.path.relpath(path, ROOT) for path in
+                                   glob.glob(os.path.join(ROOT, "hf_memffn", "**", "*.py"), recursive=True))]
+    problems = [f"{path}:{number}: {name}: {problem}" for path in sources
+                for number, name in documented_python_names(path)
+                for problem in [python_name_problem(name)] if problem]
+    assert not problems, "\n".join(problems)
+    names = {name for path in sources for _number, name in documented_python_names(path)}
+    assert {"hf_memffn.flash_mhf", "hf_memffn.flash_mhf_op.flash_mhf_path", "hf_memffn.lm_eval_model"} <= names
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("hf_memffn.flash_mhf_path", "hf_memffn has no 'flash_mhf_path'"),
+    ("hf_memffn.flash_mhf_op.no_such_function", "hf_memffn.flash_mhf_op has no 'no_such_function'"),
+    ("hf_memffn.analysis.no_such_module", "hf_memffn.analysis has no 'no_such_module'"),
+])
+def test_a_wrong_python_name_is_caught(name, problem):
+    assert python_name_problem(name) == problem

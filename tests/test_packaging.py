@@ -1,7 +1,7 @@
 """The package, its export code (`hf_memffn.conversion`) and the scripts work in every usual install mode:
 `pip install .` (a wheel), `pip install -e .` / `pip install --no-build-isolation -e .` (an editable wheel), and a
 checkout on PYTHONPATH without installing; also when the checkout's root shadows an installed copy (Python started
-in the repository root puts it first on sys.path).
+in the repository root puts it first on sys.path), and without the optional extras.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -84,3 +85,39 @@ def test_export_script_runs_from_a_checkout_without_pythonpath(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "conversion" / "export_tols.py"), "--help"], cwd=tmp_path,
                             env=env, capture_output=True, text=True)
     assert result.returncode == 0 and "MODEL_DIR" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_package_imports_without_the_optional_extras_and_leaves_global_settings_alone():
+    """`import hf_memffn` where none of the optional extras is installed (triton, peft, accelerate, datasets,
+    lm_eval, onnx): every architecture builds and runs through the Auto classes; the import changes no torch setting,
+    warnings filter or transformers logging setting; registering again (`importlib.reload`) keeps the same classes."""
+    from hf_memffn.testing import blocked_imports, run_python
+
+    script = blocked_imports("triton", "peft", "accelerate", "datasets", "lm_eval", "onnx", "onnxscript") + \
+        textwrap.dedent("""
+        import importlib, logging, warnings
+        import torch, transformers
+        # (PreTrainedModel first: transformers' modeling modules import scipy, which adds warnings filters of its own)
+        from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+        def settings():
+            return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+                    torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+                    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark, list(warnings.filters),
+                    transformers.logging.get_verbosity(), logging.getLogger("transformers").handlers,
+                    logging.root.level, logging.root.handlers)
+
+        before = settings()
+        import hf_memffn
+        from hf_memffn.testing import tiny_config
+        assert settings() == before, (before, settings())
+        for name in hf_memffn.ARCHITECTURES:
+            model = AutoModelForCausalLM.from_config(tiny_config(name))
+            assert model(torch.randint(0, 300, (1, 6))).logits.shape == (1, 6, 320)
+        importlib.reload(hf_memffn)
+        for name, config_class in hf_memffn.ARCHITECTURES.items():
+            assert type(AutoConfig.for_model(config_class.model_type)) is config_class, name
+        print("ok")
+        """)
+    completed = run_python(script, timeout=300)
+    assert completed.returncode == 0 and completed.stdout.split()[-1:] == ["ok"], completed.stderr[-2000:]
