@@ -1075,17 +1075,26 @@ def rewind_train_log(log_path: Path, log_history: list[dict]) -> None:
     """The train log as it stood at the checkpoint a run resumes from: a record per entry of the checkpoint's log
     history. What a session logged after its last checkpoint (steps that the resumed run trains and logs again, the
     session's end and final evaluation) is dropped. A record is kept from the file where it holds its entry (it adds
-    tokens/s and MFU to it); otherwise the entry stands in for it."""
+    tokens/s and MFU to it); otherwise the entry stands in for it. A line that is no record (cut short by a session
+    killed, or a disk that filled, while appending it) holds no entry: the checkpoint's entry stands in for it too."""
     from hf_memffn.atomic_write import write_atomic
 
-    lines = log_path.read_text(encoding="utf-8").splitlines() if log_path.is_file() else []
-    records = [read_run_record(line) for line in lines if line.strip()]
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines() if log_path.is_file() else []
+    records = [_run_record_or_nothing(line) for line in lines if line.strip()]
     kept = []
     for index, entry in enumerate(log_history):
         record = records[index] if index < len(records) else {}
         holds_entry = all(key in record and _same_value(record[key], value) for key, value in entry.items())
         kept.append(record if holds_entry else {"step": entry["step"], **entry})
     write_atomic(log_path, "".join(run_record_json(record) + "\n" for record in kept))
+
+
+def _run_record_or_nothing(line: str) -> dict:
+    """The record of a line of the train log, or {} for a line that is none (see `rewind_train_log`)."""
+    try:
+        return read_run_record(line)
+    except ValueError:  # (a line cut short is no JSON: each record is one object, written whole or cut)
+        return {}
 
 
 def _same_value(first, second) -> bool:
@@ -1327,48 +1336,79 @@ def refuse_a_used_output_dir(args, output_dir: Path) -> None:
         return
     found = sorted(path.name for pattern in ("checkpoint-*", "train_log.jsonl", "summary.json", "final")
                    for path in output_dir.glob(pattern))
-    if found:
-        raise ValueError(f"--output-dir={str(output_dir)!r} holds a run ({', '.join(found[:4])}): pass --resume latest "
-                         "to go on with it, or choose another folder")
+    if not found:
+        return
+    # (a run stopped before its first checkpoint left its log only: told to pass --resume latest, the user was then
+    # told that there is no checkpoint to resume from)
+    if any(name.startswith("checkpoint-") for name in found):
+        advice = "): pass --resume latest to go on with it"
+    else:
+        advice = f") without a checkpoint to resume from: remove {', '.join(found)} to start afresh"
+    raise ValueError(f"--output-dir={str(output_dir)!r} holds a run ({', '.join(found[:4])}{advice}, or choose "
+                     "another folder")
 
 
 def resume_checkpoint(args, output_dir: Path, is_main_process: bool = True) -> str | None:
-    """The checkpoint that --resume names (`latest`: the newest one saved whole); the checkpoints it passes over are
-    told by the main process only, as the Trainer's messages are."""
+    """The checkpoint that --resume names (`latest`: the newest one saved whole, `damaged_part`); the checkpoints it
+    passes over are told by the main process only, as the Trainer's messages are."""
     if args.resume is None:
         return None
     if args.resume != "latest":
-        if not _holds_a_trainer_state(Path(args.resume)):
-            raise ValueError(f"--resume={args.resume!r} is not a checkpoint folder (it holds no readable "
-                             "trainer_state.json): give a checkpoint-* folder of a run, or 'latest'")
+        damage = damaged_part(Path(args.resume))
+        if damage:
+            raise ValueError(f"--resume={args.resume!r} is not a checkpoint folder saved whole ({damage}): give a "
+                             "checkpoint-* folder of a run, or 'latest' (the newest one saved whole)")
         return args.resume
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    # The newest whole checkpoint: the Trainer writes trainer_state.json last, so a session stopped while saving one
-    # leaves a folder without it (transformers' `get_last_checkpoint` took that folder, which failed to load).
     numbered = sorted((int(path.name.split("-", 1)[1]), path) for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
                       if path.is_dir() and path.name.split("-", 1)[1].isdigit()) if output_dir.is_dir() else []
-    incomplete = []
+    damaged = []
     for _, path in reversed(numbered):
-        if _holds_a_trainer_state(path):
-            if incomplete and is_main_process:
-                print(f"--resume latest: not saved whole (no readable trainer_state.json) in --output-dir="
-                      f"{str(output_dir)!r}: {', '.join(incomplete)}; resuming from {path.name}", flush=True)
+        damage = damaged_part(path)
+        if damage is None:
+            if damaged and is_main_process:
+                print(f"--resume latest: not saved whole in --output-dir={str(output_dir)!r}: {', '.join(damaged)}; "
+                      f"resuming from {path.name}", flush=True)
             return str(path)
-        incomplete.append(path.name)
-    if incomplete:
+        damaged.append(f"{path.name} ({damage})")
+    if damaged:
         raise ValueError(f"--resume latest: no whole checkpoint in --output-dir={str(output_dir)!r}: "
-                         f"{', '.join(incomplete)} hold no readable trainer_state.json (a session stopped while "
-                         "saving)")
-    raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}")
+                         f"{', '.join(damaged)} (a session stopped while saving)")
+    raise ValueError(f"--resume latest: no checkpoint-* folder in --output-dir={str(output_dir)!r}, so nothing to "
+                     "resume from (a session stopped before its first checkpoint, --save-steps, leaves none): run "
+                     "without --resume")
 
 
-def _holds_a_trainer_state(checkpoint: Path) -> bool:
+# The files of a checkpoint that the Trainer writes with `torch.save`, a zip archive: one cut short lacks the archive's
+# closing directory.
+TORCH_SAVED_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def damaged_part(checkpoint: Path) -> str | None:
+    """What keeps `checkpoint` from being a checkpoint saved whole, or None. The Trainer writes a checkpoint in place
+    and its trainer_state.json last, so a session stopped while saving leaves a folder without a readable one
+    (transformers' `get_last_checkpoint` took that folder, which failed to load). Weights or optimizer state cut short
+    beside a readable trainer_state.json (a checkpoint saved again over an older one, or a machine that went down
+    before its writes reached the disk) failed in transformers after the data was packed."""
     try:
         json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return True
+        return "no readable trainer_state.json"
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(checkpoint.iterdir()):
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt"):  # (reads the header, checks the data covers the file)
+                    pass
+            except (OSError, SafetensorError):
+                return f"{path.name} cut short"
+        elif path.suffix in TORCH_SAVED_SUFFIXES and path.is_file() and not zipfile.is_zipfile(path):
+            return f"{path.name} cut short"
+    return None
 
 
 # Config fields that choose how the model computes (kernels, recomputation, the generation cache), not what: a run may
@@ -1412,6 +1452,40 @@ def refuse_a_checkpoint_beyond_max_steps(checkpoint: str | None, max_steps: int)
     if step > max_steps:
         raise ValueError(f"--max-steps={max_steps}: the checkpoint to resume from ({str(checkpoint)!r}) is at step "
                          f"{step}, beyond it; resume with --max-steps {step} or more (the run's own schedule)")
+
+
+def refuse_a_stop_that_stops_nothing(stop_after_steps: int | None, max_steps: int, checkpoint: str | None) -> None:
+    """A --stop-after-steps at or past --max-steps was left unused without a word (the run trained to --max-steps), and
+    one before the step of the checkpoint to resume from trained one step more than the checkpoint (the Trainer asks
+    whether to stop at the end of each step it trains). One at the checkpoint's step leaves nothing to train: the run
+    evaluates and saves the checkpoint's model (`main`), as a session stopped there before doing so would have."""
+    if stop_after_steps is None:
+        return
+    if 0 < max_steps <= stop_after_steps:
+        raise ValueError(f"--stop-after-steps={stop_after_steps}: at or past --max-steps={max_steps}, where training "
+                         "stops anyway; give an earlier step, or leave it out")
+    step = checkpoint_state(checkpoint).global_step if checkpoint else 0
+    if stop_after_steps < step:
+        raise ValueError(f"--stop-after-steps={stop_after_steps}: the checkpoint to resume from ({str(checkpoint)!r}) "
+                         f"is at step {step}, past it; give step {step} or later, or leave it out to train on to "
+                         "--max-steps")
+
+
+def refuse_another_learning_rate(checkpoint: str | None, learning_rate: float) -> None:
+    """A run resumed with another --learning-rate trained on without a word at the checkpoint's peak rate, which the
+    Trainer takes back with the schedule's state (`base_lrs` of scheduler.pt), and with the cosine floor of the new
+    rate (--min-learning-rate is applied as a fraction of --learning-rate): a schedule of neither run. Checkpoints
+    without the schedule's state (DeepSpeed saves its own), or of a schedule without `base_lrs`, pass."""
+    from transformers.trainer import SCHEDULER_NAME
+
+    saved = Path(checkpoint) / SCHEDULER_NAME if checkpoint else None
+    if saved is None or not saved.is_file():
+        return
+    saved_rate = max(torch.load(saved, map_location="cpu", weights_only=True).get("base_lrs") or [None])
+    if saved_rate is not None and not math.isclose(saved_rate, learning_rate, rel_tol=1e-6):
+        raise ValueError(f"--learning-rate={learning_rate!r}: the checkpoint to resume from ({str(checkpoint)!r}) was "
+                         f"trained at a peak rate of {saved_rate!r}, which the Trainer takes back with its schedule "
+                         f"(another rate would be left unused); resume with --learning-rate {saved_rate!r}")
 
 
 # Written into each checkpoint: the settings that decide which tokens each step trains on (see `batch_settings`).
@@ -1654,6 +1728,16 @@ def write_summary(summary: dict, output_dir: Path) -> None:
     print(f"done: step {summary['global_step']}, eval loss {summary['eval_loss']:.4f}{rate}{mfu}", flush=True)
 
 
+def refuse_a_learning_rate_out_of_range(training_args) -> None:
+    """A --learning-rate of infinity trained on (every step's update NaN, the log's rate null), and a negative or NaN
+    one failed in torch's AdamW after the data was packed, naming no option; with any --lr-scheduler-type."""
+    rate = training_args.learning_rate
+    if not 0 <= rate < math.inf:
+        scheduler_type = getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type)
+        raise ValueError(f"--learning-rate={rate:g}: expected a finite rate of 0 or more (the peak of the "
+                         f"--lr-scheduler-type={scheduler_type} schedule)")
+
+
 # transformers' schedulers whose cosine decays to a floor, given in `lr_scheduler_kwargs` (`min_lr` or `min_lr_rate`)
 COSINE_FLOOR_SCHEDULERS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
 
@@ -1719,6 +1803,7 @@ def main(argv=None) -> dict:
 
     output_dir = Path(args.output_dir)
     profile_steps = parse_profile_steps(args.profile_steps) if args.profile_steps else None
+    refuse_a_learning_rate_out_of_range(training_args)
     apply_the_cosine_floor(args, training_args)
     refuse_conflicting_arguments(args)
     if profile_steps:
@@ -1727,6 +1812,8 @@ def main(argv=None) -> dict:
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
     refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
+    refuse_a_stop_that_stops_nothing(args.stop_after_steps, training_args.max_steps, checkpoint)
+    refuse_another_learning_rate(checkpoint, training_args.learning_rate)
     batches = batch_settings(args, training_args, trainer_batch_size_on_resume(checkpoint, training_args))
     refuse_a_checkpoint_of_other_batches(checkpoint, batches)
     set_seed(args.seed)
@@ -1776,11 +1863,15 @@ def main(argv=None) -> dict:
     if resumed_state and trainer.is_world_process_zero():
         rewind_train_log(output_dir / "train_log.jsonl", resumed_state.log_history)
     session_first_step = 1 + (resumed_state.global_step if resumed_state else 0)
-    if resumed_state and 0 < training_args.max_steps <= resumed_state.global_step:
+    # the step this session trains to, where the arguments name one
+    last_steps = {option: step for option, step in (("--max-steps", training_args.max_steps),
+                                                    ("--stop-after-steps", args.stop_after_steps)) if step and step > 0}
+    last_option = min(last_steps, key=last_steps.get) if last_steps else None
+    if resumed_state and last_option and last_steps[last_option] <= resumed_state.global_step:
         # stopped after its last checkpoint, before its final evaluation: transformers' Trainer would resume it with
-        # one step more than the schedule has
+        # one step more than the schedule (or the stop) has
         if trainer.is_world_process_zero():
-            print(f"{checkpoint} is at --max-steps={training_args.max_steps}: nothing left to train", flush=True)
+            print(f"{checkpoint} is at {last_option}={last_steps[last_option]}: nothing left to train", flush=True)
         trainer._load_from_checkpoint(checkpoint)
         trainer.state, session_loss = resumed_state, None
         if training_args.load_best_model_at_end and resumed_state.best_model_checkpoint:

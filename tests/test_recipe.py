@@ -700,7 +700,7 @@ def test_only_the_main_process_tells_which_checkpoints_resume_latest_passes_over
     assert pretrain.resume_checkpoint(args, tmp_path, is_main_process=False) == str(tmp_path / "checkpoint-2")
     assert capsys.readouterr().out == ""
     assert pretrain.resume_checkpoint(args, tmp_path) == str(tmp_path / "checkpoint-2")
-    assert "checkpoint-4; resuming from checkpoint-2" in capsys.readouterr().out
+    assert "checkpoint-4 (no readable trainer_state.json); resuming from checkpoint-2" in capsys.readouterr().out
 
 
 UNSHARED_TOKENIZER_SCRIPT = """
@@ -972,10 +972,9 @@ def test_resuming_from_a_checkpoint_of_another_model_is_refused_naming_the_field
     assert resumed["global_step"] == 3
 
 
-def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_path, capsys):
-    """A session stopped while saving a checkpoint leaves its folder without trainer_state.json (the Trainer writes it
-    last): `--resume latest` took that folder and failed in a FileNotFoundError after the data was packed. It now
-    resumes from the newest whole checkpoint, and ends on the uninterrupted run's evaluation."""
+def a_run_stopped_before_its_end(tmp_path) -> tuple[list[str], Path, dict]:
+    """(its arguments, its --output-dir, its summary) of a 4-step Llama run with checkpoints at steps 2 and 4, whose
+    final model and summary are then removed: a session stopped after its last checkpoint."""
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
     out = tmp_path / "run"
     common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
@@ -984,16 +983,103 @@ def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_
     whole = pretrain.main(common)
     shutil.rmtree(out / "final")
     (out / "summary.json").unlink()
+    return common, out, whole
+
+
+def test_resume_latest_skips_a_checkpoint_a_stopped_session_left_half_saved(tmp_path, capsys):
+    """A session stopped while saving a checkpoint leaves its folder without trainer_state.json (the Trainer writes it
+    last): `--resume latest` took that folder and failed in a FileNotFoundError after the data was packed. It now
+    resumes from the newest whole checkpoint, and ends on the uninterrupted run's evaluation."""
+    common, out, whole = a_run_stopped_before_its_end(tmp_path)
     (out / "checkpoint-4" / "trainer_state.json").unlink()
     resumed = pretrain.main(common + ["--resume", "latest"])
     printed = capsys.readouterr().out
-    assert "not saved whole (no readable trainer_state.json) in --output-dir=" in printed
-    assert "checkpoint-4; resuming from checkpoint-2" in printed
+    assert "--resume latest: not saved whole in --output-dir=" in printed
+    assert "checkpoint-4 (no readable trainer_state.json); resuming from checkpoint-2" in printed
     assert resumed["global_step"] == 4 and resumed["eval_loss"] == whole["eval_loss"]
     (tmp_path / "cut" / "checkpoint-3").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"--resume latest: no whole checkpoint in --output-dir='.*cut': checkpoint-3 "
-                                         r"hold no readable trainer_state.json"):
+                                         r"\(no readable trainer_state.json\)"):
         pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume="latest"), tmp_path / "cut")
+
+
+def cut_short(path: Path) -> None:
+    """What a session stopped while writing `path` leaves: its first half."""
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def test_resume_passes_over_a_checkpoint_whose_weights_or_optimizer_state_were_cut_short(tmp_path, capsys):
+    """A checkpoint with a readable trainer_state.json beside weights or optimizer state cut short (saved again in
+    place over an older one, or written by a machine that went down before its writes reached the disk) was taken by
+    `--resume latest`, which failed in transformers after the data was packed (a SafetensorError, or "[Errno 22]
+    Invalid argument" for the optimizer's state). `latest` passes over it, naming the file; named, it is refused."""
+    common, out, whole = a_run_stopped_before_its_end(tmp_path)
+    cut_short(out / "checkpoint-4" / "model.safetensors")
+    resumed = pretrain.main(common + ["--resume", "latest"])
+    assert "checkpoint-4 (model.safetensors cut short); resuming from checkpoint-2" in capsys.readouterr().out
+    assert resumed["global_step"] == 4 and resumed["eval_loss"] == whole["eval_loss"]
+
+    cut_short(out / "checkpoint-4" / "optimizer.pt")
+    with pytest.raises(ValueError, match=r"--resume='.*checkpoint-4' is not a checkpoint folder saved whole "
+                                         r"\(optimizer.pt cut short\)"):
+        pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume=str(out / "checkpoint-4")), out)
+    cut_short(out / "checkpoint-2" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"no whole checkpoint in --output-dir='.*run': checkpoint-4 \(optimizer.pt "
+                                         r"cut short\), checkpoint-2 \(model.safetensors cut short\)"):
+        pretrain.resume_checkpoint(pretrain.SimpleNamespace(resume="latest"), out)
+
+
+def test_resume_drops_a_last_line_of_the_train_log_cut_short(tmp_path):
+    """train_log.jsonl is appended a line at a time: a session killed while appending one (or a disk that filled)
+    leaves a last line cut short, and `--resume latest` failed on it in `json.loads`. The line is dropped with the
+    rest of what was logged after the checkpoint, and the log is the uninterrupted run's."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--logging-steps", "1", "--max-steps", "4", "--precision", "fp32"]
+
+    def log_of(out):
+        return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+    whole = pretrain.main(common + ["--output-dir", str(tmp_path / "whole")])
+    out = tmp_path / "cut"
+    pretrain.main(common + ["--output-dir", str(out), "--stop-after-steps", "3"])
+    with (out / "train_log.jsonl").open("a", encoding="utf-8") as log:
+        log.write('{"step": 4, "loss": 5.1, "grad_no')
+    resumed = pretrain.main(common + ["--output-dir", str(out), "--resume", "latest"])
+    assert [(r["step"], sorted(r)) for r in log_of(out)] == [(r["step"], sorted(r)) for r in log_of(tmp_path / "whole")]
+    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-4)
+
+
+def test_a_resume_with_another_learning_rate_or_a_stop_before_its_checkpoint_is_refused(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A run resumed with another --learning-rate trained at the checkpoint's peak rate (the Trainer takes it back
+    with the schedule's state) and the new rate's cosine floor, a schedule of neither; one resumed with a
+    --stop-after-steps before the checkpoint's step trained a step past the checkpoint. Both are refused before the
+    data is read. A --stop-after-steps at the checkpoint's step (the same command again, after a session stopped
+    before its final save) trained one step more: it now evaluates and saves the checkpoint's model."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--max-steps", "4", "--output-dir", str(out)]
+    first = pretrain.main(common + ["--stop-after-steps", "2"])
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    load_data = pretrain.load_data
+
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--learning-rate=0.0001: the checkpoint to resume from \('.*checkpoint-2'\) "
+                                         r"was trained at a peak rate of 0.003, .* resume with --learning-rate 0.003"):
+        pretrain.main(common + ["--resume", "latest", "--learning-rate", "1e-4"])
+    with pytest.raises(ValueError, match=r"--stop-after-steps=1: the checkpoint to resume from \('.*checkpoint-2'\) "
+                                         r"is at step 2, past it; give step 2 or later"):
+        pretrain.main(common + ["--resume", "latest", "--stop-after-steps", "1"])
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    again = pretrain.main(common + ["--resume", "latest", "--stop-after-steps", "2", "--learning-rate", "3e-3"])
+    assert "checkpoint-2 is at --stop-after-steps=2: nothing left to train" in capsys.readouterr().out
+    assert again["global_step"] == 2 and again["eval_loss"] == pytest.approx(first["eval_loss"])
+    assert not (out / "checkpoint-3").exists() and (out / "final" / "model.safetensors").is_file()
 
 
 def forbid_reading_data(monkeypatch):

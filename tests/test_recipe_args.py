@@ -133,6 +133,16 @@ def test_ddp_config_without_gpus_forms_one_run(tmp_path):
     (["--learning-rate", "5e-6", "--min-learning-rate", "2e-5"],
      r"--min-learning-rate=2e-05: expected 0 to --learning-rate=5e-06"),
     (["--learning-rate", "0"], r"--learning-rate=0: expected a rate above 0, the peak the cosine decay falls from"),
+    (["--learning-rate", "inf"], r"--learning-rate=inf: expected a finite rate of 0 or more \(the peak of the "
+                                 r"--lr-scheduler-type=cosine_with_min_lr schedule\)"),
+    (["--learning-rate", "inf", "--lr-scheduler-type", "linear"], r"--learning-rate=inf: expected a finite rate"),
+    (["--learning-rate", "-1", "--lr-scheduler-type", "linear"], r"--learning-rate=-1: expected a finite rate of 0 "
+                                                                 r"or more \(the peak of the --lr-scheduler-type="
+                                                                 r"linear schedule\)"),
+    (["--learning-rate", "nan", "--lr-scheduler-type", "constant"], r"--learning-rate=nan: expected a finite rate"),
+    (["--learning-rate", "nan"], r"--learning-rate=nan: expected a finite rate"),
+    (["--stop-after-steps", "1"], r"--stop-after-steps=1: at or past --max-steps=1, where training stops anyway"),
+    (["--stop-after-steps", "5"], r"--stop-after-steps=5: at or past --max-steps=1, where training stops anyway"),
     (["--data-dir", "shards"], r"--data-dir reads token shards, so --data-files would be left unused"),
     (["--init-from", "saved"], r"--train-tokenizer: the model of --init-from='saved' reads the token ids"),
     (["--config-overrides", "ffn_kernal=torch"], r"'ffn_kernal' not a field of FlashMHFLlamaConfig; its fields:"),
@@ -182,8 +192,10 @@ def test_options_out_of_range_or_left_unused_are_refused_before_any_work(tmp_pat
     after the data was packed), or trained while ignoring an option: a typo in --config-overrides, --data-files beside
     --data-dir, a tokenizer trained anew for an --init-from model that reads another's token ids; or trained on a
     rate that climbed from a peak below --min-learning-rate up to it; --stop-after-steps 0 trained the whole schedule
-    (and -2 stopped after step 1). A --train-tokenizer below the byte alphabet failed after the dataset was read,
-    naming `vocab_size` (0 asked for a --tokenizer). A --validation-fraction of NaN failed after the data was read
+    (and -2 stopped after step 1), and one at or past --max-steps was left unused. An infinite --learning-rate trained
+    on (NaN updates), a negative or NaN one failed in torch's AdamW after the data was packed, with any schedule. A
+    --train-tokenizer below the byte alphabet failed after the dataset was read, naming `vocab_size` (0 asked for a
+    --tokenizer). A --validation-fraction of NaN failed after the data was read
     (a negative one held out one block's documents, 1.5 was refused after --output-dir was made), a negative
     --num-proc after the tokenizer was trained, naming `num_proc`; a --peak-tflops of 0 was taken as not given, a
     negative one gave a negative MFU and an infinite one an MFU of 0; a `min_lr` in --lr-scheduler-kwargs failed in
@@ -321,6 +333,25 @@ def test_resuming_a_checkpoint_beyond_max_steps_is_refused_before_any_work(tmp_p
                        "--max-steps", "4", "--output-dir", str(out), "--resume", "latest"])
     assert sorted(path.name for path in out.iterdir()) == ["checkpoint-6", "train_log.jsonl"]
     assert (out / "train_log.jsonl").read_text(encoding="utf-8") == '{"step": 6, "loss": 1.0}\n'
+
+
+def test_a_folder_of_a_run_stopped_before_its_first_checkpoint_is_not_sent_to_resume(tmp_path):
+    """A run stopped before its first checkpoint leaves its log: run again, it was refused with "pass --resume
+    latest", and with --resume latest refused again, as holding no checkpoint, with no word on what to do. Each
+    refusal now says what to do instead, and neither touches the folder."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text('{"step": 10, "loss": 5.0}\n', encoding="utf-8")
+    common = ["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32", "--max-steps", "40",
+              "--output-dir", str(out)]
+    with pytest.raises(ValueError, match=r"--output-dir=.* holds a run \(train_log.jsonl\) without a checkpoint to "
+                                         r"resume from: remove train_log.jsonl to start afresh, or choose another"):
+        pretrain.main(common)
+    with pytest.raises(ValueError, match=r"--resume latest: no checkpoint-\* folder in --output-dir=.*, so nothing to "
+                                         r"resume from .*: run without --resume"):
+        pretrain.main(common + ["--resume", "latest"])
+    assert [path.name for path in out.iterdir()] == ["train_log.jsonl"]
 
 
 def test_data_files_named_twice_or_of_two_formats_are_refused_before_any_work(tmp_path, monkeypatch):
