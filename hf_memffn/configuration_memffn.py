@@ -314,6 +314,8 @@ class MemFFNConfig(PreTrainedConfig):
         decoder_kernels: str = "auto",
         **kwargs,
     ):
+        if type(self) is MemFFNConfig:
+            refuse_the_base_class(type(self).__name__)
         derived = self._pop_derived_fields(kwargs)
         _copy_rope_dicts(kwargs)
         self.vocab_size = vocab_size
@@ -892,5 +894,26 @@ class KVFFNConfig(MemFFNConfig):
 
 
 CONFIG_CLASSES = (FlashMHFLlamaConfig, MemoryLLMConfig, FlexMemoryLLMConfig, KVFFNConfig)
+
+# The model classes of each architecture, named `<class_prefix><kind>`
+MODEL_CLASS_KINDS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
+                     "ForQuestionAnswering")
+
+
+def refuse_the_base_class(class_name: str) -> None:
+    """A ValueError for building one of the base classes the four architectures share (`MemFFNConfig`,
+    `MemFFNForCausalLM`, ...), naming the classes of the same kind to build instead. Built, a base class would run,
+    but its checkpoint would not load back: its config.json names no modeling code (`auto_map`), and its model
+    type, `memffn`, is registered with no Auto class, while its model card says that `from_pretrained` loads it."""
+    kind = class_name.removeprefix("MemFFN")
+    if kind not in ("Config", *MODEL_CLASS_KINDS):  # (the models' shared bases: `MemFFNPreTrainedModel`, ...)
+        kind = "ForCausalLM"
+    choices = ", ".join(config_class.class_prefix + kind for config_class in CONFIG_CLASSES)
+    raise ValueError(
+        f"{class_name} is the base class that the four architectures share, not a model of its own: a checkpoint of it "
+        f"would not load back (config.json names no modeling code and `memffn` is no registered model type). Build "
+        f"one of the four architectures instead: {choices} (transformers' Auto classes build them from their configs; "
+        "FlashMHFLlamaConfig(ffn_variant='swiglu') has the Llama decoder's FFN)")
+
 
 __all__ = ["MemFFNConfig", "FlashMHFLlamaConfig", "MemoryLLMConfig", "FlexMemoryLLMConfig", "KVFFNConfig"]

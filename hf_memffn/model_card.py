@@ -247,10 +247,21 @@ def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> s
 
 
 def check_card_metadata(fields: dict) -> dict:
-    """The card metadata fields, checked: a clear error for a field the card does not carry."""
+    """The card metadata fields, checked: a clear error for a field the card does not carry, or for a value of a type
+    its front matter does not take (an int's tags failed `save_pretrained` after the weights were written, a number's
+    license went into the card as it was)."""
     unknown = sorted(set(fields) - set(CARD_METADATA_FIELDS))
     if unknown:
         raise ValueError(f"model card metadata: {unknown} not supported; allowed fields: {list(CARD_METADATA_FIELDS)}")
+    for key, value in fields.items():
+        if key == "license":
+            valid, allowed = value is None or isinstance(value, str), "None or a string such as 'apache-2.0'"
+        else:
+            valid = value is None or isinstance(value, str) or (
+                isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value))
+            allowed = "None, a string or a list of strings"
+        if not valid:
+            raise ValueError(f"model card metadata: `{key}`={value!r} is invalid; allowed values: {allowed}")
     return {key: value for key, value in fields.items() if value is not None}
 
 

@@ -15,7 +15,7 @@ copies that file and the siblings it imports next to the weights, so a checkpoin
 architecture runs. These files import only torch, transformers, safetensors and (guarded) triton.
 """
 
-import importlib
+import importlib.util
 import inspect
 import numbers
 import os
@@ -54,7 +54,8 @@ from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdyn
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_memffn import MemFFNConfig, pipeline_parallel_plan, tensor_parallel_plan
+from .configuration_memffn import (MemFFNConfig, pipeline_parallel_plan, refuse_the_base_class,
+                                   tensor_parallel_plan)
 from .decoder_triton import decoder_kernels_path, decoder_kernels_unavailable, rotate_pair
 from .ffn import (SwiGLUFeedForward, TokenMemory, build_token_memory, package_logger,
                   refuse_adapters_of_former_key_value_layers)
@@ -526,6 +527,12 @@ class MemFFNPreTrainedModel(PreTrainedModel):
     # `output_hidden_states` / `output_attentions` are recorded by hooks on these modules (`capture_outputs`).
     _can_record_outputs = {"hidden_states": MemFFNDecoderLayer, "attentions": MemFFNAttention}
 
+    def __init__(self, config, *args, **kwargs):
+        # the classes of this file are the bases the architectures' modeling files build on (`refuse_the_base_class`)
+        if type(self).__module__ == __name__:
+            refuse_the_base_class(type(self).__name__)
+        super().__init__(config, *args, **kwargs)
+
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range or 0.02  # (0 stands for transformers' default, as in its own models)
         if isinstance(module, nn.Linear):
@@ -625,7 +632,19 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         `datasets`, `tags`, `language` (huggingface_hub's `ModelCardData` fields)."""
         model_card = _package_sibling("model_card")
         if model_card is None:
-            raise RuntimeError("attach_card_metadata needs the hf-memffn package (the model card is written by it)")
+            # (this class is the copy of a checkpoint's code that `trust_remote_code` loaded: imported first, the
+            # package registers its own classes, which transformers then loads the checkpoint with)
+            try:
+                installed = importlib.util.find_spec("hf_memffn") is not None
+            except (ImportError, ValueError):
+                installed = False
+            remedy = "import hf_memffn before loading the model"
+            if not installed:
+                remedy = f"install the hf-memffn package (pip install hf-memffn) and {remedy}"
+            raise RuntimeError(
+                "attach_card_metadata: this model was loaded with the code saved beside its weights "
+                f"(trust_remote_code), which writes no model card (the hf-memffn package writes it): {remedy} "
+                "(`import hf_memffn`, then `from_pretrained(path)` as before), so that the package's classes load it")
         self.card_metadata = {**(getattr(self, "card_metadata", None) or {}), **model_card.check_card_metadata(fields)}
 
     @classmethod

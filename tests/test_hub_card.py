@@ -60,6 +60,26 @@ def test_card_metadata_is_model_card_data(tmp_path):
         model.attach_card_metadata(licence="mit")
 
 
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(tags=5), "`tags`=5"),
+    (dict(tags=["mine", 2]), "`tags`=['mine', 2]"),
+    (dict(license=3), "`license`=3"),
+    (dict(license=["mit"]), "`license`=['mit']"),
+    (dict(datasets={"name": "fineweb"}), "`datasets`="),
+    (dict(language=b"en"), "`language`="),
+])
+def test_card_metadata_of_a_type_the_card_does_not_take_is_refused_when_attached(fields, named, tmp_path):
+    """`attach_card_metadata(tags=5)` was accepted, and `save_pretrained` then failed with a TypeError from inside the
+    card's writer, leaving the weights and config without a card; `license=3` went into the card as it was."""
+    model = tiny_model("kvffn")
+    with pytest.raises(ValueError, match=re.escape(named) + ".*allowed values"):
+        model.attach_card_metadata(**fields)
+    model.attach_card_metadata(tags="mine", language=["en", "fr"], datasets=("a/b",), license=None)
+    model.save_pretrained(tmp_path)
+    data = ModelCard.load(tmp_path / "README.md").data
+    assert ("mine" in data.tags, data.language, data.datasets, data.license) == (True, ["en", "fr"], ["a/b"], None)
+
 def test_trainer_push_to_hub_keeps_our_card(tmp_path, monkeypatch):
     import transformers.trainer
     from transformers import Trainer, TrainingArguments

@@ -97,6 +97,31 @@ def test_invalid_config_names_the_field(config_class, fields, field):
         config_class(**fields)
 
 
+@pytest.mark.parametrize("base_class, built_instead", [
+    ("MemFFNConfig", "FlashMHFLlamaConfig, MemoryLLMConfig, FlexMemoryLLMConfig, KVFFNConfig"),
+    ("MemFFNModel", "FlashMHFLlamaModel, MemoryLLMModel, FlexMemoryLLMModel, KVFFNModel"),
+    ("MemFFNForCausalLM", "FlashMHFLlamaForCausalLM, MemoryLLMForCausalLM, FlexMemoryLLMForCausalLM, KVFFNForCausalLM"),
+    ("MemFFNForSequenceClassification", "KVFFNForSequenceClassification"),
+    ("MemFFNForTokenClassification", "KVFFNForTokenClassification"),
+    ("MemFFNForQuestionAnswering", "KVFFNForQuestionAnswering"),
+    ("MemFFNPreTrainedModel", "KVFFNForCausalLM"),
+])
+def test_the_base_classes_refuse_to_build_naming_the_architectures_to_build_instead(base_class, built_instead):
+    """The base classes the four architectures share are public (`hf_memffn.MemFFNForCausalLM`), and built a model
+    whose checkpoint did not load: its config.json named no code and `memffn` is no registered model type, while its
+    model card said `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` loads it."""
+    config = tiny_config("flash_mhf", ffn_variant="swiglu")
+    with pytest.raises(ValueError, match=f"{base_class} is the base class") as error:
+        if base_class == "MemFFNConfig":
+            hf_memffn.MemFFNConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+        else:  # (given an architecture's config too)
+            getattr(hf_memffn, base_class)(config)
+    assert built_instead in str(error.value)
+    kind = base_class.removeprefix("MemFFN").replace("PreTrainedModel", "ForCausalLM")
+    if kind != "Config":  # (the architecture's class of the same kind builds from that config)
+        getattr(hf_memffn, "FlashMHFLlama" + kind)(config)
+
+
 def test_variant_defaults_follow_the_paper():
     assert hf_memffn.FlashMHFLlamaConfig().ffn_num_heads == 16
     assert hf_memffn.FlashMHFLlamaConfig().ffn_num_subnetworks == 8

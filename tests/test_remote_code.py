@@ -401,3 +401,31 @@ def test_a_config_saved_alone_builds_its_model_without_the_package(tmp_path):
         assert module.startswith("transformers_modules.") and name.endswith("ForCausalLM"), results[directory]
         assert count == parameters[directory]
         assert "configuration_memffn.py" in resaved_code
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_attach_card_metadata_on_the_checkpoints_own_code_says_what_to_do(installed, tmp_path, monkeypatch):
+    """A model built from the code saved with its checkpoint (`trust_remote_code` without hf_memffn imported first)
+    cannot write the package's model card: `attach_card_metadata` said it "needs the hf-memffn package" even where the
+    package is installed. It says to import hf_memffn before loading (and to install it first where it is absent); done
+    so, the package's classes load the checkpoint and take the metadata."""
+    import importlib.util
+
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    AutoModelForCausalLM.from_config(tiny_config("kvffn")).save_pretrained(tmp_path)
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    model_class = get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(tmp_path))
+    assert model_class.__module__.startswith("transformers_modules.")
+    model = model_class.from_pretrained(tmp_path)
+    if not installed:
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *args: None if name == "hf_memffn" else find_spec(name, *args))
+    with pytest.raises(RuntimeError, match="import hf_memffn before loading the model") as error:
+        model.attach_card_metadata(license="mit")
+    assert ("pip install hf-memffn" in str(error.value)) == (not installed)
+    monkeypatch.undo()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)  # (hf_memffn is imported here)
+    loaded.attach_card_metadata(license="mit")
+    assert loaded.card_metadata["license"] == "mit"
