@@ -110,6 +110,19 @@ LORA_TARGET_MODULES = {name: list(entry.lora_target_modules) for name, entry in 
 DISPLAY_NAMES = {name: entry.display_name for name, entry in REGISTRY.items()}
 
 
+def auto_class_of(class_name: str | None) -> str | None:
+    """The Auto class that builds this package's class named `class_name` (an entry of a config's `architectures`):
+    "AutoModel", "AutoModelForCausalLM" or a task head's Auto class; None for any other name."""
+    for name, entry in REGISTRY.items():
+        if name == BASELINE:
+            continue
+        classes = {"AutoModel": entry.model_class, "AutoModelForCausalLM": entry.causal_lm_class, **entry.task_heads}
+        for auto_class, model_class in classes.items():
+            if model_class.__name__ == class_name:
+                return auto_class
+    return None
+
+
 def architecture(name: str) -> Architecture:
     check_choice("arch", name, ARCHITECTURE_NAMES)
     return REGISTRY[name]

@@ -176,11 +176,12 @@ def has_tokenizer(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
 
 
-def load_causal_lm(source: str, what: str = "MODEL_DIR", **kwargs):
-    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` with a one-line error for an unreadable checkpoint.
+def load_causal_lm(source: str, what: str = "MODEL_DIR", auto_class: str = "AutoModelForCausalLM", **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(source, **kwargs)` (or another transformers Auto class, `auto_class`)
+    with a one-line error for an unreadable checkpoint.
     A local folder whose weights were saved with a variant (`save_pretrained(folder, variant="fp16")`) loads with
     that variant, which `from_pretrained` needs to find them and which the commands have no option for."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     import hf_memffn  # noqa: F401  (registers the architectures)
     from .hub import weights_variant
@@ -188,7 +189,7 @@ def load_causal_lm(source: str, what: str = "MODEL_DIR", **kwargs):
     if "variant" not in kwargs and (variant := weights_variant(source)) is not None:
         kwargs["variant"] = variant
     try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        return getattr(transformers, auto_class).from_pretrained(source, **kwargs)
     except (OSError, ValueError, SyntaxError, ImportError) as error:
         raise UsageError(f"{what} {source}: cannot load the model: {first_line(error)}") from error
     except Exception as error:  # safetensors' errors of a damaged file have their own class

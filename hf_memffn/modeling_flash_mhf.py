@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
@@ -21,6 +20,7 @@ from .modeling_memffn import (
     MemFFNForTokenClassification,
     MemFFNModel,
     add_missing_checkpoint_parts,
+    register_checkpoint_conversions,
     register_for_auto_classes,
 )
 
@@ -80,7 +80,7 @@ SUBNETWORK_WEIGHTS_CONVERSION = [
     WeightConverter([r"mlp.key(?!\w)", r"mlp.up(?!\w)", r"mlp.value(?!\w)"], "mlp.key_up_value",
                     operations=[ConcatenateSubnetworkWeights(dim=0)]),
 ]
-register_checkpoint_conversion_mapping(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION, overwrite=True)
+register_checkpoint_conversions(FlashMHFLlamaConfig.model_type, SUBNETWORK_WEIGHTS_CONVERSION)
 
 __all__ = ["FlashMHFLlamaModel", "FlashMHFLlamaForCausalLM", "FlashMHFLlamaForSequenceClassification",
            "FlashMHFLlamaForTokenClassification", "FlashMHFLlamaForQuestionAnswering"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
@@ -18,6 +17,7 @@ from .modeling_memffn import (
     MemFFNForTokenClassification,
     MemFFNModel,
     add_missing_checkpoint_parts,
+    register_checkpoint_conversions,
     register_for_auto_classes,
 )
 
@@ -97,7 +97,7 @@ KEY_VALUE_CONVERSION = [
                     operations=[InterleaveRows()])
     for name in ("weight", "bias")
 ]
-register_checkpoint_conversion_mapping(KVFFNConfig.model_type, KEY_VALUE_CONVERSION, overwrite=True)
+register_checkpoint_conversions(KVFFNConfig.model_type, KEY_VALUE_CONVERSION)
 
 __all__ = ["KVFFNModel", "KVFFNForCausalLM", "KVFFNForSequenceClassification",
            "KVFFNForTokenClassification", "KVFFNForQuestionAnswering"]

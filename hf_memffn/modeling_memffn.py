@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -653,6 +654,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         attached (`hf_memffn.adapters`, e.g. the Trainer's checkpoints of such a model): their tensors are stored
         under `parametrizations.*` names that a fresh model lacks, so those weights would start at random."""
         output_loading_info = kwargs.pop("output_loading_info", False)
+        use_own_checkpoint_conversions(cls.config_class)
         model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         parametrized = sorted({before + "." + after.split(".")[0] for before, _, after in
                                (key.partition(".parametrizations.") for key in loading_info.get("unexpected_keys", ()))
@@ -806,6 +808,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         if wrapped is not wrapper:
             wrapper.__module__, wrapper.__name__, wrapper.__qualname__ = (
                 wrapped.__module__, wrapped.__name__, wrapped.__qualname__)
+        use_own_checkpoint_conversions(wrapped.config_class)  # (saving reverses them)
         try:
             result = super().save_pretrained(save_directory, *args, **kwargs)
         finally:
@@ -1371,6 +1374,26 @@ class MemFFNForQuestionAnswering(MemFFNHeadModel):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+
+# model type -> this copy's checkpoint conversions (`register_checkpoint_conversions`). transformers keeps one table of
+# conversions per process, by model type, which each copy of these files fills when imported: another copy (a
+# checkpoint's remote code, perhaps older) imported later would otherwise convert the weights this copy loads and saves.
+_CHECKPOINT_CONVERSIONS: dict[str, list] = {}
+
+
+def register_checkpoint_conversions(model_type: str, conversions: list) -> None:
+    """Register `conversions` for `model_type` with transformers, and again before each load and save by a class of this
+    copy of the code (`use_own_checkpoint_conversions`)."""
+    _CHECKPOINT_CONVERSIONS[model_type] = conversions
+    register_checkpoint_conversion_mapping(model_type, conversions, overwrite=True)
+
+
+def use_own_checkpoint_conversions(config_class) -> None:
+    """Put this copy's conversions of `config_class`'s model type back in transformers' table (see above)."""
+    model_type = getattr(config_class, "model_type", None)
+    if model_type in _CHECKPOINT_CONVERSIONS:
+        register_checkpoint_conversion_mapping(model_type, _CHECKPOINT_CONVERSIONS[model_type], overwrite=True)
 
 
 def register_for_auto_classes(config_class, model_class, *head_classes) -> None:

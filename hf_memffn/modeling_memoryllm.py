@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
@@ -20,6 +19,7 @@ from .modeling_memffn import (
     MemFFNForSequenceClassification,
     MemFFNForTokenClassification,
     MemFFNModel,
+    register_checkpoint_conversions,
     register_for_auto_classes,
 )
 from .token_lookup import TokenLookupMixin
@@ -117,7 +117,7 @@ TOKEN_MEMORY_CONVERSION = [
                                   ("up_proj", "up_proj"), ("down_proj", "down_proj"))
 ]
 for _config_class in (MemoryLLMConfig, FlexMemoryLLMConfig):
-    register_checkpoint_conversion_mapping(_config_class.model_type, TOKEN_MEMORY_CONVERSION, overwrite=True)
+    register_checkpoint_conversions(_config_class.model_type, TOKEN_MEMORY_CONVERSION)
 
 __all__ = [
     "MemoryLLMModel",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -429,3 +430,104 @@ def test_attach_card_metadata_on_the_checkpoints_own_code_says_what_to_do(instal
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)  # (hf_memffn is imported here)
     loaded.attach_card_metadata(license="mit")
     assert loaded.card_metadata["license"] == "mit"
+
+
+# One process loads a checkpoint through its own copy of the code (`trust_remote_code`) and others through the package,
+# in either order, with the other's copy imported in between: each copy registers the checkpoint conversions of its
+# model types (`overwrite=True`) and the `memffn_v2` operators (the first copy's stay), so the later loads go through
+# what the other copy registered. argv: results file, order ("remote-first" / "package-first"), then pairs of folders
+# (the copy's, the package's).
+TWO_COPIES = textwrap.dedent(
+    """
+    import json, sys
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    results_file, order, folders = sys.argv[1], sys.argv[2], sys.argv[3:]
+    pairs = list(zip(folders[::2], folders[1::2]))
+    results = {}
+
+    def difference(model, folder):
+        expected = torch.load(f"{folder}/expected.pt")
+        with torch.no_grad():
+            return (model.eval()(expected["input_ids"]).logits - expected["logits"]).abs().max().item()
+
+    def through_its_code(folder):
+        # (the copy's own class, imported from the folder even where the package's classes are registered)
+        reference = AutoConfig.from_pretrained(folder, trust_remote_code=True).auto_map["AutoModelForCausalLM"]
+        model = get_class_from_dynamic_module(reference, folder).from_pretrained(folder)
+        assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+        return model
+
+    def through_the_package(folder):
+        import hf_memffn  # noqa: F401
+
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert type(model).__module__.startswith("hf_memffn."), type(model).__module__
+        return model
+
+    copies = {}
+    for copy_folder, package_folder in pairs:
+        if order == "remote-first":
+            copies[copy_folder] = through_its_code(copy_folder)
+            results[package_folder] = difference(through_the_package(package_folder), package_folder)
+        else:
+            results[package_folder + " before"] = difference(through_the_package(package_folder), package_folder)
+            copies[copy_folder] = through_its_code(copy_folder)
+            results[package_folder] = difference(through_the_package(package_folder), package_folder)
+        # the copy's model after the other copy's import, and saved through the conversions registered last
+        results[copy_folder] = difference(copies[copy_folder], copy_folder)
+        copies[copy_folder].save_pretrained(copy_folder + "-resaved")
+        results[copy_folder + " resaved"] = difference(through_the_package(copy_folder + "-resaved"), copy_folder)
+    with open(results_file, "w") as handle:
+        json.dump(results, handle)
+    """
+)
+
+
+def other_conversions(text: str) -> str:
+    """The file as a copy of the code that registers other checkpoint conversions (none) for its model types."""
+    return re.sub(r"(register_checkpoint_conversion\w*\([^,()]+, )[A-Z_]+_CONVERSION\b", r"\1[]", text)
+
+
+@pytest.mark.parametrize("copy", ["a-line-added", "other-conversions"])
+@pytest.mark.parametrize("order", ["remote-first", "package-first"])
+def test_a_checkpoints_own_copy_of_the_code_and_the_package_in_one_process_give_each_model_its_logits(tmp_path,
+                                                                                                      order, copy):
+    """The copy's files differ from the package's (a line added, as in an older copy, so it is imported as another
+    module), or register other checkpoint conversions: the package's models give the logits they gave when saved
+    (they loaded through the conversions that the copy imported last registered), and so do the copy's models where
+    the copy converts as the package does, whichever copy was imported first."""
+    folders = []
+    for arch in sorted(hf_memffn.ARCHITECTURES):
+        for role, seed in (("copy", 0), ("package", 1)):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+            with torch.no_grad():  # (weights no new model starts with: a weight that failed to load shows)
+                for parameter in model.parameters():
+                    parameter.mul_(1 + 0.1 * torch.randn_like(parameter))
+            folder = tmp_path / f"{arch}-{role}"
+            model.save_pretrained(folder)
+            input_ids = torch.randint(0, 320, (2, 9))
+            with torch.no_grad():
+                torch.save({"input_ids": input_ids, "logits": model(input_ids).logits}, folder / "expected.pt")
+            if role == "copy":
+                for path in folder.glob("*.py"):
+                    text = "# an older copy of this file\n" + path.read_text()
+                    path.write_text(other_conversions(text) if copy == "other-conversions" else text)
+            folders.append(str(folder))
+    if copy == "other-conversions":
+        assert other_conversions((tmp_path / "kvffn-package" / "modeling_kvffn.py").read_text()) != (
+            tmp_path / "kvffn-package" / "modeling_kvffn.py").read_text()
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(hf_memffn.__file__)))
+    completed = subprocess.run([sys.executable, "-c", TWO_COPIES, str(tmp_path / "results.json"), order, *folders],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(folders) // 2 * (4 if order == "package-first" else 3)
+    checked = {key: value for key, value in results.items() if copy == "a-line-added" or "-package" in key}
+    assert all(difference < 1e-5 for difference in checked.values()), checked

@@ -307,6 +307,61 @@ def test_eval_ids_of_any_integer_dtype_give_the_heldout_loss_of_int64_ids(model,
         assert not (tmp_path / "outside").exists()
 
 
+FOLDER_CLASSES = ["AutoModel", "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+                  "AutoModelForQuestionAnswering"]
+
+
+def save_as(model, auto_class, folder):
+    """`model`'s weights saved from the class `auto_class` builds (a base model or a task head, with its new head)."""
+    import transformers
+
+    model.save_pretrained(folder.parent / "causal_lm")
+    getattr(transformers, auto_class).from_pretrained(folder.parent / "causal_lm").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("auto_class", FOLDER_CLASSES)
+def test_a_folder_saved_from_a_base_model_or_a_task_head_exports_the_causal_lms_table_without_a_new_lm_head(
+        model, tmp_path, auto_class):
+    """The table needs the embedding and the memory FFNs only: such a folder was loaded as a causal LM, which drew a
+    random LM head (reported "lm_head.weight MISSING, newly initialized") that the held-out loss then used."""
+    folder = save_as(model, auto_class, tmp_path / "saved")
+    loaded = export_module._load_model(str(folder), "cpu", None)
+    assert type(loaded).__name__ == json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert loaded.get_output_embeddings() is None
+    export_tols(str(folder), tmp_path / "table", format="fp32", progress=False)
+    export_tols(str(tmp_path / "causal_lm"), tmp_path / "causal_lm_table", format="fp32", progress=False)
+    assert shard_bytes(tmp_path / "table") == shard_bytes(tmp_path / "causal_lm_table")
+
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["folder", "loaded"])
+@pytest.mark.parametrize("auto_class", FOLDER_CLASSES)
+def test_the_heldout_loss_of_a_model_without_an_lm_head_is_refused_naming_its_class_before_anything_is_written(
+        model, tmp_path, auto_class, loaded):
+    """A folder's random LM head gave a held-out loss of its own; a loaded head model failed after the table was
+    written (no `logits`, logits of its labels, targets out of bounds)."""
+    import transformers
+
+    folder = save_as(model, auto_class, tmp_path / "saved")
+    source = getattr(transformers, auto_class).from_pretrained(folder) if loaded else str(folder)
+    name = json.loads((folder / "config.json").read_text())["architectures"][0]
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=rf"eval_input_ids: the held-out loss needs a causal LM's next-token logits, "
+                                         rf"and the model is a {name} \(no LM head"):
+        export_tols(source, tmp_path / "table", format="int8", eval_input_ids=ids, progress=False)
+    assert not (tmp_path / "table").exists()
+
+
+def test_the_demo_step_refuses_a_folder_without_an_lm_head_naming_its_class(model, tmp_path):
+    """Its logits and generate() need the causal LM's head: a task head's folder gave them from a random one."""
+    from hf_memffn.conversion import demo_step
+
+    folder = save_as(model, "AutoModelForSequenceClassification", tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"demo_step: .* MemoryLLMForSequenceClassification \(no LM head"):
+        demo_step(folder, tmp_path / "tables", formats=("fp32",), max_new_tokens=2, device="cpu")
+    assert not (tmp_path / "tables").exists()
+
+
 def test_a_max_shard_size_below_one_row_block_is_refused_naming_a_batch_size_that_fits(model, tmp_path):
     """A row block is never split across shards: a limit that one block exceeds is refused before anything is
     written (it gave shards larger than the limit), and the batch size the error names gives shards within it."""

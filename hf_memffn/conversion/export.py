@@ -37,6 +37,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hf_memffn.architectures import auto_class_of
 from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line, weights_file_names, weights_variant
@@ -749,11 +750,40 @@ def lookup_loss_delta(model, table_dir: str, input_ids: torch.Tensor, placement:
 # Public entry points
 
 
+def _saved_auto_class(model_dir: str) -> str:
+    """The Auto class that builds the class `model_dir` was saved from (its config's `architectures`) where that is a
+    base model or a task head of this package whose causal LM would need a new LM head: the table needs the
+    embedding and the memory FFNs only, and a causal LM built from such a folder draws a random head (reported as
+    "lm_head.weight MISSING"). "AutoModelForCausalLM" otherwise (also for a folder whose config does not load here,
+    such as a PEFT adapter's: `from_pretrained` names what is wrong with it)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return "AutoModelForCausalLM"
+    saved = auto_class_of((getattr(config, "architectures", None) or [None])[0])
+    if saved is None or getattr(config, "tie_word_embeddings", False):  # (tied: the causal LM's head is saved)
+        return "AutoModelForCausalLM"
+    return saved
+
+
+def refuse_without_lm_head(model, what: str, needs: str) -> None:
+    """A ValueError naming `what` (an option or a function), what `needs` the LM head and the model's class where the
+    model has none (a base model or a task head)."""
+    unwrapped = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # (PEFT)
+    if getattr(unwrapped, "get_output_embeddings", lambda: None)() is None:
+        raise ValueError(f"{what}: {needs} needs a causal LM's next-token logits, and the model is a "
+                         f"{type(unwrapped).__name__} (no LM head: a base model or a task head); allowed: a causal "
+                         "LM (*ForCausalLM, or the folder of one)")
+
+
 def _load_model(model_dir: str, device, dtype: str | None):
+    """The model saved in `model_dir` (a base model or a task head loads as its own class: `_saved_auto_class`)."""
     kwargs = {}
     if dtype is not None:
         kwargs["dtype"] = FLOAT_DTYPES[dtype]
-    model = load_causal_lm(model_dir, **kwargs)
+    model = load_causal_lm(model_dir, auto_class=_saved_auto_class(model_dir), **kwargs)
     if device is not None:
         model.to(device)
     return model.eval()
@@ -808,6 +838,7 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
         max_positions = getattr(_memory_base(model).config, "max_position_embeddings", None) or EVAL_ROW_TOKENS
         eval_input_ids = text_to_input_ids(tokenizer, eval_text, seq_len=min(EVAL_ROW_TOKENS, max_positions))
     if eval_input_ids is not None:  # (the held-out loss runs after the export: its ids are checked before)
+        refuse_without_lm_head(model, "eval_input_ids" if eval_text is None else "eval_text", "the held-out loss")
         eval_input_ids = _checked_eval_input_ids(eval_input_ids, model, "eval_input_ids" if eval_text is None
                                                  else "eval_text (tokenized)")
     modes = [(module, module.training) for module in model.modules()]  # (a model exported mid-training: put back)

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .export import _load_model, export_tols
+from .export import _load_model, export_tols, refuse_without_lm_head
 
 
 def demo_step(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, prompt_ids: torch.Tensor | None = None,
@@ -19,6 +19,7 @@ def demo_step(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, promp
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = _load_model(os.fspath(model_dir), device, "fp32")
+    refuse_without_lm_head(model, "demo_step", "comparing the logits and generate()")
     base = model.model
     if prompt_ids is None:
         generator = torch.Generator().manual_seed(0)
