@@ -93,9 +93,12 @@ def _require_dense(**tensors: torch.Tensor | None) -> None:
 
 
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
-                      layer_position: int, hidden_size: int, format_name: str, group_size: int) -> torch.Tensor:
+                      layer_position: int, hidden_size: int, format_name: str, group_size: int, *,
+                      check_layout: bool = True) -> torch.Tensor:
     """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype, one of
     `KERNEL_DTYPES`). Differentiable in `hidden` (the rows are fixed values, which get no gradient).
+    `check_layout=False` skips the checks of the arguments' shapes, dtypes and layer against each other (a few µs of
+    host time): for a caller whose table was checked when it loaded, once per layer and step.
 
     `row_ids` [T] (int32 or int64, on hidden's device) must lie in 0..rows.shape[0] - 1: the kernel reads the row at
     each id unchecked. The range is checked on the host where that costs no device synchronisation (ids in host
@@ -116,7 +119,8 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     if hidden.device != rows.device:  # (the kernel would read the table's memory through the hidden state's device)
         raise ValueError(f"hidden is on {hidden.device} but the table's rows are on {rows.device}: a model whose "
                          "layers are spread over several devices (device_map) cannot add from one table")
-    _check_lookup_add_layout(hidden, row_ids, rows, scales, layer_position, hidden_size, format_name, group_size)
+    if check_layout:
+        _check_lookup_add_layout(hidden, row_ids, rows, scales, layer_position, hidden_size, format_name, group_size)
     arguments = (hidden, row_ids, rows, scales, layer_position, hidden_size, FORMAT_CODES[format_name], group_size)
     if torch.is_grad_enabled() and hidden.requires_grad:  # (training the layers around a loaded table)
         return _LookupAddFunction.apply(*arguments)

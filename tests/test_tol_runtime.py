@@ -113,7 +113,7 @@ def test_float64_hidden_states_keep_their_precision_and_an_explicit_triton_kerne
     table = model.load_tols(directory, placement="cpu")
     launched = []
     monkeypatch.setattr(token_lookup, "lookup_add_triton",
-                        lambda hidden, *args: launched.append(hidden.dtype) or hidden)
+                        lambda hidden, *args, **kwargs: launched.append(hidden.dtype) or hidden)
     try:
         readout = table.readout(ids)
         hidden = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64) + 1e-9
