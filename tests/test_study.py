@@ -756,7 +756,9 @@ def test_parallel_sweeps_runs_its_streams_at_once_and_each_streams_sweeps_in_tur
     assert one["started"] < two["ended"] and two["started"] < one["ended"]  # two streams at the same time
     assert three["started"] >= two["ended"]  # a stream's sweeps in turn
     late = sweeps("59", f"256 {first} 3e-3:llama:1")
-    assert late.returncode == 0 and "[stream 1] parallel_sweeps: 59 s left, not starting" in late.stdout
+    # the script counts its seconds from its own start, so a busy machine may already have taken one or two of them
+    assert late.returncode == 0 and re.search(r"\[stream 1\] parallel_sweeps: 5[7-9] s left, not starting", late.stdout), \
+        late.stdout
     assert not (first / "lr3e-3").exists()  # neither the failed stream's sweep nor the late one made a folder
 
 
