@@ -677,12 +677,11 @@ class TokenLookupReadout:
             kernel = table.compiled_kernel if torch.compiler.is_compiling() else table.kernel
             if kernel == "triton" and table.fmt.name != "lowrank":
                 if hidden.dtype in KERNEL_DTYPES:  # (float64 takes the PyTorch add under "auto")
-                    flat = hidden.reshape(-1, table.index.hidden_size).contiguous()
-                    # (the table's rows, scales and layers were checked when it loaded, its row ids are its own)
-                    out = lookup_add_triton(flat, self.row_ids, self.rows, self.scales, position,
-                                            table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1,
-                                            check_layout=False)
-                    return out.view_as(hidden)
+                    # (the table's rows, scales and layers were checked when it loaded, its row ids are its own; the
+                    # sum comes back in hidden's shape, not as a view, which FSDP2 would warn of as a layer's output)
+                    return lookup_add_triton(hidden.contiguous(), self.row_ids, self.rows, self.scales, position,
+                                             table.index.hidden_size, table.fmt.name, table.fmt.group_size or 1,
+                                             check_layout=False)
                 if table.requested_kernel == "triton":
                     raise RuntimeError(f"kernel='triton' cannot add the table into hidden states of dtype "
                                        f"{hidden.dtype}: the kernel computes in float32; allowed: float16, bfloat16, "

@@ -95,14 +95,16 @@ def _require_dense(**tensors: torch.Tensor | None) -> None:
 def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None,
                       layer_position: int, hidden_size: int, format_name: str, group_size: int, *,
                       check_layout: bool = True) -> torch.Tensor:
-    """hidden [T, d] + dequantized rows[row_ids[t], layer slice] -> new [T, d] tensor (hidden's dtype, one of
-    `KERNEL_DTYPES`). Differentiable in `hidden` (the rows are fixed values, which get no gradient).
+    """hidden [..., d] + dequantized rows[row_ids[t], layer slice] for each token t (every position of hidden's leading
+    dimensions, in order) -> a new tensor of hidden's shape and dtype (one of `KERNEL_DTYPES`), not a view of one.
+    Differentiable in `hidden` (the rows are fixed values, which get no gradient).
     `check_layout=False` skips the checks of the arguments' shapes, dtypes and layer against each other (a few µs of
     host time): for a caller whose table was checked when it loaded, once per layer and step.
 
-    `row_ids` [T] (int32 or int64, on hidden's device) must lie in 0..rows.shape[0] - 1: the kernel reads the row at
-    each id unchecked. The range is checked on the host where that costs no device synchronisation (ids in host
-    memory), and for ids on a GPU only under Triton's debug mode (TRITON_DEBUG=1), where the check synchronises."""
+    `row_ids` [T] (T tokens: hidden's leading dimensions multiplied; int32 or int64, on hidden's device) must lie in
+    0..rows.shape[0] - 1: the kernel reads the row at each id unchecked. The range is checked on the host where that
+    costs no device synchronisation (ids in host memory), and for ids on a GPU only under Triton's debug mode
+    (TRITON_DEBUG=1), where the check synchronises."""
     if not HAS_TRITON:
         raise RuntimeError("lookup_add_triton needs triton")
     if hidden.dtype not in KERNEL_DTYPES:
@@ -111,7 +113,7 @@ def lookup_add_triton(hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.T
     # state as dense rows, and steps between a table's rows by their stride but reads each row's columns one after
     # another)
     if not hidden.is_contiguous():
-        raise ValueError(f"hidden must be contiguous [tokens, hidden_size]; got strides {hidden.stride()}")
+        raise ValueError(f"hidden must be contiguous [..., hidden_size]; got strides {hidden.stride()}")
     for name, table in (("rows", rows), ("scales", scales)):
         if table is not None and (table.dim() != 2 or table.stride(1) != 1):
             raise ValueError(f"{name} must be a 2-D tensor whose columns are adjacent in memory (stride 1); got shape "
@@ -134,10 +136,12 @@ def _check_lookup_add_layout(hidden, row_ids, rows, scales, layer_position, hidd
     if format_name not in FORMAT_CODES:
         raise ValueError(f"format_name={format_name!r} is not one of {tuple(FORMAT_CODES)}")
     hidden_shape, rows_shape = hidden.shape, rows.shape
-    if len(hidden_shape) != 2 or hidden_shape[1] != hidden_size:
-        raise ValueError(f"hidden must be [tokens, hidden_size={hidden_size}]; got shape {tuple(hidden_shape)}")
-    if row_ids.shape != hidden_shape[:1] or row_ids.dtype not in ID_DTYPES:
-        raise ValueError(f"row_ids must be a 1-D tensor of one id per token of hidden ({hidden_shape[0]}) of dtype "
+    if len(hidden_shape) < 2 or hidden_shape[-1] != hidden_size:
+        raise ValueError(f"hidden must be [..., hidden_size={hidden_size}] with at least one leading dimension; got "
+                         f"shape {tuple(hidden_shape)}")
+    tokens = hidden.numel() // hidden_size
+    if row_ids.shape != (tokens,) or row_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"row_ids must be a 1-D tensor of one id per token of hidden ({tokens}) of dtype "
                          f"int32 or int64; got shape {tuple(row_ids.shape)}, dtype {row_ids.dtype}")
     if row_ids.device != hidden.device:
         raise ValueError(f"row_ids are on {row_ids.device} but hidden is on {hidden.device}: the kernel reads both "
@@ -206,8 +210,8 @@ class _LookupAddFunction(torch.autograd.Function):
 
 
 def _launch_lookup_add(hidden, row_ids, rows, scales, layer_position, hidden_size, fmt, group_size):
-    out = torch.empty_like(hidden)
-    tokens = hidden.shape[0]
+    out = torch.empty_like(hidden)  # (in hidden's shape: a layer's output, which FSDP2 asks not to be a view)
+    tokens = hidden.numel() // hidden_size
     if tokens == 0:
         return out
     if _checks_ids_here(row_ids):

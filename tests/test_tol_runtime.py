@@ -164,7 +164,7 @@ def test_triton_add_runs_and_passes_the_gradient_when_the_layers_around_the_tabl
     def launch_stand_in(hidden, row_ids, rows, scales, layer_position, hidden_size, fmt, group_size):
         launched.append(layer_position)
         values = rows.index_select(0, row_ids)[:, layer_position * hidden_size:(layer_position + 1) * hidden_size]
-        return (hidden.float() + values.float()).to(hidden.dtype)
+        return (hidden.float() + values.float().reshape(hidden.shape)).to(hidden.dtype)
 
     monkeypatch.setattr(token_lookup_triton, "_launch_lookup_add", launch_stand_in)
     model.model.embed_tokens.requires_grad_(False)
@@ -176,7 +176,7 @@ def test_triton_add_runs_and_passes_the_gradient_when_the_layers_around_the_tabl
         expected = readout.add_into(hidden, 0)  # kernel "torch"
         table.kernel = table.requested_kernel = "triton"
         out = readout.add_into(hidden, 0)
-        assert launched == [0] and out.requires_grad
+        assert launched == [0] and out.requires_grad and out.shape == hidden.shape and out._base is None
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
         grad_out = torch.randn_like(out)
         (grad,) = torch.autograd.grad(out, hidden, grad_out)
@@ -606,7 +606,7 @@ def test_an_empty_frequent_tokens_is_taken_as_no_frequent_tokens(exported, place
 @pytest.mark.skipif(not token_lookup_triton.HAS_TRITON, reason="needs triton")
 def test_triton_lookup_launchers_refuse_tensors_that_are_not_contiguous_or_on_another_device():
     ids, hidden, table = torch.tensor([1, 2]), torch.randn(2, 8), torch.randn(4, 24)
-    with pytest.raises(ValueError, match=r"hidden must be contiguous \[tokens, hidden_size\]; got strides \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"hidden must be contiguous \[\.\.\., hidden_size\]; got strides \(1, 2\)"):
         token_lookup_triton.lookup_add_triton(hidden.t().contiguous().t(), ids, table, None, 0, 8, "fp32", 1)
     with pytest.raises(ValueError, match=r"table must be a contiguous 2-D tensor; got shape \(4, 8\)"):
         token_lookup_triton.gather_rows_triton(ids, None, None, table[:, :8])
@@ -638,8 +638,10 @@ def test_triton_lookup_add_refuses_rows_and_scales_whose_columns_are_not_adjacen
                                                    r"\(3,\), dtype torch.float32"),
     (dict(row_ids=torch.tensor([1, 3])), r"row_ids must be a 1-D tensor of one id per token of hidden \(3\)"),
     (dict(row_ids=torch.tensor([[1, 3, 0]])), r"got shape \(1, 3\)"),
-    (dict(hidden=torch.randn(3, 6)), r"hidden must be \[tokens, hidden_size=8\]; got shape \(3, 6\)"),
-    (dict(hidden=torch.randn(1, 3, 8)), r"hidden must be \[tokens, hidden_size=8\]; got shape \(1, 3, 8\)"),
+    (dict(hidden=torch.randn(3, 6)), r"hidden must be \[\.\.\., hidden_size=8\] .*; got shape \(3, 6\)"),
+    (dict(hidden=torch.randn(24)), r"hidden must be \[\.\.\., hidden_size=8\] with at least one leading dimension; "
+                                   r"got shape \(24,\)"),
+    (dict(hidden=torch.randn(2, 3, 8)), r"row_ids must be a 1-D tensor of one id per token of hidden \(6\)"),
     (dict(layer_position=3), r"layer_position=3 is outside the layers of rows of shape \(4, 24\) .*allowed 0\.\.2"),
     (dict(layer_position=-1), r"layer_position=-1 is outside .* allowed 0\.\.2"),
     (dict(format_name="int2"), r"format_name='int2' is not one of \('fp32', 'fp16', 'bf16', 'int8', 'int4'\)"),
@@ -652,7 +654,8 @@ def test_triton_lookup_add_refuses_rows_and_scales_whose_columns_are_not_adjacen
           layer_position=2), r"scales of shape \(4, 4\) on cpu do not fit rows of shape \(4, 24\)"),
     (dict(format_name="int4", rows=torch.zeros(4, 12, dtype=torch.int8), scales=torch.ones(4, 6), group_size=4),
      r"rows of format 'int4' must have dtype torch.uint8"),
-], ids=["id_too_large", "id_negative", "float_ids", "too_few_ids", "ids_2d", "narrower_hidden", "hidden_3d",
+], ids=["id_too_large", "id_negative", "float_ids", "too_few_ids", "ids_2d", "narrower_hidden", "hidden_1d",
+        "hidden_3d_too_few_ids",
         "layer_too_large", "layer_negative", "unknown_format", "scales_with_float_rows", "int8_float_rows",
         "int8_no_scales", "group_not_dividing", "scales_too_narrow", "int4_signed_rows"])
 def test_triton_lookup_add_refuses_arguments_that_do_not_fit_naming_the_argument(change, message):
@@ -1257,6 +1260,23 @@ def test_triton_lookup_kernels_read_token_ids_of_a_strided_view():
     out = lookup_add_triton(hidden, ids, table, None, 1, d, "fp32", 1)
     torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=0)
     assert torch.equal(gather_rows_triton(ids, None, None, table), table[ids])
+
+
+@needs_kernels
+def test_triton_lookup_add_keeps_the_shape_of_batched_hidden_states_and_returns_no_view():
+    """A decoder layer's hidden states [batch, length, d] go into the add whole: the sum comes back in their shape as
+    a tensor of its own, not a view of a flat one (FSDP2 warns of a wrapped layer's output that is a view), each token
+    t of the batch, in order, adding the row of row_ids[t]."""
+    from hf_memffn.token_lookup_triton import lookup_add_triton
+
+    generator = torch.Generator().manual_seed(10)
+    vocab, d = 13, 48
+    table = torch.randn(vocab, 2 * d, generator=generator).to(DEVICE)
+    ids = torch.randint(0, vocab, (2, 3), generator=generator).to(DEVICE)
+    hidden = torch.randn(2, 3, d, generator=generator).to(DEVICE)
+    out = lookup_add_triton(hidden, ids.reshape(-1), table, None, 1, d, "fp32", 1)
+    assert out.shape == hidden.shape and out._base is None
+    torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=0)
 
 
 @needs_kernels
