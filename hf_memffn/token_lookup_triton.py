@@ -190,10 +190,15 @@ def _checks_ids_here(ids: torch.Tensor) -> bool:
     return ids.is_cpu or triton.knobs.runtime.debug
 
 
-def _lookup_add(*arguments):
+def _lookup_add(hidden, *table_arguments):
     if torch.compiler.is_compiling():
-        return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(*arguments)
-    return _launch_lookup_add(*arguments)
+        # the operator takes hidden states [T, d], as every copy of this file registering it does (whichever copy is
+        # imported first registers it: its meaning stays that of its namespace); a compiled graph's view is no
+        # module output of its own
+        hidden_size = table_arguments[4]
+        flat = hidden.reshape(-1, hidden_size)
+        return getattr(torch.ops, OP_NAMESPACE).token_lookup_add(flat, *table_arguments).view(hidden.shape)
+    return _launch_lookup_add(hidden, *table_arguments)
 
 
 class _LookupAddFunction(torch.autograd.Function):

@@ -1263,20 +1263,38 @@ def test_triton_lookup_kernels_read_token_ids_of_a_strided_view():
 
 
 @needs_kernels
-def test_triton_lookup_add_keeps_the_shape_of_batched_hidden_states_and_returns_no_view():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_triton_lookup_add_keeps_the_shape_of_batched_hidden_states_and_returns_no_view(compiled, monkeypatch):
     """A decoder layer's hidden states [batch, length, d] go into the add whole: the sum comes back in their shape as
     a tensor of its own, not a view of a flat one (FSDP2 warns of a wrapped layer's output that is a view), each token
-    t of the batch, in order, adding the row of row_ids[t]."""
+    t of the batch, in order, adding the row of row_ids[t]. Compiled, the custom operator is still given hidden
+    states [T, d]: whichever copy of the code registered it first (an earlier version's remote code perhaps) takes
+    those."""
+    from hf_memffn import token_lookup_triton
     from hf_memffn.token_lookup_triton import lookup_add_triton
 
+    launched_shapes = []
+    launch = token_lookup_triton._launch_lookup_add
+
+    def recording_launch(hidden, *arguments):
+        launched_shapes.append(tuple(hidden.shape))
+        return launch(hidden, *arguments)
+
+    monkeypatch.setattr(token_lookup_triton, "_launch_lookup_add", recording_launch)
     generator = torch.Generator().manual_seed(10)
     vocab, d = 13, 48
     table = torch.randn(vocab, 2 * d, generator=generator).to(DEVICE)
     ids = torch.randint(0, vocab, (2, 3), generator=generator).to(DEVICE)
     hidden = torch.randn(2, 3, d, generator=generator).to(DEVICE)
-    out = lookup_add_triton(hidden, ids.reshape(-1), table, None, 1, d, "fp32", 1)
-    assert out.shape == hidden.shape and out._base is None
+    add = lookup_add_triton
+    if compiled:
+        torch._dynamo.reset()
+        add = torch.compile(lookup_add_triton, backend="aot_eager", fullgraph=True)
+    out = add(hidden, ids.reshape(-1), table, None, 1, d, "fp32", 1)
+    assert out.shape == hidden.shape and (compiled or out._base is None)
+    assert set(launched_shapes) == {(6, d) if compiled else (2, 3, d)}, launched_shapes
     torch.testing.assert_close(out, hidden + table[ids, d:], rtol=0, atol=0)
+    torch._dynamo.reset()
 
 
 @needs_kernels
