@@ -316,6 +316,8 @@ class MemFFNConfig(PreTrainedConfig):
     ):
         if type(self) is MemFFNConfig:
             refuse_the_base_class(type(self).__name__)
+        # (a config.json's `model_type`, passed back by `from_dict`: the class's own stands, see below)
+        self.refuse_another_architectures_model_type(kwargs.pop("model_type", None))
         derived = self._pop_derived_fields(kwargs)
         _copy_rope_dicts(kwargs)
         self.vocab_size = vocab_size
@@ -373,6 +375,18 @@ class MemFFNConfig(PreTrainedConfig):
         self.validate_fields()
         self._check_derived_fields(derived)
 
+    def __init_subclass__(cls, **kwargs):
+        # transformers makes every config class a dataclass, and gives one without an `__init__` of its own the
+        # dataclass's, which sets the given fields and skips the inherited `__init__` (defaults, checks, `auto_map`):
+        # a subclass that only sets class attributes (a user's `model_type`) gets one calling its base class's
+        if "__init__" not in cls.__dict__:
+            def __init__(self, **fields):
+                super(cls, self).__init__(**fields)
+
+            __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+            cls.__init__ = __init__
+        super().__init_subclass__(**kwargs)
+
     @classmethod
     def _pop_derived_fields(cls, fields: dict) -> dict:
         """The fields of `fields` that the config derives from others (`ffn_head_dim`, `subnetwork_size`, ...:
@@ -404,6 +418,7 @@ class MemFFNConfig(PreTrainedConfig):
         """`PreTrainedConfig.from_dict`. Fields given as keyword arguments (`from_pretrained(path, ffn_kernel=...)`)
         are set after the config is built, past `__init__`'s checks: check them too, and rebuild the parallel plans,
         which depend on the FFN's fields."""
+        cls.refuse_another_architectures_model_type(config_dict.get("model_type"))  # (before any field is read)
         config_dict = cls._from_earlier_versions(config_dict)
         derived = cls._pop_derived_fields(kwargs)
         _copy_rope_dicts(kwargs)
@@ -432,6 +447,21 @@ class MemFFNConfig(PreTrainedConfig):
         config.base_model_pp_plan = pipeline_parallel_plan(config)
         config.validate_fields()
         return result
+
+    @classmethod
+    def refuse_another_architectures_model_type(cls, model_type: str | None) -> None:
+        """A ValueError for the `model_type` of a config.json (or `to_dict`) of another of this package's
+        architectures, naming its config class: read as this class, its fields would build a model of other weights
+        (MemoryLLM's config read as FlexMemoryLLM's builds an FFN-C that starts at random), where transformers only
+        warns. Any other model type (a Llama's, whose decoder these models share) is read as this class's own: the
+        config keeps `type(self).model_type`, which its checkpoint conversions and model card follow."""
+        owner = next((config_class for config_class in CONFIG_CLASSES if config_class.model_type == model_type), None)
+        if owner is None or any(getattr(base, "model_type", None) == model_type for base in cls.__mro__):
+            return
+        _check(cls.__name__, False, "model_type", model_type,
+               f"it is {owner.__name__}'s, another architecture; load it with {owner.__name__} (its models with "
+               f"{owner.class_prefix}ForCausalLM and the other {owner.class_prefix} classes), or with the Auto "
+               "classes, which pick the class of its model type")
 
     @classmethod
     def _from_earlier_versions(cls, config_dict: dict) -> dict:

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from .atomic_write import write_atomic
+from .modeling_memffn import class_saved_as
 
 CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
 TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
@@ -278,7 +279,8 @@ def card_metadata(model, save_directory: str | os.PathLike | None = None, **over
     if "base_model" not in fields and source.count("/") == 1 and not os.path.exists(source):
         fields["base_model"] = source
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    tags = [*BASE_TAGS[:1], model_type, *BASE_TAGS[1:], *_as_list(getattr(model, "model_tags", None)),
+    remote_code_tags = BASE_TAGS[1:] if loads_with_remote_code(model) else ()
+    tags = [*BASE_TAGS[:1], model_type, *remote_code_tags, *_as_list(getattr(model, "model_tags", None)),
             *(tag for source_fields in (kept, attached, overrides) for tag in _as_list(source_fields.get("tags")))]
     fields["tags"] = list(dict.fromkeys(tag for tag in tags if tag))
     for key in ("datasets", "language"):
@@ -332,6 +334,7 @@ def render_model_card(
     summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
     auto_class = auto_class_of(model)
+    loader = auto_class if loads_with_remote_code(model) else class_saved_as(type(model)).__name__
     variant = _saved_variant(save_directory)
     sections = [
         _front_matter(card_metadata(model, save_directory, **metadata), AUTO_CLASS_USES[auto_class][0]),
@@ -343,13 +346,26 @@ def render_model_card(
         _usage_section(model, location, variant),
     ]
     if model_type in MEMORY_MODEL_TYPES:
-        sections.append(_lookup_section(_attached_table_format(model), location, save_directory, auto_class))
-    if auto_class == "AutoModelForCausalLM":  # (lm-eval scores language models)
+        sections.append(_lookup_section(_attached_table_format(model), location, save_directory, loader))
+    if loader == "AutoModelForCausalLM":  # (lm-eval scores language models, loaded with the checkpoint's code)
         sections.append(_evaluation_section(location, variant))
     sections.append(GENERATED_END)
     if training_summary:
         sections.append("## Training\n\n" + training_summary.strip())
     return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def loads_with_remote_code(model) -> bool:
+    """Whether the checkpoint of `model` loads as `model`'s class with `trust_remote_code`: its config's `auto_map`
+    names the config's class and the model's class in this package's modeling files (which `save_pretrained` copies
+    next to the weights). A user's own classes are saved without such code: a `MemFFNConfig` subclass without
+    `class_prefix` gets no `auto_map`, and transformers names a subclass of the package's classes in the module that
+    defines it, which imports the package; their cards load them with those classes instead."""
+    config = getattr(model, "config", None)
+    auto_map = getattr(config, "auto_map", None) or {}
+    modeling_module = getattr(type(config), "modeling_module", "")
+    return (auto_map.get("AutoConfig") == f"configuration_memffn.{type(config).__name__}"
+            and auto_map.get(auto_class_of(model)) == f"{modeling_module}.{class_saved_as(type(model)).__name__}")
 
 
 def auto_class_of(model) -> str:
@@ -447,8 +463,22 @@ def _variant_model_arg(variant: str | None) -> str:
 
 def _usage_section(model, location: str, variant: str | None = None) -> str:
     auto_class = auto_class_of(model)
-    load = (f"model = {auto_class}.from_pretrained(checkpoint, trust_remote_code=True, dtype=torch.bfloat16"
-            f"{_variant_keyword(variant)})\n")
+    remote_code = loads_with_remote_code(model)
+    model_class = class_saved_as(type(model))
+    loader = auto_class if remote_code else model_class.__name__
+    load = (f"model = {loader}.from_pretrained(checkpoint{', trust_remote_code=True' if remote_code else ''}, "
+            f"dtype=torch.bfloat16{_variant_keyword(variant)})\n")
+    if remote_code:
+        model_import = f"from transformers import {auto_class}"
+        preamble = ("The modeling code ships in this folder (the modeling file named in `config.json` and its "
+                    "siblings), so only `transformers` and `torch` are needed (`triton` for the fused GPU kernels):")
+    else:
+        model_import = (f"# {model_class.__name__}: the class defined in the script that saved this checkpoint"
+                        if model_class.__module__ == "__main__" else
+                        f"from {model_class.__module__} import {model_class.__name__}")
+        preamble = (f"`config.json` names no modeling code in this folder that loads it as {model_class.__name__}, a "
+                    "class defined outside the `hf-memffn` package, so `trust_remote_code` does not load it: load it "
+                    "with that class (its module imports the package):")
     if _has_tokenizer(model):
         if auto_class == "AutoModelForCausalLM":
             outputs = ("output = model.generate(**inputs, max_new_tokens=20)\n"
@@ -456,22 +486,21 @@ def _usage_section(model, location: str, variant: str | None = None) -> str:
         else:
             outputs = AUTO_CLASS_USES[auto_class][1].format(inputs="**inputs")
         body = (
-            "tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=True)  # reads config.json too\n"
+            f"tokenizer = AutoTokenizer.from_pretrained(checkpoint{', trust_remote_code=True' if remote_code else ''})"
+            "  # reads config.json too\n"
             f"{load}"
             'inputs = tokenizer("The capital of France is", return_tensors="pt")\n'
             f"{outputs}"
         )
-        imports = f"import torch\nfrom transformers import {auto_class}, AutoTokenizer"
+        imports = f"import torch\n{model_import}\nfrom transformers import AutoTokenizer"
         note = ""
     else:
         outputs = AUTO_CLASS_USES[auto_class][1].format(inputs="input_ids")
         body = f"{load}input_ids = torch.tensor([[1, 2, 3]])\n{outputs}"
-        imports = f"import torch\nfrom transformers import {auto_class}"
+        imports = f"import torch\n{model_import}"
         note = "\n\nNo tokenizer was saved with this model: pair it with the tokenizer it was trained with."
     return (
-        "## Usage\n\n"
-        "The modeling code ships in this folder (the modeling file named in `config.json` and its siblings), so only "
-        "`transformers` and `torch` are needed (`triton` for the fused GPU kernels):\n\n"
+        f"## Usage\n\n{preamble}\n\n"
         f"```python\n{imports}\n\ncheckpoint = \"{location}\"\n{body}\n```{note}"
     )
 
@@ -533,7 +562,10 @@ def _tables_of_other_weights(folder, tables: list[str]) -> list[str]:
 
 
 def _lookup_section(attached_format: str | None, location: str, save_directory,
-                    auto_class: str = "AutoModelForCausalLM") -> str:
+                    loader: str = "AutoModelForCausalLM") -> str:
+    """The "Token lookup tables" section; its snippets load the checkpoint with `loader`, the Auto class of the card
+    (with `trust_remote_code`) or the user's own class of a checkpoint without remote code
+    (`loads_with_remote_code`)."""
     in_folder = save_directory is not None and os.path.isfile(os.path.join(os.fspath(save_directory), TABLE_INDEX_NAME))
     variant = _saved_variant(save_directory)
     subfolders = tables_in_subfolders(save_directory)
@@ -562,7 +594,8 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
             "```python\n"
             "from huggingface_hub import snapshot_download\n\n"
             f'checkpoint_dir = snapshot_download("{location}")  # or the local folder itself\n'
-            f"model = {auto_class}.from_pretrained(checkpoint_dir, trust_remote_code=True, dtype={dtype}"
+            f"model = {loader}.from_pretrained(checkpoint_dir"
+            f"{', trust_remote_code=True' if loader in AUTO_CLASS_USES else ''}, dtype={dtype}"
             f"{_variant_keyword(variant)})\n"
         )
     else:
@@ -585,7 +618,7 @@ def _lookup_section(attached_format: str | None, location: str, save_directory,
         "```\n\n"
         "A table is tied to the weights it was computed from; loading one from other weights raises an error."
     )
-    if auto_class != "AutoModelForCausalLM":  # (lm-eval scores language models)
+    if loader != "AutoModelForCausalLM":  # (lm-eval scores language models, loaded with the checkpoint's code)
         return section
     return (
         f"{section} Evaluate in lookup mode with lm-eval (needs the `hf-memffn` package):\n\n"

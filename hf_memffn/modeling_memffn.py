@@ -532,7 +532,24 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         # the classes of this file are the bases the architectures' modeling files build on (`refuse_the_base_class`)
         if type(self).__module__ == __name__:
             refuse_the_base_class(type(self).__name__)
+        self.refuse_another_architectures_config(config)
         super().__init__(config, *args, **kwargs)
+
+    @classmethod
+    def refuse_another_architectures_config(cls, config) -> None:
+        """A ValueError unless `config` is of this class's architecture: an instance of `config_class`, or of the
+        same model type (the copy of `config_class` that a checkpoint's remote code defines). Built from another
+        architecture's config, the model would hold that architecture's FFNs under this class's name, and its
+        checkpoint would name this class beside the other model type (transformers' own classes take any config)."""
+        expected = cls.config_class
+        if isinstance(config, expected) or getattr(config, "model_type", None) == expected.model_type:
+            return
+        auto_class = getattr(cls, "auto_class_name", "AutoModel")
+        raise ValueError(
+            f"{cls.__name__} takes a {expected.__name__}, not a {type(config).__name__} (model_type "
+            f"{getattr(config, 'model_type', None)!r}): build the model of this config with "
+            f"{auto_class}.from_config(config), which picks its own class, or give {cls.__name__} a "
+            f"{expected.__name__}")
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range or 0.02  # (0 stands for transformers' default, as in its own models)
@@ -656,6 +673,11 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         output_loading_info = kwargs.pop("output_loading_info", False)
         use_own_checkpoint_conversions(cls.config_class)
         model, loading_info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if not getattr(model, "_weight_conversions", None):
+            # transformers reverses on save the checkpoint conversions that matched while loading: none matched a
+            # checkpoint without this architecture's FFN weights (a Llama's), and saving would keep the model's own
+            # names (`mlp.key_up_value`, ...). Without a record, saving applies the architecture's, as for a new model.
+            model.__dict__.pop("_weight_conversions", None)
         parametrized = sorted({before + "." + after.split(".")[0] for before, _, after in
                                (key.partition(".parametrizations.") for key in loading_info.get("unexpected_keys", ()))
                                if after})
@@ -803,7 +825,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
         # torch defines, `FSDP<name>(FSDPModule, <name>)`: transformers would copy torch's file as the modeling code
         # and name that class in `auto_map`. While saving, that class carries the name and module of the one it wraps.
         wrapper = type(self)
-        wrapped = wrapper.__bases__[-1] if wrapper.__module__.startswith("torch.") else wrapper
+        wrapped = class_saved_as(wrapper)
         names = wrapper.__module__, wrapper.__name__, wrapper.__qualname__
         if wrapped is not wrapper:
             wrapper.__module__, wrapper.__name__, wrapper.__qualname__ = (
@@ -870,6 +892,12 @@ class MemFFNPreTrainedModel(PreTrainedModel):
                                    **options)
 
 
+def class_saved_as(model_class: type) -> type:
+    """The class a model of `model_class` is saved as: the class itself, or the one that FSDP2's `fully_shard` wrapped
+    in its `FSDP<name>(FSDPModule, <name>)` (see `save_pretrained`)."""
+    return model_class.__bases__[-1] if model_class.__module__.startswith("torch.") else model_class
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The decoder stack
 # --------------------------------------------------------------------------------------------------------------------
@@ -879,6 +907,7 @@ class MemFFNModel(MemFFNPreTrainedModel):
     residual_ffn_blocks: dict[str, Callable[[MemFFNConfig], nn.Module]] = {"swiglu": SwiGLUFeedForward.from_config}
 
     def __init__(self, config: MemFFNConfig):
+        self.refuse_another_architectures_config(config)  # (before its fields are read)
         config.validate_fields()  # (fields set by hand after the config was built, `config.ffn_variant = ...`)
         # the parallel plans follow those fields too (transformers reads them from the config when it builds the
         # model's plans: a plan of the FFN the config had before would shard this one wrong)

@@ -978,3 +978,48 @@ def test_push_command_ends_a_network_failure_in_one_line(fake_hub, tmp_path, mon
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert stop.value.code == 2 and len(errors) == 1
     assert "push to someone/tiny failed: ConnectError: [Errno -3]" in errors[0]
+
+
+class SwiGLUDecoderConfig(hf_memffn.MemFFNConfig):
+    """A user's own architecture on the shared decoder: no `class_prefix`, so its config names no modeling code."""
+
+    model_type = "test_hub_swiglu_decoder"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+
+class SwiGLUDecoderModel(hf_memffn.MemFFNModel):
+    config_class = SwiGLUDecoderConfig
+
+
+class SwiGLUDecoderForCausalLM(hf_memffn.MemFFNForCausalLM):
+    config_class = SwiGLUDecoderConfig
+    base_model_class = SwiGLUDecoderModel
+
+
+class MemoryLLMWithANote(hf_memffn.MemoryLLMForCausalLM):
+    """A user's subclass of a package class: its checkpoint's `auto_map` names this module, not the package's code."""
+
+
+def test_the_card_of_a_users_own_classes_promises_no_remote_code_loading(tmp_path):
+    """A model of a user's subclasses (a `MemFFNConfig` subclass without `class_prefix`, or a subclass of one of the
+    package's model classes) is saved without modeling code that `trust_remote_code` loads it with: its card loads it
+    with the class it was saved from, and says nothing of `trust_remote_code` (no `custom_code` tag, no lm-eval
+    command through it). It promised `AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True)`."""
+    fields = {key: value for key, value in tiny_config("flash_mhf").to_dict().items()
+              if key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")}
+    torch.manual_seed(0)
+    for name, model in (("swiglu", SwiGLUDecoderForCausalLM(SwiGLUDecoderConfig(**fields))),
+                        ("memoryllm", MemoryLLMWithANote(tiny_config("memoryllm")))):
+        model.save_pretrained(tmp_path / name)
+        card = (tmp_path / name / "README.md").read_text()
+        class_name = type(model).__name__
+        assert "trust_remote_code=True" not in card and "custom_code" not in card and "lm_eval" not in card
+        assert f"from {__name__} import {class_name}\n" in card
+        assert f"model = {class_name}.from_pretrained(checkpoint, dtype=torch.bfloat16)" in card
+        assert card == render_model_card(model, save_directory=tmp_path / name)
+        type(model).from_pretrained(tmp_path / name)  # (what the card says loads it)
+    assert "## Token lookup tables" in card  # (MemoryLLM's, without lm-eval's command either)
+    package_card = render_model_card(tiny_model("memoryllm"))
+    assert "trust_remote_code=True" in package_card and "custom_code" in package_card

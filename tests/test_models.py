@@ -1677,3 +1677,115 @@ def test_flash_mhf_model_trains_on_cuda_under_autocast_with_the_triton_kernels()
     assert flash_mhf_path(queries).startswith("triton")
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, rtol=0.05, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# each model class with its own architecture's config
+# ---------------------------------------------------------------------------------------------------------------------
+MODEL_CLASS_KINDS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
+                     "ForQuestionAnswering")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_model_class_refuses_the_config_of_another_architecture(arch):
+    """Every model class (base model and each head) given the config of another architecture, or a Llama config,
+    is refused naming the config class it takes and the Auto class that builds the config's own model: built, it
+    would hold the other architecture's FFNs under this class's name, and its checkpoint would name this class with
+    the other architecture's model type (a MemoryLLMForCausalLM of a FlexMemoryLLMConfig reloaded as FlexMemoryLLM)."""
+    config_class = hf_memffn.ARCHITECTURES[arch]
+    for other in [name for name in ARCHS if name != arch] + ["llama"]:
+        config = tiny_config(other)
+        for kind in MODEL_CLASS_KINDS:
+            model_class = getattr(hf_memffn, config_class.class_prefix + kind)
+            auto_class = "AutoModel" + ("" if kind == "Model" else kind)
+            with pytest.raises(ValueError, match=rf"^{model_class.__name__} takes a {config_class.__name__}, not a "
+                                                 rf"{type(config).__name__} .*{auto_class}\.from_config\(config\)"):
+                model_class(config)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_refuses_a_checkpoint_of_another_architecture(arch, tmp_path):
+    """A checkpoint of one architecture loaded with another architecture's class or config class is refused, naming
+    the config class of its `model_type`: transformers only warns, and MemoryLLM's config read as FlexMemoryLLM's
+    (or FlashMHFLlama's, KVFFN's) built a model whose FFNs started at random; the other pairs failed naming a field of
+    the file as if removing it would load the checkpoint."""
+    AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(tmp_path)
+    saved_with = hf_memffn.ARCHITECTURES[arch]
+    for other in ARCHS:
+        if other == arch:
+            continue
+        config_class = hf_memffn.ARCHITECTURES[other]
+        model_class = getattr(hf_memffn, config_class.class_prefix + "ForCausalLM")
+        expected = (rf"^{config_class.__name__}: `model_type`='{saved_with.model_type}' is invalid: it is "
+                    rf"{saved_with.__name__}'s")
+        for loader in (config_class, model_class):
+            with pytest.raises(ValueError, match=expected):
+                loader.from_pretrained(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == saved_with.class_prefix + "ForCausalLM"
+
+
+def test_a_config_read_from_a_llama_config_is_of_its_own_model_type(tmp_path):
+    """A Llama checkpoint loaded as FlashMHFLlama (the decoder's weights, the FFN new) has FlashMHFLlama's model type
+    on the config: it was left at "llama", so the model card saved with it described a Llama ("# ... (llama)", tagged
+    llama, without FlashMHF's summary and fields)."""
+    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path / "llama")
+    ffn = {key: getattr(tiny_config("flash_mhf"), key)
+           for key in ("ffn_num_heads", "ffn_num_subnetworks", "ffn_num_kv_heads")}
+    assert hf_memffn.FlashMHFLlamaConfig.from_dict(tiny_config("llama").to_dict()).model_type == "memffn_flash_mhf"
+    model = hf_memffn.FlashMHFLlamaForCausalLM.from_pretrained(tmp_path / "llama", **ffn)
+    assert model.config.model_type == "memffn_flash_mhf"
+    model.save_pretrained(tmp_path / "flash_mhf")
+    card = (tmp_path / "flash_mhf" / "README.md").read_text()
+    assert "# FlashMHFLlama (memffn_flash_mhf)" in card and "\n- llama\n" not in card
+
+
+def test_a_config_subclass_without_an_init_of_its_own_keeps_the_fields_and_checks():
+    """A user's subclass of a config that only sets class attributes (its `model_type`) builds the config of its base
+    class, checks included: transformers turns a config class without an `__init__` of its own into a dataclass
+    whose generated `__init__` replaced the inherited one, so `FlexMemoryLLMConfig`'s fields were never set (the
+    model failed with "'...' object has no attribute 'head_dim'") and nothing was checked."""
+
+    class FlexWithAType(hf_memffn.FlexMemoryLLMConfig):
+        model_type = "test_models_flex_with_a_type"
+
+    class SwiGLUDecoderConfig(hf_memffn.MemFFNConfig):
+        model_type = "test_models_swiglu_decoder"
+
+    fields = dict(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = FlexWithAType(**fields)
+    expected = {**hf_memffn.FlexMemoryLLMConfig(**fields).to_dict(), "model_type": "test_models_flex_with_a_type"}
+    assert config.to_dict() == expected
+    assert FlexWithAType.from_dict(config.to_dict()).to_dict() == expected
+    hf_memffn.FlexMemoryLLMForCausalLM(config)
+    with pytest.raises(ValueError, match="memory_intermediate_size"):
+        FlexWithAType(**{**fields, "memory_intermediate_size": 0})
+    assert SwiGLUDecoderConfig(hidden_size=64, num_attention_heads=4).head_dim == 16
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_model_loaded_from_a_llama_checkpoint_saves_the_architectures_checkpoint_names(arch, tmp_path):
+    """A model loaded from a Llama checkpoint (the decoder's weights; the FFNs new) saves the tensor names of its
+    architecture's checkpoints, as a new model does, and loads back with the same logits. transformers reverses on
+    save only the checkpoint conversions that matched while loading, none here: the model saved its own names
+    (FlashMHF's joined `mlp.key_up_value`, KV-FFN's interleaved `mlp.key_value_proj`, MemoryLLM's
+    `memory.rmsnorm_weight`), which the token lookup tables' fingerprints and other readers of the checkpoint's
+    names do not know."""
+    from safetensors import safe_open
+
+    def saved_names(folder):
+        with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+            return set(weights.keys())
+
+    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path / "llama")
+    # (FlexMemoryLLM's FFN-C at the Llama MLP's width, which it loads)
+    ffn = {**hf_memffn.architectures.REGISTRY[arch].tiny_ffn,
+           "intermediate_size": tiny_config("llama").intermediate_size}
+    causal_lm = getattr(hf_memffn, hf_memffn.ARCHITECTURES[arch].class_prefix + "ForCausalLM")
+    model = causal_lm.from_pretrained(tmp_path / "llama", **ffn).eval()
+    model.save_pretrained(tmp_path / "loaded")
+    AutoModelForCausalLM.from_config(model.config).save_pretrained(tmp_path / "new")
+    assert saved_names(tmp_path / "loaded") == saved_names(tmp_path / "new")
+    ids = torch.tensor([[1, 5, 9, 2]])
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "loaded").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)

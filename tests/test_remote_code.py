@@ -531,3 +531,63 @@ def test_a_checkpoints_own_copy_of_the_code_and_the_package_in_one_process_give_
     assert len(results) == len(folders) // 2 * (4 if order == "package-first" else 3)
     checked = {key: value for key, value in results.items() if copy == "a-line-added" or "-package" in key}
     assert all(difference < 1e-5 for difference in checked.values()), checked
+
+
+# The schema of every operator of the `memffn_v2` namespace. Each file registers its operators once per process,
+# whichever copy of it is imported first (the package, or a checkpoint's remote code, perhaps of another version), and
+# the other copies call that copy's operators: an operator must keep its meaning (name, arguments, results, what it
+# computes) for as long as the namespace stays the same.
+OPERATOR_SCHEMAS = {
+    "flash_mhf": "(Tensor q, Tensor k, Tensor u, Tensor v, Tensor r, str impl) -> Tensor",
+    "flash_mhf_backward": "(Tensor grad_out, Tensor q, Tensor k, Tensor u, Tensor v, Tensor r, str impl) -> "
+                          "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "flash_mhf_layer": "(Tensor p, Tensor? norm_weight, Tensor? router, Tensor weights, SymInt head_dim, float eps, "
+                       "float gate_eps) -> Tensor",
+    "flash_mhf_layer_backward": "(Tensor grad_out, Tensor p, Tensor? norm_weight, Tensor? router, Tensor weights, "
+                                "SymInt head_dim, float eps, float gate_eps) -> (Tensor, Tensor, Tensor, Tensor)",
+    "flash_mhf_layer_keeping_queries": "(Tensor p, Tensor? norm_weight, Tensor? router, Tensor weights, "
+                                       "SymInt head_dim, float eps, float gate_eps) -> "
+                                       "(Tensor, Tensor, Tensor, Tensor)",
+    "flash_mhf_layer_backward_from_queries": "(Tensor grad_out, Tensor p, Tensor? norm_weight, Tensor? router, "
+                                             "Tensor weights, Tensor q, Tensor r, Tensor totals, SymInt head_dim, "
+                                             "float eps, float gate_eps) -> (Tensor, Tensor, Tensor, Tensor)",
+    "flash_mhf_layer_backward_from_queries_frozen_weights": "(Tensor grad_out, Tensor p, Tensor? norm_weight, "
+                                                            "Tensor? router, Tensor weights, Tensor q, Tensor r, "
+                                                            "Tensor totals, SymInt head_dim, float eps, "
+                                                            "float gate_eps) -> (Tensor, Tensor, Tensor)",
+    "rotary_tables": "(Tensor position_ids, Tensor inv_freq, float scaling, ScalarType dtype) -> (Tensor, Tensor)",
+    # (registered where triton is installed)
+    "kvffn_paired_forward": "(Tensor y, SymInt activation, bool product) -> Tensor",
+    "kvffn_paired_backward": "(Tensor y, Tensor grad_hidden, SymInt activation, bool product) -> Tensor",
+    "token_lookup_add": "(Tensor hidden, Tensor row_ids, Tensor rows, Tensor? scales, SymInt layer_position, "
+                        "SymInt hidden_size, SymInt format_code, SymInt group_size) -> Tensor",
+    "token_lookup_gather_rows": "(Tensor token_ids, Tensor? slot_of_token, Tensor? cache, Tensor table) -> Tensor",
+}
+
+
+def test_the_operators_of_the_namespace_keep_their_schemas():
+    """Every operator the package registers in its namespace has the schema pinned above, and every file names the
+    same namespace: a changed or new operator under the old namespace fails here, with a message saying to bump it
+    (a checkpoint's remote code of the old version, imported first, would otherwise run its own operator of that name
+    for the new code, or the reverse)."""
+    from hf_memffn import ffn_triton, flash_mhf_op, modeling_memffn, token_lookup_triton
+
+    namespace = flash_mhf_op.OP_NAMESPACE
+    named = {"flash_mhf_op.OP_NAMESPACE": namespace, "ffn_triton.OP_NAMESPACE": ffn_triton.OP_NAMESPACE,
+             "token_lookup_triton.OP_NAMESPACE": token_lookup_triton.OP_NAMESPACE,
+             "modeling_memffn.ROTARY_TABLES_OP": modeling_memffn.ROTARY_TABLES_OP.split("::")[0]}
+    assert set(named.values()) == {namespace}, f"the operators' namespace differs between files: {named}"
+    bump = (f"Operators are registered once per process by whichever copy of the code is imported first (the package "
+            f"or a checkpoint's remote code), so an operator of {namespace!r} must never change: register the new "
+            f"one under a new namespace (bump {namespace!r} in {', '.join(named)}), then pin it in OPERATOR_SCHEMAS")
+    triton_only = {"kvffn_paired_forward", "kvffn_paired_backward", "token_lookup_add", "token_lookup_gather_rows"}
+    expected = {name: schema for name, schema in OPERATOR_SCHEMAS.items()
+                if name not in triton_only or (ffn_triton.TRITON_AVAILABLE and token_lookup_triton.HAS_TRITON)}
+    registered = {name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith(f"{namespace}::")}
+    assert registered == set(expected), (f"operators of {namespace!r} added {sorted(registered - set(expected))} or "
+                                         f"gone {sorted(set(expected) - registered)}. {bump}")
+    for name, schema in expected.items():
+        actual = str(getattr(getattr(torch.ops, namespace), name).default._schema)
+        pinned = f"{namespace}::{name}{schema}"
+        assert actual == pinned, f"{namespace}::{name} has the schema {actual}, not the pinned {pinned}. {bump}"
