@@ -123,6 +123,11 @@ BASE_FIELDS = ("head_dim", "num_labels", "id2label", "label2id", "dtype", "torch
 # `config.problem_type` of the sequence classifier's loss (None: guessed from `num_labels` and the labels' dtype)
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
+# Keys of the RoPE dicts of `ROPE_TYPES` that transformers reads from `rope_parameters` only (it moves `rope_theta`,
+# `partial_rotary_factor` and `original_max_position_embeddings` given beside the fields into the dict itself)
+ROPE_DICT_KEYS = ("rope_type", "factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                  "short_factor", "long_factor", "low_freq_factor", "high_freq_factor")
+
 # RoPE types the decoder supports: the default and every type of transformers' RoPE init functions that scales the
 # frequencies of a plain (text, one-axis) rotary embedding, as LlamaForCausalLM does.
 ROPE_TYPES = ("default",) + tuple(name for name in ("linear", "dynamic", "yarn", "longrope", "llama3")
@@ -173,6 +178,10 @@ def unknown_field_requirement(config_class, key: str) -> str | None:
     own = _fields_of(config_class)
     if key.startswith("_") or key in own or key in TRANSFORMERS_CONFIG_KEYS:
         return None
+    if key in ROPE_DICT_KEYS:
+        return ("a key of `rope_parameters`, read there only (beside the fields the rotary embedding never reads "
+                "it): give it in that dict, such as rope_parameters={'rope_type': 'linear', 'factor': 2.0}; a saved "
+                "config.json with it loads once the key is removed from the file (its model ran without it)")
     if key.endswith(("_token_id", "_token_index")):  # (a tokenizer's other special tokens, kept as Llama keeps them)
         return None
     readers = [other.__name__ for other in CONFIG_CLASSES if key in _fields_of(other)]
@@ -329,7 +338,12 @@ class MemFFNConfig(PreTrainedConfig):
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         given_head_dim = head_dim
         if head_dim is None and _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
-            head_dim = hidden_size // num_attention_heads  # (invalid sizes are reported by `validate_fields`)
+            # (as Llama's config: heads of hidden_size // num_attention_heads rounded down would make an attention
+            # narrower than the hidden states; invalid sizes are reported by `validate_fields`)
+            _check(type(self).__name__, hidden_size <= 0 or hidden_size % num_attention_heads == 0,
+                   "num_attention_heads", num_attention_heads, f"must divide hidden_size={hidden_size} (head_dim = "
+                   "hidden_size // num_attention_heads); give `head_dim` for heads of another width")
+            head_dim = hidden_size // num_attention_heads
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
@@ -470,21 +484,37 @@ class MemFFNConfig(PreTrainedConfig):
         return config_dict
 
     def __setattr__(self, name, value):
+        # a RoPE dict set on the config once `rope_theta` is (`config.rope_parameters = {...}`) reads as one given to
+        # `__init__`: the rotary embedding reads its type and theta, which a dict without them, with the older key
+        # `type`, or None lacked (a KeyError or TypeError while the model was built)
+        standardized = (name == "rope_parameters" and (value is None or isinstance(value, dict))
+                        and "rope_theta" in self.__dict__)
+        if standardized:
+            value = self._standardized_rope(value)
         super().__setattr__(name, value)
         # `rope_theta` mirrors `rope_parameters["rope_theta"]`, which the rotary embedding reads: a new theta
-        # (`config.rope_theta = ...`, `from_pretrained(path, rope_theta=...)`) goes into it
+        # (`config.rope_theta = ...`, `from_pretrained(path, rope_theta=...)`) goes into it, and the theta of a new
+        # `rope_parameters` into `rope_theta`
         if name == "rope_theta":
             params = self.__dict__.get("rope_parameters")
             if isinstance(params, dict) and params.get("rope_theta") != value:
                 self.rope_parameters = {**params, "rope_theta": value}
+        elif standardized and self.__dict__["rope_theta"] != value["rope_theta"]:
+            super().__setattr__("rope_theta", value["rope_theta"])
 
-    def _standardize_rope(self) -> None:
-        """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
-        params = dict(self.rope_parameters or {})
+    def _standardized_rope(self, rope_parameters: dict | None) -> dict:
+        """A copy of `rope_parameters` with the type and theta the rotary embedding reads (`rope_theta` where it has
+        none) and the pretraining length of the types that scale from it."""
+        params = dict(rope_parameters or {})
         params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
         params.setdefault("rope_theta", self.rope_theta)
         if params["rope_type"] in ("llama3", "yarn", "longrope"):
             params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return params
+
+    def _standardize_rope(self) -> None:
+        """One source of truth for RoPE: `rope_parameters` carries the type and theta, `rope_theta` mirrors it."""
+        params = self._standardized_rope(self.rope_parameters)
         self.rope_parameters = params
         self.rope_theta = params["rope_theta"]
 
@@ -617,6 +647,9 @@ class MemFFNConfig(PreTrainedConfig):
             f"must divide num_attention_heads={self.num_attention_heads}",
         )
         _check(name, self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (rotary embeddings)")
+        # (a dict by `__init__`; set on the config since, another value failed inside the checks below)
+        _check(name, isinstance(self.rope_parameters, dict), "rope_parameters", self.rope_parameters,
+               ROPE_PARAMETERS_REQUIREMENT)
         # per-layer RoPE (one dict per layer type, as `{"full_attention": {...}}`): the rotary embedding reads the top
         # level only, so the nested types and their scaling would go unused
         _refuse_per_layer_rope(name, "rope_parameters", self.rope_parameters)
@@ -652,6 +685,11 @@ class MemFFNConfig(PreTrainedConfig):
         layer_types = getattr(self, "layer_types", None)
         _check(name, layer_types is None or all(kind == "full_attention" for kind in layer_types), "layer_types",
                layer_types, "must be None or 'full_attention' for every layer: the decoder's attention is full causal")
+        # (transformers checks the count when a config is built, and again when it is saved: a model loaded with
+        # another `num_hidden_layers`, or given one by hand, failed in its save_pretrained, the weights unwritten)
+        _check(name, layer_types is None or len(layer_types) == self.num_hidden_layers, "layer_types", layer_types,
+               f"must be None or have one entry per layer (num_hidden_layers={self.num_hidden_layers}); a checkpoint "
+               "loaded with another `num_hidden_layers` takes `layer_types=None` with it")
         _check(name, 0.0 <= self.attention_dropout < 1.0, "attention_dropout", self.attention_dropout, "in [0, 1)")
 
 

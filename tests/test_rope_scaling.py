@@ -179,3 +179,55 @@ def test_longrope_factors_must_have_one_number_per_frequency():
     long_only = {**ROPE_SCALINGS["longrope"], "short_factor": [1.0] * 12}
     with pytest.raises(ValueError, match=wrong_length.format("long_factor")):
         tiny_config("flash_mhf", ffn_variant="swiglu", head_dim=24, rope_parameters=long_only)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "default"}, {"rope_type": "default", "rope_theta": 500000.0},
+                                  {"type": "linear", "factor": 2.0}, ROPE_SCALINGS["yarn"],
+                                  {"rope_type": "yarn", "factor": 2.0}])
+def test_a_rope_dict_set_on_the_config_is_standardized_as_one_given_to_it(rope):
+    """`config.rope_parameters = {...}` after the config was built reads as the same dict given to the config: the
+    rotary embedding read it raw, so a dict without `rope_theta` ("default"), with the older key `type`, or a yarn
+    one without `original_max_position_embeddings` failed while the model was built (KeyError: 'rope_theta',
+    KeyError: 'rope_type', "Missing required keys"), None failed with "'NoneType' object is not subscriptable", and
+    a theta set there left `config.rope_theta` saying another one."""
+    given = tiny_config("kvffn", **({"rope_parameters": dict(rope)} if rope is not None else {}))
+    config = tiny_config("kvffn")
+    config.rope_parameters = dict(rope) if rope is not None else None
+    for key in ("rope_type", "rope_theta", "factor", "original_max_position_embeddings"):
+        assert config.rope_parameters.get(key) == given.rope_parameters.get(key), key
+    assert config.rope_theta == given.rope_theta == given.rope_parameters["rope_theta"]
+    rotary, given_rotary = (AutoModelForCausalLM.from_config(c).model.rotary_emb for c in (config, given))
+    torch.testing.assert_close(rotary.inv_freq, given_rotary.inv_freq)
+    assert rotary.attention_scaling == given_rotary.attention_scaling
+
+
+def test_a_rope_parameters_other_than_a_dict_set_on_the_config_is_refused_naming_the_field():
+    """A string set as `config.rope_parameters` failed in the model's build with "'str' object has no attribute
+    'items'"; it is refused as one given to the config is."""
+    config = tiny_config("memoryllm")
+    config.rope_parameters = "linear"
+    with pytest.raises(ValueError, match=r"`rope_parameters`='linear' is invalid: must be None or a dict"):
+        AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(("key", "value"), [("rope_type", "linear"), ("factor", 4.0), ("low_freq_factor", 1.0),
+                                            ("beta_fast", 16.0), ("long_factor", [2.0] * 8)])
+def test_a_rope_key_given_beside_the_fields_is_refused_naming_rope_parameters(key, value, tmp_path):
+    """The keys of a RoPE dict given as fields of their own (`rope_type="linear", factor=4.0`, as LlamaConfig also
+    takes them without a word) were kept on the config and never read: the model ran unscaled RoPE. They are refused
+    naming `rope_parameters`, given to the config, to `from_pretrained`, in a config.json or set on the config by
+    hand."""
+    message = rf"`{key}`=.* is invalid: a key of `rope_parameters`, read there only"
+    with pytest.raises(ValueError, match=message):
+        tiny_config("kvffn", **{key: value})
+    tiny_config("kvffn").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.from_pretrained(tmp_path, **{key: value})
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), key: value}))
+    with pytest.raises(ValueError, match=message + ".*loads once the key is removed from the file"):
+        AutoConfig.from_pretrained(tmp_path)
+    config = tiny_config("kvffn")
+    setattr(config, key, value)
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_config(config)

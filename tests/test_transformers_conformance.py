@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaForCausalLM, StaticCache
 
 from hf_memffn.modeling_memffn import CACHE_KWARG
 from hf_memffn.testing import enable_activation_checkpointing, tiny_config
@@ -393,3 +393,34 @@ def test_an_initializer_range_of_zero_initializes_with_the_default_std(arch):
     layer = model.model.layers[0]
     for weight in (model.model.embed_tokens.weight, layer.self_attn.q_proj.weight, model.lm_head.weight):
         assert weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_attention_heads_that_do_not_divide_hidden_size_are_refused_unless_head_dim_is_given(arch):
+    """Llama's config refuses a `hidden_size` that `num_attention_heads` does not divide. Here, without `head_dim`,
+    the heads took hidden_size // num_attention_heads dimensions, rounded down: 6 heads of a 64-wide model made an
+    attention 60 wide without a word (and 3 heads, 64 // 3 = 21, were refused as an odd `head_dim` the config was
+    never given). A `head_dim` given with them still builds heads of that width."""
+    for heads in (6, 3):
+        with pytest.raises(ValueError, match=rf"`num_attention_heads`={heads} is invalid: must divide hidden_size=64"):
+            tiny_config(arch, num_attention_heads=heads, num_key_value_heads=1)
+    config = tiny_config(arch, num_attention_heads=3, num_key_value_heads=1, head_dim=22)
+    assert config.head_dim == 22
+    assert AutoModelForCausalLM.from_config(config).model.layers[0].self_attn.q_proj.out_features == 66
+
+
+@pytest.mark.parametrize("arch", ARCHS[:4])
+def test_layer_types_of_another_number_of_layers_are_refused_where_the_layers_change(arch, tmp_path):
+    """`from_pretrained(path, num_hidden_layers=3)` of a checkpoint whose config lists two `layer_types` (and
+    `config.num_hidden_layers = 3` set by hand) built the model, and its `save_pretrained` then failed inside
+    transformers (StrictDataclassClassValidationError), leaving a folder of modeling code without weights. It is
+    refused where the layers change, naming `layer_types` and how to load it; `layer_types=None` with it loads."""
+    tiny_config(arch, layer_types=["full_attention"] * 2).save_pretrained(tmp_path)
+    message = r"`layer_types`=\[.*\] is invalid: must be None or have one entry per layer"
+    with pytest.raises(ValueError, match=message + r" \(num_hidden_layers=3\)"):
+        AutoConfig.from_pretrained(tmp_path, num_hidden_layers=3)
+    assert AutoConfig.from_pretrained(tmp_path, num_hidden_layers=3, layer_types=None).num_hidden_layers == 3
+    config = AutoConfig.from_pretrained(tmp_path)
+    config.num_hidden_layers = 3
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_config(config)
