@@ -14,29 +14,37 @@ that did not: another --logging-steps, or another --save-steps, at which the rec
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
 
 from hf_memffn.atomic_write import write_atomic
-from hf_memffn.demo import finite_or_null
-from pretrain import read_run_record  # (the run's files write a loss that is not finite as null: see its NOT_FINITE)
+from hf_memffn.run_records import read_run_record, run_record_json  # (a loss that is not finite: see its NOT_FINITE)
 
 
 def read_curves(run_dir: Path) -> dict:
     """The run's training and evaluation losses by step, and the first step of each training loss's window (the
-    Trainer logs the mean loss of the steps since its previous log)."""
+    Trainer logs the mean loss of the steps since its previous log). A last line cut short is left out."""
     train, windows, evaluation, summary = {}, {}, {}, {}
-    for line in (run_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines():
-        record = read_run_record(line)
+    log = run_dir / "train_log.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = read_run_record(line)
+        except ValueError as error:
+            if number == len(lines):  # (cut short by a run stopped while appending it, or one still writing it)
+                break
+            raise ValueError(f"{log}: line {number} is no record of examples/pretrain.py's log ({error})") from None
         if "loss" in record:
             windows[record["step"]] = max(train, default=0) + 1
             train[record["step"]] = record["loss"]
         if "eval_loss" in record:
             evaluation[record["step"]] = record["eval_loss"]
     if (run_dir / "summary.json").is_file():
-        summary = read_run_record((run_dir / "summary.json").read_text(encoding="utf-8"))
+        try:
+            summary = read_run_record((run_dir / "summary.json").read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise ValueError(f"{run_dir / 'summary.json'} is no summary of examples/pretrain.py ({error})") from None
     return {"train": train, "windows": windows, "eval": evaluation, "summary": summary}
 
 
@@ -138,10 +146,11 @@ def main(argv=None) -> dict:
         parser.error(str(error))
     table = markdown(result)
     print(table)
-    # (strict JSON: a difference that is NaN, a run that diverged, is written as null)
-    strict_json = json.dumps(finite_or_null(result), indent=2, allow_nan=False) + "\n"
+    # (strict JSON: a difference that is NaN, a run that diverged, is written as null and named under not_finite)
+    strict_json = run_record_json(result, indent=2) + "\n"
     for path, text in ((args.json, strict_json), (args.markdown, table)):
         if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, text)
     return result
 

@@ -34,6 +34,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,7 +94,10 @@ class RecipeArguments:
     precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={"help": "auto: bf16 on GPUs that have it; bf16 also on CPU"})
     min_learning_rate: float = OPTIMIZER_DEFAULTS["min_learning_rate"]
     stop_after_steps: int | None = field(default=None, metadata={"help": "stop at this step, keeping the --max-steps schedule"})
-    resume: str | None = field(default=None, metadata={"help": "checkpoint folder, or 'latest' for the newest in --output-dir"})
+    resume: str | None = field(default=None, metadata={"help": "checkpoint folder, or 'latest' for the newest in "
+                               "--output-dir; the run's model, data, batch, optimizer and schedule settings must be "
+                               "its own (a longer --max-steps, other logging, evaluation and saving intervals may be "
+                               "given)"})
     peak_tflops: float | None = field(default=None, metadata={"help": "device peak for MFU (default: known GPUs' bf16 peak)"})
     profile_steps: str | None = field(default=None, metadata={"help": "FIRST:LAST: profile these training steps on the "
                                       "main process; writes profile_steps.json and profile_steps.txt to --output-dir"})
@@ -980,6 +984,16 @@ def refuse_profile_steps_past_the_run(text: str, last: int, max_steps: int, stop
                              f"stops; the profile is written at its last step, so end it at step {end} or before")
 
 
+def refuse_profile_steps_before_the_checkpoint(text: str, first: int, checkpoint: str | None) -> None:
+    """The profiler starts as the window's first step begins: a window from a step at or before the checkpoint a run
+    resumes from never started, and no profile was written, without a word."""
+    step = checkpoint_state(checkpoint).global_step if checkpoint else 0
+    if first <= step:
+        raise ValueError(f"--profile-steps={text!r}: the checkpoint to resume from ({str(checkpoint)!r}) is at step "
+                         f"{step}, so its first step {first} is not trained again; give steps after {step}, or leave "
+                         "it out")
+
+
 def make_profile_callback(first: int, last: int, output_dir: Path, is_main_process: bool):
     """Profiles training steps FIRST..LAST (counted from 1) with torch.profiler on the main process.
 
@@ -1331,13 +1345,20 @@ def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None
 
 def refuse_a_used_output_dir(args, output_dir: Path) -> None:
     """A fresh run (no --resume) into a folder that holds another run's log, checkpoints or results would append to
-    its log and keep its checkpoints, which a later `--resume latest` would then take."""
-    if args.resume or not output_dir.is_dir():
+    its log and keep its checkpoints, which a later `--resume latest` would then take. So would a run resumed from a
+    checkpoint of another folder (`--resume DIR/checkpoint-N`), its log rewritten with the other run's history."""
+    elsewhere = args.resume not in (None, "latest") and Path(args.resume).resolve().parent != output_dir.resolve()
+    if (args.resume and not elsewhere) or not output_dir.is_dir():
         return
     found = sorted(path.name for pattern in ("checkpoint-*", "train_log.jsonl", "summary.json", "final")
                    for path in output_dir.glob(pattern))
     if not found:
         return
+    if elsewhere:
+        raise ValueError(f"--output-dir={str(output_dir)!r} holds a run ({', '.join(found[:4])}) and "
+                         f"--resume={args.resume!r} is a checkpoint of another folder: resumed there, the two runs "
+                         "would share a log and checkpoints; choose another --output-dir, or resume a checkpoint of "
+                         "that folder")
     # (a run stopped before its first checkpoint left its log only: told to pass --resume latest, the user was then
     # told that there is no checkpoint to resume from)
     if any(name.startswith("checkpoint-") for name in found):
@@ -1436,11 +1457,26 @@ def refuse_a_checkpoint_of_another_model(model, checkpoint: str | None) -> None:
         differing = sorted(key for key in set(saved) | set(built)
                            if key not in ignored and saved.get(key) != built.get(key))
     if differing:
-        shown = ", ".join(f"{key}={saved.get(key)!r} (these arguments: {built.get(key)!r})" for key in differing[:3])
-        more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
-        raise ValueError(f"--resume: {str(checkpoint)!r} is a checkpoint of another model: its config has "
-                         f"{shown}{more}; resume with the run's own --arch, --preset, --config-overrides and "
-                         "tokenizer, or choose another --output-dir")
+        _refuse_another_model(checkpoint, differing, saved, built)
+
+
+def refuse_a_checkpoint_of_another_arch(args, checkpoint: str | None) -> None:
+    """The --arch of a new model against its checkpoint's model type, before the data is read, tokenized and packed
+    (the whole config is compared once the model is built: `refuse_a_checkpoint_of_another_model`)."""
+    if checkpoint is None or args.init_from or not (Path(checkpoint) / "config.json").is_file():
+        return
+    saved_type = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    built_type = config_class_of(args.arch).model_type
+    if saved_type != built_type:
+        _refuse_another_model(checkpoint, ["model_type"], {"model_type": saved_type}, {"model_type": built_type})
+
+
+def _refuse_another_model(checkpoint: str, differing: list[str], saved: dict, built: dict) -> None:
+    shown = ", ".join(f"{key}={saved.get(key)!r} (these arguments: {built.get(key)!r})" for key in differing[:3])
+    more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+    raise ValueError(f"--resume: {str(checkpoint)!r} is a checkpoint of another model: its config has "
+                     f"{shown}{more}; resume with the run's own --arch, --preset, --config-overrides and "
+                     "tokenizer, or choose another --output-dir")
 
 
 def refuse_a_checkpoint_beyond_max_steps(checkpoint: str | None, max_steps: int) -> None:
@@ -1469,6 +1505,32 @@ def refuse_a_stop_that_stops_nothing(stop_after_steps: int | None, max_steps: in
         raise ValueError(f"--stop-after-steps={stop_after_steps}: the checkpoint to resume from ({str(checkpoint)!r}) "
                          f"is at step {step}, past it; give step {step} or later, or leave it out to train on to "
                          "--max-steps")
+
+
+def refuse_a_checkpoint_without_optimizer_state(checkpoint: str | None, max_steps: int,
+                                                stop_after_steps: int | None) -> None:
+    """A checkpoint saved with --save-only-model holds no optimizer or schedule state: resumed, the Trainer trained the
+    steps left without a word from a new optimizer state, with its schedule started again from step 0 (the warmup
+    again, the decay ending past --max-steps). Refused where steps are left to train before --max-steps or
+    --stop-after-steps: a session stopped after its last checkpoint still finishes. The state is
+    looked for where the Trainer loads it: optimizer.pt or optimizer.bin, a folder of FSDP's sharded state, or
+    DeepSpeed's global_step folder."""
+    from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN
+
+    if checkpoint is None:
+        return
+    folder = Path(checkpoint)
+    step = checkpoint_state(checkpoint).global_step
+    if any(step >= end for end in (max_steps, stop_after_steps) if end and end > 0):  # (nothing left to train)
+        return
+    if (folder / OPTIMIZER_NAME).is_file() or (folder / OPTIMIZER_NAME_BIN).is_file() or any(
+            path.is_dir() and ("optimizer" in path.name or path.name.startswith("global_step"))
+            for path in folder.iterdir()):
+        return
+    raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) holds no optimizer state (saved "
+                     "with --save-only-model): the steps left would train from a new optimizer state with the "
+                     f"schedule started again from step 0 at step {step}; go on from its weights in a new run: "
+                     f"--init-from {str(checkpoint)!r} with another --output-dir")
 
 
 def refuse_another_learning_rate(checkpoint: str | None, learning_rate: float) -> None:
@@ -1617,8 +1679,102 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
                          "on twice, others never)")
 
 
-def record_batches_in_checkpoints(trainer, settings: dict):
-    """Makes the Trainer write `settings` into each checkpoint it saves (`refuse_a_checkpoint_of_other_batches`), with
+# Written into each checkpoint: the optimizer's and the schedule's settings (see `optimizer_settings`).
+OPTIMIZER_SETTINGS_FILE = "recipe_optimizer.json"
+_TAKEN_BACK = "the Trainer takes the checkpoint's back with the optimizer's state: another value would be left unused"
+_ANOTHER_SCHEDULE = "the steps left would follow another schedule than the steps trained: a schedule of neither run"
+# The settings a resumed run must keep (`refuse_a_checkpoint_of_other_optimizer_settings`): the option of each, and
+# what another value did. (A longer --max-steps may be given: the steps left follow the schedule of the new total.)
+OPTIMIZER_OPTIONS = {
+    "optim": ("--optim", "the checkpoint's optimizer state would be loaded into another optimizer"),
+    "optim_args": ("--optim-args", "the checkpoint's optimizer state would be loaded into another optimizer"),
+    "adam_beta1": ("--adam-beta1", _TAKEN_BACK),
+    "adam_beta2": ("--adam-beta2", _TAKEN_BACK),
+    "adam_epsilon": ("--adam-epsilon", _TAKEN_BACK),
+    "weight_decay": ("--weight-decay", _TAKEN_BACK),
+    "lr_scheduler_type": ("--lr-scheduler-type", _ANOTHER_SCHEDULE),
+    "lr_scheduler_kwargs": ("--lr-scheduler-kwargs", _ANOTHER_SCHEDULE),
+    "min_learning_rate": ("--min-learning-rate", _ANOTHER_SCHEDULE),
+    "warmup_steps": ("--warmup-steps", _ANOTHER_SCHEDULE),
+    "max_grad_norm": ("--max-grad-norm", "the steps left would clip their gradients otherwise than the steps trained"),
+}
+
+
+def optimizer_settings(training_args) -> dict:
+    """The settings of `OPTIMIZER_OPTIONS` (after `apply_the_cosine_floor`): --min-learning-rate is the cosine floor
+    as a rate (None for a schedule without one), apart from the other --lr-scheduler-kwargs."""
+    scheduler_kwargs = dict(training_args.lr_scheduler_kwargs or {})
+    floor_rate = scheduler_kwargs.pop("min_lr_rate", None)
+    return {"optim": getattr(training_args.optim, "value", training_args.optim),  # (the name, where an enum holds it)
+            "optim_args": training_args.optim_args,
+            "adam_beta1": training_args.adam_beta1, "adam_beta2": training_args.adam_beta2,
+            "adam_epsilon": training_args.adam_epsilon, "weight_decay": training_args.weight_decay,
+            "lr_scheduler_type": getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type),
+            "lr_scheduler_kwargs": scheduler_kwargs,
+            "min_learning_rate": None if floor_rate is None else floor_rate * training_args.learning_rate,
+            "warmup_steps": training_args.warmup_steps, "max_grad_norm": training_args.max_grad_norm}
+
+
+def _spelled_option(option: str, value, separator: str = " ") -> str:
+    """An option with its value as typed ("--weight-decay 0.1", separator " ") or as given ("=") on the command line,
+    or "no --optim-args" for a value of None."""
+    if value is None:
+        return f"no {option}"
+    return f"{option}{separator}{shlex.quote(json.dumps(value)) if isinstance(value, dict) else value}"
+
+
+def refuse_a_checkpoint_of_other_optimizer_settings(checkpoint: str | None, settings: dict) -> None:
+    """A run resumed with another optimizer setting (`OPTIMIZER_OPTIONS`) than its checkpoint's is refused before the
+    data is read, naming each option with the checkpoint's value and the new one: the Trainer took some back from the
+    checkpoint (the optimizer's state holds the betas, epsilon and weight decay), loaded the state into another
+    --optim, and built the schedule and clipping of the steps left from the new ones. Checkpoints of recipe versions
+    that recorded nothing, and settings a record lacks, pass."""
+    recorded = Path(checkpoint) / OPTIMIZER_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file():
+        return
+    saved = json.loads(recorded.read_text(encoding="utf-8"))
+
+    def same(first, second) -> bool:
+        if isinstance(first, float) and isinstance(second, (int, float)) and not isinstance(second, bool):
+            return math.isclose(first, second, rel_tol=1e-6)
+        return first == second
+
+    # (a cosine floor of None comes with a schedule type without one: that type is named)
+    differing = sorted((OPTIMIZER_OPTIONS[key][0], key) for key in OPTIMIZER_OPTIONS
+                       if key in saved and not same(saved[key], settings[key])
+                       and not (key == "min_learning_rate" and None in (saved[key], settings[key])))
+    if not differing:
+        return
+    given = ", ".join(_spelled_option(option, settings[key], "=") for option, key in differing)
+    trained = "; ".join(f"{_spelled_option(option, saved[key])} ({OPTIMIZER_OPTIONS[key][1]})"
+                        for option, key in differing)
+    advice = " ".join(_spelled_option(option, saved[key]) for option, key in differing)
+    raise ValueError(f"{given}: the checkpoint to resume from ({str(checkpoint)!r}) was trained with {trained}; "
+                     f"resume with {advice}")
+
+
+def refuse_a_checkpoint_of_another_training_text(checkpoint: str | None, settings: dict, train_blocks: int) -> None:
+    """A run resumed on another training text (other --data-files, --dataset or --data-dir, or the run's file grown
+    or cut) packs another number of blocks: a shuffling sampler orders them otherwise, and the steps left skip the
+    first blocks of that order, so some would be trained on twice, others never. Refused once the blocks are counted
+    (the count is recorded beside the batch settings). Blocks taken in order ("sequential": a grown text goes on
+    where the run was) pass, and so do checkpoints that recorded no count. Another text of the same number of
+    blocks is not told apart."""
+    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file() or _data_order(settings)[0] == "sequential":
+        return
+    saved = json.loads(recorded.read_text(encoding="utf-8")).get("train_blocks")
+    if saved is not None and saved != train_blocks:
+        raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was trained on {saved} blocks "
+                         f"of {settings['block_size']} tokens, the training text of these arguments gives "
+                         f"{train_blocks}; resume with the run's own training text (a shuffled order of other blocks "
+                         "would give the steps left some blocks trained on twice, others never), or choose another "
+                         "--output-dir")
+
+
+def record_settings_in_checkpoints(trainer, settings: dict, optimizer: dict):
+    """Makes the Trainer write the batch `settings` and the `optimizer` settings into each checkpoint it saves
+    (`refuse_a_checkpoint_of_other_batches`, `refuse_a_checkpoint_of_other_optimizer_settings`), with
     the checkpoint's weights: before its trainer_state.json, which the Trainer writes last and without which
     `resume_checkpoint` takes no checkpoint. (Written at `on_save`, after the Trainer's state, a session stopped in
     between left a checkpoint that resumed unchecked.) The per-device batch written is the one that trained, which
@@ -1640,6 +1796,7 @@ def record_batches_in_checkpoints(trainer, settings: dict):
             trained = {**settings, "per_device_train_batch_size": per_device_batch(trainer.args,
                                                                                     trainer.state.train_batch_size)}
             write_atomic(folder / BATCH_SETTINGS_FILE, json.dumps(trained, indent=2) + "\n")
+            write_atomic(folder / OPTIMIZER_SETTINGS_FILE, json.dumps(optimizer, indent=2) + "\n")
 
     trainer.save_model = save_model_and_record
     return trainer
@@ -1694,29 +1851,21 @@ def save_final_model(trainer, final_dir: Path) -> None:
         trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
 
 
-# JSON has no NaN or infinity: Python's json writes the bare words NaN and Infinity, which strict readers (jq,
-# JavaScript's JSON.parse, json.loads with parse_constant) refuse. The run's files, train_log.jsonl and summary.json,
-# write such a number (a loss or gradient norm of a run that diverged) as null and name its field under NOT_FINITE
-# with the number's spelling, so that a diverged loss stays apart from a value never measured:
-#     {"step": 30, "eval_loss": null, ..., "not_finite": {"eval_loss": "NaN"}}
-# `read_run_record` gives the numbers back (it reads the bare words of earlier versions' files too).
-NOT_FINITE = "not_finite"
-
-
+# The run's files, train_log.jsonl and summary.json, are strict JSON: a number that is not finite is written as null
+# and named under `not_finite` (`hf_memffn.run_records`, imported when used: fine-tuning a saved model runs its own
+# modeling code, not this package's).
 def run_record_json(record: dict, indent: int | None = None) -> str:
-    """A record of the run's files (a line of train_log.jsonl, the summary) as strict JSON: see NOT_FINITE."""
-    not_finite = {key: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-                  for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)}
-    if not_finite:
-        record = {**record, **dict.fromkeys(not_finite), NOT_FINITE: not_finite}
-    return json.dumps(record, indent=indent, allow_nan=False)
+    """A record of the run's files (a line of train_log.jsonl, the summary) as strict JSON."""
+    from hf_memffn.run_records import run_record_json as strict_json
+
+    return strict_json(record, indent)
 
 
 def read_run_record(text: str) -> dict:
     """A record of `run_record_json`, each number that is not finite a float again (NaN, or an infinity)."""
-    record = json.loads(text)
-    not_finite = record.pop(NOT_FINITE, None) or {}
-    return {**record, **{key: float(spelling) for key, spelling in not_finite.items()}}
+    from hf_memffn.run_records import read_run_record as read_strict_json
+
+    return read_strict_json(text)
 
 
 def write_summary(summary: dict, output_dir: Path) -> None:
@@ -1811,17 +1960,25 @@ def main(argv=None) -> dict:
                                           args.stop_after_steps)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
+    refuse_a_checkpoint_of_another_arch(args, checkpoint)
     refuse_a_checkpoint_beyond_max_steps(checkpoint, training_args.max_steps)
     refuse_a_stop_that_stops_nothing(args.stop_after_steps, training_args.max_steps, checkpoint)
+    refuse_a_checkpoint_without_optimizer_state(checkpoint, training_args.max_steps, args.stop_after_steps)
+    if profile_steps:
+        refuse_profile_steps_before_the_checkpoint(args.profile_steps, profile_steps[0], checkpoint)
     refuse_another_learning_rate(checkpoint, training_args.learning_rate)
     batches = batch_settings(args, training_args, trainer_batch_size_on_resume(checkpoint, training_args))
     refuse_a_checkpoint_of_other_batches(checkpoint, batches)
+    optimizer = optimizer_settings(training_args)
+    refuse_a_checkpoint_of_other_optimizer_settings(checkpoint, optimizer)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
     refuse_fewer_blocks_than_one_step(train_blocks, args.block_size, batches)
+    refuse_a_checkpoint_of_another_training_text(checkpoint, batches, len(train_blocks))
+    batches["train_blocks"] = len(train_blocks)  # (recorded in the checkpoints with the batch settings)
 
     model = build_model(args, tokenizer)
     refuse_an_arch_other_than_the_saved_models(args, model)
@@ -1847,7 +2004,7 @@ def main(argv=None) -> dict:
             flush=True,
         )
 
-    trainer = record_batches_in_checkpoints(keep_model_card(Trainer(
+    trainer = record_settings_in_checkpoints(keep_model_card(Trainer(
         model=model,
         args=training_args,
         train_dataset=train_blocks,
@@ -1857,7 +2014,7 @@ def main(argv=None) -> dict:
         callbacks=[throughput, make_log_at_checkpoints_callback()]
         + ([make_stop_callback(args.stop_after_steps)] if args.stop_after_steps else [])
         + ([make_profile_callback(*profile_steps, output_dir, training_args.process_index == 0)] if profile_steps else []),
-    )), batches)
+    )), batches, optimizer)
     started = time.perf_counter()
     resumed_state = checkpoint_state(checkpoint)
     if resumed_state and trainer.is_world_process_zero():

@@ -3,108 +3,44 @@
 Importing the package registers FlashMHFLlama, MemoryLLM, FlexMemoryLLM and KVFFN with `AutoConfig`, `AutoModel`,
 `AutoModelForCausalLM` and the task heads' Auto classes: `AutoModelForSequenceClassification`,
 `AutoModelForTokenClassification` and `AutoModelForQuestionAnswering`.
+
+The `hf-memffn` command (pyproject's script) defers that until a subcommand runs (`cli.main` calls
+`import_architectures`): its `--help` and its argument errors answer without importing torch and transformers' models,
+which take seconds.
 """
 
-import transformers
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from __future__ import annotations
 
-from .architectures import ARCHITECTURES, BASELINE, LORA_TARGET_MODULES, REGISTRY
-from .configuration_memffn import (
-    FlashMHFLlamaConfig,
-    FlexMemoryLLMConfig,
-    KVFFNConfig,
-    MemFFNConfig,
-    MemoryLLMConfig,
-)
-from .flash_mhf_op import flash_mhf
-from .modeling_flash_mhf import (
-    FlashMHFLlamaForCausalLM,
-    FlashMHFLlamaForQuestionAnswering,
-    FlashMHFLlamaForSequenceClassification,
-    FlashMHFLlamaForTokenClassification,
-    FlashMHFLlamaModel,
-)
-from .modeling_kvffn import (
-    KVFFNForCausalLM,
-    KVFFNForQuestionAnswering,
-    KVFFNForSequenceClassification,
-    KVFFNForTokenClassification,
-    KVFFNModel,
-)
-from .modeling_memffn import (
-    MemFFNForCausalLM,
-    MemFFNForQuestionAnswering,
-    MemFFNForSequenceClassification,
-    MemFFNForTokenClassification,
-    MemFFNModel,
-    MemFFNPreTrainedModel,
-)
-from .modeling_memoryllm import (
-    FlexMemoryLLMForCausalLM,
-    FlexMemoryLLMForQuestionAnswering,
-    FlexMemoryLLMForSequenceClassification,
-    FlexMemoryLLMForTokenClassification,
-    FlexMemoryLLMModel,
-    MemoryLLMForCausalLM,
-    MemoryLLMForQuestionAnswering,
-    MemoryLLMForSequenceClassification,
-    MemoryLLMForTokenClassification,
-    MemoryLLMModel,
-)
+import os
+import sys
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+COMMAND_NAME = "hf-memffn"  # pyproject.toml's [project.scripts]
+
+if TYPE_CHECKING:
+    from .public_api import *  # noqa: F403
 
 
-def register_auto_classes() -> None:
-    """Register the four architectures with the transformers Auto classes (idempotent). Importing their modeling
-    files has already named their head classes in transformers' tables of each task's models
-    (`modeling_memffn.register_for_auto_classes`)."""
-    for name, entry in REGISTRY.items():
-        if name == BASELINE:
-            continue
-        AutoConfig.register(entry.config_class.model_type, entry.config_class, exist_ok=True)
-        AutoModel.register(entry.config_class, entry.model_class, exist_ok=True)
-        AutoModelForCausalLM.register(entry.config_class, entry.causal_lm_class, exist_ok=True)
-        for auto_class, head_class in entry.task_heads.items():
-            getattr(transformers, auto_class).register(entry.config_class, head_class, exist_ok=True)
+def started_as_command() -> bool:
+    """Whether this process is the `hf-memffn` command: the script pip installs, the program's main module, imports
+    the package first. (A process that multiprocessing spawns from it has its arguments but another main module: it
+    imports the whole package, as its parent does once a subcommand runs.)"""
+    argv = getattr(sys, "argv", None) or [""]
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return (os.path.basename(argv[0]) == COMMAND_NAME and main_file is not None
+            and os.path.abspath(main_file) == os.path.abspath(argv[0]))
 
 
-register_auto_classes()
+def import_architectures() -> None:
+    """Import the architectures, register them with the transformers Auto classes and set the names of
+    `public_api` on the package (`__all__` lists the public ones): what `import hf_memffn` does. Idempotent."""
+    from . import public_api
 
-__all__ = [
-    "ARCHITECTURES",
-    "FlashMHFLlamaConfig",
-    "FlashMHFLlamaForCausalLM",
-    "FlashMHFLlamaForQuestionAnswering",
-    "FlashMHFLlamaForSequenceClassification",
-    "FlashMHFLlamaForTokenClassification",
-    "FlashMHFLlamaModel",
-    "FlexMemoryLLMConfig",
-    "FlexMemoryLLMForCausalLM",
-    "FlexMemoryLLMForQuestionAnswering",
-    "FlexMemoryLLMForSequenceClassification",
-    "FlexMemoryLLMForTokenClassification",
-    "FlexMemoryLLMModel",
-    "KVFFNConfig",
-    "KVFFNForCausalLM",
-    "KVFFNForQuestionAnswering",
-    "KVFFNForSequenceClassification",
-    "KVFFNForTokenClassification",
-    "KVFFNModel",
-    "LORA_TARGET_MODULES",
-    "MemFFNConfig",
-    "MemFFNForCausalLM",
-    "MemFFNForQuestionAnswering",
-    "MemFFNForSequenceClassification",
-    "MemFFNForTokenClassification",
-    "MemFFNModel",
-    "MemFFNPreTrainedModel",
-    "MemoryLLMConfig",
-    "MemoryLLMForCausalLM",
-    "MemoryLLMForQuestionAnswering",
-    "MemoryLLMForSequenceClassification",
-    "MemoryLLMForTokenClassification",
-    "MemoryLLMModel",
-    "flash_mhf",
-    "register_auto_classes",
-]
+    public_api.register_auto_classes()
+    globals().update((name, value) for name, value in vars(public_api).items() if not name.startswith("__"))
+    globals()["__all__"] = list(public_api.__all__)
+
+
+if not started_as_command():
+    import_architectures()

@@ -1,7 +1,8 @@
 """The `hf-memffn` command line: one entry point, one module per subcommand.
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args)`;
-it is imported only when chosen, so `hf-memffn --help` stays fast.
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args)`; it is imported only when
+chosen, and imports neither torch nor the models until `run` (nor does the package, started as this command: see
+hf_memffn/__init__.py), so `hf-memffn --help`, a subcommand's `--help` and an argument error answer at once.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from . import import_architectures
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("hf_memffn.demo", "train every architecture on the built-in fact world and compare them"),
+    "demo": ("hf_memffn.demo_command", "train every architecture on the built-in fact world and compare them"),
     "push": ("hf_memffn.hub", "upload a saved checkpoint folder (weights, tokenizer, remote code, model card) to the Hub"),
-    "export-tols": ("hf_memffn.conversion.export", "export a MemoryLLM's memory FFN as a token lookup table"),
-    "analyze": ("hf_memffn.analysis.cli", "what do the FFN memories store? a JSON + HTML report of a model's memories"),
+    "export-tols": ("hf_memffn.export_command", "export a MemoryLLM's memory FFN as a token lookup table"),
+    "analyze": ("hf_memffn.analyze_command",
+                "what do the FFN memories store? a JSON + HTML report of a model's memories"),
     "serve": ("hf_memffn.serving", "serve checkpoints with transformers' OpenAI-compatible server (`transformers serve`)"),
 }
 
@@ -78,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     sub = argparse.ArgumentParser(prog=f"hf-memffn {name}", description=SUBCOMMANDS[name][1])
     try:
-        # (the command's module imports the optional packages it needs: one missing is named in one line, with the
-        # pip command that installs it, also before the command's --help)
+        # (a package the command needs that is not installed is named in one line, with the pip command that
+        # installs it, when its `run` imports it)
         module = importlib.import_module(SUBCOMMANDS[name][0])
         if getattr(module, "PASS_THROUGH_ARGUMENTS", False):  # a wrapper around another command line: parses its own
+            if not {"-h", "--help"} & set(argv[1:]):  # (its --help answers without the models too)
+                import_architectures()
             return int(module.main(argv[1:]) or 0)
         module.add_arguments(sub)
         args = sub.parse_args(argv[1:])
+        import_architectures()  # (what `import hf_memffn` does, deferred in this command until here)
         with sigterm_raises_terminated():
             result = module.run(args)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM

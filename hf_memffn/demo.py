@@ -8,7 +8,7 @@ What it does, in order:
    initial seed on exactly the same batches (same token budget), with a progress bar per model;
 3. measures the final train loss, the held-out loss and, on the fact world, fact recall on held-out
    question forms; prints a table and saves it as `results.json` and `results.md` in `--out` (in `results.json` a
-   number that is not finite, e.g. the loss of a diverged run, is `null`);
+   number that is not finite, e.g. the loss of a diverged run, is `null`, named under `not_finite`);
 4. saves every model with its tokenizer in `--out/<arch>`, reloads one with
    `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`, checks its logits against the
    trained model and generates an answer to a held-out question;
@@ -38,37 +38,15 @@ import torch
 
 from .architectures import ARCHITECTURE_NAMES, BASELINE, DISPLAY_NAMES, REGISTRY
 from .atomic_write import atomic_output, write_atomic
-from .cli_args import install_hint, local_path, missing_gpu, output_dir, positive_int
+from .cli_args import install_hint, missing_gpu
+from .demo_command import DEFAULT, QUICK, REAL_TEXT_VOCAB_SIZE, DemoSettings, add_arguments  # noqa: F401
 from .fact_world import ATTRIBUTES, MAX_ENTITIES, FactWorld, score_recall
 from .flash_mhf_op import SUPPORTED_HEAD_DIMS
+from .run_records import run_record_json
 from .testing import BLOCK_PACKAGE_IMPORT, tiny_config
 from .tokenization import MIN_VOCAB_SIZE, train_tokenizer
 
 DEVICE_KINDS = ("cpu", "cuda", "mps")
-
-
-@dataclass(frozen=True)
-class DemoSettings:
-    """Sizes of the run. `DEFAULT` takes about two minutes on a 2-core CPU, `QUICK` a few seconds."""
-
-    steps: int
-    batch_size: int
-    seq_len: int
-    learning_rate: float
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    num_entities: int
-    vocab_size: int  # upper bound for the fact world (BPE stops early), the vocabulary for real text
-    warmup_fraction: float = 0.1
-
-
-DEFAULT = DemoSettings(steps=600, batch_size=16, seq_len=64, learning_rate=5e-3, hidden_size=64, num_layers=2,
-                       num_heads=2, intermediate_size=192, num_entities=16, vocab_size=2048)
-QUICK = DemoSettings(steps=24, batch_size=8, seq_len=64, learning_rate=3e-3, hidden_size=64, num_layers=2,
-                     num_heads=2, intermediate_size=128, num_entities=8, vocab_size=2048)
-REAL_TEXT_VOCAB_SIZE = 4096
 
 
 @dataclass
@@ -98,40 +76,6 @@ class ArchResult:
 
 
 # ---- command line ---------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--archs", nargs="+", default=list(ARCHITECTURE_NAMES), metavar="ARCH",
-                        help="architectures to train (space or comma separated); "
-                             f"default: all of {', '.join(ARCHITECTURE_NAMES)}")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps per model (default {DEFAULT.steps})")
-    parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {DEFAULT.batch_size})")
-    parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {DEFAULT.seq_len})")
-    parser.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT.learning_rate})")
-    parser.add_argument("--hidden-size", type=int, help=f"model width (default {DEFAULT.hidden_size})")
-    parser.add_argument("--num-layers", type=int, help=f"decoder layers (default {DEFAULT.num_layers})")
-    parser.add_argument("--intermediate-size", type=int,
-                        help=f"FFN width of the baseline; the other architectures are sized from it "
-                             f"(default {DEFAULT.intermediate_size})")
-    parser.add_argument("--num-entities", type=int,
-                        help=f"people in the fact world (default {DEFAULT.num_entities})")
-    parser.add_argument("--vocab-size", type=int,
-                        help=f"tokenizer vocabulary (default: up to {DEFAULT.vocab_size} on the fact world, "
-                             f"{REAL_TEXT_VOCAB_SIZE} on real text)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and the batches")
-    parser.add_argument("--out", default="./memffn-demo", type=output_dir,
-                        help="output directory (default ./memffn-demo)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
-    parser.add_argument("--quick", action="store_true", help="a few-second smoke run with tiny models")
-    data = parser.add_argument_group("real text instead of the fact world (no fact recall then)")
-    data.add_argument("--text-files", nargs="+", metavar="FILE", type=local_path, help="local UTF-8 text files")
-    data.add_argument("--dataset", type=local_path,
-                      help="a `datasets` Hub name or a local folder (needs `pip install datasets`, or the train extra)")
-    data.add_argument("--dataset-config", help="configuration name of --dataset")
-    data.add_argument("--dataset-split", default="train", help="split of --dataset (default train)")
-    data.add_argument("--text-column", default="text", help="text column of --dataset (default text)")
-    data.add_argument("--max-chars", type=positive_int, default=5_000_000,
-                      help="read at most this many characters of real text (default 5,000,000)")
-
-
 def _settings_from_args(args: argparse.Namespace) -> DemoSettings:
     base = QUICK if args.quick else DEFAULT
     overrides = {
@@ -614,24 +558,26 @@ def plot_losses(results: list[ArchResult], settings: DemoSettings, path: Path) -
 
     tokens_per_step = settings.batch_size * settings.seq_len
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        x = [(i + 1) * tokens_per_step for i in range(len(r.losses))]
-        (line,) = ax.plot(x, _centered_mean(r.losses, max(1, len(r.losses) // 25)),
-                          label=f"{r.name} (held-out {r.held_out_loss:.2f})")
-        ax.plot(x, r.losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        ax.scatter([x[-1]], [r.held_out_loss], color=line.get_color(), marker="x", zorder=3)
-    ax.set_yscale("log")  # the fact-learning phase happens at low loss
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("loss (lines: train, x: held-out at the end)")
-    ax.set_title("hf-memffn demo: same data, same token budget")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    try:  # (closed whether or not the save succeeds: pyplot keeps every figure left open)
+        for r in results:
+            x = [(i + 1) * tokens_per_step for i in range(len(r.losses))]
+            (line,) = ax.plot(x, _centered_mean(r.losses, max(1, len(r.losses) // 25)),
+                              label=f"{r.name} (held-out {r.held_out_loss:.2f})")
+            ax.plot(x, r.losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
+            ax.scatter([x[-1]], [r.held_out_loss], color=line.get_color(), marker="x", zorder=3)
+        ax.set_yscale("log")  # the fact-learning phase happens at low loss
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("loss (lines: train, x: held-out at the end)")
+        ax.set_title("hf-memffn demo: same data, same token budget")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 # ---- the command ---------------------------------------------------------------------------------
@@ -772,9 +718,9 @@ def finite_or_null(value):
 
 
 def results_json(summary: dict) -> str:
-    """The text of `results.json`: strict JSON, a number that is not finite written as `null` (Python's json would
-    write `NaN` or `Infinity`, which strict readers refuse)."""
-    return json.dumps(finite_or_null(summary), indent=2, allow_nan=False) + "\n"
+    """The text of `results.json`: strict JSON, a number that is not finite written as `null` and named under
+    `not_finite` (`run_records`; Python's json would write `NaN` or `Infinity`, which strict readers refuse)."""
+    return run_record_json(summary, indent=2) + "\n"
 
 
 def train_architectures(archs: list[str], corpus: Corpus, settings: DemoSettings, seed: int, device: torch.device,

@@ -383,7 +383,8 @@ def score_recall(
 
     scores: list[list[float]] = [[0.0] * len(candidate_ids[q.attribute]) for q in questions]
     greedy_hit: list[bool] = [False] * len(questions)
-    was_training = getattr(model, "training", False)
+    # each module's own mode, given back at the end (a part kept in eval mode in a model being trained stays so)
+    modes = [(module, module.training) for module in model.modules()] if hasattr(model, "modules") else []
     if hasattr(model, "eval"):
         model.eval()
     try:
@@ -405,8 +406,8 @@ def score_recall(
                 if candidates[question.attribute][c_index] == question.answer:
                     greedy_hit[q_index] = bool((log_probs[i, positions].argmax(-1) == targets).all())
     finally:
-        if was_training:
-            model.train()
+        for module, training in modes:
+            module.training = training
 
     correct = []
     per_attribute: dict[str, list[bool]] = {}

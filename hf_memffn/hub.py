@@ -21,7 +21,6 @@ from pathlib import Path
 from .atomic_write import write_atomic
 from .cli_args import first_line, local_path
 from .model_card import TABLE_INDEX_NAME, card_for_repository, render_model_card
-from .token_lookup import check_table_to_save, copy_table_files
 
 # What every folder written by `save_pretrained` of this package must hold (besides the weights).
 REQUIRED_FILES = ("config.json", "README.md", "configuration_memffn.py", "modeling_memffn.py")
@@ -311,6 +310,8 @@ def _table_to_stage(model, folder: str | os.PathLike, include_token_lookup: bool
     """The token lookup table whose files `stage_checkpoint` copies into `folder` (None: none, or it is there
     already); what `stage_checkpoint` refuses (weights saved with adapters or int8 attached, a table its checkpoint's
     `load_tols` would not take) is refused here, before anything is written."""
+    from .token_lookup import check_table_to_save  # (torch: `hf-memffn push --help` answers without it)
+
     refuse_parametrized_weights(model)
     table = attached_table(model)
     if not include_token_lookup or table is None or Path(table.index.directory).resolve() == Path(folder).resolve():
@@ -331,6 +332,8 @@ def _write_checkpoint(model, folder: str | os.PathLike, table, tokenizer, repo_i
     try:
         model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size is not None else {}))
         if table is not None:
+            from .token_lookup import copy_table_files
+
             copy_table_files(table.index, folder)  # (the files its index names: not token_lookup.py, the remote code)
         write_atomic(Path(folder) / "README.md",
                      render_model_card(model, repo_id=repo_id, save_directory=folder, tags=tags))

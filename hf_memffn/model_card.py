@@ -24,7 +24,6 @@ import re
 from pathlib import Path
 
 from .atomic_write import write_atomic
-from .modeling_memffn import class_saved_as
 
 CARD_PLACEHOLDER_PATH = "path/to/this/folder"  # shown in the usage snippet when no Hub repo id is known
 TABLE_INDEX_NAME = "token_lookup.safetensors.index.json"  # written by `hf-memffn export-tols`
@@ -334,7 +333,7 @@ def render_model_card(
     summary = _summary(config, model_type, summary)
     location = repo_id or CARD_PLACEHOLDER_PATH
     auto_class = auto_class_of(model)
-    loader = auto_class if loads_with_remote_code(model) else class_saved_as(type(model)).__name__
+    loader = auto_class if loads_with_remote_code(model) else _class_saved_as(type(model)).__name__
     variant = _saved_variant(save_directory)
     sections = [
         _front_matter(card_metadata(model, save_directory, **metadata), AUTO_CLASS_USES[auto_class][0]),
@@ -355,6 +354,14 @@ def render_model_card(
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
+def _class_saved_as(model_class: type) -> type:
+    """`modeling_memffn.class_saved_as`, imported when a card is made (the module imports torch, which `hf-memffn push
+    --help` answers without)."""
+    from .modeling_memffn import class_saved_as
+
+    return class_saved_as(model_class)
+
+
 def loads_with_remote_code(model) -> bool:
     """Whether the checkpoint of `model` loads as `model`'s class with `trust_remote_code`: its config's `auto_map`
     names the config's class and the model's class in this package's modeling files (which `save_pretrained` copies
@@ -365,7 +372,7 @@ def loads_with_remote_code(model) -> bool:
     auto_map = getattr(config, "auto_map", None) or {}
     modeling_module = getattr(type(config), "modeling_module", "")
     return (auto_map.get("AutoConfig") == f"configuration_memffn.{type(config).__name__}"
-            and auto_map.get(auto_class_of(model)) == f"{modeling_module}.{class_saved_as(type(model)).__name__}")
+            and auto_map.get(auto_class_of(model)) == f"{modeling_module}.{_class_saved_as(type(model)).__name__}")
 
 
 def auto_class_of(model) -> str:
@@ -464,7 +471,7 @@ def _variant_model_arg(variant: str | None) -> str:
 def _usage_section(model, location: str, variant: str | None = None) -> str:
     auto_class = auto_class_of(model)
     remote_code = loads_with_remote_code(model)
-    model_class = class_saved_as(type(model))
+    model_class = _class_saved_as(type(model))
     loader = auto_class if remote_code else model_class.__name__
     load = (f"model = {loader}.from_pretrained(checkpoint{', trust_remote_code=True' if remote_code else ''}, "
             f"dtype=torch.bfloat16{_variant_keyword(variant)})\n")

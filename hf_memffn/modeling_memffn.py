@@ -30,7 +30,7 @@ import transformers
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
@@ -199,6 +199,34 @@ def check_padding_mask(attention_mask: torch.Tensor, batch_and_length: tuple[int
             f"attention_mask has shape {tuple(attention_mask.shape)}: a 2-D mask needs one row per sequence and one "
             f"column per token, the cached ones included: ({batch}, {cached + length}) for {cached} cached and "
             f"{length} new tokens (in a decoding loop, extend the mask by the new tokens' columns at each step){peft}")
+
+
+def check_static_cache_room(cache: Cache | None, needed: int, what: str, hint: str = "") -> None:
+    """A ValueError naming the static cache's `max_cache_len` where it cannot hold `needed` tokens (`what` says what
+    needs them): its update would otherwise fail inside, an index_copy_ IndexError on the CPU and a device-side assert
+    on CUDA. Reads host-side integers only (each layer's length, never the count of cached tokens, which a static
+    cache keeps on the device); a sliding-window layer keeps its last tokens and never runs out of room."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, StaticLayer) and not getattr(layer, "is_sliding", False) and layer.max_cache_len < needed:
+            raise ValueError(
+                f"the {type(cache).__name__} has max_cache_len={layer.max_cache_len} positions, but {what} needs "
+                f"{needed}: pass a cache of max_cache_len >= {needed}{hint}")
+
+
+def check_cache_batch(cache: Cache, batch: int) -> None:
+    """A ValueError where `cache` holds another number of sequences than the forward gives (a cache reused for another
+    batch): a dynamic cache's update would otherwise fail inside torch.cat, a static one's inside index_copy_. Reads
+    the first layer's key tensor's shape (host-side integers) once it holds any."""
+    layers = getattr(cache, "layers", None)
+    keys = getattr(layers[0], "keys", None) if layers else None
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[2] == 0:
+        return
+    cached = keys.shape[0]
+    if type(cached) is int and type(batch) is int and cached != batch:
+        raise ValueError(
+            f"the {type(cache).__name__} holds {cached} sequences, and this forward gives {batch} "
+            f"sequence{'s' if batch != 1 else ''}: a cache continues the batch it was filled with; pass a new cache "
+            "(or none) for another batch")
 
 
 def check_position_ids(position_ids: torch.Tensor, batch_and_length: tuple[int, int]) -> None:
@@ -1028,6 +1056,14 @@ class MemFFNModel(MemFFNPreTrainedModel):
         """The key/value cache: `cache` (transformers 5.24 and later) or `past_key_values` (see `take_cache`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of `input_ids` or `inputs_embeds`")
+        name, tokens = ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+        if (cache is not None or past_key_values is not None) and not is_torchdynamo_compiling() \
+                and tokens.dim() >= 2 and tokens.shape[1] == 0:
+            # (generate() feeds what follows the cached tokens: nothing, given no more tokens than the cache holds)
+            raise ValueError(
+                f"no new token to run beside the key/value cache ({name} of shape {tuple(tokens.shape)}): a forward "
+                "with a cache takes the tokens after the cached ones, and generate() given a cache takes the whole "
+                "sequence, the cached tokens included")
         if input_ids is not None and not (self.training and input_ids.device.type != "cpu"):
             # (not in accelerator training steps: the check reads the ids back, a sync per step that Llama does not pay)
             check_token_ids(input_ids, embedding_rows(self.embed_tokens))
@@ -1047,6 +1083,13 @@ class MemFFNModel(MemFFNPreTrainedModel):
         # may pass a BlockMask)
         if isinstance(attention_mask, torch.Tensor):
             check_attention_mask(attention_mask, inputs_embeds.shape[:2], cache)
+        if cache is not None and not is_torchdynamo_compiling():
+            check_cache_batch(cache, inputs_embeds.shape[0])
+        if cache is not None and type(cache) is not DynamicCache and inputs_embeds.shape[1] > 1 \
+                and not is_torchdynamo_compiling():
+            # (a prompt or a chunk of one: a one-token decoding step overflows only a full cache, which the device's
+            # count of cached tokens would say, a sync per step)
+            check_static_cache_room(cache, inputs_embeds.shape[1], f"a forward of {inputs_embeds.shape[1]} new tokens")
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
         if position_ids is not None and not is_torchdynamo_compiling():
@@ -1192,6 +1235,18 @@ class MemFFNForCausalLM(MemFFNHeadModel, GenerationMixin):
 
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length, *args, **kwargs):
+        """generate()'s cache, as transformers prepares it; a static cache the caller passed is first checked to
+        hold `max_cache_length` positions (the prompt's, the cached ones included, and the new tokens' but the last,
+        which is never fed back), once before the first step."""
+        for name in ("cache", "past_key_values"):
+            check_static_cache_room(model_kwargs.get(name), max_cache_length,
+                                    f"generate() of up to max_length={generation_config.max_length} tokens",
+                                    " (or cache_implementation='static', which sizes one)")
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                                     max_cache_length, *args, **kwargs)
 
     @can_return_tuple
     def forward(

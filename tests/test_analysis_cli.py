@@ -247,11 +247,18 @@ def test_analyze_command_names_a_peft_adapter_folder_and_says_to_merge_it(saved_
                       "allowed: a whole model's directory: merge the adapter into its base model first")
 
 
-def test_analyze_command_without_matplotlib_names_the_package_to_install_in_one_line():
+def test_analyze_command_without_matplotlib_names_the_package_to_install_in_one_line(tmp_path):
     """A Python without matplotlib (a checkout on PYTHONPATH, an install with --no-deps): the report's module imports
-    it, and `hf-memffn analyze` ended in that import's traceback, also for --help."""
+    it, and `hf-memffn analyze` ended in that import's traceback, also for --help. Its --help needs no matplotlib (the
+    command's arguments import none of the analysis); a run names the package in one line."""
     completed = run_python(blocked_imports("matplotlib") + (
         "from hf_memffn.cli import main; raise SystemExit(main(['analyze', '--help']))"))
+    assert completed.returncode == 0 and "usage: hf-memffn analyze" in completed.stdout, completed.stderr[-2000:]
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "texts.txt").write_text("the memory\n")
+    argv = ["analyze", str(tmp_path), "--texts", str(tmp_path / "texts.txt"), "--out", str(tmp_path / "report")]
+    completed = run_python(blocked_imports("matplotlib") + (
+        f"from hf_memffn.cli import main; raise SystemExit(main({argv!r}))"))
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert completed.stderr.strip() == ("hf-memffn analyze: error: needs the 'matplotlib' package, which is not "
                                         "installed: pip install matplotlib (a dependency of hf-memffn: pip install "

@@ -215,7 +215,8 @@ def test_results_json_writes_null_for_a_diverged_runs_losses():
     result = summary["results"][0]
     assert result["train_loss"] is None and result["held_out_loss"] is None and result["losses"] == [2.5, None, None]
     assert result["recall"] == 0.25 and result["tokens_per_second"] == 100.0 and result["total_params"] == 10
-    assert summary["recall_chance"] is None and summary["formats"] == {"int8": [0.0, None]}
+    assert summary["recall_chance"] is None and summary["formats"] == {"int8": [0.0, None],
+                                                                       "not_finite": {"int8": {"1": "NaN"}}}
 
 
 def test_a_diverged_memoryllm_finishes_the_run_with_null_losses(tmp_path):
@@ -323,3 +324,52 @@ def test_a_run_stopped_before_its_results_leaves_no_results_of_other_models(tmp_
                   str(tmp_path / "a.txt"), "--out", str(out)])
     assert stop.value.code == 130
     assert sorted(p.name for p in out.iterdir()) == ["llama"] and (out / "llama" / "config.json").is_file()
+
+
+def test_results_json_names_the_numbers_that_are_not_finite_as_the_recipes_files_do():
+    """results.json wrote a diverged run's NaN or infinite loss as a bare `null`, as if never measured, where the
+    recipe's summary.json and train_log.jsonl name such a value under `not_finite`. Each object of results.json now
+    names its own fields (a list field its items by index), and `read_run_record` gives the numbers back."""
+    from dataclasses import asdict
+
+    from hf_memffn.demo import ArchResult, results_json
+    from hf_memffn.run_records import read_run_record
+
+    diverged = ArchResult(arch="kvffn", name="KVFFN", total_params=10, active_params=10, train_loss=math.nan,
+                          held_out_loss=math.inf, recall=0.25, recall_greedy=None, tokens_per_second=100.0,
+                          train_seconds=1.5, losses=[2.5, -math.inf, math.nan])
+    text = results_json({"results": [asdict(diverged)], "recall_chance": None, "total_seconds": 3.0})
+    result = json.loads(text, parse_constant=lambda name: pytest.fail(name))["results"][0]
+    assert result["train_loss"] is None and result["held_out_loss"] is None and result["recall_greedy"] is None
+    assert result["not_finite"] == {"train_loss": "NaN", "held_out_loss": "Infinity",
+                                    "losses": {"1": "-Infinity", "2": "NaN"}}
+    read = read_run_record(text)
+    (back,) = read["results"]
+    assert math.isnan(back["train_loss"]) and back["held_out_loss"] == math.inf and back["recall_greedy"] is None
+    assert back["losses"][:2] == [2.5, -math.inf] and math.isnan(back["losses"][2]) and "not_finite" not in back
+    assert read["recall_chance"] is None and read["total_seconds"] == 3.0 and "not_finite" not in read
+
+
+def test_a_failed_save_of_the_loss_curves_closes_their_figure(tmp_path, monkeypatch):
+    """The loss curves' figure was closed only after it was saved: a save that failed (a full disk, a folder that
+    cannot be written) left it open in pyplot, one more figure for each call in a process that goes on."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from hf_memffn.demo import QUICK, ArchResult, plot_losses
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    result = ArchResult(arch="llama", name="Llama", total_params=10, active_params=10, train_loss=2.0,
+                        held_out_loss=2.1, recall=None, recall_greedy=None, tokens_per_second=1.0, train_seconds=1.0,
+                        losses=[3.0, 2.5, 2.0])
+    open_before = plt.get_fignums()
+    with pytest.raises(OSError, match="No space left"):
+        plot_losses([result], QUICK, tmp_path / "loss_curves.png")
+    assert plt.get_fignums() == open_before and not list(tmp_path.iterdir())

@@ -398,3 +398,53 @@ def test_write_code_corpus_reads_sources_as_utf8_whatever_the_locale(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "corpus.jsonl").read_text(encoding="utf-8")) == {"text": 'NAME = "café ☃"\n'}
+
+
+def test_compare_loss_curves_names_the_differences_that_are_not_finite(tmp_path):
+    """The comparison's JSON wrote a diverged run's NaN differences as a bare `null`, as if never measured, where the
+    recipe's own files name such a value under `not_finite`: it names them too, and reads back as NaN."""
+    from hf_memffn.run_records import read_run_record
+
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3, 4: 4.1, 5: 3.9}, 8192)
+    diverged = write_run(tmp_path / "ddp", {1: 5.01, 2: 4.62, 3: 4.31, 4: 4.11, 5: math.nan}, 8192)
+    compare_loss_curves.main([str(reference), str(diverged), "--json", str(tmp_path / "out.json")])
+    text = (tmp_path / "out.json").read_text()
+    train = json.loads(text)["runs"][str(diverged)]["train_loss_difference"]
+    assert train["not_finite"] == {"max_abs": "NaN", "mean_abs": "NaN", "other_last": "NaN"}
+    back = read_run_record(text)["runs"][str(diverged)]["train_loss_difference"]
+    assert math.isnan(back["max_abs"]) and math.isnan(back["other_last"]) and back["reference_last"] == 3.9
+
+
+def test_compare_loss_curves_leaves_out_a_last_log_line_cut_short(tmp_path, capsys):
+    """A run stopped while appending to its train_log.jsonl (or one still writing it) leaves a last line cut short:
+    the comparison was refused with json's "Unterminated string starting at: line 1 column 13", naming neither the
+    file nor the line. That line is left out, as `--resume` drops it; a line that is no record before the last is
+    refused naming the file and the line."""
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3}, 8192)
+    stopped = write_run(tmp_path / "ddp", {1: 5.0, 2: 4.6, 3: 4.3}, 8192)
+    log = stopped / "train_log.jsonl"
+    log.write_text(log.read_text() + '{"step": 4, "lo')
+    entry = compare_loss_curves.main([str(reference), str(stopped)])["runs"][str(stopped)]
+    assert entry["train_loss_difference"]["steps"] == 3
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], lines[-1], *lines[1:-1]]) + "\n")
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(stopped)])
+    assert f"{log}: line 2 is no record of examples/pretrain.py's log" in capsys.readouterr().err
+
+
+def test_compare_loss_curves_names_an_unreadable_summary_and_writes_into_a_new_folder(tmp_path, capsys):
+    """A run whose summary.json is no JSON (cut short) was refused with json's "Expecting value", naming no file; a
+    --json or --markdown path in a folder not made yet failed, after the table was printed, with a FileNotFoundError
+    traceback naming the file's temporary name. The summary is named; the folder is made."""
+    reference = write_run(tmp_path / "single", {1: 5.0, 2: 4.6, 3: 4.3}, 8192)
+    other = write_run(tmp_path / "ddp", {1: 5.0, 2: 4.6, 3: 4.3}, 8192)
+    out = tmp_path / "comparisons" / "ddp"
+    compare_loss_curves.main([str(reference), str(other), "--json", str(out / "out.json"),
+                              "--markdown", str(out / "out.md")])
+    assert json.loads((out / "out.json").read_text())["reference"] == str(reference)
+    assert (out / "out.md").read_text().startswith("Reference:")
+    (other / "summary.json").write_text('{"tokens_per_step": 81')
+    with pytest.raises(SystemExit):
+        compare_loss_curves.main([str(reference), str(other)])
+    assert f"{other / 'summary.json'} is no summary of examples/pretrain.py" in capsys.readouterr().err

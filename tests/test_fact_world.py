@@ -206,3 +206,20 @@ def test_batch_and_document_sizes_below_one_are_refused_naming_the_argument(worl
     with pytest.raises(ValueError, match=r"passes=-1 is invalid; allowed: an integer >= 1"):
         world.training_documents(passes=-1)
     assert score_recall(oracle, tokenizer, questions, candidates, batch_size=1).accuracy == 1.0
+
+
+def test_score_recall_gives_each_module_back_the_mode_it_had(world, tokenizer):
+    """score_recall put the whole model in eval mode and, for a model in training mode, ended with a blanket
+    `model.train()`: a submodule kept in eval mode (a frozen part of a model being fine-tuned, its dropout off) came
+    back training. Each module, the model's too, gets back its own mode."""
+    questions = world.recall_questions()[:4]
+    candidates = {attr: world.candidates(attr) for attr in world.values}
+    model = PrefixTableLM(_answer_table(tokenizer, questions, lambda q: q.answer), len(tokenizer))
+    model.frozen = torch.nn.Dropout(0.5)
+    model.train()
+    model.frozen.eval()
+    assert score_recall(model, tokenizer, questions, candidates).accuracy == 1.0
+    assert model.training and not model.frozen.training
+    model.eval()
+    score_recall(model, tokenizer, questions, candidates)
+    assert not model.training and not model.frozen.training

@@ -351,3 +351,56 @@ def test_parameter_counts_and_half_precision_forward(arch):
         half = model.to(torch.float16)(ids).logits
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), expected, rtol=0, atol=0.01)
+
+
+@pytest.mark.parametrize("arch", ARCHS[:-1])
+def test_a_static_cache_too_small_is_refused_naming_its_length(arch):
+    """generate() given a StaticCache shorter than the prompt and the new tokens (all but the last, which is never fed
+    back) is refused before the first step, naming the cache's max_cache_len and the length needed, where the cache's
+    update failed inside with an index_copy_ IndexError (a device-side assert on CUDA); a cache of exactly that length
+    generates as the dynamic cache does. A forward of more new tokens than the static cache holds is refused too."""
+    from transformers import StaticCache
+
+    model = build(arch)
+    ids = prompt(batch=1)
+    expected = model.generate(ids, **GREEDY)
+    with pytest.raises(ValueError, match=r"max_cache_len=8 .* needs 9:"):
+        model.generate(ids, **GREEDY, **{CACHE_KWARG: StaticCache(config=model.config, max_cache_len=8)})
+    exact = StaticCache(config=model.config, max_cache_len=ids.shape[1] + GREEDY["max_new_tokens"] - 1)
+    assert torch.equal(model.generate(ids, **GREEDY, **{CACHE_KWARG: exact}), expected)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"max_cache_len=4 .* 6 new tokens"):
+        model(ids, use_cache=True, **{CACHE_KWARG: StaticCache(config=model.config, max_cache_len=4)})
+
+
+@pytest.mark.parametrize("arch", ARCHS[:-1])
+def test_a_cache_of_another_batch_size_is_refused_naming_both_sizes(arch):
+    """A cache reused for a forward or a generate() of another number of sequences than it holds is refused naming
+    both, where a dynamic cache failed inside with torch.cat's "Sizes of tensors must match" and a static one with an
+    index_copy_ error; the same cache still continues its own batch."""
+    from transformers import DynamicCache, StaticCache
+
+    model = build(arch)
+    ids = prompt(batch=2)
+    for cache in (DynamicCache(config=model.config), StaticCache(config=model.config, max_cache_len=16)):
+        with torch.no_grad():
+            model(ids, use_cache=True, **{CACHE_KWARG: cache})
+            with pytest.raises(ValueError, match=r"holds 2 sequences.* 1 sequence"):
+                model(ids[:1, :2], use_cache=True, **{CACHE_KWARG: cache})
+            with pytest.raises(ValueError, match=r"holds 2 sequences.* 1 sequence"):
+                model.generate(ids[:1], **GREEDY, **{CACHE_KWARG: cache})
+            assert model(ids[:, :1], use_cache=True, **{CACHE_KWARG: cache}).logits.shape[:2] == (2, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS[:-1])
+def test_generate_from_a_cache_given_only_the_new_tokens_says_to_pass_the_whole_sequence(arch):
+    """generate() continuing a returned cache takes the whole sequence, the cached tokens included: given only new
+    tokens, no longer than what the cache holds, it fed the model nothing, which said "input_ids is empty" of a prompt
+    of two tokens (transformers' Llama fails in a reshape). The error now says what generate() takes."""
+    model = build(arch)
+    ids = prompt(batch=1)
+    out = model.generate(ids, **GREEDY, return_dict_in_generate=True)
+    cache = getattr(out, CACHE_KWARG)
+    with pytest.raises(ValueError, match=r"no new token .* the whole sequence, the cached tokens included"):
+        model.generate(ids[:, :2], **GREEDY, **{CACHE_KWARG: cache})
+    continued = model.generate(out.sequences, **GREEDY, **{CACHE_KWARG: cache})
+    assert torch.equal(continued, model.generate(out.sequences, **GREEDY))

@@ -121,3 +121,44 @@ def test_the_package_imports_without_the_optional_extras_and_leaves_global_setti
         """)
     completed = run_python(script, timeout=300)
     assert completed.returncode == 0 and completed.stdout.split()[-1:] == ["ok"], completed.stderr[-2000:]
+
+
+def test_command_help_and_argument_errors_import_no_torch(tmp_path):
+    """`hf-memffn --help`, each subcommand's `--help` and an argument error answer without importing torch (which,
+    with transformers' models, took 5-13 s before a line was printed), run as pip installs the command: a script named
+    `hf-memffn` calling pyproject's entry point. `import hf_memffn` in a program still registers the architectures
+    (the test above); so does the command once it runs a subcommand (tests/test_demo.py and the others)."""
+    import re
+
+    from hf_memffn.cli import SUBCOMMANDS
+
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    module, function = re.search(r'^hf-memffn = "([\w.]+):(\w+)"$', pyproject, re.MULTILINE).groups()
+    script = tmp_path / "hf-memffn"  # (pip's console script, with a report of the loaded modules at exit)
+    script.write_text(textwrap.dedent(f"""\
+        import atexit, sys
+        atexit.register(lambda: print("torch loaded:", "torch" in sys.modules, file=sys.stderr))
+        from {module} import {function}
+        sys.exit({function}())
+        """), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = [(["--help"], 0), (["no-such-command"], 2)]
+    runs += [([name, "--help"], 0) for name in SUBCOMMANDS]
+    runs += [([name, "--no-such-option"], 2) for name in SUBCOMMANDS if name != "serve"]  # (serve passes them on)
+    for argv, status in runs:
+        result = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == status, (argv, result.stderr[-2000:])
+        assert ("usage: hf-memffn" in result.stdout) == (status == 0), (argv, result.stdout[-2000:])
+        assert result.stderr.splitlines()[-1] == "torch loaded: False", (argv, result.stderr[-2000:])
+
+
+def test_the_command_modules_name_what_the_package_registers():
+    """The names that the subcommands' argument modules keep, so as to import no models: the demo's architectures are
+    `architectures.ARCHITECTURE_NAMES`, export-tols' dtypes those of `token_lookup.FLOAT_DTYPES`."""
+    from hf_memffn import demo_command, export_command
+    from hf_memffn.architectures import ARCHITECTURE_NAMES
+    from hf_memffn.token_lookup import FLOAT_DTYPES
+
+    assert demo_command.DEMO_ARCHITECTURES == tuple(ARCHITECTURE_NAMES)
+    assert export_command.FLOAT_DTYPE_NAMES == tuple(FLOAT_DTYPES)

@@ -1284,3 +1284,153 @@ def test_the_final_model_is_in_place_before_the_hub_upload(tmp_path):
     trainer = TrainerUploadingItsOutputDir()
     pretrain.save_final_model(trainer, tmp_path / "final")
     assert trainer.uploaded == ["final", "final/model.safetensors"]
+
+
+def test_resuming_with_other_optimizer_or_schedule_settings_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A run resumed with another --weight-decay, Adam beta or epsilon trained on with the checkpoint's (the Trainer
+    takes them back with the optimizer's state), one with another --optim loaded that state into another optimizer,
+    and one with another schedule (--lr-scheduler-type, --warmup-steps, --min-learning-rate) or --max-grad-norm
+    trained its steps left otherwise than its steps before, all without a word. Each is refused before the data is
+    read, naming the option, the checkpoint's value and the new one; what a resume may change (a longer --max-steps,
+    the logging, evaluation and saving intervals) resumes."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--output-dir", str(out)]
+    pretrain.main(common + ["--max-steps", "2"])
+    record = json.loads((out / "checkpoint-2" / pretrain.OPTIMIZER_SETTINGS_FILE).read_text(encoding="utf-8"))
+    assert record["weight_decay"] == 0.1 and record["adam_beta2"] == 0.95 and record["optim"].startswith("adamw")
+    load_data = pretrain.load_data
+
+    forbid_reading_data(monkeypatch)
+    resume = common + ["--max-steps", "3", "--resume", "latest"]
+    for changed, message in [
+        (["--weight-decay", "0.5"], r"--weight-decay=0.5: the checkpoint to resume from \('.*checkpoint-2'\) was "
+                                    r"trained with --weight-decay 0.1 \(the Trainer takes .*\); resume with "
+                                    r"--weight-decay 0.1"),
+        (["--adam-beta2", "0.999"], r"--adam-beta2=0.999: .* was trained with --adam-beta2 0.95 "),
+        (["--adam-epsilon", "1e-6"], r"--adam-epsilon=1e-06: .* was trained with --adam-epsilon 1e-08 "),
+        (["--optim", "sgd"], r"--optim=sgd: .* was trained with --optim adamw\w* \(the checkpoint's optimizer state "),
+        (["--lr-scheduler-type", "linear"], r"--lr-scheduler-type=linear: .* was trained with --lr-scheduler-type "
+                                            r"cosine_with_min_lr "),
+        (["--warmup-steps", "1"], r"--warmup-steps=1(\.0)?: .* was trained with --warmup-steps 0.015 "),
+        (["--min-learning-rate", "1e-4"], r"--min-learning-rate=0.0001: .* was trained with --min-learning-rate "
+                                          r"1e-05 "),
+        (["--max-grad-norm", "0.5"], r"--max-grad-norm=0.5: .* was trained with --max-grad-norm 1.0 "),
+        (["--optim-args", "foreach=False"], r"--optim-args=foreach=False: .* was trained with no --optim-args "),
+        (["--lr-scheduler-kwargs", '{"num_cycles": 0.4}'], r"""--lr-scheduler-kwargs='\{"num_cycles": 0.4\}': .* """
+                                                           r"""was trained with --lr-scheduler-kwargs '\{\}' """),
+        (["--weight-decay", "0", "--adam-beta1", "0.8"], r"--adam-beta1=0.8, --weight-decay=0.0: .* resume with "
+                                                         r"--adam-beta1 0.9 --weight-decay 0.1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            pretrain.main(resume + changed)
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    resumed = pretrain.main(resume + ["--logging-steps", "1", "--eval-steps", "50", "--save-steps", "3"])
+    assert resumed["global_step"] == 3
+
+
+def test_resuming_on_another_training_text_is_refused(tmp_path):
+    """A run resumed on another training text (another --data-files, or the same file grown) trained on: the
+    sampler shuffled another number of blocks, and the steps left skipped the first blocks of that other order, so
+    the resumed run was of neither text's blocks in the run's order. Refused once the blocks are counted, naming the
+    checkpoint's count and the new one."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    other = write_corpus(tmp_path / "other.jsonl", documents=90, seed=1)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--train-tokenizer", "300", "--block-size", "32", "--per-device-batch-size", "4",
+              "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    pretrain.main(common + ["--data-files", str(corpus), "--max-steps", "2"])
+    record = json.loads((out / "checkpoint-2" / pretrain.BATCH_SETTINGS_FILE).read_text(encoding="utf-8"))
+    with pytest.raises(ValueError, match=rf"--resume: the checkpoint to resume from \('.*checkpoint-2'\) was trained "
+                                         rf"on {record['train_blocks']} blocks of 32 tokens, the training text of "
+                                         rf"these arguments gives \d+; resume with the run's own training text"):
+        pretrain.main(common + ["--data-files", str(other), "--max-steps", "3", "--resume", "latest"])
+    assert not (out / "checkpoint-3").exists()
+    assert pretrain.main(common + ["--data-files", str(corpus), "--max-steps", "3", "--resume", "latest"])[
+        "global_step"] == 3
+
+
+def test_resuming_with_profile_steps_at_or_before_the_checkpoint_is_refused(tmp_path, monkeypatch):
+    """A run resumed with a --profile-steps window that starts at or before its checkpoint's step wrote no profile
+    without a word (the profiler starts before the window's first step, which the resumed run never begins). Refused
+    before the data is read, naming the checkpoint's step; a window after it profiles."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--output-dir", str(out)]
+    pretrain.main(common + ["--max-steps", "2"])
+    load_data = pretrain.load_data
+
+    forbid_reading_data(monkeypatch)
+    resume = common + ["--max-steps", "4", "--resume", "latest"]
+    for window in ("1:1", "2:3"):
+        with pytest.raises(ValueError, match=rf"--profile-steps='{window}': the checkpoint to resume from "
+                                             rf"\('.*checkpoint-2'\) is at step 2, so its first step .* is not "
+                                             rf"trained again; give steps after 2, or leave it out"):
+            pretrain.main(resume + ["--profile-steps", window])
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    pretrain.main(resume + ["--profile-steps", "3:3"])
+    assert json.loads((out / "profile_steps.json").read_text())["steps"] == 1
+
+
+def test_resuming_from_a_checkpoint_without_optimizer_state_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A checkpoint saved with --save-only-model holds no optimizer or schedule state: resumed, the Trainer trained
+    the steps left without a word from a new optimizer state and with its schedule started again from step 0 (the
+    warmup again, the decay ending past --max-steps). Refused before the data is read, naming --save-only-model and
+    --init-from; a session stopped after its last checkpoint still finishes (nothing is left to train)."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--save-only-model", "--output-dir", str(out)]
+    first = pretrain.main(common + ["--max-steps", "2"])
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    load_data = pretrain.load_data
+
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint to resume from \('.*checkpoint-2'\) holds no "
+                                         r"optimizer state \(saved with --save-only-model\).*--init-from"):
+        pretrain.main(common + ["--max-steps", "4", "--resume", "latest"])
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    again = pretrain.main(common + ["--max-steps", "2", "--resume", "latest"])
+    assert again["global_step"] == 2 and again["eval_loss"] == pytest.approx(first["eval_loss"])
+
+
+def test_resuming_a_checkpoint_of_another_folder_into_a_folder_that_holds_a_run_is_refused(tmp_path):
+    """`--resume DIR/checkpoint-N` with an --output-dir that holds another run went on into that run's folder: its log
+    was rewritten with the other run's history and the new checkpoints joined its own, which a later `--resume
+    latest` took by their step. Refused naming what the folder holds; into a new folder the checkpoint resumes."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1"]
+    for name in ("a", "b"):
+        pretrain.main(common + ["--max-steps", "2", "--output-dir", str(tmp_path / name)])
+    log_before = (tmp_path / "b" / "train_log.jsonl").read_text()
+    checkpoint = str(tmp_path / "a" / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"--output-dir='.*b' holds a run \(checkpoint-2, final, summary.json, "
+                                         r"train_log.jsonl\) and --resume='.*a/checkpoint-2' is a checkpoint of "
+                                         r"another folder: .*choose another --output-dir"):
+        pretrain.main(common + ["--max-steps", "3", "--output-dir", str(tmp_path / "b"), "--resume", checkpoint])
+    assert (tmp_path / "b" / "train_log.jsonl").read_text() == log_before
+    branched = pretrain.main(common + ["--max-steps", "3", "--output-dir", str(tmp_path / "c"), "--resume",
+                                       checkpoint])
+    assert branched["global_step"] == 3
+
+
+def test_resuming_with_another_arch_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """A resume with another --arch was refused only once the data was read, tokenized and packed (hours for a large
+    corpus) and the model built. The architecture is compared before the data is read."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32", "--per-device-batch-size",
+              "4", "--save-steps", "2", "--eval-steps", "100", "--max-eval-blocks", "1", "--output-dir", str(out)]
+    pretrain.main(["--arch", "kvffn"] + common + ["--max-steps", "2"])
+    forbid_reading_data(monkeypatch)
+    with pytest.raises(ValueError, match=r"--resume: '.*checkpoint-2' is a checkpoint of another model: its config has "
+                                         r"model_type='memffn_kvffn' \(these arguments: 'llama'\); resume with the "
+                                         r"run's own --arch"):
+        pretrain.main(["--arch", "llama"] + common + ["--max-steps", "3", "--resume", "latest"])
