@@ -326,7 +326,9 @@ def render_model_card(
 ) -> str:
     """README.md for `model`; `repo_id` goes into the usage snippet, `save_directory` is checked for a lookup table
     (and its card's metadata is kept, see `card_metadata`), `training_summary` (markdown) becomes a "Training"
-    section after the generated ones, `metadata` overrides the card metadata fields."""
+    section after the generated ones, `metadata` overrides the card metadata fields. A model that `torch.compile`
+    wrapped (torch's `OptimizedModule`, whose `save_pretrained` saves the model it wraps) gets that model's card."""
+    model = getattr(model, "_orig_mod", model)
     config = model.config
     model_type = getattr(config, "model_type", "")
     name, summary = ARCHITECTURE_SUMMARIES.get(model_type, (type(model).__name__, ""))

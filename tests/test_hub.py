@@ -1023,3 +1023,22 @@ def test_the_card_of_a_users_own_classes_promises_no_remote_code_loading(tmp_pat
     assert "## Token lookup tables" in card  # (MemoryLLM's, without lm-eval's command either)
     package_card = render_model_card(tiny_model("memoryllm"))
     assert "trust_remote_code=True" in package_card and "custom_code" in package_card
+
+
+
+def test_the_card_of_a_compiled_model_loads_it_as_the_model_it_wraps(tmp_path):
+    """`torch.compile(model)` wraps the model in torch's `OptimizedModule`, whose `save_pretrained` and config are the
+    model's: the card of a compiled model, written by `stage_checkpoint` (`hf-memffn push`, `push_checkpoint`), is the
+    model's own card, loading it with `trust_remote_code` and its own Auto class. It told the user to load the
+    checkpoint with `torch.nn.Module` (the wrapper's base class), with no word of the code saved beside the weights,
+    and a base model's card named AutoModelForCausalLM."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    for auto_class in (AutoModelForCausalLM, AutoModel, AutoModelForSequenceClassification):
+        model = auto_class.from_config(tiny_config("kvffn"))
+        compiled = torch.compile(model)  # (never run: nothing is compiled)
+        assert render_model_card(compiled) == render_model_card(model), auto_class.__name__
+    hub.stage_checkpoint(torch.compile(tiny_model("kvffn")), tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True" in card
+    assert "Module.from_pretrained" not in card and "torch.nn" not in card
