@@ -388,7 +388,11 @@ def to_markdown(report: dict) -> str:
 
 def write_report(report: dict, out: str) -> str:
     markdown = to_markdown(report)
-    for name, text in (("continuous_batching.json", json.dumps(report, indent=2)), ("continuous_batching.md", markdown)):
+    from hf_memffn.run_records import run_record_json
+
+    # (strict JSON: a rate that is not finite is null, named under `not_finite`: see hf_memffn.run_records)
+    for name, text in (("continuous_batching.json", run_record_json(report, indent=2)),
+                       ("continuous_batching.md", markdown)):
         write_text(os.path.join(out, name), text + "\n")
     return markdown
 

@@ -14,12 +14,12 @@ model's kernels.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
 from hf_memffn.atomic_write import write_atomic
+from hf_memffn.run_records import read_run_record, run_record_json
 
 RUNS = ("single", "ddp", "fsdp2", "zero2", "zero3")
 RUN_NAMES = {"single": "1 GPU", "ddp": "DDP", "fsdp2": "FSDP2", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
@@ -38,8 +38,10 @@ def profile_row(folder: Path, run: str) -> dict | None:
     text_path, json_path = folder / f"{run}_profile_steps.txt", folder / f"{run}_profile_steps.json"
     if not (text_path.is_file() and json_path.is_file()):
         return None
-    text, profile = text_path.read_text(), json.loads(json_path.read_text())
-    summaries = json.loads((folder / "summaries.json").read_text()) if (folder / "summaries.json").is_file() else {}
+    text, profile = text_path.read_text(), read_run_record(json_path.read_text())
+    # (summaries.json: each run's summary.json, a run record: a loss that is not finite is a float again)
+    summaries_path = folder / "summaries.json"
+    summaries = read_run_record(summaries_path.read_text()) if summaries_path.is_file() else {}
     summary = summaries.get(run, {})
     steps, wall, kernel = profile["steps"], profile["wall_ms_per_step"], profile["kernel_ms_per_step"]
     waited = sum(h["self_ms_per_step"] for h in profile["host_operators"] if h["name"] == "cudaStreamSynchronize")
@@ -89,7 +91,7 @@ def main(argv=None) -> list[dict]:
     rows = [row for folder_rows in per_folder for row in folder_rows]
     table = markdown(rows)
     print(table, end="")
-    for path, text in ((args.markdown, table), (args.json, json.dumps(rows, indent=2) + "\n")):
+    for path, text in ((args.markdown, table), (args.json, run_record_json(rows, indent=2) + "\n")):
         if path is not None:
             write_atomic(path, text)
     return rows

@@ -1060,7 +1060,7 @@ def write_profile(profiler, wall_seconds: float, steps: int, output_dir: Path) -
                             "total_ms_per_step": round(e.cpu_time_total / 1e3 / steps, 3)}
                            for e in sorted(averages, key=lambda e: e.cpu_time_total, reverse=True)[:25]],
     }
-    write_atomic(output_dir / "profile_steps.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(output_dir / "profile_steps.json", run_record_json(summary, indent=2) + "\n")
     device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     tables = (f"{steps} steps, {summary['wall_ms_per_step']} ms wall per step, {summary['kernel_ms_per_step']} ms of kernels "
               f"per step ({summary['communication_kernel_ms_per_step']} ms communication)\n\n"

@@ -43,6 +43,7 @@ from presets import ARCHITECTURE_NAMES, PRESETS  # noqa: E402
 
 from hf_memffn.atomic_write import atomic_output  # noqa: E402
 from hf_memffn.cli_args import output_dir  # noqa: E402
+from hf_memffn.run_records import read_run_record, run_record_json  # noqa: E402
 
 MODES = ("eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -119,7 +120,7 @@ def recipe_command(run: dict, args, output_dir: Path) -> list[str]:
 def window_rates(train_log: Path) -> list[float]:
     rates = []
     for line in train_log.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
+        record = read_run_record(line)
         if "tokens_per_second" in record:
             rates.append(float(record["tokens_per_second"]))
     return rates
@@ -145,7 +146,7 @@ def measure(run: dict, args) -> dict:
         row["error"] = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
         return row
     write(args.out / f"{run['name']}_train_log.jsonl", train_log.read_text(encoding="utf-8"))
-    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    summary = read_run_record(summary_path.read_text(encoding="utf-8"))  # (a diverged loss: NaN, see run_records)
     rates = window_rates(train_log)
     if not args.keep_run_folders:  # the saved model: 1.5 GB at 370M, 5.4 GB at 1.3B per run
         shutil.rmtree(output_dir, ignore_errors=True)
@@ -224,7 +225,7 @@ def report(rows: list[dict], args, argv) -> dict:
               "skip_windows": args.skip_windows, "data_dir": str(args.data_dir),
               "command": " ".join(["examples/recipe_speed.py", *(sys.argv[1:] if argv is None else argv)]),
               "rows": rows}
-    write(args.out / "recipe_speed.json", json.dumps(result, indent=2) + "\n")
+    write(args.out / "recipe_speed.json", run_record_json(result, indent=2) + "\n")
     write(args.out / "recipe_speed.md", markdown(result))
     return result
 
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
     rows = []
     for run in args.runs:
         rows.append(measure(run, args))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "windows"}), flush=True)
+        print(run_record_json({k: v for k, v in rows[-1].items() if k != "windows"}), flush=True)
         result = report(rows, args, argv)  # after every run, so a run cut short keeps the rows before it
     print(markdown(result))
     return result

@@ -705,18 +705,6 @@ def _clear_earlier_run(out: Path, archs: list[str], settings: DemoSettings, corp
     return removed, []
 
 
-def finite_or_null(value):
-    """`value` (nested dicts, lists and tuples) with every float that is not finite (nan, inf: the losses of a
-    diverged run) made None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_or_null(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_or_null(item) for item in value]
-    return value
-
-
 def results_json(summary: dict) -> str:
     """The text of `results.json`: strict JSON, a number that is not finite written as `null` and named under
     `not_finite` (`run_records`; Python's json would write `NaN` or `Infinity`, which strict readers refuse)."""

@@ -1,5 +1,7 @@
 """The JSON records that the package's commands write about a run: the training recipe's train_log.jsonl and
-summary.json, the demo's results.json, compare_loss_curves' comparison.
+summary.json, the demo's results.json, analyze's report.json, export-tols' token_lookup_report.json,
+compare_loss_curves' comparison, the study's results files (examples/reproduce) and the kernel scripts' results
+(kernels/harness.py).
 
 JSON has no NaN or infinity: Python's json writes the bare words NaN and Infinity, which strict readers (jq,
 JavaScript's JSON.parse, json.loads with parse_constant) refuse. A record writes such a number (a loss or gradient
@@ -40,12 +42,14 @@ def _strict(value):
     return value, None
 
 
-def run_record_json(record, indent: int | None = None) -> str:
-    """`record` (a dict, with nested dicts, lists and tuples) as strict JSON: see NOT_FINITE."""
+def run_record_json(record, indent: int | None = None, default=None, sort_keys: bool = False) -> str:
+    """`record` (a dict, with nested dicts, lists and tuples) as strict JSON: see NOT_FINITE. `default` and
+    `sort_keys` as json's: `default` gives what to write for an object JSON has no form for (without it json raises
+    TypeError)."""
     strict, spelled = _strict(record)
     if spelled is not None:  # (a list of numbers has no object to name them in)
         raise ValueError(f"a run record holds numbers that are not finite outside an object: {spelled}")
-    return json.dumps(strict, indent=indent, allow_nan=False)
+    return json.dumps(strict, indent=indent, allow_nan=False, default=default, sort_keys=sort_keys)
 
 
 def _restored(value, spelled):

@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import copy
 import gc
-import json
 import os
 import re
 import subprocess
@@ -80,6 +79,7 @@ from harness import (  # noqa: E402
     output_folder,
     peak_memory,
     peak_memory_gib,
+    read_json,
     refuse_counts_below,
     reset_peak_memory,
     save_figure,
@@ -1405,8 +1405,7 @@ def run_on_gpus(tasks: list[str], args, parser) -> dict:
             path = os.path.join(out, "models_bench.json")
             child = None
             if os.path.exists(path):
-                with open(path) as handle:
-                    child = json.load(handle)
+                child = read_json(path)
             with open(out + ".log") as handle:
                 lines = handle.read().splitlines()
             for line in lines:

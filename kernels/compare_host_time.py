@@ -7,12 +7,11 @@ the small-batch training steps, before and after, per round and as medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import markdown_table, median, output_folder, write_report  # noqa: E402
+from harness import markdown_table, median, output_folder, read_json, write_report  # noqa: E402
 
 TREES = ("before", "after")
 ISSUE_TEXT = {"idle": "(the median of 200 calls, each started on an idle GPU).",
@@ -24,8 +23,7 @@ def load(work: str, kind: str, tree: str, round_: int) -> dict | None:
     path = os.path.join(work, f"{kind}_{tree}_{round_}", name)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 def collect(work: str, rounds: int) -> dict:

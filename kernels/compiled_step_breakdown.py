@@ -21,12 +21,11 @@ split is an estimate; its kernel totals are the profile's own. Writes DIR/compil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import ROOT, markdown_table, output_folder, write_json, write_text  # noqa: E402
+from harness import ROOT, markdown_table, output_folder, read_json, write_json, write_text  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from presets import get_preset  # noqa: E402
@@ -148,8 +147,7 @@ def main(argv=None) -> dict:
         except ValueError as error:
             parser.error(f"--sizes: {error}")
     try:
-        with open(args.result) as handle:
-            results = json.load(handle)
+        results = read_json(args.result)
     except (OSError, ValueError) as error:
         parser.error(f"result {args.result!r}: {error}; allowed: a models_bench.json of kernels/bench_models.py")
     if not isinstance(results, dict):

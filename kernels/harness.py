@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import cProfile
 import gc
-import json
 import os
 import platform
 import pstats
@@ -574,10 +573,19 @@ def save_figure(figure, path: str, dpi: int = 110) -> None:
 
 def write_json(path: str, data) -> None:
     """`data` as strict JSON at `path`: a number that is not finite (a diverged or failed measurement) is written as
-    `null`, not as the `NaN` or `Infinity` that strict readers refuse; other objects as their `str`."""
-    from hf_memffn.demo import finite_or_null
+    `null` and named under `not_finite` (`hf_memffn.run_records`), not as the `NaN` or `Infinity` that strict readers
+    refuse; other objects as their `str`. `read_json` reads it back."""
+    from hf_memffn.run_records import run_record_json
 
-    write_text(path, json.dumps(finite_or_null(data), indent=1, default=str, allow_nan=False) + "\n")
+    write_text(path, run_record_json(data, indent=1, default=str) + "\n")
+
+
+def read_json(path: str):
+    """A file of `write_json`, each number that is not finite a float again (NaN, or an infinity)."""
+    from hf_memffn.run_records import read_run_record
+
+    with open(path, encoding="utf-8") as handle:
+        return read_run_record(handle.read())
 
 
 def write_report(out: str, stem: str, results: dict, text: str) -> None:

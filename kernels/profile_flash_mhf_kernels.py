@@ -26,7 +26,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import output_folder, write_json, write_text  # noqa: E402
+from harness import output_folder, read_json, write_json, write_text  # noqa: E402
 
 OP_SHAPE = "B=8, H=16, L=4032, d_h=128, E=15, d_e=384, bf16"
 GATES_SHAPE = "4 x 2048 tokens, H=16, d_h=128, E=15, bf16"
@@ -118,8 +118,7 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.from_csv:
-        with open(os.path.join(args.out, "ncu_summary.json")) as handle:
-            previous = json.load(handle)
+        previous = read_json(os.path.join(args.out, "ncu_summary.json"))
         device = previous["device"]
         ncu = metrics = None
     else:

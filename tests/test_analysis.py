@@ -1292,3 +1292,25 @@ def test_analyze_takes_texts_as_any_iterable_as_a_list(tmp_path):
     with open(tmp_path / "texts.txt") as lines:
         from_file = analyze(model, tiny_tokenizer(), (line.rstrip("\n") for line in lines), **options)
     assert from_file == expected
+
+
+def test_report_json_names_numbers_that_are_not_finite_and_reads_them_back(tmp_path):
+    """report.json wrote a statistic that overflowed as a bare null, the same as a value never measured: it is null
+    and named under `not_finite` (`hf_memffn.run_records`), and `read_run_record` gives the inf and NaN back."""
+    import math
+
+    from hf_memffn.analysis import analyze, write_report
+    from hf_memffn.run_records import NOT_FINITE, read_run_record
+    from hf_memffn.testing import tiny_tokenizer
+
+    report = analyze(build("kvffn"), tiny_tokenizer(), ["the memory stores a key"], top_triggers=1, cells_per_bank=1,
+                     agreement_cells=8, edits=[])
+    cell = report["cells"]["layers.0.mlp"][0]
+    cell["triggers"][0]["coefficient"], cell["promotes_logits"][1] = float("inf"), float("nan")
+    write_report(report, tmp_path / "report")
+    text = (tmp_path / "report" / "report.json").read_text()
+    written_cell = json.loads(text)["cells"]["layers.0.mlp"][0]
+    assert written_cell["triggers"][0][NOT_FINITE] == {"coefficient": "Infinity"}
+    assert written_cell[NOT_FINITE] == {"promotes_logits": {"1": "NaN"}}
+    read_cell = read_run_record(text)["cells"]["layers.0.mlp"][0]
+    assert read_cell["triggers"][0]["coefficient"] == math.inf and math.isnan(read_cell["promotes_logits"][1])

@@ -1425,7 +1425,9 @@ def test_harness_writes_numbers_that_are_not_finite_as_null(tmp_path):
     path = tmp_path / "results.json"
     harness.write_json(str(path), {"loss": math.nan, "rounds": [1.5, math.inf, (-math.inf, 2)],
                                    "device": torch.device("cpu")})
-    assert strict_json(path.read_text()) == {"loss": None, "rounds": [1.5, None, [None, 2]], "device": "cpu"}
+    assert strict_json(path.read_text()) == {"loss": None, "rounds": [1.5, None, [None, 2]], "device": "cpu",
+                                             "not_finite": {"loss": "NaN",
+                                                            "rounds": {"1": "Infinity", "2": {"0": "-Infinity"}}}}
 
 
 def test_harness_write_that_fails_leaves_no_temporary_file(tmp_path):
@@ -1532,8 +1534,8 @@ def test_cpu_host_scripts_name_the_cpu_they_measured_on(tmp_path, monkeypatch):
 
 def test_head_size_benchmark_writes_a_failed_check_as_strict_json(tmp_path, monkeypatch):
     """`bench_flash_mhf_head_dims.py` writes its results through the harness: a check whose errors are not finite (a
-    kernel writing NaN, the failure the file is read for) is written as `null`, not as the `NaN` strict readers
-    refuse, and the run ends with exit status 1."""
+    kernel writing NaN, the failure the file is read for) is written as `null` and named under `not_finite`, not as
+    the `NaN` strict readers refuse, and the run ends with exit status 1."""
     script = kernel_script("bench_flash_mhf_head_dims")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stand-in")
@@ -1543,7 +1545,8 @@ def test_head_size_benchmark_writes_a_failed_check_as_strict_json(tmp_path, monk
         script.main()
     assert stopped.value.code == 1
     data = strict_json((tmp_path / "flash_mhf_head_dims.json").read_text())
-    assert data["rows"] == [{"head_dim": 64, "rel_err_out_dq_dk_du_dv_dr": [None] * 6, "correct": False}]
+    assert data["rows"] == [{"head_dim": 64, "rel_err_out_dq_dk_du_dv_dr": [None] * 6, "correct": False,
+                             "not_finite": {"rel_err_out_dq_dk_du_dv_dr": {str(i): "NaN" for i in range(6)}}}]
     assert "failed the correctness check" in (tmp_path / "flash_mhf_head_dims.md").read_text()
     assert sorted(os.listdir(tmp_path)) == ["flash_mhf_head_dims.json", "flash_mhf_head_dims.md"]
 
@@ -1676,3 +1679,18 @@ def test_triton_builds_timing_refuses_builds_it_would_report_under_one_label(tmp
                           str(tmp_path / "out")])
         assert f"the label {label!r} names more than one build or the installed" in str(stopped.value.code), label
     assert not (tmp_path / "out").exists()
+
+
+def test_harness_names_numbers_that_are_not_finite_and_its_readers_get_them_back(tmp_path):
+    """The kernel scripts' results wrote a diverged or failed measurement as a bare null, the same as a value never
+    measured: it is null and named under `not_finite` (`hf_memffn.run_records`), `harness.read_json` gives the NaN
+    and infinities back, and compare_host_time.py reads a result through it."""
+    harness = kernel_script("harness")
+    path = tmp_path / "parts_a_1" / "flash_mhf_host_profile.json"
+    harness.write_json(str(path), {"loss": math.nan, "rounds": [1.5, math.inf, (-math.inf, 2)], "device": "cpu"})
+    written = strict_json(path.read_text())
+    assert written["not_finite"] == {"loss": "NaN", "rounds": {"1": "Infinity", "2": {"0": "-Infinity"}}}
+    read = harness.read_json(str(path))
+    assert math.isnan(read["loss"]) and read["rounds"] == [1.5, math.inf, [-math.inf, 2]]
+    loaded = kernel_script("compare_host_time").load(str(tmp_path), "parts", "a", 1)
+    assert math.isnan(loaded["loss"]) and loaded["rounds"][1] == math.inf

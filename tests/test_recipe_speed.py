@@ -167,3 +167,23 @@ def test_standard_library_files_name_each_file_once(tmp_path, monkeypatch):
     (tmp_path / "c.py").write_text("y = 2\n")
     monkeypatch.setattr(recipe_speed.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     assert recipe_speed.standard_library_files() == [str(tmp_path / "a.py"), str(tmp_path / "c.py")]
+
+
+def test_a_diverged_run_reads_its_loss_back_and_names_it_in_the_results(tmp_path, monkeypatch):
+    """A run whose training loss diverged (NaN: null in summary.json, named under `not_finite`) was read as a bare
+    null and written into recipe_speed.json as one, the same as a loss never logged: the row holds the NaN, and
+    recipe_speed.json writes it as null named under `not_finite` (`hf_memffn.run_records`)."""
+    import math
+
+    from hf_memffn.run_records import read_run_record
+
+    data = stand_in_recipe(tmp_path, monkeypatch, 1, {"tokens_per_step": 100, "device": "cpu", "train_loss": None,
+                                                     "parameters": {"total": 1}, "not_finite": {"train_loss": "NaN"}})
+    out = tmp_path / "results"
+    result = recipe_speed.main(["--out", str(out), "--data-dir", str(data), "--work", str(tmp_path / "work"),
+                                "--preset", "tiny", "--skip-windows", "0", "--runs", "llama:eager"])
+    assert math.isnan(result["rows"][0]["final_train_loss"])
+    text = (out / "recipe_speed.json").read_text()
+    (row,) = json.loads(text, parse_constant=lambda constant: pytest.fail(f"{constant} is not JSON"))["rows"]
+    assert row["final_train_loss"] is None and row["not_finite"] == {"final_train_loss": "NaN"}
+    assert math.isnan(read_run_record(text)["rows"][0]["final_train_loss"])

@@ -1581,15 +1581,16 @@ def test_a_model_that_diverged_at_every_rate_has_no_best_rate(tmp_path, monkeypa
 
 def test_a_loss_that_diverged_to_infinity_reads_back_as_infinity(tmp_path, monkeypatch):
     """results.json wrote a loss of infinity as null, which --report and learning_rates.py read back as NaN: it is
-    the text "Infinity" there (JSON has no infinity), read back as infinity; NaN is still null."""
+    null named "Infinity" under `not_finite` there (JSON has no infinity), read back as infinity; NaN is named "NaN"."""
     monkeypatch.setattr(study, "plot_curves", lambda state, path: False)
     monkeypatch.setattr(learning_rates, "plot", lambda *args: False)
     low = tmp_path / "low"
     low.mkdir()
     study.write_outputs(study_state(1e-3, {"llama": [5.0, 5.1], "flash_mhf": [math.inf, math.nan]}), low)
     written = json.loads((low / "results.json").read_text(), parse_constant=lambda constant: pytest.fail(constant))
-    assert [run["heldout_loss"] for run in written["runs"]] == [5.0, 5.1, "Infinity", None]
-    assert written["runs"][2]["eval_curve"] == [[200, "Infinity"]]
+    assert [run["heldout_loss"] for run in written["runs"]] == [5.0, 5.1, None, None]
+    assert [run.get("not_finite", {}).get("heldout_loss") for run in written["runs"]] == [None, None, "Infinity", "NaN"]
+    assert written["runs"][2]["eval_curve"] == [[200, None]]
     state = study.rewrite_report(low)
     losses = [run["heldout_loss"] for run in state["runs"]]
     assert losses[2] == math.inf and math.isnan(losses[3]) and state["runs"][2]["eval_curve"] == [[200, math.inf]]
@@ -1688,3 +1689,28 @@ def test_a_run_that_diverged_to_a_loss_beyond_exp_is_summarised(tmp_path):
     high = write_study(tmp_path / "high", {"llama": [750.0, 4.0], "pkv": [4.5, 4.6]}, learning_rate=3e-2)
     report = learning_rates.main(["--out", str(tmp_path / "out"), "--studies", str(high), str(recipe)])
     assert report["models"]["llama"]["best_learning_rate"] != 3e-2
+
+
+def test_results_files_name_a_diverged_loss_under_not_finite_and_read_earlier_files(tmp_path, monkeypatch):
+    """results.json wrote a NaN loss as a bare null and an infinity as the text "Infinity", apart from the package's
+    run records: each is null and named under `not_finite` (`hf_memffn.run_records`), and `read_json` gives them back;
+    a file of the earlier form (the text "Infinity", a bare null for NaN) still reads."""
+    monkeypatch.setattr(study, "plot_curves", lambda state, path: False)
+    study.write_outputs(study_state(1e-3, {"llama": [5.0, 5.1], "flash_mhf": [math.inf, math.nan]}), tmp_path)
+    text = (tmp_path / "results.json").read_text()
+    runs = json.loads(text, parse_constant=lambda constant: pytest.fail(constant))["runs"]
+    assert runs[2]["heldout_loss"] is None and runs[2]["not_finite"]["heldout_loss"] == "Infinity"
+    assert runs[2]["not_finite"]["eval_curve"] == {"0": {"1": "Infinity"}}
+    assert runs[3]["heldout_loss"] is None and runs[3]["not_finite"]["heldout_loss"] == "NaN"
+    read = study.read_json(tmp_path / "results.json")["runs"]
+    assert read[2]["heldout_loss"] == math.inf and read[2]["eval_curve"] == [[200, math.inf]]
+    assert math.isnan(read[3]["heldout_loss"]) and "not_finite" not in read[3]
+    earlier = json.loads(text)
+    for run, loss in ((earlier["runs"][2], "Infinity"), (earlier["runs"][3], None)):
+        del run["not_finite"]
+        run.update(heldout_loss=loss, wiki_loss=loss, train_loss=loss, eval_curve=[[200, loss]],
+                   train_curve=[[100, 6.0], [200, loss]])
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    state = study.rewrite_report(tmp_path)
+    assert state["runs"][2]["heldout_loss"] == math.inf and state["runs"][2]["eval_curve"] == [[200, math.inf]]
+    assert math.isnan(state["runs"][3]["heldout_loss"])

@@ -1153,3 +1153,24 @@ def test_demo_step_matches_compute_mode(tmp_path):
     results = demo_step(tmp_path / "several_eos", tmp_path / "several_eos_tables", formats=("fp32",),
                         max_new_tokens=4, device="cpu")
     assert results["fp32"]["tokens_match"]
+
+
+def test_the_export_report_names_a_heldout_loss_that_is_not_finite(model, tmp_path, monkeypatch):
+    """A held-out loss that is not finite (a model that diverged, or overflowed in fp16) was written into
+    token_lookup_report.json as the bare word `NaN`, which strict JSON readers refuse: it is null and named under
+    `not_finite` (`hf_memffn.run_records`), and `read_run_record` gives it back."""
+    import math
+
+    from hf_memffn.run_records import read_run_record
+
+    monkeypatch.setattr(export_module, "lookup_loss_delta", lambda *args, **kwargs: {
+        "loss_compute": math.nan, "loss_lookup": math.inf, "loss_delta": math.nan, "eval_tokens": 8})
+    returned = export_tols(model, tmp_path, format="fp32", eval_input_ids=torch.zeros(1, 8, dtype=torch.long),
+                           progress=False)
+    text = (tmp_path / REPORT_NAME).read_text()
+    written = json.loads(text, parse_constant=lambda constant: pytest.fail(f"{constant} is not JSON"))
+    assert written["loss_compute"] is None and written["loss_lookup"] is None
+    assert written["not_finite"] == {"loss_compute": "NaN", "loss_lookup": "Infinity", "loss_delta": "NaN"}
+    read = read_run_record(text)
+    assert math.isnan(read["loss_compute"]) and read["loss_lookup"] == math.inf
+    assert read["max_relative_error"] == returned["max_relative_error"]

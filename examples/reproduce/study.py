@@ -134,33 +134,23 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 # JSON has no NaN or infinity (Python's json writes the bare words NaN and Infinity, which strict readers refuse).
-# The study's files write NaN as null and an infinity as one of these texts, so that a loss that diverged to infinity
-# reads back as infinity, not as NaN.
-INFINITY_TEXTS = {"Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def json_ready(value):
-    """`value` (nested dicts, lists and tuples) with each NaN made None and each infinity its text of
-    INFINITY_TEXTS."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(item) for item in value]
-    return value
+# The study's files are run records (`hf_memffn.run_records`, through pretrain): a number that is not finite is null
+# and named under `not_finite`. Files of earlier versions wrote NaN as a bare null (`nan_where_null`) and an infinity
+# as one of these texts, which `read_json` still reads.
+EARLIER_INFINITY_TEXTS = {"Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def strict_json(value) -> str:
-    """The text of a results file: strict JSON, NaN written as null and an infinity as "Infinity" or "-Infinity"
+    """The text of a results file: strict JSON, a number that is not finite null and named under `not_finite`
     (`read_json` reads them back)."""
-    return json.dumps(json_ready(value), indent=1, allow_nan=False) + "\n"
+    return pretrain.run_record_json(value, indent=1) + "\n"
 
 
 def infinities_back(value):
-    """`value` as read from a file of `strict_json` with each text of INFINITY_TEXTS the infinity it stands for."""
+    """`value` as read from a file of an earlier version with each text of EARLIER_INFINITY_TEXTS the infinity it
+    stands for."""
     if isinstance(value, str):
-        return INFINITY_TEXTS.get(value, value)
+        return EARLIER_INFINITY_TEXTS.get(value, value)
     if isinstance(value, dict):
         return {key: infinities_back(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -169,8 +159,9 @@ def infinities_back(value):
 
 
 def read_json(path: Path):
-    """A results file of `strict_json`, its infinities floats again (a NaN stays null: see `nan_where_null`)."""
-    return infinities_back(json.loads(path.read_text(encoding="utf-8")))
+    """A results file of `strict_json`, each number that is not finite a float again (a file of an earlier version:
+    its infinities too; a NaN stays null there: see `nan_where_null`)."""
+    return infinities_back(pretrain.read_run_record(path.read_text(encoding="utf-8")))
 
 
 LOSS_FIELDS = ("heldout_loss", "wiki_loss", "train_loss")
@@ -178,7 +169,8 @@ LOSS_FIELDS = ("heldout_loss", "wiki_loss", "train_loss")
 
 def nan_where_null(run: dict, fields: tuple[str, ...] = LOSS_FIELDS) -> dict:
     """A run as read from results.json (by `read_json`): each loss of `fields` and of its curves that is null there (a
-    run that diverged to NaN) NaN again; a loss the run never measured (no Wikipedia split) stays absent."""
+    run that diverged to NaN, in a file of an earlier version, which named no `not_finite`) NaN again; a loss the run
+    never measured (no Wikipedia split) stays absent."""
     run = {**run, **{field: math.nan for field in fields if field in run and run[field] is None}}
     for curve in ("train_curve", "eval_curve"):
         if run.get(curve):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import re
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
 
 from ..atomic_write import write_atomic
-from ..demo import finite_or_null
+from ..run_records import run_record_json
 
 
 def _png(figure) -> bytes:
@@ -27,8 +26,8 @@ def _png(figure) -> bytes:
 
 
 def _finite(values) -> np.ndarray:
-    """`values` as floats, a statistic that overflowed (inf, nan; report.json writes them as null) as nan: drawn as a
-    gap, and left out of the axis limits and colour scales, which an inf or nan made matplotlib refuse."""
+    """`values` as floats, a statistic that overflowed (inf, nan; report.json names them under not_finite) as nan:
+    drawn as a gap, and left out of the axis limits and colour scales, which an inf or nan made matplotlib refuse."""
     values = np.asarray(values, dtype=float)
     return np.where(np.isfinite(values), values, np.nan)
 
@@ -389,8 +388,9 @@ def write_report(report: dict, out_dir: str | Path, title: str = "FFN memory ana
     html_path.unlink(missing_ok=True)
     for name in set(PLOT_NAMES) - set(plots):
         (out_dir / name).unlink(missing_ok=True)
-    # (strict JSON: a statistic that overflowed is written as null, not as the `NaN` / `Infinity` of Python's json)
-    write_atomic(out_dir / "report.json", json.dumps(finite_or_null(report), indent=1, allow_nan=False).encode())
+    # (strict JSON: a statistic that overflowed is written as null and named under `not_finite`, not as the `NaN` /
+    # `Infinity` of Python's json; `hf_memffn.run_records.read_run_record` reads it back)
+    write_atomic(out_dir / "report.json", run_record_json(report, indent=1).encode())
     for name, png in plots.items():
         write_atomic(out_dir / name, png)
     write_atomic(html_path, html)

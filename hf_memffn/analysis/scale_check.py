@@ -9,7 +9,6 @@ Prints a table and writes JSON (device, model shape, seconds per stage, peak GPU
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -19,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_memffn.atomic_write import write_atomic
 from hf_memffn.cli_args import output_dir, positive_int, torch_device
+from hf_memffn.run_records import run_record_json
 from hf_memffn.testing import tiny_tokenizer
 
 from .analyze import analyze
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for key, value in result.items():
         print(f"{key:>22}: {value}")
-    write_atomic(args.out, json.dumps(result, indent=1))
+    write_atomic(args.out, run_record_json(result, indent=1))
     return 0
 
 

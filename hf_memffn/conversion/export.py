@@ -42,6 +42,7 @@ from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line, weights_file_names, weights_variant
 from hf_memffn.export_command import add_arguments, shard_size_bytes  # noqa: F401
 from hf_memffn.model_card import refresh_lookup_section
+from hf_memffn.run_records import run_record_json
 from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError, decode_utf8, has_tokenizer,
                                  load_causal_lm)
 from hf_memffn.token_lookup import (FLOAT_DTYPES, INDEX_NAME, REPORT_NAME, SCALE_DTYPE, SHARD_PATTERN,
@@ -762,8 +763,9 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
                 progress: bool = True, push_to_hub: str | None = None, model_dtype: str | None = None) -> dict:
     """Compute and write the token lookup table of `model` (a model or a checkpoint directory) into `out_dir`.
 
-    Returns a report (also written to `token_lookup_report.json`): size on disk, max / mean relative error of the
-    table per (token, layer) vector, and, given eval text or ids, the held-out loss in compute and lookup mode.
+    Returns a report (also written to `token_lookup_report.json`, strict JSON: a number that is not finite null and
+    named under `not_finite`, see `hf_memffn.run_records`): size on disk, max / mean relative error of the table per
+    (token, layer) vector, and, given eval text or ids, the held-out loss in compute and lookup mode.
     Exported into a checkpoint folder, the "Token lookup tables" section of the folder's model card is rewritten to
     say the folder holds the table (`model_card.refresh_lookup_section`; the report's `model_card` names the card).
     `device` is where a checkpoint directory is loaded; a loaded model is used where it is (another device is refused).
@@ -816,7 +818,8 @@ def export_tols(model, out_dir: str | os.PathLike, *, format: str = "bf16", grou
     finally:
         for module, training in modes:
             module.training = training
-    _write_json_atomic(os.path.join(out_dir, REPORT_NAME), report)
+    # (strict JSON: a held-out loss or error that is not finite is null, named under `not_finite`: `run_records`)
+    write_atomic(os.path.join(out_dir, REPORT_NAME), run_record_json(report, indent=2, sort_keys=True))
     # Exported into a checkpoint folder: its model card (written at save time) now says the folder holds the table.
     if refresh_lookup_section(out_dir):
         report["model_card"] = os.path.join(out_dir, "README.md")
