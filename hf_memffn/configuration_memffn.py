@@ -506,7 +506,9 @@ class MemFFNConfig(PreTrainedConfig):
         """A copy of `rope_parameters` with the type and theta the rotary embedding reads (`rope_theta` where it has
         none) and the pretraining length of the types that scale from it."""
         params = dict(rope_parameters or {})
-        params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+        # (the older key `type` where `rope_type` is not given, as transformers reads them: `rope_type` first)
+        legacy_type = params.pop("type", None)
+        params["rope_type"] = params.get("rope_type") or legacy_type or "default"
         params.setdefault("rope_theta", self.rope_theta)
         if params["rope_type"] in ("llama3", "yarn", "longrope"):
             params.setdefault("original_max_position_embeddings", self.max_position_embeddings)

@@ -231,3 +231,14 @@ def test_a_rope_key_given_beside_the_fields_is_refused_naming_rope_parameters(ke
     setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
         AutoModelForCausalLM.from_config(config)
+
+
+def test_a_rope_dict_with_both_type_keys_runs_rope_type_as_llama_does():
+    """A RoPE dict holding both the older key `type` and `rope_type` (a config.json edited by hand, or converted
+    twice) runs the type `rope_type` names, as transformers' Llama reads it; the older key took precedence."""
+    from transformers import LlamaConfig
+
+    both = {"rope_type": "linear", "type": "dynamic", "factor": 2.0}
+    config = tiny_config("flash_mhf", rope_parameters=dict(both))
+    assert config.rope_parameters["rope_type"] == "linear" and "type" not in config.rope_parameters
+    assert LlamaConfig(rope_parameters=dict(both)).rope_parameters["rope_type"] == "linear"
