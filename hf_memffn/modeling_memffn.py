@@ -1079,12 +1079,14 @@ class MemFFNModel(MemFFNPreTrainedModel):
             logger.info("decoder runs the %s", self.decoder_path(inputs_embeds))
             self._decoder_path_logged = True
         cache = take_cache(past_key_values, cache, kwargs)
+        # (before the mask's check: a cache of another batch makes the mask look wrong too, as transformers 5.17's
+        # generate() passes the new tokens' mask alone)
+        if cache is not None and not is_torchdynamo_compiling():
+            check_cache_batch(cache, inputs_embeds.shape[0])
         # (a tensor: continuous batching passes its own masks, as a dict by layer type, and flex attention's callers
         # may pass a BlockMask)
         if isinstance(attention_mask, torch.Tensor):
             check_attention_mask(attention_mask, inputs_embeds.shape[:2], cache)
-        if cache is not None and not is_torchdynamo_compiling():
-            check_cache_batch(cache, inputs_embeds.shape[0])
         if cache is not None and type(cache) is not DynamicCache and inputs_embeds.shape[1] > 1 \
                 and not is_torchdynamo_compiling():
             # (a prompt or a chunk of one: a one-token decoding step overflows only a full cache, which the device's
