@@ -245,6 +245,30 @@ def check_position_ids(position_ids: torch.Tensor, batch_and_length: tuple[int, 
             "`position_ids[None]`)")
 
 
+def packed_sequence_positions(cu_seq_lens_q: torch.Tensor, batch_and_length: tuple[int, int], check: bool = True
+                              ) -> torch.Tensor:
+    """[1, tokens] positions restarting at 0 at each sequence start that `cu_seq_lens_q` marks in a row of packed
+    sequences (the flash-attention kwargs of `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`). Only flash
+    attention reads those kwargs; sdpa, eager and flex attention find the sequences of a packed row from `position_ids`
+    (transformers' `create_causal_mask`), and without them let the sequences attend to each other. Boundaries of another
+    row count, or that do not rise from 0 to the row's tokens, are refused, where `check` (not while torch.compile
+    traces: the check reads the boundaries back, a sync)."""
+    batch, length = batch_and_length
+    bounds = cu_seq_lens_q.to(torch.long)
+    if check and not is_torchdynamo_compiling():
+        listed = bounds.tolist() if bounds.dim() == 1 else None
+        if batch != 1 or listed is None or not listed or listed[0] != 0 or listed[-1] != length \
+                or any(later < earlier for earlier, later in zip(listed, listed[1:])):
+            shown = listed if listed is not None else f"of shape {tuple(cu_seq_lens_q.shape)}"
+            raise ValueError(
+                f"cu_seq_lens_q is {shown}: allowed are the starts of the sequences packed into one row and its end, "
+                f"a 1-D tensor rising from 0 to the {length} tokens of that row (given {batch} row"
+                f"{'s' if batch != 1 else ''}); or pass `position_ids` restarting at 0 at each sequence instead")
+    tokens = torch.arange(length, device=bounds.device)
+    sequence = torch.searchsorted(bounds[1:], tokens, right=True)
+    return (tokens - bounds[sequence])[None]
+
+
 # Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew
 MISSING_CHECKPOINT_PARTS = "_memffn_missing_checkpoint_parts"
 
@@ -1092,6 +1116,12 @@ class MemFFNModel(MemFFNPreTrainedModel):
             # (a prompt or a chunk of one: a one-token decoding step overflows only a full cache, which the device's
             # count of cached tokens would say, a sync per step)
             check_static_cache_room(cache, inputs_embeds.shape[1], f"a forward of {inputs_embeds.shape[1]} new tokens")
+        if position_ids is None and cache is None and kwargs.get("cu_seq_lens_q") is not None:
+            # (sequences packed into one row and marked for flash attention alone: the positions mark them for the mask;
+            # not checked in accelerator training steps, as the token ids)
+            bounds = kwargs["cu_seq_lens_q"]
+            check = not (self.training and bounds.device.type != "cpu")
+            position_ids = packed_sequence_positions(bounds, inputs_embeds.shape[:2], check).to(inputs_embeds.device)
         # no padding, no packed positions: the mask is causal alone (see `plain_causal_mask`)
         causal_only = attention_mask is None and position_ids is None
         if position_ids is not None and not is_torchdynamo_compiling():

@@ -1789,3 +1789,48 @@ def test_a_model_loaded_from_a_llama_checkpoint_saves_the_architectures_checkpoi
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "loaded").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("arch, overrides", ALL_VARIANTS, ids=[variant_id(v) for v in ALL_VARIANTS])
+def test_every_ffn_variant_keeps_sequences_packed_into_one_row_apart(arch, overrides):
+    """Sequences packed into one row (`position_ids` restarting at 0, no mask, as `DataCollatorWithFlattening` gives
+    them) have the logits of each sequence run alone, with sdpa and eager attention, for every FFN variant: each FFN,
+    the FFNs on X0 included, reads its own token alone, so nothing crosses from one sequence to the next."""
+    model = build(arch, **overrides)
+    lengths = [4, 7, 1, 5]
+    sequences = [torch.randint(3, 320, (n,)) for n in lengths]
+    packed = torch.cat(sequences)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(sequence[None]).logits[0] for sequence in sequences])
+        for implementation in ("sdpa", "eager"):
+            model.set_attn_implementation(implementation)
+            torch.testing.assert_close(model(packed, position_ids=positions).logits[0], alone, rtol=1e-5, atol=1e-5,
+                                       msg=implementation)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_continues_the_position_ids_it_is_given(arch):
+    """generate() given `position_ids` (here with a gap, which changes the rotary distances, and an `attention_mask`,
+    which keeps the gap from reading as a new packed sequence) feeds the prompt those positions and each new token the
+    next one, into a dynamic or a static cache: the tokens and logits of greedy forwards over the whole sequence with
+    the same positions, which differ from those of the prompt's own positions."""
+    model = build(arch)
+    prompt = torch.randint(3, 320, (2, 6))
+    positions = torch.tensor([0, 1, 2, 20, 21, 22]).expand(2, 6)
+    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    expected, expected_logits = prompt, []
+    with torch.no_grad():
+        for _ in range(4):
+            given = torch.cat([positions, positions[:, -1:] + torch.arange(1, expected.shape[1] - 5)], dim=1)
+            expected_logits.append(model(expected, attention_mask=torch.ones_like(expected),
+                                         position_ids=given).logits[:, -1])
+            expected = torch.cat([expected, expected_logits[-1].argmax(-1, keepdim=True)], dim=1)
+    for cache_implementation in (None, "static"):
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), position_ids=positions,
+                                   cache_implementation=cache_implementation, **greedy)
+        assert torch.equal(generated.sequences, expected), cache_implementation
+        torch.testing.assert_close(torch.stack(generated.logits), torch.stack(expected_logits), rtol=1e-4, atol=1e-5)
+    own_positions = model.generate(prompt, attention_mask=torch.ones_like(prompt), **greedy).logits[0]
+    assert not torch.allclose(own_positions, expected_logits[0], atol=1e-3)

@@ -202,8 +202,8 @@ def test_neftune_noise_reaches_the_ffns_on_x0(arch, tmp_path):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_sequences_stay_apart_in_training(arch):
     """`DataCollatorWithFlattening` packs sequences into one row whose `position_ids` restart at 0, with no
-    attention mask. In a training step (the config's `use_cache=True`, as the Trainer runs it) each sequence must
-    attend to itself only: the logits and the loss are those of the sequences run one by one."""
+    attention mask. In a training step (the config's `use_cache=True`, as the Trainer given `use_cache=True` runs it)
+    each sequence must attend to itself only: the logits and the loss are those of the sequences run one by one."""
     from transformers import DataCollatorWithFlattening
 
     model = build(arch).train()
@@ -409,3 +409,52 @@ def test_prompt_tunings_cached_generate_with_a_padding_mask_names_the_case_and_i
                                              r"gives such a mask in generate\(\) on transformers >= 5.24.*"
                                              r"peft>=0.22, or generate with use_cache=False"):
             peft_model.generate(input_ids=ids, **greedy)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_packed_sequences_marked_by_flash_attention_kwargs_alone_stay_apart(arch, implementation):
+    """`DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)` marks the sequences of a
+    packed row by `cu_seq_lens_q` alone, which only flash attention reads: sdpa and eager attention let the sequences
+    attend to each other, silently (transformers' Llama too). The decoder takes positions restarting at each start that
+    `cu_seq_lens_q` marks, so every attention keeps the sequences apart: the logits and the loss are those of the
+    sequences run one by one, as with the collator's `position_ids`. Boundaries that do not cover the row are refused
+    naming them."""
+    from transformers import DataCollatorWithFlattening
+
+    model = build(arch).eval()
+    model.set_attn_implementation(implementation)
+    features = [VariedLengths()[i] for i in range(len(VariedLengths()))]
+    kwargs_alone = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(features)
+    assert "position_ids" not in kwargs_alone
+    with torch.no_grad():
+        expected = model(**DataCollatorWithFlattening()(features))
+        alone = torch.cat([model(input_ids=torch.tensor([row["input_ids"]])).logits[0] for row in features])
+        output = model(**kwargs_alone)
+        torch.testing.assert_close(expected.logits[0], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(output.logits[0], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(output.loss, expected.loss, rtol=1e-6, atol=1e-6)
+        for bounds in ([0, 5, 17, 20], [1, 5, 17, 29]):
+            with pytest.raises(ValueError, match=rf"cu_seq_lens_q is {re.escape(str(bounds))}: .*from 0 to the 29 "
+                                                 r"tokens"):
+                model(**{**kwargs_alone, "cu_seq_lens_q": torch.tensor(bounds, dtype=torch.int32)})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trainer_steps_on_flattened_batches_give_the_updates_of_padded_batches(arch, tmp_path):
+    """The Trainer with `DataCollatorWithFlattening` (each batch one row of packed sequences, `position_ids`
+    restarting at 0, labels -100 at each sequence start) takes the steps it takes on the same batches padded: the
+    sequences stay apart and the loss is divided by the same label tokens. `use_cache=True`, which transformers 5.25's
+    Trainer sets on the config (False by default), leaves it so (its Llama then lets the sequences attend to each
+    other)."""
+    from transformers import DataCollatorWithFlattening
+
+    states = []
+    for collator in (pad_right, DataCollatorWithFlattening()):
+        model = build(arch)
+        args = arguments(tmp_path, max_steps=2, use_cache=True)
+        trainer = Trainer(model=model, args=args, train_dataset=VariedLengths(), data_collator=collator)
+        trainer.train()
+        assert model.config.use_cache
+        states.append(trainable_state(model))
+    assert_same_state(states[1], states[0], atol=1e-6)
