@@ -91,7 +91,9 @@ class DataArguments:
 
 @dataclass
 class RecipeArguments:
-    precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={"help": "auto: bf16 on GPUs that have it; bf16 also on CPU"})
+    precision: Literal["auto", "bf16", "fp32"] = field(default="auto", metadata={
+        "help": "auto: bf16 on GPUs that have it, else fp32 (fp32 on CPU; fp16 with --fp16); --precision bf16 trains "
+                "in bf16 autocast on CPU too"})
     min_learning_rate: float = OPTIMIZER_DEFAULTS["min_learning_rate"]
     stop_after_steps: int | None = field(default=None, metadata={"help": "stop at this step, keeping the --max-steps schedule"})
     resume: str | None = field(default=None, metadata={"help": "checkpoint folder, or 'latest' for the newest in "

@@ -36,6 +36,7 @@ from torch.nn.utils import parametrize
 
 from .ffn import TokenMemory
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
+from .flash_mhf_op import autocast_off
 from .token_lookup import keep_tables_through, pruned_weight_names
 
 # module class -> its weights that are plain parameters (norm weights are left alone)
@@ -85,7 +86,10 @@ class LowRankDelta(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.view(-1, cols), a=math.sqrt(5))
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        delta = torch.matmul(self.lora_B, self.lora_A) * self.scaling
+        # (in float32 also under autocast: the weight read, and merged, is then the same inside a caller's autocast
+        # as outside it; the modules that read it cast it to the autocast dtype themselves)
+        with autocast_off(weight.device.type):
+            delta = torch.matmul(self.lora_B, self.lora_A) * self.scaling
         return weight + delta.to(weight.dtype)
 
 

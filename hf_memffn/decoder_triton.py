@@ -15,7 +15,9 @@ is one pass over its input:
   map for the backward; it reads ``x`` in the projection's ``[B, L, H, D]`` layout and writes ``[B, H, L, D]`` for the
   attention (and the reverse in the backward), so no transpose is copied.
 
-All maths is float32; outputs are rounded once, to the input dtype (the PyTorch operations round after every step).
+All maths is float32; outputs are rounded once, to the dtype the PyTorch operations give (the input's; float32 for
+16-bit heads rotated by the float32 tables of autocast, as for a 16-bit row scaled by a float32 norm weight), where the
+PyTorch operations round after every step.
 ``decoder_kernels_unavailable`` says when they cannot run; the callers choose the path and report it.
 """
 
@@ -285,10 +287,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
     )
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """A new [B, H, L, D] tensor, returned as its [B, L, H, D] view."""
+def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new [B, H, L, D] tensor of ``dtype``, returned as its [B, L, H, D] view."""
     batch, length, heads, dim = x.shape
-    return torch.empty(batch, heads, length, dim, device=x.device, dtype=x.dtype).transpose(1, 2)
+    return torch.empty(batch, heads, length, dim, device=x.device, dtype=dtype).transpose(1, 2)
+
+
+def _rotated_dtype(x: torch.Tensor, cos: torch.Tensor) -> torch.dtype:
+    """The dtype of the rotation of ``x`` by tables ``cos``, as PyTorch's ``x * cos + rotate_half(x) * sin`` (Llama's)
+    gives it: float32 for 16-bit heads and the float32 tables of autocast, so that the keys a cache takes have one
+    dtype whichever path rotated them."""
+    return torch.promote_types(x.dtype, cos.dtype)
 
 
 class _RotaryFunction(torch.autograd.Function):
@@ -296,9 +305,10 @@ class _RotaryFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        out = _heads_first(x)
+        out = _heads_first(x, _rotated_dtype(x, cos))
         rotary(x, cos, sin, out, transposed=False)
         ctx.save_for_backward(cos, sin)
+        ctx.x_dtype = x.dtype
         return out.transpose(1, 2)
 
     @staticmethod
@@ -308,7 +318,7 @@ class _RotaryFunction(torch.autograd.Function):
         grad = grad_out.transpose(1, 2)  # [B, L, H, D] view
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        grad_x = torch.empty(grad.shape, device=grad.device, dtype=grad.dtype)
+        grad_x = torch.empty(grad.shape, device=grad.device, dtype=ctx.x_dtype)
         rotary(grad, cos, sin, grad_x, transposed=True)
         return grad_x, None, None
 
@@ -336,13 +346,14 @@ def _rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` [B, L, H, D] (the projection's layout) with ``cos``/``sin`` [B or 1, L, D]:
-    returns a contiguous [B, H, L, D] tensor (the attention's layout); ``x`` of a dtype of ``KERNEL_DTYPES``."""
+    returns a contiguous [B, H, L, D] tensor (the attention's layout) in the dtype of ``x * cos`` (float32 for 16-bit
+    heads and float32 tables); ``x`` of a dtype of ``KERNEL_DTYPES``."""
     x, cos, sin = _rotary_inputs(x, cos, sin)
     if x.dtype not in KERNEL_DTYPES:
         refuse_kernel_dtype("rotate", "x", x.dtype)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RotaryFunction.apply(x, cos, sin)
-    out = _heads_first(x)
+    out = _heads_first(x, _rotated_dtype(x, cos))
     rotary(x, cos, sin, out, transposed=False, inference=True)
     return out.transpose(1, 2)
 
@@ -363,7 +374,7 @@ def rotate_pair(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: 
         if tensor.dtype not in KERNEL_DTYPES:
             refuse_kernel_dtype("rotate_pair", name, tensor.dtype)
     key = key if key.stride(-1) == 1 else key.contiguous()
-    query_out, key_out = _heads_first(query), _heads_first(key)
+    query_out, key_out = _heads_first(query, _rotated_dtype(query, cos)), _heads_first(key, _rotated_dtype(key, cos))
     rotary(query, cos, sin, query_out, transposed=False, second=(key, key_out), inference=True)
     return query_out.transpose(1, 2), key_out.transpose(1, 2)
 

@@ -962,3 +962,27 @@ def test_a_peft_adapter_saved_on_kvffns_former_key_and_value_layers_is_refused_n
     ids = torch.arange(3, 11).view(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(ids).logits, adapted.eval()(ids).logits)
+
+
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm"])
+def test_the_adapted_weight_is_the_same_under_autocast_and_merges_exactly_there(arch):
+    """Under `torch.autocast` (bf16, float32 weights) the adapter's `B @ A` ran as a bfloat16 matmul, so the weight
+    read inside the context, and the one `merge_weight_lora` folded in there (a training loop's context), carried a
+    rounded delta: the merged model's logits differed from the adapted model's. The delta is computed in float32
+    (its consumers cast the weight to the autocast dtype themselves), so the adapted weight does not depend on the
+    caller's autocast."""
+    model = tiny_model(arch)
+    names = adapters.add_weight_lora(model, r=4)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    module_name, attribute = names[0].rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    ids = torch.randint(0, 320, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted, expected = getattr(module, attribute).clone(), model(ids).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(getattr(module, attribute), adapted)
+            adapters.merge_weight_lora(model)
+        assert torch.equal(getattr(module, attribute), adapted)
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)

@@ -431,3 +431,94 @@ def test_the_modules_keep_the_setting_they_were_built_with_and_the_path_says_so(
     assert "config.decoder_kernels='auto' was set after the model was built with 'torch'" in path
     model.model.norm = torch.nn.Identity()  # (a pipeline stage holds stand-ins for the modules of the others)
     assert model.model.decoder_path() == path
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["flash_mhf", "memoryllm", "flex_memoryllm", "kvffn"])
+def test_models_on_the_kernels_under_bf16_autocast_match_pytorch_operations(arch):
+    """float32 weights under bf16 autocast (as `Trainer(bf16=True)`): the Triton kernels (the decoder's norms and
+    rotations, KV-FFN's activation, FlashMHF's fused layer) give a float32 loss and float32 gradients for every
+    parameter, within bf16's rounding of the PyTorch operations' (loss 1e-2, each gradient 5% relative in norm)."""
+    from transformers import AutoModelForCausalLM
+
+    device_type = torch.device(DEVICE).type
+    models = {}
+    for kernels in ("triton", "torch"):
+        torch.manual_seed(0)
+        # (FlashMHF with heads of d_h 64 and sub-networks of 32 columns, which its kernels take)
+        ffn = dict(hidden_size=128, ffn_num_heads=2, intermediate_size=64, ffn_kernel=kernels) \
+            if arch == "flash_mhf" else {}
+        config = tiny_config(arch, decoder_kernels=kernels, **ffn)
+        models[kernels] = AutoModelForCausalLM.from_config(config).to(DEVICE).train()
+    models["torch"].load_state_dict(models["triton"].state_dict())
+    ids = torch.randint(3, config.vocab_size, (2, 24), device=DEVICE, generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for kernels, model in models.items():
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            losses[kernels] = model(ids, labels=ids).loss
+        losses[kernels].backward()
+        assert losses[kernels].dtype == torch.float32
+    assert abs(losses["triton"].item() - losses["torch"].item()) < 1e-2
+    for (name, a), b in zip(models["triton"].named_parameters(), models["torch"].parameters()):
+        assert a.grad is not None and a.grad.dtype == torch.float32, name
+        assert relative_error(a.grad, b.grad) < 0.05, name
+    assert models["triton"].model.decoder_path().startswith("Triton")
+    if arch == "flash_mhf":
+        mlp = models["triton"].model.layers[0].mlp
+        assert mlp.path_description(torch.empty(2, 24, 128, device=DEVICE, dtype=torch.bfloat16)).startswith("fused")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotary_of_16_bit_heads_with_float32_tables_matches_float64(dtype):
+    """Under autocast the projections give 16-bit heads and the tables are float32 (computed for the float32 hidden
+    states): the PyTorch rotation (Llama's) returns float32 there, and the kernels now do too, with and without
+    gradients (they returned the heads' dtype, so the keys a cache takes differed between the paths: an eager prefill
+    on the kernels and a compiled decoding step on the PyTorch operations wrote float32 keys into a bf16 static
+    cache, which index_copy_ refused). The input gradient keeps the heads' dtype."""
+    batch, length, heads, kv_heads, dim = 2, 9, 4, 2, 16
+    query, key = randn(batch, length, heads, dim, seed=0), randn(batch, length, kv_heads, dim, seed=1)
+    cos, sin = rotary_tables(1, length, dim, seed=2, shared_halves=True)
+    grad_out = randn(batch, heads, length, dim, seed=3)
+    query64 = query.clone().requires_grad_(True)
+    expected_query, expected_key = apply_rotary_pos_emb(query64.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    expected_query.backward(grad_out)
+    query_k = query.to(dtype).requires_grad_(True)
+    out = decoder_triton.rotate(query_k, cos.float(), sin.float())
+    assert out.dtype == torch.float32
+    out.backward(grad_out.float())
+    assert query_k.grad.dtype == dtype
+    with torch.no_grad():
+        pair = decoder_triton.rotate_pair(query.to(dtype), key.to(dtype), cos.float(), sin.float())
+    assert [tensor.dtype for tensor in pair] == [torch.float32, torch.float32]
+    errors = {"out": relative_error(out, expected_query), "x": relative_error(query_k.grad, query64.grad),
+              "query": relative_error(pair[0], expected_query), "key": relative_error(pair[1], expected_key)}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@needs_kernels
+def test_static_cache_generation_under_bf16_autocast_with_compiled_steps_match_pytorch_operations():
+    """`generate()` with a static cache compiles its decoding steps (transformers does so on GPUs; here asked for with
+    `compile_config`) while the prefill runs eagerly: under `decoder_kernels="auto"` the prefill rotates on the
+    kernels and the compiled steps on the PyTorch operations. Under bf16 autocast the two gave keys of different
+    dtypes and the first decoding step stopped at index_copy_ (bf16 cache, float32 keys); it generates the tokens of
+    the PyTorch operations."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import CompileConfig
+
+    compile_config = CompileConfig(fullgraph=False, backend="eager")
+    compile_config._compile_all_devices = True  # (transformers compiles on GPUs only unless told)
+    device_type = torch.device(DEVICE).type
+    generated = {}
+    for kernels in ("auto", "torch"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("kvffn", decoder_kernels=kernels)).to(DEVICE).eval()
+        ids = torch.randint(3, 320, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
+                generated[kernels] = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                                    cache_implementation="static", compile_config=compile_config)
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(generated["auto"], generated["torch"])

@@ -657,3 +657,12 @@ def test_the_recipe_without_the_train_extras_names_the_package_and_the_extra_in_
     with pytest.raises(SystemExit, match=r"--dataset / --data-files needs the 'datasets' package, which is not "
                                          r"installed: pip install 'hf-memffn\[train\]' \(or pip install datasets\)"):
         pretrain.load_raw_splits(SimpleNamespace(data_files=None, dataset="some/dataset", dataset_config=None))
+
+
+def test_the_precision_help_says_what_auto_trains_in_without_a_gpu():
+    """`--precision`'s help read "auto: bf16 on GPUs that have it; bf16 also on CPU", which says auto picks bf16 on a
+    CPU; it trains in float32 there (bf16 only where asked for, with --precision bf16), as README says."""
+    from dataclasses import fields
+
+    help_text = next(field for field in fields(pretrain.RecipeArguments) if field.name == "precision").metadata["help"]
+    assert "fp32 on CPU" in help_text and "--precision bf16" in help_text, help_text

@@ -1174,3 +1174,14 @@ def test_the_export_report_names_a_heldout_loss_that_is_not_finite(model, tmp_pa
     read = read_run_record(text)
     assert math.isnan(read["loss_compute"]) and read["loss_lookup"] == math.inf
     assert read["max_relative_error"] == returned["max_relative_error"]
+
+
+def test_a_table_exported_under_autocast_holds_the_values_of_the_weights_dtype(model, tmp_path):
+    """`export_tols` called inside a `torch.autocast` context (a training script's, bf16) computed the memory FFN in
+    bfloat16: an fp32 table, documented exact, gave lookup logits off by about 1e-3 from compute mode outside the
+    context, and its shards' bytes depended on the caller's autocast, which the export plan does not record (a
+    resumed export would keep shards computed otherwise). The table holds the FFNs' outputs in the weights' dtype."""
+    export_tols(model, tmp_path / "plain", format="fp32", progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        export_tols(model, tmp_path / "autocast", format="fp32", progress=False)
+    assert shard_bytes(tmp_path / "autocast") == shard_bytes(tmp_path / "plain")

@@ -240,3 +240,20 @@ def test_the_trainer_decays_no_norm_weight_and_no_bias(arch, tmp_path):
         model.save_pretrained(tmp_path / "saved")
         saved = load_file(tmp_path / "saved" / "model.safetensors")
         assert "model.memory.norm_weight" in saved and not any("rmsnorm_weight" in name for name in saved)
+
+
+@pytest.mark.parametrize("arch", ["llama", *ARCHS])
+def test_trainer_with_bf16_autocast_trains_every_architecture_on_cpu(arch, tmp_path):
+    """`TrainingArguments(bf16=True)` on the CPU (bf16 autocast over float32 weights): each architecture trains as
+    transformers' Llama does, its loss falling and its weights staying float32."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12, learning_rate=1e-2,
+                             logging_steps=3, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+                             bf16=True)
+    trainer = Trainer(model=model, args=args, train_dataset=PatternDataset())
+    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 4 and losses[-1] < 0.7 * losses[0], losses
+    assert {param.dtype for param in model.parameters()} == {torch.float32}

@@ -41,6 +41,7 @@ from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line, weights_file_names, weights_variant
 from hf_memffn.export_command import add_arguments, shard_size_bytes  # noqa: F401
+from hf_memffn.flash_mhf_op import autocast_off
 from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.run_records import run_record_json
 from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError, decode_utf8, has_tokenizer,
@@ -85,16 +86,19 @@ class _ErrorStats:
 
 
 def _memory_outputs(base, token_ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """fp32 [T, K, d]: the memory FFN output of `layers` for each token (exactly what compute mode adds)."""
-    x0 = base.embed_tokens(token_ids.unsqueeze(0))
-    memory = base.memory
-    if len(layers) == base.config.num_hidden_layers:
-        out = memory(x0)
-    elif any(param.device.type == "meta" for param in memory.parameters()):
-        # offloaded by a device map: its hooks load the weights for `forward` only, which computes every layer
-        out = memory(x0)[:, :, layers]
-    else:
-        out = memory.forward_layers(x0, layers)
+    """fp32 [T, K, d]: the memory FFN output of `layers` for each token (exactly what compute mode adds), computed in
+    the weights' dtype also inside a caller's `torch.autocast` (the table's values depend on the weights and the
+    export's settings only)."""
+    with autocast_off(token_ids.device.type):
+        x0 = base.embed_tokens(token_ids.unsqueeze(0))
+        memory = base.memory
+        if len(layers) == base.config.num_hidden_layers:
+            out = memory(x0)
+        elif any(param.device.type == "meta" for param in memory.parameters()):
+            # offloaded by a device map: its hooks load the weights for `forward` only, which computes every layer
+            out = memory(x0)[:, :, layers]
+        else:
+            out = memory.forward_layers(x0, layers)
     return out[0].float()
 
 
