@@ -1345,6 +1345,20 @@ def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None
                          "(examples/token_shards.py; examples/reproduce/prepare_data.py writes one)")
 
 
+def refuse_an_output_dir_that_cannot_be_written(output_dir: Path) -> None:
+    """A ValueError naming --output-dir where it is a file, inside a file, or in a folder this user cannot write
+    (`hf_memffn.cli_args.output_dir`, the commands' check): before the data is loaded and a tokenizer trained, which a
+    file failed after in `mkdir` naming no option, and a read-only folder after training up to its first log line."""
+    import argparse
+
+    from hf_memffn.cli_args import output_dir as writable_output_dir
+
+    try:
+        writable_output_dir(str(output_dir))
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"--output-dir: {error}") from None
+
+
 def refuse_a_used_output_dir(args, output_dir: Path) -> None:
     """A fresh run (no --resume) into a folder that holds another run's log, checkpoints or results would append to
     its log and keep its checkpoints, which a later `--resume latest` would then take. So would a run resumed from a
@@ -1960,6 +1974,7 @@ def main(argv=None) -> dict:
     if profile_steps:
         refuse_profile_steps_past_the_run(args.profile_steps, profile_steps[1], training_args.max_steps,
                                           args.stop_after_steps)
+    refuse_an_output_dir_that_cannot_be_written(output_dir)
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
     refuse_a_checkpoint_of_another_arch(args, checkpoint)

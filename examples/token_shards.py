@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hf_memffn.atomic_write import atomic_output, write_atomic
+
 TOKEN_DTYPE = np.dtype("<u2")
 META_FILE = "meta.json"
 
@@ -44,38 +46,28 @@ def write_split(folder: str | os.PathLike, split: str, documents: Iterable[list[
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral)
                                    or max_tokens < 0):
         raise ValueError(f"max_tokens={max_tokens!r} is invalid; allowed: None (no cap) or an integer >= 0")
-    path = split_path(folder, split)
-    tmp_path = path.with_suffix(".bin.tmp")
     written = 0
-    try:
-        with tmp_path.open("wb") as handle:
-            for ids in documents:
-                ids = list(ids)
-                if not ids:
-                    continue
-                chunk = np.asarray(ids + [eos_id], dtype=np.int64)
-                outside = chunk[(chunk < 0) | (chunk > np.iinfo(TOKEN_DTYPE).max)]
-                if outside.size:
-                    raise ValueError(f"token id {int(outside[0])} does not fit uint16 (0 to 65535): use a vocabulary "
-                                     "below 65536")
-                if max_tokens is not None:
-                    chunk = chunk[: max_tokens - written]
-                handle.write(chunk.astype(TOKEN_DTYPE).tobytes())
-                written += chunk.size
-                if max_tokens is not None and written >= max_tokens:
-                    break
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
-    os.replace(tmp_path, path)
+    with atomic_output(split_path(folder, split)) as temporary, temporary.open("wb") as handle:
+        for ids in documents:
+            ids = list(ids)
+            if not ids:
+                continue
+            chunk = np.asarray(ids + [eos_id], dtype=np.int64)
+            outside = chunk[(chunk < 0) | (chunk > np.iinfo(TOKEN_DTYPE).max)]
+            if outside.size:
+                raise ValueError(f"token id {int(outside[0])} does not fit uint16 (0 to 65535): use a vocabulary "
+                                 "below 65536")
+            if max_tokens is not None:
+                chunk = chunk[: max_tokens - written]
+            handle.write(chunk.astype(TOKEN_DTYPE).tobytes())
+            written += chunk.size
+            if max_tokens is not None and written >= max_tokens:
+                break
     return written
 
 
 def write_meta(folder: str | os.PathLike, meta: dict) -> None:
-    path = Path(folder) / META_FILE
-    tmp_path = path.with_suffix(".json.tmp")
-    tmp_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_path, path)
+    write_atomic(Path(folder) / META_FILE, json.dumps(meta, indent=2) + "\n")
 
 
 def read_meta(folder: str | os.PathLike, option: str = "--data-dir") -> dict:

@@ -115,18 +115,23 @@ def decode_utf8(data: bytes, source: str, first_line: int = 1, first_byte: int =
 
 def output_dir(text: str) -> str:
     """A directory to write into: it may exist (as a directory) or not yet (then no file may stand where one of its
-    parent folders would be created)."""
+    parent folders would be created); the directory, or the nearest existing folder above it, must be writable (a
+    command would otherwise fail only once its work is done, when it writes)."""
     if not text:  # (an unset shell variable, `--out "$OUT"`: not the current directory)
         raise argparse.ArgumentTypeError("'' is an empty path; allowed: a directory (created if missing)")
     path = local_path(text)
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; allowed: a directory (created if missing)")
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.abspath(path) if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r} is inside {parent!r}, which is a file; allowed: a directory "
                                          "(created if missing) whose parent folders are folders or missing")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        where = "is" if parent == os.path.abspath(path) else f"would be created in {parent!r}, which is"
+        raise argparse.ArgumentTypeError(f"{text!r} {where} not writable by this user; allowed: a directory "
+                                         "(created if missing) in a folder this user can write")
     return path
 
 

@@ -538,9 +538,14 @@ class MemFFNConfig(PreTrainedConfig):
             for source in (modeling_file, *get_relative_import_files(modeling_file)):
                 target = os.path.join(save_directory, os.path.basename(source))
                 if os.path.abspath(source) != os.path.abspath(target):
-                    partial = f"{target}.partial"
-                    shutil.copyfile(source, partial)
-                    os.replace(partial, target)  # (a file is complete or absent)
+                    partial = f"{target}.{os.getpid()}.partial"  # (one a process: two may save into one folder)
+                    try:
+                        shutil.copyfile(source, partial)
+                        os.replace(partial, target)  # (a file is complete or absent)
+                    except BaseException:  # (a copy cut short leaves nothing half written beside it)
+                        if os.path.exists(partial):
+                            os.remove(partial)
+                        raise
         return result
 
     def _modeling_code_file(self) -> str | None:

@@ -365,9 +365,17 @@ class TokenMemory(nn.Module):
                                       error_msgs)
 
     def init_own_parameters(self, std: float) -> None:
-        init.ones_(self.rmsnorm_weight)
-        for param in (self.gate_proj, self.up_proj, self.down_proj):
-            init.normal_(param, mean=0.0, std=std)
+        for name in ("rmsnorm_weight", "gate_proj", "up_proj", "down_proj"):
+            self.init_layers(name, getattr(self, name), std)
+
+    @staticmethod
+    def init_layers(name: str, layers: torch.Tensor, std: float) -> None:
+        """Draw `layers` (layers of the parameter `name`, stacked) as a new model's: the norm weights 1, the
+        projections N(0, std)."""
+        if name == "rmsnorm_weight":
+            init.ones_(layers)
+        else:
+            init.normal_(layers, mean=0.0, std=std)
 
     def forward(self, token_embeddings: torch.Tensor) -> torch.Tensor:
         """[B, L, d] -> [B, L, N, d]: each token's FFN output for every layer. The result is a view of a layer-major

@@ -33,10 +33,12 @@ _WEIGHTS_FILE = re.compile(r"model(\.[^/]+)?\.safetensors")
 _WEIGHTS_INDEX_FILE = re.compile(r"model\.safetensors\.index(\.[^/]+)?\.json")
 _WEIGHTS_SHARD = re.compile(r".*-\d+-of-\d+\.safetensors")
 TABLE_FILE_PREFIX = "token_lookup"  # files of a token lookup table (`hf-memffn export-tols`): index, shards, report
-# Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`), and caches
-# (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file under `.cache/`), and the
-# Trainer's `checkpoint-*/` folders (with optimizer states) in its output_dir, which `Trainer.push_to_hub` skips too.
-UPLOAD_IGNORE_PATTERNS = ["*.tmp", ".cache/*", "*/.cache/*", "checkpoint-*/*"]
+# Never uploaded: what interrupted writes leave (`atomic_write`'s hidden `.<name>.<pid>.<random>.tmp`, and the
+# `<file>.<pid>.partial` copies of the modeling code of `MemFFNConfig.save_pretrained`, remote code that cannot import
+# `atomic_write`), and caches (`.cache/huggingface/` of a `--local-dir` download; the Hub refuses a commit with a file
+# under `.cache/`), and the Trainer's `checkpoint-*/` folders (with optimizer states) in its output_dir, which
+# `Trainer.push_to_hub` skips too.
+UPLOAD_IGNORE_PATTERNS = ["*.tmp", "*.partial", ".cache/*", "*/.cache/*", "checkpoint-*/*"]
 
 
 HUB_ERROR_MODULES = ("httpx", "httpx2", "requests", "huggingface_hub")  # where the Hub's and the network's errors live

@@ -20,6 +20,7 @@ from .modeling_memffn import (
     MemFFNForTokenClassification,
     MemFFNModel,
     add_missing_checkpoint_parts,
+    initializer_std,
     register_checkpoint_conversions,
     register_for_auto_classes,
 )
@@ -65,8 +66,7 @@ class ConcatenateSubnetworkWeights(Concatenate):
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
-        config = kwargs.get("config")
-        std = getattr(config, "initializer_range", None) or 0.02  # (0 stands for the default, as in `_init_weights`)
+        std = initializer_std(kwargs.get("config"))
         add_missing_checkpoint_parts(input_dict, source_patterns, ["mlp.key", "mlp.up", "mlp.value"],
                                      target_patterns[0], lambda part: part.normal_(0.0, std),
                                      kwargs.get("model"), kwargs.get("full_layer_name"))

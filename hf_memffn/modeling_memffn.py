@@ -269,8 +269,22 @@ def packed_sequence_positions(cu_seq_lens_q: torch.Tensor, batch_and_length: tup
     return (tokens - bounds[sequence])[None]
 
 
-# Attribute of a model being loaded: the checkpoint names of the parts `add_missing_checkpoint_parts` drew
+# Attribute of a model being loaded: the names of the parts of its parameters that the checkpoint lacked, drawn new
+# while loading (`report_missing_checkpoint_part`)
 MISSING_CHECKPOINT_PARTS = "_memffn_missing_checkpoint_parts"
+
+
+def initializer_std(config) -> float:
+    """The std of the normal draws of `_init_weights`: `config.initializer_range`, 0 (or none) standing for
+    transformers' default, 0.02, as in its own models."""
+    return getattr(config, "initializer_range", None) or 0.02
+
+
+def report_missing_checkpoint_part(model, name: str) -> None:
+    """Record on `model`, while it loads, that the checkpoint lacked the part `name` of a parameter, which loading
+    drew new: `from_pretrained` reports it among the missing keys
+    (`MemFFNPreTrainedModel._adjust_missing_and_unexpected_keys`)."""
+    model.__dict__.setdefault(MISSING_CHECKPOINT_PARTS, set()).add(name)
 
 
 def add_missing_checkpoint_parts(input_dict: dict, source_patterns: list[str], part_names: list[str],
@@ -299,8 +313,7 @@ def add_missing_checkpoint_parts(input_dict: dict, source_patterns: list[str], p
         with torch.no_grad():
             init_part(part)
         input_dict[pattern] = [part] if isinstance(present[0], list) else part
-        missing = model.__dict__.setdefault(MISSING_CHECKPOINT_PARTS, set())
-        missing.add(full_layer_name.replace(target_pattern, part_names[index]))
+        report_missing_checkpoint_part(model, full_layer_name.replace(target_pattern, part_names[index]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -604,7 +617,7 @@ class MemFFNPreTrainedModel(PreTrainedModel):
             f"{expected.__name__}")
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range or 0.02  # (0 stands for transformers' default, as in its own models)
+        std = initializer_std(self.config)
         if isinstance(module, nn.Linear):
             # Blocks that follow their paper's init (KV-FFN: N(0, kvffn_init_std)) tag their layers with `init_std`.
             init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", std))

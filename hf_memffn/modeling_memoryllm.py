@@ -13,14 +13,17 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.generation import GenerationMixin  # named in each causal LM's own bases, as transformers' models do
 
 from .configuration_memffn import FlexMemoryLLMConfig, MemoryLLMConfig
+from .ffn import TokenMemory
 from .modeling_memffn import (
     MemFFNForCausalLM,
     MemFFNForQuestionAnswering,
     MemFFNForSequenceClassification,
     MemFFNForTokenClassification,
     MemFFNModel,
+    initializer_std,
     register_checkpoint_conversions,
     register_for_auto_classes,
+    report_missing_checkpoint_part,
 )
 from .token_lookup import TokenLookupMixin
 
@@ -87,10 +90,12 @@ register_for_auto_classes(FlexMemoryLLMConfig, FlexMemoryLLMModel, FlexMemoryLLM
 
 
 class FirstLayers(ConversionOps):
-    """A stacked `TokenMemory` tensor [N, ...] of the checkpoint, cut to the model's first `num_hidden_layers` layers:
-    `from_pretrained(path, num_hidden_layers=k)` keeps the first k layers, as it does for the decoder layers (whose
-    weights past the k-th are reported unexpected). A checkpoint with fewer layers than the model is left as it is
-    (loading reports the size mismatch). Saving (`cut=False`) leaves the tensor whole."""
+    """A stacked `TokenMemory` tensor [N, ...] of the checkpoint, fitted to the model's `num_hidden_layers` layers, as
+    `from_pretrained(path, num_hidden_layers=k)` treats the decoder layers: of a deeper checkpoint the first k layers
+    are kept (the decoder layers' weights past the k-th are reported unexpected); a shallower one gets the layers it
+    lacks, drawn as `_init_weights` draws them (`TokenMemory.init_layers`) and reported missing as
+    `<parameter>[N:k]` (the decoder layers' weights it lacks are reported missing). Saving (`cut=False`) leaves the
+    tensor whole."""
 
     def __init__(self, cut: bool = True):
         self.cut = cut
@@ -98,9 +103,18 @@ class FirstLayers(ConversionOps):
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
         (tensor,) = (value[0] if isinstance(value, list) else value for value in input_dict.values())
-        layers = getattr(kwargs.get("config"), "num_hidden_layers", None)
+        config = kwargs.get("config")
+        layers = getattr(config, "num_hidden_layers", None)
         if self.cut and layers is not None and tensor.shape[0] > layers:
             tensor = tensor[:layers].clone()  # (a view would keep the dropped layers' memory as the parameter's)
+        elif self.cut and layers is not None and tensor.shape[0] < layers:
+            saved, name = tensor.shape[0], target_patterns[0].rpartition(".")[2]
+            new_layers = tensor.new_empty(layers - saved, *tensor.shape[1:])
+            TokenMemory.init_layers(name, new_layers, initializer_std(config))
+            tensor = torch.cat([tensor, new_layers])
+            model, full_name = kwargs.get("model"), kwargs.get("full_layer_name")
+            if model is not None and full_name is not None:
+                report_missing_checkpoint_part(model, f"{full_name}[{saved}:{layers}]")
         return {target_patterns[0]: tensor}
 
     @property

@@ -1042,3 +1042,16 @@ def test_the_card_of_a_compiled_model_loads_it_as_the_model_it_wraps(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True" in card
     assert "Module.from_pretrained" not in card and "torch.nn" not in card
+
+
+def test_push_folder_uploads_no_modeling_code_copy_a_killed_save_left(fake_hub, tmp_path):
+    """`config.save_pretrained` copies each modeling file under `<file>.<pid>.partial` and renames it: a save killed
+    in between (SIGKILL, a power cut: no cleanup runs) left such a copy beside the checkpoint's files, which a later
+    upload of the folder sent to the Hub with them."""
+    model = tiny_model("kvffn")
+    model.save_pretrained(tmp_path)
+    checkpoint_files = set(hub.staged_files(tmp_path))
+    (tmp_path / "modeling_memffn.py.4242.partial").write_text("left over")
+    assert set(hub.staged_files(tmp_path)) == checkpoint_files
+    hub.push_folder(tmp_path, "someone/tiny")
+    assert set(fake_hub.uploaded) == checkpoint_files

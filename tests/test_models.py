@@ -1860,3 +1860,125 @@ def test_a_bf16_autocast_training_step_stays_as_close_to_float32_as_llamas(item)
     for name, grad in autocast_grads.items():
         assert grad is not None and grad.dtype == torch.float32, name
         assert (grad - grads[name]).norm() <= 0.05 * grads[name].norm(), name
+
+
+def test_a_config_save_cut_short_while_copying_the_modeling_code_leaves_no_partial_file(tmp_path, monkeypatch):
+    """`config.save_pretrained` copies the modeling code beside config.json through a temporary name: a copy cut
+    short (a full disk, an interrupt) leaves the earlier copy whole and no `<file>.<pid>.partial` beside it, which
+    stayed half written in the checkpoint folder (and went to the Hub with the folder's next upload)."""
+    import os
+    import shutil
+
+    config = tiny_config("memoryllm")
+    config.save_pretrained(tmp_path)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert "modeling_memffn.py" in before
+
+    copyfile = shutil.copyfile
+
+    def copy_half_then_fail(source, target, *args, **kwargs):
+        if os.path.basename(source) == "configuration_memffn.py":  # (transformers' own copy of the config's code)
+            return copyfile(source, target, *args, **kwargs)
+        with open(source, "rb") as handle, open(target, "wb") as out:
+            out.write(handle.read()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", copy_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        config.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(before)
+    assert {name: (tmp_path / name).read_bytes() for name in before if name.endswith(".py")} == {
+        name: content for name, content in before.items() if name.endswith(".py")}
+
+
+def test_two_processes_saving_a_config_into_one_folder_copy_the_modeling_code_each_under_a_name_of_its_own(
+        tmp_path, monkeypatch):
+    """Two processes saving into one folder at once (the main processes of two nodes with `save_on_each_node` on a
+    shared file system): each copies the modeling code under a name of its own. Under the one name
+    `<file>.partial`, the second truncated and renamed the first one's copy while it was being written, and the
+    first then failed to rename it (FileNotFoundError)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    config = tiny_config("memoryllm")
+    config.save_pretrained(tmp_path / "first")
+    copyfile, others = shutil.copyfile, []
+    script = ("import sys; from transformers import AutoConfig; import hf_memffn; "
+              "AutoConfig.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])")
+
+    def another_process_saves_meanwhile(source, target, *args, **kwargs):
+        if os.path.basename(source) != "modeling_memffn.py" or others:
+            return copyfile(source, target, *args, **kwargs)
+        with open(source, "rb") as handle, open(target, "wb") as out:
+            content = handle.read()
+            out.write(content[:100])
+            others.append(subprocess.run([sys.executable, "-c", script, str(tmp_path / "first"), str(tmp_path)],
+                                         capture_output=True, text=True))
+            out.write(content[100:])
+        return target
+
+    monkeypatch.setattr(shutil, "copyfile", another_process_saves_meanwhile)
+    config.save_pretrained(tmp_path)
+    assert others and others[0].returncode == 0, others[0].stderr[-2000:]
+    monkeypatch.undo()
+    assert not [path.name for path in tmp_path.iterdir() if path.name.endswith(".partial")]
+    assert (tmp_path / "modeling_memffn.py").read_bytes() == (tmp_path / "first" / "modeling_memffn.py").read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["llama", *ARCHS])
+def test_from_pretrained_with_more_layers_keeps_the_saved_layers_and_starts_the_new_ones(arch, tmp_path):
+    """`from_pretrained(path, num_hidden_layers=k)` of a shallower checkpoint loads every saved layer and starts the
+    new ones as a new model does, reporting them missing, as for transformers' Llama. MemoryLLM's and FlexMemoryLLM's
+    FFNs on X0, one tensor stacking every layer, were a size mismatch: an error, or with `ignore_mismatched_sizes` all
+    their layers started at random. They keep the saved layers, and the new layers start as `_init_weights` starts
+    them (norm weights 1, projections N(0, initializer_range)), reported missing under the stacked name and layers."""
+    model = build(arch, num_hidden_layers=2, initializer_range=0.05)
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    deep, info = AutoModelForCausalLM.from_pretrained(tmp_path, num_hidden_layers=3, output_loading_info=True)
+    assert deep.config.num_hidden_layers == 3 and len(deep.model.layers) == 3
+    assert not info["mismatched_keys"] and not info["unexpected_keys"], info
+    memory = getattr(deep.model, "memory", None)
+    stacked = {f"model.memory.{name}[2:3]" for name, _ in memory.named_parameters()} if memory is not None else set()
+    assert {key for key in info["missing_keys"] if not key.startswith("model.layers.2.")} == stacked, info
+    shallow = model.state_dict()
+    for name, tensor in deep.state_dict().items():
+        if name in shallow:
+            expected = tensor[:2] if name.startswith("model.memory.") else tensor
+            torch.testing.assert_close(expected, shallow[name], rtol=0, atol=0, msg=name)
+    if memory is not None:
+        assert memory.num_layers == 3
+        assert torch.equal(memory.rmsnorm_weight[2], torch.ones_like(memory.rmsnorm_weight[2]))
+        for param in (memory.gate_proj, memory.up_proj, memory.down_proj):
+            assert param.shape[0] == 3 and param[2].std().item() == pytest.approx(0.05, rel=0.1)
+
+
+@pytest.mark.parametrize("arch, overrides", ALL_VARIANTS, ids=map(variant_id, ALL_VARIANTS))
+def test_init_weights_sets_every_weight_of_a_model_built_on_the_meta_device(arch, overrides):
+    """A model built on the meta device, moved with `to_empty` (memory holding anything) and given `init_weights()`,
+    as sharded builds do, has every parameter and buffer set by `_init_weights`, as transformers' Llama has: none keeps
+    what `to_empty` left, the constant ones (norm weights, biases, the rotary frequencies) equal a model built the
+    usual way, the drawn ones have its std (initializer_range, KV-FFN's `kvffn_init`); the same seed draws the same
+    weights twice."""
+    config = tiny_config(arch, initializer_range=0.05, **overrides)
+    built = build(arch, initializer_range=0.05, **overrides)
+    again = build(arch, initializer_range=0.05, **overrides).state_dict()
+    assert all(torch.equal(tensor, again[name]) for name, tensor in built.state_dict().items())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.fill_(float("nan"))
+    model.init_weights()
+    expected = {**dict(built.named_parameters()), **dict(built.named_buffers())}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert not tensor.isnan().any(), name
+        if expected[name].std() == 0 or name in dict(built.named_buffers()):
+            assert torch.equal(tensor, expected[name]), name
+        else:
+            # (within the spread of two draws' std: the router of one head has 128 entries)
+            assert tensor.std().item() == pytest.approx(expected[name].std().item(), rel=4 / tensor.numel()**0.5), name

@@ -1714,3 +1714,138 @@ def test_results_files_name_a_diverged_loss_under_not_finite_and_read_earlier_fi
     state = study.rewrite_report(tmp_path)
     assert state["runs"][2]["heldout_loss"] == math.inf and state["runs"][2]["eval_curve"] == [[200, math.inf]]
     assert math.isnan(state["runs"][3]["heldout_loss"])
+
+
+def test_token_shards_two_writers_of_one_split_and_a_meta_write_cut_short(tmp_path, monkeypatch):
+    """Each `write_split` writes through a temporary name of its own (`hf_memffn.atomic_write`): a second writer of
+    the same split, started while the first is writing (another process preparing the same folder), no longer writes
+    into the first one's temporary file, which it truncated and renamed under the first one's feet (the first then
+    wrote on into `train.bin` in place and failed with FileNotFoundError). A `write_meta` cut short (a full disk)
+    leaves the previous meta.json whole and no temporary file beside it."""
+    def first_documents():
+        yield [5, 6, 7]
+        assert token_shards.write_split(tmp_path, "train", [[8, 9]], eos_id=2) == 3
+        yield [10]
+
+    assert token_shards.write_split(tmp_path, "train", first_documents(), eos_id=2) == 6
+    assert token_shards.read_tokens(tmp_path, "train").tolist() == [5, 6, 7, 2, 10, 2]  # (the last one renamed)
+    token_shards.write_meta(tmp_path, {"tokenizer": {"eos_id": 2}})
+
+    def write_half_then_fail(path, text, *args, **kwargs):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        token_shards.write_meta(tmp_path, {"tokenizer": {"eos_id": 3}})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / token_shards.META_FILE).read_text()) == {"tokenizer": {"eos_id": 2}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [token_shards.META_FILE, "train.bin"]
+
+
+def test_prepare_data_two_runs_into_one_out_each_build_in_a_folder_of_their_own(tmp_path, monkeypatch):
+    """Each run builds --out under a temporary name of its own (`hf_memffn.atomic_write`): a second run started while
+    the first is building no longer removes the first one's half-built folder (the fixed name OUT.tmp, which each run
+    cleared first), and the first no longer fails writing into a folder gone; --out ends as one run's whole folder,
+    with nothing beside it."""
+    argv = ["--out", str(tmp_path / "shards"), "--source", "text-files", "--text-files", str(ROOT / "README.md"),
+            "--wiki", "no", "--vocab-size", "300", "--max-train-tokens", "2000", "--max-heldout-tokens", "500"]
+    write_split = token_shards.write_split
+    runs = []
+
+    def second_run_meanwhile(folder, split, *args, **kwargs):
+        if not runs:
+            runs.append("second")
+            prepare_data.main(argv)
+        return write_split(folder, split, *args, **kwargs)
+
+    monkeypatch.setattr(token_shards, "write_split", second_run_meanwhile)
+    prepare_data.main(argv)
+    assert runs == ["second"] and [p.name for p in tmp_path.iterdir()] == ["shards"]
+    assert token_shards.read_meta(tmp_path / "shards")["splits"]["train"]["tokens"] == 2000
+
+
+def test_the_study_reports_written_half_way_leave_the_previous_file_and_no_temporary(tmp_path, monkeypatch):
+    """`study.write_atomic` and `study.save_figure`, through which the study, verdicts and learning-rate reports write
+    their JSON, markdown and figures, are the package's atomic writes (`hf_memffn.atomic_write`): a write cut short (a
+    full disk, an interrupt) leaves the previous file whole and no temporary file beside it (the fixed names
+    `results.json.tmp` and `loss_curves.png.tmp.png` stayed, half written), and the figure is closed either way."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    results, figure_path = tmp_path / "results.json", tmp_path / "loss_curves.png"
+    study.write_atomic(results, '{"runs": []}\n')
+    figure, axes = plt.subplots()
+    axes.plot([0, 1], [1, 0])
+    study.save_figure(figure, figure_path, dpi=30)
+    before = figure_path.read_bytes()
+
+    def write_half_then_fail(path, text, *args, **kwargs):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        study.write_atomic(results, '{"runs": [{"model": "llama"}]}\n')
+    figure, axes = plt.subplots()
+    monkeypatch.setattr(figure, "savefig", lambda path, **kwargs: (Path(path).write_bytes(before[:10]),
+                                                                    (_ for _ in ()).throw(KeyboardInterrupt)))
+    with pytest.raises(KeyboardInterrupt):
+        study.save_figure(figure, figure_path, dpi=30)
+    monkeypatch.undo()
+    assert not plt.fignum_exists(figure.number)
+    assert results.read_text() == '{"runs": []}\n' and figure_path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss_curves.png", "results.json"]
+
+
+def test_heldout_overlap_cut_short_while_writing_leaves_the_earlier_files_and_no_temporary(tmp_path, monkeypatch):
+    """`heldout_overlap.py` writes overlap.json and overlap.md through the package's atomic write
+    (`hf_memffn.atomic_write`): a write cut short (a full disk) leaves the earlier run's files whole and no temporary
+    file in --out (its own `.overlap.json.tmp` stayed, half written)."""
+    import heldout_overlap
+    from hf_memffn.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    tokenizer.save_pretrained(data)
+    for split, text in (("train", "a line that is long enough to count\nmore"), ("heldout", "another line\nend")):
+        token_shards.write_split(data, split, [tokenizer(text, add_special_tokens=False)["input_ids"]],
+                                 tokenizer.eos_token_id)
+    token_shards.write_meta(data, {"tokenizer": {"eos_id": tokenizer.eos_token_id},
+                                   "splits": {"train": {"sha256": "a"}, "heldout": {"sha256": "b"}}})
+    assert heldout_overlap.main(["--data", str(data), "--out", str(out), "--min-chars", "20"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def write_half_then_fail(path, text, *args, **kwargs):
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        heldout_overlap.main(["--data", str(data), "--out", str(out), "--min-chars", "5"])
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_prepare_data_refuses_an_out_it_cannot_write_before_reading_the_corpus(tmp_path, monkeypatch):
+    """--out that is a file (with --overwrite), inside a file, or in a folder this user cannot write failed only once
+    the corpus was read, the tokenizer trained and the splits written, naming a hidden temporary folder; refused now
+    before the source is read, naming --out. (Run as root, which writes anywhere, the folder's mode is read by
+    `os.access` as for another user.)"""
+    a_file, read_only = tmp_path / "a_file", tmp_path / "read_only"
+    a_file.write_text("not a folder\n")
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
+        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
+    monkeypatch.setattr(prepare_data, "paragraphs", lambda *args, **kwargs: pytest.fail("the source was read"))
+    for out, reason in ((a_file, "is a file"), (a_file / "shards", "which is a file"),
+                        (read_only / "shards", "not writable")):
+        with pytest.raises(ValueError, match=f"--out: {re.escape(repr(str(out)))}.*{reason}"):
+            prepare_data.main(["--out", str(out), "--overwrite", "--source", "text-files", "--text-files",
+                               str(ROOT / "README.md"), "--wiki", "no"])
+    read_only.chmod(0o755)
+    assert os.listdir(read_only) == [] and a_file.read_text() == "not a folder\n"

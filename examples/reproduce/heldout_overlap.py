@@ -23,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from token_shards import read_meta, read_tokens  # noqa: E402
 
+from hf_memffn.atomic_write import write_atomic  # noqa: E402
+
 
 def documents(tokens, eos_id: int) -> list[list[int]]:
     """Token ids split at `eos_id` (a last document without EOS kept)."""
@@ -107,9 +109,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("overlap.json", json.dumps(result, indent=2) + "\n"),
                        ("overlap.md", markdown(result, args.data))):
-        temporary = out / f".{name}.tmp"
-        temporary.write_text(text, encoding="utf-8")
-        temporary.replace(out / name)
+        write_atomic(out / name, text)
     print(markdown(result, args.data))
     return 0
 

@@ -34,7 +34,6 @@ import json
 import pickle
 import random
 import re
-import shutil
 import sys
 import time
 from collections import Counter
@@ -194,21 +193,18 @@ def build(out: Path, source_meta: dict, train: list[str], heldout: list[str], ex
           vocab_size: int, max_train_tokens: int, max_heldout_tokens: int, tokenizer_chars: int, seed: int,
           log=print) -> dict:
     """The folder `out` (replacing one that exists: `main` refuses that without --overwrite), built under a
-    temporary name and renamed when whole."""
+    temporary name of its own and renamed when whole (`hf_memffn.atomic_write`): a failure leaves no half-built
+    folder beside --out, and a folder there stays whole until the new one takes its place."""
+    from hf_memffn.atomic_write import atomic_output
+
     if not train or not heldout:
         raise ValueError(f"the source gave {len(train)} training and {len(heldout)} held-out documents; both must be > 0")
     random.Random(seed).shuffle(train)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(out) as tmp:
+        tmp.mkdir()
         meta = _build_in(tmp, source_meta, train, heldout, extra_heldout, vocab_size, max_train_tokens,
                          max_heldout_tokens, tokenizer_chars, seed, log)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # no half-built folder is left beside --out
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return meta
 
 
@@ -288,6 +284,12 @@ def main(argv=None) -> dict:
             raise ValueError(f"{option} must be 1 or more, got {value}")
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"--out={args.out!r} exists; pass --overwrite to replace it")
+    from hf_memffn.cli_args import output_dir
+
+    try:  # (a file, inside a file, or in a folder this user cannot write: before the source is read)
+        output_dir(args.out)
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"--out: {error}") from None
     max_train_chars = args.max_train_tokens * CHARS_PER_TOKEN_BOUND
     max_heldout_chars = args.max_heldout_tokens * CHARS_PER_TOKEN_BOUND
     if args.source == "gutenberg-poetry":

@@ -24,7 +24,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -43,6 +42,10 @@ import models as study_models  # noqa: E402
 import pretrain  # noqa: E402
 import token_shards  # noqa: E402
 from models import GROUP_BASELINES, GROUPS, RECIPES, SHAPES  # noqa: E402
+
+# the reports' files (results, verdicts, learning rates) are written whole or not at all: `write_atomic` is the
+# package's, which `verdicts` and `learning_rates` import from here
+from hf_memffn.atomic_write import atomic_output, write_atomic  # noqa: E402
 
 MAIN_SEED_KEYS = ("llama", "flash_mhf")  # the main comparison: several seeds by default
 EVALS_PER_RUN = 8
@@ -127,12 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
 # --- helpers ------------------------------------------------------------------------------------------------------
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # JSON has no NaN or infinity (Python's json writes the bare words NaN and Infinity, which strict readers refuse).
 # The study's files are run records (`hf_memffn.run_records`, through pretrain): a number that is not finite is null
 # and named under `not_finite`. Files of earlier versions wrote NaN as a bare null (`nan_where_null`) and an infinity
@@ -179,14 +176,16 @@ def nan_where_null(run: dict, fields: tuple[str, ...] = LOSS_FIELDS) -> dict:
 
 
 def save_figure(figure, path: Path, dpi: int) -> None:
-    """Lays a matplotlib figure out, writes it whole to `path` (through a temporary name) and closes it."""
+    """Lays a matplotlib figure out, writes it whole to `path` (through a temporary name, `atomic_output`) in the
+    format its suffix names, and closes it, whether or not the write succeeds."""
     import matplotlib.pyplot as plt
 
-    figure.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=dpi)
-    plt.close(figure)
-    os.replace(tmp, path)
+    try:
+        figure.tight_layout()
+        with atomic_output(path) as tmp:
+            figure.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=dpi)
+    finally:
+        plt.close(figure)
 
 
 def config_overrides(fields: dict) -> str:

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden_size < HEAD_DIM or args.hidden_size % HEAD_DIM:
         parser.error(f"--hidden-size {args.hidden_size} is invalid; allowed: a multiple of {HEAD_DIM} (heads of "
                      f"{HEAD_DIM} dimensions), e.g. 2048")
-    if os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        what = "is a directory" if os.path.isdir(args.out) else "is in a folder that does not exist"
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        what = ("is a directory" if os.path.isdir(args.out) else "is in a folder that does not exist"
+                if not os.path.isdir(folder) else f"is in a folder that is not writable by this user ({folder})")
         parser.error(f"--out {args.out} {what}; allowed: a file path in an existing folder, e.g. scale.json")
     tokenizer = tiny_tokenizer()
     if args.vocab_size < len(tokenizer):
