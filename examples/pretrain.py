@@ -1769,6 +1769,40 @@ def refuse_a_checkpoint_of_other_optimizer_settings(checkpoint: str | None, sett
                      f"resume with {advice}")
 
 
+def refuse_a_checkpoint_of_other_weight_decay_groups(trainer, checkpoint: str | None) -> None:
+    """A checkpoint whose optimizer state (optimizer.pt) holds other numbers of trained parameters in the Trainer's two
+    groups (with weight decay, without) than the Trainer's optimizer for this run is refused before training, naming
+    both: the Trainer failed in torch's `load_state_dict` ("loaded state dict contains a parameter group that doesn't
+    match the size of optimizer's group"). Earlier versions of the package saved such states: before MemoryLLM's and
+    FlexMemoryLLM's RMSNorm weights of the FFNs on X0 were named `rmsnorm_weight` (which the Trainer leaves out of
+    weight decay), and before FlashMHF's key, up and value and KV-FFN's key and value projections were joined into one
+    parameter each. A state of another layout (more groups, or groups of other settings, as GaLore's) is left to the
+    Trainer."""
+    from transformers.trainer import OPTIMIZER_NAME
+
+    saved_file = Path(checkpoint) / OPTIMIZER_NAME if checkpoint else None
+    if saved_file is None or not saved_file.is_file():
+        return
+    try:
+        groups = torch.load(saved_file, map_location="cpu", mmap=True, weights_only=True)["param_groups"]
+        saved = [len(group["params"]) for group in groups]
+        trainers_layout = (len(groups) == 2 and set(groups[0]) == set(groups[1])
+                           and [group.get("weight_decay") for group in groups] == [trainer.args.weight_decay, 0.0])
+    except Exception:  # (a state this check cannot read is left to the Trainer, which names what is wrong)
+        return
+    decayed = set(trainer.get_decay_parameter_names(trainer.model))
+    trained = [name for name, parameter in trainer.model.named_parameters() if parameter.requires_grad]
+    built = [sum(name in decayed for name in trained), sum(name not in decayed for name in trained)]
+    if trainers_layout and saved != built:
+        raise ValueError(
+            f"--resume: the optimizer state of {str(checkpoint)!r} holds {saved[0]} trained parameters with weight "
+            f"decay and {saved[1]} without, this run's optimizer {built[0]} and {built[1]}, which the Trainer cannot "
+            "load (a state saved by an earlier version of hf-memffn: the RMSNorm weights of MemoryLLM's and "
+            "FlexMemoryLLM's FFNs on X0 were decayed, FlashMHF's key, up and value and KV-FFN's key and value "
+            "projections were separate parameters); continue from its weights with a new optimizer state "
+            f"(--init-from {str(checkpoint)!r} with another --output-dir), or resume with the version that saved it")
+
+
 def refuse_a_checkpoint_of_another_training_text(checkpoint: str | None, settings: dict, train_blocks: int) -> None:
     """A run resumed on another training text (other --data-files, --dataset or --data-dir, or the run's file grown
     or cut) packs another number of blocks: a shuffling sampler orders them otherwise, and the steps left skip the
@@ -2051,6 +2085,7 @@ def main(argv=None) -> dict:
         if training_args.load_best_model_at_end and resumed_state.best_model_checkpoint:
             trainer._load_best_model()  # (as the Trainer does at the end of training)
     else:
+        refuse_a_checkpoint_of_other_weight_decay_groups(trainer, checkpoint)
         session_loss = trainer.train(resume_from_checkpoint=checkpoint).training_loss
     train_seconds = time.perf_counter() - started
     eval_metrics = (evaluation_at_the_last_step(trainer.state, training_args.load_best_model_at_end)

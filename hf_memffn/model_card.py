@@ -180,6 +180,19 @@ def is_package_card(card: str) -> bool:
     return 0 <= start < card.find(GENERATED_END, start)
 
 
+def is_earlier_package_card(card: str) -> bool:
+    """Whether `card` is one that an earlier version of this package wrote, before it marked its generated sections
+    (the same card without the markers): its front matter has the package's tag, and its "Token lookup tables"
+    section starts with the status line the package writes. Only that section of such a card is rewritten
+    (`refresh_lookup_section`, `card_for_repository`); the rest may hold the user's edits."""
+    if is_package_card(card):
+        return False
+    front_matter = re.match(r"\A---\n(.*?\n)---\n", card, re.DOTALL)
+    tagged = front_matter is not None and re.search(
+        rf"^- {re.escape(BASE_TAGS[0])}$", front_matter.group(1), re.MULTILINE) is not None
+    return tagged and f"\n{LOOKUP_HEADING}\n\n**Token lookup tables: " in card
+
+
 def _with_text_outside_generated_sections(card: str, old_card: str) -> str:
     """`card`'s front matter and generated sections, with the text `old_card` holds outside them."""
     front_matter = re.compile(r"\A---\n.*?\n---\n", re.DOTALL)
@@ -195,13 +208,14 @@ def refresh_lookup_section(folder: str | os.PathLike) -> bool:
     """Rewrite the "Token lookup tables" section of the card in `folder` (README.md, as `save_pretrained` wrote it)
     for what the folder holds now: after `hf-memffn export-tols MODEL_DIR MODEL_DIR` it says that the table is
     included and how to load it from the folder. The rest of the card (metadata, a training section, edits) is kept;
-    a README.md without that section, or without the markers of this package's card (the user's own), is left alone.
-    Returns whether the card changed."""
+    a README.md without that section, or without the markers of this package's card (the user's own), is left alone,
+    but for a card of an earlier version of the package (`is_earlier_package_card`). Returns whether the card
+    changed."""
     path = Path(folder) / "README.md"
     if not path.is_file():
         return False
     card = path.read_text(encoding="utf-8")
-    if not is_package_card(card):
+    if not (is_package_card(card) or is_earlier_package_card(card)):
         return False
     refreshed = with_current_lookup_section(card, folder)
     if refreshed == card:
@@ -235,7 +249,8 @@ def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> s
     `repo_id` where they named another location (the placeholder path of `save_pretrained`, which knows no
     repository, or another repository), and the "Token lookup tables" section lists the tables the folder holds.
     Only the generated sections change (the snippets of a card without markers anywhere in it; its "Token lookup
-    tables" section, the user's own text, is left as it is, as `refresh_lookup_section` leaves it)."""
+    tables" section, the user's own text, is left as it is, as `refresh_lookup_section` leaves it, but in a card of an
+    earlier version of the package, `is_earlier_package_card`)."""
     package_card = is_package_card(card)
     start, end = (card.find(GENERATED_START), card.find(GENERATED_END)) if package_card else (0, len(card))
     location = re.search(r'^checkpoint = "(.+)"$', card[start:end], re.MULTILINE)
@@ -243,7 +258,7 @@ def card_for_repository(card: str, repo_id: str, folder: str | os.PathLike) -> s
     # only where the snippets name the location: `"LOC"`, `pretrained=LOC,`, `token_lookup=LOC `, `export-tols LOC `
     in_snippets = re.compile(f'(?<="){named}(?=")|(?<==){named}(?=[, ])|(?<=export-tols ){named}(?= )')
     card = card[:start] + in_snippets.sub(lambda _: repo_id, card[start:end]) + card[end:]
-    return with_current_lookup_section(card, folder) if package_card else card
+    return with_current_lookup_section(card, folder) if package_card or is_earlier_package_card(card) else card
 
 
 def check_card_metadata(fields: dict) -> dict:

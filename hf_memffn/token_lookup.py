@@ -476,7 +476,16 @@ class TableIndex:
                 raise TokenLookupError(f"{path} is not valid JSON: {error}") from None
         metadata = raw.get("metadata") if isinstance(raw, dict) else None
         meta = metadata.get("token_lookup") if isinstance(metadata, dict) else None
-        if not isinstance(meta, dict) or meta.get("format_version") != TABLE_FORMAT_VERSION:
+        written_version = meta.get("format_version") if isinstance(meta, dict) else None
+        if isinstance(written_version, int) and not isinstance(written_version, bool) \
+                and written_version != TABLE_FORMAT_VERSION:
+            written_by = "a later" if written_version > TABLE_FORMAT_VERSION else "an earlier"
+            raise TokenLookupError(
+                f"{path} holds a token lookup table of format version {written_version}, written by {written_by} "
+                f"version of hf-memffn; this version reads format version {TABLE_FORMAT_VERSION}: export the table "
+                "again from the model's weights with this version (`hf-memffn export-tols`), or load it with the "
+                "version that wrote it")
+        if written_version != TABLE_FORMAT_VERSION:
             raise TokenLookupError(f"{path} is not a token lookup index of format version {TABLE_FORMAT_VERSION}")
         fields = _checked_index_fields(path, raw, meta)
         return cls(directory=directory, ranks=meta.get("ranks"), metadata=meta, **fields)
@@ -1532,6 +1541,13 @@ def check_table_matches(index: TableIndex, model: nn.Module) -> None:
     fingerprint = weights_fingerprint(base)
     if table_takes(index.metadata, fingerprint, lambda: weights_fingerprint(base, through=torch.float16)):
         return
+    if index.metadata.get("fingerprint_fp16") is None and base.embed_tokens.weight.dtype == torch.float16:
+        # (earlier versions recorded the bf16 fingerprint alone, which weights rounded to fp16 first never give)
+        raise TokenLookupError(
+            f"token lookup table in {index.directory} was exported by an earlier version of hf-memffn, whose index "
+            "records no fingerprint of the weights in fp16: this model's weights in fp16 cannot be checked against "
+            "it. Load the model in fp32 or bf16, which take a table exported from the fp32 weights, or export the "
+            "table again from this model with this version")
     raise TokenLookupError(f"token lookup table in {index.directory} was computed from other weights than this "
                            f"model's embedding / memory FFN (fingerprint {index.fingerprint[:12]}... vs model "
                            f"{fingerprint[:12]}...); export the table again from this model (a table exported from "

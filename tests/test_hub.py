@@ -1055,3 +1055,32 @@ def test_push_folder_uploads_no_modeling_code_copy_a_killed_save_left(fake_hub, 
     assert set(hub.staged_files(tmp_path)) == checkpoint_files
     hub.push_folder(tmp_path, "someone/tiny")
     assert set(fake_hub.uploaded) == checkpoint_files
+
+
+def test_a_card_written_before_the_generated_sections_were_marked_gets_its_lookup_section_rewritten(fake_hub, tmp_path):
+    """Earlier versions of the package wrote the same card without the markers around its generated sections. A
+    table exported into the folder of such a checkpoint rewrites the card's "Token lookup tables" section (and only
+    it) to say the folder holds the table, and a push of the folder uploads it so, where the card went on saying that
+    no table was there ("export a table ... then load it from TABLE_DIR"). A README.md of the user's own stays alone
+    (`test_exporting_into_a_folder_leaves_a_readme_of_the_users_own_alone`)."""
+    from hf_memffn.conversion.export import export_tols
+    from hf_memffn.model_card import GENERATED_END, GENERATED_START
+
+    def unmarked(card: str) -> str:
+        return "".join(line for line in card.splitlines(keepends=True)
+                       if line.rstrip("\n") not in (GENERATED_START, GENERATED_END))
+
+    model = tiny_model("memoryllm").eval()
+    model.save_pretrained(tmp_path)
+    card = tmp_path / "README.md"
+    earlier = unmarked(card.read_text())
+    card.write_text(earlier)
+    assert "**Token lookup tables: not attached.**" in earlier and "is included in this folder" not in earlier
+    report = export_tols(tmp_path, tmp_path, format="int8", progress=False)
+    text = card.read_text()
+    assert report.get("model_card") == str(card) and "is included in this folder" in text
+    assert text == unmarked(render_model_card(model, save_directory=tmp_path))
+    assert GENERATED_START not in text  # (the rest of the card as it was)
+    card.write_text(earlier)
+    hub.push_folder(tmp_path, "someone/tiny-memoryllm")
+    assert "is included in this folder" in fake_hub.uploaded["README.md"].decode()

@@ -1460,3 +1460,37 @@ def test_initial_weights_refuse_an_out_dir_they_cannot_write_before_training_the
                                        "--vocab-size", "300"])
     read_only.chmod(0o755)
     assert os.listdir(read_only) == [] and a_file.read_text() == "not a folder\n"
+
+
+@pytest.mark.parametrize("earlier", ["norm_decayed", "weights_apart"])
+def test_a_checkpoint_whose_optimizer_state_groups_the_weight_decay_otherwise_is_refused_naming_what_changed(
+        tmp_path, earlier):
+    """Versions of the package before MemoryLLM's RMSNorm weights of the FFNs on X0 were named `rmsnorm_weight`
+    (left out of weight decay by the Trainer) saved an optimizer state with that weight in the weight-decay group, and
+    those before FlashMHF's key, up and value (KV-FFN's key and value) were joined one with more parameters. Resumed,
+    the Trainer failed inside torch ("loaded state dict contains a parameter group that doesn't match the size of
+    optimizer's group") after the data was read: the run is refused before training, naming both groupings and what
+    to do. The fixture is this version's checkpoint with one parameter moved between the groups, or one more in the
+    weight-decay group, as the earlier versions wrote them."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "memoryllm", "--preset", "tiny", "--data-files", str(corpus), "--train-tokenizer", "300",
+              "--block-size", "32", "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100",
+              "--max-eval-blocks", "1", "--max-steps", "4", "--output-dir", str(out)]
+    pretrain.main(common + ["--stop-after-steps", "2"])
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    optimizer_file = out / "checkpoint-2" / "optimizer.pt"
+    state = torch.load(optimizer_file, weights_only=True)
+    decayed, not_decayed = state["param_groups"]
+    built = (len(decayed["params"]), len(not_decayed["params"]))
+    if earlier == "norm_decayed":
+        decayed["params"].append(not_decayed["params"].pop(0))
+    else:
+        decayed["params"].append(1 + max(decayed["params"] + not_decayed["params"]))
+    torch.save(state, optimizer_file)
+    with pytest.raises(ValueError, match=rf"--resume: the optimizer state of '.*checkpoint-2' holds "
+                                         rf"{len(decayed['params'])} trained parameters with weight decay and "
+                                         rf"{len(not_decayed['params'])} without, this run's optimizer "
+                                         rf"{built[0]} and {built[1]}, .*--init-from"):
+        pretrain.main(common + ["--resume", "latest"])

@@ -1588,3 +1588,53 @@ def test_compiled_generate_with_static_cache_matches_eager(tmp_path, placement, 
                               compile_config=CompileConfig(backend=backend, mode=mode, fullgraph=True), **options)
     assert torch.equal(compiled, eager)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("written_version", [2, 0])
+def test_a_table_of_another_format_version_is_refused_naming_both_versions_and_what_to_do(tmp_path, written_version):
+    """A table whose index records another `format_version` than the one this version reads (written by a later
+    version of the package, or an earlier one) is refused naming the version it holds, the version read here and what
+    to do (export it again from the weights with this version, or load it with the version that wrote it), where the
+    message said only that the file was not an index of this version."""
+    import json
+
+    from hf_memffn.token_lookup import INDEX_NAME, TABLE_FORMAT_VERSION
+
+    model = build("memoryllm")
+    export_tols(model, tmp_path, format="fp32", progress=False)
+    index_path = tmp_path / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    index["metadata"]["token_lookup"]["format_version"] = written_version
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(TokenLookupError) as error:
+        model.load_tols(tmp_path, placement="cpu")
+    message = str(error.value)
+    assert f"format version {written_version}" in message and f"format version {TABLE_FORMAT_VERSION}" in message
+    assert ("later" if written_version > TABLE_FORMAT_VERSION else "earlier") in message
+    assert "export-tols" in message
+
+
+def test_a_table_of_an_earlier_version_without_an_fp16_fingerprint_names_why_an_fp16_model_cannot_take_it(tmp_path):
+    """Earlier versions of the package recorded one fingerprint in a table's index, of the weights rounded to bf16,
+    which the checkpoint loaded in fp16 (its weights rounded to fp16 first) does not give. Loading such a table exported
+    from the fp32 weights into the checkpoint in fp16 was refused as "computed from other weights", followed by the
+    promise that fp16 takes it: it is refused naming the earlier version's index and what to do (load the model in
+    fp32 or bf16, which take the table, or export the table again). The fixture is this version's table with the fp16
+    fingerprint taken out of its index."""
+    import json
+
+    from hf_memffn.token_lookup import INDEX_NAME
+
+    build("memoryllm").save_pretrained(tmp_path / "model")
+    export_tols(tmp_path / "model", tmp_path / "table", format="fp32", progress=False)
+    index_path = tmp_path / "table" / INDEX_NAME
+    index = json.loads(index_path.read_text())
+    del index["metadata"]["token_lookup"]["fingerprint_fp16"]
+    index_path.write_text(json.dumps(index))
+    for dtype in (torch.float32, torch.bfloat16):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=dtype).load_tols(tmp_path / "table",
+                                                                                       placement="cpu")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float16)
+    with pytest.raises(TokenLookupError, match=r"exported by an earlier version of hf-memffn.*no fingerprint of the "
+                                               r"weights in fp16.*fp32 or bf16.*export the table again"):
+        model.load_tols(tmp_path / "table", placement="cpu")
