@@ -75,3 +75,18 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     rank = {name: index for index, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: each file's tests keep order
+
+
+@pytest.fixture
+def read_only_folder(tmp_path, monkeypatch):
+    """An empty folder `tmp_path / "read_only"` that this user cannot write into, as `os.access` answers for it: its
+    mode is 0o555, and `os.access` is made to answer for it as for a user other than root, which writes anywhere (the
+    suite may run as root). Writable again after the test, so that pytest can remove it."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
+        False if mode & os.W_OK and os.path.realpath(path) == str(folder) else access(path, mode, **kwargs)))
+    yield folder
+    folder.chmod(0o755)

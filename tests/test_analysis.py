@@ -1316,7 +1316,7 @@ def test_report_json_names_numbers_that_are_not_finite_and_reads_them_back(tmp_p
     assert read_cell["triggers"][0]["coefficient"] == math.inf and math.isnan(read_cell["promotes_logits"][1])
 
 
-def test_scale_check_refuses_an_out_in_a_folder_it_cannot_write(tmp_path, capsys, monkeypatch):
+def test_scale_check_refuses_an_out_in_a_folder_it_cannot_write(tmp_path, capsys, monkeypatch, read_only_folder):
     """`--out` in a folder this user cannot write was written only at the very end, after the model was built and
     analysed (a PermissionError); refused now as the arguments are read, naming the flag and the folder. (Run as
     root, which writes anywhere, the folder's mode is read by `os.access` as for another user.)"""
@@ -1324,12 +1324,7 @@ def test_scale_check_refuses_an_out_in_a_folder_it_cannot_write(tmp_path, capsys
 
     from hf_memffn.analysis import scale_check
 
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
+    read_only = read_only_folder
     monkeypatch.setattr(scale_check, "LlamaForCausalLM", lambda *args, **kwargs: pytest.fail("the model was built"))
     argv = ["--device", "cpu", "--hidden-size", "64", "--num-layers", "1", "--vocab-size", "320",
             "--out", str(read_only / "scale.json")]
@@ -1337,5 +1332,4 @@ def test_scale_check_refuses_an_out_in_a_folder_it_cannot_write(tmp_path, capsys
         scale_check.main(argv)
     error = capsys.readouterr().err
     assert stop.value.code == 2 and f"--out {read_only / 'scale.json'} is in a folder that is not writable" in error
-    read_only.chmod(0o755)
     assert os.listdir(read_only) == []

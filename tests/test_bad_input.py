@@ -705,18 +705,13 @@ def test_a_path_that_starts_with_a_tilde_after_an_equals_sign_is_in_the_home_fol
 
 @pytest.mark.parametrize("command", ["export-tols", "analyze", "demo"])
 def test_an_output_folder_that_cannot_be_written_is_refused_when_parsed(command, world, tmp_path, monkeypatch,
-                                                                        capsys):
+                                                                        capsys, read_only_folder):
     """An output folder this user cannot write into (it exists read-only, or it is missing and the nearest folder
     above it is read-only): refused when the arguments are parsed, naming the option and the read-only folder;
     before, the command loaded the model and exported, analysed or trained, and failed only when it wrote, naming a
     hidden temporary path. (Run as root, which writes anywhere, the folder's mode is read by `os.access` as for
     another user.)"""
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and Path(path).resolve() == read_only else access(path, mode, **kwargs)))
+    read_only = read_only_folder
     for out in (read_only, read_only / "missing" / "out"):
         argv = {"export-tols": ["export-tols", S(world.memoryllm), S(out)],
                 "analyze": ["analyze", S(world.memoryllm), "--texts", S(world.texts), "--out", S(out)],
@@ -727,7 +722,6 @@ def test_an_output_folder_that_cannot_be_written_is_refused_when_parsed(command,
         errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert len(errors) == 1 and "not writable" in errors[0] and repr(str(read_only)) in errors[0], errors
         assert ("argument --out:" if command != "export-tols" else "argument OUT_DIR:") in errors[0], errors
-    read_only.chmod(0o755)
     assert os.listdir(read_only) == []
 
 

@@ -1696,20 +1696,14 @@ def test_harness_names_numbers_that_are_not_finite_and_its_readers_get_them_back
     assert math.isnan(loaded["loss"]) and loaded["rounds"][1] == math.inf
 
 
-def test_scripts_refuse_an_out_they_cannot_write(tmp_path, monkeypatch):
+def test_scripts_refuse_an_out_they_cannot_write(tmp_path, monkeypatch, read_only_folder):
     """`--out` (`harness.output_folder`, the package's check) in a folder this user cannot write, existing or to be
     created there, is refused as the arguments are read, naming the read-only folder: not a PermissionError at the
     first write, once the measurements have run. (Run as root, which writes anywhere, the folder's mode is read by
     `os.access` as for another user.)"""
     harness = kernel_script("harness")
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
+    read_only = read_only_folder
     for out in (read_only, read_only / "results"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"{re.escape(repr(str(read_only)))}.*not writable"):
             harness.output_folder(str(out))
     assert harness.output_folder(str(tmp_path / "results")) == str(tmp_path / "results")
-    read_only.chmod(0o755)

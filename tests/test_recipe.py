@@ -1436,7 +1436,8 @@ def test_resuming_with_another_arch_is_refused_before_the_data_is_read(tmp_path,
         pretrain.main(["--arch", "llama"] + common + ["--max-steps", "3", "--resume", "latest"])
 
 
-def test_initial_weights_refuse_an_out_dir_they_cannot_write_before_training_the_tokenizer(tmp_path, monkeypatch):
+def test_initial_weights_refuse_an_out_dir_they_cannot_write_before_training_the_tokenizer(tmp_path, monkeypatch,
+                                                                                          read_only_folder):
     """save_initial_weights.py's OUT_DIR inside a file or in a folder this user cannot write failed only when the
     weights were saved, after the tokenizer was trained and the model built, naming a hidden temporary folder; refused
     now before the corpus is read, naming OUT_DIR and the folder. (Run as root, which writes anywhere, the folder's
@@ -1446,19 +1447,13 @@ def test_initial_weights_refuse_an_out_dir_they_cannot_write_before_training_the
     import save_initial_weights
 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    a_file, read_only = tmp_path / "a_file", tmp_path / "read_only"
+    a_file, read_only = tmp_path / "a_file", read_only_folder
     a_file.write_text("not a folder\n")
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
     monkeypatch.setattr("hf_memffn.tokenization.train_tokenizer", lambda *args, **kwargs: pytest.fail("trained"))
     for out, reason in ((a_file / "init", "which is a file"), (read_only / "init", "not writable")):
         with pytest.raises(ValueError, match=f"OUT_DIR: {re.escape(repr(str(out)))}.*{reason}"):
             save_initial_weights.main([str(corpus), str(out), "--arch", "llama", "--preset", "tiny",
                                        "--vocab-size", "300"])
-    read_only.chmod(0o755)
     assert os.listdir(read_only) == [] and a_file.read_text() == "not a folder\n"
 
 

@@ -668,7 +668,8 @@ def test_the_precision_help_says_what_auto_trains_in_without_a_gpu():
     assert "fp32 on CPU" in help_text and "--precision bf16" in help_text, help_text
 
 
-def test_an_output_dir_that_cannot_be_written_is_refused_before_the_data_is_loaded(tmp_path, monkeypatch):
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_data_is_loaded(tmp_path, monkeypatch,
+                                                                                   read_only_folder):
     """--output-dir that is a file, inside a file, or in a folder this user cannot write: a ValueError naming
     --output-dir and the path, before the data is loaded and a tokenizer trained (a file failed in `mkdir` with
     `File exists`, naming no option; a read-only folder trained until the first log line or checkpoint was written).
@@ -676,12 +677,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_data_is_load
     corpus = write_corpus(tmp_path / "corpus.jsonl", documents=20)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder\n")
-    read_only = tmp_path / "read_only"
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
+    read_only = read_only_folder
     loaded = []
     monkeypatch.setattr(pretrain, "load_data", lambda *args, **kwargs: loaded.append(args) or [][5])
     for out, reason in ((a_file, "is a file"), (a_file / "run", "which is a file"),
@@ -690,5 +686,4 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_data_is_load
             pretrain.main(["--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
                            "--max-steps", "1", "--output-dir", str(out)])
     assert not loaded and a_file.read_text() == "not a folder\n"
-    read_only.chmod(0o755)
     assert os.listdir(read_only) == []

@@ -1716,6 +1716,13 @@ def test_results_files_name_a_diverged_loss_under_not_finite_and_read_earlier_fi
     assert math.isnan(state["runs"][3]["heldout_loss"])
 
 
+def _write_half_then_fail(path, text, *args, **kwargs):
+    """A `Path.write_text` that a full disk cuts short: half the text is written, then OSError (ENOSPC)."""
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text[: len(text) // 2])
+    raise OSError(28, "No space left on device")
+
+
 def test_token_shards_two_writers_of_one_split_and_a_meta_write_cut_short(tmp_path, monkeypatch):
     """Each `write_split` writes through a temporary name of its own (`hf_memffn.atomic_write`): a second writer of
     the same split, started while the first is writing (another process preparing the same folder), no longer writes
@@ -1731,12 +1738,7 @@ def test_token_shards_two_writers_of_one_split_and_a_meta_write_cut_short(tmp_pa
     assert token_shards.read_tokens(tmp_path, "train").tolist() == [5, 6, 7, 2, 10, 2]  # (the last one renamed)
     token_shards.write_meta(tmp_path, {"tokenizer": {"eos_id": 2}})
 
-    def write_half_then_fail(path, text, *args, **kwargs):
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text[: len(text) // 2])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    monkeypatch.setattr(Path, "write_text", _write_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         token_shards.write_meta(tmp_path, {"tokenizer": {"eos_id": 3}})
     monkeypatch.undo()
@@ -1779,12 +1781,7 @@ def test_the_study_reports_written_half_way_leave_the_previous_file_and_no_tempo
     study.save_figure(figure, figure_path, dpi=30)
     before = figure_path.read_bytes()
 
-    def write_half_then_fail(path, text, *args, **kwargs):
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text[: len(text) // 2])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    monkeypatch.setattr(Path, "write_text", _write_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         study.write_atomic(results, '{"runs": [{"model": "llama"}]}\n')
     figure, axes = plt.subplots()
@@ -1817,35 +1814,24 @@ def test_heldout_overlap_cut_short_while_writing_leaves_the_earlier_files_and_no
     assert heldout_overlap.main(["--data", str(data), "--out", str(out), "--min-chars", "20"]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    def write_half_then_fail(path, text, *args, **kwargs):
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text[: len(text) // 2])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Path, "write_text", write_half_then_fail)
+    monkeypatch.setattr(Path, "write_text", _write_half_then_fail)
     with pytest.raises(OSError, match="No space left"):
         heldout_overlap.main(["--data", str(data), "--out", str(out), "--min-chars", "5"])
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_prepare_data_refuses_an_out_it_cannot_write_before_reading_the_corpus(tmp_path, monkeypatch):
+def test_prepare_data_refuses_an_out_it_cannot_write_before_reading_the_corpus(tmp_path, monkeypatch, read_only_folder):
     """--out that is a file (with --overwrite), inside a file, or in a folder this user cannot write failed only once
     the corpus was read, the tokenizer trained and the splits written, naming a hidden temporary folder; refused now
     before the source is read, naming --out. (Run as root, which writes anywhere, the folder's mode is read by
     `os.access` as for another user.)"""
-    a_file, read_only = tmp_path / "a_file", tmp_path / "read_only"
+    a_file, read_only = tmp_path / "a_file", read_only_folder
     a_file.write_text("not a folder\n")
-    read_only.mkdir()
-    read_only.chmod(0o555)
-    access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
-        False if mode & os.W_OK and os.path.realpath(path) == str(read_only) else access(path, mode, **kwargs)))
     monkeypatch.setattr(prepare_data, "paragraphs", lambda *args, **kwargs: pytest.fail("the source was read"))
     for out, reason in ((a_file, "is a file"), (a_file / "shards", "which is a file"),
                         (read_only / "shards", "not writable")):
         with pytest.raises(ValueError, match=f"--out: {re.escape(repr(str(out)))}.*{reason}"):
             prepare_data.main(["--out", str(out), "--overwrite", "--source", "text-files", "--text-files",
                                str(ROOT / "README.md"), "--wiki", "no"])
-    read_only.chmod(0o755)
     assert os.listdir(read_only) == [] and a_file.read_text() == "not a folder\n"
