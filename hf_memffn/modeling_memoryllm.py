@@ -107,15 +107,21 @@ class FirstLayers(ConversionOps):
         layers = getattr(config, "num_hidden_layers", None)
         if self.cut and layers is not None and tensor.shape[0] > layers:
             tensor = tensor[:layers].clone()  # (a view would keep the dropped layers' memory as the parameter's)
-        elif self.cut and layers is not None and tensor.shape[0] < layers:
+        elif self.cut and layers is not None and tensor.shape[0] < layers and self._loads_whole_tensors(kwargs):
             saved, name = tensor.shape[0], target_patterns[0].rpartition(".")[2]
             new_layers = tensor.new_empty(layers - saved, *tensor.shape[1:])
             TokenMemory.init_layers(name, new_layers, initializer_std(config))
             tensor = torch.cat([tensor, new_layers])
-            model, full_name = kwargs.get("model"), kwargs.get("full_layer_name")
-            if model is not None and full_name is not None:
-                report_missing_checkpoint_part(model, f"{full_name}[{saved}:{layers}]")
+            report_missing_checkpoint_part(kwargs["model"], f"{kwargs['full_layer_name']}[{saved}:{layers}]")
         return {target_patterns[0]: tensor}
+
+    @staticmethod
+    def _loads_whole_tensors(kwargs) -> bool:
+        """Whether this load gives the conversion whole checkpoint tensors of a parameter of the model it names:
+        `from_pretrained(..., distributed_config=...)` (a device mesh) gives each process its share of the layers
+        (FSDP2 shards them along the layers), which is left as it is."""
+        model, full_name = kwargs.get("model"), kwargs.get("full_layer_name")
+        return model is not None and full_name is not None and getattr(model, "_device_mesh", None) is None
 
     @property
     def reverse_op(self) -> ConversionOps:
