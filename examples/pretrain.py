@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import math
@@ -86,7 +87,8 @@ class DataArguments:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or Hub name (default: --init-from's)"})
     train_tokenizer: int | None = field(default=None, metadata={"help": "train a byte-level BPE of this vocabulary size on the training text"})
     num_proc: int | None = field(default=None, metadata={"help": "processes for tokenization"})
-    max_eval_blocks: int | None = field(default=None, metadata={"help": "cap on held-out blocks evaluated"})
+    max_eval_blocks: int | None = field(default=None, metadata={"help": "cap on held-out blocks evaluated (a resumed "
+                                        "run keeps the run's: its evaluation losses compare one set of blocks)"})
 
 
 @dataclass
@@ -1566,7 +1568,8 @@ def refuse_another_learning_rate(checkpoint: str | None, learning_rate: float) -
                          f"(another rate would be left unused); resume with --learning-rate {saved_rate!r}")
 
 
-# Written into each checkpoint: the settings that decide which tokens each step trains on (see `batch_settings`).
+# Written into each checkpoint: the settings that decide which tokens each step trains on (see `batch_settings`), and
+# the number and `blocks_fingerprint` of the training and held-out blocks with --max-eval-blocks (see `main`).
 BATCH_SETTINGS_FILE = "recipe_batches.json"
 
 
@@ -1803,28 +1806,119 @@ def refuse_a_checkpoint_of_other_weight_decay_groups(trainer, checkpoint: str | 
             f"(--init-from {str(checkpoint)!r} with another --output-dir), or resume with the version that saved it")
 
 
-def refuse_a_checkpoint_of_another_training_text(checkpoint: str | None, settings: dict, train_blocks: int) -> None:
-    """A run resumed on another training text (other --data-files, --dataset or --data-dir, or the run's file grown
-    or cut) packs another number of blocks: a shuffling sampler orders them otherwise, and the steps left skip the
-    first blocks of that order, so some would be trained on twice, others never. Refused once the blocks are counted
-    (the count is recorded beside the batch settings). Blocks taken in order ("sequential": a grown text goes on
-    where the run was) pass, and so do checkpoints that recorded no count. Another text of the same number of
-    blocks is not told apart."""
+def refuse_a_checkpoint_of_another_training_text(checkpoint: str | None, settings: dict, train_blocks: int,
+                                                 fingerprint: str | None, options: str) -> None:
+    """A run resumed on another training text (other --data-files, --dataset or --data-dir, or the run's file grown,
+    cut or edited) packs other blocks: a shuffling sampler orders them otherwise, and the steps left skip the first
+    blocks of that order, so some would be trained on twice, others never. Refused once the blocks are packed, by
+    their number, then by the `blocks_fingerprint` of their tokens (both recorded beside the batch settings), naming
+    the `options` that gave the text. Blocks taken in order ("sequential": a grown text goes on where the run was)
+    pass, and so do checkpoints that recorded no count or no fingerprint (of earlier versions)."""
     recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
     if recorded is None or not recorded.is_file() or _data_order(settings)[0] == "sequential":
         return
-    saved = json.loads(recorded.read_text(encoding="utf-8")).get("train_blocks")
-    if saved is not None and saved != train_blocks:
-        raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was trained on {saved} blocks "
-                         f"of {settings['block_size']} tokens, the training text of these arguments gives "
-                         f"{train_blocks}; resume with the run's own training text (a shuffled order of other blocks "
-                         "would give the steps left some blocks trained on twice, others never), or choose another "
-                         "--output-dir")
+    saved = json.loads(recorded.read_text(encoding="utf-8"))
+    advice = ("resume with the run's own training text (a shuffled order of other blocks would give the steps left "
+              "some blocks trained on twice, others never), or choose another --output-dir")
+    if saved.get("train_blocks") is not None and saved["train_blocks"] != train_blocks:
+        raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was trained on "
+                         f"{saved['train_blocks']} blocks of {settings['block_size']} tokens, the training text of "
+                         f"these arguments ({options}) gives {train_blocks}; {advice}")
+    saved_fingerprint = saved.get("train_text_fingerprint")
+    if saved_fingerprint is not None and fingerprint is not None and saved_fingerprint != fingerprint:
+        raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was trained on {train_blocks} "
+                         f"blocks of {settings['block_size']} tokens of fingerprint {saved_fingerprint[:12]}, the "
+                         f"training text of these arguments ({options}) gives as many of fingerprint "
+                         f"{fingerprint[:12]}, another text (a file edited in place, or other files of as many "
+                         f"tokens); {advice}")
+
+
+def refuse_another_max_eval_blocks(checkpoint: str | None, max_eval_blocks: int | None) -> None:
+    """A run resumed with another --max-eval-blocks than its checkpoint's is refused before the data is read: its
+    evaluation losses from then on would be of another set of held-out blocks, a curve of two sets in one log, and
+    --load-best-model-at-end would pick its best checkpoint by comparing losses of different texts. Checkpoints that
+    recorded no cap (of earlier versions) pass."""
+    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file():
+        return
+    saved = json.loads(recorded.read_text(encoding="utf-8"))
+    if "max_eval_blocks" not in saved or saved["max_eval_blocks"] == max_eval_blocks:
+        return
+    evaluated = ("every held-out block" if saved["max_eval_blocks"] is None
+                 else f"at most {saved['max_eval_blocks']} held-out block(s)")
+    advice = ("without --max-eval-blocks" if saved["max_eval_blocks"] is None
+              else f"--max-eval-blocks {saved['max_eval_blocks']}")
+    raise ValueError(f"{_spelled_option('--max-eval-blocks', max_eval_blocks, '=')}: the checkpoint to resume from "
+                     f"({str(checkpoint)!r}) was evaluated on {evaluated}; resume with {advice} (the evaluation "
+                     "losses of the steps left would be of another set of blocks than the run's, and the best "
+                     "checkpoint picked by comparing the two), or choose another --output-dir")
+
+
+def refuse_a_checkpoint_of_another_held_out_text(checkpoint: str | None, eval_blocks: int, fingerprint: str,
+                                                 options: str) -> None:
+    """A run resumed on another held-out text than its checkpoint's (another validation split, --validation-fraction
+    or heldout.bin, with the run's --max-eval-blocks: `refuse_another_max_eval_blocks`) is refused once the blocks
+    are packed, by their number and `blocks_fingerprint`, naming the `options` that gave the text: its evaluation
+    losses would be of other blocks than the run's. Checkpoints that recorded no fingerprint pass."""
+    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file():
+        return
+    saved = json.loads(recorded.read_text(encoding="utf-8"))
+    saved_fingerprint, saved_blocks = saved.get("eval_text_fingerprint"), saved.get("eval_blocks")
+    if saved_fingerprint is None or (saved_fingerprint, saved_blocks) == (fingerprint, eval_blocks):
+        return
+    raise ValueError(f"--resume: the checkpoint to resume from ({str(checkpoint)!r}) was evaluated on {saved_blocks} "
+                     f"held-out block(s) of fingerprint {saved_fingerprint[:12]}, these arguments' held-out text "
+                     f"({options}) gives {eval_blocks} of fingerprint {fingerprint[:12]}; resume with the run's own "
+                     "held-out text (the evaluation losses of the steps left would be of other blocks than the "
+                     "run's), or choose another --output-dir")
+
+
+def training_text_options(args) -> str:
+    """The options that gave the training text, as `refuse_a_checkpoint_of_another_training_text` names them."""
+    if args.data_dir:
+        return "--data-dir's train.bin"
+    return "--data-files" if args.data_files else "--dataset"
+
+
+def held_out_text_options(args) -> str:
+    """The options that gave the held-out text, as `refuse_a_checkpoint_of_another_held_out_text` names them."""
+    if args.data_dir:
+        return "--data-dir's heldout.bin"
+    return (f"{training_text_options(args)}: their --validation-split {args.validation_split!r}, or the last "
+            "documents --validation-fraction holds out")
+
+
+# The most blocks of token shards (--data-dir) that `blocks_fingerprint` reads
+FINGERPRINTED_SHARD_BLOCKS = 256
+
+
+def blocks_fingerprint(blocks) -> str:
+    """A hash (hex) of the token ids of packed blocks, which tells a resumed run's text from the run's where both
+    give as many blocks. Taken once at the start of a run (`main`) and recorded in each checkpoint. Blocks packed
+    from text (`datasets`) are hashed whole, as 64-bit ids: about 1 GB/s, so some 8 s for a billion tokens, little
+    beside their tokenization. Token shards (--data-dir, the way of large corpora) are fingerprinted by their number
+    of blocks and up to `FINGERPRINTED_SHARD_BLOCKS` blocks spread evenly over them, the first and last among them: a
+    few megabytes read, which tell other shards apart, though not an edit between the blocks read."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{len(blocks)} blocks;".encode())
+    if hasattr(blocks, "tokens"):  # (token shards: examples/token_shards.TokenBlocks)
+        read = np.unique(np.linspace(0, len(blocks) - 1, num=min(FINGERPRINTED_SHARD_BLOCKS, len(blocks)), dtype=int))
+        for index in read.tolist():
+            digest.update(np.ascontiguousarray(blocks[index]["input_ids"], dtype=np.int64))
+        return digest.hexdigest()
+    column = blocks.with_format("arrow")[:]["input_ids"]
+    for chunk in column.chunks:
+        values = chunk.flatten().to_numpy(zero_copy_only=False)
+        for start in range(0, len(values), 1 << 22):  # (a bounded copy of the ids at a time, as 64-bit ids)
+            digest.update(np.ascontiguousarray(values[start:start + (1 << 22)], dtype=np.int64))
+    return digest.hexdigest()
 
 
 def record_settings_in_checkpoints(trainer, settings: dict, optimizer: dict):
     """Makes the Trainer write the batch `settings` and the `optimizer` settings into each checkpoint it saves
-    (`refuse_a_checkpoint_of_other_batches`, `refuse_a_checkpoint_of_other_optimizer_settings`), with
+    (`refuse_a_checkpoint_of_other_batches`, `refuse_a_checkpoint_of_other_optimizer_settings`, and of the text:
+    `refuse_a_checkpoint_of_another_training_text`, `refuse_another_max_eval_blocks`), with
     the checkpoint's weights: before its trainer_state.json, which the Trainer writes last and without which
     `resume_checkpoint` takes no checkpoint. (Written at `on_save`, after the Trainer's state, a session stopped in
     between left a checkpoint that resumed unchecked.) The per-device batch written is the one that trained, which
@@ -2022,14 +2116,22 @@ def main(argv=None) -> dict:
     refuse_a_checkpoint_of_other_batches(checkpoint, batches)
     optimizer = optimizer_settings(training_args)
     refuse_a_checkpoint_of_other_optimizer_settings(checkpoint, optimizer)
+    refuse_another_max_eval_blocks(checkpoint, args.max_eval_blocks)
     set_seed(args.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train_blocks, eval_blocks, tokenizer = load_data(args, training_args)
     refuse_fewer_blocks_than_one_step(train_blocks, args.block_size, batches)
-    refuse_a_checkpoint_of_another_training_text(checkpoint, batches, len(train_blocks))
-    batches["train_blocks"] = len(train_blocks)  # (recorded in the checkpoints with the batch settings)
+    # (recorded in the checkpoints with the batch settings; the fingerprints taken once, here)
+    data_record = {"train_blocks": len(train_blocks), "train_text_fingerprint": blocks_fingerprint(train_blocks),
+                   "max_eval_blocks": args.max_eval_blocks, "eval_blocks": len(eval_blocks),
+                   "eval_text_fingerprint": blocks_fingerprint(eval_blocks)}
+    refuse_a_checkpoint_of_another_training_text(checkpoint, batches, len(train_blocks),
+                                                 data_record["train_text_fingerprint"], training_text_options(args))
+    refuse_a_checkpoint_of_another_held_out_text(checkpoint, len(eval_blocks), data_record["eval_text_fingerprint"],
+                                                 held_out_text_options(args))
+    batches.update(data_record)
 
     model = build_model(args, tokenizer)
     refuse_an_arch_other_than_the_saved_models(args, model)

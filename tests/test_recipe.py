@@ -1345,7 +1345,8 @@ def test_resuming_on_another_training_text_is_refused(tmp_path):
     record = json.loads((out / "checkpoint-2" / pretrain.BATCH_SETTINGS_FILE).read_text(encoding="utf-8"))
     with pytest.raises(ValueError, match=rf"--resume: the checkpoint to resume from \('.*checkpoint-2'\) was trained "
                                          rf"on {record['train_blocks']} blocks of 32 tokens, the training text of "
-                                         rf"these arguments gives \d+; resume with the run's own training text"):
+                                         rf"these arguments \(--data-files\) gives \d+; resume with the run's own "
+                                         "training text"):
         pretrain.main(common + ["--data-files", str(other), "--max-steps", "3", "--resume", "latest"])
     assert not (out / "checkpoint-3").exists()
     assert pretrain.main(common + ["--data-files", str(corpus), "--max-steps", "3", "--resume", "latest"])[
@@ -1489,3 +1490,83 @@ def test_a_checkpoint_whose_optimizer_state_groups_the_weight_decay_otherwise_is
                                          rf"{len(not_decayed['params'])} without, this run's optimizer "
                                          rf"{built[0]} and {built[1]}, .*--init-from"):
         pretrain.main(common + ["--resume", "latest"])
+
+
+def _swap_documents(corpus: Path, first: int, second: int) -> None:
+    """Swaps two documents of a JSON-lines corpus in place: the same tokens, so as many blocks, in another order."""
+    lines = corpus.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[first], lines[second] = lines[second], lines[first]
+    corpus.write_text("".join(lines), encoding="utf-8")
+
+
+def test_resuming_on_another_training_text_of_as_many_blocks_is_refused_by_its_fingerprint(tmp_path, monkeypatch):
+    """A run resumed on its --data-files edited in place (two training documents swapped: as many blocks of other
+    tokens) trained its steps left on other blocks than the run's without a word, the block count being the same.
+    The fingerprint of the packed training blocks, taken once at the start of a run (not at each step or save), is
+    recorded in each checkpoint; a resume whose fingerprint differs is refused naming the option and both
+    fingerprints' short forms. A checkpoint that recorded no fingerprint (an earlier version's) resumes."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "1", "--eval-steps", "100", "--max-eval-blocks", "1",
+              "--output-dir", str(out)]
+    fingerprint, calls = pretrain.blocks_fingerprint, []
+    monkeypatch.setattr(pretrain, "blocks_fingerprint", lambda blocks: calls.append(len(blocks)) or fingerprint(blocks))
+    pretrain.main(common + ["--max-steps", "4", "--stop-after-steps", "3"])
+    assert len(calls) == 2  # (the training and the held-out blocks, once each)
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    record_file = out / "checkpoint-3" / pretrain.BATCH_SETTINGS_FILE
+    record = json.loads(record_file.read_text(encoding="utf-8"))
+    saved = record["train_text_fingerprint"]
+    _swap_documents(corpus, 0, 1)
+    with pytest.raises(ValueError, match=rf"--resume: the checkpoint to resume from \('.*checkpoint-3'\) was trained "
+                                         rf"on {record['train_blocks']} blocks of 32 tokens of fingerprint "
+                                         rf"{saved[:12]}, the training text of these arguments \(--data-files\) "
+                                         rf"gives as many of fingerprint (?!{saved[:12]})[0-9a-f]{{12}}, another "
+                                         r"text \(a file edited in place, .*\); resume with the run's own training "
+                                         "text"):
+        pretrain.main(common + ["--max-steps", "4", "--resume", "latest"])
+    assert not (out / "checkpoint-4").exists()
+    del record["train_text_fingerprint"]
+    record_file.write_text(json.dumps(record), encoding="utf-8")
+    assert pretrain.main(common + ["--max-steps", "4", "--resume", "latest"])["global_step"] == 4
+
+
+def test_resuming_with_another_held_out_set_is_refused(tmp_path, monkeypatch):
+    """A run resumed with another --max-eval-blocks, or on another held-out text, logged evaluation losses of
+    another set of blocks from then on: a curve of two sets, whose best checkpoint (--load-best-model-at-end) was
+    picked by comparing losses of different texts. Another --max-eval-blocks is refused before the data is read,
+    another held-out text (of the same training text) once it is packed, each naming what to resume with."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", documents=60)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-files", str(corpus), "--train-tokenizer", "300", "--block-size", "32",
+              "--per-device-batch-size", "4", "--save-steps", "2", "--eval-steps", "100", "--output-dir", str(out)]
+    pretrain.main(common + ["--max-eval-blocks", "1", "--max-steps", "2"])
+    load_data = pretrain.load_data
+
+    forbid_reading_data(monkeypatch)
+    resume = common + ["--max-steps", "3", "--resume", "latest"]
+    with pytest.raises(ValueError, match=r"--max-eval-blocks=2: the checkpoint to resume from \('.*checkpoint-2'\) "
+                                         r"was evaluated on at most 1 held-out block\(s\); resume with "
+                                         r"--max-eval-blocks 1 \(the evaluation losses"):
+        pretrain.main(resume + ["--max-eval-blocks", "2"])
+    with pytest.raises(ValueError, match=r"no --max-eval-blocks: the checkpoint .* was evaluated on at most 1 "
+                                         r"held-out block\(s\); resume with --max-eval-blocks 1 "):
+        pretrain.main(resume)
+    monkeypatch.setattr(pretrain, "load_data", load_data)
+    _swap_documents(corpus, 58, 59)  # (the last documents are held out)
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint to resume from \('.*checkpoint-2'\) was evaluated "
+                                         r"on 1 held-out block\(s\) of fingerprint [0-9a-f]{12}, these arguments' "
+                                         r"held-out text .* gives 1 of fingerprint [0-9a-f]{12}; resume with the "
+                                         r"run's own held-out text"):
+        pretrain.main(resume + ["--max-eval-blocks", "1"])
+    assert not (out / "checkpoint-3").exists()
+    _swap_documents(corpus, 58, 59)
+    assert pretrain.main(resume + ["--max-eval-blocks", "1"])["global_step"] == 3
+    record_file = out / "checkpoint-3" / pretrain.BATCH_SETTINGS_FILE
+    record = json.loads(record_file.read_text(encoding="utf-8"))
+    # (a checkpoint of an earlier version, which recorded no held-out set, resumes with any)
+    record_file.write_text(json.dumps({key: value for key, value in record.items()
+                                       if key not in ("max_eval_blocks", "eval_blocks", "eval_text_fingerprint")}))
+    assert pretrain.main(resume + ["--max-steps", "4", "--max-eval-blocks", "2"])["global_step"] == 4

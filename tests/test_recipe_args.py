@@ -687,3 +687,40 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_the_data_is_load
                            "--max-steps", "1", "--output-dir", str(out)])
     assert not loaded and a_file.read_text() == "not a folder\n"
     assert os.listdir(read_only) == []
+
+
+def test_resuming_on_other_token_shards_of_as_many_blocks_is_refused_reading_a_few_blocks(tmp_path):
+    """Token shards (--data-dir) rewritten with as many tokens (here train.bin's tokens reversed) resumed without a
+    word, the block count being the same. Their fingerprint reads a bounded number of blocks spread over the shards
+    (the first and last among them), not the whole corpus; a resume whose fingerprint differs is refused naming
+    --data-dir's train.bin."""
+    import numpy as np
+    import token_shards
+
+    shards, _ = write_shards(tmp_path / "shards", lambda document: [document] * 10)
+    out = tmp_path / "run"
+    common = ["--arch", "llama", "--data-dir", str(shards), "--block-size", "16", "--per-device-batch-size", "2",
+              "--save-steps", "2", "--eval-steps", "100", "--output-dir", str(out)]
+    pretrain.main(common + ["--max-steps", "2"])
+    train = token_shards.split_path(shards, "train")
+    tokens = np.fromfile(train, dtype=token_shards.TOKEN_DTYPE)
+    train.write_bytes(tokens[::-1].tobytes())
+    with pytest.raises(ValueError, match=r"--resume: .*checkpoint-2'\) was trained on \d+ blocks of 16 tokens of "
+                                         r"fingerprint [0-9a-f]{12}, the training text of these arguments "
+                                         r"\(--data-dir's train.bin\) gives as many of fingerprint [0-9a-f]{12}"):
+        pretrain.main(common + ["--max-steps", "3", "--resume", "latest"])
+
+    class CountedBlocks(token_shards.TokenBlocks):
+        read = 0
+
+        def __getitem__(self, index):
+            CountedBlocks.read += 1
+            return super().__getitem__(index)
+
+    many = np.arange(4 * 10_000, dtype=token_shards.TOKEN_DTYPE)
+    fingerprint = pretrain.blocks_fingerprint(CountedBlocks(many, 4))
+    assert CountedBlocks.read <= pretrain.FINGERPRINTED_SHARD_BLOCKS
+    last_changed = many.copy()
+    last_changed[-1] += 1
+    assert pretrain.blocks_fingerprint(token_shards.TokenBlocks(last_changed, 4)) != fingerprint
+    assert pretrain.blocks_fingerprint(token_shards.TokenBlocks(many.copy(), 4)) == fingerprint
