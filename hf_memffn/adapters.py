@@ -36,8 +36,8 @@ from torch.nn.utils import parametrize
 
 from .ffn import TokenMemory
 from .ffn_multihead import FlashMHFFeedForward, ParametricKVFeedForward
-from .flash_mhf_op import autocast_off
 from .token_lookup import keep_tables_through, pruned_weight_names
+from .triton_launch import autocast_off
 
 # module class -> its weights that are plain parameters (norm weights are left alone)
 PARAMETER_WEIGHTS = {

@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from .ffn_triton import paired_activation, paired_kernels_unavailable
 from .rms_norm import rms_normalize
+from .triton_launch import autocast_off
 
 
 def package_logger(module_name: str):
@@ -86,7 +87,8 @@ def linear_weight_in_use(linear: nn.Module, chunk_rows: int = 1024) -> torch.Ten
     """The weight `[out, in]` (detached) that `linear`'s forward applies. An `nn.Linear`'s own; a layer that wraps one
     (PEFT's LoRA, DoRA, IA3, ... layers hold the Linear as their base layer, whose `weight` is the base weight without
     the adapter) is read off its forward instead, as `linear(I) - linear(0)` in chunks of rows of the identity, so the
-    weight has its active adapters in it, as the forward has, merged or not."""
+    weight has its active adapters in it, as the forward has, merged or not; in the weight's dtype also inside a
+    caller's `torch.autocast`, as an `nn.Linear`'s own."""
     if isinstance(linear, nn.Linear):
         return linear.weight.detach()
     base_weight = linear.weight  # (the wrapped Linear's: its dtype, device and shape)
@@ -94,7 +96,7 @@ def linear_weight_in_use(linear: nn.Module, chunk_rows: int = 1024) -> torch.Ten
     training = [(module, module.training) for module in linear.modules()]
     linear.eval()  # (an adapter's dropout off: the weight of the eval forward)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off(base_weight.device.type):
             offset = linear(base_weight.new_zeros(1, in_features))  # the bias, if any
             columns = []
             for start in range(0, in_features, chunk_rows):  # (rows of the identity: never all of it at once)

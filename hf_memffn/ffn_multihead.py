@@ -21,8 +21,9 @@ from torch.autograd.function import once_differentiable
 from transformers import initialization as init
 
 from .ffn import FeedForwardMemory, linear_weight_in_use, load_checkpoint_parts, package_logger
-from .flash_mhf_op import autocast_available, autocast_enabled, flash_mhf_layer, flash_mhf_layer_path, router_gates
+from .flash_mhf_op import flash_mhf_layer, flash_mhf_layer_path, router_gates
 from .rms_norm import MemFFNRMSNorm
+from .triton_launch import autocast_available, autocast_enabled, autocast_off
 
 logger = package_logger(__name__)
 
@@ -207,8 +208,10 @@ class _MultiHeadQueries(FeedForwardMemory, nn.Module):
         return weight.float().reshape(weight.shape[0], self.num_heads, self.head_dim)
 
     def memory_values(self) -> torch.Tensor:
+        """The value vectors in model space [num_cells, d], in float32 (also under autocast)."""
         values = self.value.detach().float().repeat_interleave(self._heads_per_value_head, dim=0)  # [H, ..., d_h]
-        model_space = torch.einsum("h...d,mhd->h...m", values, self._out_proj_heads())
+        with autocast_off(values.device.type):
+            model_space = torch.einsum("h...d,mhd->h...m", values, self._out_proj_heads())
         return model_space.reshape(self.memory_num_cells, -1)
 
     def memory_value_parameter(self) -> nn.Parameter:
@@ -220,10 +223,12 @@ class _MultiHeadQueries(FeedForwardMemory, nn.Module):
     @torch.no_grad()
     def add_to_memory_value(self, cell: int, delta: torch.Tensor) -> None:
         """Only the part of `delta` in the span of the head's slice of `out_proj` is realised (least squares); the
-        change reaches every head of the cell's group, which share the value."""
+        change reaches every head of the cell's group, which share the value. Solved in float32, also under
+        autocast."""
         head, *rest = self._cell_index(cell)
         out_head = self._out_proj_heads()[:, head]  # [d, d_h]
-        head_delta = torch.linalg.lstsq(out_head, delta.float().to(out_head.device).unsqueeze(-1)).solution[:, 0]
+        with autocast_off(out_head.device.type):
+            head_delta = torch.linalg.lstsq(out_head, delta.float().to(out_head.device).unsqueeze(-1)).solution[:, 0]
         self.value[(head // self._heads_per_value_head, *rest)] += head_delta.to(self.value.device, self.value.dtype)
 
     def memory_value_delta_for_output(
@@ -231,7 +236,8 @@ class _MultiHeadQueries(FeedForwardMemory, nn.Module):
     ) -> torch.Tensor:
         """Heads of a group share value rows, so changing cell (h, ..., j) moves the output of every head h' of the
         group by `c[h', ..., j] * W_o[h'] @ dv`. Solves for `dv` in least squares, scaled so that the realised output
-        change has `output_change`'s full component along `output_change` (only a d_h-dim span is reachable)."""
+        change has `output_change`'s full component along `output_change` (only a d_h-dim span is reachable). Solved
+        in float32, also under autocast."""
         head, *rest = self._cell_index(cell)
         group = self._heads_per_value_head
         first = head - head % group
@@ -241,11 +247,12 @@ class _MultiHeadQueries(FeedForwardMemory, nn.Module):
             float(coefficients[(h, *rest)]) * out_heads[:, h] for h in range(first, first + group)
         )
         target = output_change.float().to(out_heads.device)
-        head_delta = torch.linalg.lstsq(reach, target.unsqueeze(-1)).solution[:, 0]
-        along = float((reach @ head_delta) @ target)
-        if along > 0:
-            head_delta = head_delta * float(target @ target) / along
-        return out_heads[:, head] @ head_delta
+        with autocast_off(out_heads.device.type):
+            head_delta = torch.linalg.lstsq(reach, target.unsqueeze(-1)).solution[:, 0]
+            along = float((reach @ head_delta) @ target)
+            if along > 0:
+                head_delta = head_delta * float(target @ target) / along
+            return out_heads[:, head] @ head_delta
 
 
 class FlashMHFFeedForward(_MultiHeadQueries):
@@ -419,14 +426,17 @@ class FlashMHFFeedForward(_MultiHeadQueries):
 
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`R_e * SiLU(q K_e^T)_j * (q U_e^T)_j` for head h, sub-network e, cell j: [B, L, H * E * d_e] in float32,
-        flattened in (head, subnetwork, cell) order (R = 1 without a router)."""
-        queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
-        key = self.key.float().repeat_interleave(self._heads_per_value_head, dim=0)  # [H, E, d_e, d_h]
-        up = self.up.float().repeat_interleave(self._heads_per_value_head, dim=0)
-        hidden = F.silu(torch.einsum("blhd,hejd->blhej", queries, key)) * torch.einsum("blhd,hejd->blhej", queries, up)
-        if self.router is not None:
-            gates = router_gates(queries.transpose(1, 2), self.router, self.gate_eps).transpose(1, 2)  # [B, L, H, E]
-            hidden = hidden * gates.unsqueeze(-1)
+        flattened in (head, subnetwork, cell) order (R = 1 without a router); also under autocast, which is off here
+        (the queries, `in_proj` included, as without it)."""
+        with autocast_off(hidden_states.device.type):
+            queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
+            key = self.key.float().repeat_interleave(self._heads_per_value_head, dim=0)  # [H, E, d_e, d_h]
+            up = self.up.float().repeat_interleave(self._heads_per_value_head, dim=0)
+            hidden = (F.silu(torch.einsum("blhd,hejd->blhej", queries, key))
+                      * torch.einsum("blhd,hejd->blhej", queries, up))
+            if self.router is not None:
+                gates = router_gates(queries.transpose(1, 2), self.router, self.gate_eps)  # [B, H, L, E]
+                hidden = hidden * gates.transpose(1, 2).unsqueeze(-1)
         return hidden.flatten(-3)
 
 
@@ -459,7 +469,9 @@ class ParametricKVFeedForward(_MultiHeadQueries):
     memory_cell_axes = ("head", "cell")
 
     def memory_coefficients(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`softmax(q K^T / sqrt(d_h))` over each head's slots: [B, L, H * slots] in float32."""
-        queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
-        scores = torch.einsum("blhd,hjd->blhj", queries, self.key.float()) / self.head_dim**0.5
+        """`softmax(q K^T / sqrt(d_h))` over each head's slots: [B, L, H * slots] in float32; also under autocast,
+        which is off here (the queries, `in_proj` included, as without it)."""
+        with autocast_off(hidden_states.device.type):
+            queries = self.queries(hidden_states).transpose(1, 2).float()  # [B, L, H, d_h]
+            scores = torch.einsum("blhd,hjd->blhj", queries, self.key.float()) / self.head_dim**0.5
         return scores.softmax(-1).flatten(-2)

@@ -21,14 +21,13 @@ so ``torch.compile`` traces them without a graph break and ``torch.library.opche
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .triton_launch import registered_operator
+from .triton_launch import autocast_off, registered_operator
 
 try:
     from .flash_mhf_triton import (
@@ -170,25 +169,6 @@ def flash_mhf_path(q: torch.Tensor, k: torch.Tensor | None = None, *, impl: str 
     # order that changes from run to run: not under torch.use_deterministic_algorithms)
     deterministic = "; deterministic: no atomic split loops" if torch.are_deterministic_algorithms_enabled() else ""
     return f"triton fused kernels ({mode}, triton {TRITON_VERSION}; {why}{by_gluon}{deterministic})"
-
-
-def autocast_available(device_type: str) -> bool:
-    """Whether ``device_type`` has autocast: not the meta device, on which a model runs to get its shapes and where
-    ``torch.autocast`` raises. Under torch.compile it is taken as available without asking (torch 2.11's dynamo cannot
-    trace ``torch.amp.is_autocast_available`` and breaks the graph there; compiled code runs on real devices)."""
-    return torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
-
-
-def autocast_off(device_type: str):
-    """``torch.autocast(device_type, enabled=False)``, or no context on a device without autocast."""
-    if autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type``: never on a device without autocast (the meta device)."""
-    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 # ----------------------------------------------------------------------------------------------------------

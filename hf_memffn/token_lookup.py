@@ -39,6 +39,7 @@ from torch.nn.utils import prune
 from .configuration_memffn import check_choice
 from .modeling_memffn import embedding_rows
 from .token_lookup_triton import HAS_TRITON, KERNEL_DTYPES, gather_rows_triton, lookup_add_triton
+from .triton_launch import autocast_off
 
 INDEX_NAME = "token_lookup.safetensors.index.json"
 SHARD_PATTERN = "token_lookup{suffix}.safetensors"
@@ -652,12 +653,14 @@ class TokenLookupReadout:
 
     def layer_values(self, position: int) -> torch.Tensor:
         """The tokens' memory outputs of the table's layer `position` [T, d] by PyTorch operations, where the rows
-        are: the stored rows themselves when they need no decoding (a float format), else decoded to float32."""
+        are: the stored rows themselves when they need no decoding (a float format), else decoded to float32 (also
+        under autocast, as the export computed them)."""
         table = self.table
         if table.fmt.name == "lowrank":
             offset, rank = table.rank_offsets[position], table.index.ranks[position]
             coefficients = self.rows.index_select(0, self.row_ids)[:, offset:offset + rank]
-            return coefficients.float() @ getattr(table, f"basis_{position}").float()
+            with autocast_off(coefficients.device.type):
+                return coefficients.float() @ getattr(table, f"basis_{position}").float()
         d = table.index.hidden_size
         columns = d // 2 if table.fmt.name == "int4" else d
         tokens_rows, tokens_scales = self.tokens_rows()

@@ -21,10 +21,15 @@ hooks (none of ours has either). Under ``TRITON_INTERPRET=1`` and while ``torch.
 through Triton (interpreted launches one thread at a time). ``CACHED = False`` sends every launch through Triton
 (the benchmarks compare both). Every launch runs on the CUDA device of its first tensor, made current for the call
 where another device is (a model split over GPUs with ``device_map``).
+
+The module also holds the torch helpers that the kernels' files and the modules around them share (an operator's
+registration, autocast switched off around a computation documented as float32): every checkpoint carries it, and it
+imports nothing of the package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -203,6 +208,25 @@ def registered_operator(namespace: str, name: str):
         return None
 
 
+def autocast_available(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast: not the meta device, on which a model runs to get its shapes and where
+    ``torch.autocast`` raises. Under torch.compile it is taken as available without asking (torch 2.11's dynamo cannot
+    trace ``torch.amp.is_autocast_available`` and breaks the graph there; compiled code runs on real devices)."""
+    return torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+
+
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``, or no context on a device without autocast."""
+    if autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``: never on a device without autocast (the meta device)."""
+    return autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def clear() -> None:
     """Forgets the compiled kernels kept (the next launch of each signature goes through Triton)."""
     _compiled.clear()
@@ -210,4 +234,4 @@ def clear() -> None:
 
 
 __all__ = ["launch", "any_size", "clear", "cdiv", "next_power_of_2", "registered_operator", "CACHED", "KERNEL_DTYPES",
-           "refuse_kernel_dtype"]
+           "refuse_kernel_dtype", "autocast_available", "autocast_off", "autocast_enabled"]

@@ -1333,3 +1333,60 @@ def test_scale_check_refuses_an_out_in_a_folder_it_cannot_write(tmp_path, capsys
     error = capsys.readouterr().err
     assert stop.value.code == 2 and f"--out {read_only / 'scale.json'} is in a folder that is not writable" in error
     assert os.listdir(read_only) == []
+
+
+@pytest.mark.parametrize("case", ["llama", "flash_mhf", "kvffn"])
+def test_the_values_of_ffns_under_pefts_lora_are_exact_also_under_autocast(case):
+    """The values of a PEFT-wrapped readout are read off the layer's forward; under a caller's
+    `torch.autocast("cpu", dtype=torch.bfloat16)` that forward ran in bfloat16, so the values (and the edits solved
+    from them) were rounded to bfloat16 where a plain `nn.Linear`'s were exact. They are the same as without
+    autocast."""
+    adapted, merged = lora_on_every_linear(case)
+    for bank, merged_bank in zip(memory_banks(adapted), memory_banks(merged)):
+        exact = bank.value_vectors()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = bank.value_vectors()
+            merged_under_autocast = merged_bank.value_vectors()
+        assert under_autocast.dtype == exact.dtype == torch.float32
+        torch.testing.assert_close(under_autocast, exact, rtol=0, atol=0)
+        torch.testing.assert_close(under_autocast, merged_under_autocast, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["flash_mhf", "mh_ffn", "pkv"])
+def test_multihead_coefficients_are_float32_also_under_autocast(case):
+    """FlashMHF's and PKV's `memory_coefficients` say they compute in float32; under a caller's
+    `torch.autocast("cpu", dtype=torch.bfloat16)` their einsums ran in bfloat16 (coefficients rounded to 8 bits of
+    mantissa, and the router's gates with them). They are the same as without autocast."""
+    model = build(case)
+    hidden = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for bank in memory_banks(model):
+        exact = bank.coefficients_from_input(hidden)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = bank.coefficients_from_input(hidden)
+        assert under_autocast.dtype == exact.dtype == torch.float32
+        torch.testing.assert_close(under_autocast, exact, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["flash_mhf", "pkv"])
+def test_a_multihead_value_edit_is_solved_in_float32_also_under_autocast(case):
+    """A multi-head FFN's value edit solves for the head-space change through the head's slice of `out_proj`; under a
+    caller's `torch.autocast("cpu", dtype=torch.bfloat16)` its products ran in bfloat16, so the change asked of a
+    cell and the value written differed from those of the same edit without autocast (by about 1e-2; `lstsq` itself
+    differs from call to call by about 1e-6)."""
+    model = build(case)
+    bank = memory_banks(model)[0]
+    coefficients = torch.rand(bank.num_cells, generator=torch.Generator().manual_seed(4)) + 0.5
+    output_change = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    cell = bank.num_cells // 2 + 1
+    before = bank.value_parameter().detach().clone()
+    exact = bank.value_delta_for_output(cell, coefficients, output_change)
+    bank.add_to_value(cell, exact)
+    edited = bank.value_parameter().detach().clone()
+    with torch.no_grad():
+        bank.value_parameter().copy_(before)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = bank.value_delta_for_output(cell, coefficients, output_change)
+        bank.add_to_value(cell, under_autocast)
+    assert under_autocast.dtype == exact.dtype == torch.float32
+    torch.testing.assert_close(under_autocast, exact, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bank.value_parameter().detach(), edited, rtol=1e-4, atol=1e-4)

@@ -1185,3 +1185,13 @@ def test_a_table_exported_under_autocast_holds_the_values_of_the_weights_dtype(m
     with torch.autocast("cpu", dtype=torch.bfloat16):
         export_tols(model, tmp_path / "autocast", format="fp32", progress=False)
     assert shard_bytes(tmp_path / "autocast") == shard_bytes(tmp_path / "plain")
+
+
+def test_a_lowrank_table_exported_under_autocast_holds_the_coefficients_of_the_weights_dtype(model, tmp_path):
+    """A low-rank table's coefficients are the FFNs' outputs projected on the bases; inside a caller's
+    `torch.autocast("cpu", dtype=torch.bfloat16)` that projection ran in bfloat16, so the stored coefficients (and the
+    report's errors) depended on the caller's autocast, which the export plan does not record."""
+    export_tols(model, tmp_path / "plain", format="lowrank", rank=8, factor_dtype="fp32", progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        export_tols(model, tmp_path / "autocast", format="lowrank", rank=8, factor_dtype="fp32", progress=False)
+    assert shard_bytes(tmp_path / "autocast") == shard_bytes(tmp_path / "plain")

@@ -1638,3 +1638,24 @@ def test_a_table_of_an_earlier_version_without_an_fp16_fingerprint_names_why_an_
     with pytest.raises(TokenLookupError, match=r"exported by an earlier version of hf-memffn.*no fingerprint of the "
                                                r"weights in fp16.*fp32 or bf16.*export the table again"):
         model.load_tols(tmp_path / "table", placement="cpu")
+
+
+@pytest.mark.parametrize("placement", ["cpu", "disk"])
+def test_a_lowrank_tables_readout_is_float32_also_under_autocast(tmp_path, placement):
+    """A low-rank table's values are its coefficients times its basis, decoded in float32 as the export computed
+    them; under a caller's `torch.autocast("cpu", dtype=torch.bfloat16)` that product ran in bfloat16, so the values
+    added into the hidden states were rounded and differed from those of the same forward without autocast."""
+    model = build("memoryllm")
+    export_tols(model, tmp_path, format="lowrank", rank=8, factor_dtype="fp32", batch_size=64, progress=False)
+    table = model.load_tols(tmp_path, placement=placement)
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+        hidden = torch.zeros(2, 9, model.config.hidden_size)
+        with torch.no_grad():
+            exact = table.readout(ids).add_into(hidden, 0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                under_autocast = table.readout(ids).add_into(hidden, 0)
+        assert under_autocast.dtype == exact.dtype == torch.float32
+        torch.testing.assert_close(under_autocast, exact, rtol=0, atol=0)
+    finally:
+        model.unload_tols()

@@ -41,7 +41,7 @@ from hf_memffn.atomic_write import atomic_output, write_atomic
 from hf_memffn.configuration_memffn import check_choice
 from hf_memffn.hub import check_repo_id, hub_errors_in_one_line, weights_file_names, weights_variant
 from hf_memffn.export_command import add_arguments, shard_size_bytes  # noqa: F401
-from hf_memffn.flash_mhf_op import autocast_off
+from hf_memffn.triton_launch import autocast_off
 from hf_memffn.model_card import refresh_lookup_section
 from hf_memffn.run_records import run_record_json
 from hf_memffn.cli_args import (PEFT_ADAPTER_CONFIG, TOKENIZER_FILES, UsageError, decode_utf8, has_tokenizer,
@@ -288,13 +288,14 @@ class _Exporter:
         flat = exact.reshape(ids.numel(), -1)
         rows_key, scales_key = block_keys(start)
         if self.fmt.name == "lowrank":
-            coefficients = [exact[:, k] @ self.bases[layer].float().T for k, layer in enumerate(self.layers)]
-            stored = torch.cat(coefficients, dim=1).to(self.fmt.storage_dtype)
-            offsets = [0]
-            for rank in self.ranks:
-                offsets.append(offsets[-1] + rank)
-            approx = torch.stack([stored[:, offsets[k]:offsets[k + 1]].float() @ self.bases[layer].float()
-                                  for k, layer in enumerate(self.layers)], dim=1)
+            with autocast_off(self.device.type):  # (float32 projections, also inside a caller's autocast)
+                coefficients = [exact[:, k] @ self.bases[layer].float().T for k, layer in enumerate(self.layers)]
+                stored = torch.cat(coefficients, dim=1).to(self.fmt.storage_dtype)
+                offsets = [0]
+                for rank in self.ranks:
+                    offsets.append(offsets[-1] + rank)
+                approx = torch.stack([stored[:, offsets[k]:offsets[k + 1]].float() @ self.bases[layer].float()
+                                      for k, layer in enumerate(self.layers)], dim=1)
             tensors = {rows_key: stored}
         else:
             encoded = quantize_rows(flat, self.fmt)
