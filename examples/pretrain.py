@@ -1347,20 +1347,6 @@ def refuse_a_folder_without_shards(data_dir: str, tokenizer_given: bool) -> None
                          "(examples/token_shards.py; examples/reproduce/prepare_data.py writes one)")
 
 
-def refuse_an_output_dir_that_cannot_be_written(output_dir: Path) -> None:
-    """A ValueError naming --output-dir where it is a file, inside a file, or in a folder this user cannot write
-    (`hf_memffn.cli_args.output_dir`, the commands' check): before the data is loaded and a tokenizer trained, which a
-    file failed after in `mkdir` naming no option, and a read-only folder after training up to its first log line."""
-    import argparse
-
-    from hf_memffn.cli_args import output_dir as writable_output_dir
-
-    try:
-        writable_output_dir(str(output_dir))
-    except argparse.ArgumentTypeError as error:
-        raise ValueError(f"--output-dir: {error}") from None
-
-
 def refuse_a_used_output_dir(args, output_dir: Path) -> None:
     """A fresh run (no --resume) into a folder that holds another run's log, checkpoints or results would append to
     its log and keep its checkpoints, which a later `--resume latest` would then take. So would a run resumed from a
@@ -1573,6 +1559,15 @@ def refuse_another_learning_rate(checkpoint: str | None, learning_rate: float) -
 BATCH_SETTINGS_FILE = "recipe_batches.json"
 
 
+def recorded_batch_settings(checkpoint: str | None) -> dict | None:
+    """The batch settings and data record that `checkpoint` holds (`BATCH_SETTINGS_FILE`), or None where there is
+    none: no checkpoint, or one of a recipe version that recorded nothing."""
+    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
+    if recorded is None or not recorded.is_file():
+        return None
+    return json.loads(recorded.read_text(encoding="utf-8"))
+
+
 def batch_settings(args, training_args, train_batch_size: int | None = None) -> dict:
     """The block size, what makes the blocks of one optimizer step and the sampler and seeds of their order: a run
     resumed with others packs other blocks, skips another number of them or orders them otherwise, so the steps left
@@ -1667,10 +1662,9 @@ def refuse_a_checkpoint_of_other_batches(checkpoint: str | None, settings: dict)
     is accepted: each step of an epoch takes the same blocks; so is another --seed beside the run's --data-seed, and
     any seed where the blocks are not shuffled, "sequential". Checkpoints of recipe versions that recorded nothing,
     or no seeds, pass.)"""
-    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
-    if recorded is None or not recorded.is_file():
+    saved = recorded_batch_settings(checkpoint)
+    if saved is None:
         return
-    saved = json.loads(recorded.read_text(encoding="utf-8"))
     if saved.get("block_size") != settings["block_size"]:
         raise ValueError(f"--block-size={settings['block_size']}: the checkpoint to resume from ({str(checkpoint)!r}) "
                          f"was trained on blocks of {saved.get('block_size')} tokens; resume with --block-size "
@@ -1814,10 +1808,9 @@ def refuse_a_checkpoint_of_another_training_text(checkpoint: str | None, setting
     their number, then by the `blocks_fingerprint` of their tokens (both recorded beside the batch settings), naming
     the `options` that gave the text. Blocks taken in order ("sequential": a grown text goes on where the run was)
     pass, and so do checkpoints that recorded no count or no fingerprint (of earlier versions)."""
-    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
-    if recorded is None or not recorded.is_file() or _data_order(settings)[0] == "sequential":
+    saved = recorded_batch_settings(checkpoint)
+    if saved is None or _data_order(settings)[0] == "sequential":
         return
-    saved = json.loads(recorded.read_text(encoding="utf-8"))
     advice = ("resume with the run's own training text (a shuffled order of other blocks would give the steps left "
               "some blocks trained on twice, others never), or choose another --output-dir")
     if saved.get("train_blocks") is not None and saved["train_blocks"] != train_blocks:
@@ -1838,10 +1831,9 @@ def refuse_another_max_eval_blocks(checkpoint: str | None, max_eval_blocks: int 
     evaluation losses from then on would be of another set of held-out blocks, a curve of two sets in one log, and
     --load-best-model-at-end would pick its best checkpoint by comparing losses of different texts. Checkpoints that
     recorded no cap (of earlier versions) pass."""
-    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
-    if recorded is None or not recorded.is_file():
+    saved = recorded_batch_settings(checkpoint)
+    if saved is None:
         return
-    saved = json.loads(recorded.read_text(encoding="utf-8"))
     if "max_eval_blocks" not in saved or saved["max_eval_blocks"] == max_eval_blocks:
         return
     evaluated = ("every held-out block" if saved["max_eval_blocks"] is None
@@ -1860,10 +1852,9 @@ def refuse_a_checkpoint_of_another_held_out_text(checkpoint: str | None, eval_bl
     or heldout.bin, with the run's --max-eval-blocks: `refuse_another_max_eval_blocks`) is refused once the blocks
     are packed, by their number and `blocks_fingerprint`, naming the `options` that gave the text: its evaluation
     losses would be of other blocks than the run's. Checkpoints that recorded no fingerprint pass."""
-    recorded = Path(checkpoint) / BATCH_SETTINGS_FILE if checkpoint else None
-    if recorded is None or not recorded.is_file():
+    saved = recorded_batch_settings(checkpoint)
+    if saved is None:
         return
-    saved = json.loads(recorded.read_text(encoding="utf-8"))
     saved_fingerprint, saved_blocks = saved.get("eval_text_fingerprint"), saved.get("eval_blocks")
     if saved_fingerprint is None or (saved_fingerprint, saved_blocks) == (fingerprint, eval_blocks):
         return
@@ -1896,8 +1887,8 @@ FINGERPRINTED_SHARD_BLOCKS = 256
 def blocks_fingerprint(blocks) -> str:
     """A hash (hex) of the token ids of packed blocks, which tells a resumed run's text from the run's where both
     give as many blocks. Taken once at the start of a run (`main`) and recorded in each checkpoint. Blocks packed
-    from text (`datasets`) are hashed whole, as 64-bit ids: about 1 GB/s, so some 8 s for a billion tokens, little
-    beside their tokenization. Token shards (--data-dir, the way of large corpora) are fingerprinted by their number
+    from text (`datasets`) are hashed whole, as 64-bit ids: one pass of the hash over 8 bytes a token, little beside
+    their tokenization. Token shards (--data-dir, the way of large corpora) are fingerprinted by their number
     of blocks and up to `FINGERPRINTED_SHARD_BLOCKS` blocks spread evenly over them, the first and last among them: a
     few megabytes read, which tell other shards apart, though not an edit between the blocks read."""
     digest = hashlib.blake2b(digest_size=16)
@@ -2102,7 +2093,11 @@ def main(argv=None) -> dict:
     if profile_steps:
         refuse_profile_steps_past_the_run(args.profile_steps, profile_steps[1], training_args.max_steps,
                                           args.stop_after_steps)
-    refuse_an_output_dir_that_cannot_be_written(output_dir)
+    from hf_memffn.cli_args import refuse_an_output_dir_that_cannot_be_written
+
+    # (before the data is loaded and a tokenizer trained: a file failed after them in `mkdir` naming no option, and a
+    # read-only folder after training up to its first log line)
+    refuse_an_output_dir_that_cannot_be_written(output_dir, "--output-dir")
     refuse_a_used_output_dir(args, output_dir)
     checkpoint = resume_checkpoint(args, output_dir, training_args.process_index == 0)
     refuse_a_checkpoint_of_another_arch(args, checkpoint)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain  # noqa: E402
 
 from hf_memffn.atomic_write import atomic_output  # noqa: E402
-from hf_memffn.cli_args import output_dir  # noqa: E402
+from hf_memffn.cli_args import refuse_an_output_dir_that_cannot_be_written  # noqa: E402
 
 
 def main(argv=None) -> Path:
@@ -39,10 +39,7 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     if args.out.exists():  # (an interrupted write into it would leave a model without its tokenizer, or the reverse)
         raise ValueError(f"OUT_DIR={str(args.out)!r} exists: remove it or name a new folder")
-    try:  # (inside a file, or in a folder this user cannot write: before the tokenizer is trained)
-        output_dir(str(args.out))
-    except argparse.ArgumentTypeError as error:
-        raise ValueError(f"OUT_DIR: {error}") from None
+    refuse_an_output_dir_that_cannot_be_written(args.out, "OUT_DIR")  # (before the tokenizer is trained)
     from hf_memffn.tokenization import MIN_VOCAB_SIZE
 
     if args.vocab_size < MIN_VOCAB_SIZE:  # (it failed after the corpus was read, naming `vocab_size`)

@@ -135,6 +135,15 @@ def output_dir(text: str) -> str:
     return path
 
 
+
+def refuse_an_output_dir_that_cannot_be_written(path, option: str) -> None:
+    """`output_dir`'s check for a script that is not an argparse command: a ValueError naming `option` where `path`
+    is a file, inside a file, or in a folder this user cannot write, raised before the script's work."""
+    try:
+        output_dir(str(path))
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(f"{option}: {error}") from None
+
 def existing_file(text: str) -> str:
     path = local_path(text)
     if not os.path.isfile(path):

@@ -284,12 +284,9 @@ def main(argv=None) -> dict:
             raise ValueError(f"{option} must be 1 or more, got {value}")
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"--out={args.out!r} exists; pass --overwrite to replace it")
-    from hf_memffn.cli_args import output_dir
+    from hf_memffn.cli_args import refuse_an_output_dir_that_cannot_be_written
 
-    try:  # (a file, inside a file, or in a folder this user cannot write: before the source is read)
-        output_dir(args.out)
-    except argparse.ArgumentTypeError as error:
-        raise ValueError(f"--out: {error}") from None
+    refuse_an_output_dir_that_cannot_be_written(args.out, "--out")  # (before the source is read)
     max_train_chars = args.max_train_tokens * CHARS_PER_TOKEN_BOUND
     max_heldout_chars = args.max_heldout_tokens * CHARS_PER_TOKEN_BOUND
     if args.source == "gutenberg-poetry":

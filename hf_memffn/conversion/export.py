@@ -86,19 +86,16 @@ class _ErrorStats:
 
 
 def _memory_outputs(base, token_ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
-    """fp32 [T, K, d]: the memory FFN output of `layers` for each token (exactly what compute mode adds), computed in
-    the weights' dtype also inside a caller's `torch.autocast` (the table's values depend on the weights and the
-    export's settings only)."""
-    with autocast_off(token_ids.device.type):
-        x0 = base.embed_tokens(token_ids.unsqueeze(0))
-        memory = base.memory
-        if len(layers) == base.config.num_hidden_layers:
-            out = memory(x0)
-        elif any(param.device.type == "meta" for param in memory.parameters()):
-            # offloaded by a device map: its hooks load the weights for `forward` only, which computes every layer
-            out = memory(x0)[:, :, layers]
-        else:
-            out = memory.forward_layers(x0, layers)
+    """fp32 [T, K, d]: the memory FFN output of `layers` for each token (exactly what compute mode adds)."""
+    x0 = base.embed_tokens(token_ids.unsqueeze(0))
+    memory = base.memory
+    if len(layers) == base.config.num_hidden_layers:
+        out = memory(x0)
+    elif any(param.device.type == "meta" for param in memory.parameters()):
+        # offloaded by a device map: its hooks load the weights for `forward` only, which computes every layer
+        out = memory(x0)[:, :, layers]
+    else:
+        out = memory.forward_layers(x0, layers)
     return out[0].float()
 
 
@@ -288,14 +285,13 @@ class _Exporter:
         flat = exact.reshape(ids.numel(), -1)
         rows_key, scales_key = block_keys(start)
         if self.fmt.name == "lowrank":
-            with autocast_off(self.device.type):  # (float32 projections, also inside a caller's autocast)
-                coefficients = [exact[:, k] @ self.bases[layer].float().T for k, layer in enumerate(self.layers)]
-                stored = torch.cat(coefficients, dim=1).to(self.fmt.storage_dtype)
-                offsets = [0]
-                for rank in self.ranks:
-                    offsets.append(offsets[-1] + rank)
-                approx = torch.stack([stored[:, offsets[k]:offsets[k + 1]].float() @ self.bases[layer].float()
-                                      for k, layer in enumerate(self.layers)], dim=1)
+            coefficients = [exact[:, k] @ self.bases[layer].float().T for k, layer in enumerate(self.layers)]
+            stored = torch.cat(coefficients, dim=1).to(self.fmt.storage_dtype)
+            offsets = [0]
+            for rank in self.ranks:
+                offsets.append(offsets[-1] + rank)
+            approx = torch.stack([stored[:, offsets[k]:offsets[k + 1]].float() @ self.bases[layer].float()
+                                  for k, layer in enumerate(self.layers)], dim=1)
             tensors = {rows_key: stored}
         else:
             encoded = quantize_rows(flat, self.fmt)
@@ -320,7 +316,9 @@ class _Exporter:
         total_work = self.vocab * (2 if self.fmt.name == "lowrank" else 1)
         bar = _progress(total_work, self.progress)
         resumed = False
-        with torch.no_grad():
+        # (autocast off: the table's values depend on the weights and the export's settings alone, also when the
+        # export is called inside a caller's `torch.autocast`: computed in the weights' dtype, projected in float32)
+        with torch.no_grad(), autocast_off(self.device.type):
             if self.fmt.name == "lowrank":
                 # the first shard (which holds the bases) decides: resume with its bases, or fit them again
                 first = SHARD_PATTERN.format(suffix="")
